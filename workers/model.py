@@ -1,0 +1,419 @@
+"""Decoder-only transformer of the Qwen2 / Llama family, HF-format load and save.
+
+The forward is written once over *packed* tokens (``[T]`` ids of several sequences laid
+end to end, ``[T]`` positions). How attention sees the other tokens is decided by the
+``AttentionBackend`` it is handed: ``CausalAttention`` (training, reference, recompute:
+each sequence attends causally to itself) or the engine's paged-KV backend (decoding).
+Module and parameter names equal Hugging Face's, so ``state_dict()`` keys are HF keys.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    qkv_bias: bool = True  # Qwen2: True; Llama: config.attention_bias
+    o_bias: bool = False  # Llama with attention_bias: True
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    architecture: str = "Qwen2ForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"model.architecture: {self.architecture!r} is not one of {ARCHITECTURES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
+            raise ValueError("model.hidden_size must be a multiple of num_attention_heads "
+                             "when head_dim is not given")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in _ROPE_SCALINGS:
+                raise ValueError(f"model.rope_scaling type {kind!r} is not one of {sorted(_ROPE_SCALINGS)}")
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return () if e is None else (tuple(e) if isinstance(e, (list, tuple)) else (e,))
+
+    # ---- HF config.json ------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        arch = (d.get("architectures") or ["Qwen2ForCausalLM"])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"config.json: architecture {arch!r} is not supported ({ARCHITECTURES})")
+        qwen = arch == "Qwen2ForCausalLM"
+        attn_bias = bool(d.get("attention_bias", False))
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or 0,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", 10000.0),
+            rope_scaling=d.get("rope_scaling"),
+            qkv_bias=True if qwen else attn_bias, o_bias=False if qwen else attn_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), architecture=arch,
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"))
+
+    def to_hf(self, torch_dtype: str = "float32") -> dict:
+        qwen = self.architecture == "Qwen2ForCausalLM"
+        d = {
+            "architectures": [self.architecture],
+            "model_type": "qwen2" if qwen else "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.dim_head,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings, "torch_dtype": torch_dtype,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        }
+        if not qwen:
+            d["attention_bias"] = self.qkv_bias
+            d["mlp_bias"] = self.mlp_bias
+        return d
+
+
+# ---- RoPE ----------------------------------------------------------------------------------
+def _rope_default(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    return inv_freq
+
+
+def _rope_linear(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    return inv_freq / float(cfg.rope_scaling["factor"])
+
+
+def _rope_llama3(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    s = cfg.rope_scaling
+    factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+_ROPE_SCALINGS = {"default": _rope_default, "linear": _rope_linear, "llama3": _rope_llama3}
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.dim_head
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        kind = "default" if cfg.rope_scaling is None else cfg.rope_scaling.get(
+            "rope_type", cfg.rope_scaling.get("type", "default"))
+        self.register_buffer("inv_freq", _ROPE_SCALINGS[kind](cfg, inv_freq), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, Dh]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, Dh]; rotate-half convention (HF)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ---- attention backends --------------------------------------------------------------------
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, Dh], k/v: [T, Hkv, Dh] (already rotated) -> out [T, H, Dh]."""
+
+
+class CausalAttention:
+    """Full causal attention within each packed sequence (``cu_seqlens``: int [B+1])."""
+
+    def __init__(self, cu_seqlens: torch.Tensor | list[int]):
+        self.cu = [int(c) for c in cu_seqlens]
+        self._mask: torch.Tensor | None = None
+
+    def mask(self, device: torch.device) -> torch.Tensor | None:
+        if len(self.cu) <= 2:
+            return None
+        if self._mask is None:
+            t = self.cu[-1]
+            seq = torch.repeat_interleave(torch.arange(len(self.cu) - 1),
+                                          torch.tensor(self.cu).diff())
+            pos = torch.arange(t)
+            self._mask = ((seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])).to(device)
+        return self._mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = self.mask(q.device)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
+
+
+# ---- layers --------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.h, self.hkv, self.dh = layer, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_head
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.dh, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.dh, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.dh, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.dh, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend):
+        t = x.shape[0]  # x: [T, D]
+        q = apply_rotary(self.q_proj(x).view(t, self.h, self.dh), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.hkv, self.dh), cos, sin)
+        v = self.v_proj(x).view(t, self.hkv, self.dh)
+        return self.o_proj(attn(self.layer, q, k, v).reshape(t, self.h * self.dh))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """``forward(ids [T], positions [T], attn) -> hidden [T, D]``; ``logits(hidden) -> [T, V]``.
+    Keeping the head separate lets the engine project only the last token of each sequence."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, attn: AttentionBackend) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward_packed(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Convenience for training/reference: logits [sum(len), V] of packed sequences."""
+        ids = torch.cat(seqs)
+        pos = torch.cat([torch.arange(len(s), device=s.device) for s in seqs])
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + len(s))
+        return self.logits(self(ids, pos, CausalAttention(cu)))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named tensors as a checkpoint holds them (tied lm_head omitted)."""
+        sd = {k: v for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+
+# ---- HF folders ----------------------------------------------------------------------------
+def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder: ``model.safetensors`` or sharded with an index."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(folder / f)))
+    return state
+
+
+def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> CausalLM:
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} not found: a model folder needs config.json")
+    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device)
+    state = {k: v for k, v in load_state(folder).items() if "rotary_emb" not in k}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not match config.json: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = RotaryEmbedding(cfg).to(device)
+    return model.to(dtype)
+
+
+def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes: int = 0,
+                    extra_files: Iterable[str | os.PathLike] = ()) -> Path:
+    """Write ``config.json`` + safetensors (sharded with an index when ``max_shard_bytes``),
+    atomically: into a temp dir beside ``folder``, then renamed over it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp", dir=folder.parent))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
+    if max_shard_bytes <= 0:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards, cur, size = [], {}, 0
+        for k, v in state.items():
+            nb = v.numel() * v.element_size()
+            if cur and size + nb > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k], size = v, size + nb
+        shards.append(cur)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    for f in extra_files:
+        f = Path(f)
+        (tmp / f.name).write_bytes(f.read_bytes())
+    replace_dir(tmp, folder)
+    return folder
+
+
+def replace_dir(tmp: Path, folder: Path) -> None:
+    """Atomically put directory ``tmp`` at ``folder`` (the old one is removed only after)."""
+    import shutil
+
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old{os.getpid()}")
+        os.rename(folder, old)
+        os.rename(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, folder)
+

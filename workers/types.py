@@ -1,0 +1,127 @@
+"""Typed payloads that cross process boundaries, and the Protocols of the pluggable parts.
+
+Everything sent between the controller, generation instances and trainer ranks is one of
+these dataclasses. Token ids and log-probs travel as tensors (TensorPipe moves tensors
+natively; never pickled Python lists).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
+    ``temperature == 0`` is greedy. ``seed`` makes a request's draws reproducible."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Request:
+    """One generation request (one sample: GRPO's n samples of a prompt are n requests
+    sharing ``group_id``; the engine shares their prompt KV blocks).
+
+    prompt_ids: int64 [P]. ``min_tokens`` ignores EOS until reached (length-forced mode:
+    ``min_tokens == max_tokens`` forces an exact length). ``est_len`` is the ranker's
+    estimate, used by the admission policy (LPT)."""
+
+    sample_id: int
+    prompt_ids: torch.Tensor
+    max_tokens: int
+    min_tokens: int = 0
+    est_len: float = 0.0
+    group_id: int = -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Sample:
+    """A finished generation. output_ids: int64 [L]; logprobs: float32 [L], the sampling
+    policy's log-prob of each output token. ``weight_version`` is the version of the weights
+    that produced every token (an engine never mixes versions inside one sample).
+    ``finish_reason`` is ``"stop"`` (EOS), ``"length"`` (max_tokens) or ``"error"``
+    (refused; ``error`` says why, output empty). ``timings`` holds wall-clock seconds
+    (``queued``, ``admitted``, ``first_token``, ``finished``)."""
+
+    sample_id: int
+    prompt_ids: torch.Tensor
+    output_ids: torch.Tensor
+    logprobs: torch.Tensor
+    weight_version: int
+    finish_reason: str
+    group_id: int = -1
+    error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    tokens_per_s: float
+    max_batch_size: int
+    weight_version: int
+    preemptions: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation backend (native or vLLM). ``step`` runs one scheduling + model step and
+    returns the samples that finished in it (streaming: callers forward them at once)."""
+
+    def add(self, requests: Sequence[Request]) -> list[Sample]:
+        """Queue requests. Invalid ones are refused at once: returned as ``finish_reason
+        == "error"`` samples naming what is wrong; the others are queued."""
+
+    def step(self) -> list[Sample]: ...
+
+    def has_work(self) -> bool: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights in place (HF parameter names). Raises ValueError naming the
+        tensor on a wrong name or shape, leaving the old weights intact."""
+
+    def set_max_batch_size(self, n: int) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+@runtime_checkable
+class Ranker(Protocol):
+    """Predicts output length from the prompt text alone (only the order matters)."""
+
+    def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> None: ...
+
+    def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> None: ...
+
+    def predict(self, prompts: Sequence[str]) -> list[float]: ...
+
+    def save(self, path: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class TaskPrompt:
+    """A dataset item: the prompt text, the reference answer, the task it belongs to (for
+    per-task accuracy) and free metadata the verifier may need."""
+
+    prompt: str
+    answer: str
+    task: str
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+@runtime_checkable
+class Task(Protocol):
+    def prompts(self, split: str) -> Sequence[TaskPrompt]: ...
+
+    def score(self, prompt: TaskPrompt, completion: str) -> float:
+        """Rule-based reward in [0, 1]; never raises on a malformed completion (scores 0)."""
