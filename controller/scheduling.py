@@ -1,0 +1,341 @@
+"""Skewness-aware dispatching (paper Algorithm 2) and LPT admission order.
+
+A dispatcher splits one generate call's requests over the generation instances and fixes,
+per instance, the admission order and a batch-size cap. Dispatchers live in a registry
+(``DISPATCHERS``); ``make_dispatcher(name, **kw)`` builds one:
+
+* ``random``      shuffle, cut into N equal chunks, FCFS order (today's practice)
+* ``round_robin`` request i -> instance i mod N, FCFS order
+* ``skew``        Algorithm 2 on the ranker's estimates, LPT order; splits scored by the
+                  event-level instance model over several long-tail fractions
+* ``skew_paper``  Algorithm 2 literally: alpha = 20%, cost PTL(BS) * L_avg * ceil(M / BS)
+* ``oracle``      ``skew`` fed the true lengths (upper bound of what a ranker can give)
+
+The per-instance cost model (``instance_latency``) is the paper's
+``PTL(BS) * L_avg * ceil(M / BS)``; see docs/scheduling.md for every choice it makes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass
+class PTLProfile:
+    """One generation instance's per-token latency vs batch size, and its KV capacity.
+
+    ptl_s[i] is the wall time of one decode step (every running sequence gains one token)
+    at batch size batch_sizes[i]; a sample of L tokens in a batch of BS takes ~PTL(BS) * L.
+    kv_tokens is the KV-cache capacity in tokens, allocated in blocks of block_size.
+    prefill_s_per_token is the prompt-processing cost (0 when not measured)."""
+
+    batch_sizes: list[int]
+    ptl_s: list[float]
+    kv_tokens: int
+    block_size: int = 1
+    max_batch_size: int = 0  # 0: only memory limits the batch
+    prefill_s_per_token: float = 0.0
+    name: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.batch_sizes or len(self.batch_sizes) != len(self.ptl_s):
+            raise ValueError("PTLProfile: batch_sizes and ptl_s must be non-empty and of equal length "
+                             f"(got {len(self.batch_sizes)} and {len(self.ptl_s)})")
+        if any(b < 1 for b in self.batch_sizes) or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise ValueError(f"PTLProfile.batch_sizes must be increasing and >= 1, got {self.batch_sizes}")
+        if any(not (p > 0) for p in self.ptl_s):
+            raise ValueError(f"PTLProfile.ptl_s must be > 0, got {self.ptl_s}")
+        if self.kv_tokens < 1 or self.block_size < 1 or self.max_batch_size < 0:
+            raise ValueError(f"PTLProfile: kv_tokens ({self.kv_tokens}) and block_size ({self.block_size}) "
+                             f"must be >= 1, max_batch_size ({self.max_batch_size}) >= 0")
+        self.batch_sizes = [int(b) for b in self.batch_sizes]
+        self.ptl_s = [float(p) for p in self.ptl_s]
+
+    def ptl(self, bs: float) -> float:
+        """Per-token latency at batch size bs: piecewise linear through the measured points,
+        flat below the first, extended with the last segment's (non-negative) slope above."""
+        xs, ys = self.batch_sizes, self.ptl_s
+        if bs <= xs[0] or len(xs) == 1:
+            return ys[0] if bs <= xs[0] else ys[-1]
+        if bs >= xs[-1]:
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            return ys[-1] + slope * (bs - xs[-1])
+        return float(np.interp(bs, xs, ys))
+
+    def seq_kv_tokens(self, length: float) -> int:
+        """KV tokens one sequence of ``length`` tokens (prompt + output) holds: whole blocks."""
+        return max(1, math.ceil(length / self.block_size)) * self.block_size
+
+    def max_batch_for_len(self, length: float) -> int:
+        """Largest batch of ``length``-token sequences whose KV fits (>= 1), capped by max_batch_size."""
+        bs = max(1, self.kv_tokens // self.seq_kv_tokens(length))
+        return min(bs, self.max_batch_size) if self.max_batch_size else bs
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PTLProfile":
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a PTLProfile JSON file ({e})") from e
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown PTLProfile keys {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass
+class DispatchPlan:
+    """per_instance[i]: request indices for instance i, in admission order.
+    batch_caps[i]: the max batch size instance i should run with. ``long_tail[i]`` marks
+    instances dedicated to the long-tail class; ``predicted_s[i]`` the cost model's time."""
+
+    per_instance: list[list[int]]
+    batch_caps: list[int]
+    kind: str
+    long_tail: list[bool] = field(default_factory=list)
+    predicted_s: list[float] = field(default_factory=list)
+
+
+class Dispatcher(Protocol):
+    def plan(self, est_lens: Sequence[float], profiles: list[PTLProfile], true_lens: Sequence[float] | None = None,
+             seed: int = 0, prompt_lens: Sequence[float] | None = None) -> DispatchPlan: ...
+
+
+def lpt_order(idx: Sequence[int], lens: Sequence[float]) -> list[int]:
+    """Longest-processing-time first: indices by decreasing length, ties by index."""
+    return sorted(idx, key=lambda i: (-lens[i], i))
+
+
+def lpt_schedule(durations: Sequence[float], machines: int) -> float:
+    """Makespan of LPT list scheduling on ``machines`` identical machines (P||Cmax): jobs in
+    decreasing duration, each to the machine that frees first. Each batch slot of an
+    engine is such a machine when its KV budget is the only limit."""
+    free = [0.0] * machines
+    for d in sorted(durations, reverse=True):
+        j = int(np.argmin(free))
+        free[j] += d
+    return max(free) if free else 0.0
+
+
+def _check(est_lens: Sequence[float], profiles: list[PTLProfile], true_lens) -> None:
+    if not profiles:
+        raise ValueError("dispatch: no generation instances (profiles is empty)")
+    for name, xs in (("est_lens", est_lens), ("true_lens", true_lens)):
+        if xs is None:
+            continue
+        if len(xs) != len(est_lens):
+            raise ValueError(f"dispatch: {name} has {len(xs)} entries, est_lens {len(est_lens)}")
+        bad = [i for i, x in enumerate(xs) if not (x >= 0) or math.isinf(x)]
+        if bad:
+            raise ValueError(f"dispatch: {name}[{bad[0]}] = {xs[bad[0]]} is not a finite length >= 0")
+
+
+def _free_cap(profile: PTLProfile, m: int) -> int:
+    return max(1, min(m, profile.max_batch_size)) if profile.max_batch_size else max(1, m)
+
+
+@dataclass
+class _ChunkDispatcher:
+    """Assign by a fixed rule (random chunks or round robin), then order FCFS or LPT."""
+
+    kind: str
+    assign: Callable[[int, int, int], list[list[int]]]
+    order: str = "fcfs"
+
+    def __post_init__(self):
+        if self.order not in ORDERS:
+            raise ValueError(f"dispatcher order {self.order!r} is not one of {sorted(ORDERS)}")
+
+    def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) -> DispatchPlan:
+        _check(est_lens, profiles, true_lens)
+        groups = self.assign(len(est_lens), len(profiles), seed)
+        per = [ORDERS[self.order](g, est_lens) for g in groups]
+        caps = [_free_cap(p, len(g)) for p, g in zip(profiles, per)]
+        return DispatchPlan(per, caps, self.kind, [False] * len(per))
+
+
+def _random_chunks(m: int, n: int, seed: int) -> list[list[int]]:
+    perm = np.random.default_rng(seed).permutation(m)
+    return [sorted(int(i) for i in c) for c in np.array_split(perm, n)]
+
+
+def _round_robin(m: int, n: int, seed: int) -> list[list[int]]:
+    return [list(range(j, m, n)) for j in range(n)]
+
+
+ORDERS: dict[str, Callable[[Sequence[int], Sequence[float]], list[int]]] = {
+    "fcfs": lambda idx, lens: sorted(idx),
+    "lpt": lpt_order,
+}
+
+
+def instance_latency(profile: PTLProfile, m: int, l_avg: float, prompt_len: float = 0.0) -> tuple[float, int]:
+    """Algorithm 2's cost of one instance: PTL(BS) * L_avg * ceil(M / BS), BS = the batch of
+    (prompt_len + l_avg)-token sequences that fits the KV cache, at most M. Returns (s, BS)."""
+    if m == 0:
+        return 0.0, 1
+    bs = min(m, profile.max_batch_for_len(prompt_len + l_avg))
+    return profile.ptl(bs) * l_avg * math.ceil(m / bs), bs
+
+
+def spread_evenly(idx: Sequence[int], lens: Sequence[float], n: int) -> list[list[int]]:
+    """Longest first, each to the instance with the least estimated work so far (then fewest
+    requests, then lowest index): balances both the work and the count of a class."""
+    groups: list[list[int]] = [[] for _ in range(n)]
+    work = [0.0] * n
+    for i in lpt_order(idx, lens):
+        j = min(range(n), key=lambda k: (work[k], len(groups[k]), k))
+        groups[j].append(i)
+        work[j] += lens[i]
+    return groups
+
+
+def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float) -> tuple[float, int]:
+    """The paper's estimate for one instance: ``instance_latency`` at the class's L_avg."""
+    return instance_latency(profile, len(lens), l_avg, prompt_len)
+
+
+def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float) -> tuple[float, int]:
+    """Event-level continuous-batching estimate (LPT order, batch limited by KV memory only)
+    of one instance on the estimated lengths; returns (makespan, cap used)."""
+    from controller.planner.engine_sim import simulate_instance  # engine_sim imports this module
+
+    out = sorted((max(1, int(round(x))) for x in lens), reverse=True)
+    limit = max(1, profile.kv_tokens // profile.block_size) * profile.block_size
+    out = [min(x, max(1, limit - int(prompt_len) - profile.block_size)) for x in out]
+    cap = _free_cap(profile, len(out))
+    run = simulate_instance(out, profile, cap, [int(prompt_len)] * len(out))
+    return run.makespan_s, cap
+
+
+COSTS: dict[str, Callable[[PTLProfile, Sequence[float], float, float], tuple[float, int]]] = {
+    "formula": formula_cost,
+    "simulate": simulated_cost,
+}
+
+
+@dataclass
+class SkewDispatcher:
+    """Paper Algorithm 2, extended. For each alpha in ``alphas`` the longest ceil(alpha*M)
+    estimates form the long-tail class; for each N_l in 1..N-1 the long-tail class is
+    spread over N_l instances and the rest over N - N_l; each instance's time comes from
+    the cost model ``cost`` and the (alpha, N_l) with the smallest maximum wins.
+
+    cost="formula" is the paper's PTL(BS) * L_avg * ceil(M / BS), L_avg = q_long (long-tail
+    instances) / q_regular (regular) quantile of the class's estimates (``quantile_of=
+    "class"``) or of the whole distribution D (``"distribution"``, the paper's wording);
+    BS = what the KV cache holds at that length; the plan's batch cap is that BS.
+    cost="simulate" runs the event-level instance model on the estimates instead (batch
+    capped by memory only). The class defaults are the paper-literal ones
+    (``make_dispatcher("skew_paper")``); ``make_dispatcher("skew")`` uses SKEW_DEFAULTS.
+    ``use_true``: plan on the true lengths (the oracle)."""
+
+    alphas: tuple[float, ...] = (0.2,)
+    cost: str = "formula"
+    q_long: float = 0.9
+    q_regular: float = 0.5
+    quantile_of: str = "distribution"
+    order: str = "lpt"
+    use_true: bool = False
+    kind: str = "skew"
+
+    def __post_init__(self):
+        self.alphas = tuple(float(a) for a in self.alphas)
+        if not self.alphas or any(not 0.0 < a < 1.0 for a in self.alphas):
+            raise ValueError(f"skew dispatcher: every alpha must be in (0, 1), got {self.alphas}")
+        if self.cost not in COSTS:
+            raise ValueError(f"skew dispatcher: cost {self.cost!r} is not one of {sorted(COSTS)}")
+        if self.quantile_of not in ("class", "distribution"):
+            raise ValueError(f"skew dispatcher: quantile_of must be 'class' or 'distribution', got {self.quantile_of!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"skew dispatcher: order {self.order!r} is not one of {sorted(ORDERS)}")
+
+    def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
+                    ) -> dict[tuple[float, int], tuple[float, list[list[int]], list[float], list[int]]]:
+        """(alpha, N_l) -> (max latency, groups, per-instance latency, per-instance batch cap),
+        groups[:N_l] being the long-tail instances. N == 1: the single key (alphas[0], 0)."""
+        m, n = len(lens), len(profiles)
+        order = lpt_order(range(m), lens)
+        arr = np.asarray(lens, dtype=float)
+        out = {}
+        for alpha in (self.alphas[:1] if n == 1 else self.alphas):
+            n_long = min(m, max(1, math.ceil(alpha * m))) if m else 0
+            long_idx, reg_idx = order[:n_long], order[n_long:]
+
+            def l_avg(idx: list[int], q: float) -> float:
+                src = arr[idx] if self.quantile_of == "class" else arr
+                return float(np.quantile(src, q)) if len(idx) else 0.0
+
+            for n_l in ([0] if n == 1 else range(1, n)):
+                if n == 1:
+                    groups, classes, q = [order], [order], [self.q_regular]
+                else:
+                    groups = spread_evenly(long_idx, lens, n_l) + spread_evenly(reg_idx, lens, n - n_l)
+                    classes = [long_idx] * n_l + [reg_idx] * (n - n_l)
+                    q = [self.q_long] * n_l + [self.q_regular] * (n - n_l)
+                lat, caps = [], []
+                for j, g in enumerate(groups):
+                    t, cap = COSTS[self.cost](profiles[j], arr[g], l_avg(classes[j], q[j]), prompt_len)
+                    lat.append(t)
+                    caps.append(cap)
+                out[(alpha, n_l)] = (max(lat), groups, lat, caps)
+        return out
+
+    def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) -> DispatchPlan:
+        _check(est_lens, profiles, true_lens)
+        if self.use_true and true_lens is None:
+            raise ValueError("oracle dispatcher needs true_lens")
+        lens = list(true_lens if self.use_true else est_lens)
+        prompt_len = float(np.mean(prompt_lens)) if prompt_lens is not None and len(prompt_lens) else 0.0
+        costs = self.split_costs(lens, profiles, prompt_len)
+        key = min(costs, key=lambda k: (costs[k][0], k[1], k[0]))
+        _, groups, lat, caps = costs[key]
+        per = [ORDERS[self.order](g, lens) for g in groups]
+        return DispatchPlan(per, [max(1, c) for c in caps], self.kind,
+                            [j < key[1] for j in range(len(per))], lat)
+
+
+def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> list[float]:
+    """Replace each estimate by the reference length distribution's quantile at its rank:
+    keeps the ranker's order (what it predicts well) and restores the tail a regression
+    flattens. reference: recent true lengths (e.g. the trace's train split)."""
+    if not len(reference):
+        raise ValueError("calibrate_by_rank: empty reference distribution")
+    m = len(est_lens)
+    ranks = np.argsort(np.argsort(np.asarray(est_lens, dtype=float), kind="stable"), kind="stable")
+    qs = (ranks + 0.5) / max(1, m)
+    return [float(x) for x in np.quantile(np.asarray(reference, dtype=float), qs)]
+
+
+# The default "skew": Algorithm 2's enumeration, scored by the event-level instance model
+# and over a few long-tail fractions; "skew_paper" is the literal formula with alpha = 0.2.
+SKEW_DEFAULTS = dict(cost="simulate", alphas=(0.02, 0.05, 0.1, 0.2, 0.3))
+
+DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
+    "random": lambda order="fcfs": _ChunkDispatcher("random", _random_chunks, order),
+    "round_robin": lambda order="fcfs": _ChunkDispatcher("round_robin", _round_robin, order),
+    "skew": lambda **kw: SkewDispatcher(**{**SKEW_DEFAULTS, **kw}),
+    "skew_paper": lambda **kw: SkewDispatcher(kind="skew_paper", **kw),
+    "oracle": lambda **kw: SkewDispatcher(use_true=True, kind="oracle", **{**SKEW_DEFAULTS, **kw}),
+}
+
+
+def make_dispatcher(name: str, **kwargs) -> Dispatcher:
+    """Build a dispatcher by registry name; kwargs go to its constructor (e.g. order="lpt",
+    alpha=0.2)."""
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatcher {name!r} is not one of {sorted(DISPATCHERS)}")
+    return DISPATCHERS[name](**kwargs)

@@ -1,0 +1,201 @@
+"""Dispatchers (Algorithm 2), LPT order and the PTL profile: LPT within 4/3 of the optimum,
+the dispatcher picks its own cost model's best split, the paper's Figure 6 example."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from controller.planner.engine_sim import simulate_instance, simulate_plan
+from controller.scheduling import (DISPATCHERS, PTLProfile, calibrate_by_rank, instance_latency, lpt_order,
+                                   lpt_schedule, make_dispatcher, spread_evenly)
+
+BS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def linear_profile(a=1.0, b=1.0 / 64, kv_tokens=10**6, block_size=1, max_batch_size=0) -> PTLProfile:
+    return PTLProfile(BS, [a + b * x for x in BS], kv_tokens, block_size, max_batch_size)
+
+
+def brute_force_makespan(durations, machines):
+    best = math.inf
+    for assign in itertools.product(range(machines), repeat=len(durations)):
+        load = [0.0] * machines
+        for d, j in zip(durations, assign):
+            load[j] += d
+        best = min(best, max(load))
+    return best
+
+
+def test_lpt_within_four_thirds_of_optimum():
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(60):
+        machines = int(rng.integers(2, 4))
+        jobs = [float(x) for x in rng.integers(1, 50, size=int(rng.integers(machines + 1, 8)))]
+        ratio = lpt_schedule(jobs, machines) / brute_force_makespan(jobs, machines)
+        assert ratio <= 4 / 3 - 1 / (3 * machines) + 1e-9
+        worst = max(worst, ratio)
+    assert worst > 1.0  # the instances are not all trivially optimal
+
+
+def test_instance_sim_with_flat_ptl_is_lpt_list_scheduling():
+    # Constant PTL and no memory limit: each batch slot is a P||Cmax machine.
+    rng = np.random.default_rng(1)
+    lens = [int(x) for x in rng.integers(1, 100, size=23)]
+    prof = PTLProfile([1], [0.5], kv_tokens=10**6)
+    run = simulate_instance(sorted(lens, reverse=True), prof, cap=4)
+    assert run.makespan_s == pytest.approx(0.5 * lpt_schedule(lens, 4))
+    assert run.max_batch == 4
+
+
+def test_instance_sim_respects_kv_memory():
+    prof = PTLProfile([1], [1.0], kv_tokens=64, block_size=16)
+    run = simulate_instance([30, 30, 30, 30], prof, cap=100, prompt_lens=[2] * 4)
+    assert run.max_batch == 2  # 32 tokens = 2 blocks each, 4 blocks in all
+    assert run.makespan_s == pytest.approx(60.0)
+    with pytest.raises(ValueError, match="request 0 needs 80 KV tokens"):
+        simulate_instance([70], prof, cap=1, prompt_lens=[5])
+
+
+def test_ptl_profile_interpolates_and_roundtrips(tmp_path):
+    prof = PTLProfile([1, 4, 8], [1.0, 1.3, 2.1], kv_tokens=1000, block_size=16, max_batch_size=32)
+    assert prof.ptl(1) == 1.0 and prof.ptl(0.5) == 1.0
+    assert prof.ptl(2) == pytest.approx(1.1)
+    assert prof.ptl(16) == pytest.approx(2.1 + 0.2 * 8)  # last slope extended
+    assert prof.max_batch_for_len(100) == 1000 // 112
+    assert prof.max_batch_for_len(1) == 32  # capped by max_batch_size
+    assert prof.max_batch_for_len(5000) == 1
+    prof.save(tmp_path / "p.json")
+    assert PTLProfile.load(tmp_path / "p.json") == prof
+    (tmp_path / "bad.json").write_text('{"batch_sizes": [1], "ptl_s": [1], "kv_tokens": 5, "colour": 1}')
+    with pytest.raises(ValueError, match="bad.json: unknown PTLProfile keys \\['colour'\\]"):
+        PTLProfile.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="batch_sizes must be increasing"):
+        PTLProfile([4, 2], [1, 1], 10)
+
+
+@pytest.mark.parametrize("name", ["random", "round_robin"])
+def test_chunk_dispatchers_partition(name):
+    est = [float(x) for x in np.random.default_rng(2).integers(1, 500, size=37)]
+    profs = [linear_profile(max_batch_size=8)] * 4
+    plan = make_dispatcher(name).plan(est, profs, seed=3)
+    flat = sorted(i for g in plan.per_instance for i in g)
+    assert flat == list(range(37))
+    assert max(map(len, plan.per_instance)) - min(map(len, plan.per_instance)) <= 1
+    assert all(g == sorted(g) for g in plan.per_instance)  # FCFS
+    assert plan.batch_caps == [8] * 4 and plan.kind == name
+    lpt = make_dispatcher(name, order="lpt").plan(est, profs, seed=3)
+    assert [sorted(g) for g in lpt.per_instance] == plan.per_instance
+    assert all(g == lpt_order(g, est) for g in lpt.per_instance)
+    assert make_dispatcher(name).plan(est, profs, seed=3) == plan  # deterministic
+
+
+def test_formula_dispatcher_picks_its_cost_models_best_split():
+    rng = np.random.default_rng(4)
+    for trial in range(6):
+        est = [float(x) for x in np.exp(rng.normal(4.5, 1.0, size=int(rng.integers(20, 80))))]
+        n = int(rng.integers(2, 6))
+        profs = [linear_profile(1.0, 1 / 16, kv_tokens=4096, block_size=16)] * n
+        d = make_dispatcher("skew_paper", quantile_of="class")
+        plan = d.plan(est, profs)
+        # Brute force, independently: every (N_l, N_r), the paper's formula per instance.
+        order = sorted(range(len(est)), key=lambda i: -est[i])
+        n_long = math.ceil(0.2 * len(est))
+        long_idx, reg_idx = order[:n_long], order[n_long:]
+        best = math.inf
+        for n_l in range(1, n):
+            groups = spread_evenly(long_idx, est, n_l) + spread_evenly(reg_idx, est, n - n_l)
+            cost = 0.0
+            for j, g in enumerate(groups):
+                cls, q = (long_idx, 0.9) if j < n_l else (reg_idx, 0.5)
+                l_avg = float(np.quantile([est[i] for i in cls], q))
+                bs = min(len(g), max(1, 4096 // (math.ceil(l_avg / 16) * 16)))
+                cost = max(cost, (1 + bs / 16) * l_avg * math.ceil(len(g) / bs) if g else 0.0)
+            best = min(best, cost)
+        assert max(plan.predicted_s) == pytest.approx(best)
+        assert sorted(i for g in plan.per_instance for i in g) == list(range(len(est)))
+        assert 1 <= sum(plan.long_tail) <= n - 1
+
+
+def test_simulate_dispatcher_picks_min_over_its_splits():
+    est = [float(x) for x in np.exp(np.random.default_rng(5).normal(4.0, 1.2, size=120))]
+    profs = [linear_profile(1.0, 1 / 32, kv_tokens=8192, block_size=16)] * 3
+    d = make_dispatcher("skew")
+    costs = d.split_costs(est, profs)
+    assert len(costs) == len(d.alphas) * 2
+    plan = d.plan(est, profs)
+    assert max(plan.predicted_s) == pytest.approx(min(c[0] for c in costs.values()))
+    # its prediction is what the instance model gives for the plan it returns
+    runs = simulate_plan(plan, [max(1, round(x)) for x in est], profs)
+    assert [r.makespan_s for r in runs] == pytest.approx(plan.predicted_s)
+
+
+def figure6_workload():
+    return [100.0] * 32 + [200.0] + [100.0] * 32 + [200.0]  # 64 regular, 2 long-tail (ids 32, 65)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(cost="formula", quantile_of="class")])
+def test_figure6_long_tail_on_its_own_instance_wins(kw):
+    lens = figure6_workload()
+    profs = [linear_profile(1.0, 1 / 64)] * 2  # PTL linear in BS, memory not binding
+    plan = make_dispatcher("oracle", alphas=(2 / 66, 0.2), **kw).plan(lens, profs, true_lens=lens)
+    long_inst = plan.long_tail.index(True)
+    assert sorted(plan.per_instance[long_inst]) == [32, 65]
+    mixed = make_dispatcher("round_robin").plan(lens, profs)  # one long-tail sample per instance
+    t_skew = max(r.makespan_s for r in simulate_plan(plan, lens, profs))
+    t_mixed = max(r.makespan_s for r in simulate_plan(mixed, lens, profs))
+    # skew: max(200 * PTL(2), 100 * PTL(64)); mixed: 100 * PTL(33) + 100 * PTL(1)
+    assert t_skew == pytest.approx(max(200 * (1 + 2 / 64), 100 * 2.0))
+    assert t_mixed == pytest.approx(100 * (1 + 33 / 64) + 100 * (1 + 1 / 64))
+    assert t_skew < t_mixed
+
+
+def test_figure6_paper_alpha_keeps_long_tail_together():
+    # With the paper's alpha = 20% the long-tail class is the 2 long + 12 regular samples:
+    # both long ones share the small-batch instance, still faster than mixing.
+    lens = figure6_workload()
+    profs = [linear_profile(1.0, 1 / 64)] * 2
+    plan = make_dispatcher("skew_paper", quantile_of="class").plan(lens, profs)
+    long_inst = plan.long_tail.index(True)
+    assert {32, 65} <= set(plan.per_instance[long_inst]) and len(plan.per_instance[long_inst]) == 14
+    mixed = make_dispatcher("round_robin").plan(lens, profs)
+    assert (max(r.makespan_s for r in simulate_plan(plan, lens, profs))
+            < max(r.makespan_s for r in simulate_plan(mixed, lens, profs)))
+
+
+def test_instance_latency_formula():
+    prof = linear_profile(1.0, 0.0, kv_tokens=1000, block_size=10)
+    t, bs = instance_latency(prof, m=25, l_avg=95, prompt_len=5)  # 100 tokens -> BS 10
+    assert (t, bs) == (95 * 3, 10)
+    assert instance_latency(prof, 0, 95) == (0.0, 1)
+
+
+def test_calibrate_by_rank_keeps_order_and_restores_tail():
+    est = [10.0, 12.0, 11.0, 13.0]
+    cal = calibrate_by_rank(est, reference=[1, 2, 3, 1000])
+    assert list(np.argsort(cal)) == list(np.argsort(est))
+    assert max(cal) > 500
+
+
+def test_bad_input_is_named():
+    profs = [linear_profile()] * 2
+    with pytest.raises(ValueError, match="dispatcher 'fastest' is not one of"):
+        make_dispatcher("fastest")
+    with pytest.raises(ValueError, match=r"est_lens\[1\] = nan"):
+        make_dispatcher("skew").plan([1.0, float("nan")], profs)
+    with pytest.raises(ValueError, match="true_lens has 1 entries, est_lens 2"):
+        make_dispatcher("oracle").plan([1.0, 2.0], profs, true_lens=[1.0])
+    with pytest.raises(ValueError, match="oracle dispatcher needs true_lens"):
+        make_dispatcher("oracle").plan([1.0, 2.0], profs)
+    with pytest.raises(ValueError, match="no generation instances"):
+        make_dispatcher("random").plan([1.0], [])
+    with pytest.raises(ValueError, match="alpha must be in"):
+        make_dispatcher("skew", alphas=(1.5,))
+    assert set(DISPATCHERS) >= {"random", "skew", "oracle", "round_robin"}
+
+
+def test_single_instance_gets_everything_in_lpt_order():
+    est = [5.0, 50.0, 20.0]
+    plan = make_dispatcher("skew").plan(est, [linear_profile()])
+    assert plan.per_instance == [[1, 2, 0]]
