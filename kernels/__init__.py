@@ -1,0 +1,35 @@
+"""Triton kernels for the decode step, each beside a plain torch reference.
+
+Triton is optional (the ``kernels`` extra). This package imports without it, and nothing here
+imports triton at module level: the ``@triton.jit`` kernels live in private ``_*_triton.py``
+modules that are imported on first use. That matters for tests, which set
+``TRITON_INTERPRET=1`` before the first triton kernel is *defined* (triton decides between the
+compiler and the interpreter when ``@triton.jit`` runs), whatever order modules are imported in.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package is installed (does not import it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """True when triton kernels can run on tensors of ``device``: compiled on CUDA, or anywhere
+    under the interpreter."""
+    if not triton_available():
+        return False
+    return interpreting() or torch.device(device).type == "cuda"
+
+
+__all__ = ["triton_available", "interpreting", "triton_usable"]

@@ -1,0 +1,163 @@
+"""Paged grouped-query decode attention: one new query token per sequence against its KV cache.
+
+Cache layout (contract 1, shared with the engine):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables:     int32 [B, max_blocks]   (block ids of each sequence, unused entries 0)
+    context_lens:     int32 [B]               (tokens in the cache, including the current one)
+    q:                [B, H, head_dim]        (H a multiple of num_kv_heads)
+
+``paged_decode_attention`` runs the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+``paged_decode_attention_ref`` is the torch reference with the same signature.
+The Triton module is imported on first call, never at import time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels import interpreting, triton_available, triton_usable
+
+MIN_DOT = 16            # tl.dot needs every dim >= 16 when compiled for a GPU
+MIN_SPLIT_TOKENS = 256  # don't split a sequence into pieces shorter than this
+MAX_SPLITS = 64
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Compile-time/launch choices of the Triton kernels (all dot dims >= MIN_DOT)."""
+    block_g: int           # query heads per KV head, padded to a power of 2 >= 16
+    block_d: int           # head_dim padded to a power of 2 >= 16
+    block_n: int           # tokens per tile (a power of 2 >= 16)
+    num_splits: int        # split-K pieces per sequence (1: no reduce kernel)
+    tokens_per_split: int  # a multiple of block_n
+    upcast: bool           # upcast dot operands to fp32 (interpreter, or fp32 caches)
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_g", "block_d", "block_n"):
+            v = getattr(self, name)
+            if v < MIN_DOT or v & (v - 1):
+                raise ValueError(f"DecodeLaunch.{name}={v}: must be a power of 2 >= {MIN_DOT}")
+        if self.num_splits < 1 or self.tokens_per_split % self.block_n:
+            raise ValueError(f"DecodeLaunch: num_splits={self.num_splits} must be >= 1 and "
+                             f"tokens_per_split={self.tokens_per_split} a multiple of "
+                             f"block_n={self.block_n}")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: any fixed number keeps the choice deterministic
+
+
+def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                  num_splits: int | None = None) -> DecodeLaunch:
+    """Pick tile sizes and the split count from shapes only (no host sync on context_lens).
+
+    Without ``num_splits``, a sequence is split so that ``B * Hkv * splits`` programs cover
+    about two waves of the GPU's SMs, with pieces of at least MIN_SPLIT_TOKENS tokens of the
+    block table's capacity (``max_blocks * block_size``); splits past a shorter sequence's end
+    exit at once."""
+    bsz, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_d = max(MIN_DOT, _next_pow2(head_dim))
+    block_g = max(MIN_DOT, _next_pow2(num_heads // num_kv_heads))
+    block_n = 64 if block_d <= 128 else 32
+    capacity = max(1, block_tables.shape[1] * block_size)
+    if num_splits is None:
+        programs = max(1, bsz * num_kv_heads)
+        want = -(-2 * _sm_count(q.device) // programs)
+        num_splits = max(1, min(want, -(-capacity // MIN_SPLIT_TOKENS), MAX_SPLITS))
+    elif num_splits < 1:
+        raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be >= 1")
+    per = -(-capacity // num_splits)
+    tokens_per_split = -(-per // block_n) * block_n
+    upcast = interpreting() or k_cache.dtype == torch.float32
+    return DecodeLaunch(block_g, block_d, block_n, num_splits, tokens_per_split, upcast)
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Raise ValueError naming the argument whose shape/dtype/device breaks the contract."""
+    if q.dim() != 3:
+        raise ValueError(f"paged_decode_attention: q must be [B, H, head_dim], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("paged_decode_attention: k_cache and v_cache must both be "
+                         "[num_blocks, block_size, num_kv_heads, head_dim]; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"paged_decode_attention: q head_dim {head_dim} != cache head_dim "
+                         f"{k_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_decode_attention: {num_heads} query heads is not a multiple "
+                         f"of {num_kv_heads} KV heads")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"paged_decode_attention: dtypes differ: q {q.dtype}, k_cache "
+                         f"{k_cache.dtype}, v_cache {v_cache.dtype}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != bsz:
+        raise ValueError(f"paged_decode_attention: block_tables must be int32 [B={bsz}, "
+                         f"max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (bsz,):
+        raise ValueError(f"paged_decode_attention: context_lens must be int32 [B={bsz}], got "
+                         f"{context_lens.dtype} {tuple(context_lens.shape)}")
+    devs = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    if len(devs) > 1:
+        raise ValueError(f"paged_decode_attention: inputs on several devices: {sorted(map(str, devs))}")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton paged GQA decode attention. q: [B, H, Dh] -> [B, H, Dh] (q's dtype).
+
+    ``num_splits`` splits each sequence's context into that many pieces (split-K, combined by
+    log-sum-exp); None picks it from the shapes (``choose_launch``). A sequence with
+    ``context_lens == 0`` gets zeros."""
+    check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if not triton_usable(q.device):
+        why = ("triton is not installed (pip install streamrl[kernels])" if not triton_available()
+               else f"tensors are on {q.device}: triton needs CUDA, or TRITON_INTERPRET=1 set "
+                    "before the first kernel call")
+        raise RuntimeError(f"paged_decode_attention: cannot run the Triton kernel: {why}; "
+                           "use attention_backend='torch'")
+    from kernels import _paged_decode_triton  # lazy: see kernels/__init__.py
+
+    cfg = choose_launch(q, k_cache, block_tables, num_splits)
+    return _paged_decode_triton.launch(q, k_cache, v_cache, block_tables, context_lens,
+                                       float(scale), cfg)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Torch reference: gather each sequence's tokens, softmax in fp32. Same signature and
+    result as ``paged_decode_attention`` (``num_splits`` is ignored). Loops over the batch and
+    reads ``context_lens`` on the host: for tests and CPU decode, not for speed."""
+    check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    bsz, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(bsz, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(context_lens.tolist()):
+        if n == 0:
+            continue
+        blocks = block_tables[b, :math.ceil(n / block_size)].long()
+        # k, v: [n, H, Dh] (each KV head repeated for its group of query heads)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale  # [H, n]
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)
+
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_launch",
+           "DecodeLaunch", "check_inputs"]
