@@ -1,0 +1,144 @@
+"""Network topology for weight sync: which global rank lives in which datacenter and node,
+and how fast each class of link is.
+
+Built once from the config (``Topology.from_config``) and then only read. Ranks not listed
+anywhere live in the default datacenter, each on its own node, so the default topology
+(``Topology()``) is "everything in one datacenter".
+
+Config form (YAML under ``weight_sync.topology``)::
+
+    datacenters: {h800: [0, 1, 2, 3], h20: [4, 5]}   # dc name -> global ranks
+    nodes: {n0: [0, 1], n1: [2, 3]}                   # optional: ranks sharing a node
+    bandwidth_gbps: {intra_node: 1600, intra_dc: 200, inter_dc: 80}
+    shaped_links: [inter_dc]                           # emulate these links by pacing
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+
+class LinkClass(str, Enum):
+    """The class of the link between two ranks (the slowest hop decides)."""
+
+    INTRA_NODE = "intra_node"
+    INTRA_DC = "intra_dc"
+    INTER_DC = "inter_dc"
+
+
+DEFAULT_DC = "dc0"
+# Bytes per second per link class; defaults follow the paper's cluster (NVLink, 200 Gbps
+# RoCE, 80 Gbps dedicated cross-datacenter link).
+DEFAULT_BANDWIDTH_GBPS = {"intra_node": 1600.0, "intra_dc": 200.0, "inter_dc": 80.0}
+_CONFIG_KEYS = {"datacenters", "nodes", "bandwidth_gbps", "shaped_links", "default_datacenter"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """rank_dc: global rank -> datacenter name (unlisted ranks: ``default_dc``);
+    rank_node: global rank -> node name (unlisted ranks: a node of their own);
+    bandwidth: link class -> bytes/s; shaped: link classes the executor paces to
+    ``bandwidth`` (emulation on loopback; empty on a real cluster)."""
+
+    rank_dc: Mapping[int, str] = field(default_factory=dict)
+    rank_node: Mapping[int, str] = field(default_factory=dict)
+    bandwidth: Mapping[LinkClass, float] = field(
+        default_factory=lambda: {LinkClass(k): v * 1e9 / 8 for k, v in DEFAULT_BANDWIDTH_GBPS.items()})
+    shaped: frozenset[LinkClass] = frozenset()
+    default_dc: str = DEFAULT_DC
+
+    def __post_init__(self) -> None:
+        for lc in LinkClass:
+            bw = self.bandwidth.get(lc)
+            if bw is None or not bw > 0:
+                raise ValueError(f"topology bandwidth for {lc.value!r} must be > 0, got {bw!r}")
+        for r in list(self.rank_dc) + list(self.rank_node):
+            if not isinstance(r, int) or r < 0:
+                raise ValueError(f"topology rank {r!r} must be an int >= 0")
+
+    # ---- queries -------------------------------------------------------------------
+    def dc(self, rank: int) -> str:
+        return self.rank_dc.get(rank, self.default_dc)
+
+    def node(self, rank: int) -> str:
+        return self.rank_node.get(rank, f"{self.dc(rank)}/rank{rank}")
+
+    def link(self, a: int, b: int) -> LinkClass:
+        """Class of the link between ranks ``a`` and ``b``."""
+        if self.dc(a) != self.dc(b):
+            return LinkClass.INTER_DC
+        if self.node(a) == self.node(b):
+            return LinkClass.INTRA_NODE
+        return LinkClass.INTRA_DC
+
+    def bandwidth_between(self, a: int, b: int) -> float:
+        """Bytes/s of the link between ``a`` and ``b``."""
+        return self.bandwidth[self.link(a, b)]
+
+    def is_shaped(self, a: int, b: int) -> bool:
+        return self.link(a, b) in self.shaped
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> "Topology":
+        """Build from the ``weight_sync.topology`` config dict (None or {} -> one DC).
+        Raises ValueError naming the offending key."""
+        if not cfg:
+            return cls()
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"weight_sync.topology must be a mapping, got {type(cfg).__name__}")
+        unknown = set(cfg) - _CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"weight_sync.topology: unknown key(s) {sorted(unknown)}; "
+                             f"allowed: {sorted(_CONFIG_KEYS)}")
+        rank_dc = _rank_groups(cfg.get("datacenters") or {}, "weight_sync.topology.datacenters")
+        rank_node = _rank_groups(cfg.get("nodes") or {}, "weight_sync.topology.nodes")
+        for r, node in rank_node.items():
+            others = {rank_dc.get(o) for o, n in rank_node.items() if n == node}
+            if len(others) > 1:
+                raise ValueError(f"weight_sync.topology.nodes.{node}: ranks span datacenters "
+                                 f"{sorted(str(o) for o in others)} (rank {r})")
+        bw_cfg = cfg.get("bandwidth_gbps") or {}
+        if not isinstance(bw_cfg, Mapping):
+            raise ValueError("weight_sync.topology.bandwidth_gbps must be a mapping")
+        bandwidth = {}
+        for key in bw_cfg:
+            if key not in DEFAULT_BANDWIDTH_GBPS:
+                raise ValueError(f"weight_sync.topology.bandwidth_gbps.{key}: unknown link class; "
+                                 f"allowed: {sorted(DEFAULT_BANDWIDTH_GBPS)}")
+        for key, default in DEFAULT_BANDWIDTH_GBPS.items():
+            v = bw_cfg.get(key, default)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"weight_sync.topology.bandwidth_gbps.{key} must be a number > 0, got {v!r}")
+            bandwidth[LinkClass(key)] = float(v) * 1e9 / 8
+        shaped = set()
+        for s in cfg.get("shaped_links") or []:
+            try:
+                shaped.add(LinkClass(s))
+            except ValueError:
+                raise ValueError(f"weight_sync.topology.shaped_links: unknown link class {s!r}; "
+                                 f"allowed: {[lc.value for lc in LinkClass]}") from None
+        names = list((cfg.get("datacenters") or {}).keys())
+        default_dc = cfg.get("default_datacenter", names[0] if names else DEFAULT_DC)
+        if not isinstance(default_dc, str):
+            raise ValueError(f"weight_sync.topology.default_datacenter must be a string, got {default_dc!r}")
+        return cls(rank_dc=rank_dc, rank_node=rank_node, bandwidth=bandwidth,
+                   shaped=frozenset(shaped), default_dc=default_dc)
+
+
+def _rank_groups(groups: Any, where: str) -> dict[int, str]:
+    """{name: [ranks]} -> {rank: name}; each rank in at most one group."""
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"{where} must be a mapping name -> list of ranks, got {type(groups).__name__}")
+    out: dict[int, str] = {}
+    for name, ranks in groups.items():
+        if not isinstance(ranks, (list, tuple)):
+            raise ValueError(f"{where}.{name} must be a list of ranks, got {ranks!r}")
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                raise ValueError(f"{where}.{name}: rank {r!r} must be an int >= 0")
+            if r in out:
+                raise ValueError(f"{where}: rank {r} listed in both {out[r]!r} and {name!r}")
+            out[r] = str(name)
+    return out
