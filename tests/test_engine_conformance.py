@@ -1,0 +1,122 @@
+"""Every Engine backend behaves the same through make_engine: streaming finished samples,
+forced lengths, refusals, in-place weights with versions, batch cap, stats.
+The "vllm" case skips (with the reason) when vLLM is not importable."""
+import importlib.util
+
+import pytest
+import torch
+
+from workers.generation.config import EngineConfig
+from workers.generation.engine import generate_all
+from workers.generation.factory import BACKENDS, make_engine
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+from workers.types import Engine, EngineStats, Request, SamplingParams
+
+torch.set_num_threads(1)
+V = 128
+
+
+def _model(seed: int) -> CausalLM:
+    cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=1)
+    return init_weights(CausalLM(cfg), seed=seed, std=0.2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("conf") / "model"
+    save_pretrained(_model(0), d)
+    return str(d)
+
+
+@pytest.fixture(params=["native", "vllm"])
+def backend(request):
+    if request.param == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install -e .[vllm]); the vLLM backend is optional")
+    return request.param
+
+
+def make(backend, model_dir, **kw) -> Engine:
+    base = dict(backend=backend, max_batch_size=4, block_size=16, kv_cache_tokens=4096,
+                device="cpu", dtype="float32")
+    base.update(kw)
+    return make_engine(EngineConfig(**base), model_dir)
+
+
+def reqs(n, new=8, seed=0, sampling=None):
+    g = torch.Generator().manual_seed(seed)
+    return [Request(sample_id=i, prompt_ids=torch.randint(2, V, (3 + 2 * i,), generator=g),
+                    max_tokens=new, min_tokens=new, est_len=float(i),
+                    sampling=sampling or SamplingParams(temperature=0.0)) for i in range(n)]
+
+
+def test_registry_has_both_backends():
+    assert {"native", "vllm"} <= set(BACKENDS)
+    with pytest.raises(ValueError, match="engine.backend"):
+        EngineConfig(backend="nope")
+
+
+def test_streams_forced_lengths_and_stats(backend, model_dir):
+    eng = make(backend, model_dir)
+    assert isinstance(eng, Engine)
+    rs = reqs(6)
+    assert eng.add(rs) == [] and eng.has_work()
+    got, steps_with_output = [], 0
+    while eng.has_work():
+        out = eng.step()
+        steps_with_output += bool(out)
+        got += out
+    assert sorted(s.sample_id for s in got) == list(range(6))
+    for s in got:
+        assert s.finish_reason == "length" and s.output_ids.dtype == torch.int64
+        assert len(s.output_ids) == 8 and s.logprobs.shape == (8,) and s.weight_version == 0
+        assert (s.logprobs <= 0).all()
+    st = eng.stats()
+    assert isinstance(st, EngineStats) and st.running == 0 and st.waiting == 0
+
+
+def test_refusals_keep_serving(backend, model_dir):
+    eng = make(backend, model_dir)
+    bad = [Request(sample_id=50, prompt_ids=torch.tensor([], dtype=torch.int64), max_tokens=3),
+           Request(sample_id=51, prompt_ids=torch.tensor([3, V + 5]), max_tokens=3),
+           Request(sample_id=52, prompt_ids=torch.tensor([3, 4]), max_tokens=0),
+           Request(sample_id=53, prompt_ids=torch.zeros(600, dtype=torch.int64), max_tokens=3)]
+    out = generate_all(eng, reqs(2) + bad)
+    by_id = {s.sample_id: s for s in out}
+    assert [by_id[i].finish_reason for i in (50, 51, 52, 53)] == ["error"] * 4
+    assert all(by_id[i].error for i in (50, 51, 52, 53))
+    assert by_id[0].finish_reason == by_id[1].finish_reason == "length"
+
+
+def test_load_weights_versions_and_errors(backend, model_dir, tmp_path):
+    eng = make(backend, model_dir)
+    new = _model(5)
+    eng.load_weights(new.hf_state_dict().items(), version=2)
+    got = generate_all(eng, reqs(3))
+    save_pretrained(new, tmp_path / "new")
+    want = generate_all(make(backend, str(tmp_path / "new")), reqs(3))
+    assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
+    assert all(s.weight_version == 2 for s in got) and eng.stats().weight_version == 2
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        eng.load_weights([("model.norm.weight", torch.ones(3))], version=3)
+    assert eng.stats().weight_version == 2
+
+
+def test_batch_cap(backend, model_dir):
+    eng = make(backend, model_dir, max_batch_size=2)
+    eng.add(reqs(5))
+    peak = 0
+    while eng.has_work():
+        eng.step()
+        peak = max(peak, eng.stats().running)
+    assert peak == 2
+    eng.set_max_batch_size(3)
+    assert eng.stats().max_batch_size == 3
+
+
+def test_seeded_sampling_reproducible(backend, model_dir):
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=123)
+    a = generate_all(make(backend, model_dir), reqs(3, sampling=sp))
+    b = generate_all(make(backend, model_dir, max_batch_size=1), reqs(3, sampling=sp))
+    assert [s.output_ids.tolist() for s in a] == [s.output_ids.tolist() for s in b]

@@ -1,0 +1,98 @@
+"""Engine parts on their own: config validation, block manager (ref counts, copy-on-write),
+sampler (filters, seeds, log-probs of the distribution used), make_engine from a folder."""
+import pytest
+import torch
+
+from workers.generation.block_manager import BlockManager
+from workers.generation.config import EngineConfig
+from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.factory import make_engine
+from workers.generation.sampler import Sampler
+from workers.generation.sequence import Sequence
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+from workers.types import Request, SamplingParams
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(backend="x"), "engine.backend"), (dict(max_batch_size=0), "engine.max_batch_size"),
+    (dict(block_size=0), "engine.block_size"), (dict(admission="sjf"), "engine.admission"),
+    (dict(attention_backend="cuda"), "engine.attention_backend"), (dict(dtype="fp8"), "engine.dtype"),
+    (dict(kv_cache_tokens=4, block_size=16), "engine.kv_cache_tokens"), (dict(device="tpu"), "engine.device"),
+    (dict(eos_ids=[1]), "engine.eos_ids")])
+def test_config_validation_names_key(kw, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        EngineConfig(**kw)
+
+
+def seq(n_tokens: int, sid: int = 0) -> Sequence:
+    return Sequence.from_request(Request(sample_id=sid, prompt_ids=torch.arange(n_tokens), max_tokens=4), sid)
+
+
+def test_block_manager_refcount_and_copy_on_write():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(6)
+    assert bm.new_blocks_needed(a, 6) == 2 and bm.prepare_write(a, 6) is None
+    a.num_cached = 6
+    b = seq(6, 1)
+    bm.share(b, a.block_table)
+    b.num_cached = 5  # shares tokens 0..4; token 5 lives in a shared partial block -> copy
+    assert bm.new_blocks_needed(b, 7) == 1
+    src, dst = bm.prepare_write(b, 7)
+    assert src == a.block_table[1] and dst not in a.block_table and b.block_table[0] == a.block_table[0]
+    assert bm.ref[a.block_table[0]] == 2 and bm.ref[a.block_table[1]] == 1 and bm.num_free == 5
+    bm.free(a)
+    assert bm.num_free == 6 and bm.ref[b.block_table[0]] == 1
+    bm.free(b)
+    assert bm.num_free == 8 and bm.num_used == 0
+
+
+def _seq_with(sp: SamplingParams, min_tokens=0, sid=0) -> Sequence:
+    return Sequence.from_request(Request(sample_id=sid, prompt_ids=torch.tensor([1]), max_tokens=9,
+                                         min_tokens=min_tokens, sampling=sp), sid)
+
+
+def test_sampler_greedy_filters_and_logprobs():
+    s = Sampler(eos_ids=(0,), device=torch.device("cpu"), seed=0)
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0], [0.0, 1.0, 3.0, 2.5], [2.0, 2.0, 1.0, 9.0]])
+    seqs = [_seq_with(SamplingParams(temperature=0.0), min_tokens=1),
+            _seq_with(SamplingParams(temperature=0.7, top_k=1), sid=1),
+            _seq_with(SamplingParams(temperature=0.5, top_p=0.01), sid=2)]
+    ids, lp = s(logits.clone(), seqs)
+    assert ids.tolist() == [1, 2, 3]  # row 0: EOS (id 0) masked before min_tokens
+    masked = logits[0].clone()
+    masked[0] = float("-inf")
+    assert lp[0] == pytest.approx(float(torch.log_softmax(masked, -1)[1]))
+    assert lp[1] == pytest.approx(0.0) and lp[2] == pytest.approx(0.0)  # filters leave one token
+
+
+def test_sampler_seed_reproducible_and_distribution():
+    s = Sampler(eos_ids=(), device=torch.device("cpu"), seed=0)
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    sp = SamplingParams(temperature=1.0, seed=7)
+    a, b = _seq_with(sp), _seq_with(sp)
+    draws_a = [int(s(logits.clone(), [a])[0]) for _ in range(20)]
+    draws_b = [int(s(logits.clone(), [b, _seq_with(SamplingParams(), sid=3)])[0][0]) for _ in range(20)]
+    assert draws_a == draws_b
+    unseeded = _seq_with(SamplingParams(temperature=1.0))
+    counts = torch.bincount(torch.tensor([int(s(logits.clone(), [unseeded])[0]) for _ in range(2000)]), minlength=4)
+    torch.testing.assert_close(counts / 2000, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.04, rtol=0)
+    sp_t = SamplingParams(temperature=2.0, top_k=3)
+    _, lp = s(logits.clone(), [_seq_with(sp_t)])
+    want = torch.log_softmax(torch.tensor([-1e9, *(logits[0, 1:] / 2.0).tolist()]), -1)
+    assert float(lp[0]) in [pytest.approx(float(w), abs=1e-5) for w in want[1:]]
+
+
+def test_make_engine_from_folder_and_eos_override(tmp_path):
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)
+    save_pretrained(init_weights(CausalLM(cfg), seed=1, std=0.2), tmp_path / "m")
+    eng = make_engine(EngineConfig(device="cpu"), str(tmp_path / "m"))
+    assert isinstance(eng, NativeEngine) and eng.eos_ids == (3,)
+    assert next(eng.model.parameters()).dtype == torch.float32
+    eng2 = make_engine(EngineConfig(device="cpu"), str(tmp_path / "m"), eos_ids=[5, 6])
+    assert eng2.eos_ids == (5, 6)
+    out = generate_all(eng2, [Request(sample_id=0, prompt_ids=torch.tensor([1, 2]), max_tokens=3,
+                                      sampling=SamplingParams(temperature=0))])
+    assert len(out) == 1 and 1 <= len(out[0].output_ids) <= 3

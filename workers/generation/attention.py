@@ -1,0 +1,82 @@
+"""PagedAttention: the model's attention backend over the paged KV cache.
+
+Each step the runner sets a ``StepContext`` (nano-vllm style: the model's forward is the
+same; what attention does is decided by the context it reads). Every layer call first
+writes the step's new k/v into the cache at ``slot_mapping``, then attends:
+
+* prefill: the new tokens of B sequences (packed, ``[T]``) attend to their sequence's whole
+  context read back from the cache through the block tables - this covers cached shared
+  prefixes and recomputation after preemption alike. Queries are padded to ``[B, Lq]``,
+  keys to ``[B, Lk]``; one SDPA call with a causal-by-position mask.
+* decode: one query per sequence over its block table: torch gathers the blocks and runs one
+  batched SDPA (no per-sequence loop); "triton" calls ``kernels.paged_decode``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.generation.kv_cache import KVCache
+
+
+@dataclass
+class StepContext:
+    """Attention metadata of one step (all on the model's device).
+
+    slot_mapping: int64 [T] cache slot of each new token; block_tables: int32 [B, max_blocks];
+    context_lens: int32 [B] tokens in cache incl. this step's; gather_idx: int64 [B*max_blocks]
+    (block_tables flattened); key_mask: bool [B, 1, Lq, Lk] (True = may attend);
+    q_index: int64 [T] row of each packed query in the padded [B*Lq] layout (prefill only)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    gather_idx: torch.Tensor
+    key_mask: torch.Tensor
+    q_index: torch.Tensor | None = None
+    max_q_len: int = 1
+
+
+class PagedAttention:
+    """``attn(layer, q[T,H,Dh], k[T,Hkv,Dh], v[T,Hkv,Dh]) -> [T,H,Dh]`` (model.AttentionBackend)."""
+
+    def __init__(self, cache: KVCache, num_heads: int, head_dim: int, decode_kernel: str = "torch"):
+        self.cache, self.h, self.dh = cache, num_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.ctx: StepContext | None = None
+        self._triton = None
+        if decode_kernel == "triton":
+            try:
+                from kernels.paged_decode import paged_decode_attention
+            except ImportError as e:  # kernels/ (engineer D) or triton missing
+                raise ValueError(f"engine.attention_backend 'triton' needs kernels.paged_decode "
+                                 f"and triton: {e}") from e
+            self._triton = paged_decode_attention
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        hkv = kc.shape[2]
+        kc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, k)
+        vc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, v)
+        if not ctx.is_prefill and self._triton is not None:
+            return self._triton(q, kc, vc, ctx.block_tables, ctx.context_lens, self.scale)
+        b = ctx.context_lens.shape[0]
+        nb = kc.shape[0]
+        keys = kc.view(nb, -1).index_select(0, ctx.gather_idx).view(b, -1, hkv, self.dh)  # [B, Lk, Hkv, Dh]
+        vals = vc.view(nb, -1).index_select(0, ctx.gather_idx).view(b, -1, hkv, self.dh)
+        if ctx.is_prefill:
+            qp = q.new_zeros(b * ctx.max_q_len, self.h, self.dh).index_copy_(0, ctx.q_index, q)
+            qp = qp.view(b, ctx.max_q_len, self.h, self.dh)  # [B, Lq, H, Dh]
+        else:
+            qp = q[:, None]  # [B, 1, H, Dh]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=ctx.key_mask,
+            scale=self.scale, enable_gqa=self.h != hkv)  # [B, H, Lq, Dh]
+        out = out.transpose(1, 2)  # [B, Lq, H, Dh]
+        if ctx.is_prefill:
+            return out.reshape(-1, self.h, self.dh).index_select(0, ctx.q_index)
+        return out[:, 0]

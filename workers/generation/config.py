@@ -1,0 +1,73 @@
+"""EngineConfig: the settings of one generation instance, validated once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BACKEND_NAMES = ("native", "vllm")
+ATTENTION_BACKENDS = ("torch", "triton")
+ADMISSION_POLICIES = ("fcfs", "lpt")
+DTYPES = ("", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine.
+
+    KV memory: ``num_blocks`` blocks of ``block_size`` tokens; when ``num_blocks`` is 0 it is
+    ``kv_cache_tokens // block_size``. ``max_model_len`` 0 means the model's
+    ``max_position_embeddings``. ``max_prefill_tokens`` bounds the new tokens one prefill step
+    computes (one sequence longer than it is still admitted alone). ``device``/``dtype`` ""
+    pick CUDA+bf16 when a GPU is present, else CPU+fp32. ``eos_ids`` None means the model
+    config's ``eos_token_id``. ``seed`` seeds sampling of requests without their own seed.
+    ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
+    """
+
+    backend: str = "native"
+    max_batch_size: int = 64
+    block_size: int = 16
+    kv_cache_tokens: int = 65536
+    num_blocks: int = 0
+    max_model_len: int = 0
+    max_prefill_tokens: int = 8192
+    attention_backend: str = "torch"
+    admission: str = "fcfs"
+    prefix_sharing: bool = True
+    device: str = ""
+    dtype: str = ""
+    seed: int = 0
+    eos_ids: tuple[int, ...] | None = None
+    backend_options: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        def bad(key: str, why: str):
+            raise ValueError(f"engine.{key}: {why}, got {getattr(self, key)!r}")
+
+        if self.backend not in BACKEND_NAMES:
+            bad("backend", f"must be one of {BACKEND_NAMES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.admission not in ADMISSION_POLICIES:
+            bad("admission", f"must be one of {ADMISSION_POLICIES}")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}")
+        for key in ("max_batch_size", "block_size", "max_prefill_tokens"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                bad(key, "must be an int >= 1")
+        for key in ("kv_cache_tokens", "num_blocks", "max_model_len"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                bad(key, "must be an int >= 0")
+        if self.num_blocks == 0 and self.kv_cache_tokens < self.block_size:
+            bad("kv_cache_tokens", f"must hold at least one block ({self.block_size} tokens) "
+                                   "when num_blocks is 0")
+        if self.device and self.device.split(":")[0] not in ("cpu", "cuda"):
+            bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
+        if self.eos_ids is not None:
+            if not isinstance(self.eos_ids, tuple) or not all(
+                    isinstance(e, int) and e >= 0 for e in self.eos_ids):
+                bad("eos_ids", "must be None or a tuple of non-negative ints")
+        if not isinstance(self.backend_options, dict):
+            bad("backend_options", "must be a dict")
+
+    @property
+    def total_blocks(self) -> int:
+        return self.num_blocks or self.kv_cache_tokens // self.block_size

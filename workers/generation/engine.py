@@ -1,0 +1,215 @@
+"""NativeEngine: the project's own generation engine (Engine Protocol), and ``generate_all``.
+
+Continuous batching over a paged KV cache (``Scheduler``, ``BlockManager``), prefix sharing
+for GRPO groups (``PrefixCache``), per-request sampling (``Sampler``), streaming of finished
+samples from ``step()``, weights replaced in place with a version label.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter, deque
+from typing import Callable, Iterable, Sequence as Seq
+
+import torch
+
+from workers.generation.block_manager import BlockManager
+from workers.generation.config import EngineConfig
+from workers.generation.model_runner import ModelRunner
+from workers.generation.prefix_cache import PrefixCache
+from workers.generation.scheduler import Scheduler
+from workers.generation.sequence import Sequence, Status, error_sample
+from workers.model import CausalLM, default_device, default_dtype, load_pretrained
+from workers.types import Engine, EngineStats, Request, Sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NativeEngine:
+    """``NativeEngine(cfg, model_dir)`` or ``NativeEngine(cfg, model=CausalLM)``."""
+
+    def __init__(self, cfg: EngineConfig, model_dir: str | None = None, model: CausalLM | None = None):
+        if (model_dir is None) == (model is None):
+            raise ValueError("NativeEngine needs exactly one of model_dir or model")
+        self.cfg = cfg
+        if model is None:
+            device = torch.device(cfg.device) if cfg.device else default_device()
+            dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(device)
+            model = load_pretrained(model_dir, device=device, dtype=dtype)
+        self.model = model.eval().requires_grad_(False)
+        mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
+        self.bm = BlockManager(cfg.total_blocks, cfg.block_size)
+        # a lone sequence must always fit: its blocks + one pinned copy of a partial block
+        kv_len = (cfg.total_blocks - 1) * cfg.block_size
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings, max(kv_len, cfg.block_size))
+        self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
+        self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
+                                   cfg.max_prefill_tokens, cfg.admission)
+        self.runner = ModelRunner(self.model, self.bm, cfg.attention_backend, self.eos_ids, cfg.seed)
+        self.weight_version = 0
+        self._arrival = itertools.count()
+        self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
+        self._group_live: Counter[int] = Counter()
+        self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self.total_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def _refusal(self, req: Request) -> str | None:
+        p = req.prompt_ids
+        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.is_complex():
+            return "prompt_ids must be a 1-D integer tensor"
+        if p.numel() == 0:
+            return "empty prompt"
+        if p.numel() >= self.max_model_len:
+            return (f"prompt of {p.numel()} tokens does not fit the context: max_model_len "
+                    f"{self.max_model_len} leaves no room for an output token")
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            return f"max_tokens must be an int >= 1, got {req.max_tokens!r}"
+        if req.min_tokens < 0 or req.min_tokens > req.max_tokens:
+            return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens}"
+        s = req.sampling
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+            return f"bad sampling params {s} (need temperature >= 0, 0 < top_p <= 1, top_k >= 0)"
+        if req.sample_id in self._live:
+            return f"sample_id {req.sample_id} is already queued or running"
+        return None
+
+    def add(self, requests: Seq[Request]) -> list[Sample]:
+        """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
+        refused = []
+        for i, req in enumerate(requests):
+            why = self._refusal(req)
+            if why is not None:
+                refused.append(error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}",
+                                            self.weight_version))
+                continue
+            seq = Sequence.from_request(req, next(self._arrival))
+            self._live[req.sample_id] = seq
+            if req.group_id >= 0:
+                self._group_live[req.group_id] += 1
+            self.scheduler.add(seq)
+        return refused
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[Sample]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.time()
+        if batch.is_prefill:
+            for s in batch.seqs:
+                s.timings.setdefault("admitted", now)
+        tokens, logprobs = self.runner.run(batch)
+        if self.prefix is not None and batch.is_prefill:
+            self.prefix.mark_ready()
+        now = time.time()
+        done = []
+        eos = self.eos_ids
+        for seq, tok, lp in zip(batch.seqs, tokens, logprobs):
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.num_cached = seq.num_tokens - 1
+            if seq.num_output == 1:
+                seq.timings.setdefault("first_token", now)
+            if tok in eos and seq.num_output >= seq.request.min_tokens:
+                done.append((seq, "stop"))
+            elif seq.num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+                done.append((seq, "length"))
+        self._count_tokens(now, len(tokens))
+        return [self._finish(seq, reason, now) for seq, reason in done]
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> Sample:
+        self.scheduler.finish(seq)
+        del self._live[seq.request.sample_id]
+        gid = seq.group_id
+        if gid >= 0:
+            self._group_live[gid] -= 1
+            if self._group_live[gid] == 0:
+                del self._group_live[gid]
+                if self.prefix is not None:
+                    self.prefix.release(gid)
+        seq.timings["finished"] = now
+        return seq.to_sample(reason, self.weight_version)
+
+    def _count_tokens(self, now: float, n: int) -> None:
+        self.total_tokens += n
+        self._window.append((now, n))
+        while len(self._window) > 1 and now - self._window[0][0] > 5.0:
+            self._window.popleft()
+
+    # ---- control -------------------------------------------------------------------------
+    def set_max_batch_size(self, n: int) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
+        self.scheduler.set_max_batch_size(n)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors into the model in place (any subset of its parameters).
+        Every name and shape is checked before anything is written. Sequences in flight are
+        restarted from their prompts (their tokens so far came from the old weights: a
+        sample never mixes versions) and cached prefixes are dropped."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names
+        items = list(named_tensors)
+        for name, t in items:
+            if name not in params:
+                raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter of the model)")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(params[name].shape):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"load_weights: tensor {name!r} has shape {got}, "
+                                 f"expected {tuple(params[name].shape)}")
+        with torch.no_grad():
+            for name, t in items:
+                params[name].copy_(t)
+        self.weight_version = int(version)
+        self._restart_in_flight()
+
+    def _restart_in_flight(self) -> None:
+        sch = self.scheduler
+        for seq in list(sch.running):
+            sch.preempt(seq, count=False)
+        for seq in list(sch.waiting):
+            if seq.num_output:
+                seq.reset_output()
+        if self.prefix is not None:
+            self.prefix.release_all()
+
+    def stats(self) -> EngineStats:
+        w = self._window
+        span = (w[-1][0] - w[0][0]) if len(w) > 1 else 0.0
+        tps = sum(n for _, n in list(w)[1:]) / span if span > 0 else 0.0
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           kv_blocks_used=self.bm.num_used, kv_blocks_free=self.bm.num_free,
+                           tokens_per_s=tps, max_batch_size=self.scheduler.max_batch_size,
+                           weight_version=self.weight_version,
+                           preemptions=self.scheduler.preemptions)
+
+
+def generate_all(engine: Engine, requests: Seq[Request],
+                 on_sample: Callable[[Sample], None] | None = None) -> list[Sample]:
+    """Add ``requests``, step until the engine is idle; ``on_sample`` is called with each
+    sample as it finishes (refusals first). Returns the samples in the order of ``requests``
+    (samples of requests added earlier by someone else are passed to ``on_sample`` and
+    returned after them)."""
+    got: list[Sample] = []
+
+    def emit(samples: list[Sample]) -> None:
+        for s in samples:
+            got.append(s)
+            if on_sample is not None:
+                on_sample(s)
+
+    emit(engine.add(requests))
+    while engine.has_work():
+        emit(engine.step())
+    order = {r.sample_id: i for i, r in enumerate(requests)}
+    return sorted(got, key=lambda s: order.get(s.sample_id, len(order)))

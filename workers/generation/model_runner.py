@@ -1,0 +1,88 @@
+"""ModelRunner: turns a scheduled batch into one forward over the paged cache + sampling.
+
+Owns the model, the KV cache, the attention backend and the sampler. Inputs are built from
+the sequences' Python state in a few list comprehensions, moved to the device in one go,
+and the sampled ids/log-probs come back in one device->host transfer per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.generation.attention import PagedAttention, StepContext
+from workers.generation.block_manager import BlockManager
+from workers.generation.kv_cache import KVCache
+from workers.generation.sampler import Sampler
+from workers.generation.scheduler import ScheduledBatch
+from workers.generation.sequence import Sequence
+from workers.model import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, blocks: BlockManager, attention_backend: str,
+                 eos_ids: tuple[int, ...], seed: int):
+        cfg = model.config
+        p = next(model.parameters())
+        self.model, self.bm, self.device = model, blocks, p.device
+        self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
+                             cfg.num_key_value_heads, cfg.dim_head, p.dtype, p.device)
+        self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
+        self.sampler = Sampler(eos_ids, p.device, seed)
+        self._pin = p.device.type == "cuda"
+
+    def _to_dev(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> tuple[list[list[int]], int]:
+        width = max(len(s.block_table) for s in seqs)
+        return [s.block_table + [0] * (width - len(s.block_table)) for s in seqs], width
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sets the attention context; returns (ids [T], positions [T], last_index [B])."""
+        seqs, bs = batch.seqs, self.bm.block_size
+        tables, width = self._block_tables(seqs)
+        lk = width * bs
+        ctx_lens = [s.num_tokens for s in seqs]
+        if batch.is_prefill:
+            ids, pos, slots, q_index, last = [], [], [], [], []
+            max_q = max(s.num_tokens - s.num_cached for s in seqs)
+            for b, s in enumerate(seqs):
+                n0, n1 = s.num_cached, s.num_tokens
+                ids += s.tokens[n0:n1]
+                pos += range(n0, n1)
+                slots += [tables[b][i // bs] * bs + i % bs for i in range(n0, n1)]
+                q_index += range(b * max_q, b * max_q + n1 - n0)
+                last.append(len(ids) - 1)
+            q_pos = torch.tensor([s.num_cached for s in seqs])[:, None] + torch.arange(max_q)  # [B, Lq]
+            mask = torch.arange(lk)[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
+        else:
+            ids = [s.tokens[-1] for s in seqs]
+            pos = [n - 1 for n in ctx_lens]
+            slots = [tables[b][p // bs] * bs + p % bs for b, p in enumerate(pos)]
+            q_index, last, max_q = None, None, 1
+            mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
+        dev = self.device
+        bt = self._to_dev(tables, torch.int32)
+        self.attn.ctx = StepContext(
+            is_prefill=batch.is_prefill, slot_mapping=self._to_dev(slots, torch.int64),
+            block_tables=bt, context_lens=self._to_dev(ctx_lens, torch.int32),
+            gather_idx=bt.flatten().long(), key_mask=mask[:, None].to(dev),
+            q_index=None if q_index is None else self._to_dev(q_index, torch.int64), max_q_len=max_q)
+        last_t = None if last is None else self._to_dev(last, torch.int64)
+        return self._to_dev(ids, torch.int64), self._to_dev(pos, torch.int64), last_t
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+        """One forward + sampling; returns the sampled ids and their log-probs (host lists)."""
+        self.cache.copy_blocks(batch.copies)
+        ids, pos, last = self._prepare(batch)
+        hidden = self.model(ids, pos, self.attn)  # [T, D]
+        if last is not None:
+            hidden = hidden.index_select(0, last)  # [B, D]
+        logits = self.model.logits(hidden)  # [B, V]
+        tok, logp = self.sampler(logits, batch.seqs)
+        both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
+        self.attn.ctx = None
+        return [int(t) for t in both[0]], both[1]

@@ -1,0 +1,155 @@
+"""Scheduler: continuous batching over the paged KV cache.
+
+Each step is either a *prefill* (admit waiting sequences, in the admission policy's order,
+while the batch cap, the prefill token budget and free blocks allow) or a *decode* (one
+token for every running sequence, all in one forward). When a decode step lacks blocks,
+idle prefix pins are dropped first, then the most recently admitted sequences are preempted
+(their blocks freed; they are recomputed later from their tokens) - never another
+sequence's blocks are touched. Sequences that were preempted go back to the queue's front.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from workers.generation.block_manager import BlockManager
+from workers.generation.prefix_cache import PrefixCache
+from workers.generation.sequence import Sequence, Status
+
+# Admission policies: a sort key per sequence, smallest admitted first.
+AdmissionPolicy = Callable[[Sequence], tuple]
+ADMISSION_POLICIES: dict[str, AdmissionPolicy] = {
+    "fcfs": lambda s: (s.arrival,),
+    "lpt": lambda s: (-s.request.est_len, s.arrival),  # longest processing time first
+}
+
+
+@dataclass
+class ScheduledBatch:
+    """``seqs`` to run this step; a prefill computes tokens ``[num_cached, num_tokens)`` of
+    each, a decode the last token of each. ``copies`` are (src, dst) block copies
+    (copy-on-write) to do in the cache before the forward."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, prefix: PrefixCache | None, max_batch_size: int,
+                 max_prefill_tokens: int, admission: str = "fcfs"):
+        if admission not in ADMISSION_POLICIES:
+            raise ValueError(f"engine.admission: {admission!r} is not one of {sorted(ADMISSION_POLICIES)}")
+        self.bm, self.prefix = blocks, prefix
+        self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
+        self.policy = ADMISSION_POLICIES[admission]
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self._keys: list[tuple] = []
+        self.running: list[Sequence] = []  # in admission order (last = first preempted)
+        self.preemptions = 0
+        self.watermark = max(1, blocks.num_blocks // 100)
+        self._tie = itertools.count()
+
+    # ---- queue -------------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple:
+        return (0 if seq.preempted else 1, *self.policy(seq), next(self._tie))
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        key = self._key(seq)
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self.waiting.insert(i, seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.preempted = True
+        self.preemptions += int(count)
+        self.add(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = Status.FINISHED
+
+    def set_max_batch_size(self, n: int) -> None:
+        """Takes effect at once: running sequences beyond ``n`` are preempted."""
+        self.max_batch_size = n
+        while len(self.running) > n:
+            self.preempt(self.running[-1])
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._admit()
+        if batch is not None:
+            return batch
+        return self._decode() if self.running else None
+
+    def _running_groups(self) -> set[int]:
+        return {s.group_id for s in self.running}
+
+    def _admit(self) -> ScheduledBatch | None:
+        admitted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        budget = self.max_prefill_tokens
+        i = 0
+        while i < len(self.waiting) and len(self.running) + len(admitted) < self.max_batch_size:
+            seq = self.waiting[i]
+            g = self.prefix.lookup(seq) if self.prefix is not None and seq.group_id >= 0 else None
+            if g is not None and not g.ready:
+                i += 1  # its group's prompt is being computed in this very step: next step
+                continue
+            if g is not None:
+                self.prefix.attach(seq, g)
+            new_tokens = seq.num_tokens - seq.num_cached
+            need = self.bm.new_blocks_needed(seq, seq.num_tokens)
+            if need + self.watermark > self.bm.num_free and self.prefix is not None:
+                while need + self.watermark > self.bm.num_free and self.prefix.evict_idle(
+                        self._running_groups() | {s.group_id for s in admitted} | {seq.group_id}):
+                    pass
+            # keep a small watermark free while others run, so admission does not
+            # immediately cause preemptions in the next decode steps
+            reserve = self.watermark if (self.running or admitted) else 0
+            if (admitted and new_tokens > budget) or need + reserve > self.bm.num_free:
+                if g is not None:
+                    self.bm.free(seq)  # undo attach
+                break
+            copy = self.bm.prepare_write(seq, seq.num_tokens)
+            if copy is not None:
+                copies.append(copy)
+            if g is None and self.prefix is not None and seq.num_cached == 0:
+                self.prefix.pin(seq)
+            budget -= new_tokens
+            del self.waiting[i], self._keys[i]
+            seq.status = Status.RUNNING
+            admitted.append(seq)
+        if not admitted:
+            return None
+        self.running.extend(admitted)
+        return ScheduledBatch(admitted, True, copies)
+
+    def _decode(self) -> ScheduledBatch:
+        copies: list[tuple[int, int]] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while self.bm.new_blocks_needed(seq, seq.num_tokens) > self.bm.num_free:
+                if self.prefix is not None and self.prefix.evict_idle(self._running_groups()):
+                    continue
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # seq itself was the last one: everything after it is gone too
+            copy = self.bm.prepare_write(seq, seq.num_tokens)
+            if copy is not None:
+                copies.append(copy)
+            i += 1
+        return ScheduledBatch(list(self.running), False, copies)
