@@ -1,0 +1,211 @@
+"""Weight-sync topology, planner, checksum and shaper: pure functions, no processes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.weight_sync import (LinkClass, LinkShaper, TensorSpec, Topology, plan_naive, plan_sync,
+                                 tree_depth)
+from workers.weight_sync.checksum import CHUNK_WORDS, bucket_checksum
+
+SPEC = [("embed", (64, 40), torch.float32), ("norm", (40,), torch.bfloat16),
+        ("proj", (40, 30), torch.float16), ("scale", (), torch.float32), ("ids", (17,), torch.int64)]
+TWO_DC = {"datacenters": {"train": [0, 1, 2], "remote": [3, 4, 5]}}
+
+
+def model_bytes(spec) -> int:
+    return sum(TensorSpec(n, s, d).nbytes for n, s, d in spec)
+
+
+def crossing_copies(plan) -> int:
+    """Bucket bytes sent over inter-DC edges, in units of whole models."""
+    total = 0
+    for b in plan.buckets:
+        edges = plan.tree_of(b).edges()
+        total += sum(b.nbytes for a, c in edges if plan.topology.link(a, c) is LinkClass.INTER_DC)
+    return total / plan.total_bytes
+
+
+def check_tiling(plan) -> None:
+    """Buckets tile the layout; pieces cover every tensor byte exactly once."""
+    spans = sorted((b.start, b.end) for b in plan.buckets)
+    assert spans[0][0] == 0 and spans[-1][1] == plan.total_bytes
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    covered = {s.name: 0 for s in plan.slots}
+    for b in plan.buckets:
+        assert b.nbytes <= max(plan.bucket_bytes, 64) + 63 and b.start % 64 == 0
+        for p in b.pieces:
+            assert b.start <= p.flat_start and p.flat_start + p.nbytes <= b.end
+            covered[p.name] += p.nbytes
+    assert covered == {s.name: s.nbytes for s in plan.slots}
+    assert sorted(plan.order) == list(range(len(plan.buckets)))
+
+
+def check_spanning(plan) -> None:
+    """Each tree reaches every receiver exactly once, from its root."""
+    for tree in plan.trees:
+        kids = [c for _, c in tree.edges()]
+        assert sorted(kids) == sorted(plan.receivers)
+        assert tree.root in plan.senders
+
+
+# ---- topology ------------------------------------------------------------------------
+def test_default_topology_is_one_datacenter():
+    topo = Topology.from_config(None)
+    assert topo.dc(0) == topo.dc(17) == "dc0"
+    assert topo.link(0, 5) is LinkClass.INTRA_DC
+    assert topo.bandwidth[LinkClass.INTER_DC] == pytest.approx(80e9 / 8)
+    assert topo.shaped == frozenset()
+
+
+def test_topology_from_config():
+    topo = Topology.from_config({**TWO_DC, "nodes": {"n0": [0, 1]},
+                                 "bandwidth_gbps": {"inter_dc": 1.2}, "shaped_links": ["inter_dc"]})
+    assert topo.link(0, 1) is LinkClass.INTRA_NODE
+    assert topo.link(0, 2) is LinkClass.INTRA_DC
+    assert topo.link(2, 3) is LinkClass.INTER_DC
+    assert topo.dc(99) == "train"          # unlisted ranks: the first datacenter
+    assert topo.bandwidth_between(1, 4) == pytest.approx(150e6)
+    assert topo.is_shaped(0, 3) and not topo.is_shaped(0, 1)
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"datacenter": {}}, "unknown key(s) ['datacenter']"),
+    ({"datacenters": {"a": [0, 1], "b": [1]}}, "rank 1 listed in both 'a' and 'b'"),
+    ({"datacenters": {"a": [0, -1]}}, "datacenters.a: rank -1"),
+    ({"datacenters": {"a": 3}}, "datacenters.a must be a list"),
+    ({"bandwidth_gbps": {"inter_dc": 0}}, "bandwidth_gbps.inter_dc must be a number > 0"),
+    ({"bandwidth_gbps": {"wan": 1}}, "bandwidth_gbps.wan: unknown link class"),
+    ({"shaped_links": ["wan"]}, "shaped_links: unknown link class 'wan'"),
+    ({**TWO_DC, "nodes": {"n": [2, 3]}}, "nodes.n: ranks span datacenters"),
+])
+def test_topology_errors_name_the_key(cfg, needle):
+    with pytest.raises(ValueError) as e:
+        Topology.from_config(cfg)
+    assert needle in str(e.value)
+
+
+# ---- planner -------------------------------------------------------------------------
+def test_single_sender_chain_covers_everything():
+    plan = plan_sync(Topology(), [0], [1, 2, 3, 4], SPEC, 1000)
+    check_tiling(plan)
+    check_spanning(plan)
+    assert plan.roots() == [0]
+    assert plan.model_bytes() == model_bytes(SPEC)
+    assert plan.trees[0].edges() == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert tree_depth(plan.trees[0]) == 4
+    assert any(len({p.name for p in b.pieces}) > 1 for b in plan.buckets)   # small tensors packed
+    assert sum(1 for b in plan.buckets for p in b.pieces if p.name == "embed") > 1  # big one split
+    assert plan == plan_sync(Topology(), [0], [1, 2, 3, 4], SPEC, 1000)     # pure, deterministic
+
+
+def test_two_senders_are_both_roots_and_balanced():
+    plan = plan_sync(Topology(), [0, 1], [2, 3, 4, 5], SPEC, 1000)
+    check_tiling(plan)
+    check_spanning(plan)
+    per_root = plan.bytes_by_root()
+    assert sorted(per_root) == [0, 1]
+    assert abs(per_root[0] - per_root[1]) <= 1024
+    # Trees start at different receivers, so the relays share the forwarding work.
+    heads = [t.children_of(t.root)[0] for t in plan.trees]
+    assert len(set(heads)) == 2
+    # Send order interleaves the roots (both NICs busy from the start).
+    first_roots = [plan.buckets[i].root for i in plan.order[:2]]
+    assert sorted(first_roots) == [0, 1]
+
+
+def test_sharded_buckets_are_rooted_at_their_owner():
+    spec = [TensorSpec(n, s, d, owner=i % 2) for i, (n, s, d) in enumerate(SPEC)]
+    plan = plan_sync(Topology(), [0, 1], [2, 3, 4], spec, 512, tree_shape="binary")
+    check_tiling(plan)
+    check_spanning(plan)
+    owner = {s.name: s.owner for s in spec}
+    for b in plan.buckets:
+        assert {owner[p.name] for p in b.pieces} == {b.root}
+
+
+def test_cross_dc_sends_exactly_one_copy_over_the_link():
+    topo = Topology.from_config(TWO_DC)
+    for shape in ("chain", "binary"):
+        plan = plan_sync(topo, [0], [1, 2, 3, 4, 5], SPEC, 700, tree_shape=shape)
+        check_tiling(plan)
+        check_spanning(plan)
+        assert crossing_copies(plan) == 1.0
+        (tree,) = plan.trees
+        assert tree.children_of(0)[0] == 3          # gateway first: the slow link starts first
+    naive = plan_naive(topo, [0], [1, 2, 3, 4, 5], SPEC, 700)
+    check_spanning(naive)
+    assert crossing_copies(naive) == 3.0
+    assert naive.trees[0].edges() == [(0, r) for r in [1, 2, 3, 4, 5]]
+
+
+def test_cross_dc_two_senders_and_three_datacenters():
+    topo = Topology.from_config({"datacenters": {"a": [0, 1], "b": [2, 3, 4], "c": [5, 6]}})
+    plan = plan_sync(topo, [0, 1], [2, 3, 4, 5, 6], SPEC, 512)
+    check_spanning(plan)
+    assert plan.roots() == [0, 1]
+    assert crossing_copies(plan) == 2.0             # one copy into b, one into c
+
+
+def test_chain_follows_nodes():
+    topo = Topology.from_config({"nodes": {"n0": [1, 3, 5], "n1": [2, 4, 6]}})
+    plan = plan_sync(topo, [0], [1, 2, 3, 4, 5, 6], SPEC, 4096)
+    hops = [topo.link(a, b) for a, b in plan.trees[0].edges() if a != 0]
+    assert hops.count(LinkClass.INTER_DC) == 0
+    assert hops.count(LinkClass.INTRA_DC) == 1      # one jump between the two nodes
+    assert hops.count(LinkClass.INTRA_NODE) == 4
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(senders=[], receivers=[1]), "senders is empty"),
+    (dict(senders=[0], receivers=[]), "receivers is empty"),
+    (dict(senders=[0, 1], receivers=[1, 2]), "ranks [1] are both senders and receivers"),
+    (dict(senders=[0, 0], receivers=[1]), "senders has duplicate ranks"),
+    (dict(bucket_bytes=0), "bucket_bytes must be an int > 0"),
+    (dict(spec=[("a", (2,), "float32", 7)]), "owner rank 7 is not a sender"),
+    (dict(spec=[("a", (2,), "float32"), ("a", (3,), "float32")]), "duplicate tensor name 'a'"),
+    (dict(spec=[("a", (2,), "floaty")]), "tensor_spec[0] (a): unknown dtype 'floaty'"),
+    (dict(spec=[]), "tensor_spec is empty"),
+    (dict(shape="ring"), "unknown tree_shape 'ring'"),
+])
+def test_planner_errors(kwargs, needle):
+    args = dict(senders=[0], receivers=[1, 2], spec=SPEC, bucket_bytes=256, shape="chain")
+    args.update(kwargs)
+    with pytest.raises(ValueError) as e:
+        plan_sync(Topology(), args["senders"], args["receivers"], args["spec"], args["bucket_bytes"],
+                  tree_shape=args["shape"])
+    assert needle in str(e.value)
+
+
+# ---- checksum and shaper -------------------------------------------------------------
+def test_checksum_detects_flips_and_swaps():
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (8 * CHUNK_WORDS * 3 + 64,), dtype=torch.uint8, generator=g)
+    ref = bucket_checksum(data)
+    assert torch.equal(ref, bucket_checksum(data.clone()))
+    flipped = data.clone()
+    flipped[12345] ^= 1
+    assert not torch.equal(ref, bucket_checksum(flipped))
+    swapped = data.clone()
+    c = 8 * CHUNK_WORDS
+    swapped[:c], swapped[c:2 * c] = data[c:2 * c].clone(), data[:c].clone()
+    assert not torch.equal(ref, bucket_checksum(swapped))
+
+
+def test_shaper_paces_to_the_rate():
+    now = [0.0]
+    slept = []
+
+    def sleep(dt):
+        slept.append(dt)
+        now[0] += dt
+
+    shaper = LinkShaper(1000.0, clock=lambda: now[0], sleep=sleep)
+    assert shaper.acquire(500) == pytest.approx(0.5)     # arrives after 500 B at 1000 B/s
+    assert shaper.acquire(1500) == pytest.approx(2.0)
+    now[0] = 10.0                                          # idle link: no backlog carried
+    assert shaper.acquire(100) == pytest.approx(10.1)
+    assert sum(slept) == pytest.approx(2.1)
+    assert shaper.bytes_booked == 2100
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        LinkShaper(0)
