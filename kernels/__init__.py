@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -32,4 +33,21 @@ def triton_usable(device: torch.device | str) -> bool:
     return interpreting() or torch.device(device).type == "cuda"
 
 
-__all__ = ["triton_available", "interpreting", "triton_usable"]
+def interpreter_mismatch() -> str | None:
+    """Why triton kernels cannot run in the mode the environment asks for, or None.
+
+    Triton fixes interpreter-vs-compiler per function when ``@triton.jit`` runs, including its
+    own ``tl.max``/``tl.sum`` at ``import triton``; so ``TRITON_INTERPRET=1`` set after triton
+    was imported cannot take effect (calls then fail with "Cannot call @triton.jit'd outside
+    of the scope of a kernel")."""
+    if not interpreting() or sys.modules.get("triton") is None:
+        return None
+    import triton.language as tl
+
+    if type(tl.max).__name__ != "InterpretedFunction":
+        return ("TRITON_INTERPRET=1 was set after `import triton`; set it before triton is "
+                "first imported (importing `kernels` is fine: it imports triton lazily)")
+    return None
+
+
+__all__ = ["triton_available", "interpreting", "triton_usable", "interpreter_mismatch"]

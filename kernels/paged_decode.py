@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import interpreting, triton_available, triton_usable
+from kernels import interpreter_mismatch, interpreting, triton_available, triton_usable
 
 MIN_DOT = 16            # tl.dot needs every dim >= 16 when compiled for a GPU
 MIN_SPLIT_TOKENS = 256  # don't split a sequence into pieces shorter than this
@@ -128,6 +128,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     "before the first kernel call")
         raise RuntimeError(f"paged_decode_attention: cannot run the Triton kernel: {why}; "
                            "use attention_backend='torch'")
+    if (why := interpreter_mismatch()) is not None:
+        raise RuntimeError(f"paged_decode_attention: {why}")
     from kernels import _paged_decode_triton  # lazy: see kernels/__init__.py
 
     cfg = choose_launch(q, k_cache, block_tables, num_splits)
