@@ -16,6 +16,8 @@ The per-instance cost model (``instance_latency``) is the paper's
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
 import math
 import os
@@ -66,7 +68,9 @@ class PTLProfile:
         if bs >= xs[-1]:
             slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
             return ys[-1] + slope * (bs - xs[-1])
-        return float(np.interp(bs, xs, ys))
+        j = bisect.bisect_right(xs, bs)  # xs[j-1] <= bs < xs[j]
+        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+        return y0 + (y1 - y0) * (bs - x0) / (x1 - x0)
 
     def seq_kv_tokens(self, length: float) -> int:
         """KV tokens one sequence of ``length`` tokens (prompt + output) holds: whole blocks."""
@@ -195,11 +199,11 @@ def spread_evenly(idx: Sequence[int], lens: Sequence[float], n: int) -> list[lis
     """Longest first, each to the instance with the least estimated work so far (then fewest
     requests, then lowest index): balances both the work and the count of a class."""
     groups: list[list[int]] = [[] for _ in range(n)]
-    work = [0.0] * n
+    heap = [(0.0, 0, k) for k in range(n)]  # (work, count, instance)
     for i in lpt_order(idx, lens):
-        j = min(range(n), key=lambda k: (work[k], len(groups[k]), k))
+        work, count, j = heapq.heappop(heap)
         groups[j].append(i)
-        work[j] += lens[i]
+        heapq.heappush(heap, (work + lens[i], count + 1, j))
     return groups
 
 

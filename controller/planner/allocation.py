@@ -1,0 +1,158 @@
+"""Resource allocation between generation and training (paper Algorithm 1).
+
+A ``StageModel`` gives each stage's time for one iteration's batch as a function of its
+GPUs: generation by dispatching the workload over ``x // gen_unit`` instances and running
+the event-level instance model (same dispatcher and LPT as the runtime), training from its
+profile. Single datacenter: x + y <= n, minimise max(gen, train) (then fewest GPUs).
+Cross-datacenter: x <= m, y <= n independently; start from (m, n) and shrink the faster
+stage while it stays no slower than the other; the rest is released.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Sequence
+
+from controller.planner.engine_sim import simulate_plan
+from controller.planner.profile import TrainProfile
+from controller.scheduling import PTLProfile, make_dispatcher
+
+
+@dataclass
+class StageModel:
+    """gen_time(instances) and train_time(gpus) in seconds for one iteration's batch.
+    gen_unit: GPUs per generation instance; train_unit: trainer GPU granularity;
+    train_min: fewest trainer GPUs that hold the models."""
+
+    gen_time: Callable[[int], float]
+    train_time: Callable[[int], float]
+    gen_unit: int = 1
+    train_unit: int = 1
+    train_min: int = 1
+
+    def gen(self, x: int) -> float:
+        k = x // self.gen_unit
+        return math.inf if k < 1 else self.gen_time(k)
+
+    def train(self, y: int) -> float:
+        return math.inf if y < max(self.train_min, 1) else self.train_time(y)
+
+
+@dataclass
+class Allocation:
+    gen_gpus: int
+    train_gpus: int
+    gen_instances: int
+    gen_time_s: float
+    train_time_s: float
+    released_gen: int = 0
+    released_train: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def iteration_s(self) -> float:
+        return max(self.gen_time_s, self.train_time_s)
+
+
+def _alloc(model: StageModel, x: int, y: int, **kw) -> Allocation:
+    return Allocation(x, y, x // model.gen_unit, model.gen(x), model.train(y), **kw)
+
+
+def _xs(model: StageModel, hi: int) -> range:
+    return range(model.gen_unit, hi + 1, model.gen_unit)
+
+
+def _ys(model: StageModel, hi: int) -> list[int]:
+    lo = max(model.train_unit, math.ceil(model.train_min / model.train_unit) * model.train_unit)
+    return list(range(lo, hi + 1, model.train_unit))
+
+
+def allocate_brute_force(model: StageModel, n: int) -> Allocation:
+    """Every (x, y) with x + y <= n; the smallest (max(gen, train), x + y, x)."""
+    best = None
+    for x in _xs(model, n):
+        for y in _ys(model, n - x):
+            key = (max(model.gen(x), model.train(y)), x + y, x)
+            if best is None or key < best[0]:
+                best = (key, x, y)
+    if best is None:
+        raise ValueError(f"allocation: {n} GPUs cannot hold one generation instance ({model.gen_unit} GPUs) "
+                         f"and the trainer (>= {model.train_min} GPUs)")
+    return _alloc(model, best[1], best[2])
+
+
+def allocate_single_dc(model: StageModel, n: int) -> Allocation:
+    """Algorithm 1 for one datacenter. For each x the trainer gets the fewest GPUs that reach
+    max(gen(x), train(all the rest)) (binary search; training time is non-increasing in
+    GPUs); GPUs left over are released. Equals ``allocate_brute_force``."""
+    best = None
+    for x in _xs(model, n):
+        ys = _ys(model, n - x)
+        if not ys:
+            continue
+        g = model.gen(x)
+        target = max(g, model.train(ys[-1]))  # the best max(gen, train) this x can reach
+        lo, hi = 0, len(ys) - 1
+        while lo < hi:  # the fewest GPUs reaching it
+            mid = (lo + hi) // 2
+            if model.train(ys[mid]) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        y = ys[lo]
+        key = (max(g, model.train(y)), x + y, x)
+        if best is None or key < best[0]:
+            best = (key, x, y)
+    if best is None:
+        raise ValueError(f"allocation: {n} GPUs cannot hold one generation instance ({model.gen_unit} GPUs) "
+                         f"and the trainer (>= {model.train_min} GPUs)")
+    return _alloc(model, best[1], best[2], released_gen=0, released_train=n - best[1] - best[2])
+
+
+def allocate_cross_dc(model: StageModel, m: int, n: int) -> Allocation:
+    """Algorithm 1 across datacenters: generation gets x <= m GPUs (its DC), training y <= n.
+    From (m, n), shrink the faster stage one unit at a time while it stays no slower than
+    the other stage (so the iteration time never grows); report the GPUs released."""
+    xs, ys = list(_xs(model, m)), _ys(model, n)
+    if not xs or not ys:
+        raise ValueError(f"allocation: generation DC ({m} GPUs) or trainer DC ({n} GPUs) is too small")
+    x, y = xs[-1], ys[-1]
+    g, t = model.gen(x), model.train(y)
+    if g < t:
+        while x - model.gen_unit >= xs[0] and model.gen(x - model.gen_unit) <= t:
+            x -= model.gen_unit
+    elif t < g:
+        while y - model.train_unit >= ys[0] and model.train(y - model.train_unit) <= g:
+            y -= model.train_unit
+    return _alloc(model, x, y, released_gen=m - x, released_train=n - y)
+
+
+def even_split(model: StageModel, n: int) -> Allocation:
+    """The baseline: half the GPUs to each stage (rounded to the stages' units)."""
+    x = max(model.gen_unit, (n // 2) // model.gen_unit * model.gen_unit)
+    ys = _ys(model, n - x)
+    if not ys:
+        raise ValueError(f"even split: {n - x} GPUs cannot hold the trainer (>= {model.train_min})")
+    return _alloc(model, x, ys[-1])
+
+
+def generation_time_model(profile: PTLProfile, out_lens: Sequence[int], prompt_lens: Sequence[int] | None = None,
+                          dispatcher: str = "oracle", **dispatch_kw) -> Callable[[int], float]:
+    """gen_time(instances): the dispatcher's plan of this workload over identical instances,
+    each run with the event-level model; the slowest instance's makespan. Cached."""
+    lens = [max(1, int(x)) for x in out_lens]
+    disp = make_dispatcher(dispatcher, **dispatch_kw)
+
+    @lru_cache(maxsize=None)
+    def gen_time(k: int) -> float:
+        profs = [profile] * k
+        plan = disp.plan([float(x) for x in lens], profs, true_lens=[float(x) for x in lens], prompt_lens=prompt_lens)
+        return max(r.makespan_s for r in simulate_plan(plan, lens, profs, prompt_lens))
+
+    return gen_time
+
+
+def train_time_model(make_profile: Callable[[int], TrainProfile], tokens: float) -> Callable[[int], float]:
+    """train_time(gpus) for ``tokens`` tokens per iteration, from a per-GPU-count profile."""
+    return lambda y: make_profile(y).time(tokens, y)

@@ -1,0 +1,162 @@
+"""Stage profiles measured on the real hardware: generation PTL(BS) and trainer time per token.
+
+``profile_engine`` drives any ``workers.types.Engine`` (native or vLLM) with length-forced
+requests: for each batch size it admits BS requests, waits until all are decoding, then
+times ``decode_steps`` steps: PTL(BS) = elapsed / steps. KV capacity comes from the
+engine's stats. ``profile_trainer`` times a callable that trains on a batch of a given
+number of tokens and fits ``time = fixed_s + s_per_token * tokens``. Both are saved as
+JSON (``StageProfiles``) and reused by the planner and the dispatcher.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from controller.scheduling import PTLProfile
+from workers.types import Engine, Request, SamplingParams
+
+
+def _drain(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def _requests(n: int, prompt_len: int, out_len: int, vocab: int, first_id: int, seed: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    return [Request(sample_id=first_id + i, prompt_ids=torch.randint(3, vocab, (prompt_len,), generator=g),
+                    max_tokens=out_len, min_tokens=out_len, sampling=SamplingParams(temperature=1.0, seed=seed + i))
+            for i in range(n)]
+
+
+def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), prompt_len: int = 16,
+                   decode_steps: int = 16, warmup_steps: int = 2, vocab: int = 64, block_size: int | None = None,
+                   name: str = "", clock: Callable[[], float] = time.perf_counter, seed: int = 0) -> PTLProfile:
+    """Measure PTL(BS) of ``engine`` at each batch size, its KV capacity and prefill cost.
+
+    Requests are forced to prompt_len + warmup_steps + decode_steps + 2 tokens so none finishes
+    inside the timed window; the engine is drained between sizes and left empty. vocab bounds
+    the random prompt ids. block_size defaults to ``engine.cfg.block_size`` (else 1)."""
+    if engine.has_work():
+        raise ValueError("profile_engine: the engine still has work; profile an idle engine")
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"profile_engine: batch_sizes must be >= 1, got {list(batch_sizes)}")
+    cfg = getattr(engine, "cfg", None)
+    block = block_size or int(getattr(cfg, "block_size", 1) or 1)
+    st = engine.stats()
+    old_cap = st.max_batch_size
+    kv_tokens = (st.kv_blocks_used + st.kv_blocks_free) * block
+    out_len = warmup_steps + decode_steps + 2
+    need = sizes[-1] * (-(-(prompt_len + out_len) // block) * block)
+    if need > kv_tokens:
+        raise ValueError(f"profile_engine: batch size {sizes[-1]} x {prompt_len + out_len} tokens needs {need} "
+                         f"KV tokens, the engine has {kv_tokens}; lower batch_sizes or prompt_len")
+    engine.set_max_batch_size(sizes[-1])
+    ptl, next_id = [], 0
+    try:
+        for bs in sizes:
+            engine.add(_requests(bs, prompt_len, out_len, vocab, next_id, seed))
+            next_id += bs
+            for _ in range(bs * prompt_len + 8):  # prefill, possibly chunked over steps
+                if engine.stats().running >= bs:
+                    break
+                engine.step()
+            else:
+                raise RuntimeError(f"profile_engine: the engine never ran {bs} requests at once "
+                                   f"(running {engine.stats().running}); check its max_batch_size / KV size")
+            for _ in range(warmup_steps):
+                engine.step()
+            t0 = clock()
+            for _ in range(decode_steps):
+                engine.step()
+            ptl.append((clock() - t0) / decode_steps)
+            _drain(engine)
+        # prefill: one long prompt alone, its first step minus one decode step
+        long_prompt = max(prompt_len, 4 * prompt_len)
+        long_prompt = min(long_prompt, kv_tokens // 2)
+        engine.add(_requests(1, long_prompt, 2, vocab, next_id, seed))
+        t0 = clock()
+        engine.step()
+        prefill = max(0.0, (clock() - t0) - ptl[0]) / long_prompt
+        _drain(engine)
+    finally:
+        engine.set_max_batch_size(old_cap)
+    # measured noise can make PTL dip with BS; the cost model wants it non-decreasing
+    mono = list(np.maximum.accumulate(np.maximum(ptl, 1e-9)))
+    return PTLProfile(sizes, [float(x) for x in mono], int(kv_tokens), block, int(old_cap), float(prefill), name,
+                      meta={"raw_ptl_s": ptl, "prompt_len": prompt_len, "decode_steps": decode_steps,
+                            "source": "measured"})
+
+
+@dataclass
+class TrainProfile:
+    """Trainer time for one iteration's batch: fixed_s + s_per_token * tokens, on ``ranks``
+    data-parallel ranks (tokens = prompt + response tokens of all samples). ``source`` says
+    whether it was measured or is an analytic (roofline) estimate."""
+
+    s_per_token: float
+    fixed_s: float = 0.0
+    ranks: int = 1
+    source: str = "measured"
+
+    def __post_init__(self):
+        if self.s_per_token < 0 or self.fixed_s < 0 or self.ranks < 1:
+            raise ValueError(f"TrainProfile: s_per_token ({self.s_per_token}) and fixed_s ({self.fixed_s}) "
+                             f"must be >= 0, ranks ({self.ranks}) >= 1")
+
+    def time(self, tokens: float, ranks: int | None = None) -> float:
+        """Seconds to train ``tokens`` on ``ranks`` ranks (ideal DP scaling from the profile)."""
+        r = ranks or self.ranks
+        return self.fixed_s + self.s_per_token * tokens * self.ranks / r
+
+
+def profile_trainer(train_tokens: Callable[[int], None], token_counts: Sequence[int] = (256, 1024),
+                    repeats: int = 2, ranks: int = 1, clock: Callable[[], float] = time.perf_counter) -> TrainProfile:
+    """Time ``train_tokens(T)`` (one full training pass over a batch of T tokens, optimizer
+    step included) at each T; least-squares fit of time = fixed_s + s_per_token * T."""
+    if len(set(token_counts)) < 2:
+        raise ValueError(f"profile_trainer: need at least 2 distinct token_counts, got {list(token_counts)}")
+    xs, ys = [], []
+    for t in token_counts:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            train_tokens(int(t))
+            best = min(best, clock() - t0)
+        xs.append(float(t))
+        ys.append(best)
+    slope, icpt = np.polyfit(xs, ys, 1)
+    return TrainProfile(float(max(slope, 1e-12)), float(max(icpt, 0.0)), ranks, "measured")
+
+
+@dataclass
+class StageProfiles:
+    """What the planner needs about one deployment: a generation instance's PTL profile and
+    the trainer's profile, plus the weight bytes to sync. Saved as one JSON file."""
+
+    generation: PTLProfile
+    trainer: TrainProfile
+    weight_bytes: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "StageProfiles":
+        with open(path) as f:
+            d = json.load(f)
+        missing = {"generation", "trainer"} - set(d)
+        if missing:
+            raise ValueError(f"{path}: StageProfiles is missing {sorted(missing)}")
+        return cls(PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), float(d.get("weight_bytes", 0.0)),
+                   d.get("meta", {}))

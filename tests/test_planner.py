@@ -1,0 +1,140 @@
+"""Planner: Algorithm 1 (single and cross datacenter), delta' and the scale-out decision,
+analytic GPU profiles."""
+import math
+
+import numpy as np
+import pytest
+
+from controller.planner.adjust import ScaleOutPolicy, delta_prime, lower_convex_hull, predicted_gen_times
+from controller.planner.allocation import (StageModel, allocate_brute_force, allocate_cross_dc, allocate_single_dc,
+                                           even_split, generation_time_model)
+from controller.planner.hardware import (GPUS, MODELS, analytic_ptl_profile, analytic_train_profile, gpu,
+                                         trainer_min_gpus)
+from controller.scheduling import PTLProfile
+
+BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def profile(a=1e-3, b=2e-5, kv_tokens=20000, block=16):
+    return PTLProfile(BS, [a + b * x for x in BS], kv_tokens, block)
+
+
+def workload(m=200, seed=0):
+    rng = np.random.default_rng(seed)
+    return [int(min(1500, max(4, x))) for x in np.exp(rng.normal(4.5, 1.0, size=m))]
+
+
+def random_stage_model(rng) -> StageModel:
+    # generation from the real instance model on a random workload; training = c / y + d
+    gt = generation_time_model(profile(), workload(int(rng.integers(30, 120)), int(rng.integers(1000))),
+                               dispatcher="skew_paper")
+    c, d = float(rng.uniform(0.5, 20)), float(rng.uniform(0, 0.3))
+    unit_t = int(rng.integers(1, 3))
+    return StageModel(gt, lambda y: c / y + d, gen_unit=int(rng.integers(1, 3)), train_unit=unit_t,
+                      train_min=int(rng.integers(1, 4)))
+
+
+def test_algorithm1_single_dc_equals_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(25):
+        model = random_stage_model(rng)
+        n = int(rng.integers(8, 17))
+        fast, brute = allocate_single_dc(model, n), allocate_brute_force(model, n)
+        assert (fast.gen_gpus, fast.train_gpus) == (brute.gen_gpus, brute.train_gpus)
+        assert fast.gen_gpus + fast.train_gpus + fast.released_train == n
+
+
+def test_algorithm1_step_function_training_ties_take_fewest_gpus():
+    model = StageModel(lambda k: 10.0 / k, lambda y: 4.0 if y < 4 else 2.0, 1, 1, 1)
+    a, b = allocate_single_dc(model, 12), allocate_brute_force(model, 12)
+    assert (a.gen_gpus, a.train_gpus) == (b.gen_gpus, b.train_gpus) == (5, 4)
+    assert a.iteration_s == 2.0 and a.released_train == 3
+
+
+def test_cross_dc_shrinks_faster_stage_until_balance():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        model = random_stage_model(rng)
+        m, n = int(rng.integers(2, 13)), int(rng.integers(8, 17))
+        a = allocate_cross_dc(model, m, n)
+        x0, y0 = m // model.gen_unit * model.gen_unit, n // model.train_unit * model.train_unit
+        start = max(model.gen(x0), model.train(y0))
+        assert a.iteration_s == pytest.approx(start)  # shrinking never slows the iteration
+        assert a.gen_gpus == x0 or a.train_gpus == y0  # only the faster stage shrinks
+        if a.gen_gpus < x0:  # generation was the faster stage: one unit less would be slower
+            assert a.gen_time_s <= a.train_time_s
+            assert a.gen_gpus == model.gen_unit or model.gen(a.gen_gpus - model.gen_unit) > a.train_time_s
+        if a.train_gpus < y0:
+            assert a.train_time_s <= a.gen_time_s
+            assert model.train(a.train_gpus - model.train_unit) > a.gen_time_s or \
+                a.train_gpus - model.train_unit < model.train_min
+        assert a.gen_gpus + a.released_gen <= m and a.train_gpus + a.released_train <= n
+
+
+def test_cross_dc_example_releases_generation_gpus():
+    model = StageModel(lambda k: 12.0 / k, lambda y: 16.0 / y, 1, 1, 1)
+    a = allocate_cross_dc(model, m=8, n=4)  # train(4) = 4 s; gen(3) = 4 s, gen(2) = 6 s
+    assert (a.gen_gpus, a.train_gpus, a.released_gen, a.released_train) == (3, 4, 5, 0)
+
+
+def test_even_split_is_no_better_than_algorithm1():
+    model = StageModel(lambda k: 40.0 / k, lambda y: 5.0 / y, 1, 1, 1)
+    assert allocate_single_dc(model, 16).iteration_s <= even_split(model, 16).iteration_s
+    assert even_split(model, 16).gen_gpus == 8
+
+
+def test_lower_convex_hull():
+    assert lower_convex_hull([10, 6, 5.5, 3, 2.9]) == pytest.approx([10, 6, 4.5, 3, 2.9])
+    assert lower_convex_hull([4.0]) == [4.0]
+
+
+def test_delta_prime_decreases_as_instances_are_added():
+    lens = workload(300, seed=3)
+    ks = list(range(1, 8))
+    raw = predicted_gen_times(profile(), lens, range(1, 9), dispatcher="skew_paper")
+    hull = lower_convex_hull(raw)
+    savings = [delta_prime(profile(), lens, k, dispatcher="skew_paper", horizon=8) for k in ks]
+    assert savings == pytest.approx([hull[k - 1] - hull[k] for k in ks])
+    assert all(a >= b for a, b in zip(savings, savings[1:])), savings
+    assert savings[0] > 2 * savings[-1] > 0  # diminishing returns, not flat
+    assert all(h <= t + 1e-12 for h, t in zip(hull, raw))
+    # scaled to a measured generation time: the same relative saving
+    assert delta_prime(profile(), lens, 2, gen_time_s=2 * hull[1], dispatcher="skew_paper", horizon=8) == \
+        pytest.approx(2 * savings[1])
+
+
+def test_scale_out_policy_adds_when_delta_exceeds_delta_prime():
+    lens = workload(120, seed=4)
+    pol = ScaleOutPolicy(profile(), cooldown=1)
+    t2 = predicted_gen_times(profile(), lens, [2])[0]
+    d0 = pol.observe(0, gen_time_s=t2, train_time_s=0.99 * t2, out_lens=lens, instances=2)
+    assert not d0.add and d0.delta_prime_s > d0.delta_s
+    d1 = pol.observe(1, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=2)
+    assert d1.add and d1.instances == 3 and d1.delta_s >= d1.delta_prime_s
+    d2 = pol.observe(2, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=3)
+    assert not d2.add and "cooldown" in d2.reason
+    assert [d.iteration for d in pol.history] == [0, 1, 2]
+
+
+def test_analytic_gpu_profiles():
+    assert set(GPUS) == {"H800", "H20", "H100", "H200", "A100"}
+    m = MODELS["qwen2.5-7b"]
+    h20, h800 = analytic_ptl_profile(m, gpu("H20"), tp=1), analytic_ptl_profile(m, gpu("H800"), tp=1)
+    assert h20.ptl(1) < h800.ptl(1)  # decode is bandwidth bound: H20 has more HBM bandwidth
+    assert h20.ptl(512) > h800.ptl(512)  # but 6.7x fewer FLOP/s: compute bound at large batch
+    assert h20.kv_tokens > h800.kv_tokens  # 96 GB vs 80 GB
+    # KV per token: 2 * 28 layers * 4 heads * 128 * 2 bytes
+    assert m.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+    t800 = analytic_train_profile(m, gpu("H800"), 8)
+    t20 = analytic_train_profile(m, gpu("H20"), 8)
+    assert t20.s_per_token / t800.s_per_token == pytest.approx(989 / 148)
+    assert trainer_min_gpus(MODELS["qwen2.5-72b"], gpu("H800")) > trainer_min_gpus(m, gpu("H800"))
+    with pytest.raises(ValueError, match="unknown GPU 'V100'"):
+        gpu("V100")
+
+
+def test_allocation_errors_name_the_problem():
+    model = StageModel(lambda k: 1.0, lambda y: 1.0, gen_unit=8, train_unit=8, train_min=8)
+    with pytest.raises(ValueError, match="12 GPUs cannot hold"):
+        allocate_single_dc(model, 12)
+    assert math.isinf(model.gen(4))
