@@ -1,0 +1,303 @@
+"""Run configuration: YAML -> frozen, typed dataclasses, validated once at load.
+
+Every key is checked here, before any process does work: an unknown key, a wrong type or an
+impossible placement raises ``ConfigError`` naming the key (``placement.trainer[1]: rank 5 >=
+world size 3``). Sections owned by other components are converted into their own config
+classes (``engine`` -> ``EngineConfig``, ``trainer`` -> ``TrainerConfig``, ``topology`` ->
+``Topology``) so their validation runs at load too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PIPELINE_MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``path``: HF folder of the policy. ``init``: when set and ``path`` has no model yet, a
+    fresh model with these ``workers.model.ModelConfig`` fields is built there (quickstart)."""
+
+    path: str = "runs/quickstart/model"
+    init: dict | None = None
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class TokenizerSection:
+    """``path``: tokenizer folder (defaults to the model folder). ``vocab_size``: when the
+    folder has no tokenizer, train a BPE of this size on the task's prompts+answers."""
+
+    path: str = ""
+    vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    name: str = "synthetic"
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    mode: str = "async_stream"
+    minibatch_size: int = 8  # samples per hand-over in ``minibatch`` mode
+
+    def __post_init__(self):
+        if self.mode not in PIPELINE_MODES:
+            raise ConfigError(f"pipeline.mode: {self.mode!r} is not one of {PIPELINE_MODES}")
+        if self.minibatch_size < 1:
+            raise ConfigError(f"pipeline.minibatch_size must be >= 1, got {self.minibatch_size}")
+
+
+@dataclass(frozen=True)
+class DispatchSection:
+    name: str = "round_robin"  # controller.scheduling.make_dispatcher name
+    options: dict = field(default_factory=dict)  # its constructor kwargs (e.g. alphas, order)
+    profile: str = ""  # PTLProfile JSON; empty: a flat default profile per instance
+
+
+@dataclass(frozen=True)
+class RankerSection:
+    kind: str = "none"  # "none": est_len = max_tokens; otherwise ranker.load(path)
+    path: str = ""
+    update: bool = False  # online fine-tune with the lengths of each iteration
+
+
+@dataclass(frozen=True)
+class PlacementSection:
+    """Global ranks per role; rank 0 is always the controller. ``colocated``: the generation
+    and trainer lists must be equal (time-multiplexed). ``elastic``: generation instances may
+    join (``--join``) and leave at run time."""
+
+    generation: list = field(default_factory=lambda: [1])
+    trainer: list = field(default_factory=lambda: [2])
+    colocated: bool = False
+    elastic: bool = True
+    rpc_timeout_s: float = 300.0
+    force_scale_out_at: int = -1  # test hook: add a waiting joiner at this iteration
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    iterations: int = 20
+    batch_prompts: int = 16
+    group_size: int = 4
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    eval_every: int = 0  # 0: never
+    eval_prompts: int = 32
+    ckpt_every: int = 0  # 0: only at the end
+    sft_steps: int = 0
+    sft_lr: float = 3e-3
+    seed: int = 0
+    length_trace: str = ""  # benchmarks: force output lengths from a length trace
+    length_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    logdir: str = "runs/quickstart"
+    timeline_every: int = 5  # Gantt figure to TensorBoard every K iterations (0: never)
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    engine: Any = None  # workers.generation.config.EngineConfig
+    trainer: Any = None  # workers.trainer.config.TrainerConfig
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    dispatch: DispatchSection = field(default_factory=DispatchSection)
+    ranker: RankerSection = field(default_factory=RankerSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    topology: Any = None  # workers.weight_sync.Topology
+    train: TrainSection = field(default_factory=TrainSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    @property
+    def world_ranks(self) -> int:
+        """Smallest world that holds the placement (controller + every listed rank)."""
+        return 1 + max([0, *self.placement.generation, *self.placement.trainer])
+
+    def replace(self, **sections) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+# ---- conversion -------------------------------------------------------------------------
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, X | None)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None):
+                return _check_type(key, value, a)
+    if hint is Any:
+        return value
+    base = origin or hint
+    if base is tuple and isinstance(value, list):
+        value = tuple(value)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is int and isinstance(value, bool) or not isinstance(value, base):
+        raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
+                          f"{type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, section: str, data: Any):
+    """Instantiate dataclass ``cls`` from a mapping, naming unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise ConfigError(f"{section}.{k}: unknown key (known: {sorted(names)})")
+    kwargs = {k: _check_type(f"{section}.{k}", v, hints[k]) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(section) else f"{section}: {msg}") from e
+
+
+def _owned_section(section: str, data: Any, module: str, cls_name: str):
+    """Convert a section owned by another component into its config class when that
+    component is installed; otherwise keep the validated mapping."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError):
+        return dict(data or {})
+    return _build(cls, section, data)
+
+
+def _topology(data: Any):
+    try:
+        from workers.weight_sync import Topology
+    except ImportError:
+        return dict(data or {})
+    try:
+        return Topology.from_config(data or {})
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"topology: {e}") from e
+
+
+def from_dict(d: dict, world_size: int | None = None) -> Config:
+    """Build and validate a Config; ``world_size`` (when known) checks the placement."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config: expected a mapping at top level, got {type(d).__name__}")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for k in d:
+        if k not in sections:
+            raise ConfigError(f"{k}: unknown section (known: {sorted(sections)})")
+    cfg = Config(
+        model=_build(ModelSection, "model", d.get("model")),
+        tokenizer=_build(TokenizerSection, "tokenizer", d.get("tokenizer")),
+        task=_build(TaskSection, "task", d.get("task")),
+        engine=_owned_section("engine", d.get("engine"), "workers.generation.config", "EngineConfig"),
+        trainer=_owned_section("trainer", d.get("trainer"), "workers.trainer.config", "TrainerConfig"),
+        pipeline=_build(PipelineSection, "pipeline", d.get("pipeline")),
+        dispatch=_build(DispatchSection, "dispatch", d.get("dispatch")),
+        ranker=_build(RankerSection, "ranker", d.get("ranker")),
+        placement=_build(PlacementSection, "placement", d.get("placement")),
+        topology=_topology(d.get("topology")),
+        train=_build(TrainSection, "train", d.get("train")),
+        logging=_build(LoggingSection, "logging", d.get("logging")),
+    )
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    p, t = cfg.placement, cfg.train
+    for role in ("generation", "trainer"):
+        ranks = getattr(p, role)
+        if not ranks:
+            raise ConfigError(f"placement.{role}: needs at least one rank")
+        for i, r in enumerate(ranks):
+            if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+                raise ConfigError(f"placement.{role}[{i}]: {r!r} is not a worker rank (ints >= 1; "
+                                  "rank 0 is the controller)")
+            if world_size is not None and r >= world_size:
+                raise ConfigError(f"placement.{role}[{i}]: rank {r} >= world size {world_size} "
+                                  f"(launch with --nproc-per-node/--nnodes giving >= {cfg.world_ranks})")
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"placement.{role}: duplicate ranks {ranks}")
+    colocated = cfg.pipeline.mode == "colocated" or p.colocated
+    if colocated and sorted(p.generation) != sorted(p.trainer):
+        raise ConfigError(f"placement: colocated needs generation == trainer ranks, got "
+                          f"{p.generation} vs {p.trainer}")
+    if not colocated and set(p.generation) & set(p.trainer):
+        raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
+                          "generation and trainer; set placement.colocated or pipeline.mode: colocated")
+    if p.rpc_timeout_s <= 0:
+        raise ConfigError("placement.rpc_timeout_s must be > 0")
+    for k in ("iterations", "batch_prompts", "group_size", "max_tokens"):
+        if getattr(t, k) < 1:
+            raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
+    if not 0 <= t.min_tokens <= t.max_tokens:
+        raise ConfigError(f"train.min_tokens must be in [0, max_tokens], got {t.min_tokens}")
+    if world_size is not None and world_size < 2:
+        raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
+
+
+def load_config(path: str | Path, world_size: int | None = None, overrides: dict | None = None) -> Config:
+    """Read YAML ``path`` (plus dotted ``overrides`` like {"train.iterations": 3}) into a Config."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    for dotted, value in (overrides or {}).items():
+        apply_override(d, dotted, value)
+    try:
+        return from_dict(d, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def apply_override(d: dict, dotted: str, value: Any) -> None:
+    """Set ``d["a"]["b"] = value`` for ``dotted == "a.b"`` (creating the section)."""
+    *parents, leaf = dotted.split(".")
+    node = d
+    for p in parents:
+        if node.get(p) is None:
+            node[p] = {}
+        node = node[p]
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.iterations=3"`` -> ("train.iterations", 3) (value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    k, v = text.split("=", 1)
+    return k.strip(), yaml.safe_load(v)

@@ -1,0 +1,201 @@
+"""GenerationInstance: one SGS data-parallel unit, living on a worker rank behind an RRef.
+
+It owns an engine (``workers.generation.factory.make_engine``) and generates the requests the
+controller's dispatch plan gives it. Each finished ``Sample`` goes straight to the trainer
+rank that owns its group (``route(group_id)``) through RPC, tensors as tensors, coalesced
+over ``coalesce_s`` at most; the controller only gets a ``GenerateReport`` (metadata).
+Weights arrive staged (versioned) and are swapped in only at an iteration boundary: at the
+start of ``generate(..., weight_version)``.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from controller.rpc import LOCAL
+from controller.timeline import SpanRecorder
+from workers.types import Request, Sample
+
+
+def route(group_id: int, num_trainers: int) -> int:
+    """Trainer DP index that trains ``group_id`` (a GRPO group never splits across ranks)."""
+    return group_id % num_trainers
+
+
+@dataclass
+class GenerateReport:
+    rank: int
+    iteration: int
+    sample_ids: list[int]
+    num_tokens: int
+    seconds: float
+    weight_version: int
+    lengths: list[int] = field(default_factory=list)  # output tokens per finished sample
+    stopped: bool = False  # left early (scale-in); unfinished requests go back to the SGS
+    unfinished: list[int] = field(default_factory=list)
+
+
+class Outbox:
+    """Sends finished samples to trainer RRefs from a background thread, coalescing whatever
+    finished within ``coalesce_s`` into one RPC per trainer."""
+
+    def __init__(self, trainers: list, coalesce_s: float = 0.003):
+        self.trainers, self.coalesce_s = trainers, coalesce_s
+        self.q: queue.Queue = queue.Queue()
+        self.futures: list = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def put(self, sample: Sample) -> None:
+        self.q.put(sample)
+
+    def _run(self) -> None:
+        while True:
+            first = self.q.get()
+            if first is None:
+                return
+            time.sleep(self.coalesce_s)
+            batch, done = [first], False
+            while True:
+                try:
+                    s = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if s is None:
+                    done = True
+                    break
+                batch.append(s)
+            by_trainer: dict[int, list[Sample]] = {}
+            for s in batch:
+                by_trainer.setdefault(route(s.group_id, len(self.trainers)), []).append(s)
+            for t, samples in by_trainer.items():
+                self.futures.append(self.trainers[t].rpc_async().receive(samples))
+            if done:
+                return
+
+    def close(self) -> None:
+        """Flush and wait until every trainer has accepted its samples (raises on failure)."""
+        self.q.put(None)
+        self.thread.join()
+        for f in self.futures:
+            f.wait()
+
+
+class GenerationInstance:
+    """Engine + weight staging + sample streaming, on one rank."""
+
+    def __init__(self, rank: int, engine_cfg, model_dir: str, eos_ids: list[int] | None = None,
+                 coalesce_s: float = 0.003):
+        from workers.generation.factory import make_engine
+
+        self.rank = rank
+        self.engine = make_engine(engine_cfg, model_dir, eos_ids)
+        self.version = 0
+        self.trainers: list = []
+        self.coalesce_s = coalesce_s
+        self.spans = SpanRecorder(f"gen{rank}")
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()  # one generate at a time
+        self._stop = threading.Event()
+        LOCAL.roles["generation"] = self
+
+    # ---- control -------------------------------------------------------------------------
+    def connect(self, trainers: list) -> bool:
+        """``trainers``: RRefs of the TrainerRank objects, in DP order."""
+        self.trainers = list(trainers)
+        return True
+
+    def stage_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
+        """Keep weights of ``version``; they are loaded at the next iteration boundary."""
+        t0 = time.time()
+        if self._staged is None or version > self._staged[0]:
+            self._staged = (version, named)
+        self.spans.add("weight_sync", t0, time.time(), version)
+        return version
+
+    def receive_weights(self, plan) -> int:
+        """Weight-sync tree receiver side (workers.weight_sync); runs while generating."""
+        from workers.weight_sync import WeightSyncReceiver
+
+        t0 = time.time()
+        staged = WeightSyncReceiver(plan, self.rank).receive()
+        if not staged.ok:
+            raise RuntimeError(f"gen{self.rank}: weight sync of version {staged.version} failed: {staged.error}")
+        self.spans.add("weight_sync", t0, time.time(), staged.version)
+        return self.stage_weights(staged.tensors, staged.version)
+
+    def load_local_trainer_weights(self, version: int) -> int:
+        """Colocated: take the weights from the trainer object of this same process."""
+        trainer = LOCAL.roles["trainer"]
+        return self.stage_weights({k: v.detach().clone() for k, v in trainer.worker.named_weights()}, version)
+
+    def _swap_weights(self, version: int) -> None:
+        if self.version == version:
+            return
+        if self._staged is None or self._staged[0] != version:
+            have = None if self._staged is None else self._staged[0]
+            raise RuntimeError(f"gen{self.rank}: asked to generate with weight version {version}, "
+                               f"holds {self.version}, staged {have}")
+        self.engine.load_weights(self._staged[1].items(), version)
+        self.version, self._staged = version, None
+
+    def stop(self) -> bool:
+        """Scale-in: the running ``generate`` returns early, reporting its unfinished requests."""
+        self._stop.set()
+        return True
+
+    # ---- data ----------------------------------------------------------------------------
+    def generate(self, iteration: int, requests: list[Request], weight_version: int,
+                 batch_cap: int = 0) -> GenerateReport:
+        with self._lock:
+            self._swap_weights(weight_version)
+            if batch_cap > 0:
+                self.engine.set_max_batch_size(batch_cap)
+            t0 = time.time()
+            out = Outbox(self.trainers, self.coalesce_s)
+            done: list[int] = []
+            lengths: list[int] = []
+            try:
+                refused = self.engine.add(requests)
+                if refused:
+                    s = refused[0]
+                    raise ValueError(f"gen{self.rank}: engine refused request {s.sample_id}: {s.error}")
+                while self.engine.has_work() and not self._stop.is_set():
+                    for s in self.engine.step():
+                        if s.finish_reason == "error":
+                            raise RuntimeError(f"gen{self.rank}: sample {s.sample_id} failed: {s.error}")
+                        out.put(s)
+                        done.append(s.sample_id)
+                        lengths.append(len(s.output_ids))
+            finally:
+                out.close()
+            self.spans.add("generate", t0, time.time(), iteration)
+            stopped = self._stop.is_set()
+            unfinished = sorted({r.sample_id for r in requests} - set(done)) if stopped else []
+            return GenerateReport(self.rank, iteration, done, sum(lengths), time.time() - t0,
+                                  weight_version, lengths, stopped, unfinished)
+
+    def evaluate(self, requests: list[Request]) -> list[tuple[int, list[int]]]:
+        """Greedy evaluation with the weights held now; outputs come back to the controller
+        (not to the trainers)."""
+        with self._lock:
+            out = []
+            for s in self.engine.add(requests):
+                raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
+            while self.engine.has_work():
+                out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
+            return out
+
+    def stats(self) -> dict:
+        st = self.engine.stats()
+        return {"rank": self.rank, "running": st.running, "waiting": st.waiting,
+                "kv_blocks_used": st.kv_blocks_used, "kv_blocks_free": st.kv_blocks_free,
+                "tokens_per_s": st.tokens_per_s, "max_batch_size": st.max_batch_size,
+                "weight_version": self.version}
+
+    def drain_spans(self) -> list:
+        return self.spans.drain()

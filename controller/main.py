@@ -1,0 +1,152 @@
+"""StreamRL entry point: one program for every rank.
+
+Single machine (controller + 1 generation instance + 1 trainer rank)::
+
+    torchrun --nproc-per-node 3 controller/main.py --config configs/quickstart.yaml
+
+Options: ``--repl`` (interactive console on the controller), ``--resume DIR`` (run logdir or
+checkpoint), ``--set key=value`` (config override, repeatable, e.g. ``--set train.iterations=5``).
+
+Two nodes (rank 0 = controller on node 0; torchrun's c10d rendezvous, nothing home-made)::
+
+    # on each node (NODE0 = address of node 0)
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 \
+        controller/main.py --config configs/cluster_2node.yaml
+
+Add a generation instance to a running job (elastic scale-out; ADDR = the job's store,
+printed by the controller at start as ``join address``)::
+
+    python controller/main.py --join ADDR --role generation
+
+Rank 0 is the controller (``controller/runner.py``); every other rank serves RPC and hosts
+the role objects the controller creates on it (``GenerationInstance``, ``TrainerRank``).
+Data-plane collectives (trainer DP group, weight sync) use gloo on CPU, NCCL on GPU (each
+worker takes LOCAL_RANK's GPU). RPC runs in dynamic-membership mode (``world_size=None``,
+required of every rank so that processes can join later).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.rpc as rpc  # noqa: E402
+
+from controller.rpc import LOCAL, worker_name  # noqa: E402
+
+JOIN_COUNTER_KEY = "streamrl/joined"
+WORLD_KEY = "streamrl/static_world"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="StreamRL controller / worker entry point")
+    ap.add_argument("--config", help="YAML run config (configs/*.yaml)")
+    ap.add_argument("--repl", action="store_true", help="interactive console on the controller (stdin of rank 0)")
+    ap.add_argument("--resume", default="", help="run logdir or checkpoint folder to resume from")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--join", default="", metavar="HOST:PORT", help="join a running job's RPC group")
+    ap.add_argument("--role", default="generation", choices=["generation"], help="role of a joining process")
+    ap.add_argument("--rpc-timeout", type=float, default=300.0, help="RPC timeout of a joining process (s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = ap.parse_args(argv)
+    if not args.join and not args.config:
+        ap.error("--config is required (unless --join)")
+    return args
+
+
+def _rpc_options(timeout: float, init_method: str) -> rpc.TensorPipeRpcBackendOptions:
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, num_worker_threads=32)
+    return opts
+
+
+def _serve() -> int:
+    """Worker ranks: host role objects until the controller says to exit."""
+    while not LOCAL.exit_event.wait(timeout=1.0):
+        pass
+    return LOCAL.exit_code
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def join_main(args) -> int:
+    """A generation process joining a running job (elastic scale-out)."""
+    host, port = args.join.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+    static = int(store.get(WORLD_KEY).decode())
+    rank = static + int(store.add(JOIN_COUNTER_KEY, 1)) - 1
+    LOCAL.rank = rank
+    LOCAL.device = _pick_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
+                 rpc_backend_options=_rpc_options(args.rpc_timeout, f"tcp://{host}:{port}"))
+    from controller.runner import register_joiner
+
+    rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
+    print(f"[join] rank {rank} joined as {args.role}", file=sys.stderr, flush=True)
+    code = _serve()
+    rpc.shutdown(graceful=False)
+    return code
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.join:
+        return join_main(args)
+    if "RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit("controller/main.py must be launched with torchrun "
+                 "(torchrun --nproc-per-node 3 controller/main.py --config configs/quickstart.yaml)")
+    from controller.config import ConfigError, load_config, parse_override
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:  # every rank validates, so a bad config stops all of them before any work
+        cfg = load_config(args.config, world, dict(parse_override(s) for s in args.set))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return 2
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    LOCAL.rank, LOCAL.local_rank = rank, local_rank
+    LOCAL.device = _pick_device(local_rank)
+    timeout = datetime.timedelta(seconds=cfg.placement.rpc_timeout_s)
+    dist.init_process_group("nccl" if LOCAL.device.type == "cuda" else "gloo", timeout=timeout)
+    LOCAL.has_process_group = True
+    if rank == 0:  # joiners read the static world size from torchrun's store
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store.set(WORLD_KEY, str(world))
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if cfg.placement.elastic else world,
+                 rpc_backend_options=_rpc_options(cfg.placement.rpc_timeout_s, "env://"))
+    dist.barrier()  # every static rank is in the RPC group
+    if rank == 0:
+        from controller.runner import run_controller
+
+        code = run_controller(cfg, args, world)
+    else:
+        code = _serve()
+    if code == 0:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer is gone; leave anyway
+            pass
+    rpc.shutdown(graceful=False)
+    if code == 0:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != 0:
+        os._exit(code)  # threads blocked in collectives with a dead peer must not keep us alive
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

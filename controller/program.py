@@ -1,0 +1,222 @@
+"""The RL program on the controller (DESIGN.md section 3), one loop for the six pipeline modes.
+
+Per iteration i: take a batch of prompts, estimate lengths (ranker), register the iteration
+with the trainer ranks, dispatch generation over the SGS (samples stream to the trainers),
+step the trainers (new weight version), push weights to the instances.
+
+* lag 0 (colocated, batch, minibatch, stream): G(i) uses the version after step(i-1); the
+  push completes before G(i+1). Staleness 0.
+* lag 1 (async_batch, async_stream): G(i) starts as soon as G(i-1) finished and the weights
+  of step(i-2) are staged; step(i-1) and the push of its weights overlap G(i). Staleness <= 1.
+
+``run(k)`` runs k iterations and drains the pipeline, so the REPL can change the mode or the
+dispatcher between calls.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from controller.data import PromptStream
+from controller.modes import PipelineMode, get_mode
+from controller.rpc import wait_all
+from controller.sgs import Round
+from controller.world import World
+from workers.types import Request, SamplingParams, TaskPrompt
+
+SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    version: int
+    gen_version: int
+    metrics: dict[str, float]
+    num_samples: int
+    num_tokens: int
+    gen_seconds: float
+    train_seconds: float
+    iter_seconds: float
+    staleness_max: int
+    weight_sync_seconds: float = 0.0
+    redispatched: int = 0
+    lost: list[int] = field(default_factory=list)
+    out_lens: list[int] = field(default_factory=list)  # output length of every sample
+
+
+@dataclass
+class _Batch:
+    iteration: int
+    items: list[TaskPrompt]
+    requests: list[Request]
+    started: float
+    round: Round | None = None
+    gen_done: float = 0.0
+
+
+class Program:
+    def __init__(self, cfg, world: World, tokenizer, task, ranker=None, on_iteration=None,
+                 stream_state: dict | None = None, start_iteration: int = 0, version: int = 0):
+        self.cfg = cfg
+        self.world = world
+        self.tok = tokenizer
+        self.task = task
+        self.ranker = ranker
+        self.mode: PipelineMode = get_mode(cfg.pipeline.mode)
+        self.minibatch = cfg.pipeline.minibatch_size
+        self.stream = PromptStream(list(task.prompts("train")), cfg.train.seed, stream_state)
+        self.iteration = start_iteration
+        self.version = version  # weights the instances hold
+        self.on_iteration = on_iteration  # callback(IterationResult, spans)
+        self.history: list[IterationResult] = []
+        self.length_of = None  # benchmarks: prompt text -> forced output length
+        self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
+
+    # ---- requests ------------------------------------------------------------------------
+    def make_batch(self, iteration: int) -> _Batch:
+        t = self.cfg.train
+        items = self.stream.next(t.batch_prompts)
+        texts = [it.prompt for it in items]
+        est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
+        reqs = []
+        for j, item in enumerate(items):
+            ids = torch.tensor(self.tok.encode(self.tok.format_prompt(item.prompt)), dtype=torch.long)
+            max_tokens, min_tokens = t.max_tokens, t.min_tokens
+            if self.length_of is not None:
+                max_tokens = min_tokens = max(1, int(self.length_of(item)))
+            for k in range(t.group_size):
+                sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
+                reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j]),
+                                    group_id=iteration * SAMPLE_STRIDE + j,
+                                    sampling=SamplingParams(temperature=t.temperature, seed=t.seed * 7919 + sid)))
+        return _Batch(iteration, items, reqs, time.time())
+
+    def _begin(self, b: _Batch) -> None:
+        """Tell each trainer DP rank which samples (and groups) of ``b`` it will receive."""
+        n = len(self.world.trainers)
+        g = self.cfg.train.group_size
+        per: list[tuple[dict, dict]] = [({}, {}) for _ in range(n)]
+        for r in b.requests:
+            prompts, groups = per[r.group_id % n]
+            prompts[r.sample_id] = b.items[(r.group_id - b.iteration * SAMPLE_STRIDE)]
+            groups[r.group_id] = g
+        wait_all([t.call("begin_iteration", b.iteration, prompts, groups, self.mode.release, self.minibatch,
+                         self.mode.max_staleness) for t, (prompts, groups) in zip(self.world.trainers, per)])
+
+    def _generate(self, b: _Batch, version: int) -> None:
+        self._begin(b)
+        b.round = self.world.sgs.generate(b.iteration, b.requests, version)
+
+    def _finish_generation(self, b: _Batch) -> None:
+        if b.round is not None and not b.gen_done:
+            b.round.wait()
+            b.gen_done = time.time()
+
+    def _step(self, b: _Batch, gen_version: int, sync_s: float) -> IterationResult:
+        t0 = time.time()
+        reports = wait_all([t.call("step", b.iteration) for t in self.world.trainers])
+        t1 = time.time()
+        version = reports[0].version
+        metrics = dict(reports[0].metrics)  # all-reduced: every DP rank reports the same totals
+        metrics["staleness_max"] = float(max(r.staleness_max for r in reports))
+        res = IterationResult(b.iteration, version, gen_version, metrics,
+                              int(metrics.get("num_samples", sum(r.num_samples for r in reports))),
+                              int(metrics.get("num_tokens", sum(r.num_tokens for r in reports))),
+                              b.gen_done - b.started, t1 - t0, t1 - b.started,
+                              max(r.staleness_max for r in reports), sync_s,
+                              len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [],
+                              [n for rep in (b.round.reports if b.round else []) for n in rep.lengths])
+        return res
+
+    def _push(self, version: int):
+        return self.world.push_weights(version), time.time()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self, k: int) -> list[IterationResult]:
+        """Run ``k`` iterations in the current mode; returns their results (pipeline drained)."""
+        out: list[IterationResult] = []
+        lag = self.mode.lag
+        prev: _Batch | None = None
+        prev_gen_version = self.version
+        push, push_t0, sync_s = [], 0.0, 0.0
+        for _ in range(k):
+            i = self.iteration
+            if self.before_iteration is not None:
+                self.before_iteration(i)
+            b = self.make_batch(i)
+            if lag == 0:
+                self._generate(b, self.version)
+                self._finish_generation(b)
+                res = self._step(b, self.version, 0.0)
+                t0 = time.time()
+                wait_all(self.world.push_weights(res.version))
+                res.weight_sync_seconds = time.time() - t0
+                self.version = res.version
+                self._record(res, out)
+            else:
+                if prev is not None:
+                    self._finish_generation(prev)
+                if push:
+                    wait_all(push)
+                    sync_s = time.time() - push_t0
+                    push = []
+                gen_version = self.version
+                self._generate(b, gen_version)
+                if prev is not None:
+                    res = self._step(prev, prev_gen_version, sync_s)
+                    push, push_t0 = self._push(res.version)
+                    self.version = res.version  # staged on the instances once `push` completes
+                    self._record(res, out)
+                prev, prev_gen_version = b, gen_version
+            self.iteration += 1
+        if prev is not None:  # drain
+            self._finish_generation(prev)
+            if push:
+                wait_all(push)
+                sync_s = time.time() - push_t0
+            res = self._step(prev, prev_gen_version, sync_s)
+            t0 = time.time()
+            wait_all(self.world.push_weights(res.version))
+            self.version = res.version
+            self._record(res, out)
+        return out
+
+    def _record(self, res: IterationResult, out: list[IterationResult]) -> None:
+        out.append(res)
+        self.history.append(res)
+        if self.on_iteration is not None:
+            self.on_iteration(res)
+
+    # ---- settings between iterations (REPL) ----------------------------------------------
+    def set_mode(self, name: str) -> None:
+        mode = get_mode(name)
+        if mode.colocated != self.world.colocated:
+            raise ValueError(f"pipeline.mode {name!r} needs a {'colocated' if mode.colocated else 'disaggregated'} "
+                             "placement; this run's ranks are placed otherwise")
+        self.mode = mode
+
+    def set_dispatcher(self, name: str, **options) -> None:
+        from controller.scheduling import make_dispatcher
+
+        self.world.sgs.dispatcher = make_dispatcher(name, **options)
+
+    # ---- evaluation ----------------------------------------------------------------------
+    def evaluate(self, n: int) -> dict[str, float]:
+        """Greedy generation on the task's test split; mean score per task name."""
+        items = list(self.task.prompts("test"))[:n]
+        reqs = [Request(-1 - j, torch.tensor(self.tok.encode(self.tok.format_prompt(it.prompt)), dtype=torch.long),
+                        self.cfg.train.max_tokens, 0, 0.0, group_id=-1,
+                        sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]
+        handles = self.world.sgs.handles
+        chunks = [reqs[i::len(handles)] for i in range(len(handles))]
+        outs = wait_all([h.call("evaluate", c) for h, c in zip(handles, chunks) if c])
+        texts = {sid: self.tok.decode(ids) for o in outs for sid, ids in o}
+        per: dict[str, list[float]] = {}
+        for j, it in enumerate(items):
+            per.setdefault(it.task, []).append(self.task.score(it, texts.get(-1 - j, "")))
+        acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items()}
+        acc["eval/mean"] = sum(sum(v) for v in per.values()) / max(1, len(items))
+        return acc

@@ -1,0 +1,164 @@
+"""Worker-group handles and the process-local runtime state behind torch RPC.
+
+Every process runs ``controller/main.py``; rank 0 is the controller, the others wait for the
+controller to create role objects on them with ``rpc.remote`` (``GenerationInstance``,
+``TrainerRank``). The controller holds ``WorkerHandle``s (rank, role, RRef) and calls plain
+methods: ``handle.call("generate", ...)`` -> ``rref.rpc_async(timeout).generate(...)``.
+
+A worker's exception comes back with torch's remote traceback; ``wait`` re-raises it as
+``WorkerFailed`` naming the rank and role. A peer that vanished (process killed, connection
+closed) is told apart from a Python exception raised in the worker (``is_peer_lost``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+
+def worker_name(rank: int) -> str:
+    return "controller" if rank == 0 else f"worker{rank}"
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised (or vanished); ``rank``/``role`` say which, the message holds its traceback."""
+
+    def __init__(self, rank: int, role: str, method: str, detail: str, lost: bool = False):
+        self.rank, self.role, self.method, self.lost = rank, role, method, lost
+        what = "was lost (process gone)" if lost else "raised"
+        super().__init__(f"worker rank {rank} ({role}) {what} in {method}():\n{detail}")
+
+
+def is_peer_lost(err: BaseException) -> bool:
+    """True when the error is a transport failure (peer process gone), not a Python exception
+    raised inside the worker (torch prefixes those with ``On WorkerInfo(``)."""
+    msg = str(err)
+    if "On WorkerInfo(" in msg:
+        return False
+    lost_marks = ("eof", "pipe closed", "Connection reset", "connection reset", "Connection refused",
+                  "closed", "shut down", "Unknown destination worker", "timed out", "Timeout")
+    return any(m in msg for m in lost_marks)
+
+
+@dataclass
+class WorkerHandle:
+    """One role object on one rank, as the controller sees it."""
+
+    rank: int
+    role: str  # "generation" | "trainer"
+    rref: Any  # torch.distributed.rpc.RRef
+    timeout: float = 300.0
+    alive: bool = True
+
+    @property
+    def name(self) -> str:
+        return worker_name(self.rank)
+
+    def call(self, method: str, *args, timeout: float | None = None) -> "Call":
+        fut = getattr(self.rref.rpc_async(timeout=timeout or self.timeout), method)(*args)
+        return Call(self, method, fut)
+
+
+@dataclass
+class Call:
+    handle: WorkerHandle
+    method: str
+    future: Any
+
+    def wait(self) -> Any:
+        try:
+            return self.future.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised with rank/role
+            raise WorkerFailed(self.handle.rank, self.handle.role, self.method, str(e),
+                               lost=is_peer_lost(e)) from None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def wait_all(calls: list[Call]) -> list[Any]:
+    """Wait for every call; the first failure is raised after all have settled."""
+    out, first = [], None
+    for c in calls:
+        try:
+            out.append(c.wait())
+        except WorkerFailed as e:
+            first = first or e
+            out.append(None)
+    if first is not None:
+        raise first
+    return out
+
+
+def create(rank: int, role: str, cls, *args, timeout: float = 300.0) -> WorkerHandle:
+    """Construct ``cls(*args)`` on ``rank`` and return its handle (waits for the constructor)."""
+    rref = rpc.remote(worker_name(rank), cls, args=args, timeout=timeout)
+    return settle([(rank, rref)], role, timeout)[0]
+
+
+def owner_ready(rref) -> bool:
+    """Runs on the owner: raises the constructor's exception if it failed."""
+    rref.local_value()
+    return True
+
+
+def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[WorkerHandle]:
+    """Wait until every ``rpc.remote``-created object exists (constructor errors surface here,
+    with rank and role); the object itself stays on its rank."""
+    futs = [(r, rref, rpc.rpc_async(worker_name(r), owner_ready, args=(rref,), timeout=timeout))
+            for r, rref in created]
+    out = []
+    for r, rref, f in futs:
+        try:
+            f.wait()
+        except Exception as e:  # noqa: BLE001
+            raise WorkerFailed(r, role, "__init__", str(e), lost=is_peer_lost(e)) from None
+        out.append(WorkerHandle(r, role, rref, timeout))
+    return out
+
+
+# ---- process-local state (each worker process) -------------------------------------------
+@dataclass
+class Local:
+    """What a process knows about itself; role objects look things up here."""
+
+    rank: int = 0
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    has_process_group: bool = False
+    exit_event: threading.Event = field(default_factory=threading.Event)
+    exit_code: int = 0
+    roles: dict = field(default_factory=dict)  # "trainer" / "generation" -> object
+    groups: dict = field(default_factory=dict)  # tuple(ranks) -> ProcessGroup
+
+
+LOCAL = Local()
+
+
+def request_exit(code: int = 0) -> bool:
+    """Called by the controller through RPC: the worker's main loop exits with ``code``."""
+    LOCAL.exit_code = code
+    LOCAL.exit_event.set()
+    return True
+
+
+def ping() -> int:
+    return os.getpid()
+
+
+def subgroup(ranks: list[int]):
+    """Process group over ``ranks`` (global ranks), created by its members only; ``None`` for
+    a single rank or when this process is outside the static world (joined later)."""
+    import torch.distributed as dist
+
+    ranks = sorted(ranks)
+    if len(ranks) <= 1 or not LOCAL.has_process_group:
+        return None
+    key = tuple(ranks)
+    if key not in LOCAL.groups:
+        LOCAL.groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return LOCAL.groups[key]

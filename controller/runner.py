@@ -1,0 +1,220 @@
+"""The controller session on rank 0: set up the worker groups, run the program (or the REPL),
+log, checkpoint, and stop every worker -- cleanly on success, at once on a failure.
+
+The run ends by printing one JSON line on stdout: reward_first / reward_last (mean reward of
+the first / last 10% of iterations), samples_per_s, iterations, logdir (+ a few more).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed.rpc as rpc
+
+from controller import checkpoint as ckpt
+from controller.bootstrap import ensure_model
+from controller.metrics import Metrics
+from controller.program import Program
+from controller.rpc import WorkerFailed, request_exit, worker_name
+from controller.world import add_instance, build_world
+
+_JOINERS: "queue.Queue[tuple[int, str]]" = queue.Queue()
+
+
+def register_joiner(rank: int, role: str) -> bool:
+    """RPC target: a process started with ``--join`` announces itself; it is added to the SGS
+    at an iteration boundary when the scale-out policy (or a forced test flag) says so."""
+    _JOINERS.put((rank, role))
+    print(f"[controller] rank {rank} ({role}) is waiting to join", file=sys.stderr, flush=True)
+    return True
+
+
+class Session:
+    def __init__(self, cfg, args, world_size: int):
+        from controller.scheduling import make_dispatcher
+        from workers.tasks.registry import make_task
+        from workers.tokenizer import Tokenizer
+
+        self.cfg, self.args = cfg, args
+        self.logdir = Path(cfg.logging.logdir)
+        self.static_ranks = set(range(1, world_size))
+        self.joined: list[int] = []
+        self.waiting: list[int] = []
+        self.want_add = False
+        boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
+                            args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
+                                  cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed),
+                            timeout=cfg.placement.rpc_timeout_s * 4)
+        self.boot = boot
+        self.model_dir = boot["path"]
+        self.tok = Tokenizer.load(cfg.tokenizer.path or self.model_dir)
+        self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        self.eos_ids = [self.tok.eos_id]
+        self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks,
+                                 make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options)))
+        self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
+        self.ranker = self._ranker()
+        self.policy = self._scale_policy()
+        state = self._resume() if args.resume else None
+        self.program = Program(cfg, self.world, self.tok, self.task, self.ranker, self._on_iteration,
+                               stream_state=state.stream if state else None,
+                               start_iteration=state.iteration if state else 0,
+                               version=state.version if state else 0)
+        if state:
+            self.metrics.rewards = list(state.rewards)
+        self.program.before_iteration = self._before_iteration
+        self.progress = None
+        self.started = time.time()
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    def _ranker(self):
+        r = self.cfg.ranker
+        if r.kind == "none":
+            return None
+        import ranker
+
+        return ranker.load(r.path)
+
+    def _scale_policy(self):
+        if not self.cfg.placement.elastic:
+            return None
+        try:
+            from controller.planner.adjust import ScaleOutPolicy
+        except ImportError:
+            return None
+        return ScaleOutPolicy(self.world.sgs.slots[0].profile)
+
+    def _resume(self):
+        found = ckpt.find(self.args.resume)
+        if found is None:
+            print(f"[controller] --resume {self.args.resume}: no checkpoint yet, starting fresh",
+                  file=sys.stderr, flush=True)
+            return None
+        state = ckpt.load_state(found)
+        from controller.rpc import wait_all
+
+        versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
+        wait_all(self.world.push_weights(versions[0]))
+        state.version = versions[0]
+        print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
+              file=sys.stderr, flush=True)
+        return state
+
+    # ---- per-iteration hooks ---------------------------------------------------------------
+    def _before_iteration(self, i: int) -> None:
+        while True:
+            try:
+                rank, _ = _JOINERS.get_nowait()
+            except queue.Empty:
+                break
+            self.waiting.append(rank)
+        forced = 0 <= self.cfg.placement.force_scale_out_at <= i
+        if self.waiting and (forced or self.want_add):
+            rank = self.waiting.pop(0)
+            add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)
+            self.joined.append(rank)
+            self.want_add = False
+            self.metrics.log_scalars({"sgs/instances": len(self.world.sgs.slots)}, i)
+            print(f"[controller] iteration {i}: added generation instance rank {rank} "
+                  f"(weights v{self.program.version})", file=sys.stderr, flush=True)
+
+    def _on_iteration(self, res) -> None:
+        spans = self.world.drain_spans()
+        derived = self.metrics.log_iteration(res, spans)
+        c = self.cfg
+        if self.policy is not None:
+            lens = res.out_lens
+            if lens:
+                d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
+                                        derived["time/train_busy_s"], lens, len(self.world.sgs.slots))
+                self.want_add = self.want_add or d.add
+                self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
+        if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
+            self.metrics.log_scalars(self.program.evaluate(c.train.eval_prompts), res.iteration)
+        if c.train.ckpt_every and (res.iteration + 1) % c.train.ckpt_every == 0:
+            self.save_checkpoint(res.iteration + 1)
+        if self.progress is not None:
+            self.progress.update(self.task_id, advance=1,
+                                 description=f"RL {c.pipeline.mode} reward {res.metrics.get('reward_mean', 0):.3f}")
+
+    def save_checkpoint(self, next_iteration: int) -> Path:
+        state = ckpt.ControllerState(next_iteration, self.program.version, self.program.stream.state_dict(),
+                                     self.program.mode.name, list(self.metrics.rewards), {})
+        trainer0 = self.world.trainers[0]
+        return ckpt.save(self.logdir / "checkpoints", state,
+                         lambda folder: trainer0.call("save_checkpoint", folder).wait())
+
+    # ---- run ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.cfg
+        remaining = c.train.iterations - self.program.iteration
+        if self.args.repl:
+            from controller.repl import Repl
+
+            Repl(self).loop(sys.stdin, sys.stdout)
+        elif remaining > 0:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=Console(file=sys.stderr), disable=not c.logging.progress) as progress:
+                self.progress = progress
+                self.task_id = progress.add_task(f"RL {c.pipeline.mode}", total=remaining)
+                t0 = time.time()
+                self.program.run(remaining)
+                self.rl_seconds = time.time() - t0
+                self.progress = None
+        final = self.save_checkpoint(self.program.iteration)
+        if self.metrics.spans:
+            self.metrics.write_timeline(self.program.iteration)
+        summary = self.metrics.summary()
+        samples = sum(r.num_samples for r in self.program.history)
+        wall = getattr(self, "rl_seconds", time.time() - self.started)
+        summary.update(samples_per_s=samples / max(wall, 1e-9), logdir=str(self.logdir),
+                       checkpoint=str(final), mode=self.program.mode.name, rl_seconds=wall,
+                       bootstrap_seconds=self.boot["seconds"], instances=len(self.world.sgs.slots))
+        self.metrics.close()
+        return summary
+
+
+def _stop_workers(ranks: list[int], code: int) -> None:
+    futs = []
+    for r in ranks:
+        try:
+            futs.append(rpc.rpc_async(worker_name(r), request_exit, args=(code,), timeout=10))
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    for f in futs:
+        try:
+            f.wait()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_controller(cfg, args, world_size: int) -> int:
+    """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
+    print(f"[controller] join address {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+          f"(python controller/main.py --join ADDR --role generation)", file=sys.stderr, flush=True)
+    static = list(range(1, world_size))
+    session = None
+    try:
+        session = Session(cfg, args, world_size)
+        summary = session.run()
+        print(json.dumps(summary), flush=True)
+        code = 0
+    except WorkerFailed as e:
+        print(f"[controller] run stopped: {e}", file=sys.stderr, flush=True)
+        code = 1
+    except Exception:  # noqa: BLE001 - the controller itself failed
+        print(f"[controller] run stopped by a controller error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    joined = session.joined + session.waiting if session else []
+    while not _JOINERS.empty():
+        joined.append(_JOINERS.get_nowait()[0])
+    _stop_workers(static + joined, code)
+    return code

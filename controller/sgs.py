@@ -1,0 +1,130 @@
+"""SGS client: the controller's view of the Stream Generation Service.
+
+``SGS.generate(iteration, requests, version)`` splits the requests over the live instances
+with F's dispatcher (``controller.scheduling.make_dispatcher``: skewness-aware split + LPT
+order + batch caps) and starts every instance; samples flow from the instances straight to
+the trainer ranks. ``Round.wait()`` collects the instances' metadata reports. When an
+instance is lost mid-iteration (its process died), the requests whose samples never reached
+a trainer are dispatched again to the others; the trainer drops duplicates by sample id, so
+every request of the iteration is trained exactly once.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from controller.instance import GenerateReport
+from controller.rpc import Call, WorkerFailed, WorkerHandle
+from workers.types import Request
+
+
+def default_profile(max_batch_size: int = 64, kv_tokens: int = 1 << 16, block_size: int = 16):
+    """A flat-ish PTL profile for instances not profiled yet (dispatch still balances counts)."""
+    from controller.scheduling import PTLProfile
+
+    return PTLProfile(batch_sizes=[1, max_batch_size], ptl_s=[0.01, 0.01 + 0.0002 * max_batch_size],
+                      kv_tokens=kv_tokens, block_size=block_size, max_batch_size=max_batch_size)
+
+
+@dataclass
+class InstanceSlot:
+    handle: WorkerHandle
+    profile: object  # controller.scheduling.PTLProfile
+    joined_at: int = 0  # iteration it started taking prompts
+
+
+@dataclass
+class Round:
+    """One iteration's generation over the SGS (in flight)."""
+
+    sgs: "SGS"
+    iteration: int
+    version: int
+    requests: dict[int, Request]
+    calls: list[tuple[InstanceSlot, Call, list[int]]] = field(default_factory=list)
+    reports: list[GenerateReport] = field(default_factory=list)
+    redispatched: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)  # ranks lost during this round
+
+    def wait(self) -> list[GenerateReport]:
+        while self.calls:
+            slot, call, ids = self.calls.pop(0)
+            try:
+                rep: GenerateReport = call.wait()
+            except WorkerFailed as e:
+                if not e.lost:
+                    raise
+                self.sgs.remove(slot.handle.rank, reason=str(e).splitlines()[0])
+                self.lost.append(slot.handle.rank)
+                self._redispatch(ids)
+                continue
+            self.reports.append(rep)
+            if rep.unfinished:  # the instance left (scale-in): hand its rest to the others
+                self.sgs.remove(slot.handle.rank, reason="stopped")
+                self._redispatch(rep.unfinished)
+        return self.reports
+
+    def _redispatch(self, ids: list[int]) -> None:
+        received = self.sgs.received(self.iteration)
+        missing = [i for i in ids if i not in received]
+        if not missing:
+            return
+        if not self.sgs.slots:
+            raise RuntimeError(f"iteration {self.iteration}: every generation instance is gone, "
+                               f"{len(missing)} requests left")
+        print(f"[sgs] iteration {self.iteration}: re-dispatching {len(missing)} unfinished requests "
+              f"to {[s.handle.rank for s in self.sgs.slots]}", file=sys.stderr, flush=True)
+        self.redispatched += missing
+        self.calls += self.sgs.launch(self.iteration, [self.requests[i] for i in missing], self.version)
+
+
+class SGS:
+    """Live generation instances + the dispatcher. ``received(iteration)``: sample ids the
+    trainers hold for an iteration (used to find what a lost instance left undone)."""
+
+    def __init__(self, dispatcher, received: Callable[[int], set[int]], seed: int = 0):
+        self.dispatcher = dispatcher
+        self.received = received
+        self.seed = seed
+        self.slots: list[InstanceSlot] = []
+        self.removed: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def handles(self) -> list[WorkerHandle]:
+        return [s.handle for s in self.slots]
+
+    def add(self, handle: WorkerHandle, profile=None, iteration: int = 0) -> None:
+        with self._lock:
+            self.slots.append(InstanceSlot(handle, profile or default_profile(), iteration))
+
+    def remove(self, rank: int, reason: str = "") -> None:
+        with self._lock:
+            for s in list(self.slots):
+                if s.handle.rank == rank:
+                    s.handle.alive = False
+                    self.slots.remove(s)
+                    self.removed.append((rank, reason))
+                    print(f"[sgs] instance rank {rank} removed: {reason}", file=sys.stderr, flush=True)
+
+    def launch(self, iteration: int, requests: list[Request], version: int
+               ) -> list[tuple[InstanceSlot, Call, list[int]]]:
+        slots = list(self.slots)
+        est = [r.est_len if r.est_len > 0 else float(r.max_tokens) for r in requests]
+        plan = self.dispatcher.plan(est, [s.profile for s in slots], seed=self.seed + iteration,
+                                    prompt_lens=[len(r.prompt_ids) for r in requests])
+        calls = []
+        for slot, idx, cap in zip(slots, plan.per_instance, plan.batch_caps):
+            if not idx:
+                continue
+            chunk = [requests[i] for i in idx]
+            calls.append((slot, slot.handle.call("generate", iteration, chunk, version, int(cap)),
+                          [r.sample_id for r in chunk]))
+        return calls
+
+    def generate(self, iteration: int, requests: list[Request], version: int) -> Round:
+        rnd = Round(self, iteration, version, {r.sample_id: r for r in requests})
+        rnd.calls = self.launch(iteration, requests, version)
+        return rnd

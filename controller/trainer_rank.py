@@ -1,0 +1,282 @@
+"""TrainerRank: one trainer data-parallel rank behind an RRef, wrapping B's ``TrainerWorker``.
+
+Generation instances call ``receive(samples)`` directly (the sample stream); the rank keeps a
+per-iteration inbox and a consumer thread that hands samples to ``TrainerWorker.receive`` as
+the pipeline mode's release policy allows:
+
+* ``all``       -- the whole iteration at once (colocated, batch, async_batch)
+* ``minibatch`` -- fixed-size hand-overs of ``minibatch`` samples (strawman 1)
+* ``stream``    -- every sample as soon as it arrives (stream, async_stream)
+
+Iterations are consumed strictly in order: samples of iteration i+1 (async modes) wait in
+their inbox until ``step(i)`` has produced the new version. Every sample's staleness
+(trainer version - sample.weight_version) is checked against the mode's bound. A sample id
+seen twice is dropped (re-dispatch after an instance loss never trains a sample twice).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from controller.rpc import LOCAL, subgroup
+from controller.timeline import SpanRecorder
+from workers.types import Sample, TaskPrompt
+
+
+@dataclass
+class _Iteration:
+    iteration: int
+    prompts: dict[int, TaskPrompt]
+    group_sizes: dict[int, int]
+    policy: str
+    minibatch: int
+    max_staleness: int
+    pending: list[Sample] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+    consumed: int = 0
+    duplicates: int = 0
+    staleness: list[int] = field(default_factory=list)
+    first_sample_at: float = 0.0
+    last_sample_at: float = 0.0
+
+    @property
+    def expected(self) -> int:
+        return len(self.prompts)
+
+    def release(self) -> list[Sample]:
+        """Samples the policy lets go now (empty: keep waiting)."""
+        n = len(self.pending)
+        complete = self.consumed + n == self.expected
+        if self.policy == "stream" and n:
+            k = n
+        elif self.policy == "minibatch" and (n >= self.minibatch or (complete and n)):
+            k = min(n, self.minibatch)
+        elif self.policy == "all" and complete and n:
+            k = n
+        else:
+            return []
+        out, self.pending = self.pending[:k], self.pending[k:]
+        return out
+
+
+@dataclass
+class StepReport:
+    rank: int
+    iteration: int
+    version: int
+    metrics: dict[str, float]
+    num_samples: int
+    num_tokens: int
+    staleness_max: int
+    staleness_mean: float
+    duplicates: int
+    first_sample_at: float
+    last_sample_at: float
+    step_seconds: float
+
+
+RELEASE_POLICIES = ("all", "minibatch", "stream")
+
+
+class TrainerRank:
+    def __init__(self, rank: int, dp_ranks: list[int], trainer_cfg, model_dir: str, task_name: str,
+                 task_kwargs: dict):
+        from workers.tasks.registry import make_task
+        from workers.trainer.worker import TrainerWorker
+
+        self.rank = rank
+        self.dp_ranks = sorted(dp_ranks)
+        group = subgroup(self.dp_ranks)
+        self.worker = TrainerWorker(trainer_cfg, model_dir, make_task(task_name, **task_kwargs),
+                                    rank=self.dp_ranks.index(rank), world_size=len(self.dp_ranks),
+                                    group=group, device=LOCAL.device)
+        self.spans = SpanRecorder(f"train{rank}")
+        self._iters: dict[int, _Iteration] = {}
+        self._owner: dict[int, int] = {}  # sample_id -> iteration
+        self._current: int | None = None  # iteration the worker is in (begin_iteration called)
+        self._ready: set[int] = set()  # iterations fully consumed, waiting for step()
+        self._error: str | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._consume_loop, daemon=True, name="consumer")
+        self._thread.start()
+        LOCAL.roles["trainer"] = self
+
+    # ---- control -------------------------------------------------------------------------
+    def begin_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int],
+                        policy: str, minibatch: int, max_staleness: int) -> bool:
+        if policy not in RELEASE_POLICIES:
+            raise ValueError(f"release policy {policy!r} is not one of {RELEASE_POLICIES}")
+        with self._cond:
+            self._raise_if_failed()
+            if iteration in self._iters:
+                raise RuntimeError(f"train{self.rank}: iteration {iteration} begun twice")
+            self._iters[iteration] = _Iteration(iteration, dict(prompts), dict(group_sizes), policy,
+                                                minibatch, max_staleness)
+            for sid in prompts:
+                self._owner[sid] = iteration
+            self._cond.notify_all()
+        return True
+
+    def receive(self, samples: list[Sample]) -> int:
+        """The sample stream (called by generation instances). Returns how many were new."""
+        now = time.time()
+        new = 0
+        with self._cond:
+            for s in samples:
+                it = self._owner.get(s.sample_id)
+                if it is None or it not in self._iters:
+                    continue  # a late duplicate of an iteration already trained
+                rec = self._iters[it]
+                if s.sample_id in rec.seen:
+                    rec.duplicates += 1
+                    continue
+                rec.seen.add(s.sample_id)
+                rec.pending.append(s)
+                rec.first_sample_at = rec.first_sample_at or now
+                rec.last_sample_at = now
+                new += 1
+            self._cond.notify_all()
+        return new
+
+    def received_ids(self, iteration: int) -> list[int]:
+        with self._cond:
+            rec = self._iters.get(iteration)
+            return sorted(rec.seen) if rec else []
+
+    def step(self, iteration: int) -> StepReport:
+        """Wait until ``iteration`` is fully consumed, then flush + all-reduce + optimizer step."""
+        with self._cond:
+            while iteration not in self._ready and self._error is None:
+                self._cond.wait(timeout=1.0)
+            self._raise_if_failed()
+            rec = self._iters[iteration]
+        t0 = time.time()
+        result = self.worker.step()
+        t1 = time.time()
+        self.spans.add("train", t0, t1, iteration)
+        with self._cond:
+            self._ready.discard(iteration)
+            del self._iters[iteration]
+            for sid in rec.prompts:
+                self._owner.pop(sid, None)
+            self._current = None
+            self._cond.notify_all()
+        st = rec.staleness or [0]
+        return StepReport(self.rank, iteration, result.version, dict(result.metrics), result.num_samples,
+                          result.num_tokens, max(st), sum(st) / len(st), rec.duplicates,
+                          rec.first_sample_at, rec.last_sample_at, t1 - t0)
+
+    # ---- the consumer thread -------------------------------------------------------------
+    def _consume_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    batch, rec = self._next_batch()
+                    if rec is None:
+                        return
+                if batch:
+                    self._train(rec, batch)
+        except Exception:  # noqa: BLE001 - reported to the controller by step()
+            with self._cond:
+                self._error = traceback.format_exc()
+                self._cond.notify_all()
+
+    def _next_batch(self) -> tuple[list[Sample], _Iteration | None]:
+        """Under the lock: wait for the next releasable batch of the current iteration."""
+        idle_from = time.time()
+        while not self._closed:
+            if self._current is None and self._iters:
+                nxt = min(self._iters)
+                if nxt not in self._ready:
+                    rec = self._iters[nxt]
+                    self.worker.begin_iteration(nxt, rec.prompts, rec.group_sizes)
+                    self._current = nxt
+            if self._current is not None and self._current not in self._ready:
+                rec = self._iters[self._current]
+                batch = rec.release()
+                if batch:
+                    if time.time() - idle_from > 1e-3:
+                        self.spans.add("idle", idle_from, time.time(), rec.iteration)
+                    return batch, rec
+            self._cond.wait(timeout=0.5)
+        return [], None
+
+    def _train(self, rec: _Iteration, batch: list[Sample]) -> None:
+        version = self.worker.version
+        for s in batch:
+            stale = version - s.weight_version
+            if not 0 <= stale <= rec.max_staleness:
+                raise RuntimeError(f"train{self.rank}: sample {s.sample_id} of iteration {rec.iteration} has "
+                                   f"weight version {s.weight_version}, trainer is at {version}: staleness "
+                                   f"{stale} outside [0, {rec.max_staleness}]")
+            rec.staleness.append(stale)
+        with self.spans.span("train", rec.iteration):
+            self.worker.receive(batch)
+        with self._cond:
+            rec.consumed += len(batch)
+            if rec.consumed == rec.expected:
+                self._ready.add(rec.iteration)
+                self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"train{self.rank}: consumer failed:\n{self._error}")
+
+    # ---- weights, checkpoints, stats -----------------------------------------------------
+    def push_weights_rpc(self, instances: list, version: int) -> float:
+        """Send the current weights as named tensors to instance RRefs (joiners, fallback path)."""
+        t0 = time.time()
+        named = {k: v.detach().to("cpu", copy=True) for k, v in self.worker.named_weights()}
+        futs = [r.rpc_async().stage_weights(named, version) for r in instances]
+        for f in futs:
+            f.wait()
+        self.spans.add("weight_sync", t0, time.time(), version)
+        return time.time() - t0
+
+    def push_weights(self, plan, version: int) -> float:
+        """Weight-sync tree sender side (workers.weight_sync), concurrent with the receivers."""
+        from workers.weight_sync import WeightSyncSender
+
+        t0 = time.time()
+        named = [(k, v.detach().clone()) for k, v in self.worker.named_weights()]
+        WeightSyncSender(plan, self.rank).push(named, version)
+        self.spans.add("weight_sync", t0, time.time(), version)
+        return time.time() - t0
+
+    def tensor_spec(self) -> list:
+        from workers.weight_sync import tensor_spec
+
+        return tensor_spec(self.worker.named_weights())
+
+    def save_checkpoint(self, folder: str) -> str:
+        self.worker.save_checkpoint(folder)
+        return folder
+
+    def load_checkpoint(self, folder: str) -> int:
+        self.worker.load_checkpoint(folder)
+        return self.worker.version
+
+    def version(self) -> int:
+        return self.worker.version
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"rank": self.rank, "version": self.worker.version, "current_iteration": self._current,
+                    "queued_iterations": sorted(self._iters),
+                    "pending": {i: len(r.pending) for i, r in self._iters.items()},
+                    "consumed": {i: r.consumed for i, r in self._iters.items()}}
+
+    def drain_spans(self) -> list:
+        return self.spans.drain()
+
+    def close(self) -> bool:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        return True
+

@@ -1,0 +1,118 @@
+"""The worker groups of a run: trainer ranks + SGS instances, created on their ranks by the
+controller (``rpc.remote``), and the versioned weight push from trainer to instances.
+
+Weight push paths, chosen per instance:
+* colocated -- the instance copies the weights of the trainer object in its own process;
+* weight-sync tree (``workers.weight_sync``: ``plan_sync`` + sender/receiver over
+  torch.distributed) for instances inside the static world;
+* named tensors over RPC for instances that joined later (outside the process group) and as
+  the fallback when the weight-sync package is not installed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from controller.instance import GenerationInstance
+from controller.rpc import Call, WorkerHandle, create, settle, wait_all
+from controller.sgs import SGS, default_profile
+from controller.trainer_rank import TrainerRank
+
+
+@dataclass
+class World:
+    trainers: list[WorkerHandle]
+    sgs: SGS
+    colocated: bool
+    static_ranks: set[int] = field(default_factory=set)  # ranks inside the gloo/NCCL world
+    topology: object = None
+    bucket_bytes: int = 1 << 22
+    _spec: list | None = None
+
+    def received(self, iteration: int) -> set[int]:
+        out: set[int] = set()
+        for ids in wait_all([t.call("received_ids", iteration) for t in self.trainers]):
+            out.update(ids)
+        return out
+
+    def push_weights(self, version: int, only: list[WorkerHandle] | None = None) -> list[Call]:
+        """Start pushing the trainer's current weights (``version``) to instances; returns the
+        calls to wait on. Instances stage them and swap at their next iteration boundary."""
+        targets = only if only is not None else self.sgs.handles
+        if not targets:
+            return []
+        if self.colocated:
+            return [h.call("load_local_trainer_weights", version) for h in targets]
+        tree = [h for h in targets if h.rank in self.static_ranks and _weight_sync_available()]
+        rest = [h for h in targets if h not in tree]
+        sender = self.trainers[0]
+        calls = []
+        if tree:
+            from workers.weight_sync import plan_sync
+
+            if self._spec is None:
+                self._spec = sender.call("tensor_spec").wait()
+            plan = plan_sync(self.topology, [sender.rank], [h.rank for h in tree], self._spec, self.bucket_bytes)
+            calls.append(sender.call("push_weights", plan, version))
+            calls += [h.call("receive_weights", plan) for h in tree]
+        if rest:
+            calls.append(sender.call("push_weights_rpc", [h.rref for h in rest], version))
+        return calls
+
+    def drain_spans(self) -> list:
+        handles = self.trainers + self.sgs.handles
+        out = []
+        for spans in wait_all([h.call("drain_spans") for h in handles]):
+            out += spans
+        return out
+
+
+def _weight_sync_available() -> bool:
+    try:
+        from workers.weight_sync import WeightSyncReceiver, WeightSyncSender, plan_sync  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: set[int],
+                dispatcher) -> World:
+    """Create TrainerRank objects (DP group) and GenerationInstances on the placement's ranks."""
+    p = cfg.placement
+    colocated = p.colocated or cfg.pipeline.mode == "colocated"
+    timeout = p.rpc_timeout_s
+    import torch.distributed.rpc as rpc
+
+    futs = [(r, rpc.remote(f"worker{r}", TrainerRank, args=(r, list(p.trainer), cfg.trainer, model_dir,
+                                                          cfg.task.name, dict(cfg.task.kwargs)),
+                           timeout=timeout)) for r in sorted(p.trainer)]
+    trainers = settle(futs, "trainer", timeout)
+    gen_futs = [(r, rpc.remote(f"worker{r}", GenerationInstance, args=(r, cfg.engine, model_dir, eos_ids),
+                               timeout=timeout)) for r in sorted(p.generation)]
+    instances = settle(gen_futs, "generation", timeout)
+    world = World(trainers, None, colocated, set(static_ranks), cfg.topology)  # type: ignore[arg-type]
+    world.sgs = SGS(dispatcher, world.received, cfg.train.seed)
+    wait_all([h.call("connect", [t.rref for t in trainers]) for h in instances])
+    for h in instances:
+        world.sgs.add(h, _profile(cfg))
+    return world
+
+
+def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int, iteration: int) -> WorkerHandle:
+    """Scale out: create an instance on a joined rank, give it the current weights, add it."""
+    h = create(rank, "generation", GenerationInstance, rank, cfg.engine, model_dir, eos_ids,
+               timeout=cfg.placement.rpc_timeout_s)
+    h.call("connect", [t.rref for t in world.trainers]).wait()
+    wait_all(world.push_weights(version, only=[h]))
+    world.sgs.add(h, _profile(cfg), iteration)
+    return h
+
+
+def _profile(cfg):
+    from controller.scheduling import PTLProfile
+
+    if cfg.dispatch.profile:
+        return PTLProfile.load(cfg.dispatch.profile)
+    e = cfg.engine
+    if isinstance(e, dict):
+        return default_profile()
+    return default_profile(e.max_batch_size, e.total_blocks * e.block_size, e.block_size)
