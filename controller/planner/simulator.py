@@ -7,15 +7,17 @@ finishes. The trainer follows the mode's hand-over rule; the weight sync takes
 the runtime's timeline (controller/timeline.py), so a simulated run opens in the same
 viewer, plus per-iteration times.
 
-Mode semantics (iteration i; gen(i) uses weights v_i in sync modes, v_{i-1} in async):
+Mode semantics (controller/program.py and controller/trainer_rank.py; iteration i):
   colocated    gen(i) after sync(i-1); train(i) after gen(i) ends, on the same GPUs
-  batch        same as colocated, on separate GPUs
-  minibatch    train a fixed minibatch (request-index order) when all its samples are in
-  stream       train a dynamic micro-batch as soon as ``microbatch_tokens`` tokens are in
-  async_batch  gen(i) after gen(i-1) and sync(i-2); sync(j) waits for gen(j+1) to end
-               (global barrier); train like batch
-  async_stream gen(i) after gen(i-1) and sync(i-2); sync(j) starts when train(j) ends,
-               overlapping generation; train like stream
+  batch        same hand-over as colocated, on separate GPUs
+  minibatch    the trainer takes fixed hand-overs of ``minibatch_size`` samples in arrival order
+  stream       the trainer takes samples as they arrive and trains a micro-batch whenever
+               ``microbatch_tokens`` tokens are in (0: per sample)
+  async_batch  lag 1: gen(i) starts when gen(i-1) ended and the weights of train(i-2) are
+               synced; sync(j) starts when train(j) ends (overlapping generation); the
+               trainer takes iteration i's samples all at once, after step(i-1)
+  async_stream lag 1 as async_batch, the trainer hand-over as stream
+Every iteration starts with ``iteration_overhead_s`` of controller work (batching, ranker).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class SimConfig:
     minibatch_size: int = 8
     microbatch_tokens: int = 4096
     train_overhead_per_batch_s: float = 0.0  # per hand-over (micro/minibatch) fixed cost
+    iteration_overhead_s: float = 0.0  # controller work before generation starts
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -78,17 +81,21 @@ class SimResult:
         return sum(it) / len(it)
 
 
+def _chunks(arrivals: list[tuple[float, int]], size: int) -> list[tuple[float, int]]:
+    out = []
+    for k in range(0, len(arrivals), size):
+        chunk = arrivals[k:k + size]
+        out.append((max(t for t, _ in chunk), sum(n for _, n in chunk)))
+    return out
+
+
 def _train_batches(mode: str, arrivals: list[tuple[float, int]], cfg: SimConfig) -> list[tuple[float, int]]:
     """(ready time, tokens) of each hand-over the trainer gets, in order.
     arrivals: (finish time, tokens) per request in request-index order."""
     if mode in ("colocated", "batch", "async_batch"):
         return [(max(t for t, _ in arrivals), sum(n for _, n in arrivals))]
     if mode == "minibatch":
-        out = []
-        for k in range(0, len(arrivals), cfg.minibatch_size):
-            chunk = arrivals[k:k + cfg.minibatch_size]
-            out.append((max(t for t, _ in chunk), sum(n for _, n in chunk)))
-        return out
+        return _chunks(sorted(arrivals), cfg.minibatch_size)
     out, acc, last = [], 0, 0.0  # stream: by finish order, fill micro-batches
     for t, n in sorted(arrivals):
         acc, last = acc + n, t
@@ -117,6 +124,7 @@ def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> Si
             t0 = max(gen_end[i - 1] if i >= 1 else 0.0, sync_end[i - 2] if i >= 2 else 0.0)
         else:
             t0 = sync_end[i - 1] if i >= 1 else 0.0
+        t0 += cfg.iteration_overhead_s
         est = w.est_lens if w.est_lens is not None else [float(x) for x in w.out_lens]
         plan = dispatcher.plan(est, profs, true_lens=[float(x) for x in w.out_lens], seed=seed + i,
                                prompt_lens=w.prompt_lens)
@@ -141,33 +149,15 @@ def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> Si
             t += cfg.trainer.fixed_s
         train_end.append(t)
         trainer_free = t
-        # --- weight sync of version i+1
-        s0 = t
-        if mode == "async_batch":
-            sync_start.append(None)  # known once gen(i+1) ends; filled below
-        else:
-            sync_start.append(s0)
-            sync_end.append(s0 + cfg.sync_s)
-        if mode == "async_batch" and i >= 1:
-            _close_async_batch_sync(i - 1, gen_end, train_end, sync_start, sync_end, cfg.sync_s)
-    if mode == "async_batch" and workloads:
-        _close_async_batch_sync(len(workloads) - 1, gen_end + [train_end[-1]], train_end, sync_start, sync_end,
-                                cfg.sync_s)
+        # --- weight sync of version i+1 (off the generation's critical path when lag 1)
+        sync_start.append(t)
+        sync_end.append(t + cfg.sync_s)
     for j, (a, b) in enumerate(zip(sync_start, sync_end)):
         if b > a:
             spans.append(Span("trainer", "weight_sync", a, b, j))
             for g in range(cfg.gen_instances):
                 spans.append(Span(f"gen{g}", "weight_sync", a, b, j))
     return SimResult(spans, gen_start, gen_end, train_end, sync_end)
-
-
-def _close_async_batch_sync(j: int, gen_end, train_end, sync_start, sync_end, sync_s: float) -> None:
-    """async_batch: sync(j) is a global barrier: it starts when train(j) and gen(j+1) ended."""
-    while len(sync_end) < j:
-        sync_end.append(sync_end[-1] if sync_end else 0.0)
-    s0 = max(train_end[j], gen_end[j + 1])
-    sync_start[j] = s0
-    sync_end.append(s0 + sync_s)
 
 
 def sync_time_s(weight_bytes: float, gbps: float, hops: int = 1, latency_s: float = 0.0) -> float:

@@ -1,0 +1,76 @@
+"""Cluster simulator: hand-computed timelines of every pipeline mode on a tiny workload,
+Chrome-trace output, the planner CLI end to end on the real length trace."""
+import json
+
+import pytest
+
+from controller.planner.profile import StageProfiles, TrainProfile
+from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
+from controller.scheduling import PTLProfile
+from controller.timeline import to_chrome_trace
+
+# One instance, 1 s per decode step at any batch size; samples of 2 and 4 tokens, no prompt.
+# Trainer: 1 s per token + 0.5 s per step; weight sync 1 s.
+FLAT = PTLProfile([1], [1.0], kv_tokens=1000)
+TRAIN = TrainProfile(s_per_token=1.0, fixed_s=0.5)
+WL = Workload(out_lens=[2, 4], prompt_lens=[0, 0])
+
+
+def run(mode, iters=3, **kw):
+    cfg = SimConfig(mode, 1, FLAT, TRAIN, sync_s=1.0, minibatch_size=1, microbatch_tokens=0, **kw)
+    return simulate(cfg, [WL] * iters)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("batch", [10.5, 11.5, 11.5]),  # gen 4 + train 6.5 + sync 1, strictly in sequence
+    ("colocated", [10.5, 11.5, 11.5]),
+    ("stream", [8.5, 9.5, 9.5]),  # training of the 2-token sample overlaps generation
+    ("minibatch", [8.5, 9.5, 9.5]),  # minibatch of 1 sample = stream here
+    ("async_stream", [8.5, 6.5, 6.5]),  # trainer bound: 6 tokens + step, sync hidden
+    ("async_batch", [10.5, 6.5, 6.5]),
+])
+def test_modes_hand_computed(mode, expected):
+    assert run(mode).iteration_s == pytest.approx(expected)
+
+
+def test_async_generation_waits_for_weights_two_versions_back():
+    r = run("async_stream")
+    assert r.gen_start == pytest.approx([0.0, 4.0, 9.5])  # gen(2) waits for sync(0) to end at 9.5
+    assert r.sync_end[0] == pytest.approx(9.5)
+
+
+def test_minibatch_hand_over_in_arrival_order():
+    cfg = SimConfig("minibatch", 1, FLAT, TRAIN, sync_s=0.0, minibatch_size=2)
+    r = simulate(cfg, [Workload([1, 5, 2, 3], [0, 0, 0, 0])])
+    trains = [s for s in r.spans if s.stage == "train"]
+    # arrivals at 1, 2, 3, 5: minibatch {1, 2} (3 tokens) ready at 2, {3, 5} (8) ready at 5
+    assert [(s.start, s.end) for s in trains] == [(2.0, 5.0), (5.0, 13.0), (13.0, 13.5)]
+    assert r.train_end == [13.5]
+
+
+def test_spans_are_a_chrome_trace():
+    r = run("stream", iters=2)
+    workers = {s.worker for s in r.spans}
+    assert workers == {"gen0", "trainer"}
+    assert {s.stage for s in r.spans} == {"generate", "train", "weight_sync"}
+    trace = to_chrome_trace(r.spans)
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == len(r.spans)
+    json.dumps(trace)
+
+
+def test_sync_time_bandwidth_model():
+    assert sync_time_s(145e9, 80) == pytest.approx(14.5)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        sync_time_s(1.0, 0)
+
+
+def test_bad_mode_is_named():
+    with pytest.raises(ValueError, match="mode 'turbo' is not one of"):
+        SimConfig("turbo", 1, FLAT, TRAIN)
+    assert len(MODES) == 6
+
+
+def test_stage_profiles_roundtrip(tmp_path):
+    sp = StageProfiles(FLAT, TRAIN, weight_bytes=123.0, meta={"host": "x"})
+    sp.save(tmp_path / "s.json")
+    assert StageProfiles.load(tmp_path / "s.json") == sp
