@@ -6,6 +6,7 @@ staleness, weight-sync time, and delta = generation time - training time (stage 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from controller.timeline import Span, bubble_fractions, gantt_figure, merge_intervals, write_chrome_trace
@@ -67,6 +68,9 @@ class Metrics:
                 derived[f"idle/{worker}"] = frac
         for k, v in derived.items():
             w.add_scalar(k, v, step)
+        row = {k: v for k, v in vars(res).items() if k != "out_lens"}
+        with open(self.logdir / "iterations.jsonl", "a") as f:
+            f.write(json.dumps({**row, **derived}) + "\n")
         if self.timeline_every and (step + 1) % self.timeline_every == 0 and self.spans:
             self.write_timeline(step)
         w.flush()

@@ -1,0 +1,93 @@
+"""Interactive console on the controller (``--repl``), reading rank 0's stdin under torchrun.
+
+Commands (one per line)::
+
+    run K              run K iterations in the current mode (pipeline drained after)
+    sgs                generation instances: running / waiting requests, KV blocks, version
+    trainer            trainer ranks: version, queued iterations
+    timeline           bubble fraction per worker and stage times of the last iterations
+    mode NAME          switch pipeline mode (same placement kind) between iterations
+    dispatch NAME [k=v ...]   switch the dispatcher (controller.scheduling names)
+    eval [N]           greedy accuracy on N test prompts
+    save               write a checkpoint now
+    status             iteration, weight version, mode, last reward
+    help | quit
+
+Every command's answer is printed as one line starting with ``>>> `` then JSON, so a
+script (or a test) can drive the console through stdin and read the answers.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+
+from controller.rpc import wait_all
+from controller.timeline import bubble_fractions, stage_times
+
+
+class Repl:
+    def __init__(self, session):
+        self.s = session
+        self.commands = {
+            "run": self.run, "sgs": self.sgs, "trainer": self.trainer, "timeline": self.timeline,
+            "mode": self.mode, "dispatch": self.dispatch, "eval": self.eval, "save": self.save,
+            "status": self.status, "help": self.help,
+        }
+
+    def loop(self, stdin, stdout) -> None:
+        print(">>> " + json.dumps({"ready": True, "commands": sorted(self.commands) + ["quit"]}), file=stdout, flush=True)
+        for line in stdin:
+            words = shlex.split(line.strip())
+            if not words:
+                continue
+            if words[0] in ("quit", "exit"):
+                break
+            fn = self.commands.get(words[0])
+            try:
+                out = fn(*words[1:]) if fn else {"error": f"unknown command {words[0]!r}; try help"}
+            except Exception as e:  # noqa: BLE001 - a bad command must not end the session
+                out = {"error": f"{type(e).__name__}: {e}"}
+            print(">>> " + json.dumps(out, default=str), file=stdout, flush=True)
+
+    # ---- commands ------------------------------------------------------------------------
+    def run(self, k: str = "1") -> dict:
+        res = self.s.program.run(int(k))
+        return {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,
+                "reward": [round(r.metrics.get("reward_mean", 0.0), 4) for r in res]}
+
+    def sgs(self) -> dict:
+        handles = self.s.world.sgs.handles
+        return {"instances": wait_all([h.call("stats") for h in handles]), "removed": self.s.world.sgs.removed}
+
+    def trainer(self) -> dict:
+        return {"ranks": wait_all([t.call("stats") for t in self.s.world.trainers])}
+
+    def timeline(self, last: str = "200") -> dict:
+        spans = self.s.metrics.spans[-int(last):]
+        return {"spans": len(spans), "bubble": bubble_fractions(spans), "stage_s": stage_times(spans)}
+
+    def mode(self, name: str) -> dict:
+        self.s.program.set_mode(name)
+        return {"mode": name}
+
+    def dispatch(self, name: str, *kv: str) -> dict:
+        from controller.config import parse_override
+
+        opts = dict(parse_override(x) for x in kv)
+        self.s.program.set_dispatcher(name, **opts)
+        return {"dispatch": name, "options": opts}
+
+    def eval(self, n: str = "32") -> dict:
+        return self.s.program.evaluate(int(n))
+
+    def save(self) -> dict:
+        return {"checkpoint": str(self.s.save_checkpoint(self.s.program.iteration))}
+
+    def status(self) -> dict:
+        p = self.s.program
+        last = p.history[-1].metrics.get("reward_mean") if p.history else None
+        return {"iteration": p.iteration, "version": p.version, "mode": p.mode.name, "reward": last,
+                "instances": len(self.s.world.sgs.slots)}
+
+    def help(self) -> dict:
+        return {"help": __doc__.split("Commands (one per line)::")[1].split("Every command")[0].strip()}

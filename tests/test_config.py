@@ -1,0 +1,76 @@
+"""Config loading: YAML -> typed, validated dataclasses; every error names its key."""
+import pytest
+import yaml
+
+from controller.config import ConfigError, PipelineSection, from_dict, load_config, parse_override
+from controller.modes import MODES
+
+
+def _cfg(**sections):
+    base = {"placement": {"generation": [1], "trainer": [2]}}
+    base.update(sections)
+    return base
+
+
+def test_quickstart_loads_into_owner_classes():
+    cfg = load_config("configs/quickstart.yaml", world_size=3)
+    assert type(cfg.engine).__name__ == "EngineConfig" and cfg.engine.max_batch_size == 64
+    assert type(cfg.trainer).__name__ == "TrainerConfig" and cfg.trainer.algorithm == "grpo"
+    assert type(cfg.topology).__name__ == "Topology"
+    assert cfg.pipeline.mode == "async_stream" and cfg.world_ranks == 3
+    with pytest.raises(Exception):  # frozen
+        cfg.train.iterations = 3
+
+
+@pytest.mark.parametrize("d, key", [
+    ({"train": {"iterationz": 3}}, "train.iterationz"),
+    ({"train": {"iterations": "ten"}}, "train.iterations"),
+    ({"train": {"iterations": True}}, "train.iterations"),
+    ({"pipeline": {"mode": "turbo"}}, "pipeline.mode"),
+    ({"bogus": {}}, "bogus"),
+    ({"engine": {"max_batch": 3}}, "engine.max_batch"),
+    ({"engine": {"max_batch_size": 0}}, "engine.max_batch_size"),
+    ({"trainer": {"algorithm": "dpo"}}, "trainer.algorithm"),
+    ({"placement": {"generation": [1], "trainer": [1]}}, "placement"),
+    ({"placement": {"generation": [0], "trainer": [2]}}, "placement.generation[0]"),
+    ({"train": {"batch_prompts": 0}}, "train.batch_prompts"),
+])
+def test_bad_values_name_the_key(d, key):
+    with pytest.raises(ConfigError) as e:
+        from_dict(_cfg(**d), world_size=3)
+    assert key in str(e.value)
+
+
+def test_more_ranks_than_world_is_an_error():
+    with pytest.raises(ConfigError, match=r"placement.trainer\[0\]: rank 5 >= world size 3"):
+        from_dict(_cfg(placement={"generation": [1], "trainer": [5]}), world_size=3)
+    from_dict(_cfg(placement={"generation": [1], "trainer": [5]}))  # world unknown: fine
+
+
+def test_colocated_needs_same_ranks():
+    ok = from_dict(_cfg(pipeline={"mode": "colocated"}, placement={"generation": [1, 2], "trainer": [1, 2]}), 3)
+    assert ok.pipeline.mode == "colocated"
+    with pytest.raises(ConfigError, match="colocated"):
+        from_dict(_cfg(pipeline={"mode": "colocated"}), 3)
+
+
+def test_overrides_and_file_errors(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(_cfg()))
+    cfg = load_config(p, 3, dict([parse_override("train.iterations=7"), parse_override("pipeline.mode=stream")]))
+    assert cfg.train.iterations == 7 and cfg.pipeline.mode == "stream"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    p.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("train.iterations")
+
+
+def test_every_mode_is_a_registered_strategy():
+    assert set(MODES) == {"colocated", "batch", "minibatch", "stream", "async_batch", "async_stream"}
+    for name, m in MODES.items():
+        PipelineSection(mode=name)
+        assert m.max_staleness == (1 if name.startswith("async") else 0)
+        assert m.release in ("all", "minibatch", "stream")
