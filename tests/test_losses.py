@@ -1,0 +1,117 @@
+"""RL maths vs hand-computed numbers and independent loop-based references."""
+import math
+
+import pytest
+import torch
+
+from workers.trainer.advantages import gae, grpo, rloo
+from workers.trainer.kl import kl_k1, kl_k3
+from workers.trainer.losses import aggregate_sum, entropy_from_logits, policy_loss, value_loss
+
+torch.set_num_threads(1)
+
+
+def ref_policy_loss(logp, old, adv, lo, hi, dual):
+    out = []
+    for lp, o, a in zip(logp.tolist(), old.tolist(), adv.tolist()):
+        r = math.exp(lp - o)
+        loss = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
+        if dual is not None and a < 0:
+            loss = min(loss, -a * dual)
+        out.append(loss)
+    return torch.tensor(out)
+
+
+def test_policy_loss_hand_computed():
+    # ratio 2 with A=+1 clipped at 1+0.28; ratio 0.5 with A=-1 clipped at 1-0.2 -> max(0.5, 0.8)
+    logp = torch.log(torch.tensor([2.0, 0.5, 1.0]))
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    loss, clipped = policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(loss, torch.tensor([-1.28, 0.8, -0.5]), atol=1e-6)
+    assert clipped.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_dual_clip_bounds_negative_advantage():
+    logp, old, adv = torch.log(torch.tensor([10.0])), torch.zeros(1), torch.tensor([-1.0])
+    assert policy_loss(logp, old, adv, 0.2, 0.2)[0].item() == pytest.approx(10.0)
+    assert policy_loss(logp, old, adv, 0.2, 0.2, dual_clip=3.0)[0].item() == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_policy_loss_matches_loop_reference(dual):
+    g = torch.Generator().manual_seed(0)
+    logp, old, adv = (torch.randn(200, generator=g) for _ in range(3))
+    loss, _ = policy_loss(logp, old, adv, 0.2, 0.3, dual)
+    assert torch.allclose(loss, ref_policy_loss(logp, old, adv, 0.2, 0.3, dual), atol=1e-5)
+
+
+def test_aggregate_token_and_seq_mean():
+    x = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    seq_index, seq_lens = torch.tensor([0, 0, 0, 1]), torch.tensor([3, 1])
+    assert aggregate_sum(x, seq_index, seq_lens, "token_mean").item() == 16.0
+    assert aggregate_sum(x, seq_index, seq_lens, "seq_mean").item() == pytest.approx(2.0 + 10.0)
+    with pytest.raises(ValueError, match="loss_agg"):
+        aggregate_sum(x, seq_index, seq_lens, "bogus")
+
+
+def test_value_loss_clipped():
+    v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([2.0, 1.0])
+    # token 0: unclipped (1-2)^2 = 1, clipped v=0.2: (0.2-2)^2 = 3.24 -> max -> 0.5 * 3.24
+    assert torch.allclose(value_loss(v, old, ret, 0.2), torch.tensor([1.62, 0.5]))
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    assert torch.allclose(kl_k1(logp, ref), torch.tensor([0.5, -1.0]))
+    lr = ref - logp
+    assert torch.allclose(kl_k3(logp, ref), lr.exp() - lr - 1)
+    assert (kl_k3(torch.randn(100), torch.randn(100)) >= 0).all()
+    # both unbiased for KL(p||q): E_p[k] == sum p log(p/q)
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.3, 0.3, 0.4])
+    exact = (p * (p / q).log()).sum()
+    for est in (kl_k1, kl_k3):
+        assert (p * est(p.log(), q.log())).sum().item() == pytest.approx(exact.item(), abs=1e-6)
+
+
+def test_entropy():
+    assert entropy_from_logits(torch.zeros(2, 4)).tolist() == pytest.approx([math.log(4)] * 2)
+
+
+def ref_gae(rewards, values, gamma, lam):
+    adv, last = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        nv = values[t + 1] if t + 1 < len(rewards) else 0.0
+        delta = rewards[t] + gamma * nv - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+def test_gae_hand_computed():
+    adv, ret = gae(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]), gamma=1.0, lam=0.5)
+    # delta1 = 1 - 0.5 = 0.5; delta0 = 0 + 0.5 - 0.5 = 0; A0 = 0 + 0.5*0.5 = 0.25
+    assert adv.tolist() == pytest.approx([0.25, 0.5])
+    assert ret.tolist() == pytest.approx([0.75, 1.0])
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_loop_reference(gamma, lam):
+    g = torch.Generator().manual_seed(1)
+    r, v = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    adv, ret = gae(r, v, gamma, lam)
+    want = ref_gae(r.tolist(), v.tolist(), gamma, lam)
+    assert adv.tolist() == pytest.approx(want, abs=1e-4)
+    assert torch.allclose(ret, adv + v, atol=1e-5)
+
+
+def test_grpo_and_rloo_vs_loops():
+    s = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    mean = sum(s.tolist()) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in s.tolist()) / 3)
+    assert grpo(s, eps=0.0).tolist() == pytest.approx([(x - mean) / std for x in s.tolist()], abs=1e-6)
+    assert grpo(s, std_normalize=False).tolist() == pytest.approx([x - mean for x in s.tolist()])
+    loo = [x - (sum(s.tolist()) - x) / 3 for x in s.tolist()]
+    assert rloo(s).tolist() == pytest.approx(loo)
+    assert rloo(torch.tensor([1.0])).tolist() == [0.0]
+    assert grpo(torch.ones(4)).abs().max().item() == 0.0  # equal rewards: no signal, no NaN

@@ -1,0 +1,57 @@
+"""Any reasoning-gym dataset as a Task: its questions as prompts, its ``score_answer`` as reward."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from workers.tasks.verifiers import extract_answer
+from workers.types import TaskPrompt
+
+SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "eval": 1_000_003}
+ANSWER_HINT = " Put the final answer after 'answer='."
+
+
+class ReasoningGymTask:
+    """``dataset``: a reasoning-gym dataset name (e.g. ``basic_arithmetic``); ``config``: its
+    keyword config (e.g. ``{"min_terms": 2}``). The completion's answer is extracted as in
+    ``verifiers.extract_answer`` and scored by reasoning-gym's own verifier."""
+
+    def __init__(self, dataset: str = "basic_arithmetic", size: int = 512, seed: int = 0,
+                 config: dict | None = None, answer_hint: bool = True):
+        import reasoning_gym
+
+        if dataset not in reasoning_gym.factory.DATASETS:
+            raise ValueError(f"reasoning_gym task: dataset {dataset!r} is not registered "
+                             f"(e.g. {sorted(reasoning_gym.factory.DATASETS)[:5]})")
+        if size < 1:
+            raise ValueError(f"reasoning_gym task: size must be >= 1, got {size}")
+        self.name, self.size, self.seed, self.config = dataset, size, seed, dict(config or {})
+        self.answer_hint = answer_hint
+        self._datasets: dict[str, object] = {}
+
+    def _dataset(self, split: str):
+        if split not in SPLIT_OFFSETS:
+            raise ValueError(f"task split {split!r} is not one of {sorted(SPLIT_OFFSETS)}")
+        if split not in self._datasets:
+            import reasoning_gym
+
+            self._datasets[split] = reasoning_gym.create_dataset(
+                self.name, size=self.size, seed=self.seed + SPLIT_OFFSETS[split], **self.config)
+        return self._datasets[split]
+
+    def prompts(self, split: str) -> Sequence[TaskPrompt]:
+        ds = self._dataset(split)
+        hint = ANSWER_HINT if self.answer_hint else ""
+        return [TaskPrompt(prompt=e["question"] + hint, answer=str(e["answer"]),
+                           task=f"reasoning_gym/{self.name}",
+                           meta={"metadata": e.get("metadata", {}), "question": e["question"]})
+                for e in (ds[i] for i in range(len(ds)))]
+
+    def score(self, prompt: TaskPrompt, completion: str) -> float:
+        try:
+            entry = {"question": prompt.meta.get("question", prompt.prompt), "answer": prompt.answer,
+                     "metadata": prompt.meta.get("metadata", {})}
+            r = float(self._dataset("train").score_answer(answer=extract_answer(completion), entry=entry))
+            return r if math.isfinite(r) else 0.0
+        except Exception:  # a verifier never crashes
+            return 0.0

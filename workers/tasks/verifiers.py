@@ -1,0 +1,83 @@
+"""Answer verifiers for file datasets: ``(prompt: TaskPrompt, completion: str) -> float``.
+
+The completion's answer is the last ``<answer>...</answer>``, else the text after the last
+``answer:`` / ``answer=``, else the whole stripped completion. A verifier never raises.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+from workers.types import TaskPrompt
+
+Verifier = Callable[[TaskPrompt, str], float]
+_TAGGED = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+_MARKED = re.compile(r"answer\s*[:=]\s*(.*)$", re.IGNORECASE | re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def extract_answer(completion: str) -> str:
+    tagged = _TAGGED.findall(completion)
+    if tagged:
+        return tagged[-1].strip()
+    parts = re.split(r"answer\s*[:=]", completion, flags=re.IGNORECASE)
+    if len(parts) > 1:
+        return parts[-1].strip()
+    return completion.strip()
+
+
+def exact(prompt: TaskPrompt, completion: str) -> float:
+    try:
+        return float(extract_answer(completion) == prompt.answer.strip())
+    except Exception:
+        return 0.0
+
+
+def _to_float(text: str) -> float | None:
+    text = text.replace(",", "").strip()
+    try:
+        return float(text)
+    except ValueError:
+        nums = _NUMBER.findall(text)
+        return float(nums[-1]) if nums else None
+
+
+def numeric(prompt: TaskPrompt, completion: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
+    try:
+        got, want = _to_float(extract_answer(completion)), _to_float(prompt.answer)
+        if got is None or want is None or not math.isfinite(got):
+            return 0.0
+        return float(math.isclose(got, want, rel_tol=rel_tol, abs_tol=abs_tol))
+    except Exception:
+        return 0.0
+
+
+def reasoning_gym_verifier(dataset_name: str) -> Verifier:
+    """reasoning-gym's own ``score_answer`` for ``dataset_name`` (entry metadata from meta)."""
+    import reasoning_gym
+
+    fn = reasoning_gym.get_score_answer_fn(dataset_name)
+
+    def verify(prompt: TaskPrompt, completion: str) -> float:
+        try:
+            entry = {"question": prompt.prompt, "answer": prompt.answer,
+                     "metadata": dict(prompt.meta.get("metadata", prompt.meta))}
+            r = float(fn(answer=extract_answer(completion), entry=entry))
+            return r if math.isfinite(r) else 0.0
+        except Exception:
+            return 0.0
+
+    return verify
+
+
+VERIFIERS: dict[str, Callable[[], Verifier]] = {"exact": lambda: exact, "numeric": lambda: numeric}
+
+
+def make_verifier(spec: str) -> Verifier:
+    """``"exact"``, ``"numeric"`` or ``"reasoning_gym:<dataset>"``."""
+    if spec.startswith("reasoning_gym:"):
+        return reasoning_gym_verifier(spec.split(":", 1)[1])
+    if spec not in VERIFIERS:
+        raise ValueError(f"verifier {spec!r} is not one of {sorted(VERIFIERS)} or 'reasoning_gym:<dataset>'")
+    return VERIFIERS[spec]()

@@ -1,0 +1,162 @@
+"""Tokenizer: a ``tokenizer.json`` (``tokenizers`` library) plus prompt formatting.
+
+Files in a model folder, as Hugging Face lays them out:
+* ``tokenizer.json`` — the fast tokenizer (any model the ``tokenizers`` library reads).
+* ``tokenizer_config.json`` — ``eos_token``, ``pad_token``, ``bos_token`` and optionally
+  ``chat_template`` (jinja2, rendered as ``transformers.apply_chat_template`` does) or our own
+  ``prompt_template`` (a ``str.format`` template with ``{prompt}``).
+
+``train_bpe`` builds a tiny byte-level BPE in-process (tests and the quickstart: no hub).
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+DEFAULT_PROMPT_TEMPLATE = "{prompt}\n"
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(template: str):
+    """Compile like transformers: sandboxed, trim_blocks + lstrip_blocks, ``raise_exception``
+    and a ``tojson`` that keeps non-ASCII characters."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+class Tokenizer:
+    """``encode(str) -> list[int]``, ``decode(ids) -> str``, ``format_prompt(text) -> str``.
+
+    ``chat_template`` (jinja2) wins over ``prompt_template`` (``str.format`` with ``{prompt}``)."""
+
+    def __init__(self, tok: _HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str | None = PAD_TOKEN,
+                 bos_token: str | None = None, chat_template: str | None = None,
+                 prompt_template: str | None = None):
+        self.tok = tok
+        self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
+        self.chat_template = chat_template
+        self.prompt_template = prompt_template or DEFAULT_PROMPT_TEMPLATE
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError(f"prompt_template {self.prompt_template!r} must contain '{{prompt}}'")
+        self.eos_id = self._token_id(eos_token, "eos_token")
+        self.pad_id = self._token_id(pad_token, "pad_token") if pad_token else self.eos_id
+        self.bos_id = self._token_id(bos_token, "bos_token") if bos_token else None
+
+    def _token_id(self, token: str, what: str) -> int:
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"tokenizer: {what} {token!r} is not in the vocabulary")
+        return i
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int] | Iterable[int], skip_special_tokens: bool = True) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def format_prompt(self, text: str) -> str:
+        """The text a model sees for a user prompt, ending where the answer starts."""
+        if self.chat_template:
+            return self.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return self.prompt_template.format(prompt=text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("tokenizer has no chat_template (tokenizer_config.json)")
+        return _compile_chat_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            eos_token=self.eos_token, bos_token=self.bos_token or "", pad_token=self.pad_token,
+            **kwargs)
+
+    # ---- files -----------------------------------------------------------------------------
+    def save(self, folder: str | os.PathLike) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(folder / "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
+               "pad_token": self.pad_token, "bos_token": self.bos_token,
+               "prompt_template": self.prompt_template, "model_max_length": 1 << 20}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, prompt_template: str | None = None) -> "Tokenizer":
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: a model folder needs tokenizer.json")
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        tok = _HFTokenizer.from_file(str(path))
+        return cls(tok, eos_token=_token_str(cfg.get("eos_token")) or EOS_TOKEN,
+                   pad_token=_token_str(cfg.get("pad_token")),
+                   bos_token=_token_str(cfg.get("bos_token")),
+                   chat_template=_chat_template_str(cfg.get("chat_template")),
+                   prompt_template=prompt_template or cfg.get("prompt_template"))
+
+
+def _token_str(t) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(t, dict):
+        return t.get("content")
+    return t
+
+
+def _chat_template_str(t) -> str | None:
+    """A template string, or transformers' list form ``[{"name": "default", "template": ...}]``."""
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t}
+        return named.get("default") or next(iter(named.values()), None)
+    return t
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN),
+              min_frequency: int = 2, chat_template: str | None = None,
+              prompt_template: str | None = None) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 / Qwen style) on ``texts`` in-process.
+
+    The first special token is EOS, the second (if any) PAD. All 256 byte symbols are in the
+    alphabet, so any text encodes."""
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(f"train_bpe: vocab_size {vocab_size} < 256 bytes + {len(special_tokens)} special tokens")
+    if not special_tokens:
+        raise ValueError("train_bpe: special_tokens must name at least the EOS token")
+    tok = _HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(special_tokens), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(tok, eos_token=special_tokens[0],
+                     pad_token=special_tokens[1] if len(special_tokens) > 1 else None,
+                     chat_template=chat_template, prompt_template=prompt_template)

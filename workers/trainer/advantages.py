@@ -1,0 +1,37 @@
+"""Advantage estimators: GAE (with a critic), GRPO group-normalised, RLOO leave-one-out."""
+from __future__ import annotations
+
+import torch
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. rewards, values: [L] (V(s_t) before emitting token t; terminal value 0)
+    -> (advantages [L], returns [L] = advantages + values).
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = sum_k (gamma lam)^k delta_{t+k}, computed as a
+    triangular matrix product (no Python loop over tokens)."""
+    L = rewards.shape[0]
+    rewards, values = rewards.double(), values.double()
+    next_v = torch.cat([values[1:], values.new_zeros(1)])  # [L]
+    delta = rewards + gamma * next_v - values  # [L]
+    k = torch.arange(L, dtype=torch.float64)
+    power = k[None, :] - k[:, None]  # [L, L]: j - t
+    disc = torch.where(power >= 0, (gamma * lam) ** power.clamp(min=0), torch.zeros(()))
+    adv = disc @ delta  # [L]
+    return adv.float(), (adv + values).float()
+
+
+def grpo(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
+    """scores: [G] of one group -> [G]: (r - mean) / (std + eps) (std unbiased; 0 for G = 1)."""
+    centred = scores - scores.mean()
+    if not std_normalize or scores.numel() < 2:
+        return centred
+    return centred / (scores.std() + eps)
+
+
+def rloo(scores: torch.Tensor) -> torch.Tensor:
+    """scores: [G] -> [G]: r_i - mean_{j != i} r_j (0 for G = 1)."""
+    g = scores.numel()
+    if g < 2:
+        return torch.zeros_like(scores)
+    return (scores - (scores.sum() - scores) / (g - 1))

@@ -1,0 +1,79 @@
+"""Per-iteration sample bookkeeping: prepared samples, group completion, micro-batch formation."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Prepared:
+    """A received sample after its receive-time work (reward, reference log-probs, values).
+
+    Tensors are [L] over the L response tokens, on CPU. ``adv``/``returns`` are filled when the
+    sample's advantage is known (at once for PPO, when its group completes for GRPO/RLOO)."""
+
+    sample_id: int
+    group_id: int
+    prompt_ids: torch.Tensor
+    output_ids: torch.Tensor
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    score: float  # the task's reward
+    reward: float  # score minus the KL penalty in kl_mode "reward" (grouped algorithms)
+    token_rewards: torch.Tensor | None = None  # [L] for GAE
+    values: torch.Tensor | None = None
+    adv: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    weight_version: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.output_ids.numel())
+
+
+@dataclass
+class GroupState:
+    expected: int
+    members: list[Prepared] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) + self.dropped >= self.expected
+
+
+class SampleBuffer:
+    """Holds pending groups and the queue of samples ready to train (advantages known)."""
+
+    def __init__(self):
+        self.groups: dict[int, GroupState] = {}
+        self.ready: deque[Prepared] = deque()
+        self.ready_tokens = 0
+
+    def push_ready(self, items: list[Prepared]) -> None:
+        self.ready.extend(items)
+        self.ready_tokens += sum(p.num_tokens for p in items)
+
+    def pop_microbatch(self, max_tokens: int, flush: bool) -> list[Prepared]:
+        """Samples in arrival order up to ``max_tokens`` (at least one). Without ``flush`` only
+        when a full budget is there: ``[]`` otherwise."""
+        if not self.ready or (not flush and self.ready_tokens < max_tokens):
+            return []
+        out, tokens = [], 0
+        while self.ready and (not out or tokens + self.ready[0].num_tokens <= max_tokens):
+            p = self.ready.popleft()
+            out.append(p)
+            tokens += p.num_tokens
+        self.ready_tokens -= tokens
+        return out
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self.ready.clear()
+        self.ready_tokens = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.ready) + sum(len(g.members) for g in self.groups.values())

@@ -1,0 +1,51 @@
+"""Per-token loss terms and their aggregation. Each returns tensors; no host syncs.
+
+Terms are per token ``[N]`` (N response tokens of a packed micro-batch); ``aggregate_sum``
+turns them into a SUM whose divisor (total tokens or total sequences of the iteration) is
+applied once at the optimizer step, so micro-batching and data parallelism do not change the
+update."""
+from __future__ import annotations
+
+import torch
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                clip_high: float, dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate. logp, old_logp, adv: [N] -> (loss [N], clipped [N] float 0/1).
+
+    ratio clipped to [1 - clip_low, 1 + clip_high]; with ``dual_clip`` c, the loss of tokens
+    with A < 0 is at most ``-c * A`` (bounded when the ratio explodes)."""
+    ratio = torch.exp(logp - old_logp)  # [N]
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # [N]
+    was_clipped = (clipped > unclipped).float()
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    return loss, was_clipped
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float) -> torch.Tensor:
+    """Clipped value loss. values, old_values, returns: [N] -> [N] = 0.5 * max(sq, sq_clipped)."""
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V] -> entropy [N] of softmax(logits)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def aggregate_sum(x: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor, mode: str) -> torch.Tensor:
+    """x: [N] per-token values, seq_index: [N] (0..B-1), seq_lens: [B] -> scalar SUM.
+
+    ``token_mean``: sum_i x_i (divide by the iteration's total tokens later).
+    ``seq_mean``:  sum_b mean_{i in b} x_i (divide by the iteration's total sequences later)."""
+    if mode == "token_mean":
+        return x.sum()
+    if mode == "seq_mean":
+        return (x / seq_lens[seq_index].to(x.dtype)).sum()
+    raise ValueError(f"loss_agg {mode!r} is not 'token_mean' or 'seq_mean'")

@@ -1,0 +1,166 @@
+"""The worker's per-sample and per-micro-batch maths, kept out of the worker's bookkeeping.
+
+``prepare_batch``: receive-time work (reward, reference log-probs, values, GAE for PPO).
+``group_advantages``: GRPO / RLOO once a group is complete.
+``train_terms``: the micro-batch loss as a SUM plus the summed statistics for logging.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from workers.trainer.advantages import gae, grpo, rloo
+from workers.trainer.buffer import Prepared
+from workers.trainer.config import TrainerConfig
+from workers.trainer.kl import KL_ESTIMATORS
+from workers.trainer.losses import aggregate_sum, entropy_from_logits, policy_loss, value_loss
+from workers.trainer.packing import pack, response_logits, token_logprobs
+
+if TYPE_CHECKING:
+    from workers.trainer.worker import TrainerWorker
+    from workers.types import Sample
+
+
+@torch.no_grad()
+def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared | None]:
+    """Reward, reference log-probs, values (and GAE) for each sample; None where the reward is
+    not finite."""
+    cfg = w.cfg
+    batch = pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], w.device)
+    lens = batch.seq_lens.tolist()
+    with w.autocast():
+        ref = token_logprobs(response_logits(w.ref, batch), batch.resp_ids).float().cpu()  # [N]
+        if cfg.recompute_old_logprobs:
+            old = token_logprobs(response_logits(w.actor, batch), batch.resp_ids).float().cpu()
+        else:
+            old = torch.cat([s.logprobs.float().cpu() for s in samples])
+        values = w.critic(batch).float().cpu() if w.critic is not None else None
+    kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
+    penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
+    out: list[Prepared | None] = []
+    for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
+        score = _score(w, s)
+        if not math.isfinite(score):
+            out.append(None)
+            continue
+        p = Prepared(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids.cpu(),
+                     output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
+                     reward=score - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
+                     weight_version=s.weight_version)
+        if values is not None:
+            p.values = values.split(lens)[i]
+            p.token_rewards = -cfg.kl_coef * kl_i if penalise else torch.zeros_like(kl_i)
+            p.token_rewards[-1] += score
+            p.adv, p.returns = gae(p.token_rewards, p.values, cfg.gamma, cfg.gae_lambda)
+        out.append(p)
+    return out
+
+
+def _score(w: "TrainerWorker", s: "Sample") -> float:
+    try:
+        return float(w.task.score(w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids)))
+    except Exception as e:  # a verifier should never raise; treat it as an unusable reward
+        import logging
+        logging.getLogger("streamrl.trainer").warning("sample %d: verifier raised %r", s.sample_id, e)
+        return float("nan")
+
+
+GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, TrainerConfig], torch.Tensor]] = {
+    "grpo": lambda r, cfg: grpo(r, cfg.adv_eps, cfg.grpo_std_normalize),
+    "rloo": lambda r, cfg: rloo(r),
+}
+
+
+def group_advantages(cfg: TrainerConfig, members: list[Prepared]) -> None:
+    """Fill ``adv`` [L] of every member from the group's sequence rewards."""
+    rewards = torch.tensor([p.reward for p in members], dtype=torch.float32)  # [G]
+    adv = GROUP_ADVANTAGES[cfg.algorithm](rewards, cfg)  # [G]
+    for p, a in zip(members, adv):
+        p.adv = a.expand(p.num_tokens).clone()
+
+
+def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward one packed micro-batch -> (loss SUM (scalar, with grad), summed statistics)."""
+    cfg, dev = w.cfg, w.device
+    batch = pack([p.prompt_ids for p in items], [p.output_ids for p in items], dev)
+    logits = response_logits(w.actor, batch)  # [N, V]
+    logp = token_logprobs(logits, batch.resp_ids)  # [N]
+    old = torch.cat([p.old_logp for p in items]).to(dev)
+    ref = torch.cat([p.ref_logp for p in items]).to(dev)
+    adv = torch.cat([p.adv for p in items]).to(dev)
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        return aggregate_sum(x, batch.seq_index, batch.seq_lens, cfg.loss_agg)
+
+    pg, clipped = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)  # [N]
+    kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref)  # [N]
+    terms = pg
+    if cfg.kl_mode == "loss" and cfg.kl_coef > 0:
+        terms = terms + cfg.kl_coef * kl
+    if cfg.entropy_coef > 0:
+        ent = entropy_from_logits(logits)
+        terms = terms - cfg.entropy_coef * ent
+    else:
+        with torch.no_grad():
+            ent = entropy_from_logits(logits)
+    loss = agg(terms)
+    stats = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
+             "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
+             "clipfrac": agg(clipped), "ratio": agg(torch.exp(logp - old)).detach()}
+    if w.critic is not None:
+        values = w.critic(batch)  # [N]
+        old_v = torch.cat([p.values for p in items]).to(dev)
+        ret = torch.cat([p.returns for p in items]).to(dev)
+        vl = agg(value_loss(values, old_v, ret, cfg.value_clip))
+        loss = loss + cfg.value_coef * vl
+        stats["value_loss"] = vl.detach()
+    return loss, stats
+
+
+class StatSums:
+    """Summed statistics of one iteration, packed into one tensor for the all-reduce."""
+
+    KEYS = ("num_samples", "score_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
+            "skipped_microbatches", "incomplete_groups", "num_tokens", "num_seqs", "pg_loss", "kl",
+            "entropy", "clipfrac", "ratio", "value_loss")
+    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, torch.Tensor | float] = {k: 0.0 for k in self.KEYS}
+
+    def add(self, key: str, value) -> None:
+        self.sums[key] = self.sums[key] + value
+
+    def add_sample(self, p: Prepared, version: int) -> None:
+        self.add("num_samples", 1.0)
+        self.add("score_sum", p.score)
+        self.add("resp_len_sum", float(p.num_tokens))
+        self.add("staleness_sum", float(version - p.weight_version))
+
+    def add_counts(self, counts: dict[str, torch.Tensor]) -> None:
+        for k, v in counts.items():
+            self.add(k, v.detach().double().to(self.device))
+
+    def packed(self) -> torch.Tensor:
+        return torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float64, device=self.device)
+                            for k in self.KEYS])
+
+    def metrics(self, totals: torch.Tensor, loss_agg: str) -> dict[str, float]:
+        t = dict(zip(self.KEYS, totals.tolist()))
+        n = max(t["num_samples"], 1.0)
+        divisor = t["num_tokens"] if loss_agg == "token_mean" else t["num_seqs"]
+        m = {"reward_mean": t["score_sum"] / n, "response_len_mean": t["resp_len_sum"] / n,
+             "staleness_mean": t["staleness_sum"] / n}
+        for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
+                  "incomplete_groups"):
+            m[k] = t[k]
+        for k in self.PER_UNIT:
+            m[k] = t[k] / divisor if divisor > 0 else 0.0
+        m["_divisor"] = divisor
+        return m

@@ -1,0 +1,282 @@
+"""TrainerWorker: actor + frozen reference (+ critic), fed sample by sample, one optimizer step
+per iteration.
+
+    w = TrainerWorker(cfg, model_dir, task)            # rank/world_size/group for data parallel
+    w.begin_iteration(it, prompts={sample_id: TaskPrompt}, group_sizes={group_id: n})
+    w.receive(samples)        # any number of calls, samples in any order
+    result = w.step()         # -> StepResult(version, metrics, num_samples, num_tokens)
+
+``receive`` does the per-sample work at once (reward from the task's verifier on the decoded
+completion, reference log-probs, critic values) and trains a packed micro-batch (forward +
+backward, gradients accumulated as SUMS) whenever samples whose advantages are known fill
+``max_tokens_per_microbatch``. ``step`` trains the rest, all-reduces gradient sums and counts
+over the data-parallel group, divides by the iteration's total tokens (or sequences), clips,
+checks finiteness and steps. Data parallel: each rank receives a disjoint share of the
+samples; for GRPO/RLOO every sample of a group must go to the same rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from workers.model import default_device, default_dtype, load_pretrained
+from workers.tokenizer import Tokenizer
+from workers.trainer import checkpoint
+from workers.trainer.buffer import GroupState, Prepared, SampleBuffer
+from workers.trainer.config import TrainerConfig
+from workers.trainer.critic import ValueModel
+from workers.trainer.schedule import lr_lambda
+from workers.trainer.step_math import StatSums, prepare_batch, train_terms
+from workers.types import Sample, Task, TaskPrompt
+
+log = logging.getLogger("streamrl.trainer")
+
+
+@dataclass
+class StepResult:
+    """``version``: the weight version after the step (unchanged when the step was skipped:
+    ``metrics["step_skipped"] == 1``)."""
+
+    version: int
+    metrics: dict[str, float]
+    num_samples: int
+    num_tokens: int
+
+
+class TrainerWorker:
+    def __init__(self, cfg: TrainerConfig, model_dir: str, task: Task, rank: int = 0, world_size: int = 1,
+                 group=None, device=None):
+        self.cfg, self.task, self.model_dir = cfg, task, str(model_dir)
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.device = torch.device(device) if device is not None else default_device()
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = Tokenizer.load(model_dir)
+        self.actor = load_pretrained(model_dir, self.device, dtype=torch.float32)  # fp32 master weights
+        self.actor.train()
+        self.ref = load_pretrained(model_dir, self.device, dtype=default_dtype(self.device)).eval()
+        self.ref.requires_grad_(False)
+        self.critic = ValueModel(self.actor) if cfg.use_critic else None
+        groups = [{"params": list(self.actor.parameters()), "lr": cfg.lr}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self._version = 0
+        self.iteration = -1
+        self._prompts: dict[int, TaskPrompt] = {}
+        self._group_sizes: dict[int, int] = {}
+        self.buffer = SampleBuffer()
+        self.stats = StatSums(self.device)
+        self._trained_any = False
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def begin_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int]) -> None:
+        if self._trained_any or self.buffer.pending:
+            raise RuntimeError(f"begin_iteration({iteration}): iteration {self.iteration} has "
+                               f"{self.buffer.pending} pending samples / accumulated gradients; call step() first")
+        bad = {g: n for g, n in group_sizes.items() if n < 1}
+        if bad:
+            raise ValueError(f"begin_iteration({iteration}): group sizes must be >= 1, got {bad}")
+        self.iteration = iteration
+        self._prompts = dict(prompts)
+        self._group_sizes = dict(group_sizes)
+        self.buffer.clear()
+        self.stats.reset()
+
+    def receive(self, samples: Sequence[Sample]) -> None:
+        accepted = [s for s in samples if self._accept(s)]
+        for chunk in _chunks(accepted, self.cfg.max_tokens_per_microbatch):
+            items = prepare_batch(self, chunk)
+            ok = []
+            for s, p in zip(chunk, items):
+                if p is None:
+                    self._reject(s, f"sample {s.sample_id}: reward is not finite")
+                else:
+                    ok.append(p)
+            self._route(ok)
+        self._train_ready(flush=False)
+
+    def step(self) -> StepResult:
+        self._flush_incomplete_groups()
+        self._train_ready(flush=True)
+        return self._optimizer_step()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's tensors with Hugging Face names (fp32 masters; tied lm_head omitted)."""
+        yield from self.actor.hf_state_dict().items()
+
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0 writes (all ranks hold the same state); other ranks return at once."""
+        if self.rank == 0:
+            checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoint.load(self, path)
+        self.buffer.clear()
+        self.stats.reset()
+        self._trained_any = False
+        for p in self._params():
+            p.grad = None
+
+    # ---- receive-time bookkeeping ----------------------------------------------------------
+    def _reject(self, s: Sample, reason: str) -> None:
+        if self.cfg.on_bad_sample == "error":
+            raise ValueError(reason)
+        log.warning("trainer rank %d skips %s", self.rank, reason)
+        self.stats.add("skipped_samples", 1.0)
+        g = self.buffer.groups.get(s.group_id)
+        if self.cfg.grouped and s.group_id in self._group_sizes:
+            if g is None:
+                g = self.buffer.groups[s.group_id] = GroupState(self._group_sizes[s.group_id])
+            g.dropped += 1
+            self._maybe_complete(s.group_id)
+
+    def _accept(self, s: Sample) -> bool:
+        sid = s.sample_id
+        if sid not in self._prompts:
+            raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({self.iteration})")
+        if s.weight_version > self._version:
+            raise ValueError(f"sample {sid}: weight_version {s.weight_version} is newer than the trainer's {self._version}")
+        if self.cfg.grouped and s.group_id not in self._group_sizes:
+            raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
+                             f"(algorithm {self.cfg.algorithm!r} needs groups)")
+        reason = None
+        if s.weight_version < self._version - self.cfg.max_staleness:
+            reason = (f"sample {sid}: stale, weight_version {s.weight_version} < trainer version "
+                      f"{self._version} - max_staleness {self.cfg.max_staleness}")
+        elif s.finish_reason == "error":
+            reason = f"sample {sid}: generation failed ({s.error})"
+        elif s.output_ids.numel() == 0:
+            reason = f"sample {sid}: empty output"
+        elif not self.cfg.recompute_old_logprobs and s.logprobs.numel() != s.output_ids.numel():
+            reason = f"sample {sid}: {s.logprobs.numel()} logprobs for {s.output_ids.numel()} output tokens"
+        elif not self.cfg.recompute_old_logprobs and not bool(torch.isfinite(s.logprobs).all()):
+            reason = f"sample {sid}: non-finite sampler logprobs"
+        if reason is not None:
+            self._reject(s, reason)
+            return False
+        return True
+
+    def _route(self, items: list[Prepared]) -> None:
+        for p in items:
+            self.stats.add_sample(p, self._version)
+        if not self.cfg.grouped:
+            self.buffer.push_ready(items)
+            return
+        for p in items:
+            g = self.buffer.groups.get(p.group_id)
+            if g is None:
+                g = self.buffer.groups[p.group_id] = GroupState(self._group_sizes[p.group_id])
+            g.members.append(p)
+            self._maybe_complete(p.group_id)
+
+    def _maybe_complete(self, group_id: int, force: bool = False) -> None:
+        from workers.trainer.step_math import group_advantages
+
+        g = self.buffer.groups.get(group_id)
+        if g is None or not (g.complete or force):
+            return
+        del self.buffer.groups[group_id]
+        if g.members:
+            group_advantages(self.cfg, g.members)
+            self.buffer.push_ready(g.members)
+
+    def _flush_incomplete_groups(self) -> None:
+        for gid in list(self.buffer.groups):
+            g = self.buffer.groups[gid]
+            log.warning("trainer rank %d: group %d has %d of %d samples at step(); using those",
+                        self.rank, gid, len(g.members) + g.dropped, g.expected)
+            self.stats.add("incomplete_groups", 1.0)
+            self._maybe_complete(gid, force=True)
+
+    # ---- training ----------------------------------------------------------------------------
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for grp in self.optimizer.param_groups for p in grp["params"]]
+
+    def _train_ready(self, flush: bool) -> None:
+        while True:
+            items = self.buffer.pop_microbatch(self.cfg.max_tokens_per_microbatch, flush)
+            if not items:
+                return
+            with self.autocast():
+                loss_sum, counts = train_terms(self, items)
+            if not bool(torch.isfinite(loss_sum)):  # one host sync per micro-batch, not per token
+                log.warning("trainer rank %d: non-finite loss in a micro-batch of samples %s; skipped",
+                            self.rank, [p.sample_id for p in items][:8])
+                self.stats.add("skipped_microbatches", 1.0)
+                continue
+            loss_sum.backward()
+            self.stats.add_counts(counts)
+            self._trained_any = True
+
+    def _optimizer_step(self) -> StepResult:
+        params = self._params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        totals = self.stats.packed()
+        if self.world_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self.group)
+            dist.all_reduce(totals, group=self.group)
+        metrics = self.stats.metrics(totals, self.cfg.loss_agg)
+        divisor = metrics.pop("_divisor")
+        skipped = divisor <= 0
+        if not skipped:
+            for p in params:
+                p.grad.div_(divisor)
+            norm = _clip(list(self.actor.parameters()), self.cfg.grad_clip)
+            metrics["grad_norm"] = float(norm)
+            if self.critic is not None:
+                metrics["critic_grad_norm"] = float(_clip(list(self.critic.parameters()), self.cfg.grad_clip))
+            skipped = not all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if "grad_norm" in k)
+            if skipped:
+                log.warning("trainer rank %d: non-finite gradient norm at iteration %d; step skipped, "
+                            "weights kept", self.rank, self.iteration)
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+            self._version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["step_skipped"] = float(skipped)
+        result = StepResult(version=self._version, metrics=metrics, num_samples=int(metrics["num_samples"]),
+                            num_tokens=int(metrics["num_tokens"]))
+        self.buffer.clear()
+        self.stats.reset()
+        self._trained_any = False
+        return result
+
+
+def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def _chunks(samples: list[Sample], max_tokens: int) -> Iterator[list[Sample]]:
+    """Split by total (prompt + output) tokens so receive-time forwards stay bounded."""
+    chunk, tokens = [], 0
+    for s in samples:
+        n = s.prompt_ids.numel() + s.output_ids.numel()
+        if chunk and tokens + n > max_tokens:
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(s)
+        tokens += n
+    if chunk:
+        yield chunk
