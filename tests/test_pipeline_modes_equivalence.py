@@ -1,0 +1,105 @@
+"""Sync pipeline modes produce the same update as ``batch`` on the same samples.
+
+The trainer rank's release policies (all / minibatch / stream) only change *when* samples
+reach ``TrainerWorker.receive``; losses are sums divided at ``step()``, so the weights after
+one step must match. In-process (no RPC): the same TrainerRank class the runtime uses."""
+import threading
+
+import pytest
+import torch
+
+from controller.modes import MODES
+from controller.trainer_rank import TrainerRank
+from workers.generation.config import EngineConfig
+from workers.generation.factory import make_engine
+from workers.model import ModelConfig
+from workers.tasks.registry import make_task
+from workers.trainer.bootstrap import build_model_dir
+from workers.trainer.config import TrainerConfig
+from workers.types import Request, SamplingParams
+
+TASK = {"kind": "running_sum", "min_terms": 2, "max_terms": 4, "num_train": 64, "num_test": 8}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("m") / "model"
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    build_model_dir(d, make_task("synthetic", **TASK), cfg, sft_steps=0)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def samples(model_dir):
+    from workers.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model_dir)
+    items = make_task("synthetic", **TASK).prompts("train")[:6]
+    eng = make_engine(EngineConfig(device="cpu", kv_cache_tokens=4096), model_dir, [tok.eos_id])
+    reqs = [Request(j * 3 + k, torch.tensor(tok.encode(tok.format_prompt(it.prompt))), 12, group_id=j,
+                    sampling=SamplingParams(temperature=1.0, seed=j * 3 + k))
+            for j, it in enumerate(items) for k in range(3)]
+    eng.add(reqs)
+    out = []
+    while eng.has_work():
+        out += eng.step()
+    for s in out:  # one correct answer per group, so GRPO advantages are not all zero
+        if s.sample_id % 3 == 0:
+            s.output_ids = torch.tensor(tok.encode(items[s.group_id].answer) + [tok.eos_id])
+            s.logprobs = torch.full((len(s.output_ids),), -2.0)
+    out.sort(key=lambda s: -len(s.output_ids))  # arrival order differs from group order
+    prompts = {r.sample_id: items[r.group_id] for r in reqs}
+    return out, prompts
+
+
+def _train(model_dir, samples, prompts, mode):
+    m = MODES[mode]
+    tcfg = TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64, seed=0)
+    rank = TrainerRank(1, [1], tcfg, model_dir, "synthetic", TASK)
+    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, m.release, 4, m.max_staleness)
+    feeder = threading.Thread(target=lambda: [rank.receive([s]) for s in samples])
+    feeder.start()
+    feeder.join()
+    rep = rank.step(0)
+    rank.close()
+    return rep, {k: v.detach().clone() for k, v in rank.worker.named_weights()}
+
+
+def test_sync_modes_match_batch(model_dir, samples):
+    out, prompts = samples
+    rep_b, w_b = _train(model_dir, out, prompts, "batch")
+    assert rep_b.version == 1 and rep_b.num_samples == len(out) and rep_b.staleness_max == 0
+    for mode in ("minibatch", "stream"):
+        rep, w = _train(model_dir, out, prompts, mode)
+        assert rep.num_samples == rep_b.num_samples and rep.num_tokens == rep_b.num_tokens
+        for k in w_b:
+            torch.testing.assert_close(w[k], w_b[k], rtol=1e-4, atol=1e-5, msg=f"{mode}: {k}")
+        assert any(not torch.equal(w_b[k], v) for k, v in _initial(model_dir).items())
+
+
+def _initial(model_dir):
+    from workers.model import load_pretrained
+
+    return load_pretrained(model_dir, "cpu", torch.float32).hf_state_dict()
+
+
+def test_duplicates_dropped_and_staleness_checked(model_dir, samples):
+    out, prompts = samples
+    tcfg = TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64)
+    rank = TrainerRank(1, [1], tcfg, model_dir, "synthetic", TASK)
+    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, "stream", 4, 0)
+    assert rank.receive(out[:5]) == 5
+    assert rank.receive(out[:5]) == 0  # re-dispatched duplicates are never trained twice
+    rank.receive(out[5:])
+    rep = rank.step(0)
+    assert rep.duplicates == 5 and rep.num_samples == len(out)
+    # a sample claiming a future weight version violates staleness >= 0
+    rank.begin_iteration(1, {10**6: prompts[0]}, {10**6: 1}, "stream", 4, 0)
+    bad = out[0]
+    bad = type(bad)(**{**vars(bad), "sample_id": 10**6, "group_id": 10**6, "weight_version": 5})
+    rank.receive([bad])
+    with pytest.raises(RuntimeError, match="staleness"):
+        rank.step(1)
+    rank.close()
