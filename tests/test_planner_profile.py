@@ -1,0 +1,87 @@
+"""profile_engine on the real native engine (tiny random model, CPU).
+
+Wall-clock numbers are never asserted: the measuring logic is checked with a step-counting
+clock (each engine step "costs" 10 ms + 1 ms per running sequence), so the recovered PTL(BS)
+must equal that law exactly; the real clock is only checked for shape."""
+import pytest
+import torch
+
+from controller.planner.profile import TrainProfile, profile_engine, profile_trainer
+from controller.scheduling import PTLProfile
+from workers.generation.config import EngineConfig
+from workers.generation.engine import NativeEngine
+from workers.model import CausalLM, ModelConfig, init_weights
+
+
+def tiny_engine(kv_tokens=2048, max_batch_size=16):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    model = init_weights(CausalLM(cfg), seed=0)
+    ecfg = EngineConfig(max_batch_size=max_batch_size, block_size=16, kv_cache_tokens=kv_tokens, device="cpu",
+                        dtype="float32", prefix_sharing=False)
+    return NativeEngine(ecfg, model=model)
+
+
+class StepClock:
+    """Wraps an engine; a virtual clock advances by a + b * running on every step."""
+
+    def __init__(self, engine, a=0.01, b=0.001):
+        self.engine, self.a, self.b, self.t = engine, a, b, 0.0
+        self.cfg = engine.cfg
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        running = self.engine.stats().running
+        out = self.engine.step()
+        self.t += self.a + self.b * running
+        return out
+
+    def clock(self):
+        return self.t
+
+
+def test_profile_recovers_the_step_law_and_leaves_the_engine_idle():
+    torch.set_num_threads(1)
+    eng = StepClock(tiny_engine())
+    prof = profile_engine(eng, batch_sizes=(1, 2, 4, 8), prompt_len=8, decode_steps=4, warmup_steps=1,
+                          clock=eng.clock, name="tiny")
+    assert prof.batch_sizes == [1, 2, 4, 8]
+    assert prof.ptl_s == pytest.approx([0.01 + 0.001 * b for b in (1, 2, 4, 8)])
+    assert prof.kv_tokens == 2048 and prof.block_size == 16 and prof.max_batch_size == 16
+    assert prof.prefill_s_per_token >= 0.0
+    assert not eng.engine.has_work() and eng.engine.stats().max_batch_size == 16
+    assert prof.max_batch_for_len(200) == 2048 // 208  # KV-bound: 9 sequences of 13 blocks
+    assert prof.max_batch_for_len(10) == 16  # bound by the engine's max_batch_size
+
+
+def test_profile_with_the_real_clock_is_reusable(tmp_path):
+    torch.set_num_threads(1)
+    eng = tiny_engine()
+    prof = profile_engine(eng, batch_sizes=(1, 4), prompt_len=4, decode_steps=3, warmup_steps=1)
+    assert all(p > 0 for p in prof.ptl_s) and prof.ptl_s[1] >= prof.ptl_s[0]
+    assert prof.meta["source"] == "measured"
+    prof.save(tmp_path / "ptl.json")
+    assert PTLProfile.load(tmp_path / "ptl.json") == prof
+
+
+def test_profile_refuses_what_cannot_fit():
+    eng = tiny_engine(kv_tokens=256)
+    with pytest.raises(ValueError, match="batch size 32 x 16 tokens needs 512 KV tokens, the engine has 256"):
+        profile_engine(eng, batch_sizes=(1, 32), prompt_len=8, decode_steps=4, warmup_steps=2)
+
+
+def test_profile_trainer_fits_a_line():
+    t = {"now": 0.0}
+
+    def train(tokens):  # virtual clock: 0.2 s + 1 ms per token
+        t["now"] += 0.2 + 0.001 * tokens
+
+    prof = profile_trainer(train, token_counts=(100, 400, 900), repeats=1, clock=lambda: t["now"])
+    assert prof.s_per_token == pytest.approx(0.001) and prof.fixed_s == pytest.approx(0.2)
+    assert prof.time(1000, ranks=2) == pytest.approx(0.2 + 0.5)
+    with pytest.raises(ValueError, match="at least 2 distinct token_counts"):
+        profile_trainer(train, token_counts=(5, 5))
+    assert TrainProfile(1e-3).source == "measured"
