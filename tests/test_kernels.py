@@ -97,6 +97,16 @@ def test_matches_reference(case):
     check(*case)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="full cross-product only compiled on CUDA "
+                    "(the interpreter runs the covering set above)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_cross_product(head_dim, block_size, gqa, dtype):
+    check([1, 17, 300, 4099], 2 * gqa, 2, head_dim, block_size, dtype)
+
+
 def test_split_count_does_not_change_result():
     q, k, v, tables, lens_t = make_paged([600, 130], 4, 1, 64, 16, torch.float32)
     outs = [paged_decode_attention(q, k, v, tables, lens_t, 0.1, num_splits=s) for s in (1, 3)]

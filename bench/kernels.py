@@ -1,0 +1,208 @@
+"""Paged GQA decode attention on CUDA: achieved memory bandwidth vs the GPU's peak, vs torch
+SDPA on a dense cache, vs the engine's torch paged path, vs vLLM's Triton kernel (if present).
+
+    python bench/kernels.py            # full sweep (~1-2 min on an H100-class GPU)
+    python bench/kernels.py --quick    # a few shapes (bench/gpu_check.sh)
+
+One JSON line per (shape, implementation); the last line is the summary with keys
+``device, peak_gbps, triton_median_pct_peak, triton_vs_sdpa_dense, triton_vs_torch_paged,
+triton_vs_vllm`` (speedups are geometric means of time ratios; >1 means ours is faster).
+On a machine without CUDA it prints one JSON line saying it skipped, and why.
+
+Bytes counted per call: K and V of every cached token (the kernel's compulsory traffic) plus
+q, out and block tables. The dense SDPA competitor reads a contiguous [B, Hkv, L, Dh] cache
+(no paging, no gather: a bound for what torch can do); "torch_paged" is the engine's torch
+decode path (gather blocks with index_select, then SDPA).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+# this file is bench/kernels.py: keep `import kernels` from finding itself instead of the package
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+# HBM peak, GB/s, by a substring of torch.cuda.get_device_name() (most specific first)
+PEAK_GBPS = [("H200", 4800), ("GH200", 4000), ("H100 NVL", 3900), ("H100 PCIe", 2000),
+             ("H100", 3350), ("H800", 3350), ("B200", 8000), ("A100-SXM4-80GB", 2039),
+             ("A100-PCIE-80GB", 1935), ("A100 80GB PCIe", 1935), ("A100", 1555), ("A800", 2039),
+             ("L40S", 864), ("L40", 864), ("A10G", 600), ("A10", 600), ("L4", 300),
+             ("RTX 4090", 1008), ("RTX 3090", 936), ("V100", 900), ("T4", 320), ("MI300X", 5300)]
+
+# (name, query heads, kv heads, head_dim)
+MODELS = [("qwen2.5-0.5b", 14, 2, 64), ("qwen2.5-7b", 28, 4, 128), ("llama3-8b", 32, 8, 128)]
+FULL_SHAPES = [(1, 4096), (8, 4096), (64, 1024), (64, 4096), (256, 1024), (256, 2048), (8, 32768)]
+QUICK_SHAPES = [(8, 4096), (64, 2048)]
+BLOCK_SIZE = 16
+
+
+def peak_gbps(name: str) -> float | None:
+    return next((p for key, p in PEAK_GBPS if key in name), None)
+
+
+def paged_inputs(bsz, heads, kv_heads, head_dim, lens, dtype, dev, seed=0):
+    """q and a paged cache whose blocks are scattered at random (a fragmented cache)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nblk = [-(-n // BLOCK_SIZE) for n in lens]
+    total = sum(nblk)
+    k = torch.randn(total, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dtype, generator=g)
+    v = torch.randn_like(k)
+    perm = torch.randperm(total, device=dev, generator=g).int()
+    tables = torch.zeros(bsz, max(nblk), dtype=torch.int32, device=dev)
+    used = 0
+    for b, n in enumerate(nblk):
+        tables[b, :n] = perm[used:used + n]
+        used += n
+    q = torch.randn(bsz, heads, head_dim, device=dev, dtype=dtype, generator=g)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def torch_paged(q, k, v, tables, lens, scale):
+    """The engine's torch decode path: gather each sequence's blocks, one masked SDPA."""
+    bsz, heads, dh = q.shape
+    hkv = k.shape[2]
+    keys = k[tables.long()].view(bsz, -1, hkv, dh).transpose(1, 2)  # [B, Hkv, Lk, Dh]
+    vals = v[tables.long()].view(bsz, -1, hkv, dh).transpose(1, 2)
+    mask = (torch.arange(keys.shape[2], device=q.device)[None] < lens[:, None])[:, None, None]
+    return F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=mask, scale=scale,
+                                          enable_gqa=heads != hkv)[:, :, 0]
+
+
+def vllm_kernel():
+    """vLLM's Triton paged attention (the TRITON_ATTN backend's kernel), or a reason it's absent."""
+    for mod in ("vllm.v1.attention.ops.triton_unified_attention",
+                "vllm.attention.ops.triton_unified_attention"):
+        try:
+            return __import__(mod, fromlist=["unified_attention"]).unified_attention, mod
+        except Exception as e:  # ImportError, or vLLM failing to initialise
+            why = f"{type(e).__name__}: {e}"
+    return None, why
+
+
+def run_vllm(fn, q, k, v, tables, lens, scale, max_len):
+    bsz, heads, dh = q.shape
+    out = torch.empty_like(q)
+    one = torch.ones(1, device=q.device, dtype=torch.float32)
+    cu_q = torch.arange(bsz + 1, device=q.device, dtype=torch.int32)
+    segs = 16
+    seg_o = torch.empty(bsz, heads, segs, 1 << (dh - 1).bit_length(), device=q.device,
+                        dtype=torch.float32)
+    seg_m = torch.empty(bsz, heads, segs, device=q.device, dtype=torch.float32)
+    seg_e = torch.empty_like(seg_m)
+
+    def call():
+        fn(q, k, v, out, cu_q, 1, lens, max_len, scale, True, (-1, -1), tables, 0, None, one, one,
+           seq_threshold_3D=bsz, num_par_softmax_segments=segs, softmax_segm_output=seg_o,
+           softmax_segm_max=seg_m, softmax_segm_expsum=seg_e)
+        return out
+    return call
+
+
+def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
+    import triton.testing
+
+    from kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+
+    name, heads, kv_heads, dh = model
+    g = torch.Generator().manual_seed(bsz * 7 + ctx)
+    lens = (torch.randint(1, 2 * ctx, (bsz,), generator=g).tolist() if ragged else [ctx] * bsz)
+    q, k, v, tables, lens_t = paged_inputs(bsz, heads, kv_heads, dh, lens, dtype, dev)
+    scale = dh ** -0.5
+    esize = q.element_size()
+    kv_bytes = 2 * sum(lens) * kv_heads * dh * esize
+    io_bytes = kv_bytes + 2 * q.numel() * esize + tables.numel() * 4
+    ref = paged_decode_attention_ref(q, k, v, tables, lens_t, scale).float()
+
+    impls = {"triton": lambda: paged_decode_attention(q, k, v, tables, lens_t, scale),
+             "torch_paged": lambda: torch_paged(q, k, v, tables, lens_t, scale)}
+    if not ragged:
+        kd = torch.randn(bsz, kv_heads, ctx, dh, device=dev, dtype=dtype)  # [B, Hkv, L, Dh]
+        vd = torch.randn_like(kd)
+        impls["sdpa_dense"] = lambda: F.scaled_dot_product_attention(
+            q[:, :, None], kd, vd, scale=scale, enable_gqa=heads != kv_heads)
+    if vllm_fn is not None:
+        impls["vllm_triton"] = run_vllm(vllm_fn, q, k, v, tables, lens_t, scale, max(lens))
+    rows = []
+    for impl, fn in impls.items():
+        rec = dict(bench="kernels", model=name, batch=bsz, ctx=ctx, ragged=ragged,
+                   dtype=str(dtype)[6:], impl=impl)
+        try:
+            out = fn()
+            if impl != "sdpa_dense":
+                rec["max_err"] = float((out.float() - ref).abs().max())
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+        except Exception as e:  # a competitor's API drift must not kill the run
+            rec["error"] = f"{type(e).__name__}: {e}"[:300]
+            print(json.dumps(rec), flush=True)
+            continue
+        gbps = io_bytes / (ms * 1e-3) / 1e9
+        rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
+                   pct_peak=round(100 * gbps / peak, 1) if peak else None)
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    del q, k, v, tables, impls
+    torch.cuda.empty_cache()
+    return rows
+
+
+def geomean_speedup(rows, other):
+    """Geometric mean over shapes of t(other) / t(triton)."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["batch"], r["ctx"], r["ragged"]), {})[r["impl"]] = r["us"]
+    ratios = [d[other] / d["triton"] for d in by.values() if other in d and "triton" in d]
+    return round(math.exp(statistics.fmean(map(math.log, ratios))), 3) if ratios else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes only (gpu_check.sh)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = ap.parse_args()
+    import kernels
+
+    why = None
+    if not torch.cuda.is_available():
+        why = "no CUDA device: this benchmark measures GPU memory bandwidth"
+    elif not kernels.triton_available():
+        why = "triton not installed (pip install streamrl[kernels])"
+    elif kernels.interpreting():
+        why = "TRITON_INTERPRET is set: unset it to time compiled kernels"
+    if why:
+        print(json.dumps({"bench": "kernels", "skipped": why}))
+        return 0
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    peak = peak_gbps(name)
+    vllm_fn, vllm_src = vllm_kernel()
+    dtype = getattr(torch, args.dtype)
+    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    models = MODELS[1:2] if args.quick else MODELS
+    rows = []
+    for model in models:
+        for bsz, ctx in shapes:
+            rows += bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn)
+        rows += bench_shape(model, 64, 2048, dtype, dev, peak, vllm_fn, ragged=True)
+    pct = [r["pct_peak"] for r in rows if r["impl"] == "triton" and r.get("pct_peak") is not None]
+    print(json.dumps(dict(
+        bench="kernels", summary=True, device=name, peak_gbps=peak, dtype=args.dtype,
+        triton_median_pct_peak=statistics.median(pct) if pct else None,
+        triton_max_gbps=max((r["gbps"] for r in rows if r["impl"] == "triton"), default=None),
+        triton_vs_sdpa_dense=geomean_speedup(rows, "sdpa_dense"),
+        triton_vs_torch_paged=geomean_speedup(rows, "torch_paged"),
+        triton_vs_vllm=geomean_speedup(rows, "vllm_triton"),
+        vllm=vllm_src if vllm_fn is not None else f"absent ({vllm_src})")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""bench/kernels.py's measurement code, run on CPU with the kernel in triton's interpreter and
+a fake timer (the real one, triton.testing.do_bench, needs CUDA events: not on this machine).
+Catches bugs in the benchmark before a GPU run spends its time on them; no timing asserted."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+triton = pytest.importorskip("triton", reason="triton not installed (pip install streamrl[kernels])")
+
+import kernels  # noqa: E402
+
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(not kernels.interpreting(), reason="CPU dry run only; "
+                                 "bench/gpu_check.sh runs the real benchmark on CUDA")]
+if kernels.interpreter_mismatch():
+    pytest.skip(kernels.interpreter_mismatch(), allow_module_level=True)
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_rows_and_summary_on_cpu(monkeypatch, capsys):
+    bk = load_bench()
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=0, rep=0: (fn(), 1e-5)[1])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cpu = torch.device("cpu")
+    rows = bk.bench_shape(("toy", 4, 2, 64), 2, 40, torch.float32, cpu, 1000.0, None)
+    rows += bk.bench_shape(("toy", 4, 2, 64), 3, 40, torch.float32, cpu, 1000.0, None, ragged=True)
+    assert [r["impl"] for r in rows] == ["triton", "torch_paged", "sdpa_dense", "triton", "torch_paged"]
+    for r in rows:
+        assert r["us"] == 0.01 and r["gbps"] > 0 and "error" not in r
+        assert r.get("max_err", 0.0) < 1e-5  # every paged implementation agrees with the reference
+    # bytes: K+V of 80 tokens x 2 kv heads x 64 x 4 B, plus q and out, plus the [2, 3] table
+    assert rows[0]["gbps"] == round((2 * 80 * 2 * 64 * 4 + 2 * 2 * 4 * 64 * 4 + 6 * 4) / 1e-8 / 1e9, 1)
+    assert bk.geomean_speedup(rows, "sdpa_dense") == 1.0
+    assert bk.geomean_speedup(rows, "vllm_triton") is None
+    assert bk.peak_gbps("NVIDIA H100 80GB HBM3") == 3350 and bk.peak_gbps("NVIDIA H200") == 4800
+    assert bk.peak_gbps("NVIDIA H100 PCIe") == 2000 and bk.peak_gbps("Some GPU") is None
+
+
+def test_bench_skips_without_cuda(monkeypatch, capsys):
+    bk = load_bench()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["kernels.py", "--quick"])
+    assert bk.main() == 0
+    assert '"skipped": "no CUDA device' in capsys.readouterr().out
