@@ -31,6 +31,7 @@ class TrainerConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -67,7 +68,7 @@ class TrainerConfig:
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
-        for name in ("lr", "critic_lr", "max_tokens_per_microbatch", "total_steps"):
+        for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "grad_clip",

@@ -1,0 +1,213 @@
+"""TrainerWorker: API, streaming == one batch, staleness, bad input, checkpoint resume."""
+import logging
+import math
+import random
+
+import pytest
+import torch
+
+from workers.model import ModelConfig
+from workers.tasks import make_task
+from workers.trainer import StepResult, TrainerConfig, TrainerWorker
+from workers.trainer.bootstrap import build_model_dir
+from workers.trainer.rollout import rollout
+from workers.types import Sample, TaskPrompt
+
+torch.set_num_threads(1)
+TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+class CharTask:
+    """Deterministic dense reward on any completion (random tiny models score 0 on real tasks)."""
+
+    def __init__(self, base, value=None):
+        self.base, self.value = base, value
+
+    def prompts(self, split):
+        return self.base.prompts(split)
+
+    def score(self, prompt, completion):
+        return self.value if self.value is not None else (len(completion) % 5) / 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
+    folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "tiny", task, TINY, seed=0)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return CharTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
+
+
+def make_samples(model_dir, task, groups=4, n=3, version=0, seed=0, max_tokens=12):
+    w = TrainerWorker(TrainerConfig(), model_dir, task, device="cpu")
+    return rollout(w.actor, w.tokenizer, task.prompts("train")[:groups], n, max_tokens, version=version, seed=seed)
+
+
+def weights(w):
+    return {k: v.detach().clone() for k, v in w.named_weights()}
+
+
+CONFIGS = {
+    "grpo": dict(algorithm="grpo", kl_coef=0.05, entropy_coef=0.01),
+    "rloo_seq": dict(algorithm="rloo", loss_agg="seq_mean", kl_coef=0.05, kl_estimator="k1", kl_mode="reward"),
+    "ppo": dict(algorithm="ppo", kl_coef=0.02, kl_mode="reward", dual_clip=3.0, clip_high=0.28),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_streaming_microbatches_equal_one_batch(model_dir, task, name):
+    samples, prompts, groups = make_samples(model_dir, task)
+    results = []
+    for budget, chunk in ((10**6, len(samples)), (40, 1)):
+        # adam_eps=1: the update is ~linear in the gradient, so summation-order noise on
+        # near-zero gradients is not blown up to +-lr by Adam's normalisation
+        w = TrainerWorker(TrainerConfig(lr=1e-2, adam_eps=1.0, max_tokens_per_microbatch=budget, **CONFIGS[name]),
+                          model_dir, task, device="cpu")
+        before = weights(w)
+        order = list(samples)
+        if chunk == 1:
+            random.Random(0).shuffle(order)
+        w.begin_iteration(0, prompts, groups)
+        for i in range(0, len(order), chunk):
+            w.receive(order[i:i + chunk])
+        res = w.step()
+        assert isinstance(res, StepResult) and res.version == 1 == w.version
+        assert res.num_samples == len(samples) and res.num_tokens == sum(len(s.output_ids) for s in samples)
+        assert res.metrics["step_skipped"] == 0 and math.isfinite(res.metrics["grad_norm"])
+        results.append((weights(w), res))
+    (wa, ra), (wb, rb) = results
+    assert any(not torch.equal(wa[k], before[k]) for k in wa)  # the step did something
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=1e-5), k
+    for k in ("reward_mean", "pg_loss", "kl", "entropy"):
+        assert ra.metrics[k] == pytest.approx(rb.metrics[k], rel=1e-4, abs=1e-6)
+
+
+def test_staleness_is_refused(model_dir, task, caplog):
+    w = TrainerWorker(TrainerConfig(max_staleness=1), model_dir, task, device="cpu")
+    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2)
+    for it in range(2):  # version 0 -> 2
+        w.begin_iteration(it, prompts, groups)
+        w.receive(samples)
+        w.step()
+    assert w.version == 2
+    fresh, _, _ = make_samples(model_dir, task, groups=2, n=2, version=1)
+    w.begin_iteration(2, prompts, groups)
+    with caplog.at_level(logging.WARNING, "streamrl.trainer"):
+        w.receive(samples[:2] + fresh[2:])  # group 0 stale (v0), group 1 at v1
+    assert "stale" in caplog.text
+    res = w.step()
+    assert res.metrics["skipped_samples"] == 2 and res.num_samples == 2 and res.version == 3
+    strict = TrainerWorker(TrainerConfig(max_staleness=0, on_bad_sample="error"), model_dir, task, device="cpu")
+    strict.begin_iteration(0, prompts, groups)
+    strict.receive(samples[:2])
+    strict.step()
+    strict.begin_iteration(1, prompts, groups)
+    with pytest.raises(ValueError, match="stale"):
+        strict.receive(samples[2:])
+
+
+def test_bad_input_is_skipped_or_refused(model_dir, task, caplog):
+    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2)
+    empty = Sample(sample_id=0, prompt_ids=samples[0].prompt_ids, output_ids=torch.zeros(0, dtype=torch.long),
+                   logprobs=torch.zeros(0), weight_version=0, finish_reason="stop", group_id=samples[0].group_id)
+    w = TrainerWorker(TrainerConfig(), model_dir, task, device="cpu")
+    w.begin_iteration(0, prompts, groups)
+    with caplog.at_level(logging.WARNING, "streamrl.trainer"):
+        w.receive([empty] + samples[1:])
+    assert "empty output" in caplog.text
+    assert w.step().metrics["skipped_samples"] == 1
+    # NaN reward -> skipped with a warning; every sample bad -> no step, weights kept
+    nan_w = TrainerWorker(TrainerConfig(), model_dir, CharTask(task.base, float("nan")), device="cpu")
+    before = weights(nan_w)
+    nan_w.begin_iteration(0, prompts, groups)
+    with caplog.at_level(logging.WARNING, "streamrl.trainer"):
+        nan_w.receive(samples)
+    assert "reward is not finite" in caplog.text
+    res = nan_w.step()
+    assert res.metrics["step_skipped"] == 1 and res.version == 0 and res.metrics["skipped_samples"] == 4
+    assert all(torch.equal(before[k], v) for k, v in weights(nan_w).items())
+    # errors that are bugs in the caller
+    with pytest.raises(KeyError, match="sample 999"):
+        w.begin_iteration(1, prompts, groups)
+        w.receive([Sample(999, samples[0].prompt_ids, samples[0].output_ids, samples[0].logprobs, 0, "stop", 0)])
+    future = Sample(0, samples[0].prompt_ids, samples[0].output_ids, samples[0].logprobs, 7, "stop", 0)
+    with pytest.raises(ValueError, match="newer"):
+        w.receive([future])
+    w.receive(samples[:1])
+    with pytest.raises(RuntimeError, match="call step"):
+        w.begin_iteration(2, prompts, groups)
+
+
+def test_infinite_loss_and_nonfinite_grads_never_corrupt(model_dir, task, caplog):
+    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2)
+    huge = TrainerWorker(TrainerConfig(algorithm="ppo"), model_dir, CharTask(task.base, 3e38), device="cpu")
+    before = weights(huge)
+    huge.begin_iteration(0, prompts, groups)
+    with caplog.at_level(logging.WARNING, "streamrl.trainer"):
+        huge.receive(samples)
+        res = huge.step()
+    assert "non-finite loss" in caplog.text
+    assert res.metrics["step_skipped"] == 1 and res.version == 0
+    assert all(torch.equal(before[k], v) for k, v in weights(huge).items())
+    w = TrainerWorker(TrainerConfig(max_tokens_per_microbatch=16), model_dir, task, device="cpu")
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)  # trains micro-batches at once (small token budget)
+    next(w.actor.parameters()).grad[0, 0] = float("inf")  # a blown-up backward
+    before = weights(w)
+    res = w.step()
+    assert res.metrics["step_skipped"] == 1 and w.version == 0
+    assert all(torch.equal(before[k], v) for k, v in weights(w).items())
+    w.begin_iteration(1, prompts, groups)  # and the worker keeps working
+    w.receive(samples)
+    assert w.step().version == 1
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_checkpoint_resume_is_bit_identical(model_dir, task, tmp_path, algorithm):
+    cfg = TrainerConfig(algorithm=algorithm, lr=1e-2, warmup_steps=2, lr_schedule="cosine", total_steps=5)
+    s0, p0, g0 = make_samples(model_dir, task, groups=2, n=2, seed=1)
+    s1, p1, g1 = make_samples(model_dir, task, groups=2, n=2, seed=2, version=1)
+    a = TrainerWorker(cfg, model_dir, task, device="cpu")
+    a.begin_iteration(0, p0, g0)
+    a.receive(s0)
+    a.step()
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    a.save_checkpoint(str(tmp_path / "ckpt"))  # overwriting is atomic too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (tmp_path / "ckpt" / "model" / "tokenizer.json").exists()
+    a.begin_iteration(1, p1, g1)
+    a.receive(s1)
+    ra = a.step()
+    b = TrainerWorker(cfg, model_dir, task, device="cpu")
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert b.version == 1
+    b.begin_iteration(1, p1, g1)
+    b.receive(s1)
+    rb = b.step()
+    assert ra.version == rb.version == 2 and ra.metrics["lr"] == rb.metrics["lr"]
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    if algorithm == "ppo":
+        assert all(torch.equal(x, y) for x, y in zip(a.critic.parameters(), b.critic.parameters()))
+    with pytest.raises(FileNotFoundError, match="not a trainer checkpoint"):
+        b.load_checkpoint(str(tmp_path))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="algorithm"):
+        TrainerConfig(algorithm="dpo")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        TrainerConfig(kl_estimator="k2")
+    with pytest.raises(ValueError, match="dual_clip"):
+        TrainerConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="critic"):
+        TrainerConfig(algorithm="ppo", critic=False)
+    with pytest.raises(ValueError, match="unknown keys"):
+        TrainerConfig.from_dict({"lr": 1e-3, "lrr": 1})
+    assert TrainerConfig.from_dict({"algorithm": "ppo", "betas": [0.9, 0.95]}).use_critic
