@@ -1,0 +1,91 @@
+"""Data parallel: 2 trainer ranks (gloo, spawned processes, samples split by group) produce the
+same update as 1 rank on all the samples."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers.model import ModelConfig
+from workers.tasks import make_task
+from workers.trainer import TrainerConfig, TrainerWorker
+from workers.trainer.bootstrap import build_model_dir
+from workers.trainer.rollout import rollout
+
+TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+class CharTask:
+    def __init__(self, base):
+        self.base = base
+
+    def prompts(self, split):
+        return self.base.prompts(split)
+
+    def score(self, prompt, completion):
+        return (len(completion) % 5) / 4
+
+
+def _task():
+    return CharTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
+
+
+CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),
+           dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01)]
+
+
+def _run(rank, world, port, model_dir, tmp):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        samples, prompts, groups = torch.load(f"{tmp}/data.pt", weights_only=False)
+        for i, cfg_kw in enumerate(CONFIGS):
+            w = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), rank=rank, world_size=world,
+                              device="cpu")
+            mine = [s for s in samples if s.group_id % world == rank]  # whole groups per rank
+            w.begin_iteration(0, prompts, groups)
+            for s in mine:  # streamed one by one
+                w.receive([s])
+            res = w.step()
+            if rank == 0:
+                torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/out{i}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _common(cfg_kw):
+    return dict(cfg_kw, lr=1e-2, adam_eps=1.0, max_tokens_per_microbatch=48)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_equal_one_rank(tmp_path):
+    torch.set_num_threads(1)
+    model_dir = str(build_model_dir(tmp_path / "m", _task().base, TINY, seed=0)[0])
+    ref = TrainerWorker(TrainerConfig(), model_dir, _task(), device="cpu")
+    samples, prompts, groups = rollout(ref.actor, ref.tokenizer, _task().prompts("train")[:4], 3, 12, seed=5)
+    torch.save((samples, prompts, groups), tmp_path / "data.pt")
+    # fork: the children skip re-importing torch (the test is CPU only, one thread)
+    mp.start_processes(_run, args=(2, _free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    for i, cfg_kw in enumerate(CONFIGS):
+        one = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), device="cpu")
+        one.begin_iteration(0, prompts, groups)
+        one.receive(samples)
+        r1 = one.step()
+        w1 = {k: v.clone() for k, v in one.named_weights()}
+        w2, r2 = torch.load(tmp_path / f"out{i}.pt", weights_only=False)
+        assert r2.version == r1.version == 1
+        assert r2.num_samples == r1.num_samples == len(samples) and r2.num_tokens == r1.num_tokens
+        assert r2.metrics["reward_mean"] == pytest.approx(r1.metrics["reward_mean"])
+        assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-4)
+        for k in w1:
+            assert torch.allclose(w1[k], w2[k], atol=1e-6, rtol=1e-5), (cfg_kw, k)
