@@ -34,7 +34,8 @@ class PTLProfile:
     ptl_s[i] is the wall time of one decode step (every running sequence gains one token)
     at batch size batch_sizes[i]; a sample of L tokens in a batch of BS takes ~PTL(BS) * L.
     kv_tokens is the KV-cache capacity in tokens, allocated in blocks of block_size.
-    prefill_s_per_token is the prompt-processing cost (0 when not measured)."""
+    A prefill step (admitting requests) costs prefill_step_s + prefill_s_per_token * prompt
+    tokens (0 when not measured)."""
 
     batch_sizes: list[int]
     ptl_s: list[float]
@@ -44,6 +45,7 @@ class PTLProfile:
     prefill_s_per_token: float = 0.0
     name: str = ""
     meta: dict = field(default_factory=dict)
+    prefill_step_s: float = 0.0
 
     def __post_init__(self):
         if not self.batch_sizes or len(self.batch_sizes) != len(self.ptl_s):

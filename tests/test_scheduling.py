@@ -51,11 +51,25 @@ def test_instance_sim_with_flat_ptl_is_lpt_list_scheduling():
 
 def test_instance_sim_respects_kv_memory():
     prof = PTLProfile([1], [1.0], kv_tokens=64, block_size=16)
-    run = simulate_instance([30, 30, 30, 30], prof, cap=100, prompt_lens=[2] * 4)
+    run = simulate_instance([30, 30, 30, 30], prof, cap=100, prompt_lens=[2] * 4, alloc="reserve")
     assert run.max_batch == 2  # 32 tokens = 2 blocks each, 4 blocks in all
     assert run.makespan_s == pytest.approx(60.0)
+    # lazy allocation admits all four on their prompts, then preempts the latest as they grow
+    lazy = simulate_instance([30, 30, 30, 30], prof, cap=100, prompt_lens=[2] * 4, alloc="lazy")
+    assert lazy.max_batch == 4 and lazy.makespan_s > 60.0
+    assert sorted(lazy.finish_s) == lazy.finish_s  # admission order kept through preemptions
     with pytest.raises(ValueError, match="request 0 needs 80 KV tokens"):
         simulate_instance([70], prof, cap=1, prompt_lens=[5])
+
+
+def test_lazy_sim_without_memory_pressure_equals_reserve():
+    rng = np.random.default_rng(7)
+    lens = [int(x) for x in rng.integers(1, 200, size=40)]
+    prof = PTLProfile([1, 8, 64], [1.0, 1.5, 4.0], kv_tokens=10**6, block_size=16, prefill_step_s=0.3,
+                      prefill_s_per_token=0.01)
+    a = simulate_instance(lens, prof, cap=8, prompt_lens=[10] * 40, alloc="lazy")
+    b = simulate_instance(lens, prof, cap=8, prompt_lens=[10] * 40, alloc="reserve")
+    assert a.finish_s == pytest.approx(b.finish_s)
 
 
 def test_ptl_profile_interpolates_and_roundtrips(tmp_path):

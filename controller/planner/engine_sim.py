@@ -1,9 +1,9 @@
 """Event-level model of one generation instance running continuous batching.
 
 Requests are admitted strictly in the plan's order (FCFS or LPT) while the batch is below
-its cap and the KV cache can hold the request's whole sequence (prompt + output tokens,
-in blocks: the native engine reserves a request's blocks as it grows and the planner
-assumes no preemption). Between two events (an admission or a completion) the batch size
+its cap and the KV cache has room: "lazy" (the native engine, vLLM) admits when the prompt
+fits, grows sequences block by block and preempts the most recently admitted one when the
+cache is full (it is recomputed later); "reserve" admits only whole sequences. Between two events (an admission or a completion) the batch size
 is constant, so time advances by ``PTL(BS) * steps``: the cost is O(M log M) per instance,
 not O(tokens). Used by the dispatcher benchmarks, the allocation planner and the cluster
 simulator.
@@ -29,32 +29,45 @@ class InstanceRun:
 
 
 def simulate_instance(out_lens: Sequence[int], profile: PTLProfile, cap: int,
-                      prompt_lens: Sequence[int] | None = None, t0: float = 0.0) -> InstanceRun:
+                      prompt_lens: Sequence[int] | None = None, t0: float = 0.0, alloc: str = "lazy") -> InstanceRun:
     """Simulate one instance admitting requests in the given order.
 
     out_lens[k]: output tokens of request k (k = admission order); prompt_lens[k] its prompt.
-    cap: max batch size. Each decode step gives every running request one token and costs
-    profile.ptl(batch); an admission costs prefill_s_per_token * prompt tokens."""
+    cap: max batch size. alloc "lazy" models the native engine and vLLM (blocks allocated
+    as sequences grow; when the cache is full the most recently admitted sequence is
+    preempted and recomputed later); "reserve" admits a request only when its whole
+    sequence fits (no preemption)."""
+    if alloc not in ALLOCS:
+        raise ValueError(f"simulate_instance: alloc {alloc!r} is not one of {sorted(ALLOCS)}")
     m = len(out_lens)
     prompts = list(prompt_lens) if prompt_lens is not None else [0] * m
     if len(prompts) != m:
         raise ValueError(f"simulate_instance: {len(prompts)} prompt_lens for {m} requests")
     cap = max(1, min(cap, profile.max_batch_size) if profile.max_batch_size else cap)
-    need = [profile.seq_kv_tokens(prompts[k] + out_lens[k]) for k in range(m)]
     for k in range(m):
-        if need[k] > profile.kv_tokens:
-            raise ValueError(f"simulate_instance: request {k} needs {need[k]} KV tokens, "
+        need = profile.seq_kv_tokens(prompts[k] + out_lens[k])
+        if need > profile.kv_tokens:
+            raise ValueError(f"simulate_instance: request {k} needs {need} KV tokens, "
                              f"the instance has {profile.kv_tokens}")
+    return ALLOCS[alloc]([max(1, int(x)) for x in out_lens], prompts, profile, cap, t0)
+
+
+def _reserve(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> InstanceRun:
+    m = len(out_lens)
+    need = [profile.seq_kv_tokens(prompts[k] + out_lens[k]) for k in range(m)]
     finish, start = [0.0] * m, [0.0] * m
     running: list[tuple[int, int]] = []  # heap of (finish step, k)
     t, step, nxt, free, peak = t0, 0, 0, profile.kv_tokens, 0
     while nxt < m or running:
+        admitted = 0
         while nxt < m and len(running) < cap and need[nxt] <= free:
             free -= need[nxt]
-            t += profile.prefill_s_per_token * prompts[nxt]
+            admitted += prompts[nxt]
             start[nxt] = t
-            heapq.heappush(running, (step + max(1, int(out_lens[nxt])), nxt))
+            heapq.heappush(running, (step + out_lens[nxt], nxt))
             nxt += 1
+        if admitted:
+            t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
         peak = max(peak, len(running))
         done_step, _ = running[0]
         t += profile.ptl(len(running)) * (done_step - step)
@@ -66,11 +79,75 @@ def simulate_instance(out_lens: Sequence[int], profile: PTLProfile, cap: int,
     return InstanceRun(finish, start, max(finish, default=t0), peak)
 
 
+def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> InstanceRun:
+    """Tokens are tracked exactly, blocks as tokens + half a block of rounding per sequence.
+    Between events (a completion, the cache filling up, an admission) the batch and the
+    growth rate are constant, so time jumps by PTL(BS) * steps. A request is admitted when
+    its cached tokens fit with one step of growth left for every running sequence."""
+    m, half = len(out_lens), profile.block_size / 2.0
+    finish, start = [0.0] * m, [-1.0] * m
+    cached = list(prompts)  # tokens a request brings into the cache when (re)admitted
+    left = list(out_lens)  # output tokens still to produce
+    epoch = [0] * m  # bumps on preemption: older heap entries are stale
+    waiting = list(range(m - 1, -1, -1))  # stack: admission order; preempted go back on top
+    running: list[int] = []  # admission order (last = first preempted)
+    since = [0] * m  # step of the latest admission
+    heap: list[tuple[int, int, int]] = []  # (finish step, k, epoch)
+    t, step, used, peak = t0, 0, 0.0, 0
+    cap_tokens = float(profile.kv_tokens)
+    while waiting or running:
+        admitted = 0
+        while waiting and len(running) < cap:
+            k = waiting[-1]
+            need = cached[k] + half
+            if running and used + need > cap_tokens - (len(running) + 1):
+                break
+            waiting.pop()
+            if start[k] < 0:
+                start[k] = t
+            used += need
+            admitted += cached[k]
+            running.append(k)
+            since[k] = step
+            heapq.heappush(heap, (step + left[k], k, epoch[k]))
+        if admitted:
+            t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
+        bs = len(running)
+        peak = max(peak, bs)
+        while heap[0][2] != epoch[heap[0][1]]:
+            heapq.heappop(heap)
+        room = int((cap_tokens - used) // bs)
+        if room <= 0 and bs > 1:  # cache full: preempt the most recently admitted sequence
+            k = running.pop()
+            done = step - since[k]
+            used -= cached[k] + half + done
+            cached[k] += done
+            left[k] -= done
+            epoch[k] += 1
+            waiting.append(k)
+            continue
+        n_steps = heap[0][0] - step if bs == 1 else max(1, min(heap[0][0] - step, room))
+        t += profile.ptl(bs) * n_steps
+        step += n_steps
+        used += bs * n_steps
+        while heap and heap[0][0] <= step:
+            _, k, e = heapq.heappop(heap)
+            if e != epoch[k]:
+                continue
+            finish[k] = t
+            running.remove(k)
+            used -= cached[k] + half + (step - since[k])
+    return InstanceRun(finish, [max(0.0, x) for x in start], max(finish, default=t0), peak)
+
+
+ALLOCS = {"lazy": _lazy, "reserve": _reserve}
+
+
 def simulate_plan(plan, out_lens: Sequence[int], profiles: list[PTLProfile],
-                  prompt_lens: Sequence[int] | None = None, t0: float = 0.0) -> list[InstanceRun]:
+                  prompt_lens: Sequence[int] | None = None, t0: float = 0.0, alloc: str = "lazy") -> list[InstanceRun]:
     """Run every instance of a DispatchPlan on its own (true lengths); list per instance."""
     runs = []
     for j, idx in enumerate(plan.per_instance):
         pl = [prompt_lens[i] for i in idx] if prompt_lens is not None else None
-        runs.append(simulate_instance([out_lens[i] for i in idx], profiles[j], plan.batch_caps[j], pl, t0))
+        runs.append(simulate_instance([out_lens[i] for i in idx], profiles[j], plan.batch_caps[j], pl, t0, alloc))
     return runs

@@ -37,7 +37,8 @@ def _requests(n: int, prompt_len: int, out_len: int, vocab: int, first_id: int, 
 def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), prompt_len: int = 16,
                    decode_steps: int = 16, warmup_steps: int = 2, vocab: int = 64, block_size: int | None = None,
                    name: str = "", clock: Callable[[], float] = time.perf_counter, seed: int = 0) -> PTLProfile:
-    """Measure PTL(BS) of ``engine`` at each batch size, its KV capacity and prefill cost.
+    """Measure PTL(BS) of ``engine`` at each batch size, its KV capacity and prefill cost
+    (one prefill step = prefill_step_s + prefill_s_per_token * prompt tokens).
 
     Requests are forced to prompt_len + warmup_steps + decode_steps + 2 tokens so none finishes
     inside the timed window; the engine is drained between sizes and left empty. vocab bounds
@@ -77,21 +78,25 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
                 engine.step()
             ptl.append((clock() - t0) / decode_steps)
             _drain(engine)
-        # prefill: one long prompt alone, its first step minus one decode step
-        long_prompt = max(prompt_len, 4 * prompt_len)
-        long_prompt = min(long_prompt, kv_tokens // 2)
-        engine.add(_requests(1, long_prompt, 2, vocab, next_id, seed))
-        t0 = clock()
-        engine.step()
-        prefill = max(0.0, (clock() - t0) - ptl[0]) / long_prompt
-        _drain(engine)
+        # prefill step: a short and a long prompt alone; fixed + per-token cost
+        pre = []
+        for n in (prompt_len, min(4 * prompt_len, kv_tokens // 2)):
+            engine.add(_requests(1, n, 2, vocab, next_id, seed))
+            next_id += 1
+            t0 = clock()
+            engine.step()
+            pre.append((n, clock() - t0))
+            _drain(engine)
+        (n1, t1), (n2, t2) = pre
+        per_token = max(0.0, (t2 - t1) / (n2 - n1)) if n2 > n1 else 0.0
+        step_s = max(0.0, t1 - per_token * n1)
     finally:
         engine.set_max_batch_size(old_cap)
     # measured noise can make PTL dip with BS; the cost model wants it non-decreasing
     mono = list(np.maximum.accumulate(np.maximum(ptl, 1e-9)))
-    return PTLProfile(sizes, [float(x) for x in mono], int(kv_tokens), block, int(old_cap), float(prefill), name,
+    return PTLProfile(sizes, [float(x) for x in mono], int(kv_tokens), block, int(old_cap), float(per_token), name,
                       meta={"raw_ptl_s": ptl, "prompt_len": prompt_len, "decode_steps": decode_steps,
-                            "source": "measured"})
+                            "source": "measured"}, prefill_step_s=float(step_s))
 
 
 @dataclass
