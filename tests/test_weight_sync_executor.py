@@ -39,6 +39,7 @@ def _plans():
     return {
         "single": (plan_sync(Topology(), [0], [1, 2, 3, 4, 5], spec, 4096), {}),
         "two_roots": (plan_sync(Topology(), [0, 1], [2, 3, 4, 5], spec, 2048), {}),
+        "two_roots_in_order": (plan_sync(Topology(), [0, 1], [2, 3, 4, 5], spec, 2048), {"ordered": True}),
         "cross_dc": (plan_sync(two_dc, [0], [1, 2, 3, 4, 5], spec, 4096), {}),
         "naive_cross_dc": (plan_naive(two_dc, [0], [1, 2, 3, 4, 5], spec, 4096), {}),
         "sharded": (plan_sync(Topology.from_config({"datacenters": {"a": [0, 1, 2, 3], "b": [4, 5]}}),
@@ -69,7 +70,8 @@ def _rank_main(rank: int, world: int) -> dict:
                 results.append(("sender", sender.push(w, version)))
             elif rank in plan.receivers:
                 corrupt = hooks.get("relay_corrupt", ()) if rank == hooks.get("relay") else ()
-                st = WeightSyncReceiver(plan, rank, expected_version=expected, corrupt_buckets=corrupt).receive()
+                st = WeightSyncReceiver(plan, rank, expected_version=expected, corrupt_buckets=corrupt,
+                                        ordered=hooks.get("ordered")).receive()
                 equal = st.ok and set(st.tensors) == set(w) and all(_same(st.tensors[k], w[k]) for k in w)
                 results.append(("receiver", st.ok, st.error, st.version, equal, st.report))
         out[name] = results
@@ -95,7 +97,8 @@ def _link_bytes(runs, name, link, key="tensor_bytes_by_link"):
     return total
 
 
-@pytest.mark.parametrize("name", ["single", "two_roots", "cross_dc", "naive_cross_dc", "sharded"])
+@pytest.mark.parametrize("name", ["single", "two_roots", "two_roots_in_order", "cross_dc", "naive_cross_dc",
+                                  "sharded"])
 def test_every_receiver_gets_the_exact_weights(runs, name):
     recv = _receivers(runs, name)
     assert len(recv) >= 4
@@ -112,7 +115,8 @@ def test_two_dcs_send_exactly_one_copy_over_the_link(runs):
         assert sum(_link_bytes(runs, name, lc) for lc in ("intra_node", "intra_dc", "inter_dc")) == 5 * model_bytes()
     # On the wire: headers + payload incl. alignment padding, still one copy of the layout.
     plan = _plans()["cross_dc"][0]
-    assert _link_bytes(runs, "cross_dc", "inter_dc", "bytes_by_link") == plan.total_bytes + 32 * len(plan.buckets)
+    wire = sum(b.nbytes for b in plan.buckets) + 32 * len(plan.buckets)
+    assert _link_bytes(runs, "cross_dc", "inter_dc", "bytes_by_link") == wire
 
 
 def test_two_senders_are_both_used_as_roots(runs):

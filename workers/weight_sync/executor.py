@@ -20,6 +20,7 @@ tensors, the error names the bucket and its tensors).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -77,6 +78,7 @@ class WeightSyncSender:
         self.plan, self.rank, self.group = plan, rank, group
         self.timeout_s, self.max_packed = timeout_s, max_packed
         self.corrupt_buckets = frozenset(corrupt_buckets)
+        self._free: list[torch.Tensor] = []   # pooled pack buffers, uint8 [max bucket bytes]
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
              version: int) -> SyncReport:
@@ -87,31 +89,46 @@ class WeightSyncSender:
         flat = self._flat_bytes(named_tensors, mine)
         links = Links(self.plan.topology, self.rank, _children(self.plan, self.rank), self.group,
                       self.timeout_s)
-        inflight: list[Countdown] = []
+        inflight: list[tuple[torch.Tensor, Countdown]] = []   # packed buffers still being sent
         try:
             for b in mine:
                 kids = self.plan.tree_of(b).children_of(self.rank)
-                payload, copied = _pack(b, flat)
+                payload = _view(b, flat)
+                buf = None
+                if payload is None or b.index in self.corrupt_buckets:
+                    buf = self._buffer(inflight, flat)
+                    payload = _pack(b, flat, buf[:b.nbytes], payload)
                 header = _header(version, b.index, bucket_checksum(payload))
                 if b.index in self.corrupt_buckets:
-                    payload = payload.clone()
                     payload[:1].bitwise_not_()
-                    copied = True
                 done = Countdown(len(kids))
                 tb = sum(p.nbytes for p in b.pieces)
                 for kid in kids:
                     links.send(kid, Outgoing(b.index, header, payload, tb, done))
-                if copied:
-                    inflight.append(done)
-                    if len(inflight) > self.max_packed:
-                        inflight.pop(0).wait()
+                if buf is not None:
+                    inflight.append((buf, done))
         finally:
             links.close()
+            self._free.extend(buf for buf, _ in inflight)
         report = SyncReport(self.rank, version, time.perf_counter() - t0, len(mine),
                             dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors))
         if links.errors:
             raise RuntimeError(f"weight sync sender rank {self.rank}: " + "; ".join(links.errors))
         return report
+
+    def _buffer(self, inflight: list, flat: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A pack buffer: a free pooled one, the oldest in flight once it is sent (at most
+        ``max_packed`` exist), or a new one. Pooled across pushes: no fresh pages per sync."""
+        while inflight and inflight[0][1].finished():
+            self._free.append(inflight.pop(0)[0])
+        if self._free:
+            return self._free.pop()
+        if len(inflight) >= self.max_packed:
+            buf, done = inflight.pop(0)
+            done.wait()
+            return buf
+        size = max(bk.nbytes for bk in self.plan.buckets)
+        return torch.empty(size, dtype=torch.uint8, device=next(iter(flat.values())).device)
 
     def _flat_bytes(self, named_tensors, mine: list[Bucket]) -> dict[str, torch.Tensor]:
         """name -> contiguous uint8 view of the tensors this rank's buckets need."""
@@ -135,11 +152,27 @@ class WeightSyncReceiver:
     """A generation instance: receives every bucket into a staging buffer, forwards to its
     children, verifies. ``expected_version``: refuse any other version (None: any one).
     ``corrupt_buckets``: test hook, flip a byte of those buckets after receiving them
-    (before forwarding), as if the relay's memory were bad."""
+    (before forwarding), as if the relay's memory were bad.
+
+    Staging buffers (``staging_buffers`` of them, used in turn) are allocated and touched
+    once, here, so a sync never pays first-touch page faults (on this VM ~4 ms/MB, more than
+    the transfer itself). The tensors of a StagedWeights stay valid until that many more
+    ``receive`` calls: load them into the engine (which copies) before the next receive,
+    or ask for 2 buffers to keep the previous version while receiving the next.
+
+    ``ordered``: handle buckets strictly in plan order on one thread (None: only on NCCL,
+    see ``_in_order``); otherwise one thread per parent rank."""
 
     def __init__(self, plan: SyncPlan, rank: int, group=None, device: torch.device | str = "cpu",
                  timeout_s: float = 600.0, expected_version: int | None = None,
-                 corrupt_buckets: Iterable[int] = ()) -> None:
+                 corrupt_buckets: Iterable[int] = (), staging_buffers: int = 1,
+                 ordered: bool | None = None) -> None:
+        if staging_buffers < 1:
+            raise ValueError(f"WeightSyncReceiver: staging_buffers must be >= 1, got {staging_buffers}")
+        self._staging = [torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)  # [total]
+                         for _ in range(staging_buffers)]
+        self._next = 0
+        self.ordered = ordered
         if rank not in plan.receivers:
             raise ValueError(f"WeightSyncReceiver: rank {rank} is not a receiver of the plan {list(plan.receivers)}")
         self.plan, self.rank, self.group, self.device = plan, rank, group, torch.device(device)
@@ -160,48 +193,77 @@ class WeightSyncReceiver:
         StagedWeights(ok=False, error=...) instead."""
         t0 = time.perf_counter()
         plan, rank = self.plan, self.rank
-        staging = torch.empty(plan.total_bytes, dtype=torch.uint8, device=self.device)   # [total]
+        staging = self._staging_buffer()                                                  # [total]
         headers = torch.zeros(len(plan.buckets), HEADER_WORDS, dtype=torch.int64, device=self.device)
         sums = torch.zeros(len(plan.buckets), 2, dtype=torch.int64, device=self.device)
-        ordered = plan.ordered_buckets()
+        buckets = plan.ordered_buckets()
         links = Links(plan.topology, rank, _children(plan, rank), self.group, self.timeout_s)
-        error = ""
+        errors: list[str] = []
         try:
-            works = []
-            for b in ordered:                       # post every receive up front
+            lanes: dict[int, list] = {}             # parent -> [(bucket, header work, payload work)]
+            for b in buckets:                       # post every receive up front
                 parent = plan.tree_of(b).parent_of(rank)
                 if parent is None:
                     raise RuntimeError(f"rank {rank} is not in the tree of bucket {b.index}")
-                works.append((dist.irecv(headers[b.index], src=parent, group=self.group, tag=2 * b.index),
-                              dist.irecv(staging[b.start:b.end], src=parent, group=self.group,
-                                         tag=2 * b.index + 1)))
-            for b, (wh, wp) in zip(ordered, works):
+                lane = lanes.setdefault(-1 if self._in_order() else parent, [])
+                lane.append((b, dist.irecv(headers[b.index], src=parent, group=self.group, tag=2 * b.index),
+                             dist.irecv(staging[b.start:b.end], src=parent, group=self.group,
+                                        tag=2 * b.index + 1)))
+            # One thread per parent, so a bucket late on one tree never holds up the others.
+            threads = [threading.Thread(target=self._lane, args=(lane, staging, headers, sums, links, errors),
+                                        name=f"weight-sync-recv-{rank}", daemon=True)
+                       for lane in lanes.values()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        except Exception as e:  # noqa: BLE001 - a failed transfer refuses the version
+            errors.append(str(e))
+        finally:
+            links.close()
+        error = f"weight sync receiver rank {rank}: transfer failed: {errors[0]}" if errors else ""
+        if links.errors and not error:
+            error = f"weight sync receiver rank {rank}: forwarding failed: " + "; ".join(links.errors)
+        version = int(headers[buckets[0].index, 0]) if buckets else -1
+        if not error:
+            error = self._verify(headers, sums, version)
+        report = SyncReport(rank, version, time.perf_counter() - t0,
+                            sum(len(plan.tree_of(b).children_of(rank)) > 0 for b in buckets),
+                            dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors))
+        if error:
+            return StagedWeights(version, {}, False, error, report)
+        return StagedWeights(version, self._views(staging), True, "", report)
+
+    def _in_order(self) -> bool:
+        """Handle all buckets in plan order on one thread? Needed on NCCL, which matches
+        point-to-point messages per pair by issue order, not by tag; gloo matches tags."""
+        if self.ordered is not None:
+            return self.ordered
+        return dist.get_backend(self.group) == "nccl"
+
+    def _lane(self, lane: list, staging: torch.Tensor, headers: torch.Tensor, sums: torch.Tensor,
+              links: Links, errors: list[str]) -> None:
+        """Wait for each bucket of the lane in order, forward it, checksum it."""
+        try:
+            for b, wh, wp in lane:
                 wh.wait(self.timeout)
                 wp.wait(self.timeout)
                 payload = staging[b.start:b.end]
                 if b.index in self.corrupt_buckets:
                     payload[:1].bitwise_not_()
-                kids = plan.tree_of(b).children_of(rank)
+                kids = self.plan.tree_of(b).children_of(self.rank)
                 done = Countdown(len(kids))
                 tb = sum(p.nbytes for p in b.pieces)
                 for kid in kids:                    # forward first, check while it flies
                     links.send(kid, Outgoing(b.index, headers[b.index], payload, tb, done))
                 sums[b.index] = bucket_checksum(payload)
-        except Exception as e:  # noqa: BLE001 - a failed transfer refuses the version
-            error = f"weight sync receiver rank {rank}: transfer failed: {e}"
-        finally:
-            links.close()
-        if links.errors and not error:
-            error = f"weight sync receiver rank {rank}: forwarding failed: " + "; ".join(links.errors)
-        version = int(headers[ordered[0].index, 0]) if ordered else -1
-        if not error:
-            error = self._verify(headers, sums, version)
-        report = SyncReport(rank, version, time.perf_counter() - t0,
-                            sum(len(plan.tree_of(b).children_of(rank)) > 0 for b in ordered),
-                            dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors))
-        if error:
-            return StagedWeights(version, {}, False, error, report)
-        return StagedWeights(version, self._views(staging), True, "", report)
+        except Exception as e:  # noqa: BLE001 - reported in StagedWeights.error
+            errors.append(f"bucket {b.index}: {e}")
+
+    def _staging_buffer(self) -> torch.Tensor:
+        buf = self._staging[self._next]
+        self._next = (self._next + 1) % len(self._staging)
+        return buf
 
     def _verify(self, headers: torch.Tensor, sums: torch.Tensor, version: int) -> str:
         """headers: int64 [nb, 4]; sums: int64 [nb, 2]. '' when all good, else the first fault."""
@@ -238,16 +300,25 @@ def _header(version: int, index: int, checksum: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, checksum])
 
 
-def _pack(b: Bucket, flat: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """Bucket payload uint8 [b.nbytes]; a view (no copy) when one tensor fills it and the
-    view is 8-byte aligned, else a zero-padded copy. Returns (payload, copied)."""
+def _view(b: Bucket, flat: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The bucket's payload as a view of one tensor (no copy) when a single tensor fills it
+    and the view is 8-byte aligned; else None (it must be packed)."""
     if len(b.pieces) == 1 and b.pieces[0].nbytes == b.nbytes:
         p = b.pieces[0]
         view = flat[p.name][p.tensor_start:p.tensor_start + p.nbytes]
         if view.data_ptr() % 8 == 0:
-            return view, False
-    buf = torch.zeros(b.nbytes, dtype=torch.uint8, device=next(iter(flat.values())).device)
+            return view
+    return None
+
+
+def _pack(b: Bucket, flat: dict[str, torch.Tensor], out: torch.Tensor,
+          view: torch.Tensor | None) -> torch.Tensor:
+    """Copy bucket b into ``out`` (uint8 [b.nbytes]): from ``view`` when given (a test
+    hook will modify it), else the pieces, zero-padded."""
+    if view is not None:
+        return out.copy_(view)
+    out.zero_()
     for p in b.pieces:
-        buf[p.flat_start - b.start:p.flat_start - b.start + p.nbytes] = \
+        out[p.flat_start - b.start:p.flat_start - b.start + p.nbytes] = \
             flat[p.name][p.tensor_start:p.tensor_start + p.nbytes]
-    return buf, True
+    return out

@@ -47,6 +47,10 @@ class Countdown:
             if self._n <= 0:
                 self._cv.notify_all()
 
+    def finished(self) -> bool:
+        with self._cv:
+            return self._n <= 0
+
     def wait(self) -> None:
         with self._cv:
             self._cv.wait_for(lambda: self._n <= 0)
@@ -78,11 +82,12 @@ class Links:
             t.start()
 
     def _shaper_for(self, child: int) -> LinkShaper | None:
-        """One shaper per shared link: per remote DC for inter-DC, per peer otherwise."""
+        """One shaper per shared link: the link into each remote DC for inter-DC children;
+        this rank's NIC for all intra-DC (resp. intra-node) children."""
         lc = self.topology.link(self.rank, child)
         if lc not in self.topology.shaped:
             return None
-        key = (lc, self.topology.dc(child)) if lc is LinkClass.INTER_DC else (lc, child)
+        key = (lc, self.topology.dc(child)) if lc is LinkClass.INTER_DC else (lc,)
         if key not in self._shapers:
             self._shapers[key] = LinkShaper(self.topology.bandwidth[lc])
         return self._shapers[key]

@@ -15,7 +15,7 @@ import torch
 
 from workers.weight_sync.topology import Topology
 
-ALIGN = 64  # bytes; slot and bucket boundaries (lets every bucket be viewed as int64)
+ALIGN = 64  # bytes; slot and bucket starts (typed views and int64 checksum words line up)
 
 
 def parse_dtype(dtype: torch.dtype | str, where: str) -> torch.dtype:
@@ -75,8 +75,9 @@ class Piece:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Bytes [start, end) of the flat layout (multiples of ALIGN), sent by ``root`` over tree
-    ``tree``. ``pieces`` say which tensor bytes fill it; gaps are zero padding."""
+    """Bytes [start, end) of the flat layout (start a multiple of ALIGN), sent by ``root``
+    over tree ``tree``. ``pieces`` say which tensor bytes fill it; gaps are zero padding.
+    Alignment padding after the last piece belongs to no bucket."""
 
     index: int
     root: int

@@ -104,27 +104,48 @@ def _layout(senders, receivers, tensor_spec, bucket_bytes):
     owners = list(dict.fromkeys(s.owner for s in specs))
     slots: list[TensorSlot] = []
     groups: list[tuple[int | None, int, int]] = []
+    raw = []
     offset = 0
-    for owner in owners:
-        start = offset
+    for g, owner in enumerate(owners):
+        start, mine = offset, []
         for s in specs:
             if s.owner == owner:
-                slots.append(TensorSlot(s.name, s.shape, s.dtype, offset, s.nbytes))
+                mine.append(TensorSlot(s.name, s.shape, s.dtype, offset, s.nbytes))
                 offset += _align(s.nbytes)
+        slots.extend(mine)
         groups.append((owner, start, offset))
-    if offset == 0:
+        raw.extend((g, b_start, b_end, pieces) for b_start, b_end, pieces in _cut(mine, _align(bucket_bytes)))
+    if not raw:
         raise ValueError("weight sync: tensor_spec has 0 bytes in total")
-    step = _align(bucket_bytes)
-    raw = []
-    for g, (_, gs, ge) in enumerate(groups):
-        for start in range(gs, ge, step):
-            end = min(start + step, ge)
-            pieces = tuple(Piece(sl.name, max(start, sl.offset) - sl.offset, max(start, sl.offset),
-                                 min(end, sl.offset + sl.nbytes) - max(start, sl.offset))
-                           for sl in slots
-                           if sl.offset < end and sl.offset + sl.nbytes > start)
-            raw.append((g, start, end, pieces))
     return tuple(slots), groups, raw
+
+
+def _cut(slots: list[TensorSlot], step: int) -> list[tuple[int, int, tuple[Piece, ...]]]:
+    """Buckets over consecutive slots: a tensor bigger than ``step`` is split into its own
+    ``step``-sized buckets (sent without a copy); smaller tensors are packed whole into
+    buckets of at most ``step`` bytes. A bucket ends where its last tensor's data ends."""
+    out: list[tuple[int, int, tuple[Piece, ...]]] = []
+    cur: list[Piece] = []
+
+    def close() -> None:
+        if cur:
+            out.append((cur[0].flat_start, cur[-1].flat_start + cur[-1].nbytes, tuple(cur)))
+            cur.clear()
+
+    for sl in slots:
+        if sl.nbytes == 0:
+            continue
+        if sl.nbytes > step:
+            close()
+            for off in range(0, sl.nbytes, step):
+                n = min(step, sl.nbytes - off)
+                out.append((sl.offset + off, sl.offset + off + n, (Piece(sl.name, off, sl.offset + off, n),)))
+            continue
+        if cur and sl.offset + sl.nbytes - cur[0].flat_start > step:
+            close()
+        cur.append(Piece(sl.name, 0, sl.offset, sl.nbytes))
+    close()
+    return out
 
 
 def _align(n: int) -> int:
