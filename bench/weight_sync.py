@@ -119,11 +119,14 @@ def summarize_run(rows: list[dict]) -> dict:
     for r in active:
         for k, v in r["report"].tensor_bytes_by_link.items():
             link[k] += v
+    spans = [r["report"].link_spans["inter_dc"] for r in active if "inter_dc" in r["report"].link_spans]
+    inter_dc_s = round(max(e for _, e in spans) - min(s for s, _ in spans), 4) if spans else 0.0
     by_root = {r["rank"]: sum(r["report"].tensor_bytes_by_link.values()) for r in active if r["role"] == "sender"}
     return {"case": rows[0]["case"], "variant": rows[0]["variant"], "rep": rows[0]["rep"],
             "time_s": round(max(r["end"] for r in active) - min(r["start"] for r in active), 4),
             "ok": all(r["ok"] for r in active), "exact": exact,
-            "bytes_cross_dc": link["inter_dc"], "bytes_by_link": link, "bytes_sent_by_root": by_root}
+            "bytes_cross_dc": link["inter_dc"], "inter_dc_link_s": inter_dc_s, "bytes_by_link": link,
+            "bytes_sent_by_root": by_root}
 
 
 def main() -> None:

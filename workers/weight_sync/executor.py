@@ -47,6 +47,8 @@ class SyncReport:
     bytes_by_link: dict[str, int] = field(default_factory=dict)
     tensor_bytes_by_link: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # link class -> (first send posted, last send done), time.time() on this rank
+    link_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,7 +113,8 @@ class WeightSyncSender:
             links.close()
             self._free.extend(buf for buf, _ in inflight)
         report = SyncReport(self.rank, version, time.perf_counter() - t0, len(mine),
-                            dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors))
+                            dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors),
+                            {k: (v[0], v[1]) for k, v in links.busy.items()})
         if links.errors:
             raise RuntimeError(f"weight sync sender rank {self.rank}: " + "; ".join(links.errors))
         return report
@@ -161,7 +164,7 @@ class WeightSyncReceiver:
     or ask for 2 buffers to keep the previous version while receiving the next.
 
     ``ordered``: handle buckets strictly in plan order on one thread (None: only on NCCL,
-    see ``_in_order``); otherwise one thread per parent rank."""
+    see ``_in_order``); otherwise one thread per tree."""
 
     def __init__(self, plan: SyncPlan, rank: int, group=None, device: torch.device | str = "cpu",
                  timeout_s: float = 600.0, expected_version: int | None = None,
@@ -200,16 +203,16 @@ class WeightSyncReceiver:
         links = Links(plan.topology, rank, _children(plan, rank), self.group, self.timeout_s)
         errors: list[str] = []
         try:
-            lanes: dict[int, list] = {}             # parent -> [(bucket, header work, payload work)]
+            lanes: dict[int, list] = {}             # tree -> [(bucket, header work, payload work)]
             for b in buckets:                       # post every receive up front
                 parent = plan.tree_of(b).parent_of(rank)
                 if parent is None:
                     raise RuntimeError(f"rank {rank} is not in the tree of bucket {b.index}")
-                lane = lanes.setdefault(-1 if self._in_order() else parent, [])
+                lane = lanes.setdefault(-1 if self._in_order() else b.tree, [])
                 lane.append((b, dist.irecv(headers[b.index], src=parent, group=self.group, tag=2 * b.index),
                              dist.irecv(staging[b.start:b.end], src=parent, group=self.group,
                                         tag=2 * b.index + 1)))
-            # One thread per parent, so a bucket late on one tree never holds up the others.
+            # One thread per tree, so a bucket late on one tree never holds up the others.
             threads = [threading.Thread(target=self._lane, args=(lane, staging, headers, sums, links, errors),
                                         name=f"weight-sync-recv-{rank}", daemon=True)
                        for lane in lanes.values()]
@@ -229,7 +232,8 @@ class WeightSyncReceiver:
             error = self._verify(headers, sums, version)
         report = SyncReport(rank, version, time.perf_counter() - t0,
                             sum(len(plan.tree_of(b).children_of(rank)) > 0 for b in buckets),
-                            dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors))
+                            dict(links.wire_bytes), dict(links.tensor_bytes), list(links.errors),
+                            {k: (v[0], v[1]) for k, v in links.busy.items()})
         if error:
             return StagedWeights(version, {}, False, error, report)
         return StagedWeights(version, self._views(staging), True, "", report)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,6 +69,7 @@ class Links:
         self.window = window
         self.wire_bytes = {lc.value: 0 for lc in LinkClass}
         self.tensor_bytes = {lc.value: 0 for lc in LinkClass}
+        self.busy: dict[str, list[float]] = {}   # link class -> [first post, last completion] (time.time())
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._shapers: dict[tuple, LinkShaper] = {}
@@ -123,6 +125,7 @@ class Links:
                 outstanding.append((item, works))
                 posted = True
                 with self._lock:
+                    span = self.busy.setdefault(lc, [time.time(), 0.0])
                     self.wire_bytes[lc] += item.header.numel() * 8 + item.payload.numel()
                     self.tensor_bytes[lc] += item.tensor_bytes
                 while len(outstanding) > self.window:
@@ -139,6 +142,9 @@ class Links:
             except Exception as e:  # noqa: BLE001
                 with self._lock:
                     self.errors.append(f"send {self.rank}->{child}: {e}")
+        with self._lock:
+            if lc in self.busy:
+                self.busy[lc][1] = max(self.busy[lc][1], time.time())
 
     def _finish(self, entry) -> None:
         item, works = entry
