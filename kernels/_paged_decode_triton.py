@@ -20,6 +20,9 @@ bf16 dot is wrong) and stay in the cache's 16-bit dtype on GPU. fp32 dots use
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -135,11 +138,21 @@ def _paged_decode_reduce(
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-           cfg) -> torch.Tensor:
-    """Run the kernels with launch choices ``cfg`` (a ``paged_decode.DecodeLaunch``).
-    q: [B, H, Dh] -> out: [B, H, Dh] in q's dtype."""
+@dataclass
+class KernelCall:
+    """One kernel launch: ``fn[grid](*args, **consts, **options)``."""
+    fn: Any
+    grid: tuple[int, ...]
+    args: tuple
+    consts: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+         cfg) -> tuple[torch.Tensor, list[KernelCall]]:
+    """Allocate the output (and split buffers) and list the launches for ``cfg`` (a
+    ``paged_decode.DecodeLaunch``). Works on the meta device, for ``compile_check``."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)
@@ -149,20 +162,30 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         o_part = torch.empty(bsz, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(bsz, num_heads, splits, device=q.device, dtype=torch.float32)
-    _paged_decode_partial[(bsz, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o_part, lse,
-        scale * LOG2E, cfg.tokens_per_split,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-        *o_part.stride(), lse.stride(0), lse.stride(1),
-        GROUP=num_heads // num_kv_heads, BLOCK_G=cfg.block_g, HEAD_DIM=head_dim,
-        BLOCK_D=cfg.block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n,
-        UPCAST=cfg.upcast, WRITE_LSE=splits > 1,
-        num_warps=cfg.num_warps,
-    )
+    calls = [KernelCall(
+        _paged_decode_partial, (bsz, num_kv_heads, splits),
+        (q, k_cache, v_cache, block_tables, context_lens, o_part, lse,
+         scale * LOG2E, cfg.tokens_per_split,
+         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+         *o_part.stride(), lse.stride(0), lse.stride(1)),
+        dict(GROUP=num_heads // num_kv_heads, BLOCK_G=cfg.block_g, HEAD_DIM=head_dim,
+             BLOCK_D=cfg.block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n,
+             UPCAST=cfg.upcast, WRITE_LSE=splits > 1),
+        dict(num_warps=cfg.num_warps))]
     if splits > 1:
-        _paged_decode_reduce[(bsz, num_heads)](
-            o_part, lse, out, splits,
-            *o_part.stride(), lse.stride(0), lse.stride(1), *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_S=triton.next_power_of_2(splits),
-        )
+        calls.append(KernelCall(
+            _paged_decode_reduce, (bsz, num_heads),
+            (o_part, lse, out, splits,
+             *o_part.stride(), lse.stride(0), lse.stride(1), *out.stride()),
+            dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_S=triton.next_power_of_2(splits))))
+    return out, calls
+
+
+def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+           cfg) -> torch.Tensor:
+    """Run the kernels with launch choices ``cfg``. q: [B, H, Dh] -> out: [B, H, Dh] (q's dtype)."""
+    out, calls = plan(q, k_cache, v_cache, block_tables, context_lens, scale, cfg)
+    for c in calls:
+        c.fn[c.grid](*c.args, **c.consts, **c.options)
     return out

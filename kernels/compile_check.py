@@ -2,18 +2,25 @@
 
 The interpreter accepts shapes a GPU compile rejects (e.g. ``tl.dot`` dims < 16), so passing
 interpreter tests says nothing about compiling. This runs the real compiler pipeline
-(TTIR -> TTGIR -> LLVM -> PTX -> cubin via the ptxas bundled with triton) for given targets
-and reports registers/shared memory; no CUDA device or driver is needed.
+(TTIR -> TTGIR -> LLVM -> PTX -> cubin via the ptxas bundled with triton) on exactly the
+launches ``paged_decode`` would make (built on the meta device), specialised the way triton's
+JIT specialises at run time (ints equal to 1 become constants; pointers and ints divisible by
+16 get the divisibility hint), and reports registers, spills and shared memory from the
+bundled cuobjdump. No CUDA device or driver is needed.
 
 Must run in a process where ``TRITON_INTERPRET`` is unset or 0 (``@triton.jit`` then yields a
 compilable function). Usage::
 
-    python -m kernels.compile_check            # JSON line per kernel variant, sm_80 and sm_90
+    python -m kernels.compile_check [80 90 ...]   # JSON line per kernel and variant
 """
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -21,72 +28,98 @@ import torch
 from kernels import interpreting
 from kernels.paged_decode import choose_launch
 
-_TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 torch.int32: "i32", torch.int64: "i64"}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One specialisation of the decode kernels."""
+    """One decode shape: cache dtype, head_dim, GQA group, block size, split count."""
     dtype: torch.dtype
     head_dim: int
     group: int
     block_size: int
+    num_splits: int = 4
     upcast: bool | None = None  # None: what choose_launch picks for a CUDA cache of dtype
 
 
 DEFAULT_VARIANTS = (
-    Variant(torch.bfloat16, 128, 4, 16),
+    Variant(torch.bfloat16, 128, 4, 16),           # Qwen2.5-7B-like
+    Variant(torch.bfloat16, 128, 8, 16, 1),        # no split: final output from one kernel
     Variant(torch.float16, 64, 8, 32),
     Variant(torch.float32, 128, 1, 16),
-    Variant(torch.bfloat16, 64, 2, 16, upcast=True),  # the interpreter's choice, compiled
+    Variant(torch.bfloat16, 64, 2, 32),            # Qwen2.5-0.5B-like (GQA 7 pads the same)
 )
 
 
-def _signature(fn, ptr_types: dict[str, str], scalars: dict[str, str], consts: dict) -> dict:
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptr_types:
-            sig[name] = ptr_types[name]
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and spill/stack bytes of a cubin, from the cuobjdump bundled with
+    triton ({} if it is missing)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    return dict(registers=int(m[1]), stack_bytes=int(m[2]), local_bytes=int(m[3])) if m else {}
+
+
+def specialise(fn, args: tuple, consts: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource, as triton's JIT would build them."""
+    signature, constexprs, attrs = {}, dict(consts), {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_DTYPE[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            constexprs[name] = 1
         else:
-            sig[name] = scalars.get(name, "i32")  # strides and counts
-    return sig
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+    return {n: signature[n] for n in fn.arg_names}, constexprs, attrs
 
 
 def compile_variant(v: Variant, capability: int) -> list[dict]:
-    """Compile the partial (split) kernel and the reduce kernel for one variant; returns one
-    record per kernel with registers, spills and shared memory."""
+    """Compile every launch of one variant (batch 8, 2 KV heads, 4096-token table) for
+    ``sm_<capability>``; one record per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import _paged_decode_triton as m
+    from kernels import _paged_decode_triton as impl
 
-    q = torch.empty(1, v.group * 2, v.head_dim, dtype=v.dtype)
-    k = torch.empty(4, v.block_size, 2, v.head_dim, dtype=v.dtype)
-    cfg = choose_launch(q, k, torch.empty(1, 256, dtype=torch.int32), num_splits=4)
+    meta = torch.device("meta")
+    q = torch.empty(8, 2 * v.group, v.head_dim, dtype=v.dtype, device=meta)
+    k = torch.empty(4096, v.block_size, 2, v.head_dim, dtype=v.dtype, device=meta)
+    tables = torch.empty(8, 4096 // v.block_size, dtype=torch.int32, device=meta)
+    lens = torch.empty(8, dtype=torch.int32, device=meta)
+    cfg = choose_launch(q, k, tables, v.num_splits)
     upcast = (v.dtype == torch.float32) if v.upcast is None else v.upcast
-    t = _TRITON_DTYPE[v.dtype]
-    partial_consts = dict(GROUP=v.group, BLOCK_G=cfg.block_g, HEAD_DIM=v.head_dim,
-                          BLOCK_D=cfg.block_d, BLOCK_SIZE=v.block_size, BLOCK_N=cfg.block_n,
-                          UPCAST=upcast, WRITE_LSE=True)
-    partial_ptrs = dict(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", bt_ptr="*i32",
-                        lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
-    reduce_consts = dict(HEAD_DIM=v.head_dim, BLOCK_D=cfg.block_d, BLOCK_S=4)
-    reduce_ptrs = dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{t}")
+    cfg = type(cfg)(**{**cfg.__dict__, "upcast": upcast})
+    _, calls = impl.plan(q, k, k, tables, lens, 0.1, cfg)
     records = []
-    for fn, ptrs, consts, extra in (
-            (m._paged_decode_partial, partial_ptrs, partial_consts, {"num_warps": cfg.num_warps}),
-            (m._paged_decode_reduce, reduce_ptrs, reduce_consts, {})):
-        sig = _signature(fn, ptrs, {"qk_scale": "fp32"}, consts)
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                target=GPUTarget("cuda", capability, 32), options=extra)
-        records.append(dict(kernel=fn.__name__, sm=capability, dtype=t, head_dim=v.head_dim,
-                            group=v.group, block_size=v.block_size, upcast=upcast,
+    for call in calls:
+        sig, consts, attrs = specialise(call.fn, call.args, call.consts)
+        kernel = triton.compile(ASTSource(fn=call.fn, signature=sig, constexprs=consts, attrs=attrs),
+                                target=GPUTarget("cuda", capability, 32), options=call.options)
+        records.append(dict(kernel=call.fn.__name__, sm=capability, dtype=_TRITON_DTYPE[v.dtype],
+                            head_dim=v.head_dim, group=v.group, block_size=v.block_size,
+                            splits=cfg.num_splits, upcast=upcast,
+                            num_warps=call.options.get("num_warps", 4),
                             shared_bytes=kernel.metadata.shared,
-                            ptx_lines=kernel.asm["ptx"].count("\n"),
-                            cubin_bytes=len(kernel.asm["cubin"])))
+                            cubin_bytes=len(kernel.asm["cubin"]),
+                            **resource_usage(kernel.asm["cubin"])))
     return records
 
 

@@ -74,12 +74,18 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
         programs = max(1, bsz * num_kv_heads)
         want = -(-2 * _sm_count(q.device) // programs)
         num_splits = max(1, min(want, -(-capacity // MIN_SPLIT_TOKENS), MAX_SPLITS))
+        auto = True
     elif num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be >= 1")
+    else:
+        auto = False
     per = -(-capacity // num_splits)
     tokens_per_split = -(-per // block_n) * block_n
+    if auto:  # rounding up to whole tiles may leave trailing splits that no sequence reaches
+        num_splits = -(-capacity // tokens_per_split)
     upcast = interpreting() or k_cache.dtype == torch.float32
-    return DecodeLaunch(block_g, block_d, block_n, num_splits, tokens_per_split, upcast)
+    num_warps = 8 if upcast and block_d >= 128 else 4  # fp32 tiles: halve registers per thread
+    return DecodeLaunch(block_g, block_d, block_n, num_splits, tokens_per_split, upcast, num_warps)
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
