@@ -1,0 +1,21 @@
+"""Output-length ranker: predicts from the prompt text alone how long the policy's answer
+will be, so the SGS can find long-tail prompts before generation (paper section 5.2).
+
+    import ranker
+    r = ranker.build("lgbm")            # or "lm", "ensemble"
+    r.fit(prompts, lengths)             # lengths: mean answer length in words
+    r.predict(prompts) -> list[float]   # estimated words (only the order is reliable)
+    r.update(prompts, lengths)          # cheap online step between iterations
+    r.save(dir); r = ranker.load(dir)
+    r = ranker.bootstrap(generate, prompts, n=256)   # no trace yet: measure the policy
+
+CLI: ``python -m ranker train|predict|eval`` (see docs/ranker.md).
+"""
+from ranker.bootstrap import bootstrap
+from ranker.data import TraceError, read_traces
+from ranker.features import FeatureMismatchError
+from ranker.metrics import ranking_report, recall_at
+from ranker.store import KINDS, build, load, save
+
+__all__ = ["build", "load", "save", "bootstrap", "KINDS", "read_traces", "TraceError",
+           "FeatureMismatchError", "ranking_report", "recall_at"]

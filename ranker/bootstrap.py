@@ -1,0 +1,55 @@
+"""Bootstrapping a ranker when no trace exists: measure the current policy on a sample of
+the dataset and fit on what it produced.
+
+``generate`` is any callable ``prompts -> lengths`` (the controller wires it to the SGS:
+generate each prompt's answers, return their mean length in words or tokens — the ranker
+only needs a consistent unit).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ranker import progress
+from ranker.data import check_lengths, check_prompts
+
+GenerateFn = Callable[[list[str]], Sequence[float]]
+
+
+def sample_prompts(prompts: Sequence[str], n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct prompts drawn without replacement (all when fewer)."""
+    idx = np.random.RandomState(seed).permutation(len(prompts))[:n]
+    return [prompts[i] for i in np.sort(idx)]
+
+
+def measure(generate: GenerateFn, prompts: Sequence[str], chunk: int = 64) -> list[float]:
+    """Lengths from ``generate`` in chunks of ``chunk`` prompts, checked for count and value."""
+    out: list[float] = []
+    with progress.bar("bootstrap: generating", len(prompts)) as b:
+        for s in range(0, len(prompts), chunk):
+            part = list(prompts[s:s + chunk])
+            got = list(generate(part))
+            if len(got) != len(part):
+                raise ValueError(f"generate returned {len(got)} lengths for {len(part)} prompts "
+                                 f"(chunk starting at prompt {s})")
+            try:
+                check_lengths(part, got)
+            except ValueError as e:
+                raise ValueError(f"generate, chunk starting at prompt {s}: {e}") from e
+            out.extend(float(v) for v in got)
+            b.advance(len(part))
+    return out
+
+
+def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: str = "lgbm",
+              seed: int = 0, chunk: int = 64, **kw):
+    """Sample ``n`` prompts, measure them with ``generate``, fit a ``kind`` ranker (config
+    keywords ``kw``) and return it (fitted)."""
+    from ranker.store import build
+
+    prompts = list(prompts)
+    check_prompts(prompts)
+    picked = sample_prompts(prompts, n, seed)
+    lengths = measure(generate, picked, chunk)
+    return build(kind, **kw).fit(picked, lengths)

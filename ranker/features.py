@@ -1,0 +1,173 @@
+"""The LightGBM ranker's feature set: text statistics, a TF-IDF ridge score, nearest-neighbour
+length statistics (with the prompt's size relative to its neighbours: "bigger than its
+siblings" is how within-task difficulty shows), SVD coordinates, and optionally an embedding
+from the small LM.
+
+Training rows get out-of-fold stacking features (ridge: K folds; neighbours: leave-one-out),
+so LightGBM never sees a label through its own row. ``fingerprint()`` hashes the feature
+names and the config: a model trained with another feature set is refused at load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.linear_model import Ridge
+from sklearn.model_selection import KFold
+
+from ranker.textspace import SpaceConfig, TextSpace
+from ranker.textstats import STAT_NAMES, text_stats
+
+FEATURES_VERSION = 1
+_N_SIZE = 30  # the first columns of STAT_NAMES are sizes (compared with neighbours)
+_KNN_NAMES = ("knn_mean", "knn_wmean", "knn_max", "knn_min", "knn_std", "knn_sim_mean",
+              "knn_top1", "knn_sim_top1")
+
+# An embedding function: prompts -> float32 [N, D] (e.g. the small LM's pooled hidden state).
+Embedder = Callable[[Sequence[str]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    space: SpaceConfig = field(default_factory=SpaceConfig)
+    knn_k: int = 10
+    ridge_folds: int = 5
+    ridge_alpha: float = 1.0
+    max_memory: int = 20000   # neighbour memory keeps the most recent rows
+    lm_dims: int = 0          # columns of LM embedding appended (0: none)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FeatureConfig":
+        d = dict(d)
+        sd = d.pop("space", {})
+        space = SpaceConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in sd.items()})
+        return cls(space=space, **d)
+
+
+class FeatureMismatchError(ValueError):
+    """A saved model's feature set differs from the one this code computes."""
+
+
+class FeatureBuilder:
+    """``fit_transform(prompts, log_y) -> float32 [N, F]`` (out-of-fold stacking columns),
+    ``transform(prompts) -> float32 [N, F]``, ``add_memory(prompts, log_y)`` for online updates."""
+
+    def __init__(self, cfg: FeatureConfig, embedder: Embedder | None = None):
+        self.cfg = cfg
+        self.embedder = embedder
+        self.space: TextSpace | None = None
+        self.ridge_coef: np.ndarray | None = None     # float32 [M]
+        self.ridge_bias = 0.0
+        self.mem_z: np.ndarray | None = None          # float32 [K, svd_dims]
+        self.mem_y: np.ndarray | None = None          # float32 [K] log(1 + length)
+        self.mem_s: np.ndarray | None = None          # float32 [K, _N_SIZE] log1p sizes
+
+    # --- identity ---------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return (list(STAT_NAMES) + ["ridge"] + list(_KNN_NAMES)
+                + [f"rel_{n}" for n in STAT_NAMES[:_N_SIZE]]
+                + [f"svd_{i}" for i in range(self.cfg.space.svd_dims)]
+                + [f"lm_{i}" for i in range(self.cfg.lm_dims)])
+
+    def fingerprint(self) -> str:
+        spec = {"version": FEATURES_VERSION, "names": self.names(), "config": asdict(self.cfg)}
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+    # --- pieces -----------------------------------------------------------------------
+    def _knn(self, z: np.ndarray, sizes: np.ndarray, exclude_self: bool) -> np.ndarray:
+        """float32 [N, 8 + _N_SIZE]; z: [N, d] against memory [K, d]."""
+        k = min(self.cfg.knn_k, len(self.mem_y) - int(exclude_self))
+        if k < 1:
+            return np.zeros((len(z), len(_KNN_NAMES) + _N_SIZE), dtype=np.float32)
+        sim = z @ self.mem_z.T  # sim: [N, K]
+        if exclude_self:
+            np.fill_diagonal(sim, -np.inf)
+        idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+        top = np.take_along_axis(sim, idx, 1)
+        order = np.argsort(-top, axis=1, kind="stable")
+        idx, top = np.take_along_axis(idx, order, 1), np.take_along_axis(top, order, 1)
+        yy = self.mem_y[idx]  # yy: [N, k]
+        w = np.exp(20.0 * (top - top[:, :1]))
+        summ = np.stack([yy.mean(1), (yy * w).sum(1) / w.sum(1), yy.max(1), yy.min(1), yy.std(1),
+                         top.mean(1), yy[:, 0], top[:, 0]], axis=1)
+        rel = sizes - self.mem_s[idx].mean(1)
+        return np.concatenate([summ, rel], axis=1).astype(np.float32)
+
+    def _ridge_oof(self, x: sp.csr_matrix, log_y: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(log_y), dtype=np.float32)
+        folds = min(self.cfg.ridge_folds, len(log_y))
+        if folds < 2:
+            return out + float(log_y.mean())
+        for a, b in KFold(folds, shuffle=True, random_state=self.cfg.space.seed).split(log_y):
+            out[b] = Ridge(self.cfg.ridge_alpha).fit(x[a], log_y[a]).predict(x[b])
+        return out
+
+    def _assemble(self, prompts, stats, ridge, knn, z) -> np.ndarray:
+        cols = [stats, ridge[:, None], knn, z]
+        if self.cfg.lm_dims:
+            if self.embedder is None:
+                raise FeatureMismatchError("this feature set needs the LM embedding, but no LM is attached")
+            emb = np.asarray(self.embedder(prompts), dtype=np.float32)
+            if emb.shape != (len(prompts), self.cfg.lm_dims):
+                raise FeatureMismatchError(f"LM embedding has shape {emb.shape}, feature set expects "
+                                           f"[{len(prompts)}, {self.cfg.lm_dims}]")
+            cols.append(emb)
+        return np.concatenate(cols, axis=1).astype(np.float32)
+
+    # --- public -----------------------------------------------------------------------
+    def fit_transform(self, prompts: Sequence[str], log_y: np.ndarray) -> np.ndarray:
+        log_y = np.asarray(log_y, dtype=np.float32)
+        self.space = TextSpace(self.cfg.space).fit(prompts)
+        x = self.space.sparse(prompts)
+        z = self.space.dense(x)
+        stats = text_stats(prompts)
+        sizes = np.log1p(stats[:, :_N_SIZE])
+        ridge_oof = self._ridge_oof(x, log_y)
+        full = Ridge(self.cfg.ridge_alpha).fit(x, log_y)
+        self.ridge_coef = np.asarray(full.coef_, dtype=np.float32)
+        self.ridge_bias = float(full.intercept_)
+        self.mem_z, self.mem_y, self.mem_s = z, log_y.copy(), sizes
+        knn = self._knn(z, sizes, exclude_self=True)
+        self._trim_memory()
+        return self._assemble(prompts, stats, ridge_oof, knn, z)
+
+    def transform(self, prompts: Sequence[str], exclude_self: bool = False) -> np.ndarray:
+        if self.space is None:
+            raise RuntimeError("feature builder is not fitted")
+        x = self.space.sparse(prompts)
+        z = self.space.dense(x)
+        stats = text_stats(prompts)
+        ridge = np.asarray(x @ self.ridge_coef, dtype=np.float32) + self.ridge_bias
+        knn = self._knn(z, np.log1p(stats[:, :_N_SIZE]), exclude_self=exclude_self)
+        return self._assemble(prompts, stats, ridge, knn, z)
+
+    def add_memory(self, prompts: Sequence[str], log_y: np.ndarray) -> None:
+        """Append rows to the neighbour memory (newest kept when over ``max_memory``)."""
+        z = self.space.dense(self.space.sparse(prompts))
+        sizes = np.log1p(text_stats(prompts)[:, :_N_SIZE])
+        self.mem_z = np.concatenate([self.mem_z, z])
+        self.mem_y = np.concatenate([self.mem_y, np.asarray(log_y, dtype=np.float32)])
+        self.mem_s = np.concatenate([self.mem_s, sizes])
+        self._trim_memory()
+
+    def _trim_memory(self) -> None:
+        m = self.cfg.max_memory
+        self.mem_z, self.mem_y, self.mem_s = self.mem_z[-m:], self.mem_y[-m:], self.mem_s[-m:]
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {**self.space.state(), "ridge_coef": self.ridge_coef,
+                "ridge_bias": np.asarray([self.ridge_bias], dtype=np.float64),
+                "mem_z": self.mem_z, "mem_y": self.mem_y, "mem_s": self.mem_s}
+
+    @classmethod
+    def from_state(cls, cfg: FeatureConfig, state: dict[str, np.ndarray],
+                   embedder: Embedder | None = None) -> "FeatureBuilder":
+        b = cls(cfg, embedder)
+        b.space = TextSpace.from_state(cfg.space, state)
+        b.ridge_coef, b.ridge_bias = state["ridge_coef"], float(state["ridge_bias"][0])
+        b.mem_z, b.mem_y, b.mem_s = state["mem_z"], state["mem_y"], state["mem_s"]
+        return b

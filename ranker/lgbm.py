@@ -1,0 +1,196 @@
+"""Gradient-boosted ranker: LightGBM on ``FeatureBuilder`` columns, target log(1 + words).
+
+Objectives (registry ``OBJECTIVES``): "huber" / "l2" regress log-length; "lambdarank" learns
+the order directly (relevance = length quantile bin, random query groups), its scores mapped
+back to lengths by quantile matching so ``predict`` always returns words.
+``update`` is the cheap online step: new rows join the neighbour memory and a few more trees
+are boosted on them plus a replay sample of earlier rows.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import lightgbm as lgb
+import numpy as np
+
+from ranker import progress
+from ranker.data import check_lengths, check_prompts
+from ranker.features import FeatureBuilder, FeatureConfig, FeatureMismatchError
+
+
+@dataclass(frozen=True)
+class LgbmConfig:
+    objective: str = "huber"
+    rounds: int = 300
+    learning_rate: float = 0.05
+    num_leaves: int = 31
+    min_child_samples: int = 10
+    subsample: float = 0.8
+    colsample: float = 0.5
+    update_rounds: int = 20
+    replay: int = 2000
+    threads: int = 2
+    seed: int = 0
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"lgbm objective {self.objective!r}: expected one of {sorted(OBJECTIVES)}")
+        if self.rounds < 1 or self.update_rounds < 0 or self.threads < 1:
+            raise ValueError("lgbm rounds >= 1, update_rounds >= 0, threads >= 1 required")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LgbmConfig":
+        d = dict(d)
+        feats = FeatureConfig.from_dict(d.pop("features", {}))
+        return cls(features=feats, **d)
+
+
+def _regression(name: str) -> Callable[[np.ndarray], tuple[dict, np.ndarray, list[int] | None]]:
+    def make(log_y: np.ndarray):
+        return {"objective": name}, log_y, None
+    return make
+
+
+def _lambdarank(log_y: np.ndarray):
+    """Relevance = quantile bin of the length (finer at the top, where recall is judged);
+    random query groups of 200 so pairs span all tasks."""
+    edges = np.quantile(log_y, [0.5, 0.7, 0.8, 0.9, 0.95, 0.98])
+    rel = np.digitize(log_y, edges).astype(np.int32)
+    n, g = len(log_y), 200
+    groups = [g] * (n // g) + ([n % g] if n % g else [])
+    params = {"objective": "lambdarank", "label_gain": [float(2 ** i - 1) for i in range(8)],
+              "lambdarank_truncation_level": g}
+    return params, rel, groups
+
+
+OBJECTIVES = {"huber": _regression("huber"), "l2": _regression("regression"), "lambdarank": _lambdarank}
+
+
+class LgbmRanker:
+    kind = "lgbm"
+
+    def __init__(self, cfg: LgbmConfig | None = None, embedder=None, **kw):
+        self.cfg = cfg or LgbmConfig(**kw)
+        self.features = FeatureBuilder(self.cfg.features, embedder)
+        self.booster: lgb.Booster | None = None
+        self.score_q: np.ndarray | None = None   # sorted raw scores (quantile map)
+        self.logy_q: np.ndarray | None = None    # matching sorted log-lengths
+        self.replay_x: np.ndarray | None = None  # float32 [R, F]
+        self.replay_y: np.ndarray | None = None  # float32 [R]
+
+    def _params(self, base: dict) -> dict:
+        c = self.cfg
+        return {**base, "learning_rate": c.learning_rate, "num_leaves": c.num_leaves,
+                "min_child_samples": c.min_child_samples, "bagging_fraction": c.subsample,
+                "bagging_freq": 1, "feature_fraction": c.colsample, "num_threads": c.threads,
+                "seed": c.seed, "deterministic": True, "force_row_wise": True, "verbosity": -1}
+
+    def _train(self, x: np.ndarray, log_y: np.ndarray, rounds: int, init: lgb.Booster | None, desc: str):
+        base, label, groups = OBJECTIVES[self.cfg.objective](log_y)
+        perm = np.random.RandomState(self.cfg.seed).permutation(len(log_y)) if groups else np.arange(len(log_y))
+        ds = lgb.Dataset(x[perm], label[perm], group=groups, feature_name=self.features.names(),
+                         free_raw_data=True)
+        with progress.bar(desc, rounds) as b:
+            booster = lgb.train(self._params(base), ds, num_boost_round=rounds, init_model=init,
+                                keep_training_booster=True, callbacks=[lambda env: b.advance()])
+        return booster
+
+    def _calibrate(self, x: np.ndarray, log_y: np.ndarray) -> None:
+        """Monotone map raw score -> log-length (quantile matching on training rows)."""
+        q = np.linspace(0, 1, 101)
+        self.score_q = np.quantile(self.booster.predict(x, num_threads=self.cfg.threads), q)
+        self.logy_q = np.quantile(log_y, q)
+
+    def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LgbmRanker":
+        prompts = list(prompts)
+        check_prompts(prompts)
+        check_lengths(prompts, lengths)
+        if len(prompts) < 4:
+            raise ValueError(f"need at least 4 (prompt, length) pairs to fit, got {len(prompts)}")
+        log_y = np.log1p(np.asarray(lengths, dtype=np.float32))
+        progress.log(f"lgbm: features for {len(prompts)} prompts")
+        x = self.features.fit_transform(prompts, log_y)
+        self.booster = self._train(x, log_y, self.cfg.rounds, None, f"lgbm ({self.cfg.objective})")
+        self._calibrate(x, log_y)
+        keep = np.random.RandomState(self.cfg.seed).permutation(len(prompts))[: self.cfg.replay]
+        self.replay_x, self.replay_y = x[np.sort(keep)], log_y[np.sort(keep)]
+        return self
+
+    def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LgbmRanker":
+        """Online step: add rows to the neighbour memory, boost ``update_rounds`` trees on the
+        new rows plus the replay sample."""
+        self._need_fitted()
+        prompts = list(prompts)
+        check_prompts(prompts)
+        check_lengths(prompts, lengths)
+        if not prompts:
+            return self
+        log_y = np.log1p(np.asarray(lengths, dtype=np.float32))
+        # The new rows' features see only earlier neighbours (never their own labels).
+        x_new = self.features.transform(prompts)
+        self.features.add_memory(prompts, log_y)
+        x = np.concatenate([self.replay_x, x_new])
+        y = np.concatenate([self.replay_y, log_y])
+        if self.cfg.update_rounds:
+            self.booster = self._train(x, y, self.cfg.update_rounds, self.booster, "lgbm update")
+        self._calibrate(x, y)
+        r = self.cfg.replay
+        self.replay_x, self.replay_y = x[-r:], y[-r:]
+        return self
+
+    def predict_log(self, prompts: Sequence[str]) -> np.ndarray:
+        """float64 [N] estimated log(1 + words)."""
+        self._need_fitted()
+        prompts = list(prompts)
+        check_prompts(prompts)
+        if not prompts:
+            return np.zeros(0)
+        raw = self.booster.predict(self.features.transform(prompts), num_threads=self.cfg.threads)
+        if self.cfg.objective != "lambdarank":
+            return raw
+        return np.interp(raw, self.score_q, self.logy_q)
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        """Estimated answer length in words per prompt (only the order is reliable)."""
+        return np.maximum(np.expm1(self.predict_log(prompts)), 0.0).tolist()
+
+    def _need_fitted(self) -> None:
+        if self.booster is None:
+            raise RuntimeError("ranker is not fitted: call fit() or ranker.load(dir)")
+
+    # --- persistence ------------------------------------------------------------------
+    def save(self, path) -> None:
+        from ranker.store import save
+        save(self, path)
+
+    def meta(self) -> dict:
+        return {"config": asdict(self.cfg), "fingerprint": self.features.fingerprint()}
+
+    def save_files(self, folder: Path) -> None:
+        self.booster.save_model(str(folder / "lgbm.txt"))
+        np.savez(folder / "lgbm_state.npz", **self.features.state(), score_q=self.score_q,
+                 logy_q=self.logy_q, replay_x=self.replay_x, replay_y=self.replay_y)
+
+    @classmethod
+    def load_files(cls, folder: Path, meta: dict, embedder=None) -> "LgbmRanker":
+        cfg = LgbmConfig.from_dict(meta["config"])
+        r = cls(cfg, embedder)
+        want = r.features.fingerprint()
+        if meta.get("fingerprint") != want:
+            raise FeatureMismatchError(
+                f"{folder}: model was trained with feature set {meta.get('fingerprint')!r}, but this "
+                f"code computes feature set {want!r} (the feature code or config changed since training); "
+                f"retrain it with `python -m ranker train`")
+        st = dict(np.load(folder / "lgbm_state.npz"))
+        r.features = FeatureBuilder.from_state(cfg.features, st, embedder)
+        r.booster = lgb.Booster(model_file=str(folder / "lgbm.txt"))
+        if r.booster.num_feature() != len(r.features.names()):
+            raise FeatureMismatchError(f"{folder}: LightGBM model has {r.booster.num_feature()} features, "
+                                       f"this feature set has {len(r.features.names())}; retrain")
+        r.score_q, r.logy_q = st["score_q"], st["logy_q"]
+        r.replay_x, r.replay_y = st["replay_x"], st["replay_y"]
+        return r
+

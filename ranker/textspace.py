@@ -1,0 +1,87 @@
+"""A fitted bag-of-n-grams space for prompts: hashed character and word n-grams, the most
+frequent ``max_columns`` of them kept, TF-IDF weighted, L2-normalised; plus a truncated SVD
+of that space for dense similarity search.
+
+All state is plain arrays (``state()`` / ``from_state``), so a saved model needs no pickles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.decomposition import TruncatedSVD
+from sklearn.feature_extraction.text import HashingVectorizer
+from sklearn.preprocessing import normalize
+
+
+@dataclass(frozen=True)
+class SpaceConfig:
+    char_ngrams: tuple[int, int] = (2, 4)
+    word_ngrams: tuple[int, int] = (1, 2)
+    hash_bits: int = 18
+    max_columns: int = 20000
+    svd_dims: int = 64
+    seed: int = 0
+
+
+class TextSpace:
+    """``sparse(prompts) -> csr float32 [N, M]`` (rows L2-normalised) and
+    ``dense(X) -> float32 [N, svd_dims]`` (rows L2-normalised)."""
+
+    def __init__(self, cfg: SpaceConfig):
+        self.cfg = cfg
+        n = 2 ** cfg.hash_bits
+        self._char = HashingVectorizer(analyzer="char_wb", ngram_range=cfg.char_ngrams, n_features=n,
+                                       alternate_sign=False, norm=None, dtype=np.float32)
+        self._word = HashingVectorizer(ngram_range=cfg.word_ngrams, n_features=n, alternate_sign=False,
+                                       norm=None, token_pattern=r"(?u)\b\w+\b", dtype=np.float32)
+        self.columns: np.ndarray | None = None     # int64 [M] kept hashed columns
+        self.idf: np.ndarray | None = None         # float32 [M]
+        self.components: np.ndarray | None = None  # float32 [svd_dims, M]
+
+    def _counts(self, prompts: Sequence[str]) -> sp.csr_matrix:
+        return sp.hstack([self._char.transform(prompts), self._word.transform(prompts)]).tocsr()
+
+    def fit(self, prompts: Sequence[str]) -> "TextSpace":
+        counts = self._counts(prompts)
+        df = np.asarray((counts > 0).sum(axis=0)).ravel()  # df: [2 * 2**bits]
+        order = np.argsort(-df, kind="stable")
+        keep = order[: self.cfg.max_columns]
+        keep = np.sort(keep[df[keep] > 0])
+        self.columns = keep.astype(np.int64)
+        n = counts.shape[0]
+        self.idf = (np.log((1 + n) / (1 + df[keep])) + 1).astype(np.float32)
+        x = self._weight(counts[:, self.columns])
+        k = max(1, min(self.cfg.svd_dims, x.shape[1] - 1, x.shape[0] - 1))
+        svd = TruncatedSVD(k, algorithm="randomized", n_iter=4, random_state=self.cfg.seed).fit(x)
+        comps = np.zeros((self.cfg.svd_dims, x.shape[1]), dtype=np.float32)
+        comps[:k] = svd.components_
+        self.components = comps
+        return self
+
+    def _weight(self, counts: sp.csr_matrix) -> sp.csr_matrix:
+        x = counts.astype(np.float32)
+        x.data = np.log1p(x.data)  # sublinear tf
+        x = x.multiply(self.idf[None, :]).tocsr()
+        return normalize(x).astype(np.float32)
+
+    def sparse(self, prompts: Sequence[str]) -> sp.csr_matrix:
+        """csr float32 [N, M]."""
+        return self._weight(self._counts(prompts)[:, self.columns])
+
+    def dense(self, x: sp.csr_matrix) -> np.ndarray:
+        """float32 [N, svd_dims], rows L2-normalised (zero rows stay zero)."""
+        z = np.asarray(x @ self.components.T, dtype=np.float32)
+        return normalize(z).astype(np.float32)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"space_columns": self.columns, "space_idf": self.idf, "space_components": self.components}
+
+    @classmethod
+    def from_state(cls, cfg: SpaceConfig, state: dict[str, np.ndarray]) -> "TextSpace":
+        s = cls(cfg)
+        s.columns, s.idf, s.components = (state["space_columns"], state["space_idf"],
+                                          state["space_components"])
+        return s
