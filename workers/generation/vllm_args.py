@@ -1,0 +1,147 @@
+"""Translation between StreamRL's engine types and vLLM's: EngineConfig -> EngineArgs keywords,
+Request -> (vLLM SamplingParams keywords, priority), and per-request validation.
+
+Pure functions (no vLLM import), so the mapping is testable where vLLM is absent.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workers.generation.config import EngineConfig
+from workers.model import ModelConfig
+from workers.types import Request
+
+# vLLM's CPU attention backend (0.32): supported head sizes, and block sizes must be a multiple of 32
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_BLOCK_MULTIPLE = 32
+# max_num_seqs sizes vLLM's model runner once; set_max_batch_size may move the admission cap
+# (max_num_active_seqs) anywhere in [1, max_num_seqs] without a restart.
+DEFAULT_MAX_NUM_SEQS = 256
+_PRIORITY_SCALE = 1e6  # est_len -> int priority (vLLM admits smaller priority first)
+_PRIORITY_LIMIT = 2 ** 62
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def resolve_device_dtype(cfg: EngineConfig) -> tuple[str, str]:
+    """("cpu"|"cuda", dtype name): as the native engine, CUDA+bf16 when a GPU is present, else CPU+fp32."""
+    device = cfg.device.split(":")[0] if cfg.device else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
+    return device, dtype
+
+
+def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
+    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+
+def vllm_block_size(cfg: EngineConfig, device: str) -> int:
+    """cfg.block_size, rounded up to a multiple of 32 on CPU (vLLM's CPU attention needs it)."""
+    if device == "cpu":
+        return CPU_BLOCK_MULTIPLE * math.ceil(cfg.block_size / CPU_BLOCK_MULTIPLE)
+    return cfg.block_size
+
+
+def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
+    """Keyword arguments of ``vllm.EngineArgs`` for one instance. ``cfg.backend_options`` may
+    override any of them (e.g. ``gpu_memory_utilization``, ``max_num_seqs``, ``enforce_eager``).
+
+    KV memory: the same token count as the native engine (``cfg.total_blocks * cfg.block_size``),
+    given to vLLM as a block count (``num_gpu_blocks_override``) and the matching byte size."""
+    device, dtype = resolve_device_dtype(cfg)
+    if device == "cpu" and mc.dim_head not in CPU_HEAD_SIZES:
+        raise ValueError(f"{model_dir}/config.json: head_dim {mc.dim_head} is not supported by "
+                         f"vLLM's CPU attention (supported: {CPU_HEAD_SIZES})")
+    block = vllm_block_size(cfg, device)
+    kv_tokens = cfg.total_blocks * cfg.block_size
+    num_blocks = max(2, math.ceil(kv_tokens / block))
+    bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head * _DTYPE_BYTES[dtype]
+    opts = dict(cfg.backend_options)
+    max_num_seqs = int(opts.pop("max_num_seqs", max(cfg.max_batch_size, DEFAULT_MAX_NUM_SEQS)))
+    if max_num_seqs < cfg.max_batch_size:
+        raise ValueError(f"engine.backend_options.max_num_seqs ({max_num_seqs}) must be >= "
+                         f"engine.max_batch_size ({cfg.max_batch_size})")
+    args = dict(
+        model=model_dir,
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        dtype=dtype,
+        seed=cfg.seed,
+        max_model_len=max_model_len(cfg, mc),
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=cfg.max_batch_size,
+        max_num_batched_tokens=max(cfg.max_prefill_tokens, max_num_seqs),
+        block_size=block,
+        num_gpu_blocks_override=num_blocks,
+        kv_cache_memory_bytes=num_blocks * block * bytes_per_token,
+        enable_prefix_caching=cfg.prefix_sharing,
+        scheduling_policy="priority" if cfg.admission == "lpt" else "fcfs",
+        logprobs_mode="processed_logprobs",  # same as the native sampler: after T, top-k, top-p
+        gpu_memory_utilization=0.1 if device == "cpu" else 0.9,
+        enforce_eager=device == "cpu",
+        disable_log_stats=False,  # per-request timings and preemption counts
+    )
+    args.update(opts)
+    return args
+
+
+def priority(req: Request, admission: str) -> int:
+    """vLLM priority (smaller first): LPT admits the longest estimate first; FCFS uses 0."""
+    if admission != "lpt":
+        return 0
+    p = -round(float(req.est_len) * _PRIORITY_SCALE)
+    return max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, p))
+
+
+def sampling_kwargs(req: Request, eos_ids: tuple[int, ...]) -> dict:
+    """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1): EOS ids as stop ids
+    (the tokenizer is skipped), ``min_tokens`` suppresses them, log-prob of the sampled token."""
+    s = req.sampling
+    return dict(n=1, temperature=float(s.temperature), top_p=float(s.top_p),
+                top_k=int(s.top_k) if s.top_k > 0 else 0, seed=s.seed,
+                max_tokens=int(req.max_tokens), min_tokens=int(req.min_tokens),
+                stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
+                detokenize=False, skip_special_tokens=False)
+
+
+def fused_module(name: str) -> str:
+    """The vLLM module a HF parameter lands in (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    for part, fused in ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+                        (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj.")):
+        name = name.replace(part, fused)
+    return name.rsplit(".", 1)[0]
+
+
+def incomplete_modules(names: set[str], all_names: set[str]) -> dict[str, list[str]]:
+    """vLLM reloads a module only from all of its tensors: for each module that ``names``
+    touches but does not cover, the HF names missing (empty when every module is whole)."""
+    touched = {fused_module(n) for n in names}
+    missing: dict[str, list[str]] = {}
+    for n in sorted(all_names - names):
+        if fused_module(n) in touched:
+            missing.setdefault(fused_module(n), []).append(n)
+    return missing
+
+
+def refusal(req: Request, vocab_size: int, max_len: int, live: set[int]) -> str | None:
+    """Why ``req`` cannot be served (None when it can). Same rules as the native engine."""
+    p = req.prompt_ids
+    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.is_complex():
+        return "prompt_ids must be a 1-D integer tensor"
+    if p.numel() == 0:
+        return "empty prompt"
+    if p.numel() >= max_len:
+        return (f"prompt of {p.numel()} tokens does not fit the context: max_model_len "
+                f"{max_len} leaves no room for an output token")
+    lo, hi = int(p.min()), int(p.max())
+    if lo < 0 or hi >= vocab_size:
+        return f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})"
+    if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+        return f"max_tokens must be an int >= 1, got {req.max_tokens!r}"
+    if not isinstance(req.min_tokens, int) or not 0 <= req.min_tokens <= req.max_tokens:
+        return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens!r}"
+    s = req.sampling
+    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+        return f"bad sampling params {s} (need temperature >= 0, 0 < top_p <= 1, top_k >= 0)"
+    if req.sample_id in live:
+        return f"sample_id {req.sample_id} is already queued or running"
+    return None
