@@ -156,6 +156,11 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         value = tuple(value)
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if base is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if base is int and isinstance(value, bool) or not isinstance(value, base):
         raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
                           f"{type(value).__name__} {value!r}")

@@ -195,7 +195,8 @@ class GenerationInstance:
         return {"rank": self.rank, "running": st.running, "waiting": st.waiting,
                 "kv_blocks_used": st.kv_blocks_used, "kv_blocks_free": st.kv_blocks_free,
                 "tokens_per_s": st.tokens_per_s, "max_batch_size": st.max_batch_size,
-                "weight_version": self.version}
+                "weight_version": self.version,
+                "staged_version": None if self._staged is None else self._staged[0]}
 
     def drain_spans(self) -> list:
         return self.spans.drain()

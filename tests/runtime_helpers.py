@@ -1,0 +1,76 @@
+"""Shared helpers of the multi-process controller tests: a tiny model folder, a run config,
+``torchrun`` of controller/main.py, readers of its outputs."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = {"kind": "running_sum", "min_terms": 2, "max_terms": 4, "num_train": 64, "num_test": 16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from workers.model import ModelConfig
+    from workers.tasks.registry import make_task
+    from workers.trainer.bootstrap import build_model_dir
+
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    build_model_dir(d, make_task("synthetic", **TASK), cfg, sft_steps=0)
+    return str(d)
+
+
+def write_config(tmp_path, model_dir, **over) -> Path:
+    cfg = {
+        "model": {"path": model_dir},
+        "task": {"name": "synthetic", "kwargs": TASK},
+        "engine": {"max_batch_size": 16, "kv_cache_tokens": 4096, "device": "cpu"},
+        "trainer": {"algorithm": "grpo", "lr": 1e-3, "max_tokens_per_microbatch": 256},
+        "pipeline": {"mode": "async_stream"},
+        "placement": {"generation": [1], "trainer": [2], "rpc_timeout_s": 60},
+        "train": {"iterations": 3, "batch_prompts": 4, "group_size": 2, "max_tokens": 8, "eval_every": 2,
+                  "eval_prompts": 4},
+        "logging": {"logdir": str(tmp_path / "run"), "timeline_every": 2, "progress": False},
+    }
+    for dotted, v in over.items():
+        sec, key = dotted.split("__")
+        cfg.setdefault(sec, {})[key] = v
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def torchrun(config: Path, nproc: int = 3, extra=(), timeout: float = 180, stdin: str | None = None,
+             torchrun_args=()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), *torchrun_args, str(ROOT / "controller/main.py"),
+           "--config", str(config), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, input=stdin)
+
+
+def last_json(out: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, out
+    return json.loads(lines[-1])
+
+
+def iterations(logdir) -> list[dict]:
+    return [json.loads(ln) for ln in (Path(logdir) / "iterations.jsonl").read_text().splitlines()]
+
+

@@ -1,0 +1,71 @@
+"""The controller REPL under torchrun, driven through rank 0's stdin; the same run checks the
+TensorBoard events, the Chrome trace and the checkpoint it writes."""
+import json
+from pathlib import Path
+
+from runtime_helpers import iterations, last_json, tiny_model, torchrun, write_config  # noqa: F401
+
+COMMANDS = """status
+run 2
+sgs
+trainer
+timeline
+mode stream
+run 1
+mode colocated
+dispatch random
+eval 4
+bogus
+save
+status
+quit
+"""
+
+
+def answers(out: str) -> list[dict]:
+    return [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")]
+
+
+def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
+    cfg = write_config(tmp_path, tiny_model, train__eval_every=0)
+    p = torchrun(cfg, extra=["--repl"], stdin=COMMANDS)
+    assert p.returncode == 0, p.stderr[-4000:]
+    a = answers(p.stdout)
+    assert a[0]["ready"] is True
+    status0, run2, sgs, trainer, timeline, mode, run1, bad_mode, disp, ev, bogus, save, status1 = a[1:]
+    assert status0 == {"iteration": 0, "version": 0, "mode": "async_stream", "reward": None, "instances": 1}
+    assert run2["ran"] == 2 and run2["version"] == 2
+    inst = sgs["instances"][0]
+    assert inst["rank"] == 1 and inst["running"] == 0 and "kv_blocks_free" in inst
+    assert inst["weight_version"] == 0 and inst["staged_version"] == 2  # swapped at the next iteration
+    assert trainer["ranks"][0]["version"] == 2 and trainer["ranks"][0]["queued_iterations"] == []
+    assert set(timeline["bubble"]) == {"gen1", "train2"} and timeline["stage_s"]["generate"] > 0
+    assert mode == {"mode": "stream"} and run1["ran"] == 1 and run1["iteration"] == 3
+    assert "error" in bad_mode and "colocated" in bad_mode["error"]
+    assert disp["dispatch"] == "random"
+    assert "eval/mean" in ev
+    assert "unknown command" in bogus["error"]
+    assert Path(save["checkpoint"]).name == "iter_000003"
+    assert status1["iteration"] == 3 and status1["version"] == 3 and status1["mode"] == "stream"
+
+    rows = iterations(tmp_path / "run")
+    assert [r["num_samples"] for r in rows] == [8, 8, 8]
+    assert [r["gen_version"] for r in rows] == [0, 0, 2]  # async lag 1, then a sync iteration
+    assert [r["staleness_max"] for r in rows] == [0, 1, 0]
+    summary = last_json(p.stdout)
+    assert summary["iterations"] == 3 and summary["mode"] == "stream"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "run" / "tb"))
+    ea.Reload()
+    tags = ea.Tags()
+    for t in ("train/reward_mean", "train/kl", "train/entropy", "perf/samples_per_s", "perf/tokens_per_s",
+              "idle/gen1", "idle/train2", "staleness/max", "time/weight_sync_s", "balance/delta_s"):
+        assert t in tags["scalars"], t
+    assert [e.step for e in ea.Scalars("train/reward_mean")] == [0, 1, 2]
+    assert "timeline/gantt" in tags["images"]
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    stages = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"generate", "train", "weight_sync"} <= stages
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000003"
