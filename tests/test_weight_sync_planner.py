@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.weight_sync import (LinkClass, LinkShaper, TensorSpec, Topology, plan_naive, plan_sync,
-                                 tree_depth)
+from workers.weight_sync import (LinkClass, LinkShaper, StagedWeights, TensorSpec, Topology, WeightSyncConfig,
+                                 plan_naive, plan_sync, tree_depth)
 from workers.weight_sync.checksum import CHUNK_WORDS, bucket_checksum
 
 SPEC = [("embed", (64, 40), torch.float32), ("norm", (40,), torch.bfloat16),
@@ -218,3 +218,32 @@ def test_shaper_paces_to_the_rate():
     assert shaper.acquire(100) == pytest.approx(5.05)
     with pytest.raises(ValueError, match="rate must be > 0"):
         LinkShaper(0)
+
+
+# ---- config section and swap helper ---------------------------------------------------
+def test_weight_sync_config():
+    cfg = WeightSyncConfig.from_dict({"bucket_mb": 0.002, "tree_shape": "binary", "topology": TWO_DC})
+    assert cfg.bucket_bytes == 2000 and cfg.topology.dc(4) == "remote"
+    assert cfg.plan([0], [1, 2, 3, 4], SPEC).kind == "tree"
+    assert WeightSyncConfig.from_dict({"naive": True}).plan([0], [1, 2], SPEC).kind == "naive"
+    assert WeightSyncConfig.from_dict(None) == WeightSyncConfig()
+    for bad, needle in [({"bucket": 1}, "unknown key(s) ['bucket']"), ({"bucket_mb": -1}, "weight_sync.bucket_mb"),
+                        ({"tree_shape": "ring"}, "weight_sync.tree_shape"), ({"naive": "yes"}, "weight_sync.naive"),
+                        ({"topology": {"shaped_links": ["x"]}}, "shaped_links")]:
+        with pytest.raises(ValueError) as e:
+            WeightSyncConfig.from_dict(bad)
+        assert needle in str(e.value)
+
+
+def test_staged_weights_load_into_refuses_bad_versions():
+    loaded = []
+
+    class Engine:
+        def load_weights(self, named, version):
+            loaded.append((dict(named), version))
+
+    StagedWeights(3, {"w": torch.ones(2)}, True).load_into(Engine())
+    assert loaded[0][1] == 3 and torch.equal(loaded[0][0]["w"], torch.ones(2))
+    with pytest.raises(RuntimeError, match="bucket 2"):
+        StagedWeights(4, {}, False, "refusing version 4: bucket 2 checksum mismatch").load_into(Engine())
+    assert len(loaded) == 1

@@ -157,6 +157,10 @@ class SyncPlan:
     def buckets_of_root(self, rank: int) -> list[Bucket]:
         return [self.buckets[i] for i in self.order if self.buckets[i].root == rank]
 
+    def children_of(self, rank: int) -> list[int]:
+        """Every rank ``rank`` sends to, over all trees (with repeats)."""
+        return [c for tree in self.trees for c in tree.children_of(rank)]
+
     def tree_of(self, bucket: Bucket) -> Tree:
         return self.trees[bucket.tree]
 

@@ -1,0 +1,57 @@
+"""``weight_sync:`` config section -> typed WeightSyncConfig, and the plan it implies.
+
+    weight_sync:
+      bucket_mb: 64            # bucket size (MB, 1e6 bytes)
+      tree_shape: chain        # chain | binary | star
+      naive: false             # true: root sends to every instance (baseline)
+      topology: {...}          # see topology.py; absent -> one datacenter
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from workers.weight_sync.plan import SyncPlan, TensorSpec
+from workers.weight_sync.planner import TREE_SHAPES, plan_naive, plan_sync
+from workers.weight_sync.topology import Topology
+
+_KEYS = {"bucket_mb", "tree_shape", "naive", "topology"}
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    bucket_bytes: int = 64_000_000
+    tree_shape: str = "chain"
+    naive: bool = False
+    topology: Topology = field(default_factory=Topology)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
+            raise ValueError(f"weight_sync.bucket_mb must give > 0 bytes, got {self.bucket_bytes!r}")
+        if self.tree_shape not in TREE_SHAPES:
+            raise ValueError(f"weight_sync.tree_shape: unknown {self.tree_shape!r}; allowed: {sorted(TREE_SHAPES)}")
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any] | None) -> "WeightSyncConfig":
+        """Validate the ``weight_sync`` section (None -> defaults); errors name the key."""
+        cfg = cfg or {}
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"weight_sync must be a mapping, got {type(cfg).__name__}")
+        unknown = set(cfg) - _KEYS
+        if unknown:
+            raise ValueError(f"weight_sync: unknown key(s) {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+        mb = cfg.get("bucket_mb", 64)
+        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0:
+            raise ValueError(f"weight_sync.bucket_mb must be a number > 0, got {mb!r}")
+        naive = cfg.get("naive", False)
+        if not isinstance(naive, bool):
+            raise ValueError(f"weight_sync.naive must be true or false, got {naive!r}")
+        return cls(bucket_bytes=max(1, int(mb * 1e6)), tree_shape=str(cfg.get("tree_shape", "chain")),
+                   naive=naive, topology=Topology.from_config(cfg.get("topology")))
+
+    def plan(self, senders: Sequence[int], receivers: Sequence[int],
+             tensor_spec: Sequence[TensorSpec | tuple]) -> SyncPlan:
+        """The SyncPlan for these ranks and tensors (pure; same on every rank)."""
+        if self.naive:
+            return plan_naive(self.topology, senders, receivers, tensor_spec, self.bucket_bytes)
+        return plan_sync(self.topology, senders, receivers, tensor_spec, self.bucket_bytes, self.tree_shape)
