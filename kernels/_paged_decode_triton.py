@@ -20,12 +20,11 @@ bf16 dot is wrong) and stay in the cache's 16-bit dtype on GPU. fp32 dots use
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._launch import KernelCall
 
 LOG2E = 1.4426950408889634
 
@@ -138,16 +137,6 @@ def _paged_decode_reduce(
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@dataclass
-class KernelCall:
-    """One kernel launch: ``fn[grid](*args, **consts, **options)``."""
-    fn: Any
-    grid: tuple[int, ...]
-    args: tuple
-    consts: dict[str, Any]
-    options: dict[str, Any] = field(default_factory=dict)
-
-
 def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
          cfg) -> tuple[torch.Tensor, list[KernelCall]]:
@@ -186,6 +175,6 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            cfg) -> torch.Tensor:
     """Run the kernels with launch choices ``cfg``. q: [B, H, Dh] -> out: [B, H, Dh] (q's dtype)."""
     out, calls = plan(q, k_cache, v_cache, block_tables, context_lens, scale, cfg)
-    for c in calls:
-        c.fn[c.grid](*c.args, **c.consts, **c.options)
+    for call in calls:
+        call()
     return out

@@ -93,10 +93,6 @@ def specialise(fn, args: tuple, consts: dict) -> tuple[dict, dict, dict]:
 def compile_variant(v: Variant, capability: int) -> list[dict]:
     """Compile every launch of one variant (batch 8, 2 KV heads, 4096-token table) for
     ``sm_<capability>``; one record per kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels import _paged_decode_triton as impl
 
     meta = torch.device("meta")
@@ -108,19 +104,37 @@ def compile_variant(v: Variant, capability: int) -> list[dict]:
     upcast = (v.dtype == torch.float32) if v.upcast is None else v.upcast
     cfg = type(cfg)(**{**cfg.__dict__, "upcast": upcast})
     _, calls = impl.plan(q, k, k, tables, lens, 0.1, cfg)
-    records = []
-    for call in calls:
-        sig, consts, attrs = specialise(call.fn, call.args, call.consts)
-        kernel = triton.compile(ASTSource(fn=call.fn, signature=sig, constexprs=consts, attrs=attrs),
-                                target=GPUTarget("cuda", capability, 32), options=call.options)
-        records.append(dict(kernel=call.fn.__name__, sm=capability, dtype=_TRITON_DTYPE[v.dtype],
-                            head_dim=v.head_dim, group=v.group, block_size=v.block_size,
-                            splits=cfg.num_splits, upcast=upcast,
-                            num_warps=call.options.get("num_warps", 4),
-                            shared_bytes=kernel.metadata.shared,
-                            cubin_bytes=len(kernel.asm["cubin"]),
-                            **resource_usage(kernel.asm["cubin"])))
-    return records
+    return [dict(head_dim=v.head_dim, group=v.group, block_size=v.block_size,
+                 splits=cfg.num_splits, upcast=upcast, **_compile(call, capability, v.dtype))
+            for call in calls]
+
+
+def compile_norm_rope(capability: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Compile the fused RMSNorm (Qwen2.5-0.5B width, with residual) and rotary (14 heads x 64)
+    launches for ``sm_<capability>``."""
+    from kernels import _norm_rope_triton as impl
+
+    meta = torch.device("meta")
+    x = torch.empty(64, 896, dtype=dtype, device=meta)
+    w = torch.empty(896, dtype=dtype, device=meta)
+    qk = torch.empty(64, 14, 64, dtype=dtype, device=meta)
+    cos = torch.empty(64, 64, dtype=dtype, device=meta)
+    calls = [impl.rms_norm_plan(x, w, 1e-6, x)[-1], impl.rotary_plan(qk, cos, cos)[-1]]
+    return [dict(shape=shape, **rec) for shape, call in zip(("[64, 896]", "[64, 14, 64]"), calls)
+            for rec in [_compile(call, capability, dtype)]]
+
+
+def _compile(call, capability: int, dtype: torch.dtype) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs = specialise(call.fn, call.args, call.consts)
+    kernel = triton.compile(ASTSource(fn=call.fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", capability, 32), options=call.options)
+    return dict(kernel=call.fn.__name__, sm=capability, dtype=_TRITON_DTYPE[dtype],
+                num_warps=call.options.get("num_warps", 4), shared_bytes=kernel.metadata.shared,
+                cubin_bytes=len(kernel.asm["cubin"]), **resource_usage(kernel.asm["cubin"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in DEFAULT_VARIANTS:
             for rec in compile_variant(v, cap):
                 print(json.dumps(rec), flush=True)
+        for rec in compile_norm_rope(cap):
+            print(json.dumps(rec), flush=True)
     return 0
 
 

@@ -210,13 +210,15 @@ def test_compiles_for_gpu_and_refuses_late_interpret_env():
     out = _run_py(
         "import json, os, torch, triton\n"
         "import kernels.paged_decode as pd\n"
-        "from kernels.compile_check import compile_variant, DEFAULT_VARIANTS\n"
-        "for r in compile_variant(DEFAULT_VARIANTS[0], 90): print(json.dumps(r))\n"
+        "from kernels.compile_check import compile_variant, compile_norm_rope, DEFAULT_VARIANTS\n"
+        "for r in compile_variant(DEFAULT_VARIANTS[0], 90) + compile_norm_rope(90):\n"
+        "    print(json.dumps(r))\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n" + SETUP +
         "try:\n    pd.paged_decode_attention(q, k, k, t, l, 0.25)\n"
         "except RuntimeError as e:\n    print('refused:', e)\n",
         TRITON_DEFAULT_FP_FUSION="1")
-    assert out.count('"cubin_bytes"') == 2
+    assert out.count('"cubin_bytes"') == 4  # decode partial + reduce, rms_norm, rotary
+    assert '"stack_bytes": 0' in out  # cuobjdump ran (no spills in the decode kernel)
     assert "refused: paged_decode_attention: TRITON_INTERPRET=1 was set after `import triton`" in out
 
 
@@ -225,4 +227,4 @@ def test_compiles_for_gpu_and_refuses_late_interpret_env():
 def test_all_variants_compile_for_sm80_sm90():
     out = _run_py("from kernels.compile_check import main; main(['80', '90'])",
                   TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    assert out.count('"cubin_bytes"') == 2 * 9  # 5 variants x (partial [+ reduce]), 2 targets
+    assert out.count('"cubin_bytes"') == 2 * 11  # 2 targets x (5 variants x (partial [+ reduce]) + norm + rope)
