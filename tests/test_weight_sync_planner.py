@@ -208,12 +208,13 @@ def test_shaper_paces_to_the_rate():
     assert shaper.acquire(100) == pytest.approx(10.1)
     assert sum(slept) == pytest.approx(2.1)
     assert shaper.bytes_booked == 2100
-    # With a burst allowance, a late wake-up (0.03 s) is credited, a long idle spell only by 0.05 s.
+    # With a burst allowance: none on first use, a late wake-up (0.03 s) is credited, a long
+    # idle spell only by 0.05 s.
     now[0] = 0.0
     shaper = LinkShaper(1000.0, burst_s=0.05, clock=lambda: now[0], sleep=lambda dt: None)
-    assert shaper.acquire(1000) == pytest.approx(0.95)
-    now[0] = 0.98
-    assert shaper.acquire(1000) == pytest.approx(1.95)
+    assert shaper.acquire(1000) == pytest.approx(1.0)
+    now[0] = 1.03
+    assert shaper.acquire(1000) == pytest.approx(2.0)
     now[0] = 5.0
     assert shaper.acquire(100) == pytest.approx(5.05)
     with pytest.raises(ValueError, match="rate must be > 0"):

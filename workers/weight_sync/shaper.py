@@ -6,7 +6,8 @@ so a cross-datacenter run can be emulated on loopback or one fast network.
 caller posts the send then, so the receiver sees the data when the real link would deliver
 it. ``burst_s``: up to that much idle link time is credited (token-bucket capacity
 rate * burst_s), so a sender thread that wakes up late (busy CPU) does not lose link time;
-the price is that after an idle spell data may arrive up to burst_s early.
+the price is that after an idle spell data may arrive up to burst_s early (never on the
+first use: the executor makes fresh shapers per sync).
 Thread-safe: several children behind one link share its rate."""
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ class LinkShaper:
     def acquire(self, nbytes: int) -> float:
         """Book nbytes; sleep until they would have arrived. Returns the arrival time."""
         with self._lock:
-            start = max(self._clock() - self.burst_s, self._free_at)
+            now = self._clock()
+            # A fresh link gets no credit (the first bytes are never early).
+            start = now if self._free_at == float("-inf") else max(now - self.burst_s, self._free_at)
             self._free_at = start + nbytes / self.rate
             self.bytes_booked += nbytes
             done = self._free_at
