@@ -6,7 +6,9 @@ SDPA on a dense cache, vs the engine's torch paged path, vs vLLM's Triton kernel
 
 One JSON line per (shape, implementation); the last line is the summary with keys
 ``device, peak_gbps, triton_median_pct_peak, triton_vs_sdpa_dense, triton_vs_torch_paged,
-triton_vs_vllm`` (speedups are geometric means of time ratios; >1 means ours is faster).
+triton_vs_vllm, rms_norm_vs_torch, rotary_vs_torch`` (speedups are time ratios, geometric
+means over shapes for attention; >1 means ours is faster). Also times the fused RMSNorm
+(+ residual) and rotary kernels against the model's eager torch ops.
 On a machine without CUDA it prints one JSON line saying it skipped, and why.
 
 Bytes counted per call: K and V of every cached token (the kernel's compulsory traffic) plus
@@ -154,10 +156,57 @@ def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
     return rows
 
 
+def bench_norm_rope(tokens, hidden, heads, head_dim, dtype, dev, peak):
+    """Fused RMSNorm (+ residual add) and rotary vs the model's eager torch ops."""
+    import triton.testing
+
+    from kernels.norm_rope import rms_norm, rms_norm_ref, rotary, rotary_ref
+
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    res, w = torch.randn_like(x), torch.ones(hidden, device=dev, dtype=dtype)
+    q = torch.randn(tokens, heads, head_dim, device=dev, dtype=dtype)
+    ang = torch.rand(tokens, head_dim, device=dev)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    e = x.element_size()
+    cases = {  # name -> (bytes moved, {impl: fn})
+        "rms_norm_residual": (4 * x.numel() * e, {
+            "triton": lambda: rms_norm(x, w, 1e-6, residual=res)[0],
+            "torch_eager": lambda: rms_norm_ref(x, w, 1e-6, residual=res)[0]}),
+        "rotary": (2 * q.numel() * e, {
+            "triton": lambda: rotary(q, cos, sin),
+            "torch_eager": lambda: rotary_ref(q, cos, sin)}),
+    }
+    rows = []
+    for op, (nbytes, impls) in cases.items():
+        ref = impls["torch_eager"]().float()
+        for impl, fn in impls.items():
+            rec = dict(bench="kernels", op=op, tokens=tokens, dtype=str(dtype)[6:], impl=impl)
+            try:
+                rec["max_err"] = float((fn().float() - ref).abs().max())
+                ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+                print(json.dumps(rec), flush=True)
+                continue
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
+                       pct_peak=round(100 * gbps / peak, 1) if peak else None)
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+    return rows
+
+
+def op_speedup(rows, op):
+    t = {r["impl"]: r["us"] for r in rows if r.get("op") == op}
+    return round(t["torch_eager"] / t["triton"], 3) if len(t) == 2 and t["triton"] > 0 else None
+
+
 def geomean_speedup(rows, other):
     """Geometric mean over shapes of t(other) / t(triton)."""
     by = {}
     for r in rows:
+        if "model" not in r:
+            continue
         by.setdefault((r["model"], r["batch"], r["ctx"], r["ragged"]), {})[r["impl"]] = r["us"]
     ratios = [d[other] / d["triton"] for d in by.values() if other in d and "triton" in d]
     return round(math.exp(statistics.fmean(map(math.log, ratios))), 3) if ratios else None
@@ -192,7 +241,10 @@ def main() -> int:
         for bsz, ctx in shapes:
             rows += bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn)
         rows += bench_shape(model, 64, 2048, dtype, dev, peak, vllm_fn, ragged=True)
+    elementwise = bench_norm_rope(4096, 3584, 28, 128, dtype, dev, peak)  # Qwen2.5-7B widths
     pct = [r["pct_peak"] for r in rows if r["impl"] == "triton" and r.get("pct_peak") is not None]
+    extra = dict(rms_norm_vs_torch=op_speedup(elementwise, "rms_norm_residual"),
+                 rotary_vs_torch=op_speedup(elementwise, "rotary"))
     print(json.dumps(dict(
         bench="kernels", summary=True, device=name, peak_gbps=peak, dtype=args.dtype,
         triton_median_pct_peak=statistics.median(pct) if pct else None,
@@ -200,7 +252,7 @@ def main() -> int:
         triton_vs_sdpa_dense=geomean_speedup(rows, "sdpa_dense"),
         triton_vs_torch_paged=geomean_speedup(rows, "torch_paged"),
         triton_vs_vllm=geomean_speedup(rows, "vllm_triton"),
-        vllm=vllm_src if vllm_fn is not None else f"absent ({vllm_src})")))
+        **extra, vllm=vllm_src if vllm_fn is not None else f"absent ({vllm_src})")))
     return 0
 
 

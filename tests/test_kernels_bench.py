@@ -44,6 +44,12 @@ def test_bench_rows_and_summary_on_cpu(monkeypatch, capsys):
     assert rows[0]["gbps"] == round((2 * 80 * 2 * 64 * 4 + 2 * 2 * 4 * 64 * 4 + 6 * 4) / 1e-8 / 1e9, 1)
     assert bk.geomean_speedup(rows, "sdpa_dense") == 1.0
     assert bk.geomean_speedup(rows, "vllm_triton") is None
+    ew = bk.bench_norm_rope(3, 64, 4, 32, torch.bfloat16, cpu, None)
+    assert [(r["op"], r["impl"]) for r in ew] == [
+        ("rms_norm_residual", "triton"), ("rms_norm_residual", "torch_eager"),
+        ("rotary", "triton"), ("rotary", "torch_eager")]
+    assert all(r["max_err"] < 0.05 and r["pct_peak"] is None for r in ew)
+    assert bk.op_speedup(ew, "rotary") == 1.0 and bk.geomean_speedup(rows + ew, "torch_paged") == 1.0
     assert bk.peak_gbps("NVIDIA H100 80GB HBM3") == 3350 and bk.peak_gbps("NVIDIA H200") == 4800
     assert bk.peak_gbps("NVIDIA H100 PCIe") == 2000 and bk.peak_gbps("Some GPU") is None
 
