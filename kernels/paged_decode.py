@@ -12,6 +12,7 @@ The Triton module is imported on first call, never at import time.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class DecodeLaunch:
                              f"block_n={self.block_n}")
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -80,6 +80,7 @@ SHORT_CASES = [
     ([31, 64, 129], 16, 2, 128, 16, torch.float32, 2),         # GQA 8, split short seqs
     ([1, 16, 47], 8, 1, 64, 16, torch.bfloat16, 8),            # GQA 8, splits past the end
     ([70], 32, 1, 128, 32, torch.float16, None),               # GQA 32 (group > 16)
+    ([33, 2], 14, 2, 64, 16, torch.float16, None),             # GQA 7 (Qwen2.5-0.5B heads)
     ([5, 40], 6, 3, 80, 16, torch.float32, 3),                 # head_dim not a power of 2
     ([9, 23], 4, 2, 8, 16, torch.bfloat16, None),              # tiny head_dim (test models)
 ]
