@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv,noheader
 status=0
 start=$(date +%s)
 echo "## tests (CUDA)"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/test_kernels.py tests/test_kernels_engine.py || status=1
 echo "## bench/kernels.py --quick"
 timeout 90 "$PY" bench/kernels.py --quick || status=1

@@ -37,7 +37,7 @@ class DecodeLaunch:
     block_n: int           # tokens per tile (a power of 2 >= 16)
     num_splits: int        # split-K pieces per sequence (1: no reduce kernel)
     tokens_per_split: int  # a multiple of block_n
-    upcast: bool           # upcast dot operands to fp32 (interpreter, or fp32 caches)
+    upcast: bool           # dot operands in fp32 (fp32 caches; bf16 in the interpreter)
     num_warps: int = 4
 
     def __post_init__(self):
@@ -85,7 +85,9 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     tokens_per_split = -(-per // block_n) * block_n
     if auto:  # rounding up to whole tiles may leave trailing splits that no sequence reaches
         num_splits = -(-capacity // tokens_per_split)
-    upcast = interpreting() or k_cache.dtype == torch.float32
+    # fp32 caches dot in fp32; the interpreter's bf16 dot is wrong (numpy has no bf16), its
+    # fp16 dot is fine, so fp16 runs the GPU's native-dtype path there too
+    upcast = k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16)
     num_warps = 8 if upcast and block_d >= 128 else 4  # fp32 tiles: halve registers per thread
     return DecodeLaunch(block_g, block_d, block_n, num_splits, tokens_per_split, upcast, num_warps)
 
