@@ -9,7 +9,9 @@ start of ``generate(..., weight_version)``.
 """
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,6 +87,17 @@ class Outbox:
             f.wait()
 
 
+def _test_die_after(rank: int, iteration: int) -> int:
+    """Test hook ``STREAMRL_TEST_DIE_AFTER=rank:iteration:samples``: this process kills itself
+    (SIGKILL) after streaming that many samples of that iteration. 0: never."""
+    spec = os.environ.get("STREAMRL_TEST_DIE_AFTER", "")
+    if spec:
+        r, it, n = (int(x) for x in spec.split(":"))
+        if r == rank and it == iteration:
+            return n
+    return 0
+
+
 class GenerationInstance:
     """Engine + weight staging + sample streaming, on one rank."""
 
@@ -156,6 +169,7 @@ class GenerationInstance:
             if batch_cap > 0:
                 self.engine.set_max_batch_size(batch_cap)
             t0 = time.time()
+            die_after = _test_die_after(self.rank, iteration)
             out = Outbox(self.trainers, self.coalesce_s)
             done: list[int] = []
             lengths: list[int] = []
@@ -170,6 +184,9 @@ class GenerationInstance:
                             raise RuntimeError(f"gen{self.rank}: sample {s.sample_id} failed: {s.error}")
                         out.put(s)
                         done.append(s.sample_id)
+                        if len(done) == die_after:  # test hook: a real, abrupt process death
+                            out.close()
+                            os.kill(os.getpid(), signal.SIGKILL)
                         lengths.append(len(s.output_ids))
             finally:
                 out.close()

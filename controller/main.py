@@ -120,13 +120,13 @@ def main(argv=None) -> int:
     timeout = datetime.timedelta(seconds=cfg.placement.rpc_timeout_s)
     dist.init_process_group("nccl" if LOCAL.device.type == "cuda" else "gloo", timeout=timeout)
     LOCAL.has_process_group = True
-    if rank == 0:  # joiners read the static world size from torchrun's store
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        store.set(WORLD_KEY, str(world))
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if cfg.placement.elastic else world,
                  rpc_backend_options=_rpc_options(cfg.placement.rpc_timeout_s, "env://"))
     dist.barrier()  # every static rank is in the RPC group
+    if rank == 0:  # joiners wait for this key (torchrun's store): the controller is up
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store.set(WORLD_KEY, str(world))
     if rank == 0:
         from controller.runner import run_controller
 

@@ -45,6 +45,8 @@ class IterationResult:
     redispatched: int = 0
     lost: list[int] = field(default_factory=list)
     out_lens: list[int] = field(default_factory=list)  # output length of every sample
+    per_instance: dict[int, int] = field(default_factory=dict)  # rank -> samples generated
+    instances: int = 0
 
 
 @dataclass
@@ -129,7 +131,25 @@ class Program:
                               max(r.staleness_max for r in reports), sync_s,
                               len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [],
                               [n for rep in (b.round.reports if b.round else []) for n in rep.lengths])
+        for rep in (b.round.reports if b.round else []):
+            res.per_instance[rep.rank] = res.per_instance.get(rep.rank, 0) + len(rep.sample_ids)
+        res.instances = len(self.world.sgs.slots)
         return res
+
+    def _wait_push(self, calls) -> None:
+        """Wait for a weight push; an instance lost meanwhile leaves the SGS (its next prompts
+        go to the others), any other failure stops the run."""
+        from controller.rpc import WorkerFailed
+
+        for c in calls:
+            try:
+                out = c.wait()
+                for rank in (out.get("failed", []) if isinstance(out, dict) else []):
+                    self.world.sgs.remove(rank, reason="lost during weight push")
+            except WorkerFailed as e:
+                if not (e.lost and c.handle.role == "generation"):
+                    raise
+                self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(e).splitlines()[0]}")
 
     def _push(self, version: int):
         return self.world.push_weights(version), time.time()
@@ -152,7 +172,7 @@ class Program:
                 self._finish_generation(b)
                 res = self._step(b, self.version, 0.0)
                 t0 = time.time()
-                wait_all(self.world.push_weights(res.version))
+                self._wait_push(self.world.push_weights(res.version))
                 res.weight_sync_seconds = time.time() - t0
                 self.version = res.version
                 self._record(res, out)
@@ -160,7 +180,7 @@ class Program:
                 if prev is not None:
                     self._finish_generation(prev)
                 if push:
-                    wait_all(push)
+                    self._wait_push(push)
                     sync_s = time.time() - push_t0
                     push = []
                 gen_version = self.version
@@ -175,11 +195,11 @@ class Program:
         if prev is not None:  # drain
             self._finish_generation(prev)
             if push:
-                wait_all(push)
+                self._wait_push(push)
                 sync_s = time.time() - push_t0
             res = self._step(prev, prev_gen_version, sync_s)
             t0 = time.time()
-            wait_all(self.world.push_weights(res.version))
+            self._wait_push(self.world.push_weights(res.version))
             self.version = res.version
             self._record(res, out)
         return out

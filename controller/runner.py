@@ -114,6 +114,11 @@ class Session:
                 break
             self.waiting.append(rank)
         forced = 0 <= self.cfg.placement.force_scale_out_at <= i
+        if forced and i == self.cfg.placement.force_scale_out_at and not self.waiting:
+            try:  # forced (tests, demos): wait for the joiner instead of racing its start-up
+                self.waiting.append(_JOINERS.get(timeout=self.cfg.placement.rpc_timeout_s)[0])
+            except queue.Empty:
+                pass
         if self.waiting and (forced or self.want_add):
             rank = self.waiting.pop(0)
             add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)

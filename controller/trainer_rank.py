@@ -15,6 +15,8 @@ seen twice is dropped (re-dispatch after an instance loss never trains a sample 
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import traceback
@@ -155,6 +157,9 @@ class TrainerRank:
                 self._cond.wait(timeout=1.0)
             self._raise_if_failed()
             rec = self._iters[iteration]
+        if os.environ.get("STREAMRL_TEST_TRAINER_DIE_AT") == str(iteration) and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: trainer death on the first attempt
         t0 = time.time()
         result = self.worker.step()
         t1 = time.time()
@@ -228,15 +233,20 @@ class TrainerRank:
             raise RuntimeError(f"train{self.rank}: consumer failed:\n{self._error}")
 
     # ---- weights, checkpoints, stats -----------------------------------------------------
-    def push_weights_rpc(self, instances: list, version: int) -> float:
-        """Send the current weights as named tensors to instance RRefs (joiners, fallback path)."""
+    def push_weights_rpc(self, instances: list, version: int) -> dict:
+        """Send the current weights as named tensors to instance RRefs (joiners, fallback path).
+        Returns {"seconds", "failed": [ranks whose transfer failed (process gone)]}."""
         t0 = time.time()
         named = {k: v.detach().to("cpu", copy=True) for k, v in self.worker.named_weights()}
-        futs = [r.rpc_async().stage_weights(named, version) for r in instances]
-        for f in futs:
-            f.wait()
+        futs = [(r.owner().id, r.rpc_async().stage_weights(named, version)) for r in instances]
+        failed = []
+        for rank, f in futs:
+            try:
+                f.wait()
+            except Exception:  # noqa: BLE001 - reported to the controller, which drops the instance
+                failed.append(rank)
         self.spans.add("weight_sync", t0, time.time(), version)
-        return time.time() - t0
+        return {"seconds": time.time() - t0, "failed": failed}
 
     def push_weights(self, plan, version: int) -> float:
         """Weight-sync tree sender side (workers.weight_sync), concurrent with the receivers."""
