@@ -52,6 +52,15 @@ def _import_vllm():
     return vllm
 
 
+def _reprocess_tied_head(model) -> None:
+    """vLLM 0.32's reload skips a tied ``lm_head`` (its tensor is ``embed_tokens``'), so on CPU
+    the head's pre-packed GEMM copy of the old matrix survives; re-run its post-load step."""
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
 class VLLMEngine:
     """``VLLMEngine(cfg, model_dir)``: one generation instance over the HF folder ``model_dir``."""
 
@@ -216,6 +225,8 @@ class VLLMEngine:
                 items.append(("model.embed_tokens.weight", head[0]))
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": [(n, t.detach()) for n, t in items], "is_checkpoint_format": True})
+        if tied:
+            self.llm.apply_model(_reprocess_tied_head)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("load_weights: vLLM refused to reset its prefix cache")
         self.weight_version = int(version)
