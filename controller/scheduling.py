@@ -209,25 +209,37 @@ def spread_evenly(idx: Sequence[int], lens: Sequence[float], n: int) -> list[lis
     return groups
 
 
-def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float) -> tuple[float, int]:
+def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
+                 noise: float = 0.0) -> tuple[float, int]:
     """The paper's estimate for one instance: ``instance_latency`` at the class's L_avg."""
     return instance_latency(profile, len(lens), l_avg, prompt_len)
 
 
-def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float) -> tuple[float, int]:
-    """Event-level continuous-batching estimate (LPT order, batch limited by KV memory only)
-    of one instance on the estimated lengths; returns (makespan, cap used)."""
+def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
+                   noise: float = 0.0, draws: int = 4) -> tuple[float, int]:
+    """Event-level continuous-batching estimate of one instance (LPT order by the estimates,
+    batch limited by KV memory only); returns (makespan, cap used). With ``noise`` > 0 the
+    true lengths are uncertain: the makespan is averaged over ``draws`` draws of
+    est * exp(N(0, noise)) (fixed seed), admitted in the estimates' order."""
     from controller.planner.engine_sim import simulate_instance  # engine_sim imports this module
 
-    out = sorted((max(1, int(round(x))) for x in lens), reverse=True)
-    limit = max(1, profile.kv_tokens // profile.block_size) * profile.block_size
-    out = [min(x, max(1, limit - int(prompt_len) - profile.block_size)) for x in out]
-    cap = _free_cap(profile, len(out))
-    run = simulate_instance(out, profile, cap, [int(prompt_len)] * len(out))
-    return run.makespan_s, cap
+    est = sorted((float(x) for x in lens), reverse=True)
+    limit = max(1, profile.kv_tokens - int(prompt_len) - 2 * profile.block_size)
+    cap = _free_cap(profile, len(est))
+    prompts = [int(prompt_len)] * len(est)
+    if noise <= 0 or not est:
+        draws_lens = [est]
+    else:
+        rng = np.random.default_rng(len(est))
+        draws_lens = [list(np.asarray(est) * np.exp(rng.normal(0.0, noise, len(est)))) for _ in range(draws)]
+    total = 0.0
+    for d in draws_lens:
+        out = [min(limit, max(1, int(round(x)))) for x in d]
+        total += simulate_instance(out, profile, cap, prompts).makespan_s
+    return total / len(draws_lens), cap
 
 
-COSTS: dict[str, Callable[[PTLProfile, Sequence[float], float, float], tuple[float, int]]] = {
+COSTS: dict[str, Callable[..., tuple[float, int]]] = {
     "formula": formula_cost,
     "simulate": simulated_cost,
 }
@@ -247,7 +259,11 @@ class SkewDispatcher:
     cost="simulate" runs the event-level instance model on the estimates instead (batch
     capped by memory only). The class defaults are the paper-literal ones
     (``make_dispatcher("skew_paper")``); ``make_dispatcher("skew")`` uses SKEW_DEFAULTS.
-    ``use_true``: plan on the true lengths (the oracle)."""
+    ``use_true``: plan on the true lengths (the oracle). ``noise``: the estimates' log-error
+    std (e.g. from the ranker's validation); the simulate cost then averages over draws of
+    the true lengths, which steers away from splits that only win when the ranker is right.
+    ``mixed``: also consider N_l = 0 (no dedicated long-tail instances; every request spread
+    evenly by estimated work, LPT inside), the fallback when separation does not pay."""
 
     alphas: tuple[float, ...] = (0.2,)
     cost: str = "formula"
@@ -257,6 +273,8 @@ class SkewDispatcher:
     order: str = "lpt"
     use_true: bool = False
     kind: str = "skew"
+    noise: float = 0.0
+    mixed: bool = False
 
     def __post_init__(self):
         self.alphas = tuple(float(a) for a in self.alphas)
@@ -272,7 +290,8 @@ class SkewDispatcher:
     def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
                     ) -> dict[tuple[float, int], tuple[float, list[list[int]], list[float], list[int]]]:
         """(alpha, N_l) -> (max latency, groups, per-instance latency, per-instance batch cap),
-        groups[:N_l] being the long-tail instances. N == 1: the single key (alphas[0], 0)."""
+        groups[:N_l] being the long-tail instances. N_l = 0 (key (alphas[0], 0); with
+        ``mixed`` or when N == 1): no dedicated instances, all requests spread evenly."""
         m, n = len(lens), len(profiles)
         order = lpt_order(range(m), lens)
         arr = np.asarray(lens, dtype=float)
@@ -285,16 +304,19 @@ class SkewDispatcher:
                 src = arr[idx] if self.quantile_of == "class" else arr
                 return float(np.quantile(src, q)) if len(idx) else 0.0
 
-            for n_l in ([0] if n == 1 else range(1, n)):
-                if n == 1:
-                    groups, classes, q = [order], [order], [self.q_regular]
+            # the formula has no term for a long sample among short ones: mixed needs "simulate"
+            mixed = n == 1 or (self.mixed and self.cost == "simulate" and alpha == self.alphas[0])
+            for n_l in range(0 if mixed else 1, n):
+                if n_l == 0:  # no dedicated long-tail instances: everything spread evenly
+                    groups, classes, q = spread_evenly(order, lens, n), [order] * n, [self.q_regular] * n
                 else:
                     groups = spread_evenly(long_idx, lens, n_l) + spread_evenly(reg_idx, lens, n - n_l)
                     classes = [long_idx] * n_l + [reg_idx] * (n - n_l)
                     q = [self.q_long] * n_l + [self.q_regular] * (n - n_l)
                 lat, caps = [], []
                 for j, g in enumerate(groups):
-                    t, cap = COSTS[self.cost](profiles[j], arr[g], l_avg(classes[j], q[j]), prompt_len)
+                    noise = 0.0 if self.use_true else self.noise
+                    t, cap = COSTS[self.cost](profiles[j], arr[g], l_avg(classes[j], q[j]), prompt_len, noise)
                     lat.append(t)
                     caps.append(cap)
                 out[(alpha, n_l)] = (max(lat), groups, lat, caps)
@@ -330,8 +352,9 @@ def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> 
 # and over a few long-tail fractions; "skew_paper" is the literal formula with alpha = 0.2.
 # On estimates the long-tail class stays >= 10% (a tiny class is fragile: the long samples
 # the ranker misses land on the crowded instances); the oracle may also try 2% and 5%.
-SKEW_DEFAULTS = dict(cost="simulate", alphas=(0.1, 0.2, 0.3))
-ORACLE_DEFAULTS = dict(cost="simulate", alphas=(0.02, 0.05, 0.1, 0.2, 0.3))
+# Both may also keep every instance mixed when separating does not pay (mixed=True).
+SKEW_DEFAULTS = dict(cost="simulate", alphas=(0.1, 0.2, 0.3), mixed=True)
+ORACLE_DEFAULTS = dict(cost="simulate", alphas=(0.02, 0.05, 0.1, 0.2, 0.3), mixed=True)
 
 DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
     "random": lambda order="fcfs": _ChunkDispatcher("random", _random_chunks, order),

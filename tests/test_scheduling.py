@@ -137,7 +137,8 @@ def test_simulate_dispatcher_picks_min_over_its_splits():
     profs = [linear_profile(1.0, 1 / 32, kv_tokens=8192, block_size=16)] * 3
     d = make_dispatcher("skew")
     costs = d.split_costs(est, profs)
-    assert len(costs) == len(d.alphas) * 2
+    assert len(costs) == len(d.alphas) * 2 + 1  # N_l = 1, 2 per alpha, and all mixed
+    assert (d.alphas[0], 0) in costs
     plan = d.plan(est, profs)
     assert max(plan.predicted_s) == pytest.approx(min(c[0] for c in costs.values()))
     # its prediction is what the instance model gives for the plan it returns
