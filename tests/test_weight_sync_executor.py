@@ -39,7 +39,9 @@ def _plans():
     return {
         "single": (plan_sync(Topology(), [0], [1, 2, 3, 4, 5], spec, 4096), {}),
         "two_roots": (plan_sync(Topology(), [0, 1], [2, 3, 4, 5], spec, 2048), {}),
-        "two_roots_in_order": (plan_sync(Topology(), [0, 1], [2, 3, 4, 5], spec, 2048), {"ordered": True}),
+        # The NCCL-safe single-thread path, on binary trees that use pair (2, 4) both ways.
+        "two_roots_in_order": (plan_sync(Topology(), [0, 1], [2, 3, 4, 5], spec, 2048, "binary"),
+                               {"ordered": True}),
         "cross_dc": (plan_sync(two_dc, [0], [1, 2, 3, 4, 5], spec, 4096), {}),
         "naive_cross_dc": (plan_naive(two_dc, [0], [1, 2, 3, 4, 5], spec, 4096), {}),
         "sharded": (plan_sync(Topology.from_config({"datacenters": {"a": [0, 1, 2, 3], "b": [4, 5]}}),

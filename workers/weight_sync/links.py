@@ -58,33 +58,42 @@ class Countdown:
 
 
 class Links:
-    """Send threads of ``rank`` towards ``children``; counts bytes per link class.
-    ``window``: sends in flight per child before the thread waits for the oldest (payloads
-    are views of staging or pooled buffers, so this costs no memory; a small window made a
-    busy receiver stall the paced inter-DC thread: 4 -> ~0.2 s lost per 100 MB)."""
+    """Outgoing sends of ``rank`` towards ``children``; counts bytes per link class.
+
+    Threaded (default): one send thread per child, fed by ``send``. ``inline=True``: ``send``
+    posts at once on the caller's thread (shaping included), so the issue order of all this
+    rank's sends and receives is the caller's order, which NCCL needs (see receiver.py).
+    ``window``: sends in flight per child before waiting for the oldest (payloads are views
+    of staging or pooled buffers, so this costs no memory; a window of 4 made a busy
+    receiver stall the paced inter-DC thread, ~0.2 s lost per 100 MB)."""
 
     def __init__(self, topology: Topology, rank: int, children: list[int], group=None,
-                 timeout_s: float = 600.0, window: int = 64) -> None:
+                 timeout_s: float = 600.0, window: int = 64, inline: bool = False) -> None:
         self.topology = topology
         self.rank = rank
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
         self.window = window
+        self.inline = inline
         self.wire_bytes = {lc.value: 0 for lc in LinkClass}
         self.tensor_bytes = {lc.value: 0 for lc in LinkClass}
         self.busy: dict[str, list[float]] = {}   # link class -> [first post, last completion] (time.time())
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._shapers: dict[tuple, LinkShaper] = {}
+        self._children = list(dict.fromkeys(children))
+        self._shaper = {c: self._shaper_for(c) for c in self._children}
+        self._outstanding = {c: collections.deque() for c in self._children}
+        self._failed: set[int] = set()
         self._queues: dict[int, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
-        for child in dict.fromkeys(children):
-            q: queue.Queue = queue.Queue()
-            self._queues[child] = q
-            t = threading.Thread(target=self._run, args=(child, q, self._shaper_for(child)),
-                                 name=f"weight-sync-{rank}->{child}", daemon=True)
-            self._threads.append(t)
-            t.start()
+        if not inline:
+            for child in self._children:
+                self._queues[child] = queue.Queue()
+                t = threading.Thread(target=self._run, args=(child,), name=f"weight-sync-{rank}->{child}",
+                                     daemon=True)
+                self._threads.append(t)
+                t.start()
 
     def _shaper_for(self, child: int) -> LinkShaper | None:
         """One shaper per shared link: the link into each remote DC for inter-DC children;
@@ -98,7 +107,10 @@ class Links:
         return self._shapers[key]
 
     def send(self, child: int, item: Outgoing) -> None:
-        self._queues[child].put(item)
+        if self.inline:
+            self._post(child, item)
+        else:
+            self._queues[child].put(item)
 
     def close(self) -> None:
         """Flush every queue, wait for all sends, stop the threads."""
@@ -106,45 +118,56 @@ class Links:
             q.put(None)
         for t in self._threads:
             t.join()
+        if self.inline:
+            for child in self._children:
+                self._drain(child)
 
-    def _run(self, child: int, q: queue.Queue, shaper: LinkShaper | None) -> None:
+    def _run(self, child: int) -> None:
+        q = self._queues[child]
+        while (item := q.get()) is not None:
+            self._post(child, item)
+        self._drain(child)
+
+    def _post(self, child: int, item: Outgoing) -> None:
+        """Shape, post header + payload, keep at most ``window`` in flight. After a failure
+        on this child, items are only marked done (so producers never block)."""
+        if child in self._failed:
+            item.done.hit()
+            return
         lc = self.topology.link(self.rank, child).value
-        outstanding: collections.deque = collections.deque()
-        failed = False
-        while True:
-            item = q.get()
-            if item is None:
-                break
-            if failed:          # keep draining so the producer never blocks forever
+        outstanding = self._outstanding[child]
+        posted = False
+        try:
+            nbytes = item.header.numel() * 8 + item.payload.numel()
+            if self._shaper[child] is not None:
+                self._shaper[child].acquire(nbytes)
+            tag = 2 * item.bucket
+            works = (dist.isend(item.header, dst=child, group=self.group, tag=tag),
+                     dist.isend(item.payload, dst=child, group=self.group, tag=tag + 1))
+            outstanding.append((item, works))
+            posted = True
+            with self._lock:
+                self.busy.setdefault(lc, [time.time(), 0.0])
+                self.wire_bytes[lc] += nbytes
+                self.tensor_bytes[lc] += item.tensor_bytes
+            while len(outstanding) > self.window:
+                self._finish(outstanding.popleft())
+        except Exception as e:  # noqa: BLE001 - reported to the caller, never swallowed
+            self._failed.add(child)
+            with self._lock:
+                self.errors.append(f"send {self.rank}->{child} bucket {item.bucket}: {e}")
+            if not posted:
                 item.done.hit()
-                continue
-            posted = False
-            try:
-                if shaper is not None:
-                    shaper.acquire(item.header.numel() * 8 + item.payload.numel())
-                tag = 2 * item.bucket
-                works = (dist.isend(item.header, dst=child, group=self.group, tag=tag),
-                         dist.isend(item.payload, dst=child, group=self.group, tag=tag + 1))
-                outstanding.append((item, works))
-                posted = True
-                with self._lock:
-                    span = self.busy.setdefault(lc, [time.time(), 0.0])
-                    self.wire_bytes[lc] += item.header.numel() * 8 + item.payload.numel()
-                    self.tensor_bytes[lc] += item.tensor_bytes
-                while len(outstanding) > self.window:
-                    self._finish(outstanding.popleft())
-            except Exception as e:  # noqa: BLE001 - reported to the caller, never swallowed
-                failed = True
-                with self._lock:
-                    self.errors.append(f"send {self.rank}->{child} bucket {item.bucket}: {e}")
-                if not posted:
-                    item.done.hit()
+
+    def _drain(self, child: int) -> None:
+        outstanding = self._outstanding[child]
         while outstanding:
             try:
                 self._finish(outstanding.popleft())
             except Exception as e:  # noqa: BLE001
                 with self._lock:
                     self.errors.append(f"send {self.rank}->{child}: {e}")
+        lc = self.topology.link(self.rank, child).value
         with self._lock:
             if lc in self.busy:
                 self.busy[lc][1] = max(self.busy[lc][1], time.time())

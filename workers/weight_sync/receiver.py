@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from workers.weight_sync.checksum import bucket_checksum
 from workers.weight_sync.links import HEADER_WORDS, Countdown, Links, Outgoing
-from workers.weight_sync.plan import SyncPlan
+from workers.weight_sync.plan import Bucket, SyncPlan
 from workers.weight_sync.reports import StagedWeights, SyncReport
 
 
@@ -28,8 +28,8 @@ class WeightSyncReceiver:
     ``receive`` calls: load them into the engine (which copies) before the next receive,
     or ask for 2 buffers to keep the previous version while receiving the next.
 
-    ``ordered``: handle buckets strictly in plan order on one thread (None: only on NCCL,
-    see ``_in_order``); otherwise one thread per tree."""
+    ``ordered``: issue every receive and forward strictly in plan order on one thread
+    (None: only on NCCL, see ``_in_order``); otherwise one thread per tree."""
 
     def __init__(self, plan: SyncPlan, rank: int, group=None, device: torch.device | str = "cpu",
                  timeout_s: float = 600.0, expected_version: int | None = None,
@@ -65,26 +65,14 @@ class WeightSyncReceiver:
         headers = torch.zeros(len(plan.buckets), HEADER_WORDS, dtype=torch.int64, device=self.device)
         sums = torch.zeros(len(plan.buckets), 2, dtype=torch.int64, device=self.device)
         buckets = plan.ordered_buckets()
-        links = Links(plan.topology, rank, plan.children_of(rank), self.group, self.timeout_s)
+        in_order = self._in_order()
+        links = Links(plan.topology, rank, plan.children_of(rank), self.group, self.timeout_s, inline=in_order)
         errors: list[str] = []
         try:
-            lanes: dict[int, list] = {}             # tree -> [(bucket, header work, payload work)]
-            for b in buckets:                       # post every receive up front
-                parent = plan.tree_of(b).parent_of(rank)
-                if parent is None:
-                    raise RuntimeError(f"rank {rank} is not in the tree of bucket {b.index}")
-                lane = lanes.setdefault(-1 if self._in_order() else b.tree, [])
-                lane.append((b, dist.irecv(headers[b.index], src=parent, group=self.group, tag=2 * b.index),
-                             dist.irecv(staging[b.start:b.end], src=parent, group=self.group,
-                                        tag=2 * b.index + 1)))
-            # One thread per tree, so a bucket late on one tree never holds up the others.
-            threads = [threading.Thread(target=self._lane, args=(lane, staging, headers, sums, links, errors),
-                                        name=f"weight-sync-recv-{rank}", daemon=True)
-                       for lane in lanes.values()]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            if in_order:
+                self._receive_in_order(buckets, staging, headers, sums, links, errors)
+            else:
+                self._receive_by_tree(buckets, staging, headers, sums, links, errors)
         except Exception as e:  # noqa: BLE001 - a failed transfer refuses the version
             errors.append(str(e))
         finally:
@@ -109,6 +97,37 @@ class WeightSyncReceiver:
         if self.ordered is not None:
             return self.ordered
         return dist.get_backend(self.group) == "nccl"
+
+    def _post_recv(self, b: Bucket, staging: torch.Tensor, headers: torch.Tensor) -> tuple:
+        parent = self.plan.tree_of(b).parent_of(self.rank)
+        if parent is None:
+            raise RuntimeError(f"rank {self.rank} is not in the tree of bucket {b.index}")
+        return (dist.irecv(headers[b.index], src=parent, group=self.group, tag=2 * b.index),
+                dist.irecv(staging[b.start:b.end], src=parent, group=self.group, tag=2 * b.index + 1))
+
+    def _receive_by_tree(self, buckets: list[Bucket], staging, headers, sums, links, errors) -> None:
+        """gloo: post every receive up front; one thread per tree waits for that tree's
+        buckets in order, so a bucket late on one tree never holds up the others."""
+        lanes: dict[int, list] = {}                 # tree -> [(bucket, header work, payload work)]
+        for b in buckets:
+            lanes.setdefault(b.tree, []).append((b, *self._post_recv(b, staging, headers)))
+        threads = [threading.Thread(target=self._lane, args=(lane, staging, headers, sums, links, errors),
+                                    name=f"weight-sync-recv-{self.rank}", daemon=True)
+                   for lane in lanes.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _receive_in_order(self, buckets: list[Bucket], staging, headers, sums, links, errors) -> None:
+        """NCCL: one thread issues everything in plan order -- receive bucket i, then post its
+        forwards (inline links), then receive i+1. Every pair then sees its messages in
+        (bucket, depth) order on both ends, which cannot deadlock even when two trees use
+        the same pair in opposite directions; forwards still overlap the next receive."""
+        for b in buckets:
+            self._lane([(b, *self._post_recv(b, staging, headers))], staging, headers, sums, links, errors)
+            if errors:
+                return
 
     def _lane(self, lane: list, staging: torch.Tensor, headers: torch.Tensor, sums: torch.Tensor,
               links: Links, errors: list[str]) -> None:
