@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from workers.weight_sync import (TensorSpec, Topology, WeightSyncReceiver, WeightSyncSender, plan_naive,
                                  plan_sync, tensor_spec)
-from workers.weight_sync.localrun import run_local
+from workers.weight_sync.localrun import free_port, run_local
 
 WORLD = 6
 TWO_DC = {"datacenters": {"train": [0, 1, 2], "remote": [3, 4, 5]}}
@@ -58,8 +58,37 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
-def _rank_main(rank: int, world: int) -> dict:
-    out = {}
+def _rpc_push(plan, version: int):
+    """Runs on a trainer rank's RPC thread, like the controller's TrainerRank.push_weights."""
+    return WeightSyncSender(plan, dist.get_rank()).push(weights(version), version)
+
+
+def _rpc_receive(plan):
+    """Runs on an instance's RPC thread; the engine would keep generating meanwhile."""
+    st = WeightSyncReceiver(plan, dist.get_rank()).receive()
+    w = weights(st.version)
+    return st.ok, st.error, st.version, st.ok and all(_same(st.tensors[k], w[k]) for k in w)
+
+
+def _rpc_scenario(rank: int, world: int, rpc_port: int):
+    """Rank 0 plays the controller: rpc_async to sender rank 1 and receivers 2..5 at once."""
+    import torch.distributed.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}", rpc_timeout=60)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    out = None
+    if rank == 0:
+        two_dc = Topology.from_config(TWO_DC)
+        plan = plan_sync(two_dc, [1], [2, 3, 4, 5], tensor_spec(weights(0).items()), 2048)
+        futs = [rpc.rpc_async("worker1", _rpc_push, args=(plan, 11))]
+        futs += [rpc.rpc_async(f"worker{r}", _rpc_receive, args=(plan,)) for r in (2, 3, 4, 5)]
+        out = [f.wait() for f in futs]
+    rpc.shutdown()
+    return out
+
+
+def _rank_main(rank: int, world: int, rpc_port: int) -> dict:
+    out = {"rpc": _rpc_scenario(rank, world, rpc_port)}
     for name, (plan, hooks) in _plans().items():
         results = []
         for version, expected in hooks.get("versions", [(7, None)]):
@@ -83,11 +112,18 @@ def _rank_main(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_local(WORLD, _rank_main)
+    return run_local(WORLD, _rank_main, free_port())
 
 
 def _receivers(runs, name):
     return {r: res[name] for r, res in enumerate(runs) if res[name] and res[name][0][0] == "receiver"}
+
+
+def test_controller_style_rpc_async_on_global_ranks(runs):
+    report, *received = runs[0]["rpc"]
+    assert report.rank == 1 and report.version == 11
+    assert report.tensor_bytes_by_link["inter_dc"] == model_bytes()   # rank 1 -> gateway 3
+    assert received == [(True, "", 11, True)] * 4
 
 
 def _link_bytes(runs, name, link, key="tensor_bytes_by_link"):

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +55,7 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int 
     if start_method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
     with tempfile.TemporaryDirectory(prefix="weight_sync_") as out_dir:
-        mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, threads, fn, args),
+        mp.start_processes(_entry, args=(world_size, free_port(), out_dir, threads, fn, args),
                            nprocs=world_size, join=True, start_method=start_method)
         results = []
         for rank in range(world_size):
