@@ -85,10 +85,10 @@ SHORT_CASES = [
     ([9, 23], 4, 2, 8, 16, torch.bfloat16, None),              # tiny head_dim (test models)
 ]
 LONG_CASES = [  # several thousand tokens, split-K
-    ([3000, 7], 8, 2, 64, 16, torch.bfloat16, None),           # GQA 4, auto splits
+    ([3000, 7], 4, 1, 64, 16, torch.bfloat16, None),           # GQA 4, auto splits
     ([4100], 8, 1, 128, 32, torch.float16, 5),                 # GQA 8
     ([2500], 2, 1, 64, 32, torch.float32, 3),                  # GQA 2
-    ([2049], 2, 2, 128, 16, torch.bfloat16, 4),                # GQA 1
+    ([2049], 1, 1, 128, 16, torch.bfloat16, 4),                # GQA 1
 ]
 
 
@@ -109,7 +109,7 @@ def test_cuda_cross_product(head_dim, block_size, gqa, dtype):
 
 
 def test_split_count_does_not_change_result():
-    q, k, v, tables, lens_t = make_paged([600, 130], 4, 1, 64, 16, torch.float32)
+    q, k, v, tables, lens_t = make_paged([300, 130], 4, 1, 64, 16, torch.float32)
     outs = [paged_decode_attention(q, k, v, tables, lens_t, 0.1, num_splits=s) for s in (1, 3)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=1e-5)
 
@@ -211,14 +211,13 @@ def test_compiles_for_gpu_and_refuses_late_interpret_env():
     out = _run_py(
         "import json, os, torch, triton\n"
         "import kernels.paged_decode as pd\n"
-        "from kernels.compile_check import compile_variant, compile_norm_rope, DEFAULT_VARIANTS\n"
-        "for r in compile_variant(DEFAULT_VARIANTS[0], 90) + compile_norm_rope(90):\n"
-        "    print(json.dumps(r))\n"
+        "from kernels.compile_check import compile_variant, DEFAULT_VARIANTS\n"
+        "for r in compile_variant(DEFAULT_VARIANTS[0], 90): print(json.dumps(r))\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n" + SETUP +
         "try:\n    pd.paged_decode_attention(q, k, k, t, l, 0.25)\n"
         "except RuntimeError as e:\n    print('refused:', e)\n",
         TRITON_DEFAULT_FP_FUSION="1")
-    assert out.count('"cubin_bytes"') == 4  # decode partial + reduce, rms_norm, rotary
+    assert out.count('"cubin_bytes"') == 2  # decode partial + reduce (all variants: -m slow)
     assert '"stack_bytes": 0' in out  # cuobjdump ran (no spills in the decode kernel)
     assert "refused: paged_decode_attention: TRITON_INTERPRET=1 was set after `import triton`" in out
 
