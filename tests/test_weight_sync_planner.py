@@ -68,6 +68,9 @@ def test_topology_from_config():
     assert topo.dc(99) == "train"          # unlisted ranks: the first datacenter
     assert topo.bandwidth_between(1, 4) == pytest.approx(150e6)
     assert topo.is_shaped(0, 3) and not topo.is_shaped(0, 1)
+    # An unlisted rank lives in the default DC and may share a node with ranks listed there.
+    topo = Topology.from_config({**TWO_DC, "nodes": {"n0": [2, 9]}})
+    assert topo.link(2, 9) is LinkClass.INTRA_NODE and topo.dc(9) == "train"
 
 
 @pytest.mark.parametrize("cfg, needle", [

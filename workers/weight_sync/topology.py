@@ -94,11 +94,15 @@ class Topology:
                              f"allowed: {sorted(_CONFIG_KEYS)}")
         rank_dc = _rank_groups(cfg.get("datacenters") or {}, "weight_sync.topology.datacenters")
         rank_node = _rank_groups(cfg.get("nodes") or {}, "weight_sync.topology.nodes")
+        names = list((cfg.get("datacenters") or {}).keys())
+        default_dc = cfg.get("default_datacenter", names[0] if names else DEFAULT_DC)
+        if not isinstance(default_dc, str):
+            raise ValueError(f"weight_sync.topology.default_datacenter must be a string, got {default_dc!r}")
         for r, node in rank_node.items():
-            others = {rank_dc.get(o) for o, n in rank_node.items() if n == node}
-            if len(others) > 1:
+            dcs = {rank_dc.get(o, default_dc) for o, n in rank_node.items() if n == node}
+            if len(dcs) > 1:
                 raise ValueError(f"weight_sync.topology.nodes.{node}: ranks span datacenters "
-                                 f"{sorted(str(o) for o in others)} (rank {r})")
+                                 f"{sorted(dcs)} (rank {r})")
         bw_cfg = cfg.get("bandwidth_gbps") or {}
         if not isinstance(bw_cfg, Mapping):
             raise ValueError("weight_sync.topology.bandwidth_gbps must be a mapping")
@@ -119,10 +123,6 @@ class Topology:
             except ValueError:
                 raise ValueError(f"weight_sync.topology.shaped_links: unknown link class {s!r}; "
                                  f"allowed: {[lc.value for lc in LinkClass]}") from None
-        names = list((cfg.get("datacenters") or {}).keys())
-        default_dc = cfg.get("default_datacenter", names[0] if names else DEFAULT_DC)
-        if not isinstance(default_dc, str):
-            raise ValueError(f"weight_sync.topology.default_datacenter must be a string, got {default_dc!r}")
         return cls(rank_dc=rank_dc, rank_node=rank_node, bandwidth=bandwidth,
                    shaped=frozenset(shaped), default_dc=default_dc)
 
