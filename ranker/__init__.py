@@ -11,7 +11,14 @@ will be, so the SGS can find long-tail prompts before generation (paper section 
 
 CLI: ``python -m ranker train|predict|eval`` (see docs/ranker.md).
 """
-from ranker.bootstrap import bootstrap
+import os
+
+# OpenMP (LightGBM, torch) threads spin-wait by default; on a shared 2-core machine that made
+# LightGBM with 2 threads ~12x slower than with 1. Passive waiting costs little when cores are
+# free. Set before anything loads libgomp; an explicit user setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from ranker.bootstrap import bootstrap  # noqa: E402
 from ranker.data import TraceError, read_traces
 from ranker.features import FeatureMismatchError
 from ranker.metrics import ranking_report, recall_at

@@ -121,8 +121,8 @@ class FeatureBuilder:
     # --- public -----------------------------------------------------------------------
     def fit_transform(self, prompts: Sequence[str], log_y: np.ndarray) -> np.ndarray:
         log_y = np.asarray(log_y, dtype=np.float32)
-        self.space = TextSpace(self.cfg.space).fit(prompts)
-        x = self.space.sparse(prompts)
+        self.space = TextSpace(self.cfg.space)
+        x = self.space.fit(prompts)
         z = self.space.dense(x)
         stats = text_stats(prompts)
         sizes = np.log1p(stats[:, :_N_SIZE])

@@ -31,7 +31,7 @@ class LgbmConfig:
     colsample: float = 0.5
     update_rounds: int = 20
     replay: int = 2000
-    threads: int = 2
+    threads: int = 1  # LightGBM's OpenMP spin-waits: 2 threads on a busy 2-core box ran 12x slower
     seed: int = 0
     features: FeatureConfig = field(default_factory=FeatureConfig)
 
@@ -73,7 +73,7 @@ class LgbmRanker:
     kind = "lgbm"
 
     def __init__(self, cfg: LgbmConfig | None = None, embedder=None, **kw):
-        self.cfg = cfg or LgbmConfig(**kw)
+        self.cfg = cfg or LgbmConfig.from_dict(kw)
         self.features = FeatureBuilder(self.cfg.features, embedder)
         self.booster: lgb.Booster | None = None
         self.score_q: np.ndarray | None = None   # sorted raw scores (quantile map)

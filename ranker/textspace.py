@@ -44,7 +44,8 @@ class TextSpace:
     def _counts(self, prompts: Sequence[str]) -> sp.csr_matrix:
         return sp.hstack([self._char.transform(prompts), self._word.transform(prompts)]).tocsr()
 
-    def fit(self, prompts: Sequence[str]) -> "TextSpace":
+    def fit(self, prompts: Sequence[str]) -> sp.csr_matrix:
+        """Fit on ``prompts`` and return their ``sparse`` rows (computed once)."""
         counts = self._counts(prompts)
         df = np.asarray((counts > 0).sum(axis=0)).ravel()  # df: [2 * 2**bits]
         order = np.argsort(-df, kind="stable")
@@ -59,7 +60,7 @@ class TextSpace:
         comps = np.zeros((self.cfg.svd_dims, x.shape[1]), dtype=np.float32)
         comps[:k] = svd.components_
         self.components = comps
-        return self
+        return x
 
     def _weight(self, counts: sp.csr_matrix) -> sp.csr_matrix:
         x = counts.astype(np.float32)

@@ -16,6 +16,8 @@ import numpy as np
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 _WORD = re.compile(r"[A-Za-z]+")
 _QUOTED = re.compile(r"\"([^\"\n]{1,2000})\"|'([^'\n]{1,2000})'")
+_UPPER = re.compile(r"[A-Z]")
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _OPS = "+-*/^%=<>"
 _BRACKETS = "()[]{}"
 
@@ -61,7 +63,7 @@ def _one(text: str) -> list[float]:
     nonblank = [l for l in lines if l.strip()]
     toks = text.split()
     nums = _NUM.findall(text)
-    mags = [abs(float(n)) for n in nums]
+    mags = [min(abs(float(n)), 1e300) for n in nums]
     words = [w.lower() for w in _WORD.findall(text)]
     quoted = sum(len(a or b) for a, b in _QUOTED.findall(text))
     grid_rows, grid_cells = _grid(nonblank)
@@ -78,11 +80,11 @@ def _one(text: str) -> list[float]:
         sum(math.log1p(m) for m in mags) / len(mags) if mags else 0.0,
         sum("." in n for n in nums), text.count(","), sum(text.count(c) for c in _OPS),
         sum(text.count(c) for c in _BRACKETS), text.count(":"), text.count(";"), text.count("?"),
-        sum(c.isupper() for c in text), max(len(l) for l in lines),
+        len(_UPPER.findall(text)), max(len(l) for l in lines),
         sum(len(l) for l in nonblank) / max(1, len(nonblank)), len(set(toks)),
         sum(len(t) == 1 for t in toks), sum(len(t) for t in toks) / max(1, len(toks)),
         max((len(t) for t in toks), default=0), quoted, grid_rows, grid_cells, list_items,
-        sum(ord(c) > 127 for c in text),
+        len(_NON_ASCII.findall(text)),
     ]
     return size + kw
 

@@ -1,0 +1,5 @@
+import sys
+
+from ranker.cli import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""``python -m ranker train|predict|eval`` (see docs/ranker.md).
+
+  python -m ranker train --train data/length_traces/llama33_70b_rg_easy.train.jsonl.gz \\
+      --val data/length_traces/llama33_70b_rg_easy.val.jsonl.gz --out runs/ranker
+  python -m ranker predict --model runs/ranker --input FILE --output preds.jsonl
+  python -m ranker eval --model runs/ranker --data data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ranker import progress
+from ranker.data import TraceError, read_traces
+
+# --quick: a smaller model for smoke runs (seconds, not minutes).
+QUICK = {"lgbm": {"rounds": 60}, "lm": {"epochs": 1, "max_tokens": 128},
+         "ensemble": {"lgbm": {"rounds": 60}, "lm": {"epochs": 1, "max_tokens": 128}}}
+
+
+def _report_line(name: str, rep: dict) -> str:
+    return f"{name:14s} " + "  ".join(f"{k} {v:.3f}" for k, v in rep.items())
+
+
+def cmd_train(a) -> int:
+    import ranker
+    from ranker.metrics import ranking_report
+
+    rows = read_traces(a.train)
+    kw = dict(QUICK[a.kind]) if a.quick else {}
+    kw.update(json.loads(a.config) if a.config else {})
+    r = ranker.build(a.kind, **kw)
+    t0, c0 = time.time(), time.process_time()
+    r.fit([x.prompt for x in rows], [x.target for x in rows])
+    wall, cpu = time.time() - t0, time.process_time() - c0
+    r.save(a.out)
+    summary = {"kind": a.kind, "train_rows": len(rows), "train_wall_s": round(wall, 1),
+               "train_cpu_s": round(cpu, 1), "load_avg_1m": round(os.getloadavg()[0], 2), "out": a.out}
+    if a.val:
+        val = read_traces(a.val)
+        summary["val"] = ranking_report(r.predict([x.prompt for x in val]), [x.target for x in val])
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_predict(a) -> int:
+    import ranker
+
+    rows = read_traces(a.input, need_lengths=False)
+    preds = ranker.load(a.model).predict([x.prompt for x in rows])
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for row, p in zip(rows, preds):
+            f.write(json.dumps({"idx": row.line, "pred_len": float(p)}) + "\n")
+    progress.log(f"wrote {len(rows)} predictions to {out}")
+    return 0
+
+
+def cmd_eval(a) -> int:
+    import ranker
+    from ranker.baselines import TfidfRidge, prompt_length
+    from ranker.metrics import ranking_report
+
+    rows = read_traces(a.data)
+    prompts, true = [x.prompt for x in rows], [x.target for x in rows]
+    results = {"model": ranking_report(ranker.load(a.model).predict(prompts), true),
+               "prompt_length": ranking_report(prompt_length(prompts), true)}
+    train_path = a.baseline_train or _default_train(a.data)
+    if train_path:
+        tr = read_traces(train_path)
+        ridge = TfidfRidge().fit([x.prompt for x in tr], [x.target for x in tr])
+        results["tfidf_ridge"] = ranking_report(ridge.predict(prompts), true)
+    for name, rep in results.items():
+        print(_report_line(name, rep), file=sys.stderr)
+    print(json.dumps({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results}))
+    return 0
+
+
+def _default_train(data: str) -> str | None:
+    """The TF-IDF baseline trains on the sibling ``*.train.*`` file of a ``*.val.*`` file."""
+    p = Path(data)
+    if ".val." in p.name:
+        cand = p.with_name(p.name.replace(".val.", ".train."))
+        if cand.exists():
+            return str(cand)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ranker", description="output-length ranker")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="fit a ranker on a trace file and save it")
+    t.add_argument("--train", required=True)
+    t.add_argument("--val")
+    t.add_argument("--out", required=True)
+    t.add_argument("--quick", action="store_true", help="small model, for smoke tests")
+    t.add_argument("--kind", default="lgbm", choices=["lgbm", "lm", "ensemble"])
+    t.add_argument("--config", help="JSON object of config overrides for the kind")
+    p = sub.add_parser("predict", help="predict lengths for each line of a trace file")
+    p.add_argument("--model", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    e = sub.add_parser("eval", help="ranking quality vs two baselines")
+    e.add_argument("--model", required=True)
+    e.add_argument("--data", required=True)
+    e.add_argument("--baseline-train", help="training file for the TF-IDF ridge baseline "
+                   "(default: the *.train.* sibling of --data)")
+    a = ap.parse_args(argv)
+    progress.set_enabled(True)
+    try:
+        return {"train": cmd_train, "predict": cmd_predict, "eval": cmd_eval}[a.cmd](a)
+    except (TraceError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
