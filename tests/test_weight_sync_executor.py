@@ -97,12 +97,12 @@ def _rank_main(rank: int, world: int, rpc_port: int) -> dict:
                 if name == "sharded":   # a shard holder only has its own tensors
                     owned = {s.name for s in sharded_spec() if s.owner == rank}
                     w = {k: v for k, v in w.items() if k in owned}
-                sender = WeightSyncSender(plan, rank, corrupt_buckets=hooks.get("sender_corrupt", ()))
+                sender = WeightSyncSender(plan, rank, timeout_s=60, corrupt_buckets=hooks.get("sender_corrupt", ()))
                 results.append(("sender", sender.push(w, version)))
             elif rank in plan.receivers:
                 corrupt = hooks.get("relay_corrupt", ()) if rank == hooks.get("relay") else ()
-                st = WeightSyncReceiver(plan, rank, expected_version=expected, corrupt_buckets=corrupt,
-                                        ordered=hooks.get("ordered")).receive()
+                st = WeightSyncReceiver(plan, rank, timeout_s=60, expected_version=expected,
+                                        corrupt_buckets=corrupt, ordered=hooks.get("ordered")).receive()
                 equal = st.ok and set(st.tensors) == set(w) and all(_same(st.tensors[k], w[k]) for k in w)
                 results.append(("receiver", st.ok, st.error, st.version, equal, st.report))
         out[name] = results
