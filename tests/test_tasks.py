@@ -126,3 +126,16 @@ def test_extract_answer():
     item = TaskPrompt("q", "3", "t")
     assert exact(item, "3") == 1.0 and numeric(item, "x = 3.0000000001") == 1.0
     assert make_verifier("exact") is exact
+
+
+def test_noisy_demonstrations_are_truncated_and_scored_partially():
+    t = make_task("synthetic", num_train=400, demo_noise=0.5, seed=2)
+    demos = t.demonstrations("train")
+    assert [d[0] for d in demos] == list(t.prompts("train"))
+    noisy = [(item, text) for item, text in demos if text != item.answer]
+    assert 0.4 < len(noisy) / len(demos) < 0.6
+    for item, text in noisy:
+        assert text.endswith(f"answer={text.split('answer=')[1]}") and 0.0 <= t.score(item, text) < 1.0
+    assert all(text == item.answer for item, text in make_task("synthetic", num_train=50).demonstrations("train"))
+    with pytest.raises(ValueError, match="demo_noise"):
+        make_task("synthetic", demo_noise=1.5)

@@ -6,6 +6,11 @@ answer length depends on the prompt (a length ranker has signal) and has a long 
 ``countdown``: "count 23 by 3" -> "23 20 17 14 11 8 5 2; answer=8" (8 numbers) — trace length
 is value / step, again read off the prompt.
 
+Demonstrations for SFT (``demonstrations(split)``) can be made deliberately imperfect with
+``demo_noise``: that fraction of them stops the trace early and answers with the partial sum
+(a noisy teacher). A warm-started model then stops early about that often: partial reward
+that RL, judged by the verifier, quickly removes.
+
 Score in [0, 1]: half for the fraction of trace steps that are right at their position (extra
 steps dilute it), half for a correct final ``answer=N`` that ends the completion. Any
 malformed completion scores 0 (the verifier never raises).
@@ -63,6 +68,13 @@ def _running_sum_score(prompt: TaskPrompt, completion: str) -> float:
     return 0.5 * steps + 0.5 * _final_credit(completion, acc)
 
 
+def _running_sum_truncate(item: TaskPrompt, rng: random.Random) -> str:
+    steps = item.answer.split("; ")[:-1]
+    keep = rng.randint(0, len(steps) - 1)  # stop before the last step at the latest
+    partial = item.meta["terms"][0] if keep == 0 else int(steps[keep - 1].split("=")[-1])
+    return "; ".join(steps[:keep] + [f"answer={partial}"])
+
+
 # ---- countdown -----------------------------------------------------------------------------
 def _countdown_item(rng: random.Random, cfg: "SyntheticTask") -> TaskPrompt:
     n = _power_law(rng, cfg.min_terms, cfg.max_terms, cfg.tail)  # numbers in the trace
@@ -73,6 +85,12 @@ def _countdown_item(rng: random.Random, cfg: "SyntheticTask") -> TaskPrompt:
     answer = " ".join(map(str, seq)) + f"; answer={len(seq)}"
     return TaskPrompt(prompt=f"count {start} by {step}", answer=answer, task="synthetic/countdown",
                       meta={"start": start, "step": step, "total": len(seq)})
+
+
+def _countdown_truncate(item: TaskPrompt, rng: random.Random) -> str:
+    nums = item.answer.split(";")[0].split()
+    keep = rng.randint(1, max(1, len(nums) - 1))
+    return " ".join(nums[:keep]) + f"; answer={keep}"
 
 
 def _countdown_score(prompt: TaskPrompt, completion: str) -> float:
@@ -86,9 +104,10 @@ def _countdown_score(prompt: TaskPrompt, completion: str) -> float:
     return 0.5 * steps + 0.5 * _final_credit(completion, len(want))
 
 
-KINDS: dict[str, tuple[Callable, Callable]] = {
-    "running_sum": (_running_sum_item, _running_sum_score),
-    "countdown": (_countdown_item, _countdown_score),
+# kind -> (make an item, score a completion, a truncated (noisy) demonstration)
+KINDS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "running_sum": (_running_sum_item, _running_sum_score, _running_sum_truncate),
+    "countdown": (_countdown_item, _countdown_score, _countdown_truncate),
 }
 
 
@@ -104,6 +123,7 @@ class SyntheticTask:
     tail: float = 1.2  # power-law exponent of the number of terms (bigger: shorter answers)
     max_value: int = 9
     seed: int = 0
+    demo_noise: float = 0.0  # fraction of SFT demonstrations that stop early (noisy teacher)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -114,6 +134,8 @@ class SyntheticTask:
             raise ValueError("task.min_terms must be >= 2 for running_sum")
         if self.max_value < 1 or self.num_train < 1 or self.num_test < 1 or self.tail < 0:
             raise ValueError("task: max_value, num_train, num_test must be >= 1 and tail >= 0")
+        if not 0.0 <= self.demo_noise <= 1.0:
+            raise ValueError(f"task.demo_noise must be in [0, 1], got {self.demo_noise}")
 
     def prompts(self, split: str) -> Sequence[TaskPrompt]:
         if split not in SPLIT_SEEDS:
@@ -121,6 +143,13 @@ class SyntheticTask:
         rng = random.Random(self.seed * 7919 + SPLIT_SEEDS[split])
         make = KINDS[self.kind][0]
         return [make(rng, self) for _ in range(self.num_train if split == "train" else self.num_test)]
+
+    def demonstrations(self, split: str = "train") -> list[tuple[TaskPrompt, str]]:
+        """(item, demonstration completion) pairs for SFT; ``demo_noise`` of them truncated."""
+        rng = random.Random(self.seed * 31 + 17)
+        truncate = KINDS[self.kind][2]
+        return [(item, truncate(item, rng) if rng.random() < self.demo_noise else item.answer)
+                for item in self.prompts(split)]
 
     def score(self, prompt: TaskPrompt, completion: str) -> float:
         try:

@@ -60,6 +60,8 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int] | torch.Tensor], m
     The EOS token, when sampled, ends the output and is part of it. ``temperature == 0``: greedy."""
     dev = next(model.parameters()).device
     seqs = [torch.as_tensor(p, dtype=torch.long).cpu() for p in prompts]
+    if not seqs:
+        return []
     if any(len(s) == 0 for s in seqs):
         raise ValueError("generate: empty prompt")
     B = len(seqs)

@@ -6,13 +6,14 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from workers.model import CausalLM
 from workers.tokenizer import Tokenizer
 from workers.trainer.packing import pack, response_logits
-from workers.types import Task
+from workers.types import Task, TaskPrompt
 
 log = logging.getLogger("streamrl.sft")
 
@@ -23,13 +24,20 @@ class SFTResult:
     eval_reward: float | None = None  # greedy mean reward on the test split, if evaluated
 
 
+@runtime_checkable
+class HasDemonstrations(Protocol):
+    """A task that supplies its own SFT demonstrations (e.g. a deliberately noisy teacher)."""
+
+    def demonstrations(self, split: str) -> list[tuple[TaskPrompt, str]]: ...
+
+
 def demonstrations(tokenizer: Tokenizer, task: Task, split: str = "train") -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids + EOS) per item of the split."""
-    out = []
-    for item in task.prompts(split):
-        out.append((tokenizer.encode(tokenizer.format_prompt(item.prompt)),
-                    tokenizer.encode(item.answer) + [tokenizer.eos_id]))
-    return out
+    """(prompt ids, completion ids + EOS) per item of the split: the task's own
+    ``demonstrations`` when it has them, else ``(item, item.answer)``."""
+    pairs = task.demonstrations(split) if isinstance(task, HasDemonstrations) else [
+        (item, item.answer) for item in task.prompts(split)]
+    return [(tokenizer.encode(tokenizer.format_prompt(item.prompt)), tokenizer.encode(text) + [tokenizer.eos_id])
+            for item, text in pairs]
 
 
 def sft_warmstart(model: CausalLM, tokenizer: Tokenizer, task: Task, steps: int, batch_size: int = 32,
