@@ -211,3 +211,36 @@ def test_config_validation():
     with pytest.raises(ValueError, match="unknown keys"):
         TrainerConfig.from_dict({"lr": 1e-3, "lrr": 1})
     assert TrainerConfig.from_dict({"algorithm": "ppo", "betas": [0.9, 0.95]}).use_critic
+
+
+def test_streams_from_native_engine_and_loads_weights_back(model_dir, task):
+    """Engine samples go straight into receive() as they finish; the engine's log-probs equal the
+    trainer's (ratio 1 on the first step); the new weights load into the engine by name."""
+    factory = pytest.importorskip("workers.generation.factory")
+    from workers.generation.config import EngineConfig
+    from workers.generation.engine import generate_all
+    from workers.types import Request, SamplingParams
+
+    w = TrainerWorker(TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64), model_dir, task,
+                      device="cpu")
+    eng = factory.make_engine(EngineConfig(max_batch_size=8, kv_cache_tokens=2048, device="cpu", dtype="float32"),
+                              model_dir, eos_ids=w.tokenizer.eos_id)
+    items = task.prompts("train")[:3]
+    for version in (0, 1):
+        reqs, prompts = [], {}
+        for g, item in enumerate(items):
+            ids = torch.tensor(w.tokenizer.encode(w.tokenizer.format_prompt(item.prompt)))
+            for j in range(2):
+                sid = g * 2 + j
+                prompts[sid] = item
+                reqs.append(Request(sample_id=sid, prompt_ids=ids, max_tokens=10, group_id=g,
+                                    sampling=SamplingParams(temperature=1.0, seed=100 * version + sid)))
+        w.begin_iteration(version, prompts, {g: 2 for g in range(len(items))})
+        samples = generate_all(eng, reqs, on_sample=lambda s: w.receive([s]))
+        assert all(s.weight_version == version and s.finish_reason != "error" for s in samples)
+        res = w.step()
+        assert res.num_samples == 6 and res.metrics["skipped_samples"] == 0
+        if version == 0:
+            assert res.metrics["ratio"] == pytest.approx(1.0, abs=1e-4)
+        eng.load_weights(w.named_weights(), w.version)
+    assert w.version == 2 and eng.stats().weight_version == 2
