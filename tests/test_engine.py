@@ -227,3 +227,45 @@ def test_max_batch_size_honoured_and_changeable():
     assert eng.stats().max_batch_size == 5 and len(got) == 10
     with pytest.raises(ValueError, match="max_batch_size"):
         eng.set_max_batch_size(0)
+
+
+def _cpu_kernel_or_skip():
+    from workers.generation import cpu_attention
+
+    try:
+        cpu_attention.load()  # first use on a machine compiles it (about a minute), then cached
+    except RuntimeError as e:
+        pytest.skip(f"C++ CPU attention kernel unavailable: {e}")
+
+
+def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():
+    _cpu_kernel_or_skip()
+    ps = prompts([7, 8, 13, 1])
+    group_of = [i // 3 for i in range(12)]
+    reqs = greedy_requests([ps[g] for g in group_of], 10, group_of) + greedy_requests(PS[:4], 10)
+    for i, r in enumerate(reqs):
+        r.sample_id = i
+    eng = engine(attention_backend="cpu", kv_cache_tokens=96, max_batch_size=12)
+    out = generate_all(eng, reqs)
+    assert eng.stats().preemptions > 0
+    check_against_recompute(reqs, out)
+
+
+def test_triton_backend_plumbing(monkeypatch):
+    """Triton cannot run on this CPU machine: the decode kernel is replaced by its torch
+    reference (same signature, kernels/paged_decode.py) to check what the engine passes it."""
+    kernels = pytest.importorskip("kernels")
+    from kernels import paged_decode
+
+    calls = []
+
+    def fake(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+        calls.append(q.shape[0])
+        return paged_decode.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
+    monkeypatch.setattr(paged_decode, "paged_decode_attention", fake)
+    reqs = greedy_requests(PS[:4], 6)
+    out = generate_all(engine(attention_backend="triton"), reqs)
+    assert calls and max(calls) == 4
+    check_against_recompute(reqs, out)

@@ -10,6 +10,8 @@ writes the step's new k/v into the cache at ``slot_mapping``, then attends:
   keys to ``[B, Lk]``; one SDPA call with a causal-by-position mask.
 * decode: one query per sequence over its block table: torch gathers the blocks and runs one
   batched SDPA (no per-sequence loop); "triton" calls ``kernels.paged_decode``.
+* "cpu": a C++ kernel (``cpu_attention``) reads the blocks in place for prefill and decode
+  alike (no gather, no padding); on a CPU the gather costs more than the attention.
 """
 from __future__ import annotations
 
@@ -28,16 +30,20 @@ class StepContext:
     slot_mapping: int64 [T] cache slot of each new token; block_tables: int32 [B, max_blocks];
     context_lens: int32 [B] tokens in cache incl. this step's; gather_idx: int64 [B*max_blocks]
     (block_tables flattened); key_mask: bool [B, 1, Lq, Lk] (True = may attend);
-    q_index: int64 [T] row of each packed query in the padded [B*Lq] layout (prefill only)."""
+    q_index: int64 [T] row of each packed query in the padded [B*Lq] layout (prefill only);
+    seq_of, positions: int64 [T] sequence row and absolute position of each query ("cpu").
+    Only the fields the backend reads are set (``PagedAttention.needs_mask``)."""
 
     is_prefill: bool
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
-    gather_idx: torch.Tensor
-    key_mask: torch.Tensor
+    gather_idx: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
     q_index: torch.Tensor | None = None
     max_q_len: int = 1
+    seq_of: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -47,14 +53,30 @@ class PagedAttention:
         self.cache, self.h, self.dh = cache, num_heads, head_dim
         self.scale = head_dim ** -0.5
         self.ctx: StepContext | None = None
-        self._triton = None
-        if decode_kernel == "triton":
+        self._triton = self._cpu = None
+        if decode_kernel == "cpu":
+            if cache.k[0].device.type != "cpu":
+                raise ValueError("engine.attention_backend 'cpu' needs device 'cpu'")
+            from workers.generation import cpu_attention
+
+            cpu_attention.load()  # build now (clear error at construction, not mid-step)
+            self._cpu = cpu_attention.paged_attention
+        elif decode_kernel == "triton":
             try:
-                from kernels.paged_decode import paged_decode_attention
-            except ImportError as e:  # kernels/ (engineer D) or triton missing
-                raise ValueError(f"engine.attention_backend 'triton' needs kernels.paged_decode "
-                                 f"and triton: {e}") from e
-            self._triton = paged_decode_attention
+                import kernels
+                from kernels import paged_decode
+            except ImportError as e:
+                raise ValueError(f"engine.attention_backend 'triton' needs kernels.paged_decode: {e}") from e
+            device = cache.k[0].device
+            if not kernels.triton_usable(device):
+                raise ValueError(f"engine.attention_backend 'triton' cannot run on {device}: needs triton "
+                                 "(pip install -e .[kernels]) and CUDA (or TRITON_INTERPRET=1); use 'torch'")
+            self._triton = paged_decode.paged_decode_attention
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the step context must carry gather indices and the padded key mask."""
+        return self._cpu is None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
@@ -62,6 +84,8 @@ class PagedAttention:
         hkv = kc.shape[2]
         kc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, k)
         vc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, v)
+        if self._cpu is not None:
+            return self._cpu(q, kc, vc, ctx.block_tables, ctx.seq_of, ctx.positions, self.scale)
         if not ctx.is_prefill and self._triton is not None:
             return self._triton(q, kc, vc, ctx.block_tables, ctx.context_lens, self.scale)
         b = ctx.context_lens.shape[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BACKEND_NAMES = ("native", "vllm")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 ADMISSION_POLICIES = ("fcfs", "lpt")
 DTYPES = ("", "float32", "bfloat16", "float16")
 
@@ -19,7 +19,8 @@ class EngineConfig:
     computes (one sequence longer than it is still admitted alone). ``device``/``dtype`` ""
     pick CUDA+bf16 when a GPU is present, else CPU+fp32. ``eos_ids`` None means the model
     config's ``eos_token_id``. ``seed`` seeds sampling of requests without their own seed.
-    ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
+    ``attention_backend``: "torch" (portable), "triton" (CUDA decode kernel of kernels/),
+    "cpu" (C++ kernel compiled on first use; fastest on CPU). ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 
     backend: str = "native"

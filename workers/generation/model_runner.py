@@ -6,6 +6,9 @@ and the sampled ids/log-probs come back in one device->host transfer per step.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
 from workers.generation.attention import PagedAttention, StepContext
@@ -15,6 +18,19 @@ from workers.generation.sampler import Sampler
 from workers.generation.scheduler import ScheduledBatch
 from workers.generation.sequence import Sequence
 from workers.model import CausalLM
+
+
+@functools.cache
+def tune_cpu_malloc() -> bool:
+    """Keep freed memory in the process (glibc): the per-step temporaries of a few MB would
+    otherwise be mmap'ed and page-faulted afresh every layer of every step, which costs more
+    than the copies themselves. Process-wide, harmless; False where not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
 
 
 class ModelRunner:
@@ -28,6 +44,8 @@ class ModelRunner:
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
         self.sampler = Sampler(eos_ids, p.device, seed)
         self._pin = p.device.type == "cuda"
+        if p.device.type == "cpu":
+            tune_cpu_malloc()
 
     def _to_dev(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -40,13 +58,14 @@ class ModelRunner:
         return [s.block_table + [0] * (width - len(s.block_table)) for s in seqs], width
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sets the attention context; returns (ids [T], positions [T], last_index [B])."""
+        """Sets the attention context; returns (ids [T], positions [T], last_index [B] or None)."""
         seqs, bs = batch.seqs, self.bm.block_size
         tables, width = self._block_tables(seqs)
-        lk = width * bs
         ctx_lens = [s.num_tokens for s in seqs]
+        q_index = seq_of = last = None
+        max_q = 1
         if batch.is_prefill:
-            ids, pos, slots, q_index, last = [], [], [], [], []
+            ids, pos, slots, q_index, seq_of, last = [], [], [], [], [], []
             max_q = max(s.num_tokens - s.num_cached for s in seqs)
             for b, s in enumerate(seqs):
                 n0, n1 = s.num_cached, s.num_tokens
@@ -54,24 +73,33 @@ class ModelRunner:
                 pos += range(n0, n1)
                 slots += [tables[b][i // bs] * bs + i % bs for i in range(n0, n1)]
                 q_index += range(b * max_q, b * max_q + n1 - n0)
+                seq_of += [b] * (n1 - n0)
                 last.append(len(ids) - 1)
-            q_pos = torch.tensor([s.num_cached for s in seqs])[:, None] + torch.arange(max_q)  # [B, Lq]
-            mask = torch.arange(lk)[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
         else:
             ids = [s.tokens[-1] for s in seqs]
             pos = [n - 1 for n in ctx_lens]
             slots = [tables[b][p // bs] * bs + p % bs for b, p in enumerate(pos)]
-            q_index, last, max_q = None, None, 1
-            mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
-        dev = self.device
         bt = self._to_dev(tables, torch.int32)
-        self.attn.ctx = StepContext(
-            is_prefill=batch.is_prefill, slot_mapping=self._to_dev(slots, torch.int64),
-            block_tables=bt, context_lens=self._to_dev(ctx_lens, torch.int32),
-            gather_idx=bt.flatten().long(), key_mask=mask[:, None].to(dev),
-            q_index=None if q_index is None else self._to_dev(q_index, torch.int64), max_q_len=max_q)
+        pos_t = self._to_dev(pos, torch.int64)
+        ctx = StepContext(is_prefill=batch.is_prefill, slot_mapping=self._to_dev(slots, torch.int64),
+                          block_tables=bt, context_lens=self._to_dev(ctx_lens, torch.int32),
+                          max_q_len=max_q, positions=pos_t)
+        if self.attn.needs_mask:
+            lk = width * bs
+            if batch.is_prefill:
+                q_pos = torch.tensor([s.num_cached for s in seqs])[:, None] + torch.arange(max_q)  # [B, Lq]
+                mask = torch.arange(lk)[None, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
+                ctx.q_index = self._to_dev(q_index, torch.int64)
+            else:
+                mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
+            ctx.key_mask = mask[:, None].to(self.device)
+            ctx.gather_idx = bt.flatten().long()
+        else:
+            ctx.seq_of = self._to_dev(seq_of, torch.int64) if seq_of is not None else \
+                torch.arange(len(seqs), device=self.device)
+        self.attn.ctx = ctx
         last_t = None if last is None else self._to_dev(last, torch.int64)
-        return self._to_dev(ids, torch.int64), self._to_dev(pos, torch.int64), last_t
+        return self._to_dev(ids, torch.int64), pos_t, last_t
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:

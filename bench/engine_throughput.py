@@ -1,0 +1,275 @@
+"""Generation throughput: the native engine vs transformers ``generate`` vs vLLM, side by side.
+
+    python bench/engine_throughput.py            # workloads a, b, c (several minutes)
+    python bench/engine_throughput.py --quick    # small versions, under a minute
+
+Same model folder and the same work for every competitor, length-forced (min = max new
+tokens, EOS ignored), sampling at temperature 1:
+  (a) tiny Qwen2 (hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 512, random, fp32):
+      64 prompts x 256 new tokens;
+  (b) same model, 256 prompts whose forced lengths come from data/length_traces (words x 4/3,
+      capped at 1,024 tokens; prompt length = question characters / 4);
+  (c) Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+      vocab 151936, tied), random weights, bf16: 16 prompts x 64 new tokens.
+Throughput counts the useful output tokens (a padded batch's extra tokens are not counted).
+Prints one JSON line per measurement, then a summary line.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers.generation.config import EngineConfig  # noqa: E402
+from workers.generation.engine import generate_all  # noqa: E402
+from workers.generation.factory import make_engine  # noqa: E402
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
+from workers.types import Request, SamplingParams  # noqa: E402
+
+TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.val.jsonl.gz"
+Work = list[tuple[torch.Tensor, int]]  # (prompt ids, forced new tokens)
+
+
+def emit(**kw) -> dict:
+    print(json.dumps(kw), flush=True)
+    return kw
+
+
+# ---- machine and models --------------------------------------------------------------------
+def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
+    """Measured fp32 matmul FLOP/s of this machine (best of a few timed repetitions)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
+    return best
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def qwen05b_config(layers: int = 24) -> ModelConfig:
+    return ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True)
+
+
+def write_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype) -> Path:
+    return save_pretrained(init_weights(CausalLM(cfg), seed=0).to(dtype), folder)
+
+
+def model_flops(cfg: ModelConfig, work: Work) -> float:
+    """Forward FLOPs of the work: 2 x matmul params per token (lm_head only for generated
+    tokens), plus attention (QK^T and PV over the context)."""
+    d, dh = cfg.hidden_size, cfg.dim_head
+    per_layer = d * dh * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 3 * d * cfg.intermediate_size
+    total = 0.0
+    for prompt, n in work:
+        p = len(prompt)
+        tokens = p + n - 1
+        ctx_sum = tokens * (tokens + 1) / 2  # each token attends to all before it
+        total += 2 * per_layer * cfg.num_hidden_layers * tokens + 2 * d * cfg.vocab_size * n
+        total += 4 * cfg.num_hidden_layers * cfg.num_attention_heads * dh * ctx_sum
+    return total
+
+
+# ---- workloads -----------------------------------------------------------------------------
+def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def workload_fixed(n_prompts: int, n_new: int, vocab: int, seed: int = 0) -> Work:
+    g = torch.Generator().manual_seed(seed + 1)
+    lengths = torch.randint(16, 65, (n_prompts,), generator=g).tolist()
+    return [(p, n_new) for p in random_prompts(lengths, vocab, seed)]
+
+
+def workload_trace(n_prompts: int, cap: int, vocab: int, seed: int = 0) -> Work:
+    if not TRACE.exists():
+        raise FileNotFoundError(f"{TRACE} missing: workload (b) reads the length traces from "
+                                "data/length_traces/ (see its README)")
+    with gzip.open(TRACE, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n_prompts].tolist()
+    p_lens = [min(512, max(8, len(rows[i]["question"]) // 4)) for i in pick]
+    n_new = [min(cap, max(1, round(rows[i]["resp_words"][0] * 4 / 3))) for i in pick]
+    return list(zip(random_prompts(p_lens, vocab, seed), n_new))
+
+
+# ---- competitors: each (folder, work, dtype, batch) -> seconds (or None when absent) ----------
+def run_native(folder: Path, work: Work, dtype: str, batch: int) -> float:
+    max_len = max(len(p) + n for p, n in work)
+    cfg = EngineConfig(max_batch_size=batch, block_size=16, device="cpu", dtype=dtype,
+                       kv_cache_tokens=max(batch * max_len + 1024, 16384), max_prefill_tokens=8192)
+    eng = make_engine(cfg, str(folder))
+    generate_all(eng, _requests(work[:2], 2))  # warm-up
+    reqs = _requests(work)
+    t = time.perf_counter()
+    out = generate_all(eng, reqs)
+    dt = time.perf_counter() - t
+    assert [len(s.output_ids) for s in out] == [n for _, n in work], "native: wrong lengths"
+    return dt
+
+
+def _requests(work: Work, cap: int | None = None) -> list[Request]:
+    sp = SamplingParams(temperature=1.0, seed=None)
+    return [Request(sample_id=i, prompt_ids=p, max_tokens=cap or n, min_tokens=cap or n, sampling=sp)
+            for i, (p, n) in enumerate(work)]
+
+
+def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, torch_dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+
+    def gen(chunk: Work):
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(chunk):  # left padding
+            ids[i, width - len(p):] = p
+            mask[i, width - len(p):] = 1
+        n = max(k for _, k in chunk)  # a padded batch runs to its longest sample
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                           top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n)
+
+    gen([(p, 2) for p, _ in work[:2]])  # warm-up
+    t = time.perf_counter()
+    for i in range(0, len(work), batch):
+        gen(work[i:i + batch])
+    return time.perf_counter() - t
+
+
+def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
+    """vLLM itself (``vllm.LLM``, its default CPU setup: multiprocess engine core, compiled
+    model), KV memory sized for the work (on CPU ``gpu_memory_utilization`` would reserve that
+    fraction of all RAM). None when vLLM is not installed."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    mc = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    max_len = max(len(p) + n for p, n in work)
+    kv_bytes = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head
+                * torch.finfo(getattr(torch, dtype)).bits // 8 * (batch + 2) * (max_len + 32))
+    llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, max_num_seqs=batch,
+                   max_model_len=max_len, seed=0, kv_cache_memory_bytes=kv_bytes,
+                   gpu_memory_utilization=0.1)
+    params = [vllm.SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True,
+                                  detokenize=False) for _, n in work]
+    prompts = [{"prompt_token_ids": p.tolist()} for p, _ in work]
+    warm = vllm.SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:2], [warm] * 2, use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in work], "vllm: wrong lengths"
+    llm.llm_engine.engine_core.shutdown()
+    return dt
+
+
+COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
+    "native": run_native, "hf": run_hf, "vllm": run_vllm}
+
+
+# ---- main ----------------------------------------------------------------------------------
+def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype: str, batch: int,
+                   competitors: list[str], peak: float) -> dict[str, tuple[float, float] | None]:
+    """competitor -> (useful tokens/s, fraction of the fp32 matmul peak reached), or None."""
+    tokens = sum(n for _, n in work)
+    flops = model_flops(cfg, work)
+    out: dict[str, tuple[float, float] | None] = {}
+    for comp in competitors:
+        dt = COMPETITORS[comp](folder, work, dtype, batch)
+        out[comp] = None if dt is None else (tokens / dt, flops / dt / peak)
+        emit(workload=name, competitor=comp, dtype=dtype, prompts=len(work), new_tokens=tokens,
+             batch=batch, seconds=dt, tok_s=None if dt is None else tokens / dt,
+             flops_fraction=None if dt is None else flops / dt / peak, load_avg=os.getloadavg()[0])
+    return out
+
+
+def ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small workloads (under a minute)")
+    ap.add_argument("--workloads", default="a,b,c")
+    ap.add_argument("--competitors", default="native,hf,vllm")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    comps = args.competitors.split(",")
+    for c in comps:
+        if c not in COMPETITORS:
+            ap.error(f"--competitors: unknown {c!r} (known: {sorted(COMPETITORS)})")
+    wl = args.workloads.split(",")
+    q = args.quick
+    peak = matmul_flops(512 if q else 1024, 0.5 if q else 2.0)
+    emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads)
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        tiny = tiny_config()
+        if {"a", "b"} & set(wl):
+            write_model(tiny, Path(tmp) / "tiny", torch.float32)
+        if "a" in wl:
+            work = workload_fixed(16 if q else 64, 32 if q else 256, tiny.vocab_size)
+            res["a"] = bench_workload("a", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak)
+        if "b" in wl:
+            work = workload_trace(32 if q else 256, 128 if q else 1024, tiny.vocab_size)
+            res["b"] = bench_workload("b", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak)
+        if "c" in wl:
+            big = qwen05b_config(2 if q else 24)
+            write_model(big, Path(tmp) / "q05b", torch.bfloat16)
+            work = workload_fixed(4 if q else 16, 8 if q else 64, big.vocab_size)
+            res["c"] = bench_workload("c", Path(tmp) / "q05b", big, work, "bfloat16", 16, comps, peak)
+
+    def tok_s(w, comp):
+        r = res.get(w, {}).get(comp)
+        return None if r is None else r[0]
+
+    def frac(w):
+        r = res.get(w, {}).get("native")
+        return None if r is None else r[1]
+
+    emit(summary=True, quick=q,
+         native_tok_s=tok_s("a", "native"), hf_tok_s=tok_s("a", "hf"), vllm_tok_s=tok_s("a", "vllm"),
+         native_over_hf=ratio(tok_s("a", "native"), tok_s("a", "hf")),
+         native_over_vllm=ratio(tok_s("a", "native"), tok_s("a", "vllm")),
+         flops_fraction=frac("c") if frac("c") is not None else frac("a"),
+         flops_fraction_a=frac("a"), flops_fraction_b=frac("b"), flops_fraction_05b=frac("c"),
+         native_tok_s_b=tok_s("b", "native"), hf_tok_s_b=tok_s("b", "hf"), vllm_tok_s_b=tok_s("b", "vllm"),
+         native_over_hf_b=ratio(tok_s("b", "native"), tok_s("b", "hf")),
+         native_over_vllm_b=ratio(tok_s("b", "native"), tok_s("b", "vllm")),
+         native_tok_s_05b=tok_s("c", "native"), hf_tok_s_05b=tok_s("c", "hf"),
+         vllm_tok_s_05b=tok_s("c", "vllm"),
+         native_over_hf_05b=ratio(tok_s("c", "native"), tok_s("c", "hf")),
+         native_over_vllm_05b=ratio(tok_s("c", "native"), tok_s("c", "vllm")),
+         matmul_flops_per_s=peak, load_avg=os.getloadavg()[0])
+
+
+if __name__ == "__main__":
+    main()
