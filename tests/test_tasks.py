@@ -139,3 +139,12 @@ def test_noisy_demonstrations_are_truncated_and_scored_partially():
     assert all(text == item.answer for item, text in make_task("synthetic", num_train=50).demonstrations("train"))
     with pytest.raises(ValueError, match="demo_noise"):
         make_task("synthetic", demo_noise=1.5)
+
+
+def test_parquet_task(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow not installed: Parquet datasets are optional")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"prompt": ["1+1?"], "answer": ["2"]}), tmp_path / "d.parquet")
+    t = make_task("parquet", files=str(tmp_path / "d.parquet"), verifier="numeric")
+    assert t.score(t.prompts("train")[0], "answer: 2") == 1.0
