@@ -1,0 +1,103 @@
+"""Planner CLI.
+
+    python -m controller.planner plan --cluster configs/cluster_h800.yaml --model qwen2.5-7b \
+        --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
+    python -m controller.planner report --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
+
+``plan`` prints the recommended allocation (Algorithm 1) and, for each pipeline mode, the
+simulated iteration time, samples/s and samples per dollar (one JSON object).
+``report`` runs the cluster-scale comparisons of docs/planner.md for Qwen2.5 7B..72B:
+Algorithm 1 vs an even split on one H800 datacenter, and H20 generation + H800 training
+(cross-DC) vs all-H800, in samples per dollar. One JSON line per model, then a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from controller.planner.cluster import (Cluster, Datacenter, Planner, describe, load_cluster, load_model,
+                                        load_trace, sample_workloads)
+from controller.planner.hardware import MODELS
+
+
+def _planner(cluster: Cluster, model, args) -> Planner:
+    trace = load_trace(args.trace, args.max_len, args.len_scale)
+    wl = sample_workloads(trace, args.batch, args.iterations, args.seed)
+    return Planner(cluster, model, wl, args.algorithm, args.dispatcher)
+
+
+def cmd_plan(args) -> dict:
+    p = _planner(load_cluster(args.cluster), load_model(args.model), args)
+    out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp,
+           "recommended": describe(p.simulate_modes(p.allocate()))}
+    if not p.cluster.cross_dc:
+        out["even_split"] = describe(p.simulate_modes(p.allocate(even=True)))
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def cmd_report(args) -> dict:
+    n, m_h20, n_h800 = args.gpus, args.h20_gpus, args.h800_gpus
+    h800 = Cluster("all-h800", [Datacenter("dc", "H800", n, args.h800_price)])
+    hetero = Cluster("h20-gen+h800-train", [Datacenter("gen", "H20", m_h20, args.h20_price, "generation"),
+                                           Datacenter("train", "H800", n_h800, args.h800_price, "trainer")],
+                     link_gbps=args.link_gbps)
+    mode = args.mode
+    rows = []
+    for name in args.models:
+        model = MODELS[name]
+        p = _planner(h800, model, args)
+        best = p.simulate_modes(p.allocate(), [mode])
+        even = p.simulate_modes(p.allocate(even=True), [mode])
+        q = _planner(hetero, model, args)
+        het = q.simulate_modes(q.allocate(), [mode])
+        row = {"model": name, "mode": mode,
+               "alg1_h800": describe(best), "even_h800": describe(even), "h20_h800": describe(het),
+               "alloc_vs_even_throughput": round(best.modes[mode]["samples_per_s"] / even.modes[mode]["samples_per_s"], 3),
+               "hetero_vs_h800_samples_per_dollar": round(het.modes[mode]["samples_per_dollar"]
+                                                          / best.modes[mode]["samples_per_dollar"], 3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    summary = {"summary": {r["model"]: {"alloc_vs_even": r["alloc_vs_even_throughput"],
+                                        "hetero_per_dollar": r["hetero_vs_h800_samples_per_dollar"]} for r in rows}}
+    print(json.dumps(summary))
+    return summary
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m controller.planner", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("plan", "report"):
+        s = sub.add_parser(name)
+        s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
+        s.add_argument("--batch", type=int, default=1024, help="samples per iteration")
+        s.add_argument("--iterations", type=int, default=4, help="simulated iterations (first is warm-up)")
+        s.add_argument("--max-len", type=int, default=20000, help="output length cap (tokens)")
+        s.add_argument("--len-scale", type=float, default=1.0, help="multiply the trace's lengths")
+        s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])
+        s.add_argument("--dispatcher", default="skew_paper", help="controller.scheduling dispatcher name")
+        s.add_argument("--seed", type=int, default=0)
+        if name == "plan":
+            s.add_argument("--cluster", required=True)
+            s.add_argument("--model", required=True, help=f"file or one of {sorted(MODELS)}")
+        else:
+            s.add_argument("--models", nargs="+", default=sorted(MODELS, key=lambda k: MODELS[k].params))
+            s.add_argument("--mode", default="stream")
+            s.add_argument("--gpus", type=int, default=128, help="H800 GPUs of the homogeneous cluster")
+            s.add_argument("--h20-gpus", type=int, default=64)
+            s.add_argument("--h800-gpus", type=int, default=64)
+            s.add_argument("--h800-price", type=float, default=2.0)
+            s.add_argument("--h20-price", type=float, default=0.7)
+            s.add_argument("--link-gbps", type=float, default=80.0)
+    args = ap.parse_args(argv)
+    try:
+        {"plan": cmd_plan, "report": cmd_report}[args.cmd](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"planner: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Cluster planning: cluster/model/trace files -> stage models -> allocation -> per-mode simulation.
+
+Cluster file (YAML): ``datacenters`` (each ``name``, ``gpu`` (H800/H20/H100/H200/A100),
+``gpus``, ``price_per_gpu_hour``, optional ``role``: generation | trainer | any), optional
+``link_gbps`` (between datacenters), ``intra_gbps`` (weight-sync bandwidth inside one,
+default 1600 = 8 x 200 Gbit/s per node), ``trainer_unit`` (GPU granularity of the trainer,
+default 8). One datacenter: Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
+                                           even_split, generation_time_model)
+from controller.planner.hardware import (MODELS, GPUSpec, ModelSpec, analytic_ptl_profile, analytic_train_profile,
+                                         generation_tp, gpu, trainer_min_gpus)
+from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
+
+
+@dataclass
+class Datacenter:
+    name: str
+    gpu: str
+    gpus: int
+    price_per_gpu_hour: float
+    role: str = "any"
+
+    def __post_init__(self):
+        gpu(self.gpu)
+        if self.gpus < 1 or self.price_per_gpu_hour < 0:
+            raise ValueError(f"datacenter {self.name!r}: gpus must be >= 1 and price_per_gpu_hour >= 0")
+        if self.role not in ("any", "generation", "trainer"):
+            raise ValueError(f"datacenter {self.name!r}: role {self.role!r} is not generation | trainer | any")
+
+
+@dataclass
+class Cluster:
+    name: str
+    datacenters: list[Datacenter]
+    link_gbps: float = 80.0
+    intra_gbps: float = 1600.0
+    trainer_unit: int = 8
+
+    @property
+    def cross_dc(self) -> bool:
+        return len(self.datacenters) == 2
+
+    def dc(self, role: str) -> Datacenter:
+        if not self.cross_dc:
+            return self.datacenters[0]
+        for d in self.datacenters:
+            if d.role == role:
+                return d
+        raise ValueError(f"cluster {self.name!r}: two datacenters need roles 'generation' and 'trainer'")
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    d = yaml.safe_load(Path(path).read_text())
+    if not isinstance(d, dict) or "datacenters" not in d:
+        raise ValueError(f"{path}: a cluster file needs a 'datacenters' list")
+    unknown = set(d) - {"name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit"}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    dcs = []
+    for i, x in enumerate(d["datacenters"]):
+        try:
+            dcs.append(Datacenter(**x))
+        except TypeError as e:
+            raise ValueError(f"{path}: datacenters[{i}]: {e}") from e
+    if not 1 <= len(dcs) <= 2:
+        raise ValueError(f"{path}: 1 or 2 datacenters supported, got {len(dcs)}")
+    return Cluster(d.get("name", Path(path).stem), dcs, float(d.get("link_gbps", 80.0)),
+                   float(d.get("intra_gbps", 1600.0)), int(d.get("trainer_unit", 8)))
+
+
+def load_model(spec: str) -> ModelSpec:
+    """A built-in name (qwen2.5-7b ... qwen2.5-72b), a YAML file of ModelSpec fields, or an
+    HF config.json."""
+    if spec in MODELS:
+        return MODELS[spec]
+    p = Path(spec)
+    if not p.exists():
+        raise ValueError(f"model {spec!r}: neither a file nor one of {sorted(MODELS)}")
+    d = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    return ModelSpec.from_dict(d, where=str(p))
+
+
+@dataclass
+class Trace:
+    out_lens: list[int]
+    prompt_lens: list[int]
+
+
+def load_trace(path: str | Path, max_len: int = 20000, scale: float = 1.0) -> Trace:
+    """A length trace (gzip JSON lines with resp_words and question, 1.3 tokens per word, every
+    answer), or a JSON list of output lengths."""
+    p = Path(path)
+    if p.name.endswith(".jsonl.gz") or p.name.endswith(".jsonl"):
+        opener = gzip.open if p.suffix == ".gz" else open
+        outs, prompts = [], []
+        with opener(p, "rt") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    row = json.loads(line)
+                    words, q = row["resp_words"], row["question"]
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise ValueError(f"{p}:{n}: not a length-trace row ({e})") from e
+                for w in words:
+                    outs.append(int(min(max_len, max(1, round(w * 1.3 * scale)))))
+                    prompts.append(int(max(1, round(len(q.split()) * 1.3))))
+        return Trace(outs, prompts)
+    lens = json.loads(p.read_text())
+    if not isinstance(lens, list):
+        raise ValueError(f"{p}: expected a JSON list of output lengths")
+    return Trace([int(min(max_len, max(1, round(x * scale)))) for x in lens], [64] * len(lens))
+
+
+@dataclass
+class Workloads:
+    iterations: list[Workload]
+
+    @property
+    def tokens(self) -> float:
+        w = self.iterations[0]
+        return float(sum(w.out_lens) + sum(w.prompt_lens))
+
+
+def sample_workloads(trace: Trace, batch: int, iterations: int, seed: int = 0) -> Workloads:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(iterations):
+        idx = rng.integers(0, len(trace.out_lens), size=batch)
+        out.append(Workload([trace.out_lens[i] for i in idx], [trace.prompt_lens[i] for i in idx]))
+    return Workloads(out)
+
+
+@dataclass
+class Plan:
+    """Allocation + per-mode simulated iteration time, throughput and cost."""
+
+    allocation: Allocation
+    gen_gpu: str
+    train_gpu: str
+    price_per_s: float
+    modes: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class Planner:
+    cluster: Cluster
+    model: ModelSpec
+    workloads: Workloads
+    algorithm: str = "ppo"
+    dispatcher: str = "skew_paper"
+
+    def __post_init__(self):
+        self.g_gen = gpu(self.cluster.dc("generation").gpu)
+        self.g_train = gpu(self.cluster.dc("trainer").gpu)
+        w = self.workloads.iterations[0]
+        ctx = float(np.mean(w.prompt_lens)) + float(np.sum(np.square(w.out_lens)) / (2 * np.sum(w.out_lens)))
+        self.tp = generation_tp(self.model, self.g_gen)
+        self.gen_profile = analytic_ptl_profile(self.model, self.g_gen, self.tp, context_tokens=ctx)
+        too_long = [x for x in w.out_lens if x + max(w.prompt_lens) > self.gen_profile.kv_tokens]
+        if too_long:
+            raise ValueError(f"{len(too_long)} samples do not fit one instance's KV cache "
+                             f"({self.gen_profile.kv_tokens} tokens); lower --max-len")
+        unit = self.cluster.trainer_unit
+        self.train_min = math.ceil(trainer_min_gpus(self.model, self.g_train, self.algorithm) / unit) * unit
+        gen_time = generation_time_model(self.gen_profile, w.out_lens, w.prompt_lens, self.dispatcher)
+        tokens = self.workloads.tokens
+        self.stage_model = StageModel(
+            gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
+            gen_unit=self.tp, train_unit=unit, train_min=self.train_min)
+
+    def allocate(self, even: bool = False) -> Allocation:
+        if self.cluster.cross_dc:
+            if even:
+                raise ValueError("even split is a single-datacenter baseline")
+            return allocate_cross_dc(self.stage_model, self.cluster.dc("generation").gpus,
+                                     self.cluster.dc("trainer").gpus)
+        n = self.cluster.datacenters[0].gpus
+        return even_split(self.stage_model, n) if even else allocate_single_dc(self.stage_model, n)
+
+    def sync_s(self) -> float:
+        gbps = self.cluster.link_gbps if self.cluster.cross_dc else self.cluster.intra_gbps
+        return sync_time_s(self.model.weight_bytes, gbps)
+
+    def price_per_s(self, a: Allocation) -> float:
+        pg = self.cluster.dc("generation").price_per_gpu_hour
+        pt = self.cluster.dc("trainer").price_per_gpu_hour
+        return (a.gen_gpus * pg + a.train_gpus * pt) / 3600.0
+
+    def simulate_modes(self, a: Allocation, modes=MODES) -> Plan:
+        plan = Plan(a, self.g_gen.name, self.g_train.name, self.price_per_s(a))
+        batch = len(self.workloads.iterations[0].out_lens)
+        for mode in modes:
+            if mode == "colocated" and self.cluster.cross_dc:
+                continue
+            if mode == "colocated":  # every GPU does both stages, one after the other
+                n = a.gen_gpus + a.train_gpus
+                k, trainer, sync = n // self.tp, analytic_train_profile(self.model, self.g_train, n, self.algorithm), 0.0
+            else:
+                k, trainer, sync = a.gen_instances, analytic_train_profile(self.model, self.g_train, a.train_gpus,
+                                                                           self.algorithm), self.sync_s()
+            cfg = SimConfig(mode, k, self.gen_profile, trainer, sync_s=sync, dispatcher=self.dispatcher,
+                            minibatch_size=max(1, batch // 8), microbatch_tokens=0)
+            r = simulate(cfg, self.workloads.iterations)
+            it = r.steady_iteration_s()
+            plan.modes[mode] = {"iteration_s": round(it, 2), "samples_per_s": round(batch / it, 3),
+                                "samples_per_dollar": round(batch / (it * plan.price_per_s), 2)}
+        return plan
+
+
+def describe(p: Plan) -> dict:
+    a = p.allocation
+    return {"gen": f"{a.gen_gpus} x {p.gen_gpu} ({a.gen_instances} instances)",
+            "train": f"{a.train_gpus} x {p.train_gpu}", "released": [a.released_gen, a.released_train],
+            "gen_s": round(a.gen_time_s, 2), "train_s": round(a.train_time_s, 2),
+            "dollars_per_hour": round(p.price_per_s * 3600, 1), "modes": p.modes}
