@@ -13,6 +13,7 @@ from workers.tasks import make_task
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
+from workers.trainer.worker import _all_reduce_sum
 
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
@@ -53,6 +54,11 @@ def _run(rank, world, port, model_dir, tmp):
             res = w.step()
             if rank == 0:
                 torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/out{i}.pt")
+        # the bucketed all-reduce across several small buckets
+        ts = [torch.full((5,), rank + 1.0), torch.full((3, 2), 2.0 * (rank + 1)), torch.full((40,), rank + 1.0)]
+        _all_reduce_sum(ts, None, bucket_bytes=64)
+        if rank == 0:
+            torch.save(ts, f"{tmp}/buckets.pt")
     finally:
         dist.destroy_process_group()
 
@@ -76,6 +82,8 @@ def test_two_ranks_equal_one_rank(tmp_path):
     # fork: the children skip re-importing torch (the test is CPU only, one thread)
     mp.start_processes(_run, args=(2, _free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
                        start_method="fork")
+    ts = torch.load(tmp_path / "buckets.pt")
+    assert [t.unique().tolist() for t in ts] == [[3.0], [6.0], [3.0]] and ts[1].shape == (3, 2)
     for i, cfg_kw in enumerate(CONFIGS):
         one = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), device="cpu")
         one.begin_iteration(0, prompts, groups)

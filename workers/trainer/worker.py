@@ -231,8 +231,7 @@ class TrainerWorker:
                 p.grad = torch.zeros_like(p)
         totals = self.stats.packed()
         if self.world_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self.group)
+            _all_reduce_sum([p.grad for p in params], self.group)
             dist.all_reduce(totals, group=self.group)
         metrics = self.stats.metrics(totals, self.cfg.loss_agg)
         divisor = metrics.pop("_divisor")
@@ -261,6 +260,24 @@ class TrainerWorker:
         self.stats.reset()
         self._trained_any = False
         return result
+
+
+def _all_reduce_sum(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+    """SUM-all-reduce ``tensors`` in place, flattened into buckets (few large collectives)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors + [None]:
+        if t is not None and (not bucket or (size + t.numel() * t.element_size() <= bucket_bytes
+                                             and t.dtype == bucket[0].dtype)):
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+            continue
+        if bucket:
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            for b, chunk in zip(bucket, flat.split([b.numel() for b in bucket])):
+                b.copy_(chunk.view_as(b))
+        bucket, size = ([t], t.numel() * t.element_size()) if t is not None else ([], 0)
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
