@@ -244,3 +244,34 @@ def test_streams_from_native_engine_and_loads_weights_back(model_dir, task):
             assert res.metrics["ratio"] == pytest.approx(1.0, abs=1e-4)
         eng.load_weights(w.named_weights(), w.version)
     assert w.version == 2 and eng.stats().weight_version == 2
+
+
+def test_concurrent_receive_from_threads(model_dir, task):
+    """RPC serves calls from a thread pool: concurrent receive() calls give the same update."""
+    import threading
+
+    samples, prompts, groups = make_samples(model_dir, task)
+    out = []
+    for threaded in (False, True):
+        w = TrainerWorker(TrainerConfig(lr=1e-2, adam_eps=1.0, max_tokens_per_microbatch=40), model_dir, task,
+                          device="cpu")
+        w.begin_iteration(0, prompts, groups)
+        if threaded:
+            ts = [threading.Thread(target=lambda k=k: [w.receive([s]) for s in samples if s.group_id % 2 == k])
+                  for k in (0, 1)]
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+        else:
+            w.receive(samples)
+        assert w.step().num_samples == len(samples)
+        out.append(weights(w))
+    assert all(torch.allclose(out[0][k], out[1][k], atol=1e-6, rtol=1e-5) for k in out[0])
+
+
+def test_lr_schedule():
+    from workers.trainer.schedule import lr_lambda
+
+    f = lr_lambda(TrainerConfig(warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.1))
+    assert [round(f(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
+    g = lr_lambda(TrainerConfig(lr_schedule="linear", total_steps=4))
+    assert [g(s) for s in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]

@@ -17,7 +17,9 @@ samples; for GRPO/RLOO every sample of a group must go to the same rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -48,6 +50,18 @@ class StepResult:
     num_tokens: int
 
 
+def _locked(method):
+    """RPC serves calls from a thread pool: generation instances may call ``receive``
+    concurrently, so the worker's public methods run one at a time."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, model_dir: str, task: Task, rank: int = 0, world_size: int = 1,
                  group=None, device=None):
@@ -74,6 +88,7 @@ class TrainerWorker:
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
         self._trained_any = False
+        self._lock = threading.RLock()
 
     # ---- public API --------------------------------------------------------------------------
     @property
@@ -85,6 +100,7 @@ class TrainerWorker:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @_locked
     def begin_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int]) -> None:
         if self._trained_any or self.buffer.pending:
             raise RuntimeError(f"begin_iteration({iteration}): iteration {self.iteration} has "
@@ -98,6 +114,7 @@ class TrainerWorker:
         self.buffer.clear()
         self.stats.reset()
 
+    @_locked
     def receive(self, samples: Sequence[Sample]) -> None:
         accepted = [s for s in samples if self._accept(s)]
         for chunk in _chunks(accepted, self.cfg.max_tokens_per_microbatch):
@@ -111,6 +128,7 @@ class TrainerWorker:
             self._route(ok)
         self._train_ready(flush=False)
 
+    @_locked
     def step(self) -> StepResult:
         self._flush_incomplete_groups()
         self._train_ready(flush=True)
@@ -120,11 +138,13 @@ class TrainerWorker:
         """The actor's tensors with Hugging Face names (fp32 masters; tied lm_head omitted)."""
         yield from self.actor.hf_state_dict().items()
 
+    @_locked
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes (all ranks hold the same state); other ranks return at once."""
         if self.rank == 0:
             checkpoint.save(self, path)
 
+    @_locked
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load(self, path)
         self.buffer.clear()
