@@ -1,0 +1,71 @@
+"""The EngineConfig/Request -> vLLM mapping (pure; runs without vLLM installed)."""
+import pytest
+import torch
+
+from workers.generation import vllm_args
+from workers.generation.config import EngineConfig
+from workers.model import CausalLM, ModelConfig
+from workers.types import Request, SamplingParams
+
+MC = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+
+
+def test_engine_args_cpu():
+    cfg = EngineConfig(backend="vllm", max_batch_size=8, block_size=16, kv_cache_tokens=4096,
+                       admission="lpt", device="cpu", max_prefill_tokens=100,
+                       backend_options={"max_num_seqs": 32})
+    a = vllm_args.engine_args(cfg, "/m", MC)
+    assert a["block_size"] == 32 and a["num_gpu_blocks_override"] == 128  # 4096 tokens
+    assert a["kv_cache_memory_bytes"] == 128 * 32 * (2 * 2 * 1 * 32 * 4)
+    assert a["max_num_seqs"] == 32 and a["max_num_active_seqs"] == 8
+    assert a["max_num_batched_tokens"] == 100 and a["dtype"] == "float32"
+    assert a["scheduling_policy"] == "priority" and a["enable_prefix_caching"]
+    assert a["skip_tokenizer_init"] and a["logprobs_mode"] == "processed_logprobs"
+    assert a["max_model_len"] == 512
+
+
+def test_engine_args_refusals():
+    with pytest.raises(ValueError, match="head_dim 16"):
+        vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu"), "/m",
+                              ModelConfig(hidden_size=64, num_attention_heads=4))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu", max_batch_size=8,
+                                           backend_options={"max_num_seqs": 4}), "/m", MC)
+
+
+def test_priority_is_lpt_and_sampling_kwargs():
+    reqs = [Request(sample_id=i, prompt_ids=torch.tensor([1]), max_tokens=4, est_len=e)
+            for i, e in enumerate([0.25, 3.0, 0.5])]
+    pri = [vllm_args.priority(r, "lpt") for r in reqs]
+    assert sorted(range(3), key=pri.__getitem__) == [1, 2, 0]
+    assert {vllm_args.priority(r, "fcfs") for r in reqs} == {0}
+    r = Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=6, min_tokens=6,
+                sampling=SamplingParams(temperature=0.5, top_k=0, top_p=0.9, seed=4))
+    kw = vllm_args.sampling_kwargs(r, (7, 9))
+    assert kw["stop_token_ids"] == [7, 9] and not kw["ignore_eos"] and kw["logprobs"] == 0
+    assert (kw["min_tokens"], kw["max_tokens"], kw["seed"], kw["n"]) == (6, 6, 4, 1)
+    assert vllm_args.sampling_kwargs(r, ())["ignore_eos"]
+
+
+def test_refusal_messages():
+    ok = dict(sample_id=1, prompt_ids=torch.tensor([1, 2]), max_tokens=3)
+    assert vllm_args.refusal(Request(**ok), 128, 512, set()) is None
+    cases = [(dict(prompt_ids=torch.tensor([], dtype=torch.int64)), "empty prompt"),
+             (dict(prompt_ids=torch.tensor([1, 128])), "token id 128"),
+             (dict(prompt_ids=torch.zeros(512, dtype=torch.int64)), "does not fit"),
+             (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5), "min_tokens"),
+             (dict(sampling=SamplingParams(top_p=0.0)), "sampling")]
+    for change, why in cases:
+        assert why in vllm_args.refusal(Request(**{**ok, **change}), 128, 512, set())
+    assert "already queued" in vllm_args.refusal(Request(**ok), 128, 512, {1})
+
+
+def test_fused_modules_must_be_whole():
+    names = {n for n, _ in CausalLM(MC).named_parameters()}
+    assert vllm_args.incomplete_modules(names, names) == {}
+    assert vllm_args.incomplete_modules({"model.norm.weight"}, names) == {}
+    miss = vllm_args.incomplete_modules({"model.layers.1.mlp.up_proj.weight"}, names)
+    assert miss == {"model.layers.1.mlp.gate_up_proj": ["model.layers.1.mlp.gate_proj.weight"]}
+    qkv = vllm_args.incomplete_modules({"model.layers.0.self_attn.q_proj.weight"}, names)
+    assert "model.layers.0.self_attn.k_proj.bias" in qkv["model.layers.0.self_attn.qkv_proj"]
