@@ -56,6 +56,7 @@ CONFIGS = {
     "grpo": dict(algorithm="grpo", kl_coef=0.05, entropy_coef=0.01),
     "rloo_seq": dict(algorithm="rloo", loss_agg="seq_mean", kl_coef=0.05, kl_estimator="k1", kl_mode="reward"),
     "ppo": dict(algorithm="ppo", kl_coef=0.02, kl_mode="reward", dual_clip=3.0, clip_high=0.28),
+    "grpo_recompute": dict(algorithm="grpo", recompute_old_logprobs=True, kl_coef=0.05, kl_estimator="k1"),
 }
 
 
@@ -75,6 +76,7 @@ def test_streaming_microbatches_equal_one_batch(model_dir, task, name):
         w.begin_iteration(0, prompts, groups)
         for i in range(0, len(order), chunk):
             w.receive(order[i:i + chunk])
+        assert w._trained_any == (chunk == 1)  # small budget: micro-batches trained during receive
         res = w.step()
         assert isinstance(res, StepResult) and res.version == 1 == w.version
         assert res.num_samples == len(samples) and res.num_tokens == sum(len(s.output_ids) for s in samples)
@@ -275,3 +277,21 @@ def test_lr_schedule():
     assert [round(f(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
     g = lr_lambda(TrainerConfig(lr_schedule="linear", total_steps=4))
     assert [g(s) for s in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(model_dir, task):
+    """The mixed-precision path (bf16 autocast, fp32 masters) as CUDA runs it, here on the CPU's
+    bf16 autocast; the CUDA device itself is not available to the tests."""
+    samples, prompts, groups = make_samples(model_dir, task)
+    w = TrainerWorker(TrainerConfig(algorithm="ppo", precision="bf16", lr=1e-2), model_dir, task, device="cpu")
+    assert w.bf16 and next(w.ref.parameters()).dtype == torch.bfloat16
+    fp32 = TrainerWorker(TrainerConfig(algorithm="ppo", lr=1e-2), model_dir, task, device="cpu")
+    for x in (w, fp32):
+        x.begin_iteration(0, prompts, groups)
+        x.receive(samples)
+    res, ref = w.step(), fp32.step()
+    assert res.version == 1 and res.metrics["step_skipped"] == 0
+    assert all(p.dtype == torch.float32 for p in w.actor.parameters())
+    assert res.metrics["kl"] == pytest.approx(ref.metrics["kl"], abs=1e-2)
+    assert res.metrics["entropy"] == pytest.approx(ref.metrics["entropy"], rel=2e-2)
+    assert res.metrics["grad_norm"] == pytest.approx(ref.metrics["grad_norm"], rel=0.1)

@@ -9,6 +9,7 @@ KL_MODES = ("loss", "reward")
 LOSS_AGGS = ("token_mean", "seq_mean")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_SAMPLE_POLICIES = ("skip", "error")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class TrainerConfig:
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
+    precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
     seed: int = 0
 
     def __post_init__(self):
@@ -68,6 +70,7 @@ class TrainerConfig:
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
+        _one_of("precision", self.precision, PRECISIONS)
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")

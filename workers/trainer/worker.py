@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from workers.model import default_device, default_dtype, load_pretrained
+from workers.model import default_device, load_pretrained
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer
@@ -69,10 +69,12 @@ class TrainerWorker:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device) if device is not None else default_device()
         torch.manual_seed(cfg.seed)
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.tokenizer = Tokenizer.load(model_dir)
         self.actor = load_pretrained(model_dir, self.device, dtype=torch.float32)  # fp32 master weights
         self.actor.train()
-        self.ref = load_pretrained(model_dir, self.device, dtype=default_dtype(self.device)).eval()
+        ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
         self.ref.requires_grad_(False)
         self.critic = ValueModel(self.actor) if cfg.use_critic else None
         groups = [{"params": list(self.actor.parameters()), "lr": cfg.lr}]
@@ -96,8 +98,9 @@ class TrainerWorker:
         return self._version
 
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """bf16 autocast around forwards when mixed precision is on (weights stay fp32)."""
+        if self.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @_locked
