@@ -12,9 +12,10 @@ so instances never fight for the two cores; the slowest one is the generation ti
 are the process's CPU seconds (one compute thread), which other tenants of the machine do
 not inflate.
 Competitors: random + FCFS (today's practice), random + LPT, skew + LPT on the ranker's
-estimates (ranker trained on 80% of the train split and cached under runs/; estimates
-mapped onto the train split's length distribution by rank; the dispatcher is told the
-estimates' log-error std measured on the other 20%), skew + LPT on the true lengths (oracle), and the paper-literal
+estimates (ranker trained on 80% of the train split and cached under runs/; its outputs
+mapped onto the train split's length distribution by rank (``--calibration bins``: the
+mean true length of the held-out 20% in the same estimate bin); the dispatcher is told
+the estimates' log-error std on that 20%), skew + LPT on the true lengths (oracle), and the paper-literal
 Algorithm 2 (alpha 20%, formula cost) on the ranker's estimates. One JSON line per run, the
 last a summary. The event-level instance model's prediction is printed beside each
 measurement.
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.planner.engine_sim import simulate_plan  # noqa: E402
 from controller.planner.profile import profile_engine  # noqa: E402
-from controller.scheduling import calibrate_by_rank, make_dispatcher  # noqa: E402
+from controller.scheduling import calibrate_by_bins, calibrate_by_rank, make_dispatcher  # noqa: E402
 from workers.generation.config import EngineConfig  # noqa: E402
 from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
@@ -95,13 +96,16 @@ def estimates(args, rows: list[dict], cap: int) -> tuple[list[float], dict]:
         model.fit([r["question"] for r in fit_rows], [forced_len(r, cap) for r in fit_rows])
         ranker.save(model, cache)
         source = "fit"
-    hold_est = calibrate_by_rank(model.predict([r["question"] for r in hold_rows]), ref)
+    hold_raw = model.predict([r["question"] for r in hold_rows])
     hold_true = np.array([forced_len(r, cap) for r in hold_rows], dtype=float)
-    sigma = float(np.std(np.log(hold_true / np.maximum(hold_est, 1.0))))
     raw = model.predict([r["question"] for r in rows])
+    calib = {"rank": lambda xs: calibrate_by_rank(xs, ref),
+             "bins": lambda xs: calibrate_by_bins(xs, hold_raw, hold_true)}[args.calibration]
+    hold_est = np.asarray(calib(hold_raw))
+    sigma = float(np.std(np.log(hold_true / np.maximum(hold_est, 1.0))))
     info = {"ranker": args.ranker, "ranker_source": source, "ranker_s": round(time.time() - t0, 1),
-            "heldout_log_error_std": round(sigma, 3)}
-    return calibrate_by_rank(raw, ref), info
+            "calibration": args.calibration, "heldout_log_error_std": round(sigma, 3)}
+    return calib(raw), info
 
 
 def ranking_quality(est: list[float], true: list[int]) -> dict:
@@ -144,6 +148,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranker", default="lgbm", help="ranker.build kind")
     ap.add_argument("--trace-dir", default=str(Path(__file__).resolve().parents[1] / "data" / "length_traces"))
     ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / "runs" / "bench" / "skew_dispatch"))
+    ap.add_argument("--calibration", default="rank", choices=["rank", "bins"],
+                    help="map ranker outputs to lengths: held-out bin means, or train quantile by rank")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.quick:

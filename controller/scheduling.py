@@ -348,6 +348,23 @@ def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> 
     return [float(x) for x in np.quantile(np.asarray(reference, dtype=float), qs)]
 
 
+def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_true: Sequence[float],
+                      bins: int = 20) -> list[float]:
+    """Posterior-mean calibration: the mean true length of the held-out requests whose
+    estimate falls in the same quantile bin (ref_est/ref_true: a held-out set's estimates and
+    true lengths). Unlike ``calibrate_by_rank`` it shrinks toward the mean as much as the
+    ranker errs, so work balancing on it is not fooled by confident wrong tails."""
+    if len(ref_est) != len(ref_true) or len(ref_est) < bins:
+        raise ValueError(f"calibrate_by_bins: need >= {bins} held-out pairs, got {len(ref_est)} / {len(ref_true)}")
+    edges = np.quantile(np.asarray(ref_est, dtype=float), np.linspace(0, 1, bins + 1)[1:-1])
+    ref_bin = np.searchsorted(edges, np.asarray(ref_est, dtype=float), side="right")
+    true = np.asarray(ref_true, dtype=float)
+    means = np.array([true[ref_bin == b].mean() if np.any(ref_bin == b) else np.nan for b in range(bins)])
+    means = np.where(np.isnan(means), np.nanmean(means), means)
+    means = np.maximum.accumulate(means)  # keep the ranker's order
+    return [float(means[b]) for b in np.searchsorted(edges, np.asarray(est_lens, dtype=float), side="right")]
+
+
 # The default "skew": Algorithm 2's enumeration, scored by the event-level instance model
 # and over a few long-tail fractions; "skew_paper" is the literal formula with alpha = 0.2.
 # On estimates the long-tail class stays >= 10% (a tiny class is fragile: the long samples
