@@ -57,6 +57,7 @@ CONFIGS = {
     "rloo_seq": dict(algorithm="rloo", loss_agg="seq_mean", kl_coef=0.05, kl_estimator="k1", kl_mode="reward"),
     "ppo": dict(algorithm="ppo", kl_coef=0.02, kl_mode="reward", dual_clip=3.0, clip_high=0.28),
     "grpo_recompute": dict(algorithm="grpo", recompute_old_logprobs=True, kl_coef=0.05, kl_estimator="k1"),
+    "ppo_3_epochs": dict(algorithm="ppo", ppo_epochs=3, clip_low=0.1, clip_high=0.1),
 }
 
 
@@ -81,6 +82,7 @@ def test_streaming_microbatches_equal_one_batch(model_dir, task, name):
         assert isinstance(res, StepResult) and res.version == 1 == w.version
         assert res.num_samples == len(samples) and res.num_tokens == sum(len(s.output_ids) for s in samples)
         assert res.metrics["step_skipped"] == 0 and math.isfinite(res.metrics["grad_norm"])
+        assert res.metrics["updates"] == CONFIGS[name].get("ppo_epochs", 1)
         results.append((weights(w), res))
     (wa, ra), (wb, rb) = results
     assert any(not torch.equal(wa[k], before[k]) for k in wa)  # the step did something

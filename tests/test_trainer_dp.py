@@ -35,7 +35,7 @@ def _task():
 
 
 CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),
-           dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01)]
+           dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01, ppo_epochs=2)]
 
 
 def _run(rank, world, port, model_dir, tmp):

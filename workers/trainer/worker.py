@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -90,6 +91,7 @@ class TrainerWorker:
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
         self._trained_any = False
+        self._trained: list[list] = []  # micro-batches kept for ppo_epochs > 1
         self._lock = threading.RLock()
 
     # ---- public API --------------------------------------------------------------------------
@@ -153,6 +155,7 @@ class TrainerWorker:
         self.buffer.clear()
         self.stats.reset()
         self._trained_any = False
+        self._trained = []
         for p in self._params():
             p.grad = None
 
@@ -246,43 +249,69 @@ class TrainerWorker:
             loss_sum.backward()
             self.stats.add_counts(counts)
             self._trained_any = True
+            if self.cfg.ppo_epochs > 1:
+                self._trained.append(items)
 
     def _optimizer_step(self) -> StepResult:
         params = self._params()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         totals = self.stats.packed()
         if self.world_size > 1:
-            _all_reduce_sum([p.grad for p in params], self.group)
             dist.all_reduce(totals, group=self.group)
         metrics = self.stats.metrics(totals, self.cfg.loss_agg)
         divisor = metrics.pop("_divisor")
-        skipped = divisor <= 0
-        if not skipped:
-            for p in params:
-                p.grad.div_(divisor)
-            norm = _clip(list(self.actor.parameters()), self.cfg.grad_clip)
-            metrics["grad_norm"] = float(norm)
-            if self.critic is not None:
-                metrics["critic_grad_norm"] = float(_clip(list(self.critic.parameters()), self.cfg.grad_clip))
-            skipped = not all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if "grad_norm" in k)
-            if skipped:
-                log.warning("trainer rank %d: non-finite gradient norm at iteration %d; step skipped, "
-                            "weights kept", self.rank, self.iteration)
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
-        if not skipped:
-            self.optimizer.step()
+        applied = 0
+        if divisor > 0:
+            for epoch in range(self.cfg.ppo_epochs):
+                if epoch > 0:  # further passes over the iteration's micro-batches, current weights
+                    self._retrain()
+                norms = self._update(params, divisor)
+                if norms is None:
+                    break
+                if epoch == 0:
+                    metrics.update(norms)
+                applied += 1
+        if applied:
             self.scheduler.step()
             self._version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        metrics["step_skipped"] = float(skipped)
+        metrics["step_skipped"] = float(applied == 0)
+        metrics["updates"] = float(applied)
         result = StepResult(version=self._version, metrics=metrics, num_samples=int(metrics["num_samples"]),
                             num_tokens=int(metrics["num_tokens"]))
         self.buffer.clear()
         self.stats.reset()
+        self._trained = []
         self._trained_any = False
         return result
+
+    def _update(self, params: list[torch.nn.Parameter], divisor: float) -> dict[str, float] | None:
+        """All-reduce the gradient sums, divide, clip, check, step. None: skipped (not finite)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1:
+            _all_reduce_sum([p.grad for p in params], self.group)
+        for p in params:
+            p.grad.div_(divisor)
+        norms = {"grad_norm": float(_clip(list(self.actor.parameters()), self.cfg.grad_clip))}
+        if self.critic is not None:
+            norms["critic_grad_norm"] = float(_clip(list(self.critic.parameters()), self.cfg.grad_clip))
+        ok = all(math.isfinite(v) for v in norms.values())
+        if ok:
+            self.optimizer.step()
+        else:
+            log.warning("trainer rank %d: non-finite gradient norm at iteration %d; update skipped, "
+                        "weights kept", self.rank, self.iteration)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norms if ok else None
+
+    def _retrain(self) -> None:
+        for items in self._trained:
+            with self.autocast():
+                loss_sum, _ = train_terms(self, items)
+            if bool(torch.isfinite(loss_sum)):
+                loss_sum.backward()
 
 
 def _all_reduce_sum(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
