@@ -284,7 +284,9 @@ class LmRanker:
 
         d = save_pretrained(self.net.lm, folder / sub)
         self.tok.save(d)
-        save_file({k: v.contiguous() for k, v in self.net.head.state_dict().items()}, str(d / "length_head.safetensors"))
+        # Beside the HF folder, not in it: the folder stays loadable by load_pretrained.
+        save_file({k: v.contiguous() for k, v in self.net.head.state_dict().items()},
+                  str(folder / f"{sub}_length_head.safetensors"))
 
     @classmethod
     def load_files(cls, folder: Path, meta: dict, sub: str = "lm") -> "LmRanker":
@@ -299,7 +301,7 @@ class LmRanker:
         d = folder / sub
         r.tok = Tokenizer.load(d)
         r.net = LengthLM(load_pretrained(d, device="cpu", dtype=torch.float32))
-        r.net.head.load_state_dict(load_file(str(d / "length_head.safetensors")))
+        r.net.head.load_state_dict(load_file(str(folder / f"{sub}_length_head.safetensors")))
         r.net.eval()
         r.mu, r.sd = float(meta["mu"]), float(meta["sd"])
         return r
