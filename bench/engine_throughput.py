@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from workers.generation.config import EngineConfig  # noqa: E402
 from workers.generation.engine import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
+from workers.generation.model_runner import tune_cpu_malloc  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 
@@ -115,9 +116,13 @@ def workload_trace(n_prompts: int, cap: int, vocab: int, seed: int = 0) -> Work:
 
 
 # ---- competitors: each (folder, work, dtype, batch) -> seconds (or None when absent) ----------
+ATTENTION = {"backend": "cpu"}  # set from --attention
+
+
 def run_native(folder: Path, work: Work, dtype: str, batch: int) -> float:
     max_len = max(len(p) + n for p, n in work)
     cfg = EngineConfig(max_batch_size=batch, block_size=16, device="cpu", dtype=dtype,
+                       attention_backend=ATTENTION["backend"],
                        kv_cache_tokens=max(batch * max_len + 1024, 16384), max_prefill_tokens=8192)
     eng = make_engine(cfg, str(folder))
     generate_all(eng, _requests(work[:2], 2))  # warm-up
@@ -204,7 +209,8 @@ def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype:
     for comp in competitors:
         dt = COMPETITORS[comp](folder, work, dtype, batch)
         out[comp] = None if dt is None else (tokens / dt, flops / dt / peak)
-        emit(workload=name, competitor=comp, dtype=dtype, prompts=len(work), new_tokens=tokens,
+        emit(workload=name, competitor=comp, attention=ATTENTION["backend"] if comp == "native" else None,
+             dtype=dtype, prompts=len(work), new_tokens=tokens,
              batch=batch, seconds=dt, tok_s=None if dt is None else tokens / dt,
              flops_fraction=None if dt is None else flops / dt / peak, load_avg=os.getloadavg()[0])
     return out
@@ -220,8 +226,12 @@ def main(argv=None):
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--competitors", default="native,hf,vllm")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention", default="cpu", choices=["cpu", "torch"],
+                    help="native engine's attention backend ('cpu': C++ kernel, built on first use)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    ATTENTION["backend"] = args.attention
+    tune_cpu_malloc()  # process-wide: helps every competitor alike
     comps = args.competitors.split(",")
     for c in comps:
         if c not in COMPETITORS:

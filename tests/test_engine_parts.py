@@ -73,7 +73,7 @@ def test_sampler_seed_reproducible_and_distribution():
     sp = SamplingParams(temperature=1.0, seed=7)
     a, b = _seq_with(sp), _seq_with(sp)
     draws_a = [int(s(logits.clone(), [a])[0]) for _ in range(20)]
-    draws_b = [int(s(logits.clone(), [b, _seq_with(SamplingParams(), sid=3)])[0][0]) for _ in range(20)]
+    draws_b = [int(s(logits.repeat(2, 1), [b, _seq_with(SamplingParams(), sid=3)])[0][0]) for _ in range(20)]
     assert draws_a == draws_b
     unseeded = _seq_with(SamplingParams(temperature=1.0))
     counts = torch.bincount(torch.tensor([int(s(logits.clone(), [unseeded])[0]) for _ in range(2000)]), minlength=4)

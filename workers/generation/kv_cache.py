@@ -19,8 +19,10 @@ class KVCache:
         if not copies:
             return
         dev = self.k[0].device
-        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=dev)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=dev)
+        idx = torch.tensor(copies, dtype=torch.int64)  # [N, 2] (src, dst)
+        if dev.type == "cuda":
+            idx = idx.pin_memory().to(dev, non_blocking=True)
+        src, dst = idx[:, 0], idx[:, 1]
         for cache in (*self.k, *self.v):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 

@@ -14,7 +14,7 @@ import torch
 from workers.generation.attention import PagedAttention, StepContext
 from workers.generation.block_manager import BlockManager
 from workers.generation.kv_cache import KVCache
-from workers.generation.sampler import Sampler
+from workers.generation.sampler import Sampler, to_device
 from workers.generation.scheduler import ScheduledBatch
 from workers.generation.sequence import Sequence
 from workers.model import CausalLM
@@ -43,15 +43,11 @@ class ModelRunner:
                              cfg.num_key_value_heads, cfg.dim_head, p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
         self.sampler = Sampler(eos_ids, p.device, seed)
-        self._pin = p.device.type == "cuda"
         if p.device.type == "cpu":
             tune_cpu_malloc()
 
     def _to_dev(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def _block_tables(self, seqs: list[Sequence]) -> tuple[list[list[int]], int]:
         width = max(len(s.block_table) for s in seqs)
@@ -92,7 +88,7 @@ class ModelRunner:
                 ctx.q_index = self._to_dev(q_index, torch.int64)
             else:
                 mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
-            ctx.key_mask = mask[:, None].to(self.device)
+            ctx.key_mask = to_device(mask[:, None], torch.bool, self.device)
             ctx.gather_idx = bt.flatten().long()
         else:
             ctx.seq_of = self._to_dev(seq_of, torch.int64) if seq_of is not None else \

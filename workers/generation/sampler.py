@@ -2,10 +2,10 @@
 
 Per row: EOS is masked while the sequence has fewer than ``min_tokens`` outputs; then
 ``temperature == 0`` is greedy (argmax), otherwise logits / temperature -> top-k -> top-p
--> a draw. Draws use the exponential race (argmax of p / E, E ~ Exp(1), same law as a
-categorical draw) so a whole batch samples in one argmax; the noise of a request with
-``seed`` comes from its own ``torch.Generator`` (reproducible whatever the batch), that of
-the others from the engine's generator.
+-> a draw. Draws invert the CDF (float64 cumulative sum, one uniform per row, one
+``searchsorted`` for the batch); the uniform of a request with ``seed`` comes from its own
+``torch.Generator`` (reproducible whatever the batch), those of the others from the
+engine's generator.
 
 Returned log-prob: ``log_softmax`` of the logits the token was drawn from, i.e. after EOS
 masking, temperature scaling and top-k/top-p filtering. Greedy rows report the model's
@@ -16,6 +16,13 @@ from __future__ import annotations
 import torch
 
 from workers.generation.sequence import Sequence
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) on ``device`` without a host sync (pinned, non-blocking
+    copy on CUDA)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:
@@ -38,7 +45,7 @@ class Sampler:
         if self.eos is not None:
             block = [s.num_output < s.request.min_tokens for s in seqs]
             if any(block):
-                rows = torch.tensor(block, device=logits.device)[:, None]  # [B, 1]
+                rows = to_device(block, torch.bool, logits.device)[:, None]  # [B, 1]
                 eos_cols = logits.index_select(1, self.eos)
                 logits.index_copy_(1, self.eos, eos_cols.masked_fill(rows, float("-inf")))
         params = [s.request.sampling for s in seqs]
@@ -47,37 +54,40 @@ class Sampler:
             logp = torch.log_softmax(logits, dim=-1)
             ids = logits.argmax(-1)
             return ids, logp.gather(1, ids[:, None])[:, 0]
-        logp = self._filtered_logprobs(logits, params, greedy)
-        noise = torch.empty_like(logp)
+        logp = self._filtered_logprobs(logits, params, greedy)  # [B, V]
+        # inverse-CDF draw: one uniform per row (cheap even for a 150k vocabulary)
+        cdf = logp.exp().cumsum(-1, dtype=torch.float64)  # [B, V]
+        u = torch.empty(len(seqs), 1, dtype=torch.float64, device=logp.device)
         shared = [i for i, s in enumerate(seqs) if not greedy[i] and self._generator(s) is None]
         if shared:
-            idx = torch.tensor(shared, device=logp.device)
-            noise.index_copy_(0, idx, torch.empty(len(shared), logp.shape[1], device=logp.device)
-                              .exponential_(generator=self.generator))
+            idx = to_device(shared, torch.int64, logp.device)
+            u.index_copy_(0, idx, torch.rand(len(shared), 1, dtype=torch.float64, device=logp.device,
+                                             generator=self.generator))
         for i, s in enumerate(seqs):
             if not greedy[i] and s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        sampled = (logp - noise.log()).argmax(-1)
+                u[i] = torch.rand(1, dtype=torch.float64, device=logp.device, generator=s.generator)
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=logp.shape[1] - 1)
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=logp.device), logp.argmax(-1), sampled)
+            sampled = torch.where(to_device(greedy, torch.bool, logp.device), logp.argmax(-1), sampled)
         return sampled, logp.gather(1, sampled[:, None])[:, 0]
 
     @staticmethod
     def _filtered_logprobs(logits: torch.Tensor, params, greedy: list[bool]) -> torch.Tensor:
         """logits: [B, V] -> log_softmax after temperature, top-k, top-p (greedy rows: T=1)."""
         dev, v = logits.device, logits.shape[1]
-        temp = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
-        logits = logits / temp[:, None]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        if any(t != 1.0 for t in temps):
+            logits = logits / to_device(temps, logits.dtype, dev)[:, None]
         top_k = [p.top_k if (0 < p.top_k < v and not g) else v for p, g in zip(params, greedy)]
         if min(top_k) < v:
-            k = torch.tensor(top_k, device=dev)
+            k = to_device(top_k, torch.int64, dev)
             kth = logits.topk(max(k_ for k_ in top_k if k_ < v), dim=-1).values  # [B, kmax]
             kth = torch.where(k[:, None] < v, kth.gather(1, (k.clamp(max=kth.shape[1]) - 1)[:, None]),
                               torch.full_like(kth[:, :1], float("-inf")))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         if min(top_p) < 1.0:
-            p_t = torch.tensor(top_p, device=dev)[:, None]
+            p_t = to_device(top_p, logits.dtype, dev)[:, None]
             srt, order = logits.sort(dim=-1, descending=True)
             probs = srt.softmax(-1)
             # drop a token when the mass before it already reaches top_p (keeps at least one)

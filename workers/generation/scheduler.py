@@ -136,9 +136,14 @@ class Scheduler:
 
     def _decode(self) -> ScheduledBatch:
         copies: list[tuple[int, int]] = []
+        bs, ref = self.bm.block_size, self.bm.ref
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            table = seq.block_table
+            if seq.num_tokens <= len(table) * bs and ref[table[seq.num_cached // bs]] == 1:
+                i += 1  # fast path: the token's slot is in a private block already
+                continue
             while self.bm.new_blocks_needed(seq, seq.num_tokens) > self.bm.num_free:
                 if self.prefix is not None and self.prefix.evict_idle(self._running_groups()):
                     continue
