@@ -11,7 +11,7 @@ from workers.tasks import make_task
 from workers.trainer import StepResult, TrainerConfig, TrainerWorker
 from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
-from workers.types import Sample, TaskPrompt
+from workers.types import Sample
 
 torch.set_num_threads(1)
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

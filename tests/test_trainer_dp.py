@@ -13,7 +13,7 @@ from workers.tasks import make_task
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
-from workers.trainer.worker import _all_reduce_sum
+from workers.trainer.grads import all_reduce_sum
 
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
@@ -56,7 +56,7 @@ def _run(rank, world, port, model_dir, tmp):
                 torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/out{i}.pt")
         # the bucketed all-reduce across several small buckets
         ts = [torch.full((5,), rank + 1.0), torch.full((3, 2), 2.0 * (rank + 1)), torch.full((40,), rank + 1.0)]
-        _all_reduce_sum(ts, None, bucket_bytes=64)
+        all_reduce_sum(ts, None, bucket_bytes=64)
         if rank == 0:
             torch.save(ts, f"{tmp}/buckets.pt")
     finally:

@@ -32,6 +32,7 @@ from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer
 from workers.trainer.config import TrainerConfig
+from workers.trainer.grads import all_reduce_sum, clip_norm
 from workers.trainer.critic import ValueModel
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, train_terms
@@ -291,12 +292,12 @@ class TrainerWorker:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.world_size > 1:
-            _all_reduce_sum([p.grad for p in params], self.group)
+            all_reduce_sum([p.grad for p in params], self.group)
         for p in params:
             p.grad.div_(divisor)
-        norms = {"grad_norm": float(_clip(list(self.actor.parameters()), self.cfg.grad_clip))}
+        norms = {"grad_norm": float(clip_norm(list(self.actor.parameters()), self.cfg.grad_clip))}
         if self.critic is not None:
-            norms["critic_grad_norm"] = float(_clip(list(self.critic.parameters()), self.cfg.grad_clip))
+            norms["critic_grad_norm"] = float(clip_norm(list(self.critic.parameters()), self.cfg.grad_clip))
         ok = all(math.isfinite(v) for v in norms.values())
         if ok:
             self.optimizer.step()
@@ -312,30 +313,6 @@ class TrainerWorker:
                 loss_sum, _ = train_terms(self, items)
             if bool(torch.isfinite(loss_sum)):
                 loss_sum.backward()
-
-
-def _all_reduce_sum(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
-    """SUM-all-reduce ``tensors`` in place, flattened into buckets (few large collectives)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in tensors + [None]:
-        if t is not None and (not bucket or (size + t.numel() * t.element_size() <= bucket_bytes
-                                             and t.dtype == bucket[0].dtype)):
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-            continue
-        if bucket:
-            flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat, group=group)
-            for b, chunk in zip(bucket, flat.split([b.numel() for b in bucket])):
-                b.copy_(chunk.view_as(b))
-        bucket, size = ([t], t.numel() * t.element_size()) if t is not None else ([], 0)
-
-
-def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
 
 
 def _chunks(samples: list[Sample], max_tokens: int) -> Iterator[list[Sample]]:
