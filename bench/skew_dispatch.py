@@ -15,7 +15,7 @@ Competitors: random + FCFS (today's practice), random + LPT, skew + LPT on the r
 estimates (ranker trained on 80% of the train split and cached under runs/; its outputs
 mapped onto the train split's length distribution by rank (``--calibration bins``: the
 mean true length of the held-out 20% in the same estimate bin); the dispatcher is told
-the estimates' log-error std on that 20%), skew + LPT on the true lengths (oracle), and the paper-literal
+the held-out (estimate, true length) pairs as the estimates' error model), skew + LPT on the true lengths (oracle), and the paper-literal
 Algorithm 2 (alpha 20%, formula cost) on the ranker's estimates. One JSON line per run, the
 last a summary. The event-level instance model's prediction is printed beside each
 measurement.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.planner.engine_sim import simulate_plan  # noqa: E402
 from controller.planner.profile import profile_engine  # noqa: E402
-from controller.scheduling import calibrate_by_bins, calibrate_by_rank, make_dispatcher  # noqa: E402
+from controller.scheduling import BinnedPosterior, calibrate_by_bins, calibrate_by_rank, make_dispatcher  # noqa: E402
 from workers.generation.config import EngineConfig  # noqa: E402
 from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
@@ -105,6 +105,7 @@ def estimates(args, rows: list[dict], cap: int) -> tuple[list[float], dict]:
     sigma = float(np.std(np.log(hold_true / np.maximum(hold_est, 1.0))))
     info = {"ranker": args.ranker, "ranker_source": source, "ranker_s": round(time.time() - t0, 1),
             "calibration": args.calibration, "heldout_log_error_std": round(sigma, 3)}
+    info["posterior"] = BinnedPosterior(list(hold_est), list(hold_true))
     return calib(raw), info
 
 
@@ -179,12 +180,13 @@ def main(argv=None) -> dict:
     profs = [prof] * args.instances
 
     est, info = estimates(args, rows, args.len_cap)
+    posterior = info.pop("posterior")
     print(json.dumps({"estimates": {**info, **ranking_quality(est, out_lens)}}), flush=True)
     true = [float(x) for x in out_lens]
     runs = {
         "random": (make_dispatcher("random"), est),
         "random_lpt": (make_dispatcher("random", order="lpt"), est),
-        "ranker": (make_dispatcher("skew", noise=info["heldout_log_error_std"]), est),
+        "ranker": (make_dispatcher("skew", noise=posterior), est),
         "oracle": (make_dispatcher("oracle"), true),
         "ranker_paper": (make_dispatcher("skew_paper"), est),
     }

@@ -215,23 +215,51 @@ def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, promp
     return instance_latency(profile, len(lens), l_avg, prompt_len)
 
 
+@dataclass
+class BinnedPosterior:
+    """The true length given an estimate, empirically: held-out (estimate, true length) pairs
+    grouped in ``bins`` estimate-quantile bins; ``draw`` samples a true length for each
+    estimate from its bin (rank confusion, not just scale error)."""
+
+    ref_est: Sequence[float]
+    ref_true: Sequence[float]
+    bins: int = 10
+
+    def __post_init__(self):
+        if len(self.ref_est) != len(self.ref_true) or len(self.ref_est) < self.bins:
+            raise ValueError(f"BinnedPosterior: need >= {self.bins} held-out (estimate, true) pairs, "
+                             f"got {len(self.ref_est)} / {len(self.ref_true)}")
+        est = np.asarray(self.ref_est, dtype=float)
+        self._edges = np.quantile(est, np.linspace(0, 1, self.bins + 1)[1:-1])
+        which = np.searchsorted(self._edges, est, side="right")
+        true = np.asarray(self.ref_true, dtype=float)
+        self._pools = [true[which == b] if np.any(which == b) else true for b in range(self.bins)]
+
+    def draw(self, est: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+        which = np.searchsorted(self._edges, np.asarray(est, dtype=float), side="right")
+        return np.array([self._pools[b][rng.integers(len(self._pools[b]))] for b in which])
+
+
 def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
-                   noise: float = 0.0, draws: int = 4) -> tuple[float, int]:
+                   noise: "float | BinnedPosterior" = 0.0, draws: int = 4) -> tuple[float, int]:
     """Event-level continuous-batching estimate of one instance (LPT order by the estimates,
-    batch limited by KV memory only); returns (makespan, cap used). With ``noise`` > 0 the
-    true lengths are uncertain: the makespan is averaged over ``draws`` draws of
-    est * exp(N(0, noise)) (fixed seed), admitted in the estimates' order."""
+    batch limited by KV memory only); returns (makespan, cap used). With ``noise`` the true
+    lengths are uncertain: the makespan is averaged over ``draws`` draws (fixed seed) of
+    est * exp(N(0, noise)) (a float) or of a ``BinnedPosterior``, admitted in the estimates'
+    order."""
     from controller.planner.engine_sim import simulate_instance  # engine_sim imports this module
 
     est = sorted((float(x) for x in lens), reverse=True)
     limit = max(1, profile.kv_tokens - int(prompt_len) - 2 * profile.block_size)
     cap = _free_cap(profile, len(est))
     prompts = [int(prompt_len)] * len(est)
-    if noise <= 0 or not est:
-        draws_lens = [est]
+    rng = np.random.default_rng(len(est))
+    if isinstance(noise, BinnedPosterior) and est:
+        draws_lens = [noise.draw(est, rng) for _ in range(draws)]
+    elif noise and est:
+        draws_lens = [np.asarray(est) * np.exp(rng.normal(0.0, noise, len(est))) for _ in range(draws)]
     else:
-        rng = np.random.default_rng(len(est))
-        draws_lens = [list(np.asarray(est) * np.exp(rng.normal(0.0, noise, len(est)))) for _ in range(draws)]
+        draws_lens = [est]
     total = 0.0
     for d in draws_lens:
         out = [min(limit, max(1, int(round(x)))) for x in d]
@@ -259,9 +287,10 @@ class SkewDispatcher:
     cost="simulate" runs the event-level instance model on the estimates instead (batch
     capped by memory only). The class defaults are the paper-literal ones
     (``make_dispatcher("skew_paper")``); ``make_dispatcher("skew")`` uses SKEW_DEFAULTS.
-    ``use_true``: plan on the true lengths (the oracle). ``noise``: the estimates' log-error
-    std (e.g. from the ranker's validation); the simulate cost then averages over draws of
-    the true lengths, which steers away from splits that only win when the ranker is right.
+    ``use_true``: plan on the true lengths (the oracle). ``noise``: how wrong the estimates
+    are: a log-error std, or a ``BinnedPosterior`` of held-out (estimate, true) pairs; the
+    simulate cost then averages over draws of the true lengths, which steers away from
+    splits that only win when the ranker is right.
     ``mixed``: also consider N_l = 0 (no dedicated long-tail instances; every request spread
     evenly by estimated work, LPT inside), the fallback when separation does not pay."""
 
@@ -273,7 +302,7 @@ class SkewDispatcher:
     order: str = "lpt"
     use_true: bool = False
     kind: str = "skew"
-    noise: float = 0.0
+    noise: "float | BinnedPosterior" = 0.0
     mixed: bool = False
 
     def __post_init__(self):
@@ -315,7 +344,7 @@ class SkewDispatcher:
                     q = [self.q_long] * n_l + [self.q_regular] * (n - n_l)
                 lat, caps = [], []
                 for j, g in enumerate(groups):
-                    noise = 0.0 if self.use_true else self.noise
+                    noise = 0.0 if self.use_true or self.cost != "simulate" else self.noise
                     t, cap = COSTS[self.cost](profiles[j], arr[g], l_avg(classes[j], q[j]), prompt_len, noise)
                     lat.append(t)
                     caps.append(cap)
