@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from controller.planner.engine_sim import simulate_instance, simulate_plan
-from controller.scheduling import (DISPATCHERS, PTLProfile, calibrate_by_rank, instance_latency, lpt_order,
-                                   lpt_schedule, make_dispatcher, spread_evenly)
+from controller.scheduling import (DISPATCHERS, BinnedPosterior, PTLProfile, calibrate_by_bins, calibrate_by_rank,
+                                   instance_latency, lpt_order, lpt_schedule, make_dispatcher, spread_evenly)
 
 BS = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -191,6 +191,30 @@ def test_calibrate_by_rank_keeps_order_and_restores_tail():
     cal = calibrate_by_rank(est, reference=[1, 2, 3, 1000])
     assert list(np.argsort(cal)) == list(np.argsort(est))
     assert max(cal) > 500
+
+
+def test_calibrate_by_bins_and_posterior():
+    ref_est = list(range(40))
+    ref_true = [10.0] * 20 + [100.0] * 20
+    assert calibrate_by_bins([0.5, 39.0], ref_est, ref_true, bins=2) == [10.0, 100.0]
+    post = BinnedPosterior(ref_est, ref_true, bins=4)
+    draws = post.draw([1.0, 38.0], np.random.default_rng(0))
+    assert list(draws) == [10.0, 100.0]
+    with pytest.raises(ValueError, match="need >= 4 held-out"):
+        BinnedPosterior([1.0], [2.0], bins=4)
+
+
+def test_noise_aware_skew_prefers_mixing_when_estimates_say_nothing():
+    # Estimates carry no information (every true length equally likely for every bin): the
+    # posterior-aware dispatcher must not trust a split built on them.
+    rng = np.random.default_rng(3)
+    true = [float(x) for x in np.exp(rng.normal(4.0, 1.2, size=400))]
+    noise = BinnedPosterior(list(rng.permutation(400).astype(float)), true, bins=8)
+    est = [float(x) for x in rng.permutation(400)]
+    profs = [linear_profile(1.0, 1 / 32, kv_tokens=8192, block_size=16)] * 3
+    plan = make_dispatcher("skew", noise=noise).plan(est, profs)
+    assert not any(plan.long_tail)  # N_l = 0: spread evenly
+    assert max(map(len, plan.per_instance)) - min(map(len, plan.per_instance)) <= 1
 
 
 def test_bad_input_is_named():
