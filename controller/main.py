@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -40,8 +41,43 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 from controller.rpc import LOCAL, worker_name  # noqa: E402
 
-JOIN_COUNTER_KEY = "streamrl/joined"
-WORLD_KEY = "streamrl/static_world"
+# Keys in torchrun's store. The RPC group gets its own store (hosted by rank 0, one per
+# torchrun restart attempt: a restarted job must not see the names of the previous attempt).
+ATTEMPT_KEY = "streamrl/attempt"
+
+
+def _key(name: str, attempt: str) -> str:
+    return f"streamrl/{attempt}/{name}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _local_address(peer_host: str, peer_port: int) -> str:
+    """This host's address on the interface that reaches ``peer`` (multi-node safe)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, peer_port))
+        return s.getsockname()[0]
+
+
+def _rpc_store_address(rank: int, world: int, timeout: datetime.timedelta) -> str:
+    """Rank 0 picks the RPC store address and publishes it in torchrun's store; every rank
+    returns it (``host:port``)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if rank == 0:
+        global _RPC_STORE  # rank 0 hosts it for the whole run (torchrun's env makes init_rpc a client)
+        addr = _local_address(host, port)
+        _RPC_STORE = dist.TCPStore(addr, _free_port(), is_master=True, wait_for_workers=False, timeout=timeout)
+        store.set(_key("rpc_store", attempt), f"{addr}:{_RPC_STORE.port}")
+    return store.get(_key("rpc_store", attempt)).decode()
+
+
+_RPC_STORE = None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,15 +116,17 @@ def _pick_device(local_rank: int) -> torch.device:
 
 
 def join_main(args) -> int:
-    """A generation process joining a running job (elastic scale-out)."""
+    """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
     host, port = args.join.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
-    static = int(store.get(WORLD_KEY).decode())
-    rank = static + int(store.add(JOIN_COUNTER_KEY, 1)) - 1
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=args.rpc_timeout))
+    attempt = store.get(ATTEMPT_KEY).decode()  # set once the controller is up
+    static = int(store.get(_key("static_world", attempt)).decode())
+    rank = static + int(store.add(_key("joined", attempt), 1)) - 1
+    rpc_addr = store.get(_key("rpc_store", attempt)).decode()
     LOCAL.rank = rank
     LOCAL.device = _pick_device(int(os.environ.get("LOCAL_RANK", "0")))
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
-                 rpc_backend_options=_rpc_options(args.rpc_timeout, f"tcp://{host}:{port}"))
+                 rpc_backend_options=_rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
     from controller.runner import register_joiner
 
     rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
@@ -118,15 +156,24 @@ def main(argv=None) -> int:
     LOCAL.rank, LOCAL.local_rank = rank, local_rank
     LOCAL.device = _pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.placement.rpc_timeout_s)
-    dist.init_process_group("nccl" if LOCAL.device.type == "cuda" else "gloo", timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # torchrun's store outlives a restart: prefix by attempt so stale keys of a dead attempt
+    # (gloo addresses) are never read
+    tstore = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    dist.init_process_group("nccl" if LOCAL.device.type == "cuda" else "gloo", timeout=timeout,
+                            store=dist.PrefixStore(f"streamrl/pg/{attempt}", tstore), rank=rank, world_size=world)
     LOCAL.has_process_group = True
+    rpc_addr = _rpc_store_address(rank, world, timeout)
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if cfg.placement.elastic else world,
-                 rpc_backend_options=_rpc_options(cfg.placement.rpc_timeout_s, "env://"))
+                 rpc_backend_options=_rpc_options(cfg.placement.rpc_timeout_s, f"tcp://{rpc_addr}"))
     dist.barrier()  # every static rank is in the RPC group
-    if rank == 0:  # joiners wait for this key (torchrun's store): the controller is up
+    if rank == 0:  # joiners wait for these keys (torchrun's store): the controller is up
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timeout)
-        store.set(WORLD_KEY, str(world))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store.set(_key("static_world", attempt), str(world))
+        store.set(ATTEMPT_KEY, attempt)
     if rank == 0:
         from controller.runner import run_controller
 

@@ -56,9 +56,12 @@ def write_config(tmp_path, model_dir, **over) -> Path:
 
 
 def torchrun(config: Path, nproc: int = 3, extra=(), timeout: float = 180, stdin: str | None = None,
-             torchrun_args=()) -> subprocess.CompletedProcess:
+             torchrun_args=(), c10d: bool = False) -> subprocess.CompletedProcess:
+    """``c10d``: torchrun's c10d rendezvous (a fresh store per restart attempt), else a static port."""
+    rdzv = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"] if c10d
+            else ["--master-port", str(free_port())])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), *torchrun_args, str(ROOT / "controller/main.py"),
+           *rdzv, *torchrun_args, str(ROOT / "controller/main.py"),
            "--config", str(config), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, input=stdin)

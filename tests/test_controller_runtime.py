@@ -65,3 +65,40 @@ def test_bad_config_stops_every_rank_before_work(tmp_path, tiny_model):  # noqa:
     p = torchrun(cfg, timeout=60)
     assert p.returncode != 0
     assert "placement.trainer[0]: rank 7 >= world size 3" in p.stderr
+
+
+@pytest.mark.slow
+def test_resume_continues_the_sequence(tmp_path, tiny_model):  # noqa: F811
+    cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_every=0)
+    p = torchrun(cfg)
+    assert p.returncode == 0, p.stderr[-4000:]
+    cfg = write_config(tmp_path, tiny_model, train__iterations=4, train__eval_every=0)
+    p = torchrun(cfg, extra=["--resume", str(tmp_path / "run")])
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "resumed from" in p.stderr
+    rows = iterations(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]  # trainer state restored
+    state = json.loads((tmp_path / "run" / "checkpoints" / "iter_000004" / "controller.json").read_text())
+    assert state["iteration"] == 4 and state["stream"]["pos"] == 16  # 4 iterations x 4 prompts
+    assert last_json(p.stdout)["iterations"] == 4
+
+
+@pytest.mark.slow
+def test_trainer_death_restarts_from_checkpoint(tmp_path, tiny_model):  # noqa: F811
+    import os
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=3, train__eval_every=0, train__ckpt_every=1,
+                       pipeline__mode="stream")
+    os.environ["STREAMRL_TEST_TRAINER_DIE_AT"] = "1"  # only on torchrun's first attempt
+    try:
+        p = torchrun(cfg, extra=["--resume", str(tmp_path / "run")], torchrun_args=["--max-restarts", "1"],
+                     timeout=400, c10d=True)
+    finally:
+        del os.environ["STREAMRL_TEST_TRAINER_DIE_AT"]
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "worker rank 2 (trainer) was lost" in p.stderr and "resumed from" in p.stderr
+    rows = iterations(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert last_json(p.stdout)["iterations"] == 3
