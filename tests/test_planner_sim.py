@@ -74,3 +74,30 @@ def test_stage_profiles_roundtrip(tmp_path):
     sp = StageProfiles(FLAT, TRAIN, weight_bytes=123.0, meta={"host": "x"})
     sp.save(tmp_path / "s.json")
     assert StageProfiles.load(tmp_path / "s.json") == sp
+
+
+def test_plan_cli_on_small_clusters(tmp_path, capsys):
+    from controller.planner.__main__ import main
+
+    (tmp_path / "trace.json").write_text(json.dumps([50, 80, 120, 300, 900, 2000, 60, 70] * 8))
+    (tmp_path / "one.yaml").write_text(
+        "datacenters:\n  - {name: a, gpu: H800, gpus: 16, price_per_gpu_hour: 2.0}\n")
+    (tmp_path / "two.yaml").write_text(
+        "link_gbps: 80\ndatacenters:\n"
+        "  - {name: g, gpu: H20, gpus: 8, price_per_gpu_hour: 0.7, role: generation}\n"
+        "  - {name: t, gpu: H800, gpus: 16, price_per_gpu_hour: 2.0, role: trainer}\n")
+    common = ["--model", "qwen2.5-7b", "--trace", str(tmp_path / "trace.json"), "--batch", "32",
+              "--iterations", "2", "--algorithm", "grpo"]
+    main(["plan", "--cluster", str(tmp_path / "one.yaml"), *common])
+    out = json.loads(capsys.readouterr().out)
+    rec = out["recommended"]
+    assert set(rec["modes"]) == set(MODES) and out["tp"] == 1
+    assert rec["modes"]["async_stream"]["samples_per_s"] >= rec["modes"]["batch"]["samples_per_s"]
+    main(["plan", "--cluster", str(tmp_path / "two.yaml"), *common])
+    out = json.loads(capsys.readouterr().out)
+    assert "colocated" not in out["recommended"]["modes"] and "even_split" not in out
+    assert out["recommended"]["train"].endswith("x H800") and "H20" in out["recommended"]["gen"]
+    (tmp_path / "bad.yaml").write_text("datacenters:\n  - {name: a, gpu: V100, gpus: 8, price_per_gpu_hour: 1}\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(tmp_path / "bad.yaml"), *common])
+    assert "unknown GPU 'V100'" in capsys.readouterr().err
