@@ -217,3 +217,8 @@ class GenerationInstance:
 
     def drain_spans(self) -> list:
         return self.spans.drain()
+
+    def close(self) -> bool:
+        if LOCAL.roles.get("generation") is self:
+            del LOCAL.roles["generation"]
+        return True

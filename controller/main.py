@@ -101,7 +101,7 @@ def _rpc_options(timeout: float, init_method: str) -> rpc.TensorPipeRpcBackendOp
     return opts
 
 
-def _serve() -> int:
+def serve() -> int:
     """Worker ranks: host role objects until the controller says to exit."""
     while not LOCAL.exit_event.wait(timeout=1.0):
         pass
@@ -131,7 +131,7 @@ def join_main(args) -> int:
 
     rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
     print(f"[join] rank {rank} joined as {args.role}", file=sys.stderr, flush=True)
-    code = _serve()
+    code = serve()
     rpc.shutdown(graceful=False)
     return code
 
@@ -152,10 +152,22 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
+    start_processes(rank, world, cfg.placement.rpc_timeout_s, cfg.placement.elastic)
+    if rank == 0:
+        from controller.runner import run_controller
+
+        code = run_controller(cfg, args, world)
+    else:
+        code = serve()
+    return stop_processes(code)
+
+
+def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool = True) -> None:
+    """Under torchrun: pick the device, init the data-plane process group and the RPC group."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     LOCAL.rank, LOCAL.local_rank = rank, local_rank
     LOCAL.device = _pick_device(local_rank)
-    timeout = datetime.timedelta(seconds=cfg.placement.rpc_timeout_s)
+    timeout = datetime.timedelta(seconds=rpc_timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # torchrun's store outlives a restart: prefix by attempt so stale keys of a dead attempt
     # (gloo addresses) are never read
@@ -165,21 +177,16 @@ def main(argv=None) -> int:
                             store=dist.PrefixStore(f"streamrl/pg/{attempt}", tstore), rank=rank, world_size=world)
     LOCAL.has_process_group = True
     rpc_addr = _rpc_store_address(rank, world, timeout)
-    rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if cfg.placement.elastic else world,
-                 rpc_backend_options=_rpc_options(cfg.placement.rpc_timeout_s, f"tcp://{rpc_addr}"))
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if elastic else world,
+                 rpc_backend_options=_rpc_options(rpc_timeout_s, f"tcp://{rpc_addr}"))
     dist.barrier()  # every static rank is in the RPC group
     if rank == 0:  # joiners wait for these keys (torchrun's store): the controller is up
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store.set(_key("static_world", attempt), str(world))
-        store.set(ATTEMPT_KEY, attempt)
-    if rank == 0:
-        from controller.runner import run_controller
+        tstore.set(_key("static_world", attempt), str(world))
+        tstore.set(ATTEMPT_KEY, attempt)
 
-        code = run_controller(cfg, args, world)
-    else:
-        code = _serve()
+
+def stop_processes(code: int) -> int:
+    """Leave the RPC group and the process group; a failed run exits at once (``os._exit``)."""
     if code == 0:
         try:
             dist.barrier()

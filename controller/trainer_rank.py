@@ -288,5 +288,7 @@ class TrainerRank:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if LOCAL.roles.get("trainer") is self:
+            del LOCAL.roles["trainer"]
         return True
 

@@ -1,0 +1,171 @@
+"""Benchmark: the six pipeline modes, one after another in one run, on the same ranks.
+
+    python bench/pipeline_modes.py [--quick]
+
+Starts its own processes (torchrun, 3 ranks: controller + 2 workers). Workload: the same tiny
+Qwen2-architecture model (random weights) and a length-forced long-tail workload: each
+prompt's output length is a real response length from ``../shared/data/length_traces``
+(words / ``--scale``, clipped), so every mode generates exactly the same tokens. ``colocated``
+puts both stages on both worker ranks in turn (2 instances, then 2 trainer DP ranks); the other
+modes use rank 1 for generation and rank 2 for training. Each mode: 1 warm-up iteration, then
+``--iterations`` measured ones (pipeline fill and drain included).
+
+Prints one JSON line per mode (samples/s, iteration time, bubble fraction per worker) and a
+summary line with ``async_stream_over_batch``, ``stream_over_batch``,
+``async_stream_over_colocated`` (targets: >= 1.5 and >= 1.15 for the first two).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRACE = ROOT.parent / "shared" / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
+ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small run (< 2 minutes)")
+    ap.add_argument("--iterations", type=int, default=0, help="measured iterations per mode")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per iteration")
+    ap.add_argument("--scale", type=float, default=8.0, help="trace words per generated token")
+    ap.add_argument("--max-len", type=int, default=0, help="longest forced output")
+    ap.add_argument("--logdir", default="runs/bench_pipeline_modes")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.iterations = a.iterations or (3 if a.quick else 6)
+    a.prompts = a.prompts or (24 if a.quick else 48)
+    a.max_len = a.max_len or (96 if a.quick else 160)
+    return a
+
+
+def trace_lengths(n: int, scale: float, max_len: int) -> list[int]:
+    """First ``n`` prompts' first response length (words / scale), clipped to [2, max_len]."""
+    out = []
+    with gzip.open(TRACE, "rt") as f:
+        for line in f:
+            words = json.loads(line)["resp_words"][0]
+            out.append(int(min(max_len, max(2, round(words / scale)))))
+            if len(out) == n:
+                break
+    return out
+
+
+def bench_config(a):
+    from controller.config import from_dict
+
+    return from_dict({
+        "model": {"path": f"{a.logdir}/model", "init": {"hidden_size": 128, "intermediate_size": 384,
+                                                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                          "num_key_value_heads": 2, "vocab_size": 384}},
+        "task": {"name": "synthetic", "kwargs": {"kind": "running_sum", "num_train": 2048}},
+        "engine": {"max_batch_size": 64, "kv_cache_tokens": 32768, "device": "cpu"},
+        "trainer": {"algorithm": "grpo", "lr": 1e-5, "max_tokens_per_microbatch": 1024},
+        "placement": {"generation": [1], "trainer": [2]},
+        "train": {"batch_prompts": a.prompts, "group_size": 2, "max_tokens": a.max_len},
+        "logging": {"logdir": a.logdir, "progress": False, "timeline_every": 0},
+    }, world_size=3)
+
+
+def run_mode(cfg, mode: str, a, model_dir, tok, task, length_of) -> dict:
+    from dataclasses import replace
+
+    from controller.program import Program
+    from controller.rpc import wait_all
+    from controller.scheduling import make_dispatcher
+    from controller.timeline import bubble_fractions, gantt_figure, write_chrome_trace
+    from controller.world import build_world
+
+    colocated = mode == "colocated"
+    place = replace(cfg.placement, generation=[1, 2] if colocated else [1], trainer=[1, 2] if colocated else [2],
+                    colocated=colocated)
+    cfg_m = replace(cfg, pipeline=replace(cfg.pipeline, mode=mode, minibatch_size=max(2, a.prompts // 2)),
+                    placement=place)
+    world = build_world(cfg_m, model_dir, [tok.eos_id], {1, 2}, make_dispatcher("round_robin"))
+    prog = Program(cfg_m, world, tok, task)
+    prog.length_of = length_of
+    prog.run(1)  # warm-up: first-touch allocations, thread pools
+    world.drain_spans()
+    t0 = time.time()
+    res = prog.run(a.iterations)
+    t1 = time.time()
+    spans = world.drain_spans()
+    wait_all([h.call("close") for h in world.trainers + world.sgs.handles])
+    samples = sum(r.num_samples for r in res)
+    logdir = Path(a.logdir)
+    write_chrome_trace(spans, logdir / f"timeline_{mode}.json")
+    fig = gantt_figure([s for s in spans if s.end >= t0], f"{mode}: {a.iterations} iterations")
+    fig.savefig(logdir / f"timeline_{mode}.png", dpi=90)
+    return {"mode": mode, "samples_per_s": samples / (t1 - t0), "iteration_s": (t1 - t0) / a.iterations,
+            "samples": samples, "tokens": sum(r.num_tokens for r in res), "iterations": a.iterations,
+            "bubble": {w: round(f, 3) for w, f in bubble_fractions(spans, (t0, t1)).items()},
+            "staleness_max": max(r.staleness_max for r in res)}
+
+
+def controller(a) -> int:
+    import torch.distributed.rpc as rpc
+
+    from controller.bootstrap import ensure_model
+    from controller.rpc import request_exit
+    from workers.tasks.registry import make_task
+    from workers.tokenizer import Tokenizer
+
+    cfg = bench_config(a)
+    Path(a.logdir).mkdir(parents=True, exist_ok=True)
+    boot = rpc.rpc_sync("worker2", ensure_model, args=(cfg.model.path, cfg.model.init, cfg.task.name,
+                                                       dict(cfg.task.kwargs), 0, 1e-3, 0), timeout=600)
+    tok = Tokenizer.load(boot["path"])
+    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+    items = list(task.prompts("train"))
+    lens = trace_lengths(len(items), a.scale, a.max_len)
+    by_prompt = {it.prompt: lens[i % len(lens)] for i, it in enumerate(items)}
+    rows = {}
+    for mode in ORDER:
+        rows[mode] = run_mode(cfg, mode, a, boot["path"], tok, task, lambda it: by_prompt[it.prompt])
+        print(json.dumps(rows[mode]), flush=True)
+    sps = {m: r["samples_per_s"] for m, r in rows.items()}
+    print(json.dumps({"summary": True, "quick": a.quick, "iterations": a.iterations, "prompts": a.prompts,
+                      "async_stream_over_batch": sps["async_stream"] / sps["batch"],
+                      "stream_over_batch": sps["stream"] / sps["batch"],
+                      "async_stream_over_colocated": sps["async_stream"] / sps["colocated"],
+                      "minibatch_over_batch": sps["minibatch"] / sps["batch"],
+                      "async_batch_over_batch": sps["async_batch"] / sps["batch"]}), flush=True)
+    for r in (1, 2):
+        rpc.rpc_sync(f"worker{r}", request_exit, args=(0,))
+    return 0
+
+
+def main() -> int:
+    a = parse_args()
+    if not a.worker:  # launcher: start our own torchrun job
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(port),
+               __file__, "--worker", *sys.argv[1:]]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.call(cmd, cwd=ROOT, env=env)
+    import torch
+
+    from controller.main import serve, start_processes, stop_processes
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    start_processes(rank, world, 600.0)
+    code = controller(a) if rank == 0 else serve()
+    return stop_processes(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
