@@ -75,6 +75,7 @@ def test_reasoning_gym_adapter():
             assert 0.0 <= t.score(item, bad) < 1.0  # reasoning-gym gives its own partial credit
     assert [i.prompt for i in items] == [i.prompt for i in make_task("reasoning_gym", dataset="basic_arithmetic",
                                                                     size=5, seed=1).prompts("train")]
+    assert all(t.score(item, demo) == 1.0 for item, demo in t.demonstrations("train"))
     with pytest.raises(ValueError, match="not registered"):
         make_task("reasoning_gym", dataset="no_such_dataset")
 

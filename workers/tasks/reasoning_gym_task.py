@@ -47,6 +47,10 @@ class ReasoningGymTask:
                            meta={"metadata": e.get("metadata", {}), "question": e["question"]})
                 for e in (ds[i] for i in range(len(ds)))]
 
+    def demonstrations(self, split: str = "train") -> list[tuple[TaskPrompt, str]]:
+        """SFT demonstrations in the format the hint asks for: ``answer=<reference>``."""
+        return [(item, f"answer={item.answer}" if self.answer_hint else item.answer) for item in self.prompts(split)]
+
     def score(self, prompt: TaskPrompt, completion: str) -> float:
         try:
             entry = {"question": prompt.meta.get("question", prompt.prompt), "answer": prompt.answer,
