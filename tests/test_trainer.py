@@ -125,7 +125,9 @@ def test_bad_input_is_skipped_or_refused(model_dir, task, caplog):
     with caplog.at_level(logging.WARNING, "streamrl.trainer"):
         w.receive([empty] + samples[1:])
     assert "empty output" in caplog.text
-    assert w.step().metrics["skipped_samples"] == 1
+    w.receive(samples[1:2])  # a duplicate: dropped, not trained twice
+    res = w.step()
+    assert res.metrics["skipped_samples"] == 1 and res.metrics["duplicates"] == 1 and res.num_samples == 3
     # NaN reward -> skipped with a warning; every sample bad -> no step, weights kept
     nan_w = TrainerWorker(TrainerConfig(), model_dir, CharTask(task.base, float("nan")), device="cpu")
     before = weights(nan_w)

@@ -123,7 +123,7 @@ class StatSums:
     """Summed statistics of one iteration, packed into one tensor for the all-reduce."""
 
     KEYS = ("num_samples", "score_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
-            "skipped_microbatches", "incomplete_groups", "num_tokens", "num_seqs", "pg_loss", "kl",
+            "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss")
 
@@ -158,7 +158,7 @@ class StatSums:
         m = {"reward_mean": t["score_sum"] / n, "response_len_mean": t["resp_len_sum"] / n,
              "staleness_mean": t["staleness_sum"] / n}
         for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
-                  "incomplete_groups"):
+                  "incomplete_groups", "duplicates"):
             m[k] = t[k]
         for k in self.PER_UNIT:
             m[k] = t[k] / divisor if divisor > 0 else 0.0

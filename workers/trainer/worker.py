@@ -89,6 +89,7 @@ class TrainerWorker:
         self.iteration = -1
         self._prompts: dict[int, TaskPrompt] = {}
         self._group_sizes: dict[int, int] = {}
+        self._seen: set[int] = set()  # sample ids received this iteration (duplicates dropped)
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
         self._trained_any = False
@@ -117,6 +118,7 @@ class TrainerWorker:
         self.iteration = iteration
         self._prompts = dict(prompts)
         self._group_sizes = dict(group_sizes)
+        self._seen = set()
         self.buffer.clear()
         self.stats.reset()
 
@@ -182,6 +184,12 @@ class TrainerWorker:
         if self.cfg.grouped and s.group_id not in self._group_sizes:
             raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
                              f"(algorithm {self.cfg.algorithm!r} needs groups)")
+        if sid in self._seen:
+            log.warning("trainer rank %d: sample %d received twice in iteration %d; duplicate dropped",
+                        self.rank, sid, self.iteration)
+            self.stats.add("duplicates", 1.0)
+            return False
+        self._seen.add(sid)
         reason = None
         if s.weight_version < self._version - self.cfg.max_staleness:
             reason = (f"sample {sid}: stale, weight_version {s.weight_version} < trainer version "
