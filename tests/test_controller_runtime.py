@@ -60,10 +60,20 @@ def test_worker_exception_stops_the_run_with_rank_role_traceback(tmp_path, tiny_
     assert not (tmp_path / "run" / "iterations.jsonl").exists()
 
 
-def test_bad_config_stops_every_rank_before_work(tmp_path, tiny_model):  # noqa: F811
+def test_bad_config_stops_before_any_work(tmp_path, tiny_model):  # noqa: F811
+    # what each torchrun rank does first: validate against the world size, exit 2, no process group
+    import os
+    import subprocess
+    import sys
+
+    from runtime_helpers import ROOT
+
     cfg = write_config(tmp_path, tiny_model, placement__trainer=[7])
-    p = torchrun(cfg, timeout=60)
-    assert p.returncode != 0
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "t",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens there: must not be reached
+    p = subprocess.run([sys.executable, str(ROOT / "controller/main.py"), "--config", str(cfg)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
     assert "placement.trainer[0]: rank 7 >= world size 3" in p.stderr
 
 

@@ -21,6 +21,7 @@ def _popen(cmd, env_extra=None):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # ~2 minutes on the shared 2-core machine
 def test_join_then_kill_loses_no_prompt(tmp_path, tiny_model):  # noqa: F811
     cfg = write_config(tmp_path, tiny_model, train__iterations=4, train__eval_every=0, train__max_tokens=16,
                        train__min_tokens=16, placement__force_scale_out_at=1)
