@@ -74,3 +74,9 @@ def test_every_mode_is_a_registered_strategy():
         PipelineSection(mode=name)
         assert m.max_staleness == (1 if name.startswith("async") else 0)
         assert m.release in ("all", "minibatch", "stream")
+
+
+@pytest.mark.parametrize("path", sorted(__import__("glob").glob("configs/*.yaml")))
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.world_ranks >= 3
