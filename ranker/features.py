@@ -22,10 +22,11 @@ from sklearn.model_selection import KFold
 from ranker.textspace import SpaceConfig, TextSpace
 from ranker.textstats import STAT_NAMES, text_stats
 
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 _N_SIZE = 30  # the first columns of STAT_NAMES are sizes (compared with neighbours)
 _KNN_NAMES = ("knn_mean", "knn_wmean", "knn_max", "knn_min", "knn_std", "knn_sim_mean",
-              "knn_top1", "knn_sim_top1")
+              "knn_top1", "knn_sim_top1", "knn_frac_long", "knn_log_mean_words")
+LONG_QUANTILE = 0.8  # "long" = above this quantile of the training lengths
 
 # An embedding function: prompts -> float32 [N, D] (e.g. the small LM's pooled hidden state).
 Embedder = Callable[[Sequence[str]], np.ndarray]
@@ -65,6 +66,7 @@ class FeatureBuilder:
         self.mem_z: np.ndarray | None = None          # float32 [K, svd_dims]
         self.mem_y: np.ndarray | None = None          # float32 [K] log(1 + length)
         self.mem_s: np.ndarray | None = None          # float32 [K, _N_SIZE] log1p sizes
+        self.long_log_y = 0.0                         # LONG_QUANTILE of training log-lengths
 
     # --- identity ---------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -79,7 +81,7 @@ class FeatureBuilder:
 
     # --- pieces -----------------------------------------------------------------------
     def _knn(self, z: np.ndarray, sizes: np.ndarray, exclude_self: bool) -> np.ndarray:
-        """float32 [N, 8 + _N_SIZE]; z: [N, d] against memory [K, d]."""
+        """float32 [N, len(_KNN_NAMES) + _N_SIZE]; z: [N, d] against memory [K, d]."""
         k = min(self.cfg.knn_k, len(self.mem_y) - int(exclude_self))
         if k < 1:
             return np.zeros((len(z), len(_KNN_NAMES) + _N_SIZE), dtype=np.float32)
@@ -92,8 +94,10 @@ class FeatureBuilder:
         idx, top = np.take_along_axis(idx, order, 1), np.take_along_axis(top, order, 1)
         yy = self.mem_y[idx]  # yy: [N, k]
         w = np.exp(20.0 * (top - top[:, :1]))
+        # frac_long and the mean in words (not logs) see runaway answers that log-means hide.
         summ = np.stack([yy.mean(1), (yy * w).sum(1) / w.sum(1), yy.max(1), yy.min(1), yy.std(1),
-                         top.mean(1), yy[:, 0], top[:, 0]], axis=1)
+                         top.mean(1), yy[:, 0], top[:, 0], (yy > self.long_log_y).mean(1),
+                         np.log1p(np.expm1(yy).mean(1))], axis=1)
         rel = sizes - self.mem_s[idx].mean(1)
         return np.concatenate([summ, rel], axis=1).astype(np.float32)
 
@@ -131,6 +135,7 @@ class FeatureBuilder:
         self.ridge_coef = np.asarray(full.coef_, dtype=np.float32)
         self.ridge_bias = float(full.intercept_)
         self.mem_z, self.mem_y, self.mem_s = z, log_y.copy(), sizes
+        self.long_log_y = float(np.quantile(log_y, LONG_QUANTILE))
         knn = self._knn(z, sizes, exclude_self=True)
         self._trim_memory()
         return self._assemble(prompts, stats, ridge_oof, knn, z)
@@ -161,6 +166,7 @@ class FeatureBuilder:
     def state(self) -> dict[str, np.ndarray]:
         return {**self.space.state(), "ridge_coef": self.ridge_coef,
                 "ridge_bias": np.asarray([self.ridge_bias], dtype=np.float64),
+                "long_log_y": np.asarray([self.long_log_y], dtype=np.float64),
                 "mem_z": self.mem_z, "mem_y": self.mem_y, "mem_s": self.mem_s}
 
     @classmethod
@@ -169,5 +175,6 @@ class FeatureBuilder:
         b = cls(cfg, embedder)
         b.space = TextSpace.from_state(cfg.space, state)
         b.ridge_coef, b.ridge_bias = state["ridge_coef"], float(state["ridge_bias"][0])
+        b.long_log_y = float(state["long_log_y"][0])
         b.mem_z, b.mem_y, b.mem_s = state["mem_z"], state["mem_y"], state["mem_s"]
         return b
