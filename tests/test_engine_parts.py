@@ -96,3 +96,19 @@ def test_make_engine_from_folder_and_eos_override(tmp_path):
     out = generate_all(eng2, [Request(sample_id=0, prompt_ids=torch.tensor([1, 2]), max_tokens=3,
                                       sampling=SamplingParams(temperature=0))])
     assert len(out) == 1 and 1 <= len(out[0].output_ids) <= 3
+
+
+def test_bf16_weights_fp32_compute_on_cpu(tmp_path):
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    save_pretrained(init_weights(CausalLM(cfg), seed=1, std=0.2), tmp_path / "m")
+    eng = make_engine(EngineConfig(device="cpu", dtype="bfloat16", cpu_half_compute="float32"), str(tmp_path / "m"))
+    w = eng.model.model.norm.weight
+    assert w.dtype == torch.float32 and eng.weight_dtype == torch.bfloat16
+    eng.load_weights([("model.norm.weight", torch.full((32,), 1.001))], version=1)
+    assert float(w[0]) == float(torch.tensor(1.001).bfloat16())  # rounded to bf16 values
+    native = make_engine(EngineConfig(device="cpu", dtype="bfloat16", cpu_half_compute="native"), str(tmp_path / "m"))
+    assert next(native.model.parameters()).dtype == torch.bfloat16
+    req = [Request(sample_id=0, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=4, min_tokens=4,
+                   sampling=SamplingParams(temperature=0))]
+    assert len(generate_all(native, req)[0].output_ids) == 4

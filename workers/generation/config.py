@@ -7,6 +7,7 @@ BACKEND_NAMES = ("native", "vllm")
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 ADMISSION_POLICIES = ("fcfs", "lpt")
 DTYPES = ("", "float32", "bfloat16", "float16")
+CPU_HALF_COMPUTE = ("auto", "native", "float32")
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,10 @@ class EngineConfig:
     computes (one sequence longer than it is still admitted alone). ``device``/``dtype`` ""
     pick CUDA+bf16 when a GPU is present, else CPU+fp32. ``eos_ids`` None means the model
     config's ``eos_token_id``. ``seed`` seeds sampling of requests without their own seed.
-    ``attention_backend``: "torch" (portable), "triton" (CUDA decode kernel of kernels/),
+    ``cpu_half_compute``: with a bf16/fp16 ``dtype`` on a CPU, "float32" rounds the weights to
+    ``dtype`` but computes in fp32 (much faster where the CPU has no bf16/fp16 matmul units);
+    "native" computes in ``dtype``; "auto" picks "native" only when the CPU has them (AVX512-BF16
+    or AMX). ``attention_backend``: "torch" (portable), "triton" (CUDA decode kernel of kernels/),
     "cpu" (C++ kernel compiled on first use; fastest on CPU). ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 
@@ -37,6 +41,7 @@ class EngineConfig:
     dtype: str = ""
     seed: int = 0
     eos_ids: tuple[int, ...] | None = None
+    cpu_half_compute: str = "auto"
     backend_options: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self):
@@ -51,6 +56,8 @@ class EngineConfig:
             bad("admission", f"must be one of {ADMISSION_POLICIES}")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
+        if self.cpu_half_compute not in CPU_HALF_COMPUTE:
+            bad("cpu_half_compute", f"must be one of {CPU_HALF_COMPUTE}")
         for key in ("max_batch_size", "block_size", "max_prefill_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 bad(key, "must be an int >= 1")

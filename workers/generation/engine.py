@@ -25,6 +25,15 @@ from workers.types import Engine, EngineStats, Request, Sample
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _cpu_half_in_fp32(mode: str) -> bool:
+    """Whether bf16/fp16 weights compute in fp32 on this CPU (see EngineConfig.cpu_half_compute)."""
+    if mode != "auto":
+        return mode == "float32"
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return not native
+
+
 class NativeEngine:
     """``NativeEngine(cfg, model_dir)`` or ``NativeEngine(cfg, model=CausalLM)``."""
 
@@ -36,6 +45,10 @@ class NativeEngine:
             device = torch.device(cfg.device) if cfg.device else default_device()
             dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(device)
             model = load_pretrained(model_dir, device=device, dtype=dtype)
+        self.weight_dtype = next(model.parameters()).dtype  # values are kept at this precision
+        if model_dir is not None and self.weight_dtype != torch.float32 and \
+                next(model.parameters()).device.type == "cpu" and _cpu_half_in_fp32(cfg.cpu_half_compute):
+            model = model.float()  # bf16/fp16 weight values, fp32 math (see cpu_half_compute)
         self.model = model.eval().requires_grad_(False)
         mc = model.config
         self.vocab_size = mc.vocab_size
@@ -168,8 +181,8 @@ class NativeEngine:
                 raise ValueError(f"load_weights: tensor {name!r} has shape {got}, "
                                  f"expected {tuple(params[name].shape)}")
         with torch.no_grad():
-            for name, t in items:
-                params[name].copy_(t)
+            for name, t in items:  # rounded to the engine's weight dtype (bf16 stays bf16)
+                params[name].copy_(t.to(self.weight_dtype))
         self.weight_version = int(version)
         self._restart_in_flight()
 
