@@ -1,6 +1,6 @@
 """Planner CLI.
 
-    python -m controller.planner plan --cluster configs/cluster_h800.yaml --model qwen2.5-7b \
+    python -m controller.planner plan --cluster configs/plan_cluster_h800.yaml --model qwen2.5-7b \
         --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
     python -m controller.planner report --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
 

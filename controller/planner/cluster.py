@@ -63,6 +63,9 @@ class Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     d = yaml.safe_load(Path(path).read_text())
+    if isinstance(d, dict) and "placement" in d:
+        raise ValueError(f"{path}: this is a runtime config (it has 'placement'), not a planner cluster file "
+                         "(see configs/plan_cluster_*.yaml)")
     if not isinstance(d, dict) or "datacenters" not in d:
         raise ValueError(f"{path}: a cluster file needs a 'datacenters' list")
     unknown = set(d) - {"name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit"}
