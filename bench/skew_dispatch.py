@@ -64,12 +64,12 @@ def prompt_len(row: dict, cap: int) -> int:
     return int(min(cap, max(4, round(len(row["question"].split()) * 1.3))))
 
 
-def make_engine(args) -> NativeEngine:
+def make_engine(args, kv_tokens: int | None = None) -> NativeEngine:
     torch.manual_seed(args.seed)
     mc = ModelConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                      max_position_embeddings=2048)
-    ec = EngineConfig(max_batch_size=args.max_batch, block_size=16, kv_cache_tokens=args.kv_tokens,
+    ec = EngineConfig(max_batch_size=args.max_batch, block_size=16, kv_cache_tokens=kv_tokens or args.kv_tokens,
                       max_prefill_tokens=4096, device="cpu", dtype="float32", prefix_sharing=False,
                       admission="fcfs", seed=args.seed)
     return NativeEngine(ec, model=init_weights(CausalLM(mc), seed=args.seed))
@@ -89,9 +89,13 @@ def estimates(args, rows: list[dict], cap: int) -> tuple[list[float], dict]:
     ref = [forced_len(r, cap) for r in train]
     cache = Path(args.cache) / f"ranker_{args.ranker}_cap{cap}"
     t0 = time.time()
+    model = None
     if (cache / "meta.json").exists():
-        model, source = ranker.load(cache), "cache"
-    else:
+        try:
+            model, source = ranker.load(cache), "cache"
+        except (ranker.FeatureMismatchError, ValueError):  # ranker code changed since: refit
+            model = None
+    if model is None:
         model = ranker.build(args.ranker)
         model.fit([r["question"] for r in fit_rows], [forced_len(r, cap) for r in fit_rows])
         ranker.save(model, cache)
@@ -171,11 +175,18 @@ def main(argv=None) -> dict:
           flush=True)
 
     engine = make_engine(args)
-    sizes = [b for b in (1, 4, 16, 32, 64, 128, 256) if b * 32 <= args.kv_tokens]
-    prof = profile_engine(engine, batch_sizes=sizes, prompt_len=16, decode_steps=8, vocab=512, clock=CLOCK,
+    # PTL at the workload's average decode context (mean prompt + E[L^2] / 2E[L]), measured on
+    # a twin engine with room for the largest batch (PTL does not depend on the KV budget)
+    ctx = int(np.mean(p_lens) + np.sum(np.square(out_lens)) / (2 * np.sum(out_lens)))
+    sizes = [1, 4, 16, 32, 64, 128, 256]
+    twin = make_engine(args, kv_tokens=sizes[-1] * (ctx + 32) + 1024)
+    prof = profile_engine(twin, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=512, clock=CLOCK,
                           name=f"tiny-h{args.hidden}-l{args.layers}")
+    del twin
+    prof.kv_tokens = engine.cfg.total_blocks * engine.cfg.block_size
     prof.max_batch_size = args.max_batch
     print(json.dumps({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(p * 1e3, 3) for p in prof.ptl_s],
+                                  "context_tokens": ctx, "prefill_step_ms": round(prof.prefill_step_s * 1e3, 3),
                                   "kv_tokens": prof.kv_tokens}}), flush=True)
     profs = [prof] * args.instances
 
