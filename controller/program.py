@@ -134,7 +134,20 @@ class Program:
         for rep in (b.round.reports if b.round else []):
             res.per_instance[rep.rank] = res.per_instance.get(rep.rank, 0) + len(rep.sample_ids)
         res.instances = len(self.world.sgs.slots)
+        if self.ranker is not None and self.cfg.ranker.update and b.round is not None:
+            self._update_ranker(b)
         return res
+
+    def _update_ranker(self, b: _Batch) -> None:
+        """Online fine-tune of the length ranker with this iteration's true lengths."""
+        g = self.cfg.train.group_size
+        texts, lens = [], []
+        for rep in b.round.reports:
+            for sid, n in zip(rep.sample_ids, rep.lengths):
+                texts.append(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt)
+                lens.append(float(n))
+        if texts:
+            self.ranker.update(texts, lens)
 
     def _wait_push(self, calls) -> None:
         """Wait for a weight push; an instance lost meanwhile leaves the SGS (its next prompts
