@@ -165,7 +165,10 @@ class LmRanker:
         if not plan:
             return
         opt = torch.optim.AdamW(net.parameters(), lr=c.lr, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=c.lr, total_steps=len(plan), pct_start=0.1)
+        warm, total = max(1, len(plan) // 10), len(plan)
+        # Linear warm-up over 10% of the steps, then linear decay to 10% of the peak.
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda i: min((i + 1) / warm, 1.0 - 0.9 * max(0, i - warm) / max(1, total - warm)))
         yt = None if y is None else torch.from_numpy(((y - self.mu) / self.sd).astype(np.float32))
         net.train()
         with _threads(c.threads), progress.bar(desc, len(plan)) as bar:
