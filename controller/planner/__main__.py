@@ -44,6 +44,9 @@ def cmd_report(args) -> dict:
     hetero = Cluster("h20-gen+h800-train", [Datacenter("gen", "H20", m_h20, args.h20_price, "generation"),
                                            Datacenter("train", "H800", n_h800, args.h800_price, "trainer")],
                      link_gbps=args.link_gbps)
+    if args.unit:
+        for c in (h800, hetero):
+            c.gen_unit = c.trainer_unit = args.unit
     mode = args.mode
     rows = []
     for name in args.models:
@@ -91,6 +94,7 @@ def main(argv=None) -> None:
             s.add_argument("--h800-price", type=float, default=2.0)
             s.add_argument("--h20-price", type=float, default=0.7)
             s.add_argument("--link-gbps", type=float, default=80.0)
+            s.add_argument("--unit", type=int, default=0, help="GPU granularity of both stages (default 8)")
     args = ap.parse_args(argv)
     try:
         {"plan": cmd_plan, "report": cmd_report}[args.cmd](args)

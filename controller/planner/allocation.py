@@ -22,17 +22,22 @@ from controller.scheduling import PTLProfile, make_dispatcher
 @dataclass
 class StageModel:
     """gen_time(instances) and train_time(gpus) in seconds for one iteration's batch.
-    gen_unit: GPUs per generation instance; train_unit: trainer GPU granularity;
-    train_min: fewest trainer GPUs that hold the models."""
+    gen_unit: generation GPU granularity (an instance, or a node of several);
+    gpus_per_instance: GPUs of one instance (default gen_unit); train_unit: trainer GPU
+    granularity; train_min: fewest trainer GPUs that hold the models."""
 
     gen_time: Callable[[int], float]
     train_time: Callable[[int], float]
     gen_unit: int = 1
     train_unit: int = 1
     train_min: int = 1
+    gpus_per_instance: int = 0  # 0: gen_unit (one instance per unit); else a unit (node) holds several
+
+    def instances(self, x: int) -> int:
+        return x // (self.gpus_per_instance or self.gen_unit)
 
     def gen(self, x: int) -> float:
-        k = x // self.gen_unit
+        k = self.instances(x)
         return math.inf if k < 1 else self.gen_time(k)
 
     def train(self, y: int) -> float:
@@ -56,7 +61,7 @@ class Allocation:
 
 
 def _alloc(model: StageModel, x: int, y: int, **kw) -> Allocation:
-    return Allocation(x, y, x // model.gen_unit, model.gen(x), model.train(y), **kw)
+    return Allocation(x, y, model.instances(x), model.gen(x), model.train(y), **kw)
 
 
 def _xs(model: StageModel, hi: int) -> range:

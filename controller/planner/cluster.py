@@ -3,8 +3,8 @@
 Cluster file (YAML): ``datacenters`` (each ``name``, ``gpu`` (H800/H20/H100/H200/A100),
 ``gpus``, ``price_per_gpu_hour``, optional ``role``: generation | trainer | any), optional
 ``link_gbps`` (between datacenters), ``intra_gbps`` (weight-sync bandwidth inside one,
-default 1600 = 8 x 200 Gbit/s per node), ``trainer_unit`` (GPU granularity of the trainer,
-default 8). One datacenter: Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC.
+default 1600 = 8 x 200 Gbit/s per node), ``trainer_unit`` and ``gen_unit`` (GPU
+granularity of each stage, default 8: a node; the paper scales the SGS by nodes). One datacenter: Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class Cluster:
     link_gbps: float = 80.0
     intra_gbps: float = 1600.0
     trainer_unit: int = 8
+    gen_unit: int = 8
 
     @property
     def cross_dc(self) -> bool:
@@ -68,7 +69,7 @@ def load_cluster(path: str | Path) -> Cluster:
                          "(see configs/plan_cluster_*.yaml)")
     if not isinstance(d, dict) or "datacenters" not in d:
         raise ValueError(f"{path}: a cluster file needs a 'datacenters' list")
-    unknown = set(d) - {"name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit"}
+    unknown = set(d) - {"name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit", "gen_unit"}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
     dcs = []
@@ -80,7 +81,7 @@ def load_cluster(path: str | Path) -> Cluster:
     if not 1 <= len(dcs) <= 2:
         raise ValueError(f"{path}: 1 or 2 datacenters supported, got {len(dcs)}")
     return Cluster(d.get("name", Path(path).stem), dcs, float(d.get("link_gbps", 80.0)),
-                   float(d.get("intra_gbps", 1600.0)), int(d.get("trainer_unit", 8)))
+                   float(d.get("intra_gbps", 1600.0)), int(d.get("trainer_unit", 8)), int(d.get("gen_unit", 8)))
 
 
 def load_model(spec: str) -> ModelSpec:
@@ -180,7 +181,8 @@ class Planner:
         tokens = self.workloads.tokens
         self.stage_model = StageModel(
             gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
-            gen_unit=self.tp, train_unit=unit, train_min=self.train_min)
+            gen_unit=max(self.tp, self.cluster.gen_unit), train_unit=unit, train_min=self.train_min,
+            gpus_per_instance=self.tp)
 
     def allocate(self, even: bool = False) -> Allocation:
         if self.cluster.cross_dc:
