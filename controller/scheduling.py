@@ -26,6 +26,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from controller.length_estimates import BinnedPosterior, calibrate_by_bins, calibrate_by_rank  # noqa: F401 (re-exported)
+
 
 @dataclass
 class PTLProfile:
@@ -215,31 +217,6 @@ def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, promp
     return instance_latency(profile, len(lens), l_avg, prompt_len)
 
 
-@dataclass
-class BinnedPosterior:
-    """The true length given an estimate, empirically: held-out (estimate, true length) pairs
-    grouped in ``bins`` estimate-quantile bins; ``draw`` samples a true length for each
-    estimate from its bin (rank confusion, not just scale error)."""
-
-    ref_est: Sequence[float]
-    ref_true: Sequence[float]
-    bins: int = 10
-
-    def __post_init__(self):
-        if len(self.ref_est) != len(self.ref_true) or len(self.ref_est) < self.bins:
-            raise ValueError(f"BinnedPosterior: need >= {self.bins} held-out (estimate, true) pairs, "
-                             f"got {len(self.ref_est)} / {len(self.ref_true)}")
-        est = np.asarray(self.ref_est, dtype=float)
-        self._edges = np.quantile(est, np.linspace(0, 1, self.bins + 1)[1:-1])
-        which = np.searchsorted(self._edges, est, side="right")
-        true = np.asarray(self.ref_true, dtype=float)
-        self._pools = [true[which == b] if np.any(which == b) else true for b in range(self.bins)]
-
-    def draw(self, est: Sequence[float], rng: np.random.Generator) -> np.ndarray:
-        which = np.searchsorted(self._edges, np.asarray(est, dtype=float), side="right")
-        return np.array([self._pools[b][rng.integers(len(self._pools[b]))] for b in which])
-
-
 def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
                    noise: "float | BinnedPosterior" = 0.0, draws: int = 4) -> tuple[float, int]:
     """Event-level continuous-batching estimate of one instance (LPT order by the estimates,
@@ -363,35 +340,6 @@ class SkewDispatcher:
         per = [ORDERS[self.order](g, lens) for g in groups]
         return DispatchPlan(per, [max(1, c) for c in caps], self.kind,
                             [j < key[1] for j in range(len(per))], lat)
-
-
-def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> list[float]:
-    """Replace each estimate by the reference length distribution's quantile at its rank:
-    keeps the ranker's order (what it predicts well) and restores the tail a regression
-    flattens. reference: recent true lengths (e.g. the trace's train split)."""
-    if not len(reference):
-        raise ValueError("calibrate_by_rank: empty reference distribution")
-    m = len(est_lens)
-    ranks = np.argsort(np.argsort(np.asarray(est_lens, dtype=float), kind="stable"), kind="stable")
-    qs = (ranks + 0.5) / max(1, m)
-    return [float(x) for x in np.quantile(np.asarray(reference, dtype=float), qs)]
-
-
-def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_true: Sequence[float],
-                      bins: int = 20) -> list[float]:
-    """Posterior-mean calibration: the mean true length of the held-out requests whose
-    estimate falls in the same quantile bin (ref_est/ref_true: a held-out set's estimates and
-    true lengths). Unlike ``calibrate_by_rank`` it shrinks toward the mean as much as the
-    ranker errs, so work balancing on it is not fooled by confident wrong tails."""
-    if len(ref_est) != len(ref_true) or len(ref_est) < bins:
-        raise ValueError(f"calibrate_by_bins: need >= {bins} held-out pairs, got {len(ref_est)} / {len(ref_true)}")
-    edges = np.quantile(np.asarray(ref_est, dtype=float), np.linspace(0, 1, bins + 1)[1:-1])
-    ref_bin = np.searchsorted(edges, np.asarray(ref_est, dtype=float), side="right")
-    true = np.asarray(ref_true, dtype=float)
-    means = np.array([true[ref_bin == b].mean() if np.any(ref_bin == b) else np.nan for b in range(bins)])
-    means = np.where(np.isnan(means), np.nanmean(means), means)
-    means = np.maximum.accumulate(means)  # keep the ranker's order
-    return [float(means[b]) for b in np.searchsorted(edges, np.asarray(est_lens, dtype=float), side="right")]
 
 
 # The default "skew": Algorithm 2's enumeration, scored by the event-level instance model

@@ -1,0 +1,67 @@
+"""Length estimates for dispatch: map a ranker's scores to lengths, and model its error.
+
+The ranker (ranker/) predicts an output length whose *order* is reliable, not its scale.
+``calibrate_by_rank`` and ``calibrate_by_bins`` turn scores into lengths;
+``BinnedPosterior`` is an empirical error model (held-out estimate/true pairs) the
+skewness-aware dispatcher can plan against (controller/scheduling.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> list[float]:
+    """Replace each estimate by the reference length distribution's quantile at its rank:
+    keeps the ranker's order (what it predicts well) and restores the tail a regression
+    flattens. reference: recent true lengths (e.g. the trace's train split)."""
+    if not len(reference):
+        raise ValueError("calibrate_by_rank: empty reference distribution")
+    m = len(est_lens)
+    ranks = np.argsort(np.argsort(np.asarray(est_lens, dtype=float), kind="stable"), kind="stable")
+    qs = (ranks + 0.5) / max(1, m)
+    return [float(x) for x in np.quantile(np.asarray(reference, dtype=float), qs)]
+
+
+def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_true: Sequence[float],
+                      bins: int = 20) -> list[float]:
+    """Posterior-mean calibration: the mean true length of the held-out requests whose
+    estimate falls in the same quantile bin (ref_est/ref_true: a held-out set's estimates and
+    true lengths). Unlike ``calibrate_by_rank`` it shrinks toward the mean as much as the
+    ranker errs, so work balancing on it is not fooled by confident wrong tails."""
+    if len(ref_est) != len(ref_true) or len(ref_est) < bins:
+        raise ValueError(f"calibrate_by_bins: need >= {bins} held-out pairs, got {len(ref_est)} / {len(ref_true)}")
+    edges = np.quantile(np.asarray(ref_est, dtype=float), np.linspace(0, 1, bins + 1)[1:-1])
+    ref_bin = np.searchsorted(edges, np.asarray(ref_est, dtype=float), side="right")
+    true = np.asarray(ref_true, dtype=float)
+    means = np.array([true[ref_bin == b].mean() if np.any(ref_bin == b) else np.nan for b in range(bins)])
+    means = np.where(np.isnan(means), np.nanmean(means), means)
+    means = np.maximum.accumulate(means)  # keep the ranker's order
+    return [float(means[b]) for b in np.searchsorted(edges, np.asarray(est_lens, dtype=float), side="right")]
+
+
+@dataclass
+class BinnedPosterior:
+    """The true length given an estimate, empirically: held-out (estimate, true length) pairs
+    grouped in ``bins`` estimate-quantile bins; ``draw`` samples a true length for each
+    estimate from its bin (rank confusion, not just scale error)."""
+
+    ref_est: Sequence[float]
+    ref_true: Sequence[float]
+    bins: int = 10
+
+    def __post_init__(self):
+        if len(self.ref_est) != len(self.ref_true) or len(self.ref_est) < self.bins:
+            raise ValueError(f"BinnedPosterior: need >= {self.bins} held-out (estimate, true) pairs, "
+                             f"got {len(self.ref_est)} / {len(self.ref_true)}")
+        est = np.asarray(self.ref_est, dtype=float)
+        self._edges = np.quantile(est, np.linspace(0, 1, self.bins + 1)[1:-1])
+        which = np.searchsorted(self._edges, est, side="right")
+        true = np.asarray(self.ref_true, dtype=float)
+        self._pools = [true[which == b] if np.any(which == b) else true for b in range(self.bins)]
+
+    def draw(self, est: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+        which = np.searchsorted(self._edges, np.asarray(est, dtype=float), side="right")
+        return np.array([self._pools[b][rng.integers(len(self._pools[b]))] for b in which])
