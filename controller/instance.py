@@ -53,6 +53,9 @@ class Outbox:
         self.thread.start()
 
     def put(self, sample: Sample) -> None:
+        if sample.output_ids.is_cuda:  # RPC moves CPU tensors without device maps
+            sample.prompt_ids, sample.output_ids = sample.prompt_ids.cpu(), sample.output_ids.cpu()
+            sample.logprobs = sample.logprobs.cpu()
         self.q.put(sample)
 
     def _run(self) -> None:
