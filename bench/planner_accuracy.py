@@ -6,7 +6,7 @@
 Measured: bench/pipeline_modes.py (engineer G's), the six pipeline modes on this machine
 (controller + 1 generation rank + 1 trainer rank; colocated: 2 + 2 on the same ranks).
 Predicted: controller/planner/simulator.py driven only by profiles measured here, after the
-run, on the same model and configs — the engine's PTL(BS) at the workload's average context
+run, on the same model and configs — the engine's PTL(BS) and step cost per cached token
 (profile_engine), the trainer's time per token (profile_trainer over B's TrainerWorker), a
 weight-sync time from a bandwidth model — and the same workload (the bench's prompts,
 forced lengths and prompt order). One JSON line per mode, then a summary with
@@ -140,10 +140,11 @@ def main(argv=None) -> dict:
     wls = workloads(a, pa, cfg, tok, task)
     w0 = wls[0]
     torch.set_num_threads(1)
-    ctx = int(np.mean(w0.prompt_lens) + np.sum(np.square(w0.out_lens)) / (2 * np.sum(w0.out_lens)))
+    ctx = int(np.mean(w0.prompt_lens))
     engine = make_engine(cfg.engine, model_dir)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
-    gen = profile_engine(engine, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=300, name="bench-model")
+    gen = profile_engine(engine, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=300, name="bench-model",
+                         long_context=ctx + max(w0.out_lens))
     del engine
     train = trainer_profile(cfg, model_dir, task, w0)
     weight_bytes = sum(p.numel() * 4 for p in __import__("workers.model", fromlist=["load_pretrained"])
@@ -151,6 +152,7 @@ def main(argv=None) -> dict:
     sync = sync_time_s(weight_bytes, LOCAL_SYNC_GBPS, hops=2, latency_s=SYNC_LATENCY_S)
     print(json.dumps({"profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
                                    "context_tokens": ctx, "prefill_step_ms": round(gen.prefill_step_s * 1e3, 3),
+                                   "kv_us_per_token": round(gen.kv_s_per_token * 1e6, 4),
                                    "train_ms_per_1k_tokens": round(train.s_per_token * 1e6, 2),
                                    "train_fixed_s": round(train.fixed_s, 3), "sync_s": round(sync, 4)}}), flush=True)
     errors = {}

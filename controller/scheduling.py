@@ -37,7 +37,9 @@ class PTLProfile:
     at batch size batch_sizes[i]; a sample of L tokens in a batch of BS takes ~PTL(BS) * L.
     kv_tokens is the KV-cache capacity in tokens, allocated in blocks of block_size.
     A prefill step (admitting requests) costs prefill_step_s + prefill_s_per_token * prompt
-    tokens (0 when not measured)."""
+    tokens (0 when not measured). ptl_s was measured with ``ref_context`` cached tokens per
+    sequence; each cached token beyond that adds ``kv_s_per_token`` to a step (attention
+    reads the whole KV cache): see ``step_time``."""
 
     batch_sizes: list[int]
     ptl_s: list[float]
@@ -48,6 +50,8 @@ class PTLProfile:
     name: str = ""
     meta: dict = field(default_factory=dict)
     prefill_step_s: float = 0.0
+    kv_s_per_token: float = 0.0
+    ref_context: float = 0.0
 
     def __post_init__(self):
         if not self.batch_sizes or len(self.batch_sizes) != len(self.ptl_s):
@@ -75,6 +79,11 @@ class PTLProfile:
         j = bisect.bisect_right(xs, bs)  # xs[j-1] <= bs < xs[j]
         x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
         return y0 + (y1 - y0) * (bs - x0) / (x1 - x0)
+
+    def step_time(self, bs: int, cached_tokens: float) -> float:
+        """One decode step of ``bs`` sequences holding ``cached_tokens`` KV tokens in all."""
+        extra = self.kv_s_per_token * (cached_tokens - bs * self.ref_context)
+        return max(0.5 * self.ptl(bs), self.ptl(bs) + extra)
 
     def seq_kv_tokens(self, length: float) -> int:
         """KV tokens one sequence of ``length`` tokens (prompt + output) holds: whole blocks."""

@@ -123,6 +123,8 @@ def test_analytic_gpu_profiles():
     assert h20.ptl(1) < h800.ptl(1)  # decode is bandwidth bound: H20 has more HBM bandwidth
     assert h20.ptl(512) > h800.ptl(512)  # but 6.7x fewer FLOP/s: compute bound at large batch
     assert h20.kv_tokens > h800.kv_tokens  # 96 GB vs 80 GB
+    # a step over 64 sequences of 4K cached tokens reads 64 * 4096 * 57 KB of KV on top of the weights
+    assert h20.step_time(64, 64 * 4096) == pytest.approx(h20.ptl(64) + 64 * 4096 * m.kv_bytes_per_token / (4.0e12 * 0.75))
     # KV per token: 2 * 28 layers * 4 heads * 128 * 2 bytes
     assert m.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
     t800 = analytic_train_profile(m, gpu("H800"), 8)

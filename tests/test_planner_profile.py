@@ -24,19 +24,20 @@ def tiny_engine(kv_tokens=2048, max_batch_size=16):
 
 
 class StepClock:
-    """Wraps an engine; a virtual clock advances by a + b * running on every step."""
+    """Wraps an engine; a virtual clock advances by a + b * running + c * cached KV tokens
+    (blocks in use x 16) on every step."""
 
-    def __init__(self, engine, a=0.01, b=0.001):
-        self.engine, self.a, self.b, self.t = engine, a, b, 0.0
+    def __init__(self, engine, a=0.01, b=0.001, c=0.0):
+        self.engine, self.a, self.b, self.c, self.t = engine, a, b, c, 0.0
         self.cfg = engine.cfg
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def step(self):
-        running = self.engine.stats().running
+        st = self.engine.stats()
         out = self.engine.step()
-        self.t += self.a + self.b * running
+        self.t += self.a + self.b * st.running + self.c * st.kv_blocks_used * 16
         return out
 
     def clock(self):
@@ -50,11 +51,21 @@ def test_profile_recovers_the_step_law_and_leaves_the_engine_idle():
                           clock=eng.clock, name="tiny")
     assert prof.batch_sizes == [1, 2, 4, 8]
     assert prof.ptl_s == pytest.approx([0.01 + 0.001 * b for b in (1, 2, 4, 8)])
+    assert prof.kv_s_per_token == 0.0
     assert prof.kv_tokens == 2048 and prof.block_size == 16 and prof.max_batch_size == 16
     assert prof.prefill_s_per_token >= 0.0
     assert not eng.engine.has_work() and eng.engine.stats().max_batch_size == 16
     assert prof.max_batch_for_len(200) == 2048 // 208  # KV-bound: 9 sequences of 13 blocks
     assert prof.max_batch_for_len(10) == 16  # bound by the engine's max_batch_size
+
+
+def test_profile_recovers_the_cost_per_cached_token():
+    torch.set_num_threads(1)
+    eng = StepClock(tiny_engine(kv_tokens=4096), c=1e-5)
+    prof = profile_engine(eng, batch_sizes=(1, 2, 4, 8), prompt_len=8, decode_steps=4, warmup_steps=1,
+                          clock=eng.clock, long_context=200)
+    assert prof.kv_s_per_token == pytest.approx(1e-5, rel=0.15)  # block rounding
+    assert prof.ref_context == 8 + 1 + 2
 
 
 def test_profile_with_the_real_clock_is_reusable(tmp_path):

@@ -168,9 +168,8 @@ class Planner:
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
         w = self.workloads.iterations[0]
-        ctx = float(np.mean(w.prompt_lens)) + float(np.sum(np.square(w.out_lens)) / (2 * np.sum(w.out_lens)))
         self.tp = generation_tp(self.model, self.g_gen)
-        self.gen_profile = analytic_ptl_profile(self.model, self.g_gen, self.tp, context_tokens=ctx)
+        self.gen_profile = analytic_ptl_profile(self.model, self.g_gen, self.tp)
         too_long = [x for x in w.out_lens if x + max(w.prompt_lens) > self.gen_profile.kv_tokens]
         if too_long:
             raise ValueError(f"{len(too_long)} samples do not fit one instance's KV cache "

@@ -57,25 +57,30 @@ def _reserve(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Ins
     need = [profile.seq_kv_tokens(prompts[k] + out_lens[k]) for k in range(m)]
     finish, start = [0.0] * m, [0.0] * m
     running: list[tuple[int, int]] = []  # heap of (finish step, k)
-    t, step, nxt, free, peak = t0, 0, 0, profile.kv_tokens, 0
+    since = [0] * m
+    t, step, nxt, free, peak, cached = t0, 0, 0, profile.kv_tokens, 0, 0.0
     while nxt < m or running:
         admitted = 0
         while nxt < m and len(running) < cap and need[nxt] <= free:
             free -= need[nxt]
             admitted += prompts[nxt]
-            start[nxt] = t
+            cached += prompts[nxt]
+            start[nxt], since[nxt] = t, step
             heapq.heappush(running, (step + out_lens[nxt], nxt))
             nxt += 1
         if admitted:
             t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
-        peak = max(peak, len(running))
-        done_step, _ = running[0]
-        t += profile.ptl(len(running)) * (done_step - step)
-        step = done_step
+        bs = len(running)
+        peak = max(peak, bs)
+        n = running[0][0] - step
+        t += n * profile.step_time(bs, cached + bs * (n - 1) / 2.0)  # cache grows linearly
+        step += n
+        cached += bs * n
         while running and running[0][0] == step:
             _, k = heapq.heappop(running)
             finish[k] = t
             free += need[k]
+            cached -= prompts[k] + step - since[k]
     return InstanceRun(finish, start, max(finish, default=t0), peak)
 
 
@@ -127,7 +132,7 @@ def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Instan
             waiting.append(k)
             continue
         n_steps = heap[0][0] - step if bs == 1 else max(1, min(heap[0][0] - step, room))
-        t += profile.ptl(bs) * n_steps
+        t += n_steps * profile.step_time(bs, used - bs * half + bs * (n_steps - 1) / 2.0)
         step += n_steps
         used += bs * n_steps
         while heap and heap[0][0] <= step:

@@ -125,11 +125,12 @@ def generation_tp(model: ModelSpec, g: GPUSpec, a: CostAssumptions = DEFAULT_ASS
     return tp
 
 
-def analytic_ptl_profile(model: ModelSpec, g: GPUSpec, tp: int | None = None, context_tokens: float = 1024.0,
+def analytic_ptl_profile(model: ModelSpec, g: GPUSpec, tp: int | None = None,
                          batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                          a: CostAssumptions = DEFAULT_ASSUMPTIONS, block_size: int = 16) -> PTLProfile:
-    """PTL(BS) of one generation instance (``tp`` GPUs) when the running sequences hold
-    ``context_tokens`` tokens on average: max(memory time, compute time) + overhead."""
+    """PTL(BS) of one generation instance (``tp`` GPUs) with an empty KV cache:
+    max(weight-read time, GEMM time) + overhead; each cached token adds its KV read time
+    (``kv_s_per_token``, ``ref_context`` 0), so the instance model charges long contexts."""
     tp = tp or generation_tp(model, g, a)
     bw = tp * g.hbm_tb_s * 1e12 * a.bw_efficiency
     flops = tp * g.bf16_tflops * 1e12 * a.flops_efficiency
@@ -137,14 +138,10 @@ def analytic_ptl_profile(model: ModelSpec, g: GPUSpec, tp: int | None = None, co
     if kv_bytes <= 0:
         raise ValueError(f"{model.name} does not fit {tp} x {g.name} for generation")
     kv_tokens = int(kv_bytes // model.kv_bytes_per_token)
-    ptl = []
-    for bs in batch_sizes:
-        mem = (model.weight_bytes + bs * context_tokens * model.kv_bytes_per_token) / bw
-        comp = 2 * model.params * bs / flops
-        ptl.append(max(mem, comp) + a.step_overhead_s)
+    ptl = [max(model.weight_bytes / bw, 2 * model.params * bs / flops) + a.step_overhead_s for bs in batch_sizes]
     return PTLProfile(list(batch_sizes), ptl, kv_tokens, block_size, 0, 2 * model.params / flops,
-                      f"{model.name}@{tp}x{g.name}",
-                      meta={"source": "analytic", "tp": tp, "context_tokens": context_tokens})
+                      f"{model.name}@{tp}x{g.name}", meta={"source": "analytic", "tp": tp},
+                      kv_s_per_token=model.kv_bytes_per_token / bw, ref_context=0.0)
 
 
 def trainer_min_gpus(model: ModelSpec, g: GPUSpec, algorithm: str = "ppo",

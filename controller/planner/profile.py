@@ -36,9 +36,12 @@ def _requests(n: int, prompt_len: int, out_len: int, vocab: int, first_id: int, 
 
 def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), prompt_len: int = 16,
                    decode_steps: int = 16, warmup_steps: int = 2, vocab: int = 64, block_size: int | None = None,
-                   name: str = "", clock: Callable[[], float] = time.perf_counter, seed: int = 0) -> PTLProfile:
+                   name: str = "", clock: Callable[[], float] = time.perf_counter, seed: int = 0,
+                   long_context: int = 0) -> PTLProfile:
     """Measure PTL(BS) of ``engine`` at each batch size, its KV capacity and prefill cost
-    (one prefill step = prefill_step_s + prefill_s_per_token * prompt tokens).
+    (one prefill step = prefill_step_s + prefill_s_per_token * prompt tokens), and the step
+    cost per cached token (a mid batch size re-timed at ``long_context`` tokens, default
+    4 * prompt_len + 64).
 
     Requests are forced to prompt_len + warmup_steps + decode_steps + 2 tokens so none finishes
     inside the timed window; the engine is drained between sizes and left empty. vocab bounds
@@ -61,10 +64,11 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
     engine.set_max_batch_size(sizes[-1])
     ptl, next_id = [], 0
     try:
-        for bs in sizes:
-            engine.add(_requests(bs, prompt_len, out_len, vocab, next_id, seed))
+        def timed(bs: int, plen: int) -> float:
+            nonlocal next_id
+            engine.add(_requests(bs, plen, out_len, vocab, next_id, seed))
             next_id += bs
-            for _ in range(bs * prompt_len + 8):  # prefill, possibly chunked over steps
+            for _ in range(bs * plen + 8):  # prefill, possibly chunked over steps
                 if engine.stats().running >= bs:
                     break
                 engine.step()
@@ -76,8 +80,20 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
             t0 = clock()
             for _ in range(decode_steps):
                 engine.step()
-            ptl.append((clock() - t0) / decode_steps)
+            dt = (clock() - t0) / decode_steps
             _drain(engine)
+            return dt
+
+        for bs in sizes:
+            ptl.append(timed(bs, prompt_len))
+        # attention cost per cached token: a mid batch at a long context
+        bs_kv = sizes[len(sizes) // 2]
+        long_ctx = long_context or 4 * prompt_len + 64
+        long_ctx = min(long_ctx, kv_tokens // bs_kv - out_len - block)
+        kv_coef = 0.0
+        if long_ctx > prompt_len:
+            t_long = timed(bs_kv, long_ctx)
+            kv_coef = max(0.0, (t_long - ptl[sizes.index(bs_kv)]) / (bs_kv * (long_ctx - prompt_len)))
         # prefill step: a short and a long prompt alone; fixed + per-token cost
         pre = []
         for n in (prompt_len, min(4 * prompt_len, kv_tokens // 2)):
@@ -96,7 +112,8 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
     mono = list(np.maximum.accumulate(np.maximum(ptl, 1e-9)))
     return PTLProfile(sizes, [float(x) for x in mono], int(kv_tokens), block, int(old_cap), float(per_token), name,
                       meta={"raw_ptl_s": ptl, "prompt_len": prompt_len, "decode_steps": decode_steps,
-                            "source": "measured"}, prefill_step_s=float(step_s))
+                            "source": "measured"}, prefill_step_s=float(step_s), kv_s_per_token=float(kv_coef),
+                      ref_context=float(prompt_len + warmup_steps + decode_steps / 2))
 
 
 @dataclass
