@@ -62,6 +62,33 @@ def measured_rows(a) -> dict[str, dict]:
     return rows
 
 
+def stage_seconds(spans, first_iteration: int = 0) -> dict[str, list[float]]:
+    """Per iteration: generation span length (longest instance) and summed train spans."""
+    gen, train = {}, {}
+    for sp in spans:
+        it, d = sp["iteration"], sp["end"] - sp["start"]
+        if it < first_iteration:
+            continue
+        if sp["stage"] == "generate":
+            gen[it] = max(gen.get(it, 0.0), d)
+        elif sp["stage"] == "train":
+            train[it] = train.get(it, 0.0) + d
+    return {"gen_s": [gen[k] for k in sorted(gen)], "train_s": [train[k] for k in sorted(train)]}
+
+
+def measured_stages(logdir: Path, mode: str) -> dict[str, list[float]]:
+    """The measured run's timeline (Chrome trace written by bench/pipeline_modes.py)."""
+    path = logdir / f"timeline_{mode}.json"
+    if not path.exists():
+        return {}
+    ev = json.loads(path.read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M"}
+    spans = [{"worker": names[e["tid"]], "stage": e["name"], "start": e["ts"] / 1e6,
+              "end": (e["ts"] + e["dur"]) / 1e6, "iteration": e["args"]["iteration"]} for e in ev if e["ph"] == "X"]
+    first = min((s["iteration"] for s in spans), default=0) + 1  # skip the warm-up iteration
+    return stage_seconds([s for s in spans if s["worker"].startswith(("gen", "train"))], first)
+
+
 def workloads(a, pa, cfg, tok, task) -> list[Workload]:
     """The bench's iterations, prompt by prompt: one warm-up batch, then the measured ones."""
     items = list(task.prompts("train"))
@@ -167,9 +194,16 @@ def main(argv=None) -> dict:
         predicted = max(r.sync_end[-1], r.train_end[-1]) / len(wls)
         measured = row["iteration_s"]
         errors[mode] = abs(predicted - measured) / measured
+        pred = stage_seconds([vars(sp) for sp in r.spans])
+        meas = measured_stages(ROOT / pa.logdir, mode)
+        mean = lambda xs: round(float(np.mean(xs)), 3) if xs else None  # noqa: E731
+        cv = lambda xs: round(float(np.std(xs) / np.mean(xs)), 3) if len(xs) > 1 else None  # noqa: E731
         print(json.dumps({"mode": mode, "measured_iteration_s": round(measured, 3),
-                          "predicted_iteration_s": round(predicted, 3), "rel_error": round(errors[mode], 3)}),
-              flush=True)
+                          "predicted_iteration_s": round(predicted, 3), "rel_error": round(errors[mode], 3),
+                          "gen_s": {"predicted": mean(pred["gen_s"]), "measured": mean(meas.get("gen_s", [])),
+                                    "measured_cv": cv(meas.get("gen_s", []))},
+                          "train_s": {"predicted": mean(pred["train_s"]), "measured": mean(meas.get("train_s", [])),
+                                      "measured_cv": cv(meas.get("train_s", []))}}), flush=True)
     summary = {"max_rel_error": round(max(errors.values()), 3),
                "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick}
     print(json.dumps({"summary": summary}), flush=True)
