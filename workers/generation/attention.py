@@ -74,9 +74,12 @@ class PagedAttention:
             self._triton = paged_decode.paged_decode_attention
 
     @property
-    def needs_mask(self) -> bool:
+    def uses_cpu_kernel(self) -> bool:
+        return self._cpu is not None
+
+    def needs_mask(self, is_prefill: bool) -> bool:
         """Whether the step context must carry gather indices and the padded key mask."""
-        return self._cpu is None
+        return self._cpu is None and (is_prefill or self._triton is None)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx

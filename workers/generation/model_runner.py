@@ -80,7 +80,7 @@ class ModelRunner:
         ctx = StepContext(is_prefill=batch.is_prefill, slot_mapping=self._to_dev(slots, torch.int64),
                           block_tables=bt, context_lens=self._to_dev(ctx_lens, torch.int32),
                           max_q_len=max_q, positions=pos_t)
-        if self.attn.needs_mask:
+        if self.attn.needs_mask(batch.is_prefill):
             lk = width * bs
             if batch.is_prefill:
                 q_pos = torch.tensor([s.num_cached for s in seqs])[:, None] + torch.arange(max_q)  # [B, Lq]
@@ -90,7 +90,7 @@ class ModelRunner:
                 mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
             ctx.key_mask = to_device(mask[:, None], torch.bool, self.device)
             ctx.gather_idx = bt.flatten().long()
-        else:
+        elif self.attn.uses_cpu_kernel:
             ctx.seq_of = self._to_dev(seq_of, torch.int64) if seq_of is not None else \
                 torch.arange(len(seqs), device=self.device)
         self.attn.ctx = ctx
