@@ -43,8 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.iterations = a.iterations or (3 if a.quick else 6)
-    a.prompts = a.prompts or (24 if a.quick else 48)
-    a.max_len = a.max_len or (96 if a.quick else 160)
+    a.prompts = a.prompts or (20 if a.quick else 48)
+    a.max_len = a.max_len or (80 if a.quick else 160)
     return a
 
 
@@ -94,16 +94,18 @@ def run_mode(cfg, mode: str, a, model_dir, tok, task, length_of) -> dict:
     prog = Program(cfg_m, world, tok, task)
     prog.length_of = length_of
     prog.run(1)  # warm-up: first-touch allocations, thread pools
-    world.drain_spans()
+    prog.drain_spans()
     t0 = time.time()
     res = prog.run(a.iterations)
     t1 = time.time()
-    spans = world.drain_spans()
+    spans = prog.drain_spans()
+    control = [s for s in spans if s.worker == "controller"]
+    spans = [s for s in spans if s.worker != "controller"]
     wait_all([h.call("close") for h in world.trainers + world.sgs.handles])
     samples = sum(r.num_samples for r in res)
     logdir = Path(a.logdir)
     write_chrome_trace(spans, logdir / f"timeline_{mode}.json")
-    fig = gantt_figure([s for s in spans if s.end >= t0], f"{mode}: {a.iterations} iterations")
+    fig = gantt_figure([s for s in spans + control if s.end >= t0], f"{mode}: {a.iterations} iterations")
     fig.savefig(logdir / f"timeline_{mode}.png", dpi=90)
     return {"mode": mode, "samples_per_s": samples / (t1 - t0), "iteration_s": (t1 - t0) / a.iterations,
             "samples": samples, "tokens": sum(r.num_tokens for r in res), "iterations": a.iterations,

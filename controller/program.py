@@ -23,6 +23,7 @@ from controller.data import PromptStream
 from controller.modes import PipelineMode, get_mode
 from controller.rpc import wait_all
 from controller.sgs import Round
+from controller.timeline import SpanRecorder
 from controller.world import World
 from workers.types import Request, SamplingParams, TaskPrompt
 
@@ -76,6 +77,7 @@ class Program:
         self.history: list[IterationResult] = []
         self.length_of = None  # benchmarks: prompt text -> forced output length
         self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
+        self.spans = SpanRecorder("controller")  # what the controller waits on, for the timeline
 
     # ---- requests ------------------------------------------------------------------------
     def make_batch(self, iteration: int) -> _Batch:
@@ -109,18 +111,25 @@ class Program:
                          self.mode.max_staleness) for t, (prompts, groups) in zip(self.world.trainers, per)])
 
     def _generate(self, b: _Batch, version: int) -> None:
-        self._begin(b)
-        b.round = self.world.sgs.generate(b.iteration, b.requests, version)
+        with self.spans.span("dispatch", b.iteration):
+            self._begin(b)
+            b.round = self.world.sgs.generate(b.iteration, b.requests, version)
 
     def _finish_generation(self, b: _Batch) -> None:
         if b.round is not None and not b.gen_done:
-            b.round.wait()
+            with self.spans.span("wait_generate", b.iteration):
+                b.round.wait()
             b.gen_done = time.time()
+
+    def drain_spans(self) -> list:
+        """Every worker's spans plus the controller's own."""
+        return self.world.drain_spans() + self.spans.drain()
 
     def _step(self, b: _Batch, gen_version: int, sync_s: float) -> IterationResult:
         t0 = time.time()
         reports = wait_all([t.call("step", b.iteration) for t in self.world.trainers])
         t1 = time.time()
+        self.spans.add("wait_step", t0, t1, b.iteration)
         version = reports[0].version
         metrics = dict(reports[0].metrics)  # all-reduced: every DP rank reports the same totals
         metrics["staleness_max"] = float(max(r.staleness_max for r in reports))
@@ -154,6 +163,7 @@ class Program:
         go to the others), any other failure stops the run."""
         from controller.rpc import WorkerFailed
 
+        t0 = time.time()
         for c in calls:
             try:
                 out = c.wait()
@@ -163,6 +173,7 @@ class Program:
                 if not (e.lost and c.handle.role == "generation"):
                     raise
                 self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(e).splitlines()[0]}")
+        self.spans.add("wait_push", t0, time.time(), self.iteration)
 
     def _push(self, version: int):
         return self.world.push_weights(version), time.time()

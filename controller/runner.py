@@ -129,7 +129,7 @@ class Session:
                   f"(weights v{self.program.version})", file=sys.stderr, flush=True)
 
     def _on_iteration(self, res) -> None:
-        spans = self.world.drain_spans()
+        spans = self.program.drain_spans()
         derived = self.metrics.log_iteration(res, spans)
         c = self.cfg
         if self.policy is not None:

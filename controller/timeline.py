@@ -14,9 +14,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+CONTROLLER = "controller"
 STAGES = ("generate", "ref_reward", "train", "weight_sync", "idle")
 _COLORS = {"generate": "tab:blue", "ref_reward": "tab:orange", "train": "tab:green",
-           "weight_sync": "tab:purple", "idle": "lightgrey"}
+           "weight_sync": "tab:purple", "idle": "lightgrey",
+           # the controller's own row: what it is waiting on
+           "dispatch": "tab:red", "wait_generate": "lightsteelblue", "wait_step": "palegreen",
+           "wait_push": "plum"}
 
 
 @dataclass
@@ -75,7 +79,9 @@ def busy_time(spans: list[Span]) -> float:
 
 def bubble_fractions(spans: list[Span], window: tuple[float, float] | None = None) -> dict[str, float]:
     """Per worker: 1 - (time covered by a non-idle span) / window length. ``window`` defaults
-    to the first start .. last end over all spans (the same wall-clock window for everyone)."""
+    to the first start .. last end over all spans (the same wall-clock window for everyone).
+    The controller's own row (what it waits on) is not a worker and is left out."""
+    spans = [s for s in spans if s.worker != CONTROLLER]
     if not spans:
         return {}
     lo, hi = window or (min(s.start for s in spans), max(s.end for s in spans))
@@ -131,7 +137,7 @@ def gantt_figure(spans: list[Span], title: str = ""):
     t0 = min((s.start for s in spans), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(workers) + 1.2))
     for row, w in enumerate(workers):
-        for st in STAGES:
+        for st in _COLORS:
             bars = [(s.start - t0, s.duration) for s in spans if s.worker == w and s.stage == st]
             if bars:
                 ax.broken_barh(bars, (row - 0.4, 0.8), color=_COLORS[st], label=st)
