@@ -179,6 +179,8 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
     max_len = max(len(p) + n for p, n in work)
     kv_bytes = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head
                 * torch.finfo(getattr(torch, dtype)).bits // 8 * (batch + 2) * (max_len + 32))
+    # vLLM's CPU worker drops to 1 thread unless OMP_NUM_THREADS says otherwise: same threads as the others
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, max_num_seqs=batch,
                    max_model_len=max_len, seed=0, kv_cache_memory_bytes=kv_bytes,
                    gpu_memory_utilization=0.1)
