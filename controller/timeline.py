@@ -16,8 +16,9 @@ from pathlib import Path
 
 CONTROLLER = "controller"
 STAGES = ("generate", "ref_reward", "train", "weight_sync", "idle")
-_COLORS = {"generate": "tab:blue", "ref_reward": "tab:orange", "train": "tab:green",
-           "weight_sync": "tab:purple", "idle": "lightgrey",
+_COLORS = {"idle": "lightgrey",  # drawn first: busy spans paint over it
+           "generate": "tab:blue", "ref_reward": "tab:orange", "train": "tab:green",
+           "weight_sync": "tab:purple",
            # the controller's own row: what it is waiting on
            "dispatch": "tab:red", "wait_generate": "lightsteelblue", "wait_step": "palegreen",
            "wait_push": "plum"}

@@ -192,8 +192,10 @@ class TrainerRank:
                 self._cond.notify_all()
 
     def _next_batch(self) -> tuple[list[Sample], _Iteration | None]:
-        """Under the lock: wait for the next releasable batch of the current iteration."""
-        idle_from = time.time()
+        """Under the lock: wait for the next releasable batch of the current iteration. Time
+        spent waiting (for samples, or for the next iteration) is recorded as "idle"; time
+        while ``step()`` runs is not."""
+        idle_from = None
         while not self._closed:
             if self._current is None and self._iters:
                 nxt = min(self._iters)
@@ -201,13 +203,19 @@ class TrainerRank:
                     rec = self._iters[nxt]
                     self.worker.begin_iteration(nxt, rec.prompts, rec.group_sizes)
                     self._current = nxt
-            if self._current is not None and self._current not in self._ready:
+            stepping = self._current is not None and self._current in self._ready
+            if self._current is not None and not stepping:
                 rec = self._iters[self._current]
                 batch = rec.release()
                 if batch:
-                    if time.time() - idle_from > 1e-3:
+                    if idle_from is not None:
                         self.spans.add("idle", idle_from, time.time(), rec.iteration)
                     return batch, rec
+            if stepping and idle_from is not None:
+                self.spans.add("idle", idle_from, time.time(), self._current)
+                idle_from = None
+            elif not stepping and idle_from is None:
+                idle_from = time.time()
             self._cond.wait(timeout=0.5)
         return [], None
 
