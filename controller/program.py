@@ -78,10 +78,12 @@ class Program:
         self.length_of = None  # benchmarks: prompt text -> forced output length
         self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
         self.spans = SpanRecorder("controller")  # what the controller waits on, for the timeline
+        self._stream_at: dict[int, dict] = {}  # iteration -> prompt-stream state before its batch
 
     # ---- requests ------------------------------------------------------------------------
     def make_batch(self, iteration: int) -> _Batch:
         t = self.cfg.train
+        self._stream_at[iteration] = self.stream.state_dict()
         items = self.stream.next(t.batch_prompts)
         texts = [it.prompt for it in items]
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
@@ -233,6 +235,11 @@ class Program:
         self.history.append(res)
         if self.on_iteration is not None:
             self.on_iteration(res)
+
+    def stream_state_at(self, iteration: int) -> dict:
+        """Prompt-stream state to resume at ``iteration`` (in async modes the next batch may
+        already be drawn when a checkpoint is written)."""
+        return self._stream_at.get(iteration, self.stream.state_dict())
 
     # ---- settings between iterations (REPL) ----------------------------------------------
     def set_mode(self, name: str) -> None:

@@ -148,7 +148,8 @@ class Session:
                                  description=f"RL {c.pipeline.mode} reward {res.metrics.get('reward_mean', 0):.3f}")
 
     def save_checkpoint(self, next_iteration: int) -> Path:
-        state = ckpt.ControllerState(next_iteration, self.program.version, self.program.stream.state_dict(),
+        state = ckpt.ControllerState(next_iteration, self.program.version,
+                                     self.program.stream_state_at(next_iteration),
                                      self.program.mode.name, list(self.metrics.rewards), {})
         trainer0 = self.world.trainers[0]
         return ckpt.save(self.logdir / "checkpoints", state,
