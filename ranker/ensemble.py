@@ -26,7 +26,7 @@ class EnsembleConfig:
     lgbm: LgbmConfig = field(default_factory=LgbmConfig)
     lm: LmConfig = field(default_factory=LmConfig)
     lgbm_weight: float = 0.7
-    lm_embedding: bool = False
+    lm_embedding: bool = True
 
     def __post_init__(self):
         if not 0.0 <= self.lgbm_weight <= 1.0:
