@@ -10,6 +10,7 @@ Commands (one per line)::
     dispatch NAME [k=v ...]   switch the dispatcher (controller.scheduling names)
     eval [N]           greedy accuracy on N test prompts
     save               write a checkpoint now
+    leave RANK         scale in: generation instance RANK stops taking prompts
     status             iteration, weight version, mode, last reward
     help | quit
 
@@ -31,7 +32,7 @@ class Repl:
         self.commands = {
             "run": self.run, "sgs": self.sgs, "trainer": self.trainer, "timeline": self.timeline,
             "mode": self.mode, "dispatch": self.dispatch, "eval": self.eval, "save": self.save,
-            "status": self.status, "help": self.help,
+            "status": self.status, "help": self.help, "leave": self.leave,
         }
 
     def loop(self, stdin, stdout) -> None:
@@ -82,6 +83,17 @@ class Repl:
 
     def save(self) -> dict:
         return {"checkpoint": str(self.s.save_checkpoint(self.s.program.iteration))}
+
+    def leave(self, rank: str) -> dict:
+        sgs = self.s.world.sgs
+        handle = next((h for h in sgs.handles if h.rank == int(rank)), None)
+        if handle is None:
+            return {"error": f"no generation instance on rank {rank}"}
+        if len(sgs.handles) == 1:
+            return {"error": "the last generation instance cannot leave"}
+        handle.call("stop").wait()
+        sgs.remove(handle.rank, reason="left (REPL)")
+        return {"left": handle.rank, "instances": [h.rank for h in sgs.handles]}
 
     def status(self) -> dict:
         p = self.s.program
