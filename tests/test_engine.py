@@ -24,9 +24,20 @@ def tiny_model(seed: int = 0) -> CausalLM:
 MODEL = tiny_model()
 
 
+_RECOMPUTED: dict = {}
+
+
 @torch.no_grad()
 def recompute_greedy(model: CausalLM, prompt: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
-    """Greedy decoding with no cache: the whole sequence is re-run for every token."""
+    """Greedy decoding with no cache: the whole sequence is re-run for every token
+    (memoized per model, prompt and length: several tests check the same prompts)."""
+    key = (model, tuple(prompt.tolist()), n)  # the key keeps the model alive: no id reuse
+    if key not in _RECOMPUTED:
+        _RECOMPUTED[key] = _recompute(model, prompt, n)
+    return _RECOMPUTED[key]
+
+
+def _recompute(model: CausalLM, prompt: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
     seq, out, lps = prompt.clone(), [], []
     for _ in range(n):
         logits = model.forward_packed([seq])[-1]
@@ -108,7 +119,7 @@ def test_prefix_sharing_equals_recompute(kv_tokens):
 def test_load_weights_like_fresh_engine():
     other = tiny_model(seed=7)
     reqs = greedy_requests(PS[:4], 8)
-    eng = engine()
+    eng = engine(model=tiny_model())  # own copy: load_weights writes into the model in place
     generate_all(eng, reqs)
     eng.load_weights(other.hf_state_dict().items(), version=3)
     got = generate_all(eng, reqs)
@@ -122,7 +133,7 @@ def test_load_weights_mid_flight_restarts_in_flight_samples():
     reqs = [Request(sample_id=i, prompt_ids=p, max_tokens=8, min_tokens=8,
                     sampling=SamplingParams(temperature=1.0, seed=i), group_id=i % 2)
             for i, p in enumerate(PS[:4])]
-    eng = engine(max_batch_size=2)
+    eng = engine(model=tiny_model(), max_batch_size=2)
     eng.add(reqs)
     for _ in range(3):
         assert eng.step() == []
