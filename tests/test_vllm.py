@@ -149,3 +149,27 @@ def test_load_weights_in_flight_restarts_and_matches_fresh_native(setup, tmp_pat
     back = generate_all(eng, reqs)
     assert [s.output_ids.tolist() for s in back] == \
         [s.output_ids.tolist() for s in generate_all(setup["native"], reqs)]
+
+
+@pytest.mark.slow
+def test_engine_core_in_subprocess(setup):
+    """The mode used inside a multi-rank torch.distributed process (here forced): the engine
+    core runs in a spawned child; same outputs, weights reach the child, cap still applies."""
+    eng = make_engine(_cfg("vllm", max_batch_size=2, backend_options={"multiprocess": True}),
+                      setup["dir"])
+    try:
+        assert eng.subprocess
+        reqs = _greedy(_prompts([5, 17, 3]), 12)
+        want = generate_all(setup["native"], reqs)
+        got = generate_all(eng, reqs)
+        assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
+        new = _model(7, eos=setup["eos"])
+        eng.add(reqs)
+        eng.step()
+        eng.load_weights(new.hf_state_dict().items(), version=3)
+        got = sorted(generate_all(eng, []), key=lambda s: s.sample_id)
+        want = generate_all(NativeEngine(_cfg("native"), model=new), reqs)
+        assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
+        assert {s.weight_version for s in got} == {3}
+    finally:
+        eng.llm.engine_core.shutdown()
