@@ -59,7 +59,11 @@ class WorkerHandle:
         return worker_name(self.rank)
 
     def call(self, method: str, *args, timeout: float | None = None) -> "Call":
-        fut = getattr(self.rref.rpc_async(timeout=timeout or self.timeout), method)(*args)
+        try:
+            fut = getattr(self.rref.rpc_async(timeout=timeout or self.timeout), method)(*args)
+        except Exception as e:  # noqa: BLE001 - e.g. the peer is already gone: fail via the future
+            fut = torch.futures.Future()
+            fut.set_exception(e)
         return Call(self, method, fut)
 
 
