@@ -87,7 +87,7 @@ def main(argv=None) -> None:
             s.add_argument("--model", required=True, help=f"file or one of {sorted(MODELS)}")
         else:
             s.add_argument("--models", nargs="+", default=sorted(MODELS, key=lambda k: MODELS[k].params))
-            s.add_argument("--mode", default="stream")
+            s.add_argument("--mode", default="async_stream")
             s.add_argument("--gpus", type=int, default=128, help="H800 GPUs of the homogeneous cluster")
             s.add_argument("--h20-gpus", type=int, default=64)
             s.add_argument("--h800-gpus", type=int, default=64)
