@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
     sizes = [1, 4, 16, 32, 64, 128, 256]
     twin = make_engine(args, kv_tokens=max(sizes[-1] * (ctx + 32), 32 * (long_ctx + 48)) + 1024)
     prof = profile_engine(twin, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=512, clock=CLOCK,
-                          name=f"tiny-h{args.hidden}-l{args.layers}", long_context=long_ctx)
+                          name=f"tiny-h{args.hidden}-l{args.layers}", long_context=long_ctx, repeats=3)
     del twin
     prof.kv_tokens = engine.cfg.total_blocks * engine.cfg.block_size
     prof.max_batch_size = args.max_batch

@@ -37,11 +37,12 @@ def _requests(n: int, prompt_len: int, out_len: int, vocab: int, first_id: int, 
 def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), prompt_len: int = 16,
                    decode_steps: int = 16, warmup_steps: int = 2, vocab: int = 64, block_size: int | None = None,
                    name: str = "", clock: Callable[[], float] = time.perf_counter, seed: int = 0,
-                   long_context: int = 0) -> PTLProfile:
+                   long_context: int = 0, repeats: int = 1) -> PTLProfile:
     """Measure PTL(BS) of ``engine`` at each batch size, its KV capacity and prefill cost
     (one prefill step = prefill_step_s + prefill_s_per_token * prompt tokens), and the step
     cost per cached token (a mid batch size re-timed at ``long_context`` tokens, default
-    4 * prompt_len + 64).
+    4 * prompt_len + 64). ``repeats`` > 1 keeps the fastest of that many timings (on a shared
+    machine other tenants only ever add time).
 
     Requests are forced to prompt_len + warmup_steps + decode_steps + 2 tokens so none finishes
     inside the timed window; the engine is drained between sizes and left empty. vocab bounds
@@ -84,15 +85,18 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
             _drain(engine)
             return dt
 
+        def best(bs: int, plen: int) -> float:  # contention only ever adds time: keep the fastest
+            return min(timed(bs, plen) for _ in range(max(1, repeats)))
+
         for bs in sizes:
-            ptl.append(timed(bs, prompt_len))
+            ptl.append(best(bs, prompt_len))
         # attention cost per cached token: a mid batch at a long context
         bs_kv = sizes[len(sizes) // 2]
         long_ctx = long_context or 4 * prompt_len + 64
         long_ctx = min(long_ctx, kv_tokens // bs_kv - out_len - block)
         kv_coef = 0.0
         if long_ctx > prompt_len:
-            t_long = timed(bs_kv, long_ctx)
+            t_long = best(bs_kv, long_ctx)
             kv_coef = max(0.0, (t_long - ptl[sizes.index(bs_kv)]) / (bs_kv * (long_ctx - prompt_len)))
         # prefill step: a short and a long prompt alone; fixed + per-token cost
         pre = []
