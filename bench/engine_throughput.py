@@ -49,14 +49,14 @@ def emit(**kw) -> dict:
 
 # ---- machine and models --------------------------------------------------------------------
 def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Measured fp32 matmul FLOP/s of this machine (best of a few timed repetitions)."""
+    """Measured fp32 matmul FLOP/s of this machine (best of repetitions, on the run's clock)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
-        t = time.perf_counter()
+        t = CLOCK["now"]()
         a @ b
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
+        best = max(best, 2 * n ** 3 / max(CLOCK["now"]() - t, 1e-9))
     return best
 
 
@@ -117,6 +117,7 @@ def workload_trace(n_prompts: int, cap: int, vocab: int, seed: int = 0) -> Work:
 
 # ---- competitors: each (folder, work, dtype, batch) -> seconds (or None when absent) ----------
 ATTENTION = {"backend": "cpu"}  # set from --attention
+CLOCK = {"now": time.perf_counter}  # --clock cpu: time.process_time (CPU seconds of this process)
 
 
 def run_native(folder: Path, work: Work, dtype: str, batch: int) -> float:
@@ -127,9 +128,9 @@ def run_native(folder: Path, work: Work, dtype: str, batch: int) -> float:
     eng = make_engine(cfg, str(folder))
     generate_all(eng, _requests(work[:2], 2))  # warm-up
     reqs = _requests(work)
-    t = time.perf_counter()
+    t = CLOCK["now"]()
     out = generate_all(eng, reqs)
-    dt = time.perf_counter() - t
+    dt = CLOCK["now"]() - t
     assert [len(s.output_ids) for s in out] == [n for _, n in work], "native: wrong lengths"
     return dt
 
@@ -144,7 +145,7 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, torch_dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+        folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
 
@@ -161,10 +162,10 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
                            top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n)
 
     gen([(p, 2) for p, _ in work[:2]])  # warm-up
-    t = time.perf_counter()
+    t = CLOCK["now"]()
     for i in range(0, len(work), batch):
         gen(work[i:i + batch])
-    return time.perf_counter() - t
+    return CLOCK["now"]() - t
 
 
 def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
@@ -189,9 +190,9 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
     prompts = [{"prompt_token_ids": p.tolist()} for p, _ in work]
     warm = vllm.SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:2], [warm] * 2, use_tqdm=False)
-    t = time.perf_counter()
+    t = CLOCK["now"]()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
+    dt = CLOCK["now"]() - t
     assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in work], "vllm: wrong lengths"
     llm.llm_engine.engine_core.shutdown()
     return dt
@@ -203,18 +204,26 @@ COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
 
 # ---- main ----------------------------------------------------------------------------------
 def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype: str, batch: int,
-                   competitors: list[str], peak: float) -> dict[str, tuple[float, float] | None]:
-    """competitor -> (useful tokens/s, fraction of the fp32 matmul peak reached), or None."""
+                   competitors: list[str], peak: float, repeats: int = 1) -> dict[str, tuple[float, float] | None]:
+    """competitor -> (useful tokens/s, fraction of the fp32 matmul peak reached), or None.
+    With ``repeats`` > 1 the competitors alternate (A B A B ...) and the best run of each
+    counts: on a shared machine the load drifts, and alternating exposes both to it."""
     tokens = sum(n for _, n in work)
     flops = model_flops(cfg, work)
     out: dict[str, tuple[float, float] | None] = {}
-    for comp in competitors:
-        dt = COMPETITORS[comp](folder, work, dtype, batch)
-        out[comp] = None if dt is None else (tokens / dt, flops / dt / peak)
-        emit(workload=name, competitor=comp, attention=ATTENTION["backend"] if comp == "native" else None,
-             dtype=dtype, prompts=len(work), new_tokens=tokens,
-             batch=batch, seconds=dt, tok_s=None if dt is None else tokens / dt,
-             flops_fraction=None if dt is None else flops / dt / peak, load_avg=os.getloadavg()[0])
+    for rep in range(repeats):
+        for comp in competitors:
+            if rep and out.get(comp) is None:
+                continue  # absent competitor
+            dt = COMPETITORS[comp](folder, work, dtype, batch)
+            emit(workload=name, competitor=comp, repeat=rep,
+                 attention=ATTENTION["backend"] if comp == "native" else None, dtype=dtype,
+                 prompts=len(work), new_tokens=tokens, batch=batch, seconds=dt,
+                 tok_s=None if dt is None else tokens / dt,
+                 flops_fraction=None if dt is None else flops / dt / peak, load_avg=os.getloadavg()[0])
+            if dt is not None and (out.get(comp) is None or tokens / dt > out[comp][0]):
+                out[comp] = (tokens / dt, flops / dt / peak)
+            out.setdefault(comp, None)
     return out
 
 
@@ -228,11 +237,18 @@ def main(argv=None):
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--competitors", default="native,hf,vllm")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="'cpu': time the runs in CPU seconds of this process (with --threads 1: "
+                         "single-core throughput, robust to other load on a shared machine; "
+                         "misses work done in child processes, e.g. vLLM's engine core)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="alternate the competitors this many times, keep each one's best run")
     ap.add_argument("--attention", default="cpu", choices=["cpu", "torch"],
                     help="native engine's attention backend ('cpu': C++ kernel, built on first use)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ATTENTION["backend"] = args.attention
+    CLOCK["now"] = time.process_time if args.clock == "cpu" else time.perf_counter
     tune_cpu_malloc()  # process-wide: helps every competitor alike
     comps = args.competitors.split(",")
     for c in comps:
@@ -241,7 +257,7 @@ def main(argv=None):
     wl = args.workloads.split(",")
     q = args.quick
     peak = matmul_flops(512 if q else 1024, 0.5 if q else 2.0)
-    emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads)
+    emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock)
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         tiny = tiny_config()
@@ -249,15 +265,15 @@ def main(argv=None):
             write_model(tiny, Path(tmp) / "tiny", torch.float32)
         if "a" in wl:
             work = workload_fixed(16 if q else 64, 32 if q else 256, tiny.vocab_size)
-            res["a"] = bench_workload("a", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak)
+            res["a"] = bench_workload("a", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak, args.repeats)
         if "b" in wl:
             work = workload_trace(32 if q else 256, 128 if q else 1024, tiny.vocab_size)
-            res["b"] = bench_workload("b", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak)
+            res["b"] = bench_workload("b", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak, args.repeats)
         if "c" in wl:
             big = qwen05b_config(2 if q else 24)
             write_model(big, Path(tmp) / "q05b", torch.bfloat16)
             work = workload_fixed(4 if q else 16, 8 if q else 64, big.vocab_size)
-            res["c"] = bench_workload("c", Path(tmp) / "q05b", big, work, "bfloat16", 16, comps, peak)
+            res["c"] = bench_workload("c", Path(tmp) / "q05b", big, work, "bfloat16", 16, comps, peak, args.repeats)
 
     def tok_s(w, comp):
         r = res.get(w, {}).get(comp)
@@ -267,7 +283,7 @@ def main(argv=None):
         r = res.get(w, {}).get("native")
         return None if r is None else r[1]
 
-    emit(summary=True, quick=q,
+    emit(summary=True, quick=q, clock=args.clock, threads=args.threads,
          native_tok_s=tok_s("a", "native"), hf_tok_s=tok_s("a", "hf"), vllm_tok_s=tok_s("a", "vllm"),
          native_over_hf=ratio(tok_s("a", "native"), tok_s("a", "hf")),
          native_over_vllm=ratio(tok_s("a", "native"), tok_s("a", "vllm")),
