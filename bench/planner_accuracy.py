@@ -171,7 +171,7 @@ def main(argv=None) -> dict:
     engine = make_engine(cfg.engine, model_dir)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
     gen = profile_engine(engine, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=300, name="bench-model",
-                         long_context=ctx + max(w0.out_lens), repeats=3)
+                         long_context=1024, repeats=3)
     del engine
     train = trainer_profile(cfg, model_dir, task, w0)
     weight_bytes = sum(p.numel() * 4 for p in __import__("workers.model", fromlist=["load_pretrained"])
