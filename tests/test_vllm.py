@@ -172,4 +172,4 @@ def test_engine_core_in_subprocess(setup):
         assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
         assert {s.weight_version for s in got} == {3}
     finally:
-        eng.llm.engine_core.shutdown()
+        eng.close()

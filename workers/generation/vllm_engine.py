@@ -106,8 +106,11 @@ def _import_vllm(subprocess: bool):
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
         import vllm
+        import vllm.envs
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    # an in-process engine core freezes vLLM's env reads (envs cache); ours must count
+    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
     return vllm
 
 
@@ -286,6 +289,13 @@ class VLLMEngine:
         self.llm.set_weight_version(str(self.weight_version))
         self._restarts += 1
         self._admit()
+
+    def close(self) -> None:
+        """Stop vLLM's engine core (its child process in subprocess mode). Idempotent."""
+        self._queue.clear()
+        self._live.clear()
+        self._sample_ids.clear()
+        self.llm.engine_core.shutdown()
 
     def stats(self) -> EngineStats:
         """From vLLM's scheduler stats of the last step (running, waiting, KV use) plus this
