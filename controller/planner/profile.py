@@ -67,8 +67,10 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
     try:
         def timed(bs: int, plen: int) -> float:
             nonlocal next_id
-            engine.add(_requests(bs, plen, out_len, vocab, next_id, seed))
+            refused = engine.add(_requests(bs, plen, out_len, vocab, next_id, seed))
             next_id += bs
+            if refused:
+                raise ValueError(f"profile_engine: the engine refused a {plen}-token prompt: {refused[0].error}")
             for _ in range(bs * plen + 8):  # prefill, possibly chunked over steps
                 if engine.stats().running >= bs:
                     break
@@ -94,6 +96,9 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
         bs_kv = sizes[len(sizes) // 2]
         long_ctx = long_context or 4 * prompt_len + 64
         long_ctx = min(long_ctx, kv_tokens // bs_kv - out_len - block)
+        max_len = int(getattr(engine, "max_model_len", 0) or 0)  # the native engine's limit
+        if max_len:
+            long_ctx = min(long_ctx, max_len - out_len - 1)
         kv_coef = 0.0
         if long_ctx > prompt_len:
             t_long = best(bs_kv, long_ctx)
