@@ -107,7 +107,10 @@ def test_trainer_death_restarts_from_checkpoint(tmp_path, tiny_model):  # noqa: 
     finally:
         del os.environ["STREAMRL_TEST_TRAINER_DIE_AT"]
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "worker rank 2 (trainer) was lost" in p.stderr and "resumed from" in p.stderr
+    stopped = [ln for ln in p.stderr.splitlines() if "run stopped" in ln]
+    # the first failure seen is the trainer's step, or an instance failing to stream to it
+    assert stopped and ("worker rank 2 (trainer)" in stopped[0] or "rank 1 (generation)" in stopped[0]), stopped
+    assert "resumed from" in p.stderr
     rows = iterations(tmp_path / "run")
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert [r["version"] for r in rows] == [1, 2, 3]
