@@ -17,8 +17,9 @@ V = 128
 
 
 def _model(seed: int) -> CausalLM:
+    # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)
     cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                       eos_token_id=1)
     return init_weights(CausalLM(cfg), seed=seed, std=0.2)
 
