@@ -39,9 +39,11 @@ def is_peer_lost(err: BaseException) -> bool:
     msg = str(err)
     if "On WorkerInfo(" in msg:
         return False
-    lost_marks = ("eof", "pipe closed", "Connection reset", "connection reset", "Connection refused",
-                  "closed", "shut down", "Unknown destination worker", "timed out", "Timeout")
-    return any(m in msg for m in lost_marks)
+    low = msg.lower()
+    lost_marks = ("eof", "end of file", "pipe closed", "connection reset", "econnreset", "connection refused",
+                  "econnrefused", "broken pipe", "epipe", "closed", "shut down", "unknown destination worker",
+                  "timed out", "timeout")
+    return any(m in low for m in lost_marks)
 
 
 @dataclass

@@ -59,10 +59,17 @@ class World:
         return calls
 
     def drain_spans(self) -> list:
-        handles = self.trainers + self.sgs.handles
+        """Spans of every worker; a generation instance that vanished meanwhile is skipped
+        (the SGS notices and re-dispatches when its ``generate`` fails)."""
+        from controller.rpc import WorkerFailed
+
         out = []
-        for spans in wait_all([h.call("drain_spans") for h in handles]):
-            out += spans
+        for c in [h.call("drain_spans") for h in self.trainers + self.sgs.handles]:
+            try:
+                out += c.wait()
+            except WorkerFailed as e:
+                if not (e.lost and c.handle.role == "generation"):
+                    raise
         return out
 
 

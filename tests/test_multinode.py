@@ -21,7 +21,6 @@ def _popen(cmd, env_extra=None):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow  # ~2 minutes on the shared 2-core machine
 def test_join_then_kill_loses_no_prompt(tmp_path, tiny_model):  # noqa: F811
     cfg = write_config(tmp_path, tiny_model, train__iterations=4, train__eval_every=0, train__max_tokens=16,
                        train__min_tokens=16, placement__force_scale_out_at=1)
@@ -37,7 +36,8 @@ def test_join_then_kill_loses_no_prompt(tmp_path, tiny_model):  # noqa: F811
             if p.poll() is None:
                 p.kill()
     joiner.wait(timeout=30)
-    assert main.returncode == 0, err[-4000:]
+    assert main.returncode == 0, "\n".join(ln for ln in err.splitlines() if "[controller]" in ln or "[sgs]" in ln
+                                           or "Error" in ln)[-4000:]
     assert joiner.returncode == -9  # SIGKILLed itself mid-iteration
     rows = iterations(tmp_path / "run")
     assert [r["num_samples"] for r in rows] == [8, 8, 8, 8]  # every prompt trained exactly once
