@@ -321,3 +321,15 @@ def test_packing_and_padded_attention_match_packed_causal():
         grads.append((h.detach(), m.model.layers[0].self_attn.q_proj.weight.grad.clone()))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4)
+
+
+def test_reward_std_from_summed_stats():
+    from types import SimpleNamespace
+
+    from workers.trainer.step_math import StatSums
+
+    stats = StatSums(torch.device("cpu"))
+    for score in (0.0, 1.0, 1.0, 0.0):
+        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, weight_version=0), version=0)
+    m = stats.metrics(stats.packed(), "token_mean")
+    assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.5)

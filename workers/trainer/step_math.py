@@ -122,7 +122,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
 class StatSums:
     """Summed statistics of one iteration, packed into one tensor for the all-reduce."""
 
-    KEYS = ("num_samples", "score_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
+    KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss")
@@ -140,6 +140,7 @@ class StatSums:
     def add_sample(self, p: Prepared, version: int) -> None:
         self.add("num_samples", 1.0)
         self.add("score_sum", p.score)
+        self.add("score_sq_sum", p.score * p.score)
         self.add("resp_len_sum", float(p.num_tokens))
         self.add("staleness_sum", float(version - p.weight_version))
 
@@ -155,8 +156,9 @@ class StatSums:
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = t["num_tokens"] if loss_agg == "token_mean" else t["num_seqs"]
-        m = {"reward_mean": t["score_sum"] / n, "response_len_mean": t["resp_len_sum"] / n,
-             "staleness_mean": t["staleness_sum"] / n}
+        mean = t["score_sum"] / n
+        m = {"reward_mean": mean, "reward_std": max(t["score_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
+             "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n}
         for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
                   "incomplete_groups", "duplicates"):
             m[k] = t[k]
