@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ranker import progress
+from ranker.base import LogLengthRanker
 from ranker.data import check_lengths, check_prompts
 from ranker.lgbm import LgbmConfig, LgbmRanker
 from ranker.lm import LmConfig, LmRanker
@@ -40,8 +41,12 @@ class EnsembleConfig:
         return cls(lgbm=lg, lm=lm, **d)
 
 
-class EnsembleRanker:
+class EnsembleRanker(LogLengthRanker):
     kind = "ensemble"
+
+    @property
+    def fitted(self) -> bool:
+        return self.lgbm is not None
 
     def __init__(self, cfg: EnsembleConfig | None = None, **kw):
         self.cfg = cfg or EnsembleConfig.from_dict(kw)
@@ -88,17 +93,7 @@ class EnsembleRanker:
         zb = (self.lm.predict_log(prompts) - mb) / sb if w < 1.0 else 0.0
         return (w * za + (1 - w) * zb) * sa + ma
 
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        return np.maximum(np.expm1(self.predict_log(prompts)), 0.0).tolist()
-
-    def _need_fitted(self) -> None:
-        if self.lgbm is None:
-            raise RuntimeError("ranker is not fitted: call fit() or ranker.load(dir)")
-
     # --- persistence -----------------------------------------------------------------------
-    def save(self, path) -> None:
-        from ranker.store import save
-        save(self, path)
 
     def meta(self) -> dict:
         return {"config": asdict(self.cfg), "stats": self.stats.tolist(),

@@ -16,6 +16,7 @@ import lightgbm as lgb
 import numpy as np
 
 from ranker import progress
+from ranker.base import LogLengthRanker
 from ranker.data import check_lengths, check_prompts
 from ranker.features import FeatureBuilder, FeatureConfig, FeatureMismatchError
 
@@ -70,8 +71,12 @@ OBJECTIVES = {"l1": _regression("regression_l1"), "huber": _regression("huber"),
               "l2": _regression("regression"), "lambdarank": _lambdarank}
 
 
-class LgbmRanker:
+class LgbmRanker(LogLengthRanker):
     kind = "lgbm"
+
+    @property
+    def fitted(self) -> bool:
+        return self.booster is not None
 
     def __init__(self, cfg: LgbmConfig | None = None, embedder=None, **kw):
         self.cfg = cfg or LgbmConfig.from_dict(kw)
@@ -154,18 +159,7 @@ class LgbmRanker:
             return raw
         return np.interp(raw, self.score_q, self.logy_q)
 
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        """Estimated answer length in words per prompt (only the order is reliable)."""
-        return np.maximum(np.expm1(self.predict_log(prompts)), 0.0).tolist()
-
-    def _need_fitted(self) -> None:
-        if self.booster is None:
-            raise RuntimeError("ranker is not fitted: call fit() or ranker.load(dir)")
-
     # --- persistence ------------------------------------------------------------------
-    def save(self, path) -> None:
-        from ranker.store import save
-        save(self, path)
 
     def meta(self) -> dict:
         return {"config": asdict(self.cfg), "fingerprint": self.features.fingerprint()}

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ranker import progress
+from ranker.base import LogLengthRanker
 from ranker.data import check_lengths, check_prompts
 from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
 from workers.tokenizer import Tokenizer, train_bpe
@@ -99,8 +100,12 @@ def _ranknet(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.softplus(-sign * diff_p)[valid].mean()
 
 
-class LmRanker:
+class LmRanker(LogLengthRanker):
     kind = "lm"
+
+    @property
+    def fitted(self) -> bool:
+        return self.net is not None
 
     def __init__(self, cfg: LmConfig | None = None, **kw):
         self.cfg = cfg or LmConfig(**kw)
@@ -247,9 +252,6 @@ class LmRanker:
             return np.zeros(0)
         return self._forward_all(prompts, self.net).astype(np.float64) * self.sd + self.mu
 
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        return np.maximum(np.expm1(self.predict_log(prompts)), 0.0).tolist()
-
     def embed(self, prompts: Sequence[str]) -> np.ndarray:
         """float32 [N, hidden + 1]: pooled hidden state and scaled log(#tokens)."""
         self._need_fitted()
@@ -265,14 +267,7 @@ class LmRanker:
     def embed_dims(self) -> int:
         return self.net.lm.config.hidden_size + 1
 
-    def _need_fitted(self) -> None:
-        if self.net is None:
-            raise RuntimeError("ranker is not fitted: call fit() or ranker.load(dir)")
-
     # --- persistence -------------------------------------------------------------------------
-    def save(self, path) -> None:
-        from ranker.store import save
-        save(self, path)
 
     def meta(self) -> dict:
         return {"config": asdict(self.cfg), "fingerprint": self.fingerprint(), "mu": self.mu, "sd": self.sd}

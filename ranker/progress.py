@@ -3,7 +3,6 @@ stderr is a file or pipe. Switched on by the CLI, off by default (library use, t
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from typing import Iterator
 
