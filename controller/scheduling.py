@@ -27,6 +27,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from controller.length_estimates import BinnedPosterior, calibrate_by_bins, calibrate_by_rank  # noqa: F401 (re-exported)
+from workers.atomic import write_text
 
 
 @dataclass
@@ -95,10 +96,7 @@ class PTLProfile:
         return min(bs, self.max_batch_size) if self.max_batch_size else bs
 
     def save(self, path: str | os.PathLike) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-        os.replace(tmp, path)
+        write_text(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PTLProfile":

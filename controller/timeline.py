@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from workers.atomic import write_text
 
 CONTROLLER = "controller"
 STAGES = ("generate", "ref_reward", "train", "weight_sync", "idle")
@@ -119,12 +120,7 @@ def to_chrome_trace(spans: list[Span]) -> dict:
 
 
 def write_chrome_trace(spans: list[Span], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(to_chrome_trace(spans)))
-    tmp.replace(path)
-    return path
+    return write_text(path, json.dumps(to_chrome_trace(spans)))
 
 
 def gantt_figure(spans: list[Span], title: str = ""):

@@ -7,11 +7,11 @@ definition) plus the kind's own files (``lgbm.txt`` + ``lgbm_state.npz`` for Lig
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from workers.atomic import replace_dir
 
 FORMAT = "streamrl-length-ranker"
 FORMAT_VERSION = 1
@@ -49,18 +49,6 @@ def build(kind: str = "lgbm", **kw):
     return _cls(kind)(**kw)
 
 
-def _replace_dir(tmp: Path, folder: Path) -> None:
-    """Put directory ``tmp`` at ``folder`` by renames (the old one is removed only after).
-    Same as workers.model.replace_dir, kept here so the LightGBM path never imports torch."""
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.old{os.getpid()}")
-        os.rename(folder, old)
-        os.rename(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, folder)
-
-
 def save(ranker, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +57,7 @@ def save(ranker, path: str | Path) -> Path:
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": ranker.kind,
             "target": TARGET, **ranker.meta()}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    _replace_dir(tmp, path)
+    replace_dir(tmp, path)
     return path
 
 

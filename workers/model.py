@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.atomic import replace_dir
+
 ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 
@@ -403,17 +405,4 @@ def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes:
         (tmp / f.name).write_bytes(f.read_bytes())
     replace_dir(tmp, folder)
     return folder
-
-
-def replace_dir(tmp: Path, folder: Path) -> None:
-    """Atomically put directory ``tmp`` at ``folder`` (the old one is removed only after)."""
-    import shutil
-
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.old{os.getpid()}")
-        os.rename(folder, old)
-        os.rename(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, folder)
 

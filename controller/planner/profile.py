@@ -20,6 +20,7 @@ import torch
 
 from controller.scheduling import PTLProfile
 from workers.types import Engine, Request, SamplingParams
+from workers.atomic import write_text
 
 
 def _drain(engine: Engine) -> None:
@@ -177,10 +178,7 @@ class StageProfiles:
     meta: dict = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-        os.replace(tmp, path)
+        write_text(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "StageProfiles":
