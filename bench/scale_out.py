@@ -1,0 +1,242 @@
+"""Benchmark: dynamic scale-out of generation as output lengths grow (paper Figure 11, scaled down).
+
+    python bench/scale_out.py [--quick]
+
+Starts its own processes: torchrun with 3 ranks (controller, 1 generation instance, 1 trainer
+rank) and one spare process ``controller/main.py --join ADDR --role generation`` that
+registers with the controller and waits. The run is the real controller session
+(``controller/runner.Session``: its ``ScaleOutPolicy``, TensorBoard metrics and join path);
+only the output lengths are forced, through ``Program.length_of``: every sample of iteration
+i gets ``start + (end - start) * i / (grow - 1)`` tokens (then stays at ``end``). Generation
+time grows with the lengths; the policy adds the spare instance at the first iteration
+boundary after delta = gen - train reaches delta' (the predicted saving of one more
+instance). The PTL profile the policy uses is measured here first with ``profile_engine``
+and passed as ``dispatch.profile``. ``placement.force_scale_out_at`` is NOT used.
+
+Prints one JSON line per iteration (iteration, forced_len, gen_s, train_s, delta_s,
+delta_prime_s, instances, add) and a summary line (scale_out_iteration, delta_at_scale_out,
+delta_prime_at_scale_out, gen_s_before, gen_s_after, logdir, tb_delta: the delta curve read
+back from the TensorBoard event file).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run (~1 minute)")
+    ap.add_argument("--iterations", type=int, default=0, help="iterations in all")
+    ap.add_argument("--grow", type=int, default=0, help="iterations over which the length rises")
+    ap.add_argument("--start-len", type=int, default=8)
+    ap.add_argument("--end-len", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--prompt-terms", type=int, default=28,
+                    help="numbers per prompt (long prompts: training pays for them, generation barely)")
+    ap.add_argument("--mode", default="stream", help="pipeline mode")
+    ap.add_argument("--logdir", default="runs/bench_scale_out")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.iterations = a.iterations or (16 if a.quick else 24)
+    a.grow = a.grow or (12 if a.quick else 20)
+    return a
+
+
+def forced_len(a, iteration: int) -> int:
+    """Linear rise from start_len to end_len over ``grow`` iterations, then flat."""
+    f = min(1.0, iteration / max(1, a.grow - 1))
+    return int(round(a.start_len + (a.end_len - a.start_len) * f))
+
+
+def bench_config(a, profile: str = ""):
+    from controller.config import from_dict
+
+    return from_dict({
+        "model": {"path": f"{a.logdir}/model", "init": {"hidden_size": 128, "intermediate_size": 384,
+                                                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                          "num_key_value_heads": 2, "vocab_size": 384}},
+        "task": {"name": "synthetic", "kwargs": {"kind": "running_sum", "num_train": 2048, "max_value": 999,
+                                                         "min_terms": a.prompt_terms, "max_terms": a.prompt_terms}},
+        "engine": {"max_batch_size": 64, "kv_cache_tokens": 32768, "device": "cpu"},
+        "trainer": {"algorithm": "grpo", "lr": 1e-5, "max_tokens_per_microbatch": 1024},
+        "placement": {"generation": [1], "trainer": [2]},
+        "pipeline": {"mode": a.mode},
+        "dispatch": {"profile": profile},
+        "train": {"batch_prompts": a.prompts, "group_size": a.group, "max_tokens": a.end_len,
+                  "iterations": a.iterations, "sft_steps": 0, "eval_every": 0, "ckpt_every": 0},
+        "logging": {"logdir": a.logdir, "progress": False, "timeline_every": 0},
+    }, world_size=3)
+
+
+def measure_profile(cfg, model_dir: str, path: Path):
+    """PTL(BS) of this model's engine on this machine (the policy's relative savings)."""
+    from controller.planner.profile import profile_engine
+    from workers.generation.factory import make_engine
+
+    engine = make_engine(cfg.engine, model_dir)
+    prof = profile_engine(engine, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_len=16, decode_steps=16, vocab=300,
+                          name="scale-out-bench", long_context=256, repeats=3)
+    del engine
+    prof.save(str(path))
+    return prof
+
+
+def read_tb(logdir: Path) -> dict:
+    """The balance curves as TensorBoard stored them (EventAccumulator on <logdir>/tb)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    out = {}
+    for tag in ("balance/delta_s", "balance/delta_prime_s", "sgs/instances"):
+        if tag in acc.Tags().get("scalars", []):
+            out[tag] = [(e.step, round(e.value, 4)) for e in acc.Scalars(tag)]
+    return out
+
+
+def controller(a) -> int:
+    import queue
+
+    import torch.distributed.rpc as rpc
+
+    from controller import runner
+    from controller.bootstrap import ensure_model
+
+    logdir = Path(a.logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    cfg0 = bench_config(a)
+    boot = rpc.rpc_sync("worker2", ensure_model, args=(cfg0.model.path, cfg0.model.init, cfg0.task.name,
+                                                       dict(cfg0.task.kwargs), 0, 1e-3, 0), timeout=600)
+    prof = measure_profile(cfg0, boot["path"], logdir / "ptl_profile.json")
+    print(json.dumps({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s]}}),
+          flush=True)
+    cfg = bench_config(a, str(logdir / "ptl_profile.json"))
+    session = runner.Session(cfg, argparse.Namespace(repl=False, resume="", set=[]), 3)
+    prog = session.program
+    current = {"it": 0}
+    make_batch = prog.make_batch
+
+    def make_batch_at(iteration):
+        current["it"] = iteration
+        return make_batch(iteration)
+
+    prog.make_batch = make_batch_at
+    prog.length_of = lambda item: forced_len(a, current["it"])
+    rows: list[dict] = []
+    on_iteration = prog.on_iteration
+
+    def log_row(res):
+        on_iteration(res)
+        d = session.policy.history[-1] if session.policy.history else None
+        if d is None or d.iteration != res.iteration:
+            return
+        row = {"iteration": res.iteration, "forced_len": forced_len(a, res.iteration),
+               "delta_s": round(d.delta_s, 4), "delta_prime_s": round(d.delta_prime_s, 4),
+               "instances": len(session.world.sgs.slots), "add": d.add, "reason": d.reason}
+        rows.append(row)
+
+    prog.on_iteration = log_row
+    # gen/train busy seconds come from Metrics.log_iteration's derived values
+    log_iteration = session.metrics.log_iteration
+    derived_by_it: dict[int, dict] = {}
+
+    def log_iteration_keep(res, spans):
+        derived = log_iteration(res, spans)
+        derived_by_it[res.iteration] = derived
+        return derived
+
+    session.metrics.log_iteration = log_iteration_keep
+    code = 0
+    try:
+        summary = session.run()
+    except Exception as e:  # noqa: BLE001 - report and stop every process
+        print(json.dumps({"error": repr(e)}), flush=True)
+        summary, code = {}, 1
+    for row in rows:
+        dv = derived_by_it.get(row["iteration"], {})
+        row["gen_s"] = round(dv.get("time/generate_busy_s", float("nan")), 4)
+        row["train_s"] = round(dv.get("time/train_busy_s", float("nan")), 4)
+        print(json.dumps(row), flush=True)
+    adds = [r for r in rows if r["add"]]
+    first = adds[0] if adds else None
+    joined_at = next((s.joined_at for s in session.world.sgs.slots if s.handle.rank >= 3), None)
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
+    before = [r["gen_s"] for r in rows if first and first["iteration"] - 2 <= r["iteration"] <= first["iteration"]]
+    after = [r["gen_s"] for r in rows if joined_at is not None and joined_at <= r["iteration"] <= joined_at + 2]
+    per_tok = lambda rs: mean([r["gen_s"] / r["forced_len"] * 1e3 for r in rs])  # noqa: E731
+    before_ms = per_tok([r for r in rows if first and first["iteration"] - 2 <= r["iteration"] <= first["iteration"]])
+    after_ms = per_tok([r for r in rows if joined_at is not None and joined_at <= r["iteration"] <= joined_at + 2])
+    tb = read_tb(logdir)
+    print(json.dumps({"summary": True, "quick": a.quick, "iterations": a.iterations,
+                      "samples_per_iteration": a.prompts * a.group,
+                      "lengths": [forced_len(a, i) for i in range(a.iterations)],
+                      "scale_out_iteration": first["iteration"] if first else None,
+                      "instance_joined_at": joined_at,
+                      "delta_at_scale_out": first["delta_s"] if first else None,
+                      "delta_prime_at_scale_out": first["delta_prime_s"] if first else None,
+                      "gen_s_before": mean(before), "gen_s_after": mean(after),
+                      "gen_ms_per_token_before": before_ms, "gen_ms_per_token_after": after_ms,
+                      "forced_len_before": first["forced_len"] if first else None,
+                      "forced_len_after": forced_len(a, joined_at) if joined_at is not None else None,
+                      "instances_final": len(session.world.sgs.slots),
+                      "tb_delta": tb.get("balance/delta_s"), "tb_delta_prime": tb.get("balance/delta_prime_s"),
+                      "tb_instances": tb.get("sgs/instances"),
+                      "samples_per_s": summary.get("samples_per_s"), "logdir": str(logdir)}), flush=True)
+    ranks = [1, 2] + session.joined + session.waiting
+    while True:
+        try:
+            ranks.append(runner._JOINERS.get_nowait()[0])
+        except queue.Empty:
+            break
+    runner._stop_workers(ranks, code)
+    return code
+
+
+def main() -> int:
+    a = parse_args()
+    if not a.worker:  # launcher: torchrun job + one spare generation process that joins it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        Path(ROOT / a.logdir).mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(port),
+               __file__, "--worker", *sys.argv[1:]]
+        main_p = subprocess.Popen(cmd, cwd=ROOT, env=env)
+        with open(ROOT / a.logdir / "joiner.log", "w") as log:
+            joiner = subprocess.Popen([sys.executable, "controller/main.py", "--join", f"127.0.0.1:{port}",
+                                       "--role", "generation"], cwd=ROOT, env=env, stdout=log, stderr=log)
+            try:
+                code = main_p.wait(timeout=1800)
+            finally:
+                for p in (main_p, joiner):
+                    if p.poll() is None:
+                        try:
+                            p.wait(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            p.kill()
+        return code
+    import torch
+
+    from controller.main import serve, start_processes, stop_processes
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    start_processes(rank, world, 600.0)
+    code = controller(a) if rank == 0 else serve()
+    return stop_processes(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
