@@ -26,7 +26,6 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-terms", type=int, default=28,
                     help="numbers per prompt (long prompts: training pays for them, generation barely)")
     ap.add_argument("--mode", default="stream", help="pipeline mode")
+    ap.add_argument("--profile", default="", help="reuse this PTL profile JSON instead of measuring one")
     ap.add_argument("--logdir", default="runs/bench_scale_out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -118,7 +118,13 @@ def controller(a) -> int:
     cfg0 = bench_config(a)
     boot = rpc.rpc_sync("worker2", ensure_model, args=(cfg0.model.path, cfg0.model.init, cfg0.task.name,
                                                        dict(cfg0.task.kwargs), 0, 1e-3, 0), timeout=600)
-    prof = measure_profile(cfg0, boot["path"], logdir / "ptl_profile.json")
+    if a.profile:  # a profile measured earlier (e.g. on a quiet machine)
+        from controller.scheduling import PTLProfile
+
+        PTLProfile.load(a.profile).save(str(logdir / "ptl_profile.json"))
+        prof = PTLProfile.load(str(logdir / "ptl_profile.json"))
+    else:
+        prof = measure_profile(cfg0, boot["path"], logdir / "ptl_profile.json")
     print(json.dumps({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s]}}),
           flush=True)
     cfg = bench_config(a, str(logdir / "ptl_profile.json"))
@@ -192,7 +198,8 @@ def controller(a) -> int:
                       "instances_final": len(session.world.sgs.slots),
                       "tb_delta": tb.get("balance/delta_s"), "tb_delta_prime": tb.get("balance/delta_prime_s"),
                       "tb_instances": tb.get("sgs/instances"),
-                      "samples_per_s": summary.get("samples_per_s"), "logdir": str(logdir)}), flush=True)
+                      "samples_per_s": summary.get("samples_per_s"), "profile_ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s],
+                      "logdir": str(logdir)}), flush=True)
     ranks = [1, 2] + session.joined + session.waiting
     while True:
         try:
