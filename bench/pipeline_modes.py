@@ -160,13 +160,10 @@ def main() -> int:
         return subprocess.call(cmd, cwd=ROOT, env=env)
     import torch
 
-    from controller.main import serve, start_processes, stop_processes
+    from controller.main import run_rank
 
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    start_processes(rank, world, 600.0)
-    code = controller(a) if rank == 0 else serve()
-    return stop_processes(code)
+    return run_rank(lambda: controller(a), 600.0)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
 
@@ -149,20 +150,27 @@ def main(argv=None) -> int:
                  "(torchrun --nproc-per-node 3 controller/main.py --config configs/quickstart.yaml)")
     from controller.config import ConfigError, load_config, parse_override
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     try:  # every rank validates, so a bad config stops all of them before any work
         cfg = load_config(args.config, world, dict(parse_override(s) for s in args.set))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
-    start_processes(rank, world, cfg.placement.rpc_timeout_s, cfg.placement.elastic)
-    if rank == 0:
+
+    def controller() -> int:
         from controller.runner import run_controller
 
-        code = run_controller(cfg, args, world)
-    else:
-        code = serve()
-    return stop_processes(code)
+        return run_controller(cfg, args, world)
+
+    return run_rank(controller, cfg.placement.rpc_timeout_s, cfg.placement.elastic)
+
+
+def run_rank(controller: Callable[[], int], rpc_timeout_s: float, elastic: bool = True) -> int:
+    """Under torchrun: join the process and RPC groups, run ``controller`` on rank 0 and serve
+    RPC on every other rank, then leave. Returns the exit code."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    start_processes(rank, world, rpc_timeout_s, elastic)
+    return stop_processes(controller() if rank == 0 else serve())
 
 
 def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool = True) -> None:
