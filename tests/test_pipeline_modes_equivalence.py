@@ -7,28 +7,20 @@ import threading
 
 import pytest
 import torch
+from runtime_helpers import TASK, tiny_model  # noqa: F401
 
 from controller.modes import MODES
 from controller.trainer_rank import TrainerRank
 from workers.generation.config import EngineConfig
 from workers.generation.factory import make_engine
-from workers.model import ModelConfig
 from workers.tasks.registry import make_task
-from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.config import TrainerConfig
 from workers.types import Request, SamplingParams
 
-TASK = {"kind": "running_sum", "min_terms": 2, "max_terms": 4, "num_train": 64, "num_test": 8}
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("m") / "model"
-    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    build_model_dir(d, make_task("synthetic", **TASK), cfg, sft_steps=0)
-    return str(d)
+def model_dir(tiny_model):  # noqa: F811 - the runtime tests' session-wide tiny model
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
