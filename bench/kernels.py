@@ -109,9 +109,28 @@ def run_vllm(fn, q, k, v, tables, lens, scale, max_len):
     return call
 
 
-def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
+def measure(rec: dict, fn, ref, nbytes: int, peak, rows: list) -> None:
+    """Time ``fn`` (its max error against ``ref`` when given), print ``rec`` as a JSON line and
+    keep it in ``rows`` when it ran; a competitor's error is printed, never fatal."""
     import triton.testing
 
+    try:
+        out = fn()
+        if ref is not None:
+            rec["max_err"] = float((out.float() - ref).abs().max())
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+    except Exception as e:  # a competitor's API drift must not kill the run
+        rec["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(json.dumps(rec), flush=True)
+        return
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
+               pct_peak=round(100 * gbps / peak, 1) if peak else None)
+    print(json.dumps(rec), flush=True)
+    rows.append(rec)
+
+
+def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
     from kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
 
     name, heads, kv_heads, dh = model
@@ -137,20 +156,8 @@ def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
     for impl, fn in impls.items():
         rec = dict(bench="kernels", model=name, batch=bsz, ctx=ctx, ragged=ragged,
                    dtype=str(dtype)[6:], impl=impl)
-        try:
-            out = fn()
-            if impl != "sdpa_dense":
-                rec["max_err"] = float((out.float() - ref).abs().max())
-            ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-        except Exception as e:  # a competitor's API drift must not kill the run
-            rec["error"] = f"{type(e).__name__}: {e}"[:300]
-            print(json.dumps(rec), flush=True)
-            continue
-        gbps = io_bytes / (ms * 1e-3) / 1e9
-        rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
-                   pct_peak=round(100 * gbps / peak, 1) if peak else None)
-        print(json.dumps(rec), flush=True)
-        rows.append(rec)
+        # sdpa_dense reads its own dense cache: no error against the paged reference
+        measure(rec, fn, None if impl == "sdpa_dense" else ref, io_bytes, peak, rows)
     del q, k, v, tables, impls
     torch.cuda.empty_cache()
     return rows
@@ -158,8 +165,6 @@ def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
 
 def bench_norm_rope(tokens, hidden, heads, head_dim, dtype, dev, peak):
     """Fused RMSNorm (+ residual add) and rotary vs the model's eager torch ops."""
-    import triton.testing
-
     from kernels.norm_rope import rms_norm, rms_norm_ref, rotary, rotary_ref
 
     x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
@@ -181,18 +186,7 @@ def bench_norm_rope(tokens, hidden, heads, head_dim, dtype, dev, peak):
         ref = impls["torch_eager"]().float()
         for impl, fn in impls.items():
             rec = dict(bench="kernels", op=op, tokens=tokens, dtype=str(dtype)[6:], impl=impl)
-            try:
-                rec["max_err"] = float((fn().float() - ref).abs().max())
-                ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-            except Exception as e:
-                rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                print(json.dumps(rec), flush=True)
-                continue
-            gbps = nbytes / (ms * 1e-3) / 1e9
-            rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
-                       pct_peak=round(100 * gbps / peak, 1) if peak else None)
-            print(json.dumps(rec), flush=True)
-            rows.append(rec)
+            measure(rec, fn, ref, nbytes, peak, rows)
     return rows
 
 
