@@ -21,49 +21,66 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
-static inline void prefetch_block(const T* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 1);
+static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t len) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* c = reinterpret_cast<const char*>(p + r * stride);
+    for (int64_t o = 0; o < len * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(c + o, 0, 1);
+  }
 }
 
-// One work item = one query token, all heads: the rows of a block ([bs, Hkv, Dh]) are read
-// front to back (contiguous), and the next block is prefetched while this one is used.
-template <typename T>
+// A key/value row of one KV head as floats: fp32 caches are read in place, others converted.
+template <typename T, int DH>
+static inline const float* as_float(const T* p, float* buf, int64_t dh) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    const int64_t n = DH ? DH : dh;
+    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(p[d]);
+    return buf;
+  }
+}
+
+// One work item = (query token i, KV head g): the G = H / Hkv query heads of that group
+// share each key/value row (read once per block, from L1 for the G heads). DH > 0 fixes the
+// head size at compile time (unrolled, accumulators in registers); DH == 0 is generic.
+// Three passes: scores [G, n], softmax, weighted values; block b+1 is prefetched while b is used.
+template <typename T, int DH>
 static void attend(const T* q, const T* kc, const T* vc, const int* bt, const int64_t* seq_of,
-                   const int64_t* pos, T* out, int64_t ntok, int64_t H, int64_t Hkv, int64_t Dh,
+                   const int64_t* pos, T* out, int64_t ntok, int64_t H, int64_t Hkv, int64_t dh_rt,
                    int64_t bs, int64_t maxb, float scale) {
+  const int64_t Dh = DH ? DH : dh_rt;
   const int64_t G = H / Hkv, row = Hkv * Dh, block_elems = bs * row;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, ntok, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * Dh), acc(H * Dh), xf(row), sc;
-    for (int64_t i = begin; i < end; ++i) {
+  at::parallel_for(0, ntok * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * Dh), acc(G * Dh), buf(Dh), sc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / Hkv, g = item % Hkv;
       const int* table = bt + seq_of[i] * maxb;
       const int64_t n = pos[i] + 1, nblk = (n + bs - 1) / bs;
-      for (int64_t j = 0; j < H * Dh; ++j) qf[j] = static_cast<float>(q[i * H * Dh + j]) * scale;
-      sc.assign(H * n, 0.f);
-      for (int64_t b = 0; b < nblk; ++b) {  // pass 1: scores [H, n]
-        const T* base = kc + static_cast<int64_t>(table[b]) * block_elems;
-        if (b + 1 < nblk) prefetch_block(kc + static_cast<int64_t>(table[b + 1]) * block_elems, block_bytes);
-        const int64_t t_end = std::min(bs, n - b * bs);
+      const T* qi = q + (i * H + g * G) * Dh;
+      for (int64_t j = 0; j < G * Dh; ++j) qf[j] = static_cast<float>(qi[j]) * scale;
+      sc.resize(G * n);
+      for (int64_t b = 0; b < nblk; ++b) {  // pass 1: scores [G, n]
+        const T* base = kc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
+        const int64_t t0 = b * bs, t_end = std::min(bs, n - t0);
+        if (b + 1 < nblk) prefetch_rows(kc + static_cast<int64_t>(table[b + 1]) * block_elems + g * Dh, bs, row, Dh);
         for (int64_t r = 0; r < t_end; ++r) {
-          const T* kp = base + r * row;
-          for (int64_t d = 0; d < row; ++d) xf[d] = static_cast<float>(kp[d]);
-          for (int64_t h = 0; h < H; ++h) {
-            const float* qh = qf.data() + h * Dh;
-            const float* kh = xf.data() + (h / G) * Dh;
+          const float* kp = as_float<T, DH>(base + r * row, buf.data(), Dh);
+          for (int64_t j = 0; j < G; ++j) {
+            const float* qh = qf.data() + j * Dh;
             float dot = 0.f;
-            for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * kh[d];
-            sc[h * n + b * bs + r] = dot;
+            for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * kp[d];
+            sc[j * n + t0 + r] = dot;
           }
         }
       }
-      for (int64_t h = 0; h < H; ++h) {  // softmax per head
-        float* s = sc.data() + h * n;
+      for (int64_t j = 0; j < G; ++j) {  // softmax per head
+        float* s = sc.data() + j * n;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
         const float inv = 1.f / sum;
@@ -71,21 +88,23 @@ static void attend(const T* q, const T* kc, const T* vc, const int* bt, const in
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < nblk; ++b) {  // pass 2: weighted values
-        const T* base = vc + static_cast<int64_t>(table[b]) * block_elems;
-        if (b + 1 < nblk) prefetch_block(vc + static_cast<int64_t>(table[b + 1]) * block_elems, block_bytes);
-        const int64_t t_end = std::min(bs, n - b * bs);
-        for (int64_t r = 0; r < t_end; ++r) {
-          const T* vp = base + r * row;
-          for (int64_t d = 0; d < row; ++d) xf[d] = static_cast<float>(vp[d]);
-          for (int64_t h = 0; h < H; ++h) {
-            const float p = sc[h * n + b * bs + r];
-            const float* vh = xf.data() + (h / G) * Dh;
-            float* a = acc.data() + h * Dh;
-            for (int64_t d = 0; d < Dh; ++d) a[d] += p * vh[d];
+        const T* base = vc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
+        const int64_t t0 = b * bs, t_end = std::min(bs, n - t0);
+        if (b + 1 < nblk) prefetch_rows(vc + static_cast<int64_t>(table[b + 1]) * block_elems + g * Dh, bs, row, Dh);
+        for (int64_t j = 0; j < G; ++j) {
+          const float* p = sc.data() + j * n + t0;
+          float a[DH ? DH : 1];
+          float* ah = DH ? a : acc.data() + j * Dh;
+          if (DH) std::copy(acc.data() + j * Dh, acc.data() + (j + 1) * Dh, a);
+          for (int64_t r = 0; r < t_end; ++r) {
+            const float* vp = as_float<T, DH>(base + r * row, buf.data(), Dh);
+            for (int64_t d = 0; d < Dh; ++d) ah[d] += p[r] * vp[d];
           }
+          if (DH) std::copy(a, a + Dh, acc.data() + j * Dh);
         }
       }
-      for (int64_t j = 0; j < H * Dh; ++j) out[i * H * Dh + j] = static_cast<T>(acc[j]);
+      T* o = out + (i * H + g * G) * Dh;
+      for (int64_t j = 0; j < G * Dh; ++j) o[j] = static_cast<T>(acc[j]);
     }
   });
 }
@@ -99,14 +118,23 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
               "paged_attention: block_tables must be contiguous int32");
   TORCH_CHECK(seq_of.dtype() == torch::kInt64 && positions.dtype() == torch::kInt64,
               "paged_attention: seq_of and positions must be int64");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: q and caches must have the same dtype");
   auto out = torch::empty_like(q);
   const int64_t ntok = q.size(0), H = q.size(1), Dh = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
+  TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == Dh, "paged_attention: head shapes do not match");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     block_tables.data_ptr<int>(), seq_of.data_ptr<int64_t>(),
-                     positions.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), ntok, H, Hkv, Dh, bs,
-                     maxb, static_cast<float>(scale));
+    auto run = [&](auto dh_const) {
+      constexpr int DH = decltype(dh_const)::value;
+      attend<scalar_t, DH>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                           v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int>(),
+                           seq_of.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+                           out.data_ptr<scalar_t>(), ntok, H, Hkv, Dh, bs, maxb, static_cast<float>(scale));
+    };
+    if (Dh == 64) run(std::integral_constant<int, 64>());
+    else if (Dh == 128) run(std::integral_constant<int, 128>());
+    else run(std::integral_constant<int, 0>());
   });
   return out;
 }
@@ -122,7 +150,7 @@ def load():
         from torch.utils.cpp_extension import load_inline
 
         try:
-            _module = load_inline(name="streamrl_paged_attention_cpu", cpp_sources=_SOURCE,
+            _module = load_inline(name="streamrl_paged_attention_cpu_v2", cpp_sources=_SOURCE,
                                   functions=["paged_attention"],
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
