@@ -61,7 +61,8 @@ class NativeEngine:
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
         self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
                                    cfg.max_prefill_tokens, cfg.admission)
-        self.runner = ModelRunner(self.model, self.bm, cfg.attention_backend, self.eos_ids, cfg.seed)
+        self.runner = ModelRunner(self.model, self.bm, cfg.attention_backend, self.eos_ids, cfg.seed,
+                                  self.max_model_len)
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
@@ -183,6 +184,7 @@ class NativeEngine:
         with torch.no_grad():
             for name, t in items:  # rounded to the engine's weight dtype (bf16 stays bf16)
                 params[name].copy_(t.to(self.weight_dtype))
+        self.runner.forward.refresh()  # the fused q/k/v and gate/up copies
         self.weight_version = int(version)
         self._restart_in_flight()
 

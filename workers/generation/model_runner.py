@@ -13,6 +13,7 @@ import torch
 
 from workers.generation.attention import PagedAttention, StepContext
 from workers.generation.block_manager import BlockManager
+from workers.generation.fused_forward import FusedForward
 from workers.generation.kv_cache import KVCache
 from workers.generation.sampler import Sampler, to_device
 from workers.generation.scheduler import ScheduledBatch
@@ -35,10 +36,11 @@ def tune_cpu_malloc() -> bool:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, blocks: BlockManager, attention_backend: str,
-                 eos_ids: tuple[int, ...], seed: int):
+                 eos_ids: tuple[int, ...], seed: int, max_len: int):
         cfg = model.config
         p = next(model.parameters())
         self.model, self.bm, self.device = model, blocks, p.device
+        self.forward = FusedForward(model, max_len)  # positions < max_len
         self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
                              cfg.num_key_value_heads, cfg.dim_head, p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
@@ -102,10 +104,10 @@ class ModelRunner:
         """One forward + sampling; returns the sampled ids and their log-probs (host lists)."""
         self.cache.copy_blocks(batch.copies)
         ids, pos, last = self._prepare(batch)
-        hidden = self.model(ids, pos, self.attn)  # [T, D]
+        hidden = self.forward(ids, pos, self.attn)  # [T, D]
         if last is not None:
             hidden = hidden.index_select(0, last)  # [B, D]
-        logits = self.model.logits(hidden)  # [B, V]
+        logits = self.forward.logits(hidden)  # [B, V]
         tok, logp = self.sampler(logits, batch.seqs)
         both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
         self.attn.ctx = None

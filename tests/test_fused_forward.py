@@ -1,0 +1,77 @@
+"""The engine's FusedForward computes model.py's forward: same hidden states on random Qwen2 /
+Llama configs (biases, RoPE scaling, tied head, bf16), and follows in-place weight updates."""
+import pytest
+import torch
+
+from workers.generation.fused_forward import FusedForward
+from workers.model import CausalAttention, CausalLM, ModelConfig, init_weights
+
+torch.set_num_threads(1)
+
+CASES = {
+    "qwen2": dict(qkv_bias=True),
+    "llama_biases_llama3_rope": dict(
+        architecture="LlamaForCausalLM", qkv_bias=True, o_bias=True, mlp_bias=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama_tied_mha": dict(architecture="LlamaForCausalLM", qkv_bias=False, num_key_value_heads=4,
+                           tie_word_embeddings=True, head_dim=24),
+}
+
+
+def model_for(case: str, dtype=torch.float32) -> CausalLM:
+    kw = dict(vocab_size=61, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    kw.update(CASES[case])
+    m = init_weights(CausalLM(ModelConfig(**kw)), seed=3, std=0.1)
+    with torch.no_grad():  # non-zero biases and norm weights, so a dropped term would show
+        for name, p in m.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return m.eval().to(dtype)
+
+
+def packed(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return ids, pos, cu
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@torch.no_grad()
+def test_fused_forward_equals_model_forward(case):
+    m = model_for(case)
+    ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
+    fwd = FusedForward(m, max_len=64)
+    want = m(ids, pos, CausalAttention(cu))
+    got = fwd(ids, pos, CausalAttention(cu))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fwd.logits(got), m.logits(want), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_fused_forward_bf16_close_to_model():
+    m = model_for("qwen2", torch.bfloat16)
+    ids, pos, cu = packed([6, 11], m.config.vocab_size)
+    got = FusedForward(m, max_len=32)(ids, pos, CausalAttention(cu))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), m(ids, pos, CausalAttention(cu)).float(), rtol=3e-2, atol=3e-2)
+
+
+@torch.no_grad()
+def test_fused_weights_follow_in_place_updates():
+    m = model_for("qwen2")
+    ids, pos, cu = packed([7, 4], m.config.vocab_size)
+    fwd = FusedForward(m, max_len=32)
+    before = fwd(ids, pos, CausalAttention(cu))
+    # in-place writes, as an optimizer step or load_weights' copy_ does
+    m.model.layers[1].self_attn.k_proj.weight.mul_(-1.5)
+    m.model.layers[0].mlp.up_proj.weight.add_(0.05)
+    m.model.layers[0].self_attn.q_proj.bias.zero_()
+    got = fwd(ids, pos, CausalAttention(cu))
+    assert not torch.allclose(got, before)
+    torch.testing.assert_close(got, m(ids, pos, CausalAttention(cu)), rtol=1e-5, atol=1e-5)

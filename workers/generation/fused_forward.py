@@ -1,0 +1,129 @@
+"""FusedForward: the engine's inference forward of a ``CausalLM``, with fewer, larger ops.
+
+``model.py``'s forward (training, reference, HF equivalence) runs ~60 small ops per layer
+through nn.Module calls; at decode batch sizes on a CPU that dispatch costs as much as the
+matmuls. This forward computes the same function over the same weights with ~15 ops a layer:
+
+* one GEMM for q/k/v and one for gate/up, over fused copies of the HF-named weights
+  (``[Nq + 2 Nkv, D]`` and ``[2 I, D]``); the HF parameters stay what they are;
+* RoPE from a cos/sin table (built by the model's own ``rotary_emb``, so the values are
+  the model's), looked up once per step and applied to q and k in one go;
+* RMSNorm as ``F.rms_norm`` for fp32 (the model's formula otherwise), residual adds folded
+  into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul.
+
+The fused copies follow the model: before each forward ``sync()`` compares the version
+counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
+a colocated trainer) and data pointers of the source parameters and rebuilds what changed.
+tests/test_engine_parts.py pins this forward to ``model.forward_packed``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.model import AttentionBackend, CausalLM
+
+
+def _fuse(*params: torch.Tensor | None) -> torch.Tensor | None:
+    if params[0] is None:
+        return None
+    return torch.cat([p.detach() for p in params]).contiguous()
+
+
+class FusedForward:
+    """``fwd(ids [T], positions [T], attn) -> hidden [T, D]``; ``fwd.logits(hidden) -> [T, V]``.
+    Positions must be below ``max_len`` (the RoPE table's length)."""
+
+    def __init__(self, model: CausalLM, max_len: int):
+        cfg = model.config
+        self.model, self.cfg = model, cfg
+        self.h, self.hkv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_head
+        self.nq, self.nkv, self.inter = self.h * self.dh, self.hkv * self.dh, cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.max_len = max_len
+        self._stamp: tuple = ()
+        self._src: list[torch.Tensor] = []
+        self.sync()
+
+    # ---- weights -------------------------------------------------------------------------
+    def _sources(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self.model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
+            out += [b for b in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, m.gate_proj.bias,
+                                m.up_proj.bias) if b is not None]
+        return out
+
+    def sync(self) -> None:
+        """Rebuild the fused weights (and RoPE table) when a source parameter changed (an
+        in-place write, new storage or dtype); a module given a new Parameter object is not
+        seen until ``refresh()``."""
+        stamp = tuple((p._version, p.data_ptr(), p.dtype) for p in self._src)
+        if stamp != self._stamp or not self._src:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the fused weights and the RoPE table from the model's parameters now."""
+        self._src = self._sources()
+        stamp = tuple((p._version, p.data_ptr(), p.dtype) for p in self._src)
+        self.layers = []
+        for layer in self.model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight,
+                _fuse(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                _fuse(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+                a.o_proj.weight, a.o_proj.bias,
+                layer.post_attention_layernorm.weight,
+                _fuse(m.gate_proj.weight, m.up_proj.weight), _fuse(m.gate_proj.bias, m.up_proj.bias),
+                m.down_proj.weight, m.down_proj.bias))
+        self._build_rope()
+        self._stamp = stamp
+
+    def _build_rope(self) -> None:
+        """cos, sign-folded sin: [max_len, Dh]; rotate_half(x) * sin == swap_halves(x) * sin_s."""
+        p = self.model.model.embed_tokens.weight
+        pos = torch.arange(self.max_len, device=p.device)
+        cos, sin = self.model.model.rotary_emb(pos, p.dtype)  # [L, 1, Dh]: the model's own values
+        half = self.dh // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        self.rope = torch.stack((cos[:, 0], sin[:, 0]), dim=1).contiguous()  # [L, 2, Dh]
+
+    # ---- forward -------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        xf = x.float()  # the model's formula (upcast, normalise, round, scale)
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rotate(self, qk: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+        # qk: [T, H + Hkv, Dh]; cs: [T, 2, Dh] -> rotated copy [T, H + Hkv, Dh]
+        t, n, d = qk.shape
+        swapped = qk.reshape(t, n, 2, d // 2).flip(2).view(t, n, d)
+        return (qk * cs[:, None, 0]).addcmul_(swapped, cs[:, None, 1])
+
+    @staticmethod
+    def _residual_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+        out = torch.addmm(x, a, w.t())  # x + a @ w.T in one GEMM
+        return out if b is None else out.add_(b)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        self.sync()
+        t = input_ids.shape[0]
+        h, hkv, dh, nq, nkv, inter = self.h, self.hkv, self.dh, self.nq, self.nkv, self.inter
+        x = F.embedding(input_ids, self.model.model.embed_tokens.weight)  # [T, D]
+        cs = self.rope.index_select(0, positions)  # [T, 2, Dh]
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
+            qkv = F.linear(self._norm(x, ln1), wqkv, bqkv)  # [T, Nq + 2 Nkv]
+            qk = self._rotate(qkv[:, :nq + nkv].view(t, h + hkv, dh), cs)
+            v = qkv[:, nq + nkv:].view(t, hkv, dh)
+            o = attn(i, qk[:, :h], qk[:, h:], v)  # [T, H, Dh]
+            x = self._residual_linear(x, o.reshape(t, nq), wo, bo)
+            gu = F.linear(self._norm(x, ln2), wgu, bgu)  # [T, 2 I]
+            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])  # [T, I]
+            x = self._residual_linear(x, act, wd, bd)
+        return self._norm(x, self.model.model.norm.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
