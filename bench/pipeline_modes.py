@@ -95,9 +95,11 @@ def run_mode(cfg, mode: str, a, model_dir, tok, task, length_of) -> dict:
     prog.length_of = length_of
     prog.run(1)  # warm-up: first-touch allocations, thread pools
     prog.drain_spans()
+    cpu0 = cpu_snapshot()
     t0 = time.time()
     res = prog.run(a.iterations)
     t1 = time.time()
+    cpu = cpu_delta(cpu0, cpu_snapshot())
     spans = prog.drain_spans()
     control = [s for s in spans if s.worker == "controller"]
     spans = [s for s in spans if s.worker != "controller"]
@@ -110,7 +112,33 @@ def run_mode(cfg, mode: str, a, model_dir, tok, task, length_of) -> dict:
     return {"mode": mode, "samples_per_s": samples / (t1 - t0), "iteration_s": (t1 - t0) / a.iterations,
             "samples": samples, "tokens": sum(r.num_tokens for r in res), "iterations": a.iterations,
             "bubble": {w: round(f, 3) for w, f in bubble_fractions(spans, (t0, t1)).items()},
-            "staleness_max": max(r.staleness_max for r in res)}
+            "staleness_max": max(r.staleness_max for r in res),
+            "busy_s": {w: round(sum(s.duration for s in spans if s.worker == w and s.stage in ("generate", "train")
+                                    and s.start >= t0), 3) for w in sorted({s.worker for s in spans})},
+            "cpu_s": cpu}
+
+
+def cpu_snapshot() -> dict[str, dict[str, float]]:
+    """Per rank (controller + the two workers): CPU seconds per thread name (controller.rpc.thread_cpu)."""
+    import torch.distributed.rpc as rpc
+
+    from controller.rpc import thread_cpu
+
+    out = {"controller": thread_cpu()}
+    for r in (1, 2):
+        out[f"worker{r}"] = rpc.rpc_sync(f"worker{r}", thread_cpu, timeout=60)
+    return out
+
+
+def cpu_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """CPU seconds each rank used between two snapshots: total, and the busiest named threads
+    (threads that ended meanwhile only count in the total)."""
+    out = {}
+    for proc, now in after.items():
+        d = {k: v - before.get(proc, {}).get(k, 0.0) for k, v in now.items()}
+        top = sorted(((k, v) for k, v in d.items() if k != "total" and v >= 0.05), key=lambda kv: -kv[1])[:4]
+        out[proc] = {"total": round(d.get("total", 0.0), 2), **{k: round(v, 2) for k, v in top}}
+    return out
 
 
 def controller(a) -> int:

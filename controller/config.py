@@ -53,12 +53,16 @@ class TaskSection:
 class PipelineSection:
     mode: str = "async_stream"
     minibatch_size: int = 8  # samples per hand-over in ``minibatch`` mode
+    # instance -> trainer sample stream: samples finishing within this window share one RPC
+    stream_window_s: float = 0.02
 
     def __post_init__(self):
         if self.mode not in PIPELINE_MODES:
             raise ConfigError(f"pipeline.mode: {self.mode!r} is not one of {PIPELINE_MODES}")
         if self.minibatch_size < 1:
             raise ConfigError(f"pipeline.minibatch_size must be >= 1, got {self.minibatch_size}")
+        if not 0.0 <= self.stream_window_s <= 10.0:
+            raise ConfigError(f"pipeline.stream_window_s must be in [0, 10] seconds, got {self.stream_window_s}")
 
 
 @dataclass(frozen=True)

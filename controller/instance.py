@@ -2,8 +2,9 @@
 
 It owns an engine (``workers.generation.factory.make_engine``) and generates the requests the
 controller's dispatch plan gives it. Each finished ``Sample`` goes straight to the trainer
-rank that owns its group (``route(group_id)``) through RPC, tensors as tensors, coalesced
-over ``coalesce_s`` at most; the controller only gets a ``GenerateReport`` (metadata).
+rank that owns its group (``route(group_id)``) through RPC, tensors as tensors, in
+time-windowed chunks (``Outbox``, ``stream_window_s``); the controller only gets a
+``GenerateReport`` (metadata).
 Weights arrive staged (versioned) and are swapped in only at an iteration boundary: at the
 start of ``generate(..., weight_version)``.
 """
@@ -42,14 +43,17 @@ class GenerateReport:
 
 
 class Outbox:
-    """Sends finished samples to trainer RRefs from a background thread, coalescing whatever
-    finished within ``coalesce_s`` into one RPC per trainer."""
+    """Sends finished samples to trainer RRefs from a background thread in time-windowed
+    chunks: the samples that finish within ``window_s`` of the first unsent one travel in one
+    RPC per trainer (fewer round trips, and the trainer prepares them in one forward instead
+    of one per sample). ``close()`` sends what is left at once (no window wait at the end)."""
 
-    def __init__(self, trainers: list, coalesce_s: float = 0.003):
-        self.trainers, self.coalesce_s = trainers, coalesce_s
+    def __init__(self, trainers: list, window_s: float = 0.02):
+        self.trainers, self.window_s = trainers, window_s
         self.q: queue.Queue = queue.Queue()
         self.futures: list = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.sends = 0  # RPCs issued
+        self.thread = threading.Thread(target=self._run, daemon=True, name="outbox")
         self.thread.start()
 
     def put(self, sample: Sample) -> None:
@@ -59,28 +63,31 @@ class Outbox:
         self.q.put(sample)
 
     def _run(self) -> None:
-        while True:
+        done = False
+        while not done:
             first = self.q.get()
             if first is None:
                 return
-            time.sleep(self.coalesce_s)
-            batch, done = [first], False
-            while True:
+            batch, deadline = [first], time.monotonic() + self.window_s
+            while True:  # collect until the window closes or close() is called
+                left = deadline - time.monotonic()
                 try:
-                    s = self.q.get_nowait()
+                    s = self.q.get(timeout=left) if left > 0 else self.q.get_nowait()
                 except queue.Empty:
                     break
                 if s is None:
                     done = True
                     break
                 batch.append(s)
-            by_trainer: dict[int, list[Sample]] = {}
-            for s in batch:
-                by_trainer.setdefault(route(s.group_id, len(self.trainers)), []).append(s)
-            for t, samples in by_trainer.items():
-                self.futures.append(self.trainers[t].rpc_async().receive(samples))
-            if done:
-                return
+            self._send(batch)
+
+    def _send(self, batch: list[Sample]) -> None:
+        by_trainer: dict[int, list[Sample]] = {}
+        for s in batch:
+            by_trainer.setdefault(route(s.group_id, len(self.trainers)), []).append(s)
+        for t, samples in by_trainer.items():
+            self.futures.append(self.trainers[t].rpc_async().receive(samples))
+            self.sends += 1
 
     def close(self) -> None:
         """Flush and wait until every trainer has accepted its samples (raises on failure)."""
@@ -105,14 +112,14 @@ class GenerationInstance:
     """Engine + weight staging + sample streaming, on one rank."""
 
     def __init__(self, rank: int, engine_cfg, model_dir: str, eos_ids: list[int] | None = None,
-                 coalesce_s: float = 0.003):
+                 stream_window_s: float = 0.02):
         from workers.generation.factory import make_engine
 
         self.rank = rank
         self.engine = make_engine(engine_cfg, model_dir, eos_ids)
         self.version = 0
         self.trainers: list = []
-        self.coalesce_s = coalesce_s
+        self.stream_window_s = stream_window_s  # Outbox window (``pipeline.stream_window_s``)
         self.spans = SpanRecorder(f"gen{rank}")
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()  # one generate at a time
@@ -166,14 +173,16 @@ class GenerationInstance:
 
     # ---- data ----------------------------------------------------------------------------
     def generate(self, iteration: int, requests: list[Request], weight_version: int,
-                 batch_cap: int = 0) -> GenerateReport:
+                 batch_cap: int = 0, window_s: float | None = None) -> GenerateReport:
+        """Generate ``requests`` with weights ``weight_version``; finished samples stream to the
+        trainers in ``window_s`` chunks (default: the instance's ``stream_window_s``)."""
         with self._lock:
             self._swap_weights(weight_version)
             if batch_cap > 0:
                 self.engine.set_max_batch_size(batch_cap)
             t0 = time.time()
             die_after = _test_die_after(self.rank, iteration)
-            out = Outbox(self.trainers, self.coalesce_s)
+            out = Outbox(self.trainers, self.stream_window_s if window_s is None else window_s)
             done: list[int] = []
             lengths: list[int] = []
             try:

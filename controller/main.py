@@ -197,11 +197,14 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
 
 
 def stop_processes(code: int) -> int:
-    """Leave the RPC group and the process group; a failed run exits at once (``os._exit``)."""
+    """Leave the RPC group and the process group; a failed run exits at once (``os._exit``).
+
+    Success: every static rank takes the same quiet path (``_quiet_rpc_exit``). Failure, or a
+    peer already gone: local (non-graceful) shutdown that waits for nobody."""
     if code == 0:
         try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - a peer is gone; leave anyway
+            _quiet_rpc_exit()
+        except Exception:  # noqa: BLE001 - a peer is gone; leave anyway (non-graceful below)
             pass
     rpc.shutdown(graceful=False)
     if code == 0:
@@ -211,6 +214,32 @@ def stop_processes(code: int) -> int:
     if code != 0:
         os._exit(code)  # threads blocked in collectives with a dead peer must not keep us alive
     return code
+
+
+def _quiet_rpc_exit(timeout_s: float = 60.0) -> None:
+    """Graceful end of a successful run, in lock-step over the static ranks (gloo barriers):
+
+    1. barrier: nobody issues new RPCs;
+    2. every process deletes its user RRefs and waits until their owners confirmed (torch's
+       graceful-shutdown step; without it the owners report "Leaking RRef ...");
+    3. barrier, then each agent leaves the group (``join(shutdown=True)``: waits for its own
+       calls to finish and marks the agent as shutting down);
+    4. barrier: only now do pipes close (``rpc.shutdown(graceful=False)`` by the caller); every
+       peer already expects it, so TensorPipe logs no EOF / "pipe closed" errors.
+
+    torch's own ``rpc.shutdown(graceful=True)`` does not do step 4 for a dynamic-membership
+    group (each process leaves on its own and closes its pipes while the others still read).
+    Raises when a peer is gone (the caller then shuts down locally)."""
+    from torch.distributed.rpc import api as rpc_api
+
+    import gc
+
+    dist.barrier()
+    gc.collect()  # drop role objects / RRefs that only cycles still hold
+    rpc_api._delete_all_user_and_unforked_owner_rrefs(datetime.timedelta(seconds=timeout_s))
+    dist.barrier()
+    rpc_api._get_current_rpc_agent().join(shutdown=True, timeout=timeout_s)
+    dist.barrier()
 
 
 if __name__ == "__main__":

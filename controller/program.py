@@ -70,6 +70,7 @@ class Program:
         self.ranker = ranker
         self.mode: PipelineMode = get_mode(cfg.pipeline.mode)
         self.minibatch = cfg.pipeline.minibatch_size
+        world.sgs.stream_window_s = cfg.pipeline.stream_window_s
         self.stream = PromptStream(list(task.prompts("train")), cfg.train.seed, stream_state)
         self.iteration = start_iteration
         self.version = version  # weights the instances hold

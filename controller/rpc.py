@@ -156,6 +156,32 @@ def ping() -> int:
     return os.getpid()
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) this process has used, per thread name (Python threads by
+    their ``threading`` name, native ones -- RPC, TensorPipe, OpenMP -- by their OS name), plus
+    ``"total"`` (the whole process, exited threads included). Linux ``/proc``; {} elsewhere."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:  # the thread ended meanwhile
+                continue
+            name = names.get(int(tid), comm)
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out["total"] = (int(fields[11]) + int(fields[12])) / tick
+    except OSError:
+        return {}
+    return out
+
+
 def subgroup(ranks: list[int]):
     """Process group over ``ranks`` (global ranks), created by its members only; ``None`` for
     a single rank or when this process is outside the static world (joined later)."""

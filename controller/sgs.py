@@ -90,6 +90,7 @@ class SGS:
         self.seed = seed
         self.slots: list[InstanceSlot] = []
         self.removed: list[tuple[int, str]] = []
+        self.stream_window_s = 0.02  # instances' Outbox window (``pipeline.stream_window_s``)
         self._lock = threading.Lock()
 
     @property
@@ -120,7 +121,8 @@ class SGS:
             if not idx:
                 continue
             chunk = [requests[i] for i in idx]
-            calls.append((slot, slot.handle.call("generate", iteration, chunk, version, int(cap)),
+            calls.append((slot, slot.handle.call("generate", iteration, chunk, version, int(cap),
+                                                         self.stream_window_s),
                           [r.sample_id for r in chunk]))
         return calls
 

@@ -27,6 +27,7 @@ def test_quickstart_loads_into_owner_classes():
     ({"train": {"iterations": "ten"}}, "train.iterations"),
     ({"train": {"iterations": True}}, "train.iterations"),
     ({"pipeline": {"mode": "turbo"}}, "pipeline.mode"),
+    ({"pipeline": {"stream_window_s": -1}}, "pipeline.stream_window_s"),
     ({"bogus": {}}, "bogus"),
     ({"engine": {"max_batch": 3}}, "engine.max_batch"),
     ({"engine": {"max_batch_size": 0}}, "engine.max_batch_size"),

@@ -47,3 +47,46 @@ def test_checkpoint_is_atomic_and_found(tmp_path):
 def test_lost_peer_vs_worker_exception():
     assert is_peer_lost(RuntimeError("eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)"))
     assert not is_peer_lost(ValueError("On WorkerInfo(id=1, name=worker1):\nValueError('closed form')"))
+
+
+class _FakeTrainer:
+    """Stands in for a trainer RRef (``rref.rpc_async().receive(samples)``): records each call."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def rpc_async(self):
+        return self
+
+    def receive(self, samples):
+        import torch
+
+        self.calls.append([s.sample_id for s in samples])
+        fut = torch.futures.Future()
+        fut.set_result(len(samples))
+        return fut
+
+
+def _sample(sid: int, group: int):
+    import torch
+
+    from workers.types import Sample
+
+    ids = torch.tensor([1, 2, 3])
+    return Sample(sid, ids, ids, torch.zeros(3), 0, "length", group)
+
+
+def test_outbox_sends_windowed_chunks_per_trainer_and_flushes_on_close():
+    from controller.instance import Outbox
+
+    trainers = [_FakeTrainer(), _FakeTrainer()]
+    out = Outbox(trainers, window_s=60.0)  # one window covers the whole test
+    for sid in range(6):
+        out.put(_sample(sid, group=sid // 2))  # groups 0, 1, 2 -> trainers 0, 1, 0
+    out.close()  # sends what is left at once, without waiting for the window to end
+    assert trainers[0].calls == [[0, 1, 4, 5]] and trainers[1].calls == [[2, 3]]
+    assert out.sends == 2
+    out = Outbox(trainers[:1], window_s=0.0)  # no window: one RPC per queued sample run
+    out.put(_sample(9, 0))
+    out.close()
+    assert trainers[0].calls[-1] == [9]
