@@ -219,23 +219,35 @@ def spread_evenly(idx: Sequence[int], lens: Sequence[float], n: int) -> list[lis
 
 
 def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
-                 noise: float = 0.0) -> tuple[float, int]:
+                 noise: float = 0.0, draws: int = 1) -> tuple[float, int]:
     """The paper's estimate for one instance: ``instance_latency`` at the class's L_avg."""
     return instance_latency(profile, len(lens), l_avg, prompt_len)
 
 
+def no_preemption_cap(profile: PTLProfile, lens: Sequence[float], prompt_len: float) -> int:
+    """The batch cap at which an instance's KV cache holds every running sequence whole
+    (prompt + expected length, in blocks, plus one spare block each for the rounding and the
+    engine's free-block watermark): the paper's "BS capped by memory". Under lazy allocation
+    a larger batch admits on prompts alone and preempts as sequences grow."""
+    if not len(lens):
+        return 1
+    per_seq = profile.seq_kv_tokens(prompt_len + float(np.mean(lens))) + profile.block_size
+    bs = max(1, profile.kv_tokens // per_seq)
+    return min(bs, profile.max_batch_size) if profile.max_batch_size else bs
+
+
 def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
                    noise: "float | BinnedPosterior" = 0.0, draws: int = 4) -> tuple[float, int]:
-    """Event-level continuous-batching estimate of one instance (LPT order by the estimates,
-    batch limited by KV memory only); returns (makespan, cap used). With ``noise`` the true
-    lengths are uncertain: the makespan is averaged over ``draws`` draws (fixed seed) of
-    est * exp(N(0, noise)) (a float) or of a ``BinnedPosterior``, admitted in the estimates'
-    order."""
+    """Event-level continuous-batching estimate of one instance; ``lens`` are the estimates
+    in admission order. Returns (makespan, cap): the cap is the faster of "memory only"
+    (lazy allocation, preempting as the cache fills) and ``no_preemption_cap``. With
+    ``noise`` the true lengths are uncertain: the makespan is averaged over ``draws`` draws
+    (fixed seed) of est * exp(N(0, noise)) (a float) or of a ``BinnedPosterior``, admitted
+    in the given order."""
     from controller.planner.engine_sim import simulate_instance  # engine_sim imports this module
 
-    est = sorted((float(x) for x in lens), reverse=True)
+    est = [float(x) for x in lens]
     limit = max(1, profile.kv_tokens - int(prompt_len) - 2 * profile.block_size)
-    cap = _free_cap(profile, len(est))
     prompts = [int(prompt_len)] * len(est)
     rng = np.random.default_rng(len(est))
     if isinstance(noise, BinnedPosterior) and est:
@@ -244,11 +256,13 @@ def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, pro
         draws_lens = [np.asarray(est) * np.exp(rng.normal(0.0, noise, len(est))) for _ in range(draws)]
     else:
         draws_lens = [est]
-    total = 0.0
-    for d in draws_lens:
-        out = [min(limit, max(1, int(round(x)))) for x in d]
-        total += simulate_instance(out, profile, cap, prompts).makespan_s
-    return total / len(draws_lens), cap
+    outs = [[min(limit, max(1, int(round(x)))) for x in d] for d in draws_lens]
+    free = _free_cap(profile, len(est))
+    best = (math.inf, free)
+    for cap in sorted({free, min(free, no_preemption_cap(profile, est, prompt_len))}, reverse=True):
+        t = sum(simulate_instance(out, profile, cap, prompts).makespan_s for out in outs) / len(outs)
+        best = min(best, (t, cap), key=lambda x: x[0])
+    return best
 
 
 COSTS: dict[str, Callable[..., tuple[float, int]]] = {
@@ -288,6 +302,8 @@ class SkewDispatcher:
     kind: str = "skew"
     noise: "float | BinnedPosterior" = 0.0
     mixed: bool = False
+    orders: tuple[str, ...] = ()
+    draws: int = 4
 
     def __post_init__(self):
         self.alphas = tuple(float(a) for a in self.alphas)
@@ -297,13 +313,16 @@ class SkewDispatcher:
             raise ValueError(f"skew dispatcher: cost {self.cost!r} is not one of {sorted(COSTS)}")
         if self.quantile_of not in ("class", "distribution"):
             raise ValueError(f"skew dispatcher: quantile_of must be 'class' or 'distribution', got {self.quantile_of!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"skew dispatcher: order {self.order!r} is not one of {sorted(ORDERS)}")
+        self.orders = tuple(self.orders)
+        for o in (self.order, *self.orders):
+            if o not in ORDERS:
+                raise ValueError(f"skew dispatcher: order {o!r} is not one of {sorted(ORDERS)}")
 
     def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
                     ) -> dict[tuple[float, int], tuple[float, list[list[int]], list[float], list[int]]]:
         """(alpha, N_l) -> (max latency, groups, per-instance latency, per-instance batch cap),
-        groups[:N_l] being the long-tail instances. N_l = 0 (key (alphas[0], 0); with
+        groups[:N_l] being the long-tail instances, each group in its admission order (with
+        ``orders``, the fastest of ``order`` and ``orders`` by the cost model). N_l = 0 (key (alphas[0], 0); with
         ``mixed`` or when N == 1): no dedicated instances, all requests spread evenly."""
         m, n = len(lens), len(profiles)
         order = lpt_order(range(m), lens)
@@ -326,13 +345,22 @@ class SkewDispatcher:
                     groups = spread_evenly(long_idx, lens, n_l) + spread_evenly(reg_idx, lens, n - n_l)
                     classes = [long_idx] * n_l + [reg_idx] * (n - n_l)
                     q = [self.q_long] * n_l + [self.q_regular] * (n - n_l)
-                lat, caps = [], []
+                lat, caps, ordered = [], [], []
+                noise = 0.0 if self.use_true or self.cost != "simulate" else self.noise
+                # each instance: the admission order (and, in the cost, the cap) it runs fastest with
+                tries = dict.fromkeys((self.order, *self.orders)) if self.cost == "simulate" else [self.order]
                 for j, g in enumerate(groups):
-                    noise = 0.0 if self.use_true or self.cost != "simulate" else self.noise
-                    t, cap = COSTS[self.cost](profiles[j], arr[g], l_avg(classes[j], q[j]), prompt_len, noise)
-                    lat.append(t)
-                    caps.append(cap)
-                out[(alpha, n_l)] = (max(lat), groups, lat, caps)
+                    best = None
+                    for o in tries:
+                        idx = ORDERS[o](g, lens)
+                        t, cap = COSTS[self.cost](profiles[j], arr[idx], l_avg(classes[j], q[j]), prompt_len, noise,
+                                                 self.draws)
+                        if best is None or t < best[0]:
+                            best = (t, cap, idx)
+                    lat.append(best[0])
+                    caps.append(best[1])
+                    ordered.append(best[2])
+                out[(alpha, n_l)] = (max(lat), ordered, lat, caps)
         return out
 
     def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) -> DispatchPlan:
@@ -343,8 +371,7 @@ class SkewDispatcher:
         prompt_len = float(np.mean(prompt_lens)) if prompt_lens is not None and len(prompt_lens) else 0.0
         costs = self.split_costs(lens, profiles, prompt_len)
         key = min(costs, key=lambda k: (costs[k][0], k[1], k[0]))
-        _, groups, lat, caps = costs[key]
-        per = [ORDERS[self.order](g, lens) for g in groups]
+        _, per, lat, caps = costs[key]
         return DispatchPlan(per, [max(1, c) for c in caps], self.kind,
                             [j < key[1] for j in range(len(per))], lat)
 

@@ -26,6 +26,10 @@ class InstanceRun:
     start_s: list[float]
     makespan_s: float
     max_batch: int
+    decode_steps: int = 0  # engine steps that decode (every running sequence gains a token)
+    prefill_steps: int = 0  # admission rounds (one prefill step each)
+    prefill_tokens: int = 0  # tokens prefilled, recomputation after preemption included
+    preemptions: int = 0
 
 
 def simulate_instance(out_lens: Sequence[int], profile: PTLProfile, cap: int,
@@ -59,37 +63,52 @@ def _reserve(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Ins
     running: list[tuple[int, int]] = []  # heap of (finish step, k)
     since = [0] * m
     t, step, nxt, free, peak, cached = t0, 0, 0, profile.kv_tokens, 0, 0.0
+    prefills, prefilled = 0, 0
+    g = 1 if profile.prefill_step_s > 0 else 0  # a measured prefill step yields a token (see _lazy)
+
+    def complete() -> None:
+        nonlocal free, cached
+        while running and running[0][0] <= step:
+            _, k = heapq.heappop(running)
+            finish[k] = t
+            free += need[k]
+            cached -= prompts[k] + step - since[k]
+
     while nxt < m or running:
-        admitted = 0
+        admitted, nxt_before = 0, nxt
         while nxt < m and len(running) < cap and need[nxt] <= free:
             free -= need[nxt]
             admitted += prompts[nxt]
-            cached += prompts[nxt]
-            start[nxt], since[nxt] = t, step
-            heapq.heappush(running, (step + out_lens[nxt], nxt))
+            cached += prompts[nxt] + g
+            start[nxt], since[nxt] = t, step - g
+            heapq.heappush(running, (since[nxt] + out_lens[nxt], nxt))
             nxt += 1
-        if admitted:
+        if nxt_before != nxt:
             t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
+            prefills, prefilled = prefills + 1, prefilled + admitted
+            complete()
+            if not running:
+                continue
         bs = len(running)
         peak = max(peak, bs)
         n = running[0][0] - step
         t += n * profile.step_time(bs, cached + bs * (n - 1) / 2.0)  # cache grows linearly
         step += n
         cached += bs * n
-        while running and running[0][0] == step:
-            _, k = heapq.heappop(running)
-            finish[k] = t
-            free += need[k]
-            cached -= prompts[k] + step - since[k]
-    return InstanceRun(finish, start, max(finish, default=t0), peak)
+        complete()
+    return InstanceRun(finish, start, max(finish, default=t0), peak, step, prefills, prefilled, 0)
 
 
 def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> InstanceRun:
     """Tokens are tracked exactly, blocks as tokens + half a block of rounding per sequence.
     Between events (a completion, the cache filling up, an admission) the batch and the
     growth rate are constant, so time jumps by PTL(BS) * steps. A request is admitted when
-    its cached tokens fit with one step of growth left for every running sequence."""
+    its cached tokens fit with one step of growth left for every running sequence. A measured
+    prefill step (``prefill_step_s`` > 0) also produces each admitted sequence's next token,
+    as the engine's does; an unmeasured (free) one produces none, so analytic profiles keep
+    the paper's PTL(BS) * L."""
     m, half = len(out_lens), profile.block_size / 2.0
+    g = 1 if profile.prefill_step_s > 0 else 0  # tokens a prefill step produces per sequence
     finish, start = [0.0] * m, [-1.0] * m
     cached = list(prompts)  # tokens a request brings into the cache when (re)admitted
     left = list(out_lens)  # output tokens still to produce
@@ -99,9 +118,10 @@ def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Instan
     since = [0] * m  # step of the latest admission
     heap: list[tuple[int, int, int]] = []  # (finish step, k, epoch)
     t, step, used, peak = t0, 0, 0.0, 0
+    prefills, prefilled, preempted = 0, 0, 0
     cap_tokens = float(profile.kv_tokens)
     while waiting or running:
-        admitted = 0
+        admitted, n_admitted = 0, 0
         while waiting and len(running) < cap:
             k = waiting[-1]
             need = cached[k] + half
@@ -110,13 +130,18 @@ def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Instan
             waiting.pop()
             if start[k] < 0:
                 start[k] = t
-            used += need
+            used += need + g
             admitted += cached[k]
+            n_admitted += 1
             running.append(k)
-            since[k] = step
-            heapq.heappush(heap, (step + left[k], k, epoch[k]))
-        if admitted:
+            since[k] = step - g
+            heapq.heappush(heap, (since[k] + left[k], k, epoch[k]))
+        if n_admitted:
             t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
+            prefills, prefilled = prefills + 1, prefilled + admitted
+            used -= _complete(heap, epoch, step, t, finish, running, cached, since, half)
+            if not running:
+                continue
         bs = len(running)
         peak = max(peak, bs)
         while heap[0][2] != epoch[heap[0][1]]:
@@ -129,20 +154,30 @@ def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Instan
             cached[k] += done
             left[k] -= done
             epoch[k] += 1
+            preempted += 1
             waiting.append(k)
             continue
         n_steps = heap[0][0] - step if bs == 1 else max(1, min(heap[0][0] - step, room))
         t += n_steps * profile.step_time(bs, used - bs * half + bs * (n_steps - 1) / 2.0)
         step += n_steps
         used += bs * n_steps
-        while heap and heap[0][0] <= step:
-            _, k, e = heapq.heappop(heap)
-            if e != epoch[k]:
-                continue
-            finish[k] = t
-            running.remove(k)
-            used -= cached[k] + half + (step - since[k])
-    return InstanceRun(finish, [max(0.0, x) for x in start], max(finish, default=t0), peak)
+        used -= _complete(heap, epoch, step, t, finish, running, cached, since, half)
+    return InstanceRun(finish, [max(0.0, x) for x in start], max(finish, default=t0), peak,
+                       step, prefills, prefilled, preempted)
+
+
+def _complete(heap, epoch, step, t, finish, running, cached, since, half) -> float:
+    """Finish every running sequence whose last token is due by ``step``; returns the KV
+    tokens they free."""
+    freed = 0.0
+    while heap and heap[0][0] <= step:
+        _, k, e = heapq.heappop(heap)
+        if e != epoch[k]:
+            continue
+        finish[k] = t
+        running.remove(k)
+        freed += cached[k] + half + (step - since[k])
+    return freed
 
 
 ALLOCS = {"lazy": _lazy, "reserve": _reserve}
