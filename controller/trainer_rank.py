@@ -6,7 +6,11 @@ the pipeline mode's release policy allows:
 
 * ``all``       -- the whole iteration at once (colocated, batch, async_batch)
 * ``minibatch`` -- fixed-size hand-overs of ``minibatch`` samples (strawman 1)
-* ``stream``    -- every sample as soon as it arrives (stream, async_stream)
+* ``stream``    -- as samples arrive, in chunks of at least ``stream_tokens`` tokens (default:
+  one micro-batch, ``max_tokens_per_microbatch``), and the rest as soon as the iteration is
+  complete (stream, async_stream). The trainer trains a micro-batch as soon as one has
+  arrived; handing it single samples would only split its receive-time forwards (reward,
+  reference log-probs) into many small ones (measured: up to 2x the trainer's CPU).
 
 Iterations are consumed strictly in order: samples of iteration i+1 (async modes) wait in
 their inbox until ``step(i)`` has produced the new version. Every sample's staleness
@@ -37,7 +41,9 @@ class _Iteration:
     policy: str
     minibatch: int
     max_staleness: int
+    stream_tokens: int = 0  # ``stream``: release once this many tokens are pending (0: at once)
     pending: list[Sample] = field(default_factory=list)
+    pending_tokens: int = 0
     seen: set[int] = field(default_factory=set)
     consumed: int = 0
     duplicates: int = 0
@@ -53,7 +59,7 @@ class _Iteration:
         """Samples the policy lets go now (empty: keep waiting)."""
         n = len(self.pending)
         complete = self.consumed + n == self.expected
-        if self.policy == "stream" and n:
+        if self.policy == "stream" and n and (complete or self.pending_tokens >= self.stream_tokens):
             k = n
         elif self.policy == "minibatch" and (n >= self.minibatch or (complete and n)):
             k = min(n, self.minibatch)
@@ -62,7 +68,12 @@ class _Iteration:
         else:
             return []
         out, self.pending = self.pending[:k], self.pending[k:]
+        self.pending_tokens -= sum(_tokens(s) for s in out)
         return out
+
+
+def _tokens(s: Sample) -> int:
+    return int(s.prompt_ids.numel() + s.output_ids.numel())
 
 
 @dataclass
@@ -110,15 +121,19 @@ class TrainerRank:
 
     # ---- control -------------------------------------------------------------------------
     def begin_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int],
-                        policy: str, minibatch: int, max_staleness: int) -> bool:
+                        policy: str, minibatch: int, max_staleness: int, stream_tokens: int = -1) -> bool:
+        """Register an iteration's samples. ``stream_tokens``: chunk size of the ``stream``
+        policy in tokens (-1: one trainer micro-batch; 0: every sample at once)."""
         if policy not in RELEASE_POLICIES:
             raise ValueError(f"release policy {policy!r} is not one of {RELEASE_POLICIES}")
         with self._cond:
             self._raise_if_failed()
             if iteration in self._iters:
                 raise RuntimeError(f"train{self.rank}: iteration {iteration} begun twice")
+            if stream_tokens < 0:
+                stream_tokens = int(getattr(self.worker.cfg, "max_tokens_per_microbatch", 0) or 0)
             self._iters[iteration] = _Iteration(iteration, dict(prompts), dict(group_sizes), policy,
-                                                minibatch, max_staleness)
+                                                minibatch, max_staleness, stream_tokens)
             for sid in prompts:
                 self._owner[sid] = iteration
             self._cond.notify_all()
@@ -139,6 +154,7 @@ class TrainerRank:
                     continue
                 rec.seen.add(s.sample_id)
                 rec.pending.append(s)
+                rec.pending_tokens += _tokens(s)
                 rec.first_sample_at = rec.first_sample_at or now
                 rec.last_sample_at = now
                 new += 1

@@ -90,3 +90,27 @@ def test_outbox_sends_windowed_chunks_per_trainer_and_flushes_on_close():
     out.put(_sample(9, 0))
     out.close()
     assert trainers[0].calls[-1] == [9]
+
+
+def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
+    from controller.trainer_rank import _Iteration
+
+    rec = _Iteration(0, {i: None for i in range(5)}, {}, "stream", 1, 0, stream_tokens=15)
+
+    def arrive(sid):  # 3 prompt + 3 output tokens each
+        s = _sample(sid, sid)
+        rec.pending.append(s)
+        rec.pending_tokens += 6
+
+    arrive(0)
+    arrive(1)
+    assert rec.release() == []  # 12 < 15 tokens: keep collecting
+    arrive(2)
+    assert [s.sample_id for s in rec.release()] == [0, 1, 2] and rec.pending_tokens == 0
+    rec.consumed = 3
+    arrive(3)
+    arrive(4)
+    assert [s.sample_id for s in rec.release()] == [3, 4]  # the iteration is complete: no waiting
+    single = _Iteration(1, {9: None, 10: None}, {}, "stream", 1, 0, stream_tokens=0)
+    single.pending.append(_sample(9, 9))
+    assert len(single.release()) == 1  # 0: every sample at once
