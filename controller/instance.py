@@ -128,9 +128,22 @@ class GenerationInstance:
 
     # ---- control -------------------------------------------------------------------------
     def connect(self, trainers: list) -> bool:
-        """``trainers``: RRefs of the TrainerRank objects, in DP order."""
-        self.trainers = list(trainers)
+        """``trainers``: RRefs (or ``TrainerAddress``es) of the TrainerRank objects, in DP order.
+        Kept as addresses: samples and weight pulls go over plain RPC, no RRef (see
+        controller/trainer_rank.py, ``TrainerAddress``)."""
+        from controller.trainer_rank import TrainerAddress
+
+        self.trainers = [TrainerAddress.of(t) for t in trainers]
         return True
+
+    def pull_weights(self, version: int, timeout: float) -> int:
+        """Fetch the weights of ``version`` from trainer DP rank 0 and stage them (instances
+        that joined later, outside the weight-sync group). The instance asks, the trainer only
+        answers: if this process dies meanwhile, the trainer loses one reply, not its process."""
+        t0 = time.time()
+        named = self.trainers[0].rpc_async(timeout).weights_for(version).wait()
+        self.spans.add("weight_sync", t0, time.time(), version)
+        return self.stage_weights(named, version)
 
     def stage_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
         """Keep weights of ``version``; they are loaded at the next iteration boundary."""

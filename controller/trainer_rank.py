@@ -95,6 +95,55 @@ class StepReport:
 RELEASE_POLICIES = ("all", "minibatch", "stream")
 
 
+# ---- plain-RPC entry points: a generation instance reaches its trainer ranks through these,
+# by worker name, never through an RRef. An RRef sent to its owner makes the owner send an
+# RRef-protocol acknowledgement back to the sender, and the old weight push made the trainer
+# call the joiner (fork requests, user deletes). When that peer has just died, the failed send
+# raises a c10::Error inside torch's RRef callback (seen in a stress run) -- the likely way the
+# trainer died in test_join_then_kill_loses_no_prompt. With plain functions the trainer only
+# ever answers calls; it never starts one towards a generation process.
+def receive_samples(samples: list[Sample]) -> int:
+    return LOCAL.roles["trainer"].receive(samples)
+
+
+def weights_for(version: int) -> dict[str, torch.Tensor]:
+    return LOCAL.roles["trainer"].weights_for(version)
+
+
+@dataclass(frozen=True)
+class _TrainerCalls:
+    to: object  # worker name or WorkerInfo
+    timeout: float
+
+    def receive(self, samples: list[Sample]):
+        import torch.distributed.rpc as rpc
+
+        return rpc.rpc_async(self.to, receive_samples, args=(samples,), timeout=self.timeout)
+
+    def weights_for(self, version: int):
+        import torch.distributed.rpc as rpc
+
+        return rpc.rpc_async(self.to, weights_for, args=(version,), timeout=self.timeout)
+
+
+@dataclass(frozen=True)
+class TrainerAddress:
+    """A trainer rank as a generation instance holds it: its worker, plus the two calls an
+    instance makes (``receive`` samples, ``weights_for`` a version), shaped like an RRef's
+    ``rpc_async()`` proxy. ``of(rref)``: the address of an RRef's owner."""
+
+    to: object  # worker name or WorkerInfo
+
+    @classmethod
+    def of(cls, trainer) -> "TrainerAddress":
+        return trainer if isinstance(trainer, TrainerAddress) else cls(trainer.owner())
+
+    def rpc_async(self, timeout: float = -1.0) -> _TrainerCalls:
+        from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+
+        return _TrainerCalls(self.to, UNSET_RPC_TIMEOUT if timeout < 0 else timeout)
+
+
 class TrainerRank:
     def __init__(self, rank: int, dp_ranks: list[int], trainer_cfg, model_dir: str, task_name: str,
                  task_kwargs: dict):
@@ -257,20 +306,17 @@ class TrainerRank:
             raise RuntimeError(f"train{self.rank}: consumer failed:\n{self._error}")
 
     # ---- weights, checkpoints, stats -----------------------------------------------------
-    def push_weights_rpc(self, instances: list, version: int) -> dict:
-        """Send the current weights as named tensors to instance RRefs (joiners, fallback path).
-        Returns {"seconds", "failed": [ranks whose transfer failed (process gone)]}."""
+    def weights_for(self, version: int) -> dict[str, torch.Tensor]:
+        """The current weights as CPU named tensors, for an instance that pulls them (joined
+        instances; the fallback when the weight-sync package is missing). The instance asks and
+        the trainer only answers, so an instance that dies meanwhile costs one failed reply."""
+        if version != self.worker.version:
+            raise RuntimeError(f"train{self.rank}: weights of version {version} asked for, "
+                               f"the trainer holds version {self.worker.version}")
         t0 = time.time()
         named = {k: v.detach().to("cpu", copy=True) for k, v in self.worker.named_weights()}
-        futs = [(r.owner().id, r.rpc_async().stage_weights(named, version)) for r in instances]
-        failed = []
-        for rank, f in futs:
-            try:
-                f.wait()
-            except Exception:  # noqa: BLE001 - reported to the controller, which drops the instance
-                failed.append(rank)
         self.spans.add("weight_sync", t0, time.time(), version)
-        return {"seconds": time.time() - t0, "failed": failed}
+        return named
 
     def push_weights(self, plan, version: int) -> float:
         """Weight-sync tree sender side (workers.weight_sync), concurrent with the receivers."""

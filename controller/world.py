@@ -5,11 +5,15 @@ Weight push paths, chosen per instance:
 * colocated -- the instance copies the weights of the trainer object in its own process;
 * weight-sync tree (``workers.weight_sync``: ``plan_sync`` + sender/receiver over
   torch.distributed) for instances inside the static world;
-* named tensors over RPC for instances that joined later (outside the process group) and as
-  the fallback when the weight-sync package is not installed.
+* pulled over RPC for instances that joined later (outside the process group) and as the
+  fallback when the weight-sync package is not installed: the controller asks the instance
+  to fetch the version from trainer rank 0 (``pull_weights``). The trainer never calls a
+  generation instance: a joiner that dies mid-transfer fails only the controller's call,
+  which the program turns into "instance lost" (re-dispatch), with ``weight_timeout_s``.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from controller.instance import GenerationInstance
@@ -26,6 +30,7 @@ class World:
     static_ranks: set[int] = field(default_factory=set)  # ranks inside the gloo/NCCL world
     topology: object = None
     bucket_bytes: int = 1 << 22
+    weight_timeout_s: float = 60.0  # a pull that takes longer: the instance counts as lost
     _spec: list | None = None
 
     def received(self, iteration: int) -> set[int]:
@@ -54,8 +59,8 @@ class World:
             plan = plan_sync(self.topology, [sender.rank], [h.rank for h in tree], self._spec, self.bucket_bytes)
             calls.append(sender.call("push_weights", plan, version))
             calls += [h.call("receive_weights", plan) for h in tree]
-        if rest:
-            calls.append(sender.call("push_weights_rpc", [h.rref for h in rest], version))
+        t = self.weight_timeout_s
+        calls += [h.call("pull_weights", version, t, timeout=t + 5.0) for h in rest]
         return calls
 
     def drain_spans(self) -> list:
@@ -96,7 +101,8 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     gen_futs = [(r, rpc.remote(f"worker{r}", GenerationInstance, args=(r, cfg.engine, model_dir, eos_ids),
                                timeout=timeout)) for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
-    world = World(trainers, None, colocated, set(static_ranks), cfg.topology)  # type: ignore[arg-type]
+    world = World(trainers, None, colocated, set(static_ranks), cfg.topology,  # type: ignore[arg-type]
+                  weight_timeout_s=float(timeout))
     world.sgs = SGS(dispatcher, world.received, cfg.train.seed)
     wait_all([h.call("connect", [t.rref for t in trainers]) for h in instances])
     for h in instances:
@@ -104,12 +110,24 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     return world
 
 
-def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int, iteration: int) -> WorkerHandle:
-    """Scale out: create an instance on a joined rank, give it the current weights, add it."""
-    h = create(rank, "generation", GenerationInstance, rank, cfg.engine, model_dir, eos_ids,
-               timeout=cfg.placement.rpc_timeout_s)
-    h.call("connect", [t.rref for t in world.trainers]).wait()
-    wait_all(world.push_weights(version, only=[h]))
+def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int,
+                 iteration: int) -> WorkerHandle | None:
+    """Scale out: create an instance on a joined rank, have it pull the current weights, add
+    it. A joiner that dies before it holds them is not added (returns None); nothing else
+    (no trainer, no collective) has depended on it yet."""
+    from controller.rpc import WorkerFailed
+
+    try:
+        h = create(rank, "generation", GenerationInstance, rank, cfg.engine, model_dir, eos_ids,
+                   timeout=cfg.placement.rpc_timeout_s)
+        h.call("connect", [t.rref for t in world.trainers]).wait()
+        wait_all(world.push_weights(version, only=[h]))
+    except WorkerFailed as e:
+        if not (e.lost and e.role == "generation"):
+            raise
+        print(f"[world] joiner rank {rank} lost before it held weights v{version}: {str(e).splitlines()[0]}",
+              file=sys.stderr, flush=True)
+        return None
     world.sgs.add(h, _profile(cfg), iteration)
     return h
 
