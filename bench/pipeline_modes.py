@@ -8,10 +8,12 @@ prompt's output length is a real response length from ``../shared/data/length_tr
 (words / ``--scale``, clipped), so every mode generates exactly the same tokens. ``colocated``
 puts both stages on both worker ranks in turn (2 instances, then 2 trainer DP ranks); the other
 modes use rank 1 for generation and rank 2 for training. Each mode: 1 warm-up iteration, then
-``--iterations`` measured ones (pipeline fill and drain included).
+``--iterations`` measured ones (pipeline fill and drain included). ``--repeat`` rounds over the
+modes (full run: 2, the second in reverse order, so a load that drifts during the run weighs
+on every mode alike; each mode's line sums its rounds).
 
-Prints one JSON line per mode (samples/s, iteration time, bubble fraction per worker) and a
-summary line with ``async_stream_over_batch``, ``stream_over_batch``,
+Prints one JSON line per mode (samples/s, iteration time, bubble fraction per worker, busy and
+CPU seconds per rank) and a summary line with ``async_stream_over_batch``, ``stream_over_batch``,
 ``async_stream_over_colocated`` (targets: >= 1.5 and >= 1.15 for the first two).
 """
 from __future__ import annotations
@@ -42,6 +44,9 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=",".join(ORDER),
                     help="comma-separated modes, run in this order (the summary needs batch, stream, async_stream, "
                          "colocated)")
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="rounds over the modes (default 2, --quick 1), alternating forward and reverse order, "
+                         "which cancels a linear drift of the machine's load; each mode's line sums its rounds")
     ap.add_argument("--logdir", default="runs/bench_pipeline_modes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -52,6 +57,9 @@ def parse_args(argv=None):
     bad = [m for m in a.modes if m not in ORDER]
     if bad:
         ap.error(f"--modes: {bad} not in {list(ORDER)}")
+    a.repeat = a.repeat or (1 if a.quick else 2)
+    if a.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {a.repeat}")
     return a
 
 
@@ -117,12 +125,30 @@ def run_mode(cfg, mode: str, a, model_dir, tok, task, length_of) -> dict:
     fig = gantt_figure([s for s in spans + control if s.end >= t0], f"{mode}: {a.iterations} iterations")
     fig.savefig(logdir / f"timeline_{mode}.png", dpi=90)
     return {"mode": mode, "samples_per_s": samples / (t1 - t0), "iteration_s": (t1 - t0) / a.iterations,
-            "samples": samples, "tokens": sum(r.num_tokens for r in res), "iterations": a.iterations,
+            "seconds": t1 - t0, "samples": samples, "tokens": sum(r.num_tokens for r in res), "iterations": a.iterations,
             "bubble": {w: round(f, 3) for w, f in bubble_fractions(spans, (t0, t1)).items()},
             "staleness_max": max(r.staleness_max for r in res),
             "busy_s": {w: round(sum(s.duration for s in spans if s.worker == w and s.stage in ("generate", "train")
                                     and s.start >= t0), 3) for w in sorted({s.worker for s in spans})},
             "cpu_s": cpu}
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """One mode's rounds as one line: throughput = all samples / all measured seconds; bubbles
+    time-weighted; busy and CPU seconds summed; ``rounds``: each round's samples/s."""
+    if len(rows) == 1:
+        return rows[0]
+    secs = sum(r["seconds"] for r in rows)
+    workers = sorted({w for r in rows for w in r["bubble"]})
+    return {"mode": rows[0]["mode"], "samples_per_s": sum(r["samples"] for r in rows) / secs,
+            "iteration_s": secs / sum(r["iterations"] for r in rows), "seconds": secs,
+            "samples": sum(r["samples"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
+            "iterations": sum(r["iterations"] for r in rows),
+            "bubble": {w: round(sum(r["bubble"].get(w, 0.0) * r["seconds"] for r in rows) / secs, 3) for w in workers},
+            "staleness_max": max(r["staleness_max"] for r in rows),
+            "busy_s": {w: round(sum(r["busy_s"].get(w, 0.0) for r in rows), 3) for w in workers},
+            "cpu_s": {p: {"total": round(sum(r["cpu_s"][p]["total"] for r in rows), 2)} for p in rows[0]["cpu_s"]},
+            "rounds": [round(r["samples_per_s"], 1) for r in rows]}
 
 
 def cpu_snapshot() -> dict[str, dict[str, float]]:
@@ -165,15 +191,25 @@ def controller(a) -> int:
     items = list(task.prompts("train"))
     lens = trace_lengths(len(items), a.scale, a.max_len)
     by_prompt = {it.prompt: lens[i % len(lens)] for i, it in enumerate(items)}
-    rows = {}
-    for mode in a.modes:
-        rows[mode] = run_mode(cfg, mode, a, boot["path"], tok, task, lambda it: by_prompt[it.prompt])
-        print(json.dumps(rows[mode]), flush=True)
+    rounds: dict[str, list[dict]] = {m: [] for m in a.modes}
+    for r in range(a.repeat):
+        for mode in (a.modes if r % 2 == 0 else a.modes[::-1]):
+            row = run_mode(cfg, mode, a, boot["path"], tok, task, lambda it: by_prompt[it.prompt])
+            rounds[mode].append(row)
+            if a.repeat == 1:
+                print(json.dumps(row), flush=True)
+            else:
+                print(json.dumps({"round": r, **row}), file=sys.stderr, flush=True)
+    rows = {m: merge_rounds(rs) for m, rs in rounds.items()}
+    if a.repeat > 1:
+        for m in a.modes:
+            print(json.dumps(rows[m]), flush=True)
     sps = {m: r["samples_per_s"] for m, r in rows.items()}
     ratios = {"async_stream_over_batch": ("async_stream", "batch"), "stream_over_batch": ("stream", "batch"),
               "async_stream_over_colocated": ("async_stream", "colocated"),
               "minibatch_over_batch": ("minibatch", "batch"), "async_batch_over_batch": ("async_batch", "batch")}
     print(json.dumps({"summary": True, "quick": a.quick, "iterations": a.iterations, "prompts": a.prompts,
+                      "repeat": a.repeat,
                       **{k: sps[x] / sps[y] for k, (x, y) in ratios.items() if x in sps and y in sps}}), flush=True)
     for r in (1, 2):
         rpc.rpc_sync(f"worker{r}", request_exit, args=(0,))
