@@ -41,23 +41,38 @@ def packed(lengths, vocab, seed=0):
     return ids, pos, cu
 
 
+def _cpu_ops_or_skip():
+    from workers.generation import cpu_ops
+
+    try:
+        cpu_ops.load()  # first use on a machine compiles it (about a minute), then cached
+    except RuntimeError as e:
+        pytest.skip(f"C++ fused CPU ops unavailable: {e}")
+
+
+@pytest.mark.parametrize("cpu_ops", [False, True], ids=["torch_ops", "cpu_ops"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @torch.no_grad()
-def test_fused_forward_equals_model_forward(case):
+def test_fused_forward_equals_model_forward(case, cpu_ops):
+    if cpu_ops:
+        _cpu_ops_or_skip()
     m = model_for(case)
     ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
-    fwd = FusedForward(m, max_len=64)
+    fwd = FusedForward(m, max_len=64, cpu_ops=cpu_ops)
     want = m(ids, pos, CausalAttention(cu))
     got = fwd(ids, pos, CausalAttention(cu))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fwd.logits(got), m.logits(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cpu_ops", [False, True], ids=["torch_ops", "cpu_ops"])
 @torch.no_grad()
-def test_fused_forward_bf16_close_to_model():
+def test_fused_forward_bf16_close_to_model(cpu_ops):
+    if cpu_ops:
+        _cpu_ops_or_skip()
     m = model_for("qwen2", torch.bfloat16)
     ids, pos, cu = packed([6, 11], m.config.vocab_size)
-    got = FusedForward(m, max_len=32)(ids, pos, CausalAttention(cu))
+    got = FusedForward(m, max_len=32, cpu_ops=cpu_ops)(ids, pos, CausalAttention(cu))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), m(ids, pos, CausalAttention(cu)).float(), rtol=3e-2, atol=3e-2)
 

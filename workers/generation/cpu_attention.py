@@ -49,8 +49,9 @@ static inline const float* as_float(const T* p, float* buf, int64_t dh) {
 // head size at compile time (unrolled, accumulators in registers); DH == 0 is generic.
 // Three passes: scores [G, n], softmax, weighted values; block b+1 is prefetched while b is used.
 template <typename T, int DH>
-static void attend(const T* q, const T* kc, const T* vc, const int* bt, const int64_t* seq_of,
-                   const int64_t* pos, T* out, int64_t ntok, int64_t H, int64_t Hkv, int64_t dh_rt,
+static void attend(const T* q, int64_t q_stride, const T* kc, const T* vc, const int* bt,
+                   const int64_t* seq_of, const int64_t* pos, T* out, int64_t ntok, int64_t H,
+                   int64_t Hkv, int64_t dh_rt,
                    int64_t bs, int64_t maxb, float scale) {
   const int64_t Dh = DH ? DH : dh_rt;
   const int64_t G = H / Hkv, row = Hkv * Dh, block_elems = bs * row;
@@ -60,7 +61,7 @@ static void attend(const T* q, const T* kc, const T* vc, const int* bt, const in
       const int64_t i = item / Hkv, g = item % Hkv;
       const int* table = bt + seq_of[i] * maxb;
       const int64_t n = pos[i] + 1, nblk = (n + bs - 1) / bs;
-      const T* qi = q + (i * H + g * G) * Dh;
+      const T* qi = q + i * q_stride + g * G * Dh;
       for (int64_t j = 0; j < G * Dh; ++j) qf[j] = static_cast<float>(qi[j]) * scale;
       sc.resize(G * n);
       for (int64_t b = 0; b < nblk; ++b) {  // pass 1: scores [G, n]
@@ -112,22 +113,22 @@ static void attend(const T* q, const T* kc, const T* vc, const int* bt, const in
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_of,
                               torch::Tensor positions, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention: q and caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "paged_attention: caches and q's rows must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && block_tables.is_contiguous(),
               "paged_attention: block_tables must be contiguous int32");
   TORCH_CHECK(seq_of.dtype() == torch::kInt64 && positions.dtype() == torch::kInt64,
               "paged_attention: seq_of and positions must be int64");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_attention: q and caches must have the same dtype");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t ntok = q.size(0), H = q.size(1), Dh = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == Dh, "paged_attention: head shapes do not match");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto dh_const) {
       constexpr int DH = decltype(dh_const)::value;
-      attend<scalar_t, DH>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+      attend<scalar_t, DH>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                            v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int>(),
                            seq_of.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
                            out.data_ptr<scalar_t>(), ntok, H, Hkv, Dh, bs, maxb, static_cast<float>(scale));
@@ -150,7 +151,7 @@ def load():
         from torch.utils.cpp_extension import load_inline
 
         try:
-            _module = load_inline(name="streamrl_paged_attention_cpu_v2", cpp_sources=_SOURCE,
+            _module = load_inline(name="streamrl_paged_attention_cpu_v5", cpp_sources=_SOURCE,
                                   functions=["paged_attention"],
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
@@ -165,5 +166,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q: [T, H, Dh]; caches: [num_blocks, block_size, Hkv, Dh]; block_tables: int32 [B, M];
     seq_of, positions: int64 [T] -> out [T, H, Dh]. Token i attends to keys 0..positions[i]
-    of sequence seq_of[i] (its own k/v must already be in the cache)."""
-    return load().paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_of, positions, scale)
+    of sequence seq_of[i] (its own k/v must already be in the cache). q may be a row-strided
+    view (e.g. of a fused qkv projection): only each token's [H, Dh] must be contiguous."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    return load().paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, scale)

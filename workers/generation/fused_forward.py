@@ -9,7 +9,9 @@ matmuls. This forward computes the same function over the same weights with ~15 
 * RoPE from a cos/sin table (built by the model's own ``rotary_emb``, so the values are
   the model's), looked up once per step and applied to q and k in one go;
 * RMSNorm as ``F.rms_norm`` for fp32 (the model's formula otherwise), residual adds folded
-  into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul.
+  into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul;
+* with ``cpu_ops`` (the "cpu" attention backend) RMSNorm, SwiGLU and RoPE are single-pass C++
+  loops (``cpu_ops.py``), RoPE in place on the qkv projection, q passed on as a strided view.
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
 counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
@@ -34,8 +36,13 @@ class FusedForward:
     """``fwd(ids [T], positions [T], attn) -> hidden [T, D]``; ``fwd.logits(hidden) -> [T, V]``.
     Positions must be below ``max_len`` (the RoPE table's length)."""
 
-    def __init__(self, model: CausalLM, max_len: int):
+    def __init__(self, model: CausalLM, max_len: int, cpu_ops: bool = False):
         cfg = model.config
+        self.ops = None
+        if cpu_ops:
+            from workers.generation import cpu_ops as ops
+
+            self.ops = ops.load()
         self.model, self.cfg = model, cfg
         self.h, self.hkv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_head
         self.nq, self.nkv, self.inter = self.h * self.dh, self.hkv * self.dh, cfg.intermediate_size
@@ -92,16 +99,30 @@ class FusedForward:
 
     # ---- forward -------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, w, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()  # the model's formula (upcast, normalise, round, scale)
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
-    def _rotate(self, qk: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-        # qk: [T, H + Hkv, Dh]; cs: [T, 2, Dh] -> rotated copy [T, H + Hkv, Dh]
-        t, n, d = qk.shape
-        swapped = qk.reshape(t, n, 2, d // 2).flip(2).view(t, n, d)
-        return (qk * cs[:, None, 0]).addcmul_(swapped, cs[:, None, 1])
+    def _qkv(self, qkv: torch.Tensor, cs: torch.Tensor):
+        """qkv: [T, Nq + 2 Nkv], cs: [T, 2, Dh] -> q [T, H, Dh], k, v [T, Hkv, Dh], q/k rotated."""
+        t, h, hkv, dh, nq, nkv = qkv.shape[0], self.h, self.hkv, self.dh, self.nq, self.nkv
+        v = qkv[:, nq + nkv:].view(t, hkv, dh)
+        if self.ops is not None:
+            self.ops.rope_(qkv, cs, h + hkv)  # in place: q and k stay views of qkv
+            return qkv[:, :nq].view(t, h, dh), qkv[:, nq:nq + nkv].view(t, hkv, dh), v
+        qk = qkv[:, :nq + nkv].view(t, h + hkv, dh)
+        swapped = qk.reshape(t, h + hkv, 2, dh // 2).flip(2).view(t, h + hkv, dh)
+        qk = (qk * cs[:, None, 0]).addcmul_(swapped, cs[:, None, 1])
+        return qk[:, :h], qk[:, h:], v
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        # gu: [T, 2 I] -> silu(gate) * up: [T, I]
+        if self.ops is not None:
+            return self.ops.silu_mul(gu)
+        return F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
 
     @staticmethod
     def _residual_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
@@ -111,18 +132,14 @@ class FusedForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         self.sync()
         t = input_ids.shape[0]
-        h, hkv, dh, nq, nkv, inter = self.h, self.hkv, self.dh, self.nq, self.nkv, self.inter
         x = F.embedding(input_ids, self.model.model.embed_tokens.weight)  # [T, D]
         cs = self.rope.index_select(0, positions)  # [T, 2, Dh]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
-            qkv = F.linear(self._norm(x, ln1), wqkv, bqkv)  # [T, Nq + 2 Nkv]
-            qk = self._rotate(qkv[:, :nq + nkv].view(t, h + hkv, dh), cs)
-            v = qkv[:, nq + nkv:].view(t, hkv, dh)
-            o = attn(i, qk[:, :h], qk[:, h:], v)  # [T, H, Dh]
-            x = self._residual_linear(x, o.reshape(t, nq), wo, bo)
+            q, k, v = self._qkv(F.linear(self._norm(x, ln1), wqkv, bqkv), cs)
+            o = attn(i, q, k, v)  # [T, H, Dh]
+            x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo)
             gu = F.linear(self._norm(x, ln2), wgu, bgu)  # [T, 2 I]
-            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])  # [T, I]
-            x = self._residual_linear(x, act, wd, bd)
+            x = self._residual_linear(x, self._swiglu(gu), wd, bd)
         return self._norm(x, self.model.model.norm.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ class ModelRunner:
         cfg = model.config
         p = next(model.parameters())
         self.model, self.bm, self.device = model, blocks, p.device
-        self.forward = FusedForward(model, max_len)  # positions < max_len
+        # positions < max_len; the "cpu" backend's toolchain also builds the fused C++ ops
+        self.forward = FusedForward(model, max_len, cpu_ops=attention_backend == "cpu")
         self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
                              cfg.num_key_value_heads, cfg.dim_head, p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)

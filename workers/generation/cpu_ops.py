@@ -1,0 +1,114 @@
+"""Fused elementwise ops of the engine's forward for CPUs (C++, compiled on first use).
+
+Used by ``FusedForward`` with the "cpu" attention backend (which needs the same toolchain):
+RMSNorm in one pass over each row, SwiGLU's ``silu(gate) * up`` in one pass, and RoPE on the
+q and k columns of the fused qkv projection in place (no copies; the attention kernel reads
+q as a row-strided view). Each is one parallel loop over tokens (``at::parallel_for``);
+torch composes the same maths from 3-6 passes and temporaries. Math in fp32; fp32, bf16
+and fp16 tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+// x: [T, D] (rows contiguous) -> w * x / sqrt(mean(x^2) + eps), as model.RMSNorm (fp32 math)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.size(0) == x.size(1),
+              "rms_norm: x must be [T, D] with contiguous rows, w [D]");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t T = x.size(0), D = x.size(1), xs = x.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* r = xp + t * xs;
+        float ss = 0.f;
+        for (int64_t d = 0; d < D; ++d) { const float v = static_cast<float>(r[d]); ss += v * v; }
+        const float inv = 1.f / std::sqrt(ss / D + static_cast<float>(eps));
+        scalar_t* o = op + t * D;
+        for (int64_t d = 0; d < D; ++d)
+          o[d] = static_cast<scalar_t>(static_cast<float>(wp[d]) *
+                                       static_cast<float>(static_cast<scalar_t>(static_cast<float>(r[d]) * inv)));
+      }
+    });
+  });
+  return out;
+}
+
+// gu: [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up: [T, I]
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, "silu_mul: gu must be [T, 2I]");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, gs = gu.stride(0);
+  auto out = torch::empty({T, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* g = gp + t * gs;
+        const scalar_t* u = g + I;
+        scalar_t* o = op + t * I;
+        for (int64_t j = 0; j < I; ++j) {
+          const float x = static_cast<float>(g[j]);
+          o[j] = static_cast<scalar_t>(x / (1.f + std::exp(-x)) * static_cast<float>(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// qkv: [T, >= N * Dh] (rows contiguous): its first N heads (q and k) rotated in place.
+// cs: [T, 2, Dh] cos and sign-folded sin: x * cos + swap_halves(x) * sin_s (HF rotate_half)
+void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cs.is_contiguous() && cs.dim() == 3 &&
+              cs.size(0) == qkv.size(0) && cs.size(1) == 2 && n_heads * cs.size(2) <= qkv.size(1) &&
+              cs.scalar_type() == qkv.scalar_type(), "rope_: bad shapes");
+  const int64_t T = qkv.size(0), Dh = cs.size(2), half = Dh / 2, qs = qkv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
+    scalar_t* xp = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cs.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* c = cp + t * 2 * Dh;
+        const scalar_t* s = c + Dh;
+        for (int64_t h = 0; h < n_heads; ++h) {
+          scalar_t* x = xp + t * qs + h * Dh;
+          for (int64_t d = 0; d < half; ++d) {
+            const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+            x[d] = static_cast<scalar_t>(x1 * static_cast<float>(c[d]) + x2 * static_cast<float>(s[d]));
+            x[d + half] = static_cast<scalar_t>(x2 * static_cast<float>(c[d + half]) +
+                                                x1 * static_cast<float>(s[d + half]));
+          }
+        }
+      }
+    });
+  });
+}
+"""
+
+_module = None
+
+
+def load():
+    """The compiled extension (built on first call, then cached on disk and in memory)."""
+    global _module
+    if _module is None:
+        from torch.utils.cpp_extension import load_inline
+
+        try:
+            _module = load_inline(name="streamrl_fused_ops_cpu_v1", cpp_sources=_SOURCE,
+                                  functions=["rms_norm", "silu_mul", "rope_"],
+                                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # no compiler, headers, ...
+            raise RuntimeError(f"engine: building the C++ fused CPU ops failed ({e}); "
+                               "use attention_backend 'torch'") from e
+    return _module
