@@ -14,7 +14,12 @@ import torch
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+
+// Rows per parallel chunk: ~32k elements, so a decode step's small tensors run on one thread
+// (an OpenMP fork/join costs more than normalising 64 rows of 256).
+static inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, row_elems)); }
 
 // x: [T, D] (rows contiguous) -> w * x / sqrt(mean(x^2) + eps), as model.RMSNorm (fp32 math)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -26,7 +31,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, T, grain(D), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* r = xp + t * xs;
         float ss = 0.f;
@@ -50,7 +55,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gu.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, T, grain(2 * I), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* g = gp + t * gs;
         const scalar_t* u = g + I;
@@ -75,7 +80,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
     scalar_t* xp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cs.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, T, grain(n_heads * Dh), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* c = cp + t * 2 * Dh;
         const scalar_t* s = c + Dh;
@@ -104,7 +109,7 @@ def load():
         from torch.utils.cpp_extension import load_inline
 
         try:
-            _module = load_inline(name="streamrl_fused_ops_cpu_v1", cpp_sources=_SOURCE,
+            _module = load_inline(name="streamrl_fused_ops_cpu_v2", cpp_sources=_SOURCE,
                                   functions=["rms_norm", "silu_mul", "rope_"],
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
