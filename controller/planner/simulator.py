@@ -18,10 +18,19 @@ Mode semantics (controller/program.py and controller/trainer_rank.py; iteration 
                trainer takes iteration i's samples all at once, after step(i-1)
   async_stream lag 1 as async_batch, the trainer hand-over as stream
 Every iteration starts with ``iteration_overhead_s`` of controller work (batching, ranker).
+
+Shared host (``gen_shared_slowdown`` / ``train_shared_slowdown`` > 1; default 1 = each stage
+on its own hardware): generation and training share the same cores, and a stage's work takes
+``slowdown`` times longer while another stage's process computes. The factors are measured
+(``controller.planner.host.concurrent_slowdown``) and applied only where stages overlap in
+time: a fixed point over whole runs, each pass stretching every iteration's generation by the
+share of it the previous pass overlapped with training (or with the other instances), and
+every training hand-over by the share of it overlapped with generation (or, colocated, with
+the other DP rank, which always trains at the same time).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from controller.planner.engine_sim import simulate_plan
@@ -54,12 +63,18 @@ class SimConfig:
     microbatch_tokens: int = 4096
     train_overhead_per_batch_s: float = 0.0  # per hand-over (micro/minibatch) fixed cost
     iteration_overhead_s: float = 0.0  # controller work before generation starts
+    gen_shared_slowdown: float = 1.0  # shared host: generation's time factor while another stage computes
+    train_shared_slowdown: float = 1.0  # shared host: training's time factor while another stage computes
+    train_ranks: int = 1  # trainer DP ranks training at the same time (colocated: one per instance)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"simulator: mode {self.mode!r} is not one of {MODES}")
         if self.gen_instances < 1:
             raise ValueError(f"simulator: gen_instances must be >= 1, got {self.gen_instances}")
+        if not (self.gen_shared_slowdown >= 1.0 and self.train_shared_slowdown >= 1.0):
+            raise ValueError("simulator: gen_shared_slowdown and train_shared_slowdown must be >= 1, got "
+                             f"{self.gen_shared_slowdown} and {self.train_shared_slowdown}")
 
 
 @dataclass
@@ -107,10 +122,75 @@ def _train_batches(mode: str, arrivals: list[tuple[float, int]], cfg: SimConfig)
     return out
 
 
+SHARED_HOST_PASSES = 6
+
+
 def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> SimResult:
     """Run len(workloads) iterations from t = 0; returns spans and per-iteration times."""
+    n = len(workloads)
+    if cfg.gen_shared_slowdown == 1.0 and cfg.train_shared_slowdown == 1.0:
+        return _simulate(cfg, workloads, seed, [1.0] * n, [1.0] * n)
+    gen_scale, train_scale = [1.0] * n, [1.0] * n
+    for _ in range(SHARED_HOST_PASSES):
+        res = _simulate(cfg, workloads, seed, gen_scale, train_scale)
+        gen_scale, train_scale = _shared_host_scales(cfg, res, n)
+    return res
+
+
+def _covered(interval: tuple[float, float], others: list[tuple[float, float]]) -> float:
+    """Share of ``interval`` covered by the union of ``others``."""
+    a, b = interval
+    if b <= a:
+        return 0.0
+    cuts = sorted((max(a, x), min(b, y)) for x, y in others if min(b, y) > max(a, x))
+    total, end = 0.0, a
+    for x, y in cuts:
+        if y > end:
+            total += y - max(x, end)
+            end = y
+    return total / (b - a)
+
+
+def _shared_host_scales(cfg: SimConfig, res: SimResult, n: int) -> tuple[list[float], list[float]]:
+    """Per iteration, the time factor of its generation and of its training, from how much
+    of each the other stages overlapped in ``res`` (see the module docstring)."""
+    gen = [(sp.worker, sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "generate"]
+    train = [(sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "train"]
+    gen_scale, train_scale = [], []
+    for i in range(n):
+        mine = [g for g in gen if g[3] == i]
+        if mine:  # the instance that finishes last sets the iteration's generation time
+            w, a, b, _ = max(mine, key=lambda g: g[2])
+            others = [(x, y) for x, y, _ in train] + [(x, y) for v, x, y, _ in gen if v != w]
+            frac = _covered((a, b), others)
+        else:
+            frac = 0.0
+        gen_scale.append(1.0 + (cfg.gen_shared_slowdown - 1.0) * frac)
+        spans = [(x, y) for x, y, it in train if it == i]
+        busy = sum(y - x for x, y in spans)
+        if cfg.train_ranks > 1:
+            frac = 1.0  # the other DP ranks train at the same time
+        elif busy > 0:
+            frac = sum(_covered((x, y), [(g[1], g[2]) for g in gen]) * (y - x) for x, y in spans) / busy
+        else:
+            frac = 0.0
+        train_scale.append(1.0 + (cfg.train_shared_slowdown - 1.0) * frac)
+    return gen_scale, train_scale
+
+
+def scaled_profile(profile: PTLProfile, factor: float) -> PTLProfile:
+    """``profile`` with every time ``factor`` times longer (a slowed-down instance)."""
+    if factor == 1.0:
+        return profile
+    return replace(profile, ptl_s=[x * factor for x in profile.ptl_s],
+                   prefill_s_per_token=profile.prefill_s_per_token * factor,
+                   prefill_step_s=profile.prefill_step_s * factor, kv_s_per_token=profile.kv_s_per_token * factor)
+
+
+def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scale: list[float],
+              train_scale: list[float]) -> SimResult:
     dispatcher = make_dispatcher(cfg.dispatcher, **cfg.dispatch_kw)
-    profs = [cfg.gen_profile] * cfg.gen_instances
+    base = [cfg.gen_profile] * cfg.gen_instances
     mode = cfg.mode
     asynchronous = mode.startswith("async")
     spans: list[Span] = []
@@ -126,8 +206,9 @@ def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> Si
             t0 = sync_end[i - 1] if i >= 1 else 0.0
         t0 += cfg.iteration_overhead_s
         est = w.est_lens if w.est_lens is not None else [float(x) for x in w.out_lens]
-        plan = dispatcher.plan(est, profs, true_lens=[float(x) for x in w.out_lens], seed=seed + i,
+        plan = dispatcher.plan(est, base, true_lens=[float(x) for x in w.out_lens], seed=seed + i,
                                prompt_lens=w.prompt_lens)
+        profs = [scaled_profile(p, gen_scale[i]) for p in base]
         runs = simulate_plan(plan, w.out_lens, profs, w.prompt_lens, t0=t0)
         finish = [0.0] * len(w.out_lens)
         for j, (idx, run) in enumerate(zip(plan.per_instance, runs)):
@@ -142,11 +223,12 @@ def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> Si
         t = max(trainer_free, t0 if mode == "colocated" else 0.0)
         for ready, tokens in _train_batches(mode, arrivals, cfg):
             start = max(t, ready)
-            t = start + cfg.trainer.s_per_token * tokens + cfg.train_overhead_per_batch_s
+            t = start + (cfg.trainer.s_per_token * tokens + cfg.train_overhead_per_batch_s) * train_scale[i]
             spans.append(Span("trainer", "train", start, t, i))
         if cfg.trainer.fixed_s:
-            spans.append(Span("trainer", "train", t, t + cfg.trainer.fixed_s, i))
-            t += cfg.trainer.fixed_s
+            fixed = cfg.trainer.fixed_s * train_scale[i]
+            spans.append(Span("trainer", "train", t, t + fixed, i))
+            t += fixed
         train_end.append(t)
         trainer_free = t
         # --- weight sync of version i+1 (off the generation's critical path when lag 1)
