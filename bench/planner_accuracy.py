@@ -1,16 +1,20 @@
 """The cluster simulator's predicted iteration time vs the runtime's measured one, per mode.
 
-    python bench/planner_accuracy.py --quick                 # runs bench/pipeline_modes.py --quick first
-    python bench/planner_accuracy.py --quick --measured runs/bench/planner_accuracy/measured.jsonl
+    python bench/planner_accuracy.py                         # runs bench/pipeline_modes.py first
+    python bench/planner_accuracy.py --measured runs/bench/planner_accuracy/measured.jsonl
+    python bench/planner_accuracy.py --quick                 # pipeline_modes.py --quick (noisier)
 
 Measured: bench/pipeline_modes.py (engineer G's), the six pipeline modes on this machine
 (controller + 1 generation rank + 1 trainer rank; colocated: 2 + 2 on the same ranks).
-Predicted: controller/planner/simulator.py driven only by profiles measured here, after the
-run, on the same model and configs — the engine's PTL(BS) and step cost per cached token
-(profile_engine), the trainer's time per token (profile_trainer over B's TrainerWorker), a
-weight-sync time from a bandwidth model — and the same workload (the bench's prompts,
-forced lengths and prompt order). One JSON line per mode, then a summary with
-``max_rel_error`` (target <= 0.15).
+Predicted: controller/planner/simulator.py driven only by what is measured here, after the
+run, on the same model and configs, each stage alone: the engine's PTL(BS) and step cost per
+cached token (profile_engine), the trainer's time per token (profile_trainer over B's
+TrainerWorker); the host terms (controller/planner/host.py): the weight-sync executor's time
+between two local processes, an RPC round trip, the engine's weight swap, the controller's
+per-iteration batching and dispatch, and each stage's slowdown while the other stage runs in
+a second process on the same cores ("shared host", applied only where stages overlap). Same
+workload (the bench's prompts, forced lengths and prompt order). One JSON line per mode,
+then a summary with ``max_rel_error`` (target <= 0.15).
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,15 +37,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 import pipeline_modes as pm  # noqa: E402
 
 from controller.data import PromptStream  # noqa: E402
+from controller.planner.host import (concurrent_slowdown, engine_load, make_train_tokens,  # noqa: E402
+                                     measure_weight_sync, trainer_load)
 from controller.planner.profile import TrainProfile, profile_engine, profile_trainer  # noqa: E402
-from controller.planner.simulator import SimConfig, Workload, simulate, sync_time_s  # noqa: E402
-from workers.types import Sample  # noqa: E402
+from controller.planner.simulator import SimConfig, Workload, simulate  # noqa: E402
+from controller.scheduling import PTLProfile  # noqa: E402
+from workers.types import Request, SamplingParams  # noqa: E402
 
-# Assumptions (not measured): weights cross a local gloo link at ~1 GB/s plus two RPC round trips;
-# the controller spends ~20 ms per iteration on batching, RPC fan-out and bookkeeping.
-LOCAL_SYNC_GBPS = 8.0
-SYNC_LATENCY_S = 0.02
-ITERATION_OVERHEAD_S = 0.02
+# Controller round trips on an iteration's critical path (controller/program.py): begin_iteration,
+# generate (launch and report), step, weight push.
+RPC_ROUND_TRIPS = 4
+SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is measured
 
 
 def measured_rows(a) -> dict[str, dict]:
@@ -104,47 +111,82 @@ def workloads(a, pa, cfg, tok, task) -> list[Workload]:
     return out[1:]
 
 
-def trainer_profile(cfg, model_dir: str, task, wl: Workload) -> TrainProfile:
+def trainer_profile(cfg, model_dir: str, wl: Workload) -> tuple[TrainProfile, Callable[[int], None]]:
     """profile_trainer over B's TrainerWorker: a full iteration (begin, receive, step) on
     length-forced synthetic samples of the workload's shape, at two batch sizes."""
-    from workers.trainer.worker import TrainerWorker
-
-    torch.set_num_threads(1)
-    worker = TrainerWorker(cfg.trainer, model_dir, task)
-    items = list(task.prompts("train"))
-    g = cfg.train.group_size
-    it = {"n": 100}
-
-    def train_tokens(tokens: int) -> None:
-        it["n"] += 1
-        prompts, groups, samples = {}, {}, []
-        k, used = 0, 0
-        while used < tokens:
-            j = k % len(wl.out_lens)
-            gid = it["n"] * 10_000 + k // g
-            sid = it["n"] * 10_000 + k
-            out_len, p_len = wl.out_lens[j], wl.prompt_lens[j]
-            prompts[sid] = items[(k // g) % len(items)]
-            groups[gid] = g
-            samples.append(Sample(sid, torch.randint(3, 300, (p_len,)), torch.randint(3, 300, (out_len,)),
-                                  torch.full((out_len,), -1.0), worker.version, "length", gid))
-            used += out_len + p_len
-            k += 1
-        while k % g:  # complete the last group
-            j = k % len(wl.out_lens)
-            sid, gid = it["n"] * 10_000 + k, it["n"] * 10_000 + k // g
-            prompts[sid] = items[(k // g) % len(items)]
-            samples.append(Sample(sid, torch.randint(3, 300, (wl.prompt_lens[j],)),
-                                  torch.randint(3, 300, (wl.out_lens[j],)), torch.full((wl.out_lens[j],), -1.0),
-                                  worker.version, "length", gid))
-            k += 1
-        worker.begin_iteration(it["n"], prompts, groups)
-        worker.receive(samples)
-        worker.step()
-
+    train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
+                                     wl.prompt_lens, cfg.train.group_size)
     total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
     train_tokens(total // 4)  # warm-up
-    return profile_trainer(train_tokens, token_counts=(total // 4, total), repeats=3, clock=time.perf_counter)
+    prof = profile_trainer(train_tokens, token_counts=(total // 4, total), repeats=3, clock=time.perf_counter)
+    return prof, train_tokens
+
+
+def decode_step_s(engine, bs: int, prompt_len: int, steps: int = 8) -> float:
+    """Seconds of one decode step at batch size ``bs`` (requests admitted and prefilled first)."""
+    reqs = [Request(10_000_000 + i, torch.randint(3, 300, (prompt_len,)), steps + 4, steps + 4,
+                    sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(bs)]
+    engine.add(reqs)
+    while engine.stats().running < bs:
+        engine.step()
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = (time.perf_counter() - t0) / steps
+    while engine.has_work():
+        engine.step()
+    return dt
+
+
+def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
+    """The controller's own per-iteration work: tokenize a batch of prompts and plan the
+    dispatch (Program.make_batch + SGS.launch), the fastest of ``repeats``."""
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import default_profile
+
+    items = list(task.prompts("train"))[:cfg.train.batch_prompts]
+    dispatcher = make_dispatcher("round_robin")
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ids = [torch.tensor(tok.encode(tok.format_prompt(it.prompt)), dtype=torch.long) for it in items]
+        dispatcher.plan([float(x) for x in wl.out_lens], [default_profile()], prompt_lens=[len(x) for x in ids] * 2)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens) -> dict:
+    """Everything the simulator needs about this host besides the stage profiles (see the
+    module docstring); all measured."""
+    from workers.generation.factory import make_engine
+    from workers.model import load_pretrained
+
+    named = {k: v.detach().clone() for k, v in load_pretrained(model_dir, device="cpu").named_parameters()}
+    link = measure_weight_sync(named, 1 << 22)  # controller.world.World.bucket_bytes
+    engine = make_engine(cfg.engine, model_dir)
+    swap = min(_timed(lambda v=v: engine.load_weights(named.items(), v)) for v in range(1, 4))
+    ctx = int(np.mean(wl.prompt_lens))
+    bs = min(SLOWDOWN_BATCH, cfg.engine.max_batch_size)
+    decode_step_s(engine, bs, ctx)  # warm-up after the swap
+    total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
+    g = concurrent_slowdown(lambda: decode_step_s(engine, bs, ctx, steps=32), trainer_load,
+                            (cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
+                             wl.prompt_lens, cfg.train.group_size, total))
+    t = concurrent_slowdown(lambda: _timed(lambda: train_tokens(total)), engine_load, (cfg.engine, model_dir, bs))
+    work = controller_work_s(cfg, tok, task, wl)
+    return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
+            "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
+            "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
+            "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
+            "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
+            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"]}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> dict:
@@ -152,6 +194,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="bench/pipeline_modes.py --quick")
     ap.add_argument("--measured", default="", help="JSON lines of a pipeline_modes run (skip running it)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "planner_accuracy"))
+    ap.add_argument("--reuse-profiles", action="store_true",
+                    help="reuse the profiles and host terms of the previous run (OUT/profiles.json)")
+    ap.add_argument("--separate-hardware", action="store_true",
+                    help="predict without the shared-host slowdowns (each stage on its own hardware)")
     a = ap.parse_args(argv)
     rows = measured_rows(a)
 
@@ -168,28 +214,42 @@ def main(argv=None) -> dict:
     w0 = wls[0]
     torch.set_num_threads(1)
     ctx = int(np.mean(w0.prompt_lens))
-    engine = make_engine(cfg.engine, model_dir)
-    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
-    gen = profile_engine(engine, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=300, name="bench-model",
-                         long_context=1024, repeats=3)
-    del engine
-    train = trainer_profile(cfg, model_dir, task, w0)
-    weight_bytes = sum(p.numel() * 4 for p in __import__("workers.model", fromlist=["load_pretrained"])
-                       .load_pretrained(model_dir, device="cpu").parameters())
-    sync = sync_time_s(weight_bytes, LOCAL_SYNC_GBPS, hops=2, latency_s=SYNC_LATENCY_S)
+    cache = Path(a.out) / "profiles.json"
+    if a.reuse_profiles and cache.exists():
+        d = json.loads(cache.read_text())
+        gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
+    else:
+        engine = make_engine(cfg.engine, model_dir)
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
+        gen = profile_engine(engine, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=300,
+                             name="bench-model", long_context=1024, repeats=3)
+        del engine
+        train, train_tokens = trainer_profile(cfg, model_dir, w0)
+        host = host_terms(cfg, model_dir, tok, task, w0, train_tokens)
+        cache.write_text(json.dumps({"generation": asdict(gen), "trainer": asdict(train), "host": host}))
+    shared = not a.separate_hardware
     print(json.dumps({"profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
                                    "context_tokens": ctx, "prefill_step_ms": round(gen.prefill_step_s * 1e3, 3),
                                    "kv_us_per_token": round(gen.kv_s_per_token * 1e6, 4),
                                    "train_ms_per_1k_tokens": round(train.s_per_token * 1e6, 2),
-                                   "train_fixed_s": round(train.fixed_s, 3), "sync_s": round(sync, 4)}}), flush=True)
+                                   "train_fixed_s": round(train.fixed_s, 3)},
+                      "host": {k: round(v, 4) if isinstance(v, float) else v for k, v in host.items()},
+                      "shared_host": shared}), flush=True)
     errors = {}
     for mode, row in rows.items():
         colocated = mode == "colocated"
-        trainer = replace(train, s_per_token=train.s_per_token / (2 if colocated else 1))
-        sim_cfg = SimConfig(mode, 2 if colocated else 1, gen, trainer, sync_s=0.0 if colocated else sync,
+        # colocated: each of the 2 DP ranks trains half the tokens, then all-reduces the
+        # gradients (one weight-sized transfer, like the sync); weights reach the instance by
+        # a copy in the same process (its cost: the swap, in the overhead)
+        trainer = replace(train, s_per_token=train.s_per_token / (2 if colocated else 1),
+                          fixed_s=train.fixed_s + (host["sync_s"] if colocated else 0.0))
+        sim_cfg = SimConfig(mode, 2 if colocated else 1, gen, trainer, sync_s=0.0 if colocated else host["sync_s"],
                             dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
                             microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
-                            iteration_overhead_s=ITERATION_OVERHEAD_S)
+                            iteration_overhead_s=host["iteration_overhead_s"],
+                            gen_shared_slowdown=host["gen_shared_slowdown"] if shared else 1.0,
+                            train_shared_slowdown=host["train_shared_slowdown"] if shared else 1.0,
+                            train_ranks=2 if colocated else 1)
         r = simulate(sim_cfg, wls)
         predicted = max(r.sync_end[-1], r.train_end[-1]) / len(wls)
         measured = row["iteration_s"]
@@ -205,7 +265,8 @@ def main(argv=None) -> dict:
                           "train_s": {"predicted": mean(pred["train_s"]), "measured": mean(meas.get("train_s", [])),
                                       "measured_cv": cv(meas.get("train_s", []))}}), flush=True)
     summary = {"max_rel_error": round(max(errors.values()), 3),
-               "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick}
+               "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick,
+               "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()}}
     print(json.dumps({"summary": summary}), flush=True)
     return summary
 
