@@ -290,7 +290,11 @@ class SkewDispatcher:
     simulate cost then averages over draws of the true lengths, which steers away from
     splits that only win when the ranker is right.
     ``mixed``: also consider N_l = 0 (no dedicated long-tail instances; every request spread
-    evenly by estimated work, LPT inside), the fallback when separation does not pay."""
+    evenly by estimated work), the fallback when separation does not pay; its instances admit
+    in ``mixed_order`` when set (else ``order``/``orders``): when the estimates do not support
+    dedicated instances, LPT on them admits the long samples they miss last.
+    ``orders``: more admission orders each instance may take if its cost says faster;
+    ``draws``: noise draws per instance cost."""
 
     alphas: tuple[float, ...] = (0.2,)
     cost: str = "formula"
@@ -304,6 +308,7 @@ class SkewDispatcher:
     mixed: bool = False
     orders: tuple[str, ...] = ()
     draws: int = 4
+    mixed_order: str | None = None
 
     def __post_init__(self):
         self.alphas = tuple(float(a) for a in self.alphas)
@@ -314,7 +319,7 @@ class SkewDispatcher:
         if self.quantile_of not in ("class", "distribution"):
             raise ValueError(f"skew dispatcher: quantile_of must be 'class' or 'distribution', got {self.quantile_of!r}")
         self.orders = tuple(self.orders)
-        for o in (self.order, *self.orders):
+        for o in (self.order, *self.orders, *([self.mixed_order] if self.mixed_order else [])):
             if o not in ORDERS:
                 raise ValueError(f"skew dispatcher: order {o!r} is not one of {sorted(ORDERS)}")
 
@@ -349,6 +354,8 @@ class SkewDispatcher:
                 noise = 0.0 if self.use_true or self.cost != "simulate" else self.noise
                 # each instance: the admission order (and, in the cost, the cap) it runs fastest with
                 tries = dict.fromkeys((self.order, *self.orders)) if self.cost == "simulate" else [self.order]
+                if n_l == 0 and n > 1 and self.mixed_order:  # the fallback: estimates not trusted for order
+                    tries = [self.mixed_order]
                 for j, g in enumerate(groups):
                     best = None
                     for o in tries:
@@ -381,7 +388,9 @@ class SkewDispatcher:
 # On estimates the long-tail class stays >= 10% (a tiny class is fragile: the long samples
 # the ranker misses land on the crowded instances); the oracle may also try 2% and 5%.
 # Both may also keep every instance mixed when separating does not pay (mixed=True).
-SKEW_DEFAULTS = dict(cost="simulate", alphas=(0.1, 0.2, 0.3), mixed=True)
+# In the mixed fallback `skew` admits FCFS: over 7 sampled workloads of the trace (instance
+# model, lgbm ranker) mixed + FCFS beat mixed + LPT every time (by 1-8%); see docs/scheduling.md.
+SKEW_DEFAULTS = dict(cost="simulate", alphas=(0.1, 0.2, 0.3), mixed=True, mixed_order="fcfs")
 ORACLE_DEFAULTS = dict(cost="simulate", alphas=(0.02, 0.05, 0.1, 0.2, 0.3), mixed=True)
 
 DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {

@@ -92,7 +92,7 @@ def test_skew_orders_are_its_cost_models_choice_per_instance():
     rng = np.random.default_rng(2)
     est = [float(x) for x in np.exp(rng.normal(4.0, 1.0, size=90))]
     profs = [PTLProfile([1, 64], [1.0, 2.0], kv_tokens=2048, block_size=16, prefill_step_s=0.5)] * 3
-    d = make_dispatcher("skew", orders=("fcfs",))
+    d = make_dispatcher("skew", orders=("fcfs",), mixed_order=None)
     plan = d.plan(est, profs)
     for g, cap, t in zip(plan.per_instance, plan.batch_caps, plan.predicted_s):
         options = {o: simulated_cost(profs[0], [est[i] for i in order], 0.0, 0.0)
