@@ -199,9 +199,11 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
 def stop_processes(code: int) -> int:
     """Leave the RPC group and the process group; a failed run exits at once (``os._exit``).
 
-    Success: every static rank takes the same quiet path (``_quiet_rpc_exit``). Failure, or a
-    peer already gone: local (non-graceful) shutdown that waits for nobody."""
-    if code == 0:
+    Success (and the controller's ``request_exit(0, quiet=True)``: no worker was lost and none
+    joined, so every RRef's owner is alive and inside the barriers): every static rank takes the
+    same quiet path (``_quiet_rpc_exit``). Otherwise, or if a barrier fails: local
+    (non-graceful) shutdown that waits for nobody."""
+    if code == 0 and LOCAL.quiet_exit:
         try:
             _quiet_rpc_exit()
         except Exception:  # noqa: BLE001 - a peer is gone; leave anyway (non-graceful below)
@@ -216,7 +218,7 @@ def stop_processes(code: int) -> int:
     return code
 
 
-def _quiet_rpc_exit(timeout_s: float = 60.0) -> None:
+def _quiet_rpc_exit(timeout_s: float = 20.0) -> None:
     """Graceful end of a successful run, in lock-step over the static ranks (gloo barriers):
 
     1. barrier: nobody issues new RPCs;

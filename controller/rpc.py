@@ -138,6 +138,7 @@ class Local:
     has_process_group: bool = False
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0
+    quiet_exit: bool = True  # leave RPC in lock-step with the other static ranks (controller.main)
     roles: dict = field(default_factory=dict)  # "trainer" / "generation" -> object
     groups: dict = field(default_factory=dict)  # tuple(ranks) -> ProcessGroup
 
@@ -145,9 +146,12 @@ class Local:
 LOCAL = Local()
 
 
-def request_exit(code: int = 0) -> bool:
-    """Called by the controller through RPC: the worker's main loop exits with ``code``."""
+def request_exit(code: int = 0, quiet: bool = True) -> bool:
+    """Called by the controller through RPC: the worker's main loop exits with ``code``.
+    ``quiet``: take the lock-step graceful RPC exit (only when every static rank does and no
+    RRef owner is gone; the controller decides)."""
     LOCAL.exit_code = code
+    LOCAL.quiet_exit = quiet
     LOCAL.exit_event.set()
     return True
 

@@ -188,11 +188,23 @@ class Session:
         return summary
 
 
-def _stop_workers(ranks: list[int], code: int) -> None:
+def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> None:
+    """Tell ``ranks`` to exit with ``code``. ``quiet`` (default: ``code == 0`` and no rank that
+    joined later): the static ranks leave RPC in lock-step (controller.main.stop_processes);
+    a joined process, or an instance lost during the run, would leave RRef owners the
+    lock-step exit waits for, so those runs exit the local way."""
+    import torch.distributed as dist
+
+    from controller.rpc import LOCAL
+
+    if quiet is None:
+        static = dist.get_world_size() if dist.is_initialized() else 1
+        quiet = code == 0 and all(r < static for r in ranks)
+    LOCAL.quiet_exit = quiet  # the controller's own exit takes the same path
     futs = []
     for r in ranks:
         try:
-            futs.append(rpc.rpc_async(worker_name(r), request_exit, args=(code,), timeout=10))
+            futs.append(rpc.rpc_async(worker_name(r), request_exit, args=(code, quiet), timeout=10))
         except Exception:  # noqa: BLE001 - already gone
             pass
     for f in futs:
@@ -222,5 +234,6 @@ def run_controller(cfg, args, world_size: int) -> int:
     joined = session.joined + session.waiting if session else []
     while not _JOINERS.empty():
         joined.append(_JOINERS.get_nowait()[0])
-    _stop_workers(static + joined, code)
+    lost = bool(session and session.world.sgs.removed)
+    _stop_workers(static + joined, code, quiet=code == 0 and not joined and not lost)
     return code
