@@ -4,6 +4,7 @@
       --val data/length_traces/llama33_70b_rg_easy.val.jsonl.gz --out runs/ranker
   python -m ranker predict --model runs/ranker --input FILE --output preds.jsonl
   python -m ranker eval --model runs/ranker --data data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
+  python -m ranker ceiling --data data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
 """
 from __future__ import annotations
 
@@ -81,6 +82,25 @@ def cmd_eval(a) -> int:
     return 0
 
 
+def cmd_ceiling(a) -> int:
+    """Estimated recall ceiling set by the answers' sampling noise (ranker/ceiling.py)."""
+    from ranker.ceiling import noise_ceiling
+
+    rows = read_traces(a.data)
+    n = {len(x.lengths) for x in rows}
+    if len(n) != 1 or n.pop() < 2:
+        raise ValueError(f"{a.data}: ceiling needs the same number (>= 2) of answers on every line")
+    out = {"data": a.data, "rows": len(rows)}
+    for frac in (0.1, 0.2, 0.3):
+        rep = noise_ceiling([x.lengths for x in rows], [x.task for x in rows], frac=frac, repeats=a.repeats)
+        out[f"recall@{int(round(frac * 100))}"] = rep
+        print(f"recall@{int(round(frac * 100))}: split-half {rep['observed_split_half']:.3f}, "
+              f"oracle ceiling {rep['ceiling']:.3f} +- {rep['ceiling_std']:.3f} (q {rep['matched_q']})",
+              file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
 def _default_train(data: str) -> str | None:
     """The TF-IDF baseline trains on the sibling ``*.train.*`` file of a ``*.val.*`` file."""
     p = Path(data)
@@ -110,10 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--data", required=True)
     e.add_argument("--baseline-train", help="training file for the TF-IDF ridge baseline "
                    "(default: the *.train.* sibling of --data)")
+    c = sub.add_parser("ceiling", help="recall an oracle of each prompt's expected length would get, "
+                       "given the answers' sampling noise (uses the trace's task field)")
+    c.add_argument("--data", required=True)
+    c.add_argument("--repeats", type=int, default=40)
     a = ap.parse_args(argv)
     progress.set_enabled(True)
     try:
-        return {"train": cmd_train, "predict": cmd_predict, "eval": cmd_eval}[a.cmd](a)
+        return {"train": cmd_train, "predict": cmd_predict, "eval": cmd_eval,
+                "ceiling": cmd_ceiling}[a.cmd](a)
     except (TraceError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

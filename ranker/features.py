@@ -22,7 +22,7 @@ from sklearn.model_selection import KFold
 from ranker.textspace import SpaceConfig, TextSpace
 from ranker.textstats import STAT_NAMES, text_stats
 
-FEATURES_VERSION = 2
+FEATURES_VERSION = 3  # 3: training rows' neighbour columns out-of-fold
 _N_SIZE = 30  # the first columns of STAT_NAMES are sizes (compared with neighbours)
 _KNN_NAMES = ("knn_mean", "knn_wmean", "knn_max", "knn_min", "knn_std", "knn_sim_mean",
               "knn_top1", "knn_sim_top1", "knn_frac_long", "knn_log_mean_words")
@@ -36,6 +36,10 @@ Embedder = Callable[[Sequence[str]], np.ndarray]
 class FeatureConfig:
     space: SpaceConfig = field(default_factory=SpaceConfig)
     knn_k: int = 10
+    # Training rows' neighbour columns come from the other folds only (0: leave-one-out).
+    # Leave-one-out leaks: within a group of similar prompts the left-out mean falls as the
+    # row's own label rises, which trees learn on training rows and which is absent at predict.
+    knn_folds: int = 5
     ridge_folds: int = 5
     ridge_alpha: float = 1.0
     max_memory: int = 20000   # neighbour memory keeps the most recent rows
@@ -80,13 +84,25 @@ class FeatureBuilder:
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
     # --- pieces -----------------------------------------------------------------------
-    def _knn(self, z: np.ndarray, sizes: np.ndarray, exclude_self: bool) -> np.ndarray:
-        """float32 [N, len(_KNN_NAMES) + _N_SIZE]; z: [N, d] against memory [K, d]."""
-        k = min(self.cfg.knn_k, len(self.mem_y) - int(exclude_self))
+    def _train_folds(self, n: int) -> np.ndarray | None:
+        """int [n] fold id per training row for the neighbour columns (None: leave-one-out)."""
+        if self.cfg.knn_folds < 2 or n < 2 * self.cfg.knn_folds:
+            return None
+        return np.random.RandomState(self.cfg.space.seed).permutation(n) % self.cfg.knn_folds
+
+    def _knn(self, z: np.ndarray, sizes: np.ndarray, exclude_self: bool,
+             folds: np.ndarray | None = None) -> np.ndarray:
+        """float32 [N, len(_KNN_NAMES) + _N_SIZE]; z: [N, d] against memory [K, d].
+        ``exclude_self``: z are the memory rows themselves; with ``folds`` [N] a row sees only
+        memory rows of other folds, else all but itself."""
+        n_out = len(self.mem_y) - (int(np.bincount(folds).max()) if folds is not None else int(exclude_self))
+        k = min(self.cfg.knn_k, n_out)
         if k < 1:
             return np.zeros((len(z), len(_KNN_NAMES) + _N_SIZE), dtype=np.float32)
         sim = z @ self.mem_z.T  # sim: [N, K]
-        if exclude_self:
+        if exclude_self and folds is not None:
+            sim[folds[:, None] == folds[None, :]] = -np.inf
+        elif exclude_self:
             np.fill_diagonal(sim, -np.inf)
         idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]
         top = np.take_along_axis(sim, idx, 1)
@@ -136,7 +152,7 @@ class FeatureBuilder:
         self.ridge_bias = float(full.intercept_)
         self.mem_z, self.mem_y, self.mem_s = z, log_y.copy(), sizes
         self.long_log_y = float(np.quantile(log_y, LONG_QUANTILE))
-        knn = self._knn(z, sizes, exclude_self=True)
+        knn = self._knn(z, sizes, exclude_self=True, folds=self._train_folds(len(log_y)))
         self._trim_memory()
         return self._assemble(prompts, stats, ridge_oof, knn, z)
 

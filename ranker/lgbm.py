@@ -67,8 +67,25 @@ def _lambdarank(log_y: np.ndarray):
     return params, rel, groups
 
 
+def _top(log_y: np.ndarray):
+    """P(length above the training rows' TOP_QUANTILE): the score that maximises the expected
+    recall of the longest (1 - TOP_QUANTILE) -- not the median a log-space regression learns,
+    which misses short-median tasks whose answers often run away."""
+    return {"objective": "binary"}, (log_y > np.quantile(log_y, TOP_QUANTILE)).astype(np.float32), None
+
+
+def _rank(log_y: np.ndarray):
+    """E[max(percentile of the length, 0.5)]: a bounded mean, so runaway-prone prompts rank
+    above steady ones of the same median, over the whole upper half."""
+    pct = (np.argsort(np.argsort(log_y, kind="stable"), kind="stable") + 0.5) / len(log_y)
+    return {"objective": "regression"}, np.maximum(pct, 0.5).astype(np.float32), None
+
+
+TOP_QUANTILE = 0.8
 OBJECTIVES = {"l1": _regression("regression_l1"), "huber": _regression("huber"),
-              "l2": _regression("regression"), "lambdarank": _lambdarank}
+              "l2": _regression("regression"), "lambdarank": _lambdarank, "top": _top, "rank": _rank}
+# Objectives whose raw score is not a log-length: mapped to one by quantile matching.
+SCORE_OBJECTIVES = frozenset({"lambdarank", "top", "rank"})
 
 
 class LgbmRanker(LogLengthRanker):
@@ -155,7 +172,7 @@ class LgbmRanker(LogLengthRanker):
         if not prompts:
             return np.zeros(0)
         raw = self.booster.predict(self.features.transform(prompts), num_threads=self.cfg.threads)
-        if self.cfg.objective != "lambdarank":
+        if self.cfg.objective not in SCORE_OBJECTIVES:
             return raw
         return np.interp(raw, self.score_q, self.logy_q)
 

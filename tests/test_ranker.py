@@ -112,9 +112,11 @@ def test_unfitted_ranker_refuses():
         ranker.build("lgbm", **SMALL_LGBM).predict(["x"])
 
 
-def test_lambdarank_objective_returns_lengths():
+@pytest.mark.parametrize("objective", ["lambdarank", "top", "rank"])
+def test_score_objectives_return_lengths(objective):
+    """Objectives whose score is not a log-length are mapped back to words, order kept."""
     prompts, lengths = synth(300, seed=0)
-    r = ranker.build("lgbm", objective="lambdarank", **SMALL_LGBM).fit(prompts, lengths)
+    r = ranker.build("lgbm", objective=objective, **SMALL_LGBM).fit(prompts, lengths)
     test_p, test_l = synth(200, seed=1)
     pred = np.asarray(r.predict(test_p))
     assert ranker.recall_at(pred, test_l, 0.2) >= 0.8
