@@ -170,15 +170,23 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens) -> di
     bs = min(SLOWDOWN_BATCH, cfg.engine.max_batch_size)
     decode_step_s(engine, bs, ctx)  # warm-up after the swap
     total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
-    g = concurrent_slowdown(lambda: decode_step_s(engine, bs, ctx, steps=32), trainer_load,
-                            (cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
-                             wl.prompt_lens, cfg.train.group_size, total))
-    t = concurrent_slowdown(lambda: _timed(lambda: train_tokens(total)), engine_load, (cfg.engine, model_dir, bs))
+    # each stage next to the other stage (disaggregated modes overlap that way) and next to a
+    # copy of itself (colocated: two instances generate at once, two DP ranks train at once)
+    decode = lambda: decode_step_s(engine, bs, ctx, steps=32)  # noqa: E731
+    train = lambda: _timed(lambda: train_tokens(total))  # noqa: E731
+    gen_bg = (cfg.engine, model_dir, bs)
+    train_bg = (cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens, wl.prompt_lens,
+                cfg.train.group_size, total)
+    g = concurrent_slowdown(decode, trainer_load, train_bg)
+    t = concurrent_slowdown(train, engine_load, gen_bg)
+    gg = concurrent_slowdown(decode, engine_load, gen_bg)
+    tt = concurrent_slowdown(train, trainer_load, train_bg)
     work = controller_work_s(cfg, tok, task, wl)
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
+            "gen_self_slowdown": gg["slowdown"], "train_self_slowdown": tt["slowdown"],
             "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
             "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"]}
 
@@ -238,6 +246,9 @@ def main(argv=None) -> dict:
     errors = {}
     for mode, row in rows.items():
         colocated = mode == "colocated"
+        # the overlaps a mode has: colocated, a stage with a copy of itself; otherwise gen with train
+        gen_key, train_key = (("gen_self_slowdown", "train_self_slowdown") if colocated
+                              else ("gen_shared_slowdown", "train_shared_slowdown"))
         # colocated: each of the 2 DP ranks trains half the tokens, then all-reduces the
         # gradients (one weight-sized transfer, like the sync); weights reach the instance by
         # a copy in the same process (its cost: the swap, in the overhead)
@@ -247,8 +258,8 @@ def main(argv=None) -> dict:
                             dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
                             microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
                             iteration_overhead_s=host["iteration_overhead_s"],
-                            gen_shared_slowdown=host["gen_shared_slowdown"] if shared else 1.0,
-                            train_shared_slowdown=host["train_shared_slowdown"] if shared else 1.0,
+                            gen_shared_slowdown=host.get(gen_key, host["gen_shared_slowdown"]) if shared else 1.0,
+                            train_shared_slowdown=host.get(train_key, host["train_shared_slowdown"]) if shared else 1.0,
                             train_ranks=2 if colocated else 1)
         r = simulate(sim_cfg, wls)
         predicted = max(r.sync_end[-1], r.train_end[-1]) / len(wls)
