@@ -11,12 +11,12 @@ matmuls. This forward computes the same function over the same weights with ~15 
 * RMSNorm as ``F.rms_norm`` for fp32 (the model's formula otherwise), residual adds folded
   into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul;
 * with ``cpu_ops`` (the "cpu" attention backend) RMSNorm, SwiGLU and RoPE are single-pass C++
-  loops (``cpu_ops.py``), RoPE in place on the qkv projection, q passed on as a strided view.
+  loops (``cpu_ops.py``), RoPE in place on the qkv output, q passed on as a strided view.
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
 counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
 a colocated trainer) and data pointers of the source parameters and rebuilds what changed.
-tests/test_engine_parts.py pins this forward to ``model.forward_packed``.
+tests/test_fused_forward.py pins this forward to ``model.py``'s.
 """
 from __future__ import annotations
 
