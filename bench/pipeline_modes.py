@@ -4,12 +4,12 @@
 
 Starts its own processes (torchrun, 3 ranks: controller + 2 workers). Workload: the same tiny
 Qwen2-architecture model (random weights) and a length-forced long-tail workload: each
-prompt's output length is a real response length from ``../shared/data/length_traces``
+prompt's output length is a real response length from ``data/length_traces`` (the project's copy of the trace)
 (words / ``--scale``, clipped), so every mode generates exactly the same tokens. ``colocated``
 puts both stages on both worker ranks in turn (2 instances, then 2 trainer DP ranks); the other
 modes use rank 1 for generation and rank 2 for training. Each mode: 1 warm-up iteration, then
 ``--iterations`` measured ones (pipeline fill and drain included). ``--repeat`` rounds over the
-modes (full run: 2, the second in reverse order, so a load that drifts during the run weighs
+modes (full run: 4, alternating forward and reverse order, so a load that drifts during the run weighs
 on every mode alike; each mode's line sums its rounds).
 
 Prints one JSON line per mode (samples/s, iteration time, bubble fraction per worker, busy and
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TRACE = ROOT.parent / "shared" / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
+TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
 ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
 
@@ -45,7 +45,7 @@ def parse_args(argv=None):
                     help="comma-separated modes, run in this order (the summary needs batch, stream, async_stream, "
                          "colocated)")
     ap.add_argument("--repeat", type=int, default=0,
-                    help="rounds over the modes (default 2, --quick 1), alternating forward and reverse order, "
+                    help="rounds over the modes (default 4, --quick 1), alternating forward and reverse order, "
                          "which cancels a linear drift of the machine's load; each mode's line sums its rounds")
     ap.add_argument("--logdir", default="runs/bench_pipeline_modes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     bad = [m for m in a.modes if m not in ORDER]
     if bad:
         ap.error(f"--modes: {bad} not in {list(ORDER)}")
-    a.repeat = a.repeat or (1 if a.quick else 2)
+    a.repeat = a.repeat or (1 if a.quick else 4)
     if a.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {a.repeat}")
     return a
