@@ -38,15 +38,16 @@ import pipeline_modes as pm  # noqa: E402
 
 from controller.data import PromptStream  # noqa: E402
 from controller.planner.host import (concurrent_slowdown, engine_load, make_train_tokens,  # noqa: E402
-                                     measure_weight_sync, trainer_load)
+                                     measure_weight_sync, runtime_generate_factor, trainer_load)
 from controller.planner.profile import TrainProfile, profile_engine, profile_trainer  # noqa: E402
-from controller.planner.simulator import SimConfig, Workload, simulate  # noqa: E402
+from controller.planner.simulator import SimConfig, Workload, scaled_profile, simulate  # noqa: E402
 from controller.scheduling import PTLProfile  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 
 # Controller round trips on an iteration's critical path (controller/program.py): begin_iteration,
 # generate (launch and report), step, weight push.
 RPC_ROUND_TRIPS = 4
+RUNTIME_GEN_BATCHES = 6  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
 SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is measured
 
 
@@ -156,7 +157,7 @@ def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
     return best
 
 
-def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens) -> dict:
+def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_batches: list[Workload]) -> dict:
     """Everything the simulator needs about this host besides the stage profiles (see the
     module docstring); all measured."""
     from workers.generation.factory import make_engine
@@ -182,13 +183,17 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens) -> di
     gg = concurrent_slowdown(decode, engine_load, gen_bg)
     tt = concurrent_slowdown(train, trainer_load, train_bg)
     work = controller_work_s(cfg, tok, task, wl)
+    # the runtime's generate path (Outbox thread, samples pickled for the RPC) over the bare
+    # engine loop, on synthetic requests (random prompt ids) of the workload's shapes
+    rt = runtime_generate_factor(cfg.engine, model_dir, [(w.out_lens, w.prompt_lens) for w in gen_batches],
+                                 window_s=cfg.pipeline.stream_window_s)
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
             "gen_self_slowdown": gg["slowdown"], "train_self_slowdown": tt["slowdown"],
             "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
-            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"]}
+            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_factor": rt["factor"]}
 
 
 def _timed(fn) -> float:
@@ -233,7 +238,7 @@ def main(argv=None) -> dict:
                              name="bench-model", long_context=1024, repeats=3)
         del engine
         train, train_tokens = trainer_profile(cfg, model_dir, w0)
-        host = host_terms(cfg, model_dir, tok, task, w0, train_tokens)
+        host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES])
         cache.write_text(json.dumps({"generation": asdict(gen), "trainer": asdict(train), "host": host}))
     shared = not a.separate_hardware
     print(json.dumps({"profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
@@ -243,6 +248,7 @@ def main(argv=None) -> dict:
                                    "train_fixed_s": round(train.fixed_s, 3)},
                       "host": {k: round(v, 4) if isinstance(v, float) else v for k, v in host.items()},
                       "shared_host": shared}), flush=True)
+    gen = scaled_profile(gen, host.get("gen_runtime_factor", 1.0))  # the instance as the runtime drives it
     errors, alt_errors = {}, {}  # alt: the other hardware assumption, for comparison
     for mode, row in rows.items():
         colocated = mode == "colocated"

@@ -213,3 +213,73 @@ def measure_weight_sync(named: dict[str, torch.Tensor], bucket_bytes: int = 1 <<
             if p.is_alive():
                 p.kill()
     return {"sync_s": float(min(times)), "rpc_rtt_s": float(sorted(rtt)[len(rtt) // 2])}
+
+
+# ---- the runtime's generate path vs the bare engine loop ----------------------------------
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class _PickleReceiver:
+    """Stands in for a trainer RRef: ``rpc_async().receive(samples)`` serializes the samples
+    (the RPC's pickling, on the sending thread) and returns a completed future."""
+
+    def rpc_async(self, timeout: float = -1.0) -> "_PickleReceiver":
+        return self
+
+    def receive(self, samples: list[Sample]) -> _Done:
+        import pickle
+
+        pickle.dumps(samples)
+        return _Done()
+
+
+def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list[int], list[int]]],
+                            window_s: float = 0.02, seed: int = 0, vocab: int = 300) -> dict:
+    """Time factor of ``controller.instance.GenerationInstance.generate`` (engine steps + the
+    Outbox thread streaming every finished sample, pickled as the RPC would) over the bare
+    engine loop (``add``; ``step`` until done) on the same requests, in one process.
+
+    batches: (forced output lengths, prompt lengths) per synthetic iteration; each is run both
+    ways, alternating, after one warm-up of each; prompt ids are random in [3, vocab). Returns ``factor`` (summed runtime seconds /
+    summed bare seconds) and the per-batch seconds."""
+    from controller.instance import GenerationInstance
+
+    if not batches:
+        raise ValueError("runtime_generate_factor: no batches")
+    gen = torch.Generator().manual_seed(seed)
+    inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
+    inst.trainers = [_PickleReceiver()]
+    next_id = [50_000_000]
+
+    def requests(out_lens, prompt_lens) -> list[Request]:
+        out = []
+        for n, p in zip(out_lens, prompt_lens):
+            next_id[0] += 1
+            out.append(Request(next_id[0], torch.randint(3, vocab, (int(p),), generator=gen), int(n), int(n),
+                               sampling=SamplingParams(temperature=1.0, seed=next_id[0])))
+        return out
+
+    def bare(b) -> float:
+        inst.engine.add(requests(*b))
+        t0 = time.perf_counter()
+        while inst.engine.has_work():
+            inst.engine.step()
+        return time.perf_counter() - t0
+
+    def runtime(b) -> float:
+        t0 = time.perf_counter()
+        inst.generate(0, requests(*b), inst.version)
+        return time.perf_counter() - t0
+
+    bare(batches[0])
+    runtime(batches[0])
+    bare_s, runtime_s = [], []
+    for k, b in enumerate(batches):
+        pair = (bare, runtime) if k % 2 == 0 else (runtime, bare)
+        got = {fn: fn(b) for fn in pair}
+        bare_s.append(got[bare])
+        runtime_s.append(got[runtime])
+    inst.close()
+    return {"factor": sum(runtime_s) / sum(bare_s), "bare_s": bare_s, "runtime_s": runtime_s}
