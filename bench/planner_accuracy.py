@@ -71,7 +71,8 @@ def measured_rows(a) -> dict[str, dict]:
 
 
 def stage_seconds(spans, first_iteration: int = 0) -> dict[str, list[float]]:
-    """Per iteration: generation span length (longest instance) and summed train spans."""
+    """Per iteration: generation span length (longest instance) and train seconds (summed
+    spans of one trainer rank; colocated's two DP ranks train at once: the busier one)."""
     gen, train = {}, {}
     for sp in spans:
         it, d = sp["iteration"], sp["end"] - sp["start"]
@@ -80,8 +81,9 @@ def stage_seconds(spans, first_iteration: int = 0) -> dict[str, list[float]]:
         if sp["stage"] == "generate":
             gen[it] = max(gen.get(it, 0.0), d)
         elif sp["stage"] == "train":
-            train[it] = train.get(it, 0.0) + d
-    return {"gen_s": [gen[k] for k in sorted(gen)], "train_s": [train[k] for k in sorted(train)]}
+            per_rank = train.setdefault(it, {})
+            per_rank[sp["worker"]] = per_rank.get(sp["worker"], 0.0) + d
+    return {"gen_s": [gen[k] for k in sorted(gen)], "train_s": [max(train[k].values()) for k in sorted(train)]}
 
 
 def measured_stages(logdir: Path, mode: str) -> dict[str, list[float]]:
@@ -108,7 +110,8 @@ def workloads(a, pa, cfg, tok, task) -> list[Workload]:
     for _ in range(1 + pa.iterations):
         batch = stream.next(cfg.train.batch_prompts)
         plen = [len(tok.encode(tok.format_prompt(it.prompt))) for it in batch for _ in range(g)]
-        out.append(Workload([by_prompt[it.prompt] for it in batch for _ in range(g)], plen))
+        out.append(Workload([by_prompt[it.prompt] for it in batch for _ in range(g)], plen,
+                            groups=[j for j in range(len(batch)) for _ in range(g)]))  # group_id parity
     return out[1:]
 
 
@@ -184,16 +187,21 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     tt = concurrent_slowdown(train, trainer_load, train_bg)
     work = controller_work_s(cfg, tok, task, wl)
     # the runtime's generate path (Outbox thread, samples pickled for the RPC) over the bare
-    # engine loop, on synthetic requests (random prompt ids) of the workload's shapes
+    # engine loop (the loop engine_sim reproduces), on synthetic requests (random prompt ids)
+    # of the workload's shapes: one instance with every request; colocated, one of the 2
+    # instances with its round-robin half
     rt = runtime_generate_factor(cfg.engine, model_dir, [(w.out_lens, w.prompt_lens) for w in gen_batches],
                                  window_s=cfg.pipeline.stream_window_s)
+    rt2 = runtime_generate_factor(cfg.engine, model_dir, [(w.out_lens[::2], w.prompt_lens[::2]) for w in gen_batches],
+                                  window_s=cfg.pipeline.stream_window_s)
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
             "gen_self_slowdown": gg["slowdown"], "train_self_slowdown": tt["slowdown"],
             "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
-            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_factor": rt["factor"]}
+            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_factor": rt["factor"],
+            "gen_runtime_factor_colocated": rt2["factor"]}
 
 
 def _timed(fn) -> float:
@@ -248,25 +256,27 @@ def main(argv=None) -> dict:
                                    "train_fixed_s": round(train.fixed_s, 3)},
                       "host": {k: round(v, 4) if isinstance(v, float) else v for k, v in host.items()},
                       "shared_host": shared}), flush=True)
-    gen = scaled_profile(gen, host.get("gen_runtime_factor", 1.0))  # the instance as the runtime drives it
     errors, alt_errors = {}, {}  # alt: the other hardware assumption, for comparison
     for mode, row in rows.items():
         colocated = mode == "colocated"
         # the overlaps a mode has: colocated, a stage with a copy of itself; otherwise gen with train
         gen_key, train_key = (("gen_self_slowdown", "train_self_slowdown") if colocated
                               else ("gen_shared_slowdown", "train_shared_slowdown"))
-        # colocated: each of the 2 DP ranks trains half the tokens, then all-reduces the
-        # gradients (one weight-sized transfer, like the sync); weights reach the instance by
-        # a copy in the same process (its cost: the swap, in the overhead)
-        trainer = replace(train, s_per_token=train.s_per_token / (2 if colocated else 1),
-                          fixed_s=train.fixed_s + (host["sync_s"] if colocated else 0.0))
-        sim_cfg = SimConfig(mode, 2 if colocated else 1, gen, trainer, sync_s=0.0 if colocated else host["sync_s"],
+        # the instance as the runtime drives it (generate + Outbox), at its share of the requests
+        rt_key = "gen_runtime_factor_colocated" if colocated else "gen_runtime_factor"
+        gen_rt = scaled_profile(gen, host.get(rt_key, host.get("gen_runtime_factor", 1.0)))
+        # colocated: each of the 2 DP ranks trains its groups' samples (group_id % 2) once they
+        # are all in, then both step together: all-reduce of the gradients (one weight-sized
+        # transfer, like the sync) + optimizer; weights reach the instance by a copy in the same
+        # process (its cost: the swap, in the overhead)
+        trainer = replace(train, fixed_s=train.fixed_s + (host["sync_s"] if colocated else 0.0))
+        sim_cfg = SimConfig(mode, 2 if colocated else 1, gen_rt, trainer, sync_s=0.0 if colocated else host["sync_s"],
                             dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
                             microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
                             iteration_overhead_s=host["iteration_overhead_s"],
                             gen_shared_slowdown=host.get(gen_key, host["gen_shared_slowdown"]) if shared else 1.0,
                             train_shared_slowdown=host.get(train_key, host["train_shared_slowdown"]) if shared else 1.0,
-                            train_ranks=2 if colocated else 1)
+                            train_ranks=2 if colocated else 1, colocated_dp=colocated)
         r = simulate(sim_cfg, wls)
         predicted = max(r.sync_end[-1], r.train_end[-1]) / len(wls)
         measured = row["iteration_s"]

@@ -47,3 +47,16 @@ def test_scaled_profile_stretches_every_time_term():
     assert q.kv_s_per_token == pytest.approx(0.03) and scaled_profile(p, 1.0) is p
     with pytest.raises(ValueError, match="gen_shared_slowdown"):
         SimConfig("stream", 1, FLAT, TRAIN, gen_shared_slowdown=0.5)
+
+
+def test_colocated_dp_ranks_train_their_groups_then_step_together():
+    # request 0 (2 tokens, group 0) -> rank 0, request 1 (4 tokens, group 1) -> rank 1; each
+    # rank starts when its own samples are in (gen steps: 1 s each, both requests from t = 0)
+    cfg = SimConfig("colocated", 1, FLAT, TRAIN, train_ranks=2, colocated_dp=True)
+    r = simulate(cfg, [WL])
+    train = sorted((sp.worker, sp.start, sp.end) for sp in r.spans if sp.stage == "train")
+    # rank 0: its sample at 2 s, trains 2 s; rank 1: at 4 s, trains 4 s; both step 0.5 s at 8
+    assert train == [("train0", 2.0, 4.0), ("train0", 4.0, 8.5), ("train1", 4.0, 8.0), ("train1", 8.0, 8.5)]
+    assert r.train_end == [8.5]
+    same_group = simulate(cfg, [Workload([2, 4], [0, 0], groups=[1, 1])])
+    assert same_group.train_end == [4.0 + 6.0 + 0.5]  # rank 1 trains both, rank 0 has nothing

@@ -48,6 +48,7 @@ class Workload:
     out_lens: list[int]
     prompt_lens: list[int]
     est_lens: list[float] | None = None
+    groups: list[int] | None = None  # GRPO group id per request (None: each request its own group)
 
 
 @dataclass
@@ -66,6 +67,11 @@ class SimConfig:
     gen_shared_slowdown: float = 1.0  # shared host: generation's time factor while another stage computes
     train_shared_slowdown: float = 1.0  # shared host: training's time factor while another stage computes
     train_ranks: int = 1  # trainer DP ranks training at the same time (colocated: one per instance)
+    # colocated as the runtime runs it (controller/instance.route, controller/trainer_rank): DP
+    # rank k trains the samples of groups g % train_ranks == k, at ``trainer.s_per_token`` (one
+    # rank's cost per token), once all of them are in; then every rank steps together
+    # (all-reduce) for ``trainer.fixed_s``. False: one trainer takes the whole iteration.
+    colocated_dp: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -221,6 +227,13 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
         # --- training of iteration i
         arrivals = [(finish[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish))]
         t = max(trainer_free, t0 if mode == "colocated" else 0.0)
+        if mode == "colocated" and cfg.colocated_dp and cfg.train_ranks > 1:
+            t = _colocated_dp_train(cfg, w, arrivals, t, train_scale[i], i, spans)
+            train_end.append(t)
+            trainer_free = t
+            sync_start.append(t)
+            sync_end.append(t + cfg.sync_s)
+            continue
         for ready, tokens in _train_batches(mode, arrivals, cfg):
             start = max(t, ready)
             t = start + (cfg.trainer.s_per_token * tokens + cfg.train_overhead_per_batch_s) * train_scale[i]
@@ -240,6 +253,27 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
             for g in range(cfg.gen_instances):
                 spans.append(Span(f"gen{g}", "weight_sync", a, b, j))
     return SimResult(spans, gen_start, gen_end, train_end, sync_end)
+
+
+def _colocated_dp_train(cfg: SimConfig, w: Workload, arrivals: list[tuple[float, int]], t: float, scale: float,
+                        i: int, spans: list[Span]) -> float:
+    """Colocated DP training of one iteration (``SimConfig.colocated_dp``); returns its end."""
+    groups = w.groups if w.groups is not None else list(range(len(arrivals)))
+    ends = []
+    for k in range(cfg.train_ranks):
+        mine = [a for a, g in zip(arrivals, groups) if g % cfg.train_ranks == k]
+        if not mine:
+            ends.append(t)
+            continue
+        start = max(t, max(f for f, _ in mine))
+        end = start + (cfg.trainer.s_per_token * sum(n for _, n in mine) + cfg.train_overhead_per_batch_s) * scale
+        spans.append(Span(f"train{k}", "train", start, end, i))
+        ends.append(end)
+    step = max(ends)  # the all-reduce waits for the slowest rank
+    end = step + cfg.trainer.fixed_s * scale
+    for k in range(cfg.train_ranks):
+        spans.append(Span(f"train{k}", "train", ends[k], end, i))  # its wait + the step
+    return end
 
 
 def sync_time_s(weight_bytes: float, gbps: float, hops: int = 1, latency_s: float = 0.0) -> float:
