@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.generation.cpp_build import build
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -141,24 +143,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 }
 """
 
-_module = None
-
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    global _module
-    if _module is None:
-        from torch.utils.cpp_extension import load_inline
-
-        try:
-            _module = load_inline(name="streamrl_paged_attention_cpu_v5", cpp_sources=_SOURCE,
-                                  functions=["paged_attention"],
-                                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # no compiler, headers, ...
-            raise RuntimeError(f"engine.attention_backend 'cpu': building the C++ kernel failed "
-                               f"({e}); use attention_backend 'torch'") from e
-    return _module
+    return build("streamrl_paged_attention_cpu_v5", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,7 +9,7 @@ and fp16 tensors.
 """
 from __future__ import annotations
 
-import torch
+from workers.generation.cpp_build import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -99,21 +99,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
 }
 """
 
-_module = None
-
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    global _module
-    if _module is None:
-        from torch.utils.cpp_extension import load_inline
-
-        try:
-            _module = load_inline(name="streamrl_fused_ops_cpu_v2", cpp_sources=_SOURCE,
-                                  functions=["rms_norm", "silu_mul", "rope_"],
-                                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # no compiler, headers, ...
-            raise RuntimeError(f"engine: building the C++ fused CPU ops failed ({e}); "
-                               "use attention_backend 'torch'") from e
-    return _module
+    return build("streamrl_fused_ops_cpu_v2", _SOURCE, ("rms_norm", "silu_mul", "rope_"), "engine: fused CPU ops")

@@ -18,7 +18,7 @@ from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.scheduler import Scheduler
-from workers.generation.sequence import Sequence, Status, error_sample
+from workers.generation.sequence import Sequence, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
 from workers.types import Engine, EngineStats, Request, Sample
 
