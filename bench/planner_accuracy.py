@@ -47,7 +47,7 @@ from workers.types import Request, SamplingParams  # noqa: E402
 # Controller round trips on an iteration's critical path (controller/program.py): begin_iteration,
 # generate (launch and report), step, weight push.
 RPC_ROUND_TRIPS = 4
-RUNTIME_GEN_BATCHES = 6  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
+RUNTIME_GEN_BATCHES = 12  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
 SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is measured
 
 
@@ -160,7 +160,15 @@ def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
     return best
 
 
-def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_batches: list[Workload]) -> dict:
+def model_gen_s(gen: PTLProfile, out_lens: list[int], prompt_lens: list[int]) -> float:
+    """The instance model's (engine_sim) seconds for one instance generating these requests."""
+    r = simulate(SimConfig("batch", 1, gen, TrainProfile(s_per_token=0.0, fixed_s=0.0), dispatcher="round_robin"),
+                 [Workload(list(out_lens), list(prompt_lens))])
+    return r.gen_end[0] - r.gen_start[0]
+
+
+def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_batches: list[Workload],
+               gen: PTLProfile) -> dict:
     """Everything the simulator needs about this host besides the stage profiles (see the
     module docstring); all measured."""
     from workers.generation.factory import make_engine
@@ -186,22 +194,25 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     gg = concurrent_slowdown(decode, engine_load, gen_bg)
     tt = concurrent_slowdown(train, trainer_load, train_bg)
     work = controller_work_s(cfg, tok, task, wl)
-    # the runtime's generate path (Outbox thread, samples pickled for the RPC) over the bare
-    # engine loop (the loop engine_sim reproduces), on synthetic requests (random prompt ids)
-    # of the workload's shapes: one instance with every request; colocated, one of the 2
-    # instances with its round-robin half
-    rt = runtime_generate_factor(cfg.engine, model_dir, [(w.out_lens, w.prompt_lens) for w in gen_batches],
-                                 window_s=cfg.pipeline.stream_window_s)
-    rt2 = runtime_generate_factor(cfg.engine, model_dir, [(w.out_lens[::2], w.prompt_lens[::2]) for w in gen_batches],
-                                  window_s=cfg.pipeline.stream_window_s)
+    # generation through the runtime's generate path (GenerationInstance.generate: Outbox
+    # thread, samples pickled for the RPC), on synthetic requests (random prompt ids) of the
+    # workload's shapes: one instance with every request; colocated, one of the 2 instances
+    # with its round-robin half. Its seconds over the instance model's (engine_sim on the
+    # profile) scale the profile: the profile as the runtime's own generate path runs it.
+    half = [(w.out_lens[::2], w.prompt_lens[::2]) for w in gen_batches]
+    full = [(w.out_lens, w.prompt_lens) for w in gen_batches]
+    rt = runtime_generate_factor(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
+    rt2 = runtime_generate_factor(cfg.engine, model_dir, half, window_s=cfg.pipeline.stream_window_s)
+    over_model = lambda r, bs: sum(r["runtime_s"]) / sum(model_gen_s(gen, *b) for b in bs)  # noqa: E731
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
             "gen_self_slowdown": gg["slowdown"], "train_self_slowdown": tt["slowdown"],
             "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
-            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_factor": rt["factor"],
-            "gen_runtime_factor_colocated": rt2["factor"]}
+            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
+            "gen_runtime_over_bare_colocated": rt2["factor"], "gen_runtime_factor": over_model(rt, full),
+            "gen_runtime_factor_colocated": over_model(rt2, half)}
 
 
 def _timed(fn) -> float:
@@ -246,7 +257,7 @@ def main(argv=None) -> dict:
                              name="bench-model", long_context=1024, repeats=3)
         del engine
         train, train_tokens = trainer_profile(cfg, model_dir, w0)
-        host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES])
+        host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES], gen)
         cache.write_text(json.dumps({"generation": asdict(gen), "trainer": asdict(train), "host": host}))
     shared = not a.separate_hardware
     print(json.dumps({"profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
