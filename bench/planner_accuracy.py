@@ -12,7 +12,10 @@ cached token (profile_engine), the trainer's time per token (profile_trainer ove
 TrainerWorker); the host terms (controller/planner/host.py): the weight-sync executor's time
 between two local processes, an RPC round trip, the engine's weight swap, the controller's
 per-iteration batching and dispatch, and each stage's slowdown while the other stage runs in
-a second process on the same cores ("shared host", applied only where stages overlap). Same
+a second process on the same cores ("shared host", applied only where stages overlap), and
+generation through the runtime's own generate path (GenerationInstance.generate with its
+Outbox, on synthetic requests of the workload's shapes) over the instance model's time for the
+same requests, which scales the generation profile (colocated: at one instance's half). Same
 workload (the bench's prompts, forced lengths and prompt order). One JSON line per mode,
 then a summary with ``max_rel_error`` (target <= 0.15).
 """
