@@ -52,6 +52,7 @@ from workers.types import Request, SamplingParams  # noqa: E402
 RPC_ROUND_TRIPS = 4
 RUNTIME_GEN_BATCHES = 12  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
 SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is measured
+GEN_SLOWDOWN_ROUNDS = 9  # a decode timing is short (~0.1 s): more A/B pairs than the trainer's 5
 
 
 def measured_rows(a) -> dict[str, dict]:
@@ -192,9 +193,9 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     gen_bg = (cfg.engine, model_dir, bs)
     train_bg = (cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens, wl.prompt_lens,
                 cfg.train.group_size, total)
-    g = concurrent_slowdown(decode, trainer_load, train_bg)
+    g = concurrent_slowdown(decode, trainer_load, train_bg, rounds=GEN_SLOWDOWN_ROUNDS)
     t = concurrent_slowdown(train, engine_load, gen_bg)
-    gg = concurrent_slowdown(decode, engine_load, gen_bg)
+    gg = concurrent_slowdown(decode, engine_load, gen_bg, rounds=GEN_SLOWDOWN_ROUNDS)
     tt = concurrent_slowdown(train, trainer_load, train_bg)
     work = controller_work_s(cfg, tok, task, wl)
     # generation through the runtime's generate path (GenerationInstance.generate: Outbox
