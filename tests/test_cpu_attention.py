@@ -3,6 +3,7 @@ head sizes with a compiled-in specialisation (64, 128) and the generic path (16)
 partial last blocks, scattered block tables, fp32 and bf16 caches."""
 import pytest
 import torch
+from ext_helpers import extension_or_skip
 
 torch.set_num_threads(1)
 
@@ -10,10 +11,7 @@ torch.set_num_threads(1)
 def _kernel():
     from workers.generation import cpu_attention
 
-    try:
-        cpu_attention.load()  # first use on a machine compiles it (about a minute), then cached
-    except RuntimeError as e:
-        pytest.skip(f"C++ CPU attention kernel unavailable: {e}")
+    extension_or_skip(cpu_attention, "C++ CPU attention kernel")
     return cpu_attention.paged_attention
 
 

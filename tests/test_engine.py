@@ -3,6 +3,7 @@ cache) for mixed-length prompts, across preemption and with prefix sharing; in-p
 act like a fresh engine; forced lengths, EOS, refusals, admission order, batch cap."""
 import pytest
 import torch
+from ext_helpers import extension_or_skip
 
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
@@ -243,10 +244,7 @@ def test_max_batch_size_honoured_and_changeable():
 def _cpu_kernel_or_skip():
     from workers.generation import cpu_attention
 
-    try:
-        cpu_attention.load()  # first use on a machine compiles it (about a minute), then cached
-    except RuntimeError as e:
-        pytest.skip(f"C++ CPU attention kernel unavailable: {e}")
+    extension_or_skip(cpu_attention, "C++ CPU attention kernel")
 
 
 def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():

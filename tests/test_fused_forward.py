@@ -2,6 +2,7 @@
 Llama configs (biases, RoPE scaling, tied head, bf16), and follows in-place weight updates."""
 import pytest
 import torch
+from ext_helpers import extension_or_skip
 
 from workers.generation.fused_forward import FusedForward
 from workers.model import CausalAttention, CausalLM, ModelConfig, init_weights
@@ -44,10 +45,7 @@ def packed(lengths, vocab, seed=0):
 def _cpu_ops_or_skip():
     from workers.generation import cpu_ops
 
-    try:
-        cpu_ops.load()  # first use on a machine compiles it (about a minute), then cached
-    except RuntimeError as e:
-        pytest.skip(f"C++ fused CPU ops unavailable: {e}")
+    extension_or_skip(cpu_ops, "C++ fused CPU ops")
 
 
 @pytest.mark.parametrize("cpu_ops", [False, True], ids=["torch_ops", "cpu_ops"])
