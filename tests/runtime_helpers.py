@@ -2,7 +2,6 @@
 ``torchrun`` of controller/main.py, readers of its outputs."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +10,10 @@ import pytest
 import torch
 import yaml
 
+from workers.weight_sync.localrun import free_port  # noqa: F401 (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 TASK = {"kind": "running_sum", "min_terms": 2, "max_terms": 4, "num_train": 64, "num_test": 16}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

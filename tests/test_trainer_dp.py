@@ -1,7 +1,6 @@
 """Data parallel: 2 trainer ranks (gloo, spawned processes, samples split by group) produce the
 same update as 1 rank on all the samples."""
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
 from workers.trainer.grads import all_reduce_sum
+from workers.weight_sync.localrun import free_port
 
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
@@ -67,12 +67,6 @@ def _common(cfg_kw):
     return dict(cfg_kw, lr=1e-2, adam_eps=1.0, max_tokens_per_microbatch=48)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_equal_one_rank(tmp_path):
     torch.set_num_threads(1)
     model_dir = str(build_model_dir(tmp_path / "m", _task().base, TINY, seed=0)[0])
@@ -80,7 +74,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
     samples, prompts, groups = rollout(ref.actor, ref.tokenizer, _task().prompts("train")[:4], 3, 12, seed=5)
     torch.save((samples, prompts, groups), tmp_path / "data.pt")
     # fork: the children skip re-importing torch (the test is CPU only, one thread)
-    mp.start_processes(_run, args=(2, _free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_run, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
                        start_method="fork")
     ts = torch.load(tmp_path / "buckets.pt")
     assert [t.unique().tolist() for t in ts] == [[3.0], [6.0], [3.0]] and ts[1].shape == (3, 2)

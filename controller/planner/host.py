@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 from typing import Callable
 
 import torch
 
 from workers.types import Request, SamplingParams, Sample
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from workers.weight_sync.localrun import free_port
 
 
 # ---- background workloads (run in a spawned process until ``stop`` is set) ----------------
@@ -180,7 +174,7 @@ def _rpc_round_trips(rank: int, n: int) -> list[float]:
 
     from controller.main import _rpc_options
 
-    port = [_free_port() if rank == 0 else 0]
+    port = [free_port() if rank == 0 else 0]
     dist.broadcast_object_list(port, src=0)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=_rpc_options(60, f"tcp://127.0.0.1:{port[0]}"))
     times = []
@@ -202,7 +196,7 @@ def measure_weight_sync(named: dict[str, torch.Tensor], bucket_bytes: int = 1 <<
     runtime's RPC options. Returns {"sync_s", "rpc_rtt_s"}."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_sync_rank, args=(r, port, named, bucket_bytes, repeats, out), daemon=True)
              for r in (0, 1)]
     for p in procs:
