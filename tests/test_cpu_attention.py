@@ -47,3 +47,31 @@ def test_kernel_matches_reference(dh, h, hkv, dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize("dh,h,hkv,cache_dtype", [(64, 4, 2, torch.bfloat16), (128, 14, 2, torch.bfloat16),
+                                                  (16, 4, 2, torch.bfloat16), (64, 4, 2, torch.float16)])
+def test_kernel_fp32_query_over_16bit_cache(dh, h, hkv, cache_dtype):
+    """kv_cache_dtype: an fp32 q over a bf16/fp16 cache computes in fp32 on the rounded K/V,
+    i.e. exactly the fp32 attention of the rounded values; the output stays fp32."""
+    attn = _kernel()
+    g = torch.Generator().manual_seed(dh + 7)
+    bs, nb, b = 16, 30, 3
+    kc = torch.randn(nb, bs, hkv, dh, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, bs, hkv, dh, generator=g).to(cache_dtype)
+    tables = torch.randperm(nb, generator=g)[: b * 8].view(b, 8).int().contiguous()
+    seq_of = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int64)
+    positions = torch.tensor([0, 70, 3, 17, 127], dtype=torch.int64)  # partial blocks, 4-row tails
+    q = torch.randn(5, h, dh, generator=g)
+    got = attn(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    want = reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_a_16bit_query_over_another_cache_dtype():
+    attn = _kernel()
+    kc = torch.zeros(2, 4, 1, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="caches must have q's dtype"):
+        attn(torch.zeros(1, 1, 16, dtype=torch.bfloat16), kc, kc, torch.zeros(1, 1, dtype=torch.int32),
+             torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0.25)

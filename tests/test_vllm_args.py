@@ -22,7 +22,7 @@ def test_engine_args_cpu():
     assert a["max_num_batched_tokens"] == 100 and a["dtype"] == "float32"
     assert a["scheduling_policy"] == "priority" and a["enable_prefix_caching"]
     assert a["skip_tokenizer_init"] and a["logprobs_mode"] == "processed_logprobs"
-    assert a["max_model_len"] == 512
+    assert a["max_model_len"] == 512 and a["kv_cache_dtype"] == "auto"
 
 
 def test_engine_args_refusals():
@@ -32,6 +32,15 @@ def test_engine_args_refusals():
     with pytest.raises(ValueError, match="max_num_seqs"):
         vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu", max_batch_size=8,
                                            backend_options={"max_num_seqs": 4}), "/m", MC)
+    with pytest.raises(ValueError, match="engine.kv_cache_dtype: vLLM's CPU attention takes only 'auto'"):
+        vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu", kv_cache_dtype="bfloat16"), "/m", MC)
+
+
+def test_engine_args_kv_cache_dtype_on_gpu():
+    a = vllm_args.engine_args(EngineConfig(backend="vllm", device="cuda", dtype="float32", block_size=16,
+                                           kv_cache_tokens=4096, kv_cache_dtype="bfloat16"), "/m", MC)
+    assert a["kv_cache_dtype"] == "bfloat16"
+    assert a["kv_cache_memory_bytes"] == a["num_gpu_blocks_override"] * a["block_size"] * (2 * 2 * 1 * 32 * 2)
 
 
 def test_priority_is_lpt_and_sampling_kwargs():

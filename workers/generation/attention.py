@@ -85,8 +85,8 @@ class PagedAttention:
         ctx = self.ctx
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         hkv = kc.shape[2]
-        kc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, k)
-        vc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, v)
+        kc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, v.to(vc.dtype))
         if self._cpu is not None:
             return self._cpu(q, kc, vc, ctx.block_tables, ctx.seq_of, ctx.positions, self.scale)
         if not ctx.is_prefill and self._triton is not None:
@@ -95,6 +95,8 @@ class PagedAttention:
         nb = kc.shape[0]
         keys = kc.view(nb, -1).index_select(0, ctx.gather_idx).view(b, -1, hkv, self.dh)  # [B, Lk, Hkv, Dh]
         vals = vc.view(nb, -1).index_select(0, ctx.gather_idx).view(b, -1, hkv, self.dh)
+        if keys.dtype != q.dtype:  # a 16-bit cache (kv_cache_dtype) under a wider model
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         if ctx.is_prefill:
             qp = q.new_zeros(b * ctx.max_q_len, self.h, self.dh).index_copy_(0, ctx.q_index, q)
             qp = qp.view(b, ctx.max_q_len, self.h, self.dh)  # [B, Lq, H, Dh]

@@ -8,6 +8,7 @@ ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 ADMISSION_POLICIES = ("fcfs", "lpt")
 DTYPES = ("", "float32", "bfloat16", "float16")
 CPU_HALF_COMPUTE = ("auto", "native", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")  # vLLM's kv_cache_dtype names (no fp8 here)
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,10 @@ class EngineConfig:
     ``dtype`` but computes in fp32 (much faster where the CPU has no bf16/fp16 matmul units);
     "native" computes in ``dtype``; "auto" picks "native" only when the CPU has them (AVX512-BF16
     or AMX). ``attention_backend``: "torch" (portable), "triton" (CUDA decode kernel of kernels/),
-    "cpu" (C++ kernel compiled on first use; fastest on CPU). ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
+    "cpu" (C++ kernel compiled on first use; fastest on CPU). ``kv_cache_dtype`` (as vLLM's):
+    "auto" stores K/V in the compute dtype; "bfloat16"/"float16" store them in 16 bits under an
+    fp32 model (half the KV memory and memory traffic; attention still computes in fp32, so
+    outputs differ from "auto" by the rounding of K/V). ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 
     backend: str = "native"
@@ -42,6 +46,7 @@ class EngineConfig:
     seed: int = 0
     eos_ids: tuple[int, ...] | None = None
     cpu_half_compute: str = "auto"
+    kv_cache_dtype: str = "auto"
     backend_options: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self):
@@ -58,6 +63,11 @@ class EngineConfig:
             bad("dtype", f"must be one of {DTYPES}")
         if self.cpu_half_compute not in CPU_HALF_COMPUTE:
             bad("cpu_half_compute", f"must be one of {CPU_HALF_COMPUTE}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
+            bad("kv_cache_dtype", "must be 'auto' with attention_backend 'triton' (its kernel reads "
+                                  "caches of the model's dtype)")
         for key in ("max_batch_size", "block_size", "max_prefill_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 bad(key, "must be an int >= 1")

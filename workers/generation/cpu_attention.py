@@ -25,6 +25,10 @@ _SOURCE = r"""
 #include <limits>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define STREAMRL_AVX2 1
+#endif
 
 template <typename T>
 static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t len) {
@@ -46,12 +50,90 @@ static inline const float* as_float(const T* p, float* buf, int64_t dh) {
   }
 }
 
+#ifdef STREAMRL_AVX2
+// 8 cache values -> 8 floats in a register (fp32 as is; bf16 = the high half of an fp32; fp16 via F16C).
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// Sums of 4 registers -> 4 floats.
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// Scores of rows [0, nr) of one block for the G heads: sc[j * n + r] = q_j . k_r. Four rows at
+// a time with independent accumulators (one dot product alone is an FMA latency chain).
+template <typename C, int DH>
+static inline void block_scores(const float* qf, const C* base, int64_t row, int64_t nr, int64_t G,
+                                int64_t n, float* sc) {
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4) {
+    const C* k0 = base + r * row;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qh = qf + j * DH;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int d = 0; d < DH; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + d);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k0 + row + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * row + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * row + d), a3);
+      }
+      _mm_storeu_ps(sc + j * n + r, hsum4(a0, a1, a2, a3));
+    }
+  }
+  for (; r < nr; ++r) {
+    const C* k0 = base + r * row;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qh = qf + j * DH;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+      for (int d = 0; d < DH; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), load8(k0 + d + 8), a1);
+      }
+      float t[4];
+      _mm_storeu_ps(t, hsum4(a0, a1, _mm256_setzero_ps(), _mm256_setzero_ps()));
+      sc[j * n + r] = t[0] + t[1];
+    }
+  }
+}
+
+// acc_j += sum_r p_j[r] * v_r for the G heads, over rows [0, nr) of one block; 64 columns at
+// a time in 8 registers.
+template <typename C, int DH>
+static inline void block_values(const float* sc, const C* base, int64_t row, int64_t nr, int64_t G,
+                                int64_t n, float* acc) {
+  for (int64_t j = 0; j < G; ++j) {
+    const float* p = sc + j * n;
+    for (int d0 = 0; d0 < DH; d0 += 64) {
+      float* ah = acc + j * DH + d0;
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_loadu_ps(ah + 8 * u);
+      for (int64_t r = 0; r < nr; ++r) {
+        const __m256 pr = _mm256_set1_ps(p[r]);
+        const C* vp = base + r * row + d0;
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(pr, load8(vp + 8 * u), a[u]);
+      }
+      for (int u = 0; u < 8; ++u) _mm256_storeu_ps(ah + 8 * u, a[u]);
+    }
+  }
+}
+template <typename C>
+constexpr bool kVec = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
+#endif
+
 // One work item = (query token i, KV head g): the G = H / Hkv query heads of that group
 // share each key/value row (read once per block, from L1 for the G heads). DH > 0 fixes the
-// head size at compile time (unrolled, accumulators in registers); DH == 0 is generic.
-// Three passes: scores [G, n], softmax, weighted values; block b+1 is prefetched while b is used.
-template <typename T, int DH>
-static void attend(const T* q, int64_t q_stride, const T* kc, const T* vc, const int* bt,
+// head size at compile time (64, 128: AVX2 blocks above where the CPU has them); DH == 0 is
+// generic. Three passes: scores [G, n], softmax, weighted values; block b+1 is prefetched
+// while b is used. T: q/out dtype; C: cache dtype (T, or bf16/fp16 under an fp32 q).
+template <typename T, typename C, int DH>
+static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const int* bt,
                    const int64_t* seq_of, const int64_t* pos, T* out, int64_t ntok, int64_t H,
                    int64_t Hkv, int64_t dh_rt,
                    int64_t bs, int64_t maxb, float scale) {
@@ -67,11 +149,17 @@ static void attend(const T* q, int64_t q_stride, const T* kc, const T* vc, const
       for (int64_t j = 0; j < G * Dh; ++j) qf[j] = static_cast<float>(qi[j]) * scale;
       sc.resize(G * n);
       for (int64_t b = 0; b < nblk; ++b) {  // pass 1: scores [G, n]
-        const T* base = kc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
+        const C* base = kc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
         const int64_t t0 = b * bs, t_end = std::min(bs, n - t0);
         if (b + 1 < nblk) prefetch_rows(kc + static_cast<int64_t>(table[b + 1]) * block_elems + g * Dh, bs, row, Dh);
+#ifdef STREAMRL_AVX2
+        if constexpr (DH > 0 && kVec<C>) {
+          block_scores<C, DH>(qf.data(), base, row, t_end, G, n, sc.data() + t0);
+          continue;
+        }
+#endif
         for (int64_t r = 0; r < t_end; ++r) {
-          const float* kp = as_float<T, DH>(base + r * row, buf.data(), Dh);
+          const float* kp = as_float<C, DH>(base + r * row, buf.data(), Dh);
           for (int64_t j = 0; j < G; ++j) {
             const float* qh = qf.data() + j * Dh;
             float dot = 0.f;
@@ -91,16 +179,22 @@ static void attend(const T* q, int64_t q_stride, const T* kc, const T* vc, const
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < nblk; ++b) {  // pass 2: weighted values
-        const T* base = vc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
+        const C* base = vc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
         const int64_t t0 = b * bs, t_end = std::min(bs, n - t0);
         if (b + 1 < nblk) prefetch_rows(vc + static_cast<int64_t>(table[b + 1]) * block_elems + g * Dh, bs, row, Dh);
+#ifdef STREAMRL_AVX2
+        if constexpr (DH > 0 && kVec<C>) {
+          block_values<C, DH>(sc.data() + t0, base, row, t_end, G, n, acc.data());
+          continue;
+        }
+#endif
         for (int64_t j = 0; j < G; ++j) {
           const float* p = sc.data() + j * n + t0;
           float a[DH ? DH : 1];
           float* ah = DH ? a : acc.data() + j * Dh;
           if (DH) std::copy(acc.data() + j * Dh, acc.data() + (j + 1) * Dh, a);
           for (int64_t r = 0; r < t_end; ++r) {
-            const float* vp = as_float<T, DH>(base + r * row, buf.data(), Dh);
+            const float* vp = as_float<C, DH>(base + r * row, buf.data(), Dh);
             for (int64_t d = 0; d < Dh; ++d) ah[d] += p[r] * vp[d];
           }
           if (DH) std::copy(a, a + Dh, acc.data() + j * Dh);
@@ -112,6 +206,23 @@ static void attend(const T* q, int64_t q_stride, const T* kc, const T* vc, const
   });
 }
 
+template <typename T, typename C>
+static void run_attend(torch::Tensor& q, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                       torch::Tensor& block_tables, torch::Tensor& seq_of, torch::Tensor& positions,
+                       torch::Tensor& out, double scale) {
+  const int64_t ntok = q.size(0), H = q.size(1), Dh = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
+  auto run = [&](auto dh_const) {
+    constexpr int DH = decltype(dh_const)::value;
+    attend<T, C, DH>(q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                     block_tables.data_ptr<int>(), seq_of.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), ntok, H, Hkv, Dh, bs, maxb, static_cast<float>(scale));
+  };
+  if (Dh == 64) run(std::integral_constant<int, 64>());
+  else if (Dh == 128) run(std::integral_constant<int, 128>());
+  else run(std::integral_constant<int, 0>());
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_of,
                               torch::Tensor positions, double scale) {
@@ -121,24 +232,23 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
               "paged_attention: block_tables must be contiguous int32");
   TORCH_CHECK(seq_of.dtype() == torch::kInt64 && positions.dtype() == torch::kInt64,
               "paged_attention: seq_of and positions must be int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_attention: q and caches must have the same dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k and v caches differ in dtype");
+  const bool mixed = q.scalar_type() == at::kFloat &&
+                     (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || mixed,
+              "paged_attention: the caches must have q's dtype, or be bf16/fp16 under an fp32 q");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const int64_t ntok = q.size(0), H = q.size(1), Dh = q.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
-  TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == Dh, "paged_attention: head shapes do not match");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    auto run = [&](auto dh_const) {
-      constexpr int DH = decltype(dh_const)::value;
-      attend<scalar_t, DH>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
-                           v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int>(),
-                           seq_of.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
-                           out.data_ptr<scalar_t>(), ntok, H, Hkv, Dh, bs, maxb, static_cast<float>(scale));
-    };
-    if (Dh == 64) run(std::integral_constant<int, 64>());
-    else if (Dh == 128) run(std::integral_constant<int, 128>());
-    else run(std::integral_constant<int, 0>());
-  });
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && k_cache.size(3) == q.size(2),
+              "paged_attention: head shapes do not match");
+  if (mixed && k_cache.scalar_type() == at::kBFloat16) {
+    run_attend<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale);
+  } else if (mixed) {
+    run_attend<float, c10::Half>(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+      run_attend<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale);
+    });
+  }
   return out;
 }
 """
@@ -146,7 +256,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v5", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu_v6", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -61,8 +61,13 @@ class NativeEngine:
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
         self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
                                    cfg.max_prefill_tokens, cfg.admission)
+        kv_dtype = None if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
+        compute = next(self.model.parameters()).dtype
+        if kv_dtype not in (None, compute) and compute != torch.float32:
+            raise ValueError(f"engine.kv_cache_dtype: {cfg.kv_cache_dtype!r} needs an fp32 model "
+                             f"(or 'auto'); this engine computes in {compute}")
         self.runner = ModelRunner(self.model, self.bm, cfg.attention_backend, self.eos_ids, cfg.seed,
-                                  self.max_model_len)
+                                  self.max_model_len, kv_dtype)
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)

@@ -36,14 +36,14 @@ def tune_cpu_malloc() -> bool:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, blocks: BlockManager, attention_backend: str,
-                 eos_ids: tuple[int, ...], seed: int, max_len: int):
+                 eos_ids: tuple[int, ...], seed: int, max_len: int, kv_dtype: torch.dtype | None = None):
         cfg = model.config
         p = next(model.parameters())
         self.model, self.bm, self.device = model, blocks, p.device
         # positions < max_len; the "cpu" backend's toolchain also builds the fused C++ ops
         self.forward = FusedForward(model, max_len, cpu_ops=attention_backend == "cpu")
         self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
-                             cfg.num_key_value_heads, cfg.dim_head, p.dtype, p.device)
+                             cfg.num_key_value_heads, cfg.dim_head, kv_dtype or p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
         self.sampler = Sampler(eos_ids, p.device, seed)
         if p.device.type == "cpu":

@@ -55,7 +55,11 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
     block = vllm_block_size(cfg, device)
     kv_tokens = cfg.total_blocks * cfg.block_size
     num_blocks = max(2, math.ceil(kv_tokens / block))
-    bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head * _DTYPE_BYTES[dtype]
+    if device == "cpu" and cfg.kv_cache_dtype != "auto":
+        raise ValueError(f"engine.kv_cache_dtype: vLLM's CPU attention takes only 'auto' (and fp8 "
+                         f"on AVX-512 CPUs), got {cfg.kv_cache_dtype!r}")
+    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head * _DTYPE_BYTES[kv_dtype]
     opts = dict(cfg.backend_options)
     opts.pop("multiprocess", None)  # VLLMEngine's choice, not an EngineArgs field
     max_num_seqs = int(opts.pop("max_num_seqs", max(cfg.max_batch_size, DEFAULT_MAX_NUM_SEQS)))
@@ -66,6 +70,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         model=model_dir,
         skip_tokenizer_init=True,  # token ids in, token ids out
         dtype=dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         seed=cfg.seed,
         max_model_len=max_model_len(cfg, mc),
         max_num_seqs=max_num_seqs,
