@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import pipeline_modes as pm  # noqa: E402
 
 from controller.data import PromptStream  # noqa: E402
+from controller.planner.colocated import measure_colocated_generation  # noqa: E402
 from controller.planner.host import (concurrent_slowdown, engine_load, make_train_tokens,  # noqa: E402
                                      measure_weight_sync, runtime_generate_factor, trainer_load)
 from controller.planner.profile import TrainProfile, profile_engine, profile_trainer  # noqa: E402
@@ -55,12 +57,15 @@ SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is 
 GEN_SLOWDOWN_ROUNDS = 9  # a decode timing is short (~0.1 s): more A/B pairs than the trainer's 5
 
 
-def measured_rows(a) -> dict[str, dict]:
+def measured_rows(a, segment: int = 0, rounds: int = 0) -> dict[str, dict]:
+    """One measured segment: bench/pipeline_modes.py's per-mode lines (``rounds`` rounds over
+    the modes, 0: its default), or the lines of ``--measured``."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = Path(a.measured) if a.measured else out / "measured.jsonl"
+    path = Path(a.measured) if a.measured else out / f"measured_{segment}.jsonl"
     if not a.measured:
         cmd = [sys.executable, str(ROOT / "bench" / "pipeline_modes.py")] + (["--quick"] if a.quick else [])
+        cmd += ["--repeat", str(rounds)] if rounds else []
         text = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
         path.write_text(text)
     rows = {}
@@ -195,28 +200,38 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
                 cfg.train.group_size, total)
     g = concurrent_slowdown(decode, trainer_load, train_bg, rounds=GEN_SLOWDOWN_ROUNDS)
     t = concurrent_slowdown(train, engine_load, gen_bg)
-    gg = concurrent_slowdown(decode, engine_load, gen_bg, rounds=GEN_SLOWDOWN_ROUNDS)
     tt = concurrent_slowdown(train, trainer_load, train_bg)
     work = controller_work_s(cfg, tok, task, wl)
     # generation through the runtime's generate path (GenerationInstance.generate: Outbox
     # thread, samples pickled for the RPC), on synthetic requests (random prompt ids) of the
-    # workload's shapes: one instance with every request; colocated, one of the 2 instances
-    # with its round-robin half. Its seconds over the instance model's (engine_sim on the
-    # profile) scale the profile: the profile as the runtime's own generate path runs it.
-    half = [(w.out_lens[::2], w.prompt_lens[::2]) for w in gen_batches]
+    # workload's shapes, one instance with every request. Its seconds over the instance
+    # model's (engine_sim on the profile) scale the profile: the profile as the runtime's own
+    # generate path runs it.
     full = [(w.out_lens, w.prompt_lens) for w in gen_batches]
     rt = runtime_generate_factor(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
-    rt2 = runtime_generate_factor(cfg.engine, model_dir, half, window_s=cfg.pipeline.stream_window_s)
     over_model = lambda r, bs: sum(r["runtime_s"]) / sum(model_gen_s(gen, *b) for b in bs)  # noqa: E731
+    # colocated: the same path in two worker processes with real RPC (controller/planner/
+    # colocated.py), each instance with its round-robin half, samples to both processes'
+    # trainer sinks; each half alone (-> the runtime factor at the half, over the instance
+    # model of the slower half) and both at once (-> the two-instance slowdown, A/B per iteration)
+    co = measure_colocated_generation(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
+    halves_model = sum(max(model_gen_s(gen, w.out_lens[k::2], w.prompt_lens[k::2]) for k in (0, 1))
+                       for w in gen_batches)
+    th, ta = co.together_threads, co.alone_threads
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
-            "gen_self_slowdown": gg["slowdown"], "train_self_slowdown": tt["slowdown"],
+            "gen_colocated_slowdown": max(1.0, co.slowdown), "train_self_slowdown": tt["slowdown"],
+            "colocated_gen_alone_s": float(np.mean(co.alone_s)),
+            "colocated_gen_together_s": float(np.mean(co.together_s)),
+            "colocated_runq_share_alone": ta["runq_share"], "colocated_runq_share_together": th["runq_share"],
+            "colocated_cpu_over_wall_together": th["cpu_s"] / th["wall_s"],
+            "colocated_blocked_share_together": th["blocked_s"] / th["wall_s"],
             "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
             "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
-            "gen_runtime_over_bare_colocated": rt2["factor"], "gen_runtime_factor": over_model(rt, full),
-            "gen_runtime_factor_colocated": over_model(rt2, half)}
+            "gen_runtime_factor": over_model(rt, full),
+            "gen_runtime_factor_colocated": sum(co.alone_s) / halves_model}
 
 
 def _timed(fn) -> float:
@@ -225,94 +240,127 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload]) -> tuple[PTLProfile, TrainProfile, dict]:
+    """Every profile and host term, measured now, each stage alone (see the module docstring)."""
+    from workers.generation.factory import make_engine
+
+    w0 = wls[0]
+    engine = make_engine(cfg.engine, model_dir)
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
+    gen = profile_engine(engine, batch_sizes=sizes, prompt_len=int(np.mean(w0.prompt_lens)), decode_steps=8, vocab=300,
+                         name="bench-model", long_context=1024, repeats=3)
+    del engine
+    train, train_tokens = trainer_profile(cfg, model_dir, w0)
+    host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES], gen)
+    return gen, train, host
+
+
+def predict(mode: str, gen: PTLProfile, train: TrainProfile, host: dict, wls: list[Workload], pa, cfg,
+            shared: bool) -> tuple[float, float, list]:
+    """(predicted seconds per iteration, the same under the other hardware assumption, spans)."""
+    colocated = mode == "colocated"
+    # the overlaps a mode has: colocated, the two DP ranks train at once (a copy of the same
+    # stage), the two instances generate at once (gen_colocated_slowdown), and a rank may
+    # start training while an instance still generates; otherwise gen with train
+    train_key = "train_self_slowdown" if colocated else "train_shared_slowdown"
+    # the instance as the runtime drives it (generate + Outbox), at its share of the requests
+    rt_key = "gen_runtime_factor_colocated" if colocated else "gen_runtime_factor"
+    gen_rt = scaled_profile(gen, host.get(rt_key, host.get("gen_runtime_factor", 1.0)))
+    slow = {"gen_shared_slowdown": host["gen_shared_slowdown"], "train_shared_slowdown": host[train_key],
+            "gen_colocated_slowdown": host.get("gen_colocated_slowdown", 1.0) if colocated else 1.0}
+    flat = {k: 1.0 for k in slow}
+    # colocated: each of the 2 DP ranks trains its groups' samples (group_id % 2) once they
+    # are all in, then both step together: all-reduce of the gradients (one weight-sized
+    # transfer, like the sync) + optimizer; weights reach the instance by a copy in the same
+    # process (its cost: the swap, in the overhead)
+    trainer = replace(train, fixed_s=train.fixed_s + (host["sync_s"] if colocated else 0.0))
+    sim_cfg = SimConfig(mode, 2 if colocated else 1, gen_rt, trainer, sync_s=0.0 if colocated else host["sync_s"],
+                        dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
+                        microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
+                        iteration_overhead_s=host["iteration_overhead_s"], **(slow if shared else flat),
+                        train_ranks=2 if colocated else 1, colocated_dp=colocated)
+    per_it = lambda r: max(r.sync_end[-1], r.train_end[-1]) / len(wls)  # noqa: E731
+    r = simulate(sim_cfg, wls)
+    other = simulate(replace(sim_cfg, **(flat if shared else slow)), wls)
+    return per_it(r), per_it(other), r.spans
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bench/pipeline_modes.py --quick")
-    ap.add_argument("--measured", default="", help="JSON lines of a pipeline_modes run (skip running it)")
+    ap.add_argument("--measured", default="", help="JSON lines of a pipeline_modes run (skip running it; one segment)")
+    ap.add_argument("--segments", type=int, default=0,
+                    help="measured segments (default 2, --quick 1): each runs bench/pipeline_modes.py with "
+                         "4 / segments rounds, then measures every profile; a segment is predicted from the "
+                         "profiles taken right after it")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "planner_accuracy"))
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="reuse the profiles and host terms of the previous run (OUT/profiles.json)")
     ap.add_argument("--separate-hardware", action="store_true",
                     help="predict without the shared-host slowdowns (each stage on its own hardware)")
     a = ap.parse_args(argv)
-    rows = measured_rows(a)
+    n_seg = 1 if (a.measured or a.quick) else (a.segments or 2)
 
-    from workers.generation.factory import make_engine
     from workers.tasks.registry import make_task
     from workers.tokenizer import Tokenizer
 
     pa = pm.parse_args(["--quick"] if a.quick else [])
     cfg = pm.bench_config(pa)
-    model_dir = str(ROOT / cfg.model.path)
-    tok = Tokenizer.load(model_dir)
-    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
-    wls = workloads(a, pa, cfg, tok, task)
-    w0 = wls[0]
     torch.set_num_threads(1)
-    ctx = int(np.mean(w0.prompt_lens))
     cache = Path(a.out) / "profiles.json"
-    if a.reuse_profiles and cache.exists():
-        d = json.loads(cache.read_text())
-        gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
-    else:
-        engine = make_engine(cfg.engine, model_dir)
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
-        gen = profile_engine(engine, batch_sizes=sizes, prompt_len=ctx, decode_steps=8, vocab=300,
-                             name="bench-model", long_context=1024, repeats=3)
-        del engine
-        train, train_tokens = trainer_profile(cfg, model_dir, w0)
-        host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES], gen)
-        cache.write_text(json.dumps({"generation": asdict(gen), "trainer": asdict(train), "host": host}))
+    cached = json.loads(cache.read_text()) if a.reuse_profiles and cache.exists() else None
+    if cached is not None and "segments" not in cached:
+        cached = {"segments": [cached]}  # one segment, older file
     shared = not a.separate_hardware
-    print(json.dumps({"profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
-                                   "context_tokens": ctx, "prefill_step_ms": round(gen.prefill_step_s * 1e3, 3),
-                                   "kv_us_per_token": round(gen.kv_s_per_token * 1e6, 4),
-                                   "train_ms_per_1k_tokens": round(train.s_per_token * 1e6, 2),
-                                   "train_fixed_s": round(train.fixed_s, 3)},
-                      "host": {k: round(v, 4) if isinstance(v, float) else v for k, v in host.items()},
-                      "shared_host": shared}), flush=True)
-    errors, alt_errors = {}, {}  # alt: the other hardware assumption, for comparison
-    for mode, row in rows.items():
-        colocated = mode == "colocated"
-        # the overlaps a mode has: colocated, a stage with a copy of itself; otherwise gen with train
-        gen_key, train_key = (("gen_self_slowdown", "train_self_slowdown") if colocated
-                              else ("gen_shared_slowdown", "train_shared_slowdown"))
-        # the instance as the runtime drives it (generate + Outbox), at its share of the requests
-        rt_key = "gen_runtime_factor_colocated" if colocated else "gen_runtime_factor"
-        gen_rt = scaled_profile(gen, host.get(rt_key, host.get("gen_runtime_factor", 1.0)))
-        # colocated: each of the 2 DP ranks trains its groups' samples (group_id % 2) once they
-        # are all in, then both step together: all-reduce of the gradients (one weight-sized
-        # transfer, like the sync) + optimizer; weights reach the instance by a copy in the same
-        # process (its cost: the swap, in the overhead)
-        trainer = replace(train, fixed_s=train.fixed_s + (host["sync_s"] if colocated else 0.0))
-        sim_cfg = SimConfig(mode, 2 if colocated else 1, gen_rt, trainer, sync_s=0.0 if colocated else host["sync_s"],
-                            dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
-                            microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
-                            iteration_overhead_s=host["iteration_overhead_s"],
-                            gen_shared_slowdown=host.get(gen_key, host["gen_shared_slowdown"]) if shared else 1.0,
-                            train_shared_slowdown=host.get(train_key, host["train_shared_slowdown"]) if shared else 1.0,
-                            train_ranks=2 if colocated else 1, colocated_dp=colocated)
-        r = simulate(sim_cfg, wls)
-        predicted = max(r.sync_end[-1], r.train_end[-1]) / len(wls)
-        measured = row["iteration_s"]
+    segs, saved = [], []
+    for k in range(n_seg):
+        rows = measured_rows(a, k, 0 if n_seg == 1 else max(1, pa.repeat // n_seg))
+        model_dir = str(ROOT / cfg.model.path)
+        tok = Tokenizer.load(model_dir)
+        task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        wls = workloads(a, pa, cfg, tok, task)
+        meas = {m: measured_stages(ROOT / pa.logdir, m) for m in rows}  # the segment's last round
+        if cached is not None and k < len(cached["segments"]):
+            d = cached["segments"][k]
+            gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
+        else:
+            gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls)
+        saved.append({"generation": asdict(gen), "trainer": asdict(train), "host": host})
+        print(json.dumps({"segment": k, "load_avg_1m": round(os.getloadavg()[0], 2),
+                          "profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
+                                       "prefill_step_ms": round(gen.prefill_step_s * 1e3, 3),
+                                       "kv_us_per_token": round(gen.kv_s_per_token * 1e6, 4),
+                                       "train_ms_per_1k_tokens": round(train.s_per_token * 1e6, 2),
+                                       "train_fixed_s": round(train.fixed_s, 3)},
+                          "host": {k2: round(v, 4) if isinstance(v, float) else v for k2, v in host.items()},
+                          "shared_host": shared}), flush=True)
+        pred = {m: predict(m, gen, train, host, wls, pa, cfg, shared) for m in rows}
+        segs.append({"rows": rows, "pred": pred, "meas": meas})
+    cache.write_text(json.dumps({"segments": saved}))
+    errors, alt_errors, seg_errors = {}, {}, {}
+    mean = lambda xs: round(float(np.mean(xs)), 3) if xs else None  # noqa: E731
+    for mode in segs[0]["rows"]:
+        # every segment ran the same iterations per mode: the run's seconds per iteration is the mean
+        measured = float(np.mean([s["rows"][mode]["iteration_s"] for s in segs]))
+        predicted = float(np.mean([s["pred"][mode][0] for s in segs]))
+        alt = float(np.mean([s["pred"][mode][1] for s in segs]))
         errors[mode] = abs(predicted - measured) / measured
-        other = simulate(replace(sim_cfg, gen_shared_slowdown=1.0, train_shared_slowdown=1.0) if shared else
-                         replace(sim_cfg, gen_shared_slowdown=host.get(gen_key, host["gen_shared_slowdown"]),
-                                 train_shared_slowdown=host.get(train_key, host["train_shared_slowdown"])), wls)
-        alt_errors[mode] = abs(max(other.sync_end[-1], other.train_end[-1]) / len(wls) - measured) / measured
-        pred = stage_seconds([vars(sp) for sp in r.spans])
-        meas = measured_stages(ROOT / pa.logdir, mode)
-        mean = lambda xs: round(float(np.mean(xs)), 3) if xs else None  # noqa: E731
-        cv = lambda xs: round(float(np.std(xs) / np.mean(xs)), 3) if len(xs) > 1 else None  # noqa: E731
-        print(json.dumps({"mode": mode, "measured_iteration_s": round(measured, 3),
-                          "predicted_iteration_s": round(predicted, 3), "rel_error": round(errors[mode], 3),
-                          "gen_s": {"predicted": mean(pred["gen_s"]), "measured": mean(meas.get("gen_s", [])),
-                                    "measured_cv": cv(meas.get("gen_s", []))},
-                          "train_s": {"predicted": mean(pred["train_s"]), "measured": mean(meas.get("train_s", [])),
-                                      "measured_cv": cv(meas.get("train_s", []))}}), flush=True)
+        alt_errors[mode] = abs(alt - measured) / measured
+        seg_errors[mode] = [round(abs(s["pred"][mode][0] - s["rows"][mode]["iteration_s"]) / s["rows"][mode]["iteration_s"],
+                                  3) for s in segs]
+        stages = [(stage_seconds([vars(sp) for sp in s["pred"][mode][2]]), s["meas"][mode]) for s in segs]
+        line = {"mode": mode, "measured_iteration_s": round(measured, 3), "predicted_iteration_s": round(predicted, 3),
+                "rel_error": round(errors[mode], 3), "segment_errors": seg_errors[mode],
+                "segment_measured_s": [round(s["rows"][mode]["iteration_s"], 3) for s in segs],
+                "segment_predicted_s": [round(s["pred"][mode][0], 3) for s in segs]}
+        for key in ("gen_s", "train_s"):
+            line[key] = {"predicted": mean([x for p, _ in stages for x in p[key]]),
+                         "measured": mean([x for _, m in stages for x in m.get(key, [])])}
+        print(json.dumps(line), flush=True)
     summary = {"max_rel_error": round(max(errors.values()), 3),
                "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick,
-               "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()},
+               "segments": n_seg, "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()},
+               "max_segment_error": max(max(v) for v in seg_errors.values()),
                ("max_rel_error_separate_hardware" if shared else "max_rel_error_shared_host"):
                    round(max(alt_errors.values()), 3)}
     print(json.dumps({"summary": summary}), flush=True)

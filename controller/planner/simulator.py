@@ -26,7 +26,11 @@ on its own hardware): generation and training share the same cores, and a stage'
 time: a fixed point over whole runs, each pass stretching every iteration's generation by the
 share of it the previous pass overlapped with training (or with the other instances), and
 every training hand-over by the share of it overlapped with generation (or, colocated, with
-the other DP rank, which always trains at the same time).
+the other DP rank, which always trains at the same time). ``gen_colocated_slowdown`` is the
+separate factor of an instance while another instance generates on the same host (colocated:
+two instance processes share the cores; measured through the runtime's generate + RPC path by
+``controller.planner.colocated``); ``gen_shared_slowdown`` then covers only the share of it
+that training overlaps.
 """
 from __future__ import annotations
 
@@ -64,7 +68,8 @@ class SimConfig:
     microbatch_tokens: int = 4096
     train_overhead_per_batch_s: float = 0.0  # per hand-over (micro/minibatch) fixed cost
     iteration_overhead_s: float = 0.0  # controller work before generation starts
-    gen_shared_slowdown: float = 1.0  # shared host: generation's time factor while another stage computes
+    gen_shared_slowdown: float = 1.0  # shared host: generation's time factor while training computes
+    gen_colocated_slowdown: float = 1.0  # shared host: an instance's time factor while another instance generates
     train_shared_slowdown: float = 1.0  # shared host: training's time factor while another stage computes
     train_ranks: int = 1  # trainer DP ranks training at the same time (colocated: one per instance)
     # colocated as the runtime runs it (controller/instance.route, controller/trainer_rank): DP
@@ -78,9 +83,11 @@ class SimConfig:
             raise ValueError(f"simulator: mode {self.mode!r} is not one of {MODES}")
         if self.gen_instances < 1:
             raise ValueError(f"simulator: gen_instances must be >= 1, got {self.gen_instances}")
-        if not (self.gen_shared_slowdown >= 1.0 and self.train_shared_slowdown >= 1.0):
-            raise ValueError("simulator: gen_shared_slowdown and train_shared_slowdown must be >= 1, got "
-                             f"{self.gen_shared_slowdown} and {self.train_shared_slowdown}")
+        if not (self.gen_shared_slowdown >= 1.0 and self.train_shared_slowdown >= 1.0
+                and self.gen_colocated_slowdown >= 1.0):
+            raise ValueError("simulator: gen_shared_slowdown, gen_colocated_slowdown and train_shared_slowdown must "
+                             f"be >= 1, got {self.gen_shared_slowdown}, {self.gen_colocated_slowdown} and "
+                             f"{self.train_shared_slowdown}")
 
 
 @dataclass
@@ -134,7 +141,7 @@ SHARED_HOST_PASSES = 6
 def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> SimResult:
     """Run len(workloads) iterations from t = 0; returns spans and per-iteration times."""
     n = len(workloads)
-    if cfg.gen_shared_slowdown == 1.0 and cfg.train_shared_slowdown == 1.0:
+    if cfg.gen_shared_slowdown == 1.0 and cfg.train_shared_slowdown == 1.0 and cfg.gen_colocated_slowdown == 1.0:
         return _simulate(cfg, workloads, seed, [1.0] * n, [1.0] * n)
     gen_scale, train_scale = [1.0] * n, [1.0] * n
     for _ in range(SHARED_HOST_PASSES):
@@ -167,11 +174,12 @@ def _shared_host_scales(cfg: SimConfig, res: SimResult, n: int) -> tuple[list[fl
         mine = [g for g in gen if g[3] == i]
         if mine:  # the instance that finishes last sets the iteration's generation time
             w, a, b, _ = max(mine, key=lambda g: g[2])
-            others = [(x, y) for x, y, _ in train] + [(x, y) for v, x, y, _ in gen if v != w]
-            frac = _covered((a, b), others)
+            instances = [(x, y) for v, x, y, _ in gen if v != w]
+            by_gen = _covered((a, b), instances)  # another instance generates on the same host
+            by_train = _covered((a, b), instances + [(x, y) for x, y, _ in train]) - by_gen  # only training
         else:
-            frac = 0.0
-        gen_scale.append(1.0 + (cfg.gen_shared_slowdown - 1.0) * frac)
+            by_gen = by_train = 0.0
+        gen_scale.append(1.0 + (cfg.gen_colocated_slowdown - 1.0) * by_gen + (cfg.gen_shared_slowdown - 1.0) * by_train)
         spans = [(x, y) for x, y, it in train if it == i]
         busy = sum(y - x for x, y in spans)
         if cfg.train_ranks > 1:

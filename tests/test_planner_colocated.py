@@ -1,0 +1,74 @@
+"""Colocated generation through the runtime path in two processes (planner host profile), and
+the simulator's use of it: an instance slows down only where another instance generates."""
+import pytest
+import torch
+
+from controller.planner.colocated import ColocatedGenProfile, measure_colocated_generation, thread_shares
+from controller.planner.profile import TrainProfile
+from controller.planner.simulator import SimConfig, Workload, simulate
+from controller.scheduling import PTLProfile
+from workers.generation.config import EngineConfig
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+
+FLAT = PTLProfile([1], [1.0], kv_tokens=1000)  # 1 s per decode step
+TRAIN = TrainProfile(s_per_token=1.0, fixed_s=0.5)
+
+
+def test_two_instances_generate_together_and_alone_over_rpc(tmp_path):
+    torch.set_num_threads(1)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)
+    save_pretrained(init_weights(CausalLM(cfg), seed=1, std=0.2), tmp_path / "m")
+    batches = [([3, 5, 2, 4], [4, 4, 6, 5]), ([1, 6, 2, 2], [5, 3, 3, 3])]
+    # raises unless every generated sample reached a trainer sink over RPC (both directions)
+    r = measure_colocated_generation(EngineConfig(device="cpu", max_batch_size=4), str(tmp_path / "m"), batches,
+                                     window_s=0.0, vocab=64)
+    assert len(r.alone_s) == len(r.together_s) == 2
+    assert all(x > 0 for x in r.alone_s + r.together_s) and r.slowdown > 0
+    for t in (r.alone_threads, r.together_threads):
+        assert t["wall_s"] > 0 and t["cpu_s"] >= 0 and 0 <= t["runq_share"] <= 1
+    r.save(tmp_path / "colocated.json")  # saved and reused like the stage profiles
+    assert ColocatedGenProfile.load(tmp_path / "colocated.json") == r
+    with pytest.raises(ValueError, match="no batches"):
+        measure_colocated_generation(EngineConfig(device="cpu"), str(tmp_path / "m"), [])
+    with pytest.raises(ValueError, match=">= 2 requests"):
+        measure_colocated_generation(EngineConfig(device="cpu"), str(tmp_path / "m"), [([3], [4])])
+
+
+def test_colocated_profile_file_errors_name_the_problem(tmp_path):
+    (tmp_path / "p.json").write_text('{"alone_s": [0.1]}')
+    with pytest.raises(ValueError, match="missing"):
+        ColocatedGenProfile.load(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="one length"):
+        ColocatedGenProfile([0.1, 0.2], [0.3], 1.5)
+
+
+def test_thread_shares_split_wall_into_cpu_runqueue_and_blocked():
+    reps = [[{"wall_s": 1.0, "cpu_s": 0.5, "runq_s": 0.3}], [{"wall_s": 1.0, "cpu_s": 0.6, "runq_s": 0.2}]]
+    t = thread_shares(reps)
+    assert t["wall_s"] == 2.0 and t["cpu_s"] == pytest.approx(1.1) and t["runq_s"] == pytest.approx(0.5)
+    assert t["blocked_s"] == pytest.approx(0.4) and t["runq_share"] == pytest.approx(0.25)
+
+
+def colocated(n, **kw):
+    cfg = SimConfig("colocated", n, FLAT, TRAIN, dispatcher="round_robin", train_ranks=2, colocated_dp=True, **kw)
+    return simulate(cfg, [Workload(out_lens=[2, 4], prompt_lens=[0, 0])])
+
+
+def test_colocated_timeline_slows_an_instance_only_while_the_other_generates():
+    # round robin: gen0 has the 2-token request, gen1 the 4-token one; gen0 runs alongside
+    # the first half of gen1 -> gen1 stretches by 1 + (2 - 1) * 0.5 (fixed point: 3 of 6 s)
+    r = colocated(2, gen_colocated_slowdown=2.0)
+    gen = sorted((sp.worker, sp.start, sp.end) for sp in r.spans if sp.stage == "generate")
+    assert gen == [("gen0", 0.0, 3.0), ("gen1", 0.0, 6.0)] and r.gen_end == [6.0]
+    assert colocated(2).gen_end == [4.0]
+    assert colocated(1, gen_colocated_slowdown=2.0).gen_end == [4.0]  # one instance: nothing to share with
+
+
+def test_colocated_training_overlap_uses_the_cross_stage_factor():
+    # rank 0's sample is in at gen0's end and it trains over the rest of gen1: that share of
+    # gen1 takes gen_shared_slowdown, the share beside gen0 gen_colocated_slowdown
+    r = colocated(2, gen_colocated_slowdown=2.0, gen_shared_slowdown=3.0)
+    assert r.gen_end == [pytest.approx(10.0)]  # 4 s * (1 + 1 * 0.5 + 2 * 0.5)
+    with pytest.raises(ValueError, match="gen_colocated_slowdown"):
+        SimConfig("colocated", 2, FLAT, TRAIN, gen_colocated_slowdown=0.9)
