@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import pipeline_modes as pm  # noqa: E402
 
 from controller.data import PromptStream  # noqa: E402
-from controller.planner.colocated import measure_colocated_generation  # noqa: E402
+from controller.planner.colocated import measure_colocated_generation, measure_colocated_training  # noqa: E402
 from controller.planner.host import (concurrent_slowdown, engine_load, make_train_tokens,  # noqa: E402
                                      measure_weight_sync, runtime_generate_factor, trainer_load)
 from controller.planner.profile import TrainProfile, profile_engine, profile_trainer  # noqa: E402
@@ -54,6 +54,7 @@ from workers.types import Request, SamplingParams  # noqa: E402
 RPC_ROUND_TRIPS = 4
 RUNTIME_GEN_BATCHES = 12  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
 SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is measured
+COLOCATED_TRAIN_ITERATIONS = 5  # two DP ranks training at once, per measurement
 GEN_SLOWDOWN_ROUNDS = 9  # a decode timing is short (~0.1 s): more A/B pairs than the trainer's 5
 
 
@@ -177,7 +178,7 @@ def model_gen_s(gen: PTLProfile, out_lens: list[int], prompt_lens: list[int]) ->
 
 
 def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_batches: list[Workload],
-               gen: PTLProfile) -> dict:
+               gen: PTLProfile, train_prof: TrainProfile) -> dict:
     """Everything the simulator needs about this host besides the stage profiles (see the
     module docstring); all measured."""
     from workers.generation.factory import make_engine
@@ -191,8 +192,8 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     bs = min(SLOWDOWN_BATCH, cfg.engine.max_batch_size)
     decode_step_s(engine, bs, ctx)  # warm-up after the swap
     total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
-    # each stage next to the other stage (disaggregated modes overlap that way) and next to a
-    # copy of itself (colocated: two instances generate at once, two DP ranks train at once)
+    # each stage next to the other stage (disaggregated modes overlap that way; A/B with a
+    # paused background process); next to a copy of itself (colocated) below, the runtime's way
     decode = lambda: decode_step_s(engine, bs, ctx, steps=32)  # noqa: E731
     train = lambda: _timed(lambda: train_tokens(total))  # noqa: E731
     gen_bg = (cfg.engine, model_dir, bs)
@@ -200,7 +201,11 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
                 cfg.train.group_size, total)
     g = concurrent_slowdown(decode, trainer_load, train_bg, rounds=GEN_SLOWDOWN_ROUNDS)
     t = concurrent_slowdown(train, engine_load, gen_bg)
-    tt = concurrent_slowdown(train, trainer_load, train_bg)
+    # colocated training: the two DP ranks (two processes, the trainer's gloo all-reduce) each
+    # train half the tokens at once; over the trainer profile's time for one rank's half
+    # (+ the all-reduce, timed as a weight-sized sync): the two-ranks slowdown
+    ct = measure_colocated_training(*train_bg[:-1], tokens=total // 2, iterations=COLOCATED_TRAIN_ITERATIONS)
+    ct_ref = train_prof.s_per_token * (total // 2) + train_prof.fixed_s + link["sync_s"]
     work = controller_work_s(cfg, tok, task, wl)
     # generation through the runtime's generate path (GenerationInstance.generate: Outbox
     # thread, samples pickled for the RPC), on synthetic requests (random prompt ids) of the
@@ -222,7 +227,10 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
-            "gen_colocated_slowdown": max(1.0, co.slowdown), "train_self_slowdown": tt["slowdown"],
+            "gen_colocated_slowdown": max(1.0, co.slowdown),
+            "train_self_slowdown": max(1.0, float(np.median(ct["together_s"])) / ct_ref),
+            "colocated_train_together_s": float(np.median(ct["together_s"])), "colocated_train_profile_s": ct_ref,
+            "colocated_train_runq_share": ct["threads"]["runq_share"],
             "colocated_gen_alone_s": float(np.mean(co.alone_s)),
             "colocated_gen_together_s": float(np.mean(co.together_s)),
             "colocated_runq_share_alone": ta["runq_share"], "colocated_runq_share_together": th["runq_share"],
@@ -251,7 +259,7 @@ def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload]) -> 
                          name="bench-model", long_context=1024, repeats=3)
     del engine
     train, train_tokens = trainer_profile(cfg, model_dir, w0)
-    host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES], gen)
+    host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES], gen, train)
     return gen, train, host
 
 

@@ -2,6 +2,7 @@
 the simulator's use of it: an instance slows down only where another instance generates."""
 import pytest
 import torch
+from runtime_helpers import TASK, tiny_model  # noqa: F401
 
 from controller.planner.colocated import ColocatedGenProfile, measure_colocated_generation, thread_shares
 from controller.planner.profile import TrainProfile
@@ -72,3 +73,16 @@ def test_colocated_training_overlap_uses_the_cross_stage_factor():
     assert r.gen_end == [pytest.approx(10.0)]  # 4 s * (1 + 1 * 0.5 + 2 * 0.5)
     with pytest.raises(ValueError, match="gen_colocated_slowdown"):
         SimConfig("colocated", 2, FLAT, TRAIN, gen_colocated_slowdown=0.9)
+
+
+def test_two_dp_ranks_train_together_with_the_trainers_all_reduce(tiny_model):  # noqa: F811
+    from controller.planner.colocated import measure_colocated_training
+    from workers.trainer.config import TrainerConfig
+
+    torch.set_num_threads(1)
+    r = measure_colocated_training(TrainerConfig(algorithm="grpo", max_tokens_per_microbatch=64), tiny_model,
+                                   "synthetic", dict(TASK), [4, 6, 3], [5, 5, 7], 2, tokens=40, iterations=2)
+    assert len(r["together_s"]) == 2 and all(x > 0 for x in r["together_s"])
+    assert r["threads"]["wall_s"] > 0 and 0 <= r["threads"]["runq_share"] <= 1
+    with pytest.raises(ValueError, match="iterations and tokens"):
+        measure_colocated_training(TrainerConfig(), tiny_model, "synthetic", dict(TASK), [4], [5], 2, tokens=0)

@@ -73,7 +73,7 @@ class ColocatedGenProfile:
         return cls(**d)
 
 
-def _schedstat() -> tuple[float, float]:
+def schedstat() -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting) of the calling thread; zeros off Linux."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
@@ -102,11 +102,11 @@ def _generate(iteration: int, requests: list[Request]) -> dict[str, float]:
     from controller.rpc import LOCAL
 
     inst = LOCAL.roles["generation"]
-    c0, q0 = _schedstat()
+    c0, q0 = schedstat()
     t0 = time.perf_counter()
     inst.generate(iteration, requests, inst.version)
     wall = time.perf_counter() - t0
-    c1, q1 = _schedstat()
+    c1, q1 = schedstat()
     return {"wall_s": wall, "cpu_s": c1 - c0, "runq_s": q1 - q0}
 
 
@@ -218,3 +218,39 @@ def measure_colocated_generation(engine_cfg, model_dir: str, batches: list[tuple
     return ColocatedGenProfile(res["alone_s"], res["together_s"], ratios[len(ratios) // 2],
                                thread_shares(res["alone_threads"]), thread_shares(res["together_threads"]),
                                {"batches": len(batches), "window_s": window_s, "source": "measured"})
+
+
+# ---- colocated training: two DP ranks training at once, as the runtime's colocated ranks ----
+def _train_rank(rank: int, world_size: int, trainer_args: tuple, tokens: int, iterations: int) -> dict:
+    import torch.distributed as dist
+
+    from controller.planner.host import make_train_tokens
+
+    train = make_train_tokens(*trainer_args, rank=rank, world_size=world_size)
+    train(tokens)  # warm-up
+    out = []
+    for _ in range(iterations):
+        dist.barrier()  # both ranks start together, as both start once their samples are in
+        c0, q0 = schedstat()
+        t0 = time.perf_counter()
+        train(tokens)  # begin, receive (reward, reference log-probs, micro-batches), step (all-reduce)
+        wall = time.perf_counter() - t0
+        c1, q1 = schedstat()
+        out.append({"wall_s": wall, "cpu_s": c1 - c0, "runq_s": q1 - q0})
+    return {"reports": out}
+
+
+def measure_colocated_training(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict, out_lens: list[int],
+                               prompt_lens: list[int], group_size: int, tokens: int, iterations: int = 5) -> dict:
+    """Two trainer DP ranks in two local processes (gloo, the trainer's own all-reduce), each
+    training ``tokens`` tokens of workload-shaped samples per iteration at the same time (the
+    colocated ranks after generation). Returns ``together_s`` (per iteration, the slower rank's
+    seconds for begin + receive + step) and ``threads`` (``thread_shares`` of the two ranks)."""
+    from workers.weight_sync.localrun import run_local
+
+    if iterations < 1 or tokens < 1:
+        raise ValueError(f"measure_colocated_training: iterations and tokens must be >= 1, got {iterations}, {tokens}")
+    args = (trainer_cfg, model_dir, task_name, task_kwargs, list(out_lens), list(prompt_lens), group_size)
+    res = run_local(2, _train_rank, args, tokens, iterations)
+    per_it = [[r["reports"][k] for r in res] for k in range(iterations)]
+    return {"together_s": [max(x["wall_s"] for x in its) for its in per_it], "threads": thread_shares(per_it)}

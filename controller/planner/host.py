@@ -65,17 +65,20 @@ def trainer_load(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict,
 
 
 def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict, out_lens: list[int],
-                      prompt_lens: list[int], group_size: int) -> Callable[[int], None]:
+                      prompt_lens: list[int], group_size: int, rank: int = 0, world_size: int = 1
+                      ) -> Callable[[int], None]:
     """A callable ``train(T)``: one full TrainerWorker iteration (begin, receive, step) on
     length-forced samples shaped like the workload (its output and prompt lengths, cycled),
-    about ``T`` tokens, whole GRPO groups."""
+    about ``T`` tokens, whole GRPO groups. ``world_size > 1``: DP rank ``rank`` of the default
+    process group (its step all-reduces with the other ranks, which must call too)."""
     from workers.tasks.registry import make_task
     from workers.trainer.worker import TrainerWorker
 
     task = make_task(task_name, **task_kwargs)
-    worker = TrainerWorker(trainer_cfg, model_dir, task)
+    worker = TrainerWorker(trainer_cfg, model_dir, task, rank=rank, world_size=world_size)
     items = list(task.prompts("train"))
     state = {"n": 100}
+    vocab = min(300, worker.actor.config.vocab_size)  # random token ids the model can embed
 
     def train(tokens: int) -> None:
         state["n"] += 1
@@ -87,7 +90,7 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
             sid, gid = base + k, base + k // group_size
             prompts[sid] = items[(k // group_size) % len(items)]
             groups[gid] = group_size
-            samples.append(Sample(sid, torch.randint(3, 300, (prompt_lens[j],)), torch.randint(3, 300, (out_lens[j],)),
+            samples.append(Sample(sid, torch.randint(3, vocab, (prompt_lens[j],)), torch.randint(3, vocab, (out_lens[j],)),
                                   torch.full((out_lens[j],), -1.0), worker.version, "length", gid))
             used += out_lens[j] + prompt_lens[j]
             k += 1
