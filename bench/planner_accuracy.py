@@ -270,12 +270,12 @@ def predict(mode: str, gen: PTLProfile, train: TrainProfile, host: dict, wls: li
     # the overlaps a mode has: colocated, the two DP ranks train at once (a copy of the same
     # stage), the two instances generate at once (gen_colocated_slowdown), and a rank may
     # start training while an instance still generates; otherwise gen with train
-    train_key = "train_self_slowdown" if colocated else "train_shared_slowdown"
     # the instance as the runtime drives it (generate + Outbox), at its share of the requests
     rt_key = "gen_runtime_factor_colocated" if colocated else "gen_runtime_factor"
     gen_rt = scaled_profile(gen, host.get(rt_key, host.get("gen_runtime_factor", 1.0)))
-    slow = {"gen_shared_slowdown": host["gen_shared_slowdown"], "train_shared_slowdown": host[train_key],
-            "gen_colocated_slowdown": host.get("gen_colocated_slowdown", 1.0) if colocated else 1.0}
+    slow = {"gen_shared_slowdown": host["gen_shared_slowdown"], "train_shared_slowdown": host["train_shared_slowdown"],
+            "gen_colocated_slowdown": host.get("gen_colocated_slowdown", 1.0) if colocated else 1.0,
+            "train_colocated_slowdown": host.get("train_self_slowdown", 1.0) if colocated else 1.0}
     flat = {k: 1.0 for k in slow}
     # colocated: each of the 2 DP ranks trains its groups' samples (group_id % 2) once they
     # are all in, then both step together: all-reduce of the gradients (one weight-sized

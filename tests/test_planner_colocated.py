@@ -86,3 +86,11 @@ def test_two_dp_ranks_train_together_with_the_trainers_all_reduce(tiny_model):  
     assert r["threads"]["wall_s"] > 0 and 0 <= r["threads"]["runq_share"] <= 1
     with pytest.raises(ValueError, match="iterations and tokens"):
         measure_colocated_training(TrainerConfig(), tiny_model, "synthetic", dict(TASK), [4], [5], 2, tokens=0)
+
+
+def test_colocated_dp_ranks_slow_down_by_the_share_another_rank_trains():
+    # rank 0 trains 2..4 while only gen1 runs (cross-stage factor), then waits/steps with rank 1
+    base = colocated(2).train_end[0]
+    both = colocated(2, train_colocated_slowdown=2.0).train_end[0]
+    old_rule = colocated(2, train_shared_slowdown=2.0).train_end[0]  # every rank's whole training x2
+    assert base < both < old_rule

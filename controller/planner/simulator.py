@@ -70,6 +70,9 @@ class SimConfig:
     iteration_overhead_s: float = 0.0  # controller work before generation starts
     gen_shared_slowdown: float = 1.0  # shared host: generation's time factor while training computes
     gen_colocated_slowdown: float = 1.0  # shared host: an instance's time factor while another instance generates
+    # shared host, DP ranks on one host (> 1: by overlap, like generation; 1: the old rule, every
+    # rank's whole training at train_shared_slowdown): a rank's factor while another rank trains
+    train_colocated_slowdown: float = 1.0
     train_shared_slowdown: float = 1.0  # shared host: training's time factor while another stage computes
     train_ranks: int = 1  # trainer DP ranks training at the same time (colocated: one per instance)
     # colocated as the runtime runs it (controller/instance.route, controller/trainer_rank): DP
@@ -83,11 +86,11 @@ class SimConfig:
             raise ValueError(f"simulator: mode {self.mode!r} is not one of {MODES}")
         if self.gen_instances < 1:
             raise ValueError(f"simulator: gen_instances must be >= 1, got {self.gen_instances}")
-        if not (self.gen_shared_slowdown >= 1.0 and self.train_shared_slowdown >= 1.0
-                and self.gen_colocated_slowdown >= 1.0):
-            raise ValueError("simulator: gen_shared_slowdown, gen_colocated_slowdown and train_shared_slowdown must "
-                             f"be >= 1, got {self.gen_shared_slowdown}, {self.gen_colocated_slowdown} and "
-                             f"{self.train_shared_slowdown}")
+        slow = {k: getattr(self, k) for k in ("gen_shared_slowdown", "gen_colocated_slowdown", "train_shared_slowdown",
+                                              "train_colocated_slowdown")}
+        bad = {k: v for k, v in slow.items() if not v >= 1.0}
+        if bad:
+            raise ValueError(f"simulator: slowdown factors must be >= 1, got {bad}")
 
 
 @dataclass
@@ -141,7 +144,8 @@ SHARED_HOST_PASSES = 6
 def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> SimResult:
     """Run len(workloads) iterations from t = 0; returns spans and per-iteration times."""
     n = len(workloads)
-    if cfg.gen_shared_slowdown == 1.0 and cfg.train_shared_slowdown == 1.0 and cfg.gen_colocated_slowdown == 1.0:
+    if (cfg.gen_shared_slowdown == 1.0 and cfg.train_shared_slowdown == 1.0 and cfg.gen_colocated_slowdown == 1.0
+            and cfg.train_colocated_slowdown == 1.0):
         return _simulate(cfg, workloads, seed, [1.0] * n, [1.0] * n)
     gen_scale, train_scale = [1.0] * n, [1.0] * n
     for _ in range(SHARED_HOST_PASSES):
@@ -169,6 +173,7 @@ def _shared_host_scales(cfg: SimConfig, res: SimResult, n: int) -> tuple[list[fl
     of each the other stages overlapped in ``res`` (see the module docstring)."""
     gen = [(sp.worker, sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "generate"]
     train = [(sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "train"]
+    train_w = [(sp.worker, sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "train"]
     gen_scale, train_scale = [], []
     for i in range(n):
         mine = [g for g in gen if g[3] == i]
@@ -182,6 +187,9 @@ def _shared_host_scales(cfg: SimConfig, res: SimResult, n: int) -> tuple[list[fl
         gen_scale.append(1.0 + (cfg.gen_colocated_slowdown - 1.0) * by_gen + (cfg.gen_shared_slowdown - 1.0) * by_train)
         spans = [(x, y) for x, y, it in train if it == i]
         busy = sum(y - x for x, y in spans)
+        if cfg.train_ranks > 1 and cfg.train_colocated_slowdown > 1.0 and busy > 0:
+            train_scale.append(_dp_train_scale(cfg, [t for t in train_w if t[3] == i], train_w, gen, busy))
+            continue
         if cfg.train_ranks > 1:
             frac = 1.0  # the other DP ranks train at the same time
         elif busy > 0:
@@ -190,6 +198,19 @@ def _shared_host_scales(cfg: SimConfig, res: SimResult, n: int) -> tuple[list[fl
             frac = 0.0
         train_scale.append(1.0 + (cfg.train_shared_slowdown - 1.0) * frac)
     return gen_scale, train_scale
+
+
+def _dp_train_scale(cfg: SimConfig, mine: list, train_w: list, gen: list, busy: float) -> float:
+    """Colocated DP ranks (``train_colocated_slowdown``): each training span is slowed by the
+    share of it another rank trains (that factor) and the share only generation overlaps
+    (``train_shared_slowdown``); the iteration's factor is their duration-weighted mean."""
+    by_t = by_g = 0.0
+    for w, x, y, _ in mine:
+        ranks = [(a, b) for v, a, b, _ in train_w if v != w]
+        t = _covered((x, y), ranks)
+        by_t += t * (y - x)
+        by_g += (_covered((x, y), ranks + [(g[1], g[2]) for g in gen]) - t) * (y - x)
+    return 1.0 + ((cfg.train_colocated_slowdown - 1.0) * by_t + (cfg.train_shared_slowdown - 1.0) * by_g) / busy
 
 
 def scaled_profile(profile: PTLProfile, factor: float) -> PTLProfile:
