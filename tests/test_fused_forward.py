@@ -88,3 +88,39 @@ def test_fused_weights_follow_in_place_updates():
     got = fwd(ids, pos, CausalAttention(cu))
     assert not torch.allclose(got, before)
     torch.testing.assert_close(got, m(ids, pos, CausalAttention(cu)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("add", ["none", "bias", "residual"])
+def test_split_linear_equals_addmm_at_two_threads(add):
+    """cpu_ops.linear splits the output columns over the threads (2 here, the benchmark's
+    setting; the rest of this file runs at 1 thread, where it is one addmm)."""
+    _cpu_ops_or_skip()
+    from workers.generation import cpu_ops
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(200, 96, generator=g)  # 200: uneven chunks
+    extra = {"none": None, "bias": torch.randn(200, generator=g), "residual": torch.randn(64, 200, generator=g)}[add]
+    want = x @ w.t() if extra is None else torch.addmm(extra, x, w.t())
+    torch.set_num_threads(2)
+    try:
+        got = cpu_ops.load().linear(x, w, extra)
+    finally:
+        torch.set_num_threads(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="add must be a bias"):
+        cpu_ops.load().linear(x, w, torch.zeros(3))
+
+
+def test_fused_forward_split_gemms_at_two_threads():
+    _cpu_ops_or_skip()
+    m = model_for("qwen2")
+    ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
+    fwd = FusedForward(m, max_len=64, cpu_ops=True)
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():  # as the engine runs it (the worker threads take the caller's mode)
+            got = fwd(ids, pos, CausalAttention(cu))
+    finally:
+        torch.set_num_threads(1)
+    with torch.no_grad():
+        torch.testing.assert_close(got, m(ids, pos, CausalAttention(cu)), rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from workers.generation.cpp_build import build
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <algorithm>
 #include <cmath>
 
@@ -97,9 +98,43 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
     });
   });
 }
+
+// x @ w^T + add, add: none, a bias [N] or a residual [M, N]. The N output columns are split
+// into one GEMM per thread (multiples of 16 columns; each runs single-threaded inside the
+// parallel region). At decode sizes (M ~ 64) MKL's own threading of one GEMM splits worse.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> add) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous(),
+              "linear: x must be [M, K] and w a contiguous [N, K]");
+  const int64_t M = x.size(0), N = w.size(0);
+  if (add.has_value())
+    TORCH_CHECK(add->dim() == 1 ? add->size(0) == N : (add->dim() == 2 && add->size(0) == M && add->size(1) == N),
+                "linear: add must be a bias [N] or a residual [M, N]");
+  const int64_t threads = at::get_num_threads();
+  if (threads < 2 || N < 32 * threads) {
+    return add.has_value() ? at::addmm(*add, x, w.t()) : at::mm(x, w.t());
+  }
+  auto out = torch::empty({M, N}, x.options());
+  const int64_t step = ((N + threads - 1) / threads + 15) / 16 * 16;
+  const int64_t chunks = (N + step - 1) / step;
+  const at::ThreadLocalState caller;  // grad / inference mode are per thread: the workers take the caller's
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    at::ThreadLocalStateGuard guard(caller);
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t n0 = c * step, n = std::min(step, N - n0);
+      auto oc = out.narrow(1, n0, n);
+      auto wc = w.narrow(0, n0, n).t();
+      if (add.has_value()) {
+        at::addmm_out(oc, add->dim() == 1 ? add->narrow(0, n0, n) : add->narrow(1, n0, n), x, wc);
+      } else {
+        at::mm_out(oc, x, wc);
+      }
+    }
+  });
+  return out;
+}
 """
 
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_fused_ops_cpu_v2", _SOURCE, ("rms_norm", "silu_mul", "rope_"), "engine: fused CPU ops")
+    return build("streamrl_fused_ops_cpu_v5", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear"), "engine: fused CPU ops")

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from workers.model import AttentionBackend, CausalLM
 
+SPLIT_GEMM_MAX_ROWS = 512  # larger (prefill) GEMMs keep MKL's own threading
+
 
 def _fuse(*params: torch.Tensor | None) -> torch.Tensor | None:
     if params[0] is None:
@@ -48,6 +50,7 @@ class FusedForward:
         self.nq, self.nkv, self.inter = self.h * self.dh, self.hkv * self.dh, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len
+        self.split_gemm = True  # with cpu_ops: decode-sized GEMMs split by columns over the threads
         self._stamp: tuple = ()
         self._src: list[torch.Tensor] = []
         self.sync()
@@ -124,8 +127,15 @@ class FusedForward:
             return self.ops.silu_mul(gu)
         return F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
 
-    @staticmethod
-    def _residual_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    def _split(self, a: torch.Tensor) -> bool:
+        return self.ops is not None and self.split_gemm and a.shape[0] <= SPLIT_GEMM_MAX_ROWS
+
+    def _linear(self, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+        return self.ops.linear(a, w, b) if self._split(a) else F.linear(a, w, b)
+
+    def _residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+        if b is None and self._split(a):
+            return self.ops.linear(a, w, x)  # x + a @ w.T, columns split over the threads
         out = torch.addmm(x, a, w.t())  # x + a @ w.T in one GEMM
         return out if b is None else out.add_(b)
 
@@ -135,10 +145,10 @@ class FusedForward:
         x = F.embedding(input_ids, self.model.model.embed_tokens.weight)  # [T, D]
         cs = self.rope.index_select(0, positions)  # [T, 2, Dh]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
-            q, k, v = self._qkv(F.linear(self._norm(x, ln1), wqkv, bqkv), cs)
+            q, k, v = self._qkv(self._linear(self._norm(x, ln1), wqkv, bqkv), cs)
             o = attn(i, q, k, v)  # [T, H, Dh]
             x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo)
-            gu = F.linear(self._norm(x, ln2), wgu, bgu)  # [T, 2 I]
+            gu = self._linear(self._norm(x, ln2), wgu, bgu)  # [T, 2 I]
             x = self._residual_linear(x, self._swiglu(gu), wd, bd)
         return self._norm(x, self.model.model.norm.weight)
 
