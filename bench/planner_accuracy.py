@@ -42,20 +42,18 @@ import pipeline_modes as pm  # noqa: E402
 
 from controller.data import PromptStream  # noqa: E402
 from controller.planner.colocated import measure_colocated_generation, measure_colocated_training  # noqa: E402
-from controller.planner.host import (concurrent_slowdown, engine_load, make_train_tokens,  # noqa: E402
+from controller.planner.overlap import generate_timer, runtime_engine_load  # noqa: E402
+from controller.planner.host import (concurrent_slowdown, make_train_tokens,  # noqa: E402
                                      measure_weight_sync, runtime_generate_factor, trainer_load)
 from controller.planner.profile import TrainProfile, profile_engine, profile_trainer  # noqa: E402
 from controller.planner.simulator import SimConfig, Workload, scaled_profile, simulate  # noqa: E402
 from controller.scheduling import PTLProfile  # noqa: E402
-from workers.types import Request, SamplingParams  # noqa: E402
 
 # Controller round trips on an iteration's critical path (controller/program.py): begin_iteration,
 # generate (launch and report), step, weight push.
 RPC_ROUND_TRIPS = 4
 RUNTIME_GEN_BATCHES = 12  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
-SLOWDOWN_BATCH = 32  # batch size at which generation's shared-host slowdown is measured
 COLOCATED_TRAIN_ITERATIONS = 5  # two DP ranks training at once, per measurement
-GEN_SLOWDOWN_ROUNDS = 9  # a decode timing is short (~0.1 s): more A/B pairs than the trainer's 5
 
 
 def measured_rows(a, segment: int = 0, rounds: int = 0) -> dict[str, dict]:
@@ -136,23 +134,6 @@ def trainer_profile(cfg, model_dir: str, wl: Workload) -> tuple[TrainProfile, Ca
     return prof, train_tokens
 
 
-def decode_step_s(engine, bs: int, prompt_len: int, steps: int = 8) -> float:
-    """Seconds of one decode step at batch size ``bs`` (requests admitted and prefilled first)."""
-    reqs = [Request(10_000_000 + i, torch.randint(3, 300, (prompt_len,)), steps + 4, steps + 4,
-                    sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(bs)]
-    engine.add(reqs)
-    while engine.stats().running < bs:
-        engine.step()
-    engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = (time.perf_counter() - t0) / steps
-    while engine.has_work():
-        engine.step()
-    return dt
-
-
 def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
     """The controller's own per-iteration work: tokenize a batch of prompts and plan the
     dispatch (Program.make_batch + SGS.launch), the fastest of ``repeats``."""
@@ -188,19 +169,20 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     link = measure_weight_sync(named, 1 << 22)  # controller.world.World.bucket_bytes
     engine = make_engine(cfg.engine, model_dir)
     swap = min(_timed(lambda v=v: engine.load_weights(named.items(), v)) for v in range(1, 4))
-    ctx = int(np.mean(wl.prompt_lens))
-    bs = min(SLOWDOWN_BATCH, cfg.engine.max_batch_size)
-    decode_step_s(engine, bs, ctx)  # warm-up after the swap
     total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
     # each stage next to the other stage (disaggregated modes overlap that way; A/B with a
     # paused background process); next to a copy of itself (colocated) below, the runtime's way
-    decode = lambda: decode_step_s(engine, bs, ctx, steps=32)  # noqa: E731
     train = lambda: _timed(lambda: train_tokens(total))  # noqa: E731
-    gen_bg = (cfg.engine, model_dir, bs)
     train_bg = (cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens, wl.prompt_lens,
                 cfg.train.group_size, total)
-    g = concurrent_slowdown(decode, trainer_load, train_bg, rounds=GEN_SLOWDOWN_ROUNDS)
-    t = concurrent_slowdown(train, engine_load, gen_bg)
+    # generation as the runtime runs it (GenerationInstance.generate + Outbox) on one iteration
+    # of the workload's shapes, on both sides of the A/B (the bare decode loop was ~2x
+    # slowed next to training under load while the pipeline's generation was not)
+    window = cfg.pipeline.stream_window_s
+    gen_iter = generate_timer(cfg.engine, model_dir, wl.out_lens, wl.prompt_lens, window)
+    gen_iter()  # warm-up
+    g = concurrent_slowdown(gen_iter, trainer_load, train_bg)
+    t = concurrent_slowdown(train, runtime_engine_load, (cfg.engine, model_dir, wl.out_lens, wl.prompt_lens, window))
     # colocated training: the two DP ranks (two processes, the trainer's gloo all-reduce) each
     # train half the tokens at once; over the trainer profile's time for one rank's half
     # (+ the all-reduce, timed as a weight-sized sync): the two-ranks slowdown
@@ -236,7 +218,7 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
             "colocated_runq_share_alone": ta["runq_share"], "colocated_runq_share_together": th["runq_share"],
             "colocated_cpu_over_wall_together": th["cpu_s"] / th["wall_s"],
             "colocated_blocked_share_together": th["blocked_s"] / th["wall_s"],
-            "gen_step_alone_ms": g["alone_s"] * 1e3, "gen_step_shared_ms": g["shared_s"] * 1e3,
+            "gen_iteration_alone_s": g["alone_s"], "gen_iteration_shared_s": g["shared_s"],
             "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
             "gen_runtime_factor": over_model(rt, full),
             "gen_runtime_factor_colocated": sum(co.alone_s) / halves_model}
