@@ -5,7 +5,7 @@ backends that support it; "auto" is unchanged (test_engine.py's exactness tests)
 import pytest
 import torch
 from ext_helpers import extension_or_skip
-from test_engine import MODEL, PS, engine, greedy_requests
+from test_engine import PS, engine, greedy_requests, tiny_model
 
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
@@ -24,13 +24,7 @@ def test_config_key_validated():
 def test_16bit_cache_needs_an_fp32_model():
     with pytest.raises(ValueError, match="engine.kv_cache_dtype: 'float16' needs an fp32 model"):
         NativeEngine(EngineConfig(block_size=4, kv_cache_tokens=64, kv_cache_dtype="float16"),
-                     model=_bf16_model())
-
-
-def _bf16_model():
-    from test_engine import tiny_model
-
-    return tiny_model().to(torch.bfloat16)
+                     model=tiny_model().to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
