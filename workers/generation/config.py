@@ -28,7 +28,8 @@ class EngineConfig:
     "cpu" (C++ kernel compiled on first use; fastest on CPU). ``kv_cache_dtype`` (as vLLM's):
     "auto" stores K/V in the compute dtype; "bfloat16"/"float16" store them in 16 bits under an
     fp32 model (half the KV memory and memory traffic; attention still computes in fp32, so
-    outputs differ from "auto" by the rounding of K/V). ``backend_options`` holds backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
+    outputs differ from "auto" by the rounding of K/V). ``backend_options`` holds
+    backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 
     backend: str = "native"
