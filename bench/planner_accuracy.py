@@ -5,19 +5,27 @@
     python bench/planner_accuracy.py --quick                 # pipeline_modes.py --quick (noisier)
 
 Measured: bench/pipeline_modes.py (engineer G's), the six pipeline modes on this machine
-(controller + 1 generation rank + 1 trainer rank; colocated: 2 + 2 on the same ranks).
-Predicted: controller/planner/simulator.py driven only by what is measured here, after the
-run, on the same model and configs, each stage alone: the engine's PTL(BS) and step cost per
-cached token (profile_engine), the trainer's time per token (profile_trainer over B's
-TrainerWorker); the host terms (controller/planner/host.py): the weight-sync executor's time
-between two local processes, an RPC round trip, the engine's weight swap, the controller's
-per-iteration batching and dispatch, and each stage's slowdown while the other stage runs in
-a second process on the same cores ("shared host", applied only where stages overlap), and
-generation through the runtime's own generate path (GenerationInstance.generate with its
-Outbox, on synthetic requests of the workload's shapes) over the instance model's time for the
-same requests, which scales the generation profile (colocated: at one instance's half). Same
-workload (the bench's prompts, forced lengths and prompt order). One JSON line per mode,
-then a summary with ``max_rel_error`` (target <= 0.15).
+(controller + 1 generation rank + 1 trainer rank; colocated: 2 + 2 on the same ranks), in
+``--segments`` segments (default 2: pipeline_modes with 4 / 2 rounds each, then every profile,
+so each segment is predicted from profiles taken right after it; the error is on the
+segments' mean, each segment's own error printed too).
+Predicted: controller/planner/simulator.py driven only by what is measured here, on the same
+model and configs, never by the measured run: the engine's PTL(BS) and step cost per cached
+token (profile_engine), the trainer's time per token (profile_trainer over B's TrainerWorker);
+the host terms (controller/planner/host.py): the weight-sync executor's time between two local
+processes, an RPC round trip, the engine's weight swap, the controller's per-iteration
+batching and dispatch; generation through the runtime's own generate path
+(GenerationInstance.generate with its Outbox, on synthetic requests of the workload's shapes)
+over the instance model's time for the same requests, which scales the generation profile;
+each stage's slowdown while the other stage computes in a second process ("shared host", A/B
+with a paused background, generation timed through the runtime path on both sides,
+controller/planner/overlap.py); and colocated, measured the way the runtime runs it
+(controller/planner/colocated.py): two instance processes with real RPC, each half alone and
+both at once (the colocated runtime factor and gen_colocated_slowdown), and two trainer DP
+ranks training at once with the trainer's all-reduce (train_colocated_slowdown). The
+simulator applies a slowdown only where stages overlap. Same workload (the bench's prompts,
+forced lengths and prompt order). One JSON line per segment (profiles, host terms, load
+average), one per mode, then a summary with ``max_rel_error`` (target <= 0.15).
 """
 from __future__ import annotations
 
@@ -196,14 +204,17 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     # generate path runs it.
     full = [(w.out_lens, w.prompt_lens) for w in gen_batches]
     rt = runtime_generate_factor(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
-    over_model = lambda r, bs: sum(r["runtime_s"]) / sum(model_gen_s(gen, *b) for b in bs)  # noqa: E731
+    # median over the synthetic iterations of runtime / model: one iteration hit by a load
+    # spike moves a sum, not the median
+    def over_model(r, bs) -> float:
+        return float(np.median([t / model_gen_s(gen, *b) for t, b in zip(r["runtime_s"], bs)]))
+
     # colocated: the same path in two worker processes with real RPC (controller/planner/
     # colocated.py), each instance with its round-robin half, samples to both processes'
     # trainer sinks; each half alone (-> the runtime factor at the half, over the instance
     # model of the slower half) and both at once (-> the two-instance slowdown, A/B per iteration)
     co = measure_colocated_generation(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
-    halves_model = sum(max(model_gen_s(gen, w.out_lens[k::2], w.prompt_lens[k::2]) for k in (0, 1))
-                       for w in gen_batches)
+    halves_model = [max(model_gen_s(gen, w.out_lens[k::2], w.prompt_lens[k::2]) for k in (0, 1)) for w in gen_batches]
     th, ta = co.together_threads, co.alone_threads
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
@@ -221,7 +232,7 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
             "gen_iteration_alone_s": g["alone_s"], "gen_iteration_shared_s": g["shared_s"],
             "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
             "gen_runtime_factor": over_model(rt, full),
-            "gen_runtime_factor_colocated": sum(co.alone_s) / halves_model}
+            "gen_runtime_factor_colocated": float(np.median([a / m for a, m in zip(co.alone_s, halves_model)]))}
 
 
 def _timed(fn) -> float:
