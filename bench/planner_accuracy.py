@@ -347,8 +347,8 @@ def main(argv=None) -> dict:
         alt = float(np.mean([s["pred"][mode][1] for s in segs]))
         errors[mode] = abs(predicted - measured) / measured
         alt_errors[mode] = abs(alt - measured) / measured
-        seg_errors[mode] = [round(abs(s["pred"][mode][0] - s["rows"][mode]["iteration_s"]) / s["rows"][mode]["iteration_s"],
-                                  3) for s in segs]
+        seg_errors[mode] = [round(abs(s["pred"][mode][0] - s["rows"][mode]["iteration_s"])
+                                  / s["rows"][mode]["iteration_s"], 3) for s in segs]
         stages = [(stage_seconds([vars(sp) for sp in s["pred"][mode][2]]), s["meas"][mode]) for s in segs]
         line = {"mode": mode, "measured_iteration_s": round(measured, 3), "predicted_iteration_s": round(predicted, 3),
                 "rel_error": round(errors[mode], 3), "segment_errors": seg_errors[mode],
