@@ -24,15 +24,14 @@ and the thread accounting of both cases.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
-from workers.atomic import write_text
+from controller.planner.profile import load_json, save_json
 from workers.types import Request, SamplingParams
 
 WORKERS = ("worker1", "worker2")
@@ -61,16 +60,11 @@ class ColocatedGenProfile:
             raise ValueError(f"ColocatedGenProfile: slowdown must be > 0, got {self.slowdown}")
 
     def save(self, path: str | os.PathLike) -> None:
-        write_text(path, json.dumps(asdict(self), indent=1))
+        save_json(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ColocatedGenProfile":
-        with open(path) as f:
-            d = json.load(f)
-        missing = {"alone_s", "together_s", "slowdown"} - set(d)
-        if missing:
-            raise ValueError(f"{path}: ColocatedGenProfile is missing {sorted(missing)}")
-        return cls(**d)
+        return cls(**load_json(path, "ColocatedGenProfile", ("alone_s", "together_s", "slowdown")))
 
 
 def schedstat() -> tuple[float, float]:

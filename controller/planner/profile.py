@@ -167,6 +167,21 @@ def profile_trainer(train_tokens: Callable[[int], None], token_counts: Sequence[
     return TrainProfile(float(max(slope, 1e-12)), float(max(icpt, 0.0)), ranks, "measured")
 
 
+def save_json(obj, path: str | os.PathLike) -> None:
+    """Write a profile dataclass as indented JSON, atomically."""
+    write_text(path, json.dumps(asdict(obj), indent=1))
+
+
+def load_json(path: str | os.PathLike, name: str, required: Sequence[str]) -> dict:
+    """Read a saved profile's JSON; a clear error naming the file if a required key is missing."""
+    with open(path) as f:
+        d = json.load(f)
+    missing = set(required) - set(d)
+    if missing:
+        raise ValueError(f"{path}: {name} is missing {sorted(missing)}")
+    return d
+
+
 @dataclass
 class StageProfiles:
     """What the planner needs about one deployment: a generation instance's PTL profile and
@@ -178,14 +193,10 @@ class StageProfiles:
     meta: dict = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> None:
-        write_text(path, json.dumps(asdict(self), indent=1))
+        save_json(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "StageProfiles":
-        with open(path) as f:
-            d = json.load(f)
-        missing = {"generation", "trainer"} - set(d)
-        if missing:
-            raise ValueError(f"{path}: StageProfiles is missing {sorted(missing)}")
+        d = load_json(path, "StageProfiles", ("generation", "trainer"))
         return cls(PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), float(d.get("weight_bytes", 0.0)),
                    d.get("meta", {}))
