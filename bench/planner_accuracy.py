@@ -197,6 +197,7 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     ct = measure_colocated_training(*train_bg[:-1], tokens=total // 2, iterations=COLOCATED_TRAIN_ITERATIONS)
     ct_ref = train_prof.s_per_token * (total // 2) + train_prof.fixed_s + link["sync_s"]
     work = controller_work_s(cfg, tok, task, wl)
+    handover = train_handover_s(train_tokens, total, cfg.trainer.max_tokens_per_microbatch)
     # generation through the runtime's generate path (GenerationInstance.generate: Outbox
     # thread, samples pickled for the RPC), on synthetic requests (random prompt ids) of the
     # workload's shapes, one instance with every request. Its seconds over the instance
@@ -220,6 +221,7 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
+            "train_handover_s": handover,
             "gen_colocated_slowdown": max(1.0, co.slowdown),
             "train_self_slowdown": max(1.0, float(np.median(ct["together_s"])) / ct_ref),
             "colocated_train_together_s": float(np.median(ct["together_s"])), "colocated_train_profile_s": ct_ref,
@@ -233,6 +235,20 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
             "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
             "gen_runtime_factor": over_model(rt, full),
             "gen_runtime_factor_colocated": float(np.median([a / m for a, m in zip(co.alone_s, halves_model)]))}
+
+
+def train_handover_s(train_tokens, total: int, microbatch_tokens: int, rounds: int = 5) -> float:
+    """The trainer's fixed cost per hand-over (one ``TrainerWorker.receive`` call): the same
+    iteration's samples in one receive vs in micro-batch-sized receives in a shuffled order
+    (a streaming rank's hand-overs), interleaved; median of the per-round
+    (chunked - one) / (extra receives)."""
+    k = max(2, round(total / microbatch_tokens))
+    per = []
+    for _ in range(rounds):
+        one = _timed(lambda: train_tokens(total))
+        many = _timed(lambda: train_tokens(total, handovers=k))
+        per.append((many - one) / (k - 1))
+    return max(0.0, float(np.median(per)))
 
 
 def _timed(fn) -> float:
@@ -274,11 +290,15 @@ def predict(mode: str, gen: PTLProfile, train: TrainProfile, host: dict, wls: li
     # are all in, then both step together: all-reduce of the gradients (one weight-sized
     # transfer, like the sync) + optimizer; weights reach the instance by a copy in the same
     # process (its cost: the swap, in the overhead)
-    trainer = replace(train, fixed_s=train.fixed_s + (host["sync_s"] if colocated else 0.0))
+    # the profile's fixed_s holds one hand-over (one receive per pass); the simulator adds
+    # ``train_overhead_per_batch_s`` for each hand-over the mode makes
+    handover = host.get("train_handover_s", 0.0)
+    trainer = replace(train, fixed_s=max(0.0, train.fixed_s - handover) + (host["sync_s"] if colocated else 0.0))
     sim_cfg = SimConfig(mode, 2 if colocated else 1, gen_rt, trainer, sync_s=0.0 if colocated else host["sync_s"],
                         dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
                         microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
-                        iteration_overhead_s=host["iteration_overhead_s"], **(slow if shared else flat),
+                        iteration_overhead_s=host["iteration_overhead_s"], train_overhead_per_batch_s=handover,
+                        **(slow if shared else flat),
                         train_ranks=2 if colocated else 1, colocated_dp=colocated)
     per_it = lambda r: max(r.sync_end[-1], r.train_end[-1]) / len(wls)  # noqa: E731
     r = simulate(sim_cfg, wls)

@@ -94,3 +94,34 @@ def test_colocated_dp_ranks_slow_down_by_the_share_another_rank_trains():
     both = colocated(2, train_colocated_slowdown=2.0).train_end[0]
     old_rule = colocated(2, train_shared_slowdown=2.0).train_end[0]  # every rank's whole training x2
     assert base < both < old_rule
+
+
+def test_train_tokens_hands_samples_over_in_chunks_each_once(tiny_model, monkeypatch):  # noqa: F811
+    # the streaming trainer's hand-overs, as planner_accuracy times them (train_handover_s)
+    from controller.planner.host import make_train_tokens
+    from workers.trainer.config import TrainerConfig
+    from workers.trainer.worker import TrainerWorker
+
+    torch.set_num_threads(1)
+    calls = []
+    receive = TrainerWorker.receive
+    monkeypatch.setattr(TrainerWorker, "receive", lambda self, s: (calls.append([x.sample_id for x in s]),
+                                                                   receive(self, s))[1])
+    train = make_train_tokens(TrainerConfig(algorithm="grpo", max_tokens_per_microbatch=64), tiny_model,
+                              "synthetic", dict(TASK), [4, 6, 3], [5, 5, 7], 2)
+    train(60)
+    assert len(calls) == 1
+    one = sorted(calls.pop())
+    train(60, handovers=3)
+    assert len(calls) == 3 and all(calls)
+    ids = [i for c in calls for i in c]
+    assert len(ids) == len(set(ids)) == len(one)  # every sample once, none twice
+    assert ids != sorted(ids)  # a finish-like (shuffled) order, not the groups' order
+
+
+def test_simulated_streaming_trainer_pays_the_handover_cost_per_handover():
+    wl = [Workload([2, 2, 2, 2], [1, 1, 1, 1])]
+    base = simulate(SimConfig("stream", 1, FLAT, TRAIN, microbatch_tokens=3), wl)
+    paid = simulate(SimConfig("stream", 1, FLAT, TRAIN, microbatch_tokens=3, train_overhead_per_batch_s=0.25), wl)
+    # four 3-token samples, micro-batches of >= 3 tokens: four hand-overs
+    assert paid.train_end[0] - base.train_end[0] == pytest.approx(4 * 0.25)

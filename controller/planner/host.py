@@ -17,6 +17,7 @@ import os
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from workers.types import Request, SamplingParams, Sample
@@ -67,10 +68,12 @@ def trainer_load(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict,
 def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict, out_lens: list[int],
                       prompt_lens: list[int], group_size: int, rank: int = 0, world_size: int = 1
                       ) -> Callable[[int], None]:
-    """A callable ``train(T)``: one full TrainerWorker iteration (begin, receive, step) on
-    length-forced samples shaped like the workload (its output and prompt lengths, cycled),
-    about ``T`` tokens, whole GRPO groups. ``world_size > 1``: DP rank ``rank`` of the default
-    process group (its step all-reduces with the other ranks, which must call too)."""
+    """A callable ``train(T, handovers=1)``: one full TrainerWorker iteration (begin, receive,
+    step) on length-forced samples shaped like the workload (its output and prompt lengths,
+    cycled), about ``T`` tokens, whole GRPO groups. ``handovers > 1``: the samples arrive in
+    a shuffled (finish-like) order over that many ``receive`` calls, as a streaming trainer
+    rank hands them over. ``world_size > 1``: DP rank ``rank`` of the default process group
+    (its step all-reduces with the other ranks, which must call too)."""
     from workers.tasks.registry import make_task
     from workers.trainer.worker import TrainerWorker
 
@@ -80,7 +83,7 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
     state = {"n": 100}
     vocab = min(300, worker.actor.config.vocab_size)  # random token ids the model can embed
 
-    def train(tokens: int) -> None:
+    def train(tokens: int, handovers: int = 1) -> None:
         state["n"] += 1
         base = state["n"] * 10_000
         prompts, groups, samples = {}, {}, []
@@ -95,7 +98,12 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
             used += out_lens[j] + prompt_lens[j]
             k += 1
         worker.begin_iteration(state["n"], prompts, groups)
-        worker.receive(samples)
+        if handovers > 1:
+            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(state["n"])).tolist()
+            for part in np.array_split(np.asarray(order), handovers):
+                worker.receive([samples[i] for i in part])
+        else:
+            worker.receive(samples)
         worker.step()
 
     return train
