@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from controller.planner.host import synthetic_requests
 from controller.planner.profile import load_json, save_json
-from workers.types import Request, SamplingParams
+from workers.types import Request
 
 WORKERS = ("worker1", "worker2")
 
@@ -145,11 +146,7 @@ def _drive(batches, vocab: int, seed: int) -> dict:
     next_id = [70_000_000]
 
     def halves(out_lens, prompt_lens) -> list[list[Request]]:
-        reqs = []
-        for k, (n, p) in enumerate(zip(out_lens, prompt_lens)):
-            next_id[0] += 1
-            reqs.append(Request(next_id[0], torch.randint(3, vocab, (int(p),), generator=gen), int(n), int(n),
-                                group_id=next_id[0] // 2, sampling=SamplingParams(temperature=1.0, seed=next_id[0])))
+        reqs = synthetic_requests(out_lens, prompt_lens, gen, next_id, vocab, group_size=2)
         return [reqs[0::2], reqs[1::2]]  # round-robin over the two instances
 
     def together(it: int, b) -> tuple[float, list[dict]]:

@@ -34,35 +34,35 @@ def _paused(gate) -> bool:
     return True
 
 
-def engine_load(engine_cfg, model_dir: str, batch_size: int, gate) -> None:
-    """Decode ``batch_size`` long sequences over and over (generation's CPU demand)."""
-    from workers.generation.factory import make_engine
-
-    torch.set_num_threads(1)
-    engine = make_engine(engine_cfg, model_dir)
-    next_id = 0
-    gate["ready"].set()
-    while not gate["stop"].is_set():
-        if _paused(gate):
-            continue
-        if not engine.has_work():
-            reqs = [Request(next_id + i, torch.randint(3, 100, (16,)), 96, 96,
-                            sampling=SamplingParams(temperature=1.0, seed=i)) for i in range(batch_size)]
-            next_id += batch_size
-            engine.add(reqs)
-        engine.step()
-
-
 def trainer_load(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict, out_lens: list[int],
                  prompt_lens: list[int], group_size: int, tokens: int, gate) -> None:
     """Train iterations of ``tokens`` tokens over and over (training's CPU demand)."""
     torch.set_num_threads(1)
     train = make_train_tokens(trainer_cfg, model_dir, task_name, task_kwargs, out_lens, prompt_lens, group_size)
-    train(tokens)
+    serve(gate, lambda: train(tokens))
+
+
+def serve(gate, work: Callable[[], object]) -> None:
+    """Background side of ``concurrent_slowdown``: ``work()`` once (warm-up), then ready, then
+    ``work()`` over and over while the gate says go, until ``stop``."""
+    work()
     gate["ready"].set()
     while not gate["stop"].is_set():
         if not _paused(gate):
-            train(tokens)
+            work()
+
+
+def synthetic_requests(out_lens: list[int], prompt_lens: list[int], gen: torch.Generator, next_id: list[int],
+                       vocab: int = 300, group_size: int = 0) -> list[Request]:
+    """Length-forced requests of these shapes: random prompt ids in [3, vocab), ids counted up
+    from ``next_id[0]`` (advanced in place), groups of ``group_size`` consecutive ids (0: none)."""
+    out = []
+    for n, p in zip(out_lens, prompt_lens):
+        next_id[0] += 1
+        out.append(Request(next_id[0], torch.randint(3, vocab, (int(p),), generator=gen), int(n), int(n),
+                           group_id=next_id[0] // group_size if group_size else -1,
+                           sampling=SamplingParams(temperature=1.0, seed=next_id[0])))
+    return out
 
 
 def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: dict, out_lens: list[int],
@@ -228,11 +228,11 @@ class _Done:
         return None
 
 
-class _PickleReceiver:
+class PickleReceiver:
     """Stands in for a trainer RRef: ``rpc_async().receive(samples)`` serializes the samples
     (the RPC's pickling, on the sending thread) and returns a completed future."""
 
-    def rpc_async(self, timeout: float = -1.0) -> "_PickleReceiver":
+    def rpc_async(self, timeout: float = -1.0) -> "PickleReceiver":
         return self
 
     def receive(self, samples: list[Sample]) -> _Done:
@@ -257,19 +257,11 @@ def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list
         raise ValueError("runtime_generate_factor: no batches")
     gen = torch.Generator().manual_seed(seed)
     inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
-    inst.trainers = [_PickleReceiver()]
+    inst.trainers = [PickleReceiver()]
     next_id = [50_000_000]
 
-    def requests(out_lens, prompt_lens) -> list[Request]:
-        out = []
-        for n, p in zip(out_lens, prompt_lens):
-            next_id[0] += 1
-            out.append(Request(next_id[0], torch.randint(3, vocab, (int(p),), generator=gen), int(n), int(n),
-                               sampling=SamplingParams(temperature=1.0, seed=next_id[0])))
-        return out
-
     def bare(b) -> float:
-        inst.engine.add(requests(*b))
+        inst.engine.add(synthetic_requests(*b, gen, next_id, vocab))
         t0 = time.perf_counter()
         while inst.engine.has_work():
             inst.engine.step()
@@ -277,7 +269,7 @@ def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list
 
     def runtime(b) -> float:
         t0 = time.perf_counter()
-        inst.generate(0, requests(*b), inst.version)
+        inst.generate(0, synthetic_requests(*b, gen, next_id, vocab), inst.version)
         return time.perf_counter() - t0
 
     bare(batches[0])

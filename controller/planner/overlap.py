@@ -4,9 +4,9 @@ The runtime's instance generates through ``GenerationInstance.generate``: engine
 Outbox thread pickling and sending every finished sample (a thread hand-off and a GIL switch
 per window). ``generate_timer`` times one synthetic iteration of a workload's shapes that way
 (the measured side of an A/B); ``runtime_engine_load`` runs such iterations over and over in a
-spawned process (the background side). The bare engine loop (``host.decode_step``-style
-timings, ``host.engine_load``) has neither the hand-offs nor the sleeps, and the scheduler
-treats a thread that sleeps now and then differently from a pure compute loop.
+spawned process (the background side). A bare engine loop has neither the hand-offs nor the
+sleeps, and the scheduler treats a thread that sleeps now and then differently from a pure
+compute loop.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 
-from workers.types import Request, SamplingParams
 
 
 def generate_timer(engine_cfg, model_dir: str, out_lens: list[int], prompt_lens: list[int], window_s: float = 0.02,
@@ -23,21 +22,17 @@ def generate_timer(engine_cfg, model_dir: str, out_lens: list[int], prompt_lens:
     """A callable: seconds of one ``GenerationInstance.generate`` over requests of these shapes
     (forced lengths, random prompt ids in [3, vocab)), samples pickled as the RPC would."""
     from controller.instance import GenerationInstance
-    from controller.planner.host import _PickleReceiver
+    from controller.planner.host import PickleReceiver, synthetic_requests
 
     if not out_lens or len(out_lens) != len(prompt_lens):
         raise ValueError(f"generate_timer: {len(out_lens)} out_lens, {len(prompt_lens)} prompt_lens")
     gen = torch.Generator().manual_seed(seed)
     inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
-    inst.trainers = [_PickleReceiver()]
+    inst.trainers = [PickleReceiver()]
     next_id = [90_000_000]
 
     def run() -> float:
-        reqs = []
-        for n, p in zip(out_lens, prompt_lens):
-            next_id[0] += 1
-            reqs.append(Request(next_id[0], torch.randint(3, vocab, (int(p),), generator=gen), int(n), int(n),
-                                sampling=SamplingParams(temperature=1.0, seed=next_id[0])))
+        reqs = synthetic_requests(out_lens, prompt_lens, gen, next_id, vocab)
         t0 = time.perf_counter()
         inst.generate(0, reqs, inst.version)
         return time.perf_counter() - t0
@@ -49,12 +44,7 @@ def runtime_engine_load(engine_cfg, model_dir: str, out_lens: list[int], prompt_
                         gate) -> None:
     """Background workload: ``generate_timer`` iterations over and over (generation's demand
     as the runtime makes it), paused and resumed through ``gate`` (host.concurrent_slowdown)."""
-    from controller.planner.host import _paused
+    from controller.planner.host import serve
 
     torch.set_num_threads(1)
-    run = generate_timer(engine_cfg, model_dir, out_lens, prompt_lens, window_s)
-    run()
-    gate["ready"].set()
-    while not gate["stop"].is_set():
-        if not _paused(gate):
-            run()
+    serve(gate, generate_timer(engine_cfg, model_dir, out_lens, prompt_lens, window_s))

@@ -45,6 +45,9 @@ from controller.timeline import Span
 MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
 
+# the shared-host time factors of SimConfig (all 1: each stage on its own hardware)
+SLOWDOWNS = ("gen_shared_slowdown", "gen_colocated_slowdown", "train_shared_slowdown", "train_colocated_slowdown")
+
 @dataclass
 class Workload:
     """One iteration's requests: output tokens (true), prompt tokens, the ranker's estimates."""
@@ -86,9 +89,7 @@ class SimConfig:
             raise ValueError(f"simulator: mode {self.mode!r} is not one of {MODES}")
         if self.gen_instances < 1:
             raise ValueError(f"simulator: gen_instances must be >= 1, got {self.gen_instances}")
-        slow = {k: getattr(self, k) for k in ("gen_shared_slowdown", "gen_colocated_slowdown", "train_shared_slowdown",
-                                              "train_colocated_slowdown")}
-        bad = {k: v for k, v in slow.items() if not v >= 1.0}
+        bad = {k: getattr(self, k) for k in SLOWDOWNS if not getattr(self, k) >= 1.0}
         if bad:
             raise ValueError(f"simulator: slowdown factors must be >= 1, got {bad}")
 
@@ -144,8 +145,7 @@ SHARED_HOST_PASSES = 6
 def simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int = 0) -> SimResult:
     """Run len(workloads) iterations from t = 0; returns spans and per-iteration times."""
     n = len(workloads)
-    if (cfg.gen_shared_slowdown == 1.0 and cfg.train_shared_slowdown == 1.0 and cfg.gen_colocated_slowdown == 1.0
-            and cfg.train_colocated_slowdown == 1.0):
+    if all(getattr(cfg, k) == 1.0 for k in SLOWDOWNS):
         return _simulate(cfg, workloads, seed, [1.0] * n, [1.0] * n)
     gen_scale, train_scale = [1.0] * n, [1.0] * n
     for _ in range(SHARED_HOST_PASSES):
@@ -172,8 +172,8 @@ def _shared_host_scales(cfg: SimConfig, res: SimResult, n: int) -> tuple[list[fl
     """Per iteration, the time factor of its generation and of its training, from how much
     of each the other stages overlapped in ``res`` (see the module docstring)."""
     gen = [(sp.worker, sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "generate"]
-    train = [(sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "train"]
     train_w = [(sp.worker, sp.start, sp.end, sp.iteration) for sp in res.spans if sp.stage == "train"]
+    train = [(x, y, it) for _, x, y, it in train_w]
     gen_scale, train_scale = [], []
     for i in range(n):
         mine = [g for g in gen if g[3] == i]
