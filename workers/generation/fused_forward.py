@@ -50,7 +50,6 @@ class FusedForward:
         self.nq, self.nkv, self.inter = self.h * self.dh, self.hkv * self.dh, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len
-        self.split_gemm = True  # with cpu_ops: decode-sized GEMMs split by columns over the threads
         self._stamp: tuple = ()
         self._src: list[torch.Tensor] = []
         self.sync()
@@ -128,7 +127,8 @@ class FusedForward:
         return F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
 
     def _split(self, a: torch.Tensor) -> bool:
-        return self.ops is not None and self.split_gemm and a.shape[0] <= SPLIT_GEMM_MAX_ROWS
+        """With cpu_ops, decode-sized GEMMs are split by output columns over the threads."""
+        return self.ops is not None and a.shape[0] <= SPLIT_GEMM_MAX_ROWS
 
     def _linear(self, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
         return self.ops.linear(a, w, b) if self._split(a) else F.linear(a, w, b)
