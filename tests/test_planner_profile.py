@@ -96,3 +96,17 @@ def test_profile_trainer_fits_a_line():
     with pytest.raises(ValueError, match="at least 2 distinct token_counts"):
         profile_trainer(train, token_counts=(5, 5))
     assert TrainProfile(1e-3).source == "measured"
+
+
+def test_profile_trainer_takes_the_median_pass():
+    """A run pays its typical pass: one fast outlier among three must not set the profile."""
+    t = {"now": 0.0, "calls": 0}
+
+    def train(tokens):  # every third pass at each size is 2x faster than the other two
+        t["calls"] += 1
+        t["now"] += (0.2 + 0.001 * tokens) * (0.5 if t["calls"] % 3 == 1 else 1.0)
+
+    prof = profile_trainer(train, token_counts=(100, 900), repeats=3, clock=lambda: t["now"])
+    assert prof.s_per_token == pytest.approx(0.001) and prof.fixed_s == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        profile_trainer(train, token_counts=(100, 900), repeats=0)
