@@ -6,9 +6,12 @@
 
 Measured: bench/pipeline_modes.py (engineer G's), the six pipeline modes on this machine
 (controller + 1 generation rank + 1 trainer rank; colocated: 2 + 2 on the same ranks), in
-``--segments`` segments (default 2: pipeline_modes with 4 / 2 rounds each, then every profile,
-so each segment is predicted from profiles taken right after it; the error is on the
-segments' mean, each segment's own error printed too).
+``--segments`` segments (default 3: pipeline_modes with 2 rounds each, the modes in one order
+then the other, then every profile, so each segment is predicted from profiles taken right
+after it; the error is on the segments' mean, each segment's own error printed too). This
+host's speed moves by 10-30% over minutes (the same training pass: 0.32-0.40 s, CPU time equal
+to wall: shared caches and memory, not the run queue), so one segment's error is mostly
+that noise; the mean of 3 interleaved segments halves it.
 Predicted: controller/planner/simulator.py driven only by what is measured here, on the same
 model and configs, never by the measured run: the engine's PTL(BS) and step cost per cached
 token (profile_engine), the trainer's time per token (profile_trainer over B's TrainerWorker);
@@ -48,6 +51,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import pipeline_modes as pm  # noqa: E402
 
+from controller.bootstrap import ensure_model  # noqa: E402
 from controller.data import PromptStream  # noqa: E402
 from controller.planner.colocated import measure_colocated_generation, measure_colocated_training  # noqa: E402
 from controller.planner.overlap import generate_timer, runtime_engine_load  # noqa: E402
@@ -62,6 +66,10 @@ from controller.scheduling import PTLProfile  # noqa: E402
 RPC_ROUND_TRIPS = 4
 RUNTIME_GEN_BATCHES = 12  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
 COLOCATED_TRAIN_ITERATIONS = 5  # two DP ranks training at once, per measurement
+SEGMENT_ROUNDS = 2  # pipeline_modes rounds per segment: the modes in one order, then reversed
+TRAIN_PROFILE_REPEATS = 3  # passes per size; the profile fits the median pass at each of 4 sizes
+PROBE_PASSES = 3  # reference training passes per speed probe
+PTL_DECODE_STEPS = 32  # timed decode steps per batch size (8 left PTL(BS) noisy enough to bend its shape)
 
 
 def measured_rows(a, segment: int = 0, rounds: int = 0) -> dict[str, dict]:
@@ -133,12 +141,14 @@ def workloads(a, pa, cfg, tok, task) -> list[Workload]:
 
 def trainer_profile(cfg, model_dir: str, wl: Workload) -> tuple[TrainProfile, Callable[[int], None]]:
     """profile_trainer over B's TrainerWorker: a full iteration (begin, receive, step) on
-    length-forced synthetic samples of the workload's shape, at two batch sizes."""
+    length-forced synthetic samples of the workload's shape, at four batch sizes."""
     train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
                                      wl.prompt_lens, cfg.train.group_size)
     total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
     train_tokens(total // 4)  # warm-up
-    prof = profile_trainer(train_tokens, token_counts=(total // 4, total), repeats=3, clock=time.perf_counter)
+    # 4 sizes: a line through 2 noisy points moved the slope by up to 35% between segments
+    sizes = [total * k // 4 for k in (1, 2, 3, 4)]
+    prof = profile_trainer(train_tokens, token_counts=sizes, repeats=TRAIN_PROFILE_REPEATS, clock=time.perf_counter)
     return prof, train_tokens
 
 
@@ -257,6 +267,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def speed_probe(cfg, model_dir: str, wl: Workload) -> Callable[[], float]:
+    """The host's speed now: a fixed reference work (one training pass over the workload's
+    first iteration, the median of ``PROBE_PASSES``), timed before and after the segment's
+    pipeline run and after its profiles. Their ratio is how much slower or faster the host
+    was while profiling than while running: a diagnostic, never an input of the prediction."""
+    train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
+                                     wl.prompt_lens, cfg.train.group_size)
+    total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
+    train_tokens(total // 4)  # warm-up
+    return lambda: float(np.median([_timed(lambda: train_tokens(total)) for _ in range(PROBE_PASSES)]))
+
+
 def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload]) -> tuple[PTLProfile, TrainProfile, dict]:
     """Every profile and host term, measured now, each stage alone (see the module docstring)."""
     from workers.generation.factory import make_engine
@@ -264,7 +286,7 @@ def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload]) -> 
     w0 = wls[0]
     engine = make_engine(cfg.engine, model_dir)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.engine.max_batch_size]
-    gen = profile_engine(engine, batch_sizes=sizes, prompt_len=int(np.mean(w0.prompt_lens)), decode_steps=8, vocab=300,
+    gen = profile_engine(engine, batch_sizes=sizes, prompt_len=int(np.mean(w0.prompt_lens)), decode_steps=PTL_DECODE_STEPS, vocab=300,
                          name="bench-model", long_context=1024, repeats=3)
     del engine
     train, train_tokens = trainer_profile(cfg, model_dir, w0)
@@ -311,8 +333,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="bench/pipeline_modes.py --quick")
     ap.add_argument("--measured", default="", help="JSON lines of a pipeline_modes run (skip running it; one segment)")
     ap.add_argument("--segments", type=int, default=0,
-                    help="measured segments (default 2, --quick 1): each runs bench/pipeline_modes.py with "
-                         "4 / segments rounds, then measures every profile; a segment is predicted from the "
+                    help="measured segments (default 3, --quick 1): each runs bench/pipeline_modes.py with "
+                         "2 rounds, then measures every profile; a segment is predicted from the "
                          "profiles taken right after it")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "planner_accuracy"))
     ap.add_argument("--reuse-profiles", action="store_true",
@@ -320,7 +342,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--separate-hardware", action="store_true",
                     help="predict without the shared-host slowdowns (each stage on its own hardware)")
     a = ap.parse_args(argv)
-    n_seg = 1 if (a.measured or a.quick) else (a.segments or 2)
+    n_seg = 1 if (a.measured or a.quick) else (a.segments or 3)
 
     from workers.tasks.registry import make_task
     from workers.tokenizer import Tokenizer
@@ -334,18 +356,28 @@ def main(argv=None) -> dict:
         cached = {"segments": [cached]}  # one segment, older file
     shared = not a.separate_hardware
     segs, saved = [], []
+    model_dir = str(ROOT / cfg.model.path)
+    # the bench's model, as bench/pipeline_modes.py makes it (idempotent): the speed probe
+    # needs it before the first pipeline run
+    ensure_model(model_dir, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs), 0, 1e-3, 0)
+    tok = Tokenizer.load(model_dir)
+    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+    wls = workloads(a, pa, cfg, tok, task)
     for k in range(n_seg):
-        rows = measured_rows(a, k, 0 if n_seg == 1 else max(1, pa.repeat // n_seg))
-        model_dir = str(ROOT / cfg.model.path)
-        tok = Tokenizer.load(model_dir)
-        task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
-        wls = workloads(a, pa, cfg, tok, task)
+        fresh = not a.measured and not (cached is not None and k < len(cached["segments"]))
+        probe = speed_probe(cfg, model_dir, wls[0]) if fresh else None
+        probes = [probe()] if probe else []
+        rows = measured_rows(a, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)
+        probes += [probe()] if probe else []
         meas = {m: measured_stages(ROOT / pa.logdir, m) for m in rows}  # the segment's last round
         if cached is not None and k < len(cached["segments"]):
             d = cached["segments"][k]
             gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
         else:
             gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls)
+        probes += [probe()] if probe else []
+        # > 1: the host was slower while profiling than while running the pipeline
+        drift = float(np.mean(probes[1:]) / np.mean(probes[:2])) if probes else 1.0
         saved.append({"generation": asdict(gen), "trainer": asdict(train), "host": host})
         print(json.dumps({"segment": k, "load_avg_1m": round(os.getloadavg()[0], 2),
                           "profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
@@ -354,11 +386,12 @@ def main(argv=None) -> dict:
                                        "train_ms_per_1k_tokens": round(train.s_per_token * 1e6, 2),
                                        "train_fixed_s": round(train.fixed_s, 3)},
                           "host": {k2: round(v, 4) if isinstance(v, float) else v for k2, v in host.items()},
-                          "shared_host": shared}), flush=True)
+                          "shared_host": shared, "speed_probe_s": [round(x, 4) for x in probes],
+                          "profile_over_run_speed": round(drift, 3)}), flush=True)
         pred = {m: predict(m, gen, train, host, wls, pa, cfg, shared) for m in rows}
-        segs.append({"rows": rows, "pred": pred, "meas": meas})
+        segs.append({"rows": rows, "pred": pred, "meas": meas, "drift": drift})
     cache.write_text(json.dumps({"segments": saved}))
-    errors, alt_errors, seg_errors = {}, {}, {}
+    errors, alt_errors, seg_errors, drift_errors = {}, {}, {}, {}
     mean = lambda xs: round(float(np.mean(xs)), 3) if xs else None  # noqa: E731
     for mode in segs[0]["rows"]:
         # every segment ran the same iterations per mode: the run's seconds per iteration is the mean
@@ -366,6 +399,7 @@ def main(argv=None) -> dict:
         predicted = float(np.mean([s["pred"][mode][0] for s in segs]))
         alt = float(np.mean([s["pred"][mode][1] for s in segs]))
         errors[mode] = abs(predicted - measured) / measured
+        drift_errors[mode] = abs(float(np.mean([s["pred"][mode][0] / s["drift"] for s in segs])) - measured) / measured
         alt_errors[mode] = abs(alt - measured) / measured
         seg_errors[mode] = [round(abs(s["pred"][mode][0] - s["rows"][mode]["iteration_s"])
                                   / s["rows"][mode]["iteration_s"], 3) for s in segs]
@@ -382,6 +416,10 @@ def main(argv=None) -> dict:
                "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick,
                "segments": n_seg, "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()},
                "max_segment_error": max(max(v) for v in seg_errors.values()),
+               # diagnostic only: each segment's prediction divided by its probe ratio (the host's
+               # speed while profiling over while running); not the target's figure
+               "max_rel_error_drift_corrected": round(max(drift_errors.values()), 3),
+               "profile_over_run_speed": [round(s["drift"], 3) for s in segs],
                ("max_rel_error_separate_hardware" if shared else "max_rel_error_shared_host"):
                    round(max(alt_errors.values()), 3)}
     print(json.dumps({"summary": summary}), flush=True)
