@@ -14,7 +14,8 @@ to wall: shared caches and memory, not the run queue), so one segment's error is
 that noise; the mean of 3 interleaved segments halves it.
 Predicted: controller/planner/simulator.py driven only by what is measured here, on the same
 model and configs, never by the measured run: the engine's PTL(BS) and step cost per cached
-token (profile_engine), the trainer's time per token (profile_trainer over B's TrainerWorker);
+token (profile_engine), the trainer's time per token (B's TrainerWorker timed at 4 sizes before
+and after each pipeline run, TrainerPasses);
 the host terms (controller/planner/host.py): the weight-sync executor's time between two local
 processes, an RPC round trip, the engine's weight swap, the controller's per-iteration
 batching and dispatch; generation through the runtime's own generate path
@@ -40,7 +41,6 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ from controller.planner.colocated import measure_colocated_generation, measure_c
 from controller.planner.overlap import generate_timer, runtime_engine_load  # noqa: E402
 from controller.planner.host import (concurrent_slowdown, make_train_tokens,  # noqa: E402
                                      measure_weight_sync, runtime_generate_factor, trainer_load)
-from controller.planner.profile import TrainProfile, profile_engine, profile_trainer  # noqa: E402
+from controller.planner.profile import TrainProfile, fit_train_profile, profile_engine  # noqa: E402
 from controller.planner.simulator import SimConfig, Workload, scaled_profile, simulate  # noqa: E402
 from controller.scheduling import PTLProfile  # noqa: E402
 
@@ -67,8 +67,8 @@ RPC_ROUND_TRIPS = 4
 RUNTIME_GEN_BATCHES = 12  # synthetic iterations timed through GenerationInstance.generate vs the bare loop
 COLOCATED_TRAIN_ITERATIONS = 5  # two DP ranks training at once, per measurement
 SEGMENT_ROUNDS = 2  # pipeline_modes rounds per segment: the modes in one order, then reversed
-TRAIN_PROFILE_REPEATS = 3  # passes per size; the profile fits the median pass at each of 4 sizes
-PROBE_PASSES = 3  # reference training passes per speed probe
+TRAIN_PROFILE_REPEATS = 3  # passes per size, before and after each pipeline run (fit: median per size)
+TRAIN_WARMUP_PASSES = 3  # full passes before a trainer is timed
 PTL_DECODE_STEPS = 32  # timed decode steps per batch size (8 left PTL(BS) noisy enough to bend its shape)
 
 
@@ -139,17 +139,30 @@ def workloads(a, pa, cfg, tok, task) -> list[Workload]:
     return out[1:]
 
 
-def trainer_profile(cfg, model_dir: str, wl: Workload) -> tuple[TrainProfile, Callable[[int], None]]:
-    """profile_trainer over B's TrainerWorker: a full iteration (begin, receive, step) on
-    length-forced synthetic samples of the workload's shape, at four batch sizes."""
-    train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
-                                     wl.prompt_lens, cfg.train.group_size)
-    total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
-    train_tokens(total // 4)  # warm-up
-    # 4 sizes: a line through 2 noisy points moved the slope by up to 35% between segments
-    sizes = [total * k // 4 for k in (1, 2, 3, 4)]
-    prof = profile_trainer(train_tokens, token_counts=sizes, repeats=TRAIN_PROFILE_REPEATS, clock=time.perf_counter)
-    return prof, train_tokens
+class TrainerPasses:
+    """B's TrainerWorker on length-forced synthetic samples of the workload's shape (a full
+    iteration: begin, receive, step), warmed up, timed at four batch sizes. This host's speed
+    moves 10-30% within seconds to minutes (the same pass: 0.30-0.44 s, CPU time equal to
+    wall), so the profile is fitted (``fit_train_profile``, median per size) through passes
+    taken on both sides of the segment's pipeline run: before it and after it, next to the
+    other profiles. The simulator never sees the run itself."""
+
+    def __init__(self, cfg, model_dir: str, wl: Workload):
+        self.train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs),
+                                              wl.out_lens, wl.prompt_lens, cfg.train.group_size)
+        self.total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
+        self.sizes = [self.total * k // 4 for k in (1, 2, 3, 4)]
+        self.passes: dict[int, list[float]] = {}
+        for _ in range(TRAIN_WARMUP_PASSES):  # the runtime's trainer is warm: a fresh one's first
+            self.train_tokens(self.total)     # full passes run 10-30% slower (allocator growth)
+
+    def sample(self) -> None:
+        for t in self.sizes:
+            for _ in range(TRAIN_PROFILE_REPEATS):
+                self.passes.setdefault(t, []).append(_timed(lambda: self.train_tokens(t)))
+
+    def profile(self) -> TrainProfile:
+        return fit_train_profile(self.passes)
 
 
 def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
@@ -267,19 +280,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def speed_probe(cfg, model_dir: str, wl: Workload) -> Callable[[], float]:
-    """The host's speed now: a fixed reference work (one training pass over the workload's
-    first iteration, the median of ``PROBE_PASSES``), timed before and after the segment's
-    pipeline run and after its profiles. Their ratio is how much slower or faster the host
-    was while profiling than while running: a diagnostic, never an input of the prediction."""
-    train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs), wl.out_lens,
-                                     wl.prompt_lens, cfg.train.group_size)
-    total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
-    train_tokens(total // 4)  # warm-up
-    return lambda: float(np.median([_timed(lambda: train_tokens(total)) for _ in range(PROBE_PASSES)]))
-
-
-def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload]) -> tuple[PTLProfile, TrainProfile, dict]:
+def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload], trainer: "TrainerPasses"
+                     ) -> tuple[PTLProfile, TrainProfile, dict]:
     """Every profile and host term, measured now, each stage alone (see the module docstring)."""
     from workers.generation.factory import make_engine
 
@@ -289,8 +291,10 @@ def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload]) -> 
     gen = profile_engine(engine, batch_sizes=sizes, prompt_len=int(np.mean(w0.prompt_lens)), decode_steps=PTL_DECODE_STEPS, vocab=300,
                          name="bench-model", long_context=1024, repeats=3)
     del engine
-    train, train_tokens = trainer_profile(cfg, model_dir, w0)
-    host = host_terms(cfg, model_dir, tok, task, w0, train_tokens, wls[:RUNTIME_GEN_BATCHES], gen, train)
+    trainer.sample()  # after the run (the first sample was taken before it)
+    train = trainer.profile()
+    host = host_terms(cfg, model_dir, tok, task, w0, trainer.train_tokens, wls[:RUNTIME_GEN_BATCHES], gen, train)
+    host["train_profile_passes_s"] = {str(k): [round(x, 4) for x in v] for k, v in trainer.passes.items()}
     return gen, train, host
 
 
@@ -357,27 +361,24 @@ def main(argv=None) -> dict:
     shared = not a.separate_hardware
     segs, saved = [], []
     model_dir = str(ROOT / cfg.model.path)
-    # the bench's model, as bench/pipeline_modes.py makes it (idempotent): the speed probe
-    # needs it before the first pipeline run
+    # the bench's model, as bench/pipeline_modes.py makes it (idempotent): the trainer's
+    # first passes are taken before the first pipeline run
     ensure_model(model_dir, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs), 0, 1e-3, 0)
     tok = Tokenizer.load(model_dir)
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     wls = workloads(a, pa, cfg, tok, task)
     for k in range(n_seg):
-        fresh = not a.measured and not (cached is not None and k < len(cached["segments"]))
-        probe = speed_probe(cfg, model_dir, wls[0]) if fresh else None
-        probes = [probe()] if probe else []
+        fresh = not (cached is not None and k < len(cached["segments"]))
+        trainer = TrainerPasses(cfg, model_dir, wls[0]) if fresh else None
+        if trainer is not None and not a.measured:
+            trainer.sample()  # before the run
         rows = measured_rows(a, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)
-        probes += [probe()] if probe else []
         meas = {m: measured_stages(ROOT / pa.logdir, m) for m in rows}  # the segment's last round
         if cached is not None and k < len(cached["segments"]):
             d = cached["segments"][k]
             gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
         else:
-            gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls)
-        probes += [probe()] if probe else []
-        # > 1: the host was slower while profiling than while running the pipeline
-        drift = float(np.mean(probes[1:]) / np.mean(probes[:2])) if probes else 1.0
+            gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls, trainer)
         saved.append({"generation": asdict(gen), "trainer": asdict(train), "host": host})
         print(json.dumps({"segment": k, "load_avg_1m": round(os.getloadavg()[0], 2),
                           "profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
@@ -386,12 +387,11 @@ def main(argv=None) -> dict:
                                        "train_ms_per_1k_tokens": round(train.s_per_token * 1e6, 2),
                                        "train_fixed_s": round(train.fixed_s, 3)},
                           "host": {k2: round(v, 4) if isinstance(v, float) else v for k2, v in host.items()},
-                          "shared_host": shared, "speed_probe_s": [round(x, 4) for x in probes],
-                          "profile_over_run_speed": round(drift, 3)}), flush=True)
+                          "shared_host": shared}), flush=True)
         pred = {m: predict(m, gen, train, host, wls, pa, cfg, shared) for m in rows}
-        segs.append({"rows": rows, "pred": pred, "meas": meas, "drift": drift})
+        segs.append({"rows": rows, "pred": pred, "meas": meas})
     cache.write_text(json.dumps({"segments": saved}))
-    errors, alt_errors, seg_errors, drift_errors = {}, {}, {}, {}
+    errors, alt_errors, seg_errors = {}, {}, {}
     mean = lambda xs: round(float(np.mean(xs)), 3) if xs else None  # noqa: E731
     for mode in segs[0]["rows"]:
         # every segment ran the same iterations per mode: the run's seconds per iteration is the mean
@@ -399,7 +399,6 @@ def main(argv=None) -> dict:
         predicted = float(np.mean([s["pred"][mode][0] for s in segs]))
         alt = float(np.mean([s["pred"][mode][1] for s in segs]))
         errors[mode] = abs(predicted - measured) / measured
-        drift_errors[mode] = abs(float(np.mean([s["pred"][mode][0] / s["drift"] for s in segs])) - measured) / measured
         alt_errors[mode] = abs(alt - measured) / measured
         seg_errors[mode] = [round(abs(s["pred"][mode][0] - s["rows"][mode]["iteration_s"])
                                   / s["rows"][mode]["iteration_s"], 3) for s in segs]
@@ -416,10 +415,7 @@ def main(argv=None) -> dict:
                "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick,
                "segments": n_seg, "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()},
                "max_segment_error": max(max(v) for v in seg_errors.values()),
-               # diagnostic only: each segment's prediction divided by its probe ratio (the host's
-               # speed while profiling over while running); not the target's figure
-               "max_rel_error_drift_corrected": round(max(drift_errors.values()), 3),
-               "profile_over_run_speed": [round(s["drift"], 3) for s in segs],
+
                ("max_rel_error_separate_hardware" if shared else "max_rel_error_shared_host"):
                    round(max(alt_errors.values()), 3)}
     print(json.dumps({"summary": summary}), flush=True)

@@ -6,7 +6,7 @@ must equal that law exactly; the real clock is only checked for shape."""
 import pytest
 import torch
 
-from controller.planner.profile import TrainProfile, profile_engine, profile_trainer
+from controller.planner.profile import TrainProfile, fit_train_profile, profile_engine, profile_trainer
 from controller.scheduling import PTLProfile
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine
@@ -110,3 +110,8 @@ def test_profile_trainer_takes_the_median_pass():
     assert prof.s_per_token == pytest.approx(0.001) and prof.fixed_s == pytest.approx(0.2)
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         profile_trainer(train, token_counts=(100, 900), repeats=0)
+    # passes pooled from two sessions (before and after a run): the median per size
+    pooled = fit_train_profile({100: [0.3, 0.35, 0.9], 900: [1.1, 1.0, 1.3, 1.1]})
+    assert pooled.s_per_token == pytest.approx(0.75 / 800) and pooled.fixed_s == pytest.approx(0.35 - 0.075 * 100 / 80)
+    with pytest.raises(ValueError, match="at >= 2 distinct token counts"):
+        fit_train_profile({100: [0.3]})

@@ -159,15 +159,22 @@ def profile_trainer(train_tokens: Callable[[int], None], token_counts: Sequence[
         raise ValueError(f"profile_trainer: need at least 2 distinct token_counts, got {list(token_counts)}")
     if repeats < 1:
         raise ValueError(f"profile_trainer: repeats must be >= 1, got {repeats}")
-    xs, ys = [], []
+    passes: dict[int, list[float]] = {}
     for t in token_counts:
-        times = []
         for _ in range(repeats):
             t0 = clock()
             train_tokens(int(t))
-            times.append(clock() - t0)
-        xs.append(float(t))
-        ys.append(float(np.median(times)))
+            passes.setdefault(int(t), []).append(clock() - t0)
+    return fit_train_profile(passes, ranks)
+
+
+def fit_train_profile(passes: dict[int, Sequence[float]], ranks: int = 1) -> TrainProfile:
+    """time = fixed_s + s_per_token * T, least squares through the median pass at each T
+    (``passes``: tokens -> seconds of each timed pass, e.g. pooled from several sessions)."""
+    if len([t for t, v in passes.items() if len(v)]) < 2:
+        raise ValueError(f"fit_train_profile: need passes at >= 2 distinct token counts, got {sorted(passes)}")
+    xs = [float(t) for t in sorted(passes) if len(passes[t])]
+    ys = [float(np.median(passes[int(t)])) for t in xs]
     slope, icpt = np.polyfit(xs, ys, 1)
     return TrainProfile(float(max(slope, 1e-12)), float(max(icpt, 0.0)), ranks, "measured")
 
