@@ -56,8 +56,8 @@ from controller.data import PromptStream  # noqa: E402
 from controller.planner.colocated import measure_colocated_generation, measure_colocated_training  # noqa: E402
 from controller.planner.overlap import generate_timer, runtime_engine_load  # noqa: E402
 from controller.planner.host import (concurrent_slowdown, make_train_tokens,  # noqa: E402
-                                     measure_weight_sync, runtime_generate_factor, trainer_load)
-from controller.planner.profile import TrainProfile, fit_train_profile, profile_engine  # noqa: E402
+                                     measure_weight_sync, runtime_generate_factor, train_handover_s, trainer_load)
+from controller.planner.profile import TrainerPasses, TrainProfile, profile_engine  # noqa: E402
 from controller.planner.simulator import SimConfig, Workload, scaled_profile, simulate  # noqa: E402
 from controller.scheduling import PTLProfile  # noqa: E402
 
@@ -137,32 +137,6 @@ def workloads(a, pa, cfg, tok, task) -> list[Workload]:
         out.append(Workload([by_prompt[it.prompt] for it in batch for _ in range(g)], plen,
                             groups=[j for j in range(len(batch)) for _ in range(g)]))  # group_id parity
     return out[1:]
-
-
-class TrainerPasses:
-    """B's TrainerWorker on length-forced synthetic samples of the workload's shape (a full
-    iteration: begin, receive, step), warmed up, timed at four batch sizes. This host's speed
-    moves 10-30% within seconds to minutes (the same pass: 0.30-0.44 s, CPU time equal to
-    wall), so the profile is fitted (``fit_train_profile``, median per size) through passes
-    taken on both sides of the segment's pipeline run: before it and after it, next to the
-    other profiles. The simulator never sees the run itself."""
-
-    def __init__(self, cfg, model_dir: str, wl: Workload):
-        self.train_tokens = make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs),
-                                              wl.out_lens, wl.prompt_lens, cfg.train.group_size)
-        self.total = int(sum(wl.out_lens) + sum(wl.prompt_lens))
-        self.sizes = [self.total * k // 4 for k in (1, 2, 3, 4)]
-        self.passes: dict[int, list[float]] = {}
-        for _ in range(TRAIN_WARMUP_PASSES):  # the runtime's trainer is warm: a fresh one's first
-            self.train_tokens(self.total)     # full passes run 10-30% slower (allocator growth)
-
-    def sample(self) -> None:
-        for t in self.sizes:
-            for _ in range(TRAIN_PROFILE_REPEATS):
-                self.passes.setdefault(t, []).append(_timed(lambda: self.train_tokens(t)))
-
-    def profile(self) -> TrainProfile:
-        return fit_train_profile(self.passes)
 
 
 def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
@@ -260,27 +234,13 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
             "gen_runtime_factor_colocated": float(np.median([a / m for a, m in zip(co.alone_s, halves_model)]))}
 
 
-def train_handover_s(train_tokens, total: int, microbatch_tokens: int, rounds: int = 5) -> float:
-    """The trainer's fixed cost per hand-over (one ``TrainerWorker.receive`` call): the same
-    iteration's samples in one receive vs in micro-batch-sized receives in a shuffled order
-    (a streaming rank's hand-overs), interleaved; median of the per-round
-    (chunked - one) / (extra receives)."""
-    k = max(2, round(total / microbatch_tokens))
-    per = []
-    for _ in range(rounds):
-        one = _timed(lambda: train_tokens(total))
-        many = _timed(lambda: train_tokens(total, handovers=k))
-        per.append((many - one) / (k - 1))
-    return max(0.0, float(np.median(per)))
-
-
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload], trainer: "TrainerPasses"
+def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload], trainer: TrainerPasses
                      ) -> tuple[PTLProfile, TrainProfile, dict]:
     """Every profile and host term, measured now, each stage alone (see the module docstring)."""
     from workers.generation.factory import make_engine
@@ -369,7 +329,13 @@ def main(argv=None) -> dict:
     wls = workloads(a, pa, cfg, tok, task)
     for k in range(n_seg):
         fresh = not (cached is not None and k < len(cached["segments"]))
-        trainer = TrainerPasses(cfg, model_dir, wls[0]) if fresh else None
+        trainer = None
+        if fresh:  # the trainer passes behind the profile, on both sides of the run
+            w0 = wls[0]
+            trainer = TrainerPasses(make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs),
+                                                      w0.out_lens, w0.prompt_lens, cfg.train.group_size),
+                                    int(sum(w0.out_lens) + sum(w0.prompt_lens)), warmup=TRAIN_WARMUP_PASSES,
+                                    repeats=TRAIN_PROFILE_REPEATS)
         if trainer is not None and not a.measured:
             trainer.sample()  # before the run
         rows = measured_rows(a, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)

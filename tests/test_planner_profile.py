@@ -6,7 +6,8 @@ must equal that law exactly; the real clock is only checked for shape."""
 import pytest
 import torch
 
-from controller.planner.profile import TrainProfile, fit_train_profile, profile_engine, profile_trainer
+from controller.planner.profile import (TrainerPasses, TrainProfile, fit_train_profile, profile_engine,
+                                        profile_trainer)
 from controller.scheduling import PTLProfile
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine
@@ -115,3 +116,23 @@ def test_profile_trainer_takes_the_median_pass():
     assert pooled.s_per_token == pytest.approx(0.75 / 800) and pooled.fixed_s == pytest.approx(0.35 - 0.075 * 100 / 80)
     with pytest.raises(ValueError, match="at >= 2 distinct token counts"):
         fit_train_profile({100: [0.3]})
+
+
+def test_trainer_passes_pool_samples_taken_at_different_moments():
+    """Warm-up passes are not timed; a sample before and one after a run are pooled per size."""
+    t = {"now": 0.0, "speed": 1.0, "calls": []}
+
+    def train(tokens):
+        t["calls"].append(tokens)
+        t["now"] += (0.02 + 0.0001 * tokens) * t["speed"]
+
+    tp = TrainerPasses(train, total=800, warmup=2, repeats=1, clock=lambda: t["now"])
+    assert t["calls"] == [800, 800] and tp.sizes == [200, 400, 600, 800] and tp.passes == {}
+    tp.sample()
+    t["speed"] = 3.0  # the host slows down for the second sample, then recovers for a third
+    tp.sample()
+    t["speed"] = 1.0
+    tp.sample()
+    assert all(len(v) == 3 for v in tp.passes.values())
+    prof = tp.profile()  # the median per size is the normal-speed pass
+    assert prof.s_per_token == pytest.approx(0.0001) and prof.fixed_s == pytest.approx(0.02)

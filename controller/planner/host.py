@@ -109,6 +109,23 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
     return train
 
 
+def train_handover_s(train_tokens: Callable[..., None], total: int, microbatch_tokens: int, rounds: int = 5
+                     ) -> float:
+    """The trainer's fixed cost per hand-over (one ``TrainerWorker.receive`` call), for
+    ``make_train_tokens``' callable: the same iteration's samples in one receive vs in
+    micro-batch-sized receives in a shuffled order (a streaming rank's hand-overs),
+    interleaved; median of the per-round (chunked - one) / (extra receives)."""
+    k = max(2, round(total / microbatch_tokens))
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        train_tokens(total)
+        t1 = time.perf_counter()
+        train_tokens(total, handovers=k)
+        per.append(((time.perf_counter() - t1) - (t1 - t0)) / (k - 1))
+    return max(0.0, float(np.median(per)))
+
+
 def concurrent_slowdown(measure: Callable[[], float], background: Callable, args: tuple, rounds: int = 5
                         ) -> dict[str, float]:
     """Time ``measure()`` (returns seconds) alone and while ``background(*args, gate)`` runs in

@@ -179,6 +179,34 @@ def fit_train_profile(passes: dict[int, Sequence[float]], ranks: int = 1) -> Tra
     return TrainProfile(float(max(slope, 1e-12)), float(max(icpt, 0.0)), ranks, "measured")
 
 
+class TrainerPasses:
+    """Timed training passes behind a ``TrainProfile``, that can be taken at several moments
+    and pooled: ``train_tokens(T)`` (one full pass over about T tokens) is warmed up with
+    ``warmup`` passes at ``total`` (a fresh trainer's first full passes run 10-30% slower
+    here: allocator growth), then each ``sample()`` times ``repeats`` passes at total/4,
+    total/2, 3/4 total and total. On a host whose speed moves within minutes, samples taken
+    before and after the run being predicted bracket it in time; ``profile()`` fits the median
+    per size (``fit_train_profile``)."""
+
+    def __init__(self, train_tokens: Callable[[int], None], total: int, warmup: int = 3, repeats: int = 3,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.train_tokens, self.total, self.repeats, self.clock = train_tokens, int(total), int(repeats), clock
+        self.sizes = [self.total * k // 4 for k in (1, 2, 3, 4)]
+        self.passes: dict[int, list[float]] = {}
+        for _ in range(warmup):
+            train_tokens(self.total)
+
+    def sample(self) -> None:
+        for t in self.sizes:
+            for _ in range(self.repeats):
+                t0 = self.clock()
+                self.train_tokens(t)
+                self.passes.setdefault(t, []).append(self.clock() - t0)
+
+    def profile(self) -> TrainProfile:
+        return fit_train_profile(self.passes)
+
+
 def save_json(obj, path: str | os.PathLike) -> None:
     """Write a profile dataclass as indented JSON, atomically."""
     write_text(path, json.dumps(asdict(obj), indent=1))
