@@ -328,19 +328,20 @@ def main(argv=None) -> dict:
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     wls = workloads(a, pa, cfg, tok, task)
     for k in range(n_seg):
-        fresh = not (cached is not None and k < len(cached["segments"]))
+        reuse = cached is not None and k < len(cached["segments"])
         trainer = None
-        if fresh:  # the trainer passes behind the profile, on both sides of the run
+        if not reuse:  # the trainer passes behind the profile, on both sides of the run
             w0 = wls[0]
+            total = int(sum(w0.out_lens) + sum(w0.prompt_lens))
             trainer = TrainerPasses(make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs),
                                                       w0.out_lens, w0.prompt_lens, cfg.train.group_size),
-                                    int(sum(w0.out_lens) + sum(w0.prompt_lens)), warmup=TRAIN_WARMUP_PASSES,
+                                    [total * q // 4 for q in (1, 2, 3, 4)], warmup=TRAIN_WARMUP_PASSES,
                                     repeats=TRAIN_PROFILE_REPEATS)
-        if trainer is not None and not a.measured:
-            trainer.sample()  # before the run
+            if not a.measured:
+                trainer.sample()  # before the run
         rows = measured_rows(a, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)
         meas = {m: measured_stages(ROOT / pa.logdir, m) for m in rows}  # the segment's last round
-        if cached is not None and k < len(cached["segments"]):
+        if reuse:
             d = cached["segments"][k]
             gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
         else:
@@ -381,7 +382,6 @@ def main(argv=None) -> dict:
                "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick,
                "segments": n_seg, "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()},
                "max_segment_error": max(max(v) for v in seg_errors.values()),
-
                ("max_rel_error_separate_hardware" if shared else "max_rel_error_shared_host"):
                    round(max(alt_errors.values()), 3)}
     print(json.dumps({"summary": summary}), flush=True)

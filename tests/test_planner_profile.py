@@ -126,7 +126,7 @@ def test_trainer_passes_pool_samples_taken_at_different_moments():
         t["calls"].append(tokens)
         t["now"] += (0.02 + 0.0001 * tokens) * t["speed"]
 
-    tp = TrainerPasses(train, total=800, warmup=2, repeats=1, clock=lambda: t["now"])
+    tp = TrainerPasses(train, [200, 400, 600, 800], warmup=2, repeats=1, clock=lambda: t["now"])
     assert t["calls"] == [800, 800] and tp.sizes == [200, 400, 600, 800] and tp.passes == {}
     tp.sample()
     t["speed"] = 3.0  # the host slows down for the second sample, then recovers for a third

@@ -159,42 +159,37 @@ def profile_trainer(train_tokens: Callable[[int], None], token_counts: Sequence[
         raise ValueError(f"profile_trainer: need at least 2 distinct token_counts, got {list(token_counts)}")
     if repeats < 1:
         raise ValueError(f"profile_trainer: repeats must be >= 1, got {repeats}")
-    passes: dict[int, list[float]] = {}
-    for t in token_counts:
-        for _ in range(repeats):
-            t0 = clock()
-            train_tokens(int(t))
-            passes.setdefault(int(t), []).append(clock() - t0)
-    return fit_train_profile(passes, ranks)
+    passes = TrainerPasses(train_tokens, token_counts, warmup=0, repeats=repeats, clock=clock)
+    passes.sample()
+    return passes.profile(ranks)
 
 
 def fit_train_profile(passes: dict[int, Sequence[float]], ranks: int = 1) -> TrainProfile:
     """time = fixed_s + s_per_token * T, least squares through the median pass at each T
     (``passes``: tokens -> seconds of each timed pass, e.g. pooled from several sessions)."""
-    if len([t for t, v in passes.items() if len(v)]) < 2:
+    sizes = sorted(t for t, v in passes.items() if len(v))
+    if len(sizes) < 2:
         raise ValueError(f"fit_train_profile: need passes at >= 2 distinct token counts, got {sorted(passes)}")
-    xs = [float(t) for t in sorted(passes) if len(passes[t])]
-    ys = [float(np.median(passes[int(t)])) for t in xs]
-    slope, icpt = np.polyfit(xs, ys, 1)
+    slope, icpt = np.polyfit([float(t) for t in sizes], [float(np.median(passes[t])) for t in sizes], 1)
     return TrainProfile(float(max(slope, 1e-12)), float(max(icpt, 0.0)), ranks, "measured")
 
 
 class TrainerPasses:
     """Timed training passes behind a ``TrainProfile``, that can be taken at several moments
     and pooled: ``train_tokens(T)`` (one full pass over about T tokens) is warmed up with
-    ``warmup`` passes at ``total`` (a fresh trainer's first full passes run 10-30% slower
-    here: allocator growth), then each ``sample()`` times ``repeats`` passes at total/4,
-    total/2, 3/4 total and total. On a host whose speed moves within minutes, samples taken
-    before and after the run being predicted bracket it in time; ``profile()`` fits the median
-    per size (``fit_train_profile``)."""
+    ``warmup`` passes at the largest size (a fresh trainer's first full passes run 10-30%
+    slower here: allocator growth), then each ``sample()`` times ``repeats`` passes at each
+    of ``sizes``. On a host whose speed moves within minutes, samples taken before and after
+    the run being predicted bracket it in time; ``profile()`` fits the median per size
+    (``fit_train_profile``)."""
 
-    def __init__(self, train_tokens: Callable[[int], None], total: int, warmup: int = 3, repeats: int = 3,
+    def __init__(self, train_tokens: Callable[[int], None], sizes: Sequence[int], warmup: int = 3, repeats: int = 3,
                  clock: Callable[[], float] = time.perf_counter):
-        self.train_tokens, self.total, self.repeats, self.clock = train_tokens, int(total), int(repeats), clock
-        self.sizes = [self.total * k // 4 for k in (1, 2, 3, 4)]
+        self.train_tokens, self.repeats, self.clock = train_tokens, int(repeats), clock
+        self.sizes = [int(t) for t in sizes]
         self.passes: dict[int, list[float]] = {}
         for _ in range(warmup):
-            train_tokens(self.total)
+            train_tokens(max(self.sizes))
 
     def sample(self) -> None:
         for t in self.sizes:
@@ -203,8 +198,8 @@ class TrainerPasses:
                 self.train_tokens(t)
                 self.passes.setdefault(t, []).append(self.clock() - t0)
 
-    def profile(self) -> TrainProfile:
-        return fit_train_profile(self.passes)
+    def profile(self, ranks: int = 1) -> TrainProfile:
+        return fit_train_profile(self.passes, ranks)
 
 
 def save_json(obj, path: str | os.PathLike) -> None:
