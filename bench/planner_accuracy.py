@@ -15,7 +15,8 @@ that noise; the mean of 3 interleaved segments halves it.
 Predicted: controller/planner/simulator.py driven only by what is measured here, on the same
 model and configs, never by the measured run: the engine's PTL(BS) and step cost per cached
 token (profile_engine), the trainer's time per token (B's TrainerWorker timed at 4 sizes before
-and after each pipeline run, TrainerPasses);
+and after each pipeline run, TrainerPasses, the samples handed over in the order the instance
+finishes them, as the runtime's trainer rank gets them: host.finish_order);
 the host terms (controller/planner/host.py): the weight-sync executor's time between two local
 processes, an RPC round trip, the engine's weight swap, the controller's per-iteration
 batching and dispatch; generation through the runtime's own generate path
@@ -334,7 +335,8 @@ def main(argv=None) -> dict:
             w0 = wls[0]
             total = int(sum(w0.out_lens) + sum(w0.prompt_lens))
             trainer = TrainerPasses(make_train_tokens(cfg.trainer, model_dir, cfg.task.name, dict(cfg.task.kwargs),
-                                                      w0.out_lens, w0.prompt_lens, cfg.train.group_size),
+                                                      w0.out_lens, w0.prompt_lens, cfg.train.group_size,
+                                                      max_batch=cfg.engine.max_batch_size),
                                     [total * q // 4 for q in (1, 2, 3, 4)], warmup=TRAIN_WARMUP_PASSES,
                                     repeats=TRAIN_PROFILE_REPEATS)
             if not a.measured:

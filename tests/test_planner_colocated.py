@@ -96,8 +96,9 @@ def test_colocated_dp_ranks_slow_down_by_the_share_another_rank_trains():
     assert base < both < old_rule
 
 
-def test_train_tokens_hands_samples_over_in_chunks_each_once(tiny_model, monkeypatch):  # noqa: F811
-    # the streaming trainer's hand-overs, as planner_accuracy times them (train_handover_s)
+def test_train_tokens_hands_samples_over_in_finish_order_in_chunks_each_once(tiny_model, monkeypatch):  # noqa: F811
+    # the trainer rank gets samples as the instance finishes them; planner_accuracy's trainer
+    # profile and train_handover_s time that order (micro-batches are cut in arrival order)
     from controller.planner.host import make_train_tokens
     from workers.trainer.config import TrainerConfig
     from workers.trainer.worker import TrainerWorker
@@ -105,18 +106,26 @@ def test_train_tokens_hands_samples_over_in_chunks_each_once(tiny_model, monkeyp
     torch.set_num_threads(1)
     calls = []
     receive = TrainerWorker.receive
-    monkeypatch.setattr(TrainerWorker, "receive", lambda self, s: (calls.append([x.sample_id for x in s]),
+    monkeypatch.setattr(TrainerWorker, "receive", lambda self, s: (calls.append([len(x.output_ids) for x in s]),
                                                                    receive(self, s))[1])
     train = make_train_tokens(TrainerConfig(algorithm="grpo", max_tokens_per_microbatch=64), tiny_model,
                               "synthetic", dict(TASK), [4, 6, 3], [5, 5, 7], 2)
-    train(60)
+    train(60)  # the workload's lengths cycled: 4 6 3 4 6 3 ..., whole groups of 2
     assert len(calls) == 1
-    one = sorted(calls.pop())
+    one = calls.pop()
+    assert one == sorted(one) and sorted(set(one)) == [3, 4, 6]  # shortest finish first
     train(60, handovers=3)
     assert len(calls) == 3 and all(calls)
-    ids = [i for c in calls for i in c]
-    assert len(ids) == len(set(ids)) == len(one)  # every sample once, none twice
-    assert ids != sorted(ids)  # a finish-like (shuffled) order, not the groups' order
+    assert [n for c in calls for n in c] == one  # the same order, cut into 3 hand-overs
+
+
+def test_finish_order_follows_continuous_batching_with_a_cap():
+    from controller.planner.host import finish_order
+
+    assert finish_order([5, 1, 3], [2, 2, 2]) == [1, 2, 0]  # all running: by length
+    # 2 running: 0 (5 steps) and 1 (1 step) first; 2 starts when 1 ends and needs 3 more (ends
+    # at 4, before 0); 3 starts at 4 and ends at 5, tied with 0 (admitted earlier: first)
+    assert finish_order([5, 1, 3, 1], [2, 2, 2, 2], max_batch=2) == [1, 2, 0, 3]
 
 
 def test_simulated_streaming_trainer_pays_the_handover_cost_per_handover():
