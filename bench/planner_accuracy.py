@@ -284,7 +284,8 @@ def predict(mode: str, gen: PTLProfile, train: TrainProfile, host: dict, wls: li
     sim_cfg = SimConfig(mode, 2 if colocated else 1, gen_rt, trainer, sync_s=0.0 if colocated else host["sync_s"],
                         dispatcher="round_robin", minibatch_size=max(2, pa.prompts // 2),
                         microbatch_tokens=cfg.trainer.max_tokens_per_microbatch,
-                        iteration_overhead_s=host["iteration_overhead_s"], train_overhead_per_batch_s=handover,
+                        iteration_overhead_s=host["iteration_overhead_s"], stream_window_s=cfg.pipeline.stream_window_s,
+                        train_overhead_per_batch_s=handover,
                         **(slow if shared else flat),
                         train_ranks=2 if colocated else 1, colocated_dp=colocated)
     per_it = lambda r: max(r.sync_end[-1], r.train_end[-1]) / len(wls)  # noqa: E731

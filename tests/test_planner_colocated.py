@@ -128,6 +128,24 @@ def test_finish_order_follows_continuous_batching_with_a_cap():
     assert finish_order([5, 1, 3, 1], [2, 2, 2, 2], max_batch=2) == [1, 2, 0, 3]
 
 
+def test_outbox_send_times_follow_the_window_and_flush_at_the_end():
+    from controller.planner.simulator import outbox_send_times
+
+    # 1.0 opens a window to 1.5 (1.2 joins it); 2.0 opens one to 2.5; 2.9 opens one the
+    # instance's end (3.0) closes early
+    assert outbox_send_times([1.2, 1.0, 2.0, 2.9], 0.5, 3.0) == [1.5, 1.5, 2.5, 3.0]
+    assert outbox_send_times([1.2, 1.0], 0.0, 3.0) == [1.2, 1.0]  # no window: at the finish
+
+
+def test_simulated_stream_trainer_waits_for_the_outbox_window():
+    wl = [Workload([1, 5], [1, 1])]  # 1 s per step: samples finish at 1 and 5
+    cfg = SimConfig("stream", 1, FLAT, TRAIN, microbatch_tokens=1)
+    first = lambda r: min(sp.start for sp in r.spans if sp.stage == "train")  # noqa: E731
+    assert first(simulate(cfg, wl)) == pytest.approx(1.0)
+    assert first(simulate(SimConfig("stream", 1, FLAT, TRAIN, microbatch_tokens=1, stream_window_s=0.5), wl)) \
+        == pytest.approx(1.5)
+
+
 def test_simulated_streaming_trainer_pays_the_handover_cost_per_handover():
     wl = [Workload([2, 2, 2, 2], [1, 1, 1, 1])]
     base = simulate(SimConfig("stream", 1, FLAT, TRAIN, microbatch_tokens=3), wl)

@@ -1,8 +1,10 @@
 """Cluster simulator: RL iterations event by event, for every pipeline mode.
 
 Generation runs the runtime's dispatcher and LPT admission over the instances (the
-event-level instance model of ``engine_sim``); each sample reaches the trainer when it
-finishes. The trainer follows the mode's hand-over rule; the weight sync takes
+event-level instance model of ``engine_sim``); each sample reaches the trainer when its
+instance's Outbox sends it (``stream_window_s``: the samples that finish within the window of
+the first unsent one travel together when the window closes, the rest at the instance's end;
+0: each when it finishes). The trainer follows the mode's hand-over rule; the weight sync takes
 ``sync_s`` and blocks what the mode says it blocks. Output: the same ``Span`` records as
 the runtime's timeline (controller/timeline.py), so a simulated run opens in the same
 viewer, plus per-iteration times.
@@ -71,6 +73,7 @@ class SimConfig:
     microbatch_tokens: int = 4096
     train_overhead_per_batch_s: float = 0.0  # per hand-over (micro/minibatch) fixed cost
     iteration_overhead_s: float = 0.0  # controller work before generation starts
+    stream_window_s: float = 0.0  # the instances' Outbox window (pipeline.stream_window_s)
     gen_shared_slowdown: float = 1.0  # shared host: generation's time factor while training computes
     gen_colocated_slowdown: float = 1.0  # shared host: an instance's time factor while another instance generates
     # shared host, DP ranks on one host (> 1: by overlap, like generation; 1: the old rule, every
@@ -213,6 +216,23 @@ def _dp_train_scale(cfg: SimConfig, mine: list, train_w: list, gen: list, busy: 
     return 1.0 + ((cfg.train_colocated_slowdown - 1.0) * by_t + (cfg.train_shared_slowdown - 1.0) * by_g) / busy
 
 
+def outbox_send_times(finish: Sequence[float], window_s: float, end: float) -> list[float]:
+    """When ``controller.instance.Outbox`` sends each sample (same indexing as ``finish``): the
+    first unsent sample opens a window of ``window_s``; every sample finished by its close
+    travels then; the instance's end (``close()``) sends what is left at once."""
+    if window_s <= 0.0:
+        return list(finish)
+    out = [0.0] * len(finish)
+    order = sorted(range(len(finish)), key=lambda k: finish[k])
+    i = 0
+    while i < len(order):
+        send = min(finish[order[i]] + window_s, max(end, finish[order[i]]))
+        while i < len(order) and finish[order[i]] <= send:
+            out[order[i]] = send
+            i += 1
+    return out
+
+
 def scaled_profile(profile: PTLProfile, factor: float) -> PTLProfile:
     """``profile`` with every time ``factor`` times longer (a slowed-down instance)."""
     if factor == 1.0:
@@ -246,15 +266,17 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
         profs = [scaled_profile(p, gen_scale[i]) for p in base]
         runs = simulate_plan(plan, w.out_lens, profs, w.prompt_lens, t0=t0)
         finish = [0.0] * len(w.out_lens)
+        arrive = [0.0] * len(w.out_lens)  # when the trainer gets each sample (the Outbox)
         for j, (idx, run) in enumerate(zip(plan.per_instance, runs)):
+            sent = outbox_send_times(run.finish_s, cfg.stream_window_s, run.makespan_s)
             for k, r in enumerate(idx):
-                finish[r] = run.finish_s[k]
+                finish[r], arrive[r] = run.finish_s[k], sent[k]
             if idx:
                 spans.append(Span(f"gen{j}", "generate", t0, run.makespan_s, i))
         gen_start.append(t0)
         gen_end.append(max(finish, default=t0))
         # --- training of iteration i
-        arrivals = [(finish[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish))]
+        arrivals = [(arrive[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish))]
         t = max(trainer_free, t0 if mode == "colocated" else 0.0)
         if mode == "colocated" and cfg.colocated_dp and cfg.train_ranks > 1:
             t = _colocated_dp_train(cfg, w, arrivals, t, train_scale[i], i, spans)
