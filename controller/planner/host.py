@@ -128,8 +128,8 @@ def train_handover_s(train_tokens: Callable[..., None], total: int, microbatch_t
                      ) -> float:
     """The trainer's fixed cost per hand-over (one ``TrainerWorker.receive`` call), for
     ``make_train_tokens``' callable: the same iteration's samples in one receive vs in
-    micro-batch-sized receives in a shuffled order (a streaming rank's hand-overs),
-    interleaved; median of the per-round (chunked - one) / (extra receives)."""
+    micro-batch-sized receives (a streaming rank's hand-overs), both in the instance's finish
+    order, interleaved; median of the per-round (chunked - one) / (extra receives)."""
     k = max(2, round(total / microbatch_tokens))
     per = []
     for _ in range(rounds):
