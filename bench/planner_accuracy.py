@@ -225,36 +225,33 @@ def host_terms(cfg, model_dir: str, tok, task, wl: Workload, train_tokens, gen_b
     sides = [generation_passes(cfg, model_dir, gen_batches)] + ([gen_before] if gen_before else [])
     full_model = [model_gen_s(gen, w.out_lens, w.prompt_lens) for w in gen_batches]
     halves_model = [max(model_gen_s(gen, w.out_lens[k::2], w.prompt_lens[k::2]) for k in (0, 1)) for w in gen_batches]
-    # medians over the synthetic iterations (both sides) of runtime / model: one iteration hit
-    # by a load spike moves a sum, not the median
-    rt_ratios = [t / m for sd in sides for t, m in zip(sd["runtime"]["runtime_s"], full_model)]
-    co_ratios = [a / m for sd in sides for a, m in zip(sd["colocated"].alone_s, halves_model)]
-    co_slow = [t / a for sd in sides for a, t in zip(sd["colocated"].alone_s, sd["colocated"].together_s)]
-    rt = {"factor": sum(sum(sd["runtime"]["runtime_s"]) for sd in sides) / sum(sum(sd["runtime"]["bare_s"]) for sd in sides)}
-    co = sides[0]["colocated"]
-    th, ta = co.together_threads, co.alone_threads
-    by_side = {"gen_runtime_factor_sides": [round(float(np.median([t / m for t, m in zip(sd["runtime"]["runtime_s"], full_model)])), 3)
-                                            for sd in sides],
-               "gen_runtime_factor_colocated_sides": [round(float(np.median([a / m for a, m in zip(sd["colocated"].alone_s, halves_model)])), 3)
-                                                      for sd in sides]}
+    # runtime / model per synthetic iteration and side; each factor is the median over both
+    # sides' iterations (one iteration hit by a load spike moves a sum, not the median)
+    rt_ratios = [[t / m for t, m in zip(sd["runtime"]["runtime_s"], full_model)] for sd in sides]
+    co_ratios = [[a / m for a, m in zip(sd["colocated"].alone_s, halves_model)] for sd in sides]
+    pooled = lambda per_side: float(np.median([x for r in per_side for x in r]))  # noqa: E731
+    co_runs = [sd["colocated"] for sd in sides]
+    runtime_over_bare = sum(sum(sd["runtime"]["runtime_s"]) for sd in sides) / sum(sum(sd["runtime"]["bare_s"]) for sd in sides)
+    th, ta = co_runs[0].together_threads, co_runs[0].alone_threads
     return {"weight_bytes": sum(v.numel() * v.element_size() for v in named.values()), "sync_s": link["sync_s"],
             "rpc_rtt_s": link["rpc_rtt_s"], "swap_s": swap, "controller_work_s": work,
             "iteration_overhead_s": work + swap + RPC_ROUND_TRIPS * link["rpc_rtt_s"],
             "gen_shared_slowdown": g["slowdown"], "train_shared_slowdown": t["slowdown"],
             "train_handover_s": handover,
-            "gen_colocated_slowdown": max(1.0, float(np.median(co_slow))),
+            "gen_colocated_slowdown": max(1.0, pooled([[t / a for a, t in zip(c.alone_s, c.together_s)] for c in co_runs])),
             "train_self_slowdown": max(1.0, float(np.median(ct["together_s"])) / ct_ref),
             "colocated_train_together_s": float(np.median(ct["together_s"])), "colocated_train_profile_s": ct_ref,
             "colocated_train_runq_share": ct["threads"]["runq_share"],
-            "colocated_gen_alone_s": float(np.mean([x for sd in sides for x in sd["colocated"].alone_s])),
-            "colocated_gen_together_s": float(np.mean([x for sd in sides for x in sd["colocated"].together_s])),
+            "colocated_gen_alone_s": float(np.mean([x for c in co_runs for x in c.alone_s])),
+            "colocated_gen_together_s": float(np.mean([x for c in co_runs for x in c.together_s])),
             "colocated_runq_share_alone": ta["runq_share"], "colocated_runq_share_together": th["runq_share"],
             "colocated_cpu_over_wall_together": th["cpu_s"] / th["wall_s"],
             "colocated_blocked_share_together": th["blocked_s"] / th["wall_s"],
             "gen_iteration_alone_s": g["alone_s"], "gen_iteration_shared_s": g["shared_s"],
-            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": rt["factor"],
-            "gen_runtime_factor": float(np.median(rt_ratios)),
-            "gen_runtime_factor_colocated": float(np.median(co_ratios)), **by_side}
+            "train_alone_s": t["alone_s"], "train_shared_s": t["shared_s"], "gen_runtime_over_bare": runtime_over_bare,
+            "gen_runtime_factor": pooled(rt_ratios), "gen_runtime_factor_colocated": pooled(co_ratios),
+            "gen_runtime_factor_sides": [round(float(np.median(r)), 3) for r in rt_ratios],  # after, before
+            "gen_runtime_factor_colocated_sides": [round(float(np.median(r)), 3) for r in co_ratios]}
 
 
 def _timed(fn) -> float:
