@@ -86,6 +86,7 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
     items = list(task.prompts("train"))
     state = {"n": 100}
     vocab = min(300, worker.actor.config.vocab_size)  # random token ids the model can embed
+    orders: dict[int, list[int]] = {}  # tokens -> finish order (the lengths depend on tokens only)
 
     def train(tokens: int, handovers: int = 1) -> None:
         state["n"] += 1
@@ -101,8 +102,10 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
                                   torch.full((out_lens[j],), -1.0), worker.version, "length", gid))
             used += out_lens[j] + prompt_lens[j]
             k += 1
-        samples = [samples[i] for i in finish_order([len(s.output_ids) for s in samples],
-                                                    [len(s.prompt_ids) for s in samples], max_batch)]
+        if tokens not in orders:  # once per size: the runtime's trainer does not simulate an instance
+            orders[tokens] = finish_order([len(s.output_ids) for s in samples],
+                                          [len(s.prompt_ids) for s in samples], max_batch)
+        samples = [samples[i] for i in orders[tokens]]
         worker.begin_iteration(state["n"], prompts, groups)
         for part in np.array_split(np.arange(len(samples)), max(1, handovers)):
             worker.receive([samples[i] for i in part])
