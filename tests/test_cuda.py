@@ -1,0 +1,182 @@
+"""The CUDA paths of the model, the native engine and the trainer, on a real GPU.
+
+Skipped where torch sees no CUDA device (CI and the 2-core dev machines have none);
+`bash bench/gpu_check.sh` runs this file on a GPU machine. What is checked:
+  * the model in bf16 on CUDA against the same weights in fp32 on the CPU;
+  * the engine on CUDA in fp32 (torch attention): greedy output equals greedy recomputation on
+    the GPU, for mixed lengths, across preemption and with prefix sharing;
+  * the engine's defaults (device/dtype "") pick CUDA + bf16, and bf16 decoding through the
+    paged cache agrees with bf16 recomputation;
+  * weights loaded in place from CPU tensors act like a fresh CUDA engine;
+  * the triton decode kernel gives the torch path's tokens in bf16 too;
+  * a trainer step on CUDA (bf16 autocast, fp32 masters) matches the CPU fp32 step.
+"""
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible to torch (these tests run in bench/gpu_check.sh)",
+                allow_module_level=True)
+
+from workers.generation.config import EngineConfig  # noqa: E402
+from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
+from workers.generation.factory import make_engine  # noqa: E402
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
+from workers.types import Request, SamplingParams  # noqa: E402
+
+torch.backends.cuda.matmul.allow_tf32 = False  # fp32 tests compare exactly; TF32 would round
+torch.backends.cudnn.allow_tf32 = False
+GREEDY = SamplingParams(temperature=0.0)
+V = 97
+CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny(seed=0, dtype=torch.float32, device="cuda") -> CausalLM:
+    # std 0.2: peaked logits, so greedy argmax is not decided by rounding
+    return init_weights(CausalLM(CFG), seed=seed, std=0.2).eval().to(device=device, dtype=dtype)
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g) for n in lengths]
+
+
+PS = prompts([1, 5, 17, 33, 2, 16, 9, 4])
+
+
+def greedy(ps, n, group_of=None):
+    return [Request(sample_id=i, prompt_ids=p, max_tokens=n, min_tokens=n, sampling=GREEDY,
+                    group_id=-1 if group_of is None else group_of[i]) for i, p in enumerate(ps)]
+
+
+@torch.no_grad()
+def recompute(model, prompt, n):
+    seq, out, lps = prompt.to(next(model.parameters()).device), [], []
+    for _ in range(n):
+        logits = model.forward_packed([seq])[-1].float()
+        t = logits.argmax()
+        out.append(int(t))
+        lps.append(float(torch.log_softmax(logits, -1)[t]))
+        seq = torch.cat([seq, t[None]])
+    return out, lps
+
+
+def check(model, reqs, samples, atol):
+    for r, s in zip(sorted(reqs, key=lambda r: r.sample_id), sorted(samples, key=lambda s: s.sample_id)):
+        want, want_lp = recompute(model, r.prompt_ids, r.max_tokens)
+        assert s.output_ids.tolist() == want, f"sample {r.sample_id}"
+        torch.testing.assert_close(s.logprobs.float().cpu(), torch.tensor(want_lp), rtol=0, atol=atol)
+
+
+def engine(model, **kw):
+    base = dict(block_size=4, kv_cache_tokens=4096, max_batch_size=8)
+    base.update(kw)
+    return NativeEngine(EngineConfig(**base), model=model)
+
+
+def test_model_bf16_on_cuda_close_to_fp32_on_cpu():
+    cpu, gpu = tiny(device="cpu"), tiny(dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = cpu.forward_packed([p for p in PS])
+        got = gpu.forward_packed([p.cuda() for p in PS]).float().cpu()
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_engine_fp32_cuda_equals_recompute_mixed_preempted_shared():
+    model = tiny()
+    reqs = greedy(PS, 14)
+    check(model, reqs, generate_all(engine(model, max_batch_size=3), reqs), 1e-4)
+    eng = engine(model, kv_cache_tokens=64)  # 16 blocks of 4: cannot hold all 8 sequences
+    check(model, reqs, generate_all(eng, reqs), 1e-4)
+    assert eng.stats().preemptions > 0 and eng.stats().kv_blocks_used == 0
+    ps = prompts([7, 8, 13])
+    group_of = [i // 4 for i in range(12)]
+    shared = greedy([ps[g] for g in group_of], 10, group_of)
+    eng = engine(model, max_batch_size=12, kv_cache_tokens=80)
+    check(model, shared, generate_all(eng, shared), 1e-4)
+    assert eng.stats().preemptions > 0 and eng.stats().kv_blocks_used == 0
+
+
+def test_engine_defaults_pick_cuda_bf16_and_agree_with_bf16_recompute(tmp_path):
+    folder = save_pretrained(tiny(device="cpu"), tmp_path / "m")
+    eng = make_engine(EngineConfig(max_batch_size=8, block_size=16, kv_cache_tokens=4096), str(folder))
+    p = next(eng.model.parameters())
+    assert p.device.type == "cuda" and p.dtype == torch.bfloat16
+    reqs = greedy(PS, 12)
+    out = generate_all(eng, reqs)
+    assert all(len(s.output_ids) == 12 and torch.isfinite(s.logprobs).all() for s in out)
+    check(eng.model, reqs, out, 0.1)  # paged bf16 decode vs bf16 recompute: same argmax
+
+
+def test_load_weights_from_cpu_tensors_like_fresh_cuda_engine():
+    other = tiny(seed=7, device="cpu")
+    reqs = greedy(PS[:4], 8)
+    eng = engine(tiny())
+    generate_all(eng, reqs)
+    eng.load_weights(other.hf_state_dict().items(), version=3)  # CPU tensors into CUDA weights
+    got = generate_all(eng, reqs)
+    want = generate_all(engine(other.cuda()), reqs)
+    assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
+    assert all(s.weight_version == 3 for s in got)
+
+
+def test_triton_decode_bf16_matches_torch_decode():
+    pytest.importorskip("triton")
+    import kernels
+
+    if kernels.interpreting():
+        pytest.skip("TRITON_INTERPRET=1: this test times nothing but checks compiled kernels")
+    model = tiny(dtype=torch.bfloat16)
+    reqs = greedy(PS, 12)
+    runs = {}
+    for backend in ("torch", "triton"):
+        eng = engine(model, block_size=16, attention_backend=backend)
+        runs[backend] = sorted(generate_all(eng, reqs), key=lambda s: s.sample_id)
+    for a, b in zip(runs["torch"], runs["triton"]):
+        assert a.output_ids.tolist() == b.output_ids.tolist(), f"sample {a.sample_id}"
+        torch.testing.assert_close(b.logprobs.float(), a.logprobs.float(), rtol=0, atol=0.05)
+
+
+def test_trainer_step_on_cuda_bf16_matches_cpu_fp32(tmp_path):
+    from workers.tasks import make_task
+    from workers.trainer import TrainerConfig, TrainerWorker
+    from workers.trainer.bootstrap import build_model_dir
+    from workers.trainer.rollout import rollout
+
+    class DenseReward:  # random tiny models score 0 on real tasks: reward the length instead
+        def __init__(self, base):
+            self.base = base
+
+        def prompts(self, split):
+            return self.base.prompts(split)
+
+        def score(self, prompt, completion):
+            return (len(completion) % 5) / 4
+
+    task = DenseReward(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
+    small = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    folder, _ = build_model_dir(tmp_path / "tiny", task.base, small, seed=0)
+    cpu = TrainerWorker(TrainerConfig(algorithm="ppo", lr=1e-2), str(folder), task, device="cpu")
+    items = task.prompts("train")[:4]
+    samples, prompts, groups = rollout(cpu.actor, cpu.tokenizer, items, 3, 12, version=0, seed=0)
+    gpu = TrainerWorker(TrainerConfig(algorithm="ppo", lr=1e-2), str(folder), task, device="cuda")
+    assert gpu.bf16 and next(gpu.actor.parameters()).device.type == "cuda"
+    before = {k: v.detach().cpu().clone() for k, v in cpu.named_weights()}
+    for w in (cpu, gpu):
+        w.begin_iteration(0, prompts, groups)
+        w.receive(samples)
+    ref, res = cpu.step(), gpu.step()
+    assert res.version == 1 and res.metrics["step_skipped"] == 0 and math.isfinite(res.metrics["grad_norm"])
+    assert all(p.dtype == torch.float32 for p in gpu.actor.parameters())  # fp32 masters
+    assert ref.metrics["grad_norm"] > 0
+    assert res.metrics["grad_norm"] == pytest.approx(ref.metrics["grad_norm"], rel=0.1)
+    d_cpu = torch.cat([(v.detach().cpu() - before[k]).flatten() for k, v in cpu.named_weights()])
+    d_gpu = torch.cat([(v.detach().cpu() - before[k]).flatten() for k, v in gpu.named_weights()])
+    cos = torch.nn.functional.cosine_similarity(d_cpu, d_gpu, dim=0)
+    assert cos > 0.9, f"CUDA bf16 update points elsewhere than the CPU fp32 one (cosine {cos:.3f})"
