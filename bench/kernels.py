@@ -6,7 +6,9 @@ SDPA on a dense cache, vs the engine's torch paged path, vs vLLM's Triton kernel
 
 One JSON line per (shape, implementation); the last line is the summary with keys
 ``device, peak_gbps, triton_median_pct_peak, triton_vs_sdpa_dense, triton_vs_torch_paged,
-triton_vs_vllm, rms_norm_vs_torch, rotary_vs_torch`` (speedups are time ratios, geometric
+triton_vs_vllm, rms_norm_vs_torch, rotary_vs_torch`` and the same from CUDA-graph replays
+(``*_graph``: the GPU's time without the host's launch cost, which dominates small shapes)
+(speedups are time ratios, geometric
 means over shapes for attention; >1 means ours is faster). Also times the fused RMSNorm
 (+ residual) and rotary kernels against the model's eager torch ops.
 On a machine without CUDA it prints one JSON line saying it skipped, and why.
@@ -126,6 +128,13 @@ def measure(rec: dict, fn, ref, nbytes: int, peak, rows: list) -> None:
     gbps = nbytes / (ms * 1e-3) / 1e9
     rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
                pct_peak=round(100 * gbps / peak, 1) if peak else None)
+    try:  # replayed from a CUDA graph: the GPU's time alone, without the host's launch cost
+        ms_g = triton.testing.do_bench_cudagraph(fn, rep=50)
+        gbps_g = nbytes / (ms_g * 1e-3) / 1e9
+        rec.update(us_graph=round(ms_g * 1e3, 2), gbps_graph=round(gbps_g, 1),
+                   pct_peak_graph=round(100 * gbps_g / peak, 1) if peak else None)
+    except Exception as e:
+        rec["graph_error"] = f"{type(e).__name__}: {e}"[:200]
     print(json.dumps(rec), flush=True)
     rows.append(rec)
 
@@ -195,13 +204,14 @@ def op_speedup(rows, op):
     return round(t["torch_eager"] / t["triton"], 3) if len(t) == 2 and t["triton"] > 0 else None
 
 
-def geomean_speedup(rows, other):
-    """Geometric mean over shapes of t(other) / t(triton)."""
+def geomean_speedup(rows, other, key="us"):
+    """Geometric mean over shapes of t(other) / t(triton) (``key``: "us", or "us_graph" for
+    CUDA-graph replay times)."""
     by = {}
     for r in rows:
-        if "model" not in r:
+        if "model" not in r or key not in r:
             continue
-        by.setdefault((r["model"], r["batch"], r["ctx"], r["ragged"]), {})[r["impl"]] = r["us"]
+        by.setdefault((r["model"], r["batch"], r["ctx"], r["ragged"]), {})[r["impl"]] = r[key]
     ratios = [d[other] / d["triton"] for d in by.values() if other in d and "triton" in d]
     return round(math.exp(statistics.fmean(map(math.log, ratios))), 3) if ratios else None
 
@@ -237,6 +247,8 @@ def main() -> int:
         rows += bench_shape(model, 64, 2048, dtype, dev, peak, vllm_fn, ragged=True)
     elementwise = bench_norm_rope(4096, 3584, 28, 128, dtype, dev, peak)  # Qwen2.5-7B widths
     pct = [r["pct_peak"] for r in rows if r["impl"] == "triton" and r.get("pct_peak") is not None]
+    pct_g = [r["pct_peak_graph"] for r in rows
+             if r["impl"] == "triton" and r.get("pct_peak_graph") is not None]
     extra = dict(rms_norm_vs_torch=op_speedup(elementwise, "rms_norm_residual"),
                  rotary_vs_torch=op_speedup(elementwise, "rotary"))
     print(json.dumps(dict(
@@ -246,6 +258,9 @@ def main() -> int:
         triton_vs_sdpa_dense=geomean_speedup(rows, "sdpa_dense"),
         triton_vs_torch_paged=geomean_speedup(rows, "torch_paged"),
         triton_vs_vllm=geomean_speedup(rows, "vllm_triton"),
+        triton_median_pct_peak_graph=statistics.median(pct_g) if pct_g else None,
+        triton_vs_sdpa_dense_graph=geomean_speedup(rows, "sdpa_dense", "us_graph"),
+        triton_vs_torch_paged_graph=geomean_speedup(rows, "torch_paged", "us_graph"),
         **extra, vllm=vllm_src if vllm_fn is not None else f"absent ({vllm_src})")))
     return 0
 

@@ -158,7 +158,7 @@ class GenerationInstance:
         from workers.weight_sync import WeightSyncReceiver
 
         t0 = time.time()
-        staged = WeightSyncReceiver(plan, self.rank).receive()
+        staged = WeightSyncReceiver(plan, self.rank, device=LOCAL.comm_device).receive()
         if not staged.ok:
             raise RuntimeError(f"gen{self.rank}: weight sync of version {staged.version} failed: {staged.error}")
         self.spans.add("weight_sync", t0, time.time(), staged.version)

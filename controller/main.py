@@ -119,6 +119,21 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def data_plane_backend(device: torch.device, local_world_size: int, gpus: int) -> str:
+    """NCCL when every rank of this node has a GPU of its own; gloo on CPUs and where ranks
+    share a GPU (NCCL refuses two ranks on one device: "Duplicate GPU detected"), e.g. the
+    quickstart's 3 ranks on a 1-GPU machine. Under gloo the weight-sync buffers live in host
+    memory (``Local.comm_device``)."""
+    if device.type != "cuda":
+        return "gloo"
+    if local_world_size > gpus:
+        print(f"[streamrl] {local_world_size} ranks share {gpus} GPU(s) on this node: the data "
+              "plane (weight sync, trainer all-reduce) uses gloo through host memory, not NCCL",
+              file=sys.stderr, flush=True)
+        return "gloo"
+    return "nccl"
+
+
 def join_main(args) -> int:
     """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
     host, port = args.join.rsplit(":", 1)
@@ -184,7 +199,10 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
     # (gloo addresses) are never read
     tstore = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=timeout)
-    dist.init_process_group("nccl" if LOCAL.device.type == "cuda" else "gloo", timeout=timeout,
+    backend = data_plane_backend(LOCAL.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                 torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    LOCAL.comm_device = LOCAL.device if backend == "nccl" else torch.device("cpu")
+    dist.init_process_group(backend, timeout=timeout,
                             store=dist.PrefixStore(f"streamrl/pg/{attempt}", tstore), rank=rank, world_size=world)
     LOCAL.has_process_group = True
     rpc_addr = _rpc_store_address(rank, world, timeout)

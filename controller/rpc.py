@@ -135,6 +135,8 @@ class Local:
     rank: int = 0
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # where tensors sent over the process group live: the GPU under NCCL, host memory under gloo
+    comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     has_process_group: bool = False
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0

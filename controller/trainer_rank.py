@@ -323,7 +323,7 @@ class TrainerRank:
         from workers.weight_sync import WeightSyncSender
 
         t0 = time.time()
-        named = [(k, v.detach().clone()) for k, v in self.worker.named_weights()]
+        named = [(k, v.detach().to(LOCAL.comm_device, copy=True)) for k, v in self.worker.named_weights()]
         WeightSyncSender(plan, self.rank).push(named, version)
         self.spans.add("weight_sync", t0, time.time(), version)
         return time.time() - t0

@@ -114,3 +114,15 @@ def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
     single = _Iteration(1, {9: None, 10: None}, {}, "stream", 1, 0, stream_tokens=0)
     single.pending.append(_sample(9, 9))
     assert len(single.release()) == 1  # 0: every sample at once
+
+
+def test_data_plane_backend_nccl_only_with_a_gpu_per_rank(capsys):
+    import torch
+
+    from controller.main import data_plane_backend
+
+    assert data_plane_backend(torch.device("cpu"), 3, 0) == "gloo"
+    assert data_plane_backend(torch.device("cuda", 0), 8, 8) == "nccl"
+    # the quickstart's 3 ranks on a 1-GPU machine: NCCL would refuse ("Duplicate GPU detected")
+    assert data_plane_backend(torch.device("cuda", 0), 3, 1) == "gloo"
+    assert "3 ranks share 1 GPU" in capsys.readouterr().err

@@ -110,7 +110,24 @@ def test_engine_defaults_pick_cuda_bf16_and_agree_with_bf16_recompute(tmp_path):
     reqs = greedy(PS, 12)
     out = generate_all(eng, reqs)
     assert all(len(s.output_ids) == 12 and torch.isfinite(s.logprobs).all() for s in out)
-    check(eng.model, reqs, out, 0.1)  # paged bf16 decode vs bf16 recompute: same argmax
+    # bf16: paged decode and a full forward round differently, so a near-tie can flip the
+    # argmax (seen on an H200: 1 token of 96). Teacher-forced check instead: every token the
+    # engine chose is the full forward's argmax up to bf16 rounding, with its log-prob
+    exact, total = 0, 0
+    with torch.no_grad():
+        for r, s in zip(reqs, sorted(out, key=lambda s: s.sample_id)):
+            seq = torch.cat([r.prompt_ids, s.output_ids.cpu()]).cuda()
+            n = len(r.prompt_ids)
+            logits = eng.model.forward_packed([seq]).float()[n - 1:n - 1 + len(s.output_ids)]
+            chosen = s.output_ids.cuda().long()
+            picked = logits.gather(1, chosen[:, None])[:, 0]
+            gap = logits.max(-1).values - picked
+            assert (gap <= 0.15).all(), f"sample {r.sample_id}: engine's token trails the argmax by {gap.max():.3f}"
+            lp = torch.log_softmax(logits, -1).gather(1, chosen[:, None])[:, 0]
+            torch.testing.assert_close(s.logprobs.float().cpu(), lp.cpu(), rtol=0, atol=0.1)
+            exact += int((gap == 0).sum())
+            total += len(chosen)
+    assert exact >= 0.9 * total, f"only {exact} of {total} tokens are the exact argmax"
 
 
 def test_load_weights_from_cpu_tensors_like_fresh_cuda_engine():
