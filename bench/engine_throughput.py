@@ -136,10 +136,12 @@ DEVICE = {"name": "cpu"}  # set from --device
 CLOCK = {"now": time.perf_counter}  # --clock cpu: time.process_time (CPU seconds of this process)
 
 
-def run_native(folder: Path, work: Work, dtype: str, batch: int, kv_cache_dtype: str = "auto") -> float:
+def run_native(folder: Path, work: Work, dtype: str, batch: int, kv_cache_dtype: str = "auto",
+               enforce_eager: bool = False) -> float:
     max_len = max(len(p) + n for p, n in work)
     cfg = EngineConfig(max_batch_size=batch, block_size=16, device=DEVICE["name"], dtype=dtype,
                        attention_backend=ATTENTION["backend"], kv_cache_dtype=kv_cache_dtype,
+                       enforce_eager=enforce_eager, max_model_len=max_len + 16,
                        kv_cache_tokens=max(batch * max_len + 1024, 16384), max_prefill_tokens=8192)
     eng = make_engine(cfg, str(folder))
     generate_all(eng, _requests(work[:2], 2))  # warm-up
@@ -156,6 +158,12 @@ def run_native_bf16kv(folder: Path, work: Work, dtype: str, batch: int) -> float
     like-for-like competitor of vLLM here: vLLM 0.32's CPU attention takes only "auto" (and
     fp8 on AVX-512 CPUs) as ``kv_cache_dtype``; reported beside the headline."""
     return run_native(folder, work, dtype, batch, kv_cache_dtype="bfloat16")
+
+
+def run_native_eager(folder: Path, work: Work, dtype: str, batch: int) -> float:
+    """The native engine without CUDA graphs (``enforce_eager``): on CUDA with the triton
+    backend, what the graphs buy; elsewhere the same run as ``native``."""
+    return run_native(folder, work, dtype, batch, enforce_eager=True)
 
 
 def _requests(work: Work, cap: int | None = None) -> list[Request]:
@@ -238,7 +246,7 @@ def run_vllm_default(folder: Path, work: Work, dtype: str, batch: int) -> float 
 
 
 COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
-    "native": run_native, "native_bf16kv": run_native_bf16kv, "hf": run_hf, "vllm": run_vllm,
+    "native": run_native, "native_bf16kv": run_native_bf16kv, "native_eager": run_native_eager, "hf": run_hf, "vllm": run_vllm,
     "vllm_default": run_vllm_default}
 
 
@@ -355,6 +363,8 @@ def main(argv=None):
          native_over_vllm_05b=ratio(tok_s("c", "native"), tok_s("c", "vllm")),
          vllm_default_tok_s=tok_s("a", "vllm_default"),
          native_over_vllm_default=ratio(tok_s("a", "native"), tok_s("a", "vllm_default")),
+         native_eager_tok_s=tok_s("a", "native_eager"), native_eager_tok_s_b=tok_s("b", "native_eager"),
+         native_eager_tok_s_05b=tok_s("c", "native_eager"),
          native_bf16kv_tok_s=tok_s("a", "native_bf16kv"),
          native_bf16kv_over_vllm=ratio(tok_s("a", "native_bf16kv"), tok_s("a", "vllm")),
          native_bf16kv_tok_s_b=tok_s("b", "native_bf16kv"),

@@ -2,15 +2,16 @@
 # GPU check: the CUDA paths and the Triton kernels, on a machine with a CUDA GPU and a Python that
 # has torch (CUDA build), triton, transformers, tokenizers, safetensors, pyyaml, jinja2, pytest
 # (installs nothing; the repo root goes on PYTHONPATH, so no `pip install -e` is needed). Runs:
-#   1. pytest (compiled kernels, TRITON_INTERPRET=0): tests/test_cuda.py (model, engine and
-#      trainer on CUDA), tests/test_kernels.py (+ the full CUDA cross-product),
-#      tests/test_kernels_norm_rope.py, tests/test_kernels_engine.py
-#   2. bench/kernels.py            bandwidth vs HBM peak, vs SDPA dense, vs the torch paged path
-#   3. bench/engine_throughput.py --device cuda   native engine (triton, then torch attention)
-#      vs transformers generate on the GPU, workloads a, b, c
-#   4. the quickstart on the GPU (3 ranks on one GPU), a few iterations
+#   1. pytest (compiled kernels, TRITON_INTERPRET=0): tests/test_cuda.py (model, engine with
+#      and without CUDA graphs, trainer on CUDA), tests/test_kernels.py (+ the full CUDA
+#      cross-product), tests/test_kernels_norm_rope.py, tests/test_kernels_engine.py
+#   2. bench/engine_throughput.py --device cuda: native engine (triton; eager and CUDA graphs)
+#      vs transformers generate on the GPU, workloads a, b, c; then torch attention (eager)
+#   3. bench/kernels.py --sweep: the decode kernel's launch choices per shape vs choose_launch
+#   4. bench/kernels.py: bandwidth vs HBM peak, vs SDPA dense, vs the torch paged path
+#   5. the quickstart on the GPU (3 ranks on one GPU), a few iterations
 # Each step has its own timeout; output also goes to $LOG_DIR (default: gpu_check_logs/).
-# Budget: about 7 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
+# Budget: about 6 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -45,18 +46,20 @@ step() {  # step NAME TIMEOUT CMD...
 }
 XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
-step tests 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" $XDIST -rfEs \
+step tests 120 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" $XDIST -rfEs \
   tests/test_cuda.py tests/test_kernels.py tests/test_kernels_norm_rope.py tests/test_kernels_engine.py
 if [ "$QUICK" = "--quick" ]; then
   step bench_kernels 90 "$PY" bench/kernels.py --quick
 else
-  step bench_kernels 150 "$PY" bench/kernels.py
+  # native last: native_eager and hf are printed even if a graph capture fails
   step engine_triton 150 "$PY" bench/engine_throughput.py --device cuda --attention triton \
-    --competitors native,hf --threads 4
-  step engine_torch 80 "$PY" bench/engine_throughput.py --device cuda --attention torch \
+    --competitors native_eager,hf,native --threads 4
+  step kernels_sweep 150 "$PY" bench/kernels.py --sweep
+  step bench_kernels 100 "$PY" bench/kernels.py
+  step engine_torch 60 "$PY" bench/engine_throughput.py --device cuda --attention torch \
     --competitors native --threads 4
   rm -rf /tmp/gpu_quickstart
-  step quickstart 120 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
+  step quickstart 90 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
     --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=4 \
     --set train.sft_steps=20 --set logging.logdir=/tmp/gpu_quickstart \
     --set model.path=/tmp/gpu_quickstart/model

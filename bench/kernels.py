@@ -172,6 +172,58 @@ def bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn, ragged=False):
     return rows
 
 
+def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
+    """Time the decode kernel over launch choices (split count, tile width, warps) for one
+    shape, from CUDA-graph replays; one JSON line with the heuristic's choice (``choose_launch``)
+    against the best one found. What ``choose_launch`` should pick is read off these lines."""
+    import triton.testing
+
+    from kernels import _paged_decode_triton
+    from kernels.paged_decode import DecodeLaunch, choose_launch, paged_decode_attention_ref
+
+    name, heads, kv_heads, dh = model
+    g = torch.Generator().manual_seed(bsz * 7 + ctx)
+    lens = (torch.randint(1, 2 * ctx, (bsz,), generator=g).tolist() if ragged else [ctx] * bsz)
+    q, k, v, tables, lens_t = paged_inputs(bsz, heads, kv_heads, dh, lens, dtype, dev)
+    scale = dh ** -0.5
+    ref = paged_decode_attention_ref(q, k, v, tables, lens_t, scale).float()
+    capacity = tables.shape[1] * BLOCK_SIZE
+    heur = choose_launch(q, k, tables)
+    cands = {heur}
+    for block_n in (32, 64):
+        for warps in (4, 8):
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                per = -(-(-(-capacity // splits)) // block_n) * block_n
+                if splits > 1 and per * (splits - 1) >= capacity:
+                    continue  # trailing splits past every sequence's end
+                cands.add(DecodeLaunch(heur.block_g, heur.block_d, block_n, splits, per,
+                                       heur.upcast, warps))
+    times = {}
+    for cfg in cands:
+        fn = lambda cfg=cfg: _paged_decode_triton.launch(q, k, v, tables, lens_t, scale, cfg)  # noqa: E731
+        try:
+            err = float((fn().float() - ref).abs().max())
+            if err > 0.05:
+                raise AssertionError(f"max error {err}")
+            times[cfg] = triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
+        except Exception as e:
+            print(json.dumps(dict(bench="kernels_sweep", model=name, batch=bsz, ctx=ctx,
+                                  config=str(cfg), error=f"{type(e).__name__}: {e}"[:200])))
+    best = min(times, key=times.get)
+    kv_bytes = 2 * sum(lens) * kv_heads * dh * q.element_size()
+    rec = dict(bench="kernels_sweep", model=name, batch=bsz, ctx=ctx, ragged=ragged,
+               heuristic=dict(splits=heur.num_splits, block_n=heur.block_n, warps=heur.num_warps,
+                              us=round(times.get(heur, float("nan")), 2)),
+               best=dict(splits=best.num_splits, block_n=best.block_n, warps=best.num_warps,
+                         us=round(times[best], 2)),
+               heuristic_over_best=round(times.get(heur, float("nan")) / times[best], 3),
+               best_gbps=round(kv_bytes / (times[best] * 1e-6) / 1e9, 1), tried=len(times))
+    print(json.dumps(rec), flush=True)
+    del q, k, v, tables
+    torch.cuda.empty_cache()
+    return [rec]
+
+
 def bench_norm_rope(tokens, hidden, heads, head_dim, dtype, dev, peak):
     """Fused RMSNorm (+ residual add) and rotary vs the model's eager torch ops."""
     from kernels.norm_rope import rms_norm, rms_norm_ref, rotary, rotary_ref
@@ -220,6 +272,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes only (gpu_check.sh)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the decode kernel over launch choices per shape (graph replays) "
+                         "and compare choose_launch's pick with the best")
     args = ap.parse_args()
     import kernels
 
@@ -240,6 +295,18 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     models = MODELS[1:2] if args.quick else MODELS
+    if args.sweep:
+        recs = []
+        for model in models:
+            for bsz, ctx in shapes:
+                recs += sweep_launch(model, bsz, ctx, dtype, dev)
+            recs += sweep_launch(model, 64, 2048, dtype, dev, ragged=True)
+        ratios = [r["heuristic_over_best"] for r in recs if r["heuristic_over_best"] == r["heuristic_over_best"]]
+        print(json.dumps(dict(bench="kernels_sweep", summary=True, device=name, shapes=len(recs),
+                              heuristic_over_best_geomean=round(math.exp(statistics.fmean(
+                                  map(math.log, ratios))), 3) if ratios else None,
+                              heuristic_over_best_max=max(ratios, default=None))))
+        return 0
     rows = []
     for model in models:
         for bsz, ctx in shapes:

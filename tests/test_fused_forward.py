@@ -85,9 +85,28 @@ def test_fused_weights_follow_in_place_updates():
     m.model.layers[1].self_attn.k_proj.weight.mul_(-1.5)
     m.model.layers[0].mlp.up_proj.weight.add_(0.05)
     m.model.layers[0].self_attn.q_proj.bias.zero_()
+    fused = [t.data_ptr() for layer in fwd.layers for t in layer if t is not None]
     got = fwd(ids, pos, CausalAttention(cu))
     assert not torch.allclose(got, before)
     torch.testing.assert_close(got, m(ids, pos, CausalAttention(cu)), rtol=1e-5, atol=1e-5)
+    # the new values went into the same tensors (CUDA graphs keep reading them): epoch unchanged
+    assert fwd.epoch == 0 and fused == [t.data_ptr() for layer in fwd.layers for t in layer if t is not None]
+    # a parameter replaced by a new object: the tensors are rebuilt, and the epoch says so
+    m.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(m.model.layers[0].self_attn.o_proj.weight * 2)
+    fwd.refresh()
+    assert fwd.epoch == 1
+    torch.testing.assert_close(fwd(ids, pos, CausalAttention(cu)), m(ids, pos, CausalAttention(cu)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_capture_sizes():
+    from workers.generation.cuda_graph import capture_sizes
+
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(100)[-3:] == [64, 96, 100]
 
 
 @pytest.mark.parametrize("add", ["none", "bias", "residual"])

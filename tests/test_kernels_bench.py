@@ -60,3 +60,27 @@ def test_bench_skips_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["kernels.py", "--quick"])
     assert bk.main() == 0
     assert '"skipped": "no CUDA device' in capsys.readouterr().out
+
+
+def test_launch_sweep_on_cpu(monkeypatch, capsys):
+    """--sweep: every candidate launch gives the reference's result; the line names the
+    heuristic's pick and the best one (fake timer: the slower the more splits)."""
+    bk = load_bench()
+    from kernels import _paged_decode_triton
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+    real = _paged_decode_triton.launch
+
+    def launch(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(_paged_decode_triton, "launch", launch)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph",
+                        lambda fn, rep=0: (fn(), 1e-3 * seen[-1].num_splits)[1])
+    rec, = bk.sweep_launch(("toy", 4, 2, 64), 2, 40, torch.float32, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert '"error"' not in out and rec["tried"] >= 4
+    assert rec["best"]["splits"] == 1 and rec["best"]["us"] == 1.0
+    assert rec["heuristic_over_best"] == rec["heuristic"]["splits"]

@@ -28,7 +28,9 @@ class EngineConfig:
     "cpu" (C++ kernel compiled on first use; fastest on CPU). ``kv_cache_dtype`` (as vLLM's):
     "auto" stores K/V in the compute dtype; "bfloat16"/"float16" store them in 16 bits under an
     fp32 model (half the KV memory and memory traffic; attention still computes in fp32, so
-    outputs differ from "auto" by the rounding of K/V). ``backend_options`` holds
+    outputs differ from "auto" by the rounding of K/V). ``enforce_eager`` (as vLLM's): with the
+    "triton" backend on CUDA, decode steps replay CUDA graphs unless this is True (prefill
+    and the other backends always run eagerly). ``backend_options`` holds
     backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 
@@ -48,6 +50,7 @@ class EngineConfig:
     eos_ids: tuple[int, ...] | None = None
     cpu_half_compute: str = "auto"
     kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
     backend_options: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self):

@@ -67,7 +67,8 @@ class NativeEngine:
             raise ValueError(f"engine.kv_cache_dtype: {cfg.kv_cache_dtype!r} needs an fp32 model "
                              f"(or 'auto'); this engine computes in {compute}")
         self.runner = ModelRunner(self.model, self.bm, cfg.attention_backend, self.eos_ids, cfg.seed,
-                                  self.max_model_len, kv_dtype)
+                                  self.max_model_len, kv_dtype,
+                                  cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size)
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)

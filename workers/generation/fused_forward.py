@@ -28,6 +28,13 @@ from workers.model import AttentionBackend, CausalLM
 SPLIT_GEMM_MAX_ROWS = 512  # larger (prefill) GEMMs keep MKL's own threading
 
 
+_FUSED = (1, 2, 6, 7)  # positions of the fused (engine-owned) tensors in a layer tuple
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
 def _fuse(*params: torch.Tensor | None) -> torch.Tensor | None:
     if params[0] is None:
         return None
@@ -73,13 +80,15 @@ class FusedForward:
             self.refresh()
 
     def refresh(self) -> None:
-        """Rebuild the fused weights and the RoPE table from the model's parameters now."""
+        """Rebuild the fused weights and the RoPE table from the model's parameters now.
+        New values go into the existing fused tensors in place (CUDA graphs hold their
+        addresses); ``epoch`` counts the times a tensor had to be replaced instead."""
         self._src = self._sources()
         stamp = tuple((p._version, p.data_ptr(), p.dtype) for p in self._src)
-        self.layers = []
+        layers = []
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append((
+            layers.append((
                 layer.input_layernorm.weight,
                 _fuse(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                 _fuse(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
@@ -87,17 +96,41 @@ class FusedForward:
                 layer.post_attention_layernorm.weight,
                 _fuse(m.gate_proj.weight, m.up_proj.weight), _fuse(m.gate_proj.bias, m.up_proj.bias),
                 m.down_proj.weight, m.down_proj.bias))
-        self._build_rope()
+        rope = self._rope_table()
+        if self._same_layout(layers, rope):
+            with torch.no_grad():
+                for old, new in zip(self.layers, layers):
+                    for i in _FUSED:
+                        if old[i] is not None:
+                            old[i].copy_(new[i])
+                self.rope.copy_(rope)
+        else:
+            self.layers, self.rope = layers, rope
+            self.epoch = getattr(self, "epoch", -1) + 1
         self._stamp = stamp
 
-    def _build_rope(self) -> None:
-        """cos, sign-folded sin: [max_len, Dh]; rotate_half(x) * sin == swap_halves(x) * sin_s."""
+    def _same_layout(self, layers: list[tuple], rope: torch.Tensor) -> bool:
+        """Whether ``layers`` can be copied into the current tensors: same parameter objects,
+        fused tensors of the same shapes, dtypes and devices."""
+        if not hasattr(self, "layers") or len(layers) != len(self.layers) or not _alike(self.rope, rope):
+            return False
+        for old, new in zip(self.layers, layers):
+            for i, (a, b) in enumerate(zip(old, new)):
+                if i in _FUSED:
+                    if (a is None) != (b is None) or (a is not None and not _alike(a, b)):
+                        return False
+                elif a is not b:
+                    return False
+        return True
+
+    def _rope_table(self) -> torch.Tensor:
+        """cos, sign-folded sin: [max_len, 2, Dh]; rotate_half(x) * sin == swap_halves(x) * sin_s."""
         p = self.model.model.embed_tokens.weight
         pos = torch.arange(self.max_len, device=p.device)
         cos, sin = self.model.model.rotary_emb(pos, p.dtype)  # [L, 1, Dh]: the model's own values
         half = self.dh // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        self.rope = torch.stack((cos[:, 0], sin[:, 0]), dim=1).contiguous()  # [L, 2, Dh]
+        return torch.stack((cos[:, 0], sin[:, 0]), dim=1).contiguous()  # [L, 2, Dh]
 
     # ---- forward -------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

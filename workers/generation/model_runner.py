@@ -34,18 +34,35 @@ def tune_cpu_malloc() -> bool:
         return False
 
 
+def graphs_supported(device: torch.device, attention_backend: str) -> bool:
+    """CUDA graphs of the decode step: on CUDA with the sync-free "triton" decode kernel."""
+    return device.type == "cuda" and attention_backend == "triton"
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, blocks: BlockManager, attention_backend: str,
-                 eos_ids: tuple[int, ...], seed: int, max_len: int, kv_dtype: torch.dtype | None = None):
+                 eos_ids: tuple[int, ...], seed: int, max_len: int, kv_dtype: torch.dtype | None = None,
+                 cuda_graph_batch: int = 0):
+        """``cuda_graph_batch`` > 0: decode steps of up to that many sequences replay CUDA
+        graphs (CUDA and the "triton" backend only; see cuda_graph.py)."""
         cfg = model.config
         p = next(model.parameters())
         self.model, self.bm, self.device = model, blocks, p.device
         # positions < max_len; the "cpu" backend's toolchain also builds the fused C++ ops
         self.forward = FusedForward(model, max_len, cpu_ops=attention_backend == "cpu")
-        self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks, blocks.block_size,
+        graphs = cuda_graph_batch > 0 and graphs_supported(p.device, attention_backend)
+        # with graphs, one more block than the manager hands out: padded rows write K/V there
+        self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks + graphs, blocks.block_size,
                              cfg.num_key_value_heads, cfg.dim_head, kv_dtype or p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
         self.sampler = Sampler(eos_ids, p.device, seed)
+        self.graphs = None
+        if graphs:
+            from workers.generation.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.forward, self.attn, cuda_graph_batch,
+                                       -(-max_len // blocks.block_size),
+                                       blocks.num_blocks * blocks.block_size, p.device)
         if p.device.type == "cpu":
             tune_cpu_malloc()
 
@@ -100,15 +117,28 @@ class ModelRunner:
         last_t = None if last is None else self._to_dev(last, torch.int64)
         return self._to_dev(ids, torch.int64), pos_t, last_t
 
+    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits [B, V] of a decode step from the CUDA graphs; None when it doesn't fit them."""
+        seqs, bs = batch.seqs, self.bm.block_size
+        tables, width = self._block_tables(seqs)
+        if not self.graphs.fits(len(seqs), width):
+            return None
+        lens = [s.num_tokens for s in seqs]
+        pos = [n - 1 for n in lens]
+        slots = [tables[b][p // bs] * bs + p % bs for b, p in enumerate(pos)]
+        return self.graphs.run([s.tokens[-1] for s in seqs], pos, slots, tables, lens)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
         """One forward + sampling; returns the sampled ids and their log-probs (host lists)."""
         self.cache.copy_blocks(batch.copies)
-        ids, pos, last = self._prepare(batch)
-        hidden = self.forward(ids, pos, self.attn)  # [T, D]
-        if last is not None:
-            hidden = hidden.index_select(0, last)  # [B, D]
-        logits = self.forward.logits(hidden)  # [B, V]
+        logits = self._graph_decode(batch) if self.graphs is not None and not batch.is_prefill else None
+        if logits is None:
+            ids, pos, last = self._prepare(batch)
+            hidden = self.forward(ids, pos, self.attn)  # [T, D]
+            if last is not None:
+                hidden = hidden.index_select(0, last)  # [B, D]
+            logits = self.forward.logits(hidden)  # [B, V]
         tok, logp = self.sampler(logits, batch.seqs)
         both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
         self.attn.ctx = None
