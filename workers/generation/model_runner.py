@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import logging
+
 import torch
 
 from workers.generation.attention import PagedAttention, StepContext
@@ -126,7 +128,12 @@ class ModelRunner:
         lens = [s.num_tokens for s in seqs]
         pos = [n - 1 for n in lens]
         slots = [tables[b][p // bs] * bs + p % bs for b, p in enumerate(pos)]
-        return self.graphs.run([s.tokens[-1] for s in seqs], pos, slots, tables, lens)
+        try:
+            return self.graphs.run([s.tokens[-1] for s in seqs], pos, slots, tables, lens)
+        except RuntimeError as e:  # a capture the driver refused: serve on, eagerly
+            log.warning("CUDA graph decode failed (%s); this engine decodes eagerly from now on", e)
+            self.graphs = None
+            return None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
