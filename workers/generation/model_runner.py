@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-
 import logging
 
 import torch
@@ -21,6 +20,8 @@ from workers.generation.sampler import Sampler, to_device
 from workers.generation.scheduler import ScheduledBatch
 from workers.generation.sequence import Sequence
 from workers.model import CausalLM
+
+log = logging.getLogger("streamrl.engine")
 
 
 @functools.cache
