@@ -222,7 +222,8 @@ def test_cuda_graph_decode_equals_eager_and_recompute():
     graphed, eager = _graph_engines(model, max_batch_size=5)  # 5 -> graphs of 1, 2, 4, 5
     reqs = greedy(PS, 14)
     out = generate_all(graphed, reqs)
-    assert graphed.runner.graphs is not None and graphed.runner.graphs.captures >= 3
+    # 8 prompts, 5 at a time: decode batches of 5, then of the 3 left (padded to 4)
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.captures >= 2
     assert eager.runner.graphs is None
     _same(out, generate_all(eager, reqs), 1e-4)
     check(model, reqs, out, 1e-4)

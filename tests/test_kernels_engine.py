@@ -36,7 +36,8 @@ def tiny_model() -> CausalLM:
 
 def run(model: CausalLM, backend: str, block_size: int):
     cfg = EngineConfig(block_size=block_size, kv_cache_tokens=2048, max_batch_size=4,
-                       attention_backend=backend, device=DEVICE, dtype="float32")
+                       attention_backend=backend, device=DEVICE, dtype="float32",
+                       enforce_eager=True)  # each step calls the kernel (graphs replay it)
     g = torch.Generator().manual_seed(1)
     # prompt lengths: 1, within a block, across blocks (not multiples of the block size)
     reqs = [Request(sample_id=i, prompt_ids=torch.randint(0, V, (n,), generator=g),
