@@ -112,3 +112,23 @@ def test_bf16_weights_fp32_compute_on_cpu(tmp_path):
     req = [Request(sample_id=0, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=4, min_tokens=4,
                    sampling=SamplingParams(temperature=0))]
     assert len(generate_all(native, req)[0].output_ids) == 4
+
+
+def test_attention_backend_auto(monkeypatch):
+    """"auto": the triton kernel (and CUDA-graph decode) on CUDA where it applies, else torch.
+    The CUDA side is resolved with triton_usable faked (no GPU here; tests/test_cuda.py runs it)."""
+    import kernels
+    from workers.generation.config import EngineConfig
+    from workers.generation.engine import resolve_attention_backend
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert EngineConfig().attention_backend == "auto"
+    assert resolve_attention_backend(EngineConfig(), cpu) == "torch"
+    assert resolve_attention_backend(EngineConfig(attention_backend="cpu"), cpu) == "cpu"
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: torch.device(device).type == "cuda")
+    assert resolve_attention_backend(EngineConfig(block_size=16), cuda) == "triton"
+    assert resolve_attention_backend(EngineConfig(block_size=4), cuda) == "torch"  # kernel tested on 16, 32
+    assert resolve_attention_backend(EngineConfig(kv_cache_dtype="bfloat16"), cuda) == "torch"
+    assert resolve_attention_backend(EngineConfig(attention_backend="torch"), cuda) == "torch"
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: False)  # triton not installed
+    assert resolve_attention_backend(EngineConfig(), cuda) == "torch"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BACKEND_NAMES = ("native", "vllm")
-ATTENTION_BACKENDS = ("torch", "triton", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 ADMISSION_POLICIES = ("fcfs", "lpt")
 DTYPES = ("", "float32", "bfloat16", "float16")
 CPU_HALF_COMPUTE = ("auto", "native", "float32")
@@ -24,7 +24,9 @@ class EngineConfig:
     ``cpu_half_compute``: with a bf16/fp16 ``dtype`` on a CPU, "float32" rounds the weights to
     ``dtype`` but computes in fp32 (much faster where the CPU has no bf16/fp16 matmul units);
     "native" computes in ``dtype``; "auto" picks "native" only when the CPU has them (AVX512-BF16
-    or AMX). ``attention_backend``: "torch" (portable), "triton" (CUDA decode kernel of kernels/),
+    or AMX). ``attention_backend``: "auto" ("triton" on CUDA when triton is installed, the KV
+    cache is in the model's dtype and ``block_size`` is a multiple of 16, the sizes the kernel
+    is tested with; else "torch"), "torch" (portable), "triton" (CUDA decode kernel of kernels/),
     "cpu" (C++ kernel compiled on first use; fastest on CPU). ``kv_cache_dtype`` (as vLLM's):
     "auto" stores K/V in the compute dtype; "bfloat16"/"float16" store them in 16 bits under an
     fp32 model (half the KV memory and memory traffic; attention still computes in fp32, so
@@ -41,7 +43,7 @@ class EngineConfig:
     num_blocks: int = 0
     max_model_len: int = 0
     max_prefill_tokens: int = 8192
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     admission: str = "fcfs"
     prefix_sharing: bool = True
     device: str = ""

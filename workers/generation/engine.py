@@ -34,6 +34,20 @@ def _cpu_half_in_fp32(mode: str) -> bool:
     return not native
 
 
+def resolve_attention_backend(cfg: EngineConfig, device: torch.device) -> str:
+    """``attention_backend`` "auto": the Triton decode kernel (with CUDA-graph decode) on CUDA
+    where it applies, else the portable torch path."""
+    if cfg.attention_backend != "auto":
+        return cfg.attention_backend
+    if device.type != "cuda" or cfg.kv_cache_dtype != "auto" or cfg.block_size % 16:
+        return "torch"
+    try:
+        import kernels
+    except ImportError:
+        return "torch"
+    return "triton" if kernels.triton_usable(device) else "torch"
+
+
 class NativeEngine:
     """``NativeEngine(cfg, model_dir)`` or ``NativeEngine(cfg, model=CausalLM)``."""
 
@@ -66,7 +80,8 @@ class NativeEngine:
         if kv_dtype not in (None, compute) and compute != torch.float32:
             raise ValueError(f"engine.kv_cache_dtype: {cfg.kv_cache_dtype!r} needs an fp32 model "
                              f"(or 'auto'); this engine computes in {compute}")
-        self.runner = ModelRunner(self.model, self.bm, cfg.attention_backend, self.eos_ids, cfg.seed,
+        self.attention_backend = resolve_attention_backend(cfg, next(self.model.parameters()).device)
+        self.runner = ModelRunner(self.model, self.bm, self.attention_backend, self.eos_ids, cfg.seed,
                                   self.max_model_len, kv_dtype,
                                   cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size)
         self.weight_version = 0
