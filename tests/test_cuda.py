@@ -160,24 +160,13 @@ def test_triton_decode_bf16_matches_torch_decode():
 
 
 def test_trainer_step_on_cuda_bf16_matches_cpu_fp32(tmp_path):
-    from workers.tasks import make_task
     from workers.trainer import TrainerConfig, TrainerWorker
     from workers.trainer.bootstrap import build_model_dir
     from workers.trainer.rollout import rollout
 
-    class DenseReward:  # random tiny models score 0 on real tasks: reward the length instead
-        def __init__(self, base):
-            self.base = base
+    from test_trainer_dp import TINY as small, _task  # dense reward on any completion
 
-        def prompts(self, split):
-            return self.base.prompts(split)
-
-        def score(self, prompt, completion):
-            return (len(completion) % 5) / 4
-
-    task = DenseReward(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
-    small = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    task = _task()
     folder, _ = build_model_dir(tmp_path / "tiny", task.base, small, seed=0)
     cpu = TrainerWorker(TrainerConfig(algorithm="ppo", lr=1e-2), str(folder), task, device="cpu")
     items = task.prompts("train")[:4]
