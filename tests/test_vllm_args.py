@@ -41,6 +41,9 @@ def test_engine_args_kv_cache_dtype_on_gpu():
                                            kv_cache_tokens=4096, kv_cache_dtype="bfloat16"), "/m", MC)
     assert a["kv_cache_dtype"] == "bfloat16"
     assert a["kv_cache_memory_bytes"] == a["num_gpu_blocks_override"] * a["block_size"] * (2 * 2 * 1 * 32 * 2)
+    assert a["enforce_eager"] is False  # CUDA graphs on a GPU, unless the config says otherwise
+    eager = EngineConfig(backend="vllm", device="cuda", block_size=16, enforce_eager=True)
+    assert vllm_args.engine_args(eager, "/m", MC)["enforce_eager"] is True
 
 
 def test_priority_is_lpt_and_sampling_kwargs():

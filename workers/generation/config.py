@@ -32,7 +32,8 @@ class EngineConfig:
     fp32 model (half the KV memory and memory traffic; attention still computes in fp32, so
     outputs differ from "auto" by the rounding of K/V). ``enforce_eager`` (as vLLM's): with the
     "triton" backend on CUDA, decode steps replay CUDA graphs unless this is True (prefill
-    and the other backends always run eagerly). ``backend_options`` holds
+    and the other backends always run eagerly); the vLLM backend passes it to vLLM, which uses
+    CUDA graphs on GPUs the same way. ``backend_options`` holds
     backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 

@@ -82,7 +82,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         scheduling_policy="priority" if cfg.admission == "lpt" else "fcfs",
         logprobs_mode="processed_logprobs",  # same as the native sampler: after T, top-k, top-p
         gpu_memory_utilization=0.1 if device == "cpu" else 0.9,
-        enforce_eager=device == "cpu",
+        enforce_eager=device == "cpu" or cfg.enforce_eager,
         disable_log_stats=False,  # per-request timings and preemption counts
     )
     args.update(opts)
