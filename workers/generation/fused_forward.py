@@ -59,6 +59,9 @@ class FusedForward:
         self.max_len = max_len
         self._stamp: tuple = ()
         self._src: list[torch.Tensor] = []
+        self.layers: list[tuple] = []
+        self.rope: torch.Tensor | None = None
+        self.epoch = -1  # bumped whenever refresh() replaces tensors (0 after the first build)
         self.sync()
 
     # ---- weights -------------------------------------------------------------------------
@@ -106,13 +109,13 @@ class FusedForward:
                 self.rope.copy_(rope)
         else:
             self.layers, self.rope = layers, rope
-            self.epoch = getattr(self, "epoch", -1) + 1
+            self.epoch += 1
         self._stamp = stamp
 
     def _same_layout(self, layers: list[tuple], rope: torch.Tensor) -> bool:
         """Whether ``layers`` can be copied into the current tensors: same parameter objects,
         fused tensors of the same shapes, dtypes and devices."""
-        if not hasattr(self, "layers") or len(layers) != len(self.layers) or not _alike(self.rope, rope):
+        if self.rope is None or len(layers) != len(self.layers) or not _alike(self.rope, rope):
             return False
         for old, new in zip(self.layers, layers):
             for i, (a, b) in enumerate(zip(old, new)):
