@@ -217,7 +217,9 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
                best=dict(splits=best.num_splits, block_n=best.block_n, warps=best.num_warps,
                          us=round(times[best], 2)),
                heuristic_over_best=round(times.get(heur, float("nan")) / times[best], 3),
-               best_gbps=round(kv_bytes / (times[best] * 1e-6) / 1e9, 1), tried=len(times))
+               best_gbps=round(kv_bytes / (times[best] * 1e-6) / 1e9, 1), tried=len(times),
+               # every candidate, so another rule can be judged from this line alone
+               all=sorted([c.num_splits, c.block_n, c.num_warps, round(t, 2)] for c, t in times.items()))
     print(json.dumps(rec), flush=True)
     del q, k, v, tables
     torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ import torch
 from kernels import interpreter_mismatch, interpreting, triton_available, triton_usable
 
 MIN_DOT = 16            # tl.dot needs every dim >= 16 when compiled for a GPU
-MIN_SPLIT_TOKENS = 256  # don't split a sequence into pieces shorter than this
+MIN_SPLIT_TOKENS = 128  # don't split a sequence into pieces shorter than this
 MAX_SPLITS = 64
 
 
@@ -63,9 +63,12 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     """Pick tile sizes and the split count from shapes only (no host sync on context_lens).
 
     Without ``num_splits``, a sequence is split so that ``B * Hkv * splits`` programs cover
-    about two waves of the GPU's SMs, with pieces of at least MIN_SPLIT_TOKENS tokens of the
-    block table's capacity (``max_blocks * block_size``); splits past a shorter sequence's end
-    exit at once."""
+    about two waves of the GPU's SMs, four when ``B * Hkv`` alone is fewer programs than SMs,
+    with pieces of at least MIN_SPLIT_TOKENS tokens of the block table's capacity
+    (``max_blocks * block_size``); splits past a shorter sequence's end exit at once.
+    The four waves and 128-token pieces come from ``bench/kernels.py --sweep`` on an H200: on
+    every shape where two waves of 256-token pieces was not the fastest choice, the fastest
+    split more (docs/benchmarks.md)."""
     bsz, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_d = max(MIN_DOT, _next_pow2(head_dim))
@@ -73,8 +76,9 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     block_n = 64 if block_d <= 128 else 32
     capacity = max(1, block_tables.shape[1] * block_size)
     if num_splits is None:
-        programs = max(1, bsz * num_kv_heads)
-        want = -(-2 * _sm_count(q.device) // programs)
+        programs, sms = max(1, bsz * num_kv_heads), _sm_count(q.device)
+        waves = 4 if programs < sms else 2
+        want = -(-waves * sms // programs)
         num_splits = max(1, min(want, -(-capacity // MIN_SPLIT_TOKENS), MAX_SPLITS))
         auto = True
     elif num_splits < 1:

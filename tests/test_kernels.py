@@ -147,6 +147,27 @@ def test_launch_shapes_are_gpu_compilable(heads, kv_heads, head_dim):
         DecodeLaunch(8, 64, 64, 1, 64, True)
 
 
+@pytest.mark.parametrize("batch,kv_heads,ctx,splits", [
+    (1, 8, 4096, 32),     # under-filled: 4 waves, capped at 128-token pieces
+    (8, 4, 4096, 16),     # 32 programs on 132 SMs: 4 waves
+    (8, 8, 32768, 9),
+    (64, 2, 1024, 4),
+    (64, 4, 4096, 2),     # 256 programs >= 132 SMs: 2 waves
+    (64, 8, 1024, 1),     # 512 programs: no split
+])
+def test_split_choice_from_the_h200_sweep(monkeypatch, batch, kv_heads, ctx, splits):
+    """choose_launch's split counts on an H200's 132 SMs (bf16, block 16), the rule fitted to
+    `bench/kernels.py --sweep` (docs/benchmarks.md)."""
+    import kernels.paged_decode as pd
+
+    monkeypatch.setattr(pd, "_sm_count", lambda device: 132)
+    q = torch.empty(batch, 4 * kv_heads, 128, dtype=torch.bfloat16)
+    cfg = choose_launch(q, torch.empty(1, 16, kv_heads, 128, dtype=torch.bfloat16),
+                        torch.empty(batch, ctx // 16, dtype=torch.int32))
+    assert cfg.num_splits == splits
+    assert cfg.tokens_per_split >= min(128, ctx) and cfg.num_splits * cfg.tokens_per_split >= ctx
+
+
 def test_bad_inputs_name_the_argument():
     q, k, v, tables, lens_t = make_paged([5], 4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="context_lens"):

@@ -84,3 +84,4 @@ def test_launch_sweep_on_cpu(monkeypatch, capsys):
     assert '"error"' not in out and rec["tried"] >= 4
     assert rec["best"]["splits"] == 1 and rec["best"]["us"] == 1.0
     assert rec["heuristic_over_best"] == rec["heuristic"]["splits"]
+    assert len(rec["all"]) == rec["tried"] and [1, 32, 4, 1.0] in rec["all"]
