@@ -193,7 +193,8 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
     for block_n in (32, 64):
         for warps in (4, 8):
             for splits in (1, 2, 4, 8, 16, 32, 64):
-                per = -(-(-(-capacity // splits)) // block_n) * block_n
+                per = -(-capacity // splits)  # tokens per split, rounded up to whole tiles
+                per = -(-per // block_n) * block_n
                 if splits > 1 and per * (splits - 1) >= capacity:
                     continue  # trailing splits past every sequence's end
                 cands.add(DecodeLaunch(heur.block_g, heur.block_d, block_n, splits, per,

@@ -23,50 +23,24 @@ if not torch.cuda.is_available():
 from workers.generation.config import EngineConfig  # noqa: E402
 from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
-from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
-from workers.types import Request, SamplingParams  # noqa: E402
+from workers.model import CausalLM, save_pretrained  # noqa: E402
+from test_engine import greedy_requests, prompts, recompute_greedy, tiny_model  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False  # fp32 tests compare exactly; TF32 would round
 torch.backends.cudnn.allow_tf32 = False
-GREEDY = SamplingParams(temperature=0.0)
-V = 97
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def tiny(seed=0, dtype=torch.float32, device="cuda") -> CausalLM:
-    # std 0.2: peaked logits, so greedy argmax is not decided by rounding
-    return init_weights(CausalLM(CFG), seed=seed, std=0.2).eval().to(device=device, dtype=dtype)
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (n,), generator=g) for n in lengths]
+    return tiny_model(seed).to(device=device, dtype=dtype)
 
 
 PS = prompts([1, 5, 17, 33, 2, 16, 9, 4])
-
-
-def greedy(ps, n, group_of=None):
-    return [Request(sample_id=i, prompt_ids=p, max_tokens=n, min_tokens=n, sampling=GREEDY,
-                    group_id=-1 if group_of is None else group_of[i]) for i, p in enumerate(ps)]
-
-
-@torch.no_grad()
-def recompute(model, prompt, n):
-    seq, out, lps = prompt.to(next(model.parameters()).device), [], []
-    for _ in range(n):
-        logits = model.forward_packed([seq])[-1].float()
-        t = logits.argmax()
-        out.append(int(t))
-        lps.append(float(torch.log_softmax(logits, -1)[t]))
-        seq = torch.cat([seq, t[None]])
-    return out, lps
+greedy = greedy_requests
 
 
 def check(model, reqs, samples, atol):
     for r, s in zip(sorted(reqs, key=lambda r: r.sample_id), sorted(samples, key=lambda s: s.sample_id)):
-        want, want_lp = recompute(model, r.prompt_ids, r.max_tokens)
+        want, want_lp = recompute_greedy(model, r.prompt_ids, r.max_tokens)
         assert s.output_ids.tolist() == want, f"sample {r.sample_id}"
         torch.testing.assert_close(s.logprobs.float().cpu(), torch.tensor(want_lp), rtol=0, atol=atol)
 

@@ -39,9 +39,9 @@ def recompute_greedy(model: CausalLM, prompt: torch.Tensor, n: int) -> tuple[lis
 
 
 def _recompute(model: CausalLM, prompt: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
-    seq, out, lps = prompt.clone(), [], []
+    seq, out, lps = prompt.to(next(model.parameters()).device), [], []  # CUDA too (test_cuda.py)
     for _ in range(n):
-        logits = model.forward_packed([seq])[-1]
+        logits = model.forward_packed([seq])[-1].float()
         t = logits.argmax()
         out.append(int(t))
         lps.append(float(torch.log_softmax(logits, -1)[t]))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from workers.generation.attention import PagedAttention, StepContext
+from workers.generation.sampler import to_device
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -35,10 +36,6 @@ def capture_sizes(max_batch: int) -> list[int]:
     if not sizes or sizes[-1] < max_batch:
         sizes.append(max_batch)
     return sizes
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 class DecodeGraphs:
@@ -100,8 +97,7 @@ class DecodeGraphs:
         b = self._size(n)
         if b not in self.graphs:
             self._capture(b)
-        host = _pinned(torch.tensor([ids, pos, slots, lens], dtype=torch.int64))  # [4, n]
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device([ids, pos, slots, lens], torch.int64, self.device)  # [4, n]
         self.ids[:n].copy_(dev[0])
         self.pos[:n].copy_(dev[1])
         self.slots[:n].copy_(dev[2])
@@ -110,8 +106,8 @@ class DecodeGraphs:
             self.lens[n:b].zero_()
             self.slots[n:b].fill_(self.scratch_slot)
             self.pos[n:b].zero_()
-        tab = _pinned(torch.tensor(tables, dtype=torch.int32))
-        self.tables[:n, :width].copy_(tab, non_blocking=True)  # entries past a length are never read
+        # entries past a length are never read
+        self.tables[:n, :width].copy_(to_device(tables, torch.int32, self.device))
         graph, out = self.graphs[b]
         graph.replay()
         self.attn.ctx = None
