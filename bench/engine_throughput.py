@@ -189,8 +189,9 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
             mask[i, width - len(p):] = 1
         n = max(k for _, k in chunk)  # a padded batch runs to its longest sample
         with torch.inference_mode():
-            model.generate(input_ids=ids.to(DEVICE["name"]), attention_mask=mask.to(DEVICE["name"]), do_sample=True, temperature=1.0,
-                           top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n)
+            model.generate(input_ids=ids.to(DEVICE["name"]), attention_mask=mask.to(DEVICE["name"]),
+                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
+                           min_new_tokens=n)
 
     gen([(p, 2) for p, _ in work[:2]])  # warm-up
     t = CLOCK["now"]()
@@ -246,8 +247,8 @@ def run_vllm_default(folder: Path, work: Work, dtype: str, batch: int) -> float 
 
 
 COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
-    "native": run_native, "native_bf16kv": run_native_bf16kv, "native_eager": run_native_eager, "hf": run_hf, "vllm": run_vllm,
-    "vllm_default": run_vllm_default}
+    "native": run_native, "native_bf16kv": run_native_bf16kv, "native_eager": run_native_eager,
+    "hf": run_hf, "vllm": run_vllm, "vllm_default": run_vllm_default}
 
 
 # ---- main ----------------------------------------------------------------------------------
