@@ -35,10 +35,24 @@ def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-def _fuse(*params: torch.Tensor | None) -> torch.Tensor | None:
-    if params[0] is None:
+def _fuse(parts: tuple[torch.Tensor, ...] | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Concatenate ``parts`` along dim 0, into ``out`` when given (no second copy)."""
+    if parts is None:
         return None
-    return torch.cat([p.detach() for p in params]).contiguous()
+    parts = [p.detach() for p in parts]
+    if out is None:
+        return torch.cat(parts).contiguous()
+    return torch.cat(parts, out=out)
+
+
+def _fits(old: torch.Tensor | None, parts: tuple[torch.Tensor, ...] | None) -> bool:
+    """Whether ``parts`` concatenated have ``old``'s shape, dtype and device."""
+    if old is None or parts is None:
+        return old is None and parts is None
+    p0 = parts[0]
+    return (old.is_contiguous() and old.shape[1:] == p0.shape[1:]
+            and old.shape[0] == sum(p.shape[0] for p in parts)
+            and all(p.dtype == old.dtype and p.device == old.device for p in parts))
 
 
 class FusedForward:
@@ -84,43 +98,48 @@ class FusedForward:
 
     def refresh(self) -> None:
         """Rebuild the fused weights and the RoPE table from the model's parameters now.
-        New values go into the existing fused tensors in place (CUDA graphs hold their
-        addresses); ``epoch`` counts the times a tensor had to be replaced instead."""
+        New values are concatenated straight into the existing fused tensors (CUDA graphs
+        hold their addresses; no transient second copy of the fused weights); ``epoch``
+        counts the times a tensor had to be replaced instead."""
         self._src = self._sources()
         stamp = tuple((p._version, p.data_ptr(), p.dtype) for p in self._src)
-        layers = []
+        layers = []  # as self.layers, with the fused slots still tuples of parts
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
+            bias = a.q_proj.bias is not None
+            gbias = m.gate_proj.bias is not None
             layers.append((
                 layer.input_layernorm.weight,
-                _fuse(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                _fuse(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+                (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) if bias else None,
                 a.o_proj.weight, a.o_proj.bias,
                 layer.post_attention_layernorm.weight,
-                _fuse(m.gate_proj.weight, m.up_proj.weight), _fuse(m.gate_proj.bias, m.up_proj.bias),
+                (m.gate_proj.weight, m.up_proj.weight),
+                (m.gate_proj.bias, m.up_proj.bias) if gbias else None,
                 m.down_proj.weight, m.down_proj.bias))
         rope = self._rope_table()
-        if self._same_layout(layers, rope):
-            with torch.no_grad():
+        with torch.no_grad():
+            if self._same_layout(layers, rope):
                 for old, new in zip(self.layers, layers):
                     for i in _FUSED:
-                        if old[i] is not None:
-                            old[i].copy_(new[i])
+                        _fuse(new[i], out=old[i])
                 self.rope.copy_(rope)
-        else:
-            self.layers, self.rope = layers, rope
-            self.epoch += 1
+            else:
+                self.layers = [tuple(_fuse(x) if i in _FUSED else x for i, x in enumerate(new))
+                               for new in layers]
+                self.rope = rope
+                self.epoch += 1
         self._stamp = stamp
 
     def _same_layout(self, layers: list[tuple], rope: torch.Tensor) -> bool:
-        """Whether ``layers`` can be copied into the current tensors: same parameter objects,
-        fused tensors of the same shapes, dtypes and devices."""
+        """Whether ``layers`` can be written into the current tensors: same parameter objects,
+        fused parts that fill the current fused tensors' shapes, dtypes and devices."""
         if self.rope is None or len(layers) != len(self.layers) or not _alike(self.rope, rope):
             return False
         for old, new in zip(self.layers, layers):
             for i, (a, b) in enumerate(zip(old, new)):
                 if i in _FUSED:
-                    if (a is None) != (b is None) or (a is not None and not _alike(a, b)):
+                    if not _fits(a, b):
                         return False
                 elif a is not b:
                     return False
