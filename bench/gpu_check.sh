@@ -6,12 +6,14 @@
 #      and without CUDA graphs, trainer on CUDA), tests/test_kernels.py (+ the full CUDA
 #      cross-product), tests/test_kernels_norm_rope.py, tests/test_kernels_engine.py
 #   2. bench/engine_throughput.py --device cuda: native engine (triton; eager and CUDA graphs)
-#      vs transformers generate on the GPU, workloads a, b, c; then torch attention (eager)
+#      vs transformers generate on the GPU, workloads a, b, c (ENGINE_TORCH=1: then the torch
+#      attention path too)
 #   3. bench/kernels.py --sweep: the decode kernel's launch choices per shape vs choose_launch
 #   4. bench/kernels.py: bandwidth vs HBM peak, vs SDPA dense, vs the torch paged path
-#   5. the quickstart on the GPU (3 ranks on one GPU), a few iterations
+#   5. the quickstart on the GPU (3 ranks on one GPU; the engine's default "auto" attention,
+#      i.e. triton + CUDA-graph decode in the RL loop): full SFT warm start, 30 RL iterations
 # Each step has its own timeout; output also goes to $LOG_DIR (default: gpu_check_logs/).
-# Budget: about 6 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
+# Budget: about 7 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -56,12 +58,12 @@ else
     --competitors native_eager,hf,native --threads 4
   step kernels_sweep 150 "$PY" bench/kernels.py --sweep
   step bench_kernels 100 "$PY" bench/kernels.py
-  step engine_torch 60 "$PY" bench/engine_throughput.py --device cuda --attention torch \
-    --competitors native --threads 4
+  [ "${ENGINE_TORCH:-0}" = 1 ] && step engine_torch 60 "$PY" bench/engine_throughput.py \
+    --device cuda --attention torch --competitors native --threads 4
   rm -rf /tmp/gpu_quickstart
-  step quickstart 90 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
-    --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=4 \
-    --set train.sft_steps=20 --set logging.logdir=/tmp/gpu_quickstart \
+  step quickstart 170 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
+    --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=30 \
+    --set logging.logdir=/tmp/gpu_quickstart \
     --set model.path=/tmp/gpu_quickstart/model
 fi
 echo "# gpu_check done in $(( $(date +%s) - start )) s, status $status"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class GenerationInstance:
 
         self.rank = rank
         self.engine = make_engine(engine_cfg, model_dir, eos_ids)
+        print(f"[generation {rank}] {self.engine!r}", file=sys.stderr, flush=True)
         self.version = 0
         self.trainers: list = []
         self.stream_window_s = stream_window_s  # Outbox window (``pipeline.stream_window_s``)

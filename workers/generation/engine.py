@@ -91,6 +91,14 @@ class NativeEngine:
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.total_tokens = 0
 
+    def __repr__(self) -> str:
+        p = next(self.model.parameters())
+        graphs = self.runner.graphs
+        decode = f"CUDA-graph decode up to batch {graphs.max_batch}" if graphs else "eager decode"
+        return (f"NativeEngine({p.device.type} {str(p.dtype).removeprefix('torch.')}, attention "
+                f"{self.attention_backend}, {decode}, KV {self.bm.num_blocks} x {self.bm.block_size} "
+                f"tokens, max batch {self.scheduler.max_batch_size})")
+
     # ---- requests ------------------------------------------------------------------------
     def _refusal(self, req: Request) -> str | None:
         p = req.prompt_ids
