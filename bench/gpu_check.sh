@@ -12,6 +12,10 @@
 #   4. bench/kernels.py: bandwidth vs HBM peak, vs SDPA dense, vs the torch paged path
 #   5. the quickstart on the GPU (3 ranks on one GPU; the engine's default "auto" attention,
 #      i.e. triton + CUDA-graph decode in the RL loop): full SFT warm start, 30 RL iterations
+#   6. multirank: 5 ranks on the GPU (controller, 2 generation instances, 2 data-parallel
+#      trainer ranks: all-reduce and weight sync of CUDA tensors over gloo), StreamRL-Sync
+#      ("stream") with skewness-aware dispatch, then StreamRL-Async ("async_stream")
+# STEPS="tests engine sweep kernels quickstart multirank" (the default) picks steps to run.
 # Each step has its own timeout; output also goes to $LOG_DIR (default: gpu_check_logs/).
 # Budget: about 7 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
 set -uo pipefail
@@ -38,6 +42,8 @@ fi
 
 status=0
 start=$(date +%s)
+STEPS=${STEPS:-tests engine sweep kernels quickstart multirank}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
   echo "## $name ($(( $(date +%s) - start )) s in)"
@@ -48,23 +54,30 @@ step() {  # step NAME TIMEOUT CMD...
 }
 XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
-step tests 120 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" $XDIST -rfEs \
+want tests && step tests 120 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" $XDIST -rfEs \
   tests/test_cuda.py tests/test_kernels.py tests/test_kernels_norm_rope.py tests/test_kernels_engine.py
 if [ "$QUICK" = "--quick" ]; then
   step bench_kernels 90 "$PY" bench/kernels.py --quick
 else
   # native last: native_eager and hf are printed even if a graph capture fails
-  step engine_triton 150 "$PY" bench/engine_throughput.py --device cuda --attention triton \
+  want engine && step engine_triton 150 "$PY" bench/engine_throughput.py --device cuda --attention triton \
     --competitors native_eager,hf,native --threads 4
-  step kernels_sweep 150 "$PY" bench/kernels.py --sweep
-  step bench_kernels 100 "$PY" bench/kernels.py
-  [ "${ENGINE_TORCH:-0}" = 1 ] && step engine_torch 60 "$PY" bench/engine_throughput.py \
+  want sweep && step kernels_sweep 150 "$PY" bench/kernels.py --sweep
+  want kernels && step bench_kernels 100 "$PY" bench/kernels.py
+  want engine && [ "${ENGINE_TORCH:-0}" = 1 ] && step engine_torch 60 "$PY" bench/engine_throughput.py \
     --device cuda --attention torch --competitors native --threads 4
-  rm -rf /tmp/gpu_quickstart
-  step quickstart 170 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
+  rm -rf /tmp/gpu_quickstart /tmp/gpu_multirank
+  want quickstart && step quickstart 170 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
     --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=30 \
     --set logging.logdir=/tmp/gpu_quickstart \
     --set model.path=/tmp/gpu_quickstart/model
+  for mode in stream async_stream; do
+    want multirank && step "multirank_$mode" 120 "$PY" -m torch.distributed.run --nproc-per-node 5 \
+      controller/main.py --config configs/quickstart.yaml --set engine.device=cuda \
+      --set placement.generation=[1,2] --set placement.trainer=[3,4] --set pipeline.mode=$mode \
+      --set dispatch.name=skew --set train.iterations=10 --set logging.logdir=/tmp/gpu_multirank/$mode \
+      --set model.path=/tmp/gpu_multirank/model
+  done
 fi
 echo "# gpu_check done in $(( $(date +%s) - start )) s, status $status"
 exit $status
