@@ -278,6 +278,20 @@ def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype:
     return out
 
 
+def versions() -> dict[str, str | None]:
+    """The competitors' package versions (their speed moves between releases: transformers'
+    generate on workload (a) went from ~1,700 to ~2,900 tok/s between 5.19 and 5.24 here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for pkg in ("torch", "transformers", "vllm"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
 def ratio(a, b):
     return None if a is None or not b else a / b
 
@@ -322,7 +336,7 @@ def main(argv=None):
     q = args.quick
     peak = matmul_flops(512 if q else 1024, 0.5 if q else 2.0)
     emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock,
-         device=args.device)
+         device=args.device, versions=versions())
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         tiny = tiny_config()
@@ -349,7 +363,7 @@ def main(argv=None):
         return None if r is None else r[1]
 
     emit(summary=True, quick=q, clock=args.clock, threads=args.threads, device=args.device,
-         attention=args.attention,
+         attention=args.attention, versions=versions(),
          native_tok_s=tok_s("a", "native"), hf_tok_s=tok_s("a", "hf"), vllm_tok_s=tok_s("a", "vllm"),
          native_over_hf=ratio(tok_s("a", "native"), tok_s("a", "hf")),
          native_over_vllm=ratio(tok_s("a", "native"), tok_s("a", "vllm")),
