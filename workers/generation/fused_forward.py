@@ -35,9 +35,10 @@ def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-def _fuse(parts: tuple[torch.Tensor, ...] | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Concatenate ``parts`` along dim 0, into ``out`` when given (no second copy)."""
-    if parts is None:
+def _fuse(parts: tuple[torch.Tensor | None, ...], out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Concatenate ``parts`` along dim 0, into ``out`` when given (no second copy); None for
+    absent parts (no bias)."""
+    if parts[0] is None:
         return None
     parts = [p.detach() for p in parts]
     if out is None:
@@ -45,10 +46,10 @@ def _fuse(parts: tuple[torch.Tensor, ...] | None, out: torch.Tensor | None = Non
     return torch.cat(parts, out=out)
 
 
-def _fits(old: torch.Tensor | None, parts: tuple[torch.Tensor, ...] | None) -> bool:
+def _fits(old: torch.Tensor | None, parts: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether ``parts`` concatenated have ``old``'s shape, dtype and device."""
-    if old is None or parts is None:
-        return old is None and parts is None
+    if old is None or parts[0] is None:
+        return old is None and parts[0] is None
     p0 = parts[0]
     return (old.is_contiguous() and old.shape[1:] == p0.shape[1:]
             and old.shape[0] == sum(p.shape[0] for p in parts)
@@ -106,16 +107,14 @@ class FusedForward:
         layers = []  # as self.layers, with the fused slots still tuples of parts
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            bias = a.q_proj.bias is not None
-            gbias = m.gate_proj.bias is not None
             layers.append((
                 layer.input_layernorm.weight,
                 (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) if bias else None,
+                (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
                 a.o_proj.weight, a.o_proj.bias,
                 layer.post_attention_layernorm.weight,
                 (m.gate_proj.weight, m.up_proj.weight),
-                (m.gate_proj.bias, m.up_proj.bias) if gbias else None,
+                (m.gate_proj.bias, m.up_proj.bias),
                 m.down_proj.weight, m.down_proj.bias))
         rope = self._rope_table()
         with torch.no_grad():
