@@ -152,6 +152,13 @@ class VLLMEngine:
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated so far)
         self._clock_offset = time.time() - time.monotonic()  # engine-core stamps -> wall clock
 
+    def __repr__(self) -> str:
+        import vllm
+
+        return (f"VLLMEngine(vllm {vllm.__version__}, dtype {self.cfg.dtype or 'auto'}, "
+                f"enforce_eager {self.cfg.enforce_eager}, KV {self.num_blocks} blocks, "
+                f"max_model_len {self.max_model_len}, max batch {self.max_batch_size})")
+
     # ---- requests ------------------------------------------------------------------------
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
