@@ -179,7 +179,7 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
     import triton.testing
 
     from kernels import _paged_decode_triton
-    from kernels.paged_decode import DecodeLaunch, choose_launch, paged_decode_attention_ref
+    from kernels.paged_decode import MIN_SPLIT_TOKENS, DecodeLaunch, choose_launch, paged_decode_attention_ref
 
     name, heads, kv_heads, dh = model
     g = torch.Generator().manual_seed(bsz * 7 + ctx)
@@ -192,12 +192,11 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
     cands = {heur}
     for block_n in (32, 64):
         for warps in (4, 8):
+            least = -(-MIN_SPLIT_TOKENS // block_n) * block_n  # shortest piece, whole tiles
             for splits in (1, 2, 4, 8, 16, 32, 64):
-                per = -(-capacity // splits)  # tokens per split, rounded up to whole tiles
-                per = -(-per // block_n) * block_n
-                if splits > 1 and per * (splits - 1) >= capacity:
+                if splits > 1 and least * (splits - 1) >= capacity:
                     continue  # trailing splits past every sequence's end
-                cands.add(DecodeLaunch(heur.block_g, heur.block_d, block_n, splits, per,
+                cands.add(DecodeLaunch(heur.block_g, heur.block_d, block_n, splits, least,
                                        heur.upcast, warps))
     times = {}
     for cfg in cands:
@@ -225,6 +224,41 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
     del q, k, v, tables
     torch.cuda.empty_cache()
     return [rec]
+
+
+def bench_wide_table(model, bsz, ctx, width, dtype, dev, peak) -> list[dict]:
+    """The same ``bsz`` x ``ctx`` contexts with a block table ``width`` tokens wide, as the
+    engine's CUDA graphs pass it (sized for ``max_model_len``), from graph replays:
+    ``triton`` (choose_launch; the kernel cuts each sequence's own length into the splits),
+    ``triton_capacity_pieces`` (the same split count with pieces sized from the table's width,
+    what the kernel did before session 8: short sequences fill few splits) and
+    ``triton_tight`` (the table cut to the contexts: the best case)."""
+    import dataclasses
+
+    from kernels import _paged_decode_triton
+    from kernels.paged_decode import choose_launch, paged_decode_attention_ref
+
+    name, heads, kv_heads, dh = model
+    q, k, v, tight, lens_t = paged_inputs(bsz, heads, kv_heads, dh, [ctx] * bsz, dtype, dev)
+    wide = torch.zeros(bsz, width // BLOCK_SIZE, dtype=torch.int32, device=dev)
+    wide[:, :tight.shape[1]] = tight
+    scale = dh ** -0.5
+    ref = paged_decode_attention_ref(q, k, v, tight, lens_t, scale).float()
+    cfg = choose_launch(q, k, wide)
+    per = -(-width // cfg.num_splits)
+    old = dataclasses.replace(cfg, min_split_tokens=-(-per // cfg.block_n) * cfg.block_n)
+    impls = {"triton": (wide, cfg), "triton_capacity_pieces": (wide, old),
+             "triton_tight": (tight, choose_launch(q, k, tight))}
+    nbytes = 2 * bsz * ctx * kv_heads * dh * q.element_size()
+    rows = []
+    for impl, (table, launch) in impls.items():
+        rec = dict(bench="kernels_wide_table", model=name, batch=bsz, ctx=ctx, table_tokens=width,
+                   dtype=str(dtype)[6:], impl=impl, splits=launch.num_splits)
+        fn = lambda t=table, c=launch: _paged_decode_triton.launch(q, k, v, t, lens_t, scale, c)  # noqa: E731
+        measure(rec, fn, ref, nbytes, peak, rows)
+    del q, k, v, tight, wide
+    torch.cuda.empty_cache()
+    return rows
 
 
 def bench_norm_rope(tokens, hidden, heads, head_dim, dtype, dev, peak):
@@ -266,7 +300,7 @@ def geomean_speedup(rows, other, key="us"):
     for r in rows:
         if "model" not in r or key not in r:
             continue
-        by.setdefault((r["model"], r["batch"], r["ctx"], r["ragged"]), {})[r["impl"]] = r[key]
+        by.setdefault((r["model"], r["batch"], r["ctx"], r.get("ragged")), {})[r["impl"]] = r[key]
     ratios = [d[other] / d["triton"] for d in by.values() if other in d and "triton" in d]
     return round(math.exp(statistics.fmean(map(math.log, ratios))), 3) if ratios else None
 
@@ -315,12 +349,16 @@ def main() -> int:
         for bsz, ctx in shapes:
             rows += bench_shape(model, bsz, ctx, dtype, dev, peak, vllm_fn)
         rows += bench_shape(model, 64, 2048, dtype, dev, peak, vllm_fn, ragged=True)
+    wide = [r for model in models for bsz, ctx in ((1, 4096), (8, 4096), (8, 8192))
+            for r in bench_wide_table(model, bsz, ctx, 32768, dtype, dev, peak)]
     elementwise = bench_norm_rope(4096, 3584, 28, 128, dtype, dev, peak)  # Qwen2.5-7B widths
     pct = [r["pct_peak"] for r in rows if r["impl"] == "triton" and r.get("pct_peak") is not None]
     pct_g = [r["pct_peak_graph"] for r in rows
              if r["impl"] == "triton" and r.get("pct_peak_graph") is not None]
     extra = dict(rms_norm_vs_torch=op_speedup(elementwise, "rms_norm_residual"),
-                 rotary_vs_torch=op_speedup(elementwise, "rotary"))
+                 rotary_vs_torch=op_speedup(elementwise, "rotary"),
+                 wide_table_vs_capacity_pieces=geomean_speedup(wide, "triton_capacity_pieces", "us_graph"),
+                 wide_table_vs_tight=geomean_speedup(wide, "triton_tight", "us_graph"))
     print(json.dumps(dict(
         bench="kernels", summary=True, device=name, peak_gbps=peak, dtype=args.dtype,
         triton_median_pct_peak=statistics.median(pct) if pct else None,

@@ -3,8 +3,12 @@
 Two kernels, split-K style (flash-decoding):
 
 * ``_paged_decode_partial``, grid ``(B, Hkv, num_splits)``: one program reads one KV head's
-  tokens ``[s * tokens_per_split, (s + 1) * tokens_per_split)`` of one sequence through the
-  block table, tile by tile (``BLOCK_N`` tokens), and computes *all* ``GROUP = H / Hkv`` query
+  share of one sequence through the block table, tile by tile (``BLOCK_N`` tokens): each
+  sequence's own context is cut into ``num_splits`` pieces of whole tiles, none shorter than
+  ``min_split_tokens`` (a short sequence fills fewer pieces; the programs past its end exit).
+  Pieces follow the lengths read on the device, not the block table's width, so a ragged
+  batch or a table sized for ``max_model_len`` (CUDA graphs) still spreads every sequence
+  over the splits. Each program computes *all* ``GROUP = H / Hkv`` query
   heads of that KV head against it with an online softmax. Each K/V byte is read once per KV
   head, not once per query head: that is what makes GQA decode bandwidth-efficient. The
   query-head group is padded to ``BLOCK_G >= 16`` rows so both ``tl.dot`` calls have every dim
@@ -32,7 +36,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_decode_partial(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr,
-    qk_scale, tokens_per_split,
+    qk_scale, min_split_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_kt, stride_kh, stride_kd,
     stride_vn, stride_vt, stride_vh, stride_vd,
@@ -48,8 +52,10 @@ def _paged_decode_partial(
     split = tl.program_id(2)
 
     ctx = tl.load(lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, ctx)
+    per = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole tiles
+    piece = tl.maximum(per, min_split_tokens)
+    start = split * piece
+    end = tl.minimum(start + piece, ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -154,7 +160,7 @@ def plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     calls = [KernelCall(
         _paged_decode_partial, (bsz, num_kv_heads, splits),
         (q, k_cache, v_cache, block_tables, context_lens, o_part, lse,
-         scale * LOG2E, cfg.tokens_per_split,
+         scale * LOG2E, cfg.min_split_tokens,
          *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
          *o_part.stride(), lse.stride(0), lse.stride(1)),
         dict(GROUP=num_heads // num_kv_heads, BLOCK_G=cfg.block_g, HEAD_DIM=head_dim,

@@ -36,7 +36,7 @@ class DecodeLaunch:
     block_d: int           # head_dim padded to a power of 2 >= 16
     block_n: int           # tokens per tile (a power of 2 >= 16)
     num_splits: int        # split-K pieces per sequence (1: no reduce kernel)
-    tokens_per_split: int  # a multiple of block_n
+    min_split_tokens: int  # no piece shorter (a multiple of block_n); pieces follow each length
     upcast: bool           # dot operands in fp32 (fp32 caches; bf16 in the interpreter)
     num_warps: int = 4
 
@@ -45,9 +45,10 @@ class DecodeLaunch:
             v = getattr(self, name)
             if v < MIN_DOT or v & (v - 1):
                 raise ValueError(f"DecodeLaunch.{name}={v}: must be a power of 2 >= {MIN_DOT}")
-        if self.num_splits < 1 or self.tokens_per_split % self.block_n:
+        if self.num_splits < 1 or self.min_split_tokens < self.block_n or \
+                self.min_split_tokens % self.block_n:
             raise ValueError(f"DecodeLaunch: num_splits={self.num_splits} must be >= 1 and "
-                             f"tokens_per_split={self.tokens_per_split} a multiple of "
+                             f"min_split_tokens={self.min_split_tokens} a positive multiple of "
                              f"block_n={self.block_n}")
 
 
@@ -62,10 +63,11 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
                   num_splits: int | None = None) -> DecodeLaunch:
     """Pick tile sizes and the split count from shapes only (no host sync on context_lens).
 
-    Without ``num_splits``, a sequence is split so that ``B * Hkv * splits`` programs cover
-    about two waves of the GPU's SMs, four when ``B * Hkv`` alone is fewer programs than SMs,
-    with pieces of at least MIN_SPLIT_TOKENS tokens of the block table's capacity
-    (``max_blocks * block_size``); splits past a shorter sequence's end exit at once.
+    Without ``num_splits``, ``B * Hkv * splits`` programs cover about two waves of the GPU's
+    SMs, four when ``B * Hkv`` alone is fewer programs than SMs, and no more splits than
+    MIN_SPLIT_TOKENS-token pieces of the block table's capacity (``max_blocks * block_size``).
+    The kernel cuts each sequence's own context into that many pieces, none shorter than
+    MIN_SPLIT_TOKENS (``num_splits`` given: one tile), so shorter sequences fill fewer.
     The four waves and 128-token pieces come from ``bench/kernels.py --sweep`` on an H200: on
     every shape where two waves of 256-token pieces was not the fastest choice, the fastest
     split more (docs/benchmarks.md)."""
@@ -80,20 +82,19 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
         waves = 4 if programs < sms else 2
         want = -(-waves * sms // programs)
         num_splits = max(1, min(want, -(-capacity // MIN_SPLIT_TOKENS), MAX_SPLITS))
-        auto = True
+        # a full-length sequence's pieces are whole tiles: drop splits that rounding leaves empty
+        piece = -(-capacity // num_splits)
+        num_splits = -(-capacity // (-(-piece // block_n) * block_n))
+        min_split_tokens = -(-MIN_SPLIT_TOKENS // block_n) * block_n
     elif num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be >= 1")
     else:
-        auto = False
-    per = -(-capacity // num_splits)
-    tokens_per_split = -(-per // block_n) * block_n
-    if auto:  # rounding up to whole tiles may leave trailing splits that no sequence reaches
-        num_splits = -(-capacity // tokens_per_split)
+        min_split_tokens = block_n
     # fp32 caches dot in fp32; the interpreter's bf16 dot is wrong (numpy has no bf16), its
     # fp16 dot is fine, so fp16 runs the GPU's native-dtype path there too
     upcast = k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16)
     num_warps = 8 if upcast and block_d >= 128 else 4  # fp32 tiles: halve registers per thread
-    return DecodeLaunch(block_g, block_d, block_n, num_splits, tokens_per_split, upcast, num_warps)
+    return DecodeLaunch(block_g, block_d, block_n, num_splits, min_split_tokens, upcast, num_warps)
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

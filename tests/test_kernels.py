@@ -114,6 +114,19 @@ def test_split_count_does_not_change_result():
     torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=1e-5)
 
 
+def test_pieces_follow_each_length_in_a_wide_table():
+    """Each sequence's own context is cut into the splits, whatever the block table's width
+    (the engine's CUDA graphs pass tables sized for max_model_len): ragged lengths in a table
+    16x wider than they need, automatic and explicit split counts."""
+    q, k, v, tables, lens_t = make_paged([1, 130, 257, 700], 8, 2, 64, 16, torch.float32)
+    wide = torch.zeros(4, tables.shape[1] * 16, dtype=torch.int32, device=DEVICE)
+    wide[:, :tables.shape[1]] = tables
+    ref = paged_decode_attention_ref(q, k, v, tables, lens_t, 0.125)
+    for splits in (None, 2, 7):
+        out = paged_decode_attention(q, k, v, wide, lens_t, 0.125, num_splits=splits)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 def test_empty_sequence_gives_zeros():
     q, k, v, tables, lens_t = make_paged([0, 20], 4, 2, 64, 16, torch.float32)
     for splits in (1, 2):
@@ -142,7 +155,7 @@ def test_launch_shapes_are_gpu_compilable(heads, kv_heads, head_dim):
     cfg = choose_launch(q, cache, torch.empty(3, 300, dtype=torch.int32))
     assert min(cfg.block_g, cfg.block_d, cfg.block_n) >= 16
     assert cfg.block_g >= heads // kv_heads and cfg.block_d >= head_dim
-    assert cfg.num_splits * cfg.tokens_per_split >= 300 * 16
+    assert 1 <= cfg.num_splits and cfg.min_split_tokens % cfg.block_n == 0
     with pytest.raises(ValueError, match="block_g"):
         DecodeLaunch(8, 64, 64, 1, 64, True)
 
@@ -165,7 +178,7 @@ def test_split_choice_from_the_h200_sweep(monkeypatch, batch, kv_heads, ctx, spl
     cfg = choose_launch(q, torch.empty(1, 16, kv_heads, 128, dtype=torch.bfloat16),
                         torch.empty(batch, ctx // 16, dtype=torch.int32))
     assert cfg.num_splits == splits
-    assert cfg.tokens_per_split >= min(128, ctx) and cfg.num_splits * cfg.tokens_per_split >= ctx
+    assert cfg.min_split_tokens >= min(128, ctx) and cfg.min_split_tokens % cfg.block_n == 0
 
 
 def test_bad_inputs_name_the_argument():

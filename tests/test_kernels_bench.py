@@ -54,6 +54,20 @@ def test_bench_rows_and_summary_on_cpu(monkeypatch, capsys):
     assert bk.peak_gbps("NVIDIA H100 PCIe") == 2000 and bk.peak_gbps("Some GPU") is None
 
 
+def test_wide_table_rows_on_cpu(monkeypatch):
+    """The wide-table comparison: three launches over the same contexts, all equal to the
+    reference; the old capacity-sized pieces are rebuilt with the same split count."""
+    bk = load_bench()
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=0, rep=0: (fn(), 1e-5)[1])
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep=0: (fn(), 1e-5)[1])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = bk.bench_wide_table(("toy", 4, 2, 64), 2, 200, 1024, torch.float32, torch.device("cpu"), None)
+    assert [r["impl"] for r in rows] == ["triton", "triton_capacity_pieces", "triton_tight"]
+    assert all(r["max_err"] < 1e-5 and r["table_tokens"] == 1024 for r in rows)
+    assert rows[0]["splits"] == rows[1]["splits"]
+    assert bk.geomean_speedup(rows, "triton_capacity_pieces", "us_graph") == 1.0
+
+
 def test_bench_skips_without_cuda(monkeypatch, capsys):
     bk = load_bench()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
