@@ -208,6 +208,70 @@ def test_bad_requests_refused_and_others_served():
     check_against_recompute(good, sorted(out, key=lambda s: s.sample_id))
 
 
+def test_malformed_requests_refused_naming_the_field_and_others_served():
+    """Refusals besides the ones above: prompt not a 1-D integer tensor, min_tokens outside
+    [0, max_tokens] or not an int, bad sampling params. Each bad request gets an error Sample
+    naming the field; the good ones of the same call (boundary values included) are served
+    exactly as when added alone."""
+    good = [Request(sample_id=0, prompt_ids=PS[0], max_tokens=5, min_tokens=5, sampling=GREEDY),
+            Request(sample_id=1, prompt_ids=PS[1], max_tokens=5, min_tokens=0,  # bounds: accepted
+                    sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=V + 3)),
+            Request(sample_id=2, prompt_ids=PS[2], max_tokens=5, min_tokens=5, sampling=GREEDY)]
+    prompt_msg = "prompt_ids must be a 1-D integer tensor"
+    sampling_msg = "(need a finite temperature >= 0, 0 < top_p <= 1 and an int top_k >= 0)"
+    ok = torch.tensor([1, 2])
+    bad = [  # (request, the field's complaint, the offending field=value in a sampling message)
+        (Request(sample_id=100, prompt_ids=torch.tensor([[1, 2]]), max_tokens=4), prompt_msg, None),
+        (Request(sample_id=101, prompt_ids=torch.tensor([1.0, 2.0]), max_tokens=4), prompt_msg, None),
+        (Request(sample_id=102, prompt_ids=torch.tensor(3), max_tokens=4), prompt_msg, None),
+        (Request(sample_id=103, prompt_ids=[1, 2], max_tokens=4), prompt_msg, None),
+        (Request(sample_id=104, prompt_ids=torch.tensor([1j, 2j]), max_tokens=4), prompt_msg, None),
+        (Request(sample_id=105, prompt_ids=ok, max_tokens=4, min_tokens=-1),
+         "min_tokens must be in [0, max_tokens=4], got -1", None),
+        (Request(sample_id=106, prompt_ids=ok, max_tokens=4, min_tokens=5),
+         "min_tokens must be in [0, max_tokens=4], got 5", None),
+        (Request(sample_id=107, prompt_ids=ok, max_tokens=4, min_tokens=1.5),
+         "min_tokens must be in [0, max_tokens=4], got 1.5", None),
+        (Request(sample_id=108, prompt_ids=ok, max_tokens=4, min_tokens="1"),
+         "min_tokens must be in [0, max_tokens=4], got '1'", None),
+        (Request(sample_id=109, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(temperature=-0.5)),
+         sampling_msg, "temperature=-0.5"),
+        (Request(sample_id=110, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=0.0)),
+         sampling_msg, "top_p=0.0"),
+        (Request(sample_id=111, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=1.5)),
+         sampling_msg, "top_p=1.5"),
+        (Request(sample_id=112, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=float("nan"))),
+         sampling_msg, "top_p=nan"),
+        (Request(sample_id=113, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=-1)),
+         sampling_msg, "top_k=-1"),
+        (Request(sample_id=114, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(temperature=float("nan"))),
+         sampling_msg, "temperature=nan"),  # would sample garbage with NaN log-probs
+        (Request(sample_id=115, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=2.5)),
+         sampling_msg, "top_k=2.5"),  # would crash step() for every request in flight
+    ]
+    # good requests first, between and last: refusals must not disturb their queueing
+    reqs = [good[0]] + [r for r, _, _ in bad[:7]] + [good[1]] + [r for r, _, _ in bad[7:]] + [good[2]]
+    eng = engine()
+    refused = eng.add(reqs)
+    assert [s.sample_id for s in refused] == [r.sample_id for r, _, _ in bad]
+    for s, (r, msg, field) in zip(refused, bad):
+        assert s.finish_reason == "error" and s.output_ids.numel() == 0 and s.logprobs.numel() == 0
+        prefix = f"request {reqs.index(r)} (sample_id {r.sample_id}): "
+        if field is None:
+            assert s.error == prefix + msg
+        else:
+            assert s.error.startswith(prefix + "bad sampling params SamplingParams(") and s.error.endswith(msg)
+            assert field in s.error
+    assert eng.stats().waiting == 3
+    out = sorted(generate_all(eng, []), key=lambda s: s.sample_id)
+    alone = sorted(generate_all(engine(), good), key=lambda s: s.sample_id)
+    assert [s.sample_id for s in out] == [0, 1, 2] and all(s.finish_reason != "error" for s in out)
+    for a, b in zip(out, alone):
+        assert a.output_ids.tolist() == b.output_ids.tolist() and a.finish_reason == b.finish_reason
+        assert torch.equal(a.logprobs, b.logprobs)
+    check_against_recompute([good[0], good[2]], [out[0], out[2]])
+
+
 def test_lpt_admission_order():
     est = [3.0, 50.0, 10.0, 7.0, 50.0]
     reqs = [Request(sample_id=i, prompt_ids=PS[i], max_tokens=2, est_len=e, sampling=GREEDY)
@@ -257,24 +321,4 @@ def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():
     eng = engine(attention_backend="cpu", kv_cache_tokens=96, max_batch_size=12)
     out = generate_all(eng, reqs)
     assert eng.stats().preemptions > 0
-    check_against_recompute(reqs, out)
-
-
-def test_triton_backend_plumbing(monkeypatch):
-    """Triton cannot run on this CPU machine: the decode kernel is replaced by its torch
-    reference (same signature, kernels/paged_decode.py) to check what the engine passes it."""
-    kernels = pytest.importorskip("kernels")
-    from kernels import paged_decode
-
-    calls = []
-
-    def fake(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
-        calls.append(q.shape[0])
-        return paged_decode.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-    monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
-    monkeypatch.setattr(paged_decode, "paged_decode_attention", fake)
-    reqs = greedy_requests(PS[:4], 6)
-    out = generate_all(engine(attention_backend="triton"), reqs)
-    assert calls and max(calls) == 4
     check_against_recompute(reqs, out)

@@ -78,10 +78,23 @@ def test_sampler_seed_reproducible_and_distribution():
     unseeded = _seq_with(SamplingParams(temperature=1.0))
     counts = torch.bincount(torch.tensor([int(s(logits.clone(), [unseeded])[0]) for _ in range(2000)]), minlength=4)
     torch.testing.assert_close(counts / 2000, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.04, rtol=0)
-    sp_t = SamplingParams(temperature=2.0, top_k=3)
-    _, lp = s(logits.clone(), [_seq_with(sp_t)])
-    want = torch.log_softmax(torch.tensor([-1e9, *(logits[0, 1:] / 2.0).tolist()]), -1)
-    assert float(lp[0]) in [pytest.approx(float(w), abs=1e-5) for w in want[1:]]
+    # returned log-prob: that of the token actually drawn, under the row's own filtered
+    # distribution, for every row of a batch mixing parameters
+    l0 = logits[0]
+    ninf = float("-inf")
+    kinds = [(SamplingParams(temperature=2.0, top_k=3),  # token 0 (smallest) filtered out
+              torch.log_softmax(torch.cat([torch.tensor([ninf]), l0[1:] / 2.0]), -1)),
+             (SamplingParams(temperature=0.5, top_p=0.7),  # p^2 normalised: keeps ids 3 and 2
+              torch.log_softmax(torch.tensor([ninf, ninf, float(l0[2]), float(l0[3])]) / 0.5, -1)),
+             (SamplingParams(temperature=1.0), torch.log_softmax(l0, -1))]
+    rows = [kinds[i % 3] for i in range(150)]
+    seqs = [_seq_with(sp, sid=i) for i, (sp, _) in enumerate(rows)]
+    ids, lp = s(logits.repeat(len(rows), 1), seqs)
+    want = torch.stack([w[int(t)] for (_, w), t in zip(rows, ids)])
+    assert torch.isfinite(want).all()  # no filtered-out token was drawn
+    torch.testing.assert_close(lp, want.float(), atol=1e-5, rtol=0)
+    # each kind drew more than one distinct token (else a fixed token's log-prob would pass)
+    assert [sorted(set(ids[k::3].tolist())) for k in range(3)] == [[1, 2, 3], [2, 3], [0, 1, 2, 3]]
 
 
 def test_make_engine_from_folder_and_eos_override(tmp_path):

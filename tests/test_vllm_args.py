@@ -60,19 +60,6 @@ def test_priority_is_lpt_and_sampling_kwargs():
     assert vllm_args.sampling_kwargs(r, ())["ignore_eos"]
 
 
-def test_refusal_messages():
-    ok = dict(sample_id=1, prompt_ids=torch.tensor([1, 2]), max_tokens=3)
-    assert vllm_args.refusal(Request(**ok), 128, 512, set()) is None
-    cases = [(dict(prompt_ids=torch.tensor([], dtype=torch.int64)), "empty prompt"),
-             (dict(prompt_ids=torch.tensor([1, 128])), "token id 128"),
-             (dict(prompt_ids=torch.zeros(512, dtype=torch.int64)), "does not fit"),
-             (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5), "min_tokens"),
-             (dict(sampling=SamplingParams(top_p=0.0)), "sampling")]
-    for change, why in cases:
-        assert why in vllm_args.refusal(Request(**{**ok, **change}), 128, 512, set())
-    assert "already queued" in vllm_args.refusal(Request(**ok), 128, 512, {1})
-
-
 def test_fused_modules_must_be_whole():
     names = {n for n, _ in CausalLM(MC).named_parameters()}
     assert vllm_args.incomplete_modules(names, names) == {}

@@ -17,6 +17,7 @@ from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
+from workers.generation.request_check import refusal
 from workers.generation.scheduler import Scheduler
 from workers.generation.sequence import Sequence, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
@@ -101,28 +102,9 @@ class NativeEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def _refusal(self, req: Request) -> str | None:
-        p = req.prompt_ids
-        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.is_complex():
-            return "prompt_ids must be a 1-D integer tensor"
-        if p.numel() == 0:
-            return "empty prompt"
-        if p.numel() >= self.max_model_len:
-            return (f"prompt of {p.numel()} tokens does not fit the context: max_model_len "
-                    f"{self.max_model_len} leaves no room for an output token")
-        lo, hi = int(p.min()), int(p.max())
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-            return f"max_tokens must be an int >= 1, got {req.max_tokens!r}"
-        if req.min_tokens < 0 or req.min_tokens > req.max_tokens:
-            return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens}"
-        s = req.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            return f"bad sampling params {s} (need temperature >= 0, 0 < top_p <= 1, top_k >= 0)"
-        if req.sample_id in self._live:
-            return f"sample_id {req.sample_id} is already queued or running"
-        return None
+        """Why ``req`` cannot be served, or None: the same rules (and messages) as the vLLM
+        backend, from the one shared function."""
+        return refusal(req, self.vocab_size, self.max_model_len, self._live.keys())
 
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""

@@ -1,5 +1,6 @@
 """Translation between StreamRL's engine types and vLLM's: EngineConfig -> EngineArgs keywords,
-Request -> (vLLM SamplingParams keywords, priority), and per-request validation.
+Request -> (vLLM SamplingParams keywords, priority). Per-request validation, shared with
+the native engine, is ``request_check.refusal``.
 
 Pure functions (no vLLM import), so the mapping is testable where vLLM is absent.
 """
@@ -125,28 +126,3 @@ def incomplete_modules(names: set[str], all_names: set[str]) -> dict[str, list[s
         if fused_module(n) in touched:
             missing.setdefault(fused_module(n), []).append(n)
     return missing
-
-
-def refusal(req: Request, vocab_size: int, max_len: int, live: set[int]) -> str | None:
-    """Why ``req`` cannot be served (None when it can). Same rules as the native engine."""
-    p = req.prompt_ids
-    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.is_complex():
-        return "prompt_ids must be a 1-D integer tensor"
-    if p.numel() == 0:
-        return "empty prompt"
-    if p.numel() >= max_len:
-        return (f"prompt of {p.numel()} tokens does not fit the context: max_model_len "
-                f"{max_len} leaves no room for an output token")
-    lo, hi = int(p.min()), int(p.max())
-    if lo < 0 or hi >= vocab_size:
-        return f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})"
-    if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-        return f"max_tokens must be an int >= 1, got {req.max_tokens!r}"
-    if not isinstance(req.min_tokens, int) or not 0 <= req.min_tokens <= req.max_tokens:
-        return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens!r}"
-    s = req.sampling
-    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-        return f"bad sampling params {s} (need temperature >= 0, 0 < top_p <= 1, top_k >= 0)"
-    if req.sample_id in live:
-        return f"sample_id {req.sample_id} is already queued or running"
-    return None

@@ -31,6 +31,7 @@ import torch
 
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
+from workers.generation.request_check import refusal
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -164,7 +165,7 @@ class VLLMEngine:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
         refused, now = [], time.time()
         for i, req in enumerate(requests):
-            why = vllm_args.refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
+            why = refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
             if why is not None:
                 refused.append(self._error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}"))
                 continue
