@@ -124,6 +124,8 @@ class TrainerWorker:
 
     @_locked
     def receive(self, samples: Sequence[Sample]) -> None:
+        for s in samples:  # caller bugs raise before any sample of this call is consumed
+            self._check(s)
         accepted = [s for s in samples if self._accept(s)]
         for chunk in _chunks(accepted, self.cfg.max_tokens_per_microbatch):
             items = prepare_batch(self, chunk)
@@ -175,7 +177,8 @@ class TrainerWorker:
             g.dropped += 1
             self._maybe_complete(s.group_id)
 
-    def _accept(self, s: Sample) -> bool:
+    def _check(self, s: Sample) -> None:
+        """Raise on a caller bug (whatever ``on_bad_sample`` says)."""
         sid = s.sample_id
         if sid not in self._prompts:
             raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({self.iteration})")
@@ -184,6 +187,9 @@ class TrainerWorker:
         if self.cfg.grouped and s.group_id not in self._group_sizes:
             raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
                              f"(algorithm {self.cfg.algorithm!r} needs groups)")
+
+    def _accept(self, s: Sample) -> bool:
+        sid = s.sample_id
         if sid in self._seen:
             log.warning("trainer rank %d: sample %d received twice in iteration %d; duplicate dropped",
                         self.rank, sid, self.iteration)
