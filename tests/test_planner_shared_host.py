@@ -34,10 +34,21 @@ def test_colocated_dp_ranks_always_share_the_host():
 
 
 def test_overlapping_stages_slow_down_by_the_overlapped_share():
-    base = run("stream").iteration_s[-1]  # 9.5: the 2-token sample trains while generation runs
-    slow = run("stream", gen_shared_slowdown=2.0, train_shared_slowdown=2.0).iteration_s[-1]
+    # no factor: generation 4 s; the 2-token sample trains (2 s) while it runs, the 4-token one
+    # after it (4 s), then the step (0.5 s) and the sync (1 s): 4 + 4 + 0.5 + 1
+    base = run("stream").iteration_s[-1]
+    assert base == pytest.approx(9.5)
+    # generation x2 over the share the first sample's 2 s of training covers: its length D is the
+    # fixed point of D = 4 (1 + 2 / D), i.e. 2 + 2 sqrt(3); the rest as above
+    gen_only = run("stream", gen_shared_slowdown=2.0).iteration_s[-1]
+    assert gen_only == pytest.approx(2 + 2 * 3 ** 0.5 + 4 + 0.5 + 1, rel=1e-3)
+    # two DP ranks share the host all the time: training x2 throughout (4 s, 8 s, 1 s), and
+    # generation covered by it for half its 6 s: 4 (1 + 0.5); 6 + 8 + 1 + 1 (the first sample's
+    # training ends 1 s after generation, delaying the second)
     full = run("stream", train_ranks=2, gen_shared_slowdown=2.0, train_shared_slowdown=2.0).iteration_s[-1]
-    assert base < slow < full  # only part of each stage overlaps the other
+    assert full == pytest.approx(17.0)
+    slow = run("stream", gen_shared_slowdown=2.0, train_shared_slowdown=2.0).iteration_s[-1]
+    assert gen_only < slow < full  # training slowed only over its share beside generation
 
 
 def test_scaled_profile_stretches_every_time_term():

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from controller.planner.host import synthetic_requests
@@ -205,8 +206,8 @@ def measure_colocated_generation(engine_cfg, model_dir: str, batches: list[tuple
     if any(len(o) < 2 or len(o) != len(p) for o, p in batches):
         raise ValueError("measure_colocated_generation: every batch needs >= 2 requests and one prompt length each")
     res = run_local(3, _rank, engine_cfg, model_dir, batches, window_s, vocab, seed)[0]
-    ratios = sorted(t / a for a, t in zip(res["alone_s"], res["together_s"]))
-    return ColocatedGenProfile(res["alone_s"], res["together_s"], ratios[len(ratios) // 2],
+    ratios = [t / a for a, t in zip(res["alone_s"], res["together_s"])]
+    return ColocatedGenProfile(res["alone_s"], res["together_s"], float(np.median(ratios)),
                                thread_shares(res["alone_threads"]), thread_shares(res["together_threads"]),
                                {"batches": len(batches), "window_s": window_s, "source": "measured"})
 

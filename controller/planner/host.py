@@ -265,7 +265,11 @@ class _Done:
 
 class PickleReceiver:
     """Stands in for a trainer RRef: ``rpc_async().receive(samples)`` serializes the samples
-    (the RPC's pickling, on the sending thread) and returns a completed future."""
+    (the RPC's pickling, on the sending thread) and returns a completed future. ``received``
+    maps each streamed sample id to its output length (``expect`` checks a batch arrived)."""
+
+    def __init__(self):
+        self.received: dict[int, int] = {}
 
     def rpc_async(self, timeout: float = -1.0) -> "PickleReceiver":
         return self
@@ -274,7 +278,15 @@ class PickleReceiver:
         import pickle
 
         pickle.dumps(samples)
+        self.received.update((s.sample_id, len(s.output_ids)) for s in samples)
         return _Done()
+
+    def expect(self, reqs: list[Request]) -> None:
+        """Raise unless every request was streamed exactly at its forced length."""
+        bad = [r.sample_id for r in reqs if self.received.get(r.sample_id) != r.max_tokens]
+        if bad:
+            raise RuntimeError(f"generate path: {len(bad)} of {len(reqs)} samples were not streamed at their "
+                               f"forced length (first: sample {bad[0]}, got {self.received.get(bad[0])})")
 
 
 def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list[int], list[int]]],
@@ -292,7 +304,8 @@ def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list
         raise ValueError("runtime_generate_factor: no batches")
     gen = torch.Generator().manual_seed(seed)
     inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
-    inst.trainers = [PickleReceiver()]
+    sink = PickleReceiver()
+    inst.trainers = [sink]
     next_id = [50_000_000]
 
     def bare(b) -> float:
@@ -303,9 +316,12 @@ def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list
         return time.perf_counter() - t0
 
     def runtime(b) -> float:
+        reqs = synthetic_requests(*b, gen, next_id, vocab)
         t0 = time.perf_counter()
-        inst.generate(0, synthetic_requests(*b, gen, next_id, vocab), inst.version)
-        return time.perf_counter() - t0
+        inst.generate(0, reqs, inst.version)
+        dt = time.perf_counter() - t0
+        sink.expect(reqs)
+        return dt
 
     bare(batches[0])
     runtime(batches[0])
@@ -316,4 +332,5 @@ def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list
         bare_s.append(got[bare])
         runtime_s.append(got[runtime])
     inst.close()
-    return {"factor": sum(runtime_s) / sum(bare_s), "bare_s": bare_s, "runtime_s": runtime_s}
+    return {"factor": sum(runtime_s) / sum(bare_s), "bare_s": bare_s, "runtime_s": runtime_s,
+            "streamed": len(sink.received)}
