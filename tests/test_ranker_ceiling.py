@@ -53,7 +53,9 @@ def test_cli_ceiling(tmp_path, capsys):
             f.write(json.dumps({"task": f"k{i % 3}", "question": f"q {i}", "resp_words": w}) + "\n")
     assert main(["ceiling", "--data", str(path), "--repeats", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["rows"] == 200 and 0 < out["recall@20"]["ceiling"] <= 1
+    # five length levels e^1 apart, answer noise 0.3: the longest 20% is one level, which an
+    # oracle of the expected length finds whatever the 3 answers drew
+    assert out["rows"] == 200 and out["recall@20"]["ceiling"] >= 0.95
 
 
 def test_cli_ceiling_needs_equal_answer_counts(tmp_path, capsys):

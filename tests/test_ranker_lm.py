@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,9 +44,12 @@ def test_lm_from_hf_folder_and_update(lm, tmp_path):
                               "epochs": 1})
     prompts, lengths = synth(40, seed=3)
     r.fit(prompts, lengths)
-    before = r.predict(prompts[:5])
+    before = r.predict(prompts[:20])
     r.update(prompts[:20], [ln * 10 for ln in lengths[:20]])
-    assert r.predict(prompts[:5]) != before
+    after = r.predict(prompts[:20])
+    # told these prompts run 10x longer: their estimates rise (most of them, and on average)
+    assert sum(a > b for a, b in zip(after, before)) >= 15
+    assert np.mean(np.log(after)) > np.mean(np.log(before)) + 0.3  # measured +0.72 (2 seeds)
 
 
 def test_lm_refuses_other_encoding(lm, tmp_path):
@@ -68,4 +72,7 @@ def test_ensemble_with_lm_embedding_round_trip(tmp_path):
     r.save(tmp_path / "e")
     loaded = ranker.load(tmp_path / "e")
     assert loaded.predict(test_p) == r.predict(test_p)
-    r.update(test_p[:30], test_l[:30])
+    before = r.predict(test_p[:30])
+    r.update(test_p[:30], [ln * 10 for ln in test_l[:30]])
+    after = r.predict(test_p[:30])
+    assert np.mean(np.log(after)) > np.mean(np.log(before)) + 0.2  # both members moved up
