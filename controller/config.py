@@ -270,8 +270,30 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
     if not 0 <= t.min_tokens <= t.max_tokens:
         raise ConfigError(f"train.min_tokens must be in [0, max_tokens], got {t.min_tokens}")
+    algorithm = getattr(cfg.trainer, "algorithm", None)
+    if algorithm in ("grpo", "rloo") and t.group_size < 2:
+        raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
+                          f"compare a sample with its group's others), got {t.group_size}")
+    _check_registries(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
+
+
+def _check_registries(cfg: Config) -> None:
+    """Names that select a registered implementation (task, dispatcher), and the
+    dispatcher's options (building one is cheap and pure); a task's kwargs are checked when
+    the controller builds it, before any other work."""
+    from controller.scheduling import DISPATCHERS, make_dispatcher
+    from workers.tasks.registry import TASKS
+
+    if cfg.task.name not in TASKS:
+        raise ConfigError(f"task.name: {cfg.task.name!r} is not one of {sorted(TASKS)}")
+    if cfg.dispatch.name not in DISPATCHERS:
+        raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}")
+    try:
+        make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"dispatch.options: {e}") from None
 
 
 def load_config(path: str | Path, world_size: int | None = None, overrides: dict | None = None) -> Config:
@@ -288,7 +310,11 @@ def load_config(path: str | Path, world_size: int | None = None, overrides: dict
     try:
         return from_dict(d, world_size)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        # name the source of the bad value: a --set override, else the file
+        msg = str(e)
+        src = next((f"--set {k}={v}" for k, v in (overrides or {}).items()
+                    if msg.startswith((k, k.split(".")[0] + ":"))), str(path))
+        raise ConfigError(f"{src}: {msg}") from None
 
 
 def apply_override(d: dict, dotted: str, value: Any) -> None:

@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     try:  # every rank validates, so a bad config stops all of them before any work
         cfg = load_config(args.config, world, dict(parse_override(s) for s in args.set))
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr, flush=True)
+        if os.environ["RANK"] == "0":  # one message, not one per rank
+            print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
 
     def controller() -> int:
@@ -217,11 +218,12 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
 def stop_processes(code: int) -> int:
     """Leave the RPC group and the process group; a failed run exits at once (``os._exit``).
 
-    Success (and the controller's ``request_exit(0, quiet=True)``: no worker was lost and none
-    joined, so every RRef's owner is alive and inside the barriers): every static rank takes the
+    Success or a refusal before any work (the controller's ``request_exit(code, quiet=True)``:
+    no worker was lost and none joined, so every RRef's owner is alive and inside the
+    barriers): every static rank takes the
     same quiet path (``_quiet_rpc_exit``). Otherwise, or if a barrier fails: local
     (non-graceful) shutdown that waits for nobody."""
-    if code == 0 and LOCAL.quiet_exit:
+    if LOCAL.quiet_exit and code in (0, 2):  # success, or a refusal before any work (config error)
         try:
             _quiet_rpc_exit()
         except Exception:  # noqa: BLE001 - a peer is gone; leave anyway (non-graceful below)

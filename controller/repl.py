@@ -38,21 +38,22 @@ class Repl:
     def loop(self, stdin, stdout) -> None:
         print(">>> " + json.dumps({"ready": True, "commands": sorted(self.commands) + ["quit"]}), file=stdout, flush=True)
         for line in stdin:
-            words = shlex.split(line.strip())
-            if not words:
-                continue
-            if words[0] in ("quit", "exit"):
-                break
-            fn = self.commands.get(words[0])
-            try:
+            try:  # a bad line or command must not end the session (nor the run)
+                words = shlex.split(line.strip())
+                if words and words[0] in ("quit", "exit"):
+                    break
+                if not words:
+                    continue
+                fn = self.commands.get(words[0])
                 out = fn(*words[1:]) if fn else {"error": f"unknown command {words[0]!r}; try help"}
-            except Exception as e:  # noqa: BLE001 - a bad command must not end the session
+            except Exception as e:  # noqa: BLE001
                 out = {"error": f"{type(e).__name__}: {e}"}
             print(">>> " + json.dumps(out, default=str), file=stdout, flush=True)
 
     # ---- commands ------------------------------------------------------------------------
     def run(self, k: str = "1") -> dict:
-        res = self.s.program.run(int(k))
+        n = _count("run", k)
+        res = self.s.program.run(n)
         return {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,
                 "reward": [round(r.metrics.get("reward_mean", 0.0), 4) for r in res]}
 
@@ -64,7 +65,7 @@ class Repl:
         return {"ranks": wait_all([t.call("stats") for t in self.s.world.trainers])}
 
     def timeline(self, last: str = "200") -> dict:
-        spans = self.s.metrics.spans[-int(last):]
+        spans = self.s.metrics.spans[-_count("timeline", last):]
         return {"spans": len(spans), "bubble": bubble_fractions(spans), "stage_s": stage_times(spans)}
 
     def mode(self, name: str) -> dict:
@@ -79,7 +80,9 @@ class Repl:
         return {"dispatch": name, "options": opts}
 
     def eval(self, n: str = "32") -> dict:
-        return self.s.program.evaluate(int(n))
+        acc = self.s.program.evaluate(_count("eval", n))
+        self.s.metrics.log_scalars(acc, self.s.program.iteration)  # beside the periodic evals
+        return acc
 
     def save(self) -> dict:
         return {"checkpoint": str(self.s.save_checkpoint(self.s.program.iteration))}
@@ -103,3 +106,14 @@ class Repl:
 
     def help(self) -> dict:
         return {"help": __doc__.split("Commands (one per line)::")[1].split("Every command")[0].strip()}
+
+
+def _count(command: str, text: str) -> int:
+    """A command's count argument: an int >= 1, else a ValueError naming the command."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{command}: expected a count >= 1, got {text!r}")
+    return n

@@ -18,6 +18,7 @@ import torch.distributed.rpc as rpc
 
 from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
+from controller.config import ConfigError
 from controller.metrics import Metrics
 from controller.program import Program
 from controller.rpc import WorkerFailed, request_exit, worker_name
@@ -46,6 +47,12 @@ class Session:
         self.joined: list[int] = []
         self.waiting: list[int] = []
         self.want_add = False
+        if not args.resume:
+            _refuse_previous_run(self.logdir)
+        # the task and the dispatcher first: a bad task.kwargs or dispatch.options fails in
+        # a second, before the model bootstrap (SFT) spends minutes
+        self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed),
@@ -53,10 +60,8 @@ class Session:
         self.boot = boot
         self.model_dir = boot["path"]
         self.tok = Tokenizer.load(cfg.tokenizer.path or self.model_dir)
-        self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
         self.eos_ids = [self.tok.eos_id]
-        self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks,
-                                 make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options)))
+        self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
         self.ranker = self._ranker()
         self.policy = self._scale_policy()
@@ -91,8 +96,9 @@ class Session:
 
     def _resume(self):
         found = ckpt.find(self.args.resume)
-        if found is None:
-            print(f"[controller] --resume {self.args.resume}: no checkpoint yet, starting fresh",
+        if found is None:  # the first start of a torchrun --max-restarts job has none yet
+            where = "does not exist" if not Path(self.args.resume).exists() else "holds no checkpoint"
+            print(f"[controller] --resume {self.args.resume}: the path {where} yet; starting fresh",
                   file=sys.stderr, flush=True)
             return None
         state = ckpt.load_state(found)
@@ -103,6 +109,10 @@ class Session:
         state.version = versions[0]
         print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
               file=sys.stderr, flush=True)
+        if state.iteration >= self.cfg.train.iterations:
+            print(f"[controller] that run is complete (iteration {state.iteration} of train.iterations "
+                  f"{self.cfg.train.iterations}): nothing to train; raise train.iterations "
+                  f"(--set train.iterations=N) to continue it", file=sys.stderr, flush=True)
         return state
 
     # ---- per-iteration hooks ---------------------------------------------------------------
@@ -145,7 +155,8 @@ class Session:
             self.save_checkpoint(res.iteration + 1)
         if self.progress is not None:
             self.progress.update(self.task_id, advance=1,
-                                 description=f"RL {c.pipeline.mode} reward {res.metrics.get('reward_mean', 0):.3f}")
+                                 description=f"RL {c.pipeline.mode} reward (last iteration) "
+                                             f"{res.metrics.get('reward_mean', 0):.3f}")
 
     def save_checkpoint(self, next_iteration: int) -> Path:
         state = ckpt.ControllerState(next_iteration, self.program.version,
@@ -188,6 +199,18 @@ class Session:
         return summary
 
 
+def _refuse_previous_run(logdir: Path) -> None:
+    """A new run must not write into a folder holding another run's logs and checkpoints (its
+    iterations.jsonl rows, TensorBoard steps and ``latest`` would interleave with this one's)."""
+    found = ckpt.find(logdir)
+    if found is None and not (logdir / "iterations.jsonl").exists():
+        return
+    what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
+    raise ConfigError(f"logging.logdir: {logdir} already holds a run ({what}); continue it with "
+                      f"--resume {logdir}, or start a new one elsewhere with --set logging.logdir=NEW_DIR "
+                      f"(or delete the folder)")
+
+
 def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> None:
     """Tell ``ranks`` to exit with ``code``. ``quiet`` (default: ``code == 0`` and no rank that
     joined later): the static ranks leave RPC in lock-step (controller.main.stop_processes);
@@ -225,6 +248,9 @@ def run_controller(cfg, args, world_size: int) -> int:
         summary = session.run()
         print(json.dumps(summary), flush=True)
         code = 0
+    except ConfigError as e:  # found by the controller before any work (e.g. the logdir)
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        code = 2
     except WorkerFailed as e:
         print(f"[controller] run stopped: {e}", file=sys.stderr, flush=True)
         code = 1
@@ -235,5 +261,5 @@ def run_controller(cfg, args, world_size: int) -> int:
     while not _JOINERS.empty():
         joined.append(_JOINERS.get_nowait()[0])
     lost = bool(session and session.world.sgs.removed)
-    _stop_workers(static + joined, code, quiet=code == 0 and not joined and not lost)
+    _stop_workers(static + joined, code, quiet=code in (0, 2) and not joined and not lost)
     return code

@@ -1,4 +1,6 @@
 """Config loading: YAML -> typed, validated dataclasses; every error names its key."""
+import dataclasses
+
 import pytest
 import yaml
 
@@ -17,9 +19,10 @@ def test_quickstart_loads_into_owner_classes():
     assert type(cfg.engine).__name__ == "EngineConfig" and cfg.engine.max_batch_size == 64
     assert type(cfg.trainer).__name__ == "TrainerConfig" and cfg.trainer.algorithm == "grpo"
     assert type(cfg.topology).__name__ == "Topology"
-    assert cfg.pipeline.mode == "async_stream" and cfg.world_ranks == 3
-    with pytest.raises(Exception):  # frozen
+    assert cfg.pipeline.mode == "async_stream" and cfg.world_ranks == 3 and cfg.train.iterations == 120
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.iterations = 3
+    assert cfg.train.iterations == 120  # unchanged
 
 
 @pytest.mark.parametrize("d, key", [
@@ -35,6 +38,13 @@ def test_quickstart_loads_into_owner_classes():
     ({"placement": {"generation": [1], "trainer": [1]}}, "placement"),
     ({"placement": {"generation": [0], "trainer": [2]}}, "placement.generation[0]"),
     ({"train": {"batch_prompts": 0}}, "train.batch_prompts"),
+    ({"train": {"group_size": 1}}, "train.group_size: grpo needs >= 2 samples per prompt"),
+    ({"train": {"group_size": 1}, "trainer": {"algorithm": "rloo"}}, "train.group_size: rloo needs"),
+    ({"task": {"name": "gsm8k"}}, "task.name: 'gsm8k' is not one of"),
+    ({"dispatch": {"name": "lpt"}}, "dispatch.name: 'lpt' is not one of"),
+    ({"dispatch": {"name": "skew", "options": {"alphas": [1.5]}}}, "dispatch.options: skew dispatcher: every alpha"),
+    ({"dispatch": {"name": "random", "options": {"order": "sjf"}}}, "dispatch.options: dispatcher order 'sjf'"),
+    ({"dispatch": {"name": "random", "options": {"bogus": 1}}}, "dispatch.options: "),
 ])
 def test_bad_values_name_the_key(d, key):
     with pytest.raises(ConfigError) as e:
@@ -67,6 +77,15 @@ def test_overrides_and_file_errors(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="key=value"):
         parse_override("train.iterations")
+    p.write_text(yaml.safe_dump(_cfg()))
+    with pytest.raises(ConfigError, match=r"^--set trian.iterations=3: trian: unknown section"):
+        load_config(p, 3, {"trian.iterations": 3})
+    with pytest.raises(ConfigError, match=r"^--set train.iterations=0: train.iterations must be >= 1"):
+        load_config(p, 3, {"train.iterations": 0})
+    bad = _cfg(train={"iterations": 0})
+    p.write_text(yaml.safe_dump(bad))  # the file's own bad value, beside an unrelated override
+    with pytest.raises(ConfigError, match=r"c.yaml: train.iterations must be >= 1"):
+        load_config(p, 3, {"pipeline.mode": "stream"})
 
 
 def test_every_mode_is_a_registered_strategy():

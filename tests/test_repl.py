@@ -16,6 +16,8 @@ mode colocated
 dispatch random
 eval 4
 bogus
+echo "unmatched
+run -1
 save
 status
 quit
@@ -35,7 +37,8 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
         assert noise not in p.stderr, p.stderr[-4000:]
     a = answers(p.stdout)
     assert a[0]["ready"] is True
-    status0, run2, sgs, trainer, timeline, mode, run1, bad_mode, disp, ev, bogus, save, status1 = a[1:]
+    status0, run2, sgs, trainer, timeline, mode, run1, bad_mode, disp, ev, bogus, bad_quote, run_neg, save, \
+        status1 = a[1:]
     assert status0 == {"iteration": 0, "version": 0, "mode": "async_stream", "reward": None, "instances": 1}
     assert run2["ran"] == 2 and run2["version"] == 2
     inst = sgs["instances"][0]
@@ -48,6 +51,8 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert disp["dispatch"] == "random"
     assert "eval/mean" in ev
     assert "unknown command" in bogus["error"]
+    assert bad_quote == {"error": "ValueError: No closing quotation"}  # answered; the session goes on
+    assert run_neg == {"error": "ValueError: run: expected a count >= 1, got '-1'"}
     assert Path(save["checkpoint"]).name == "iter_000003"
     assert status1["iteration"] == 3 and status1["version"] == 3 and status1["mode"] == "stream"
 
@@ -68,7 +73,18 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
         assert t in tags["scalars"], t
     assert [e.step for e in ea.Scalars("train/reward_mean")] == [0, 1, 2]
     assert "timeline/gantt" in tags["images"]
+    assert [e.step for e in ea.Scalars("eval/mean")] == [3]  # the REPL's eval, logged at its iteration
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
     stages = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"generate", "train", "weight_sync"} <= stages
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000003"
+
+    # a new run into the same logdir (no --resume) is refused before any work: its rows,
+    # TensorBoard steps and checkpoints would interleave with this run's
+    again = torchrun(cfg)
+    assert again.returncode != 0 and "exitcode: 2" in again.stderr, again.stderr[-4000:]
+    for noise in ("Leaking RRef", "encountered error when reading incoming request"):
+        assert noise not in again.stderr, again.stderr[-4000:]  # every rank left in lock-step
+    assert (f"config error: logging.logdir: {tmp_path / 'run'} already holds a run (checkpoints up to "
+            f"iter_000003); continue it with --resume {tmp_path / 'run'}") in again.stderr
+    assert len(iterations(tmp_path / "run")) == 3  # untouched

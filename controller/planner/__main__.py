@@ -1,4 +1,4 @@
-"""Planner CLI.
+"""Planner CLI: plan a cluster for an RL job, or compare allocations at cluster scale.
 
     python -m controller.planner plan --cluster configs/plan_cluster_h800.yaml --model qwen2.5-7b \
         --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
@@ -71,9 +71,13 @@ def cmd_report(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m controller.planner", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{plan,report}")
+    helps = {"plan": "the recommended generation/training split (Algorithm 1) and each pipeline mode's "
+                     "simulated iteration time, samples/s and samples per dollar, for one cluster and model",
+             "report": "cluster-scale comparisons for Qwen2.5 7B..72B: Algorithm 1 vs an even split, and "
+                       "H20 generation + H800 training vs all-H800 (docs/planner.md)"}
     for name in ("plan", "report"):
-        s = sub.add_parser(name)
+        s = sub.add_parser(name, help=helps[name], description=helps[name])
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
         s.add_argument("--batch", type=int, default=1024, help="samples per iteration")
         s.add_argument("--iterations", type=int, default=4, help="simulated iterations (first is warm-up)")
