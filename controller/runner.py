@@ -125,10 +125,14 @@ class Session:
             self.waiting.append(rank)
         forced = 0 <= self.cfg.placement.force_scale_out_at <= i
         if forced and i == self.cfg.placement.force_scale_out_at and not self.waiting:
-            try:  # forced (tests, demos): wait for the joiner instead of racing its start-up
-                self.waiting.append(_JOINERS.get(timeout=self.cfg.placement.rpc_timeout_s)[0])
+            # forced (tests, demos): wait for the joiner instead of racing its start-up, which
+            # takes minutes on a loaded machine (importing torch, joining the RPC group)
+            wait_s = max(self.cfg.placement.rpc_timeout_s, 600.0)
+            try:
+                self.waiting.append(_JOINERS.get(timeout=wait_s)[0])
             except queue.Empty:
-                pass
+                print(f"[controller] placement.force_scale_out_at={i}: no process joined within {wait_s:.0f} s; "
+                      "going on without it", file=sys.stderr, flush=True)
         if self.waiting and (forced or self.want_add):
             rank = self.waiting.pop(0)
             add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)

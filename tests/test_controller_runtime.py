@@ -60,24 +60,21 @@ def test_worker_exception_stops_the_run_with_rank_role_traceback(tmp_path, tiny_
     assert not (tmp_path / "run" / "iterations.jsonl").exists()
 
 
-def test_bad_config_stops_before_any_work(tmp_path, tiny_model):  # noqa: F811
-    # what each torchrun rank does first: validate against the world size, exit 2, no process group
-    import os
-    import subprocess
-    import sys
-
-    from runtime_helpers import ROOT
+def test_bad_config_stops_before_any_work(tmp_path, tiny_model, monkeypatch, capsys):  # noqa: F811
+    # what each torchrun rank does first: validate against the world size, exit 2, no process
+    # group (main() in this process, as torchrun's environment would start it)
+    from controller.main import main
 
     cfg = write_config(tmp_path, tiny_model, placement__trainer=[7])
     for rank in ("0", "1"):
-        env = {**os.environ, "RANK": rank, "WORLD_SIZE": "3", "LOCAL_RANK": rank, "TORCHELASTIC_RUN_ID": "t",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens there: must not be reached
-        p = subprocess.run([sys.executable, str(ROOT / "controller/main.py"), "--config", str(cfg)], env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2
+        for k, v in {"RANK": rank, "WORLD_SIZE": "3", "LOCAL_RANK": rank, "TORCHELASTIC_RUN_ID": "t",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():  # nothing listens there
+            monkeypatch.setenv(k, v)
+        assert main(["--config", str(cfg)]) == 2
         # rank 0 says it, once for the job; the other ranks exit with the same code quietly
         said = "config error: " + str(cfg) + ": placement.trainer[0]: rank 7 >= world size 3"
-        assert (said in p.stderr) == (rank == "0"), p.stderr
+        err = capsys.readouterr().err
+        assert (said in err) == (rank == "0"), err
 
 
 @pytest.mark.slow
