@@ -50,7 +50,9 @@ def test_lost_peer_vs_worker_exception():
 
 
 class _FakeTrainer:
-    """Stands in for a trainer RRef (``rref.rpc_async().receive(samples)``): records each call."""
+    """Stands in for a trainer RRef (``rref.rpc_async().receive(samples)``): records each call.
+    A unit test of the Outbox's windowing and per-trainer chunking; the real RPC stream is run
+    end to end by tests/test_repl.py and tests/test_multinode.py."""
 
     def __init__(self):
         self.calls: list[list[int]] = []

@@ -240,14 +240,18 @@ def test_weight_sync_config():
 
 
 def test_staged_weights_load_into_refuses_bad_versions():
-    loaded = []
+    from workers.generation.config import EngineConfig
+    from workers.generation.engine import NativeEngine
+    from workers.model import CausalLM, ModelConfig, init_weights
 
-    class Engine:
-        def load_weights(self, named, version):
-            loaded.append((dict(named), version))
-
-    StagedWeights(3, {"w": torch.ones(2)}, True).load_into(Engine())
-    assert loaded[0][1] == 3 and torch.equal(loaded[0][0]["w"], torch.ones(2))
+    mc = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+    eng = NativeEngine(EngineConfig(device="cpu", kv_cache_tokens=256), model=init_weights(CausalLM(mc), seed=0))
+    norm = eng.model.model.norm.weight
+    new = torch.full_like(norm, 2.0)
+    StagedWeights(3, {"model.norm.weight": new}, True).load_into(eng)
+    assert eng.stats().weight_version == 3 and torch.equal(norm, new)  # copied in place
     with pytest.raises(RuntimeError, match="bucket 2"):
-        StagedWeights(4, {}, False, "refusing version 4: bucket 2 checksum mismatch").load_into(Engine())
-    assert len(loaded) == 1
+        StagedWeights(4, {"model.norm.weight": new * 3}, False,
+                      "refusing version 4: bucket 2 checksum mismatch").load_into(eng)
+    assert eng.stats().weight_version == 3 and torch.equal(norm, new)  # the engine kept its weights
