@@ -21,6 +21,7 @@ PTL_MS = [1.85, 2.21, 2.42, 2.42, 2.46, 3.87, 4.80]  # bench/scale_out.py's meas
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # the run itself may take up to 900 s on a loaded machine
 def test_scale_out_fires_when_delta_crosses_delta_prime(tmp_path):
     from controller.scheduling import PTLProfile
 
