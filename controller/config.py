@@ -31,7 +31,6 @@ class ModelSection:
 
     path: str = "runs/quickstart/model"
     init: dict | None = None
-    dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,14 @@ class DispatchSection:
 class RankerSection:
     kind: str = "none"  # "none": est_len = max_tokens; otherwise ranker.load(path)
     path: str = ""
-    update: bool = False  # online fine-tune with the lengths of each iteration
+    update_every: int = 0  # K > 0: online update with the last K iterations' lengths, every K
+
+    def __post_init__(self):
+        if self.update_every < 0:
+            raise ConfigError(f"ranker.update_every must be >= 0 (0: never), got {self.update_every}")
+        if self.kind != "none" and not self.path:
+            raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
+                              "(python -m ranker train ... --out DIR); path is empty")
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ class Config:
     ranker: RankerSection = field(default_factory=RankerSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
     topology: Any = None  # workers.weight_sync.Topology
+    weight_sync: Any = None  # workers.weight_sync.WeightSyncConfig (its topology: the one above)
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
@@ -212,7 +219,23 @@ def _topology(data: Any):
     try:
         return Topology.from_config(data or {})
     except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"topology: {e}") from e
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("topology") else f"topology: {msg}") from e
+
+
+def _weight_sync(data: Any, topology: Any):
+    """The ``weight_sync`` section (bucket_mb, tree_shape, naive) with the run's topology."""
+    try:
+        from workers.weight_sync import WeightSyncConfig
+    except ImportError:
+        return dict(data or {})
+    if isinstance(data, dict) and "topology" in data:
+        raise ConfigError("weight_sync.topology: a run's topology is the top-level `topology:` section "
+                          "(the planner reads it too); move it there")
+    try:
+        return dataclasses.replace(WeightSyncConfig.from_dict(data), topology=topology)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from e
 
 
 def from_dict(d: dict, world_size: int | None = None) -> Config:
@@ -223,6 +246,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     for k in d:
         if k not in sections:
             raise ConfigError(f"{k}: unknown section (known: {sorted(sections)})")
+    topology = _topology(d.get("topology"))
     cfg = Config(
         model=_build(ModelSection, "model", d.get("model")),
         tokenizer=_build(TokenizerSection, "tokenizer", d.get("tokenizer")),
@@ -233,7 +257,8 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         dispatch=_build(DispatchSection, "dispatch", d.get("dispatch")),
         ranker=_build(RankerSection, "ranker", d.get("ranker")),
         placement=_build(PlacementSection, "placement", d.get("placement")),
-        topology=_topology(d.get("topology")),
+        topology=topology,
+        weight_sync=_weight_sync(d.get("weight_sync"), topology),
         train=_build(TrainSection, "train", d.get("train")),
         logging=_build(LoggingSection, "logging", d.get("logging")),
     )

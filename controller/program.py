@@ -48,6 +48,7 @@ class IterationResult:
     out_lens: list[int] = field(default_factory=list)  # output length of every sample
     per_instance: dict[int, int] = field(default_factory=dict)  # rank -> samples generated
     instances: int = 0
+    ranker_rows: int = 0  # rows of the ranker's online update after this iteration (0: none)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Program:
         self.version = version  # weights the instances hold
         self.on_iteration = on_iteration  # callback(IterationResult, spans)
         self.history: list[IterationResult] = []
+        self._ranker_rows: list[tuple[str, float]] = []  # awaiting the next online update
         self.length_of = None  # benchmarks: prompt text -> forced output length
         self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
         self.spans = SpanRecorder("controller")  # what the controller waits on, for the timeline
@@ -146,20 +148,21 @@ class Program:
         for rep in (b.round.reports if b.round else []):
             res.per_instance[rep.rank] = res.per_instance.get(rep.rank, 0) + len(rep.sample_ids)
         res.instances = len(self.world.sgs.slots)
-        if self.ranker is not None and self.cfg.ranker.update and b.round is not None:
-            self._update_ranker(b)
+        every = self.cfg.ranker.update_every
+        if self.ranker is not None and every > 0 and b.round is not None:
+            self._ranker_rows += self._true_lengths(b)
+            if (b.iteration + 1) % every == 0 and self._ranker_rows:
+                texts, lens = zip(*self._ranker_rows)
+                self.ranker.update(list(texts), list(lens))
+                res.ranker_rows, self._ranker_rows = len(texts), []
         return res
 
-    def _update_ranker(self, b: _Batch) -> None:
-        """Online fine-tune of the length ranker with this iteration's true lengths."""
+    def _true_lengths(self, b: _Batch) -> list[tuple[str, float]]:
+        """(prompt text, generated length) of every sample of this iteration: the ranker's
+        online-update rows."""
         g = self.cfg.train.group_size
-        texts, lens = [], []
-        for rep in b.round.reports:
-            for sid, n in zip(rep.sample_ids, rep.lengths):
-                texts.append(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt)
-                lens.append(float(n))
-        if texts:
-            self.ranker.update(texts, lens)
+        return [(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt, float(n))
+                for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths)]
 
     def _wait_push(self, calls) -> None:
         """Wait for a weight push; an instance lost meanwhile leaves the SGS (its next prompts

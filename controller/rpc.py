@@ -165,9 +165,11 @@ def ping() -> int:
 def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) this process has used, per thread name (Python threads by
     their ``threading`` name, native ones -- RPC, TensorPipe, OpenMP -- by their OS name), plus
-    ``"total"`` (the whole process, exited threads included). Linux ``/proc``; {} elsewhere."""
+    ``"total"`` (the whole process, exited threads included). Linux ``/proc``; {} elsewhere.
+    A native thread that has run Python code shows up in ``threading`` as "Dummy-N"; it keeps
+    its OS name here, so two snapshots name it alike (their difference is its CPU between)."""
     tick = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
+    names = {t.native_id: t.name for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
     out: dict[str, float] = {}
     try:
         for tid in os.listdir("/proc/self/task"):

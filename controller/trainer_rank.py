@@ -323,6 +323,9 @@ class TrainerRank:
         from workers.weight_sync import WeightSyncSender
 
         t0 = time.time()
+        if self.worker.version != version:  # every root must send the same weights
+            raise RuntimeError(f"trainer rank {self.rank}: asked to send weights version {version}, "
+                               f"holds version {self.worker.version}")
         named = [(k, v.detach().to(LOCAL.comm_device, copy=True)) for k, v in self.worker.named_weights()]
         WeightSyncSender(plan, self.rank).push(named, version)
         self.spans.add("weight_sync", t0, time.time(), version)

@@ -3,7 +3,8 @@ controller (``rpc.remote``), and the versioned weight push from trainer to insta
 
 Weight push paths, chosen per instance:
 * colocated -- the instance copies the weights of the trainer object in its own process;
-* weight-sync tree (``workers.weight_sync``: ``plan_sync`` + sender/receiver over
+* weight-sync tree (``workers.weight_sync``: the run's ``weight_sync`` section and
+  ``topology``, every trainer rank a root for its share of the buckets, sender/receiver over
   torch.distributed) for instances inside the static world;
 * pulled over RPC for instances that joined later (outside the process group) and as the
   fallback when the weight-sync package is not installed: the controller asks the instance
@@ -28,10 +29,10 @@ class World:
     sgs: SGS
     colocated: bool
     static_ranks: set[int] = field(default_factory=set)  # ranks inside the gloo/NCCL world
-    topology: object = None
-    bucket_bytes: int = 1 << 22
+    sync: object = None  # workers.weight_sync.WeightSyncConfig (None: its defaults, one datacenter)
     weight_timeout_s: float = 60.0  # a pull that takes longer: the instance counts as lost
     _spec: list | None = None
+    _described: tuple = ()  # (senders, receivers) of the last plan described on stderr
 
     def received(self, iteration: int) -> set[int]:
         out: set[int] = set()
@@ -49,15 +50,23 @@ class World:
             return [h.call("load_local_trainer_weights", version) for h in targets]
         tree = [h for h in targets if h.rank in self.static_ranks and _weight_sync_available()]
         rest = [h for h in targets if h not in tree]
-        sender = self.trainers[0]
         calls = []
         if tree:
-            from workers.weight_sync import plan_sync
+            from workers.weight_sync import WeightSyncConfig
 
+            # the trainer ranks are data-parallel replicas: each is a root for its share of
+            # the buckets, so no one NIC carries the whole model
+            senders = self.trainers
             if self._spec is None:
-                self._spec = sender.call("tensor_spec").wait()
-            plan = plan_sync(self.topology, [sender.rank], [h.rank for h in tree], self._spec, self.bucket_bytes)
-            calls.append(sender.call("push_weights", plan, version))
+                self._spec = senders[0].call("tensor_spec").wait()
+            sync = self.sync or WeightSyncConfig()
+            plan = sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
+            if (plan.senders, plan.receivers) != self._described:
+                self._described = (plan.senders, plan.receivers)
+                print(f"[controller] weight sync: {plan.kind} plan ({sync.tree_shape}), {len(plan.buckets)} "
+                      f"buckets of <= {plan.bucket_bytes} B, {plan.total_bytes} B from roots "
+                      f"{plan.bytes_by_root()} to {list(plan.receivers)}", file=sys.stderr, flush=True)
+            calls += [t.call("push_weights", plan, version) for t in senders if t.rank in plan.senders]
             calls += [h.call("receive_weights", plan) for h in tree]
         t = self.weight_timeout_s
         calls += [h.call("pull_weights", version, t, timeout=t + 5.0) for h in rest]
@@ -101,7 +110,7 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     gen_futs = [(r, rpc.remote(f"worker{r}", GenerationInstance, args=(r, cfg.engine, model_dir, eos_ids),
                                timeout=timeout)) for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
-    world = World(trainers, None, colocated, set(static_ranks), cfg.topology,  # type: ignore[arg-type]
+    world = World(trainers, None, colocated, set(static_ranks), cfg.weight_sync,  # type: ignore[arg-type]
                   weight_timeout_s=float(timeout))
     world.sgs = SGS(dispatcher, world.received, cfg.train.seed)
     wait_all([h.call("connect", [t.rref for t in trainers]) for h in instances])

@@ -45,11 +45,28 @@ def test_quickstart_loads_into_owner_classes():
     ({"dispatch": {"name": "skew", "options": {"alphas": [1.5]}}}, "dispatch.options: skew dispatcher: every alpha"),
     ({"dispatch": {"name": "random", "options": {"order": "sjf"}}}, "dispatch.options: dispatcher order 'sjf'"),
     ({"dispatch": {"name": "random", "options": {"bogus": 1}}}, "dispatch.options: "),
+    ({"ranker": {"update_every": -1}}, "ranker.update_every must be >= 0"),
+    ({"ranker": {"kind": "lgbm"}}, "ranker.path: kind 'lgbm' loads a trained ranker folder"),
+    ({"weight_sync": {"bucket_mb": 0}}, "weight_sync.bucket_mb"),
+    ({"weight_sync": {"tree_shape": "ring"}}, "weight_sync.tree_shape"),
+    ({"weight_sync": {"buckets": 3}}, "weight_sync: unknown key(s) ['buckets']"),
+    ({"weight_sync": {"topology": {}}}, "weight_sync.topology: a run's topology is the top-level"),
 ])
 def test_bad_values_name_the_key(d, key):
     with pytest.raises(ConfigError) as e:
         from_dict(_cfg(**d), world_size=3)
     assert key in str(e.value)
+
+
+def test_weight_sync_section_takes_the_run_topology():
+    topo = {"datacenters": {"a": [0, 1], "b": [2]}}
+    cfg = from_dict(_cfg(topology=topo, weight_sync={"bucket_mb": 0.5, "tree_shape": "binary"}), 3)
+    assert cfg.weight_sync.bucket_bytes == 500_000 and cfg.weight_sync.tree_shape == "binary"
+    assert cfg.weight_sync.topology is cfg.topology and cfg.topology.dc(2) == "b"
+    plan = cfg.weight_sync.plan([2], [1], [("w", (4,), "float32")])
+    assert plan.kind == "tree" and plan.senders == (2,)
+    default = from_dict(_cfg(), 3).weight_sync
+    assert default.bucket_bytes == 4_000_000 and default.tree_shape == "chain" and not default.naive
 
 
 def test_more_ranks_than_world_is_an_error():

@@ -128,3 +128,30 @@ def test_data_plane_backend_nccl_only_with_a_gpu_per_rank(capsys):
     # the quickstart's 3 ranks on a 1-GPU machine: NCCL would refuse ("Duplicate GPU detected")
     assert data_plane_backend(torch.device("cuda", 0), 3, 1) == "gloo"
     assert "3 ranks share 1 GPU" in capsys.readouterr().err
+
+
+def test_thread_cpu_names_native_threads_by_their_os_name():
+    # a native thread that ran Python code appears in `threading` as "Dummy-N" only once it
+    # has: named by its OS name, two snapshots agree on it (benchmarks difference them)
+    import _thread
+    import threading
+
+    from controller.rpc import thread_cpu
+
+    seen, done = threading.Event(), threading.Event()
+
+    def native():
+        threading.current_thread()  # registers a _DummyThread for this native thread
+        seen.set()
+        done.wait()
+
+    _thread.start_new_thread(native, ())
+    seen.wait()
+    try:
+        assert any(isinstance(t, threading._DummyThread) for t in threading.enumerate())
+        snap = thread_cpu()
+        assert snap and not any(k.startswith("Dummy-") for k in snap), snap
+        per_thread = sum(v for k, v in snap.items() if k != "total")
+        assert per_thread <= snap["total"] + 0.05  # live threads' CPU within the process's
+    finally:
+        done.set()

@@ -29,12 +29,26 @@ def answers(out: str) -> list[dict]:
 
 
 def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
-    cfg = write_config(tmp_path, tiny_model, train__eval_every=0)
+    # a length ranker, updated online every 2 iterations
+    import ranker
+    from runtime_helpers import TASK
+    from test_ranker_synth import SMALL_LGBM
+    from workers.tasks.registry import make_task
+
+    items = make_task("synthetic", **TASK).prompts("train")[:200]
+    ranker.save(ranker.build("lgbm", **SMALL_LGBM).fit([it.prompt for it in items],
+                                                       [float(len(it.answer)) for it in items]), tmp_path / "ranker")
+    # small buckets and a binary tree: the weight_sync section reaches the runtime's pushes
+    cfg = write_config(tmp_path, tiny_model, train__eval_every=0, weight_sync__bucket_mb=0.01,
+                       weight_sync__tree_shape="binary", ranker__kind="lgbm",
+                       ranker__path=str(tmp_path / "ranker"), ranker__update_every=2)
     p = torchrun(cfg, extra=["--repl"], stdin=COMMANDS)
     assert p.returncode == 0, p.stderr[-4000:]
     # a successful run exits quietly: RRefs released, every agent shutting down before pipes close
     for noise in ("Leaking RRef", "RRef Leaks", "encountered error when reading incoming request"):
         assert noise not in p.stderr, p.stderr[-4000:]
+    said = [ln for ln in p.stderr.splitlines() if "[controller] weight sync:" in ln]
+    assert len(said) == 1 and "tree plan (binary)" in said[0] and "buckets of <= 10000 B" in said[0], said
     a = answers(p.stdout)
     assert a[0]["ready"] is True
     status0, run2, sgs, trainer, timeline, mode, run1, bad_mode, disp, ev, bogus, bad_quote, run_neg, save, \
@@ -60,6 +74,7 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert [r["num_samples"] for r in rows] == [8, 8, 8]
     assert [r["gen_version"] for r in rows] == [0, 0, 2]  # async lag 1, then a sync iteration
     assert [r["staleness_max"] for r in rows] == [0, 1, 0]
+    assert [r["ranker_rows"] for r in rows] == [0, 16, 0]  # iterations 0-1's samples, after iteration 1
     summary = last_json(p.stdout)
     assert summary["iterations"] == 3 and summary["mode"] == "stream"
 

@@ -1,10 +1,13 @@
 """``weight_sync:`` config section -> typed WeightSyncConfig, and the plan it implies.
 
     weight_sync:
-      bucket_mb: 64            # bucket size (MB, 1e6 bytes)
+      bucket_mb: 4             # bucket size (MB, 1e6 bytes)
       tree_shape: chain        # chain | binary | star
       naive: false             # true: root sends to every instance (baseline)
       topology: {...}          # see topology.py; absent -> one datacenter
+
+In a run config (controller/config.py) the topology is the top-level ``topology:`` section,
+which the planner reads too; ``weight_sync`` there holds the other three keys.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ _KEYS = {"bucket_mb", "tree_shape", "naive", "topology"}
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    bucket_bytes: int = 64_000_000
+    bucket_bytes: int = 4_000_000
     tree_shape: str = "chain"
     naive: bool = False
     topology: Topology = field(default_factory=Topology)
@@ -40,7 +43,7 @@ class WeightSyncConfig:
         unknown = set(cfg) - _KEYS
         if unknown:
             raise ValueError(f"weight_sync: unknown key(s) {sorted(unknown)}; allowed: {sorted(_KEYS)}")
-        mb = cfg.get("bucket_mb", 64)
+        mb = cfg.get("bucket_mb", 4)
         if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0:
             raise ValueError(f"weight_sync.bucket_mb must be a number > 0, got {mb!r}")
         naive = cfg.get("naive", False)

@@ -5,7 +5,7 @@ Built once from the config (``Topology.from_config``) and then only read. Ranks 
 anywhere live in the default datacenter, each on its own node, so the default topology
 (``Topology()``) is "everything in one datacenter".
 
-Config form (YAML under ``weight_sync.topology``)::
+Config form (YAML: a run config's top-level ``topology:`` section)::
 
     datacenters: {h800: [0, 1, 2, 3], h20: [4, 5]}   # dc name -> global ranks
     nodes: {n0: [0, 1], n1: [2, 3]}                   # optional: ranks sharing a node
@@ -82,46 +82,46 @@ class Topology:
     # ---- construction --------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> "Topology":
-        """Build from the ``weight_sync.topology`` config dict (None or {} -> one DC).
+        """Build from the ``topology`` config dict (None or {} -> one DC).
         Raises ValueError naming the offending key."""
         if not cfg:
             return cls()
         if not isinstance(cfg, Mapping):
-            raise ValueError(f"weight_sync.topology must be a mapping, got {type(cfg).__name__}")
+            raise ValueError(f"topology must be a mapping, got {type(cfg).__name__}")
         unknown = set(cfg) - _CONFIG_KEYS
         if unknown:
-            raise ValueError(f"weight_sync.topology: unknown key(s) {sorted(unknown)}; "
+            raise ValueError(f"topology: unknown key(s) {sorted(unknown)}; "
                              f"allowed: {sorted(_CONFIG_KEYS)}")
-        rank_dc = _rank_groups(cfg.get("datacenters") or {}, "weight_sync.topology.datacenters")
-        rank_node = _rank_groups(cfg.get("nodes") or {}, "weight_sync.topology.nodes")
+        rank_dc = _rank_groups(cfg.get("datacenters") or {}, "topology.datacenters")
+        rank_node = _rank_groups(cfg.get("nodes") or {}, "topology.nodes")
         names = list((cfg.get("datacenters") or {}).keys())
         default_dc = cfg.get("default_datacenter", names[0] if names else DEFAULT_DC)
         if not isinstance(default_dc, str):
-            raise ValueError(f"weight_sync.topology.default_datacenter must be a string, got {default_dc!r}")
+            raise ValueError(f"topology.default_datacenter must be a string, got {default_dc!r}")
         for r, node in rank_node.items():
             dcs = {rank_dc.get(o, default_dc) for o, n in rank_node.items() if n == node}
             if len(dcs) > 1:
-                raise ValueError(f"weight_sync.topology.nodes.{node}: ranks span datacenters "
+                raise ValueError(f"topology.nodes.{node}: ranks span datacenters "
                                  f"{sorted(dcs)} (rank {r})")
         bw_cfg = cfg.get("bandwidth_gbps") or {}
         if not isinstance(bw_cfg, Mapping):
-            raise ValueError("weight_sync.topology.bandwidth_gbps must be a mapping")
+            raise ValueError("topology.bandwidth_gbps must be a mapping")
         bandwidth = {}
         for key in bw_cfg:
             if key not in DEFAULT_BANDWIDTH_GBPS:
-                raise ValueError(f"weight_sync.topology.bandwidth_gbps.{key}: unknown link class; "
+                raise ValueError(f"topology.bandwidth_gbps.{key}: unknown link class; "
                                  f"allowed: {sorted(DEFAULT_BANDWIDTH_GBPS)}")
         for key, default in DEFAULT_BANDWIDTH_GBPS.items():
             v = bw_cfg.get(key, default)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ValueError(f"weight_sync.topology.bandwidth_gbps.{key} must be a number > 0, got {v!r}")
+                raise ValueError(f"topology.bandwidth_gbps.{key} must be a number > 0, got {v!r}")
             bandwidth[LinkClass(key)] = float(v) * 1e9 / 8
         shaped = set()
         for s in cfg.get("shaped_links") or []:
             try:
                 shaped.add(LinkClass(s))
             except ValueError:
-                raise ValueError(f"weight_sync.topology.shaped_links: unknown link class {s!r}; "
+                raise ValueError(f"topology.shaped_links: unknown link class {s!r}; "
                                  f"allowed: {[lc.value for lc in LinkClass]}") from None
         return cls(rank_dc=rank_dc, rank_node=rank_node, bandwidth=bandwidth,
                    shaped=frozenset(shaped), default_dc=default_dc)
