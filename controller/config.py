@@ -73,13 +73,17 @@ class DispatchSection:
 
 @dataclass(frozen=True)
 class RankerSection:
-    kind: str = "none"  # "none": est_len = max_tokens; otherwise ranker.load(path)
+    kind: str = "none"  # "none": est_len = max_tokens; otherwise load (or bootstrap) the ranker at path
     path: str = ""
     update_every: int = 0  # K > 0: online update with the last K iterations' lengths, every K
+    bootstrap_prompts: int = 256  # no ranker at path yet: measure the policy on this many prompts
+    options: dict = field(default_factory=dict)  # the bootstrapped ranker's config (ranker.build)
 
     def __post_init__(self):
         if self.update_every < 0:
             raise ConfigError(f"ranker.update_every must be >= 0 (0: never), got {self.update_every}")
+        if self.bootstrap_prompts < 2:
+            raise ConfigError(f"ranker.bootstrap_prompts must be >= 2, got {self.bootstrap_prompts}")
         if self.kind != "none" and not self.path:
             raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
                               "(python -m ranker train ... --out DIR); path is empty")

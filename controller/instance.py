@@ -224,8 +224,9 @@ class GenerationInstance:
                                   weight_version, lengths, stopped, unfinished)
 
     def evaluate(self, requests: list[Request]) -> list[tuple[int, list[int]]]:
-        """Greedy evaluation with the weights held now; outputs come back to the controller
-        (not to the trainers)."""
+        """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
+        ranker's bootstrap) with the weights held now; outputs come back to the controller,
+        not to the trainers."""
         with self._lock:
             out = []
             for s in self.engine.add(requests):

@@ -258,17 +258,35 @@ class Program:
 
         self.world.sgs.dispatcher = make_dispatcher(name, **options)
 
-    # ---- evaluation ----------------------------------------------------------------------
+    # ---- evaluation, length measurement (outputs come back to the controller) -------------
+    def _side_generate(self, reqs: list[Request]) -> dict[int, list[int]]:
+        """Generate ``reqs`` on the instances (spread evenly) with the weights they hold,
+        outside the training stream; sample id -> output ids."""
+        handles = self.world.sgs.handles
+        chunks = [reqs[i::len(handles)] for i in range(len(handles))]
+        outs = wait_all([h.call("evaluate", c) for h, c in zip(handles, chunks) if c])
+        return {sid: ids for o in outs for sid, ids in o}
+
+    def measure_lengths(self, prompts: list[str]) -> list[float]:
+        """Each prompt's mean output length (tokens) over ``train.group_size`` samples at the
+        training temperature and ``max_tokens``: what the policy does now (ranker bootstrap)."""
+        t = self.cfg.train
+        reqs = [Request(-(1 << 40) - j * t.group_size - k,
+                        torch.tensor(self.tok.encode(self.tok.format_prompt(p)), dtype=torch.long),
+                        t.max_tokens, 0, 0.0, group_id=-1,
+                        sampling=SamplingParams(temperature=t.temperature, seed=t.seed * 7919 + j * t.group_size + k))
+                for j, p in enumerate(prompts) for k in range(t.group_size)]
+        out = self._side_generate(reqs)
+        return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
+                for j in range(len(prompts))]
+
     def evaluate(self, n: int) -> dict[str, float]:
         """Greedy generation on the task's test split; mean score per task name."""
         items = list(self.task.prompts("test"))[:n]
         reqs = [Request(-1 - j, torch.tensor(self.tok.encode(self.tok.format_prompt(it.prompt)), dtype=torch.long),
                         self.cfg.train.max_tokens, 0, 0.0, group_id=-1,
                         sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]
-        handles = self.world.sgs.handles
-        chunks = [reqs[i::len(handles)] for i in range(len(handles))]
-        outs = wait_all([h.call("evaluate", c) for h, c in zip(handles, chunks) if c])
-        texts = {sid: self.tok.decode(ids) for o in outs for sid, ids in o}
+        texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}
         per: dict[str, list[float]] = {}
         for j, it in enumerate(items):
             per.setdefault(it.task, []).append(self.task.score(it, texts.get(-1 - j, "")))

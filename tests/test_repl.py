@@ -29,24 +29,25 @@ def answers(out: str) -> list[dict]:
 
 
 def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
-    # a length ranker, updated online every 2 iterations
-    import ranker
-    from runtime_helpers import TASK
+    # a length ranker: none at ranker.path yet, so the controller bootstraps one from the
+    # policy's own lengths (through the SGS) and saves it there; updated online every 2 iterations
     from test_ranker_synth import SMALL_LGBM
-    from workers.tasks.registry import make_task
 
-    items = make_task("synthetic", **TASK).prompts("train")[:200]
-    ranker.save(ranker.build("lgbm", **SMALL_LGBM).fit([it.prompt for it in items],
-                                                       [float(len(it.answer)) for it in items]), tmp_path / "ranker")
     # small buckets and a binary tree: the weight_sync section reaches the runtime's pushes
     cfg = write_config(tmp_path, tiny_model, train__eval_every=0, weight_sync__bucket_mb=0.01,
-                       weight_sync__tree_shape="binary", ranker__kind="lgbm",
-                       ranker__path=str(tmp_path / "ranker"), ranker__update_every=2)
+                       weight_sync__tree_shape="binary", ranker__kind="lgbm", ranker__path=str(tmp_path / "ranker"),
+                       ranker__update_every=2, ranker__bootstrap_prompts=24, ranker__options=SMALL_LGBM)
     p = torchrun(cfg, extra=["--repl"], stdin=COMMANDS)
     assert p.returncode == 0, p.stderr[-4000:]
     # a successful run exits quietly: RRefs released, every agent shutting down before pipes close
     for noise in ("Leaking RRef", "RRef Leaks", "encountered error when reading incoming request"):
         assert noise not in p.stderr, p.stderr[-4000:]
+    assert (f"[controller] ranker: no lgbm ranker at {tmp_path / 'ranker'}; bootstrapped one from the "
+            "policy's lengths on 24 prompts x 2 samples") in p.stderr
+    import ranker
+
+    boot = ranker.load(tmp_path / "ranker")  # saved, loadable, and it ranks
+    assert len(boot.predict(["1 + 2 =", "3 + 4 + 5 ="])) == 2
     said = [ln for ln in p.stderr.splitlines() if "[controller] weight sync:" in ln]
     assert len(said) == 1 and "tree plan (binary)" in said[0] and "buckets of <= 10000 B" in said[0], said
     a = answers(p.stdout)
