@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def ensure_model(model_path: str, init: dict | None, task_name: str, task_kwargs: dict, sft_steps: int,
-                 sft_lr: float, seed: int) -> dict:
+                 sft_lr: float, seed: int, prompt_template: str | None = None) -> dict:
     """Returns {"path", "built", "seconds", "sft"}; raises naming the key when nothing can be done."""
     path = Path(model_path)
     if (path / "config.json").exists():
@@ -34,6 +34,6 @@ def ensure_model(model_path: str, init: dict | None, task_name: str, task_kwargs
     print(f"[bootstrap] building {path} (tokenizer + model from scratch, SFT {sft_steps} steps)",
           file=sys.stderr, flush=True)
     _, sft = build_model_dir(path, make_task(task_name, **task_kwargs), mcfg, sft_steps=sft_steps,
-                             sft_lr=sft_lr, seed=seed)
+                             sft_lr=sft_lr, seed=seed, prompt_template=prompt_template)
     return {"path": str(path), "built": True, "seconds": time.time() - t0,
             "sft": {k: v for k, v in vars(sft).items() if isinstance(v, (int, float))}}

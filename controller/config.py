@@ -35,11 +35,16 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class TokenizerSection:
-    """``path``: tokenizer folder (defaults to the model folder). ``vocab_size``: when the
-    folder has no tokenizer, train a BPE of this size on the task's prompts+answers."""
+    """The tokenizer is the model folder's (``tokenizer.json``, as Hugging Face). Prompts are
+    formatted by the folder's chat template, else by ``prompt_template`` (``str.format`` with
+    ``{prompt}``): set here, it overrides the folder's and is saved into a model built by
+    ``model.init`` (its SFT warm start uses it too)."""
 
-    path: str = ""
-    vocab_size: int = 0
+    prompt_template: str = ""
+
+    def __post_init__(self):
+        if self.prompt_template and "{prompt}" not in self.prompt_template:
+            raise ConfigError(f"tokenizer.prompt_template must contain '{{prompt}}', got {self.prompt_template!r}")
 
 
 @dataclass(frozen=True)

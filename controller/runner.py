@@ -55,11 +55,12 @@ class Session:
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
-                                  cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed),
+                                  cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
+                                  cfg.tokenizer.prompt_template or None),
                             timeout=cfg.placement.rpc_timeout_s * 4)
         self.boot = boot
         self.model_dir = boot["path"]
-        self.tok = Tokenizer.load(cfg.tokenizer.path or self.model_dir)
+        self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None)
         self.eos_ids = [self.tok.eos_id]
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)

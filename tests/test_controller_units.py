@@ -155,3 +155,18 @@ def test_thread_cpu_names_native_threads_by_their_os_name():
         assert per_thread <= snap["total"] + 0.05  # live threads' CPU within the process's
     finally:
         done.set()
+
+
+def test_prompt_template_reaches_a_built_model_and_overrides_a_loaded_one(tmp_path):
+    from controller.bootstrap import ensure_model
+    from workers.tokenizer import Tokenizer
+
+    init = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": 300}
+    out = ensure_model(str(tmp_path / "m"), init, "synthetic", {"num_train": 64}, 0, 1e-3, 0, "Q: {prompt}\nA:")
+    assert out["built"] and out["path"] == str(tmp_path / "m")
+    tok = Tokenizer.load(tmp_path / "m")  # saved with the folder: what its SFT and later runs see
+    assert tok.format_prompt("1 + 2") == "Q: 1 + 2\nA:"
+    assert Tokenizer.load(tmp_path / "m", "<{prompt}>").format_prompt("x") == "<x>"  # the config's override
+    again = ensure_model(str(tmp_path / "m"), init, "synthetic", {}, 0, 1e-3, 0, None)
+    assert not again["built"]  # an existing model folder is used as is
