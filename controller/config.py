@@ -122,7 +122,10 @@ class TrainSection:
     sft_steps: int = 0
     sft_lr: float = 3e-3
     seed: int = 0
-    length_trace: str = ""  # benchmarks: force output lengths from a length trace
+    # length-forced runs (the paper's benchmarks): each training prompt generates exactly the
+    # length of one trace row's first answer (words x 1.3 tokens x length_scale, within
+    # [1, max_tokens]); the row is fixed per prompt (hash of its text)
+    length_trace: str = ""
     length_scale: float = 1.0
 
 
@@ -304,6 +307,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
     if not 0 <= t.min_tokens <= t.max_tokens:
         raise ConfigError(f"train.min_tokens must be in [0, max_tokens], got {t.min_tokens}")
+    if t.length_trace and not Path(t.length_trace).is_file():
+        raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
+                          "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
+    if not t.length_scale > 0:
+        raise ConfigError(f"train.length_scale must be > 0, got {t.length_scale}")
     algorithm = getattr(cfg.trainer, "algorithm", None)
     if algorithm in ("grpo", "rloo") and t.group_size < 2:
         raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "

@@ -70,6 +70,9 @@ class Session:
                                stream_state=state.stream if state else None,
                                start_iteration=state.iteration if state else 0,
                                version=state.version if state else 0)
+        if cfg.train.length_trace:
+            self.program.length_of = forced_lengths(cfg.train.length_trace, cfg.train.length_scale,
+                                                    cfg.train.max_tokens)
         self.program.ranker = self.ranker = self._ranker()
         if state:
             self.metrics.rewards = list(state.rewards)
@@ -216,6 +219,17 @@ class Session:
                        bootstrap_seconds=self.boot["seconds"], instances=len(self.world.sgs.slots))
         self.metrics.close()
         return summary
+
+
+def forced_lengths(trace: str, scale: float, max_tokens: int):
+    """``train.length_trace``: prompt -> forced output tokens, from the first answer of the
+    trace row its text hashes to (words x 1.3 tokens x ``scale``, within [1, ``max_tokens``])."""
+    import zlib
+
+    from ranker.data import read_traces
+
+    lens = [min(max_tokens, max(1, round(r.lengths[0] * 1.3 * scale))) for r in read_traces(trace)]
+    return lambda item: lens[zlib.crc32(item.prompt.encode()) % len(lens)]
 
 
 def _refuse_previous_run(logdir: Path) -> None:

@@ -46,6 +46,8 @@ def test_quickstart_loads_into_owner_classes():
     ({"dispatch": {"name": "random", "options": {"order": "sjf"}}}, "dispatch.options: dispatcher order 'sjf'"),
     ({"dispatch": {"name": "random", "options": {"bogus": 1}}}, "dispatch.options: "),
     ({"ranker": {"update_every": -1}}, "ranker.update_every must be >= 0"),
+    ({"train": {"length_trace": "no/such/trace.jsonl.gz"}}, "train.length_trace: no/such/trace.jsonl.gz does not exist"),
+    ({"train": {"length_scale": 0}}, "train.length_scale must be > 0"),
     ({"tokenizer": {"prompt_template": "Q: {question}"}}, "tokenizer.prompt_template must contain '{prompt}'"),
     ({"tokenizer": {"path": "x"}}, "tokenizer.path: unknown key"),
     ({"ranker": {"bootstrap_prompts": 1}}, "ranker.bootstrap_prompts must be >= 2"),

@@ -33,8 +33,12 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     # policy's own lengths (through the SGS) and saves it there; updated online every 2 iterations
     from test_ranker_synth import SMALL_LGBM
 
+    # length-forced (train.length_trace): a one-row trace, 5 words -> round(5 x 1.3) = 6 tokens
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"question": "q", "resp_words": [5, 40, 40]}) + "\n")
     # small buckets and a binary tree: the weight_sync section reaches the runtime's pushes
-    cfg = write_config(tmp_path, tiny_model, train__eval_every=0, weight_sync__bucket_mb=0.01,
+    cfg = write_config(tmp_path, tiny_model, train__eval_every=0, train__length_trace=str(trace),
+                       weight_sync__bucket_mb=0.01,
                        weight_sync__tree_shape="binary", ranker__kind="lgbm", ranker__path=str(tmp_path / "ranker"),
                        ranker__update_every=2, ranker__bootstrap_prompts=24, ranker__options=SMALL_LGBM)
     p = torchrun(cfg, extra=["--repl"], stdin=COMMANDS)
@@ -73,6 +77,7 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
 
     rows = iterations(tmp_path / "run")
     assert [r["num_samples"] for r in rows] == [8, 8, 8]
+    assert [r["num_tokens"] for r in rows] == [8 * 6] * 3  # every sample forced to the trace's 6 tokens
     assert [r["gen_version"] for r in rows] == [0, 0, 2]  # async lag 1, then a sync iteration
     assert [r["staleness_max"] for r in rows] == [0, 1, 0]
     assert [r["ranker_rows"] for r in rows] == [0, 16, 0]  # iterations 0-1's samples, after iteration 1
