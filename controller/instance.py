@@ -124,6 +124,7 @@ class GenerationInstance:
         self.stream_window_s = stream_window_s  # Outbox window (``pipeline.stream_window_s``)
         self.spans = SpanRecorder(f"gen{rank}")
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._staging = threading.Lock()  # _staged: set by pushes (RPC threads) while generating
         self._lock = threading.Lock()  # one generate at a time
         self._stop = threading.Event()
         LOCAL.roles["generation"] = self
@@ -150,8 +151,9 @@ class GenerationInstance:
     def stage_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
         """Keep weights of ``version``; they are loaded at the next iteration boundary."""
         t0 = time.time()
-        if self._staged is None or version > self._staged[0]:
-            self._staged = (version, named)
+        with self._staging:
+            if self._staged is None or version > self._staged[0]:
+                self._staged = (version, named)
         self.spans.add("weight_sync", t0, time.time(), version)
         return version
 
@@ -174,12 +176,17 @@ class GenerationInstance:
     def _swap_weights(self, version: int) -> None:
         if self.version == version:
             return
-        if self._staged is None or self._staged[0] != version:
-            have = None if self._staged is None else self._staged[0]
+        with self._staging:
+            staged = self._staged
+        if staged is None or staged[0] != version:
+            have = None if staged is None else staged[0]
             raise RuntimeError(f"gen{self.rank}: asked to generate with weight version {version}, "
                                f"holds {self.version}, staged {have}")
-        self.engine.load_weights(self._staged[1].items(), version)
-        self.version, self._staged = version, None
+        self.engine.load_weights(staged[1].items(), version)
+        with self._staging:  # the next version may have been staged while this one loaded
+            if self._staged is staged:  # (vLLM's reload takes ~1 s): keep it
+                self._staged = None
+        self.version = version
 
     def stop(self) -> bool:
         """Scale-in: the running ``generate`` returns early, reporting its unfinished requests."""
@@ -247,6 +254,11 @@ class GenerationInstance:
         return self.spans.drain()
 
     def close(self) -> bool:
+        """Leave the process's roles and stop the engine's own processes (vLLM's engine core),
+        which would otherwise outlive this one."""
         if LOCAL.roles.get("generation") is self:
             del LOCAL.roles["generation"]
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
         return True

@@ -223,6 +223,11 @@ def stop_processes(code: int) -> int:
     barriers): every static rank takes the
     same quiet path (``_quiet_rpc_exit``). Otherwise, or if a barrier fails: local
     (non-graceful) shutdown that waits for nobody."""
+    for role in list(LOCAL.roles.values()):  # engines' own processes (vLLM) must not outlive us
+        try:
+            role.close()
+        except Exception as e:  # noqa: BLE001 - leaving anyway
+            print(f"[rank {LOCAL.rank}] closing {type(role).__name__}: {e}", file=sys.stderr, flush=True)
     if LOCAL.quiet_exit and code in (0, 2):  # success, or a refusal before any work (config error)
         try:
             _quiet_rpc_exit()

@@ -7,6 +7,8 @@ from controller.data import PromptStream
 from controller.rpc import is_peer_lost
 from workers.types import TaskPrompt
 
+from runtime_helpers import tiny_model  # noqa: F401  (session-wide tiny model folder)
+
 
 def _items(n):
     return [TaskPrompt(f"p{i}", str(i), "t") for i in range(n)]
@@ -170,3 +172,30 @@ def test_prompt_template_reaches_a_built_model_and_overrides_a_loaded_one(tmp_pa
     assert Tokenizer.load(tmp_path / "m", "<{prompt}>").format_prompt("x") == "<x>"  # the config's override
     again = ensure_model(str(tmp_path / "m"), init, "synthetic", {}, 0, 1e-3, 0, None)
     assert not again["built"]  # an existing model folder is used as is
+
+
+def test_a_version_staged_while_the_previous_one_loads_is_kept(tiny_model):  # noqa: F811
+    # the weight push of version v+1 runs on an RPC thread while the instance still loads v
+    # (vLLM's reload takes ~1 s): v+1 must survive the swap, or the next generate fails
+    import torch
+
+    from controller.instance import GenerationInstance
+    from workers.generation.config import EngineConfig
+
+    torch.set_num_threads(1)
+    inst = GenerationInstance(1, EngineConfig(device="cpu", kv_cache_tokens=1024), tiny_model, [0])
+    weights = {k: v.detach().clone() for k, v in inst.engine.model.named_parameters()}
+    inst.stage_weights(weights, 1)
+    load = inst.engine.load_weights
+
+    def slow_load(named, version):
+        inst.stage_weights({k: v + 1 for k, v in weights.items()}, 2)  # arrives mid-load
+        load(named, version)
+
+    inst.engine.load_weights = slow_load
+    inst._swap_weights(1)
+    assert inst.version == 1 and inst._staged[0] == 2
+    inst.engine.load_weights = load
+    inst._swap_weights(2)
+    assert inst.version == 2 and inst._staged is None and inst.engine.stats().weight_version == 2
+    assert all(torch.equal(p, weights[k] + 1) for k, p in inst.engine.model.named_parameters())

@@ -25,6 +25,17 @@ def test_engine_args_cpu():
     assert a["max_model_len"] == 512 and a["kv_cache_dtype"] == "auto"
 
 
+def test_max_model_len_capped_so_one_sequence_fits_the_cache():
+    # as the native engine: all KV blocks but one (vLLM refuses to start when a sequence of
+    # max_model_len cannot fit); 4096 tokens = 128 blocks of 32 -> 127 x 32
+    big = ModelConfig(**{**MC.__dict__, "max_position_embeddings": 8192})
+    cfg = EngineConfig(backend="vllm", block_size=16, kv_cache_tokens=4096, device="cpu")
+    assert vllm_args.max_model_len(cfg, big) == 127 * 32
+    assert vllm_args.engine_args(cfg, "/m", big)["max_model_len"] == 127 * 32
+    assert vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=1000,
+                                                device="cpu"), big) == 1000
+
+
 def test_engine_args_refusals():
     with pytest.raises(ValueError, match="head_dim 16"):
         vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu"), "/m",

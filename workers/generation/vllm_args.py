@@ -33,7 +33,16 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[str, str]:
 
 
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
-    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    """As the native engine: the config's (or the model's) context, capped so that one
+    sequence always fits the KV cache (all blocks but one; vLLM refuses to start otherwise)."""
+    block = vllm_block_size(cfg, resolve_device_dtype(cfg)[0])
+    kv_len = (_num_blocks(cfg, block) - 1) * block
+    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, max(kv_len, block))
+
+
+def _num_blocks(cfg: EngineConfig, block: int) -> int:
+    """The native engine's KV token count in vLLM blocks."""
+    return max(2, math.ceil(cfg.total_blocks * cfg.block_size / block))
 
 
 def vllm_block_size(cfg: EngineConfig, device: str) -> int:
@@ -54,8 +63,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         raise ValueError(f"{model_dir}/config.json: head_dim {mc.dim_head} is not supported by "
                          f"vLLM's CPU attention (supported: {CPU_HEAD_SIZES})")
     block = vllm_block_size(cfg, device)
-    kv_tokens = cfg.total_blocks * cfg.block_size
-    num_blocks = max(2, math.ceil(kv_tokens / block))
+    num_blocks = _num_blocks(cfg, block)
     if device == "cpu" and cfg.kv_cache_dtype != "auto":
         raise ValueError(f"engine.kv_cache_dtype: vLLM's CPU attention takes only 'auto' (and fp8 "
                          f"on AVX-512 CPUs), got {cfg.kv_cache_dtype!r}")

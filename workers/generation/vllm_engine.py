@@ -129,6 +129,7 @@ class VLLMEngine:
         self.max_model_len = vllm_args.max_model_len(cfg, mc)
         args = vllm_args.engine_args(cfg, str(model_dir), mc)
         self.max_num_seqs, self.num_blocks = args["max_num_seqs"], args["num_gpu_blocks_override"]
+        self.enforce_eager = bool(args.get("enforce_eager"))  # what vLLM runs (always eager on CPU)
         self.subprocess = _use_subprocess(cfg)
         vllm = _import_vllm(self.subprocess)
         from vllm.sampling_params import RequestOutputKind
@@ -157,7 +158,7 @@ class VLLMEngine:
         import vllm
 
         return (f"VLLMEngine(vllm {vllm.__version__}, dtype {self.cfg.dtype or 'auto'}, "
-                f"enforce_eager {self.cfg.enforce_eager}, KV {self.num_blocks} blocks, "
+                f"enforce_eager {self.enforce_eager}, KV {self.num_blocks} blocks, "
                 f"max_model_len {self.max_model_len}, max batch {self.max_batch_size})")
 
     # ---- requests ------------------------------------------------------------------------
