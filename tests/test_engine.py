@@ -131,9 +131,9 @@ def test_load_weights_like_fresh_engine():
 
 def test_load_weights_mid_flight_restarts_in_flight_samples():
     other = tiny_model(seed=7)
-    reqs = [Request(sample_id=i, prompt_ids=p, max_tokens=8, min_tokens=8,
-                    sampling=SamplingParams(temperature=1.0, seed=i), group_id=i % 2)
-            for i, p in enumerate(PS[:4])]
+    reqs = [Request(sample_id=i, prompt_ids=PS[2 + i % 2], max_tokens=8, min_tokens=8,
+                    sampling=SamplingParams(temperature=1.0, seed=i), group_id=i % 2)  # 2 groups of 2
+            for i in range(4)]
     eng = engine(model=tiny_model(), max_batch_size=2)
     eng.add(reqs)
     for _ in range(3):
@@ -142,6 +142,7 @@ def test_load_weights_mid_flight_restarts_in_flight_samples():
     got = generate_all(eng, [])
     want = generate_all(engine(model=other, max_batch_size=2), reqs)
     assert {s.sample_id: s.output_ids.tolist() for s in got} == {s.sample_id: s.output_ids.tolist() for s in want}
+    assert sorted(s.sample_id for s in got) == [0, 1, 2, 3] and all(len(s.output_ids) == 8 for s in got)
     assert all(s.weight_version == 1 for s in got)
 
 
@@ -322,3 +323,42 @@ def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():
     out = generate_all(eng, reqs)
     assert eng.stats().preemptions > 0
     check_against_recompute(reqs, out)
+
+
+def test_a_live_group_keeps_its_prompt():
+    # GRPO groups share one prompt (and its cached prefix): a new prompt under a live group id
+    # is refused (it used to deadlock the prefix cache's eviction); once the group is done,
+    # the id is free again
+    a, b = PS[0], PS[1]
+    eng = engine()
+    first = Request(sample_id=0, prompt_ids=a, max_tokens=4, min_tokens=4, sampling=GREEDY, group_id=7)
+    other = Request(sample_id=1, prompt_ids=b, max_tokens=4, min_tokens=4, sampling=GREEDY, group_id=7)
+    same = Request(sample_id=2, prompt_ids=a.clone(), max_tokens=4, min_tokens=4, sampling=GREEDY, group_id=7)
+    refused = eng.add([first, other, same])
+    assert [s.sample_id for s in refused] == [1]
+    assert refused[0].error == ("request 1 (sample_id 1): group_id 7 is live with another prompt (the samples "
+                                "of a group share one prompt, and its cached prefix)")
+    out = generate_all(eng, [])
+    assert sorted(s.sample_id for s in out) == [0, 2]
+    check_against_recompute([first, same], sorted(out, key=lambda s: s.sample_id))
+    again = generate_all(eng, [Request(sample_id=3, prompt_ids=b, max_tokens=3, sampling=GREEDY, group_id=7)])
+    assert again[0].finish_reason != "error" and len(again[0].output_ids) == 3
+    assert eng.stats().kv_blocks_used == 0 and not eng.prefix.groups
+
+
+def test_a_near_zero_temperature_is_greedy():
+    # logits / 1e-45 overflow in fp32: below 1e-5 (vLLM's bound) the row is greedy
+    reqs = [Request(sample_id=i, prompt_ids=PS[0], max_tokens=5, min_tokens=5,
+                    sampling=SamplingParams(temperature=t)) for i, t in enumerate((0.0, 1e-45, 1e-6))]
+    out = generate_all(engine(), reqs)
+    assert out[1].output_ids.tolist() == out[2].output_ids.tolist() == out[0].output_ids.tolist()
+    assert all(torch.isfinite(s.logprobs).all() for s in out)
+    torch.testing.assert_close(out[1].logprobs, out[0].logprobs)
+
+
+def test_an_engine_needs_two_blocks():
+    with pytest.raises(ValueError, match=r"engine.num_blocks: must give at least two blocks of 16 tokens, got 1"):
+        EngineConfig(device="cpu", block_size=16, num_blocks=1)
+    with pytest.raises(ValueError, match=r"engine.kv_cache_tokens: must give at least two blocks"):
+        EngineConfig(device="cpu", block_size=16, kv_cache_tokens=31)
+    EngineConfig(device="cpu", block_size=16, kv_cache_tokens=32)

@@ -36,6 +36,15 @@ def test_a_valid_request_passes():
     (dict(sampling=SamplingParams(top_k=-1)), "top_k=-1"),
     (dict(sampling=SamplingParams(top_k=2.5)), "top_k=2.5"),
     (dict(sampling=SamplingParams(top_k=True)), "top_k=True"),
+    (dict(sampling=SamplingParams(seed=1.5)), "sampling seed must be None or an int in [0, 2**63), got 1.5"),
+    (dict(sampling=SamplingParams(seed="x")), "got 'x'"),
+    (dict(sampling=SamplingParams(seed=True)), "got True"),
+    (dict(sampling=SamplingParams(seed=2 ** 70)), "got 1180591620717411303424"),
+    (dict(sampling=SamplingParams(seed=-1)), "got -1"),
+    (dict(est_len=None), "est_len must be a finite number >= 0, got None"),
+    (dict(est_len="5"), "got '5'"),
+    (dict(est_len=math.nan), "got nan"),
+    (dict(est_len=-1.0), "got -1.0"),
 ])
 def test_each_problem_is_named(change, why):
     msg = refusal(Request(**{**OK, **change}), 128, 512, set())

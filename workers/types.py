@@ -15,7 +15,7 @@ import torch
 @dataclass
 class SamplingParams:
     """Per-request sampling. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
-    ``temperature == 0`` is greedy. ``seed`` makes a request's draws reproducible."""
+    ``temperature`` below 1e-5 is greedy (as vLLM). ``seed`` makes a request's draws reproducible."""
 
     temperature: float = 1.0
     top_k: int = 0

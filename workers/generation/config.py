@@ -81,9 +81,9 @@ class EngineConfig:
         for key in ("kv_cache_tokens", "num_blocks", "max_model_len"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 bad(key, "must be an int >= 0")
-        if self.num_blocks == 0 and self.kv_cache_tokens < self.block_size:
-            bad("kv_cache_tokens", f"must hold at least one block ({self.block_size} tokens) "
-                                   "when num_blocks is 0")
+        if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
+            key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
+            bad(key, f"must give at least two blocks of {self.block_size} tokens, got {self.total_blocks}")
         if self.device and self.device.split(":")[0] not in ("cpu", "cuda"):
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
         if self.eos_ids is not None:

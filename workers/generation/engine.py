@@ -89,6 +89,7 @@ class NativeEngine:
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
         self._group_live: Counter[int] = Counter()
+        self._group_prompt: dict[int, tuple[int, ...]] = {}  # live group -> its prompt
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.total_tokens = 0
 
@@ -104,7 +105,12 @@ class NativeEngine:
     def _refusal(self, req: Request) -> str | None:
         """Why ``req`` cannot be served, or None: the same rules (and messages) as the vLLM
         backend, from the one shared function."""
-        return refusal(req, self.vocab_size, self.max_model_len, self._live.keys())
+        why = refusal(req, self.vocab_size, self.max_model_len, self._live.keys())
+        if why is None and req.group_id in self._group_prompt and \
+                self._group_prompt[req.group_id] != tuple(req.prompt_ids.tolist()):
+            why = (f"group_id {req.group_id} is live with another prompt (the samples of a group "
+                   "share one prompt, and its cached prefix)")
+        return why
 
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
@@ -119,6 +125,7 @@ class NativeEngine:
             self._live[req.sample_id] = seq
             if req.group_id >= 0:
                 self._group_live[req.group_id] += 1
+                self._group_prompt.setdefault(req.group_id, tuple(req.prompt_ids.tolist()))
             self.scheduler.add(seq)
         return refused
 
@@ -160,7 +167,7 @@ class NativeEngine:
         if gid >= 0:
             self._group_live[gid] -= 1
             if self._group_live[gid] == 0:
-                del self._group_live[gid]
+                del self._group_live[gid], self._group_prompt[gid]
                 if self.prefix is not None:
                     self.prefix.release(gid)
         seq.timings["finished"] = now

@@ -33,6 +33,10 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
             and _is_int(s.top_k) and s.top_k >= 0):
         return (f"bad sampling params {s} (need a finite temperature >= 0, 0 < top_p <= 1 and an "
                 "int top_k >= 0)")
+    if not (s.seed is None or (_is_int(s.seed) and 0 <= s.seed < 1 << 63)):
+        return f"sampling seed must be None or an int in [0, 2**63), got {s.seed!r}"
+    if not (_is_real(req.est_len) and req.est_len >= 0):
+        return f"est_len must be a finite number >= 0, got {req.est_len!r}"
     if req.sample_id in live:
         return f"sample_id {req.sample_id} is already queued or running"
     return None

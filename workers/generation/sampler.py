@@ -1,7 +1,8 @@
 """Sampler: next tokens for a batch of sequences, each with its own sampling parameters.
 
 Per row: EOS is masked while the sequence has fewer than ``min_tokens`` outputs; then
-``temperature == 0`` is greedy (argmax), otherwise logits / temperature -> top-k -> top-p
+``temperature < GREEDY_BELOW`` (1e-5, vLLM's bound) is greedy (argmax), otherwise
+logits / temperature -> top-k -> top-p
 -> a draw. Draws invert the CDF (float64 cumulative sum, one uniform per row, one
 ``searchsorted`` for the batch); the uniform of a request with ``seed`` comes from its own
 ``torch.Generator`` (reproducible whatever the batch), those of the others from the
@@ -16,6 +17,10 @@ from __future__ import annotations
 import torch
 
 from workers.generation.sequence import Sequence
+
+# below this a temperature is greedy (as vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
+# inf in fp32 and the draw returns NaN log-probs
+GREEDY_BELOW = 1e-5
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -49,7 +54,7 @@ class Sampler:
                 eos_cols = logits.index_select(1, self.eos)
                 logits.index_copy_(1, self.eos, eos_cols.masked_fill(rows, float("-inf")))
         params = [s.request.sampling for s in seqs]
-        greedy = [p.temperature <= 0 for p in params]
+        greedy = [p.temperature < GREEDY_BELOW for p in params]
         if all(greedy):
             logp = torch.log_softmax(logits, dim=-1)
             ids = logits.argmax(-1)
