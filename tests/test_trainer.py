@@ -371,3 +371,9 @@ def test_reward_std_from_summed_stats():
         stats.add_sample(SimpleNamespace(score=score, num_tokens=3, weight_version=0), version=0)
     m = stats.metrics(stats.packed(), "token_mean")
     assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.5)
+
+
+def test_warmup_longer_than_the_schedule_is_refused():
+    with pytest.raises(ValueError, match=r"trainer.warmup_steps \(5\) must be <= trainer.total_steps \(3\)"):
+        TrainerConfig(warmup_steps=5, total_steps=3)
+    TrainerConfig(warmup_steps=3, total_steps=3)

@@ -120,12 +120,20 @@ def _logprobs_neg_inf(s, tok):
     return replace(s, logprobs=lp), f"sample {s.sample_id}: non-finite sampler logprobs"
 
 
+def _too_long(s, tok):  # past the model's positions: the engine refuses such prompts, a trainer too
+    n = TINY.max_position_embeddings - len(s.prompt_ids) + 1
+    out = torch.full((n,), 5, dtype=torch.long)
+    return replace(s, output_ids=out, logprobs=torch.full((n,), -1.0)), (
+        f"sample {s.sample_id}: {len(s.prompt_ids)} + {n} tokens exceed the model's max_position_embeddings "
+        f"{TINY.max_position_embeddings}")
+
+
 def _verifier_raises(s, tok):  # the sample itself is fine; ScoreTask raises on its completion
     return s, f"sample {s.sample_id}: reward is not finite"
 
 
 BAD = {"generation_error": _generation_error, "logprobs_short": _logprobs_short, "logprobs_nan": _logprobs_nan,
-       "logprobs_neg_inf": _logprobs_neg_inf, "verifier_raises": _verifier_raises}
+       "logprobs_neg_inf": _logprobs_neg_inf, "too_long": _too_long, "verifier_raises": _verifier_raises}
 
 
 def _pick_bad(samples, tok):

@@ -22,11 +22,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 
 def grpo(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
-    """scores: [G] of one group -> [G]: (r - mean) / (std + eps) (std unbiased; 0 for G = 1)."""
-    centred = scores - scores.mean()
+    """scores: [G] of one group -> [G]: (r - mean) / (std + eps) (std unbiased; 0 for G = 1).
+    Centred around the first score before the mean (shift-invariant): a group of equal
+    scores gets exact zeros. In float32, the mean of eight scores of 0.7 missed them by ~1e-8,
+    and dividing that by a std of the same size gave every sample the same ~0.05 advantage: a
+    full Adam step driven by rounding."""
+    s = (scores - scores[:1]).double()  # equal scores -> exact zeros, whatever their value
+    centred = s - s.mean()
     if not std_normalize or scores.numel() < 2:
-        return centred
-    return centred / (scores.std() + eps)
+        return centred.to(scores.dtype)
+    return (centred / (s.std() + eps)).to(scores.dtype)
 
 
 def rloo(scores: torch.Tensor) -> torch.Tensor:
@@ -34,4 +39,5 @@ def rloo(scores: torch.Tensor) -> torch.Tensor:
     g = scores.numel()
     if g < 2:
         return torch.zeros_like(scores)
-    return (scores - (scores.sum() - scores) / (g - 1))
+    s = (scores - scores[:1]).double()  # shift-invariant; equal scores -> exact zeros (as grpo)
+    return (s - (s.sum() - s) / (g - 1)).to(scores.dtype)

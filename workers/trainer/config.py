@@ -82,6 +82,9 @@ class TrainerConfig:
                      "warmup_steps", "max_staleness", "value_clip", "value_coef", "adv_eps", "min_lr_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(f"trainer.warmup_steps ({self.warmup_steps}) must be <= trainer.total_steps "
+                             f"({self.total_steps}): the schedule would end before the warmup does")
         if self.clip_low >= 1:
             raise ValueError(f"trainer.clip_low must be < 1, got {self.clip_low}")
         if self.dual_clip is not None and self.dual_clip <= 1:

@@ -204,6 +204,9 @@ class TrainerWorker:
             reason = f"sample {sid}: generation failed ({s.error})"
         elif s.output_ids.numel() == 0:
             reason = f"sample {sid}: empty output"
+        elif s.prompt_ids.numel() + s.output_ids.numel() > self.actor.config.max_position_embeddings:
+            reason = (f"sample {sid}: {s.prompt_ids.numel()} + {s.output_ids.numel()} tokens exceed the model's "
+                      f"max_position_embeddings {self.actor.config.max_position_embeddings}")
         elif not self.cfg.recompute_old_logprobs and s.logprobs.numel() != s.output_ids.numel():
             reason = f"sample {sid}: {s.logprobs.numel()} logprobs for {s.output_ids.numel()} output tokens"
         elif not self.cfg.recompute_old_logprobs and not bool(torch.isfinite(s.logprobs).all()):
