@@ -1,6 +1,7 @@
 """Small controller pieces without processes: prompt stream resume, atomic checkpoints,
 SGS re-dispatch bookkeeping, lost-peer classification."""
 import json
+import os
 
 from controller import checkpoint as ckpt
 from controller.data import PromptStream
@@ -29,10 +30,9 @@ def test_checkpoint_is_atomic_and_found(tmp_path):
     root = tmp_path / "run" / "checkpoints"
 
     def trainer_save(folder):
-        (tmp_path / "x").mkdir(exist_ok=True)
-        import os
         os.makedirs(folder)
-        (open(f"{folder}/weights", "w")).write("w")
+        with open(f"{folder}/weights", "w") as f:
+            f.write("w")
 
     for it in (2, 4):
         st = ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "stream", [0.1] * it, {})

@@ -9,7 +9,6 @@
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
