@@ -2,6 +2,7 @@
 and ``fitted``; predictions in words, the fitted check and saving are the same for all."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +20,16 @@ class LogLengthRanker:
         """Estimated answer length in words per prompt (only the order is reliable)."""
         return np.maximum(np.expm1(self.predict_log(prompts)), 0.0).tolist()
 
+    @property
+    def min_rows(self) -> int:
+        """The fewest (prompt, length) pairs ``fit`` accepts."""
+        raise NotImplementedError
+
+    def _need_rows(self, n: int, why: str) -> None:
+        if n < self.min_rows:
+            raise ValueError(f"{self.kind} ranker needs at least {self.min_rows} (prompt, length) pairs to fit "
+                             f"({why}), got {n}")
+
     def _need_fitted(self) -> None:
         if not self.fitted:
             raise RuntimeError("ranker is not fitted: call fit() or ranker.load(dir)")
@@ -26,3 +37,34 @@ class LogLengthRanker:
     def save(self, path) -> None:
         from ranker.store import save
         save(self, path)
+
+
+# --- config checks (shared by LgbmConfig, FeatureConfig, SpaceConfig, LmConfig, EnsembleConfig) ---
+
+_SCALAR_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def config_kwargs(cls, d, name: str) -> dict:
+    """``d`` as keyword arguments for config dataclass ``cls``: refuses a non-object and unknown
+    keys, naming ``name`` (e.g. "lgbm.features") and the key."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{name} config must be a JSON object, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    for k in d:
+        if k not in known:
+            raise ValueError(f"unknown {name} config key {k!r}: expected one of {sorted(known)}")
+    return dict(d)
+
+
+def check_types(cfg, name: str) -> None:
+    """Refuse scalar fields of the wrong type (a bool is not a number, 2.5 is not an int)."""
+    for f in fields(cfg):
+        want = _SCALAR_TYPES.get(f.type)
+        v = getattr(cfg, f.name)
+        if want and (not isinstance(v, want) or (isinstance(v, bool) and f.type != "bool")):
+            raise ValueError(f"{name} config key {f.name!r} must be {f.type}, got {v!r:.40}")
+
+
+def check_range(name: str, key: str, ok: bool, want: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} config key {key!r} must be {want}, got {value!r:.40}")

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ranker import progress
-from ranker.data import check_lengths, check_prompts
+from ranker.data import as_prompts, check_lengths
 
 GenerateFn = Callable[[list[str]], Sequence[float]]
 
@@ -48,8 +48,13 @@ def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: 
     keywords ``kw``) and return it (fitted)."""
     from ranker.store import build
 
-    prompts = list(prompts)
-    check_prompts(prompts)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"bootstrap n must be an int >= 2 (prompts to measure), got {n!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"bootstrap chunk must be an int >= 1, got {chunk!r}")
+    prompts = as_prompts(prompts)
+    model = build(kind, **kw)  # a bad config fails here, before anything is generated
     picked = sample_prompts(prompts, n, seed)
+    model._need_rows(len(picked), f"{len(prompts)} prompts given, n = {n}")
     lengths = measure(generate, picked, chunk)
-    return build(kind, **kw).fit(picked, lengths)
+    return model.fit(picked, lengths)

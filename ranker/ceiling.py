@@ -63,6 +63,8 @@ def noise_ceiling(answers: Sequence[Sequence[float]], tasks: Sequence[str], frac
     t = np.asarray(tasks)
     if a.ndim != 2 or a.shape[1] < 2 or len(a) != len(t):
         raise ValueError(f"answers must be [P, n >= 2] with one task per prompt; got {a.shape}, {len(t)} tasks")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     rng = np.random.default_rng(seed)
     mu, resid, pools = _decompose(a, t)
     groups = {k: np.flatnonzero(t == k) for k in pools}

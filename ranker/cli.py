@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -27,37 +28,85 @@ def _report_line(name: str, rep: dict) -> str:
     return f"{name:14s} " + "  ".join(f"{k} {v:.3f}" for k, v in rep.items())
 
 
+def _json_out(obj) -> str:
+    """JSON for stdout: NaN/inf (e.g. a rank correlation of constant predictions) become null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(obj), allow_nan=False)
+
+
+def _config(a) -> dict:
+    """``--config`` as keyword arguments (on top of ``--quick``'s), checked by building the model."""
+    kw = dict(QUICK[a.kind]) if a.quick else {}
+    if a.config:
+        try:
+            over = json.loads(a.config)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"--config: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
+        if not isinstance(over, dict):
+            raise ValueError(f"--config: expected a JSON object of config keys, got {type(over).__name__}")
+        kw.update(over)
+    return kw
+
+
+def _output_file(path: str, flag: str) -> Path:
+    """``path`` as a file to write, its folder created; refused (naming ``flag``) when it cannot be."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{flag} {out}: is a folder, expected a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {out}: cannot create its folder ({e.strerror or e})") from e
+    return out
+
+
 def cmd_train(a) -> int:
     import ranker
     from ranker.metrics import ranking_report
+    from ranker.store import check_target
 
+    kw = _config(a)
+    try:
+        r = ranker.build(a.kind, **kw)
+    except ValueError as e:
+        raise ValueError(f"--config: {e}") from e
+    try:
+        check_target(Path(a.out))
+    except ValueError as e:
+        raise ValueError(f"--out {e}") from e
     rows = read_traces(a.train)
-    kw = dict(QUICK[a.kind]) if a.quick else {}
-    kw.update(json.loads(a.config) if a.config else {})
-    r = ranker.build(a.kind, **kw)
+    val = read_traces(a.val) if a.val else None  # a bad --val line stops us before training
     t0, c0 = time.time(), time.process_time()
     r.fit([x.prompt for x in rows], [x.target for x in rows])
     wall, cpu = time.time() - t0, time.process_time() - c0
     r.save(a.out)
     summary = {"kind": a.kind, "train_rows": len(rows), "train_wall_s": round(wall, 1),
                "train_cpu_s": round(cpu, 1), "load_avg_1m": round(os.getloadavg()[0], 2), "out": a.out}
-    if a.val:
-        val = read_traces(a.val)
+    if val:
         summary["val"] = ranking_report(r.predict([x.prompt for x in val]), [x.target for x in val])
-    print(json.dumps(summary))
+    print(_json_out(summary))
     return 0
 
 
 def cmd_predict(a) -> int:
     import ranker
 
+    out = _output_file(a.output, "--output")
     rows = read_traces(a.input, need_lengths=False)
     preds = ranker.load(a.model).predict([x.prompt for x in rows])
-    out = Path(a.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        for row, p in zip(rows, preds):
-            f.write(json.dumps({"idx": row.line, "pred_len": float(p)}) + "\n")
+    try:
+        with open(out, "w") as f:
+            for row, p in zip(rows, preds):
+                f.write(json.dumps({"idx": row.line, "pred_len": float(p)}) + "\n")
+    except OSError as e:
+        raise ValueError(f"--output {out}: cannot write ({e.strerror or e})") from e
     progress.log(f"wrote {len(rows)} predictions to {out}")
     return 0
 
@@ -78,7 +127,7 @@ def cmd_eval(a) -> int:
         results["tfidf_ridge"] = ranking_report(ridge.predict(prompts), true)
     for name, rep in results.items():
         print(_report_line(name, rep), file=sys.stderr)
-    print(json.dumps({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results}))
+    print(_json_out({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results}))
     return 0
 
 
@@ -86,6 +135,8 @@ def cmd_ceiling(a) -> int:
     """Estimated recall ceiling set by the answers' sampling noise (ranker/ceiling.py)."""
     from ranker.ceiling import noise_ceiling
 
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     rows = read_traces(a.data)
     n = {len(x.lengths) for x in rows}
     if len(n) != 1 or n.pop() < 2:
@@ -97,7 +148,7 @@ def cmd_ceiling(a) -> int:
         print(f"recall@{int(round(frac * 100))}: split-half {rep['observed_split_half']:.3f}, "
               f"oracle ceiling {rep['ceiling']:.3f} +- {rep['ceiling_std']:.3f} (q {rep['matched_q']})",
               file=sys.stderr)
-    print(json.dumps(out))
+    print(_json_out(out))
     return 0
 
 

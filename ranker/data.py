@@ -10,12 +10,16 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 PROMPT_KEY = "question"
 LENGTHS_KEY = "resp_words"
+# Longest answer length (words) accepted: far above any real answer, and well inside float32
+# (the feature code's dtype) even after log1p/expm1 round trips.
+MAX_WORDS = 1e9
 
 
 class TraceError(ValueError):
@@ -40,13 +44,36 @@ class TraceRow:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    opener = gzip.open if path.suffix == ".gz" else open
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    i = 0
     try:
         with opener(path, "rb") as f:
             for i, raw in enumerate(f, start=1):
                 yield i, raw
-    except (OSError, EOFError) as e:
-        raise TraceError(f"{path}: cannot read ({e})") from e
+    except (OSError, EOFError, zlib.error) as e:
+        # A corrupt gzip stream fails while reading line i + 1 (the first read: no line yet).
+        where = f"{path}:{i + 1}" if i else f"{path}"
+        raise TraceError(f"{where}: cannot read ({e})") from e
+
+
+def length_ok(v) -> bool:
+    """A finite number in [0, MAX_WORDS] (not a bool, not a string; huge ints are refused too)."""
+    if isinstance(v, (bool, str, bytes)):
+        return False
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return math.isfinite(f) and 0 <= f <= MAX_WORDS
+
+
+def _surrogate_at(text: str) -> int | None:
+    """Index of the first lone surrogate (text JSON can carry but UTF-8 cannot), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
 
 
 def _parse(path: Path, i: int, raw: bytes, need_lengths: bool) -> TraceRow:
@@ -59,6 +86,8 @@ def _parse(path: Path, i: int, raw: bytes, need_lengths: bool) -> TraceRow:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not a JSON object ({e.msg})") from e
+    except RecursionError as e:
+        raise TraceError(f"{where}: not a JSON object (nested too deeply)") from e
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if PROMPT_KEY not in obj:
@@ -68,16 +97,20 @@ def _parse(path: Path, i: int, raw: bytes, need_lengths: bool) -> TraceRow:
         raise TraceError(f"{where}: field '{PROMPT_KEY}' must be a string")
     if not prompt.strip():
         raise TraceError(f"{where}: empty prompt in field '{PROMPT_KEY}'")
+    bad = _surrogate_at(prompt)
+    if bad is not None:
+        raise TraceError(f"{where}: field '{PROMPT_KEY}' has a lone surrogate {prompt[bad]!r} at char {bad} "
+                         f"(not valid Unicode)")
     lengths: tuple[float, ...] = ()
     if need_lengths:
         if LENGTHS_KEY not in obj:
             raise TraceError(f"{where}: missing field '{LENGTHS_KEY}' (answer lengths in words)")
         vals = obj[LENGTHS_KEY]
         ok = isinstance(vals, list) and len(vals) > 0 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals)
+            isinstance(v, (int, float)) and length_ok(v) for v in vals)
         if not ok:
             raise TraceError(f"{where}: field '{LENGTHS_KEY}' must be a non-empty list of "
-                             f"non-negative numbers, got {vals!r:.80}")
+                             f"numbers in [0, {MAX_WORDS:.0e}] (words), got {vals!r:.80}")
         lengths = tuple(float(v) for v in vals)
     task = obj.get("task", "")
     return TraceRow(i, prompt, lengths, task if isinstance(task, str) else "")
@@ -96,22 +129,32 @@ def read_traces(path: str | Path, need_lengths: bool = True) -> list[TraceRow]:
 
 
 def check_prompts(prompts: list[str] | tuple[str, ...]) -> None:
-    """Refuse non-string or empty prompts, naming the index."""
+    """Refuse non-string, empty or not-valid-Unicode prompts, naming the index."""
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
             raise ValueError(f"prompt {i} is {type(p).__name__}, expected str")
         if not p.strip():
             raise ValueError(f"prompt {i} is empty")
+        bad = _surrogate_at(p)
+        if bad is not None:
+            raise ValueError(f"prompt {i} has a lone surrogate {p[bad]!r} at char {bad} (not valid Unicode)")
+
+
+def as_prompts(prompts) -> list[str]:
+    """``prompts`` as a checked list; a single string is refused (it would be read as a list of
+    one-character prompts)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"prompts must be a list of strings, got one {type(prompts).__name__} "
+                         f"({prompts!r:.40}); wrap it in a list")
+    prompts = list(prompts)
+    check_prompts(prompts)
+    return prompts
 
 
 def check_lengths(prompts, lengths) -> None:
-    """Refuse mismatched, negative or non-finite lengths, naming the index."""
+    """Refuse mismatched, negative, non-finite or absurdly large lengths, naming the index."""
     if len(prompts) != len(lengths):
         raise ValueError(f"{len(prompts)} prompts but {len(lengths)} lengths")
     for i, v in enumerate(lengths):
-        try:
-            ok = not isinstance(v, (bool, str)) and math.isfinite(float(v)) and float(v) >= 0
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"length {i} is {v!r}; expected a finite number >= 0")
+        if not length_ok(v):
+            raise ValueError(f"length {i} is {v!r:.40}; expected a number in [0, {MAX_WORDS:.0e}] (words)")

@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from ranker import progress
-from ranker.base import LogLengthRanker
-from ranker.data import check_lengths, check_prompts
+from ranker.base import LogLengthRanker, check_range, check_types, config_kwargs
+from ranker.data import as_prompts, check_lengths
 from ranker.lgbm import LgbmConfig, LgbmRanker
 from ranker.lm import LmConfig, LmRanker
 
@@ -30,14 +30,14 @@ class EnsembleConfig:
     lm_embedding: bool = True
 
     def __post_init__(self):
-        if not 0.0 <= self.lgbm_weight <= 1.0:
-            raise ValueError(f"ensemble lgbm_weight must be in [0, 1], got {self.lgbm_weight}")
+        check_types(self, "ensemble")
+        check_range("ensemble", "lgbm_weight", 0.0 <= self.lgbm_weight <= 1.0, "in [0, 1]", self.lgbm_weight)
 
     @classmethod
     def from_dict(cls, d: dict) -> "EnsembleConfig":
-        d = dict(d)
-        lg = LgbmConfig.from_dict(d.pop("lgbm", {}))
-        lm = LmConfig(**d.pop("lm", {}))
+        d = config_kwargs(cls, d, "ensemble")
+        lg = LgbmConfig.from_dict(d.pop("lgbm", {}), "ensemble.lgbm")
+        lm = LmConfig.from_dict(d.pop("lm", {}), "ensemble.lm")
         return cls(lgbm=lg, lm=lm, **d)
 
 
@@ -47,6 +47,10 @@ class EnsembleRanker(LogLengthRanker):
     @property
     def fitted(self) -> bool:
         return self.lgbm is not None
+
+    @property
+    def min_rows(self) -> int:
+        return max(self.cfg.lgbm.min_rows, self.lm.min_rows)
 
     def __init__(self, cfg: EnsembleConfig | None = None, **kw):
         self.cfg = cfg or EnsembleConfig.from_dict(kw)
@@ -63,9 +67,9 @@ class EnsembleRanker(LogLengthRanker):
         return LgbmRanker(lc)
 
     def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> "EnsembleRanker":
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         check_lengths(prompts, lengths)
+        self._need_rows(len(prompts), "the larger of its LightGBM's and its LM's minimum")
         self.lm.pretrain(prompts)
         if self.cfg.lm_embedding:
             self.embedder = self.lm.frozen_copy()
@@ -84,8 +88,7 @@ class EnsembleRanker(LogLengthRanker):
 
     def predict_log(self, prompts: Sequence[str]) -> np.ndarray:
         self._need_fitted()
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         if not prompts:
             return np.zeros(0)
         w, (ma, sa, mb, sb) = self.cfg.lgbm_weight, self.stats

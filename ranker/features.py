@@ -19,6 +19,7 @@ import scipy.sparse as sp
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
+from ranker.base import check_range, check_types, config_kwargs
 from ranker.textspace import SpaceConfig, TextSpace
 from ranker.textstats import STAT_NAMES, text_stats
 
@@ -45,11 +46,18 @@ class FeatureConfig:
     max_memory: int = 20000   # neighbour memory keeps the most recent rows
     lm_dims: int = 0          # columns of LM embedding appended (0: none)
 
+    def __post_init__(self):
+        check_types(self, "features")
+        for key, ok, want in (("knn_k", self.knn_k >= 1, ">= 1"), ("knn_folds", self.knn_folds >= 0, ">= 0"),
+                              ("ridge_folds", self.ridge_folds >= 0, ">= 0"),
+                              ("ridge_alpha", self.ridge_alpha >= 0, ">= 0"),
+                              ("max_memory", self.max_memory >= 1, ">= 1"), ("lm_dims", self.lm_dims >= 0, ">= 0")):
+            check_range("features", key, ok, want, getattr(self, key))
+
     @classmethod
-    def from_dict(cls, d: dict) -> "FeatureConfig":
-        d = dict(d)
-        sd = d.pop("space", {})
-        space = SpaceConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in sd.items()})
+    def from_dict(cls, d: dict, name: str = "features") -> "FeatureConfig":
+        d = config_kwargs(cls, d, name)
+        space = SpaceConfig.from_dict(d.pop("space", {}), f"{name}.space")
         return cls(space=space, **d)
 
 

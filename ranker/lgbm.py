@@ -17,8 +17,8 @@ import lightgbm as lgb
 import numpy as np
 
 from ranker import progress
-from ranker.base import LogLengthRanker
-from ranker.data import check_lengths, check_prompts
+from ranker.base import LogLengthRanker, check_range, check_types, config_kwargs
+from ranker.data import as_prompts, check_lengths
 from ranker.features import FeatureBuilder, FeatureConfig, FeatureMismatchError
 
 
@@ -38,15 +38,26 @@ class LgbmConfig:
     features: FeatureConfig = field(default_factory=FeatureConfig)
 
     def __post_init__(self):
+        check_types(self, "lgbm")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"lgbm objective {self.objective!r}: expected one of {sorted(OBJECTIVES)}")
-        if self.rounds < 1 or self.update_rounds < 0 or self.threads < 1:
-            raise ValueError("lgbm rounds >= 1, update_rounds >= 0, threads >= 1 required")
+        for key, ok, want in (("rounds", self.rounds >= 1, ">= 1"), ("update_rounds", self.update_rounds >= 0, ">= 0"),
+                              ("threads", self.threads >= 1, ">= 1"), ("learning_rate", self.learning_rate > 0, "> 0"),
+                              ("num_leaves", self.num_leaves >= 2, ">= 2"),
+                              ("min_child_samples", self.min_child_samples >= 1, ">= 1"),
+                              ("subsample", 0 < self.subsample <= 1, "in (0, 1]"),
+                              ("colsample", 0 < self.colsample <= 1, "in (0, 1]"), ("replay", self.replay >= 1, ">= 1")):
+            check_range("lgbm", key, ok, want, getattr(self, key))
+
+    @property
+    def min_rows(self) -> int:
+        """With fewer than 2 x min_child_samples rows no tree can split: every prediction is one constant."""
+        return max(4, 2 * self.min_child_samples)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LgbmConfig":
-        d = dict(d)
-        feats = FeatureConfig.from_dict(d.pop("features", {}))
+    def from_dict(cls, d: dict, name: str = "lgbm") -> "LgbmConfig":
+        d = config_kwargs(cls, d, name)
+        feats = FeatureConfig.from_dict(d.pop("features", {}), f"{name}.features")
         return cls(features=feats, **d)
 
 
@@ -96,8 +107,15 @@ class LgbmRanker(LogLengthRanker):
     def fitted(self) -> bool:
         return self.booster is not None
 
+    @property
+    def min_rows(self) -> int:
+        return self.cfg.min_rows
+
     def __init__(self, cfg: LgbmConfig | None = None, embedder=None, **kw):
         self.cfg = cfg or LgbmConfig.from_dict(kw)
+        if self.cfg.features.lm_dims and embedder is None:
+            raise ValueError("lgbm config key 'features.lm_dims' needs the small LM's embedding: only the "
+                             "ensemble kind sets it (lm_embedding); leave it 0")
         self.features = FeatureBuilder(self.cfg.features, embedder)
         self.booster: lgb.Booster | None = None
         self.score_q: np.ndarray | None = None   # sorted raw scores (quantile map)
@@ -129,11 +147,10 @@ class LgbmRanker(LogLengthRanker):
         self.logy_q = np.quantile(log_y, q)
 
     def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LgbmRanker":
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         check_lengths(prompts, lengths)
-        if len(prompts) < 4:
-            raise ValueError(f"need at least 4 (prompt, length) pairs to fit, got {len(prompts)}")
+        self._need_rows(len(prompts), "2 x min_child_samples: with fewer no tree can split and every "
+                        "prediction is the same")
         log_y = np.log1p(np.asarray(lengths, dtype=np.float32))
         progress.log(f"lgbm: features for {len(prompts)} prompts")
         x = self.features.fit_transform(prompts, log_y)
@@ -147,8 +164,7 @@ class LgbmRanker(LogLengthRanker):
         """Online step: add rows to the neighbour memory, boost ``update_rounds`` trees on the
         new rows plus the replay sample."""
         self._need_fitted()
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         check_lengths(prompts, lengths)
         if not prompts:
             return self
@@ -168,8 +184,7 @@ class LgbmRanker(LogLengthRanker):
     def predict_log(self, prompts: Sequence[str]) -> np.ndarray:
         """float64 [N] estimated log(1 + words)."""
         self._need_fitted()
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         if not prompts:
             return np.zeros(0)
         raw = self.booster.predict(self.features.transform(prompts), num_threads=self.cfg.threads)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ranker import progress
-from ranker.base import LogLengthRanker
-from ranker.data import check_lengths, check_prompts
+from ranker.base import LogLengthRanker, check_range, check_types, config_kwargs
+from ranker.data import as_prompts, check_lengths
 from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
 from workers.tokenizer import Tokenizer, train_bpe
 
@@ -48,8 +48,20 @@ class LmConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_tokens < 8 or self.epochs < 0 or self.batch_size < 2 or self.threads < 1:
-            raise ValueError("lm: max_tokens >= 8, epochs >= 0, batch_size >= 2, threads >= 1 required")
+        check_types(self, "lm")
+        for key, ok, want in (("max_tokens", self.max_tokens >= 8, ">= 8"), ("epochs", self.epochs >= 0, ">= 0"),
+                              ("pretrain_epochs", self.pretrain_epochs >= 0, ">= 0"),
+                              ("batch_size", self.batch_size >= 2, ">= 2"), ("threads", self.threads >= 1, ">= 1"),
+                              ("vocab_size", self.vocab_size >= 1, ">= 1"), ("hidden", self.hidden >= 1, ">= 1"),
+                              ("layers", self.layers >= 1, ">= 1"), ("heads", self.heads >= 1, ">= 1"),
+                              ("kv_heads", self.kv_heads >= 1, ">= 1"), ("intermediate", self.intermediate >= 1, ">= 1"),
+                              ("lr", self.lr > 0, "> 0"), ("pairwise_weight", self.pairwise_weight >= 0, ">= 0"),
+                              ("update_steps", self.update_steps >= 0, ">= 0")):
+            check_range("lm", key, ok, want, getattr(self, key))
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "lm") -> "LmConfig":
+        return cls(**config_kwargs(cls, d, name))
 
 
 class PaddedCausal:
@@ -107,8 +119,12 @@ class LmRanker(LogLengthRanker):
     def fitted(self) -> bool:
         return self.net is not None
 
+    @property
+    def min_rows(self) -> int:
+        return 2
+
     def __init__(self, cfg: LmConfig | None = None, **kw):
-        self.cfg = cfg or LmConfig(**kw)
+        self.cfg = cfg or LmConfig.from_dict(kw)
         self.tok: Tokenizer | None = None
         self.net: LengthLM | None = None
         self.mu, self.sd = 0.0, 1.0
@@ -197,8 +213,7 @@ class LmRanker(LogLengthRanker):
     # --- Ranker API ------------------------------------------------------------------------
     def pretrain(self, prompts: Sequence[str]) -> "LmRanker":
         """Tokenizer + model, then next-token epochs on the prompts (labels unused)."""
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         self._build(prompts)
         if self.cfg.pretrain_epochs:
             seqs, ntok = self._encode(prompts)
@@ -206,9 +221,9 @@ class LmRanker(LogLengthRanker):
         return self
 
     def finetune(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LmRanker":
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         check_lengths(prompts, lengths)
+        self._need_rows(len(prompts), "a spread of lengths to standardize")
         y = np.log1p(np.asarray(lengths, dtype=np.float64))
         self.mu, self.sd = float(y.mean()), float(max(y.std(), 1e-3))
         seqs, ntok = self._encode(prompts)
@@ -216,14 +231,15 @@ class LmRanker(LogLengthRanker):
         return self
 
     def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LmRanker":
-        check_lengths(list(prompts), lengths)
+        prompts = as_prompts(prompts)
+        check_lengths(prompts, lengths)
+        self._need_rows(len(prompts), "a spread of lengths to standardize")
         return self.pretrain(prompts).finetune(prompts, lengths)
 
     def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LmRanker":
         """A few fine-tuning steps on recent samples (normalisation kept)."""
         self._need_fitted()
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         check_lengths(prompts, lengths)
         if prompts and self.cfg.update_steps:
             seqs, ntok = self._encode(prompts)
@@ -246,8 +262,7 @@ class LmRanker(LogLengthRanker):
     def predict_log(self, prompts: Sequence[str]) -> np.ndarray:
         """float64 [N] estimated log(1 + words)."""
         self._need_fitted()
-        prompts = list(prompts)
-        check_prompts(prompts)
+        prompts = as_prompts(prompts)
         if not prompts:
             return np.zeros(0)
         return self._forward_all(prompts, self.net).astype(np.float64) * self.sd + self.mu
@@ -292,7 +307,7 @@ class LmRanker(LogLengthRanker):
 
         from ranker.features import FeatureMismatchError
 
-        r = cls(LmConfig(**meta["config"]))
+        r = cls(LmConfig.from_dict(meta["config"]))
         if meta.get("fingerprint") != r.fingerprint():
             raise FeatureMismatchError(f"{folder}: LM ranker was trained with input encoding "
                                        f"{meta.get('fingerprint')!r}, this code uses {r.fingerprint()!r}; retrain")

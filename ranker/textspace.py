@@ -15,6 +15,8 @@ from sklearn.decomposition import TruncatedSVD
 from sklearn.feature_extraction.text import HashingVectorizer
 from sklearn.preprocessing import normalize
 
+from ranker.base import check_range, check_types, config_kwargs
+
 
 @dataclass(frozen=True)
 class SpaceConfig:
@@ -24,6 +26,22 @@ class SpaceConfig:
     max_columns: int = 20000
     svd_dims: int = 64
     seed: int = 0
+
+    def __post_init__(self):
+        check_types(self, "space")
+        for key in ("char_ngrams", "word_ngrams"):
+            lo_hi = getattr(self, key)
+            ok = (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(type(v) is int for v in lo_hi)
+                  and 1 <= lo_hi[0] <= lo_hi[1])
+            check_range("space", key, ok, "[lo, hi] with 1 <= lo <= hi", lo_hi)
+        for key, ok, want in (("hash_bits", 1 <= self.hash_bits <= 24, "in [1, 24]"),
+                              ("max_columns", self.max_columns >= 1, ">= 1"), ("svd_dims", self.svd_dims >= 1, ">= 1")):
+            check_range("space", key, ok, want, getattr(self, key))
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "space") -> "SpaceConfig":
+        d = config_kwargs(cls, d, name)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 class TextSpace:

@@ -121,3 +121,168 @@ def test_score_objectives_return_lengths(objective):
     pred = np.asarray(r.predict(test_p))
     assert ranker.recall_at(pred, test_l, 0.2) >= 0.8
     assert pred.min() >= 0 and pred.max() <= max(lengths) * 1.01
+
+
+# --- damaged folders, save targets, config and input checks ------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_truncated_model_file_is_refused_by_checksum(fitted, tmp_path):
+    """LightGBM aborts the whole process on some truncated model files, so the load runs in a
+    child process: it must exit with a ValueError naming the file, not die of SIGABRT."""
+    import subprocess
+    import sys
+
+    fitted.save(tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "meta.json").read_text())
+    assert set(meta["files"]) == {"lgbm.txt", "lgbm_state.npz"}
+    f = tmp_path / "m" / "lgbm.txt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code = "import sys, ranker\ntry:\n    ranker.load(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n"
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"{tmp_path / 'm' / 'lgbm.txt'}: checksum mismatch (truncated or modified)" in res.stdout
+
+
+def _old_folder(fitted, d):
+    """A saved folder without checksums (as saved before they were recorded)."""
+    fitted.save(d)
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["files"]
+    (d / "meta.json").write_text(json.dumps(meta))
+    return meta
+
+
+def test_folder_without_checksums_still_loads(fitted, tmp_path):
+    _old_folder(fitted, tmp_path / "m")
+    assert ranker.load(tmp_path / "m").predict(["Sort these numbers: 3, 1"]) == fitted.predict(
+        ["Sort these numbers: 3, 1"])
+
+
+def _drop_npz_key(d):
+    st = dict(np.load(d / "lgbm_state.npz"))
+    st.pop("mem_y")
+    np.savez(d / "lgbm_state.npz", **st)
+
+
+def _edit_meta(fn):
+    def edit(d):
+        meta = json.loads((d / "meta.json").read_text())
+        fn(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+    return edit
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: (d / "lgbm.txt").write_text("hello world\n"),
+    lambda d: (d / "lgbm.txt").unlink(),
+    lambda d: (d / "lgbm_state.npz").write_bytes(b"garbage"),
+    lambda d: (d / "lgbm_state.npz").write_bytes((d / "lgbm_state.npz").read_bytes()[:1000]),
+    _drop_npz_key,
+    lambda d: (d / "meta.json").write_text("[1]"),
+    lambda d: (d / "meta.json").write_bytes(b'{"format": "\xff"}'),
+    _edit_meta(lambda m: m.pop("config")),
+    _edit_meta(lambda m: m["config"].update(zzz=1)),
+    _edit_meta(lambda m: m.update(files=[1])),
+], ids=["lgbm_garbage", "lgbm_missing", "npz_garbage", "npz_truncated", "npz_missing_key", "meta_list",
+        "meta_not_utf8", "meta_no_config", "config_unknown_key", "files_not_object"])
+def test_damaged_folder_raises_value_error_naming_it(fitted, tmp_path, damage):
+    d = tmp_path / "m"
+    _old_folder(fitted, d)  # no checksums: the parse errors themselves must be clear
+    damage(d)
+    with pytest.raises(ValueError, match=str(d)):
+        ranker.load(d)
+
+
+def test_checksums_catch_any_changed_or_missing_file(fitted, tmp_path):
+    fitted.save(tmp_path / "m")
+    (tmp_path / "m" / "lgbm_state.npz").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"m/lgbm_state.npz: checksum mismatch .*retrain or restore it"):
+        ranker.load(tmp_path / "m")
+    (tmp_path / "m" / "lgbm_state.npz").unlink()
+    with pytest.raises(ValueError, match=r"m/lgbm_state.npz: missing"):
+        ranker.load(tmp_path / "m")
+
+
+def test_save_refuses_to_replace_what_is_not_a_ranker(fitted, tmp_path):
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "important.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=f"{other}: exists and is not a ranker folder"):
+        fitted.save(other)
+    assert (other / "important.txt").read_text() == "keep me"
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me too")
+    with pytest.raises(ValueError, match=f"{f}: exists and is not a folder"):
+        ranker.save(fitted, f)
+    assert f.read_text() == "keep me too"
+    with pytest.raises(ValueError, match=f"{f} is not a folder"):
+        ranker.save(fitted, f / "m")
+    (tmp_path / "empty").mkdir()
+    fitted.save(tmp_path / "empty")           # an empty folder is fine
+    fitted.save(tmp_path / "empty")           # and so is replacing a ranker
+    assert ranker.load(tmp_path / "empty").fitted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty", "notes.txt"]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"nope": 1}, "unknown lgbm config key 'nope'"),
+    ({"features": {"nope": 1}}, "unknown lgbm.features config key 'nope'"),
+    ({"features": {"space": {"nope": 1}}}, "unknown lgbm.features.space config key 'nope'"),
+    ({"features": None}, "lgbm.features config must be a JSON object"),
+    ({"rounds": "10"}, "'rounds' must be int, got '10'"),
+    ({"rounds": 2.5}, "'rounds' must be int, got 2.5"),
+    ({"threads": True}, "'threads' must be int"),
+    ({"learning_rate": -1}, "'learning_rate' must be > 0"),
+    ({"num_leaves": 1}, "'num_leaves' must be >= 2"),
+    ({"subsample": 0}, r"'subsample' must be in \(0, 1\]"),
+    ({"replay": 0}, "'replay' must be >= 1"),
+    ({"features": {"knn_k": 0}}, "'knn_k' must be >= 1"),
+    ({"features": {"space": {"char_ngrams": [3, 2]}}}, "'char_ngrams' must be"),
+    ({"features": {"lm_dims": 3}}, "'features.lm_dims' needs the small LM's embedding"),
+])
+def test_bad_config_is_refused_naming_the_key(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        ranker.build("lgbm", **kw)
+
+
+@pytest.mark.parametrize("bad", [10 ** 400, 1e39, float("inf"), 2e9], ids=["int400digits", "1e39", "inf", "2e9"])
+def test_huge_lengths_are_refused_naming_the_index(fitted, bad):
+    prompts, lengths = synth(30, seed=0)
+    with pytest.raises(ValueError, match=r"length 2 is .*expected a number in \[0, 1e\+09\]"):
+        ranker.build("lgbm", **SMALL_LGBM).fit(prompts, lengths[:2] + [bad] + lengths[3:])
+    with pytest.raises(ValueError, match="length 1 is"):
+        fitted.update(prompts[:2], [3.0, bad])
+    with pytest.raises(ValueError, match="generate, chunk starting at prompt 0: length 0 is"):
+        ranker.bootstrap(lambda b: [bad] * len(b), prompts, n=25, **SMALL_LGBM)
+
+
+def test_fit_refuses_too_few_rows_and_a_string():
+    prompts, lengths = synth(30, seed=0)
+    with pytest.raises(ValueError, match=r"lgbm ranker needs at least 20 \(prompt, length\) pairs .*got 19"):
+        ranker.build("lgbm", **SMALL_LGBM).fit(prompts[:19], lengths[:19])
+    with pytest.raises(ValueError, match="at least 10 .* got 9"):
+        ranker.build("lgbm", **{**SMALL_LGBM, "min_child_samples": 5}).fit(prompts[:9], lengths[:9])
+    with pytest.raises(ValueError, match="got 0"):
+        ranker.build("lgbm", **SMALL_LGBM).fit([], [])
+    with pytest.raises(ValueError, match="prompts must be a list of strings, got one str"):
+        ranker.build("lgbm", **SMALL_LGBM).fit("abcdefgh", [1] * 8)
+
+
+@pytest.mark.parametrize("n", [-1, 0, 1])
+def test_bootstrap_refuses_n_below_two(n):
+    pool, _ = synth(40, seed=3)
+    calls = []
+    with pytest.raises(ValueError, match=f"bootstrap n must be an int >= 2.*got {n}"):
+        ranker.bootstrap(lambda b: calls.append(b) or [1.0] * len(b), pool, n=n, **SMALL_LGBM)
+    assert not calls
+
+
+def test_bootstrap_refuses_too_few_for_the_model_before_generating():
+    pool, _ = synth(40, seed=3)
+    calls = []
+    with pytest.raises(ValueError, match="needs at least 20"):
+        ranker.bootstrap(lambda b: calls.append(b) or [1.0] * len(b), pool, n=10, **SMALL_LGBM)
+    assert not calls

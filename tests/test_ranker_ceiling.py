@@ -64,3 +64,12 @@ def test_cli_ceiling_needs_equal_answer_counts(tmp_path, capsys):
                     + json.dumps({"question": "b", "resp_words": [3]}) + "\n")
     assert main(["ceiling", "--data", str(path)]) == 2
     assert "same number" in capsys.readouterr().err
+
+
+def test_cli_ceiling_refuses_zero_repeats(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "resp_words": [i, i + 1]}) + "\n" for i in range(20)))
+    assert main(["ceiling", "--data", str(path), "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        noise_ceiling([[1.0, 2.0]] * 10, ["t"] * 10, repeats=0)

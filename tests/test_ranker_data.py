@@ -31,6 +31,10 @@ GOOD = json.dumps({"question": "Sort 3, 1, 2", "resp_words": [10, 12, 14]}).enco
     (b"not json", r":2: not a JSON object"),
     (b"[1, 2]", r":2: expected a JSON object"),
     (b"", r":2: not a JSON object"),
+    (b'{"question": "x", "resp_words": [1' + b"0" * 400 + b']}', r":2: field 'resp_words' must be"),
+    (json.dumps({"question": "x", "resp_words": [1e39]}).encode(), r":2: field 'resp_words' must be"),
+    (b"[" * 100000 + b"]" * 100000, r":2: not a JSON object \(nested too deeply\)"),
+    (b'{"question": "bad \\ud800", "resp_words": [1]}', r":2: field 'question' has a lone surrogate"),
 ])
 def test_bad_lines_name_the_line(tmp_path, bad, msg):
     path = _write(tmp_path / "t.jsonl.gz", [GOOD, bad, GOOD])
@@ -84,3 +88,87 @@ def test_cli_bad_input_exits_2_naming_the_line(tmp_path, capsys):
     assert main(["predict", "--model", str(tmp_path / "none"), "--input", str(bad),
                  "--output", str(tmp_path / "o.jsonl")]) == 2
     assert "bad.jsonl.gz:3: missing field 'question'" in capsys.readouterr().err
+
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    data = bytearray(gzip.compress(b"\n".join([GOOD] * 50) + b"\n"))
+    data[20:40] = b"\xff" * 20  # damaged deflate stream, full length
+    path = tmp_path / "c.jsonl.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match=r"c.jsonl.gz(:\d+)?: cannot read"):
+        read_traces(path)
+
+
+def test_gz_suffix_is_case_insensitive(tmp_path):
+    path = _write(tmp_path / "T.JSONL.GZ", [GOOD])
+    assert read_traces(path)[0].target == 12.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import ranker
+    from test_ranker_synth import synth
+
+    d = tmp_path_factory.mktemp("model") / "m"
+    ranker.build("lgbm", **SMALL_LGBM).fit(*synth(200, seed=0)).save(d)
+    return d
+
+
+def _strict_json(text: str):
+    def refuse(c):
+        raise AssertionError(f"{c} in stdout JSON")
+    return json.loads(text.strip().splitlines()[-1], parse_constant=refuse)
+
+
+@pytest.mark.parametrize("config, key", [
+    ('{"nope": 1}', "'nope'"),
+    ('{"features": {"nope": 1}}', "'nope'"),
+    ('{"rounds": "10"}', "'rounds'"),
+    ('{"rounds": 2.5}', "'rounds'"),
+    ('{"learning_rate": -1}', "'learning_rate'"),
+    ('{"num_leaves": 1}', "'num_leaves'"),
+    ('{"subsample": 0}', "'subsample'"),
+    ("null", "expected a JSON object"),
+    ("[1]", "expected a JSON object"),
+    ("{rounds: 1}", "not valid JSON"),
+])
+def test_cli_bad_config_exits_2_before_reading_data(tmp_path, capsys, config, key):
+    # --train does not exist: the config must be refused first
+    assert main(["train", "--train", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "m"),
+                 "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and key in err, err
+
+
+def test_cli_output_paths_that_cannot_be_written(tmp_path, capsys, model_dir):
+    data = _write(tmp_path / "d.jsonl.gz", [GOOD, GOOD])
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for out in (tmp_path, a_file / "pred.jsonl"):
+        assert main(["predict", "--model", str(model_dir), "--input", str(data), "--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--output {out}:" in err, err
+    assert main(["train", "--train", str(data), "--out", str(a_file / "m")]) == 2
+    assert f"--out {a_file / 'm'}: cannot create it, {a_file} is not a folder" in capsys.readouterr().err
+    assert a_file.read_text() == "x"
+
+
+def test_cli_nan_metrics_print_null(tmp_path, capsys, model_dir):
+    same = json.dumps({"question": "Sort 3, 1, 2", "resp_words": [5, 5, 5]}).encode()
+    data = _write(tmp_path / "const.jsonl.gz", [same] * 30)  # equal lengths: rank correlations are NaN
+    assert main(["eval", "--model", str(model_dir), "--data", str(data)]) == 0
+    rep = _strict_json(capsys.readouterr().out)
+    assert rep["model"]["kendall_tau"] is None and rep["model"]["spearman"] is None
+    train = write_trace(tmp_path / "s.train.jsonl.gz", 60, seed=0)
+    assert main(["train", "--train", str(train), "--val", str(data), "--out", str(tmp_path / "m"),
+                 "--config", json.dumps(SMALL_LGBM)]) == 0
+    assert _strict_json(capsys.readouterr().out)["val"]["spearman"] is None
+
+
+def test_cli_bad_val_line_stops_before_training(tmp_path, capsys):
+    train = write_trace(tmp_path / "s.train.jsonl.gz", 60, seed=0)
+    val = _write(tmp_path / "v.jsonl.gz", [GOOD, b"not json"])
+    assert main(["train", "--train", str(train), "--val", str(val), "--out", str(tmp_path / "m"),
+                 "--config", json.dumps(SMALL_LGBM)]) == 2
+    assert "v.jsonl.gz:2: not a JSON object" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # nothing was trained or saved

@@ -76,3 +76,28 @@ def test_ensemble_with_lm_embedding_round_trip(tmp_path):
     r.update(test_p[:30], [ln * 10 for ln in test_l[:30]])
     after = r.predict(test_p[:30])
     assert np.mean(np.log(after)) > np.mean(np.log(before)) + 0.2  # both members moved up
+
+
+def test_lm_refuses_empty_fit_and_bad_config():
+    with pytest.raises(ValueError, match=r"lm ranker needs at least 2 \(prompt, length\) pairs .*got 0"):
+        ranker.build("lm", **TINY_LM).fit([], [])
+    with pytest.raises(ValueError, match="got 1"):
+        ranker.build("lm", **TINY_LM).fit(["one prompt"], [3.0])
+    with pytest.raises(ValueError, match="unknown lm config key 'nope'"):
+        ranker.build("lm", nope=1)
+    with pytest.raises(ValueError, match="'lr' must be float, got True"):
+        ranker.build("lm", lr=True)
+    with pytest.raises(ValueError, match="unknown ensemble.lgbm.features config key 'nope'"):
+        ranker.build("ensemble", lgbm={"features": {"nope": 1}})
+    with pytest.raises(ValueError, match="ensemble ranker needs at least 20"):
+        ranker.build("ensemble", lgbm=SMALL_LGBM, lm=TINY_LM).fit(*synth(10, seed=0))
+
+
+def test_lm_folder_files_are_checksummed(lm, tmp_path):
+    lm.save(tmp_path / "m")
+    files = json.loads((tmp_path / "m" / "meta.json").read_text())["files"]
+    assert {"lm/config.json", "lm/tokenizer.json", "lm_length_head.safetensors"} <= set(files)
+    weights = next(p for p in (tmp_path / "m" / "lm").iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{weights}: checksum mismatch"):
+        ranker.load(tmp_path / "m")
