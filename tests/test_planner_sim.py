@@ -101,3 +101,30 @@ def test_plan_cli_on_small_clusters(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--cluster", str(tmp_path / "bad.yaml"), *common])
     assert "unknown GPU 'V100'" in capsys.readouterr().err
+
+
+def test_plan_cli_bad_inputs_name_the_file(tmp_path, capsys):
+    from controller.planner.__main__ import main
+
+    one = tmp_path / "one.yaml"
+    one.write_text("datacenters:\n  - {name: a, gpu: H800, gpus: 16, price_per_gpu_hour: 2.0}\n")
+    (tmp_path / "dc.yaml").write_text("datacenters: 5\n")
+    (tmp_path / "t.jsonl").write_text('{"question": "q", "resp_words": [3]}\n{"question": "q"}\n')
+    (tmp_path / "t.json").write_text("not json")
+    (tmp_path / "neg.json").write_text("[5, -1]")
+    base = ["--model", "qwen2.5-7b", "--batch", "8", "--iterations", "2"]
+    cases = [
+        (["--cluster", str(tmp_path / "dc.yaml"), "--trace", str(tmp_path / "neg.json")],
+         f"{tmp_path / 'dc.yaml'}: datacenters must be a list of mappings"),
+        (["--cluster", str(one), "--trace", str(tmp_path / "t.jsonl")], f"{tmp_path / 't.jsonl'}:2: "),
+        (["--cluster", str(one), "--trace", str(tmp_path / "t.json")],
+         f"{tmp_path / 't.json'}: neither a length trace"),
+        (["--cluster", str(one), "--trace", str(tmp_path / "neg.json")],
+         f"{tmp_path / 'neg.json'}: expected a non-empty JSON list of output lengths"),
+        (["--cluster", str(one), "--trace", str(tmp_path / "missing.json")], f"{tmp_path / 'missing.json'}: no such file"),
+    ]
+    for args, said in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["plan", *args, *base])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err, (said, err)

@@ -8,7 +8,6 @@ granularity of each stage, default 8: a node; the paper scales the SGS by nodes)
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ import yaml
 
 from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
                                            even_split, generation_time_model)
-from controller.planner.hardware import (MODELS, GPUSpec, ModelSpec, analytic_ptl_profile, analytic_train_profile,
+from controller.planner.hardware import (MODELS, ModelSpec, analytic_ptl_profile, analytic_train_profile,
                                          generation_tp, gpu, trainer_min_gpus)
 from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
 
@@ -72,6 +71,9 @@ def load_cluster(path: str | Path) -> Cluster:
     unknown = set(d) - {"name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit", "gen_unit"}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    if not isinstance(d["datacenters"], list) or not all(isinstance(x, dict) for x in d["datacenters"]):
+        raise ValueError(f"{path}: datacenters must be a list of mappings ({{name, gpu, gpus, "
+                         f"price_per_gpu_hour, role}}), got {d['datacenters']!r}")
     dcs = []
     for i, x in enumerate(d["datacenters"]):
         try:
@@ -105,24 +107,26 @@ class Trace:
 def load_trace(path: str | Path, max_len: int = 20000, scale: float = 1.0) -> Trace:
     """A length trace (gzip JSON lines with resp_words and question, 1.3 tokens per word, every
     answer), or a JSON list of output lengths."""
+    from ranker.data import read_traces  # the traces' one reader: errors name FILE:LINE
+
     p = Path(path)
-    if p.name.endswith(".jsonl.gz") or p.name.endswith(".jsonl"):
-        opener = gzip.open if p.suffix == ".gz" else open
+    if not p.is_file():
+        raise ValueError(f"{p}: no such file")
+    if ".jsonl" in p.name.lower():
         outs, prompts = [], []
-        with opener(p, "rt") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    row = json.loads(line)
-                    words, q = row["resp_words"], row["question"]
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{p}:{n}: not a length-trace row ({e})") from e
-                for w in words:
-                    outs.append(int(min(max_len, max(1, round(w * 1.3 * scale)))))
-                    prompts.append(int(max(1, round(len(q.split()) * 1.3))))
+        for row in read_traces(p):
+            for w in row.lengths:
+                outs.append(int(min(max_len, max(1, round(w * 1.3 * scale)))))
+                prompts.append(int(max(1, round(len(row.prompt.split()) * 1.3))))
         return Trace(outs, prompts)
-    lens = json.loads(p.read_text())
-    if not isinstance(lens, list):
-        raise ValueError(f"{p}: expected a JSON list of output lengths")
+    try:
+        lens = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: neither a length trace (.jsonl, .jsonl.gz) nor a JSON list of output "
+                         f"lengths ({e})") from None
+    if not isinstance(lens, list) or not lens or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in lens):
+        raise ValueError(f"{p}: expected a non-empty JSON list of output lengths (numbers >= 0)")
     return Trace([int(min(max_len, max(1, round(x * scale)))) for x in lens], [64] * len(lens))
 
 
