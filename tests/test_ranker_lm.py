@@ -36,6 +36,7 @@ def test_lm_save_load_identical_and_hf_folder(lm, tmp_path):
     assert (tmp_path / "m" / "lm" / "tokenizer.json").exists()
     loaded = ranker.load(tmp_path / "m")
     assert loaded.predict(prompts) == lm.predict(prompts)
+    assert loaded.replay == lm.replay and len(loaded.replay[0]) == 160  # updates continue alike
 
 
 def test_lm_from_hf_folder_and_update(lm, tmp_path):
@@ -48,8 +49,8 @@ def test_lm_from_hf_folder_and_update(lm, tmp_path):
     r.update(prompts[:20], [ln * 10 for ln in lengths[:20]])
     after = r.predict(prompts[:20])
     # told these prompts run 10x longer: their estimates rise (most of them, and on average)
-    assert sum(a > b for a, b in zip(after, before)) >= 15
-    assert np.mean(np.log(after)) > np.mean(np.log(before)) + 0.3  # measured +0.72 (2 seeds)
+    assert sum(a > b for a, b in zip(after, before)) >= 12  # measured 15 of 20 (2 seeds)
+    assert np.mean(np.log(after)) > np.mean(np.log(before)) + 0.3  # measured +0.57-0.68
 
 
 def test_lm_refuses_other_encoding(lm, tmp_path):
@@ -101,3 +102,16 @@ def test_lm_folder_files_are_checksummed(lm, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match=f"{weights}: checksum mismatch"):
         ranker.load(tmp_path / "m")
+
+
+def test_update_on_two_rows_does_not_drag_every_estimate(lm):
+    # updates replay fine-tuning rows: two rows of length 0 move the estimates of other prompts
+    # a little (median x0.95 measured), not to zero (x0.05-0.10 without replay)
+    import copy
+
+    r = copy.deepcopy(lm)
+    assert len(r.replay[0]) == 160  # every fine-tuning row kept (replay 256)
+    others, _ = synth(60, seed=9)
+    median = np.median(r.predict(others))
+    r.update(others[:2], [0.0, 0.0])
+    assert np.median(r.predict(others)) > 0.5 * median
