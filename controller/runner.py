@@ -53,6 +53,7 @@ class Session:
         # a second, before the model bootstrap (SFT) spends minutes
         self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
+        _check_model_folder(Path(cfg.model.path))
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
@@ -230,6 +231,25 @@ def forced_lengths(trace: str, scale: float, max_tokens: int):
 
     lens = [min(max_tokens, max(1, round(r.lengths[0] * 1.3 * scale))) for r in read_traces(trace)]
     return lambda item: lens[zlib.crc32(item.prompt.encode()) % len(lens)]
+
+
+def _check_model_folder(path: Path) -> None:
+    """An existing ``model.path`` must be a folder this code loads (architecture, config) with a
+    tokenizer: said here in one line, not as tracebacks from the worker ranks loading it."""
+    import json
+
+    from workers.model import ModelConfig
+
+    cfg = path / "config.json"
+    if not cfg.exists():
+        return  # built by model.init, or refused by the bootstrap with its own message
+    try:
+        ModelConfig.from_hf(json.loads(cfg.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.path: {cfg}: {e}") from None
+    if not (path / "tokenizer.json").exists():
+        raise ConfigError(f"model.path: {path} has no tokenizer.json (a model folder carries its tokenizer, "
+                          "as on the Hugging Face hub)")
 
 
 def _refuse_previous_run(logdir: Path) -> None:

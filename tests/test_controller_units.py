@@ -2,6 +2,7 @@
 SGS re-dispatch bookkeeping, lost-peer classification."""
 import json
 import os
+from pathlib import Path
 
 from controller import checkpoint as ckpt
 from controller.data import PromptStream
@@ -199,3 +200,27 @@ def test_a_version_staged_while_the_previous_one_loads_is_kept(tiny_model):  # n
     inst._swap_weights(2)
     assert inst.version == 2 and inst._staged is None and inst.engine.stats().weight_version == 2
     assert all(torch.equal(p, weights[k] + 1) for k, p in inst.engine.model.named_parameters())
+
+
+def test_a_model_folder_is_checked_before_any_work(tmp_path, tiny_model):  # noqa: F811
+    import shutil
+
+    import pytest
+
+    from controller.config import ConfigError
+    from controller.runner import _check_model_folder
+
+    _check_model_folder(Path(tiny_model))  # a good folder
+    _check_model_folder(tmp_path / "not_built_yet")  # model.init builds it later
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_model, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"^model.path: .*gpt2/config.json: config.json: architecture "
+                                          r"'GPT2LMHeadModel' is not supported"):
+        _check_model_folder(gpt2)
+    notok = tmp_path / "notok"
+    shutil.copytree(tiny_model, notok)
+    (notok / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"model.path: .*notok has no tokenizer.json"):
+        _check_model_folder(notok)

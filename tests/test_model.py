@@ -90,3 +90,26 @@ def test_bad_config_and_folder_errors(tmp_path):
         tiny(architecture="GPT2LMHeadModel")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_pretrained(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("arch, rope", [
+    ("Qwen2ForCausalLM", {"rope_theta": 1e6}),
+    ("LlamaForCausalLM", {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 64}}),
+])
+def test_folders_written_by_transformers_load_as_they_are(tmp_path, arch, rope):
+    # transformers >= 5 writes RoPE as "rope_parameters" (no top-level rope_theta): a folder it
+    # saved once loaded with the default theta 10000, logits off by ~4e-3, silently
+    cls = {"Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[arch]
+    cfg = cls[0](vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, **rope)
+    torch.manual_seed(0)
+    ref = cls[1](cfg).eval()
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # sharded, as big checkpoints are
+    ours = load_pretrained(tmp_path / "hf", device="cpu", dtype=torch.float32).eval()
+    assert ours.config.rope_theta == rope["rope_theta"]
+    ids = torch.randint(0, 97, (40,))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_packed([ids]), ref(ids[None]).logits[0], rtol=1e-5, atol=1e-5)

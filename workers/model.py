@@ -82,6 +82,12 @@ class ModelConfig:
             raise ValueError(f"config.json: architecture {arch!r} is not supported ({ARCHITECTURES})")
         qwen = arch == "Qwen2ForCausalLM"
         attn_bias = bool(d.get("attention_bias", False))
+        # transformers >= 5 writes RoPE as "rope_parameters" {rope_theta, rope_type, ...} and
+        # no top-level rope_theta / rope_scaling (older folders, e.g. Qwen2.5's, have those)
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -89,8 +95,8 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", 10000.0),
-            rope_scaling=d.get("rope_scaling"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
             qkv_bias=True if qwen else attn_bias, o_bias=False if qwen else attn_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), architecture=arch,
