@@ -92,7 +92,7 @@ class Program:
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs = []
         for j, item in enumerate(items):
-            ids = torch.tensor(self.tok.encode(self.tok.format_prompt(item.prompt)), dtype=torch.long)
+            ids = self._prompt_ids(item.prompt)
             max_tokens, min_tokens = t.max_tokens, t.min_tokens
             if self.length_of is not None:
                 max_tokens = min_tokens = max(1, int(self.length_of(item)))
@@ -258,6 +258,10 @@ class Program:
 
         self.world.sgs.dispatcher = make_dispatcher(name, **options)
 
+    def _prompt_ids(self, text: str) -> torch.Tensor:
+        """A prompt as the policy sees it (chat template or prompt template), tokenized."""
+        return torch.tensor(self.tok.encode(self.tok.format_prompt(text)), dtype=torch.long)
+
     # ---- evaluation, length measurement (outputs come back to the controller) -------------
     def _side_generate(self, reqs: list[Request]) -> dict[int, list[int]]:
         """Generate ``reqs`` on the instances (spread evenly) with the weights they hold,
@@ -272,7 +276,7 @@ class Program:
         training temperature and ``max_tokens``: what the policy does now (ranker bootstrap)."""
         t = self.cfg.train
         reqs = [Request(-(1 << 40) - j * t.group_size - k,
-                        torch.tensor(self.tok.encode(self.tok.format_prompt(p)), dtype=torch.long),
+                        self._prompt_ids(p),
                         t.max_tokens, 0, 0.0, group_id=-1,
                         sampling=SamplingParams(temperature=t.temperature, seed=t.seed * 7919 + j * t.group_size + k))
                 for j, p in enumerate(prompts) for k in range(t.group_size)]
@@ -283,7 +287,7 @@ class Program:
     def evaluate(self, n: int) -> dict[str, float]:
         """Greedy generation on the task's test split; mean score per task name."""
         items = list(self.task.prompts("test"))[:n]
-        reqs = [Request(-1 - j, torch.tensor(self.tok.encode(self.tok.format_prompt(it.prompt)), dtype=torch.long),
+        reqs = [Request(-1 - j, self._prompt_ids(it.prompt),
                         self.cfg.train.max_tokens, 0, 0.0, group_id=-1,
                         sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]
         texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}

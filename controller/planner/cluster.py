@@ -104,10 +104,18 @@ class Trace:
     prompt_lens: list[int]
 
 
+TOKENS_PER_WORD = 1.3  # the traces count whitespace words; the simulated engines count tokens
+
+
+def trace_tokens(words: float, scale: float = 1.0, max_len: int = 20000) -> int:
+    """A trace answer's length in tokens (x ``scale``), within [1, ``max_len``]."""
+    return int(min(max_len, max(1, round(words * TOKENS_PER_WORD * scale))))
+
+
 def load_trace(path: str | Path, max_len: int = 20000, scale: float = 1.0) -> Trace:
     """A length trace (gzip JSON lines with resp_words and question, 1.3 tokens per word, every
     answer), or a JSON list of output lengths."""
-    from ranker.data import read_traces  # the traces' one reader: errors name FILE:LINE
+    from ranker.data import length_ok, read_traces  # the traces' one reader: errors name FILE:LINE
 
     p = Path(path)
     if not p.is_file():
@@ -116,16 +124,15 @@ def load_trace(path: str | Path, max_len: int = 20000, scale: float = 1.0) -> Tr
         outs, prompts = [], []
         for row in read_traces(p):
             for w in row.lengths:
-                outs.append(int(min(max_len, max(1, round(w * 1.3 * scale)))))
-                prompts.append(int(max(1, round(len(row.prompt.split()) * 1.3))))
+                outs.append(trace_tokens(w, scale, max_len))
+                prompts.append(int(max(1, round(len(row.prompt.split()) * TOKENS_PER_WORD))))
         return Trace(outs, prompts)
     try:
         lens = json.loads(p.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{p}: neither a length trace (.jsonl, .jsonl.gz) nor a JSON list of output "
                          f"lengths ({e})") from None
-    if not isinstance(lens, list) or not lens or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in lens):
+    if not isinstance(lens, list) or not lens or not all(map(length_ok, lens)):
         raise ValueError(f"{p}: expected a non-empty JSON list of output lengths (numbers >= 0)")
     return Trace([int(min(max_len, max(1, round(x * scale)))) for x in lens], [64] * len(lens))
 

@@ -89,7 +89,7 @@ class NativeEngine:
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
         self._group_live: Counter[int] = Counter()
-        self._group_prompt: dict[int, tuple[int, ...]] = {}  # live group -> its prompt
+        self._group_prompt: dict[int, torch.Tensor] = {}  # live group -> its prompt ids
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.total_tokens = 0
 
@@ -107,7 +107,7 @@ class NativeEngine:
         backend, from the one shared function."""
         why = refusal(req, self.vocab_size, self.max_model_len, self._live.keys())
         if why is None and req.group_id in self._group_prompt and \
-                self._group_prompt[req.group_id] != tuple(req.prompt_ids.tolist()):
+                not torch.equal(self._group_prompt[req.group_id], req.prompt_ids):
             why = (f"group_id {req.group_id} is live with another prompt (the samples of a group "
                    "share one prompt, and its cached prefix)")
         return why
@@ -125,7 +125,8 @@ class NativeEngine:
             self._live[req.sample_id] = seq
             if req.group_id >= 0:
                 self._group_live[req.group_id] += 1
-                self._group_prompt.setdefault(req.group_id, tuple(req.prompt_ids.tolist()))
+                if req.group_id not in self._group_prompt:  # a copy: callers may reuse their tensor
+                    self._group_prompt[req.group_id] = req.prompt_ids.clone()
             self.scheduler.add(seq)
         return refused
 
