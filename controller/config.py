@@ -326,10 +326,12 @@ def _check_registries(cfg: Config) -> None:
     dispatcher's options (building one is cheap and pure); a task's kwargs are checked when
     the controller builds it, before any other work."""
     from controller.scheduling import DISPATCHERS, make_dispatcher
-    from workers.tasks.registry import TASKS
+    from workers.tasks.registry import task_factory
 
-    if cfg.task.name not in TASKS:
-        raise ConfigError(f"task.name: {cfg.task.name!r} is not one of {sorted(TASKS)}")
+    try:
+        task_factory(cfg.task.name)  # a plugin is imported here: its errors at load, on every rank
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.dispatch.name not in DISPATCHERS:
         raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}")
     try:

@@ -14,6 +14,8 @@ dispatcher between calls.
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +28,8 @@ from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
 from workers.types import Request, SamplingParams, TaskPrompt
+
+log = logging.getLogger("streamrl.controller")
 
 SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
 
@@ -292,8 +296,24 @@ class Program:
                         sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]
         texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}
         per: dict[str, list[float]] = {}
+        unscored = 0
         for j, it in enumerate(items):
-            per.setdefault(it.task, []).append(self.task.score(it, texts.get(-1 - j, "")))
+            score = self._eval_score(it, texts.get(-1 - j, ""), j)
+            if math.isfinite(score):
+                per.setdefault(it.task, []).append(score)
+            else:
+                unscored += 1
         acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items()}
-        acc["eval/mean"] = sum(sum(v) for v in per.values()) / max(1, len(items))
+        acc["eval/mean"] = sum(sum(v) for v in per.values()) / max(1, len(items) - unscored)
+        if unscored:
+            acc["eval/unscored"] = float(unscored)
         return acc
+
+    def _eval_score(self, item, completion: str, j: int) -> float:
+        """The task's score, NaN (left out, counted) when a user's verifier raises or returns a
+        non-number, as the trainer does with training samples: a reward bug must not kill a run."""
+        try:
+            return float(self.task.score(item, completion))
+        except Exception as e:
+            log.warning("eval prompt %d: the task's score raised %r; left out of eval/mean", j, e)
+            return float("nan")

@@ -9,6 +9,7 @@ import math
 import re
 from typing import Callable
 
+from workers.tasks.plugins import is_plugin, load_plugin
 from workers.types import TaskPrompt
 
 Verifier = Callable[[TaskPrompt, str], float]
@@ -75,9 +76,15 @@ VERIFIERS: dict[str, Callable[[], Verifier]] = {"exact": lambda: exact, "numeric
 
 
 def make_verifier(spec: str) -> Verifier:
-    """``"exact"``, ``"numeric"`` or ``"reasoning_gym:<dataset>"``."""
+    """``"exact"``, ``"numeric"``, ``"reasoning_gym:<dataset>"``, or the user's own function
+    ``(prompt: TaskPrompt, completion: str) -> float`` named ``"package.module:fn"`` or
+    ``"path/to/file.py:fn"``. A user function that raises or returns a non-number makes that
+    sample's reward unusable: the trainer skips the sample and logs why (``skipped_samples``)."""
     if spec.startswith("reasoning_gym:"):
         return reasoning_gym_verifier(spec.split(":", 1)[1])
-    if spec not in VERIFIERS:
-        raise ValueError(f"verifier {spec!r} is not one of {sorted(VERIFIERS)} or 'reasoning_gym:<dataset>'")
-    return VERIFIERS[spec]()
+    if spec in VERIFIERS:
+        return VERIFIERS[spec]()
+    if is_plugin(spec):
+        return load_plugin(spec, "task.kwargs.verifier")
+    raise ValueError(f"verifier {spec!r} is not one of {sorted(VERIFIERS)}, 'reasoning_gym:<dataset>' "
+                     "or 'package.module:fn' / 'file.py:fn'")

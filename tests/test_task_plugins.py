@@ -1,0 +1,130 @@
+"""A user's own task and reward function named in the config (``module:attr`` / ``file.py:attr``):
+loaded by the controller and the trainer ranks, every failure one error naming the key."""
+import json
+
+import pytest
+
+from controller.config import ConfigError, load_config
+from tests.runtime_helpers import iterations, last_json, tiny_model, torchrun, write_config  # noqa: F401
+from workers.tasks.plugins import is_plugin
+from workers.tasks.registry import make_task
+from workers.types import TaskPrompt
+
+USER_TASK = '''
+from workers.types import TaskPrompt
+
+class DoubleTask:
+    """Prompts "double N"; the reward is 1 when the completion contains 2N."""
+
+    def __init__(self, n: int = 8, bonus: float = 1.0, floor: float = 0.0, raise_for: str = ""):
+        self.items = [TaskPrompt(prompt=f"double {i}", answer=str(2 * i), task="double") for i in range(n)]
+        self.bonus, self.floor, self.raise_for = bonus, floor, raise_for
+
+    def prompts(self, split):
+        return self.items
+
+    def score(self, prompt, completion):
+        if prompt.prompt == self.raise_for:
+            raise ValueError("a bug in my reward")
+        return self.bonus if prompt.answer in completion else self.floor
+
+def not_a_task(**kw):
+    return 42
+
+NUMBER = 3
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    p = tmp_path / "my_tasks.py"
+    p.write_text(USER_TASK)
+    return p
+
+
+def test_task_from_a_file_and_from_a_module(user_file, tmp_path, monkeypatch):
+    t = make_task(f"{user_file}:DoubleTask", n=3, bonus=0.5)
+    assert [i.prompt for i in t.prompts("train")] == ["double 0", "double 1", "double 2"]
+    assert t.score(t.prompts("train")[2], "it is 4") == 0.5 and t.score(t.prompts("train")[2], "5") == 0.0
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tasks.py").write_text(USER_TASK)
+    monkeypatch.chdir(tmp_path)  # a dotted module is imported from the current directory, as under torchrun
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t = make_task("userpkg.tasks:DoubleTask", n=2)
+    assert len(t.prompts("test")) == 2
+    monkeypatch.chdir(user_file.parent)
+    assert len(make_task("my_tasks.py:DoubleTask").prompts("train")) == 8  # a relative file path
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("missing_dir/nope.py:DoubleTask", "task.name: missing_dir/nope.py .* is not a file"),
+    ("{file}:Nope", "task.name: .* has no attribute 'Nope'"),
+    ("{file}:NUMBER", "task.name: .* is a int, not a class or function"),
+    ("{file}:not_a_task", r"task.name: .* built a int without \['prompts', 'score'\]"),
+    ("no_such_module_xyz:Task", "task.name: cannot import 'no_such_module_xyz'"),
+    ("gsm8k", "task.name: 'gsm8k' is not one of"),
+])
+def test_bad_task_specs_name_the_key(user_file, spec, message):
+    with pytest.raises(ValueError, match=message):
+        make_task(spec.format(file=user_file))
+
+
+def test_a_broken_user_module_is_one_error(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("import numpy\nraise RuntimeError('my bug')\n")
+    with pytest.raises(ValueError, match=r"task.name: loading .*broken.py .*RuntimeError: my bug"):
+        make_task(f"{bad}:Task")
+
+
+def test_verifier_plugin_for_file_tasks(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "say hi", "answer": "hi"}) + "\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def shout(prompt, completion):\n    return 1.0 if completion == prompt.answer.upper() else 0.0\n")
+    t = make_task("jsonl", files=str(data), verifier=f"{rewards}:shout")
+    item = t.prompts("train")[0]
+    assert t.score(item, "HI") == 1.0 and t.score(item, "hi") == 0.0
+    with pytest.raises(ValueError, match="task.kwargs.verifier: .* has no attribute 'whisper'"):
+        make_task("jsonl", files=str(data), verifier=f"{rewards}:whisper")
+    with pytest.raises(ValueError, match="verifier 'fuzzy' is not one of"):
+        make_task("jsonl", files=str(data), verifier="fuzzy")
+    # the registered names still win over the plugin syntax
+    assert make_task("jsonl", files=str(data), verifier="exact").score(item, "hi") == 1.0
+
+
+def test_plugin_syntax():
+    assert is_plugin("a.b:C") and is_plugin("dir/x.py:f") and is_plugin("x:y.z")
+    assert not is_plugin("synthetic") and not is_plugin("a b:C") and not is_plugin("x:") and not is_plugin(":x")
+
+
+def test_config_load_refuses_a_bad_plugin_before_any_work(tmp_path, user_file):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"task:\n  name: {user_file}:Nope\n")
+    with pytest.raises(ConfigError, match="task.name: .* has no attribute 'Nope'"):
+        load_config(p)
+    p.write_text(f"task:\n  name: {user_file}:DoubleTask\n")
+    assert load_config(p).task.name.endswith(":DoubleTask")
+
+
+def test_a_user_task_trains_end_to_end(tmp_path, tiny_model, user_file):  # noqa: F811
+    """Controller and trainer rank each import the user's file (real torchrun, 3 processes):
+    the run completes and its rewards are the user's (every completion scores 0.25 here). The
+    score raises on one prompt: its samples are skipped in training and left out of eval."""
+    cfg = write_config(tmp_path, tiny_model, task__name=f"{user_file}:DoubleTask",
+                       task__kwargs={"n": 8, "bonus": 0.25, "floor": 0.25, "raise_for": "double 3"},
+                       train__iterations=2, train__eval_every=1, train__eval_prompts=8)
+    r = torchrun(cfg)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert last_json(r.stdout)["iterations"] == 2
+    rows = iterations(tmp_path / "run")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["metrics"]["reward_mean"] == pytest.approx(0.25), row
+    assert sum(row["metrics"].get("skipped_samples", 0) for row in rows) == 2  # "double 3" x group_size 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(tmp_path / "run" / "tb"))
+    ea.Reload()
+    assert [e.value for e in ea.Scalars("eval/unscored")] == [1.0, 1.0]
+    assert all(e.value == pytest.approx(0.25) for e in ea.Scalars("eval/mean"))
