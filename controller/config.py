@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from controller.prompt_check import OVERLONG_POLICIES
+
 PIPELINE_MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
 
@@ -127,6 +129,9 @@ class TrainSection:
     # [1, max_tokens]); the row is fixed per prompt (hash of its text)
     length_trace: str = ""
     length_scale: float = 1.0
+    # a prompt with no room for an output token in the engines' context: "error" at start
+    # (naming it), or "skip" it (controller/prompt_check.py)
+    overlong_prompts: str = "error"
 
 
 @dataclass(frozen=True)
@@ -310,6 +315,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.length_trace and not Path(t.length_trace).is_file():
         raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
+    if t.overlong_prompts not in OVERLONG_POLICIES:
+        raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
     if not t.length_scale > 0:
         raise ConfigError(f"train.length_scale must be > 0, got {t.length_scale}")
     algorithm = getattr(cfg.trainer, "algorithm", None)

@@ -247,6 +247,7 @@ class GenerationInstance:
         return {"rank": self.rank, "running": st.running, "waiting": st.waiting,
                 "kv_blocks_used": st.kv_blocks_used, "kv_blocks_free": st.kv_blocks_free,
                 "tokens_per_s": st.tokens_per_s, "max_batch_size": st.max_batch_size,
+                "max_model_len": self.engine.max_model_len,
                 "weight_version": self.version,
                 "staged_version": None if self._staged is None else self._staged[0]}
 

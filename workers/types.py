@@ -76,7 +76,10 @@ class EngineStats:
 @runtime_checkable
 class Engine(Protocol):
     """A generation backend (native or vLLM). ``step`` runs one scheduling + model step and
-    returns the samples that finished in it (streaming: callers forward them at once)."""
+    returns the samples that finished in it (streaming: callers forward them at once).
+    ``max_model_len``: the longest prompt + output a request may have (tokens)."""
+
+    max_model_len: int
 
     def add(self, requests: Sequence[Request]) -> list[Sample]:
         """Queue requests. Invalid ones are refused at once: returned as ``finish_reason

@@ -1,0 +1,56 @@
+"""Prompts checked against the generation context once, before the first iteration.
+
+A prompt whose tokens (after the chat or prompt template) leave no room for one output token
+in the engines' context (``max_model_len``) is refused by every engine. Found mid-run, that
+is a crash in iteration N after hours of work; found here it is one error naming the split and
+the prompt's index (``train.overlong_prompts: error``, the default), or the prompt is dropped
+with a count (``skip``, as verl's ``filter_overlong_prompts``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from workers.types import TaskPrompt
+
+OVERLONG_POLICIES = ("error", "skip")
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[str], int], context_len: int,
+                    split: str, policy: str) -> tuple[list[TaskPrompt], list[int]]:
+    """The prompts of ``split`` that leave room for an output token, and the indices dropped
+    (``policy`` "skip"); "error" raises ``PromptTooLong`` at the first one that does not."""
+    kept, dropped = [], []
+    for i, item in enumerate(items):
+        n = n_tokens(item.prompt)
+        if n + 1 <= context_len:
+            kept.append(item)
+        elif policy == "error":
+            raise PromptTooLong(
+                f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...) is {n} tokens with the template; the "
+                f"engines' context (max_model_len) is {context_len}, which leaves no room for an output token. "
+                "Shorten or drop it, raise engine.max_model_len / engine.kv_cache_tokens (within the model's "
+                "max_position_embeddings), or set train.overlong_prompts: skip to drop such prompts")
+        else:
+            dropped.append(i)
+    return kept, dropped
+
+
+class FittingTask:
+    """A task seen through the checked prompt lists (split -> prompts); scoring and anything
+    else (``demonstrations``, ``name``) are the task's own."""
+
+    def __init__(self, task, prompts: dict[str, list[TaskPrompt]]):
+        self.task, self._prompts = task, prompts
+
+    def prompts(self, split: str) -> Sequence[TaskPrompt]:
+        return self._prompts[split] if split in self._prompts else self.task.prompts(split)
+
+    def score(self, prompt: TaskPrompt, completion: str) -> float:
+        return self.task.score(prompt, completion)
+
+    def __getattr__(self, name: str):
+        return getattr(self.task, name)

@@ -1,0 +1,65 @@
+"""Over-long prompts are found before the first iteration (not as a crash in iteration N):
+one config error naming the prompt, or dropped with ``train.overlong_prompts: skip``."""
+import json
+
+import pytest
+
+from controller.config import ConfigError, load_config
+from controller.prompt_check import FittingTask, PromptTooLong, fitting_prompts
+from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
+from workers.types import TaskPrompt
+
+ITEMS = [TaskPrompt("a " * n, "x", "t") for n in (3, 9, 2, 12)]
+
+
+def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
+    n_tokens = lambda text: len(text.split())  # noqa: E731
+    with pytest.raises(PromptTooLong, match=r"task.prompts\('train'\)\[1\] .* is 9 tokens .*\(max_model_len\) is 9"):
+        fitting_prompts(ITEMS, n_tokens, 9, "train", "error")
+    kept, dropped = fitting_prompts(ITEMS, n_tokens, 9, "test", "skip")
+    assert kept == [ITEMS[0], ITEMS[2]] and dropped == [1, 3]
+    kept, dropped = fitting_prompts(ITEMS, n_tokens, 13, "train", "error")  # 12 + 1 output token fits
+    assert kept == ITEMS and dropped == []
+
+
+def test_fitting_task_is_the_task_with_fewer_prompts():
+    class Task:
+        name = "mine"
+
+        def prompts(self, split):
+            return ITEMS
+
+        def score(self, prompt, completion):
+            return 0.5
+
+    t = FittingTask(Task(), {"train": ITEMS[:1]})
+    assert t.prompts("train") == ITEMS[:1] and t.prompts("test") == ITEMS
+    assert t.score(ITEMS[0], "") == 0.5 and t.name == "mine"
+
+
+def test_policy_is_validated(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  overlong_prompts: truncate\n")
+    with pytest.raises(ConfigError, match="train.overlong_prompts: 'truncate' is not one of"):
+        load_config(p)
+
+
+def test_runtime_refuses_then_skips_an_overlong_prompt(tmp_path, tiny_model):  # noqa: F811
+    """Real torchrun: prompt 5 of 8 is 6,001 tokens for a 4,080-token context. "error" stops
+    before any iteration with exit code 2 and one line naming it; "skip" trains on the others."""
+    rows = [{"prompt": f"what is {i}+{i}?", "answer": str(2 * i)} for i in range(8)]
+    rows[5]["prompt"] = "x " * 3000
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = dict(task__name="jsonl", task__kwargs={"files": str(data)}, train__iterations=2,
+                  train__eval_every=1, train__eval_prompts=8)
+    r = torchrun(write_config(tmp_path, tiny_model, logging__logdir=str(tmp_path / "err"), **common))
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
+    assert len(errors) == 1 and "task.prompts('train')[5]" in errors[0] and "6001 tokens" in errors[0], r.stderr[-3000:]
+    assert not (tmp_path / "err" / "iterations.jsonl").exists()
+    r = torchrun(write_config(tmp_path, tiny_model, logging__logdir=str(tmp_path / "skip"),
+                              train__overlong_prompts="skip", **common))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dropped 1 of 8 train prompts" in r.stderr and "dropped 1 of 8 test prompts" in r.stderr
+    assert len(iterations(tmp_path / "skip")) == 2
