@@ -264,23 +264,41 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         if k not in sections:
             raise ConfigError(f"{k}: unknown section (known: {sorted(sections)})")
     topology = _topology(d.get("topology"))
+    train = _build(TrainSection, "train", d.get("train"))
+    trainer = _trainer_at_rollout_temperature(
+        _owned_section("trainer", d.get("trainer"), "workers.trainer.config", "TrainerConfig"), train,
+        "temperature" in (d.get("trainer") or {}))
     cfg = Config(
         model=_build(ModelSection, "model", d.get("model")),
         tokenizer=_build(TokenizerSection, "tokenizer", d.get("tokenizer")),
         task=_build(TaskSection, "task", d.get("task")),
         engine=_owned_section("engine", d.get("engine"), "workers.generation.config", "EngineConfig"),
-        trainer=_owned_section("trainer", d.get("trainer"), "workers.trainer.config", "TrainerConfig"),
+        trainer=trainer,
         pipeline=_build(PipelineSection, "pipeline", d.get("pipeline")),
         dispatch=_build(DispatchSection, "dispatch", d.get("dispatch")),
         ranker=_build(RankerSection, "ranker", d.get("ranker")),
         placement=_build(PlacementSection, "placement", d.get("placement")),
         topology=topology,
         weight_sync=_weight_sync(d.get("weight_sync"), topology),
-        train=_build(TrainSection, "train", d.get("train")),
+        train=train,
         logging=_build(LoggingSection, "logging", d.get("logging")),
     )
     validate(cfg, world_size)
     return cfg
+
+
+def _trainer_at_rollout_temperature(trainer, train: TrainSection, explicit: bool):
+    """The trainer takes its log-probs at the temperature the samples were drawn at
+    (``train.temperature``; greedy samples carry T = 1 log-probs): filled in here, or checked
+    when the trainer section sets it too."""
+    rollout = train.temperature if train.temperature >= 1e-5 else 1.0
+    if not explicit:
+        return dataclasses.replace(trainer, temperature=rollout)
+    if trainer.temperature != rollout:
+        raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "
+                          f"train.temperature {train.temperature} (the PPO ratio, KL and entropy must be taken "
+                          "at the sampling temperature); leave it out, it is taken from train.temperature")
+    return trainer
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

@@ -127,3 +127,14 @@ RUN_CONFIGS = [p for p in sorted(__import__("glob").glob("configs/*.yaml"))
 def test_every_shipped_run_config_loads(path):
     cfg = load_config(path)
     assert cfg.world_ranks >= 3
+
+
+def test_trainer_takes_log_probs_at_the_rollout_temperature():
+    from controller.config import from_dict
+
+    assert from_dict({"train": {"temperature": 0.7}}).trainer.temperature == 0.7
+    assert from_dict({}).trainer.temperature == 1.0
+    assert from_dict({"train": {"temperature": 0.0}}).trainer.temperature == 1.0  # greedy: T = 1 log-probs
+    assert from_dict({"train": {"temperature": 0.7}, "trainer": {"temperature": 0.7}}).trainer.temperature == 0.7
+    with pytest.raises(ConfigError, match="trainer.temperature: 0.5 differs from the rollout's train.temperature 0.7"):
+        from_dict({"train": {"temperature": 0.7}, "trainer": {"temperature": 0.5}})

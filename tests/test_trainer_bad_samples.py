@@ -128,12 +128,17 @@ def _too_long(s, tok):  # past the model's positions: the engine refuses such pr
         f"{TINY.max_position_embeddings}")
 
 
+def _empty_prompt(s, tok):  # the engine refuses these; a sample from elsewhere must not be packed
+    return replace(s, prompt_ids=torch.zeros(0, dtype=torch.long)), f"sample {s.sample_id}: empty prompt"
+
+
 def _verifier_raises(s, tok):  # the sample itself is fine; ScoreTask raises on its completion
     return s, f"sample {s.sample_id}: reward is not finite"
 
 
 BAD = {"generation_error": _generation_error, "logprobs_short": _logprobs_short, "logprobs_nan": _logprobs_nan,
-       "logprobs_neg_inf": _logprobs_neg_inf, "too_long": _too_long, "verifier_raises": _verifier_raises}
+       "logprobs_neg_inf": _logprobs_neg_inf, "too_long": _too_long, "verifier_raises": _verifier_raises,
+       "empty_prompt": _empty_prompt}
 
 
 def _pick_bad(samples, tok):

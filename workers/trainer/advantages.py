@@ -4,20 +4,31 @@ from __future__ import annotations
 import torch
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float,
+        block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. rewards, values: [L] (V(s_t) before emitting token t; terminal value 0)
     -> (advantages [L], returns [L] = advantages + values).
 
-    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = sum_k (gamma lam)^k delta_{t+k}, computed as a
-    triangular matrix product (no Python loop over tokens)."""
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = sum_k (gamma lam)^k delta_{t+k}. Computed in
+    blocks of ``block`` tokens, last block first: inside a block a triangular matrix product,
+    across blocks A_t = (in-block sum) + (gamma lam)^(end - t) A_end. Memory and work are
+    O(L * block), not O(L^2): a whole-sequence [L, L] matrix took 1.6 GB and 5 s at L = 8192
+    (25 GB at 32k), on the receive path of every PPO sample."""
     L = rewards.shape[0]
     rewards, values = rewards.double(), values.double()
     next_v = torch.cat([values[1:], values.new_zeros(1)])  # [L]
     delta = rewards + gamma * next_v - values  # [L]
-    k = torch.arange(L, dtype=torch.float64)
-    power = k[None, :] - k[:, None]  # [L, L]: j - t
-    disc = torch.where(power >= 0, (gamma * lam) ** power.clamp(min=0), torch.zeros(()))
-    adv = disc @ delta  # [L]
+    c = gamma * lam
+    k = torch.arange(min(block, L), dtype=torch.float64)  # [B]
+    power = k[None, :] - k[:, None]  # [B, B]: j - t
+    disc = torch.where(power >= 0, c ** power.clamp(min=0), torch.zeros(()))  # [B, B]; 0**0 = 1
+    adv = torch.empty_like(delta)  # [L]
+    carry = delta.new_zeros(())  # A at the first token after the block (0 past the end)
+    for start in reversed(range(0, L, block)):
+        n = min(start + block, L) - start
+        a = disc[:n, :n] @ delta[start:start + n] + c ** (n - k[:n]) * carry  # [n]
+        adv[start:start + n] = a
+        carry = a[0]
     return adv.float(), (adv + values).float()
 
 

@@ -26,6 +26,10 @@ class TrainerConfig:
     version older than ``version - max_staleness`` are refused (``on_bad_sample``: skip with a
     warning, or raise). ``recompute_old_logprobs``: use the trainer's own log-probs at
     receive time as the PPO "old" policy instead of the sampler's ``Sample.logprobs``.
+    ``temperature``: the sampling temperature the samples were drawn at; every log-prob the
+    trainer takes (policy, old, reference; entropy) is of ``softmax(logits / temperature)``,
+    the distribution the sampler's log-probs are of (as verl divides the logits by the rollout
+    temperature). It must equal the generator's (``train.temperature``).
     ``ppo_epochs``: optimizer updates per iteration; the first uses the gradients accumulated
     while streaming, each further one re-runs the iteration's micro-batches at ``step()`` (the
     clipped ratio then bounds how far the policy moves). The weight version bumps once.
@@ -63,6 +67,7 @@ class TrainerConfig:
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
+    temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
     ppo_epochs: int = 1  # optimizer updates per iteration, each a full pass over its samples
     precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
     seed: int = 0
@@ -75,7 +80,8 @@ class TrainerConfig:
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         _one_of("precision", self.precision, PRECISIONS)
-        for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs"):
+        for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
+                     "temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "grad_clip",

@@ -31,9 +31,9 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     batch = pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], w.device)
     lens = batch.seq_lens.tolist()
     with w.autocast():
-        ref = token_logprobs(response_logits(w.ref, batch), batch.resp_ids).float().cpu()  # [N]
+        ref = token_logprobs(_logits(w.ref, batch, cfg), batch.resp_ids).float().cpu()  # [N]
         if cfg.recompute_old_logprobs:
-            old = token_logprobs(response_logits(w.actor, batch), batch.resp_ids).float().cpu()
+            old = token_logprobs(_logits(w.actor, batch, cfg), batch.resp_ids).float().cpu()
         else:
             old = torch.cat([s.logprobs.float().cpu() for s in samples])
         values = w.critic(batch).float().cpu() if w.critic is not None else None
@@ -56,6 +56,13 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
             p.adv, p.returns = gae(p.token_rewards, p.values, cfg.gamma, cfg.gae_lambda)
         out.append(p)
     return out
+
+
+def _logits(model, batch, cfg: TrainerConfig) -> torch.Tensor:
+    """-> [N, V] logits of the sampling distribution: divided by the rollout temperature, as the
+    sampler's ``Sample.logprobs`` are (the PPO ratio, the KL and the entropy are all taken at it)."""
+    logits = response_logits(model, batch)  # [N, V] float32
+    return logits if cfg.temperature == 1.0 else logits / cfg.temperature
 
 
 def _score(w: "TrainerWorker", s: "Sample") -> float:
@@ -85,7 +92,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     """Forward one packed micro-batch -> (loss SUM (scalar, with grad), summed statistics)."""
     cfg, dev = w.cfg, w.device
     batch = pack([p.prompt_ids for p in items], [p.output_ids for p in items], dev)
-    logits = response_logits(w.actor, batch)  # [N, V]
+    logits = _logits(w.actor, batch, cfg)  # [N, V] at the rollout temperature
     logp = token_logprobs(logits, batch.resp_ids)  # [N]
     old = torch.cat([p.old_logp for p in items]).to(dev)
     ref = torch.cat([p.ref_logp for p in items]).to(dev)

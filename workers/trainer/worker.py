@@ -204,6 +204,8 @@ class TrainerWorker:
             reason = f"sample {sid}: generation failed ({s.error})"
         elif s.output_ids.numel() == 0:
             reason = f"sample {sid}: empty output"
+        elif s.prompt_ids.numel() == 0:  # nothing predicts output[0]: packing would read another sequence's state
+            reason = f"sample {sid}: empty prompt"
         elif s.prompt_ids.numel() + s.output_ids.numel() > self.actor.config.max_position_embeddings:
             reason = (f"sample {sid}: {s.prompt_ids.numel()} + {s.output_ids.numel()} tokens exceed the model's "
                       f"max_position_embeddings {self.actor.config.max_position_embeddings}")
