@@ -78,7 +78,7 @@ def test_topology_from_config():
     ({"datacenters": {"a": [0, 1], "b": [1]}}, "rank 1 listed in both 'a' and 'b'"),
     ({"datacenters": {"a": [0, -1]}}, "datacenters.a: rank -1"),
     ({"datacenters": {"a": 3}}, "datacenters.a must be a list"),
-    ({"bandwidth_gbps": {"inter_dc": 0}}, "bandwidth_gbps.inter_dc must be a number > 0"),
+    ({"bandwidth_gbps": {"inter_dc": 0}}, "bandwidth_gbps.inter_dc must be a finite number > 0"),
     ({"bandwidth_gbps": {"wan": 1}}, "bandwidth_gbps.wan: unknown link class"),
     ({"shaped_links": ["wan"]}, "shaped_links: unknown link class 'wan'"),
     ({**TWO_DC, "nodes": {"n": [2, 3]}}, "nodes.n: ranks span datacenters"),

@@ -11,6 +11,7 @@ which the planner reads too; ``weight_sync`` there holds the other three keys.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -44,8 +45,8 @@ class WeightSyncConfig:
         if unknown:
             raise ValueError(f"weight_sync: unknown key(s) {sorted(unknown)}; allowed: {sorted(_KEYS)}")
         mb = cfg.get("bucket_mb", 4)
-        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0:
-            raise ValueError(f"weight_sync.bucket_mb must be a number > 0, got {mb!r}")
+        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 0 < mb < math.inf:
+            raise ValueError(f"weight_sync.bucket_mb must be a finite number > 0, got {mb!r}")
         naive = cfg.get("naive", False)
         if not isinstance(naive, bool):
             raise ValueError(f"weight_sync.naive must be true or false, got {naive!r}")

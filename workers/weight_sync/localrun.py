@@ -47,11 +47,13 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, threads: int,
 
 
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int = 1,
-              start_method: str = "forkserver") -> list[Any]:
+              start_method: str = "forkserver", missing_ok: bool = False) -> list[Any]:
     """Start ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; results by rank.
     ``fn`` must be importable (a module-level function). "forkserver" (default) starts one
     clean server process that imports torch once and forks the ranks from it (importing
-    torch in every rank costs seconds of CPU each); "spawn" starts each rank from scratch."""
+    torch in every rank costs seconds of CPU each); "spawn" starts each rank from scratch.
+    ``missing_ok``: a rank that exited without a result (a test killing one on purpose with
+    ``os._exit(0)``) gives None instead of an error."""
     if start_method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
     with tempfile.TemporaryDirectory(prefix="weight_sync_") as out_dir:
@@ -61,6 +63,9 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int 
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
+                if missing_ok:
+                    results.append(None)
+                    continue
                 raise RuntimeError(f"run_local: rank {rank} wrote no result")
             with open(path, "rb") as f:
                 status, value = pickle.load(f)

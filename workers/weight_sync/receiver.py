@@ -178,5 +178,8 @@ class WeightSyncReceiver:
         """Each tensor as a typed view of the staging buffer (no copy)."""
         out = {}
         for s in self.plan.slots:
-            out[s.name] = staging[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+            # A zero-size tensor's slot may sit past the end of the buffer (after the last
+            # bucket), where the clamped storage offset need not suit its dtype: view [0, 0).
+            start = s.offset if s.nbytes else 0
+            out[s.name] = staging[start:start + s.nbytes].view(s.dtype).view(s.shape)
         return out

@@ -14,6 +14,7 @@ Config form (YAML: a run config's top-level ``topology:`` section)::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping
@@ -51,8 +52,8 @@ class Topology:
     def __post_init__(self) -> None:
         for lc in LinkClass:
             bw = self.bandwidth.get(lc)
-            if bw is None or not bw > 0:
-                raise ValueError(f"topology bandwidth for {lc.value!r} must be > 0, got {bw!r}")
+            if bw is None or not 0 < bw < math.inf:
+                raise ValueError(f"topology bandwidth for {lc.value!r} must be finite and > 0, got {bw!r}")
         for r in list(self.rank_dc) + list(self.rank_node):
             if not isinstance(r, int) or r < 0:
                 raise ValueError(f"topology rank {r!r} must be an int >= 0")
@@ -95,7 +96,8 @@ class Topology:
         rank_dc = _rank_groups(cfg.get("datacenters") or {}, "topology.datacenters")
         rank_node = _rank_groups(cfg.get("nodes") or {}, "topology.nodes")
         names = list((cfg.get("datacenters") or {}).keys())
-        default_dc = cfg.get("default_datacenter", names[0] if names else DEFAULT_DC)
+        # datacenter names are strings (YAML `{0: [...]}` keys are ints; _rank_groups str()s them)
+        default_dc = cfg.get("default_datacenter", str(names[0]) if names else DEFAULT_DC)
         if not isinstance(default_dc, str):
             raise ValueError(f"topology.default_datacenter must be a string, got {default_dc!r}")
         for r, node in rank_node.items():
@@ -113,11 +115,14 @@ class Topology:
                                  f"allowed: {sorted(DEFAULT_BANDWIDTH_GBPS)}")
         for key, default in DEFAULT_BANDWIDTH_GBPS.items():
             v = bw_cfg.get(key, default)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ValueError(f"topology.bandwidth_gbps.{key} must be a number > 0, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
+                raise ValueError(f"topology.bandwidth_gbps.{key} must be a finite number > 0, got {v!r}")
             bandwidth[LinkClass(key)] = float(v) * 1e9 / 8
+        shaped_cfg = cfg.get("shaped_links") or []
+        if not isinstance(shaped_cfg, (list, tuple)):
+            raise ValueError(f"topology.shaped_links must be a list of link classes, got {shaped_cfg!r}")
         shaped = set()
-        for s in cfg.get("shaped_links") or []:
+        for s in shaped_cfg:
             try:
                 shaped.add(LinkClass(s))
             except ValueError:
