@@ -48,7 +48,9 @@ class Sample:
     that produced every token (an engine never mixes versions inside one sample).
     ``finish_reason`` is ``"stop"`` (EOS), ``"length"`` (max_tokens) or ``"error"``
     (refused; ``error`` says why, output empty). ``timings`` holds wall-clock seconds
-    (``queued``, ``admitted``, ``first_token``, ``finished``)."""
+    (``queued``, ``admitted``, ``first_token``, ``finished``). ``min_tokens``: the request's; EOS
+    could not be sampled before that many outputs, so ``logprobs`` there are of the
+    distribution without EOS (the trainer takes its log-probs the same way)."""
 
     sample_id: int
     prompt_ids: torch.Tensor
@@ -59,6 +61,7 @@ class Sample:
     group_id: int = -1
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
 
 @dataclass

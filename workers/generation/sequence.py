@@ -66,7 +66,7 @@ class Sequence:
                       output_ids=torch.tensor(self.tokens[self.prompt_len:], dtype=torch.int64),
                       logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
                       weight_version=weight_version, finish_reason=finish_reason,
-                      group_id=r.group_id, timings=dict(self.timings))
+                      group_id=r.group_id, timings=dict(self.timings), min_tokens=int(r.min_tokens))
 
 
 def error_sample(req: Request, why: str, weight_version: int) -> Sample:

@@ -231,7 +231,7 @@ class VLLMEngine:
                       logprobs=torch.tensor(lps, dtype=torch.float32),
                       weight_version=self.weight_version, finish_reason=reason, group_id=r.group_id,
                       error="" if reason != "error" else f"vLLM finish_reason {c.finish_reason!r}",
-                      timings=timings)
+                      timings=timings, min_tokens=int(r.min_tokens))
 
     def _error_sample(self, req: Request, why: str) -> Sample:
         prompt = req.prompt_ids if isinstance(req.prompt_ids, torch.Tensor) else torch.empty(0, dtype=torch.int64)

@@ -27,6 +27,7 @@ class Prepared:
     adv: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     weight_version: int = 0
+    min_tokens: int = 0  # EOS was not allowed before this many outputs (Sample.min_tokens)
 
     @property
     def num_tokens(self) -> int:

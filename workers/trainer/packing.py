@@ -15,7 +15,8 @@ class Packed:
 
     ids, positions: [T]; cu: B+1 offsets; resp_pos: [N] positions whose hidden state
     predicts a response token; resp_ids: [N] those tokens; seq_index: [N] (0..B-1);
-    seq_lens: [B] response lengths."""
+    seq_lens: [B] response lengths; eos_blocked: [N] bool, the response positions before their
+    sequence's ``min_tokens`` (None when there are none)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -24,14 +25,17 @@ class Packed:
     resp_ids: torch.Tensor
     seq_index: torch.Tensor
     seq_lens: torch.Tensor
+    eos_blocked: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.resp_ids.numel())
 
 
-def pack(prompts: list[torch.Tensor], outputs: list[torch.Tensor], device: torch.device) -> Packed:
-    """prompts[b]: [P_b], outputs[b]: [L_b] (L_b >= 1) -> Packed."""
+def pack(prompts: list[torch.Tensor], outputs: list[torch.Tensor], device: torch.device,
+         min_tokens: list[int] | None = None) -> Packed:
+    """prompts[b]: [P_b], outputs[b]: [L_b] (L_b >= 1) -> Packed. ``min_tokens[b]``: EOS was
+    masked for output[b]'s first min_tokens[b] tokens when they were sampled."""
     seqs = [torch.cat([p.long().cpu(), o.long().cpu()]) for p, o in zip(prompts, outputs)]
     cu, resp_pos, seq_index = [0], [], []
     for b, (p, o) in enumerate(zip(prompts, outputs)):
@@ -47,6 +51,8 @@ def pack(prompts: list[torch.Tensor], outputs: list[torch.Tensor], device: torch
         resp_ids=torch.cat([o.long().cpu() for o in outputs]).to(device),
         seq_index=torch.cat(seq_index).to(device),
         seq_lens=torch.tensor([len(o) for o in outputs], device=device),
+        eos_blocked=(torch.cat([torch.arange(len(o)) < m for o, m in zip(outputs, min_tokens)]).to(device)
+                     if min_tokens and any(min_tokens) else None),
     )
 
 

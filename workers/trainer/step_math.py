@@ -28,12 +28,13 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     """Reward, reference log-probs, values (and GAE) for each sample; None where the reward is
     not finite."""
     cfg = w.cfg
-    batch = pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], w.device)
+    batch = pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], w.device,
+                 [s.min_tokens for s in samples])
     lens = batch.seq_lens.tolist()
     with w.autocast():
-        ref = token_logprobs(_logits(w.ref, batch, cfg), batch.resp_ids).float().cpu()  # [N]
+        ref = token_logprobs(_logits(w.ref, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()  # [N]
         if cfg.recompute_old_logprobs:
-            old = token_logprobs(_logits(w.actor, batch, cfg), batch.resp_ids).float().cpu()
+            old = token_logprobs(_logits(w.actor, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()
         else:
             old = torch.cat([s.logprobs.float().cpu() for s in samples])
         values = w.critic(batch).float().cpu() if w.critic is not None else None
@@ -48,7 +49,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
         p = Prepared(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids.cpu(),
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
                      reward=score - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
-                     weight_version=s.weight_version)
+                     weight_version=s.weight_version, min_tokens=s.min_tokens)
         if values is not None:
             p.values = values.split(lens)[i]
             p.token_rewards = -cfg.kl_coef * kl_i if penalise else torch.zeros_like(kl_i)
@@ -58,11 +59,21 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     return out
 
 
-def _logits(model, batch, cfg: TrainerConfig) -> torch.Tensor:
-    """-> [N, V] logits of the sampling distribution: divided by the rollout temperature, as the
-    sampler's ``Sample.logprobs`` are (the PPO ratio, the KL and the entropy are all taken at it)."""
+def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Tensor:
+    """-> [N, V] logits of the sampling distribution: divided by the rollout temperature, and
+    EOS (``eos_ids``: [E]) masked where the sample's ``min_tokens`` kept it from being sampled,
+    as the sampler's ``Sample.logprobs`` are (the PPO ratio, the KL and the entropy are all
+    taken at it)."""
     logits = response_logits(model, batch)  # [N, V] float32
-    return logits if cfg.temperature == 1.0 else logits / cfg.temperature
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    if batch.eos_blocked is not None and eos_ids.numel():
+        # a large finite value, not -inf: exp() is exactly 0 either way, and entropy's p * log p
+        # stays 0 instead of NaN
+        cols = eos_ids.to(logits.device)
+        eos = logits.index_select(1, cols).masked_fill(batch.eos_blocked[:, None], -1e9)  # [N, E]
+        logits = logits.index_copy(1, cols, eos)
+    return logits
 
 
 def _score(w: "TrainerWorker", s: "Sample") -> float:
@@ -91,8 +102,8 @@ def group_advantages(cfg: TrainerConfig, members: list[Prepared]) -> None:
 def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward one packed micro-batch -> (loss SUM (scalar, with grad), summed statistics)."""
     cfg, dev = w.cfg, w.device
-    batch = pack([p.prompt_ids for p in items], [p.output_ids for p in items], dev)
-    logits = _logits(w.actor, batch, cfg)  # [N, V] at the rollout temperature
+    batch = pack([p.prompt_ids for p in items], [p.output_ids for p in items], dev, [p.min_tokens for p in items])
+    logits = _logits(w.actor, batch, cfg, w.eos_ids)  # [N, V] at the rollout temperature
     logp = token_logprobs(logits, batch.resp_ids)  # [N]
     old = torch.cat([p.old_logp for p in items]).to(dev)
     ref = torch.cat([p.ref_logp for p in items]).to(dev)

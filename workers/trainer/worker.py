@@ -73,6 +73,9 @@ class TrainerWorker:
         torch.manual_seed(cfg.seed)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.tokenizer = Tokenizer.load(model_dir)
+        # the EOS the controller gives the engines (its tokenizer's): masked where min_tokens applied
+        self.eos_ids = torch.tensor([self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else [],
+                                    dtype=torch.long)
         self.actor = load_pretrained(model_dir, self.device, dtype=torch.float32)  # fp32 master weights
         self.actor.train()
         ref_dtype = torch.bfloat16 if self.bf16 else torch.float32

@@ -1,0 +1,69 @@
+"""``min_tokens`` keeps EOS from being sampled, so the engine's log-probs there are of the
+distribution without EOS. The trainer must take its own the same way, or a length-forced run
+(every benchmark, as in the paper) trains with on-policy ratios of 1 - p(EOS) instead of 1."""
+import pytest
+import torch
+
+from workers.generation.config import EngineConfig
+from workers.generation.engine import generate_all
+from workers.generation.factory import make_engine
+from workers.model import ModelConfig
+from workers.tasks import make_task
+from workers.trainer import TrainerConfig, TrainerWorker
+from workers.trainer.bootstrap import build_model_dir
+from workers.trainer.packing import pack
+from workers.trainer.step_math import prepare_batch
+from workers.types import Request, SamplingParams
+
+torch.set_num_threads(1)
+TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
+    # SFT'd, so the model ends its answers with EOS: p(EOS) is large where min_tokens forbids it
+    folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "tiny", task, TINY, seed=0, sft_steps=60)
+    return str(folder), task
+
+
+def engine_samples(model_dir, task, min_tokens, temperature):
+    w = TrainerWorker(TrainerConfig(temperature=temperature, recompute_old_logprobs=True), model_dir, task,
+                      device="cpu")
+    eng = make_engine(EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=2048, max_batch_size=8),
+                      model_dir, eos_ids=[w.tokenizer.eos_id])
+    items = task.prompts("train")[:6]
+    reqs = [Request(i, torch.tensor(w.tokenizer.encode(w.tokenizer.format_prompt(it.prompt))), 24, min_tokens,
+                    0.0, sampling=SamplingParams(temperature=temperature, seed=i)) for i, it in enumerate(items)]
+    samples = generate_all(eng, reqs)
+    w._prompts = dict(enumerate(items))
+    return w, samples
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forced_length_samples_are_on_policy(setup, temperature):
+    model_dir, task = setup
+    w, samples = engine_samples(model_dir, task, 24, temperature)
+    assert all(s.min_tokens == 24 and len(s.output_ids) == 24 for s in samples)
+    prepared = prepare_batch(w, samples)
+    for p, s in zip(prepared, samples):
+        assert torch.allclose(p.old_logp, s.logprobs, atol=5e-5), (p.old_logp - s.logprobs).abs().max()
+    # and the mask mattered: without it the trainer's log-probs are lower where EOS was likely
+    unmasked = [s.__class__(**{**s.__dict__, "min_tokens": 0}) for s in samples]
+    gap = max((s.logprobs - p.old_logp).max().item() for s, p in zip(samples, prepare_batch(w, unmasked)))
+    assert gap > 2e-3, gap  # 40x the tolerance above
+
+
+def test_without_min_tokens_nothing_is_masked(setup):
+    model_dir, task = setup
+    w, samples = engine_samples(model_dir, task, 0, 1.0)
+    for p, s in zip(prepare_batch(w, samples), samples):
+        assert torch.allclose(p.old_logp, s.logprobs, atol=5e-5)
+    assert pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], "cpu",
+                [0] * len(samples)).eos_blocked is None
+
+
+def test_pack_marks_the_positions_before_min_tokens():
+    b = pack([torch.tensor([1, 2]), torch.tensor([3])], [torch.tensor([4, 5, 6]), torch.tensor([7, 8])], "cpu", [2, 5])
+    assert b.eos_blocked.tolist() == [True, True, False, True, True]
