@@ -18,6 +18,7 @@ from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from workers.atomic import replace_dir
@@ -265,12 +266,19 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+        # training only: keep each layer's input, recompute its inside in backward (activation
+        # memory ~ one layer's instead of all of them, for ~1/3 more compute)
+        self.checkpoint_layers = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary_emb(positions, x.dtype)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attn)
         return self.norm(x)
 
 

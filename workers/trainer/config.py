@@ -70,6 +70,7 @@ class TrainerConfig:
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
     ppo_epochs: int = 1  # optimizer updates per iteration, each a full pass over its samples
     precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each layer in backward (actor and critic)
     seed: int = 0
 
     def __post_init__(self):

@@ -78,10 +78,13 @@ class TrainerWorker:
                                     dtype=torch.long)
         self.actor = load_pretrained(model_dir, self.device, dtype=torch.float32)  # fp32 master weights
         self.actor.train()
+        self.actor.model.checkpoint_layers = cfg.activation_checkpointing
         ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
         self.ref.requires_grad_(False)
         self.critic = ValueModel(self.actor) if cfg.use_critic else None
+        if self.critic is not None:
+            self.critic.model.checkpoint_layers = cfg.activation_checkpointing
         groups = [{"params": list(self.actor.parameters()), "lr": cfg.lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
