@@ -7,9 +7,12 @@ staleness, weight-sync time, and delta = generation time - training time (stage 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from controller.timeline import Span, bubble_fractions, gantt_figure, merge_intervals, write_chrome_trace
+from controller.timeline import (BATCH_STAGES, Span, bubble_fractions, gantt_figure, iteration_windows,
+                                 merge_intervals, pyplot, write_chrome_trace)
+from workers.atomic import write_text
 
 
 def stage_busy(spans: list[Span], stage: str) -> float:
@@ -22,23 +25,55 @@ def stage_busy(spans: list[Span], stage: str) -> float:
 
 
 class Metrics:
-    def __init__(self, logdir: str | Path, timeline_every: int = 5):
-        from torch.utils.tensorboard import SummaryWriter
+    """One run's TensorBoard scalars (``<logdir>/tb``), ``iterations.jsonl`` rows and timeline.
 
+    A resumed run (``--resume``, or a ``torchrun --max-restarts`` restart from the last
+    checkpoint) continues in the same folder: when the earlier attempt had logged iterations
+    from the first step this one logs, N, on (it crashed after its last checkpoint), those are
+    replaced (TensorBoard ``purge_step``; their iterations.jsonl rows are dropped), so no step
+    appears twice. The writer is opened at that first write, when N is known."""
+
+    def __init__(self, logdir: str | Path, timeline_every: int = 5):
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(self.logdir / "tb"))
+        self._writer = None
         self.timeline_every = timeline_every
         self.spans: list[Span] = []
+        self._batch_spans: dict[int, list[Span]] = {}  # iteration -> its batch's spans, until logged
+        self._prev_drain: list[Span] = []
         self.rewards: list[float] = []
         self.samples = 0
         self.tokens = 0
         self.seconds = 0.0
+        if timeline_every:
+            pyplot()  # imported now (~1-2 s on a loaded machine), not in the middle of iteration
+            # timeline_every - 1, where the controller's wait would stall the pipeline
+
+    def _open(self, first_step: int):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # steps logged again (a restart from an older checkpoint than the last row) are
+            # purged; a plain resume (rows end just before first_step) purges nothing, not even
+            # the final Gantt figure logged at step first_step
+            again = _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
+            self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
+        return self._writer
 
     def log_iteration(self, res, spans: list[Span]) -> dict[str, float]:
-        """Write one iteration's scalars; returns the derived ones (delta, bubbles, rates)."""
-        w, step = self.writer, res.iteration
+        """Write one iteration's scalars; returns the derived ones (delta, bubbles, rates).
+        ``spans``: every span drained since the last call. In the async modes some of them
+        belong to the next iteration (G(i+1) runs during step(i)); they are kept for it."""
+        step = res.iteration
+        w = self._open(step)
         self.spans += spans
+        for s in spans:
+            if s.stage in BATCH_STAGES:
+                self._batch_spans.setdefault(s.iteration, []).append(s)
+        recent, self._prev_drain = self._prev_drain + spans, spans
+        it_spans = self._batch_spans.get(step, [])
+        for i in [i for i in self._batch_spans if i <= step]:
+            del self._batch_spans[i]
         for k, v in res.metrics.items():
             w.add_scalar(f"train/{k}", float(v), step)
         reward = float(res.metrics.get("reward_mean", 0.0))
@@ -46,7 +81,6 @@ class Metrics:
         self.samples += res.num_samples
         self.tokens += res.num_tokens
         self.seconds += res.iter_seconds
-        it_spans = [s for s in spans if s.iteration == res.iteration]
         gen_busy, train_busy = stage_busy(it_spans, "generate"), stage_busy(it_spans, "train")
         derived = {
             "perf/samples_per_s": res.num_samples / max(res.iter_seconds, 1e-9),
@@ -62,33 +96,43 @@ class Metrics:
             "staleness/gen_version_lag": float(res.version - 1 - res.gen_version),
             "sgs/redispatched": float(res.redispatched),
         }
-        if spans:
-            window = (min(s.start for s in spans), max(s.end for s in spans))
-            for worker, frac in bubble_fractions(spans, window).items():
+        # the iteration's own window (its dispatch .. the end of its step), not the drain's:
+        # a trainer's idle span can start long before (set-up, a pause at the REPL prompt)
+        window = iteration_windows(it_spans).get(step)
+        if window is not None:
+            for worker, frac in bubble_fractions(recent, window).items():
                 derived[f"idle/{worker}"] = frac
         for k, v in derived.items():
             w.add_scalar(k, v, step)
         row = {k: v for k, v in vars(res).items() if k != "out_lens"}
-        with open(self.logdir / "iterations.jsonl", "a") as f:
-            f.write(json.dumps({**row, **derived}) + "\n")
+        _append_line(self.logdir / "iterations.jsonl", json.dumps({**row, **derived}))
         if self.timeline_every and (step + 1) % self.timeline_every == 0 and self.spans:
             self.write_timeline(step)
         w.flush()
         return derived
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        w = self._open(step)
         for k, v in scalars.items():
-            self.writer.add_scalar(k, float(v), step)
-        self.writer.flush()
+            w.add_scalar(k, float(v), step)
+        w.flush()
 
     def write_timeline(self, step: int, last: int = 400) -> Path:
+        """The Gantt figure of the last ``last`` spans (TensorBoard ``timeline/gantt`` and
+        ``timeline.png``) and the Chrome trace of all spans (``timeline.json``); both files
+        are replaced atomically."""
         spans = self.spans[-last:]
         fig = gantt_figure(spans, f"timeline up to iteration {step}")
-        self.writer.add_figure("timeline/gantt", fig, step)
-        import matplotlib.pyplot as plt
-
-        fig.savefig(self.logdir / "timeline.png", dpi=100)
-        plt.close(fig)
+        self._open(step).add_figure("timeline/gantt", fig, step, close=False)
+        plt = pyplot()
+        png = self.logdir / "timeline.png"
+        tmp = png.with_name(f".{png.name}.tmp{os.getpid()}")
+        try:
+            fig.savefig(tmp, dpi=100, format="png")
+            os.replace(tmp, png)
+        finally:
+            tmp.unlink(missing_ok=True)
+            plt.close(fig)
         return write_chrome_trace(self.spans, self.logdir / "timeline.json")
 
     def summary(self) -> dict:
@@ -101,4 +145,40 @@ class Metrics:
                 "iterations": n}
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one row with a single write() on an O_APPEND descriptor: a crash leaves the row
+    whole or absent (a torn last line, after a power loss, is dropped at the next resume)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        data = (line + "\n").encode()
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
+def _drop_rows_from(path: Path, first: int) -> bool:
+    """Keep the rows of iterations before ``first`` (a resumed run writes the rest again) and
+    drop a torn last line; replaced atomically, untouched when nothing changes. True when rows
+    of ``first`` or later were there."""
+    if not path.exists():
+        return False
+    text = path.read_text()
+    kept, again = [], False
+    for line in text.splitlines(keepends=True):
+        try:
+            if not line.endswith("\n"):
+                continue  # torn
+            if json.loads(line)["iteration"] < first:
+                kept.append(line)
+            else:
+                again = True
+        except (ValueError, KeyError, TypeError):
+            pass
+    if "".join(kept) != text:
+        write_text(path, "".join(kept))
+    return again

@@ -5,7 +5,7 @@ Commands (one per line)::
     run K              run K iterations in the current mode (pipeline drained after)
     sgs                generation instances: running / waiting requests, KV blocks, version
     trainer            trainer ranks: version, queued iterations
-    timeline           bubble fraction per worker and stage times of the last iterations
+    timeline [N]       bubble fraction per worker and stage times over the last N spans (200)
     mode NAME          switch pipeline mode (same placement kind) between iterations
     dispatch NAME [k=v ...]   switch the dispatcher (controller.scheduling names)
     eval [N]           greedy accuracy on N test prompts
@@ -15,15 +15,20 @@ Commands (one per line)::
     help | quit
 
 Every command's answer is printed as one line starting with ``>>> `` then JSON, so a
-script (or a test) can drive the console through stdin and read the answers.
+script (or a test) can drive the console through stdin and read the answers. What is typed
+never stops the run: a bad line or argument is answered ``{"error": ...}``, and so is a
+worker's error in a command that leaves the pipeline alone (``eval``, ``save``, ``sgs``, ...).
+A worker failure during ``run`` is not an answer: it left an iteration half done (registered
+with the trainers, samples in flight), so it ends the session and the run (exit 1), as
+without the REPL.
 """
 from __future__ import annotations
 
 import json
 import shlex
 
-from controller.rpc import wait_all
-from controller.timeline import bubble_fractions, stage_times
+from controller.rpc import WorkerFailed, wait_all
+from controller.timeline import bubble_fractions, iteration_windows, stage_times
 
 
 class Repl:
@@ -46,6 +51,11 @@ class Repl:
                     continue
                 fn = self.commands.get(words[0])
                 out = fn(*words[1:]) if fn else {"error": f"unknown command {words[0]!r}; try help"}
+            except WorkerFailed as e:
+                out = {"error": f"{type(e).__name__}: {e}"}
+                if words[0] == "run":  # mid-iteration: the pipeline cannot go on (runner: exit 1)
+                    print(">>> " + json.dumps({**out, "fatal": True}), file=stdout, flush=True)
+                    raise
             except Exception as e:  # noqa: BLE001
                 out = {"error": f"{type(e).__name__}: {e}"}
             print(">>> " + json.dumps(out, default=str), file=stdout, flush=True)
@@ -66,7 +76,10 @@ class Repl:
 
     def timeline(self, last: str = "200") -> dict:
         spans = self.s.metrics.spans[-_count("timeline", last):]
-        return {"spans": len(spans), "bubble": bubble_fractions(spans), "stage_s": stage_times(spans)}
+        # over the iterations' windows: the pauses between `run` commands are nobody's bubble
+        windows = list(iteration_windows(spans).values())
+        return {"spans": len(spans), "bubble": bubble_fractions(spans, windows or None),
+                "stage_s": stage_times(spans)}
 
     def mode(self, name: str) -> dict:
         self.s.program.set_mode(name)

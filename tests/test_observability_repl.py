@@ -1,0 +1,97 @@
+"""The REPL's command loop on a stand-in session (no processes): answers, errors that keep the
+session going, a worker failure that must stop it, help text, EOF, the timeline command."""
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from controller.repl import Repl
+from controller.rpc import WorkerFailed
+from controller.timeline import Span
+
+
+class _Program:
+    def __init__(self):
+        self.iteration, self.version, self.history = 0, 0, []
+        self.mode = SimpleNamespace(name="async_stream")
+        self.fail_run = None
+        self.dispatcher = None
+
+    def run(self, k):
+        if self.fail_run:
+            raise self.fail_run
+        self.iteration += k
+        self.version += k
+        return [SimpleNamespace(metrics={"reward_mean": 0.5})] * k
+
+    def set_dispatcher(self, name, **opts):
+        from controller.scheduling import make_dispatcher
+
+        self.dispatcher = make_dispatcher(name, **opts)
+
+    def evaluate(self, n):
+        raise WorkerFailed(1, "generation", "evaluate", "ValueError: engine refused eval request")
+
+
+def _session(spans=()):
+    logged = []
+    metrics = SimpleNamespace(spans=list(spans), log_scalars=lambda acc, step: logged.append((acc, step)))
+    world = SimpleNamespace(sgs=SimpleNamespace(slots=[1], handles=[], removed=[]), trainers=[])
+    return SimpleNamespace(program=_Program(), metrics=metrics, world=world)
+
+
+def _drive(session, text: str) -> list[dict]:
+    out = io.StringIO()
+    Repl(session).loop(io.StringIO(text), out)
+    return [json.loads(ln[4:]) for ln in out.getvalue().splitlines() if ln.startswith(">>> ")]
+
+
+def test_errors_are_answered_and_eof_ends_the_session():
+    s = _session()
+    a = _drive(s, "run\nrun abc\nrun 1 2\nleave x\ntimeline 0\ndispatch\ndispatch nosuch\n"
+                  "dispatch random\neval 2\n\nstatus")  # no quit: EOF ends it
+    ready, run1, *errs, disp, ev, status = a
+    assert ready["ready"] and run1["ran"] == 1
+    assert all("error" in e for e in errs), errs
+    assert "run: expected a count >= 1, got 'abc'" in errs[0]["error"]
+    assert disp == {"dispatch": "random", "options": {}} and s.program.dispatcher is not None
+    assert "error" in ev and "engine refused" in ev["error"]  # a worker's error outside `run`: answered
+    assert status["iteration"] == 1
+
+
+def test_a_worker_failure_during_run_stops_the_session():
+    # the iteration it interrupted is registered with the trainers, its samples in flight:
+    # the run must stop (runner: exit 1), not answer and go on with a broken pipeline
+    s = _session()
+    s.program.fail_run = WorkerFailed(2, "trainer", "step", "RuntimeError: staleness")
+    out = io.StringIO()
+    with pytest.raises(WorkerFailed):
+        Repl(s).loop(io.StringIO("status\nrun 2\nstatus\n"), out)
+    answers = [json.loads(ln[4:]) for ln in out.getvalue().splitlines()]
+    assert len(answers) == 3 and answers[-1]["fatal"] is True and "worker rank 2" in answers[-1]["error"]
+
+
+def test_help_lists_every_command():
+    s = _session()
+    help_text = _drive(s, "help\n")[1]["help"]
+    listed = set()
+    for line in help_text.splitlines():
+        listed |= {w.strip() for w in line.split()[0:3] if w.strip() not in ("|", "")} & \
+            (set(Repl(s).commands) | {"quit"})
+    assert listed == set(Repl(s).commands) | {"quit"}
+    assert "timeline [N]" in help_text  # its argument is documented
+
+
+def test_timeline_leaves_out_the_pauses_between_runs():
+    # two `run 1` calls 60 s apart: the wait at the prompt is nobody's bubble
+    spans = [Span("controller", "dispatch", 0.0, 0.1, 0), Span("gen1", "generate", 0.1, 1.0, 0),
+             Span("train2", "train", 1.0, 2.0, 0), Span("controller", "wait_step", 1.0, 2.0, 0),
+             Span("train2", "idle", 2.0, 62.5, 1),
+             Span("controller", "dispatch", 62.0, 62.1, 1), Span("gen1", "generate", 62.1, 63.0, 1),
+             Span("train2", "train", 62.5, 64.0, 1), Span("controller", "wait_step", 63.0, 64.0, 1)]
+    t = _drive(_session(spans), "timeline\n")[1]
+    assert t["spans"] == len(spans)
+    assert t["bubble"]["gen1"] == pytest.approx(1 - 1.8 / 4.0)  # busy 1.8 s of the iterations' 4 s
+    assert t["bubble"]["train2"] == pytest.approx(1 - 2.5 / 4.0)
+    assert t["stage_s"]["generate"] == pytest.approx(1.8)
