@@ -42,7 +42,8 @@ class Session:
         from workers.tokenizer import Tokenizer
 
         self.cfg, self.args = cfg, args
-        self.logdir = Path(cfg.logging.logdir)
+        self.logdir = _resumed_logdir(Path(cfg.logging.logdir), args.resume) if args.resume else \
+            Path(cfg.logging.logdir)
         self.static_ranks = set(range(1, world_size))
         self.joined: list[int] = []
         self.waiting: list[int] = []
@@ -280,12 +281,34 @@ def _check_model_folder(path: Path) -> None:
                           "as on the Hugging Face hub)")
 
 
+def _holds_run(logdir: Path) -> bool:
+    return ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
+
+
+def _resumed_logdir(logdir: Path, resume: str) -> Path:
+    """Where ``--resume`` writes. A checkpoint of run folder R continues in R when
+    ``logging.logdir`` is R, or is another folder already holding a run (writing there would
+    interleave two runs' rows, steps and checkpoints); into an unused ``logging.logdir`` it
+    forks: R is left as it was."""
+    found = ckpt.find(resume)
+    run = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
+    if run is None or run.resolve() == logdir.resolve():
+        return logdir
+    if _holds_run(logdir):
+        print(f"[controller] --resume {resume}: continuing that run in its folder {run} (logging.logdir "
+              f"{logdir} holds another run)", file=sys.stderr, flush=True)
+        return run
+    print(f"[controller] --resume {resume}: continuing from {found} in the new folder {logdir} "
+          f"({run} is left as it is)", file=sys.stderr, flush=True)
+    return logdir
+
+
 def _refuse_previous_run(logdir: Path) -> None:
     """A new run must not write into a folder holding another run's logs and checkpoints (its
     iterations.jsonl rows, TensorBoard steps and ``latest`` would interleave with this one's)."""
-    found = ckpt.find(logdir)
-    if found is None and not (logdir / "iterations.jsonl").exists():
+    if not _holds_run(logdir):
         return
+    found = ckpt.find(logdir)
     what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
     raise ConfigError(f"logging.logdir: {logdir} already holds a run ({what}); continue it with "
                       f"--resume {logdir}, or start a new one elsewhere with --set logging.logdir=NEW_DIR "

@@ -94,6 +94,30 @@ def test_resume_continues_the_sequence(tmp_path, tiny_model):  # noqa: F811
     assert last_json(p.stdout)["iterations"] == 4
 
 
+def test_resume_writes_into_the_resumed_run_or_forks_into_an_unused_logdir(tmp_path, tiny_model):  # noqa: F811
+    """``--resume A`` with ``logging.logdir`` naming another run's folder B continued into B
+    (rows, steps and checkpoints of two runs interleaved). Now it continues in A; into an
+    unused logdir C it forks, leaving A as it was."""
+    def run(logdir, iters, *extra):
+        cfg = write_config(tmp_path, tiny_model, train__iterations=iters, train__eval_every=0,
+                           logging__logdir=str(tmp_path / logdir))
+        p = torchrun(cfg, extra=list(extra))
+        assert p.returncode == 0, p.stderr[-4000:]
+        return p
+
+    run("a", 2)
+    run("b", 2)
+    p = run("b", 4, "--resume", str(tmp_path / "a"))
+    assert f"continuing that run in its folder {tmp_path / 'a'}" in p.stderr
+    assert [r["iteration"] for r in iterations(tmp_path / "a")] == [0, 1, 2, 3]
+    assert [r["iteration"] for r in iterations(tmp_path / "b")] == [0, 1]
+    assert sorted(x.name for x in (tmp_path / "b" / "checkpoints").glob("iter_*")) == ["iter_000002"]
+    p = run("c", 5, "--resume", str(tmp_path / "a" / "checkpoints" / "iter_000004"))
+    assert "in the new folder" in p.stderr
+    assert [r["iteration"] for r in iterations(tmp_path / "c")] == [4]
+    assert [r["iteration"] for r in iterations(tmp_path / "a")] == [0, 1, 2, 3]
+
+
 @pytest.mark.slow
 def test_trainer_death_restarts_from_checkpoint(tmp_path, tiny_model):  # noqa: F811
     import os
