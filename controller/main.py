@@ -178,7 +178,28 @@ def main(argv=None) -> int:
 
         return run_controller(cfg, args, world)
 
-    return run_rank(controller, cfg.placement.rpc_timeout_s, cfg.placement.elastic)
+    try:
+        return run_rank(controller, cfg.placement.rpc_timeout_s, cfg.placement.elastic)
+    except KeyboardInterrupt:
+        _interrupted(cfg.logging.logdir, args.resume)
+
+
+def _interrupted(logdir: str, resume: str) -> None:
+    """Ctrl-C (every rank of the terminal's job gets SIGINT): one line from rank 0 saying what
+    is kept, no traceback from every rank, and out at once (RPC threads may still be blocked
+    in calls to peers that are going away). Checkpoints are written atomically, so the last
+    complete one is intact whatever was running."""
+    if os.environ.get("RANK") == "0":
+        from controller import checkpoint as ckpt
+
+        found = ckpt.find(resume) if resume else None
+        found = ckpt.find(logdir) or found
+        kept = (f"the last checkpoint is {found}: continue with --resume {found}" if found
+                else "no checkpoint was written yet (train.ckpt_every)")
+        print(f"[controller] interrupted; {kept}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def run_rank(controller: Callable[[], int], rpc_timeout_s: float, elastic: bool = True) -> int:
