@@ -204,6 +204,9 @@ class GenerationInstance:
                 self.engine.set_max_batch_size(batch_cap)
             t0 = time.time()
             die_after = _test_die_after(self.rank, iteration)
+            if os.environ.get("STREAMRL_TEST_RAISE_IN_GENERATE") == str(self.rank):
+                # test hook: an engine failure (a CUDA error, OOM) cannot be produced on demand here
+                raise RuntimeError(f"gen{self.rank}: STREAMRL_TEST_RAISE_IN_GENERATE (test hook)")
             out = Outbox(self.trainers, self.stream_window_s if window_s is None else window_s)
             done: list[int] = []
             lengths: list[int] = []
