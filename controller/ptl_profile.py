@@ -45,6 +45,13 @@ class PTLProfile:
             raise ValueError(f"PTLProfile.batch_sizes must be increasing and >= 1, got {self.batch_sizes}")
         if any(not (p > 0) for p in self.ptl_s):
             raise ValueError(f"PTLProfile.ptl_s must be > 0, got {self.ptl_s}")
+        costs = {k: getattr(self, k) for k in ("prefill_s_per_token", "prefill_step_s", "kv_s_per_token",
+                                                "ref_context")}
+        bad = {k: v for k, v in costs.items() if not (0 <= v < math.inf)}
+        if bad:
+            raise ValueError(f"PTLProfile: {bad} must be finite and >= 0")
+        if any(not (p < math.inf) for p in self.ptl_s):
+            raise ValueError(f"PTLProfile.ptl_s must be finite, got {self.ptl_s}")
         if self.kv_tokens < 1 or self.block_size < 1 or self.max_batch_size < 0:
             raise ValueError(f"PTLProfile: kv_tokens ({self.kv_tokens}) and block_size ({self.block_size}) "
                              f"must be >= 1, max_batch_size ({self.max_batch_size}) >= 0")
@@ -83,12 +90,27 @@ class PTLProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PTLProfile":
+        """A saved profile; a missing key, a wrong value or a truncated / corrupted file is a
+        ValueError naming the file."""
         with open(path) as f:
             try:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a PTLProfile JSON file ({e})") from e
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: not a PTLProfile JSON file ({e})") from None
+        return cls.from_dict(d, str(path))
+
+    @classmethod
+    def from_dict(cls, d, where: str = "PTLProfile") -> "PTLProfile":
+        """The profile in ``d`` (a saved profile's JSON object); errors name ``where``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a PTLProfile is a JSON object, got {type(d).__name__}")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"{path}: unknown PTLProfile keys {sorted(unknown)}")
-        return cls(**d)
+            raise ValueError(f"{where}: unknown PTLProfile keys {sorted(unknown)}")
+        missing = {"batch_sizes", "ptl_s", "kv_tokens"} - set(d)
+        if missing:
+            raise ValueError(f"{where}: PTLProfile is missing {sorted(missing)}")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a valid PTLProfile ({e})") from None

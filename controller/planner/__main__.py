@@ -20,6 +20,21 @@ from pathlib import Path
 from controller.planner.cluster import (Cluster, Datacenter, Planner, describe, load_cluster, load_model,
                                         load_trace, sample_workloads)
 from controller.planner.hardware import MODELS
+from controller.planner.simulator import MODES
+
+
+def _positive(kind):
+    """argparse type: a number of ``kind`` > 0 (a bad value exits 2 with argparse's usage line)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return v
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def _planner(cluster: Cluster, model, args) -> Planner:
@@ -40,13 +55,11 @@ def cmd_plan(args) -> dict:
 
 def cmd_report(args) -> dict:
     n, m_h20, n_h800 = args.gpus, args.h20_gpus, args.h800_gpus
-    h800 = Cluster("all-h800", [Datacenter("dc", "H800", n, args.h800_price)])
+    unit = {"gen_unit": args.unit, "trainer_unit": args.unit} if args.unit else {}
+    h800 = Cluster("all-h800", [Datacenter("dc", "H800", n, args.h800_price)], **unit)
     hetero = Cluster("h20-gen+h800-train", [Datacenter("gen", "H20", m_h20, args.h20_price, "generation"),
                                            Datacenter("train", "H800", n_h800, args.h800_price, "trainer")],
-                     link_gbps=args.link_gbps)
-    if args.unit:
-        for c in (h800, hetero):
-            c.gen_unit = c.trainer_unit = args.unit
+                     link_gbps=args.link_gbps, **unit)
     mode = args.mode
     rows = []
     for name in args.models:
@@ -79,10 +92,10 @@ def main(argv=None) -> None:
     for name in ("plan", "report"):
         s = sub.add_parser(name, help=helps[name], description=helps[name])
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
-        s.add_argument("--batch", type=int, default=1024, help="samples per iteration")
-        s.add_argument("--iterations", type=int, default=4, help="simulated iterations (first is warm-up)")
-        s.add_argument("--max-len", type=int, default=20000, help="output length cap (tokens)")
-        s.add_argument("--len-scale", type=float, default=1.0, help="multiply the trace's lengths")
+        s.add_argument("--batch", type=_positive(int), default=1024, help="samples per iteration")
+        s.add_argument("--iterations", type=_positive(int), default=4, help="simulated iterations (first is warm-up)")
+        s.add_argument("--max-len", type=_positive(int), default=20000, help="output length cap (tokens)")
+        s.add_argument("--len-scale", type=_positive(float), default=1.0, help="multiply the trace's lengths")
         s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])
         s.add_argument("--dispatcher", default="skew_paper", help="controller.scheduling dispatcher name")
         s.add_argument("--seed", type=int, default=0)
@@ -90,19 +103,21 @@ def main(argv=None) -> None:
             s.add_argument("--cluster", required=True)
             s.add_argument("--model", required=True, help=f"file or one of {sorted(MODELS)}")
         else:
-            s.add_argument("--models", nargs="+", default=sorted(MODELS, key=lambda k: MODELS[k].params))
-            s.add_argument("--mode", default="async_stream")
-            s.add_argument("--gpus", type=int, default=128, help="H800 GPUs of the homogeneous cluster")
-            s.add_argument("--h20-gpus", type=int, default=64)
-            s.add_argument("--h800-gpus", type=int, default=64)
+            s.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                           default=sorted(MODELS, key=lambda k: MODELS[k].params))
+            s.add_argument("--mode", default="async_stream", choices=[m for m in MODES if m != "colocated"],
+                           help="pipeline mode compared (colocated has no cross-datacenter form)")
+            s.add_argument("--gpus", type=_positive(int), default=128, help="H800 GPUs of the homogeneous cluster")
+            s.add_argument("--h20-gpus", type=_positive(int), default=64)
+            s.add_argument("--h800-gpus", type=_positive(int), default=64)
             s.add_argument("--h800-price", type=float, default=2.0)
             s.add_argument("--h20-price", type=float, default=0.7)
-            s.add_argument("--link-gbps", type=float, default=80.0)
-            s.add_argument("--unit", type=int, default=0, help="GPU granularity of both stages (default 8)")
+            s.add_argument("--link-gbps", type=_positive(float), default=80.0)
+            s.add_argument("--unit", type=_positive(int), default=None, help="GPU granularity of both stages (default 8)")
     args = ap.parse_args(argv)
     try:
         {"plan": cmd_plan, "report": cmd_report}[args.cmd](args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input files and values: one line, exit 2
         print(f"planner: {e}", file=sys.stderr)
         raise SystemExit(2)
 

@@ -4,8 +4,10 @@ A ``StageModel`` gives each stage's time for one iteration's batch as a function
 GPUs: generation by dispatching the workload over ``x // gen_unit`` instances and running
 the event-level instance model (same dispatcher and LPT as the runtime), training from its
 profile. Single datacenter: x + y <= n, minimise max(gen, train) (then fewest GPUs).
-Cross-datacenter: x <= m, y <= n independently; start from (m, n) and shrink the faster
-stage while it stays no slower than the other; the rest is released.
+Cross-datacenter: x <= m, y <= n independently; the paper shrinks the faster stage from
+(m, n) while it stays no slower than the other; here each stage gets the fewest GPUs that
+reach the best iteration time (when stage times fall monotonically: the paper's iteration
+time, on no more GPUs); the rest is released.
 """
 from __future__ import annotations
 
@@ -117,19 +119,24 @@ def allocate_single_dc(model: StageModel, n: int) -> Allocation:
 
 def allocate_cross_dc(model: StageModel, m: int, n: int) -> Allocation:
     """Algorithm 1 across datacenters: generation gets x <= m GPUs (its DC), training y <= n.
-    From (m, n), shrink the faster stage one unit at a time while it stays no slower than
-    the other stage (so the iteration time never grows); report the GPUs released."""
+    The paper starts from (m, n) and shrinks the faster stage while it stays no slower than
+    the other. With stage times that fall monotonically in GPUs that is: the iteration time
+    T = max(fastest generation, fastest training) over the two DCs, each stage on the fewest
+    GPUs that reach T. Computed that way here, so a generation time that is not monotone in
+    instances (dispatch rounding: one more instance can be slower) never makes a larger
+    datacenter give a slower plan, and a stage on a plateau (tail-bound generation) gives back
+    the GPUs that do not speed it up even when it is the slower stage; the rest is released."""
     xs, ys = list(_xs(model, m)), _ys(model, n)
-    if not xs or not ys:
-        raise ValueError(f"allocation: generation DC ({m} GPUs) or trainer DC ({n} GPUs) is too small")
-    x, y = xs[-1], ys[-1]
-    g, t = model.gen(x), model.train(y)
-    if g < t:
-        while x - model.gen_unit >= xs[0] and model.gen(x - model.gen_unit) <= t:
-            x -= model.gen_unit
-    elif t < g:
-        while y - model.train_unit >= ys[0] and model.train(y - model.train_unit) <= g:
-            y -= model.train_unit
+    if not xs:
+        raise ValueError(f"allocation: the generation datacenter's {m} GPUs cannot hold one generation "
+                         f"instance ({model.gpus_per_instance or model.gen_unit} GPUs, in units of {model.gen_unit})")
+    if not ys:
+        raise ValueError(f"allocation: the trainer datacenter's {n} GPUs cannot hold the trainer "
+                         f"(>= {max(model.train_min, model.train_unit)} GPUs)")
+    gens, trains = [model.gen(x) for x in xs], [model.train(y) for y in ys]
+    target = max(min(gens), min(trains))
+    x = next(x for x, g in zip(xs, gens) if g <= target)
+    y = next(y for y, t in zip(ys, trains) if t <= target)
     return _alloc(model, x, y, released_gen=m - x, released_train=n - y)
 
 

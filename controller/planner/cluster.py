@@ -18,9 +18,12 @@ import yaml
 
 from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
                                            even_split, generation_time_model)
-from controller.planner.hardware import (MODELS, ModelSpec, analytic_ptl_profile, analytic_train_profile,
-                                         generation_tp, gpu, trainer_min_gpus)
+from controller.planner.hardware import (GPUS, MODELS, ModelSpec, analytic_ptl_profile, analytic_train_profile,
+                                         check_number, generation_tp, gpu, trainer_min_gpus)
 from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
+
+
+ROLES = ("any", "generation", "trainer")
 
 
 @dataclass
@@ -32,11 +35,17 @@ class Datacenter:
     role: str = "any"
 
     def __post_init__(self):
-        gpu(self.gpu)
-        if self.gpus < 1 or self.price_per_gpu_hour < 0:
-            raise ValueError(f"datacenter {self.name!r}: gpus must be >= 1 and price_per_gpu_hour >= 0")
-        if self.role not in ("any", "generation", "trainer"):
-            raise ValueError(f"datacenter {self.name!r}: role {self.role!r} is not generation | trainer | any")
+        where = f"datacenter {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"datacenter name must be a non-empty string, got {self.name!r}")
+        try:
+            gpu(self.gpu)
+        except (ValueError, TypeError):
+            raise ValueError(f"{where}: gpu: unknown GPU {self.gpu!r}; known: {sorted(GPUS)}") from None
+        self.gpus = check_number(f"{where}: gpus", self.gpus, integer=True)
+        self.price_per_gpu_hour = check_number(f"{where}: price_per_gpu_hour", self.price_per_gpu_hour, strict=False)
+        if self.role not in ROLES:
+            raise ValueError(f"{where}: role {self.role!r} is not generation | trainer | any")
 
 
 @dataclass
@@ -48,6 +57,22 @@ class Cluster:
     trainer_unit: int = 8
     gen_unit: int = 8
 
+    def __post_init__(self):
+        where = f"cluster {self.name!r}"
+        if not 1 <= len(self.datacenters) <= 2:
+            raise ValueError(f"{where}: 1 or 2 datacenters supported, got {len(self.datacenters)}")
+        self.link_gbps = check_number(f"{where}: link_gbps", self.link_gbps)
+        self.intra_gbps = check_number(f"{where}: intra_gbps", self.intra_gbps)
+        self.trainer_unit = check_number(f"{where}: trainer_unit", self.trainer_unit, integer=True)
+        self.gen_unit = check_number(f"{where}: gen_unit", self.gen_unit, integer=True)
+        roles = sorted(d.role for d in self.datacenters)
+        if len(roles) == 2 and roles != ["generation", "trainer"]:
+            raise ValueError(f"{where}: two datacenters need the roles 'generation' and 'trainer' "
+                             f"(one each), got {[d.role for d in self.datacenters]}")
+        if len(roles) == 1 and roles != ["any"]:
+            raise ValueError(f"{where}: one datacenter runs both stages: its role must be 'any' "
+                             f"(or left out), got {roles[0]!r}")
+
     @property
     def cross_dc(self) -> bool:
         return len(self.datacenters) == 2
@@ -55,35 +80,59 @@ class Cluster:
     def dc(self, role: str) -> Datacenter:
         if not self.cross_dc:
             return self.datacenters[0]
-        for d in self.datacenters:
-            if d.role == role:
-                return d
-        raise ValueError(f"cluster {self.name!r}: two datacenters need roles 'generation' and 'trainer'")
+        return next(d for d in self.datacenters if d.role == role)
+
+
+CLUSTER_KEYS = ("name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit", "gen_unit")
+DATACENTER_KEYS = ("name", "gpu", "gpus", "price_per_gpu_hour", "role")
+
+
+def _read(path: str | Path, what: str, parse) -> object:
+    """``parse(text)`` of file ``path``; a missing, unreadable or malformed file is a
+    ValueError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p}: {'not a file' if p.exists() else 'no such file'} (expected a {what} file)")
+    try:
+        return parse(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{p}: not a readable {what} file ({msg})") from None
 
 
 def load_cluster(path: str | Path) -> Cluster:
-    d = yaml.safe_load(Path(path).read_text())
+    """A planner cluster file (module docstring); every problem is a ValueError naming the
+    file and the key."""
+    d = _read(path, "cluster", yaml.safe_load)
     if isinstance(d, dict) and "placement" in d:
         raise ValueError(f"{path}: this is a runtime config (it has 'placement'), not a planner cluster file "
                          "(see configs/plan_cluster_*.yaml)")
     if not isinstance(d, dict) or "datacenters" not in d:
         raise ValueError(f"{path}: a cluster file needs a 'datacenters' list")
-    unknown = set(d) - {"name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit", "gen_unit"}
+    unknown = set(d) - set(CLUSTER_KEYS)
     if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        raise ValueError(f"{path}: unknown keys {sorted(map(str, unknown))}; expected {list(CLUSTER_KEYS)}")
     if not isinstance(d["datacenters"], list) or not all(isinstance(x, dict) for x in d["datacenters"]):
         raise ValueError(f"{path}: datacenters must be a list of mappings ({{name, gpu, gpus, "
                          f"price_per_gpu_hour, role}}), got {d['datacenters']!r}")
     dcs = []
     for i, x in enumerate(d["datacenters"]):
+        unknown = set(x) - set(DATACENTER_KEYS)
+        missing = set(DATACENTER_KEYS[:4]) - set(x)
+        if unknown or missing:
+            raise ValueError(f"{path}: datacenters[{i}]: " + "; ".join(
+                ([f"unknown keys {sorted(map(str, unknown))}"] if unknown else [])
+                + ([f"missing keys {sorted(missing)}"] if missing else [])) + f" (keys: {list(DATACENTER_KEYS)})")
         try:
             dcs.append(Datacenter(**x))
-        except TypeError as e:
-            raise ValueError(f"{path}: datacenters[{i}]: {e}") from e
-    if not 1 <= len(dcs) <= 2:
-        raise ValueError(f"{path}: 1 or 2 datacenters supported, got {len(dcs)}")
-    return Cluster(d.get("name", Path(path).stem), dcs, float(d.get("link_gbps", 80.0)),
-                   float(d.get("intra_gbps", 1600.0)), int(d.get("trainer_unit", 8)), int(d.get("gen_unit", 8)))
+        except ValueError as e:
+            raise ValueError(f"{path}: datacenters[{i}]: {e}") from None
+    kw = {k: d[k] for k in CLUSTER_KEYS[2:] if k in d}
+    name = d.get("name", Path(path).stem)
+    try:
+        return Cluster(str(name), dcs, **kw)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def load_model(spec: str) -> ModelSpec:
@@ -94,7 +143,7 @@ def load_model(spec: str) -> ModelSpec:
     p = Path(spec)
     if not p.exists():
         raise ValueError(f"model {spec!r}: neither a file nor one of {sorted(MODELS)}")
-    d = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    d = _read(p, "model", json.loads if p.suffix == ".json" else yaml.safe_load)
     return ModelSpec.from_dict(d, where=str(p))
 
 
@@ -181,20 +230,30 @@ class Planner:
         w = self.workloads.iterations[0]
         self.tp = generation_tp(self.model, self.g_gen)
         self.gen_profile = analytic_ptl_profile(self.model, self.g_gen, self.tp)
-        too_long = [x for x in w.out_lens if x + max(w.prompt_lens) > self.gen_profile.kv_tokens]
+        prof = self.gen_profile  # every simulated iteration's samples must fit one instance
+        too_long = [o + q for it in self.workloads.iterations for o, q in zip(it.out_lens, it.prompt_lens)
+                    if prof.seq_kv_tokens(o + q) > prof.kv_tokens]
         if too_long:
-            raise ValueError(f"{len(too_long)} samples do not fit one instance's KV cache "
-                             f"({self.gen_profile.kv_tokens} tokens); lower --max-len")
+            raise ValueError(f"{len(too_long)} samples (up to {max(too_long)} tokens with the prompt) do not fit "
+                             f"one instance's KV cache ({prof.kv_tokens} tokens on {self.tp} x {self.g_gen.name}); "
+                             f"lower --max-len")
         unit = self.cluster.trainer_unit
         self.train_min = math.ceil(trainer_min_gpus(self.model, self.g_train, self.algorithm) / unit) * unit
         gen_time = generation_time_model(self.gen_profile, w.out_lens, w.prompt_lens, self.dispatcher)
         tokens = self.workloads.tokens
         self.stage_model = StageModel(
             gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
-            gen_unit=max(self.tp, self.cluster.gen_unit), train_unit=unit, train_min=self.train_min,
+            gen_unit=math.lcm(self.tp, self.cluster.gen_unit),  # whole instances per unit
+            train_unit=unit, train_min=self.train_min,
             gpus_per_instance=self.tp)
 
     def allocate(self, even: bool = False) -> Allocation:
+        try:
+            return self._allocate(even)
+        except ValueError as e:
+            raise ValueError(f"cluster {self.cluster.name!r}, model {self.model.name!r}: {e}") from None
+
+    def _allocate(self, even: bool) -> Allocation:
         if self.cluster.cross_dc:
             if even:
                 raise ValueError("even split is a single-datacenter baseline")
@@ -228,8 +287,9 @@ class Planner:
                             minibatch_size=max(1, batch // 8), microbatch_tokens=0)
             r = simulate(cfg, self.workloads.iterations)
             it = r.steady_iteration_s()
+            per_dollar = round(batch / (it * plan.price_per_s), 2) if plan.price_per_s > 0 else None  # free GPUs
             plan.modes[mode] = {"iteration_s": round(it, 2), "samples_per_s": round(batch / it, 3),
-                                "samples_per_dollar": round(batch / (it * plan.price_per_s), 2)}
+                                "samples_per_dollar": per_dollar}
         return plan
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from controller.planner.host import synthetic_requests
-from controller.planner.profile import load_json, save_json
+from controller.planner.profile import from_json, load_json, save_json
 from workers.types import Request
 
 WORKERS = ("worker1", "worker2")
@@ -66,7 +66,7 @@ class ColocatedGenProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ColocatedGenProfile":
-        return cls(**load_json(path, "ColocatedGenProfile", ("alone_s", "together_s", "slowdown")))
+        return from_json(cls, load_json(path, "ColocatedGenProfile", ("alone_s", "together_s", "slowdown")), str(path))
 
 
 def schedstat() -> tuple[float, float]:

@@ -16,6 +16,28 @@ from controller.planner.profile import TrainProfile
 from controller.scheduling import PTLProfile
 
 
+def check_number(where: str, x, *, integer: bool = False, lo: float = 0.0, strict: bool = True):
+    """``x`` as an int (``integer``) or float that is > ``lo`` (``strict``) or >= ``lo``; else a
+    ValueError naming ``where``. Numbers written as strings are accepted (YAML 1.1 reads 7e9,
+    without a dot and an exponent sign, as the string '7e9')."""
+    v = x
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            v = x
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v not in (float("inf"), -float("inf"))
+    if ok and integer:
+        ok = float(v).is_integer()
+    if ok:
+        v = int(v) if integer else float(v)
+        ok = v > lo if strict else v >= lo
+    if not ok:
+        kind = "a whole number" if integer else "a number"
+        raise ValueError(f"{where} must be {kind} {'>' if strict else '>='} {lo:g}, got {x!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """bf16_tflops: dense BF16 tensor TFLOP/s; hbm_tb_s: HBM TB/s; hbm_gb: HBM GB."""
@@ -62,26 +84,40 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def __post_init__(self):
+        where = f"model {self.name!r}"
+        object.__setattr__(self, "params", check_number(f"{where}: params", self.params))
+        for k in ("num_layers", "hidden", "num_kv_heads", "head_dim", "dtype_bytes"):
+            object.__setattr__(self, k, check_number(f"{where}: {k}", getattr(self, k), integer=True))
+
     @classmethod
     def from_dict(cls, d: dict, where: str = "model") -> "ModelSpec":
-        """Accepts this class's fields, or a Hugging Face config.json (params estimated)."""
-        if "num_hidden_layers" in d:  # HF config
-            h, L = d["hidden_size"], d["num_hidden_layers"]
-            heads = d["num_attention_heads"]
-            kvh = d.get("num_key_value_heads", heads)
-            hd = d.get("head_dim") or h // heads
-            inter, vocab = d["intermediate_size"], d["vocab_size"]
-            emb = vocab * h * (1 if d.get("tie_word_embeddings") else 2)
-            params = L * (h * hd * heads * 2 + 2 * h * hd * kvh + 3 * h * inter) + emb
-            return cls(d.get("name", d.get("_name_or_path", "hf-model")), float(params), L, h, kvh, hd)
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(known)} or an HF config")
-        missing = known - set(d) - {"dtype_bytes"}
-        if missing:
-            raise ValueError(f"{where}: missing keys {sorted(missing)}")
-        return cls(**d)
+        """Accepts this class's fields, or a Hugging Face config.json (params estimated).
+        Every problem is a ValueError naming ``where`` and the key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping of ModelSpec fields or an HF config, got {type(d).__name__}")
+        try:
+            if "num_hidden_layers" in d:  # HF config
+                hf = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+                missing = [k for k in hf if k not in d]
+                if missing:
+                    raise ValueError(f"HF config without {missing}")
+                h, L, heads, inter, vocab = (check_number(k, d[k], integer=True) for k in hf)
+                kvh = check_number("num_key_value_heads", d.get("num_key_value_heads", heads), integer=True)
+                hd = check_number("head_dim", d.get("head_dim") or h // heads, integer=True)
+                emb = vocab * h * (1 if d.get("tie_word_embeddings") else 2)
+                params = L * (h * hd * heads * 2 + 2 * h * hd * kvh + 3 * h * inter) + emb
+                return cls(str(d.get("name", d.get("_name_or_path", "hf-model"))), float(params), L, h, kvh, hd)
+            known = set(cls.__dataclass_fields__)
+            unknown = set(d) - known
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(map(str, unknown))}; expected {sorted(known)} or an HF config")
+            missing = known - set(d) - {"dtype_bytes"}
+            if missing:
+                raise ValueError(f"missing keys {sorted(missing)}")
+            return cls(**{**d, "name": str(d["name"])})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 # Qwen2.5 dense models (shapes from their config.json files; params rounded).

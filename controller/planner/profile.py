@@ -208,13 +208,33 @@ def save_json(obj, path: str | os.PathLike) -> None:
 
 
 def load_json(path: str | os.PathLike, name: str, required: Sequence[str]) -> dict:
-    """Read a saved profile's JSON; a clear error naming the file if a required key is missing."""
+    """Read a saved profile's JSON object; a truncated or corrupted file, or a missing
+    required key, is a ValueError naming the file."""
     with open(path) as f:
-        d = json.load(f)
+        try:
+            d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a {name} JSON file ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a {name} file holds a JSON object, got {type(d).__name__}")
     missing = set(required) - set(d)
     if missing:
         raise ValueError(f"{path}: {name} is missing {sorted(missing)}")
     return d
+
+
+def from_json(cls, d: dict, where: str):
+    """``cls(**d)`` for a dataclass read from a file: unknown keys or bad values are a
+    ValueError naming ``where``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object for {cls.__name__}, got {type(d).__name__}")
+    unknown = set(d) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{where}: unknown {cls.__name__} keys {sorted(unknown)}")
+    try:
+        return cls(**d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a valid {cls.__name__} ({e})") from None
 
 
 @dataclass
@@ -233,5 +253,13 @@ class StageProfiles:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "StageProfiles":
         d = load_json(path, "StageProfiles", ("generation", "trainer"))
-        return cls(PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), float(d.get("weight_bytes", 0.0)),
-                   d.get("meta", {}))
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown StageProfiles keys {sorted(unknown)}")
+        gen = PTLProfile.from_dict(d["generation"], f"{path}: generation")
+        trainer = from_json(TrainProfile, d["trainer"], f"{path}: trainer")
+        try:
+            weight_bytes = float(d.get("weight_bytes", 0.0))
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: weight_bytes must be a number, got {d['weight_bytes']!r}") from None
+        return cls(gen, trainer, weight_bytes, d.get("meta", {}))
