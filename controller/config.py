@@ -118,6 +118,10 @@ class TrainSection:
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
+    # rollout filters (as vLLM's): top_k 0 and top_p 1 are off; with either on, the trainer
+    # recomputes the old log-probs on the full distribution (recompute_old_logprobs), as verl
+    top_k: int = 0
+    top_p: float = 1.0
     eval_every: int = 0  # 0: never
     eval_prompts: int = 32
     ckpt_every: int = 0  # 0: only at the end
@@ -195,6 +199,30 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+# verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
+VERL_KEYS = {
+    "data": "task (the dataset) and train (batch, lengths)", "actor_rollout_ref": "trainer, engine and train",
+    "algorithm": "trainer", "custom_reward_function": "task.kwargs.verifier", "train_files": "task.kwargs.files",
+    "val_files": "task.kwargs.files", "train_batch_size": "train.batch_prompts",
+    "max_response_length": "train.max_tokens", "total_training_steps": "train.iterations",
+    "save_freq": "train.ckpt_every", "test_freq": "train.eval_every", "adv_estimator": "trainer.algorithm",
+    "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
+    "entropy_coeff": "trainer.entropy_coef", "loss_agg_mode": "trainer.loss_agg",
+    "clip_ratio": "trainer.clip_low and trainer.clip_high", "clip_ratio_c": "trainer.dual_clip",
+    "n": "train.group_size", "default_local_dir": "logging.logdir",
+}
+
+
+def _hint(key: str, known) -> str:
+    """', did you mean X?' for a near miss or a verl name, else ''."""
+    import difflib
+
+    if key in VERL_KEYS:
+        return f"; verl's {key!r} is {VERL_KEYS[key]} here (docs/migrating_from_verl.md)"
+    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _build(cls, section: str, data: Any):
     """Instantiate dataclass ``cls`` from a mapping, naming unknown keys and wrong types."""
     if data is None:
@@ -205,7 +233,7 @@ def _build(cls, section: str, data: Any):
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
-            raise ConfigError(f"{section}.{k}: unknown key (known: {sorted(names)})")
+            raise ConfigError(f"{section}.{k}: unknown key{_hint(k, names)} (known: {sorted(names)})")
     kwargs = {k: _check_type(f"{section}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -262,12 +290,12 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     sections = {f.name for f in dataclasses.fields(Config)}
     for k in d:
         if k not in sections:
-            raise ConfigError(f"{k}: unknown section (known: {sorted(sections)})")
+            raise ConfigError(f"{k}: unknown section{_hint(k, sections)} (known: {sorted(sections)})")
     topology = _topology(d.get("topology"))
     train = _build(TrainSection, "train", d.get("train"))
-    trainer = _trainer_at_rollout_temperature(
+    trainer = _trainer_from_train(
         _owned_section("trainer", d.get("trainer"), "workers.trainer.config", "TrainerConfig"), train,
-        "temperature" in (d.get("trainer") or {}))
+        set(d.get("trainer") or {}))
     cfg = Config(
         model=_build(ModelSection, "model", d.get("model")),
         tokenizer=_build(TokenizerSection, "tokenizer", d.get("tokenizer")),
@@ -287,18 +315,32 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     return cfg
 
 
-def _trainer_at_rollout_temperature(trainer, train: TrainSection, explicit: bool):
-    """The trainer takes its log-probs at the temperature the samples were drawn at
-    (``train.temperature``; greedy samples carry T = 1 log-probs): filled in here, or checked
-    when the trainer section sets it too."""
+def _trainer_from_train(trainer, train: TrainSection, explicit: set):
+    """Trainer settings that follow the run unless the trainer section sets them: the
+    temperature its log-probs are taken at (the samples' ``train.temperature``; greedy samples
+    carry T = 1 log-probs; checked when set), the LR schedule's length ``total_steps`` (one
+    scheduler step per iteration: ``train.iterations``), and ``recompute_old_logprobs`` when the
+    rollout filters tokens (``train.top_k`` / ``top_p``; checked when set)."""
+    if not dataclasses.is_dataclass(trainer):  # the trainer component is not installed
+        return trainer
     rollout = train.temperature if train.temperature >= 1e-5 else 1.0
-    if not explicit:
-        return dataclasses.replace(trainer, temperature=rollout)
-    if trainer.temperature != rollout:
+    if "temperature" in explicit and trainer.temperature != rollout:
         raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "
                           f"train.temperature {train.temperature} (the PPO ratio, KL and entropy must be taken "
                           "at the sampling temperature); leave it out, it is taken from train.temperature")
-    return trainer
+    follow = {"temperature": rollout, "total_steps": max(train.iterations, 1)}  # < 1: validate() says so
+    if train.top_k > 0 or train.top_p < 1.0:
+        # the sampler's log-probs are of the filtered distribution; the trainer's are not
+        if "recompute_old_logprobs" in explicit and not trainer.recompute_old_logprobs:
+            raise ConfigError("trainer.recompute_old_logprobs: must be true with train.top_k / train.top_p "
+                              "(the samples' log-probs are of the filtered distribution, the trainer's of the "
+                              "full one: the PPO ratio would not be 1 on-policy); leave it out, it follows")
+        follow["recompute_old_logprobs"] = True
+    try:
+        return dataclasses.replace(trainer, **{k: v for k, v in follow.items() if k not in explicit})
+    except ValueError as e:
+        raise ConfigError(f"{e} (trainer.total_steps follows train.iterations = {train.iterations} "
+                          "unless set)") from None
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -333,6 +375,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.length_trace and not Path(t.length_trace).is_file():
         raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
+    if not (isinstance(t.top_k, int) and t.top_k >= 0):
+        raise ConfigError(f"train.top_k must be an int >= 0 (0: off), got {t.top_k!r}")
+    if not 0.0 < t.top_p <= 1.0:
+        raise ConfigError(f"train.top_p must be in (0, 1] (1: off), got {t.top_p}")
     if t.overlong_prompts not in OVERLONG_POLICIES:
         raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
     if not t.length_scale > 0:

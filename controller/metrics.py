@@ -43,6 +43,7 @@ class Metrics:
         self._prev_drain: list[Span] = []
         self.rewards: list[float] = []
         self.samples = 0
+        self.skipped = 0
         self.tokens = 0
         self.seconds = 0.0
         if timeline_every:
@@ -79,6 +80,7 @@ class Metrics:
         reward = float(res.metrics.get("reward_mean", 0.0))
         self.rewards.append(reward)
         self.samples += res.num_samples
+        self.skipped += int(res.metrics.get("skipped_samples", 0))
         self.tokens += res.num_tokens
         self.seconds += res.iter_seconds
         gen_busy, train_busy = stage_busy(it_spans, "generate"), stage_busy(it_spans, "train")
@@ -142,7 +144,7 @@ class Metrics:
                 "reward_last": sum(self.rewards[-k:]) / k if n else 0.0,
                 "samples_per_s": self.samples / max(self.seconds, 1e-9),
                 "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-                "iterations": n}
+                "iterations": n, "skipped_samples": self.skipped}
 
     def close(self) -> None:
         if self._writer is not None:

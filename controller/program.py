@@ -31,6 +31,13 @@ from workers.types import Request, SamplingParams, TaskPrompt
 
 log = logging.getLogger("streamrl.controller")
 
+def prompt_ids(tok, item: TaskPrompt | str) -> list[int]:
+    """Token ids of a dataset item (or text) as the policy sees it."""
+    if isinstance(item, str):
+        return tok.encode(tok.format_prompt(item))
+    return tok.encode(tok.format_prompt(item.prompt, item.messages))
+
+
 SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
 
 
@@ -96,7 +103,7 @@ class Program:
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs = []
         for j, item in enumerate(items):
-            ids = self._prompt_ids(item.prompt)
+            ids = self._prompt_ids(item)
             max_tokens, min_tokens = t.max_tokens, t.min_tokens
             if self.length_of is not None:
                 max_tokens = min_tokens = max(1, int(self.length_of(item)))
@@ -104,7 +111,8 @@ class Program:
                 sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j]),
                                     group_id=iteration * SAMPLE_STRIDE + j,
-                                    sampling=SamplingParams(temperature=t.temperature, seed=t.seed * 7919 + sid)))
+                                    sampling=SamplingParams(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p,
+                                                            seed=t.seed * 7919 + sid)))
         return _Batch(iteration, items, reqs, time.time())
 
     def _begin(self, b: _Batch) -> None:
@@ -262,9 +270,10 @@ class Program:
 
         self.world.sgs.dispatcher = make_dispatcher(name, **options)
 
-    def _prompt_ids(self, text: str) -> torch.Tensor:
-        """A prompt as the policy sees it (chat template or prompt template), tokenized."""
-        return torch.tensor(self.tok.encode(self.tok.format_prompt(text)), dtype=torch.long)
+    def _prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
+        """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy
+        sees it (chat template or prompt template), tokenized."""
+        return torch.tensor(prompt_ids(self.tok, item), dtype=torch.long)
 
     # ---- evaluation, length measurement (outputs come back to the controller) -------------
     def _side_generate(self, reqs: list[Request]) -> dict[int, list[int]]:
@@ -282,7 +291,8 @@ class Program:
         reqs = [Request(-(1 << 40) - j * t.group_size - k,
                         self._prompt_ids(p),
                         t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=SamplingParams(temperature=t.temperature, seed=t.seed * 7919 + j * t.group_size + k))
+                        sampling=SamplingParams(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p,
+                                                 seed=t.seed * 7919 + j * t.group_size + k))
                 for j, p in enumerate(prompts) for k in range(t.group_size)]
         out = self._side_generate(reqs)
         return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
@@ -291,7 +301,7 @@ class Program:
     def evaluate(self, n: int) -> dict[str, float]:
         """Greedy generation on the task's test split; mean score per task name."""
         items = list(self.task.prompts("test"))[:n]
-        reqs = [Request(-1 - j, self._prompt_ids(it.prompt),
+        reqs = [Request(-1 - j, self._prompt_ids(it),
                         self.cfg.train.max_tokens, 0, 0.0, group_id=-1,
                         sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]
         texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}

@@ -19,13 +19,13 @@ class PromptTooLong(ValueError):
     pass
 
 
-def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[str], int], context_len: int,
+def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[TaskPrompt], int], context_len: int,
                     split: str, policy: str) -> tuple[list[TaskPrompt], list[int]]:
     """The prompts of ``split`` that leave room for an output token, and the indices dropped
     (``policy`` "skip"); "error" raises ``PromptTooLong`` at the first one that does not."""
     kept, dropped = [], []
     for i, item in enumerate(items):
-        n = n_tokens(item.prompt)
+        n = n_tokens(item)
         if n + 1 <= context_len:
             kept.append(item)
         elif policy == "error":

@@ -35,6 +35,10 @@ def register_joiner(rank: int, role: str) -> bool:
     return True
 
 
+class RunStopped(RuntimeError):
+    """The run cannot usefully go on (e.g. an iteration trained nothing); the message says why."""
+
+
 class Session:
     def __init__(self, cfg, args, world_size: int):
         from controller.scheduling import make_dispatcher
@@ -87,19 +91,24 @@ class Session:
     def _fitting_task(self, task):
         """The task with its prompts checked against the engines' context (prompt_check.py):
         an over-long prompt stops the run here, naming it, or is dropped (``skip``)."""
+        from controller.program import prompt_ids
         from controller.prompt_check import FittingTask, PromptTooLong, fitting_prompts
         from controller.rpc import wait_all
 
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         context = min(st["max_model_len"] for st in stats)
-        n_tokens = lambda text: len(self.tok.encode(self.tok.format_prompt(text)))  # noqa: E731
+        n_tokens = lambda item: len(prompt_ids(self.tok, item))  # noqa: E731
         kept = {}
-        for split in ("train", "test"):
+        # the test split is read (and checked) here when the run evaluates; a REPL ``eval`` of a
+        # run without eval_every reads it then
+        for split in ("train", "test") if self.cfg.train.eval_every else ("train",):
             try:
                 kept[split], dropped = fitting_prompts(task.prompts(split), n_tokens, context, split,
                                                        self.cfg.train.overlong_prompts)
             except PromptTooLong as e:
                 raise ConfigError(str(e)) from None
+            except (ValueError, OSError, ImportError) as e:  # the task's data: a file, a line, a field
+                raise ConfigError(f"task ({self.cfg.task.name}) {split} prompts: {e}") from None
             if dropped:
                 print(f"[controller] train.overlong_prompts skip: dropped {len(dropped)} of "
                       f"{len(dropped) + len(kept[split])} {split} prompts with no room for an output token in "
@@ -192,6 +201,11 @@ class Session:
     def _on_iteration(self, res) -> None:
         spans = self.program.drain_spans()
         derived = self.metrics.log_iteration(res, spans)
+        skipped = int(res.metrics.get("skipped_samples", 0))
+        if skipped and not res.metrics.get("num_samples", 0):
+            raise RunStopped(f"iteration {res.iteration}: all {skipped} samples were skipped, so nothing was "
+                             "trained (a reward that raised or was not a finite number: see the trainer ranks' "
+                             "warnings, e.g. 'verifier raised ...'; or samples refused as bad input)")
         c = self.cfg
         if self.policy is not None:
             lens = res.out_lens
@@ -355,7 +369,7 @@ def run_controller(cfg, args, world_size: int) -> int:
     except ConfigError as e:  # found by the controller before any work (e.g. the logdir)
         print(f"config error: {e}", file=sys.stderr, flush=True)
         code = 2
-    except WorkerFailed as e:
+    except (WorkerFailed, RunStopped) as e:
         print(f"[controller] run stopped: {e}", file=sys.stderr, flush=True)
         code = 1
     except Exception:  # noqa: BLE001 - the controller itself failed

@@ -138,3 +138,41 @@ def test_trainer_takes_log_probs_at_the_rollout_temperature():
     assert from_dict({"train": {"temperature": 0.7}, "trainer": {"temperature": 0.7}}).trainer.temperature == 0.7
     with pytest.raises(ConfigError, match="trainer.temperature: 0.5 differs from the rollout's train.temperature 0.7"):
         from_dict({"train": {"temperature": 0.7}, "trainer": {"temperature": 0.5}})
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"trainer": {"entropy_coeff": 0.01}}, "trainer.entropy_coeff: unknown key; verl's 'entropy_coeff' is trainer.entropy_coef"),
+    ({"trainer": {"entropy_coe": 0.01}}, "trainer.entropy_coe: unknown key; did you mean 'entropy_coef'?"),
+    ({"train": {"iteration": 3}}, "train.iteration: unknown key; did you mean 'iterations'?"),
+    ({"trainer": {"kl_loss_coef": 0.1}}, "trainer.kl_loss_coef: unknown key; verl's 'kl_loss_coef' is trainer.kl_coef"),
+    ({"data": {"train_files": "x"}}, r"data: unknown section; verl's 'data' is task \(the dataset\)"),
+    ({"trainer": {"zzz": 1}}, r"trainer.zzz: unknown key \(known:"),
+])
+def test_unknown_keys_suggest_the_name(d, message):
+    from controller.config import from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        from_dict(d)
+
+
+def test_lr_schedule_length_follows_the_run():
+    from controller.config import from_dict
+
+    assert from_dict({"train": {"iterations": 40}}).trainer.total_steps == 40
+    assert from_dict({"train": {"iterations": 40}, "trainer": {"total_steps": 100}}).trainer.total_steps == 100
+    with pytest.raises(ConfigError, match=r"warmup_steps \(10\) must be <= trainer.total_steps \(5\).*follows "
+                                          r"train.iterations = 5 unless set"):
+        from_dict({"train": {"iterations": 5}, "trainer": {"warmup_steps": 10}})
+
+
+def test_rollout_filters_make_the_trainer_recompute_old_log_probs():
+    from controller.config import from_dict
+
+    assert from_dict({}).trainer.recompute_old_logprobs is False
+    assert from_dict({"train": {"top_p": 0.9}}).trainer.recompute_old_logprobs is True
+    assert from_dict({"train": {"top_k": 20}}).trainer.recompute_old_logprobs is True
+    with pytest.raises(ConfigError, match="trainer.recompute_old_logprobs: must be true with train.top_k"):
+        from_dict({"train": {"top_p": 0.9}, "trainer": {"recompute_old_logprobs": False}})
+    for bad, msg in (({"top_p": 0.0}, "train.top_p must be in"), ({"top_k": -1}, "train.top_k must be an int")):
+        with pytest.raises(ConfigError, match=msg):
+            from_dict({"train": bad})

@@ -13,7 +13,7 @@ ITEMS = [TaskPrompt("a " * n, "x", "t") for n in (3, 9, 2, 12)]
 
 
 def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
-    n_tokens = lambda text: len(text.split())  # noqa: E731
+    n_tokens = lambda item: len(item.prompt.split())  # noqa: E731
     with pytest.raises(PromptTooLong, match=r"task.prompts\('train'\)\[1\] .* is 9 tokens .*\(max_model_len\) is 9"):
         fitting_prompts(ITEMS, n_tokens, 9, "train", "error")
     kept, dropped = fitting_prompts(ITEMS, n_tokens, 9, "test", "skip")

@@ -88,7 +88,7 @@ def test_verifier_plugin_for_file_tasks(tmp_path):
     assert t.score(item, "HI") == 1.0 and t.score(item, "hi") == 0.0
     with pytest.raises(ValueError, match="task.kwargs.verifier: .* has no attribute 'whisper'"):
         make_task("jsonl", files=str(data), verifier=f"{rewards}:whisper")
-    with pytest.raises(ValueError, match="verifier 'fuzzy' is not one of"):
+    with pytest.raises(ValueError, match="task.kwargs.verifier: .fuzzy. is not one of"):
         make_task("jsonl", files=str(data), verifier="fuzzy")
     # the registered names still win over the plugin syntax
     assert make_task("jsonl", files=str(data), verifier="exact").score(item, "hi") == 1.0

@@ -80,10 +80,15 @@ class Tokenizer:
             ids = ids.tolist()
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def format_prompt(self, text: str) -> str:
-        """The text a model sees for a user prompt, ending where the answer starts."""
+    def format_prompt(self, text: str, messages: Sequence[dict] = ()) -> str:
+        """The text a model sees for a user prompt (or a whole chat, ``messages``), ending where
+        the answer starts. Without a chat template a chat is its turns' contents, blank-line
+        separated, in the prompt template."""
         if self.chat_template:
-            return self.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            return self.apply_chat_template(list(messages) or [{"role": "user", "content": text}],
+                                            add_generation_prompt=True)
+        if messages:
+            text = "\n\n".join(str(m.get("content", "")) for m in messages)
         return self.prompt_template.format(prompt=text)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:

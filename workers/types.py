@@ -117,12 +117,15 @@ class Ranker(Protocol):
 @dataclass(frozen=True)
 class TaskPrompt:
     """A dataset item: the prompt text, the reference answer, the task it belongs to (for
-    per-task accuracy) and free metadata the verifier may need."""
+    per-task accuracy) and free metadata the verifier may need. ``messages``: the chat, when
+    the dataset gives one (``[{"role": ..., "content": ...}]``, verl's format): the policy sees
+    it through the chat template, and ``prompt`` is its last user turn (logs, the ranker)."""
 
     prompt: str
     answer: str
     task: str
     meta: dict = field(default_factory=dict, hash=False, compare=False)
+    messages: tuple = field(default=(), hash=False, compare=False)
 
 
 @runtime_checkable

@@ -2,9 +2,8 @@
 
 StreamRL calls ``fn(prompt: TaskPrompt, completion: str) -> float``: ``prompt.answer`` is the
 row's answer field (verl's ground_truth), ``prompt.meta`` holds every other field of the row
-(here ``data_source``). Not verl's ``compute_score(data_source, solution_str, ground_truth,
-extra_info)``: a function with that signature raises on every sample, and every sample is
-skipped (see docs/migrating_from_verl.md). Return a float, not a dict.
+(here ``data_source``). verl's ``compute_score(data_source, solution_str, ground_truth,
+extra_info=None)`` works as well (recognised by its parameter names).
 """
 import re
 

@@ -34,28 +34,62 @@ def read_parquet(path: Path, prompt_key: str, answer_key: str, task: str) -> lis
     return [_item(r, f"{path}:row {i}", prompt_key, answer_key, task) for i, r in enumerate(rows)]
 
 
+def _field(row: dict, key: str, where: str, setting: str):
+    """``row[key]``; a dotted key reads nested objects (verl's ``reward_model.ground_truth``)."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{where}: missing field {key!r} (have {sorted(row)}; set task.kwargs.{setting})")
+        value = value[part]
+    return value
+
+
 def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskPrompt:
+    """One row. The prompt is a non-empty string, or a chat (verl's format): a list of
+    ``{"role", "content"}`` messages, seen by the policy through the chat template."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise ValueError(f"{where}: missing field {key!r} (have {sorted(row)})")
-    if not isinstance(row[prompt_key], str) or not row[prompt_key]:
-        raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string")
-    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    return TaskPrompt(prompt=row[prompt_key], answer=str(row[answer_key]), task=row.get("task", task), meta=meta)
+    prompt, answer = _field(row, prompt_key, where, "prompt_key"), _field(row, answer_key, where, "answer_key")
+    messages: tuple = ()
+    if isinstance(prompt, (list, tuple)):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                 and isinstance(m.get("content"), str) for m in prompt):
+            raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string or a non-empty list of "
+                             '{"role": str, "content": str} messages')
+        messages = tuple(dict(m) for m in prompt)
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = users[-1] if users else messages[-1]["content"]
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string (or a list of chat messages)")
+    top = {prompt_key.split(".")[0], answer_key.split(".")[0]}
+    meta = {k: v for k, v in row.items() if k not in top}
+    if answer_key.split(".")[0] != answer_key:  # keep the other nested fields (e.g. reward_model.style)
+        meta[answer_key.split(".")[0]] = row[answer_key.split(".")[0]]
+    return TaskPrompt(prompt=prompt, answer=str(answer), task=str(row.get("task", row.get("data_source", task))),
+                      meta=meta, messages=messages)
 
 
 READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet}
 
 
 class FileTask:
-    """``files``: split -> path (``{"train": "a.jsonl", "test": "b.jsonl"}``) or one path for
-    every split. ``verifier``: see ``verifiers.make_verifier``."""
+    """``files``: split -> path (``{"train": "a.jsonl", "test": "b.jsonl"}``; ``val`` or
+    ``validation`` stand for ``test``) or one path for every split; ``~`` is expanded.
+    ``prompt_key`` / ``answer_key`` may be dotted (nested fields). ``verifier``: see
+    ``verifiers.make_verifier``."""
 
     def __init__(self, files: dict[str, str] | str, verifier: str = "exact", prompt_key: str = "prompt",
                  answer_key: str = "answer", name: str = "jsonl"):
-        self.files = {"train": files, "test": files} if isinstance(files, (str, Path)) else dict(files)
+        if isinstance(files, (str, Path)):
+            files = {"train": files, "test": files}
+        if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
+            raise ValueError(f"task.kwargs.files: one path, or split -> one path ({{train: a.jsonl, test: "
+                             f"b.jsonl}}), got {files!r} (several files per split: concatenate them)")
+        files = dict(files)
+        for alias in ("val", "validation"):
+            if alias in files and "test" not in files:
+                files["test"] = files.pop(alias)
+        self.files = {split: str(Path(p).expanduser()) for split, p in files.items()}
         for split, p in self.files.items():
             if Path(p).suffix not in READERS:
                 raise ValueError(f"task.files[{split!r}]: {p} is not one of {sorted(READERS)}")
@@ -67,7 +101,7 @@ class FileTask:
 
     def prompts(self, split: str) -> Sequence[TaskPrompt]:
         if split not in self.files:
-            raise ValueError(f"task split {split!r} has no file (have {sorted(self.files)})")
+            raise ValueError(f"task.kwargs.files: no {split!r} file (have {sorted(self.files)})")
         if split not in self._cache:
             p = Path(self.files[split])
             self._cache[split] = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name)

@@ -5,6 +5,7 @@ The completion's answer is the last ``<answer>...</answer>``, else the text afte
 """
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from typing import Callable
@@ -77,14 +78,51 @@ VERIFIERS: dict[str, Callable[[], Verifier]] = {"exact": lambda: exact, "numeric
 
 def make_verifier(spec: str) -> Verifier:
     """``"exact"``, ``"numeric"``, ``"reasoning_gym:<dataset>"``, or the user's own function
-    ``(prompt: TaskPrompt, completion: str) -> float`` named ``"package.module:fn"`` or
-    ``"path/to/file.py:fn"``. A user function that raises or returns a non-number makes that
+    named ``"package.module:fn"`` or ``"path/to/file.py:fn"``, either
+    ``fn(prompt: TaskPrompt, completion: str) -> float`` or verl's
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | {"score": ...}``
+    (recognised by its parameter names; ``data_source`` / ``extra_info`` come from the row's
+    fields of those names). A user function that raises or returns a non-number makes that
     sample's reward unusable: the trainer skips the sample and logs why (``skipped_samples``)."""
     if spec.startswith("reasoning_gym:"):
         return reasoning_gym_verifier(spec.split(":", 1)[1])
     if spec in VERIFIERS:
         return VERIFIERS[spec]()
     if is_plugin(spec):
-        return load_plugin(spec, "task.kwargs.verifier")
-    raise ValueError(f"verifier {spec!r} is not one of {sorted(VERIFIERS)}, 'reasoning_gym:<dataset>' "
-                     "or 'package.module:fn' / 'file.py:fn'")
+        return _user_verifier(load_plugin(spec, "task.kwargs.verifier"), spec)
+    raise ValueError(f"task.kwargs.verifier: {spec!r} is not one of {sorted(VERIFIERS)}, "
+                     "'reasoning_gym:<dataset>' or 'package.module:fn' / 'file.py:fn'")
+
+
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+
+
+def _user_verifier(fn, spec: str) -> Verifier:
+    """The user's function as a Verifier, checked against the two signatures at load (a
+    mismatch used to raise on every sample, so every sample was skipped, silently)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: trust it
+        return lambda prompt, completion: _as_score(fn(prompt, completion))
+    if all(p in params for p in VERL_PARAMS):
+        def verl_style(prompt: TaskPrompt, completion: str) -> float:
+            kw = {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
+                  "ground_truth": prompt.answer}
+            if "extra_info" in params:
+                kw["extra_info"] = prompt.meta.get("extra_info")
+            return _as_score(fn(**kw))
+        return verl_style
+    try:
+        inspect.signature(fn).bind(None, "")
+    except TypeError:
+        raise ValueError(f"task.kwargs.verifier: {spec!r} takes ({', '.join(params)}); a verifier is "
+                         "fn(prompt, completion) -> float, or verl's compute_score(data_source, solution_str, "
+                         "ground_truth, extra_info=None)") from None
+    return lambda prompt, completion: _as_score(fn(prompt, completion))
+
+
+def _as_score(out) -> float:
+    """A number, or verl's {"score": number, ...}."""
+    if isinstance(out, dict):
+        out = out.get("score", float("nan"))
+    return float(out)

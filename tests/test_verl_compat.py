@@ -1,0 +1,103 @@
+"""What a verl user brings works as is: verl's reward signature (and its {"score": ...}
+return), verl's dataset rows (a chat as the prompt, a nested ground truth, data_source),
+``val`` splits and ``~`` paths; what cannot work is refused at start, naming the key."""
+import json
+
+import pytest
+
+from tests.runtime_helpers import iterations, last_json, tiny_model, torchrun, write_config  # noqa: F401
+from workers.tasks.registry import make_task
+from workers.tokenizer import train_bpe
+
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 1.0 if ground_truth in solution_str else 0.25, "source": data_source,
+            "index": (extra_info or {}).get("index")}
+'''
+
+
+def verl_rows(n=8):
+    return [{"data_source": "toy_add",
+             "prompt": [{"role": "system", "content": "Answer with a number."},
+                        {"role": "user", "content": f"What is {i} + {i}?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"index": i}} for i in range(n)]
+
+
+@pytest.fixture
+def verl_data(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in verl_rows()))
+    reward = tmp_path / "reward.py"
+    reward.write_text(VERL_REWARD)
+    return data, reward
+
+
+def test_verl_rows_and_reward_signature(verl_data):
+    data, reward = verl_data
+    t = make_task("jsonl", files={"train": str(data), "val": str(data)}, answer_key="reward_model.ground_truth",
+                  verifier=f"{reward}:compute_score")
+    item = t.prompts("test")[3]  # "val" is the test split
+    assert item.prompt == "What is 3 + 3?" and item.answer == "6" and item.task == "toy_add"
+    assert [m["role"] for m in item.messages] == ["system", "user"]
+    assert item.meta["extra_info"] == {"index": 3} and item.meta["reward_model"]["style"] == "rule"
+    assert t.score(item, "it is 6") == 1.0 and t.score(item, "7") == 0.25
+
+
+def test_chat_prompts_go_through_the_template(tmp_path):
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"})
+    tok = train_bpe(["hello world 2+2? Be brief."], vocab_size=300)
+    tok.prompt_template = "Q: {prompt}\nA: "
+    assert tok.format_prompt("2+2?", messages) == "Q: Be brief.\n\n2+2?\nA: "  # no chat template: joined
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert tok.format_prompt("2+2?", messages) == "<system>Be brief.<user>2+2?<assistant>"
+    assert tok.format_prompt("2+2?") == "<user>2+2?<assistant>"
+
+
+def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypatch):
+    data, _ = verl_data
+    bad = tmp_path / "bad.py"
+    bad.write_text("def score(completion):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"task.kwargs.verifier: .* takes \(completion\); a verifier is fn\(prompt, "
+                                         r"completion\) -> float, or verl's compute_score"):
+        make_task("jsonl", files=str(data), verifier=f"{bad}:score")
+    with pytest.raises(ValueError, match="task.kwargs.verifier: '/no/such/reward.py' is not one of"):
+        make_task("jsonl", files=str(data), verifier="/no/such/reward.py")
+    with pytest.raises(ValueError, match="several files per split: concatenate them"):
+        make_task("jsonl", files={"train": [str(data), str(data)]})
+    t = make_task("jsonl", files=str(data))  # the default answer_key "answer" is not in verl rows
+    with pytest.raises(ValueError, match=r"train.jsonl:1: missing field 'answer' .*set task.kwargs.answer_key"):
+        t.prompts("train")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    t = make_task("jsonl", files="~/train.jsonl", answer_key="reward_model.ground_truth")
+    assert len(t.prompts("train")) == 8
+
+
+def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_model, verl_data):  # noqa: F811
+    """Real torchrun, 3 processes. (1) verl rows + verl reward train (with top_p); (2) a reward that raises on
+    every sample used to train nothing and exit 0: the run now stops after the first iteration,
+    saying why; (3) a data file the task cannot read is a config error before any iteration."""
+    data, reward = verl_data
+    kwargs = {"files": {"train": str(data), "val": str(data)}, "answer_key": "reward_model.ground_truth",
+              "verifier": f"{reward}:compute_score"}
+    r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", task__kwargs=kwargs, train__iterations=2,
+                              train__eval_every=1, train__top_p=0.9, logging__logdir=str(tmp_path / "ok")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert last_json(r.stdout)["skipped_samples"] == 0
+    for row in iterations(tmp_path / "ok"):
+        assert 0.25 <= row["metrics"]["reward_mean"] <= 1.0
+        # top_p: old log-probs recomputed on the full distribution, so on-policy means ratio 1
+        assert abs(row["metrics"]["ratio"] - 1.0) < 1e-5, row["metrics"]
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise KeyError('my bug')\n")
+    r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=3, train__eval_every=0,
+                              task__kwargs={**kwargs, "verifier": f"{broken}:compute_score"},
+                              logging__logdir=str(tmp_path / "broken")))
+    assert r.returncode != 0
+    assert "[controller] run stopped: iteration 0: all 8 samples were skipped" in r.stderr, r.stderr[-3000:]
+    r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=2, train__eval_every=0,
+                              task__kwargs={"files": str(data)}, logging__logdir=str(tmp_path / "nofield")))
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
+    assert len(errors) == 1 and "missing field 'answer'" in errors[0] and "answer_key" in errors[0], r.stderr[-3000:]
