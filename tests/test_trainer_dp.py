@@ -54,6 +54,14 @@ def _run(rank, world, port, model_dir, tmp):
             res = w.step()
             if rank == 0:
                 torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/out{i}.pt")
+        # mini-batches: each rank splits its own micro-batches into 3 shares (some empty); every
+        # rank runs the same all-reduces, so they stay in step and identical
+        w = TrainerWorker(TrainerConfig(**_common(dict(algorithm="grpo", mini_batches=3))), model_dir, _task(),
+                          rank=rank, world_size=world, device="cpu")
+        w.begin_iteration(0, prompts, groups)
+        w.receive([s for s in samples if s.group_id % world == rank])
+        res = w.step()
+        torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/mini{rank}.pt")
         # the bucketed all-reduce across several small buckets
         ts = [torch.full((5,), rank + 1.0), torch.full((3, 2), 2.0 * (rank + 1)), torch.full((40,), rank + 1.0)]
         all_reduce_sum(ts, None, bucket_bytes=64)
@@ -78,6 +86,9 @@ def test_two_ranks_equal_one_rank(tmp_path):
                        start_method="fork")
     ts = torch.load(tmp_path / "buckets.pt")
     assert [t.unique().tolist() for t in ts] == [[3.0], [6.0], [3.0]] and ts[1].shape == (3, 2)
+    (m0, r0), (m1, r1) = (torch.load(tmp_path / f"mini{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0.metrics["updates"] == r1.metrics["updates"] >= 2.0 and r0.num_samples == len(samples)
+    assert all(torch.equal(m0[k], m1[k]) for k in m0)
     for i, cfg_kw in enumerate(CONFIGS):
         one = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), device="cpu")
         one.begin_iteration(0, prompts, groups)

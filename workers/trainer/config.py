@@ -33,6 +33,10 @@ class TrainerConfig:
     ``ppo_epochs``: optimizer updates per iteration; the first uses the gradients accumulated
     while streaming, each further one re-runs the iteration's micro-batches at ``step()`` (the
     clipped ratio then bounds how far the policy moves). The weight version bumps once.
+    ``mini_batches``: optimizer updates per epoch (verl's train_batch_size / ppo_mini_batch_size):
+    each rank's micro-batches, in arrival order, split into this many mini-batches, each one
+    update with its own token (or sequence) count. Above 1 the training compute runs at
+    ``step()`` (gradients of the whole iteration cannot be accumulated while streaming).
     """
 
     algorithm: str = "grpo"
@@ -68,7 +72,8 @@ class TrainerConfig:
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
-    ppo_epochs: int = 1  # optimizer updates per iteration, each a full pass over its samples
+    ppo_epochs: int = 1  # passes over the iteration's samples
+    mini_batches: int = 1  # optimizer updates per pass (verl: train_batch_size / ppo_mini_batch_size)
     precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each layer in backward (actor and critic)
     seed: int = 0
@@ -82,6 +87,7 @@ class TrainerConfig:
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         _one_of("precision", self.precision, PRECISIONS)
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
+                     "mini_batches",
                      "temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")

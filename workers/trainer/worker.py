@@ -99,7 +99,7 @@ class TrainerWorker:
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
         self._trained_any = False
-        self._trained: list[list] = []  # micro-batches kept for ppo_epochs > 1
+        self._trained: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
         self._lock = threading.RLock()
 
     # ---- public API --------------------------------------------------------------------------
@@ -265,6 +265,10 @@ class TrainerWorker:
             items = self.buffer.pop_microbatch(self.cfg.max_tokens_per_microbatch, flush)
             if not items:
                 return
+            if self.cfg.mini_batches > 1:  # trained at step(), one update per mini-batch
+                self._trained.append(items)
+                self._trained_any = True
+                continue
             with self.autocast():
                 loss_sum, counts = train_terms(self, items)
             if not bool(torch.isfinite(loss_sum)):  # one host sync per micro-batch, not per token
@@ -280,14 +284,17 @@ class TrainerWorker:
 
     def _optimizer_step(self) -> StepResult:
         params = self._params()
+        applied, norms = self._mini_batch_updates(params) if self.cfg.mini_batches > 1 else (None, None)
         totals = self.stats.packed()
         if self.world_size > 1:
             dist.all_reduce(totals, group=self.group)
         metrics = self.stats.metrics(totals, self.cfg.loss_agg)
         divisor = metrics.pop("_divisor")
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
-        applied = 0
-        if divisor > 0:
+        if applied is not None:  # mini-batches: already applied
+            metrics.update(norms or {})
+        elif divisor > 0:
+            applied = 0
             for epoch in range(self.cfg.ppo_epochs):
                 if epoch > 0:  # further passes over the iteration's micro-batches, current weights
                     self._retrain()
@@ -297,6 +304,7 @@ class TrainerWorker:
                 if epoch == 0:
                     metrics.update(norms)
                 applied += 1
+        applied = applied or 0
         if applied:
             self.scheduler.step()
             self._version += 1
@@ -331,6 +339,40 @@ class TrainerWorker:
                         "weights kept", self.rank, self.iteration)
         self.optimizer.zero_grad(set_to_none=True)
         return norms if ok else None
+
+    def _mini_batch_updates(self, params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
+        """``mini_batches`` updates per epoch over the kept micro-batches (each rank splits its own,
+        in arrival order; every rank runs the same number of all-reduces, empty shares included).
+        Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
+        k = self.cfg.mini_batches
+        n = len(self._trained)
+        shares = [self._trained[i * n // k:(i + 1) * n // k] for i in range(k)]
+        applied, first = 0, None
+        for epoch in range(self.cfg.ppo_epochs):
+            for share in shares:
+                units = torch.zeros(2, dtype=torch.float64, device=self.device)  # tokens, sequences
+                for items in share:
+                    with self.autocast():
+                        loss_sum, counts = train_terms(self, items)
+                    if not bool(torch.isfinite(loss_sum)):
+                        if epoch == 0:
+                            self.stats.add("skipped_microbatches", 1.0)
+                        continue
+                    loss_sum.backward()
+                    units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(self.device)
+                    if epoch == 0:
+                        self.stats.add_counts(counts)
+                if self.world_size > 1:
+                    dist.all_reduce(units, group=self.group)
+                divisor = float(units[0] if self.cfg.loss_agg == "token_mean" else units[1])
+                if divisor <= 0:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                norms = self._update(params, divisor)
+                if norms is not None:
+                    applied += 1
+                    first = first or norms
+        return applied, first
 
     def _retrain(self) -> None:
         for items in self._trained:

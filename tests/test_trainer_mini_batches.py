@@ -1,0 +1,83 @@
+"""``trainer.mini_batches``: K optimizer updates per iteration, each on its mini-batch with its
+own token count. One iteration with K = 2 equals two iterations of K = 1 that each receive one
+of the halves (same samples, advantages, Adam state, constant LR)."""
+import pytest
+import torch
+
+from workers.model import ModelConfig
+from workers.tasks import make_task
+from workers.trainer import TrainerConfig, TrainerWorker
+from workers.trainer.bootstrap import build_model_dir
+from workers.trainer.rollout import rollout
+
+torch.set_num_threads(1)
+TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+class LengthTask:
+    """Rewards that differ inside a group (an untrained model scores 0 everywhere on the
+    synthetic task, and equal rewards give zero advantages: nothing would train)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def prompts(self, split):
+        return self.base.prompts(split)
+
+    def score(self, prompt, completion):
+        return (len(completion) % 5) / 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
+    folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "tiny", task, TINY, seed=0)
+    return str(folder), LengthTask(task)
+
+
+def cfg(**kw):
+    # one sample per micro-batch, so the halves are exactly the two receive calls
+    return TrainerConfig(algorithm="grpo", lr=5e-3, kl_coef=0.05, max_tokens_per_microbatch=1, seed=0, **kw)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_two_mini_batches_equal_two_iterations_of_one(setup, loss_agg):
+    model_dir, task = setup
+    probe = TrainerWorker(cfg(), model_dir, task, device="cpu")
+    samples, prompts, groups = rollout(probe.actor, probe.tokenizer, task.prompts("train")[:4], 3, 10, seed=5)
+    halves = [[s for s in samples if s.group_id in (0, 1)], [s for s in samples if s.group_id in (2, 3)]]
+
+    a = TrainerWorker(cfg(mini_batches=2, loss_agg=loss_agg), model_dir, task, device="cpu")
+    a.begin_iteration(0, prompts, groups)
+    for half in halves:
+        a.receive(half)
+    m = a.step().metrics
+    assert m["updates"] == 2.0 and m["num_samples"] == len(samples)
+
+    b = TrainerWorker(cfg(loss_agg=loss_agg), model_dir, task, device="cpu")
+    for it, half in enumerate(halves):
+        gids = {s.group_id for s in half}
+        b.begin_iteration(it, {s.sample_id: prompts[s.sample_id] for s in half}, {g: groups[g] for g in gids})
+        b.receive(half)
+        assert b.step().metrics["updates"] == 1.0
+    for (name, pa), pb in zip(a.actor.named_parameters(), b.actor.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6, rtol=1e-5), name
+    moved = max((pa - pp).abs().max().item() for pa, pp in zip(a.actor.parameters(), probe.actor.parameters()))
+    assert moved > 1e-4, moved  # it trained
+
+
+def test_more_mini_batches_than_micro_batches_is_fine(setup):
+    model_dir, task = setup
+    w = TrainerWorker(cfg(mini_batches=64, ppo_epochs=2), model_dir, task, device="cpu")
+    samples, prompts, groups = rollout(w.actor, w.tokenizer, task.prompts("train")[:2], 2, 6, seed=1)
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    m = w.step().metrics
+    assert m["updates"] == 2.0 * len(samples)  # empty shares make no update
+    assert m["num_samples"] == len(samples) and m["num_tokens"] == sum(len(s.output_ids) for s in samples)
+
+
+def test_mini_batches_must_be_positive():
+    with pytest.raises(ValueError, match="mini_batches"):
+        TrainerConfig(mini_batches=0)
