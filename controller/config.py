@@ -123,7 +123,7 @@ class TrainSection:
     top_k: int = 0
     top_p: float = 1.0
     eval_every: int = 0  # 0: never
-    eval_prompts: int = 32
+    eval_prompts: int = 32  # 0: the whole test split
     ckpt_every: int = 0  # 0: only at the end
     sft_steps: int = 0
     sft_lr: float = 3e-3
@@ -384,6 +384,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not t.length_scale > 0:
         raise ConfigError(f"train.length_scale must be > 0, got {t.length_scale}")
     algorithm = getattr(cfg.trainer, "algorithm", None)
+    if algorithm in ("grpo", "rloo") and t.temperature < 1e-5:
+        raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
+                          "sample group_size times, so every group's advantages are 0 and nothing trains; "
+                          "sample at a temperature > 0")
+    if t.eval_prompts < 0:
+        raise ConfigError(f"train.eval_prompts must be >= 0 (0: the whole test split), got {t.eval_prompts}")
     if algorithm in ("grpo", "rloo") and t.group_size < 2:
         raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
                           f"compare a sample with its group's others), got {t.group_size}")

@@ -58,6 +58,7 @@ class Metrics:
             # purged; a plain resume (rows end just before first_step) purges nothing, not even
             # the final Gantt figure logged at step first_step
             again = _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
+            again = _drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
         return self._writer
 
@@ -118,6 +119,11 @@ class Metrics:
         for k, v in scalars.items():
             w.add_scalar(k, float(v), step)
         w.flush()
+
+    def log_eval(self, scores: dict[str, float], step: int) -> None:
+        """An evaluation after iteration ``step``: TensorBoard, and a row of ``eval.jsonl``."""
+        self.log_scalars(scores, step)
+        _append_line(self.logdir / "eval.jsonl", json.dumps({"iteration": step, **scores}))
 
     def write_timeline(self, step: int, last: int = 400) -> Path:
         """The Gantt figure of the last ``last`` spans (TensorBoard ``timeline/gantt`` and

@@ -300,7 +300,7 @@ class Program:
 
     def evaluate(self, n: int) -> dict[str, float]:
         """Greedy generation on the task's test split; mean score per task name."""
-        items = list(self.task.prompts("test"))[:n]
+        items = list(self.task.prompts("test"))[:n] if n > 0 else list(self.task.prompts("test"))
         reqs = [Request(-1 - j, self._prompt_ids(it),
                         self.cfg.train.max_tokens, 0, 0.0, group_id=-1,
                         sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]

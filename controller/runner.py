@@ -215,7 +215,7 @@ class Session:
                 self.want_add = self.want_add or d.add
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
         if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
-            self.metrics.log_scalars(self.program.evaluate(c.train.eval_prompts), res.iteration)
+            self.metrics.log_eval(self.program.evaluate(c.train.eval_prompts), res.iteration)
         if c.train.ckpt_every and (res.iteration + 1) % c.train.ckpt_every == 0:
             self.save_checkpoint(res.iteration + 1)
         if self.progress is not None:

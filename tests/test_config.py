@@ -134,7 +134,7 @@ def test_trainer_takes_log_probs_at_the_rollout_temperature():
 
     assert from_dict({"train": {"temperature": 0.7}}).trainer.temperature == 0.7
     assert from_dict({}).trainer.temperature == 1.0
-    assert from_dict({"train": {"temperature": 0.0}}).trainer.temperature == 1.0  # greedy: T = 1 log-probs
+    assert from_dict({"train": {"temperature": 0.0}, "trainer": {"algorithm": "ppo"}}).trainer.temperature == 1.0  # greedy: T = 1
     assert from_dict({"train": {"temperature": 0.7}, "trainer": {"temperature": 0.7}}).trainer.temperature == 0.7
     with pytest.raises(ConfigError, match="trainer.temperature: 0.5 differs from the rollout's train.temperature 0.7"):
         from_dict({"train": {"temperature": 0.7}, "trainer": {"temperature": 0.5}})
@@ -176,3 +176,13 @@ def test_rollout_filters_make_the_trainer_recompute_old_log_probs():
     for bad, msg in (({"top_p": 0.0}, "train.top_p must be in"), ({"top_k": -1}, "train.top_k must be an int")):
         with pytest.raises(ConfigError, match=msg):
             from_dict({"train": bad})
+
+
+def test_greedy_group_algorithms_and_eval_prompts_are_checked():
+    from controller.config import from_dict
+
+    with pytest.raises(ConfigError, match="train.temperature: grpo with greedy sampling"):
+        from_dict({"train": {"temperature": 0.0}, "trainer": {"algorithm": "grpo"}})
+    assert from_dict({"train": {"temperature": 0.0}, "trainer": {"algorithm": "ppo"}}).train.temperature == 0.0
+    with pytest.raises(ConfigError, match="train.eval_prompts must be >= 0"):
+        from_dict({"train": {"eval_prompts": -1}})

@@ -89,6 +89,8 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
         assert 0.25 <= row["metrics"]["reward_mean"] <= 1.0
         # top_p: old log-probs recomputed on the full distribution, so on-policy means ratio 1
         assert abs(row["metrics"]["ratio"] - 1.0) < 1e-5, row["metrics"]
+    evals = [json.loads(ln) for ln in (tmp_path / "ok" / "eval.jsonl").read_text().splitlines()]
+    assert [e["iteration"] for e in evals] == [0, 1] and all("eval/toy_add" in e for e in evals)  # data_source
     broken = tmp_path / "broken.py"
     broken.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    raise KeyError('my bug')\n")
