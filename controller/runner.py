@@ -212,7 +212,7 @@ class Session:
             if lens:
                 d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
                                         derived["time/train_busy_s"], lens, len(self.world.sgs.slots))
-                self.want_add = self.want_add or d.add
+                self.want_add = d.add  # the latest decision: a joiner arriving later is added only if still needed
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
         if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
             self.metrics.log_eval(self.program.evaluate(c.train.eval_prompts), res.iteration)
