@@ -44,6 +44,20 @@ def test_verl_rows_and_reward_signature(verl_data):
     assert t.score(item, "it is 6") == 1.0 and t.score(item, "7") == 0.25
 
 
+def test_verl_parquet_rows(tmp_path, verl_data):
+    """verl's own format: Parquet, a struct-list prompt and a struct reward_model."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow (the parquet extra) reads Parquet")
+    import pyarrow as pa
+
+    _, reward = verl_data
+    pq.write_table(pa.Table.from_pylist(verl_rows()), tmp_path / "train.parquet")
+    t = make_task("parquet", files=str(tmp_path / "train.parquet"), answer_key="reward_model.ground_truth",
+                  verifier=f"{reward}:compute_score")
+    item = t.prompts("train")[5]
+    assert item.prompt == "What is 5 + 5?" and item.answer == "10" and len(item.messages) == 2
+    assert t.score(item, "10") == 1.0
+
+
 def test_chat_prompts_go_through_the_template(tmp_path):
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"})
     tok = train_bpe(["hello world 2+2? Be brief."], vocab_size=300)
