@@ -9,6 +9,7 @@ classes (``engine`` -> ``EngineConfig``, ``trainer`` -> ``TrainerConfig``, ``top
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -124,6 +125,8 @@ class TrainSection:
     top_p: float = 1.0
     eval_every: int = 0  # 0: never
     eval_prompts: int = 32  # 0: the whole test split
+    eval_samples: int = 1  # generations per eval prompt (verl's val_kwargs.n)
+    eval_temperature: float = 0.0  # 0: greedy (verl's val_kwargs.temperature / do_sample)
     ckpt_every: int = 0  # 0: only at the end
     sft_steps: int = 0
     sft_lr: float = 3e-3
@@ -388,6 +391,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
                           "sample group_size times, so every group's advantages are 0 and nothing trains; "
                           "sample at a temperature > 0")
+    if t.eval_samples < 1:
+        raise ConfigError(f"train.eval_samples must be >= 1, got {t.eval_samples}")
+    if t.eval_samples > 1 and t.eval_temperature < 1e-5:
+        raise ConfigError(f"train.eval_samples: {t.eval_samples} greedy samples of a prompt are all the same; "
+                          "set train.eval_temperature > 0")
+    if not (t.eval_temperature >= 0 and math.isfinite(t.eval_temperature)):
+        raise ConfigError(f"train.eval_temperature must be a finite number >= 0, got {t.eval_temperature}")
     if t.eval_prompts < 0:
         raise ConfigError(f"train.eval_prompts must be >= 0 (0: the whole test split), got {t.eval_prompts}")
     if algorithm in ("grpo", "rloo") and t.group_size < 2:

@@ -299,22 +299,32 @@ class Program:
                 for j in range(len(prompts))]
 
     def evaluate(self, n: int) -> dict[str, float]:
-        """Greedy generation on the task's test split; mean score per task name."""
+        """``train.eval_samples`` generations of each of the first ``n`` test prompts (0: all),
+        at ``train.eval_temperature`` (0: greedy). Scores: ``eval/<task>`` and ``eval/mean``, the
+        mean over every sample (verl's mean@k), and with k > 1 ``eval/best@k``, the mean over
+        prompts of their best sample's score."""
+        t = self.cfg.train
         items = list(self.task.prompts("test"))[:n] if n > 0 else list(self.task.prompts("test"))
-        reqs = [Request(-1 - j, self._prompt_ids(it),
-                        self.cfg.train.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=SamplingParams(temperature=0.0)) for j, it in enumerate(items)]
+        k = t.eval_samples
+        reqs = [Request(-1 - (j * k + s), self._prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
+                        sampling=SamplingParams(temperature=t.eval_temperature, top_k=t.top_k, top_p=t.top_p,
+                                                seed=t.seed * 7919 + j * k + s))
+                for j, it in enumerate(items) for s in range(k)]
         texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}
         per: dict[str, list[float]] = {}
+        best: list[float] = []
         unscored = 0
         for j, it in enumerate(items):
-            score = self._eval_score(it, texts.get(-1 - j, ""), j)
-            if math.isfinite(score):
-                per.setdefault(it.task, []).append(score)
-            else:
-                unscored += 1
-        acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items()}
-        acc["eval/mean"] = sum(sum(v) for v in per.values()) / max(1, len(items) - unscored)
+            scores = [self._eval_score(it, texts.get(-1 - (j * k + s), ""), j) for s in range(k)]
+            ok = [x for x in scores if math.isfinite(x)]
+            unscored += k - len(ok)
+            per.setdefault(it.task, []).extend(ok)
+            if ok:
+                best.append(max(ok))
+        acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items() if v}
+        acc["eval/mean"] = sum(sum(v) for v in per.values()) / max(1, len(items) * k - unscored)
+        if k > 1:
+            acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
         if unscored:
             acc["eval/unscored"] = float(unscored)
         return acc

@@ -186,3 +186,13 @@ def test_greedy_group_algorithms_and_eval_prompts_are_checked():
     assert from_dict({"train": {"temperature": 0.0}, "trainer": {"algorithm": "ppo"}}).train.temperature == 0.0
     with pytest.raises(ConfigError, match="train.eval_prompts must be >= 0"):
         from_dict({"train": {"eval_prompts": -1}})
+
+
+def test_eval_sampling_is_checked():
+    from controller.config import from_dict
+
+    assert from_dict({"train": {"eval_samples": 4, "eval_temperature": 0.6}}).train.eval_samples == 4
+    with pytest.raises(ConfigError, match="train.eval_samples: 4 greedy samples"):
+        from_dict({"train": {"eval_samples": 4}})
+    with pytest.raises(ConfigError, match="train.eval_samples must be >= 1"):
+        from_dict({"train": {"eval_samples": 0}})

@@ -96,7 +96,8 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
     kwargs = {"files": {"train": str(data), "val": str(data)}, "answer_key": "reward_model.ground_truth",
               "verifier": f"{reward}:compute_score"}
     r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", task__kwargs=kwargs, train__iterations=2,
-                              train__eval_every=1, train__top_p=0.9, logging__logdir=str(tmp_path / "ok")))
+                              train__eval_every=1, train__top_p=0.9, train__eval_samples=3,
+                              train__eval_temperature=0.8, logging__logdir=str(tmp_path / "ok")))
     assert r.returncode == 0, r.stderr[-3000:]
     assert last_json(r.stdout)["skipped_samples"] == 0
     for row in iterations(tmp_path / "ok"):
@@ -105,6 +106,8 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
         assert abs(row["metrics"]["ratio"] - 1.0) < 1e-5, row["metrics"]
     evals = [json.loads(ln) for ln in (tmp_path / "ok" / "eval.jsonl").read_text().splitlines()]
     assert [e["iteration"] for e in evals] == [0, 1] and all("eval/toy_add" in e for e in evals)  # data_source
+    for e in evals:  # 3 samples per prompt: mean@3 <= best@3, each in the reward's range
+        assert 0.25 <= e["eval/mean"] <= e["eval/best@3"] <= 1.0, e
     broken = tmp_path / "broken.py"
     broken.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    raise KeyError('my bug')\n")
