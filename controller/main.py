@@ -191,9 +191,9 @@ def _interrupted(logdir: str, resume: str) -> None:
     complete one is intact whatever was running."""
     if os.environ.get("RANK") == "0":
         from controller import checkpoint as ckpt
+        from controller.runner import run_logdir
 
-        found = ckpt.find(resume) if resume else None
-        found = ckpt.find(logdir) or found
+        found = ckpt.find(run_logdir(Path(logdir), resume)) or (ckpt.find(resume) if resume else None)
         kept = (f"the last checkpoint is {found}: continue with --resume {found}" if found
                 else "no checkpoint was written yet (train.ckpt_every)")
         print(f"[controller] interrupted; {kept}", file=sys.stderr, flush=True)

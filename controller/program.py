@@ -27,9 +27,11 @@ from controller.rpc import wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
+from workers.tasks.scoring import safe_score
 from workers.types import Request, SamplingParams, TaskPrompt
 
 log = logging.getLogger("streamrl.controller")
+
 
 def prompt_ids(tok, item: TaskPrompt | str) -> list[int]:
     """Token ids of a dataset item (or text) as the policy sees it."""
@@ -322,7 +324,8 @@ class Program:
             if ok:
                 best.append(max(ok))
         acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items() if v}
-        acc["eval/mean"] = sum(sum(v) for v in per.values()) / max(1, len(items) * k - unscored)
+        if len(items) * k > unscored:  # nothing scored: no mean (a 0 would read as 0% accuracy)
+            acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
         if k > 1:
             acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
         if unscored:
@@ -330,10 +333,8 @@ class Program:
         return acc
 
     def _eval_score(self, item, completion: str, j: int) -> float:
-        """The task's score, NaN (left out, counted) when a user's verifier raises or returns a
-        non-number, as the trainer does with training samples: a reward bug must not kill a run."""
-        try:
-            return float(self.task.score(item, completion))
-        except Exception as e:
-            log.warning("eval prompt %d: the task's score raised %r; left out of eval/mean", j, e)
-            return float("nan")
+        """The task's score, NaN (left out, counted) when it fails, as for training samples."""
+        score, why = safe_score(self.task, item, completion)
+        if why:
+            log.warning("eval prompt %d: %s; left out of eval/mean", j, why)
+        return score

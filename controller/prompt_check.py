@@ -53,4 +53,6 @@ class FittingTask:
         return self.task.score(prompt, completion)
 
     def __getattr__(self, name: str):
+        if name == "task":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.task, name)

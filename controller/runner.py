@@ -56,7 +56,10 @@ class Session:
             _refuse_previous_run(self.logdir)
         # the task and the dispatcher first: a bad task.kwargs or dispatch.options fails in
         # a second, before the model bootstrap (SFT) spends minutes
-        self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        try:
+            self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
+            raise ConfigError(str(e)) from None
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         _check_model_folder(Path(cfg.model.path))
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
@@ -205,7 +208,7 @@ class Session:
         if skipped and not res.metrics.get("num_samples", 0):
             raise RunStopped(f"iteration {res.iteration}: all {skipped} samples were skipped, so nothing was "
                              "trained (a reward that raised or was not a finite number: see the trainer ranks' "
-                             "warnings, e.g. 'verifier raised ...'; or samples refused as bad input)")
+                             "warnings, e.g. 'the task's score raised ...'; or samples refused as bad input)")
         c = self.cfg
         if self.policy is not None:
             lens = res.out_lens
@@ -299,22 +302,30 @@ def _holds_run(logdir: Path) -> bool:
     return ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
 
 
-def _resumed_logdir(logdir: Path, resume: str) -> Path:
-    """Where ``--resume`` writes. A checkpoint of run folder R continues in R when
+def run_logdir(logdir: Path, resume: str) -> Path:
+    """Where a run writes. ``--resume`` of a checkpoint of run folder R continues in R when
     ``logging.logdir`` is R, or is another folder already holding a run (writing there would
     interleave two runs' rows, steps and checkpoints); into an unused ``logging.logdir`` it
     forks: R is left as it was."""
-    found = ckpt.find(resume)
+    found = ckpt.find(resume) if resume else None
     run = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
     if run is None or run.resolve() == logdir.resolve():
         return logdir
-    if _holds_run(logdir):
-        print(f"[controller] --resume {resume}: continuing that run in its folder {run} (logging.logdir "
+    return run if _holds_run(logdir) else logdir
+
+
+def _resumed_logdir(logdir: Path, resume: str) -> Path:
+    """``run_logdir``, saying where it writes when that is not the plain case."""
+    out = run_logdir(logdir, resume)
+    found = ckpt.find(resume)
+    if out != logdir:
+        print(f"[controller] --resume {resume}: continuing that run in its folder {out} (logging.logdir "
               f"{logdir} holds another run)", file=sys.stderr, flush=True)
-        return run
-    print(f"[controller] --resume {resume}: continuing from {found} in the new folder {logdir} "
-          f"({run} is left as it is)", file=sys.stderr, flush=True)
-    return logdir
+    elif found is not None and found.parent.name == "checkpoints" and \
+            found.parent.parent.resolve() != logdir.resolve():
+        print(f"[controller] --resume {resume}: continuing from {found} in the new folder {logdir} "
+              f"({found.parent.parent} is left as it is)", file=sys.stderr, flush=True)
+    return out
 
 
 def _refuse_previous_run(logdir: Path) -> None:

@@ -35,6 +35,9 @@ def test_fitting_task_is_the_task_with_fewer_prompts():
     t = FittingTask(Task(), {"train": ITEMS[:1]})
     assert t.prompts("train") == ITEMS[:1] and t.prompts("test") == ITEMS
     assert t.score(ITEMS[0], "") == 0.5 and t.name == "mine"
+    import copy
+
+    assert copy.copy(t).prompts("train") == ITEMS[:1]  # no recursion before __init__ ran
 
 
 def test_policy_is_validated(tmp_path):

@@ -71,6 +71,16 @@ def test_bad_task_specs_name_the_key(user_file, spec, message):
         make_task(spec.format(file=user_file))
 
 
+def test_a_dataclass_task_loads_from_a_file(tmp_path):
+    # dataclasses look the class's module up in sys.modules while building it
+    f = tmp_path / "dc_task.py"
+    f.write_text("from __future__ import annotations\nfrom dataclasses import dataclass, field\n"
+                 "from workers.types import TaskPrompt\n\n@dataclass\nclass Task:\n    n: int = 2\n"
+                 "    def prompts(self, split):\n        return [TaskPrompt(f'p{i}', '1', 'dc') for i in range(self.n)]\n"
+                 "    def score(self, prompt, completion):\n        return 1.0\n")
+    assert len(make_task(f"{f}:Task", n=3).prompts("train")) == 3
+
+
 def test_a_broken_user_module_is_one_error(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("import numpy\nraise RuntimeError('my bug')\n")

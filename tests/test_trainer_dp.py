@@ -14,24 +14,14 @@ from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
 from workers.trainer.grads import all_reduce_sum
 from workers.weight_sync.localrun import free_port
+from tests.trainer_helpers import LengthRewardTask
 
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
 
 
-class CharTask:
-    def __init__(self, base):
-        self.base = base
-
-    def prompts(self, split):
-        return self.base.prompts(split)
-
-    def score(self, prompt, completion):
-        return (len(completion) % 5) / 4
-
-
 def _task():
-    return CharTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
+    return LengthRewardTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
 
 
 CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),

@@ -21,21 +21,11 @@ from workers.trainer.critic import ValueModel
 from workers.trainer.packing import pack
 from workers.trainer.rollout import rollout
 from workers.trainer.step_math import prepare_batch
+from tests.trainer_helpers import LengthRewardTask
 
 torch.set_num_threads(1)
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-
-
-class CharTask:
-    def __init__(self, base):
-        self.base = base
-
-    def prompts(self, split):
-        return self.base.prompts(split)
-
-    def score(self, prompt, completion):
-        return (len(completion) % 5) / 4
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def task():
-    return CharTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
+    return LengthRewardTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
 
 
 def draw(model_dir, task, temperature=1.0, noise=0.3):

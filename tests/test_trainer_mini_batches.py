@@ -9,31 +9,18 @@ from workers.tasks import make_task
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
+from tests.trainer_helpers import LengthRewardTask
 
 torch.set_num_threads(1)
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
 
 
-class LengthTask:
-    """Rewards that differ inside a group (an untrained model scores 0 everywhere on the
-    synthetic task, and equal rewards give zero advantages: nothing would train)."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def prompts(self, split):
-        return self.base.prompts(split)
-
-    def score(self, prompt, completion):
-        return (len(completion) % 5) / 4
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
     folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "tiny", task, TINY, seed=0)
-    return str(folder), LengthTask(task)
+    return str(folder), LengthRewardTask(task)
 
 
 def cfg(**kw):

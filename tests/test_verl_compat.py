@@ -58,6 +58,20 @@ def test_verl_parquet_rows(tmp_path, verl_data):
     assert t.score(item, "10") == 1.0
 
 
+def test_verl_builtin_style_scorers(tmp_path, verl_data):
+    """verl's own gsm8k/math scorers take (solution_str, ground_truth, ...) without data_source."""
+    data, _ = verl_data
+    f = tmp_path / "gsm8k.py"
+    f.write_text("def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n"
+                 "    return score if solution_str.strip().endswith(ground_truth) else format_score\n"
+                 "def needs_more(solution_str, ground_truth, tokenizer):\n    return 1.0\n")
+    t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:compute_score")
+    item = t.prompts("train")[2]
+    assert t.score(item, "so 4") == 1.0 and t.score(item, "5") == 0.0
+    with pytest.raises(ValueError, match=r"needs \['tokenizer'\], which a verl-style scorer is not given"):
+        make_task("jsonl", files=str(data), verifier=f"{f}:needs_more")
+
+
 def test_chat_prompts_go_through_the_template(tmp_path):
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"})
     tok = train_bpe(["hello world 2+2? Be brief."], vocab_size=300)
@@ -91,7 +105,8 @@ def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypa
 def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_model, verl_data):  # noqa: F811
     """Real torchrun, 3 processes. (1) verl rows + verl reward train (with top_p); (2) a reward that raises on
     every sample used to train nothing and exit 0: the run now stops after the first iteration,
-    saying why; (3) a data file the task cannot read is a config error before any iteration."""
+    saying why; (3) a data file the task cannot read, (4) a verifier of another signature: one config
+    error before any iteration."""
     data, reward = verl_data
     kwargs = {"files": {"train": str(data), "val": str(data)}, "answer_key": "reward_model.ground_truth",
               "verifier": f"{reward}:compute_score"}
@@ -120,3 +135,10 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
                               task__kwargs={"files": str(data)}, logging__logdir=str(tmp_path / "nofield")))
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
     assert len(errors) == 1 and "missing field 'answer'" in errors[0] and "answer_key" in errors[0], r.stderr[-3000:]
+    bad = tmp_path / "bad.py"
+    bad.write_text("def score(completion):\n    return 1.0\n")
+    r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=2, train__eval_every=0,
+                              task__kwargs={**kwargs, "verifier": f"{bad}:score"}, logging__logdir=str(tmp_path / "bad")))
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
+    assert len(errors) == 1 and "task.kwargs.verifier:" in errors[0], r.stderr[-3000:]
+    assert "controller error" not in r.stderr  # not a traceback of the controller

@@ -61,10 +61,7 @@ def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskP
         prompt = users[-1] if users else messages[-1]["content"]
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string (or a list of chat messages)")
-    top = {prompt_key.split(".")[0], answer_key.split(".")[0]}
-    meta = {k: v for k, v in row.items() if k not in top}
-    if answer_key.split(".")[0] != answer_key:  # keep the other nested fields (e.g. reward_model.style)
-        meta[answer_key.split(".")[0]] = row[answer_key.split(".")[0]]
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}  # a dotted key's parent stays
     return TaskPrompt(prompt=prompt, answer=str(answer), task=str(row.get("task", row.get("data_source", task))),
                       meta=meta, messages=messages)
 

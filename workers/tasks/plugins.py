@@ -30,7 +30,7 @@ def load_plugin(spec: str, key: str) -> Any:
         module = _load_file(Path(module_name), spec, key)
     else:
         if os.getcwd() not in sys.path:
-            sys.path.append(os.getcwd())
+            sys.path.insert(0, os.getcwd())  # the user's module before an installed one of that name
         try:
             module = importlib.import_module(module_name)
         except Exception as e:  # ImportError, or the module's own code failing
@@ -53,9 +53,10 @@ def _load_file(path: Path, spec: str, key: str):
         return sys.modules[name]
     loader_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # before running it, as import does (dataclasses look it up)
     try:
         loader_spec.loader.exec_module(module)
     except Exception as e:
+        sys.modules.pop(name, None)
         raise ValueError(f"{key}: loading {path} for {spec!r} failed ({type(e).__name__}: {e})") from None
-    sys.modules[name] = module
     return module

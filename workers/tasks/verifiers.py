@@ -94,7 +94,7 @@ def make_verifier(spec: str) -> Verifier:
                      "'reasoning_gym:<dataset>' or 'package.module:fn' / 'file.py:fn'")
 
 
-VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 def _user_verifier(fn, spec: str) -> Verifier:
@@ -104,13 +104,18 @@ def _user_verifier(fn, spec: str) -> Verifier:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C function: trust it
         return lambda prompt, completion: _as_score(fn(prompt, completion))
-    if all(p in params for p in VERL_PARAMS):
+    if "solution_str" in params:  # verl's names (its own gsm8k/math scorers lack data_source)
+        required = [n for n, p in params.items() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in VERL_ARGS]
+        if required:
+            raise ValueError(f"task.kwargs.verifier: {spec!r} needs {required}, which a verl-style scorer "
+                             f"is not given (it gets {list(VERL_ARGS)})")
+        wanted = [n for n in VERL_ARGS if n in params]
+
         def verl_style(prompt: TaskPrompt, completion: str) -> float:
-            kw = {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
-                  "ground_truth": prompt.answer}
-            if "extra_info" in params:
-                kw["extra_info"] = prompt.meta.get("extra_info")
-            return _as_score(fn(**kw))
+            values = {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
+                      "ground_truth": prompt.answer, "extra_info": prompt.meta.get("extra_info")}
+            return _as_score(fn(**{n: values[n] for n in wanted}))
         return verl_style
     try:
         inspect.signature(fn).bind(None, "")

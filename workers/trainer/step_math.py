@@ -6,11 +6,13 @@
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from workers.tasks.scoring import safe_score
 from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
@@ -77,12 +79,11 @@ def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Te
 
 
 def _score(w: "TrainerWorker", s: "Sample") -> float:
-    try:
-        return float(w.task.score(w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids)))
-    except Exception as e:  # a verifier should never raise; treat it as an unusable reward
-        import logging
-        logging.getLogger("streamrl.trainer").warning("sample %d: verifier raised %r", s.sample_id, e)
-        return float("nan")
+    """The sample's reward; NaN (the sample is skipped) when the task's score fails."""
+    score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids))
+    if why:
+        logging.getLogger("streamrl.trainer").warning("sample %d: %s", s.sample_id, why)
+    return score
 
 
 GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, TrainerConfig], torch.Tensor]] = {

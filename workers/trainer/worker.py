@@ -269,42 +269,41 @@ class TrainerWorker:
                 self._trained.append(items)
                 self._trained_any = True
                 continue
-            with self.autocast():
-                loss_sum, counts = train_terms(self, items)
-            if not bool(torch.isfinite(loss_sum)):  # one host sync per micro-batch, not per token
+            if self._accumulate(items, log_stats=True) is not None:
+                self._trained_any = True
+                if self.cfg.ppo_epochs > 1:
+                    self._trained.append(items)
+
+    def _accumulate(self, items: list, log_stats: bool) -> dict[str, torch.Tensor] | None:
+        """Forward + backward of one micro-batch (gradient SUMS accumulate); its counts, or None
+        when its loss is not finite (skipped: one host sync per micro-batch, not per token).
+        ``log_stats``: add its statistics to the iteration's metrics (first pass only)."""
+        with self.autocast():
+            loss_sum, counts = train_terms(self, items)
+        if not bool(torch.isfinite(loss_sum)):
+            if log_stats:
                 log.warning("trainer rank %d: non-finite loss in a micro-batch of samples %s; skipped",
                             self.rank, [p.sample_id for p in items][:8])
                 self.stats.add("skipped_microbatches", 1.0)
-                continue
-            loss_sum.backward()
+            return None
+        loss_sum.backward()
+        if log_stats:
             self.stats.add_counts(counts)
-            self._trained_any = True
-            if self.cfg.ppo_epochs > 1:
-                self._trained.append(items)
+        return counts
 
     def _optimizer_step(self) -> StepResult:
         params = self._params()
-        applied, norms = self._mini_batch_updates(params) if self.cfg.mini_batches > 1 else (None, None)
+        lr = float(self.scheduler.get_last_lr()[0])
+        if self.cfg.mini_batches > 1:  # trains here (first pass: the logged statistics)
+            applied, norms = self._mini_batch_updates(params)
         totals = self.stats.packed()
         if self.world_size > 1:
             dist.all_reduce(totals, group=self.group)
         metrics = self.stats.metrics(totals, self.cfg.loss_agg)
         divisor = metrics.pop("_divisor")
-        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
-        if applied is not None:  # mini-batches: already applied
-            metrics.update(norms or {})
-        elif divisor > 0:
-            applied = 0
-            for epoch in range(self.cfg.ppo_epochs):
-                if epoch > 0:  # further passes over the iteration's micro-batches, current weights
-                    self._retrain()
-                norms = self._update(params, divisor)
-                if norms is None:
-                    break
-                if epoch == 0:
-                    metrics.update(norms)
-                applied += 1
-        applied = applied or 0
+        if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
+            applied, norms = self._streamed_updates(params, divisor)
+        metrics.update(norms or {}, lr=lr)
         if applied:
             self.scheduler.step()
             self._version += 1
@@ -340,6 +339,24 @@ class TrainerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return norms if ok else None
 
+    def _streamed_updates(self, params: list[torch.nn.Parameter], divisor: float
+                          ) -> tuple[int, dict[str, float] | None]:
+        """``ppo_epochs`` updates on the whole iteration: the first from the gradients accumulated
+        while samples streamed in, each further one re-running its micro-batches at the current
+        weights. -> (updates applied, the first's norms)."""
+        applied, first = 0, None
+        if divisor <= 0:
+            return applied, first
+        for epoch in range(self.cfg.ppo_epochs):
+            if epoch > 0:
+                for items in self._trained:
+                    self._accumulate(items, log_stats=False)
+            norms = self._update(params, divisor)
+            if norms is None:
+                break
+            applied, first = applied + 1, first or norms
+        return applied, first
+
     def _mini_batch_updates(self, params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
         """``mini_batches`` updates per epoch over the kept micro-batches (each rank splits its own,
         in arrival order; every rank runs the same number of all-reduces, empty shares included).
@@ -352,16 +369,9 @@ class TrainerWorker:
             for share in shares:
                 units = torch.zeros(2, dtype=torch.float64, device=self.device)  # tokens, sequences
                 for items in share:
-                    with self.autocast():
-                        loss_sum, counts = train_terms(self, items)
-                    if not bool(torch.isfinite(loss_sum)):
-                        if epoch == 0:
-                            self.stats.add("skipped_microbatches", 1.0)
-                        continue
-                    loss_sum.backward()
-                    units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(self.device)
-                    if epoch == 0:
-                        self.stats.add_counts(counts)
+                    counts = self._accumulate(items, log_stats=epoch == 0)
+                    if counts is not None:
+                        units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(self.device)
                 if self.world_size > 1:
                     dist.all_reduce(units, group=self.group)
                 divisor = float(units[0] if self.cfg.loss_agg == "token_mean" else units[1])
@@ -370,16 +380,8 @@ class TrainerWorker:
                     continue
                 norms = self._update(params, divisor)
                 if norms is not None:
-                    applied += 1
-                    first = first or norms
+                    applied, first = applied + 1, first or norms
         return applied, first
-
-    def _retrain(self) -> None:
-        for items in self._trained:
-            with self.autocast():
-                loss_sum, _ = train_terms(self, items)
-            if bool(torch.isfinite(loss_sum)):
-                loss_sum.backward()
 
 
 def _chunks(samples: list[Sample], max_tokens: int) -> Iterator[list[Sample]]:
