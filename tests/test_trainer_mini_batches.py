@@ -65,6 +65,19 @@ def test_more_mini_batches_than_micro_batches_is_fine(setup):
     assert m["num_samples"] == len(samples) and m["num_tokens"] == sum(len(s.output_ids) for s in samples)
 
 
+def test_mini_batches_split_samples_not_micro_batches(setup):
+    """One big micro-batch budget (everything fits one micro-batch) still gives K updates."""
+    model_dir, task = setup
+    w = TrainerWorker(TrainerConfig(algorithm="grpo", lr=5e-3, max_tokens_per_microbatch=100_000, mini_batches=4,
+                                    ppo_epochs=2, seed=0), model_dir, task, device="cpu")
+    samples, prompts, groups = rollout(w.actor, w.tokenizer, task.prompts("train")[:4], 3, 8, seed=2)
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    m = w.step().metrics
+    assert m["updates"] == 8.0 and m["num_samples"] == len(samples)
+    assert m["ratio"] != pytest.approx(1.0, abs=1e-6) or m["clipfrac"] > 0  # later mini-batches are off-policy
+
+
 def test_mini_batches_must_be_positive():
     with pytest.raises(ValueError, match="mini_batches"):
         TrainerConfig(mini_batches=0)

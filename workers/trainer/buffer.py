@@ -33,6 +33,25 @@ class Prepared:
     def num_tokens(self) -> int:
         return int(self.output_ids.numel())
 
+    @property
+    def packed_tokens(self) -> int:
+        """What a micro-batch's forward processes for it: prompt and response."""
+        return int(self.prompt_ids.numel() + self.output_ids.numel())
+
+
+def microbatches(items: list[Prepared], max_tokens: int) -> list[list[Prepared]]:
+    """``items`` in order, cut into micro-batches of at most ``max_tokens`` packed tokens
+    (at least one sample each)."""
+    out, tokens = [], 0
+    for p in items:
+        if out and out[-1] and tokens + p.packed_tokens <= max_tokens:
+            out[-1].append(p)
+            tokens += p.packed_tokens
+        else:
+            out.append([p])
+            tokens = p.packed_tokens
+    return out
+
 
 @dataclass
 class GroupState:
@@ -55,18 +74,18 @@ class SampleBuffer:
 
     def push_ready(self, items: list[Prepared]) -> None:
         self.ready.extend(items)
-        self.ready_tokens += sum(p.num_tokens for p in items)
+        self.ready_tokens += sum(p.packed_tokens for p in items)
 
     def pop_microbatch(self, max_tokens: int, flush: bool) -> list[Prepared]:
-        """Samples in arrival order up to ``max_tokens`` (at least one). Without ``flush`` only
-        when a full budget is there: ``[]`` otherwise."""
+        """Samples in arrival order up to ``max_tokens`` packed (prompt + response) tokens, at
+        least one. Without ``flush`` only when a full budget is there: ``[]`` otherwise."""
         if not self.ready or (not flush and self.ready_tokens < max_tokens):
             return []
         out, tokens = [], 0
-        while self.ready and (not out or tokens + self.ready[0].num_tokens <= max_tokens):
+        while self.ready and (not out or tokens + self.ready[0].packed_tokens <= max_tokens):
             p = self.ready.popleft()
             out.append(p)
-            tokens += p.num_tokens
+            tokens += p.packed_tokens
         self.ready_tokens -= tokens
         return out
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from workers.model import default_device, load_pretrained
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
-from workers.trainer.buffer import GroupState, Prepared, SampleBuffer
+from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.grads import all_reduce_sum, clip_norm
 from workers.trainer.critic import ValueModel
@@ -358,12 +358,15 @@ class TrainerWorker:
         return applied, first
 
     def _mini_batch_updates(self, params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
-        """``mini_batches`` updates per epoch over the kept micro-batches (each rank splits its own,
-        in arrival order; every rank runs the same number of all-reduces, empty shares included).
+        """``mini_batches`` updates per epoch: each rank splits its samples, in arrival order, into
+        that many shares, each re-packed into micro-batches (every rank runs the same number of
+        all-reduces; a share with no sample on any rank makes no update).
         Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
         k = self.cfg.mini_batches
-        n = len(self._trained)
-        shares = [self._trained[i * n // k:(i + 1) * n // k] for i in range(k)]
+        items = [p for mb in self._trained for p in mb]  # samples in arrival order
+        n = len(items)
+        shares = [microbatches(items[i * n // k:(i + 1) * n // k], self.cfg.max_tokens_per_microbatch)
+                  for i in range(k)]
         applied, first = 0, None
         for epoch in range(self.cfg.ppo_epochs):
             for share in shares:
