@@ -72,6 +72,26 @@ def test_verl_builtin_style_scorers(tmp_path, verl_data):
         make_task("jsonl", files=str(data), verifier=f"{f}:needs_more")
 
 
+def test_ground_truth_reaches_a_verl_scorer_as_the_dataset_gives_it(tmp_path):
+    rows = [{"prompt": "name 2", "reward_model": {"ground_truth": ["2", "two"]}},
+            {"prompt": "twelve?", "reward_model": {"ground_truth": 12}}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    ok = ground_truth if isinstance(ground_truth, list) else [str(ground_truth)]\n"
+                 "    return {'score': float(solution_str in ok), 'type': type(ground_truth).__name__}\n"
+                 "def no_score(data_source, solution_str, ground_truth):\n    return {'acc': 1.0}\n"
+                 "def nothing(data_source, solution_str, ground_truth):\n    return None\n")
+    t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:compute_score")
+    a, b = t.prompts("train")
+    assert t.score(a, "two") == 1.0 and t.score(b, "12") == 1.0 and a.answer == "['2', 'two']"
+    for fn, why in (("no_score", "a dict without 'score' \\(keys \\['acc'\\]\\)"), ("nothing", "returned NoneType")):
+        t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:{fn}")
+        with pytest.raises(ValueError, match=why):
+            t.score(a, "2")
+
+
 def test_chat_prompts_go_through_the_template(tmp_path):
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"})
     tok = train_bpe(["hello world 2+2? Be brief."], vocab_size=300)

@@ -119,13 +119,16 @@ class TaskPrompt:
     """A dataset item: the prompt text, the reference answer, the task it belongs to (for
     per-task accuracy) and free metadata the verifier may need. ``messages``: the chat, when
     the dataset gives one (``[{"role": ..., "content": ...}]``, verl's format): the policy sees
-    it through the chat template, and ``prompt`` is its last user turn (logs, the ranker)."""
+    it through the chat template, and ``prompt`` is its last user turn (logs, the ranker).
+    ``raw_answer``: the answer as the dataset gives it (a list of accepted answers, a dict, a
+    number), for verifiers that take it so (verl's ``ground_truth``); ``answer`` is its text."""
 
     prompt: str
     answer: str
     task: str
     meta: dict = field(default_factory=dict, hash=False, compare=False)
     messages: tuple = field(default=(), hash=False, compare=False)
+    raw_answer: object = field(default=None, hash=False, compare=False)
 
 
 @runtime_checkable

@@ -63,7 +63,7 @@ def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskP
         raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string (or a list of chat messages)")
     meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}  # a dotted key's parent stays
     return TaskPrompt(prompt=prompt, answer=str(answer), task=str(row.get("task", row.get("data_source", task))),
-                      meta=meta, messages=messages)
+                      meta=meta, messages=messages, raw_answer=answer)
 
 
 READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet}

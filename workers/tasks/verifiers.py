@@ -114,7 +114,8 @@ def _user_verifier(fn, spec: str) -> Verifier:
 
         def verl_style(prompt: TaskPrompt, completion: str) -> float:
             values = {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
-                      "ground_truth": prompt.answer, "extra_info": prompt.meta.get("extra_info")}
+                      "ground_truth": prompt.answer if prompt.raw_answer is None else prompt.raw_answer,
+                      "extra_info": prompt.meta.get("extra_info")}
             return _as_score(fn(**{n: values[n] for n in wanted}))
         return verl_style
     try:
@@ -127,7 +128,11 @@ def _user_verifier(fn, spec: str) -> Verifier:
 
 
 def _as_score(out) -> float:
-    """A number, or verl's {"score": number, ...}."""
+    """A number, or verl's {"score": number, ...}; anything else says what it was."""
     if isinstance(out, dict):
-        out = out.get("score", float("nan"))
+        if "score" not in out:
+            raise ValueError(f"the reward returned a dict without 'score' (keys {sorted(map(str, out))})")
+        out = out["score"]
+    if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
+        raise ValueError(f"the reward returned {type(out).__name__} {out!r:.60}, not a number")
     return float(out)

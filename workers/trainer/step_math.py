@@ -81,8 +81,11 @@ def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Te
 def _score(w: "TrainerWorker", s: "Sample") -> float:
     """The sample's reward; NaN (the sample is skipped) when the task's score fails."""
     score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids))
-    if why:
-        logging.getLogger("streamrl.trainer").warning("sample %d: %s", s.sample_id, why)
+    if why and why not in w.score_failures:  # once per kind: every sample may fail the same way
+        w.score_failures.add(why)
+        logging.getLogger("streamrl.trainer").warning(
+            "sample %d: %s; skipped (samples failing the same way are counted in skipped_samples, not "
+            "logged again)", s.sample_id, why)
     return score
 
 

@@ -73,6 +73,7 @@ class TrainerWorker:
         torch.manual_seed(cfg.seed)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.tokenizer = Tokenizer.load(model_dir)
+        self.score_failures: set[str] = set()  # kinds of reward failure logged so far (once each)
         # the EOS the controller gives the engines (its tokenizer's): masked where min_tokens applied
         self.eos_ids = torch.tensor([self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else [],
                                     dtype=torch.long)
@@ -138,7 +139,7 @@ class TrainerWorker:
             ok = []
             for s, p in zip(chunk, items):
                 if p is None:
-                    self._reject(s, f"sample {s.sample_id}: reward is not finite")
+                    self._reject(s, f"sample {s.sample_id}: reward is not finite", logged=True)
                 else:
                     ok.append(p)
             self._route(ok)
@@ -171,10 +172,13 @@ class TrainerWorker:
             p.grad = None
 
     # ---- receive-time bookkeeping ----------------------------------------------------------
-    def _reject(self, s: Sample, reason: str) -> None:
+    def _reject(self, s: Sample, reason: str, logged: bool = False) -> None:
+        """Skip a bad sample (counted), or raise with ``on_bad_sample: error``. ``logged``: its
+        reason was already logged (a failing reward is logged once per kind, not per sample)."""
         if self.cfg.on_bad_sample == "error":
             raise ValueError(reason)
-        log.warning("trainer rank %d skips %s", self.rank, reason)
+        if not logged:
+            log.warning("trainer rank %d skips %s", self.rank, reason)
         self.stats.add("skipped_samples", 1.0)
         g = self.buffer.groups.get(s.group_id)
         if self.cfg.grouped and s.group_id in self._group_sizes:
