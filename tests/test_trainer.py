@@ -205,6 +205,26 @@ def test_checkpoint_resume_is_bit_identical(model_dir, task, tmp_path, algorithm
         b.load_checkpoint(str(tmp_path))
 
 
+def test_a_longer_schedule_on_resume_takes_its_own_lr(model_dir, task, tmp_path):
+    """A finished cosine run continued with more iterations (total_steps follows them) resumes at
+    the new schedule's lr for that step, not the old one's last (0)."""
+    from workers.trainer.schedule import lr_lambda
+
+    short = TrainerConfig(lr=1e-2, lr_schedule="cosine", total_steps=2)
+    s0, p0, g0 = make_samples(model_dir, task, groups=2, n=2, seed=1)
+    a = TrainerWorker(short, model_dir, task, device="cpu")
+    for it in range(2):
+        a.begin_iteration(it, p0, g0)
+        a.receive(s0)
+        a.step()
+    assert a.scheduler.get_last_lr()[0] == 0.0  # the end of a 2-step cosine
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    longer = TrainerConfig(lr=1e-2, lr_schedule="cosine", total_steps=6)
+    b = TrainerWorker(longer, model_dir, task, device="cpu")
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert b.scheduler.get_last_lr()[0] == pytest.approx(1e-2 * lr_lambda(longer)(2)) and lr_lambda(longer)(2) > 0.5
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="algorithm"):
         TrainerConfig(algorithm="dpo")

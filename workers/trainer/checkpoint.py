@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.model import load_state, replace_dir, save_pretrained
+from workers.trainer.schedule import lr_lambda
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -69,6 +70,13 @@ def load(w: "TrainerWorker", path: str) -> None:
         w.critic.load_state_dict(load_file(str(critic_file)))
     w.optimizer.load_state_dict(state["optimizer"])
     w.scheduler.load_state_dict(state["scheduler"])
+    # the lr of the step it resumes at, under this run's schedule: a run continued with more
+    # iterations has a longer schedule (total_steps follows them), and the saved lr was the old
+    # schedule's (its last step: 0 for cosine / linear)
+    lam = lr_lambda(w.cfg)
+    for group, base in zip(w.optimizer.param_groups, w.scheduler.base_lrs):
+        group["lr"] = base * lam(w.scheduler.last_epoch)
+    w.scheduler._last_lr = [g["lr"] for g in w.optimizer.param_groups]
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
