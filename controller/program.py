@@ -33,13 +33,6 @@ from workers.types import Request, SamplingParams, TaskPrompt
 log = logging.getLogger("streamrl.controller")
 
 
-def prompt_ids(tok, item: TaskPrompt | str) -> list[int]:
-    """Token ids of a dataset item (or text) as the policy sees it."""
-    if isinstance(item, str):
-        return tok.encode(tok.format_prompt(item))
-    return tok.encode(tok.format_prompt(item.prompt, item.messages))
-
-
 SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
 
 
@@ -275,7 +268,8 @@ class Program:
     def _prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy
         sees it (chat template or prompt template), tokenized."""
-        return torch.tensor(prompt_ids(self.tok, item), dtype=torch.long)
+        ids = self.tok.encode_prompt(item) if isinstance(item, str) else self.tok.encode_prompt(item.prompt, item.messages)
+        return torch.tensor(ids, dtype=torch.long)
 
     # ---- evaluation, length measurement (outputs come back to the controller) -------------
     def _side_generate(self, reqs: list[Request]) -> dict[int, list[int]]:

@@ -94,13 +94,12 @@ class Session:
     def _fitting_task(self, task):
         """The task with its prompts checked against the engines' context (prompt_check.py):
         an over-long prompt stops the run here, naming it, or is dropped (``skip``)."""
-        from controller.program import prompt_ids
         from controller.prompt_check import FittingTask, PromptTooLong, fitting_prompts
         from controller.rpc import wait_all
 
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         context = min(st["max_model_len"] for st in stats)
-        n_tokens = lambda item: len(prompt_ids(self.tok, item))  # noqa: E731
+        n_tokens = lambda item: len(self.tok.encode_prompt(item.prompt, item.messages))  # noqa: E731
         kept = {}
         # the test split is read (and checked) here when the run evaluates; a REPL ``eval`` of a
         # run without eval_every reads it then

@@ -92,6 +92,20 @@ def test_ground_truth_reaches_a_verl_scorer_as_the_dataset_gives_it(tmp_path):
             t.score(a, "2")
 
 
+def test_sft_warm_start_and_tokenizer_see_the_whole_chat(verl_data):
+    """model.init's BPE and SFT use the chat as RL does (the system turn included)."""
+    from workers.trainer.bootstrap import build_tokenizer
+    from workers.trainer.sft import demonstrations
+
+    data, _ = verl_data
+    task = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth")
+    tok = build_tokenizer(task, 300, "Q: {prompt}\nA: ")
+    prompt_ids, answer_ids = demonstrations(tok, task)[4]
+    assert tok.decode(prompt_ids) == "Q: Answer with a number.\n\nWhat is 4 + 4?\nA: "
+    assert tok.decode(answer_ids, skip_special_tokens=True) == "8"
+    assert prompt_ids == tok.encode_prompt(task.prompts("train")[4].prompt, task.prompts("train")[4].messages)
+
+
 def test_chat_prompts_go_through_the_template(tmp_path):
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"})
     tok = train_bpe(["hello world 2+2? Be brief."], vocab_size=300)

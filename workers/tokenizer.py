@@ -91,6 +91,10 @@ class Tokenizer:
             text = "\n\n".join(str(m.get("content", "")) for m in messages)
         return self.prompt_template.format(prompt=text)
 
+    def encode_prompt(self, text: str, messages: Sequence[dict] = ()) -> list[int]:
+        """Token ids of a prompt (or a chat) as the policy sees it: ``format_prompt``, encoded."""
+        return self.encode(self.format_prompt(text, messages))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise ValueError("tokenizer has no chat_template (tokenizer_config.json)")

@@ -116,7 +116,7 @@ def rollout(model: CausalLM, tokenizer, items: Sequence[TaskPrompt], n: int, max
     (offset by ``first_id``)."""
     prompts, groups, ids, gids = {}, {}, [], []
     for g, item in enumerate(items):
-        p = tokenizer.encode(tokenizer.format_prompt(item.prompt))
+        p = tokenizer.encode_prompt(item.prompt, item.messages)
         groups[first_id // max(n, 1) + g] = n
         for _ in range(n):
             sid = first_id + len(ids)

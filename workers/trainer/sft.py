@@ -36,7 +36,7 @@ def demonstrations(tokenizer: Tokenizer, task: Task, split: str = "train") -> li
     ``demonstrations`` when it has them, else ``(item, item.answer)``."""
     pairs = task.demonstrations(split) if isinstance(task, HasDemonstrations) else [
         (item, item.answer) for item in task.prompts(split)]
-    return [(tokenizer.encode(tokenizer.format_prompt(item.prompt)), tokenizer.encode(text) + [tokenizer.eos_id])
+    return [(tokenizer.encode_prompt(item.prompt, item.messages), tokenizer.encode(text) + [tokenizer.eos_id])
             for item, text in pairs]
 
 
