@@ -213,6 +213,8 @@ VERL_KEYS = {
     "entropy_coeff": "trainer.entropy_coef", "loss_agg_mode": "trainer.loss_agg",
     "clip_ratio": "trainer.clip_low and trainer.clip_high", "clip_ratio_c": "trainer.dual_clip",
     "n": "train.group_size", "default_local_dir": "logging.logdir",
+    "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
+    "val_kwargs": "train.eval_samples and train.eval_temperature",
 }
 
 
@@ -378,8 +380,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.length_trace and not Path(t.length_trace).is_file():
         raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
-    if not (isinstance(t.top_k, int) and t.top_k >= 0):
-        raise ConfigError(f"train.top_k must be an int >= 0 (0: off), got {t.top_k!r}")
+    if not (isinstance(t.top_k, int) and t.top_k >= -1):
+        raise ConfigError(f"train.top_k must be an int >= 0 (0 or -1, as in vLLM and verl: off), got {t.top_k!r}")
     if not 0.0 < t.top_p <= 1.0:
         raise ConfigError(f"train.top_p must be in (0, 1] (1: off), got {t.top_p}")
     if t.overlong_prompts not in OVERLONG_POLICIES:

@@ -106,7 +106,7 @@ class Program:
                 sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j]),
                                     group_id=iteration * SAMPLE_STRIDE + j,
-                                    sampling=SamplingParams(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p,
+                                    sampling=SamplingParams(temperature=t.temperature, top_k=max(t.top_k, 0), top_p=t.top_p,
                                                             seed=t.seed * 7919 + sid)))
         return _Batch(iteration, items, reqs, time.time())
 
@@ -287,7 +287,7 @@ class Program:
         reqs = [Request(-(1 << 40) - j * t.group_size - k,
                         self._prompt_ids(p),
                         t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=SamplingParams(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p,
+                        sampling=SamplingParams(temperature=t.temperature, top_k=max(t.top_k, 0), top_p=t.top_p,
                                                  seed=t.seed * 7919 + j * t.group_size + k))
                 for j, p in enumerate(prompts) for k in range(t.group_size)]
         out = self._side_generate(reqs)
@@ -303,7 +303,7 @@ class Program:
         items = list(self.task.prompts("test"))[:n] if n > 0 else list(self.task.prompts("test"))
         k = t.eval_samples
         reqs = [Request(-1 - (j * k + s), self._prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=SamplingParams(temperature=t.eval_temperature, top_k=t.top_k, top_p=t.top_p,
+                        sampling=SamplingParams(temperature=t.eval_temperature, top_k=max(t.top_k, 0), top_p=t.top_p,
                                                 seed=t.seed * 7919 + j * k + s))
                 for j, it in enumerate(items) for s in range(k)]
         texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}

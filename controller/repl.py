@@ -8,7 +8,7 @@ Commands (one per line)::
     timeline [N]       bubble fraction per worker and stage times over the last N spans (200)
     mode NAME          switch pipeline mode (same placement kind) between iterations
     dispatch NAME [k=v ...]   switch the dispatcher (controller.scheduling names)
-    eval [N]           greedy accuracy on N test prompts
+    eval [N]           score N test prompts (32; 0: all), as train.eval_*; logged to eval.jsonl
     save               write a checkpoint now
     leave RANK         scale in: generation instance RANK stops taking prompts
     status             iteration, weight version, mode, last reward
@@ -93,8 +93,8 @@ class Repl:
         return {"dispatch": name, "options": opts}
 
     def eval(self, n: str = "32") -> dict:
-        acc = self.s.program.evaluate(_count("eval", n))
-        self.s.metrics.log_scalars(acc, self.s.program.iteration)  # beside the periodic evals
+        acc = self.s.program.evaluate(0 if n.strip() == "0" else _count("eval", n))  # 0: the whole split
+        self.s.metrics.log_eval(acc, self.s.program.iteration)  # beside the periodic evals
         return acc
 
     def save(self) -> dict:

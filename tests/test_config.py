@@ -173,7 +173,7 @@ def test_rollout_filters_make_the_trainer_recompute_old_log_probs():
     assert from_dict({"train": {"top_k": 20}}).trainer.recompute_old_logprobs is True
     with pytest.raises(ConfigError, match="trainer.recompute_old_logprobs: must be true with train.top_k"):
         from_dict({"train": {"top_p": 0.9}, "trainer": {"recompute_old_logprobs": False}})
-    for bad, msg in (({"top_p": 0.0}, "train.top_p must be in"), ({"top_k": -1}, "train.top_k must be an int")):
+    for bad, msg in (({"top_p": 0.0}, "train.top_p must be in"), ({"top_k": -2}, "train.top_k must be an int")):
         with pytest.raises(ConfigError, match=msg):
             from_dict({"train": bad})
 
@@ -196,3 +196,10 @@ def test_eval_sampling_is_checked():
         from_dict({"train": {"eval_samples": 4}})
     with pytest.raises(ConfigError, match="train.eval_samples must be >= 1"):
         from_dict({"train": {"eval_samples": 0}})
+
+
+def test_verl_top_k_minus_one_is_off():
+    from controller.config import from_dict
+
+    cfg = from_dict({"train": {"top_k": -1}})
+    assert cfg.train.top_k == -1 and cfg.trainer.recompute_old_logprobs is False

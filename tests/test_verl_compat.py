@@ -106,6 +106,23 @@ def test_sft_warm_start_and_tokenizer_see_the_whole_chat(verl_data):
     assert prompt_ids == tok.encode_prompt(task.prompts("train")[4].prompt, task.prompts("train")[4].messages)
 
 
+def test_chat_message_forms(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text",
+                                                                                          "text": "1 + 1?"}]}],
+             "answer": "2"},
+            {"prompt": [{"role": "user", "content": 7}], "answer": "7"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = make_task("jsonl", files=str(data))
+    with pytest.raises(ValueError, match=r"d.jsonl:2: prompt\[0\]: content must be a string or a list of text parts"):
+        t.prompts("train")
+    data.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": [], "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:2: field 'prompt' is an empty list of messages"):
+        make_task("jsonl", files=str(data)).prompts("train")
+    data.write_text(json.dumps(rows[0]) + "\n")
+    assert make_task("jsonl", files=str(data)).prompts("train")[0].prompt == "What is 1 + 1?"
+
+
 def test_chat_prompts_go_through_the_template(tmp_path):
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"})
     tok = train_bpe(["hello world 2+2? Be brief."], vocab_size=300)

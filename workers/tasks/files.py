@@ -44,6 +44,20 @@ def _field(row: dict, key: str, where: str, setting: str):
     return value
 
 
+def _message(m, where: str) -> dict:
+    """A chat message ``{"role": str, "content": str}``; OpenAI-style content parts
+    (``[{"type": "text", "text": ...}]``) are joined."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"{where}: a message must be {{\"role\": str, \"content\": str}}, got {m!r:.80}")
+    content = m.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"{where}: content must be a string or a list of text parts, got {content!r:.80}")
+    return {**m, "content": content}
+
+
 def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskPrompt:
     """One row. The prompt is a non-empty string, or a chat (verl's format): a list of
     ``{"role", "content"}`` messages, seen by the policy through the chat template."""
@@ -52,11 +66,9 @@ def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskP
     prompt, answer = _field(row, prompt_key, where, "prompt_key"), _field(row, answer_key, where, "answer_key")
     messages: tuple = ()
     if isinstance(prompt, (list, tuple)):
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                 and isinstance(m.get("content"), str) for m in prompt):
-            raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string or a non-empty list of "
-                             '{"role": str, "content": str} messages')
-        messages = tuple(dict(m) for m in prompt)
+        if not prompt:
+            raise ValueError(f"{where}: field {prompt_key!r} is an empty list of messages")
+        messages = tuple(_message(m, f"{where}: {prompt_key}[{i}]") for i, m in enumerate(prompt))
         users = [m["content"] for m in messages if m["role"] == "user"]
         prompt = users[-1] if users else messages[-1]["content"]
     if not isinstance(prompt, str) or not prompt:
