@@ -102,15 +102,21 @@ class PTLProfile:
     @classmethod
     def from_dict(cls, d, where: str = "PTLProfile") -> "PTLProfile":
         """The profile in ``d`` (a saved profile's JSON object); errors name ``where``."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{where}: a PTLProfile is a JSON object, got {type(d).__name__}")
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{where}: unknown PTLProfile keys {sorted(unknown)}")
-        missing = {"batch_sizes", "ptl_s", "kv_tokens"} - set(d)
+        missing = {"batch_sizes", "ptl_s", "kv_tokens"} - set(d) if isinstance(d, dict) else set()
         if missing:
             raise ValueError(f"{where}: PTLProfile is missing {sorted(missing)}")
-        try:
-            return cls(**d)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: not a valid PTLProfile ({e})") from None
+        return from_json(cls, d, where)
+
+
+def from_json(cls, d: dict, where: str):
+    """``cls(**d)`` for a dataclass read from a file: unknown keys or bad values are a
+    ValueError naming ``where``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object for {cls.__name__}, got {type(d).__name__}")
+    unknown = set(d) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{where}: unknown {cls.__name__} keys {sorted(unknown)}")
+    try:
+        return cls(**d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a valid {cls.__name__} ({e})") from None

@@ -2,24 +2,18 @@
 import pytest
 import torch
 
-from workers.model import ModelConfig
-from workers.tasks import make_task
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.packing import pack, response_logits, token_logprobs
 from workers.trainer.rollout import rollout
-from tests.trainer_helpers import LengthRewardTask
+from tests.trainer_helpers import LengthRewardTask, synthetic_task, tiny_config, tiny_model_dir
 
 torch.set_num_threads(1)
-SMALL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
-    folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "small", task, SMALL, seed=0)
-    return str(folder), LengthRewardTask(task)
+    return tiny_model_dir(tmp_path_factory, tiny_config(layers=4, hidden=64, heads=4, kv_heads=2)), \
+        LengthRewardTask(synthetic_task())
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])

@@ -14,14 +14,12 @@ import pytest
 import torch
 
 from workers.model import CausalAttention, ModelConfig, load_pretrained
-from workers.tasks import make_task
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.critic import ValueModel
 from workers.trainer.packing import pack
 from workers.trainer.rollout import rollout
 from workers.trainer.step_math import prepare_batch
-from tests.trainer_helpers import LengthRewardTask
+from tests.trainer_helpers import LengthRewardTask, synthetic_task, tiny_model_dir
 
 torch.set_num_threads(1)
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -30,14 +28,12 @@ TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hid
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
-    folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "tiny", task, TINY, seed=0)
-    return str(folder)
+    return tiny_model_dir(tmp_path_factory, TINY)
 
 
 @pytest.fixture(scope="module")
 def task():
-    return LengthRewardTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
+    return LengthRewardTask(synthetic_task())
 
 
 def draw(model_dir, task, temperature=1.0, noise=0.3):

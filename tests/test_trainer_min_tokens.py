@@ -7,25 +7,20 @@ import torch
 from workers.generation.config import EngineConfig
 from workers.generation.engine import generate_all
 from workers.generation.factory import make_engine
-from workers.model import ModelConfig
-from workers.tasks import make_task
+from tests.trainer_helpers import synthetic_task, tiny_model_dir
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.packing import pack
 from workers.trainer.step_math import prepare_batch
 from workers.types import Request, SamplingParams
 
 torch.set_num_threads(1)
-TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
+    task = synthetic_task()
     # SFT'd, so the model ends its answers with EOS: p(EOS) is large where min_tokens forbids it
-    folder, _ = build_model_dir(tmp_path_factory.mktemp("m") / "tiny", task, TINY, seed=0, sft_steps=60)
-    return str(folder), task
+    return tiny_model_dir(tmp_path_factory, sft_steps=60), task
 
 
 def engine_samples(model_dir, task, min_tokens, temperature):

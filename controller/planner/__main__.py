@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from controller.planner.cluster import (Cluster, Datacenter, Planner, describe, load_cluster, load_model,
                                         load_trace, sample_workloads)

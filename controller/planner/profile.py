@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from controller.ptl_profile import from_json
 from controller.scheduling import PTLProfile
 from workers.types import Engine, Request, SamplingParams
 from workers.atomic import write_text
@@ -222,19 +223,6 @@ def load_json(path: str | os.PathLike, name: str, required: Sequence[str]) -> di
         raise ValueError(f"{path}: {name} is missing {sorted(missing)}")
     return d
 
-
-def from_json(cls, d: dict, where: str):
-    """``cls(**d)`` for a dataclass read from a file: unknown keys or bad values are a
-    ValueError naming ``where``."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected a JSON object for {cls.__name__}, got {type(d).__name__}")
-    unknown = set(d) - set(cls.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"{where}: unknown {cls.__name__} keys {sorted(unknown)}")
-    try:
-        return cls(**d)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: not a valid {cls.__name__} ({e})") from None
 
 
 @dataclass
