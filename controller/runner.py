@@ -23,6 +23,7 @@ from controller.metrics import Metrics
 from controller.program import Program
 from controller.rpc import WorkerFailed, request_exit, worker_name
 from controller.world import add_instance, build_world
+from workers.model import stop_ids
 
 _JOINERS: "queue.Queue[tuple[int, str]]" = queue.Queue()
 
@@ -70,7 +71,7 @@ class Session:
         self.boot = boot
         self.model_dir = boot["path"]
         self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None)
-        self.eos_ids = [self.tok.eos_id]
+        self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.task = self._fitting_task(self.task)
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)

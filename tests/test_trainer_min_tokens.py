@@ -27,7 +27,7 @@ def engine_samples(model_dir, task, min_tokens, temperature):
     w = TrainerWorker(TrainerConfig(temperature=temperature, recompute_old_logprobs=True), model_dir, task,
                       device="cpu")
     eng = make_engine(EngineConfig(device="cpu", dtype="float32", kv_cache_tokens=2048, max_batch_size=8),
-                      model_dir, eos_ids=[w.tokenizer.eos_id])
+                      model_dir, eos_ids=w.eos_ids.tolist())  # as the controller gives them (stop_ids)
     items = task.prompts("train")[:6]
     reqs = [Request(i, torch.tensor(w.tokenizer.encode(w.tokenizer.format_prompt(it.prompt))), 24, min_tokens,
                     0.0, sampling=SamplingParams(temperature=temperature, seed=i)) for i, it in enumerate(items)]
@@ -62,3 +62,27 @@ def test_without_min_tokens_nothing_is_masked(setup):
 def test_pack_marks_the_positions_before_min_tokens():
     b = pack([torch.tensor([1, 2]), torch.tensor([3])], [torch.tensor([4, 5, 6]), torch.tensor([7, 8])], "cpu", [2, 5])
     assert b.eos_blocked.tolist() == [True, True, False, True, True]
+
+
+def test_every_eos_of_the_folder_stops_and_is_masked(setup, tmp_path):
+    """An instruct model lists several EOS ids (config.json, generation_config.json): the engine
+    stops on each, and min_tokens masks each in the sampler and in the trainer alike."""
+    import json
+    import shutil
+
+    from workers.model import stop_ids
+
+    model_dir, task = setup
+    folder = tmp_path / "m"
+    shutil.copytree(model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    eos = cfg["eos_token_id"]
+    cfg["eos_token_id"] = [eos, 7]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 9]}))
+    assert stop_ids(folder, eos) == [eos, 7, 9]
+    w, samples = engine_samples(str(folder), task, 24, 1.0)
+    assert w.eos_ids.tolist() == [eos, 7, 9]
+    for p, s in zip(prepare_batch(w, samples), samples):
+        assert torch.allclose(p.old_logp, s.logprobs, atol=5e-5)
+        assert not set(s.output_ids.tolist()) & {eos, 7, 9}

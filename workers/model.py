@@ -357,6 +357,23 @@ def load_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
+def stop_ids(folder: str | os.PathLike, tokenizer_eos: int | None) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS and the ``eos_token_id`` of the folder's
+    config.json and generation_config.json (an instruct model often lists two, e.g. Qwen's
+    <|im_end|> and <|endoftext|>), as HF ``generate`` and vLLM stop on. The engines stop on them,
+    and ``min_tokens`` masks them in the sampler and the trainer alike."""
+    ids = [] if tokenizer_eos is None else [int(tokenizer_eos)]
+    for name in ("config.json", "generation_config.json"):
+        path = Path(folder) / name
+        if not path.exists():
+            continue
+        e = json.loads(path.read_text()).get("eos_token_id")
+        for i in ([] if e is None else e if isinstance(e, list) else [e]):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
 def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> CausalLM:
     folder = Path(folder)

@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from workers.model import default_device, load_pretrained
+from workers.model import default_device, load_pretrained, stop_ids
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
@@ -74,9 +74,8 @@ class TrainerWorker:
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.tokenizer = Tokenizer.load(model_dir)
         self.score_failures: set[str] = set()  # kinds of reward failure logged so far (once each)
-        # the EOS the controller gives the engines (its tokenizer's): masked where min_tokens applied
-        self.eos_ids = torch.tensor([self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else [],
-                                    dtype=torch.long)
+        # the stop ids the controller gives the engines: masked where min_tokens applied
+        self.eos_ids = torch.tensor(stop_ids(model_dir, self.tokenizer.eos_id), dtype=torch.long)
         self.actor = load_pretrained(model_dir, self.device, dtype=torch.float32)  # fp32 master weights
         self.actor.train()
         self.actor.model.checkpoint_layers = cfg.activation_checkpointing
