@@ -139,6 +139,7 @@ class TrainSection:
     # a prompt with no room for an output token in the engines' context: "error" at start
     # (naming it), or "skip" it (controller/prompt_check.py)
     overlong_prompts: str = "error"
+    max_prompt_tokens: int = 0  # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
 
 
 @dataclass(frozen=True)
@@ -384,6 +385,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.top_k must be an int >= 0 (0 or -1, as in vLLM and verl: off), got {t.top_k!r}")
     if not 0.0 < t.top_p <= 1.0:
         raise ConfigError(f"train.top_p must be in (0, 1] (1: off), got {t.top_p}")
+    if not (isinstance(t.max_prompt_tokens, int) and t.max_prompt_tokens >= 0):
+        raise ConfigError(f"train.max_prompt_tokens must be an int >= 0 (0: the engines' context), "
+                          f"got {t.max_prompt_tokens!r}")
     if t.overlong_prompts not in OVERLONG_POLICIES:
         raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
     if not t.length_scale > 0:

@@ -20,20 +20,24 @@ class PromptTooLong(ValueError):
 
 
 def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[TaskPrompt], int], context_len: int,
-                    split: str, policy: str) -> tuple[list[TaskPrompt], list[int]]:
-    """The prompts of ``split`` that leave room for an output token, and the indices dropped
-    (``policy`` "skip"); "error" raises ``PromptTooLong`` at the first one that does not."""
+                    split: str, policy: str, max_prompt_tokens: int = 0) -> tuple[list[TaskPrompt], list[int]]:
+    """The prompts of ``split`` that leave room for an output token (and are at most
+    ``max_prompt_tokens`` long, when > 0), and the indices dropped (``policy`` "skip"); "error"
+    raises ``PromptTooLong`` at the first one that does not."""
+    limit = context_len - 1 if max_prompt_tokens <= 0 else min(context_len - 1, max_prompt_tokens)
     kept, dropped = [], []
     for i, item in enumerate(items):
         n = n_tokens(item)
-        if n + 1 <= context_len:
+        if n <= limit:
             kept.append(item)
         elif policy == "error":
+            why = (f"the engines' context (max_model_len) is {context_len}, which leaves no room for an output "
+                   "token" if n + 1 > context_len else f"train.max_prompt_tokens is {max_prompt_tokens}")
             raise PromptTooLong(
-                f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...) is {n} tokens with the template; the "
-                f"engines' context (max_model_len) is {context_len}, which leaves no room for an output token. "
+                f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...) is {n} tokens with the template; {why}. "
                 "Shorten or drop it, raise engine.max_model_len / engine.kv_cache_tokens (within the model's "
-                "max_position_embeddings), or set train.overlong_prompts: skip to drop such prompts")
+                "max_position_embeddings) or train.max_prompt_tokens, or set train.overlong_prompts: skip to "
+                "drop such prompts")
         else:
             dropped.append(i)
     return kept, dropped

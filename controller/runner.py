@@ -107,15 +107,17 @@ class Session:
         for split in ("train", "test") if self.cfg.train.eval_every else ("train",):
             try:
                 kept[split], dropped = fitting_prompts(task.prompts(split), n_tokens, context, split,
-                                                       self.cfg.train.overlong_prompts)
+                                                       self.cfg.train.overlong_prompts,
+                                                       self.cfg.train.max_prompt_tokens)
             except PromptTooLong as e:
                 raise ConfigError(str(e)) from None
             except (ValueError, OSError, ImportError) as e:  # the task's data: a file, a line, a field
                 raise ConfigError(f"task ({self.cfg.task.name}) {split} prompts: {e}") from None
             if dropped:
                 print(f"[controller] train.overlong_prompts skip: dropped {len(dropped)} of "
-                      f"{len(dropped) + len(kept[split])} {split} prompts with no room for an output token in "
-                      f"max_model_len {context} (indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})",
+                      f"{len(dropped) + len(kept[split])} {split} prompts longer than train.max_prompt_tokens "
+                      f"or with no room for an output token in max_model_len {context} "
+                      f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})",
                       file=sys.stderr, flush=True)
             if split == "train" and not kept[split]:
                 raise ConfigError(f"train.overlong_prompts skip: every train prompt is longer than the engines' "

@@ -20,6 +20,11 @@ def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
     assert kept == [ITEMS[0], ITEMS[2]] and dropped == [1, 3]
     kept, dropped = fitting_prompts(ITEMS, n_tokens, 13, "train", "error")  # 12 + 1 output token fits
     assert kept == ITEMS and dropped == []
+    # verl's max_prompt_length: a shorter limit than the context
+    with pytest.raises(PromptTooLong, match=r"\[1\] .* is 9 tokens .*; train.max_prompt_tokens is 8\."):
+        fitting_prompts(ITEMS, n_tokens, 100, "train", "error", max_prompt_tokens=8)
+    kept, dropped = fitting_prompts(ITEMS, n_tokens, 100, "train", "skip", max_prompt_tokens=3)
+    assert kept == [ITEMS[0], ITEMS[2]] and dropped == [1, 3]
 
 
 def test_fitting_task_is_the_task_with_fewer_prompts():
@@ -44,6 +49,9 @@ def test_policy_is_validated(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("train:\n  overlong_prompts: truncate\n")
     with pytest.raises(ConfigError, match="train.overlong_prompts: 'truncate' is not one of"):
+        load_config(p)
+    p.write_text("train:\n  max_prompt_tokens: -1\n")
+    with pytest.raises(ConfigError, match="train.max_prompt_tokens must be an int >= 0"):
         load_config(p)
 
 
