@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from controller.prompt_check import OVERLONG_POLICIES
+from workers.types import GREEDY_BELOW
 
 PIPELINE_MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
@@ -329,7 +330,7 @@ def _trainer_from_train(trainer, train: TrainSection, explicit: set):
     rollout filters tokens (``train.top_k`` / ``top_p``; checked when set)."""
     if not dataclasses.is_dataclass(trainer):  # the trainer component is not installed
         return trainer
-    rollout = train.temperature if train.temperature >= 1e-5 else 1.0
+    rollout = train.temperature if train.temperature >= GREEDY_BELOW else 1.0
     if "temperature" in explicit and trainer.temperature != rollout:
         raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "
                           f"train.temperature {train.temperature} (the PPO ratio, KL and entropy must be taken "
@@ -393,13 +394,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not t.length_scale > 0:
         raise ConfigError(f"train.length_scale must be > 0, got {t.length_scale}")
     algorithm = getattr(cfg.trainer, "algorithm", None)
-    if algorithm in ("grpo", "rloo") and t.temperature < 1e-5:
+    if algorithm in ("grpo", "rloo") and t.temperature < GREEDY_BELOW:
         raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
                           "sample group_size times, so every group's advantages are 0 and nothing trains; "
                           "sample at a temperature > 0")
     if t.eval_samples < 1:
         raise ConfigError(f"train.eval_samples must be >= 1, got {t.eval_samples}")
-    if t.eval_samples > 1 and t.eval_temperature < 1e-5:
+    if t.eval_samples > 1 and t.eval_temperature < GREEDY_BELOW:
         raise ConfigError(f"train.eval_samples: {t.eval_samples} greedy samples of a prompt are all the same; "
                           "set train.eval_temperature > 0")
     if not (t.eval_temperature >= 0 and math.isfinite(t.eval_temperature)):

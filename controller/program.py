@@ -106,8 +106,7 @@ class Program:
                 sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j]),
                                     group_id=iteration * SAMPLE_STRIDE + j,
-                                    sampling=SamplingParams(temperature=t.temperature, top_k=max(t.top_k, 0), top_p=t.top_p,
-                                                            seed=t.seed * 7919 + sid)))
+                                    sampling=self._sampling(t.temperature, t.seed * 7919 + sid)))
         return _Batch(iteration, items, reqs, time.time())
 
     def _begin(self, b: _Batch) -> None:
@@ -268,8 +267,14 @@ class Program:
     def _prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy
         sees it (chat template or prompt template), tokenized."""
-        ids = self.tok.encode_prompt(item) if isinstance(item, str) else self.tok.encode_prompt(item.prompt, item.messages)
-        return torch.tensor(ids, dtype=torch.long)
+        if isinstance(item, str):
+            return torch.tensor(self.tok.encode_prompt(item), dtype=torch.long)
+        return torch.tensor(self.tok.encode_prompt(item.prompt, item.messages), dtype=torch.long)
+
+    def _sampling(self, temperature: float, seed: int) -> SamplingParams:
+        """The rollout's sampling (``train.top_k`` / ``top_p``; a top_k of -1 is off, as 0)."""
+        t = self.cfg.train
+        return SamplingParams(temperature=temperature, top_k=max(t.top_k, 0), top_p=t.top_p, seed=seed)
 
     # ---- evaluation, length measurement (outputs come back to the controller) -------------
     def _side_generate(self, reqs: list[Request]) -> dict[int, list[int]]:
@@ -287,8 +292,7 @@ class Program:
         reqs = [Request(-(1 << 40) - j * t.group_size - k,
                         self._prompt_ids(p),
                         t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=SamplingParams(temperature=t.temperature, top_k=max(t.top_k, 0), top_p=t.top_p,
-                                                 seed=t.seed * 7919 + j * t.group_size + k))
+                        sampling=self._sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))
                 for j, p in enumerate(prompts) for k in range(t.group_size)]
         out = self._side_generate(reqs)
         return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
@@ -303,8 +307,7 @@ class Program:
         items = list(self.task.prompts("test"))[:n] if n > 0 else list(self.task.prompts("test"))
         k = t.eval_samples
         reqs = [Request(-1 - (j * k + s), self._prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=SamplingParams(temperature=t.eval_temperature, top_k=max(t.top_k, 0), top_p=t.top_p,
-                                                seed=t.seed * 7919 + j * k + s))
+                        sampling=self._sampling(t.eval_temperature, t.seed * 7919 + j * k + s))
                 for j, it in enumerate(items) for s in range(k)]
         texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}
         per: dict[str, list[float]] = {}

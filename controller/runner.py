@@ -120,8 +120,9 @@ class Session:
                       f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})",
                       file=sys.stderr, flush=True)
             if split == "train" and not kept[split]:
-                raise ConfigError(f"train.overlong_prompts skip: every train prompt is longer than the engines' "
-                                  f"context ({context} tokens)")
+                raise ConfigError(f"train.overlong_prompts skip: every train prompt is over-long (longer than "
+                                  f"train.max_prompt_tokens, or no room for an output token in the engines' "
+                                  f"context of {context} tokens)")
         return FittingTask(task, kept)
 
     def _ranker(self):
@@ -304,29 +305,31 @@ def _holds_run(logdir: Path) -> bool:
     return ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
 
 
+def _other_run(logdir: Path, resume: str) -> Path | None:
+    """The run folder holding the checkpoint ``--resume`` names, when it is not ``logdir``."""
+    found = ckpt.find(resume) if resume else None
+    run = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
+    return None if run is None or run.resolve() == logdir.resolve() else run
+
+
 def run_logdir(logdir: Path, resume: str) -> Path:
     """Where a run writes. ``--resume`` of a checkpoint of run folder R continues in R when
     ``logging.logdir`` is R, or is another folder already holding a run (writing there would
     interleave two runs' rows, steps and checkpoints); into an unused ``logging.logdir`` it
     forks: R is left as it was."""
-    found = ckpt.find(resume) if resume else None
-    run = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
-    if run is None or run.resolve() == logdir.resolve():
-        return logdir
-    return run if _holds_run(logdir) else logdir
+    run = _other_run(logdir, resume)
+    return run if run is not None and _holds_run(logdir) else logdir
 
 
 def _resumed_logdir(logdir: Path, resume: str) -> Path:
     """``run_logdir``, saying where it writes when that is not the plain case."""
-    out = run_logdir(logdir, resume)
-    found = ckpt.find(resume)
+    out, run = run_logdir(logdir, resume), _other_run(logdir, resume)
     if out != logdir:
         print(f"[controller] --resume {resume}: continuing that run in its folder {out} (logging.logdir "
               f"{logdir} holds another run)", file=sys.stderr, flush=True)
-    elif found is not None and found.parent.name == "checkpoints" and \
-            found.parent.parent.resolve() != logdir.resolve():
-        print(f"[controller] --resume {resume}: continuing from {found} in the new folder {logdir} "
-              f"({found.parent.parent} is left as it is)", file=sys.stderr, flush=True)
+    elif run is not None:
+        print(f"[controller] --resume {resume}: continuing from {ckpt.find(resume)} in the new folder {logdir} "
+              f"({run} is left as it is)", file=sys.stderr, flush=True)
     return out
 
 

@@ -12,10 +12,15 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 import torch
 
 
+# below this a temperature is greedy (argmax; vLLM's _SAMPLING_EPS): logits / 1e-45 overflow
+# to inf in fp32 and the draw returns NaN log-probs
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
-    ``temperature`` below 1e-5 is greedy (as vLLM). ``seed`` makes a request's draws reproducible."""
+    ``temperature`` below ``GREEDY_BELOW`` is greedy. ``seed`` makes a request's draws reproducible."""
 
     temperature: float = 1.0
     top_k: int = 0

@@ -17,10 +17,7 @@ from __future__ import annotations
 import torch
 
 from workers.generation.sequence import Sequence
-
-# below this a temperature is greedy (as vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
-# inf in fp32 and the draw returns NaN log-probs
-GREEDY_BELOW = 1e-5
+from workers.types import GREEDY_BELOW
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -101,9 +101,10 @@ def _user_verifier(fn, spec: str) -> Verifier:
     """The user's function as a Verifier, checked against the two signatures at load (a
     mismatch used to raise on every sample, so every sample was skipped, silently)."""
     try:
-        params = inspect.signature(fn).parameters
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: trust it
         return lambda prompt, completion: _as_score(fn(prompt, completion))
+    params = sig.parameters
     if "solution_str" in params:  # verl's names (its own gsm8k/math scorers lack data_source)
         required = [n for n, p in params.items() if p.default is p.empty
                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in VERL_ARGS]
@@ -119,7 +120,7 @@ def _user_verifier(fn, spec: str) -> Verifier:
             return _as_score(fn(**{n: values[n] for n in wanted}))
         return verl_style
     try:
-        inspect.signature(fn).bind(None, "")
+        sig.bind(None, "")
     except TypeError:
         raise ValueError(f"task.kwargs.verifier: {spec!r} takes ({', '.join(params)}); a verifier is "
                          "fn(prompt, completion) -> float, or verl's compute_score(data_source, solution_str, "

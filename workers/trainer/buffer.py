@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,17 +42,19 @@ class Prepared:
         return int(self.prompt_ids.numel() + self.output_ids.numel())
 
 
-def microbatches(items: list[Prepared], max_tokens: int) -> list[list[Prepared]]:
+def microbatches(items: Sequence[T], max_tokens: int, tokens_of: Callable[[T], int] = lambda p: p.packed_tokens
+                 ) -> list[list[T]]:
     """``items`` in order, cut into micro-batches of at most ``max_tokens`` packed tokens
-    (at least one sample each)."""
+    (``tokens_of`` an item; at least one item each)."""
     out, tokens = [], 0
     for p in items:
-        if out and out[-1] and tokens + p.packed_tokens <= max_tokens:
+        n = tokens_of(p)
+        if out and tokens + n <= max_tokens:
             out[-1].append(p)
-            tokens += p.packed_tokens
+            tokens += n
         else:
             out.append([p])
-            tokens = p.packed_tokens
+            tokens = n
     return out
 
 

@@ -49,3 +49,9 @@ def aggregate_sum(x: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tens
     if mode == "seq_mean":
         return (x / seq_lens[seq_index].to(x.dtype)).sum()
     raise ValueError(f"loss_agg {mode!r} is not 'token_mean' or 'seq_mean'")
+
+
+def loss_divisor(num_tokens: float, num_seqs: float, mode: str) -> float:
+    """What the SUMs of ``aggregate_sum`` over some samples are divided by: their tokens
+    (``token_mean``) or their sequences (``seq_mean``)."""
+    return float(num_tokens if mode == "token_mean" else num_seqs)

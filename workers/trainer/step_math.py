@@ -17,7 +17,7 @@ from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
-from workers.trainer.losses import aggregate_sum, entropy_from_logits, policy_loss, value_loss
+from workers.trainer.losses import aggregate_sum, entropy_from_logits, loss_divisor, policy_loss, value_loss
 from workers.trainer.packing import pack, response_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class StatSums:
     def metrics(self, totals: torch.Tensor, loss_agg: str) -> dict[str, float]:
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
-        divisor = t["num_tokens"] if loss_agg == "token_mean" else t["num_seqs"]
+        divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg)
         mean = t["score_sum"] / n
         m = {"reward_mean": mean, "reward_std": max(t["score_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
              "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n}

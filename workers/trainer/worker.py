@@ -33,6 +33,7 @@ from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.grads import all_reduce_sum, clip_norm
+from workers.trainer.losses import loss_divisor
 from workers.trainer.critic import ValueModel
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, train_terms
@@ -133,7 +134,9 @@ class TrainerWorker:
         for s in samples:  # caller bugs raise before any sample of this call is consumed
             self._check(s)
         accepted = [s for s in samples if self._accept(s)]
-        for chunk in _chunks(accepted, self.cfg.max_tokens_per_microbatch):
+        # by prompt + output tokens, so receive-time forwards stay bounded
+        for chunk in microbatches(accepted, self.cfg.max_tokens_per_microbatch,
+                                  lambda s: s.prompt_ids.numel() + s.output_ids.numel()):
             items = prepare_batch(self, chunk)
             ok = []
             for s, p in zip(chunk, items):
@@ -380,7 +383,7 @@ class TrainerWorker:
                         units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(self.device)
                 if self.world_size > 1:
                     dist.all_reduce(units, group=self.group)
-                divisor = float(units[0] if self.cfg.loss_agg == "token_mean" else units[1])
+                divisor = loss_divisor(float(units[0]), float(units[1]), self.cfg.loss_agg)
                 if divisor <= 0:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
@@ -388,17 +391,3 @@ class TrainerWorker:
                 if norms is not None:
                     applied, first = applied + 1, first or norms
         return applied, first
-
-
-def _chunks(samples: list[Sample], max_tokens: int) -> Iterator[list[Sample]]:
-    """Split by total (prompt + output) tokens so receive-time forwards stay bounded."""
-    chunk, tokens = [], 0
-    for s in samples:
-        n = s.prompt_ids.numel() + s.output_ids.numel()
-        if chunk and tokens + n > max_tokens:
-            yield chunk
-            chunk, tokens = [], 0
-        chunk.append(s)
-        tokens += n
-    if chunk:
-        yield chunk
