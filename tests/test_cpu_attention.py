@@ -75,3 +75,29 @@ def test_kernel_refuses_a_16bit_query_over_another_cache_dtype():
     with pytest.raises(RuntimeError, match="caches must have q's dtype"):
         attn(torch.zeros(1, 1, 16, dtype=torch.bfloat16), kc, kc, torch.zeros(1, 1, dtype=torch.int32),
              torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0.25)
+
+
+@pytest.mark.parametrize("ntok", [1, 5])
+@pytest.mark.parametrize("dh,h,hkv", [(64, 4, 2), (128, 14, 2), (16, 6, 3)])
+def test_kernel_split_over_kv_heads_and_long_contexts(ntok, dh, h, hkv):
+    """Fewer query tokens than 2 per thread: each token's KV heads become separate work items
+    (a single long sequence still uses every thread). Contexts of many blocks with growing
+    score scales exercise the online softmax's rescaling across blocks."""
+    attn = _kernel()
+    g = torch.Generator().manual_seed(ntok * 100 + dh)
+    bs, nb = 16, 64
+    kc = torch.randn(nb, bs, hkv, dh, generator=g)
+    kc *= torch.linspace(0.1, 3.0, nb)[torch.randperm(nb, generator=g)][:, None, None, None]
+    vc = torch.randn(nb, bs, hkv, dh, generator=g)
+    tables = torch.randperm(nb, generator=g)[:60].view(2, 30).int().contiguous()
+    seq_of = torch.tensor([0, 1, 1, 0, 1][:ntok], dtype=torch.int64)
+    positions = torch.tensor([479, 300, 17, 8, 450][:ntok], dtype=torch.int64)
+    q = torch.randn(ntok, h, dh, generator=g) * 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = attn(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -4,10 +4,12 @@ Attention backend "cpu" of the native engine. Each query token ``i`` (sequence `
 absolute position ``positions[i]``) attends to keys ``[0, positions[i]]`` of its sequence,
 read straight from the paged cache through the block table: no gather copy, no padding, no
 mask, decode and prefill (with cached prefixes) alike. Work is split
-over query tokens with ``at::parallel_for`` (torch's intra-op threads); a block's rows are
-read front to back and the next block is prefetched; softmax and accumulation in fp32;
-fp32, bf16 and fp16 caches. Why: with torch ops, decode attention over a paged cache has to
-gather each sequence's blocks into a padded copy first, which on a CPU costs more than the
+over query tokens (and over KV heads when there are fewer tokens than 2 per thread) with
+``at::parallel_for`` (torch's intra-op threads); one pass over a sequence's blocks, each
+copied into a small item-local buffer first and then scored, softmaxed online
+(flash-decoding style) and accumulated in fp32; fp32, bf16 and fp16 caches. Why: with torch
+ops, decode attention over a paged cache has to gather each sequence's blocks into a padded
+copy first, which on a CPU costs more than the
 attention itself (see docs/engine.md). The build (~1 min, once per machine: cached under
 ``~/.cache/torch_extensions``) needs a C++ compiler.
 """
@@ -22,6 +24,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -30,25 +33,8 @@ _SOURCE = r"""
 #define STREAMRL_AVX2 1
 #endif
 
-template <typename T>
-static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t len) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* c = reinterpret_cast<const char*>(p + r * stride);
-    for (int64_t o = 0; o < len * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(c + o, 0, 1);
-  }
-}
-
-// A key/value row of one KV head as floats: fp32 caches are read in place, others converted.
-template <typename T, int DH>
-static inline const float* as_float(const T* p, float* buf, int64_t dh) {
-  if constexpr (std::is_same_v<T, float>) {
-    return p;
-  } else {
-    const int64_t n = DH ? DH : dh;
-    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(p[d]);
-    return buf;
-  }
-}
+// Item-local layout: a block's rows copied into kb/vb with row stride `rs` (= the item's KV
+// heads x Dh), scores sc[h * bs + r] for the item's query heads h (kv head h / G).
 
 #ifdef STREAMRL_AVX2
 // 8 cache values -> 8 floats in a register (fp32 as is; bf16 = the high half of an fp32; fp16 via F16C).
@@ -65,143 +51,217 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
+static inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+// exp of 8 floats <= 0 (softmax terms): 2^round(x log2 e) times a degree-6 polynomial of the
+// remainder (Cephes expf; relative error ~1e-7); below -87 the result is 0-ish, not denormal.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+template <typename C>
+constexpr bool kVec = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
 
-// Scores of rows [0, nr) of one block for the G heads: sc[j * n + r] = q_j . k_r. Four rows at
-// a time with independent accumulators (one dot product alone is an FMA latency chain).
+// Scores of rows [0, nr) against the G query heads of each of the nkv KV heads: 4 rows x 2
+// heads = 8 independent accumulators (one dot product alone is an FMA latency chain).
 template <typename C, int DH>
-static inline void block_scores(const float* qf, const C* base, int64_t row, int64_t nr, int64_t G,
-                                int64_t n, float* sc) {
-  int64_t r = 0;
-  for (; r + 4 <= nr; r += 4) {
-    const C* k0 = base + r * row;
-    for (int64_t j = 0; j < G; ++j) {
-      const float* qh = qf + j * DH;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int d = 0; d < DH; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qh + d);
-        a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k0 + row + d), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * row + d), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * row + d), a3);
+static inline void scores_avx(const float* qf, const C* kb, int64_t rs, int64_t nr, int64_t nkv,
+                              int64_t G, int64_t bs, float* sc) {
+  for (int64_t g = 0; g < nkv; ++g) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4) {
+      const C* k0 = kb + r * rs + g * DH;
+      int64_t j = 0;
+      for (; j + 2 <= G; j += 2) {
+        const float* qa = qf + (g * G + j) * DH;
+        const float* qb = qa + DH;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int d = 0; d < DH; d += 8) {
+          const __m256 x0 = load8(k0 + d), x1 = load8(k0 + rs + d), x2 = load8(k0 + 2 * rs + d),
+                       x3 = load8(k0 + 3 * rs + d);
+          const __m256 va = _mm256_loadu_ps(qa + d), vb = _mm256_loadu_ps(qb + d);
+          a0 = _mm256_fmadd_ps(va, x0, a0); a1 = _mm256_fmadd_ps(va, x1, a1);
+          a2 = _mm256_fmadd_ps(va, x2, a2); a3 = _mm256_fmadd_ps(va, x3, a3);
+          b0 = _mm256_fmadd_ps(vb, x0, b0); b1 = _mm256_fmadd_ps(vb, x1, b1);
+          b2 = _mm256_fmadd_ps(vb, x2, b2); b3 = _mm256_fmadd_ps(vb, x3, b3);
+        }
+        _mm_storeu_ps(sc + (g * G + j) * bs + r, hsum4(a0, a1, a2, a3));
+        _mm_storeu_ps(sc + (g * G + j + 1) * bs + r, hsum4(b0, b1, b2, b3));
       }
-      _mm_storeu_ps(sc + j * n + r, hsum4(a0, a1, a2, a3));
+      for (; j < G; ++j) {
+        const float* qa = qf + (g * G + j) * DH;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int d = 0; d < DH; d += 8) {
+          const __m256 va = _mm256_loadu_ps(qa + d);
+          a0 = _mm256_fmadd_ps(va, load8(k0 + d), a0); a1 = _mm256_fmadd_ps(va, load8(k0 + rs + d), a1);
+          a2 = _mm256_fmadd_ps(va, load8(k0 + 2 * rs + d), a2); a3 = _mm256_fmadd_ps(va, load8(k0 + 3 * rs + d), a3);
+        }
+        _mm_storeu_ps(sc + (g * G + j) * bs + r, hsum4(a0, a1, a2, a3));
+      }
     }
-  }
-  for (; r < nr; ++r) {
-    const C* k0 = base + r * row;
-    for (int64_t j = 0; j < G; ++j) {
-      const float* qh = qf + j * DH;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-      for (int d = 0; d < DH; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), load8(k0 + d + 8), a1);
+    for (; r < nr; ++r) {
+      const C* kr = kb + r * rs + g * DH;
+      for (int64_t j = 0; j < G; ++j) {
+        const float* qh = qf + (g * G + j) * DH;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int d = 0; d < DH; d += 16) {
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(kr + d), a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), load8(kr + d + 8), a1);
+        }
+        sc[(g * G + j) * bs + r] = hsum(_mm256_add_ps(a0, a1));
       }
-      float t[4];
-      _mm_storeu_ps(t, hsum4(a0, a1, _mm256_setzero_ps(), _mm256_setzero_ps()));
-      sc[j * n + r] = t[0] + t[1];
     }
   }
 }
 
-// acc_j += sum_r p_j[r] * v_r for the G heads, over rows [0, nr) of one block; 64 columns at
-// a time in 8 registers.
+// acc_h += sum_r p_h[r] * v_r over rows [0, nr), 64 columns at a time in 8 registers.
 template <typename C, int DH>
-static inline void block_values(const float* sc, const C* base, int64_t row, int64_t nr, int64_t G,
-                                int64_t n, float* acc) {
-  for (int64_t j = 0; j < G; ++j) {
-    const float* p = sc + j * n;
+static inline void values_avx(const float* sc, const C* vb, int64_t rs, int64_t nr, int64_t nkv,
+                              int64_t G, int64_t bs, float* acc) {
+  for (int64_t h = 0; h < nkv * G; ++h) {
+    const float* p = sc + h * bs;
+    const C* v0 = vb + (h / G) * DH;
     for (int d0 = 0; d0 < DH; d0 += 64) {
-      float* ah = acc + j * DH + d0;
+      float* ah = acc + h * DH + d0;
       __m256 a[8];
       for (int u = 0; u < 8; ++u) a[u] = _mm256_loadu_ps(ah + 8 * u);
       for (int64_t r = 0; r < nr; ++r) {
         const __m256 pr = _mm256_set1_ps(p[r]);
-        const C* vp = base + r * row + d0;
+        const C* vp = v0 + r * rs + d0;
         for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(pr, load8(vp + 8 * u), a[u]);
       }
       for (int u = 0; u < 8; ++u) _mm256_storeu_ps(ah + 8 * u, a[u]);
     }
   }
 }
-template <typename C>
-constexpr bool kVec = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
 #endif
 
-// One work item = (query token i, KV head g): the G = H / Hkv query heads of that group
-// share each key/value row (read once per block, from L1 for the G heads). DH > 0 fixes the
-// head size at compile time (64, 128: AVX2 blocks above where the CPU has them); DH == 0 is
-// generic. Three passes: scores [G, n], softmax, weighted values; block b+1 is prefetched
-// while b is used. T: q/out dtype; C: cache dtype (T, or bf16/fp16 under an fp32 q).
+template <typename C>
+static inline void scores_generic(const float* qf, const C* kb, int64_t rs, int64_t nr, int64_t nkv,
+                                  int64_t G, int64_t Dh, int64_t bs, float* sc) {
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t h = 0; h < nkv * G; ++h) {
+      const C* kp = kb + r * rs + (h / G) * Dh;
+      const float* qh = qf + h * Dh;
+      float dot = 0.f;
+      for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * static_cast<float>(kp[d]);
+      sc[h * bs + r] = dot;
+    }
+}
+
+template <typename C>
+static inline void values_generic(const float* sc, const C* vb, int64_t rs, int64_t nr, int64_t nkv,
+                                  int64_t G, int64_t Dh, int64_t bs, float* acc) {
+  for (int64_t h = 0; h < nkv * G; ++h)
+    for (int64_t r = 0; r < nr; ++r) {
+      const float p = sc[h * bs + r];
+      const C* vp = vb + r * rs + (h / G) * Dh;
+      float* ah = acc + h * Dh;
+      for (int64_t d = 0; d < Dh; ++d) ah[d] += p * static_cast<float>(vp[d]);
+    }
+}
+
+// Online softmax over one block for each head: scores become exp(s - m_new), the running sum
+// l and the accumulator are rescaled by exp(m_old - m_new).
+static inline void softmax_update(float* sc, int64_t nr, int64_t nh, int64_t bs, int64_t Dh,
+                                  float* m, float* l, float* acc) {
+  for (int64_t h = 0; h < nh; ++h) {
+    float* s = sc + h * bs;
+    float mx = s[0];
+    for (int64_t r = 1; r < nr; ++r) mx = std::max(mx, s[r]);
+    const float mn = std::max(m[h], mx);
+    const float corr = std::exp(m[h] - mn);  // 0 on the first block (m = -inf)
+    m[h] = mn;
+    float sum = 0.f;
+    int64_t r = 0;
+#ifdef STREAMRL_AVX2
+    __m256 vs = _mm256_setzero_ps();
+    for (; r + 8 <= nr; r += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + r), _mm256_set1_ps(mn)));
+      _mm256_storeu_ps(s + r, p);
+      vs = _mm256_add_ps(vs, p);
+    }
+    sum = hsum(vs);
+#endif
+    for (; r < nr; ++r) { s[r] = std::exp(s[r] - mn); sum += s[r]; }
+    l[h] = l[h] * corr + sum;
+    if (corr != 1.f) {
+      float* a = acc + h * Dh;
+      for (int64_t d = 0; d < Dh; ++d) a[d] *= corr;
+    }
+  }
+}
+
+// One work item = a query token i and `nkv` of its KV heads (all of them when there are
+// enough tokens to keep the threads busy, else one: a single long sequence still uses every
+// thread). One pass over the sequence's blocks: each block's rows are first copied into an
+// item-local buffer (a tight copy loop keeps many cache misses in flight, where the compute
+// loops alone left DRAM idle between them: ~1.4x on decode), then scored, softmaxed online
+// and accumulated from L1. DH > 0 fixes the head size at compile time (64, 128: AVX2 paths
+// where the CPU has them); DH == 0 is generic. T: q/out dtype; C: cache dtype.
 template <typename T, typename C, int DH>
 static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const int* bt,
                    const int64_t* seq_of, const int64_t* pos, T* out, int64_t ntok, int64_t H,
-                   int64_t Hkv, int64_t dh_rt,
-                   int64_t bs, int64_t maxb, float scale) {
+                   int64_t Hkv, int64_t dh_rt, int64_t bs, int64_t maxb, float scale) {
   const int64_t Dh = DH ? DH : dh_rt;
   const int64_t G = H / Hkv, row = Hkv * Dh, block_elems = bs * row;
-  at::parallel_for(0, ntok * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * Dh), acc(G * Dh), buf(Dh), sc;
+  const int64_t split = ntok >= 2 * at::get_num_threads() ? 1 : Hkv;  // items per token
+  const int64_t nkv = Hkv / split, rs = nkv * Dh, nh = nkv * G;
+  at::parallel_for(0, ntok * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(nh * Dh), acc(nh * Dh), sc(nh * bs), m(nh), l(nh);
+    std::vector<C> kb(bs * rs), vb(bs * rs);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / Hkv, g = item % Hkv;
+      const int64_t i = item / split, g0 = (item % split) * nkv;
       const int* table = bt + seq_of[i] * maxb;
       const int64_t n = pos[i] + 1, nblk = (n + bs - 1) / bs;
-      const T* qi = q + i * q_stride + g * G * Dh;
-      for (int64_t j = 0; j < G * Dh; ++j) qf[j] = static_cast<float>(qi[j]) * scale;
-      sc.resize(G * n);
-      for (int64_t b = 0; b < nblk; ++b) {  // pass 1: scores [G, n]
-        const C* base = kc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
-        const int64_t t0 = b * bs, t_end = std::min(bs, n - t0);
-        if (b + 1 < nblk) prefetch_rows(kc + static_cast<int64_t>(table[b + 1]) * block_elems + g * Dh, bs, row, Dh);
-#ifdef STREAMRL_AVX2
-        if constexpr (DH > 0 && kVec<C>) {
-          block_scores<C, DH>(qf.data(), base, row, t_end, G, n, sc.data() + t0);
-          continue;
-        }
-#endif
-        for (int64_t r = 0; r < t_end; ++r) {
-          const float* kp = as_float<C, DH>(base + r * row, buf.data(), Dh);
-          for (int64_t j = 0; j < G; ++j) {
-            const float* qh = qf.data() + j * Dh;
-            float dot = 0.f;
-            for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * kp[d];
-            sc[j * n + t0 + r] = dot;
-          }
-        }
-      }
-      for (int64_t j = 0; j < G; ++j) {  // softmax per head
-        float* s = sc.data() + j * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-      }
+      const T* qi = q + i * q_stride + g0 * G * Dh;
+      for (int64_t j = 0; j < nh * Dh; ++j) qf[j] = static_cast<float>(qi[j]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < nblk; ++b) {  // pass 2: weighted values
-        const C* base = vc + static_cast<int64_t>(table[b]) * block_elems + g * Dh;
-        const int64_t t0 = b * bs, t_end = std::min(bs, n - t0);
-        if (b + 1 < nblk) prefetch_rows(vc + static_cast<int64_t>(table[b + 1]) * block_elems + g * Dh, bs, row, Dh);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t b = 0; b < nblk; ++b) {
+        const int64_t nr = std::min(bs, n - b * bs), off = static_cast<int64_t>(table[b]) * block_elems + g0 * Dh;
+        if (split == 1) {
+          std::memcpy(kb.data(), kc + off, nr * rs * sizeof(C));
+          std::memcpy(vb.data(), vc + off, nr * rs * sizeof(C));
+        } else {
+          for (int64_t r = 0; r < nr; ++r) {
+            std::memcpy(kb.data() + r * rs, kc + off + r * row, rs * sizeof(C));
+            std::memcpy(vb.data() + r * rs, vc + off + r * row, rs * sizeof(C));
+          }
+        }
 #ifdef STREAMRL_AVX2
         if constexpr (DH > 0 && kVec<C>) {
-          block_values<C, DH>(sc.data() + t0, base, row, t_end, G, n, acc.data());
+          scores_avx<C, DH>(qf.data(), kb.data(), rs, nr, nkv, G, bs, sc.data());
+          softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
+          values_avx<C, DH>(sc.data(), vb.data(), rs, nr, nkv, G, bs, acc.data());
           continue;
         }
 #endif
-        for (int64_t j = 0; j < G; ++j) {
-          const float* p = sc.data() + j * n + t0;
-          float a[DH ? DH : 1];
-          float* ah = DH ? a : acc.data() + j * Dh;
-          if (DH) std::copy(acc.data() + j * Dh, acc.data() + (j + 1) * Dh, a);
-          for (int64_t r = 0; r < t_end; ++r) {
-            const float* vp = as_float<C, DH>(base + r * row, buf.data(), Dh);
-            for (int64_t d = 0; d < Dh; ++d) ah[d] += p[r] * vp[d];
-          }
-          if (DH) std::copy(a, a + Dh, acc.data() + j * Dh);
-        }
+        scores_generic<C>(qf.data(), kb.data(), rs, nr, nkv, G, Dh, bs, sc.data());
+        softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
+        values_generic<C>(sc.data(), vb.data(), rs, nr, nkv, G, Dh, bs, acc.data());
       }
-      T* o = out + (i * H + g * G) * Dh;
-      for (int64_t j = 0; j < G * Dh; ++j) o[j] = static_cast<T>(acc[j]);
+      T* o = out + i * H * Dh + g0 * G * Dh;
+      for (int64_t h = 0; h < nh; ++h) {
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < Dh; ++d) o[h * Dh + d] = static_cast<T>(acc[h * Dh + d] * inv);
+      }
     }
   });
 }
@@ -256,7 +316,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v6", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu_v7", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
