@@ -212,7 +212,9 @@ VERL_KEYS = {
     "max_response_length": "train.max_tokens", "total_training_steps": "train.iterations",
     "save_freq": "train.ckpt_every", "test_freq": "train.eval_every", "adv_estimator": "trainer.algorithm",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
-    "entropy_coeff": "trainer.entropy_coef", "loss_agg_mode": "trainer.loss_agg",
+    "entropy_coeff": "trainer.entropy_coef",
+    "loss_agg_mode": "trainer.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, seq-mean-token-sum: "
+                     "seq_mean_token_sum, seq-mean-token-sum-norm: seq_mean_token_sum_norm)",
     "clip_ratio": "trainer.clip_low and trainer.clip_high", "clip_ratio_c": "trainer.dual_clip",
     "n": "train.group_size", "default_local_dir": "logging.logdir",
     "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
@@ -301,8 +303,8 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     topology = _topology(d.get("topology"))
     train = _build(TrainSection, "train", d.get("train"))
     trainer = _trainer_from_train(
-        _owned_section("trainer", d.get("trainer"), "workers.trainer.config", "TrainerConfig"), train,
-        set(d.get("trainer") or {}))
+        _owned_section("trainer", _norm_follows(d.get("trainer"), train), "workers.trainer.config", "TrainerConfig"),
+        train, set(d.get("trainer") or {}))
     cfg = Config(
         model=_build(ModelSection, "model", d.get("model")),
         tokenizer=_build(TokenizerSection, "tokenizer", d.get("tokenizer")),
@@ -320,6 +322,16 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     )
     validate(cfg, world_size)
     return cfg
+
+
+def _norm_follows(trainer: Any, train: TrainSection) -> Any:
+    """``trainer.loss_scale_factor`` of ``loss_agg: seq_mean_token_sum_norm`` follows
+    ``train.max_tokens`` unless set (verl divides by the padded response length,
+    max_response_length). Before the trainer section is built: the mode needs the factor."""
+    if isinstance(trainer, dict) and trainer.get("loss_agg") == "seq_mean_token_sum_norm" \
+            and "loss_scale_factor" not in trainer:
+        return {**trainer, "loss_scale_factor": max(train.max_tokens, 1)}  # < 1: validate() says so
+    return trainer
 
 
 def _trainer_from_train(trainer, train: TrainSection, explicit: set):

@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from workers.trainer.advantages import gae, grpo, rloo
+from workers.trainer.advantages import gae, grpo, rloo, whiten
 from workers.trainer.kl import kl_k1, kl_k3
-from workers.trainer.losses import aggregate_sum, entropy_from_logits, policy_loss, value_loss
+from workers.trainer.losses import (aggregate_sum, entropy_from_logits, fraction_agg, loss_divisor, policy_loss,
+                                    value_loss)
 
 torch.set_num_threads(1)
 
@@ -55,6 +56,49 @@ def test_aggregate_token_and_seq_mean():
         aggregate_sum(x, seq_index, seq_lens, "bogus")
 
 
+def verl_agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=None):
+    """verl's core_algos.agg_loss (volcengine/verl b178a3c) on one batch, dp_size 1."""
+    if mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    if mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    if mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).float()
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    assert mode == "seq-mean-token-sum-norm"
+    return torch.sum(torch.sum(loss_mat * loss_mask, dim=-1)) / (loss_scale_factor or loss_mask.shape[-1])
+
+
+@pytest.mark.parametrize("mode,verl", [("token_mean", "token-mean"), ("seq_mean", "seq-mean-token-mean"),
+                                       ("seq_mean_token_sum", "seq-mean-token-sum"),
+                                       ("seq_mean_token_sum_norm", "seq-mean-token-sum-norm")])
+def test_aggregation_modes_match_verl(mode, verl):
+    """Our SUM / loss_divisor == verl's agg_loss over the padded batch. verl's norm mode divides
+    by the padded response length (here 7, the batch's width: what train.max_tokens fills in);
+    its actor then averages over the mini-batch's sequences (loss_scale_factor = micro / mini
+    batch size), which is the sequence count in our divisor."""
+    g = torch.Generator().manual_seed(0)
+    lens = [3, 1, 7, 5]
+    x = torch.randn(sum(lens), generator=g)
+    seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    mat, mask = torch.zeros(len(lens), 7), torch.zeros(len(lens), 7)
+    for b, part in enumerate(x.split(lens)):
+        mat[b, :len(part)], mask[b, :len(part)] = part, 1.0
+    want = verl_agg_loss(mat, mask, verl)
+    if verl == "seq-mean-token-sum-norm":
+        want = want / len(lens)
+    got = aggregate_sum(x, seq_index, torch.tensor(lens), mode) / loss_divisor(sum(lens), len(lens), mode, scale=7)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="scale"):
+        loss_divisor(16, 4, "seq_mean_token_sum_norm")
+    # per-token fractions stay fractions: token-summing modes average them over tokens
+    assert fraction_agg(mode) == (mode if mode in ("token_mean", "seq_mean") else "token_mean")
+
+
 def test_value_loss_clipped():
     v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([2.0, 1.0])
     # token 0: unclipped (1-2)^2 = 1, clipped v=0.2: (0.2-2)^2 = 3.24 -> max -> 0.5 * 3.24
@@ -72,6 +116,58 @@ def test_kl_estimators():
     exact = (p * (p / q).log()).sum()
     for est in (kl_k1, kl_k3):
         assert (p * est(p.log(), q.log())).sum().item() == pytest.approx(exact.item(), abs=1e-6)
+
+
+def verl_low_var_kl(logprob, ref_logprob):
+    """verl's kl_penalty_forward(..., "low_var_kl") (volcengine/verl b178a3c), verbatim."""
+    kl = ref_logprob - logprob
+    kl = torch.clamp(kl, min=-20, max=20)
+    ratio = torch.exp(kl)
+    kld = (ratio - kl - 1).contiguous()
+    return torch.clamp(kld, min=-10, max=10)
+
+
+def test_k3_is_verls_low_var_kl_clamps_and_gradient_included():
+    # log r = ref - logp from -30 to 30: inside both clamps, past the estimate's clamp at 10
+    # (log r ~ 2.53 or ~ -11), past the log-ratio's at 20
+    log_r = torch.tensor([-30.0, -15.0, -11.5, -5.0, -0.3, 0.0, 0.7, 2.4, 2.6, 5.0, 19.0, 21.0, 30.0])
+    ref = torch.randn(log_r.shape, generator=torch.Generator().manual_seed(0))
+    lp_ours, lp_verl = (ref - log_r).requires_grad_(), (ref - log_r).requires_grad_()
+    ours, want = kl_k3(lp_ours, ref), verl_low_var_kl(lp_verl, ref)
+    assert torch.equal(ours, want) and ours.max().item() == 10.0  # one far-off token adds at most 10
+    ours.sum().backward()
+    want.sum().backward()
+    assert torch.equal(lp_ours.grad, lp_verl.grad)
+    # the clamp passes no gradient where the estimate is past 10; inside, d/dlogp = 1 - r
+    past = ((log_r.exp() - log_r - 1) > 10)
+    assert past.tolist() == [True, True, True] + [False] * 6 + [True] * 4
+    assert (lp_ours.grad[past] == 0).all()
+    inside = ~past
+    assert torch.allclose(lp_ours.grad[inside], 1 - log_r[inside].exp(), rtol=1e-5)
+
+
+def test_whiten_is_verls_masked_whiten():
+    """verl's masked_whiten (verl/utils/torch_functional.py) over a padded batch == ours over
+    the unpadded sequences; an all-equal batch and one token give 0, not NaN (verl: A * 1e-4 / n
+    from the 1e-8 in its means' denominators, and an error for one token)."""
+    g = torch.Generator().manual_seed(0)
+    lens = [4, 1, 9, 6]
+    advs = [3.0 + 2.0 * torch.randn(n, generator=g) for n in lens]
+    vals, mask = torch.zeros(len(lens), 9), torch.zeros(len(lens), 9)
+    for b, a in enumerate(advs):
+        vals[b, :len(a)], mask[b, :len(a)] = a, 1.0
+    mean = (vals * mask).sum() / (mask.sum() + 1e-8)  # masked_mean
+    var = (((vals - mean) ** 2) * mask).sum() / (mask.sum() + 1e-8) * mask.sum() / (mask.sum() - 1)  # masked_var
+    want = (vals - mean) * torch.rsqrt(var + 1e-8)
+    got = whiten(advs)
+    assert [len(a) for a in got] == lens
+    for b, a in enumerate(got):
+        assert torch.allclose(a, want[b, :len(a)], atol=1e-6)
+    flat = torch.cat(got).double()
+    assert abs(flat.mean().item()) < 1e-6 and flat.std().item() == pytest.approx(1.0, abs=1e-6)
+    assert torch.cat(whiten([torch.full((3,), 0.7), torch.full((2,), 0.7)])).abs().max().item() < 1e-9
+    assert whiten([torch.tensor([5.0])])[0].tolist() == [0.0]
+    assert whiten([]) == []  # a data-parallel rank with no sample still takes part
 
 
 def ref_entropy(logits):

@@ -1,8 +1,9 @@
 """The trainer's gradient == an independent whole-batch reference, whatever the micro-batching.
 
 The reference recomputes everything per sample with plain loops (advantages, clipped ratio,
-KL, entropy, GAE, clipped value loss), forms ONE loss over the whole batch (token mean over
-all the batch's tokens, or the mean over sequences of per-sequence token means) and
+KL, entropy, GAE and its whitening over the whole batch's tokens, clipped value loss), forms ONE
+loss over the whole batch (token mean over all the batch's tokens, the mean over sequences of
+per-sequence token means or token sums, or of token sums / loss_scale_factor) and
 backpropagates it. The worker's gradient (after the all-reduce and the divide, before the
 optimizer step) must equal it for any ``max_tokens_per_microbatch``. The sampler log-probs
 are perturbed so that the ratio is off 1 and every clip branch is taken."""
@@ -74,7 +75,20 @@ def k1(lp, ref):
 
 
 def k3(lp, ref):
-    return math.exp(ref - lp) - (ref - lp) - 1 if isinstance(lp, float) else torch.exp(ref - lp) - (ref - lp) - 1
+    """verl's low_var_kl: log-ratio clamped to +-20, the estimate to +-10."""
+    if isinstance(lp, float):
+        x = min(max(ref - lp, -20.0), 20.0)
+        return min(max(math.exp(x) - x - 1, -10.0), 10.0)
+    x = (ref - lp).clamp(-20, 20)
+    return (torch.exp(x) - x - 1).clamp(-10, 10)
+
+
+def loop_whiten(advs):
+    """verl's masked_whiten over every token of the batch (unbiased variance)."""
+    flat = [a for adv in advs for a in adv]
+    mean = sum(flat) / len(flat)
+    var = sum((a - mean) ** 2 for a in flat) / (len(flat) - 1)
+    return [[(a - mean) / math.sqrt(var + 1e-8) for a in adv] for adv in advs]
 
 
 def group_adv(cfg, rewards):
@@ -120,7 +134,9 @@ def reference_grads(model_dir, task, tok, samples, prompts, cfg):
             r[-1] += scores[i]
             a = loop_gae(r, v, cfg.gamma, cfg.gae_lambda)
             adv[i] = a
-            old_v.append((torch.tensor(v), torch.tensor([x + y for x, y in zip(a, v)])))
+            old_v.append((torch.tensor(v), torch.tensor([x + y for x, y in zip(a, v)])))  # returns: not whitened
+        if cfg.whiten_advantages is not False:
+            adv = loop_whiten(adv)
     else:
         rewards = [scores[i] - (cfg.kl_coef * sum(kl_fn(o, q) for o, q in zip(s.logprobs.tolist(), ref_lp[i].tolist()))
                                 if in_reward else 0.0) for i, s in enumerate(samples)]
@@ -147,8 +163,12 @@ def reference_grads(model_dir, task, tok, samples, prompts, cfg):
         per_seq.append((terms.sum(), len(lp)))
     if cfg.loss_agg == "token_mean":
         loss = sum(x for x, _ in per_seq) / sum(n for _, n in per_seq)
-    else:
+    elif cfg.loss_agg == "seq_mean":
         loss = sum(x / n for x, n in per_seq) / len(per_seq)
+    elif cfg.loss_agg == "seq_mean_token_sum":
+        loss = sum(x for x, _ in per_seq) / len(per_seq)
+    else:  # seq_mean_token_sum_norm (Dr. GRPO)
+        loss = sum(x / cfg.loss_scale_factor for x, _ in per_seq) / len(per_seq)
     loss.backward()
     out = {"actor." + k: p.grad.clone() for k, p in actor.named_parameters()}
     if critic is not None:
@@ -184,9 +204,15 @@ CONFIGS = {
                                             clip_high=0.28),
     "rloo_seq_mean_kl_reward": dict(algorithm="rloo", loss_agg="seq_mean", kl_coef=0.1, kl_estimator="k1",
                                     kl_mode="reward"),
+    # PPO whitens its GAE advantages over the batch by default (as verl)
     "ppo_dual_clip_kl_reward": dict(algorithm="ppo", kl_coef=0.05, kl_mode="reward", dual_clip=3.0, gamma=0.99,
                                     gae_lambda=0.9, value_clip=0.05),
     "ppo_seq_mean_kl_loss": dict(algorithm="ppo", loss_agg="seq_mean", kl_coef=0.1, kl_estimator="k1"),
+    "ppo_no_whiten_kl_reward": dict(algorithm="ppo", whiten_advantages=False, kl_coef=0.05, kl_mode="reward",
+                                    dual_clip=3.0, value_clip=0.05),
+    "ppo_seq_mean_token_sum_norm_k3": dict(algorithm="ppo", loss_agg="seq_mean_token_sum_norm", loss_scale_factor=12,
+                                           kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
+    "grpo_seq_mean_token_sum": dict(algorithm="grpo", loss_agg="seq_mean_token_sum", kl_coef=0.1, kl_mode="reward"),
     "grpo_temperature": dict(algorithm="grpo", temperature=0.6, kl_coef=0.1, entropy_coef=0.01),
 }
 
@@ -202,11 +228,33 @@ def test_gradient_equals_whole_batch_reference_for_any_microbatching(model_dir, 
     for budget, order_seed, chunk in ((10**6, None, None), (25, 0, 1), (1, 1, 5)):
         got, res = worker_grads(model_dir, task, samples, prompts, groups,
                                 replace(cfg, max_tokens_per_microbatch=budget), order_seed, chunk)
-        assert res.metrics["clipfrac"] > 0  # the clip branches are exercised
+        assert 0 < res.metrics["clipfrac"] < 1  # the clip branches are exercised; a fraction in every mode
+        assert 0.5 < res.metrics["ratio"] < 2  # a mean ratio, not a per-sequence sum of ratios
         assert set(got) == set(want)
         for k in want:
             err = (got[k] - want[k]).abs().max().item()
             assert err <= 1e-5 * scale, (name, budget, k, err, scale)
+
+
+def test_whitening_defers_all_training_to_step(model_dir, task):
+    """With whitening, no sample's advantage is final until the last one arrives, so receive()
+    trains nothing, even when micro-batches fill (and step() trains them all, after the
+    whitening); without it, receive() trains as samples stream in."""
+    samples, prompts, groups, _ = draw(model_dir, task)
+    for whiten, trained in ((None, False), (False, True)):
+        w = TrainerWorker(TrainerConfig(algorithm="ppo", whiten_advantages=whiten, max_tokens_per_microbatch=1),
+                          model_dir, task, device="cpu")
+        assert w.cfg.whiten == (whiten is None)
+        w.begin_iteration(0, prompts, groups)
+        w.receive(samples)
+        assert any(p.grad is not None for p in w.actor.parameters()) == trained
+        assert w.step().metrics["updates"] == 1.0
+
+
+def test_whitening_is_for_gae_only():
+    assert TrainerConfig(algorithm="ppo").whiten and not TrainerConfig(algorithm="grpo").whiten
+    with pytest.raises(ValueError, match="trainer.whiten_advantages: true is only used by algorithm 'ppo'"):
+        TrainerConfig(algorithm="rloo", whiten_advantages=True)
 
 
 def test_temperature_makes_on_policy_ratio_one(model_dir, task):

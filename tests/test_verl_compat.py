@@ -193,3 +193,38 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
     assert len(errors) == 1 and "task.kwargs.verifier:" in errors[0], r.stderr[-3000:]
     assert "controller error" not in r.stderr  # not a traceback of the controller
+
+
+@pytest.mark.parametrize("verl, ours", [("token-mean", "token_mean"), ("seq-mean-token-mean", "seq_mean"),
+                                        ("seq-mean-token-sum", "seq_mean_token_sum"),
+                                        ("seq-mean-token-sum-norm", "seq_mean_token_sum_norm")])
+def test_verl_loss_agg_modes_are_named(verl, ours):
+    """verl's loss_agg_mode values: each has a StreamRL mode, and its verl spelling (as a value,
+    or the verl key) is refused naming it; seq_mean_token_sum_norm divides by
+    train.max_tokens (verl: the padded response length) unless loss_scale_factor is set."""
+    from controller.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match=rf"trainer.loss_agg: '{verl}' is verl's name; here it is '{ours}'"):
+        from_dict({"trainer": {"loss_agg": verl}})
+    with pytest.raises(ConfigError, match=rf"trainer.loss_agg_mode: unknown key; verl's 'loss_agg_mode' is "
+                                          rf"trainer.loss_agg \(.*{verl}: {ours}"):
+        from_dict({"trainer": {"loss_agg_mode": verl}})
+    cfg = from_dict({"train": {"max_tokens": 40}, "trainer": {"loss_agg": ours}}).trainer
+    assert cfg.loss_agg == ours
+    assert cfg.loss_scale_factor == (40 if ours == "seq_mean_token_sum_norm" else None)
+
+
+def test_norm_mode_scale_and_whitening_keys():
+    from controller.config import ConfigError, from_dict
+
+    set_ = {"loss_agg": "seq_mean_token_sum_norm", "loss_scale_factor": 4096}
+    assert from_dict({"train": {"max_tokens": 40}, "trainer": set_}).trainer.loss_scale_factor == 4096
+    with pytest.raises(ConfigError, match="trainer.loss_scale_factor is only used by loss_agg 'seq_mean_token_sum"):
+        from_dict({"trainer": {"loss_scale_factor": 4096}})
+    with pytest.raises(ConfigError, match="trainer.loss_scale_factor must be > 0"):
+        from_dict({"trainer": {**set_, "loss_scale_factor": 0}})
+    # verl whitens GAE advantages (algorithm.adv_estimator: gae) with no switch; so does ppo here by default
+    assert from_dict({"trainer": {"algorithm": "ppo"}}).trainer.whiten
+    assert not from_dict({"trainer": {"algorithm": "ppo", "whiten_advantages": False}}).trainer.whiten
+    with pytest.raises(ConfigError, match="trainer.whiten_advantages: true is only used by algorithm 'ppo'"):
+        from_dict({"trainer": {"algorithm": "grpo", "whiten_advantages": True}})

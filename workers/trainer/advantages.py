@@ -1,5 +1,8 @@
-"""Advantage estimators: GAE (with a critic), GRPO group-normalised, RLOO leave-one-out."""
+"""Advantage estimators: GAE (with a critic), GRPO group-normalised, RLOO leave-one-out; the
+batch whitening verl applies to GAE advantages."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -30,6 +33,27 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float,
         adv[start:start + n] = a
         carry = a[0]
     return adv.float(), (adv + values).float()
+
+
+def whiten(advs: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], None] = lambda t: None,
+           device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """verl's ``masked_whiten`` over every token of ``advs`` ([L_i] each) and of the other
+    data-parallel ranks' (``all_reduce``: an in-place SUM over them, of tensors on ``device``;
+    every rank must call this, with or without samples) -> the whitened [L_i] each, float32:
+    ``(A - mean) * rsqrt(var + 1e-8)``, ``var`` unbiased, in float64 (two passes: no
+    cancellation). verl's means divide by ``n + 1e-8``; here by ``n``, so a batch of equal
+    advantages gives ~0 rather than ``A * 1e-4 / n``. One token (verl raises): var 0, so 0."""
+    sums = torch.tensor([sum(float(a.double().sum()) for a in advs), float(sum(a.numel() for a in advs))],
+                        dtype=torch.float64, device=device)  # [sum, n]
+    all_reduce(sums)
+    total, n = sums.tolist()
+    mean = total / max(n, 1.0)
+    sq = torch.tensor([sum(float(((a.double() - mean) ** 2).sum()) for a in advs)], dtype=torch.float64,
+                      device=device)
+    all_reduce(sq)
+    var = float(sq) / (n - 1) if n > 1 else 0.0
+    inv_std = (var + 1e-8) ** -0.5
+    return [((a.double() - mean) * inv_std).float() for a in advs]
 
 
 def grpo(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:

@@ -42,16 +42,34 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def aggregate_sum(x: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor, mode: str) -> torch.Tensor:
     """x: [N] per-token values, seq_index: [N] (0..B-1), seq_lens: [B] -> scalar SUM.
 
-    ``token_mean``: sum_i x_i (divide by the iteration's total tokens later).
-    ``seq_mean``:  sum_b mean_{i in b} x_i (divide by the iteration's total sequences later)."""
-    if mode == "token_mean":
-        return x.sum()
+    ``token_mean`` (verl ``token-mean``): sum_i x_i, divided by the update's total tokens later.
+    ``seq_mean`` (verl ``seq-mean-token-mean``): sum_b mean_{i in b} x_i, divided by its total
+    sequences later. ``seq_mean_token_sum`` (verl ``seq-mean-token-sum``): sum_i x_i, divided by
+    the total sequences. ``seq_mean_token_sum_norm`` (verl ``seq-mean-token-sum-norm``, Dr. GRPO):
+    sum_i x_i, divided by the total sequences times a constant (``loss_divisor``'s ``scale``)."""
     if mode == "seq_mean":
         return (x / seq_lens[seq_index].to(x.dtype)).sum()
-    raise ValueError(f"loss_agg {mode!r} is not 'token_mean' or 'seq_mean'")
+    if mode in ("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        return x.sum()
+    raise ValueError(f"loss_agg {mode!r} is not one of 'token_mean', 'seq_mean', 'seq_mean_token_sum', "
+                     "'seq_mean_token_sum_norm'")
 
 
-def loss_divisor(num_tokens: float, num_seqs: float, mode: str) -> float:
+def loss_divisor(num_tokens: float, num_seqs: float, mode: str, scale: float | None = None) -> float:
     """What the SUMs of ``aggregate_sum`` over some samples are divided by: their tokens
-    (``token_mean``) or their sequences (``seq_mean``)."""
-    return float(num_tokens if mode == "token_mean" else num_seqs)
+    (``token_mean``), their sequences (``seq_mean``, ``seq_mean_token_sum``), or their sequences
+    times ``scale`` (``seq_mean_token_sum_norm``; verl's ``loss_scale_factor``)."""
+    if mode == "token_mean":
+        return float(num_tokens)
+    if mode == "seq_mean_token_sum_norm":
+        if scale is None:
+            raise ValueError("loss_agg 'seq_mean_token_sum_norm' needs a scale (trainer.loss_scale_factor)")
+        return float(num_seqs) * float(scale)
+    return float(num_seqs)
+
+
+def fraction_agg(mode: str) -> str:
+    """How per-token fractions (clip fraction, ratio) are averaged for the metrics under loss
+    aggregation ``mode``: as the loss where it averages tokens, over all tokens where the loss
+    sums a sequence's tokens (a summed fraction would not be one)."""
+    return mode if mode in ("token_mean", "seq_mean") else "token_mean"

@@ -1,6 +1,7 @@
 """The worker's per-sample and per-micro-batch maths, kept out of the worker's bookkeeping.
 
-``prepare_batch``: receive-time work (reward, reference log-probs, values, GAE for PPO).
+``prepare_batch``: receive-time work (reward, reference log-probs, values, GAE for PPO; the
+whitening of GAE advantages over the batch is the worker's, at ``step()``).
 ``group_advantages``: GRPO / RLOO once a group is complete.
 ``train_terms``: the micro-batch loss as a SUM plus the summed statistics for logging.
 """
@@ -17,7 +18,8 @@ from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
-from workers.trainer.losses import aggregate_sum, entropy_from_logits, loss_divisor, policy_loss, value_loss
+from workers.trainer.losses import (aggregate_sum, entropy_from_logits, fraction_agg, loss_divisor, policy_loss,
+                                    value_loss)
 from workers.trainer.packing import pack, response_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -114,8 +116,10 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     ref = torch.cat([p.ref_logp for p in items]).to(dev)
     adv = torch.cat([p.adv for p in items]).to(dev)
 
-    def agg(x: torch.Tensor) -> torch.Tensor:
-        return aggregate_sum(x, batch.seq_index, batch.seq_lens, cfg.loss_agg)
+    def agg(x: torch.Tensor, mode: str = cfg.loss_agg) -> torch.Tensor:
+        return aggregate_sum(x, batch.seq_index, batch.seq_lens, mode)
+
+    frac = fraction_agg(cfg.loss_agg)
 
     pg, clipped = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)  # [N]
     kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref)  # [N]
@@ -131,7 +135,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     loss = agg(terms)
     stats = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
              "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
-             "clipfrac": agg(clipped), "ratio": agg(torch.exp(logp - old)).detach()}
+             "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp(logp - old), frac).detach()}
     if w.critic is not None:
         values = w.critic(batch)  # [N]
         old_v = torch.cat([p.values for p in items]).to(dev)
@@ -149,6 +153,7 @@ class StatSums:
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss")
+    FRACTIONS = ("clipfrac", "ratio")  # averaged per fraction_agg(loss_agg)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -175,10 +180,12 @@ class StatSums:
         return torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float64, device=self.device)
                             for k in self.KEYS])
 
-    def metrics(self, totals: torch.Tensor, loss_agg: str) -> dict[str, float]:
+    def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None) -> dict[str, float]:
+        """``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``)."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
-        divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg)
+        divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
+        frac_divisor = loss_divisor(t["num_tokens"], t["num_seqs"], fraction_agg(loss_agg))
         mean = t["score_sum"] / n
         m = {"reward_mean": mean, "reward_std": max(t["score_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
              "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n}
@@ -186,6 +193,7 @@ class StatSums:
                   "incomplete_groups", "duplicates"):
             m[k] = t[k]
         for k in self.PER_UNIT:
-            m[k] = t[k] / divisor if divisor > 0 else 0.0
+            d = frac_divisor if k in self.FRACTIONS else divisor
+            m[k] = t[k] / d if d > 0 else 0.0
         m["_divisor"] = divisor
         return m

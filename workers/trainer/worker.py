@@ -13,6 +13,12 @@ backward, gradients accumulated as SUMS) whenever samples whose advantages are k
 over the data-parallel group, divides by the iteration's total tokens (or sequences), clips,
 checks finiteness and steps. Data parallel: each rank receives a disjoint share of the
 samples; for GRPO/RLOO every sample of a group must go to the same rank.
+
+PPO with ``whiten_advantages`` (its default, as verl) whitens the GAE advantages over every
+token of the iteration, all ranks together: no advantage is final before the last sample
+arrives, and the clipped loss is not linear in it, so ``receive`` then only prepares samples
+and every forward + backward runs at ``step()``, after the whitening (exact, whatever the
+pipeline mode: every mode calls ``step()`` once the iteration's samples are in).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch.distributed as dist
 from workers.model import default_device, load_pretrained, stop_ids
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
+from workers.trainer.advantages import whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.grads import all_reduce_sum, clip_norm
@@ -145,11 +152,14 @@ class TrainerWorker:
                 else:
                     ok.append(p)
             self._route(ok)
-        self._train_ready(flush=False)
+        if not self.cfg.whiten:  # whitened advantages are only known at step()
+            self._train_ready(flush=False)
 
     @_locked
     def step(self) -> StepResult:
         self._flush_incomplete_groups()
+        if self.cfg.whiten:
+            self._whiten_advantages()
         self._train_ready(flush=True)
         return self._optimizer_step()
 
@@ -262,6 +272,18 @@ class TrainerWorker:
             self.stats.add("incomplete_groups", 1.0)
             self._maybe_complete(gid, force=True)
 
+    def _whiten_advantages(self) -> None:
+        """Whiten the GAE advantages of every sample received this iteration, over all ranks
+        (each rank calls this once per step, with or without samples). Nothing has trained yet
+        (``receive`` defers it), so every forward uses the whitened values. A sample with a
+        non-finite advantage stays out of the statistics (its micro-batch's loss is not finite
+        and is skipped). Returns (= GAE advantages + values) are not whitened, as in verl."""
+        assert not self._trained_any, "whitening after training started"
+        items = [p for p in self.buffer.ready if bool(torch.isfinite(p.adv).all())]
+        reduce = (lambda t: dist.all_reduce(t, group=self.group)) if self.world_size > 1 else (lambda t: None)
+        for p, a in zip(items, whiten([p.adv for p in items], reduce, self.device)):
+            p.adv = a
+
     # ---- training ----------------------------------------------------------------------------
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for grp in self.optimizer.param_groups for p in grp["params"]]
@@ -305,7 +327,7 @@ class TrainerWorker:
         totals = self.stats.packed()
         if self.world_size > 1:
             dist.all_reduce(totals, group=self.group)
-        metrics = self.stats.metrics(totals, self.cfg.loss_agg)
+        metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor)
         divisor = metrics.pop("_divisor")
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = self._streamed_updates(params, divisor)
@@ -383,7 +405,8 @@ class TrainerWorker:
                         units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(self.device)
                 if self.world_size > 1:
                     dist.all_reduce(units, group=self.group)
-                divisor = loss_divisor(float(units[0]), float(units[1]), self.cfg.loss_agg)
+                divisor = loss_divisor(float(units[0]), float(units[1]), self.cfg.loss_agg,
+                                       self.cfg.loss_scale_factor)
                 if divisor <= 0:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
