@@ -5,9 +5,14 @@ in the engines' context (``max_model_len``) is refused by every engine. Found mi
 is a crash in iteration N after hours of work; found here it is one error naming the split and
 the prompt's index (``train.overlong_prompts: error``, the default), or the prompt is dropped
 with a count (``skip``, as verl's ``filter_overlong_prompts``).
+
+The check also records what a generation instance joining later (scale-out) must hold
+(``ContextNeed``): the SGS refuses a joiner with less context instead of letting it refuse
+a kept prompt mid-iteration.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from workers.types import TaskPrompt
@@ -19,17 +24,53 @@ class PromptTooLong(ValueError):
     pass
 
 
+class ContextTooSmall(ValueError):
+    """A generation instance (a joiner) has less context than the run's kept prompts need."""
+
+
+@dataclass
+class ContextNeed:
+    """The context (max_model_len) every generation instance of the run must hold: the longest
+    kept prompt (``where``, ``longest`` tokens) + ``train.max_tokens``, capped at ``context``
+    (the starting instances' smallest max_model_len, which the prompts were checked against).
+    With less, an instance would refuse a kept prompt (its round fails: the run stops) or cut
+    outputs shorter than the starting instances do (verl's rule: max_model_len >= prompt +
+    response length)."""
+
+    context: int
+    max_tokens: int
+    longest: int = 0
+    where: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return min(self.context, self.longest + self.max_tokens)
+
+    def check(self, rank: int, max_model_len: int) -> None:
+        if max_model_len < self.tokens:
+            raise ContextTooSmall(
+                f"generation instance rank {rank} has max_model_len {max_model_len}, less than the {self.tokens} "
+                f"tokens this run needs: its longest prompt, {self.where}, is {self.longest} tokens with the "
+                f"template, + train.max_tokens {self.max_tokens}, within the starting instances' context of "
+                f"{self.context}; not added. A joiner must serve every kept prompt as the starting instances do: join "
+                "from a host whose engine resolves at least that context (their device and KV memory)")
+
+
 def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[TaskPrompt], int], context_len: int,
-                    split: str, policy: str, max_prompt_tokens: int = 0) -> tuple[list[TaskPrompt], list[int]]:
+                    split: str, policy: str, max_prompt_tokens: int = 0,
+                    need: ContextNeed | None = None) -> tuple[list[TaskPrompt], list[int]]:
     """The prompts of ``split`` that leave room for an output token (and are at most
     ``max_prompt_tokens`` long, when > 0), and the indices dropped (``policy`` "skip"); "error"
-    raises ``PromptTooLong`` at the first one that does not."""
+    raises ``PromptTooLong`` at the first one that does not. ``need``: updated with the longest
+    kept prompt."""
     limit = context_len - 1 if max_prompt_tokens <= 0 else min(context_len - 1, max_prompt_tokens)
     kept, dropped = [], []
     for i, item in enumerate(items):
         n = n_tokens(item)
         if n <= limit:
             kept.append(item)
+            if need is not None and n > need.longest:
+                need.longest, need.where = n, f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...)"
         elif policy == "error":
             why = (f"the engines' context (max_model_len) is {context_len}, which leaves no room for an output "
                    "token" if n + 1 > context_len else f"train.max_prompt_tokens is {max_prompt_tokens}")

@@ -20,6 +20,7 @@ from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.metrics import Metrics
+from controller.prompt_check import ContextTooSmall
 from controller.program import Program
 from controller.rpc import WorkerFailed, request_exit, worker_name
 from controller.world import add_instance, build_world
@@ -95,11 +96,12 @@ class Session:
     def _fitting_task(self, task):
         """The task with its prompts checked against the engines' context (prompt_check.py):
         an over-long prompt stops the run here, naming it, or is dropped (``skip``)."""
-        from controller.prompt_check import FittingTask, PromptTooLong, fitting_prompts
+        from controller.prompt_check import ContextNeed, FittingTask, PromptTooLong, fitting_prompts
         from controller.rpc import wait_all
 
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         context = min(st["max_model_len"] for st in stats)
+        need = ContextNeed(context, self.cfg.train.max_tokens)  # what a joiner must hold (SGS.add)
         n_tokens = lambda item: len(self.tok.encode_prompt(item.prompt, item.messages))  # noqa: E731
         kept = {}
         # the test split is read (and checked) here when the run evaluates; a REPL ``eval`` of a
@@ -108,7 +110,7 @@ class Session:
             try:
                 kept[split], dropped = fitting_prompts(task.prompts(split), n_tokens, context, split,
                                                        self.cfg.train.overlong_prompts,
-                                                       self.cfg.train.max_prompt_tokens)
+                                                       self.cfg.train.max_prompt_tokens, need)
             except PromptTooLong as e:
                 raise ConfigError(str(e)) from None
             except (ValueError, OSError, ImportError) as e:  # the task's data: a file, a line, a field
@@ -123,6 +125,7 @@ class Session:
                 raise ConfigError(f"train.overlong_prompts skip: every train prompt is over-long (longer than "
                                   f"train.max_prompt_tokens, or no room for an output token in the engines' "
                                   f"context of {context} tokens)")
+        self.world.sgs.need = need
         return FittingTask(task, kept)
 
     def _ranker(self):
@@ -197,9 +200,22 @@ class Session:
                       "going on without it", file=sys.stderr, flush=True)
         if self.waiting and (forced or self.want_add):
             rank = self.waiting.pop(0)
-            add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)
             self.joined.append(rank)
             self.want_add = False
+            try:
+                h = add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)
+            except ContextTooSmall as e:  # it would refuse kept prompts: the run goes on without it
+                print(f"[controller] iteration {i}: {e}", file=sys.stderr, flush=True)
+                _stop_workers([rank], 2, quiet=False)
+                return
+            except WorkerFailed as e:  # lost while asked for its context (SGS.add)
+                if not (e.lost and e.role == "generation"):
+                    raise
+                print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: "
+                      f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+                return
+            if h is None:  # lost before it held the weights (add_instance said so)
+                return
             self.metrics.log_scalars({"sgs/instances": len(self.world.sgs.slots)}, i)
             print(f"[controller] iteration {i}: added generation instance rank {rank} "
                   f"(weights v{self.program.version})", file=sys.stderr, flush=True)

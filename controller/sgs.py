@@ -7,6 +7,11 @@ the trainer ranks. ``Round.wait()`` collects the instances' metadata reports. Wh
 instance is lost mid-iteration (its process died), the requests whose samples never reached
 a trainer are dispatched again to the others; the trainer drops duplicates by sample id, so
 every request of the iteration is trained exactly once.
+
+Every live instance fits every kept prompt: the starting ones by the start check
+(controller/prompt_check.py), a joiner by ``SGS.need`` (refused at ``add`` with less context).
+So any instance can take any request, and re-dispatch after a loss or a scale-in never meets
+one that cannot serve it.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from controller.instance import GenerateReport
+from controller.prompt_check import ContextTooSmall
 from controller.rpc import Call, WorkerFailed, WorkerHandle
 from workers.types import Request
 
@@ -91,6 +97,7 @@ class SGS:
         self.slots: list[InstanceSlot] = []
         self.removed: list[tuple[int, str]] = []
         self.stream_window_s = 0.02  # instances' Outbox window (``pipeline.stream_window_s``)
+        self.need = None  # controller.prompt_check.ContextNeed, set by the start check
         self._lock = threading.Lock()
 
     @property
@@ -98,6 +105,18 @@ class SGS:
         return [s.handle for s in self.slots]
 
     def add(self, handle: WorkerHandle, profile=None, iteration: int = 0) -> None:
+        """Take ``handle``'s instance. Once ``need`` is set (the prompts are checked), one with
+        less context (max_model_len) is closed and refused: ``ContextTooSmall``."""
+        if self.need is not None:
+            try:
+                self.need.check(handle.rank, handle.call("stats").wait()["max_model_len"])
+            except ContextTooSmall:
+                handle.alive = False
+                try:
+                    handle.call("close").wait()  # its engine's own processes (vLLM) stop now
+                except WorkerFailed:
+                    pass  # gone already
+                raise
         with self._lock:
             self.slots.append(InstanceSlot(handle, profile or default_profile(), iteration))
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from controller.config import ConfigError, load_config
-from controller.prompt_check import FittingTask, PromptTooLong, fitting_prompts
+from controller.prompt_check import ContextNeed, ContextTooSmall, FittingTask, PromptTooLong, fitting_prompts
 from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from workers.types import TaskPrompt
 
@@ -25,6 +25,23 @@ def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
         fitting_prompts(ITEMS, n_tokens, 100, "train", "error", max_prompt_tokens=8)
     kept, dropped = fitting_prompts(ITEMS, n_tokens, 100, "train", "skip", max_prompt_tokens=3)
     assert kept == [ITEMS[0], ITEMS[2]] and dropped == [1, 3]
+
+
+def test_the_check_records_what_a_joining_instance_must_hold():
+    """The longest kept prompt + train.max_tokens, within the starting context: a joiner with
+    less is refused by name (tests/test_scale_out_context.py runs it on real engines)."""
+    n_tokens = lambda item: len(item.prompt.split())  # noqa: E731
+    need = ContextNeed(10, 4)
+    fitting_prompts(ITEMS, n_tokens, 10, "train", "skip", need=need)  # 12 is dropped: it needs nothing
+    fitting_prompts(ITEMS[:1], n_tokens, 10, "test", "skip", need=need)
+    assert (need.longest, need.where.split(" ")[0], need.tokens) == (9, "task.prompts('train')[1]", 10)  # 9 + 4 > 10
+    need.check(3, 10)
+    with pytest.raises(ContextTooSmall, match=r"rank 3 has max_model_len 9, less than the 10 tokens .* "
+                                              r"task.prompts\('train'\)\[1\] .* is 9 tokens"):
+        need.check(3, 9)
+    need = ContextNeed(100, 4)
+    fitting_prompts(ITEMS, n_tokens, 100, "train", "error", need=need)
+    assert need.tokens == 16  # 12 + 4: a joiner needs no more than that, however large the start context
 
 
 def test_fitting_task_is_the_task_with_fewer_prompts():

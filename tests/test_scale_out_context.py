@@ -1,0 +1,165 @@
+"""A generation instance that joins at run time (scale-out) with a smaller context
+(max_model_len) than the starting instances: without a check it takes kept prompts it cannot
+serve, and its round fails (the run stops, exit 1) or its outputs are cut shorter than the
+others'; with the check made at start (``ContextNeed``) the SGS refuses it, naming it, and the
+run goes on. Real engines on the tiny model, in this process: a handle's ``call`` runs the
+instance's method here and returns its result (or exception) as a finished RPC future."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from controller.prompt_check import ContextNeed, ContextTooSmall, fitting_prompts
+from controller.rpc import WorkerFailed, WorkerHandle
+from controller.scheduling import make_dispatcher
+from controller.sgs import SGS
+from tests.runtime_helpers import tiny_model  # noqa: F401
+from workers.types import Request, TaskPrompt
+
+PROMPT = 300  # tokens of the long prompt; train.max_tokens 8: it needs a context of 308
+
+
+class _Local:
+    """Stands in for an RRef: ``rpc_async().method(*args)`` runs here, as a finished future."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def rpc_async(self, timeout=None):
+        return self
+
+    def __getattr__(self, name):
+        def call(*args):
+            fut = torch.futures.Future()
+            try:
+                fut.set_result(getattr(self.obj, name)(*args))
+            except Exception as e:  # noqa: BLE001 - as the RPC layer hands it back
+                fut.set_exception(e)
+            return fut
+        return call
+
+
+class _Sink:
+    def __init__(self):
+        self.samples = []
+
+    def receive(self, samples):
+        self.samples += samples
+        return True
+
+
+def _instance(rank, kv_cache_tokens, model_dir, sink):
+    """max_model_len = (kv_cache_tokens // 16 - 1) * 16: 1024 -> 1008, 336 -> 320, 320 -> 304, 256 -> 240."""
+    from controller.instance import GenerationInstance
+    from workers.generation.config import EngineConfig
+
+    torch.set_num_threads(1)
+    inst = GenerationInstance(rank, EngineConfig(device="cpu", kv_cache_tokens=kv_cache_tokens), model_dir, [0])
+    inst.trainers = [_Local(sink)]
+    return WorkerHandle(rank, "generation", _Local(inst))
+
+
+def _requests(n, prompt_len=PROMPT):
+    return [Request(i, torch.arange(prompt_len) % 250 + 3, 8, 8, group_id=i) for i in range(n)]  # 8 tokens, forced
+
+
+def _need():
+    """What the start check records for a train split whose longest prompt is 300 tokens."""
+    need = ContextNeed(1008, 8)
+    items = [TaskPrompt("a " * n, "", "t") for n in (20, PROMPT, 5)]
+    fitting_prompts(items, lambda it: len(it.prompt.split()), 1008, "train", "error", need=need)
+    return need
+
+
+def _sgs():
+    return SGS(make_dispatcher("round_robin"), lambda it: set())
+
+
+def test_without_the_check_a_smaller_joiner_fails_the_round_or_cuts_outputs(tiny_model):  # noqa: F811
+    """What happened before the check: the SGS took any joiner."""
+    sink = _Sink()
+    sgs = _sgs()
+    sgs.add(_instance(1, 1024, tiny_model, sink))
+    sgs.add(_instance(3, 256, tiny_model, sink), iteration=1)
+    too_long = r"(?s)rank 3 .*prompt of 300 tokens does not fit the context: max_model_len 240"
+    with pytest.raises(WorkerFailed, match=too_long) as e:
+        sgs.generate(1, _requests(4), 0).wait()
+    assert not e.value.lost  # an exception, not a loss: no re-dispatch, the run stops
+    # a joiner the prompt fits, but not prompt + max_tokens: its outputs are cut at 4 tokens, not 8
+    sgs.remove(3)
+    sgs.add(_instance(4, 320, tiny_model, sink), iteration=1)
+    reports = sgs.generate(2, _requests(4), 0).wait()
+    assert {r.rank: r.lengths for r in reports} == {1: [8, 8], 4: [4, 4]}
+
+
+def test_a_joiner_with_less_context_than_the_kept_prompts_need_is_refused(tiny_model):  # noqa: F811
+    need = _need()
+    assert (need.longest, need.tokens) == (PROMPT, PROMPT + 8)
+    sink = _Sink()
+    sgs = _sgs()
+    sgs.add(_instance(1, 1024, tiny_model, sink))
+    sgs.need = need
+    for rank, kv, have in ((3, 256, 240), (4, 320, 304)):  # the prompt does not fit / its outputs would be cut
+        h = _instance(rank, kv, tiny_model, sink)
+        with pytest.raises(ContextTooSmall, match=rf"generation instance rank {rank} has max_model_len {have}, less "
+                           r"than the 308 tokens .* task.prompts\('train'\)\[1\] .* is 300 tokens .* train.max_tokens "
+                           r"8, within the starting instances' context of 1008"):
+            sgs.add(h, iteration=1)
+        assert not h.alive
+    assert [h.rank for h in sgs.handles] == [1]
+    joiner = _instance(5, 336, tiny_model, sink)  # 320 >= 308: serves every kept prompt in full
+    sgs.add(joiner, iteration=1)
+    reports = sgs.generate(1, _requests(4), 0).wait()
+    assert {r.rank: r.lengths for r in reports} == {1: [8, 8], 5: [8, 8]}
+    # the converse: the larger instance leaves (scale-in, or lost): the smaller one left serves it all
+    sgs.remove(1, reason="left")
+    reports = sgs.generate(2, _requests(4), 0).wait()
+    assert [(r.rank, r.lengths) for r in reports] == [(5, [8, 8, 8, 8])]
+
+
+def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_model, monkeypatch,  # noqa: F811
+                                                                           capsys):
+    from controller import runner
+
+    sink = _Sink()
+    sgs = _sgs()
+    sgs.add(_instance(1, 1024, tiny_model, sink))
+    s = runner.Session.__new__(runner.Session)
+    s.cfg = SimpleNamespace(train=SimpleNamespace(eval_every=0, overlong_prompts="skip", max_prompt_tokens=0,
+                                                  max_tokens=8),
+                            placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0),
+                            task=SimpleNamespace(name="t"))
+    s.world = SimpleNamespace(sgs=sgs)
+    s.tok = SimpleNamespace(encode_prompt=lambda text, messages=(): text.split())
+    items = [TaskPrompt("a " * n, "", "t") for n in (20, 2000, PROMPT)]  # 2000 > 1008: dropped (skip)
+    task = SimpleNamespace(prompts=lambda split: items)
+    assert s._fitting_task(task).prompts("train") == [items[0], items[2]]
+    assert (sgs.need.context, sgs.need.longest, sgs.need.tokens) == (1008, PROMPT, PROMPT + 8)
+    # scale-out: joiner rank 3 (240) is refused and told to exit; rank 6 dies when asked; rank 5 (320) is added
+
+    class Dying:
+        def stats(self):
+            raise RuntimeError("connection reset by peer")
+
+    joiners = {3: _instance(3, 256, tiny_model, sink), 5: _instance(5, 336, tiny_model, sink),
+               6: WorkerHandle(6, "generation", _Local(Dying()))}
+
+    def add_instance(world, cfg, rank, model_dir, eos_ids, version, iteration):
+        world.sgs.add(joiners[rank], None, iteration)
+        return joiners[rank]
+
+    stopped, logged = [], []
+    monkeypatch.setattr(runner, "add_instance", add_instance)
+    monkeypatch.setattr(runner, "_stop_workers", lambda ranks, code, quiet=None: stopped.append((ranks, code)))
+    s.waiting, s.joined, s.want_add = [3, 6, 5], [], False
+    s.program = SimpleNamespace(version=0)
+    s.model_dir, s.eos_ids = tiny_model, [0]
+    s.metrics = SimpleNamespace(log_scalars=lambda d, i: logged.append((i, d)))
+    s._before_iteration(1)
+    assert stopped == [([3], 2)] and [h.rank for h in sgs.handles] == [1] and s.joined == [3]
+    assert "iteration 1: generation instance rank 3 has max_model_len 240" in capsys.readouterr().err
+    s._before_iteration(2)
+    assert "iteration 2: joiner rank 6 lost before it was added" in capsys.readouterr().err
+    s._before_iteration(3)
+    assert [h.rank for h in sgs.handles] == [1, 5] and s.joined == [3, 6, 5] and stopped == [([3], 2)]
+    assert logged == [(3, {"sgs/instances": 2})]
