@@ -151,6 +151,7 @@ def join_main(args) -> int:
     rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
     print(f"[join] rank {rank} joined as {args.role}", file=sys.stderr, flush=True)
     code = serve()
+    close_roles()
     rpc.shutdown(graceful=False)
     return code
 
@@ -236,6 +237,15 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
         tstore.set(ATTEMPT_KEY, attempt)
 
 
+def close_roles() -> None:
+    """Close every role this process hosts: engines' own processes (vLLM) must not outlive it."""
+    for role in list(LOCAL.roles.values()):
+        try:
+            role.close()
+        except Exception as e:  # noqa: BLE001 - leaving anyway
+            print(f"[rank {LOCAL.rank}] closing {type(role).__name__}: {e}", file=sys.stderr, flush=True)
+
+
 def stop_processes(code: int) -> int:
     """Leave the RPC group and the process group; a failed run exits at once (``os._exit``).
 
@@ -244,11 +254,7 @@ def stop_processes(code: int) -> int:
     barriers): every static rank takes the
     same quiet path (``_quiet_rpc_exit``). Otherwise, or if a barrier fails: local
     (non-graceful) shutdown that waits for nobody."""
-    for role in list(LOCAL.roles.values()):  # engines' own processes (vLLM) must not outlive us
-        try:
-            role.close()
-        except Exception as e:  # noqa: BLE001 - leaving anyway
-            print(f"[rank {LOCAL.rank}] closing {type(role).__name__}: {e}", file=sys.stderr, flush=True)
+    close_roles()
     if LOCAL.quiet_exit and code in (0, 2):  # success, or a refusal before any work (config error)
         try:
             _quiet_rpc_exit()

@@ -33,6 +33,16 @@ def test_policy_loss_hand_computed():
     assert clipped.tolist() == [1.0, 1.0, 0.0]
 
 
+def test_policy_loss_log_ratio_clamped_as_verl():
+    """verl clamps log(ratio) to [-20, 20] before exp: a far-off token (log-ratio 100, A < 0,
+    no dual clip) gives a finite loss of exp(20), not inf, and no gradient (clipped anyway)."""
+    logp = torch.tensor([100.0, 0.1], requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(2), torch.tensor([-1.0, 1.0]), 0.2, 0.2)
+    assert torch.isfinite(loss).all() and loss[0].item() == pytest.approx(float(torch.tensor(20.0).exp()))
+    loss.sum().backward()
+    assert logp.grad[0].item() == 0.0 and logp.grad[1].item() != 0.0
+
+
 def test_dual_clip_bounds_negative_advantage():
     logp, old, adv = torch.log(torch.tensor([10.0])), torch.zeros(1), torch.tensor([-1.0])
     assert policy_loss(logp, old, adv, 0.2, 0.2)[0].item() == pytest.approx(10.0)

@@ -14,8 +14,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, c
     """PPO clipped surrogate. logp, old_logp, adv: [N] -> (loss [N], clipped [N] float 0/1).
 
     ratio clipped to [1 - clip_low, 1 + clip_high]; with ``dual_clip`` c, the loss of tokens
-    with A < 0 is at most ``-c * A`` (bounded when the ratio explodes)."""
-    ratio = torch.exp(logp - old_logp)  # [N]
+    with A < 0 is at most ``-c * A`` (bounded when the ratio explodes). As verl, log(ratio) is
+    clamped to [-20, 20] before ``exp`` (no gradient beyond: such a token is clipped anyway)."""
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # [N]; verl's clamp: exp stays finite
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)  # [N]
