@@ -42,6 +42,11 @@ def _plan(tmp_path, capsys, cluster_text=DC, model="qwen2.5-7b", extra=()):
     (DC.replace("name: a, ", ""), "datacenters[0]: missing keys ['name']"),
     (DC + "link_gbps: fast\n", "link_gbps must be a number > 0, got 'fast'"),
     (TWO.replace("role: trainer", "role: generation"), "need the roles 'generation' and 'trainer'"),
+    (DC + "gen_tp: 3\n", "gen_tp must be a power of two (1, 2, 4, 8, ...), got 3"),
+    (DC + "gen_tp: 0\n", "gen_tp must be a whole number > 0, got 0"),
+    (DC + "gen_tp: 16\n", "gen_tp 16 is more than one node's GPUs (gpus_per_node 8)"),
+    (DC + "gpus_per_node: 4\ngen_tp: 8\n", "gen_tp 8 is more than one node's GPUs (gpus_per_node 4)"),
+    (DC + "gpus_per_node: 0\n", "gpus_per_node must be a whole number > 0, got 0"),
     (DC.replace("2.0}", "2.0, role: trainer}"), "one datacenter runs both stages: its role must be 'any'"),
 ])
 def test_bad_cluster_file_is_one_line_naming_file_and_key(tmp_path, capsys, text, said):
@@ -113,13 +118,20 @@ def test_free_gpus_give_no_samples_per_dollar_instead_of_a_crash(tmp_path, capsy
 
 
 def test_every_simulated_iteration_must_fit_the_kv_cache():
-    # iteration 0 draws only short samples; a later one draws the one too long for the KV cache
-    c = Cluster("c", [Datacenter("a", "H800", 16, 2.0)])
+    # iteration 0 draws only short samples; a later one draws the one too long for a tp-1 KV cache
+    c = Cluster("c", [Datacenter("a", "H800", 16, 2.0)], gen_tp=1)
     kv = Planner(c, MODELS["qwen2.5-7b"], sample_workloads(Trace([100], [10]), 4, 1)).gen_profile.kv_tokens
     wl = sample_workloads(Trace([100, 100], [10, 10]), 4, 3)
     wl.iterations[2].out_lens[1] = kv + 1
-    with pytest.raises(ValueError, match=r"1 samples \(up to \d+ tokens with the prompt\) do not fit one instance's KV"):
+    with pytest.raises(ValueError, match=r"1 samples \(up to \d+ tokens with the prompt\) do not fit one instance's KV"
+                                         r" cache \(\d+ tokens on 1 x H800\)"):
         Planner(c, MODELS["qwen2.5-7b"], wl)
+    # searched, tp 1 is passed over for it (a larger instance holds it), and said why
+    p = Planner(Cluster("c", [Datacenter("a", "H800", 16, 2.0)]), MODELS["qwen2.5-7b"], wl)
+    assert p.tp > 1 and "do not fit one instance's KV cache" in p.tp_options[0].summary()["skipped"]
+    wl.iterations[2].out_lens[1] = 10 ** 7  # too long for every tp: the largest one's reason
+    with pytest.raises(ValueError, match=r"do not fit one instance's KV cache \(\d+ tokens on 4 x H800\)"):
+        Planner(Cluster("c", [Datacenter("a", "H800", 16, 2.0)]), MODELS["qwen2.5-7b"], wl)
 
 
 # ---- saved profiles ---------------------------------------------------------------------------

@@ -91,7 +91,11 @@ def test_plan_cli_on_small_clusters(tmp_path, capsys):
     main(["plan", "--cluster", str(tmp_path / "one.yaml"), *common])
     out = json.loads(capsys.readouterr().out)
     rec = out["recommended"]
-    assert set(rec["modes"]) == set(MODES) and out["tp"] == 1
+    assert set(rec["modes"]) == set(MODES) and out["tp"] == rec["gen_tp"] and out["tp_from"] == "searched"
+    tried = {t["tp"]: t for t in out["tp_tried"]}  # 7B: 28 heads do not split over 8 GPUs
+    assert sorted(tried) == [1, 2, 4, 8] and "28 attention heads" in tried[8]["skipped"]
+    assert out["tp"] == min((t["iteration_s"], t["gen_gpus"] + t["train_gpus"], k)
+                            for k, t in tried.items() if "iteration_s" in t)[2]
     assert rec["modes"]["async_stream"]["samples_per_s"] >= rec["modes"]["batch"]["samples_per_s"]
     main(["plan", "--cluster", str(tmp_path / "two.yaml"), *common])
     out = json.loads(capsys.readouterr().out)

@@ -4,8 +4,10 @@
         --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
     python -m controller.planner report --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
 
-``plan`` prints the recommended allocation (Algorithm 1) and, for each pipeline mode, the
-simulated iteration time, samples/s and samples per dollar (one JSON object).
+``plan`` prints the generation tensor-parallel size (``tp``, searched unless the cluster file
+fixes ``gen_tp``; ``tp_tried``: Algorithm 1's iteration time with each size tried), the
+recommended allocation (Algorithm 1) and, for each pipeline mode, the simulated iteration
+time, samples/s and samples per dollar (one JSON object).
 ``report`` runs the cluster-scale comparisons of docs/planner.md for Qwen2.5 7B..72B:
 Algorithm 1 vs an even split on one H800 datacenter, and H20 generation + H800 training
 (cross-DC) vs all-H800, in samples per dollar. One JSON line per model, then a summary.
@@ -45,6 +47,8 @@ def _planner(cluster: Cluster, model, args) -> Planner:
 def cmd_plan(args) -> dict:
     p = _planner(load_cluster(args.cluster), load_model(args.model), args)
     out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp,
+           "tp_from": "gen_tp (cluster file)" if p.tp_fixed else "searched",
+           "tp_tried": [o.summary() for o in p.tp_options],
            "recommended": describe(p.simulate_modes(p.allocate()))}
     if not p.cluster.cross_dc:
         out["even_split"] = describe(p.simulate_modes(p.allocate(even=True)))

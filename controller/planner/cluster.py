@@ -4,7 +4,11 @@ Cluster file (YAML): ``datacenters`` (each ``name``, ``gpu`` (H800/H20/H100/H200
 ``gpus``, ``price_per_gpu_hour``, optional ``role``: generation | trainer | any), optional
 ``link_gbps`` (between datacenters), ``intra_gbps`` (weight-sync bandwidth inside one,
 default 1600 = 8 x 200 Gbit/s per node), ``trainer_unit`` and ``gen_unit`` (GPU
-granularity of each stage, default 8: a node; the paper scales the SGS by nodes). One datacenter: Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC.
+granularity of each stage, default 8: a node; the paper scales the SGS by nodes),
+``gpus_per_node`` (8: the largest tensor-parallel size) and ``gen_tp`` (GPUs per generation
+instance; default: searched, each power of two from the smallest that holds the weights up
+to a node, keeping the one of the shortest Algorithm 1 iteration). One datacenter:
+Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import yaml
 from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
                                            even_split, generation_time_model)
 from controller.planner.hardware import (GPUS, MODELS, ModelSpec, analytic_ptl_profile, analytic_train_profile,
-                                         check_number, generation_tp, gpu, trainer_min_gpus)
+                                         check_number, gpu, tp_candidates, tp_problem, trainer_min_gpus)
 from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
+from controller.scheduling import PTLProfile
 
 
 ROLES = ("any", "generation", "trainer")
@@ -56,6 +61,8 @@ class Cluster:
     intra_gbps: float = 1600.0
     trainer_unit: int = 8
     gen_unit: int = 8
+    gpus_per_node: int = 8
+    gen_tp: int | None = None  # None: the planner searches it
 
     def __post_init__(self):
         where = f"cluster {self.name!r}"
@@ -65,6 +72,14 @@ class Cluster:
         self.intra_gbps = check_number(f"{where}: intra_gbps", self.intra_gbps)
         self.trainer_unit = check_number(f"{where}: trainer_unit", self.trainer_unit, integer=True)
         self.gen_unit = check_number(f"{where}: gen_unit", self.gen_unit, integer=True)
+        self.gpus_per_node = check_number(f"{where}: gpus_per_node", self.gpus_per_node, integer=True)
+        if self.gen_tp is not None:
+            self.gen_tp = check_number(f"{where}: gen_tp", self.gen_tp, integer=True)
+            if self.gen_tp & (self.gen_tp - 1):
+                raise ValueError(f"{where}: gen_tp must be a power of two (1, 2, 4, 8, ...), got {self.gen_tp}")
+            if self.gen_tp > self.gpus_per_node:
+                raise ValueError(f"{where}: gen_tp {self.gen_tp} is more than one node's GPUs (gpus_per_node "
+                                 f"{self.gpus_per_node}); tensor parallelism across nodes is not modelled")
         roles = sorted(d.role for d in self.datacenters)
         if len(roles) == 2 and roles != ["generation", "trainer"]:
             raise ValueError(f"{where}: two datacenters need the roles 'generation' and 'trainer' "
@@ -83,7 +98,8 @@ class Cluster:
         return next(d for d in self.datacenters if d.role == role)
 
 
-CLUSTER_KEYS = ("name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit", "gen_unit")
+CLUSTER_KEYS = ("name", "datacenters", "link_gbps", "intra_gbps", "trainer_unit", "gen_unit", "gpus_per_node",
+                "gen_tp")
 DATACENTER_KEYS = ("name", "gpu", "gpus", "price_per_gpu_hour", "role")
 
 
@@ -214,6 +230,33 @@ class Plan:
     train_gpu: str
     price_per_s: float
     modes: dict[str, dict] = field(default_factory=dict)
+    tp: int = 1  # GPUs per generation instance
+
+
+@dataclass
+class TPOption:
+    """One generation tensor-parallel size the planner tried: its instance profile, stage
+    model and Algorithm 1 allocation; ``problem`` says why it cannot run the workload."""
+
+    tp: int
+    profile: PTLProfile | None = None
+    stage_model: StageModel | None = None
+    allocation: Allocation | None = None
+    problem: str = ""
+
+    def key(self) -> tuple:
+        """Best first: shortest iteration, then fewest GPUs (Algorithm 1's own rule), then the
+        smaller tp (more instances)."""
+        a = self.allocation
+        return (a.iteration_s, a.gen_gpus + a.train_gpus, self.tp)
+
+    def summary(self) -> dict:
+        if self.allocation is None:
+            return {"tp": self.tp, "skipped": self.problem}
+        a = self.allocation
+        return {"tp": self.tp, "iteration_s": round(a.iteration_s, 2), "gen_s": round(a.gen_time_s, 2),
+                "train_s": round(a.train_time_s, 2), "gen_gpus": a.gen_gpus, "instances": a.gen_instances,
+                "train_gpus": a.train_gpus}
 
 
 @dataclass
@@ -227,40 +270,81 @@ class Planner:
     def __post_init__(self):
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
-        w = self.workloads.iterations[0]
-        self.tp = generation_tp(self.model, self.g_gen)
-        self.gen_profile = analytic_ptl_profile(self.model, self.g_gen, self.tp)
-        prof = self.gen_profile  # every simulated iteration's samples must fit one instance
-        too_long = [o + q for it in self.workloads.iterations for o, q in zip(it.out_lens, it.prompt_lens)
-                    if prof.seq_kv_tokens(o + q) > prof.kv_tokens]
-        if too_long:
-            raise ValueError(f"{len(too_long)} samples (up to {max(too_long)} tokens with the prompt) do not fit "
-                             f"one instance's KV cache ({prof.kv_tokens} tokens on {self.tp} x {self.g_gen.name}); "
-                             f"lower --max-len")
         unit = self.cluster.trainer_unit
         self.train_min = math.ceil(trainer_min_gpus(self.model, self.g_train, self.algorithm) / unit) * unit
-        gen_time = generation_time_model(self.gen_profile, w.out_lens, w.prompt_lens, self.dispatcher)
+        self.tp_options = [self._option(tp) for tp in self._tps()]
+        ok = [o for o in self.tp_options if o.allocation is not None]
+        if not ok:
+            raise ValueError(self._none_fits())
+        best = min(ok, key=TPOption.key)
+        self.tp, self.gen_profile, self.stage_model = best.tp, best.profile, best.stage_model
+
+    @property
+    def tp_fixed(self) -> bool:
+        return self.cluster.gen_tp is not None
+
+    def _where(self) -> str:
+        return f"cluster {self.cluster.name!r}, model {self.model.name!r}"
+
+    def _tps(self) -> list[int]:
+        """The cluster's ``gen_tp`` (checked against the model) or the candidates to search."""
+        node = self.cluster.gpus_per_node
+        if self.tp_fixed:
+            problem = tp_problem(self.model, self.g_gen, self.cluster.gen_tp, node)
+            if problem:
+                raise ValueError(f"{self._where()}: gen_tp: {problem}")
+            return [self.cluster.gen_tp]
+        tps = tp_candidates(self.model, self.g_gen, node)
+        if not tps:
+            raise ValueError(f"{self._where()}: no generation instance fits one node of {node} x {self.g_gen.name} "
+                             f"(gpus_per_node): {tp_problem(self.model, self.g_gen, node, node)}")
+        return tps
+
+    def _none_fits(self) -> str:
+        """Why no tp tried can run the workload: the largest that holds the model's heads (it has
+        the most KV room), else the heads."""
+        built = [o for o in self.tp_options if o.profile is not None]
+        if built:
+            return built[-1].problem
+        return f"{self._where()}: no generation tp up to gpus_per_node fits: {self.tp_options[-1].problem}"
+
+    def _option(self, tp: int) -> TPOption:
+        """``tp``'s instance profile, stage model and allocation, or the problem that stops it."""
+        problem = tp_problem(self.model, self.g_gen, tp, self.cluster.gpus_per_node)
+        if problem:
+            return TPOption(tp, problem=problem)
+        prof = analytic_ptl_profile(self.model, self.g_gen, tp)
+        too_long = [o + q for it in self.workloads.iterations for o, q in zip(it.out_lens, it.prompt_lens)
+                    if prof.seq_kv_tokens(o + q) > prof.kv_tokens]  # every simulated iteration must fit
+        if too_long:
+            return TPOption(tp, prof, problem=(
+                f"{len(too_long)} samples (up to {max(too_long)} tokens with the prompt) do not fit one instance's "
+                f"KV cache ({prof.kv_tokens} tokens on {tp} x {self.g_gen.name}); lower --max-len"))
+        gen_time = generation_time_model(prof, self.workloads.iterations[0].out_lens,
+                                         self.workloads.iterations[0].prompt_lens, self.dispatcher)
         tokens = self.workloads.tokens
-        self.stage_model = StageModel(
+        sm = StageModel(
             gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
-            gen_unit=math.lcm(self.tp, self.cluster.gen_unit),  # whole instances per unit
-            train_unit=unit, train_min=self.train_min,
-            gpus_per_instance=self.tp)
+            gen_unit=math.lcm(tp, self.cluster.gen_unit),  # whole instances per unit
+            train_unit=self.cluster.trainer_unit, train_min=self.train_min, gpus_per_instance=tp)
+        try:
+            return TPOption(tp, prof, sm, self._allocate(sm, even=False))
+        except ValueError as e:
+            return TPOption(tp, prof, sm, problem=f"{self._where()}: {e}")
 
     def allocate(self, even: bool = False) -> Allocation:
         try:
-            return self._allocate(even)
+            return self._allocate(self.stage_model, even)
         except ValueError as e:
-            raise ValueError(f"cluster {self.cluster.name!r}, model {self.model.name!r}: {e}") from None
+            raise ValueError(f"{self._where()}: {e}") from None
 
-    def _allocate(self, even: bool) -> Allocation:
+    def _allocate(self, sm: StageModel, even: bool) -> Allocation:
         if self.cluster.cross_dc:
             if even:
                 raise ValueError("even split is a single-datacenter baseline")
-            return allocate_cross_dc(self.stage_model, self.cluster.dc("generation").gpus,
-                                     self.cluster.dc("trainer").gpus)
+            return allocate_cross_dc(sm, self.cluster.dc("generation").gpus, self.cluster.dc("trainer").gpus)
         n = self.cluster.datacenters[0].gpus
-        return even_split(self.stage_model, n) if even else allocate_single_dc(self.stage_model, n)
+        return even_split(sm, n) if even else allocate_single_dc(sm, n)
 
     def sync_s(self) -> float:
         gbps = self.cluster.link_gbps if self.cluster.cross_dc else self.cluster.intra_gbps
@@ -272,7 +356,7 @@ class Planner:
         return (a.gen_gpus * pg + a.train_gpus * pt) / 3600.0
 
     def simulate_modes(self, a: Allocation, modes=MODES) -> Plan:
-        plan = Plan(a, self.g_gen.name, self.g_train.name, self.price_per_s(a))
+        plan = Plan(a, self.g_gen.name, self.g_train.name, self.price_per_s(a), tp=self.tp)
         batch = len(self.workloads.iterations[0].out_lens)
         for mode in modes:
             if mode == "colocated" and self.cluster.cross_dc:
@@ -295,7 +379,7 @@ class Planner:
 
 def describe(p: Plan) -> dict:
     a = p.allocation
-    return {"gen": f"{a.gen_gpus} x {p.gen_gpu} ({a.gen_instances} instances)",
+    return {"gen": f"{a.gen_gpus} x {p.gen_gpu} ({a.gen_instances} instances)", "gen_tp": p.tp,
             "train": f"{a.train_gpus} x {p.train_gpu}", "released": [a.released_gen, a.released_train],
             "gen_s": round(a.gen_time_s, 2), "train_s": round(a.train_time_s, 2),
             "dollars_per_hour": round(p.price_per_s * 3600, 1), "modes": p.modes}

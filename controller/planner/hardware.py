@@ -1,9 +1,10 @@
 """Analytic profiles for GPUs and models we cannot run here (roofline estimates).
 
-GPU numbers are the vendors' published dense BF16 tensor FLOP/s, HBM bandwidth and size.
-Generation: one decode step reads the weights once and every running sequence's KV cache,
-and does 2 * params FLOPs per sequence; its time is the larger of the two over the
-instance's GPUs at an efficiency, plus a fixed per-step overhead. Training: FLOPs per
+GPU numbers are the vendors' published dense BF16 tensor FLOP/s, HBM bandwidth and size,
+and NVLink bandwidth. Generation: one decode step reads the weights once and every running
+sequence's KV cache, and does 2 * params FLOPs per sequence; its time is the larger of the
+two over the instance's GPUs at an efficiency, plus a fixed per-step overhead, plus (tp > 1)
+the tensor-parallel all-reduces. Training: FLOPs per
 token from the RL algorithm's model passes at a model FLOPs utilisation (MFU). Every
 constant is a field with its default here and is explained in docs/planner.md.
 """
@@ -40,21 +41,24 @@ def check_number(where: str, x, *, integer: bool = False, lo: float = 0.0, stric
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """bf16_tflops: dense BF16 tensor TFLOP/s; hbm_tb_s: HBM TB/s; hbm_gb: HBM GB."""
+    """bf16_tflops: dense BF16 tensor TFLOP/s; hbm_tb_s: HBM TB/s; hbm_gb: HBM GB;
+    nvlink_gb_s: NVLink GB/s per GPU, both directions together (the datasheet's figure)."""
 
     name: str
     bf16_tflops: float
     hbm_tb_s: float
     hbm_gb: float
+    nvlink_gb_s: float
 
 
-# Published datasheet numbers (SXM parts; dense, i.e. without 2:4 sparsity).
+# Published datasheet numbers (SXM parts; dense, i.e. without 2:4 sparsity). The H800 is
+# the H100 with its NVLink cut to 400 GB/s.
 GPUS: dict[str, GPUSpec] = {
-    "H800": GPUSpec("H800", 989.0, 3.35, 80.0),
-    "H100": GPUSpec("H100", 989.0, 3.35, 80.0),
-    "H200": GPUSpec("H200", 989.0, 4.8, 141.0),
-    "H20": GPUSpec("H20", 148.0, 4.0, 96.0),
-    "A100": GPUSpec("A100", 312.0, 2.039, 80.0),
+    "H800": GPUSpec("H800", 989.0, 3.35, 80.0, 400.0),
+    "H100": GPUSpec("H100", 989.0, 3.35, 80.0, 900.0),
+    "H200": GPUSpec("H200", 989.0, 4.8, 141.0, 900.0),
+    "H20": GPUSpec("H20", 148.0, 4.0, 96.0, 900.0),
+    "A100": GPUSpec("A100", 312.0, 2.039, 80.0, 600.0),
 }
 
 
@@ -66,7 +70,9 @@ def gpu(name: str) -> GPUSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Decoder shape for the cost model; params in units of 1 (not billions)."""
+    """Decoder shape for the cost model; params in units of 1 (not billions). num_heads:
+    attention (query) heads, 0 for hidden // head_dim (true of the Qwen2.5 models); they and
+    num_kv_heads decide which tensor-parallel sizes can split the model."""
 
     name: str
     params: float
@@ -75,6 +81,11 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    num_heads: int = 0
+
+    @property
+    def heads(self) -> int:
+        return self.num_heads or max(1, self.hidden // self.head_dim)
 
     @property
     def weight_bytes(self) -> float:
@@ -89,6 +100,8 @@ class ModelSpec:
         object.__setattr__(self, "params", check_number(f"{where}: params", self.params))
         for k in ("num_layers", "hidden", "num_kv_heads", "head_dim", "dtype_bytes"):
             object.__setattr__(self, k, check_number(f"{where}: {k}", getattr(self, k), integer=True))
+        object.__setattr__(self, "num_heads", check_number(f"{where}: num_heads", self.num_heads, integer=True,
+                                                           strict=False))
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "model") -> "ModelSpec":
@@ -107,12 +120,13 @@ class ModelSpec:
                 hd = check_number("head_dim", d.get("head_dim") or h // heads, integer=True)
                 emb = vocab * h * (1 if d.get("tie_word_embeddings") else 2)
                 params = L * (h * hd * heads * 2 + 2 * h * hd * kvh + 3 * h * inter) + emb
-                return cls(str(d.get("name", d.get("_name_or_path", "hf-model"))), float(params), L, h, kvh, hd)
+                return cls(str(d.get("name", d.get("_name_or_path", "hf-model"))), float(params), L, h, kvh, hd,
+                           num_heads=heads)
             known = set(cls.__dataclass_fields__)
             unknown = set(d) - known
             if unknown:
                 raise ValueError(f"unknown keys {sorted(map(str, unknown))}; expected {sorted(known)} or an HF config")
-            missing = known - set(d) - {"dtype_bytes"}
+            missing = known - set(d) - {"dtype_bytes", "num_heads"}
             if missing:
                 raise ValueError(f"missing keys {sorted(missing)}")
             return cls(**{**d, "name": str(d["name"])})
@@ -135,7 +149,16 @@ class CostAssumptions:
 
     bw_efficiency: float = 0.75  # achieved / peak HBM bandwidth in decode
     flops_efficiency: float = 0.5  # achieved / peak FLOP/s in decode GEMMs
-    step_overhead_s: float = 0.004  # per decode step: launches, sampling, TP all-reduces
+    step_overhead_s: float = 0.004  # per decode step: launches, sampling (TP all-reduces: below)
+    # Tensor parallelism (tp > 1): each forward pass all-reduces the hidden state twice per layer
+    # (attention and MLP outputs), tokens * hidden * dtype bytes each, as a ring: latency +
+    # 2 (tp - 1) / tp * bytes / (one-way NVLink bandwidth * efficiency). Both set from vLLM's
+    # custom all-reduce on 8 x H100 as sglang PR #2904 timed it without CUDA graphs (tp 2-8,
+    # sizes read as bf16 elements: 9-12 us up to 64 KB, 13-24 us at 0.5 MB, 27-45 us at 2 MB;
+    # this model: 15-16, 17-19 and 24-31 us). A decode step's message is BS * hidden * 2 bytes
+    # (72B at BS 64: 1 MB).
+    allreduce_latency_s: float = 15e-6  # per all-reduce, whatever its size
+    nvlink_efficiency: float = 0.5  # achieved / one-way datasheet NVLink bandwidth
     kv_memory_fraction: float = 0.9  # of HBM the engine may use (weights + KV)
     train_mfu: float = 0.35  # model FLOPs utilisation of the trainer
     train_memory_fraction: float = 0.8  # of HBM the trainer may use for states
@@ -161,23 +184,71 @@ def generation_tp(model: ModelSpec, g: GPUSpec, a: CostAssumptions = DEFAULT_ASS
     return tp
 
 
+def tp_problem(model: ModelSpec, g: GPUSpec, tp: int, node_gpus: int,
+               a: CostAssumptions = DEFAULT_ASSUMPTIONS) -> str:
+    """Why ``tp`` GPUs of one node cannot form a generation instance of ``model`` ('' if they
+    can): a power of two, at most ``node_gpus``, weights in at most half the usable HBM, and
+    the heads split as vLLM requires (query heads % tp == 0; KV heads a multiple of tp, or tp
+    a multiple of them, each then replicated)."""
+    if tp < 1 or tp & (tp - 1):
+        return f"{tp} is not a power of two (1, 2, 4, 8, ...)"
+    if tp > node_gpus:
+        return (f"{tp} GPUs are more than one node's ({node_gpus}, gpus_per_node); tensor parallelism "
+                "across nodes is not modelled")
+    need = generation_tp(model, g, a)
+    if tp < need:
+        return (f"{tp} x {g.name} cannot hold {model.name} for generation: its {model.weight_bytes / 1e9:.0f} GB "
+                f"of weights need tp >= {need} (at most half of the usable HBM per GPU)")
+    kvh = model.num_kv_heads
+    if model.heads % tp or (kvh % tp if tp <= kvh else tp % kvh):
+        return (f"{model.name}'s {model.heads} attention heads ({kvh} KV heads) do not split over {tp} GPUs "
+                "(vLLM needs heads % tp == 0, and KV heads % tp == 0 or tp % KV heads == 0)")
+    return ""
+
+
+def tp_candidates(model: ModelSpec, g: GPUSpec, node_gpus: int, a: CostAssumptions = DEFAULT_ASSUMPTIONS) -> list[int]:
+    """The tensor-parallel sizes a vLLM user would try: powers of two from the smallest that
+    holds the weights up to one node (``tp_problem`` tells which the model's heads rule out)."""
+    tp, out = generation_tp(model, g, a), []
+    while tp <= node_gpus:
+        out.append(tp)
+        tp *= 2
+    return out
+
+
+def tp_allreduce_s(model: ModelSpec, g: GPUSpec, tp: int, tokens: float, latency: bool = True,
+                   a: CostAssumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """The TP all-reduces of one forward pass over ``tokens`` tokens (0 at tp 1): 2 per layer,
+    each latency (``latency``) + ring bytes over NVLink (CostAssumptions)."""
+    if tp == 1:
+        return 0.0
+    ring_bytes = 2 * (tp - 1) / tp * model.hidden * tokens * model.dtype_bytes
+    link = g.nvlink_gb_s / 2 * 1e9 * a.nvlink_efficiency  # one direction
+    return 2 * model.num_layers * ((a.allreduce_latency_s if latency else 0.0) + ring_bytes / link)
+
+
 def analytic_ptl_profile(model: ModelSpec, g: GPUSpec, tp: int | None = None,
                          batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                          a: CostAssumptions = DEFAULT_ASSUMPTIONS, block_size: int = 16) -> PTLProfile:
     """PTL(BS) of one generation instance (``tp`` GPUs) with an empty KV cache:
-    max(weight-read time, GEMM time) + overhead; each cached token adds its KV read time
-    (``kv_s_per_token``, ``ref_context`` 0), so the instance model charges long contexts."""
+    max(weight-read time, GEMM time) + overhead + TP all-reduces; each cached token adds its
+    KV read time (``kv_s_per_token``, ``ref_context`` 0), so the instance model charges long
+    contexts. With more GPUs than KV heads each KV head is stored (and read) on tp / KV heads
+    GPUs, as vLLM replicates them. Prefill: GEMM time + all-reduce bytes per prompt token."""
     tp = tp or generation_tp(model, g, a)
     bw = tp * g.hbm_tb_s * 1e12 * a.bw_efficiency
     flops = tp * g.bf16_tflops * 1e12 * a.flops_efficiency
     kv_bytes = tp * g.hbm_gb * 1e9 * a.kv_memory_fraction - model.weight_bytes
     if kv_bytes <= 0:
         raise ValueError(f"{model.name} does not fit {tp} x {g.name} for generation")
-    kv_tokens = int(kv_bytes // model.kv_bytes_per_token)
-    ptl = [max(model.weight_bytes / bw, 2 * model.params * bs / flops) + a.step_overhead_s for bs in batch_sizes]
-    return PTLProfile(list(batch_sizes), ptl, kv_tokens, block_size, 0, 2 * model.params / flops,
+    kv_shards = min(tp, model.num_kv_heads)  # GPUs holding distinct KV heads
+    kv_tokens = int(kv_bytes // (model.kv_bytes_per_token * tp / kv_shards))
+    ptl = [max(model.weight_bytes / bw, 2 * model.params * bs / flops) + a.step_overhead_s
+           + tp_allreduce_s(model, g, tp, bs, a=a) for bs in batch_sizes]
+    prefill = 2 * model.params / flops + tp_allreduce_s(model, g, tp, 1, latency=False, a=a)
+    return PTLProfile(list(batch_sizes), ptl, kv_tokens, block_size, 0, prefill,
                       f"{model.name}@{tp}x{g.name}", meta={"source": "analytic", "tp": tp},
-                      kv_s_per_token=model.kv_bytes_per_token / bw, ref_context=0.0)
+                      kv_s_per_token=model.kv_bytes_per_token / (bw / tp * kv_shards), ref_context=0.0)
 
 
 def trainer_min_gpus(model: ModelSpec, g: GPUSpec, algorithm: str = "ppo",
