@@ -387,12 +387,25 @@ def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> Non
             pass
 
 
+def whitening_note(cfg) -> str | None:
+    """The one-line notice for PPO with whitened advantages (verl's default) in a mode that
+    streams samples into the trainer: training then waits for each iteration's last sample."""
+    if cfg.trainer.whiten and cfg.pipeline.mode in ("minibatch", "stream", "async_stream"):
+        return (f"pipeline.mode {cfg.pipeline.mode} with ppo: trainer.whiten_advantages (on, as verl) needs every "
+                "sample's advantage, so PPO's forward/backward run at the end of each iteration, not while samples "
+                "stream in; set trainer.whiten_advantages: false to train on samples as they arrive")
+    return None
+
+
 def run_controller(cfg, args, world_size: int) -> int:
     """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
     print(f"[controller] join address {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
           f"(python controller/main.py --join ADDR --role generation)", file=sys.stderr, flush=True)
     static = list(range(1, world_size))
     session = None
+    note = whitening_note(cfg)
+    if note:
+        print(f"[controller] {note}", file=sys.stderr, flush=True)
     try:
         session = Session(cfg, args, world_size)
         summary = session.run()

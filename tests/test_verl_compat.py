@@ -228,3 +228,17 @@ def test_norm_mode_scale_and_whitening_keys():
     assert not from_dict({"trainer": {"algorithm": "ppo", "whiten_advantages": False}}).trainer.whiten
     with pytest.raises(ConfigError, match="trainer.whiten_advantages: true is only used by algorithm 'ppo'"):
         from_dict({"trainer": {"algorithm": "grpo", "whiten_advantages": True}})
+
+
+def test_streaming_modes_note_that_whitened_ppo_trains_at_step():
+    """The controller says once, at start, that whitened PPO gives up training while samples
+    stream in (and how to get it back); nothing for GRPO, for batch modes or with it off."""
+    from controller.config import from_dict
+    from controller.runner import whitening_note
+
+    ppo = {"algorithm": "ppo"}
+    note = whitening_note(from_dict({"trainer": ppo, "pipeline": {"mode": "stream"}}))
+    assert note and "trainer.whiten_advantages: false" in note and "pipeline.mode stream" in note
+    assert whitening_note(from_dict({"trainer": ppo, "pipeline": {"mode": "batch"}})) is None
+    assert whitening_note(from_dict({"trainer": {**ppo, "whiten_advantages": False}})) is None
+    assert whitening_note(from_dict({"trainer": {"algorithm": "grpo"}})) is None
