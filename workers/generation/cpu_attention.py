@@ -209,10 +209,11 @@ static inline void softmax_update(float* sc, int64_t nr, int64_t nh, int64_t bs,
 
 // One work item = a query token i and `nkv` of its KV heads (all of them when there are
 // enough tokens to keep the threads busy, else one: a single long sequence still uses every
-// thread). One pass over the sequence's blocks: each block's rows are first copied into an
-// item-local buffer (a tight copy loop keeps many cache misses in flight, where the compute
-// loops alone left DRAM idle between them: ~1.4x on decode), then scored, softmaxed online
-// and accumulated from L1. DH > 0 fixes the head size at compile time (64, 128: AVX2 paths
+// thread). One pass over the sequence's blocks: for a decode token each block's rows are
+// first copied into an item-local buffer (a tight copy loop keeps many cache misses in flight,
+// where the compute loops alone left DRAM idle between them: ~1.4x on decode), then scored,
+// softmaxed online and accumulated from L1; prefill tokens read the (cache-resident) blocks
+// in place. DH > 0 fixes the head size at compile time (64, 128: AVX2 paths
 // where the CPU has them); DH == 0 is generic. T: q/out dtype; C: cache dtype.
 template <typename T, typename C, int DH>
 static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const int* bt,
@@ -234,28 +235,39 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
+      // A token whose neighbours in the batch belong to its sequence (a prefill chunk) reads
+      // blocks its neighbours just read (cache-resident): in place. A lone token (decode)
+      // copies each block first (see above).
+      const bool copy = !((i > 0 && seq_of[i - 1] == seq_of[i]) || (i + 1 < ntok && seq_of[i + 1] == seq_of[i]));
+      const int64_t stride = copy ? rs : row;
       for (int64_t b = 0; b < nblk; ++b) {
         const int64_t nr = std::min(bs, n - b * bs), off = static_cast<int64_t>(table[b]) * block_elems + g0 * Dh;
-        if (split == 1) {
-          std::memcpy(kb.data(), kc + off, nr * rs * sizeof(C));
-          std::memcpy(vb.data(), vc + off, nr * rs * sizeof(C));
-        } else {
+        const C* kp = kc + off;
+        const C* vp = vc + off;
+        if (copy && split == 1) {
+          std::memcpy(kb.data(), kp, nr * rs * sizeof(C));
+          std::memcpy(vb.data(), vp, nr * rs * sizeof(C));
+        } else if (copy) {
           for (int64_t r = 0; r < nr; ++r) {
-            std::memcpy(kb.data() + r * rs, kc + off + r * row, rs * sizeof(C));
-            std::memcpy(vb.data() + r * rs, vc + off + r * row, rs * sizeof(C));
+            std::memcpy(kb.data() + r * rs, kp + r * row, rs * sizeof(C));
+            std::memcpy(vb.data() + r * rs, vp + r * row, rs * sizeof(C));
           }
+        }
+        if (copy) {
+          kp = kb.data();
+          vp = vb.data();
         }
 #ifdef STREAMRL_AVX2
         if constexpr (DH > 0 && kVec<C>) {
-          scores_avx<C, DH>(qf.data(), kb.data(), rs, nr, nkv, G, bs, sc.data());
+          scores_avx<C, DH>(qf.data(), kp, stride, nr, nkv, G, bs, sc.data());
           softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
-          values_avx<C, DH>(sc.data(), vb.data(), rs, nr, nkv, G, bs, acc.data());
+          values_avx<C, DH>(sc.data(), vp, stride, nr, nkv, G, bs, acc.data());
           continue;
         }
 #endif
-        scores_generic<C>(qf.data(), kb.data(), rs, nr, nkv, G, Dh, bs, sc.data());
+        scores_generic<C>(qf.data(), kp, stride, nr, nkv, G, Dh, bs, sc.data());
         softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
-        values_generic<C>(sc.data(), vb.data(), rs, nr, nkv, G, Dh, bs, acc.data());
+        values_generic<C>(sc.data(), vp, stride, nr, nkv, G, Dh, bs, acc.data());
       }
       T* o = out + i * H * Dh + g0 * G * Dh;
       for (int64_t h = 0; h < nh; ++h) {
@@ -316,7 +328,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v7", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu_v8", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
