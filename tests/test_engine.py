@@ -219,7 +219,7 @@ def test_malformed_requests_refused_naming_the_field_and_others_served():
                     sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=V + 3)),
             Request(sample_id=2, prompt_ids=PS[2], max_tokens=5, min_tokens=5, sampling=GREEDY)]
     prompt_msg = "prompt_ids must be a 1-D integer tensor"
-    sampling_msg = "(need a finite temperature >= 0, 0 < top_p <= 1 and an int top_k >= 0)"
+    sampling_msg = "(need a finite temperature >= 0, 0 < top_p <= 1 and an int top_k >= -1)"
     ok = torch.tensor([1, 2])
     bad = [  # (request, the field's complaint, the offending field=value in a sampling message)
         (Request(sample_id=100, prompt_ids=torch.tensor([[1, 2]]), max_tokens=4), prompt_msg, None),
@@ -243,8 +243,8 @@ def test_malformed_requests_refused_naming_the_field_and_others_served():
          sampling_msg, "top_p=1.5"),
         (Request(sample_id=112, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=float("nan"))),
          sampling_msg, "top_p=nan"),
-        (Request(sample_id=113, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=-1)),
-         sampling_msg, "top_k=-1"),
+        (Request(sample_id=113, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=-2)),
+         sampling_msg, "top_k=-2"),
         (Request(sample_id=114, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(temperature=float("nan"))),
          sampling_msg, "temperature=nan"),  # would sample garbage with NaN log-probs
         (Request(sample_id=115, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=2.5)),

@@ -13,6 +13,8 @@ OK = dict(sample_id=1, prompt_ids=torch.tensor([1, 2]), max_tokens=3)
 def test_a_valid_request_passes():
     assert refusal(Request(**OK), 128, 512, set()) is None
     assert refusal(Request(**OK, min_tokens=3, sampling=SamplingParams(temperature=0.0, top_k=0)), 128, 512, set()) is None
+    # top_k -1 is off, as 0 (vLLM: "quietly accept -1 as disabled"; its default for years)
+    assert refusal(Request(**OK, sampling=SamplingParams(top_k=-1)), 128, 512, set()) is None
 
 
 @pytest.mark.parametrize("change, why", [
@@ -33,7 +35,7 @@ def test_a_valid_request_passes():
     (dict(sampling=SamplingParams(temperature=-0.1)), "temperature=-0.1"),
     (dict(sampling=SamplingParams(temperature=math.nan)), "temperature=nan"),
     (dict(sampling=SamplingParams(temperature=math.inf)), "temperature=inf"),
-    (dict(sampling=SamplingParams(top_k=-1)), "top_k=-1"),
+    (dict(sampling=SamplingParams(top_k=-2)), "top_k=-2"),
     (dict(sampling=SamplingParams(top_k=2.5)), "top_k=2.5"),
     (dict(sampling=SamplingParams(top_k=True)), "top_k=True"),
     (dict(sampling=SamplingParams(seed=1.5)), "sampling seed must be None or an int in [0, 2**63), got 1.5"),

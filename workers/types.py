@@ -19,7 +19,7 @@ GREEDY_BELOW = 1e-5
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
+    """Per-request sampling. ``top_k`` 0 or -1 (vLLM's) and ``top_p == 1`` disable those filters;
     ``temperature`` below ``GREEDY_BELOW`` is greedy. ``seed`` makes a request's draws reproducible."""
 
     temperature: float = 1.0

@@ -17,7 +17,7 @@ from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
-from workers.generation.request_check import refusal
+from workers.generation.request_check import check_eos_ids, refusal
 from workers.generation.scheduler import Scheduler
 from workers.generation.sequence import Sequence, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
@@ -68,6 +68,7 @@ class NativeEngine:
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
+        check_eos_ids(self.eos_ids, self.vocab_size)
         self.bm = BlockManager(cfg.total_blocks, cfg.block_size)
         # a lone sequence must always fit: its blocks + one pinned copy of a partial block
         kv_len = (cfg.total_blocks - 1) * cfg.block_size
@@ -177,8 +178,7 @@ class NativeEngine:
     def _count_tokens(self, now: float, n: int) -> None:
         self.total_tokens += n
         self._window.append((now, n))
-        while len(self._window) > 1 and now - self._window[0][0] > 5.0:
-            self._window.popleft()
+        recent_rate(self._window, now)  # trims it
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
@@ -218,14 +218,24 @@ class NativeEngine:
             self.prefix.release_all()
 
     def stats(self) -> EngineStats:
-        w = self._window
-        span = (w[-1][0] - w[0][0]) if len(w) > 1 else 0.0
-        tps = sum(n for _, n in list(w)[1:]) / span if span > 0 else 0.0
+        tps = recent_rate(self._window, time.time())
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            kv_blocks_used=self.bm.num_used, kv_blocks_free=self.bm.num_free,
                            tokens_per_s=tps, max_batch_size=self.scheduler.max_batch_size,
                            weight_version=self.weight_version,
                            preemptions=self.scheduler.preemptions)
+
+
+def recent_rate(window: deque[tuple[float, int]], now: float, horizon: float = 5.0) -> float:
+    """Tokens per second over about the last ``horizon`` seconds up to ``now``. ``window``:
+    (time, tokens) of each step, oldest first; the first entry only marks where the span
+    starts. Trims ``window`` to the last entry at least ``horizon`` old and what follows
+    (both engines' ``stats().tokens_per_s``). An engine that made no step for ``horizon``
+    seconds reports 0, not the rate of its last steps."""
+    while len(window) > 1 and now - window[1][0] >= horizon:
+        window.popleft()
+    span = now - window[0][0] if window else 0.0
+    return sum(n for _, n in itertools.islice(window, 1, None)) / span if span > 0 else 0.0
 
 
 def generate_all(engine: Engine, requests: Seq[Request],

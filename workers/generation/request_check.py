@@ -29,10 +29,11 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     if not _is_int(req.min_tokens) or not 0 <= req.min_tokens <= req.max_tokens:
         return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens!r}"
     s = req.sampling
+    # top_k -1 is off, as 0 (vLLM accepts both; -1 was its default for years)
     if not (_is_real(s.temperature) and s.temperature >= 0 and _is_real(s.top_p) and 0 < s.top_p <= 1
-            and _is_int(s.top_k) and s.top_k >= 0):
+            and _is_int(s.top_k) and s.top_k >= -1):
         return (f"bad sampling params {s} (need a finite temperature >= 0, 0 < top_p <= 1 and an "
-                "int top_k >= 0)")
+                "int top_k >= -1)")
     if not (s.seed is None or (_is_int(s.seed) and 0 <= s.seed < 1 << 63)):
         return f"sampling seed must be None or an int in [0, 2**63), got {s.seed!r}"
     if not (_is_real(req.est_len) and req.est_len >= 0):
@@ -40,6 +41,16 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     if req.sample_id in live:
         return f"sample_id {req.sample_id} is already queued or running"
     return None
+
+
+def check_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> None:
+    """Raise ValueError (``engine.eos_ids``) when an EOS id is outside the vocabulary: the
+    sampler masks EOS columns of the logits below ``min_tokens``, so such an id would fail
+    the first step of every request in flight instead of the engine's construction."""
+    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
+    if bad:
+        raise ValueError(f"engine.eos_ids: {bad} outside the model's vocabulary [0, {vocab_size}) "
+                         f"(EOS ids {tuple(eos_ids)})")
 
 
 def _is_int(x) -> bool:

@@ -31,7 +31,8 @@ import torch
 
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
-from workers.generation.request_check import refusal
+from workers.generation.engine import recent_rate
+from workers.generation.request_check import check_eos_ids, refusal
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -126,6 +127,7 @@ class VLLMEngine:
         self.model_config = mc = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
+        check_eos_ids(self.eos_ids, self.vocab_size)  # before vLLM is imported or started
         self.max_model_len = vllm_args.max_model_len(cfg, mc)
         args = vllm_args.engine_args(cfg, str(model_dir), mc)
         self.max_num_seqs, self.num_blocks = args["max_num_seqs"], args["num_gpu_blocks_override"]
@@ -151,7 +153,8 @@ class VLLMEngine:
         self._late_errors: list[Sample] = []  # refused by vLLM on admission; out at next step
         self._restarts = 0
         self._preemptions = 0
-        self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated so far)
+        self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated in the step)
+        self._counted = 0  # tokens of vLLM's count already in _window
         self._clock_offset = time.time() - time.monotonic()  # engine-core stamps -> wall clock
 
     def __repr__(self) -> str:
@@ -205,9 +208,9 @@ class VLLMEngine:
         outputs = self.llm.step()
         now = time.time()
         done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
-        self._window.append((now, self._tap.generated))
-        while len(self._window) > 2 and now - self._window[0][0] > 5.0:
-            self._window.popleft()
+        self._window.append((now, self._tap.generated - self._counted))
+        self._counted = self._tap.generated
+        recent_rate(self._window, now)  # trims it
         self._admit()
         return done
 
@@ -308,10 +311,8 @@ class VLLMEngine:
 
     def stats(self) -> EngineStats:
         """From vLLM's scheduler stats of the last step (running, waiting, KV use) plus this
-        engine's queue; tokens/s over the last ~5 s."""
-        w = self._window
-        span = w[-1][0] - w[0][0] if len(w) > 1 else 0.0
-        tps = (w[-1][1] - w[0][1]) / span if span > 0 else 0.0
+        engine's queue; tokens/s over the last ~5 s (0 when idle that long)."""
+        tps = recent_rate(self._window, time.time())
         used = round(self._tap.kv_usage * self.num_blocks)
         return EngineStats(running=self._tap.running if self._live else 0,
                            waiting=len(self._queue) + (self._tap.waiting if self._live else 0),

@@ -1,0 +1,133 @@
+"""NativeEngine used as a vLLM user would: sampling-parameter edge values (vLLM's meanings),
+the returned log-probs against a brute-force recomputation of the processed distribution,
+context-limit boundaries, prefix sharing at a block boundary, EOS ids checked at
+construction, ``stats().tokens_per_s`` of an idle engine."""
+import time
+from collections import deque
+
+import pytest
+import torch
+from test_engine import GREEDY, MODEL, V, engine, prompts, recompute_greedy
+
+from workers.generation.config import EngineConfig
+from workers.generation.engine import NativeEngine, generate_all, recent_rate
+from workers.generation.factory import make_engine
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+from workers.types import Request, SamplingParams
+
+torch.set_num_threads(1)
+PS = prompts([3, 7, 12, 5, 9], seed=3)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    # vLLM "quietly accepts -1 as disabled" (its default for years); the controller maps it,
+    # a direct caller got every such request refused. -2 is still refused.
+    def run(top_k):
+        req = Request(sample_id=0, prompt_ids=PS[1], max_tokens=8, min_tokens=8,
+                      sampling=SamplingParams(temperature=1.0, top_k=top_k, seed=11))
+        return generate_all(engine(), [req])[0]
+
+    off = run(0)
+    assert off.finish_reason == "length"
+    for k in (-1, V, V + 5):
+        s = run(k)
+        assert s.finish_reason == "length", (k, s.error)
+        assert s.output_ids.tolist() == off.output_ids.tolist() and torch.equal(s.logprobs, off.logprobs)
+    bad = run(-2)
+    assert bad.finish_reason == "error" and "top_k=-2" in bad.error
+
+
+@torch.no_grad()
+def _processed_logprobs(prompt, out, sp, eos, min_tokens):
+    """Brute force, in float64: the log-prob of each output token under the distribution it
+    was drawn from (vLLM's "processed_logprobs"): EOS masked below min_tokens, then (sampled
+    rows) logits / T, top-k, top-p; greedy rows at T = 1."""
+    seq, lps = prompt.clone(), []
+    for j, t in enumerate(out):
+        lg = MODEL.forward_packed([seq])[-1].double()
+        if j < min_tokens:
+            lg[list(eos)] = float("-inf")
+        if sp.temperature >= 1e-5:
+            lg = lg / sp.temperature
+            if 0 < sp.top_k < V:
+                lg[lg < lg.topk(sp.top_k).values[-1]] = float("-inf")
+            if sp.top_p < 1:
+                srt, idx = lg.softmax(-1).sort(descending=True)
+                lg[idx[(srt.cumsum(0) - srt) >= sp.top_p]] = float("-inf")
+        lps.append(float(lg.log_softmax(-1)[t]))
+        seq = torch.cat([seq, torch.tensor([t])])
+    return torch.tensor(lps, dtype=torch.float64)
+
+
+def test_logprobs_are_the_processed_distribution_end_to_end():
+    eos = (5, 7)  # two EOS ids, both masked below min_tokens
+    kinds = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1), SamplingParams(temperature=1.3, seed=2),
+             SamplingParams(temperature=0.5, top_p=0.6, seed=3), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=2.0, top_k=3, seed=4)]
+    reqs = [Request(sample_id=i, prompt_ids=PS[i], max_tokens=12, min_tokens=4, sampling=sp)
+            for i, sp in enumerate(kinds)]
+    out = generate_all(engine(eos_ids=eos, max_batch_size=3), reqs)
+    for r, s in zip(reqs, out):
+        want = _processed_logprobs(r.prompt_ids, s.output_ids.tolist(), r.sampling, eos, 4)
+        assert torch.isfinite(want).all()  # no token drawn from outside its filtered set
+        torch.testing.assert_close(s.logprobs.double(), want, atol=1e-4, rtol=0)
+
+
+def test_context_limit_boundaries():
+    eng = engine(max_model_len=20)
+    p10, p19, p20 = (prompts([n], seed=n)[0] for n in (10, 19, 20))
+    exact = Request(sample_id=0, prompt_ids=p10, max_tokens=10, sampling=GREEDY)  # 10 + 10 == 20
+    over = Request(sample_id=1, prompt_ids=p10, max_tokens=11, min_tokens=11, sampling=GREEDY)  # one over
+    last = Request(sample_id=2, prompt_ids=p19, max_tokens=5, sampling=GREEDY)  # room for one token
+    full = Request(sample_id=3, prompt_ids=p20, max_tokens=1, sampling=GREEDY)  # no room: refused
+    out = {s.sample_id: s for s in generate_all(eng, [exact, over, last, full])}
+    assert [len(out[i].output_ids) for i in range(3)] == [10, 10, 1]
+    assert all(out[i].finish_reason == "length" for i in range(3))
+    assert out[0].output_ids.tolist() == recompute_greedy(MODEL, p10, 10)[0] == out[1].output_ids.tolist()
+    assert out[3].finish_reason == "error" and "does not fit the context" in out[3].error
+
+
+@pytest.mark.parametrize("plen", [4, 8, 5])
+def test_group_prompt_at_a_block_boundary_with_different_output_lengths(plen):
+    # prompts of exactly 1 and 2 blocks (the copy-on-write block is the last pinned one) and
+    # one not; the samples of a group stop at different lengths
+    p = prompts([plen], seed=plen)[0]
+    reqs = [Request(sample_id=i, prompt_ids=p, max_tokens=2 + 5 * i, min_tokens=2 + 5 * i, sampling=GREEDY,
+                    group_id=0) for i in range(4)]
+    eng = engine(block_size=4)
+    out = generate_all(eng, reqs)
+    for r, s in zip(reqs, out):
+        assert s.output_ids.tolist() == recompute_greedy(MODEL, p, r.max_tokens)[0]
+    assert eng.stats().kv_blocks_used == 0 and not eng.prefix.groups
+
+
+def test_eos_ids_outside_the_vocabulary_refused_at_construction(tmp_path):
+    # the sampler masks EOS columns below min_tokens: such an id used to fail the first step
+    # with min_tokens (every request in flight) instead of the construction
+    with pytest.raises(ValueError, match=r"engine\.eos_ids: \[100\] outside the model's vocabulary \[0, 97\)"):
+        NativeEngine(EngineConfig(block_size=4, kv_cache_tokens=64, eos_ids=(3, V + 3)), model=MODEL)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)
+    save_pretrained(init_weights(CausalLM(cfg), seed=1, std=0.2), tmp_path / "m")
+    for backend in ("native", "vllm"):  # vLLM: checked before vLLM is imported (runs without it)
+        with pytest.raises(ValueError, match=r"engine\.eos_ids: \[64\]"):
+            make_engine(EngineConfig(backend=backend, device="cpu"), str(tmp_path / "m"), eos_ids=[64])
+
+
+def test_recent_rate_window():
+    w = deque([(0.0, 5), (1.0, 10), (2.0, 10)])
+    assert recent_rate(w, 2.0) == 10.0  # 20 tokens after the first step, in 2 s
+    assert recent_rate(w, 4.0) == 5.0  # idle for 2 s: the rate falls
+    assert recent_rate(w, 6.5) == pytest.approx(10 / 5.5) and len(w) == 2  # trimmed
+    assert recent_rate(w, 7.0) == 0.0 and len(w) == 1  # no step in the last 5 s
+    assert recent_rate(deque(), 1.0) == 0.0
+
+
+def test_tokens_per_s_of_an_idle_engine_falls_to_zero(monkeypatch):
+    eng = engine()
+    generate_all(eng, [Request(sample_id=i, prompt_ids=PS[i], max_tokens=6, min_tokens=6, sampling=GREEDY)
+                       for i in range(2)])
+    assert eng.stats().tokens_per_s > 0
+    later = time.time() + 6.0
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert eng.stats().tokens_per_s == 0.0  # used to report the last rate for ever
