@@ -239,10 +239,13 @@ class GenerationInstance:
         not to the trainers."""
         with self._lock:
             out = []
-            for s in self.engine.add(requests):
-                raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
-            while self.engine.has_work():
+            refused = self.engine.add(requests)
+            while self.engine.has_work():  # also on a refusal: the accepted requests of this call
+                # must not stay queued and run inside the next generate() as training samples
                 out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
+            if refused:
+                s = refused[0]
+                raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
             return out
 
     def stats(self) -> dict:

@@ -224,3 +224,24 @@ def test_a_model_folder_is_checked_before_any_work(tmp_path, tiny_model):  # noq
     (notok / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match=r"model.path: .*notok has no tokenizer.json"):
         _check_model_folder(notok)
+
+
+def test_a_refused_eval_leaves_nothing_queued_for_the_next_generate(tiny_model):  # noqa: F811
+    # a REPL eval with one over-long prompt is refused; its accepted requests must not stay
+    # in the engine and come out of the next generate() as training samples
+    import pytest
+    import torch
+
+    from controller.instance import GenerationInstance
+    from workers.generation.config import EngineConfig
+    from workers.types import Request, SamplingParams
+
+    torch.set_num_threads(1)
+    inst = GenerationInstance(1, EngineConfig(device="cpu", kv_cache_tokens=1024, max_model_len=64), tiny_model, [0])
+    greedy = SamplingParams(temperature=0.0)
+    ok = [Request(sample_id=i, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=4, sampling=greedy) for i in (0, 1)]
+    long = Request(sample_id=2, prompt_ids=torch.ones(80, dtype=torch.int64), max_tokens=4, sampling=greedy)
+    with pytest.raises(ValueError, match="refused eval request 2"):
+        inst.evaluate([*ok, long])
+    assert not inst.engine.has_work()
+    assert [sid for sid, _ in inst.evaluate(ok)] == [0, 1]  # the same ids are accepted again
