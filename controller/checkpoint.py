@@ -4,11 +4,15 @@ Layout under ``<logdir>/checkpoints/``::
 
     iter_000010/trainer/        TrainerWorker.save_checkpoint (model HF format, optimizer, RNG, version)
     iter_000010/controller.json iteration, weight version, prompt-stream position, RNG, mode
+    iter_000010/ranker/         the length ranker, when it is updated online (ranker.update_every)
     latest                      text file naming the newest complete checkpoint
 
 A checkpoint is written into a temporary folder and renamed into place; ``latest`` is
-replaced atomically afterwards, so a crash leaves the previous checkpoint intact. The
-trainer ranks write to the same filesystem path (shared storage on several nodes).
+replaced atomically afterwards, so a crash leaves the previous checkpoint intact (a failed
+save removes its temporary folder). ``latest`` naming no complete checkpoint (deleted by hand,
+damaged) falls back to the newest complete ``iter_*``; a folder with checkpoint files but none
+complete is refused, never taken for an empty one. The trainer ranks write to the same
+filesystem path (shared storage on several nodes).
 """
 from __future__ import annotations
 
@@ -23,7 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from controller.config import ConfigError
 from workers.model import replace_dir
+
+
+class CheckpointError(ConfigError):
+    """``--resume`` names a file, or a checkpoint folder holding no complete checkpoint."""
 
 
 @dataclass
@@ -41,42 +50,75 @@ def _rng_state() -> dict:
             "torch_seed": int(torch.initial_seed())}
 
 
-def save(ckpt_root: str | Path, state: ControllerState, trainer_save) -> Path:
-    """``trainer_save(folder)`` makes trainer rank 0 write its state into ``folder``."""
+def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=None) -> Path:
+    """``trainer_save(folder)`` makes trainer rank 0 write its state into ``folder``; ``ranker``
+    (one updated online) is saved beside it."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".iter_*.tmp*"):  # a save killed before it could clean up (kill -9)
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"iter_{state.iteration:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
-    trainer_save(str(tmp / "trainer"))
-    (tmp / "controller.json").write_text(json.dumps(state.__dict__, indent=1))
-    replace_dir(tmp, final)
+    try:
+        trainer_save(str(tmp / "trainer"))
+        if ranker is not None:
+            ranker.save(tmp / "ranker")
+        (tmp / "controller.json").write_text(json.dumps(state.__dict__, indent=1))
+        replace_dir(tmp, final)
+    except BaseException:  # a full disk, a trainer lost mid-save: no half-written copy left taking space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     return final
 
 
+def complete(ckpt_root: str | Path) -> list[Path]:
+    """The complete checkpoints under ``ckpt_root``, oldest first (a temporary folder of a save
+    that did not finish is ``.iter_*``, never listed)."""
+    return sorted(p for p in Path(ckpt_root).glob("iter_*") if (p / "controller.json").exists())
+
+
 def find(path: str | Path) -> Path | None:
     """A checkpoint folder from ``path``: the folder itself, a ``checkpoints/`` root, or a
-    run logdir (its ``checkpoints/latest``). None when nothing is there yet."""
+    run logdir (its ``checkpoints/latest``; when that names no complete checkpoint, the newest
+    complete one). None when nothing is there yet; CheckpointError for a file, or for a folder
+    whose checkpoints are all incomplete (starting fresh there would write over that run)."""
     p = Path(path)
+    if p.is_file():
+        raise CheckpointError(f"--resume {path}: is a file; give a run folder (logging.logdir) or a checkpoint "
+                              "folder (<logdir>/checkpoints/iter_N)")
     if (p / "controller.json").exists():
         return p
     for root in (p, p / "checkpoints"):
-        if (root / "latest").exists():
-            c = root / (root / "latest").read_text().strip()
-            if (c / "controller.json").exists():
+        latest, done = root / "latest", complete(root)
+        if latest.exists():
+            c = root / latest.read_text().strip()
+            if c != root and (c / "controller.json").exists():
                 return c
+        if done:
+            return done[-1]
+        if latest.exists() or list(root.glob("iter_*")):
+            said = f"latest names {latest.read_text().strip()!r}; " if latest.exists() else ""
+            raise CheckpointError(f"--resume {path}: {root} holds no complete checkpoint ({said}no "
+                                  "iter_*/controller.json there); give one with --resume DIR/checkpoints/iter_N")
     return None
 
 
 def load_state(ckpt: Path) -> ControllerState:
-    d = json.loads((Path(ckpt) / "controller.json").read_text())
-    return ControllerState(**d)
+    f = Path(ckpt) / "controller.json"
+    try:
+        return ControllerState(**json.loads(f.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{f}: unreadable, the checkpoint is damaged ({e})") from None
 
 
 def prune(ckpt_root: str | Path, keep: int = 2) -> None:
-    root = Path(ckpt_root)
-    done = sorted(p for p in root.glob("iter_*") if (p / "controller.json").exists())
-    for p in done[:-keep]:
+    """Delete all but the newest ``keep`` (at least 1) complete checkpoints, never the one
+    ``latest`` names."""
+    named = find(ckpt_root)
+    for p in complete(ckpt_root)[:-max(1, keep)]:
+        if p == named:
+            continue
         shutil.rmtree(p, ignore_errors=True)

@@ -194,7 +194,10 @@ def _interrupted(logdir: str, resume: str) -> None:
         from controller import checkpoint as ckpt
         from controller.runner import run_logdir
 
-        found = ckpt.find(run_logdir(Path(logdir), resume)) or (ckpt.find(resume) if resume else None)
+        try:
+            found = ckpt.find(run_logdir(Path(logdir), resume)) or (ckpt.find(resume) if resume else None)
+        except ckpt.CheckpointError:  # --resume names a file (refused at start, unless this came first)
+            found = None
         kept = (f"the last checkpoint is {found}: continue with --resume {found}" if found
                 else "no checkpoint was written yet (train.ckpt_every)")
         print(f"[controller] interrupted; {kept}", file=sys.stderr, flush=True)

@@ -56,6 +56,9 @@ class Session:
         self.want_add = False
         if not args.resume:
             _refuse_previous_run(self.logdir)
+        else:
+            _refuse_fresh_start_over_a_run(self.logdir, args.resume)
+        _check_writable(self.logdir)
         # the task and the dispatcher first: a bad task.kwargs or dispatch.options fails in
         # a second, before the model bootstrap (SFT) spends minutes
         try:
@@ -77,6 +80,7 @@ class Session:
         self.task = self._fitting_task(self.task)
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
         self.policy = self._scale_policy()
+        self.resumed_from = None  # the checkpoint folder resumed from
         state = self._resume() if args.resume else None
         self.program = Program(cfg, self.world, self.tok, self.task, None, self._on_iteration,
                                stream_state=state.stream if state else None,
@@ -138,6 +142,10 @@ class Session:
         import ranker
 
         path = Path(r.path)
+        resumed = self.resumed_from / "ranker" if self.resumed_from else None
+        if resumed is not None and (resumed / "meta.json").exists():  # updated online (update_every)
+            print(f"[controller] ranker: the one saved with the checkpoint, {resumed}", file=sys.stderr, flush=True)
+            return ranker.load(resumed)
         if (path / "meta.json").exists():
             return ranker.load(path)
         t0 = time.time()
@@ -168,8 +176,14 @@ class Session:
             return None
         state = ckpt.load_state(found)
         from controller.rpc import wait_all
+        from workers.trainer.checkpoint import check
 
+        try:  # a damaged file or another model / algorithm: one line, before the trainers load it
+            check(found / "trainer", self.model_dir, self.cfg.trainer.algorithm, self.cfg.trainer.use_critic)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--resume {self.args.resume}: {e}") from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
+        self.resumed_from = found
         wait_all(self.world.push_weights(versions[0]))
         state.version = versions[0]
         print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
@@ -250,8 +264,17 @@ class Session:
                                      self.program.stream_state_at(next_iteration),
                                      self.program.mode.name, list(self.metrics.rewards), {})
         trainer0 = self.world.trainers[0]
-        return ckpt.save(self.logdir / "checkpoints", state,
-                         lambda folder: trainer0.call("save_checkpoint", folder).wait())
+        root = self.logdir / "checkpoints"
+        try:
+            return ckpt.save(root, state, lambda folder: trainer0.call("save_checkpoint", folder).wait(),
+                             self.ranker if self.cfg.ranker.update_every else None)
+        except (OSError, ValueError, WorkerFailed) as e:  # a full disk, an unwritable folder (here or on the trainer)
+            if isinstance(e, WorkerFailed) and e.lost:
+                raise
+            kept = ckpt.find(root) if root.is_dir() else None
+            raise RunStopped(f"the checkpoint of iteration {next_iteration} could not be written under {root}: "
+                             f"{_error_line(e)}; " + (f"the last checkpoint, {kept}, is intact" if kept else
+                                                      "no checkpoint was written before")) from None
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -349,16 +372,51 @@ def _resumed_logdir(logdir: Path, resume: str) -> Path:
     return out
 
 
-def _refuse_previous_run(logdir: Path) -> None:
+def _error_line(e: BaseException) -> str:
+    """The exception's own line (``OSError: [Errno 28] No space left on device``): for a worker's
+    error, the last line of its remote traceback that names one."""
+    import re
+
+    if not isinstance(e, WorkerFailed):
+        return f"{type(e).__name__}: {e}"
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    named = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    return named[-1] if named else lines[0]
+
+
+def _refuse_previous_run(logdir: Path, why: str = "") -> None:
     """A new run must not write into a folder holding another run's logs and checkpoints (its
     iterations.jsonl rows, TensorBoard steps and ``latest`` would interleave with this one's)."""
     if not _holds_run(logdir):
         return
     found = ckpt.find(logdir)
     what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
-    raise ConfigError(f"logging.logdir: {logdir} already holds a run ({what}); continue it with "
+    raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}); continue it with "
                       f"--resume {logdir}, or start a new one elsewhere with --set logging.logdir=NEW_DIR "
                       f"(or delete the folder)")
+
+
+def _check_writable(logdir: Path) -> None:
+    """Logs and checkpoints go to ``logdir``: one that cannot be written (read-only, no
+    permission, full) is said before any work, not as a traceback once the workers are up."""
+    import tempfile
+
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"logging.logdir: {logdir}: cannot write there ({e.strerror or e})") from None
+
+
+def _refuse_fresh_start_over_a_run(logdir: Path, resume: str) -> None:
+    """``--resume`` of a path with no checkpoint starts fresh (the first start of a ``torchrun
+    --max-restarts`` job resumes its own, still empty, ``logging.logdir``); a path that is not
+    ``logdir`` (mistyped?) must not start a fresh run over the run ``logdir`` holds: its rows,
+    TensorBoard steps, ``iter_*`` folders and ``latest`` would be overwritten."""
+    if ckpt.find(resume) is None and Path(resume).resolve() != logdir.resolve():
+        _refuse_previous_run(logdir, f"--resume {resume}: no checkpoint there "
+                                     f"({'the path does not exist' if not Path(resume).exists() else 'none in it'}); ")
 
 
 def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> None:

@@ -2,11 +2,15 @@
 
 Layout: ``model/`` (HF format: config.json, model.safetensors, tokenizer files),
 ``critic.safetensors`` (when a critic is used), ``trainer_state.pt`` (optimizer, scheduler,
-RNG states, weight version, iteration). The reference model is not saved: it is the
-``model_dir`` the worker was built from."""
+RNG states, weight version, iteration), ``trainer.json`` (algorithm, critic: what ``check``
+reads without loading tensors). The reference model is not saved: it is the ``model_dir`` the
+worker was built from."""
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +24,11 @@ if TYPE_CHECKING:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 STATE_FILE = "trainer_state.pt"
+META_FILE = "trainer.json"
+# the ModelConfig fields that decide the tensors' names and shapes
+SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias",
+              "tie_word_embeddings")
 
 
 def save(w: "TrainerWorker", path: str) -> Path:
@@ -28,32 +37,102 @@ def save(w: "TrainerWorker", path: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
-    extra = [Path(w.model_dir) / f for f in TOKENIZER_FILES if (Path(w.model_dir) / f).exists()]
-    save_pretrained(w.actor, tmp / "model", extra_files=extra)
-    if w.critic is not None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
-                   if "rotary_emb" not in k}, str(tmp / "critic.safetensors"))
-    state = {
-        "optimizer": w.optimizer.state_dict(),
-        "scheduler": w.scheduler.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "version": w.version,
-        "iteration": w.iteration,
-        "algorithm": w.cfg.algorithm,
-    }
-    torch.save(state, tmp / STATE_FILE)
-    replace_dir(tmp, path)
+    try:
+        extra = [Path(w.model_dir) / f for f in TOKENIZER_FILES if (Path(w.model_dir) / f).exists()]
+        save_pretrained(w.actor, tmp / "model", extra_files=extra)
+        if w.critic is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
+                       if "rotary_emb" not in k}, str(tmp / "critic.safetensors"))
+        state = {
+            "optimizer": w.optimizer.state_dict(),
+            "scheduler": w.scheduler.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "version": w.version,
+            "iteration": w.iteration,
+            "algorithm": w.cfg.algorithm,
+        }
+        torch.save(state, tmp / STATE_FILE)
+        (tmp / META_FILE).write_text(json.dumps({"algorithm": w.cfg.algorithm, "critic": w.critic is not None,
+                                                 "version": w.version}))
+        replace_dir(tmp, path)
+    except BaseException:  # a full disk, an unwritable folder: no half-written copy left taking space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
+
+def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool) -> None:
+    """What can be checked of a trainer checkpoint without loading its tensors: every file is
+    there and whole (a safetensors header that covers its file, a zip with its directory, the
+    JSON files parse), its model has the tensors of ``model_dir``'s (config.json: the fields
+    that decide names and shapes), and it was trained by ``algorithm`` with(out) a critic.
+    Raises FileNotFoundError / ValueError naming the file and what is wrong."""
+    from safetensors import safe_open
+
+    from workers.model import ModelConfig
+
+    path = Path(path)
+    if not (path / STATE_FILE).exists() or not (path / "model").is_dir():
+        raise FileNotFoundError(f"{path}: not a trainer checkpoint (needs model/ and {STATE_FILE})")
+
+    def damaged(f: Path, e: Exception) -> ValueError:
+        return ValueError(f"{f}: unreadable, the checkpoint is damaged ({e})")
+
+    def read_json(f: Path) -> dict:
+        try:
+            return json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise damaged(f, e) from None
+
+    def model_config(f: Path) -> ModelConfig:
+        d = read_json(f)
+        try:
+            return ModelConfig.from_hf(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise damaged(f, e) from None
+
+    meta = read_json(path / META_FILE) if (path / META_FILE).exists() else {}  # older checkpoints have none
+    if meta.get("algorithm", algorithm) != algorithm:
+        raise ValueError(f"{path}: checkpoint is for trainer.algorithm {meta['algorithm']!r}, this run's is "
+                         f"{algorithm!r}")
+    if meta.get("critic", critic) != critic:
+        raise ValueError(f"{path}: checkpoint was trained {'with' if meta['critic'] else 'without'} a critic, "
+                         f"this run's trainer {'has' if critic else 'has none'}")
+
+    mine, saved = model_config(Path(model_dir) / "config.json"), model_config(path / "model" / "config.json")
+    diff = [f"{k} {getattr(saved, k)} (this run: {getattr(mine, k)})" for k in SHAPE_KEYS
+            if getattr(saved, k) != getattr(mine, k)]
+    if diff:
+        raise ValueError(f"{path}/model is another model than this run's model.path {model_dir}: " + ", ".join(diff))
+    tensors = sorted((path / "model").glob("*.safetensors"))
+    if not tensors:
+        raise FileNotFoundError(f"{path}/model: no *.safetensors files")
+    if critic:
+        tensors.append(path / "critic.safetensors")
+        if not tensors[-1].exists():
+            raise FileNotFoundError(f"{tensors[-1]}: the trainer uses a critic (trainer.algorithm {algorithm}) "
+                                    "but the checkpoint has none")
+    for f in tensors:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type
+            raise damaged(f, e) from None
+    try:
+        zipfile.ZipFile(path / STATE_FILE).close()
+    except (OSError, zipfile.BadZipFile) as e:
+        raise damaged(path / STATE_FILE, e) from None
 
 def load(w: "TrainerWorker", path: str) -> None:
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not (path / STATE_FILE).exists() or not (path / "model").is_dir():
-        raise FileNotFoundError(f"{path}: not a trainer checkpoint (needs model/ and {STATE_FILE})")
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    check(path, w.model_dir, w.cfg.algorithm, w.critic is not None)
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged file, whatever torch's error
+        raise ValueError(f"{path / STATE_FILE}: unreadable, the checkpoint is damaged ({e})") from None
     if state["algorithm"] != w.cfg.algorithm:
         raise ValueError(f"{path}: checkpoint is for algorithm {state['algorithm']!r}, trainer runs {w.cfg.algorithm!r}")
     weights = {k: v for k, v in load_state(path / "model").items() if "rotary_emb" not in k}
@@ -68,8 +147,15 @@ def load(w: "TrainerWorker", path: str) -> None:
         if not critic_file.exists():
             raise FileNotFoundError(f"{critic_file}: the trainer uses a critic but the checkpoint has none")
         w.critic.load_state_dict(load_file(str(critic_file)))
+    # the optimizer's hyper-parameters are this run's (its state_dict holds the saved run's): a run
+    # resumed with another trainer.lr / critic_lr / betas / weight_decay / adam_eps uses them
+    hyper = [{"initial_lr": g["initial_lr"], **{k: g[k] for k in ("betas", "eps", "weight_decay")}}
+             for g in w.optimizer.param_groups]
     w.optimizer.load_state_dict(state["optimizer"])
     w.scheduler.load_state_dict(state["scheduler"])
+    for group, h in zip(w.optimizer.param_groups, hyper):
+        group.update(h)
+    w.scheduler.base_lrs = [h["initial_lr"] for h in hyper]
     # the lr of the step it resumes at, under this run's schedule: a run continued with more
     # iterations has a longer schedule (total_steps follows them), and the saved lr was the old
     # schedule's (its last step: 0 for cosine / linear)

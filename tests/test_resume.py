@@ -1,0 +1,220 @@
+"""Checkpoints and ``--resume``: what was saved is never lost or written over, and a bad
+checkpoint or path is refused with one line naming it (controller/checkpoint.py,
+workers/trainer/checkpoint.py, the resume parts of controller/runner.py)."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from controller import checkpoint as ckpt
+from controller.config import ConfigError
+from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
+from tests.trainer_helpers import synthetic_task, tiny_config, tiny_model_dir
+from workers.trainer import TrainerConfig, TrainerWorker
+from workers.trainer import checkpoint as tckpt
+
+torch.set_num_threads(1)
+
+
+def _state(it):
+    return ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "stream", [0.0] * it, {})
+
+
+def _trainer_save(folder):
+    os.makedirs(folder)
+    (open(f"{folder}/weights", "w")).write("w")
+
+
+def _saved(root, *its):
+    for it in its:
+        ckpt.save(root, _state(it), _trainer_save)
+    return root
+
+
+def test_latest_naming_no_complete_checkpoint_falls_back_to_the_newest_complete(tmp_path):
+    """A ``latest`` whose folder was deleted (a roll-back by hand) or is torn made ``find`` return
+    None: ``--resume RUN`` then started a fresh run in RUN, dropping its rows and writing over its
+    checkpoints."""
+    root = _saved(tmp_path / "run" / "checkpoints", 2, 4, 6)
+    shutil.rmtree(root / "iter_000006")
+    assert ckpt.find(tmp_path / "run") == root / "iter_000004"
+    (root / "latest").write_text("")  # torn
+    assert ckpt.find(tmp_path / "run") == root / "iter_000004"
+    (root / "latest").write_text("iter_000002")  # a valid latest wins over a newer name
+    assert ckpt.find(tmp_path / "run") == root / "iter_000002"
+
+
+def test_a_file_or_a_folder_of_incomplete_checkpoints_is_refused_not_started_fresh(tmp_path):
+    (tmp_path / "cfg.yaml").write_text("x: 1")
+    with pytest.raises(ConfigError, match="cfg.yaml: is a file"):
+        ckpt.find(tmp_path / "cfg.yaml")
+    root = _saved(tmp_path / "run" / "checkpoints", 2)
+    (root / "iter_000002" / "controller.json").unlink()
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        ckpt.find(tmp_path / "run")
+    assert ckpt.find(tmp_path / "new") is None and ckpt.find(tmp_path) is None  # nothing there yet: fresh
+
+
+def test_damaged_controller_json_is_named(tmp_path):
+    root = _saved(tmp_path / "checkpoints", 2)
+    (root / "iter_000002" / "controller.json").write_text('{"iteration": ')
+    with pytest.raises(ConfigError, match=r"iter_000002/controller.json: unreadable"):
+        ckpt.load_state(root / "iter_000002")
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_partial_copy(tmp_path):
+    """A full disk mid-save left ``.iter_N.tmpXXX`` behind (with a full disk, each restart's
+    failed save added one); a save killed outright (kill -9) leaves one that the next save removes."""
+    root = _saved(tmp_path / "checkpoints", 2)
+
+    def full_disk(folder):
+        os.makedirs(folder)
+        open(f"{folder}/weights", "w").write("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        ckpt.save(root, _state(4), full_disk)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000002", "latest"]
+    assert ckpt.find(root) == root / "iter_000002"
+    (root / ".iter_000004.tmpdead" / "trainer").mkdir(parents=True)  # a save killed with SIGKILL
+    _saved(root, 4)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000002", "iter_000004", "latest"]
+
+
+def test_prune_keeps_what_latest_names(tmp_path):
+    root = _saved(tmp_path / "checkpoints", 2, 4, 6)
+    (root / "latest").write_text("iter_000002")  # resumed from an older one, not saved again yet
+    ckpt.prune(root, keep=1)
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_000002", "iter_000006"]
+    ckpt.prune(root, keep=0)  # never none
+    assert ckpt.find(root) == root / "iter_000002"
+
+
+def test_the_ranker_is_saved_with_the_checkpoint(tmp_path):
+    class Ranker:  # ranker.store.save's contract: a folder written at ``path``
+        def save(self, path):
+            path.mkdir()
+            (path / "meta.json").write_text("{}")
+
+    c = ckpt.save(tmp_path / "checkpoints", _state(2), _trainer_save, Ranker())
+    assert (c / "ranker" / "meta.json").exists() and (c / "trainer" / "weights").exists()
+
+
+def test_a_mistyped_resume_never_starts_fresh_over_the_run_in_logdir(tmp_path):
+    """``--resume runs/qiuckstart`` (no such path) with logging.logdir runs/quickstart started a
+    fresh run there: its iterations.jsonl rows and TensorBoard steps were dropped, iter_000001...
+    and ``latest`` written over."""
+    from controller.runner import _refuse_fresh_start_over_a_run
+
+    logdir = tmp_path / "run"
+    _saved(logdir / "checkpoints", 2)
+    with pytest.raises(ConfigError, match=r"--resume .*typo: no checkpoint there \(the path does not exist\); "
+                                          r"logging.logdir: .* already holds a run \(checkpoints up to iter_000002\)"):
+        _refuse_fresh_start_over_a_run(logdir, str(tmp_path / "typo"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="none in it"):
+        _refuse_fresh_start_over_a_run(logdir, str(tmp_path / "empty"))
+    _refuse_fresh_start_over_a_run(logdir, str(logdir))  # resumes it
+    _refuse_fresh_start_over_a_run(tmp_path / "unused", str(tmp_path / "typo"))  # a first start: fresh
+    (tmp_path / "restarted").mkdir()
+    (tmp_path / "restarted" / "iterations.jsonl").write_text("")  # crashed before its first checkpoint
+    _refuse_fresh_start_over_a_run(tmp_path / "restarted", str(tmp_path / "restarted"))
+
+
+# ---- the trainer's part -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return (tiny_model_dir(tmp_path_factory), tiny_model_dir(tmp_path_factory, tiny_config(hidden=48)),
+            synthetic_task())
+
+
+@pytest.fixture(scope="module")
+def saved(models, tmp_path_factory):
+    small, _, task = models
+    path = tmp_path_factory.mktemp("ck") / "trainer"
+    TrainerWorker(TrainerConfig(lr=1e-3), small, task, device="cpu").save_checkpoint(str(path))
+    return path
+
+
+def test_resume_with_another_lr_or_optimizer_setting_uses_it(models, saved):
+    """The optimizer's state_dict carries the saved run's lr, betas, eps and weight decay: a run
+    resumed with a lower trainer.lr (or another warmup/critic_lr) kept the old ones, silently."""
+    small, _, task = models
+    cfg = TrainerConfig(lr=1e-5, betas=(0.8, 0.9), weight_decay=0.1, adam_eps=1e-6, warmup_steps=4, total_steps=8)
+    w = TrainerWorker(cfg, small, task, device="cpu")
+    w.load_checkpoint(str(saved))
+    g = w.optimizer.param_groups[0]
+    assert (g["betas"], g["weight_decay"], g["eps"]) == ((0.8, 0.9), 0.1, 1e-6)
+    assert w.scheduler.base_lrs == [1e-5] and g["lr"] == pytest.approx(1e-5 / 4)  # warmup step 0 of 4
+    assert w.scheduler.get_last_lr() == [g["lr"]]
+
+
+@pytest.mark.parametrize("damage,msg", [
+    ("trainer_state.pt", r"trainer_state.pt: unreadable, the checkpoint is damaged"),
+    ("model/model.safetensors", r"model/model.safetensors: unreadable, the checkpoint is damaged"),
+    ("model/config.json", r"model/config.json: unreadable, the checkpoint is damaged"),
+])
+def test_a_truncated_file_is_named(models, saved, tmp_path, damage, msg):
+    small, _, task = models
+    copy = tmp_path / "trainer"
+    shutil.copytree(saved, copy)
+    data = (copy / damage).read_bytes()
+    (copy / damage).write_bytes(data[:len(data) // 2])
+    w = TrainerWorker(TrainerConfig(lr=1e-3), small, task, device="cpu")
+    with pytest.raises(ValueError, match=msg):
+        w.load_checkpoint(str(copy))
+
+
+def test_another_model_or_algorithm_is_named(models, saved):
+    small, wide, task = models
+    with pytest.raises(ValueError, match=r"another model than this run's model.path .*hidden_size 32 \(this run: 48\)"):
+        tckpt.check(saved, wide, "grpo", False)
+    with pytest.raises(ValueError, match="checkpoint is for trainer.algorithm 'grpo', this run's is 'ppo'"):
+        tckpt.check(saved, small, "ppo", True)
+    tckpt.check(saved, small, "grpo", False)
+    assert json.loads((saved / "trainer.json").read_text())["algorithm"] == "grpo"
+
+
+# ---- end to end (torchrun) -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_refused_resumes_leave_the_run_as_it_was(tmp_path, tiny_model):  # noqa: F811
+    """A mistyped --resume, a damaged checkpoint and another algorithm each stop with one
+    ``config error`` line (rank 0 exits 2); the run's rows and checkpoints are as they were."""
+    cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_every=0, train__ckpt_every=1)
+    assert torchrun(cfg).returncode == 0
+    run = tmp_path / "run"
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    p = torchrun(cfg, extra=["--resume", str(tmp_path / "rnu")])
+    assert p.returncode != 0 and "config error: --resume" in p.stderr and "already holds a run" in p.stderr, \
+        p.stderr[-3000:]
+    state = run / "checkpoints" / "iter_000002" / "trainer" / "trainer_state.pt"
+    good = state.read_bytes()
+    state.write_bytes(good[:100])
+    p = torchrun(cfg, extra=["--resume", str(run)])
+    assert p.returncode != 0 and f"{state}: unreadable, the checkpoint is damaged" in p.stderr, p.stderr[-3000:]
+    state.write_bytes(good)
+    ppo = write_config(tmp_path, tiny_model, train__iterations=4, train__eval_every=0, trainer__algorithm="ppo")
+    p = torchrun(ppo, extra=["--resume", str(run)])
+    assert p.returncode != 0 and "checkpoint is for trainer.algorithm 'grpo'" in p.stderr, p.stderr[-3000:]
+    assert [r["iteration"] for r in iterations(run)] == [0, 1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert subprocess.run(["pgrep", "-f", str(cfg)], capture_output=True).returncode == 1
+
+
+def test_an_unwritable_logdir_is_said_before_any_work(tmp_path):
+    """A read-only logging.logdir failed with a traceback from Metrics once every worker was up."""
+    from controller.runner import _check_writable
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"logging.logdir: .*file/run: cannot write there"):
+        _check_writable(tmp_path / "file" / "run")
+    _check_writable(tmp_path / "new" / "run")
+    assert list((tmp_path / "new" / "run").iterdir()) == []
