@@ -39,3 +39,22 @@ def test_write_text_replaces_a_file(tmp_path):
     p = atomic.write_text(tmp_path / "d" / "x.txt", "one")
     atomic.write_text(p, "two")
     assert p.read_text() == "two" and sorted(q.name for q in p.parent.iterdir()) == ["x.txt"]
+
+
+def test_saved_model_folders_are_readable_as_a_plain_mkdir_makes_them(tmp_path):
+    """mkdtemp gives 0o700 and safetensors writes 0o600: a model or checkpoint saved on a shared
+    cluster was unreadable to everyone else. Saved trees get the umask's modes."""
+    import os
+    import stat
+
+    from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+
+    old = os.umask(0o022)
+    try:
+        cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+        out = save_pretrained(init_weights(CausalLM(cfg), seed=0), tmp_path / "m", max_shard_bytes=4096)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o644}

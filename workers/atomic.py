@@ -35,12 +35,40 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
+def _umask() -> int:
+    """The process umask (read from /proc where possible: setting it to read it races threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _default_modes(root: Path) -> None:
+    """Give ``root`` and what it holds the modes a plain mkdir / open would (0o777 / 0o666
+    less the umask): ``tempfile.mkdtemp`` makes 0o700 and safetensors writes 0o600, so a saved
+    model or checkpoint was unreadable to the rest of a cluster's users and groups."""
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(d, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o666 & ~mask)
+
+
 def replace_dir(tmp: str | os.PathLike, folder: str | os.PathLike) -> None:
     """Put directory ``tmp`` at ``folder``. Over an existing folder the two are exchanged in
     one atomic step where Linux allows it (a reader, or a crash, sees the old folder or the
     new one, never none), then the old one is deleted. Elsewhere: two renames (the old one is
-    moved aside, to ``.NAME.old<pid>``, and removed only after the new one is in place)."""
+    moved aside, to ``.NAME.old<pid>``, and removed only after the new one is in place).
+    ``tmp``'s tree first gets the modes of a plain mkdir / file (umask applied)."""
     tmp, folder = Path(tmp), Path(folder)
+    _default_modes(tmp)
     if not folder.exists():
         os.rename(tmp, folder)
     elif _exchange(tmp, folder):
