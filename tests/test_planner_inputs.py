@@ -1,6 +1,6 @@
 """Planner inputs a user gets wrong (cluster, model, profile files, CLI values): one clear error
 naming the file and key, exit code 2; and the allocation's sanity on real (analytic) stage
-models: brute-force optimal, never slower with more GPUs."""
+models: planned on every simulated batch, brute-force optimal, never slower with more GPUs."""
 import json
 import os
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from controller.planner.__main__ import main
-from controller.planner.allocation import allocate_cross_dc
+from controller.planner.allocation import allocate_cross_dc, generation_time_model
 from controller.planner.cluster import Cluster, Datacenter, Planner, Trace, load_cluster, load_model, sample_workloads
 from controller.planner.colocated import ColocatedGenProfile
-from controller.planner.hardware import MODELS, ModelSpec
+from controller.planner.hardware import MODELS, ModelSpec, analytic_train_profile
 from controller.planner.profile import StageProfiles, TrainProfile
 from controller.scheduling import PTLProfile
 
@@ -178,17 +178,34 @@ def test_corrupted_profile_files_are_refused_naming_the_file(tmp_path):
 
 # ---- Algorithm 1 on real stage models --------------------------------------------------------
 
-def _planner(cluster: Cluster, model="qwen2.5-7b", seed=0) -> Planner:
+def _planner(cluster: Cluster, model="qwen2.5-7b", seed=0, iterations=1) -> Planner:
     rng = np.random.default_rng(seed)
     lens = [int(x) for x in np.clip(np.exp(rng.normal(6.5, 1.0, size=400)), 16, 6000)]
-    return Planner(cluster, MODELS[model], sample_workloads(Trace(lens, [64] * len(lens)), 128, 1, seed),
+    return Planner(cluster, MODELS[model], sample_workloads(Trace(lens, [64] * len(lens)), 128, iterations, seed),
                    algorithm="grpo")
+
+
+def test_algorithm1_plans_on_every_simulated_batch():
+    # each stage's time is its mean over every iteration's batch (those the plan's simulation
+    # runs and reports), not the first draw's
+    p = _planner(Cluster("c", [Datacenter("a", "H800", 48, 1.0)]), iterations=3)
+    sm, its = p.stage_model, p.workloads.iterations
+    per_batch = [generation_time_model(p.gen_profile, w.out_lens, w.prompt_lens, p.dispatcher) for w in its]
+    for x in (8, 16, 48):
+        k = x // p.tp
+        assert sm.gen(x) == pytest.approx(sum(g(k) for g in per_batch) / 3)
+    assert len({round(g(16 // p.tp), 6) for g in per_batch}) == 3  # three different draws
+    for y in (8, 24):
+        train = [analytic_train_profile(p.model, p.g_train, y, "grpo").time(t)
+                 for t in p.workloads.tokens_per_iteration]
+        assert sm.train(y) == pytest.approx(sum(train) / 3)
+    assert p.workloads.tokens_per_iteration[0] != pytest.approx(p.workloads.tokens)
 
 
 @pytest.mark.parametrize("model, gpu, n", [("qwen2.5-7b", "H800", 48), ("qwen2.5-32b", "H20", 64)])
 def test_single_dc_split_minimises_the_modelled_iteration_time(model, gpu, n):
     c = Cluster("c", [Datacenter("a", gpu, n, 1.0)])
-    p = _planner(c, model)
+    p = _planner(c, model, iterations=2)  # the objective: mean stage times over both batches
     sm = p.stage_model
     a = p.allocate()
     brute = min((max(sm.gen(x), sm.train(y)), x + y) for x in range(sm.gen_unit, n + 1, sm.gen_unit)

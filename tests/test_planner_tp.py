@@ -40,7 +40,7 @@ CASES = [  # (model, datacenters): single DC and cross DC, bandwidth- and capaci
 
 @pytest.mark.parametrize("model, dcs", CASES)
 def test_chosen_tp_minimises_the_planners_own_iteration_time(model, dcs):
-    wl = _workloads()
+    wl = _workloads(iterations=2)  # the planner's objective: mean stage times over both batches
     p = Planner(Cluster("c", dcs, trainer_unit=8, gen_unit=8), MODELS[model], wl, algorithm="grpo")
     tps = tp_candidates(MODELS[model], p.g_gen, 8)
     assert [o.tp for o in p.tp_options] == tps and tps[-1] == 8

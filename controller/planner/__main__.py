@@ -6,8 +6,9 @@
 
 ``plan`` prints the generation tensor-parallel size (``tp``, searched unless the cluster file
 fixes ``gen_tp``; ``tp_tried``: Algorithm 1's iteration time with each size tried), the
-recommended allocation (Algorithm 1) and, for each pipeline mode, the simulated iteration
-time, samples/s and samples per dollar (one JSON object).
+recommended allocation (Algorithm 1, planned on every simulated iteration's batch) and, for
+each pipeline mode, the simulated iteration time, samples/s and samples per dollar (one JSON
+object).
 ``report`` runs the cluster-scale comparisons of docs/planner.md for Qwen2.5 7B..72B:
 Algorithm 1 vs an even split on one H800 datacenter, and H20 generation + H800 training
 (cross-DC) vs all-H800, in samples per dollar. One JSON line per model, then a summary.
@@ -96,7 +97,9 @@ def main(argv=None) -> None:
         s = sub.add_parser(name, help=helps[name], description=helps[name])
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
         s.add_argument("--batch", type=_positive(int), default=1024, help="samples per iteration")
-        s.add_argument("--iterations", type=_positive(int), default=4, help="simulated iterations (first is warm-up)")
+        s.add_argument("--iterations", type=_positive(int), default=4,
+                       help="simulated iterations, each its own batch; Algorithm 1 plans on all of them (mean stage "
+                            "times), the first is warm-up (left out of the reported time)")
         s.add_argument("--max-len", type=_positive(int), default=20000, help="output length cap (tokens)")
         s.add_argument("--len-scale", type=_positive(float), default=1.0, help="multiply the trace's lengths")
         s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])

@@ -3,7 +3,10 @@
 A ``StageModel`` gives each stage's time for one iteration's batch as a function of its
 GPUs: generation by dispatching the workload over ``x // gen_unit`` instances and running
 the event-level instance model (same dispatcher and LPT as the runtime), training from its
-profile. Single datacenter: x + y <= n, minimise max(gen, train) (then fewest GPUs).
+profile. With several batches (the planner's simulated iterations) each stage's time is its
+mean over them (``mean_generation_time_model``; training is affine in tokens, so its mean is
+its time on the mean tokens): Algorithm 1 balances the stages' expected times, the pipeline's
+steady-state bottleneck. Single datacenter: x + y <= n, minimise max(gen, train) (then fewest GPUs).
 Cross-datacenter: x <= m, y <= n independently; the paper shrinks the faster stage from
 (m, n) while it stays no slower than the other; here each stage gets the fewest GPUs that
 reach the best iteration time (when stage times fall monotonically: the paper's iteration
@@ -161,6 +164,23 @@ def generation_time_model(profile: PTLProfile, out_lens: Sequence[int], prompt_l
         profs = [profile] * k
         plan = disp.plan([float(x) for x in lens], profs, true_lens=[float(x) for x in lens], prompt_lens=prompt_lens)
         return max(r.makespan_s for r in simulate_plan(plan, lens, profs, prompt_lens))
+
+    return gen_time
+
+
+def mean_generation_time_model(profile: PTLProfile, batches: Sequence[tuple[Sequence[int], Sequence[int] | None]],
+                               dispatcher: str = "oracle", **dispatch_kw) -> Callable[[int], float]:
+    """gen_time(instances) averaged over several batches (``(out_lens, prompt_lens)`` each):
+    each batch dispatched and run on its own (``generation_time_model``), the mean of their
+    generation times. The planner plans on every simulated iteration's batch this way, not on
+    one draw of the workload. Cached."""
+    models = [generation_time_model(profile, o, q, dispatcher, **dispatch_kw) for o, q in batches]
+    if not models:
+        raise ValueError("mean_generation_time_model: no batch")
+
+    @lru_cache(maxsize=None)
+    def gen_time(k: int) -> float:
+        return sum(m(k) for m in models) / len(models)
 
     return gen_time
 

@@ -8,7 +8,9 @@ granularity of each stage, default 8: a node; the paper scales the SGS by nodes)
 ``gpus_per_node`` (8: the largest tensor-parallel size) and ``gen_tp`` (GPUs per generation
 instance; default: searched, each power of two from the smallest that holds the weights up
 to a node, keeping the one of the shortest Algorithm 1 iteration). One datacenter:
-Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC.
+Algorithm 1 single-DC over its GPUs. Two with roles: cross-DC. Algorithm 1 plans on every
+simulated iteration's batch (each stage at its mean time over them), the batches the plan's
+simulation then runs.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 import yaml
 
 from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
-                                           even_split, generation_time_model)
+                                           even_split, mean_generation_time_model)
 from controller.planner.hardware import (GPUS, MODELS, ModelSpec, analytic_ptl_profile, analytic_train_profile,
                                          check_number, gpu, tp_candidates, tp_problem, trainer_min_gpus)
 from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
@@ -207,9 +209,15 @@ class Workloads:
     iterations: list[Workload]
 
     @property
+    def tokens_per_iteration(self) -> list[float]:
+        """Prompt + output tokens of each iteration's batch (what the trainer trains)."""
+        return [float(sum(w.out_lens) + sum(w.prompt_lens)) for w in self.iterations]
+
+    @property
     def tokens(self) -> float:
-        w = self.iterations[0]
-        return float(sum(w.out_lens) + sum(w.prompt_lens))
+        """The mean tokens per iteration over every simulated batch (what Algorithm 1 plans on)."""
+        t = self.tokens_per_iteration
+        return sum(t) / len(t)
 
 
 def sample_workloads(trace: Trace, batch: int, iterations: int, seed: int = 0) -> Workloads:
@@ -320,9 +328,11 @@ class Planner:
             return TPOption(tp, prof, problem=(
                 f"{len(too_long)} samples (up to {max(too_long)} tokens with the prompt) do not fit one instance's "
                 f"KV cache ({prof.kv_tokens} tokens on {tp} x {self.g_gen.name}); lower --max-len"))
-        gen_time = generation_time_model(prof, self.workloads.iterations[0].out_lens,
-                                         self.workloads.iterations[0].prompt_lens, self.dispatcher)
-        tokens = self.workloads.tokens
+        # Algorithm 1 plans on every simulated iteration's batch (the ones the plan's simulation then
+        # runs and reports), each stage at its mean time over them, not on the first draw alone
+        gen_time = mean_generation_time_model(prof, [(w.out_lens, w.prompt_lens) for w in self.workloads.iterations],
+                                              self.dispatcher)
+        tokens = self.workloads.tokens  # training is affine in tokens: its mean time is its time on the mean
         sm = StageModel(
             gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
             gen_unit=math.lcm(tp, self.cluster.gen_unit),  # whole instances per unit
