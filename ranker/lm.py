@@ -167,7 +167,7 @@ class LmRanker(LogLengthRanker):
             self.tok = Tokenizer.load(c.model_dir)
             lm = load_pretrained(c.model_dir, device="cpu", dtype=torch.float32)
         else:
-            self.tok = train_bpe(prompts, vocab_size=c.vocab_size)
+            self.tok = train_bpe(prompts, vocab_size=c.vocab_size, split="gpt2")  # numbers whole: sizes and counts
             mc = ModelConfig(vocab_size=self.tok.vocab_size, hidden_size=c.hidden, intermediate_size=c.intermediate,
                              num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
                              max_position_embeddings=max(512, c.max_tokens), tie_word_embeddings=True,

@@ -64,3 +64,24 @@ def test_chat_template_matches_transformers(tok, tmp_path):
     assert ours.format_prompt("sum 3 5") == hf.apply_chat_template(
         [{"role": "user", "content": "sum 3 5"}], tokenize=False, add_generation_prompt=True)
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_transformers_tokenizes_a_saved_model_folder_as_we_do(tok, tmp_path, model_type):
+    """transformers 5 loads a ``model_type: qwen2`` folder's tokenizer as Qwen2Tokenizer, which
+    imposes Qwen2's normalizer and split over tokenizer.json's: our BPE uses the same pipeline,
+    so a saved policy is tokenized alike by transformers and vLLM (it split "12" as one token
+    and transformers as two before). Llama folders load as tokenizer.json says."""
+    transformers = pytest.importorskip("transformers")
+    from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    folder = save_pretrained(init_weights(CausalLM(cfg), seed=0), tmp_path / "m")
+    meta = json.loads((folder / "config.json").read_text())
+    meta["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(meta))
+    tok.save(folder)
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in ["1 + 2 = 12", "what is 123 + 7 ?  x", "héllo\nworld", "it's 3.14!!\r\n\tok", "e\u0301 café"]:
+        assert hf.encode(text, add_special_tokens=False) == tok.encode(text), text

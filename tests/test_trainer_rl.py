@@ -25,7 +25,7 @@ def _task():
 
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
-    folder, res = build_model_dir(tmp_path_factory.mktemp("rl") / "sft", _task(), MODEL, sft_steps=300,
+    folder, res = build_model_dir(tmp_path_factory.mktemp("rl") / "sft", _task(), MODEL, sft_steps=600,
                                   sft_batch_size=16, sft_lr=3e-3, seed=0)
     assert res.losses[-1] < 0.5 * res.losses[0]
     return str(folder)

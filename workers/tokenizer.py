@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -147,10 +147,22 @@ def _chat_template_str(t) -> str | None:
     return t
 
 
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer, Qwen2.5's tokenizer.json): digits one
+# by one, letters in runs with one leading non-letter, punctuation runs, newlines, spaces.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN),
               min_frequency: int = 2, chat_template: str | None = None,
-              prompt_template: str | None = None) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 / Qwen style) on ``texts`` in-process.
+              prompt_template: str | None = None, split: str = "qwen2") -> Tokenizer:
+    """Train a byte-level BPE on ``texts`` in-process, by default (``split="qwen2"``) with
+    Qwen2's normalizer (NFC) and pre-tokenizer (``QWEN2_SPLIT``, then bytes). transformers 5 loads any ``model_type: qwen2``
+    folder's tokenizer as its ``Qwen2Tokenizer``, which imposes that pipeline over what
+    tokenizer.json says: with GPT-2's split instead, transformers (and vLLM) would tokenize the
+    saved model's text differently from this project. ``split="gpt2"``: GPT-2's byte-level
+    split (numbers stay whole, so BPE can merge them), for tokenizers never saved as a
+    policy's (the ranker's small LM reads sizes and counts better that way).
 
     The first special token is EOS, the second (if any) PAD. All 256 byte symbols are in the
     alphabet, so any text encodes."""
@@ -159,7 +171,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Seque
     if not special_tokens:
         raise ValueError("train_bpe: special_tokens must name at least the EOS token")
     tok = _HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        raise ValueError(f"train_bpe: split {split!r} is not 'qwen2' or 'gpt2'")
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
