@@ -205,7 +205,9 @@ def measure_colocated_generation(engine_cfg, model_dir: str, batches: list[tuple
         raise ValueError("measure_colocated_generation: no batches")
     if any(len(o) < 2 or len(o) != len(p) for o, p in batches):
         raise ValueError("measure_colocated_generation: every batch needs >= 2 requests and one prompt length each")
-    res = run_local(3, _rank, engine_cfg, model_dir, batches, window_s, vocab, seed)[0]
+    from controller.planner.host import model_vocab
+
+    res = run_local(3, _rank, engine_cfg, model_dir, batches, window_s, min(vocab, model_vocab(model_dir)), seed)[0]
     ratios = [t / a for a, t in zip(res["alone_s"], res["together_s"])]
     return ColocatedGenProfile(res["alone_s"], res["together_s"], float(np.median(ratios)),
                                thread_shares(res["alone_threads"]), thread_shares(res["together_threads"]),

@@ -12,9 +12,11 @@ Background workloads are module-level functions so a spawned process can import 
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -289,6 +291,12 @@ class PickleReceiver:
                                f"forced length (first: sample {bad[0]}, got {self.received.get(bad[0])})")
 
 
+def model_vocab(model_dir: str) -> int:
+    """The vocabulary size in ``model_dir``'s config.json (random prompt ids must stay below it:
+    an in-process BPE may learn fewer tokens than it was asked for)."""
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
 def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list[int], list[int]]],
                             window_s: float = 0.02, seed: int = 0, vocab: int = 300) -> dict:
     """Time factor of ``controller.instance.GenerationInstance.generate`` (engine steps + the
@@ -303,6 +311,7 @@ def runtime_generate_factor(engine_cfg, model_dir: str, batches: list[tuple[list
     if not batches:
         raise ValueError("runtime_generate_factor: no batches")
     gen = torch.Generator().manual_seed(seed)
+    vocab = min(vocab, model_vocab(model_dir))
     inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
     sink = PickleReceiver()
     inst.trainers = [sink]
