@@ -119,7 +119,7 @@ def measured_stages(logdir: Path, mode: str) -> dict[str, list[float]]:
     if not path.exists():
         return {}
     ev = json.loads(path.read_text())["traceEvents"]
-    names = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M"}
+    names = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e.get("name") == "thread_name"}
     spans = [{"worker": names[e["tid"]], "stage": e["name"], "start": e["ts"] / 1e6,
               "end": (e["ts"] + e["dur"]) / 1e6, "iteration": e["args"]["iteration"]} for e in ev if e["ph"] == "X"]
     first = min((s["iteration"] for s in spans), default=0) + 1  # skip the warm-up iteration
