@@ -28,6 +28,7 @@ def generate_timer(engine_cfg, model_dir: str, out_lens: list[int], prompt_lens:
         raise ValueError(f"generate_timer: {len(out_lens)} out_lens, {len(prompt_lens)} prompt_lens")
     gen = torch.Generator().manual_seed(seed)
     inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
+    vocab = min(vocab, inst.engine.vocab_size)  # an in-process BPE may hold fewer tokens
     sink = PickleReceiver()
     inst.trainers = [sink]
     next_id = [90_000_000]
