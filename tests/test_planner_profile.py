@@ -82,6 +82,16 @@ def test_profile_with_the_real_clock_is_reusable(tmp_path):
     assert PTLProfile.load(tmp_path / "ptl.json") == prof
 
 
+def test_profile_draws_prompt_ids_the_model_can_embed():
+    """vocab above the model's (64 here) is lowered to it: bench/planner code passes 300 for
+    any model, and an in-process BPE may hold fewer tokens than that."""
+    torch.set_num_threads(1)
+    eng = StepClock(tiny_engine())
+    prof = profile_engine(eng, batch_sizes=(1, 2), prompt_len=8, decode_steps=2, warmup_steps=1,
+                          clock=eng.clock, vocab=300)
+    assert prof.batch_sizes == [1, 2] and not eng.engine.has_work()
+
+
 def test_profile_refuses_what_cannot_fit():
     eng = tiny_engine(kv_tokens=256)
     with pytest.raises(ValueError, match="batch size 32 x 16 tokens needs 512 KV tokens, the engine has 256"):

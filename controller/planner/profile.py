@@ -48,10 +48,12 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
 
     Requests are forced to prompt_len + warmup_steps + decode_steps + 2 tokens so none finishes
     inside the timed window; the engine is drained between sizes and left empty. vocab bounds
-    the random prompt ids. block_size defaults to ``engine.cfg.block_size`` (else 1)."""
+    the random prompt ids (and is lowered to the engine's ``vocab_size``: an in-process BPE may
+    learn fewer tokens than asked). block_size defaults to ``engine.cfg.block_size`` (else 1)."""
     if engine.has_work():
         raise ValueError("profile_engine: the engine still has work; profile an idle engine")
     sizes = sorted({int(b) for b in batch_sizes})
+    vocab = min(vocab, getattr(engine, "vocab_size", vocab))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"profile_engine: batch_sizes must be >= 1, got {list(batch_sizes)}")
     cfg = getattr(engine, "cfg", None)
