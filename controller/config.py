@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from controller.prompt_check import OVERLONG_POLICIES
+from workers.trainer.config import VERL_LOSS_AGGS
 from workers.types import GREEDY_BELOW
 
 PIPELINE_MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
@@ -129,6 +130,7 @@ class TrainSection:
     eval_samples: int = 1  # generations per eval prompt (verl's val_kwargs.n)
     eval_temperature: float = 0.0  # 0: greedy (verl's val_kwargs.temperature / do_sample)
     ckpt_every: int = 0  # 0: only at the end
+    ckpt_keep: int | None = None  # keep the newest N checkpoints (None: all, as verl's max_actor_ckpt_to_keep)
     sft_steps: int = 0
     sft_lr: float = 3e-3
     seed: int = 0
@@ -211,10 +213,11 @@ VERL_KEYS = {
     "val_files": "task.kwargs.files", "train_batch_size": "train.batch_prompts",
     "max_response_length": "train.max_tokens", "total_training_steps": "train.iterations",
     "save_freq": "train.ckpt_every", "test_freq": "train.eval_every", "adv_estimator": "trainer.algorithm",
+    "max_actor_ckpt_to_keep": "train.ckpt_keep",
+    "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
     "entropy_coeff": "trainer.entropy_coef",
-    "loss_agg_mode": "trainer.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, seq-mean-token-sum: "
-                     "seq_mean_token_sum, seq-mean-token-sum-norm: seq_mean_token_sum_norm)",
+    "loss_agg_mode": "trainer.loss_agg (" + ", ".join(f"{v}: {o}" for v, o in VERL_LOSS_AGGS.items()) + ")",
     "clip_ratio": "trainer.clip_low and trainer.clip_high", "clip_ratio_c": "trainer.dual_clip",
     "n": "train.group_size", "default_local_dir": "logging.logdir",
     "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
@@ -401,6 +404,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not (isinstance(t.max_prompt_tokens, int) and t.max_prompt_tokens >= 0):
         raise ConfigError(f"train.max_prompt_tokens must be an int >= 0 (0: the engines' context), "
                           f"got {t.max_prompt_tokens!r}")
+    if t.ckpt_keep is not None and not (type(t.ckpt_keep) is int and t.ckpt_keep >= 1):
+        raise ConfigError(f"train.ckpt_keep must be an int >= 1 (null: keep every checkpoint, as verl's 0 or "
+                          f"null), got {t.ckpt_keep!r}")
     if t.overlong_prompts not in OVERLONG_POLICIES:
         raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
     if not t.length_scale > 0:
