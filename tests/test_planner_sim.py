@@ -33,6 +33,25 @@ def test_modes_hand_computed(mode, expected):
     assert run(mode).iteration_s == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("mode,like", [("stream", "batch"), ("minibatch", "batch"), ("async_stream", "async_batch")])
+def test_whitened_ppo_trains_after_the_last_sample(mode, like):
+    """PPO with whitened advantages (the runtime's default): the trainer does every
+    forward/backward after the iteration's last sample, so a streaming mode's timeline is its
+    batch counterpart's (generation still overlaps as the mode says)."""
+    assert run(mode, train_at_end=True).iteration_s == pytest.approx(run(like).iteration_s)
+    assert run(mode, train_at_end=True).iteration_s != pytest.approx(run(mode).iteration_s)
+
+
+def test_planner_whitens_ppo_by_default():
+    from controller.planner.cluster import MODELS, Cluster, Datacenter, Planner, Trace, sample_workloads
+    wl = sample_workloads(Trace([300, 40, 60, 2000] * 16, [64] * 64), 64, 2, 0)
+    cluster = Cluster("c", [Datacenter("a", "H800", 16, 2.0)])
+    assert Planner(cluster, MODELS["qwen2.5-7b"], wl).whiten is True
+    assert Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo").whiten is False
+    with pytest.raises(ValueError, match="whiten: advantage whitening is PPO's"):
+        Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo", whiten=True)
+
+
 def test_async_generation_waits_for_weights_two_versions_back():
     r = run("async_stream")
     assert r.gen_start == pytest.approx([0.0, 4.0, 9.5])  # gen(2) waits for sync(0) to end at 9.5

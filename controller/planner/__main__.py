@@ -42,12 +42,13 @@ def _positive(kind):
 def _planner(cluster: Cluster, model, args) -> Planner:
     trace = load_trace(args.trace, args.max_len, args.len_scale)
     wl = sample_workloads(trace, args.batch, args.iterations, args.seed)
-    return Planner(cluster, model, wl, args.algorithm, args.dispatcher)
+    whiten = {"auto": None, "on": True, "off": False}[args.whiten]
+    return Planner(cluster, model, wl, args.algorithm, args.dispatcher, whiten)
 
 
 def cmd_plan(args) -> dict:
     p = _planner(load_cluster(args.cluster), load_model(args.model), args)
-    out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp,
+    out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp, "algorithm": p.algorithm, "whiten": p.whiten,
            "tp_from": "gen_tp (cluster file)" if p.tp_fixed else "searched",
            "tp_tried": [o.summary() for o in p.tp_options],
            "recommended": describe(p.simulate_modes(p.allocate()))}
@@ -73,7 +74,7 @@ def cmd_report(args) -> dict:
         even = p.simulate_modes(p.allocate(even=True), [mode])
         q = _planner(hetero, model, args)
         het = q.simulate_modes(q.allocate(), [mode])
-        row = {"model": name, "mode": mode,
+        row = {"model": name, "mode": mode, "algorithm": p.algorithm, "whiten": p.whiten,
                "alg1_h800": describe(best), "even_h800": describe(even), "h20_h800": describe(het),
                "alloc_vs_even_throughput": round(best.modes[mode]["samples_per_s"] / even.modes[mode]["samples_per_s"], 3),
                "hetero_vs_h800_samples_per_dollar": round(het.modes[mode]["samples_per_dollar"]
@@ -103,6 +104,9 @@ def main(argv=None) -> None:
         s.add_argument("--max-len", type=_positive(int), default=20000, help="output length cap (tokens)")
         s.add_argument("--len-scale", type=_positive(float), default=1.0, help="multiply the trace's lengths")
         s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])
+        s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
+                       help="PPO's trainer.whiten_advantages (auto: on for ppo, as the trainer and verl): with it "
+                            "on, every mode trains after the iteration's last sample")
         s.add_argument("--dispatcher", default="skew_paper", help="controller.scheduling dispatcher name")
         s.add_argument("--seed", type=int, default=0)
         if name == "plan":

@@ -274,8 +274,15 @@ class Planner:
     workloads: Workloads
     algorithm: str = "ppo"
     dispatcher: str = "skew_paper"
+    # PPO's whitened advantages (trainer.whiten_advantages; None: on for ppo, as the trainer's
+    # default and verl's) make every mode train at the end of its iteration (SimConfig.train_at_end)
+    whiten: bool | None = None
 
     def __post_init__(self):
+        if self.whiten is None:
+            self.whiten = self.algorithm == "ppo"
+        elif self.whiten and self.algorithm != "ppo":
+            raise ValueError(f"whiten: advantage whitening is PPO's (GAE); {self.algorithm} normalises per group")
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
         unit = self.cluster.trainer_unit
@@ -378,7 +385,7 @@ class Planner:
                 k, trainer, sync = a.gen_instances, analytic_train_profile(self.model, self.g_train, a.train_gpus,
                                                                            self.algorithm), self.sync_s()
             cfg = SimConfig(mode, k, self.gen_profile, trainer, sync_s=sync, dispatcher=self.dispatcher,
-                            minibatch_size=max(1, batch // 8), microbatch_tokens=0)
+                            minibatch_size=max(1, batch // 8), microbatch_tokens=0, train_at_end=self.whiten)
             r = simulate(cfg, self.workloads.iterations)
             it = r.steady_iteration_s()
             per_dollar = round(batch / (it * plan.price_per_s), 2) if plan.price_per_s > 0 else None  # free GPUs

@@ -86,6 +86,11 @@ class SimConfig:
     # rank's cost per token), once all of them are in; then every rank steps together
     # (all-reduce) for ``trainer.fixed_s``. False: one trainer takes the whole iteration.
     colocated_dp: bool = False
+    # PPO with whitened advantages (trainer.whiten_advantages, verl's default): the runtime's
+    # receive only prepares samples and every forward/backward of an iteration runs after its
+    # last sample, so the trainer gets one hand-over whatever the mode (stream trains like batch,
+    # async_stream like async_batch; generation still overlaps as the mode says)
+    train_at_end: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -127,7 +132,7 @@ def _chunks(arrivals: list[tuple[float, int]], size: int) -> list[tuple[float, i
 def _train_batches(mode: str, arrivals: list[tuple[float, int]], cfg: SimConfig) -> list[tuple[float, int]]:
     """(ready time, tokens) of each hand-over the trainer gets, in order.
     arrivals: (finish time, tokens) per request in request-index order."""
-    if mode in ("colocated", "batch", "async_batch"):
+    if mode in ("colocated", "batch", "async_batch") or cfg.train_at_end:
         return [(max(t for t, _ in arrivals), sum(n for _, n in arrivals))]
     if mode == "minibatch":
         return _chunks(sorted(arrivals), cfg.minibatch_size)
