@@ -7,12 +7,15 @@ Layout under ``<logdir>/checkpoints/``::
     iter_000010/ranker/         the length ranker, when it is updated online (ranker.update_every)
     latest                      text file naming the newest complete checkpoint
 
-A checkpoint is written into a temporary folder and renamed into place; ``latest`` is
-replaced atomically afterwards, so a crash leaves the previous checkpoint intact (a failed
-save removes its temporary folder). ``latest`` naming no complete checkpoint (deleted by hand,
+A checkpoint is written into a temporary folder, fsynced (every file and folder) and renamed
+into place (the parent fsynced: the rename is the commit point); ``latest`` is replaced the same
+way afterwards, so a crash, even a power loss, leaves the previous checkpoint intact and
+``latest`` never names one whose data is not on the disk (a failed save removes its temporary
+folder). ``latest`` naming no complete checkpoint (deleted by hand,
 damaged) falls back to the newest complete ``iter_*``; a folder with checkpoint files but none
 complete is refused, never taken for an empty one. The trainer ranks write to the same
-filesystem path (shared storage on several nodes).
+filesystem path (shared storage on several nodes). ``prune`` (``train.ckpt_keep``) deletes
+old checkpoints after a save.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 
 from controller.config import ConfigError
-from workers.model import replace_dir
+from workers.atomic import replace_dir, write_text
 
 
 class CheckpointError(ConfigError):
@@ -55,7 +59,7 @@ def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=Non
     (one updated online) is saved beside it."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".iter_*.tmp*"):  # a save killed before it could clean up (kill -9)
+    for stale in root.glob(".iter_*.tmp*"):  # a save killed before it could clean up (kill -9), a failed prune
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"iter_{state.iteration:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
@@ -68,9 +72,7 @@ def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=Non
     except BaseException:  # a full disk, a trainer lost mid-save: no half-written copy left taking space
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
+    write_text(root / "latest", final.name)
     return final
 
 
@@ -114,11 +116,33 @@ def load_state(ckpt: Path) -> ControllerState:
         raise CheckpointError(f"{f}: unreadable, the checkpoint is damaged ({e})") from None
 
 
-def prune(ckpt_root: str | Path, keep: int = 2) -> None:
-    """Delete all but the newest ``keep`` (at least 1) complete checkpoints, never the one
-    ``latest`` names."""
-    named = find(ckpt_root)
-    for p in complete(ckpt_root)[:-max(1, keep)]:
-        if p == named:
+def prune(ckpt_root: str | Path, keep: int = 2, protect=()) -> list[Path]:
+    """Delete old complete checkpoints; returns those deleted. Kept: the newest ``keep`` (at
+    least 1) up to the one ``latest`` names, that one, and any in ``protect`` (the checkpoint a
+    ``--resume`` read from). Checkpoints newer than ``latest``'s (a run resumed from an older
+    checkpoint into its own folder: the abandoned ones) are neither counted nor deleted; the run
+    writes over each when it gets there. A checkpoint is renamed out of the listing first, so a
+    deletion that fails half-way leaves no torn ``iter_*``; a failure is one line on stderr and
+    the rest goes on (the next save sweeps the leftover)."""
+    root = Path(ckpt_root)
+    try:
+        named = find(root)
+    except (CheckpointError, OSError):
+        return []
+    if named is None or named.parent != root:
+        return []
+    kept = {p.resolve() for p in protect} | {named.resolve()}
+    older = [p for p in complete(root) if p.name <= named.name]
+    deleted = []
+    for p in older[:-max(1, keep)]:
+        if p.resolve() in kept:
             continue
-        shutil.rmtree(p, ignore_errors=True)
+        gone = root / f".{p.name}.tmp-pruned"  # swept by save's stale-folder clean-up if left
+        try:
+            os.rename(p, gone)
+            shutil.rmtree(gone)
+            deleted.append(p)
+        except OSError as e:
+            print(f"[controller] checkpoint retention: could not delete {p} ({type(e).__name__}: {e}); "
+                  "the run goes on", file=sys.stderr, flush=True)
+    return deleted

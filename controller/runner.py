@@ -266,8 +266,8 @@ class Session:
         trainer0 = self.world.trainers[0]
         root = self.logdir / "checkpoints"
         try:
-            return ckpt.save(root, state, lambda folder: trainer0.call("save_checkpoint", folder).wait(),
-                             self.ranker if self.cfg.ranker.update_every else None)
+            saved = ckpt.save(root, state, lambda folder: trainer0.call("save_checkpoint", folder).wait(),
+                              self.ranker if self.cfg.ranker.update_every else None)
         except (OSError, ValueError, WorkerFailed) as e:  # a full disk, an unwritable folder (here or on the trainer)
             if isinstance(e, WorkerFailed) and e.lost:
                 raise
@@ -275,6 +275,10 @@ class Session:
             raise RunStopped(f"the checkpoint of iteration {next_iteration} could not be written under {root}: "
                              f"{_error_line(e)}; " + (f"the last checkpoint, {kept}, is intact" if kept else
                                                       "no checkpoint was written before")) from None
+        if self.cfg.train.ckpt_keep is not None:  # the checkpoint resumed from stays, for another try from it
+            ckpt.prune(root, self.cfg.train.ckpt_keep,
+                       protect=[saved, self.resumed_from] if self.resumed_from else [saved])
+        return saved
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self) -> dict:

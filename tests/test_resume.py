@@ -86,12 +86,15 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_partial_copy(
 
 
 def test_prune_keeps_what_latest_names(tmp_path):
-    root = _saved(tmp_path / "checkpoints", 2, 4, 6)
-    (root / "latest").write_text("iter_000002")  # resumed from an older one, not saved again yet
+    """A checkpoint after the one ``latest`` names (of a run resumed from an older checkpoint into
+    its own folder) is neither counted nor deleted: the run writes over it when it gets there.
+    (Before, iter_000008 was kept as "the newest" and iter_000006 of the same abandoned run deleted.)"""
+    root = _saved(tmp_path / "checkpoints", 2, 4, 6, 8)
+    (root / "latest").write_text("iter_000004")  # resumed from an older one, not saved again yet
     ckpt.prune(root, keep=1)
-    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_000002", "iter_000006"]
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_000004", "iter_000006", "iter_000008"]
     ckpt.prune(root, keep=0)  # never none
-    assert ckpt.find(root) == root / "iter_000002"
+    assert ckpt.find(root) == root / "iter_000004"
 
 
 def test_the_ranker_is_saved_with_the_checkpoint(tmp_path):
@@ -188,10 +191,12 @@ def test_another_model_or_algorithm_is_named(models, saved):
 def test_refused_resumes_leave_the_run_as_it_was(tmp_path, tiny_model):  # noqa: F811
     """A mistyped --resume, a damaged checkpoint and another algorithm each stop with one
     ``config error`` line (rank 0 exits 2); the run's rows and checkpoints are as they were."""
-    cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_every=0, train__ckpt_every=1)
+    cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_every=0, train__ckpt_every=1,
+                       train__ckpt_keep=1)
     assert torchrun(cfg).returncode == 0
     run = tmp_path / "run"
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert before == ["iter_000002", "latest"]  # train.ckpt_keep 1: iter_000001 deleted after iter_000002's save
     p = torchrun(cfg, extra=["--resume", str(tmp_path / "rnu")])
     assert p.returncode != 0 and "config error: --resume" in p.stderr and "already holds a run" in p.stderr, \
         p.stderr[-3000:]

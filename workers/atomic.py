@@ -1,5 +1,8 @@
-"""Atomic writes (no torch import, so every part of the project can use them): what was saved
-is either the old file/folder or the new one, never a half-written mix."""
+"""Atomic, durable writes (no torch import, so every part of the project can use them): what
+was saved is either the old file/folder or the new one, never a half-written mix, also after a
+power loss or a node crash. The new data is fsynced before the rename that commits it, and the
+parent folder after it (a rename is only durable once its directory is): without that, a crash
+could leave the renamed folder holding zero-length files."""
 from __future__ import annotations
 
 import ctypes
@@ -7,6 +10,7 @@ import errno
 import functools
 import os
 import shutil
+import stat
 from pathlib import Path
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
@@ -48,17 +52,41 @@ def _umask() -> int:
     return mask
 
 
-def _default_modes(root: Path) -> None:
-    """Give ``root`` and what it holds the modes a plain mkdir / open would (0o777 / 0o666
-    less the umask): ``tempfile.mkdtemp`` makes 0o700 and safetensors writes 0o600, so a saved
-    model or checkpoint was unreadable to the rest of a cluster's users and groups."""
+# directory fsync is refused by some file systems (some FUSE and network mounts): nothing more
+# can be done there, so EINVAL and ENOTSUP (only, and only for a directory) are ignored; any
+# other error (EIO) is raised
+_NO_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def fsync_path(path: str | os.PathLike, mode: int | None = None) -> None:
+    """Flush file ``path``'s data, or directory ``path``'s entries (the names created, renamed or
+    removed in it), to the disk; first give it ``mode`` when set."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno not in _NO_DIR_FSYNC or not stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise
+    finally:
+        os.close(fd)
+
+
+def _settle(root: Path) -> None:
+    """Make the tree at ``root`` ready to be renamed into place: every folder and file gets the
+    mode a plain mkdir / open would give (0o777 / 0o666 less the umask: ``tempfile.mkdtemp``
+    makes 0o700 and safetensors writes 0o600, so a saved model or checkpoint was unreadable to
+    the rest of a cluster's users and groups) and is fsynced, the files before their folder and
+    each folder before its parent (bottom-up). Symbolic links are left as they are."""
     mask = _umask()
-    os.chmod(root, 0o777 & ~mask)
-    for d, dirs, files in os.walk(root):
-        for name in dirs:
-            os.chmod(os.path.join(d, name), 0o777 & ~mask)
+    for d, _, files in os.walk(root, topdown=False):
         for name in files:
-            os.chmod(os.path.join(d, name), 0o666 & ~mask)
+            f = os.path.join(d, name)
+            if not os.path.islink(f):
+                fsync_path(f, 0o666 & ~mask)
+        fsync_path(d, 0o777 & ~mask)
 
 
 def replace_dir(tmp: str | os.PathLike, folder: str | os.PathLike) -> None:
@@ -66,25 +94,39 @@ def replace_dir(tmp: str | os.PathLike, folder: str | os.PathLike) -> None:
     one atomic step where Linux allows it (a reader, or a crash, sees the old folder or the
     new one, never none), then the old one is deleted. Elsewhere: two renames (the old one is
     moved aside, to ``.NAME.old<pid>``, and removed only after the new one is in place).
-    ``tmp``'s tree first gets the modes of a plain mkdir / file (umask applied)."""
+    ``tmp``'s tree first gets the modes of a plain mkdir / file (umask applied) and is fsynced
+    (every file and folder); ``folder``'s parent is fsynced after the rename, before the old
+    copy is deleted. ``tmp`` must be on the same file system, normally beside ``folder``."""
     tmp, folder = Path(tmp), Path(folder)
-    _default_modes(tmp)
+    _settle(tmp)
     if not folder.exists():
         os.rename(tmp, folder)
+        fsync_path(folder.parent)
     elif _exchange(tmp, folder):
+        fsync_path(folder.parent)
         shutil.rmtree(tmp, ignore_errors=True)  # now the old folder
     else:
         old = folder.with_name(f".{folder.name}.old{os.getpid()}")
         os.rename(folder, old)
         os.rename(tmp, folder)
+        fsync_path(folder.parent)
         shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to a temp file beside ``path``, then rename it over ``path``."""
+    """Write ``text`` to a temp file beside ``path``, fsync it, rename it over ``path``, then
+    fsync the folder (the rename is the commit point)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temp file left beside ``path``
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
     return path
