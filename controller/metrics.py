@@ -83,11 +83,14 @@ class Metrics:
         self.samples += res.num_samples
         self.skipped += int(res.metrics.get("skipped_samples", 0))
         self.tokens += res.num_tokens
-        self.seconds += res.iter_seconds
+        self.seconds += res.interval_s
         gen_busy, train_busy = stage_busy(it_spans, "generate"), stage_busy(it_spans, "train")
         derived = {
-            "perf/samples_per_s": res.num_samples / max(res.iter_seconds, 1e-9),
-            "perf/tokens_per_s": res.num_tokens / max(res.iter_seconds, 1e-9),
+            # rates over the interval since the previous iteration (what the pipeline delivers):
+            # iter_seconds overlap in the async modes, so rates over them were too low
+            "perf/samples_per_s": res.num_samples / max(res.interval_s, 1e-9),
+            "perf/tokens_per_s": res.num_tokens / max(res.interval_s, 1e-9),
+            "time/interval_s": res.interval_s,
             "time/iteration_s": res.iter_seconds,
             "time/generation_s": res.gen_seconds,
             "time/train_wait_s": res.train_seconds,

@@ -55,6 +55,10 @@ class IterationResult:
     per_instance: dict[int, int] = field(default_factory=dict)  # rank -> samples generated
     instances: int = 0
     ranker_rows: int = 0  # rows of the ranker's online update after this iteration (0: none)
+    # time since the previous iteration was recorded (the first of a ``run`` call: since that
+    # call began): the pipeline's throughput interval. The intervals add up to the run's time;
+    # ``iter_seconds`` (the batch's own start to its step's end) overlap in the async modes.
+    interval_s: float = 0.0
 
 
 @dataclass
@@ -194,6 +198,7 @@ class Program:
     def run(self, k: int) -> list[IterationResult]:
         """Run ``k`` iterations in the current mode; returns their results (pipeline drained)."""
         out: list[IterationResult] = []
+        self._recorded_at = time.time()  # pauses between calls (the REPL's prompt) are nobody's time
         lag = self.mode.lag
         prev: _Batch | None = None
         prev_gen_version = self.version
@@ -241,6 +246,8 @@ class Program:
         return out
 
     def _record(self, res: IterationResult, out: list[IterationResult]) -> None:
+        now = time.time()
+        res.interval_s, self._recorded_at = now - self._recorded_at, now
         out.append(res)
         self.history.append(res)
         if self.on_iteration is not None:

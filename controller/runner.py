@@ -94,7 +94,6 @@ class Session:
             self.metrics.rewards = list(state.rewards)
         self.program.before_iteration = self._before_iteration
         self.progress = None
-        self.started = time.time()
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _fitting_task(self, task):
@@ -296,18 +295,14 @@ class Session:
                           console=Console(file=sys.stderr), disable=not c.logging.progress) as progress:
                 self.progress = progress
                 self.task_id = progress.add_task(f"RL {c.pipeline.mode}", total=remaining)
-                t0 = time.time()
                 self.program.run(remaining)
-                self.rl_seconds = time.time() - t0
                 self.progress = None
         final = self.save_checkpoint(self.program.iteration)
         if self.metrics.spans:
             self.metrics.write_timeline(self.program.iteration)
-        summary = self.metrics.summary()
-        samples = sum(r.num_samples for r in self.program.history)
-        wall = getattr(self, "rl_seconds", time.time() - self.started)
-        summary.update(samples_per_s=samples / max(wall, 1e-9), logdir=str(self.logdir),
-                       checkpoint=str(final), mode=self.program.mode.name, rl_seconds=wall,
+        summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
+        summary.update(logdir=str(self.logdir), checkpoint=str(final), mode=self.program.mode.name,
+                       rl_seconds=self.metrics.seconds,
                        bootstrap_seconds=self.boot["seconds"], instances=len(self.world.sgs.slots))
         self.metrics.close()
         return summary

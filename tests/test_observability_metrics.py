@@ -54,6 +54,25 @@ def test_async_busy_times_count_spans_drained_one_iteration_early(tmp_path):
     assert d1["idle/train2"] == pytest.approx(1 - (0.9 + 1.5) / 2.4)  # train(0) 2.1-3.0, train(1) 3.0-4.5
 
 
+def test_rates_are_over_the_interval_between_iterations(tmp_path):
+    """async modes: each batch's own window (iter_seconds, 2 s here) overlaps the next one's,
+    so the pipeline delivers an iteration every interval_s (1 s). Rates over iter_seconds were
+    half the real ones, and the summary's tokens_per_s disagreed with its samples_per_s."""
+    m = Metrics(tmp_path, timeline_every=0)
+    ds = []
+    for i in range(3):
+        r = _res(i)
+        r.interval_s = 1.0
+        ds.append(m.log_iteration(r, [Span("gen1", "generate", float(i), i + 1.0, i)]))
+    m.close()
+    assert [d["perf/samples_per_s"] for d in ds] == [8.0] * 3
+    assert [d["perf/tokens_per_s"] for d in ds] == [48.0] * 3
+    assert [d["time/interval_s"] for d in ds] == [1.0] * 3 and ds[0]["time/iteration_s"] == 2.0
+    s = m.summary()
+    assert s["samples_per_s"] == 8.0 and s["tokens_per_s"] == 48.0 and m.seconds == 3.0
+    assert [r["interval_s"] for r in _rows(tmp_path)] == [1.0] * 3
+
+
 def test_idle_fraction_is_over_the_iteration_not_the_set_up(tmp_path):
     # the trainer's first idle span starts when its rank is created (before the ranker
     # bootstrap, or a pause at the REPL prompt): 100 s before iteration 0 is dispatched

@@ -3,6 +3,8 @@ TensorBoard events, the Chrome trace and the checkpoint it writes."""
 import json
 from pathlib import Path
 
+import pytest
+
 from runtime_helpers import iterations, last_json, tiny_model, torchrun, write_config  # noqa: F401
 
 COMMANDS = """status
@@ -83,6 +85,10 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert [r["ranker_rows"] for r in rows] == [0, 16, 0]  # iterations 0-1's samples, after iteration 1
     summary = last_json(p.stdout)
     assert summary["iterations"] == 3 and summary["mode"] == "stream"
+    # both rates over the same time: the iterations' intervals, without the REPL's pauses and evals
+    assert summary["rl_seconds"] == pytest.approx(sum(r["interval_s"] for r in rows))
+    assert summary["samples_per_s"] * summary["rl_seconds"] == pytest.approx(24)
+    assert summary["tokens_per_s"] * summary["rl_seconds"] == pytest.approx(24 * 6)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
