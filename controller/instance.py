@@ -225,13 +225,27 @@ class GenerationInstance:
                             out.close()
                             os.kill(os.getpid(), signal.SIGKILL)
                         lengths.append(len(s.output_ids))
+                stopped = self._stop.is_set()
+                unfinished = sorted({r.sample_id for r in requests} - set(done)) if stopped else []
+                self.engine.abort(unfinished)  # scale-in: they go back to the SGS, not on in here
+            except BaseException:
+                self._abort_after_error(requests)  # the round fails: leave nothing behind
+                raise
             finally:
                 out.close()
             self.spans.add("generate", t0, time.time(), iteration)
-            stopped = self._stop.is_set()
-            unfinished = sorted({r.sample_id for r in requests} - set(done)) if stopped else []
             return GenerateReport(self.rank, iteration, done, sum(lengths), time.time() - t0,
                                   weight_version, lengths, stopped, unfinished)
+
+    def _abort_after_error(self, requests: list[Request]) -> None:
+        """Cancel in the engine what a failing call queued (its refused ids are unknown there;
+        nothing else is in the engine: calls run one at a time and leave it empty). A failure
+        to abort (the engine itself broken) is printed, never raised over the error being
+        handled."""
+        try:
+            self.engine.abort([r.sample_id for r in requests])
+        except Exception as e:
+            print(f"[generation {self.rank}] abort after an error failed: {e!r}", file=sys.stderr, flush=True)
 
     def evaluate(self, requests: list[Request]) -> list[tuple[int, list[int]]]:
         """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
@@ -240,12 +254,17 @@ class GenerationInstance:
         with self._lock:
             out = []
             refused = self.engine.add(requests)
-            while self.engine.has_work():  # also on a refusal: the accepted requests of this call
-                # must not stay queued and run inside the next generate() as training samples
-                out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
-            if refused:
-                s = refused[0]
-                raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
+            try:
+                if refused:
+                    s = refused[0]
+                    raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
+                while self.engine.has_work():
+                    out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
+            except BaseException:
+                # the accepted requests of this call must not stay queued and run inside the
+                # next generate() as training samples
+                self._abort_after_error(requests)
+                raise
             return out
 
     def stats(self) -> dict:

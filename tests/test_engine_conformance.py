@@ -1,5 +1,5 @@
 """Every Engine backend behaves the same through make_engine: streaming finished samples,
-forced lengths, refusals, in-place weights with versions, batch cap, stats.
+forced lengths, refusals, in-place weights with versions, batch cap, stats, abort.
 The "vllm" case skips (with the reason) when vLLM is not importable."""
 import importlib.util
 
@@ -121,3 +121,60 @@ def test_seeded_sampling_reproducible(backend, model_dir):
     a = generate_all(make(backend, model_dir), reqs(3, sampling=sp))
     b = generate_all(make(backend, model_dir, max_batch_size=1), reqs(3, sampling=sp))
     assert [s.output_ids.tolist() for s in a] == [s.output_ids.tolist() for s in b]
+
+
+def _outputs(samples) -> dict[int, list[int]]:
+    return {s.sample_id: s.output_ids.tolist() for s in samples}
+
+
+def _run(eng, max_steps=500) -> list:
+    got = []
+    for _ in range(max_steps):
+        if not eng.has_work():
+            return got
+        got += eng.step()
+    raise AssertionError(f"engine still has work after {max_steps} steps: {eng.stats()}")
+
+
+def test_abort_queued_and_running(backend, model_dir):
+    # batch cap 2: 0 and 1 run, the rest wait (in vLLM's case in the backend's own queue)
+    rs = reqs(6)
+    eng = make(backend, model_dir, max_batch_size=2)
+    assert eng.add(rs) == []
+    eng.step()
+    eng.step()
+    assert eng.abort([1, 4, 99, 4]) == [1, 4]  # unknown and repeated ids are ignored
+    got = _outputs(_run(eng))
+    keep = [r for r in rs if r.sample_id not in (1, 4)]
+    assert got == _outputs(generate_all(make(backend, model_dir, max_batch_size=2), keep))
+    assert eng.abort([0, 2]) == []  # finished
+    st = eng.stats()
+    assert (st.running, st.waiting, st.kv_blocks_used) == (0, 0, 0)
+
+
+def test_abort_part_of_a_prefix_shared_group(backend, model_dir):
+    p = torch.arange(40) % (V - 2) + 2  # 40 tokens: two full 16-token blocks shared
+    rs = [Request(sample_id=i, prompt_ids=p, max_tokens=8, min_tokens=8, group_id=7,
+                  sampling=SamplingParams(temperature=0.0)) for i in range(4)]
+    eng = make(backend, model_dir)
+    eng.add(rs)
+    for _ in range(3):
+        eng.step()
+    assert eng.abort([0, 2]) == [0, 2]
+    got = _outputs(_run(eng))
+    assert got == _outputs(generate_all(make(backend, model_dir), [rs[1], rs[3]]))
+    assert eng.stats().kv_blocks_used == 0
+
+
+def test_abort_everything_then_reuse_the_ids(backend, model_dir):
+    eng = make(backend, model_dir, max_batch_size=2)
+    eng.add(reqs(5))
+    eng.step()
+    assert sorted(eng.abort(range(5))) == list(range(5))
+    assert not eng.has_work() and eng.step() == []
+    st = eng.stats()
+    assert (st.running, st.waiting, st.kv_blocks_used) == (0, 0, 0)
+    again = reqs(5, seed=1)  # the same sample ids, other prompts
+    assert eng.add(again) == []
+    got = _outputs(_run(eng))
+    assert got == _outputs(generate_all(make(backend, model_dir, max_batch_size=2), again))

@@ -154,7 +154,8 @@ def test_load_weights_in_flight_restarts_and_matches_fresh_native(setup, tmp_pat
 @pytest.mark.slow
 def test_engine_core_in_subprocess(setup):
     """The mode used inside a multi-rank torch.distributed process (here forced): the engine
-    core runs in a spawned child; same outputs, weights reach the child, cap still applies."""
+    core runs in a spawned child; same outputs, weights reach the child, cap still applies,
+    abort reaches it too."""
     eng = make_engine(_cfg("vllm", max_batch_size=2, backend_options={"multiprocess": True}),
                       setup["dir"])
     try:
@@ -171,5 +172,13 @@ def test_engine_core_in_subprocess(setup):
         want = generate_all(NativeEngine(_cfg("native"), model=new), reqs)
         assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
         assert {s.weight_version for s in got} == {3}
+        # abort reaches the child as a message; an aborted id is used again at once
+        eng.add(reqs)
+        eng.step()
+        assert eng.abort([1, 2, 9]) == [1, 2]
+        assert eng.add([reqs[1]]) == []
+        got = sorted(generate_all(eng, []), key=lambda s: s.sample_id)
+        assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want[:2]]
+        assert eng.stats().kv_blocks_used == 0
     finally:
         eng.close()

@@ -97,6 +97,12 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def abort(self, sample_ids: Iterable[int]) -> list[int]:
+        """Cancel requests wherever they are (queued, running, preempted): their KV blocks are
+        freed and no Sample of them comes out of a later ``step()``; their ids may be reused.
+        Returns the ids actually aborted; unknown or finished ids are ignored (vLLM's
+        ``abort_request``), so a caller can pass every id it has not seen finish."""
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace weights in place (HF parameter names). Raises ValueError naming the
         tensor on a wrong name or shape, leaving the old weights intact."""

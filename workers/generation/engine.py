@@ -164,6 +164,13 @@ class NativeEngine:
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> Sample:
         self.scheduler.finish(seq)
+        self._forget(seq)
+        seq.timings["finished"] = now
+        return seq.to_sample(reason, self.weight_version)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the live set and its group's count; the
+        group's last sample releases its pinned prefix (and frees the group_id for reuse)."""
         del self._live[seq.request.sample_id]
         gid = seq.group_id
         if gid >= 0:
@@ -172,8 +179,23 @@ class NativeEngine:
                 del self._group_live[gid], self._group_prompt[gid]
                 if self.prefix is not None:
                     self.prefix.release(gid)
-        seq.timings["finished"] = now
-        return seq.to_sample(reason, self.weight_version)
+
+    def abort(self, sample_ids: Iterable[int]) -> list[int]:
+        """Cancel requests wherever they are (waiting, preempted, running): their blocks are
+        freed, their reference on a shared prompt prefix dropped, and no Sample of them comes
+        out of a later ``step()``. Returns the ids aborted, in the order given; unknown or
+        already finished ids are ignored (vLLM's ``abort_request``). Called between steps."""
+        aborted = []
+        for sid in sample_ids:
+            seq = self._live.get(sid)
+            if seq is None:
+                continue
+            if self.prefix is not None and seq.group_id >= 0:
+                self.prefix.release_unready(seq.group_id)  # its step failed: K/V never written
+            self.scheduler.abort(seq)
+            self._forget(seq)
+            aborted.append(sid)
+        return aborted
 
     def _count_tokens(self, now: float, n: int) -> None:
         self.total_tokens += n

@@ -6,7 +6,8 @@ samples of the group start with those blocks in their table and ``num_cached = P
 compute only the last prompt token (whose logits give their first sampled token), writing it
 into a private copy of the last, partial block (copy-on-write in ``BlockManager``).
 A pin is dropped when the group has no live sample left, on new weights (the cached K/V
-belongs to the old ones) and, under memory pressure, when none of its samples is running.
+belongs to the old ones), under memory pressure when none of its samples is running, and when
+the sample computing it is aborted before its K/V was written (``release_unready``).
 """
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ class PrefixCache:
         g = self.groups.pop(group_id, None)
         if g is not None:
             self.bm.decref(g.blocks)
+
+    def release_unready(self, group_id: int) -> None:
+        """Drop the group's pin if its K/V was never written (the step computing it failed and
+        its sample is being aborted): nobody would write it, and the group's other samples
+        wait for ``ready``; without the pin the next of them computes the prompt itself."""
+        g = self.groups.get(group_id)
+        if g is not None and not g.ready:
+            self.release(group_id)
 
     def release_all(self) -> None:
         for gid in list(self.groups):

@@ -6,6 +6,8 @@ token for every running sequence, all in one forward). When a decode step lacks 
 idle prefix pins are dropped first, then the most recently admitted sequences are preempted
 (their blocks freed; they are recomputed later from their tokens) - never another
 sequence's blocks are touched. Sequences that were preempted go back to the queue's front.
+``abort`` takes a sequence out wherever it is (waiting, preempted or running) and frees its
+blocks.
 """
 from __future__ import annotations
 
@@ -75,6 +77,18 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = Status.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel ``seq`` wherever it is: out of the queue (waiting or preempted: its key goes
+        with it) or out of the batch; its blocks are freed (shared prefix blocks lose one
+        reference, the pin keeps them for the group's other samples)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            i = self.waiting.index(seq)  # identity: Sequence has eq=False
+            del self.waiting[i], self._keys[i]
         self.bm.free(seq)
         seq.status = Status.FINISHED
 

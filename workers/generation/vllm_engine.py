@@ -199,6 +199,31 @@ class VLLMEngine:
     def has_work(self) -> bool:
         return bool(self._live or self._queue or self._late_errors)
 
+    def abort(self, sample_ids: Iterable[int]) -> list[int]:
+        """Cancel requests: out of this engine's queue, or out of vLLM (``abort_request``: vLLM
+        frees their blocks and drops their prefix-cache references), or a refusal not yet
+        returned. No Sample of them comes from a later ``step()``; freed slots admit queued
+        requests at once. Returns the ids aborted, in the order given; unknown or finished
+        ids are ignored (as vLLM)."""
+        wanted = [sid for sid in dict.fromkeys(sample_ids) if sid in self._sample_ids or
+                  any(s.sample_id == sid for s in self._late_errors)]
+        drop = set(wanted)
+        if not drop:
+            return []
+        rids = [rid for rid, q in self._live.items() if q.req.sample_id in drop]
+        if rids:
+            self.llm.abort_request(rids)
+            for rid in rids:
+                del self._live[rid]
+        kept = [q for q in self._queue if q.req.sample_id not in drop]
+        if len(kept) != len(self._queue):
+            heapq.heapify(kept)
+            self._queue = kept
+        self._late_errors = [s for s in self._late_errors if s.sample_id not in drop]
+        self._sample_ids -= drop
+        self._admit()
+        return wanted
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
         """One vLLM engine step; returns the samples that finished in it."""
@@ -311,9 +336,11 @@ class VLLMEngine:
 
     def stats(self) -> EngineStats:
         """From vLLM's scheduler stats of the last step (running, waiting, KV use) plus this
-        engine's queue; tokens/s over the last ~5 s (0 when idle that long)."""
+        engine's queue; tokens/s over the last ~5 s (0 when idle that long). With nothing
+        inside vLLM (all finished or aborted) nothing runs and no block is used: vLLM's own
+        numbers are refreshed only by the next step."""
         tps = recent_rate(self._window, time.time())
-        used = round(self._tap.kv_usage * self.num_blocks)
+        used = round(self._tap.kv_usage * self.num_blocks) if self._live else 0
         return EngineStats(running=self._tap.running if self._live else 0,
                            waiting=len(self._queue) + (self._tap.waiting if self._live else 0),
                            kv_blocks_used=used, kv_blocks_free=self.num_blocks - used,
