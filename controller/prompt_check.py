@@ -62,7 +62,11 @@ def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[TaskPrompt]
     """The prompts of ``split`` that leave room for an output token (and are at most
     ``max_prompt_tokens`` long, when > 0), and the indices dropped (``policy`` "skip"); "error"
     raises ``PromptTooLong`` at the first one that does not. ``need``: updated with the longest
-    kept prompt."""
+    kept prompt. A split with no prompts at all raises ValueError (an empty data file: without
+    this it read as "every prompt is over-long")."""
+    if not len(items):
+        raise ValueError(f"the {split} split is empty (an empty data file in task.kwargs.files, or a task "
+                         "whose prompts() returns nothing)")
     limit = context_len - 1 if max_prompt_tokens <= 0 else min(context_len - 1, max_prompt_tokens)
     kept, dropped = [], []
     for i, item in enumerate(items):

@@ -12,6 +12,12 @@ from workers.types import TaskPrompt
 ITEMS = [TaskPrompt("a " * n, "x", "t") for n in (3, 9, 2, 12)]
 
 
+def test_an_empty_split_is_named_not_taken_for_over_long_prompts():
+    for policy in ("error", "skip"):
+        with pytest.raises(ValueError, match="the train split is empty"):
+            fitting_prompts([], len, 100, "train", policy)
+
+
 def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
     n_tokens = lambda item: len(item.prompt.split())  # noqa: E731
     with pytest.raises(PromptTooLong, match=r"task.prompts\('train'\)\[1\] .* is 9 tokens .*\(max_model_len\) is 9"):
