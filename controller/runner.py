@@ -81,6 +81,7 @@ class Session:
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
+        self._saved: tuple | None = None  # (iteration, mode, folder) of this run folder's newest checkpoint
         state = self._resume() if args.resume else None
         self.program = Program(cfg, self.world, self.tok, self.task, None, self._on_iteration,
                                stream_state=state.stream if state else None,
@@ -183,6 +184,7 @@ class Session:
             raise ConfigError(f"--resume {self.args.resume}: {e}") from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
+        self._saved = (state.iteration, state.mode, found)
         wait_all(self.world.push_weights(versions[0]))
         state.version = versions[0]
         print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
@@ -277,7 +279,18 @@ class Session:
         if self.cfg.train.ckpt_keep is not None:  # the checkpoint resumed from stays, for another try from it
             ckpt.prune(root, self.cfg.train.ckpt_keep,
                        protect=[saved, self.resumed_from] if self.resumed_from else [saved])
+        self._saved = (next_iteration, state.mode, saved)
         return saved
+
+    def final_checkpoint(self) -> Path:
+        """The run's last checkpoint: the one already written for this iteration (by
+        ``train.ckpt_every``, or the one resumed from when nothing was trained) when it is in
+        this run folder, else a new one (a checkpoint is model + optimizer: not written twice)."""
+        it, mode, folder = self._saved or (None, None, None)
+        if it == self.program.iteration and mode == self.program.mode.name and \
+                folder.resolve().parent == (self.logdir / "checkpoints").resolve():
+            return folder
+        return self.save_checkpoint(self.program.iteration)
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -297,7 +310,7 @@ class Session:
                 self.task_id = progress.add_task(f"RL {c.pipeline.mode}", total=remaining)
                 self.program.run(remaining)
                 self.progress = None
-        final = self.save_checkpoint(self.program.iteration)
+        final = self.final_checkpoint()
         if self.metrics.spans:
             self.metrics.write_timeline(self.program.iteration)
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds

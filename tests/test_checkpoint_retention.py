@@ -112,6 +112,31 @@ def test_resuming_an_older_checkpoint_into_its_run_keeps_it_with_keep_1(tmp_path
     assert _names(root) == ["iter_000060", "iter_000070"]
 
 
+def test_the_end_of_a_run_writes_no_second_copy_of_a_checkpoint(tmp_path, monkeypatch):
+    """ckpt_every saved iteration 4 and the run ends there, or a finished run is resumed with
+    nothing to train: the end of the run names that checkpoint instead of writing it again."""
+    s = _session(tmp_path, keep=None)
+    s._saved = None
+    root = tmp_path / "run" / "checkpoints"
+    s.program.iteration = 4
+    first = s.save_checkpoint(4)
+    writes = []
+    monkeypatch.setattr(ckpt, "save", lambda *a, **k: writes.append(a) or first)
+    assert s.final_checkpoint() == first and writes == []
+    s.program.mode = SimpleNamespace(name="batch")  # a REPL `mode` switch since: saved again
+    s.final_checkpoint()
+    assert len(writes) == 1
+    # resumed from this run's iter_000004 with nothing to train: no rewrite; from another
+    # run's folder (a fork into a new logdir): the new folder gets its own checkpoint
+    t = _session(tmp_path, keep=None, resumed_from=first)
+    t._saved, t.program.iteration = (4, "stream", first), 4
+    assert t.final_checkpoint() == first and len(writes) == 1
+    u = _session(tmp_path / "fork", keep=None, resumed_from=first)
+    u._saved, u.program.iteration = (4, "stream", first), 4
+    u.final_checkpoint()
+    assert len(writes) == 2 and root.is_dir()
+
+
 def test_a_failed_deletion_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     s = _session(tmp_path, keep=1)
     root = tmp_path / "run" / "checkpoints"
