@@ -8,6 +8,7 @@ classes (``engine`` -> ``EngineConfig``, ``trainer`` -> ``TrainerConfig``, ``top
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -18,11 +19,12 @@ from typing import Any
 
 import yaml
 
+from controller.modes import MODES
 from controller.prompt_check import OVERLONG_POLICIES
 from workers.trainer.config import VERL_LOSS_AGGS
 from workers.types import GREEDY_BELOW
 
-PIPELINE_MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
+PIPELINE_MODES = tuple(MODES)
 
 
 class ConfigError(ValueError):
@@ -48,8 +50,13 @@ class TokenizerSection:
     prompt_template: str = ""
 
     def __post_init__(self):
-        if self.prompt_template and "{prompt}" not in self.prompt_template:
-            raise ConfigError(f"tokenizer.prompt_template must contain '{{prompt}}', got {self.prompt_template!r}")
+        from workers.tokenizer import check_prompt_template
+
+        if self.prompt_template:
+            try:  # here, not when the first prompt is formatted on a worker
+                check_prompt_template(self.prompt_template)
+            except ValueError as e:
+                raise ConfigError(f"tokenizer.prompt_template: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,6 @@ class PipelineSection:
     def __post_init__(self):
         if self.mode not in PIPELINE_MODES:
             raise ConfigError(f"pipeline.mode: {self.mode!r} is not one of {PIPELINE_MODES}")
-        if self.minibatch_size < 1:
-            raise ConfigError(f"pipeline.minibatch_size must be >= 1, got {self.minibatch_size}")
-        if not 0.0 <= self.stream_window_s <= 10.0:
-            raise ConfigError(f"pipeline.stream_window_s must be in [0, 10] seconds, got {self.stream_window_s}")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,6 @@ class RankerSection:
     options: dict = field(default_factory=dict)  # the bootstrapped ranker's config (ranker.build)
 
     def __post_init__(self):
-        if self.update_every < 0:
-            raise ConfigError(f"ranker.update_every must be >= 0 (0: never), got {self.update_every}")
-        if self.bootstrap_prompts < 2:
-            raise ConfigError(f"ranker.bootstrap_prompts must be >= 2, got {self.bootstrap_prompts}")
         if self.kind != "none" and not self.path:
             raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
                               "(python -m ranker train ... --out DIR); path is empty")
@@ -177,9 +176,82 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
+# ---- value ranges -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: ``lo <= v <= hi`` (``<`` at an ``open`` end; None:
+    unbounded). ``note`` says what special values mean (``0: never``)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+    note: str = ""
+
+    def __contains__(self, v) -> bool:
+        return ((self.lo is None or (v > self.lo if self.open_lo else v >= self.lo))
+                and (self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            text = f"{'>' if self.open_lo else '>='} {self.lo}"
+        else:
+            text = f"in {'(' if self.open_lo else '['}{self.lo}, {self.hi}{')' if self.open_hi else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+SEEDS = Range(0, 2**32, open_hi=True)  # numpy's seed range; sampling seeds are train.seed * 7919 + index
+# Every numeric key of the run sections, and the owned sections' keys their own classes leave
+# unchecked. Checked at load after the types (every float must also be finite: no .nan/.inf);
+# a tuple's range applies to each value. docs/config.md lists the same.
+RANGES: dict[str, Range] = {
+    "pipeline.minibatch_size": Range(1),
+    "pipeline.stream_window_s": Range(0, 10, note="seconds"),
+    "ranker.update_every": Range(0, note="0: never"),
+    "ranker.bootstrap_prompts": Range(2),
+    "placement.rpc_timeout_s": Range(0, open_lo=True),
+    "placement.force_scale_out_at": Range(-1, note="-1: never"),
+    "train.iterations": Range(1),
+    "train.batch_prompts": Range(1),
+    "train.group_size": Range(1),
+    "train.max_tokens": Range(1),
+    "train.min_tokens": Range(0),
+    "train.temperature": Range(0, note=f"below {GREEDY_BELOW:g}: greedy"),
+    "train.top_k": Range(-1, note="0 or -1: off"),
+    "train.top_p": Range(0, 1, open_lo=True, note="1: off"),
+    "train.eval_every": Range(0, note="0: never"),
+    "train.eval_prompts": Range(0, note="0: the whole test split"),
+    "train.eval_samples": Range(1),
+    "train.eval_temperature": Range(0, note="0: greedy"),
+    "train.ckpt_every": Range(0, note="0: only at the end"),
+    "train.ckpt_keep": Range(1, note="null: keep every checkpoint, as verl's 0 or null"),
+    "train.sft_steps": Range(0),
+    "train.sft_lr": Range(0, open_lo=True),
+    "train.seed": SEEDS,
+    "train.length_scale": Range(0, open_lo=True),
+    "train.max_prompt_tokens": Range(0, note="0: the engines' context"),
+    "logging.timeline_every": Range(0, note="0: never"),
+    "engine.seed": SEEDS,
+    "trainer.seed": SEEDS,
+    "trainer.betas": Range(0, 1, open_hi=True),
+    "trainer.min_lr_ratio": Range(0, 1, note="the fraction of lr the schedule decays to"),
+}
+
+
+def _check_range(key: str, value: Any) -> None:
+    rng = RANGES.get(key)
+    if rng is None or value is None:
+        return
+    for i, v in enumerate(value) if isinstance(value, tuple) else [(None, value)]:
+        if v not in rng:
+            name = key if i is None else f"{key}[{i}]"
+            raise ConfigError(f"{name} must be {'an int ' if isinstance(v, int) else ''}{rng}, got {v!r}")
+
+
 # ---- conversion -------------------------------------------------------------------------
 def _check_type(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, X | None)."""
+    """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
+    X | None); floats must be finite."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -193,16 +265,27 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     base = origin or hint
     if base is tuple and isinstance(value, list):
         value = tuple(value)
+    if base is tuple and isinstance(value, tuple) and typing.get_args(hint):
+        args = typing.get_args(hint)
+        if args[-1] is Ellipsis:
+            args = args[:1] * len(value)
+        elif len(value) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
+        return tuple(_check_type(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
     if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if base is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if base is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value}")
     if base is int and isinstance(value, bool) or not isinstance(value, base):
+        quote = (" (YAML read the value as a mapping or a list: ': ', '{', '[' in it; put it in YAML quotes, '...')"
+                 if isinstance(value, (dict, list)) and base in (str, int, float, bool) else "")
         raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
-                          f"{type(value).__name__} {value!r}")
+                          f"{type(value).__name__} {value!r}{quote}")
     return value
 
 
@@ -217,6 +300,7 @@ VERL_KEYS = {
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
     "entropy_coeff": "trainer.entropy_coef",
+    "enable_gradient_checkpointing": "trainer.activation_checkpointing (actor and critic)",
     "loss_agg_mode": "trainer.loss_agg (" + ", ".join(f"{v}: {o}" for v, o in VERL_LOSS_AGGS.items()) + ")",
     "clip_ratio": "trainer.clip_low and trainer.clip_high", "clip_ratio_c": "trainer.dual_clip",
     "n": "train.group_size", "default_local_dir": "logging.logdir",
@@ -247,6 +331,8 @@ def _build(cls, section: str, data: Any):
         if k not in names:
             raise ConfigError(f"{section}.{k}: unknown key{_hint(k, names)} (known: {sorted(names)})")
     kwargs = {k: _check_type(f"{section}.{k}", v, hints[k]) for k, v in data.items()}
+    for k, v in kwargs.items():
+        _check_range(f"{section}.{k}", v)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -382,49 +468,29 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"placement.{role}: duplicate ranks {ranks}")
     colocated = cfg.pipeline.mode == "colocated" or p.colocated
     if colocated and sorted(p.generation) != sorted(p.trainer):
-        raise ConfigError(f"placement: colocated needs generation == trainer ranks, got "
-                          f"{p.generation} vs {p.trainer}")
+        same = list(range(1, len(p.trainer) + 1))
+        raise ConfigError(f"placement: colocated needs generation == trainer ranks, got {p.generation} vs "
+                          f"{p.trainer}; generation and training take turns on the same ranks: e.g. "
+                          f"placement.generation={same} placement.trainer={same} ({len(same) + 1} processes)")
     if not colocated and set(p.generation) & set(p.trainer):
         raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
                           "generation and trainer; set placement.colocated or pipeline.mode: colocated")
-    if p.rpc_timeout_s <= 0:
-        raise ConfigError("placement.rpc_timeout_s must be > 0")
-    for k in ("iterations", "batch_prompts", "group_size", "max_tokens"):
-        if getattr(t, k) < 1:
-            raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
-    if not 0 <= t.min_tokens <= t.max_tokens:
-        raise ConfigError(f"train.min_tokens must be in [0, max_tokens], got {t.min_tokens}")
+    if t.min_tokens > t.max_tokens:
+        raise ConfigError(f"train.min_tokens must be <= train.max_tokens ({t.max_tokens}), got {t.min_tokens}")
     if t.length_trace and not Path(t.length_trace).is_file():
         raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
-    if not (isinstance(t.top_k, int) and t.top_k >= -1):
-        raise ConfigError(f"train.top_k must be an int >= 0 (0 or -1, as in vLLM and verl: off), got {t.top_k!r}")
-    if not 0.0 < t.top_p <= 1.0:
-        raise ConfigError(f"train.top_p must be in (0, 1] (1: off), got {t.top_p}")
-    if not (isinstance(t.max_prompt_tokens, int) and t.max_prompt_tokens >= 0):
-        raise ConfigError(f"train.max_prompt_tokens must be an int >= 0 (0: the engines' context), "
-                          f"got {t.max_prompt_tokens!r}")
-    if t.ckpt_keep is not None and not (type(t.ckpt_keep) is int and t.ckpt_keep >= 1):
-        raise ConfigError(f"train.ckpt_keep must be an int >= 1 (null: keep every checkpoint, as verl's 0 or "
-                          f"null), got {t.ckpt_keep!r}")
     if t.overlong_prompts not in OVERLONG_POLICIES:
         raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
-    if not t.length_scale > 0:
-        raise ConfigError(f"train.length_scale must be > 0, got {t.length_scale}")
+    _check_staleness(cfg.pipeline.mode, getattr(cfg.trainer, "max_staleness", None))
     algorithm = getattr(cfg.trainer, "algorithm", None)
     if algorithm in ("grpo", "rloo") and t.temperature < GREEDY_BELOW:
         raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
                           "sample group_size times, so every group's advantages are 0 and nothing trains; "
                           "sample at a temperature > 0")
-    if t.eval_samples < 1:
-        raise ConfigError(f"train.eval_samples must be >= 1, got {t.eval_samples}")
     if t.eval_samples > 1 and t.eval_temperature < GREEDY_BELOW:
         raise ConfigError(f"train.eval_samples: {t.eval_samples} greedy samples of a prompt are all the same; "
                           "set train.eval_temperature > 0")
-    if not (t.eval_temperature >= 0 and math.isfinite(t.eval_temperature)):
-        raise ConfigError(f"train.eval_temperature must be a finite number >= 0, got {t.eval_temperature}")
-    if t.eval_prompts < 0:
-        raise ConfigError(f"train.eval_prompts must be >= 0 (0: the whole test split), got {t.eval_prompts}")
     if algorithm in ("grpo", "rloo") and t.group_size < 2:
         raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
                           f"compare a sample with its group's others), got {t.group_size}")
@@ -433,11 +499,24 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
 
 
+def _check_staleness(mode: str, max_staleness: int | None) -> None:
+    """A mode with lag L trains samples generated up to L weight versions back (controller/
+    modes.py); the trainer skips samples older than ``trainer.max_staleness``, so it must be
+    >= L (values above L change nothing: no sample is older)."""
+    lag = MODES[mode].lag
+    if max_staleness is not None and max_staleness < lag:
+        sync = ", ".join(m.name for m in MODES.values() if m.lag <= max_staleness)
+        raise ConfigError(f"trainer.max_staleness: {max_staleness} is below the lag of pipeline.mode {mode} ({lag}: "
+                          f"its samples come from weights up to {lag} version(s) old), so the trainer would skip "
+                          f"every sample as stale; set trainer.max_staleness >= {lag}, or a pipeline.mode with "
+                          f"lag <= {max_staleness} ({sync})")
+
+
 def _check_registries(cfg: Config) -> None:
-    """Names that select a registered implementation (task, dispatcher), and the
-    dispatcher's options (building one is cheap and pure); a task's kwargs are checked when
-    the controller builds it, before any other work."""
-    from controller.scheduling import DISPATCHERS, make_dispatcher
+    """Names that select a registered implementation (task, dispatcher, ranker kind), the
+    dispatcher's options (building one is cheap and pure) and its profile file; a task's
+    kwargs are checked when the controller builds it, before any other work."""
+    from controller.scheduling import DISPATCHERS, PTLProfile, make_dispatcher
     from workers.tasks.registry import task_factory
 
     try:
@@ -450,6 +529,19 @@ def _check_registries(cfg: Config) -> None:
         make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"dispatch.options: {e}") from None
+    if cfg.dispatch.profile:
+        if not Path(cfg.dispatch.profile).is_file():
+            raise ConfigError(f"dispatch.profile: {cfg.dispatch.profile} does not exist (a saved PTLProfile JSON, "
+                              "docs/scheduling.md; empty: a flat default profile)")
+        try:
+            PTLProfile.load(cfg.dispatch.profile)
+        except (OSError, ValueError, TypeError) as e:  # the error names the file
+            raise ConfigError(f"dispatch.profile: {e}") from None
+    if cfg.ranker.kind != "none":
+        from ranker.store import KINDS
+
+        if cfg.ranker.kind not in KINDS:
+            raise ConfigError(f"ranker.kind: {cfg.ranker.kind!r} is not one of {['none', *sorted(KINDS)]}")
 
 
 def load_config(path: str | Path, world_size: int | None = None, overrides: dict | None = None) -> Config:
@@ -461,16 +553,36 @@ def load_config(path: str | Path, world_size: int | None = None, overrides: dict
         d = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
-    for dotted, value in (overrides or {}).items():
-        apply_override(d, dotted, value)
+    overrides = overrides or {}
     try:
-        return from_dict(d, world_size)
+        return from_dict(_overridden(d, overrides), world_size)
     except ConfigError as e:
-        # name the source of the bad value: a --set override, else the file
-        msg = str(e)
-        src = next((f"--set {k}={v}" for k, v in (overrides or {}).items()
-                    if msg.startswith((k, k.split(".")[0] + ":"))), str(path))
-        raise ConfigError(f"{src}: {msg}") from None
+        raise ConfigError(f"{_source(d, overrides, world_size, str(e)) or path}: {e}") from None
+
+
+def _overridden(d: dict, overrides: dict) -> dict:
+    d = copy.deepcopy(d)
+    for dotted, value in overrides.items():
+        apply_override(d, dotted, value)
+    return d
+
+
+def _source(d: dict, overrides: dict, world_size: int | None, error: str) -> str:
+    """The ``--set`` overrides the config error ``error`` comes from: the one whose key it
+    names, else (a rule over several keys) those without which the config does not fail with
+    it; '' when the file's own values do."""
+    named = [f"--set {k}={v}" for k, v in overrides.items() if error.startswith((f"{k}:", f"{k} ", f"{k}["))]
+    if named:
+        return named[0]
+    blamed = []
+    for k, v in overrides.items():
+        try:
+            from_dict(_overridden(d, {o: w for o, w in overrides.items() if o != k}), world_size)
+        except ConfigError as e:
+            if str(e) == error:
+                continue
+        blamed.append(f"--set {k}={v}")
+    return " ".join(blamed)
 
 
 def apply_override(d: dict, dotted: str, value: Any) -> None:
@@ -491,4 +603,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     k, v = text.split("=", 1)
-    return k.strip(), yaml.safe_load(v)
+    try:
+        return k.strip(), yaml.safe_load(v)
+    except yaml.YAMLError as e:
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        mark = getattr(e, "problem_mark", None)
+        at = f" at character {mark.column + 1}" if mark is not None and mark.line == 0 else ""
+        raise ConfigError(f"--set {text}: the value is not valid YAML ({why}{at}); quote it as a YAML string: "
+                          f"--set \"{k.strip()}='...'\" (a ' inside written as ''), or set it in the YAML "
+                          "file") from None

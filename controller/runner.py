@@ -66,7 +66,7 @@ class Session:
         except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
             raise ConfigError(str(e)) from None
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
-        _check_model_folder(Path(cfg.model.path))
+        _check_model_folder(Path(cfg.model.path), cfg.model.init)
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
@@ -333,16 +333,31 @@ def forced_lengths(trace: str, scale: float, max_tokens: int):
     return lambda item: lens[zlib.crc32(item.prompt.encode()) % len(lens)]
 
 
-def _check_model_folder(path: Path) -> None:
-    """An existing ``model.path`` must be a folder this code loads (architecture, config) with a
-    tokenizer: said here in one line, not as tracebacks from the worker ranks loading it."""
+def _check_model_folder(path: Path, init: dict | None = None) -> None:
+    """``model.path`` must be a folder this code loads (architecture, config) with a tokenizer,
+    or one ``model.init`` (valid ModelConfig fields) builds: said here in one line, before the
+    workers build anything, not as tracebacks from the worker ranks loading it."""
     import json
+    from dataclasses import asdict
 
     from workers.model import ModelConfig
 
     cfg = path / "config.json"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"model.path: {path} is a file, not a model folder")
+    if not cfg.exists() and init is not None:  # the bootstrap builds the model there
+        from workers.trainer.bootstrap import TINY
+
+        try:
+            ModelConfig(**{**asdict(TINY), **init})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.init: {e}") from None
+        return
     if not cfg.exists():
-        return  # built by model.init, or refused by the bootstrap with its own message
+        where = "does not exist" if not path.exists() else "holds no config.json"
+        raise ConfigError(f"model.path: {path} {where} and model.init is not set (give a Hugging Face model "
+                          "folder: config.json, *.safetensors, tokenizer.json; or model.init to build a tiny "
+                          "model there)")
     try:
         ModelConfig.from_hf(json.loads(cfg.read_text()))
     except (ValueError, KeyError, TypeError) as e:

@@ -103,6 +103,7 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     timeout = p.rpc_timeout_s
     import torch.distributed.rpc as rpc
 
+    check_engine_device(getattr(cfg.engine, "device", ""), p.generation, timeout)
     futs = [(r, rpc.remote(f"worker{r}", TrainerRank, args=(r, list(p.trainer), cfg.trainer, model_dir,
                                                           cfg.task.name, dict(cfg.task.kwargs)),
                            timeout=timeout)) for r in sorted(p.trainer)]
@@ -117,6 +118,36 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     for h in instances:
         world.sgs.add(h, _profile(cfg))
     return world
+
+
+def cuda_devices() -> int:
+    """RPC target: how many CUDA devices this process's torch sees (0: none, or a CPU build)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_engine_device(device: str, ranks, timeout: float) -> None:
+    """``engine.device`` cuda[:N] needs CUDA on every generation rank: asked of the ranks
+    themselves (their hosts may differ from the controller's) before any engine is built, so a
+    CPU-only torch is one config error, not a traceback from each instance."""
+    import torch.distributed.rpc as rpc
+
+    from controller.config import ConfigError
+
+    if not device.startswith("cuda"):
+        return
+    tail = device.partition(":")[2]
+    if tail and not tail.isdigit():
+        raise ConfigError(f"engine.device: {device!r} is not 'cuda' or 'cuda:N'")
+    index = int(tail or 0)
+    for r in sorted(ranks):
+        n = rpc.rpc_sync(f"worker{r}", cuda_devices, timeout=timeout)
+        if n == 0:
+            raise ConfigError(f"engine.device: {device!r}, but CUDA is not available on rank {r} (generation); "
+                              "set engine.device: cpu, or \"\" to use CUDA when there is a GPU")
+        if index >= n:
+            raise ConfigError(f"engine.device: {device!r}, but rank {r} (generation) has {n} CUDA device(s)")
 
 
 def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int,

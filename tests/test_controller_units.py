@@ -211,7 +211,18 @@ def test_a_model_folder_is_checked_before_any_work(tmp_path, tiny_model):  # noq
     from controller.runner import _check_model_folder
 
     _check_model_folder(Path(tiny_model))  # a good folder
-    _check_model_folder(tmp_path / "not_built_yet")  # model.init builds it later
+    _check_model_folder(tmp_path / "not_built_yet", {"hidden_size": 64})  # model.init builds it later
+    # a mistyped path without model.init: one line here, not the bootstrap's remote traceback
+    with pytest.raises(ConfigError, match=r"^model.path: .*not_built_yet does not exist and model.init is not set"):
+        _check_model_folder(tmp_path / "not_built_yet")
+    with pytest.raises(ConfigError, match=r"^model.path: .*gpt2 holds no config.json and model.init is not set"):
+        (tmp_path / "gpt2").mkdir()
+        _check_model_folder(tmp_path / "gpt2")
+    (tmp_path / "gpt2").rmdir()
+    with pytest.raises(ConfigError, match=r"^model.init: .*unexpected keyword argument 'hidden'"):
+        _check_model_folder(tmp_path / "not_built_yet", {"hidden": 64})
+    with pytest.raises(ConfigError, match=r"^model.init: model.num_attention_heads \(3\) must be a multiple"):
+        _check_model_folder(tmp_path / "not_built_yet", {"num_attention_heads": 3})
     gpt2 = tmp_path / "gpt2"
     shutil.copytree(tiny_model, gpt2)
     cfg = json.loads((gpt2 / "config.json").read_text())

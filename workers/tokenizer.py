@@ -44,6 +44,28 @@ def _compile_chat_template(template: str):
     return env.from_string(template)
 
 
+def check_prompt_template(template: str) -> None:
+    """A prompt template is a ``str.format`` template whose one field is ``{prompt}``; other
+    braces are written doubled (``{{ }}``). Raises ValueError saying what is wrong."""
+    import string
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:  # a lone "{" or "}"
+        raise ValueError(f"{template!r} is not a str.format template ({e}); write literal braces "
+                         "as {{ and }}") from None
+    other = sorted({"{" + f + "}" for f in fields if f != "prompt"})
+    if other:
+        raise ValueError(f"{template!r} has the field(s) {', '.join(other)}, but only {{prompt}} is filled "
+                         "in (it is a str.format template); write literal braces as {{ and }}")
+    if "prompt" not in fields:
+        raise ValueError(f"{template!r} must contain '{{prompt}}'")
+    try:
+        template.format(prompt="")
+    except (ValueError, KeyError, IndexError, AttributeError) as e:  # e.g. a format spec: {prompt:d}
+        raise ValueError(f"{template!r}: formatting {{prompt}} fails ({e})") from None
+
+
 class Tokenizer:
     """``encode(str) -> list[int]``, ``decode(ids) -> str``, ``format_prompt(text) -> str``.
 
@@ -56,8 +78,10 @@ class Tokenizer:
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         self.chat_template = chat_template
         self.prompt_template = prompt_template or DEFAULT_PROMPT_TEMPLATE
-        if "{prompt}" not in self.prompt_template:
-            raise ValueError(f"prompt_template {self.prompt_template!r} must contain '{{prompt}}'")
+        try:
+            check_prompt_template(self.prompt_template)
+        except ValueError as e:
+            raise ValueError(f"prompt_template: {e}") from None
         self.eos_id = self._token_id(eos_token, "eos_token")
         self.pad_id = self._token_id(pad_token, "pad_token") if pad_token else self.eos_id
         self.bos_id = self._token_id(bos_token, "bos_token") if bos_token else None

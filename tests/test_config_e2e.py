@@ -1,0 +1,28 @@
+"""Bad input found only once the processes are up (the controller's checks before any worker
+builds anything): one ``config error`` line naming the key, exit code 2, no traceback."""
+import torch
+
+from runtime_helpers import ROOT, tiny_model, torchrun, write_config  # noqa: F401  (session-wide tiny model folder)
+
+
+def _one_config_error(p) -> str:
+    """The one ``config error`` line; every rank exited 2 (torchrun itself exits 1 with its
+    summary of the ranks' codes) and no traceback came from the project's code."""
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("config error:")]
+    assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
+    assert p.stderr.count("exitcode  : 2 ") == 3, p.stderr[-3000:]
+    assert "controller error" not in p.stderr and "On WorkerInfo" not in p.stderr, p.stderr[-3000:]
+    assert f'File "{ROOT}/controller' not in p.stderr and f'File "{ROOT}/workers' not in p.stderr, p.stderr[-3000:]
+    return errors[0]
+
+
+def test_a_mistyped_model_path_and_a_cuda_engine_on_a_cpu_torch_are_one_line(tmp_path, tiny_model):  # noqa: F811
+    # model.path with no model and no model.init: was two remote FileNotFoundError tracebacks, exit 1
+    p = torchrun(write_config(tmp_path, str(tmp_path / "nomodel"), logging__logdir=str(tmp_path / "a")), timeout=120)
+    assert _one_config_error(p).startswith(f"config error: model.path: {tmp_path / 'nomodel'} does not exist and "
+                                           "model.init is not set")
+    if not torch.cuda.is_available():  # was an AssertionError traceback from the generation rank
+        p = torchrun(write_config(tmp_path, tiny_model, engine__device="cuda", logging__logdir=str(tmp_path / "b")),
+                     timeout=120)
+        assert _one_config_error(p) == ("config error: engine.device: 'cuda', but CUDA is not available on rank 1 "
+                                        "(generation); set engine.device: cpu, or \"\" to use CUDA when there is a GPU")
