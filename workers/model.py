@@ -266,8 +266,9 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
-        # training only: keep each layer's input, recompute its inside in backward (activation
-        # memory ~ one layer's instead of all of them, for ~1/3 more compute)
+        # grad-enabled forwards only (trainer.activation_checkpointing): keep each layer's input
+        # and run the layer again in backward. Kept: one [T, D] input per layer, plus one layer's
+        # inside at a time in backward; cost: one more forward of every layer (docs/trainer.md)
         self.checkpoint_layers = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:

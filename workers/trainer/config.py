@@ -47,6 +47,10 @@ class TrainerConfig:
     each rank's micro-batches, in arrival order, split into this many mini-batches, each one
     update with its own token (or sequence) count. Above 1 the training compute runs at
     ``step()`` (gradients of the whole iteration cannot be accumulated while streaming).
+    ``activation_checkpointing`` (verl's ``enable_gradient_checkpointing``): the actor's and the
+    critic's training forwards keep only each decoder layer's input and recompute the layer in
+    backward (the same update; one more forward of every layer per micro-batch). Off by default:
+    a tiny CPU model has activation memory to spare, while a 7B policy on long responses needs it.
     """
 
     algorithm: str = "grpo"
@@ -111,6 +115,9 @@ class TrainerConfig:
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         _one_of("precision", self.precision, PRECISIONS)
+        if not isinstance(self.activation_checkpointing, bool):  # "false" would be truthy
+            raise ValueError(f"trainer.activation_checkpointing must be true or false, got "
+                             f"{self.activation_checkpointing!r}")
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
                      "mini_batches",
                      "temperature"):
