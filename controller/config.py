@@ -482,7 +482,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
     if t.overlong_prompts not in OVERLONG_POLICIES:
         raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
-    _check_staleness(cfg.pipeline.mode, getattr(cfg.trainer, "max_staleness", None))
+    check_staleness(cfg.pipeline.mode, getattr(cfg.trainer, "max_staleness", None))
     algorithm = getattr(cfg.trainer, "algorithm", None)
     if algorithm in ("grpo", "rloo") and t.temperature < GREEDY_BELOW:
         raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
@@ -499,7 +499,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
 
 
-def _check_staleness(mode: str, max_staleness: int | None) -> None:
+def check_staleness(mode: str, max_staleness: int | None) -> None:
     """A mode with lag L trains samples generated up to L weight versions back (controller/
     modes.py); the trainer skips samples older than ``trainer.max_staleness``, so it must be
     >= L (values above L change nothing: no sample is older)."""

@@ -23,7 +23,7 @@ from controller.metrics import Metrics
 from controller.prompt_check import ContextTooSmall
 from controller.program import Program
 from controller.rpc import WorkerFailed, request_exit, worker_name
-from controller.world import add_instance, build_world
+from controller.world import add_instance, build_world, check_engine_device
 from workers.model import stop_ids
 
 _JOINERS: "queue.Queue[tuple[int, str]]" = queue.Queue()
@@ -67,6 +67,7 @@ class Session:
             raise ConfigError(str(e)) from None
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         _check_model_folder(Path(cfg.model.path), cfg.model.init)
+        check_engine_device(getattr(cfg.engine, "device", ""), cfg.placement.generation, cfg.placement.rpc_timeout_s)
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
@@ -74,7 +75,10 @@ class Session:
                             timeout=cfg.placement.rpc_timeout_s * 4)
         self.boot = boot
         self.model_dir = boot["path"]
-        self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None)
+        try:  # a model folder's own chat template / prompt template
+            self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None)
+        except ValueError as e:
+            raise ConfigError(f"model.path {self.model_dir}: tokenizer: {e}") from None
         self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.task = self._fitting_task(self.task)

@@ -103,7 +103,6 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     timeout = p.rpc_timeout_s
     import torch.distributed.rpc as rpc
 
-    check_engine_device(getattr(cfg.engine, "device", ""), p.generation, timeout)
     futs = [(r, rpc.remote(f"worker{r}", TrainerRank, args=(r, list(p.trainer), cfg.trainer, model_dir,
                                                           cfg.task.name, dict(cfg.task.kwargs)),
                            timeout=timeout)) for r in sorted(p.trainer)]

@@ -26,3 +26,17 @@ def test_a_mistyped_model_path_and_a_cuda_engine_on_a_cpu_torch_are_one_line(tmp
                      timeout=120)
         assert _one_config_error(p) == ("config error: engine.device: 'cuda', but CUDA is not available on rank 1 "
                                         "(generation); set engine.device: cpu, or \"\" to use CUDA when there is a GPU")
+
+
+def test_a_bad_prompt_template_in_the_model_folder_is_one_line(tmp_path, tiny_model):  # noqa: F811
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    tc = folder / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text()) if tc.exists() else {}
+    tc.write_text(json.dumps({**cfg, "prompt_template": 'Reply as {"answer": N}. Q: {prompt}'}))
+    p = torchrun(write_config(tmp_path, str(folder), logging__logdir=str(tmp_path / "c")), timeout=120)
+    line = _one_config_error(p)
+    assert line.startswith(f"config error: model.path {folder}: tokenizer: ") and "{{ and }}" in line, line

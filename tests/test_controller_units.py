@@ -4,6 +4,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from controller import checkpoint as ckpt
 from controller.data import PromptStream
 from controller.rpc import is_peer_lost
@@ -256,3 +258,22 @@ def test_a_refused_eval_leaves_nothing_queued_for_the_next_generate(tiny_model):
         inst.evaluate([*ok, long])
     assert not inst.engine.has_work()
     assert [sid for sid, _ in inst.evaluate(ok)] == [0, 1]  # the same ids are accepted again
+
+
+def test_repl_mode_switch_refuses_a_mode_whose_lag_max_staleness_forbids():
+    """max_staleness 0: an async mode (lag 1) would skip every sample as stale; the REPL's
+    `mode` answers with the reason and the run keeps its mode."""
+    from types import SimpleNamespace
+
+    from controller.modes import get_mode
+    from controller.program import Program
+
+    prog = Program.__new__(Program)
+    prog.cfg = SimpleNamespace(trainer=SimpleNamespace(max_staleness=0))
+    prog.world = SimpleNamespace(colocated=False)
+    prog.mode = get_mode("stream")
+    with pytest.raises(ValueError, match="trainer.max_staleness: 0 is below the lag of pipeline.mode async_stream"):
+        prog.set_mode("async_stream")
+    assert prog.mode.name == "stream"
+    prog.set_mode("batch")
+    assert prog.mode.name == "batch"

@@ -83,7 +83,7 @@ class EngineConfig:
                 bad(key, "must be an int >= 0")
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
             key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
-            bad(key, f"must give at least two blocks of {self.block_size} tokens, got {self.total_blocks}")
+            bad(key, f"must give at least two blocks of {self.block_size} tokens")
         if self.device and self.device.split(":")[0] not in ("cpu", "cuda"):
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
         if self.eos_ids is not None:
