@@ -72,3 +72,32 @@ def iterations(logdir) -> list[dict]:
     return [json.loads(ln) for ln in (Path(logdir) / "iterations.jsonl").read_text().splitlines()]
 
 
+class LocalRRef:
+    """Stands in for an RRef: ``rpc_async().method(*args)`` runs here, as a finished future."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def rpc_async(self, timeout=None):
+        return self
+
+    def __getattr__(self, name):
+        def call(*args):
+            fut = torch.futures.Future()
+            try:
+                fut.set_result(getattr(self.obj, name)(*args))
+            except Exception as e:  # noqa: BLE001 - as the RPC layer hands it back
+                fut.set_exception(e)
+            return fut
+        return call
+
+
+class SinkTrainer:
+    """A trainer handle's target: records the samples streamed to it."""
+
+    def __init__(self):
+        self.samples = []
+
+    def receive(self, samples):
+        self.samples += samples
+        return True

@@ -11,7 +11,7 @@ import torch
 from controller.rpc import WorkerHandle
 from controller.scheduling import make_dispatcher
 from controller.sgs import SGS
-from runtime_helpers import tiny_model  # noqa: F401  (session-wide model folder)
+from runtime_helpers import LocalRRef, SinkTrainer, tiny_model  # noqa: F401  (tiny_model: session-wide model folder)
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
 from workers.generation.sequence import Status
@@ -225,43 +225,12 @@ def test_abort_after_a_failed_prefill_step():
 
 
 # ---- GenerationInstance: what a scale-in or a failed call leaves in the engine ------------------
-class _Local:
-    """Stands in for an RRef: ``rpc_async().method(*args)`` runs here, as a finished future."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def rpc_async(self, timeout=None):
-        return self
-
-    def __getattr__(self, name):
-        def call(*args):
-            fut = torch.futures.Future()
-            try:
-                fut.set_result(getattr(self.obj, name)(*args))
-            except Exception as e:  # noqa: BLE001 - as the RPC layer hands it back
-                fut.set_exception(e)
-            return fut
-        return call
-
-
-class _Sink:
-    """A trainer: records the samples streamed to it."""
-
-    def __init__(self):
-        self.samples = []
-
-    def receive(self, samples):
-        self.samples += samples
-        return True
-
-
-def _instance(rank: int, model_dir: str, sink: _Sink, **kw):
+def _instance(rank: int, model_dir: str, sink: SinkTrainer, **kw):
     from controller.instance import GenerationInstance
 
     cfg = EngineConfig(device="cpu", kv_cache_tokens=1024, block_size=4, **kw)
     inst = GenerationInstance(rank, cfg, model_dir, [0])
-    inst.trainers = [_Local(sink)]
+    inst.trainers = [LocalRRef(sink)]
     return inst
 
 
@@ -284,12 +253,12 @@ def _stop_after(inst, steps: int) -> None:
 
 
 def test_scale_in_aborts_what_the_instance_leaves_and_the_sgs_serves_it_elsewhere(tiny_model):  # noqa: F811
-    sink = _Sink()
+    sink = SinkTrainer()
     leaving, staying = _instance(1, tiny_model, sink), _instance(2, tiny_model, sink)
     _stop_after(leaving, 3)
     sgs = SGS(make_dispatcher("round_robin"), lambda it: {s.sample_id for s in sink.samples})
-    sgs.add(WorkerHandle(1, "generation", _Local(leaving)))
-    sgs.add(WorkerHandle(2, "generation", _Local(staying)))
+    sgs.add(WorkerHandle(1, "generation", LocalRRef(leaving)))
+    sgs.add(WorkerHandle(2, "generation", LocalRRef(staying)))
     rs = _train_requests(12)
     reports = sgs.generate(0, rs, 0).wait()
     left = next(r for r in reports if r.rank == 1)
@@ -302,7 +271,7 @@ def test_scale_in_aborts_what_the_instance_leaves_and_the_sgs_serves_it_elsewher
 
 
 def test_a_stopped_generate_aborts_its_unfinished_requests(tiny_model):  # noqa: F811
-    sink = _Sink()
+    sink = SinkTrainer()
     inst = _instance(1, tiny_model, sink, max_batch_size=4)
     _stop_after(inst, 2)
     rep = inst.generate(0, _train_requests(8), 0)
@@ -312,7 +281,7 @@ def test_a_stopped_generate_aborts_its_unfinished_requests(tiny_model):  # noqa:
 
 
 def test_a_refused_generate_leaves_nothing_in_the_engine(tiny_model):  # noqa: F811
-    inst = _instance(1, tiny_model, _Sink(), max_model_len=64)
+    inst = _instance(1, tiny_model, SinkTrainer(), max_model_len=64)
     rs = _train_requests(3) + [Request(9, torch.ones(80, dtype=torch.int64), 4, group_id=9)]
     with pytest.raises(ValueError, match="refused request 9"):
         inst.generate(0, rs, 0)
@@ -320,7 +289,7 @@ def test_a_refused_generate_leaves_nothing_in_the_engine(tiny_model):  # noqa: F
 
 
 def test_a_refused_eval_is_aborted_not_run(tiny_model):  # noqa: F811
-    inst = _instance(1, tiny_model, _Sink(), max_model_len=64)
+    inst = _instance(1, tiny_model, SinkTrainer(), max_model_len=64)
     ok = [Request(i, torch.tensor([1, 2, 3]), 4, sampling=GREEDY) for i in (0, 1)]
     long = Request(2, torch.ones(80, dtype=torch.int64), 4, sampling=GREEDY)
     with pytest.raises(ValueError, match="refused eval request 2"):
@@ -331,7 +300,7 @@ def test_a_refused_eval_is_aborted_not_run(tiny_model):  # noqa: F811
 
 
 def test_an_eval_failing_mid_way_leaves_nothing_queued(tiny_model):  # noqa: F811
-    inst = _instance(1, tiny_model, _Sink(), max_batch_size=2)
+    inst = _instance(1, tiny_model, SinkTrainer(), max_batch_size=2)
     ok = [Request(i, torch.tensor([1, 2, 3 + i]), 6, 6, sampling=GREEDY) for i in range(5)]
     want = inst.evaluate(ok)
     step, start = inst.engine.step, inst.engine.total_tokens

@@ -13,39 +13,10 @@ from controller.prompt_check import ContextNeed, ContextTooSmall, fitting_prompt
 from controller.rpc import WorkerFailed, WorkerHandle
 from controller.scheduling import make_dispatcher
 from controller.sgs import SGS
-from tests.runtime_helpers import tiny_model  # noqa: F401
+from tests.runtime_helpers import LocalRRef, SinkTrainer, tiny_model  # noqa: F401
 from workers.types import Request, TaskPrompt
 
 PROMPT = 300  # tokens of the long prompt; train.max_tokens 8: it needs a context of 308
-
-
-class _Local:
-    """Stands in for an RRef: ``rpc_async().method(*args)`` runs here, as a finished future."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def rpc_async(self, timeout=None):
-        return self
-
-    def __getattr__(self, name):
-        def call(*args):
-            fut = torch.futures.Future()
-            try:
-                fut.set_result(getattr(self.obj, name)(*args))
-            except Exception as e:  # noqa: BLE001 - as the RPC layer hands it back
-                fut.set_exception(e)
-            return fut
-        return call
-
-
-class _Sink:
-    def __init__(self):
-        self.samples = []
-
-    def receive(self, samples):
-        self.samples += samples
-        return True
 
 
 def _instance(rank, kv_cache_tokens, model_dir, sink):
@@ -55,8 +26,8 @@ def _instance(rank, kv_cache_tokens, model_dir, sink):
 
     torch.set_num_threads(1)
     inst = GenerationInstance(rank, EngineConfig(device="cpu", kv_cache_tokens=kv_cache_tokens), model_dir, [0])
-    inst.trainers = [_Local(sink)]
-    return WorkerHandle(rank, "generation", _Local(inst))
+    inst.trainers = [LocalRRef(sink)]
+    return WorkerHandle(rank, "generation", LocalRRef(inst))
 
 
 def _requests(n, prompt_len=PROMPT):
@@ -77,7 +48,7 @@ def _sgs():
 
 def test_without_the_check_a_smaller_joiner_fails_the_round_or_cuts_outputs(tiny_model):  # noqa: F811
     """What happened before the check: the SGS took any joiner."""
-    sink = _Sink()
+    sink = SinkTrainer()
     sgs = _sgs()
     sgs.add(_instance(1, 1024, tiny_model, sink))
     sgs.add(_instance(3, 256, tiny_model, sink), iteration=1)
@@ -95,7 +66,7 @@ def test_without_the_check_a_smaller_joiner_fails_the_round_or_cuts_outputs(tiny
 def test_a_joiner_with_less_context_than_the_kept_prompts_need_is_refused(tiny_model):  # noqa: F811
     need = _need()
     assert (need.longest, need.tokens) == (PROMPT, PROMPT + 8)
-    sink = _Sink()
+    sink = SinkTrainer()
     sgs = _sgs()
     sgs.add(_instance(1, 1024, tiny_model, sink))
     sgs.need = need
@@ -121,7 +92,7 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
                                                                            capsys):
     from controller import runner
 
-    sink = _Sink()
+    sink = SinkTrainer()
     sgs = _sgs()
     sgs.add(_instance(1, 1024, tiny_model, sink))
     s = runner.Session.__new__(runner.Session)
@@ -142,7 +113,7 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
             raise RuntimeError("connection reset by peer")
 
     joiners = {3: _instance(3, 256, tiny_model, sink), 5: _instance(5, 336, tiny_model, sink),
-               6: WorkerHandle(6, "generation", _Local(Dying()))}
+               6: WorkerHandle(6, "generation", LocalRRef(Dying()))}
 
     def add_instance(world, cfg, rank, model_dir, eos_ids, version, iteration):
         world.sgs.add(joiners[rank], None, iteration)
