@@ -192,7 +192,7 @@ def _interrupted(logdir: str, resume: str) -> None:
     complete one is intact whatever was running."""
     if os.environ.get("RANK") == "0":
         from controller import checkpoint as ckpt
-        from controller.runner import run_logdir
+        from controller.preflight import run_logdir
 
         try:
             found = ckpt.find(run_logdir(Path(logdir), resume)) or (ckpt.find(resume) if resume else None)

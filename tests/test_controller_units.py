@@ -210,33 +210,33 @@ def test_a_model_folder_is_checked_before_any_work(tmp_path, tiny_model):  # noq
     import pytest
 
     from controller.config import ConfigError
-    from controller.runner import _check_model_folder
+    from controller.preflight import check_model_folder
 
-    _check_model_folder(Path(tiny_model))  # a good folder
-    _check_model_folder(tmp_path / "not_built_yet", {"hidden_size": 64})  # model.init builds it later
+    check_model_folder(Path(tiny_model))  # a good folder
+    check_model_folder(tmp_path / "not_built_yet", {"hidden_size": 64})  # model.init builds it later
     # a mistyped path without model.init: one line here, not the bootstrap's remote traceback
     with pytest.raises(ConfigError, match=r"^model.path: .*not_built_yet does not exist and model.init is not set"):
-        _check_model_folder(tmp_path / "not_built_yet")
+        check_model_folder(tmp_path / "not_built_yet")
     with pytest.raises(ConfigError, match=r"^model.path: .*gpt2 holds no config.json and model.init is not set"):
         (tmp_path / "gpt2").mkdir()
-        _check_model_folder(tmp_path / "gpt2")
+        check_model_folder(tmp_path / "gpt2")
     (tmp_path / "gpt2").rmdir()
     with pytest.raises(ConfigError, match=r"^model.init: .*unexpected keyword argument 'hidden'"):
-        _check_model_folder(tmp_path / "not_built_yet", {"hidden": 64})
+        check_model_folder(tmp_path / "not_built_yet", {"hidden": 64})
     with pytest.raises(ConfigError, match=r"^model.init: model.num_attention_heads \(3\) must be a multiple"):
-        _check_model_folder(tmp_path / "not_built_yet", {"num_attention_heads": 3})
+        check_model_folder(tmp_path / "not_built_yet", {"num_attention_heads": 3})
     gpt2 = tmp_path / "gpt2"
     shutil.copytree(tiny_model, gpt2)
     cfg = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ConfigError, match=r"^model.path: .*gpt2/config.json: config.json: architecture "
                                           r"'GPT2LMHeadModel' is not supported"):
-        _check_model_folder(gpt2)
+        check_model_folder(gpt2)
     notok = tmp_path / "notok"
     shutil.copytree(tiny_model, notok)
     (notok / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match=r"model.path: .*notok has no tokenizer.json"):
-        _check_model_folder(notok)
+        check_model_folder(notok)
 
 
 def test_a_refused_eval_leaves_nothing_queued_for_the_next_generate(tiny_model):  # noqa: F811

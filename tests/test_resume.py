@@ -111,21 +111,21 @@ def test_a_mistyped_resume_never_starts_fresh_over_the_run_in_logdir(tmp_path):
     """``--resume runs/qiuckstart`` (no such path) with logging.logdir runs/quickstart started a
     fresh run there: its iterations.jsonl rows and TensorBoard steps were dropped, iter_000001...
     and ``latest`` written over."""
-    from controller.runner import _refuse_fresh_start_over_a_run
+    from controller.preflight import refuse_fresh_start_over_a_run
 
     logdir = tmp_path / "run"
     _saved(logdir / "checkpoints", 2)
     with pytest.raises(ConfigError, match=r"--resume .*typo: no checkpoint there \(the path does not exist\); "
                                           r"logging.logdir: .* already holds a run \(checkpoints up to iter_000002\)"):
-        _refuse_fresh_start_over_a_run(logdir, str(tmp_path / "typo"))
+        refuse_fresh_start_over_a_run(logdir, str(tmp_path / "typo"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="none in it"):
-        _refuse_fresh_start_over_a_run(logdir, str(tmp_path / "empty"))
-    _refuse_fresh_start_over_a_run(logdir, str(logdir))  # resumes it
-    _refuse_fresh_start_over_a_run(tmp_path / "unused", str(tmp_path / "typo"))  # a first start: fresh
+        refuse_fresh_start_over_a_run(logdir, str(tmp_path / "empty"))
+    refuse_fresh_start_over_a_run(logdir, str(logdir))  # resumes it
+    refuse_fresh_start_over_a_run(tmp_path / "unused", str(tmp_path / "typo"))  # a first start: fresh
     (tmp_path / "restarted").mkdir()
     (tmp_path / "restarted" / "iterations.jsonl").write_text("")  # crashed before its first checkpoint
-    _refuse_fresh_start_over_a_run(tmp_path / "restarted", str(tmp_path / "restarted"))
+    refuse_fresh_start_over_a_run(tmp_path / "restarted", str(tmp_path / "restarted"))
 
 
 # ---- the trainer's part -------------------------------------------------------------------------------
@@ -216,10 +216,10 @@ def test_refused_resumes_leave_the_run_as_it_was(tmp_path, tiny_model):  # noqa:
 
 def test_an_unwritable_logdir_is_said_before_any_work(tmp_path):
     """A read-only logging.logdir failed with a traceback from Metrics once every worker was up."""
-    from controller.runner import _check_writable
+    from controller.preflight import check_writable
 
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"logging.logdir: .*file/run: cannot write there"):
-        _check_writable(tmp_path / "file" / "run")
-    _check_writable(tmp_path / "new" / "run")
+        check_writable(tmp_path / "file" / "run")
+    check_writable(tmp_path / "new" / "run")
     assert list((tmp_path / "new" / "run").iterdir()) == []

@@ -1,0 +1,111 @@
+"""Checks before a run does any work, each one config error naming what is wrong: the run
+folder (a fresh start never writes over another run; ``--resume`` continues a run in its own
+folder or forks it into an unused one; the folder can be written) and the model folder."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from controller import checkpoint as ckpt
+from controller.config import ConfigError
+
+
+def check_model_folder(path: Path, init: dict | None = None) -> None:
+    """``model.path`` must be a folder this code loads (architecture, config) with a tokenizer,
+    or one ``model.init`` (valid ModelConfig fields) builds: said here in one line, before the
+    workers build anything, not as tracebacks from the worker ranks loading it."""
+    import json
+    from dataclasses import asdict
+
+    from workers.model import ModelConfig
+
+    cfg = path / "config.json"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"model.path: {path} is a file, not a model folder")
+    if not cfg.exists() and init is not None:  # the bootstrap builds the model there
+        from workers.trainer.bootstrap import TINY
+
+        try:
+            ModelConfig(**{**asdict(TINY), **init})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.init: {e}") from None
+        return
+    if not cfg.exists():
+        where = "does not exist" if not path.exists() else "holds no config.json"
+        raise ConfigError(f"model.path: {path} {where} and model.init is not set (give a Hugging Face model "
+                          "folder: config.json, *.safetensors, tokenizer.json; or model.init to build a tiny "
+                          "model there)")
+    try:
+        ModelConfig.from_hf(json.loads(cfg.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.path: {cfg}: {e}") from None
+    if not (path / "tokenizer.json").exists():
+        raise ConfigError(f"model.path: {path} has no tokenizer.json (a model folder carries its tokenizer, "
+                          "as on the Hugging Face hub)")
+
+
+def _holds_run(logdir: Path) -> bool:
+    return ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
+
+
+def _other_run(logdir: Path, resume: str) -> Path | None:
+    """The run folder holding the checkpoint ``--resume`` names, when it is not ``logdir``."""
+    found = ckpt.find(resume) if resume else None
+    run = found.parent.parent if found is not None and found.parent.name == "checkpoints" else None
+    return None if run is None or run.resolve() == logdir.resolve() else run
+
+
+def run_logdir(logdir: Path, resume: str) -> Path:
+    """Where a run writes. ``--resume`` of a checkpoint of run folder R continues in R when
+    ``logging.logdir`` is R, or is another folder already holding a run (writing there would
+    interleave two runs' rows, steps and checkpoints); into an unused ``logging.logdir`` it
+    forks: R is left as it was."""
+    run = _other_run(logdir, resume)
+    return run if run is not None and _holds_run(logdir) else logdir
+
+
+def resumed_logdir(logdir: Path, resume: str) -> Path:
+    """``run_logdir``, saying where it writes when that is not the plain case."""
+    out, run = run_logdir(logdir, resume), _other_run(logdir, resume)
+    if out != logdir:
+        print(f"[controller] --resume {resume}: continuing that run in its folder {out} (logging.logdir "
+              f"{logdir} holds another run)", file=sys.stderr, flush=True)
+    elif run is not None:
+        print(f"[controller] --resume {resume}: continuing from {ckpt.find(resume)} in the new folder {logdir} "
+              f"({run} is left as it is)", file=sys.stderr, flush=True)
+    return out
+
+
+def refuse_previous_run(logdir: Path, why: str = "") -> None:
+    """A new run must not write into a folder holding another run's logs and checkpoints (its
+    iterations.jsonl rows, TensorBoard steps and ``latest`` would interleave with this one's)."""
+    if not _holds_run(logdir):
+        return
+    found = ckpt.find(logdir)
+    what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
+    raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}); continue it with "
+                      f"--resume {logdir}, or start a new one elsewhere with --set logging.logdir=NEW_DIR "
+                      f"(or delete the folder)")
+
+
+def check_writable(logdir: Path) -> None:
+    """Logs and checkpoints go to ``logdir``: one that cannot be written (read-only, no
+    permission, full) is said before any work, not as a traceback once the workers are up."""
+    import tempfile
+
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"logging.logdir: {logdir}: cannot write there ({e.strerror or e})") from None
+
+
+def refuse_fresh_start_over_a_run(logdir: Path, resume: str) -> None:
+    """``--resume`` of a path with no checkpoint starts fresh (the first start of a ``torchrun
+    --max-restarts`` job resumes its own, still empty, ``logging.logdir``); a path that is not
+    ``logdir`` (mistyped?) must not start a fresh run over the run ``logdir`` holds: its rows,
+    TensorBoard steps, ``iter_*`` folders and ``latest`` would be overwritten."""
+    if ckpt.find(resume) is None and Path(resume).resolve() != logdir.resolve():
+        refuse_previous_run(logdir, f"--resume {resume}: no checkpoint there "
+                                     f"({'the path does not exist' if not Path(resume).exists() else 'none in it'}); ")
