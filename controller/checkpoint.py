@@ -25,7 +25,7 @@ import random
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,9 @@ class ControllerState:
     mode: str
     rewards: list
     rng: dict
+    # (prompt, length) rows gathered for the ranker's next online update (ranker.update_every):
+    # a resume between two updates keeps them (checkpoints before session 12 have none)
+    ranker_rows: list = field(default_factory=list)
 
 
 def _rng_state() -> dict:
@@ -111,7 +114,9 @@ def find(path: str | Path) -> Path | None:
 def load_state(ckpt: Path) -> ControllerState:
     f = Path(ckpt) / "controller.json"
     try:
-        return ControllerState(**json.loads(f.read_text()))
+        state = ControllerState(**json.loads(f.read_text()))
+        state.ranker_rows = [(str(t), float(n)) for t, n in state.ranker_rows]  # JSON gives lists
+        return state
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{f}: unreadable, the checkpoint is damaged ({e})") from None
 

@@ -87,7 +87,7 @@ class Program:
         self.version = version  # weights the instances hold
         self.on_iteration = on_iteration  # callback(IterationResult, spans)
         self.history: list[IterationResult] = []
-        self._ranker_rows: list[tuple[str, float]] = []  # awaiting the next online update
+        self.ranker_rows: list[tuple[str, float]] = []  # awaiting the next online update
         self.length_of = None  # benchmarks: prompt text -> forced output length
         self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
         self.spans = SpanRecorder("controller")  # what the controller waits on, for the timeline
@@ -160,11 +160,11 @@ class Program:
         res.instances = len(self.world.sgs.slots)
         every = self.cfg.ranker.update_every
         if self.ranker is not None and every > 0 and b.round is not None:
-            self._ranker_rows += self._true_lengths(b)
-            if (b.iteration + 1) % every == 0 and self._ranker_rows:
-                texts, lens = zip(*self._ranker_rows)
+            self.ranker_rows += self._true_lengths(b)
+            if (b.iteration + 1) % every == 0 and self.ranker_rows:
+                texts, lens = zip(*self.ranker_rows)
                 self.ranker.update(list(texts), list(lens))
-                res.ranker_rows, self._ranker_rows = len(texts), []
+                res.ranker_rows, self.ranker_rows = len(texts), []
         return res
 
     def _true_lengths(self, b: _Batch) -> list[tuple[str, float]]:

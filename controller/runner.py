@@ -99,6 +99,7 @@ class Session:
         self.program.ranker = self.ranker = self._ranker()
         if state:
             self.metrics.rewards = list(state.rewards)
+            self.program.ranker_rows = list(state.ranker_rows)
         self.program.before_iteration = self._before_iteration
         self.progress = None
 
@@ -269,7 +270,8 @@ class Session:
     def save_checkpoint(self, next_iteration: int) -> Path:
         state = ckpt.ControllerState(next_iteration, self.program.version,
                                      self.program.stream_state_at(next_iteration),
-                                     self.program.mode.name, list(self.metrics.rewards), {})
+                                     self.program.mode.name, list(self.metrics.rewards), {},
+                                     list(self.program.ranker_rows))
         trainer0 = self.world.trainers[0]
         root = self.logdir / "checkpoints"
         try:

@@ -2,6 +2,7 @@
 never the one ``latest`` names, the one just written or the one resumed from) and durable
 saves (workers/atomic.py fsyncs what it renames into place, and the folder after the rename)."""
 import errno
+import json
 import os
 import shutil
 import stat
@@ -71,7 +72,8 @@ def _session(tmp_path, keep, resumed_from=None):
     s.cfg = SimpleNamespace(train=SimpleNamespace(ckpt_keep=keep), ranker=SimpleNamespace(update_every=0))
     s.logdir, s.resumed_from, s.ranker = tmp_path / "run", resumed_from, None
     s.metrics = SimpleNamespace(rewards=[])
-    s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"pos": i}, mode=SimpleNamespace(name="stream"))
+    s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"pos": i}, mode=SimpleNamespace(name="stream"),
+                                ranker_rows=[])
     s.world = SimpleNamespace(trainers=[_Trainer()])
     return s
 
@@ -281,3 +283,16 @@ def test_directory_fsync_refused_by_the_file_system_is_ignored_other_errors_are_
     with pytest.raises(OSError):
         atomic.write_text(tmp_path / "x.txt", "ok")
     assert (tmp_path / "x.txt").read_text() == "ok" and not list(tmp_path.glob(".x.txt.tmp*"))
+
+
+def test_the_rows_awaiting_the_rankers_next_update_are_saved(tmp_path):
+    """ranker.update_every K: rows gathered since the last online update are in the checkpoint
+    (before, a resume between two updates lost them); a checkpoint without them loads as none."""
+    s = _session(tmp_path, keep=None)
+    s.program.ranker_rows = [("1 + 2 =", 6.0), ("3 + 4 + 5 =", 9.0)]
+    saved = s.save_checkpoint(3)
+    assert ckpt.load_state(saved).ranker_rows == [("1 + 2 =", 6.0), ("3 + 4 + 5 =", 9.0)]
+    old = json.loads((saved / "controller.json").read_text())
+    del old["ranker_rows"]
+    (saved / "controller.json").write_text(json.dumps(old))
+    assert ckpt.load_state(saved).ranker_rows == []
