@@ -3,7 +3,8 @@
 Layout under ``<logdir>/checkpoints/``::
 
     iter_000010/trainer/        TrainerWorker.save_checkpoint (model HF format, optimizer, RNG, version)
-    iter_000010/controller.json iteration, weight version, prompt-stream position, RNG, mode
+    iter_000010/controller.json iteration, weight version, prompt-stream position, RNG, mode,
+                                the ranker's rows awaiting its next online update
     iter_000010/ranker/         the length ranker, when it is updated online (ranker.update_every)
     latest                      text file naming the newest complete checkpoint
 
