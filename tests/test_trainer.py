@@ -398,3 +398,16 @@ def test_warmup_longer_than_the_schedule_is_refused():
     with pytest.raises(ValueError, match=r"trainer.warmup_steps \(5\) must be <= trainer.total_steps \(3\)"):
         TrainerConfig(warmup_steps=5, total_steps=3)
     TrainerConfig(warmup_steps=3, total_steps=3)
+
+
+def test_bootstrap_says_when_the_bpe_learns_fewer_tokens_than_asked(tmp_path, capsys):
+    """model.init's vocab_size is an upper bound: a small task's texts hold fewer merges, and
+    the model is built with the tokenizer's size (the quickstart asks 384 and gets 266)."""
+    import json
+
+    task = make_task("synthetic", max_terms=3, num_train=64, num_test=16)
+    folder, _ = build_model_dir(tmp_path / "m", task, TINY, seed=0)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    assert vocab < 300
+    assert (f"[bootstrap] the BPE learned {vocab} tokens of the 300 asked (model.init's vocab_size)"
+            in capsys.readouterr().err)

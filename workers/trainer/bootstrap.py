@@ -4,6 +4,7 @@ with the tokenizer files (what the engine, the trainer and the quickstart load).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def build_model_dir(folder: str | os.PathLike, task: Task, model_cfg: ModelConfi
     PAD ids are written into config.json."""
     torch.manual_seed(seed)
     tok = build_tokenizer(task, model_cfg.vocab_size, prompt_template)
+    if tok.vocab_size < model_cfg.vocab_size:  # said, not silent: config.json's vocab_size is the smaller one
+        print(f"[bootstrap] the BPE learned {tok.vocab_size} tokens of the {model_cfg.vocab_size} asked "
+              "(model.init's vocab_size): the task's texts hold no more merges; the model is built with "
+              f"vocab_size {tok.vocab_size}", file=sys.stderr, flush=True)
     cfg = ModelConfig(**{**asdict(model_cfg), "vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id})
     model = init_weights(CausalLM(cfg), seed=seed)
     result = SFTResult()
