@@ -13,7 +13,6 @@ means per measured iteration (the warm-up iteration is left out).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import pipeline_modes as pm  # noqa: E402
 
 from controller.planner.colocated import schedstat  # noqa: E402
+from jsonline import json_line  # noqa: E402
 
 RECORDS: list[dict] = []
 RECV = {"calls": 0, "samples": 0, "cpu_s": 0.0}
@@ -135,7 +135,7 @@ def run_mode(cfg, mode, a, *args):
     row = _run_mode(cfg, mode, a, *args)
     recs = [x for r in (1, 2) for x in rpc.rpc_sync(f"worker{r}", drain)]
     for line in summarize(mode, recs):
-        print(json.dumps({"probe": True, **line}), flush=True)
+        print(json_line({"probe": True, **line}), flush=True)
     return row
 
 

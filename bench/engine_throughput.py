@@ -43,13 +43,14 @@ from workers.generation.factory import make_engine  # noqa: E402
 from workers.generation.model_runner import tune_cpu_malloc  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
+from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.val.jsonl.gz"
 Work = list[tuple[torch.Tensor, int]]  # (prompt ids, forced new tokens)
 
 
 def emit(**kw) -> dict:
-    print(json.dumps(kw), flush=True)
+    print(json_line(kw), flush=True)
     return kw
 
 

@@ -21,7 +21,6 @@ decode path (gather blocks with index_select, then SDPA).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
+
+from bench.jsonline import json_line  # noqa: E402  (bench/ is off the path: a namespace package)
 
 # HBM peak, GB/s, by a substring of torch.cuda.get_device_name() (most specific first)
 PEAK_GBPS = [("H200", 4800), ("GH200", 4000), ("H100 NVL", 3900), ("H100 PCIe", 2000),
@@ -123,7 +124,7 @@ def measure(rec: dict, fn, ref, nbytes: int, peak, rows: list) -> None:
         ms = triton.testing.do_bench(fn, warmup=10, rep=50)
     except Exception as e:  # a competitor's API drift must not kill the run
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-        print(json.dumps(rec), flush=True)
+        print(json_line(rec), flush=True)
         return
     gbps = nbytes / (ms * 1e-3) / 1e9
     rec.update(us=round(ms * 1e3, 2), gbps=round(gbps, 1),
@@ -135,7 +136,7 @@ def measure(rec: dict, fn, ref, nbytes: int, peak, rows: list) -> None:
                    pct_peak_graph=round(100 * gbps_g / peak, 1) if peak else None)
     except Exception as e:
         rec["graph_error"] = f"{type(e).__name__}: {e}"[:200]
-    print(json.dumps(rec), flush=True)
+    print(json_line(rec), flush=True)
     rows.append(rec)
 
 
@@ -207,7 +208,7 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
                 raise AssertionError(f"max error {err}")
             times[cfg] = triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
         except Exception as e:
-            print(json.dumps(dict(bench="kernels_sweep", model=name, batch=bsz, ctx=ctx,
+            print(json_line(dict(bench="kernels_sweep", model=name, batch=bsz, ctx=ctx,
                                   config=str(cfg), error=f"{type(e).__name__}: {e}"[:200])))
     best = min(times, key=times.get)
     kv_bytes = 2 * sum(lens) * kv_heads * dh * q.element_size()
@@ -220,7 +221,7 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
                best_gbps=round(kv_bytes / (times[best] * 1e-6) / 1e9, 1), tried=len(times),
                # every candidate, so another rule can be judged from this line alone
                all=sorted([c.num_splits, c.block_n, c.num_warps, round(t, 2)] for c, t in times.items()))
-    print(json.dumps(rec), flush=True)
+    print(json_line(rec), flush=True)
     del q, k, v, tables
     torch.cuda.empty_cache()
     return [rec]
@@ -323,7 +324,7 @@ def main() -> int:
     elif kernels.interpreting():
         why = "TRITON_INTERPRET is set: unset it to time compiled kernels"
     if why:
-        print(json.dumps({"bench": "kernels", "skipped": why}))
+        print(json_line({"bench": "kernels", "skipped": why}))
         return 0
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -339,7 +340,7 @@ def main() -> int:
                 recs += sweep_launch(model, bsz, ctx, dtype, dev)
             recs += sweep_launch(model, 64, 2048, dtype, dev, ragged=True)
         ratios = [r["heuristic_over_best"] for r in recs if r["heuristic_over_best"] == r["heuristic_over_best"]]
-        print(json.dumps(dict(bench="kernels_sweep", summary=True, device=name, shapes=len(recs),
+        print(json_line(dict(bench="kernels_sweep", summary=True, device=name, shapes=len(recs),
                               heuristic_over_best_geomean=round(math.exp(statistics.fmean(
                                   map(math.log, ratios))), 3) if ratios else None,
                               heuristic_over_best_max=max(ratios, default=None))))
@@ -359,7 +360,7 @@ def main() -> int:
                  rotary_vs_torch=op_speedup(elementwise, "rotary"),
                  wide_table_vs_capacity_pieces=geomean_speedup(wide, "triton_capacity_pieces", "us_graph"),
                  wide_table_vs_tight=geomean_speedup(wide, "triton_tight", "us_graph"))
-    print(json.dumps(dict(
+    print(json_line(dict(
         bench="kernels", summary=True, device=name, peak_gbps=peak, dtype=args.dtype,
         triton_median_pct_peak=statistics.median(pct) if pct else None,
         triton_max_gbps=max((r["gbps"] for r in rows if r["impl"] == "triton"), default=None),

@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
+
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
 ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
@@ -197,18 +199,18 @@ def controller(a) -> int:
             row = run_mode(cfg, mode, a, boot["path"], tok, task, lambda it: by_prompt[it.prompt])
             rounds[mode].append(row)
             if a.repeat == 1:
-                print(json.dumps(row), flush=True)
+                print(json_line(row), flush=True)
             else:
-                print(json.dumps({"round": r, **row}), file=sys.stderr, flush=True)
+                print(json_line({"round": r, **row}), file=sys.stderr, flush=True)
     rows = {m: merge_rounds(rs) for m, rs in rounds.items()}
     if a.repeat > 1:
         for m in a.modes:
-            print(json.dumps(rows[m]), flush=True)
+            print(json_line(rows[m]), flush=True)
     sps = {m: r["samples_per_s"] for m, r in rows.items()}
     ratios = {"async_stream_over_batch": ("async_stream", "batch"), "stream_over_batch": ("stream", "batch"),
               "async_stream_over_colocated": ("async_stream", "colocated"),
               "minibatch_over_batch": ("minibatch", "batch"), "async_batch_over_batch": ("async_batch", "batch")}
-    print(json.dumps({"summary": True, "quick": a.quick, "iterations": a.iterations, "prompts": a.prompts,
+    print(json_line({"summary": True, "quick": a.quick, "iterations": a.iterations, "prompts": a.prompts,
                       "repeat": a.repeat,
                       **{k: sps[x] / sps[y] for k, (x, y) in ratios.items() if x in sps and y in sps}}), flush=True)
     for r in (1, 2):

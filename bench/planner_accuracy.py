@@ -63,6 +63,7 @@ from controller.planner.host import (concurrent_slowdown, make_train_tokens,  # 
 from controller.planner.profile import TrainerPasses, TrainProfile, profile_engine  # noqa: E402
 from controller.planner.simulator import SimConfig, Workload, scaled_profile, simulate  # noqa: E402
 from controller.scheduling import PTLProfile  # noqa: E402
+from jsonline import json_line  # noqa: E402
 
 # Controller round trips on an iteration's critical path (controller/program.py): begin_iteration,
 # generate (launch and report), step, weight push.
@@ -371,7 +372,7 @@ def main(argv=None) -> dict:
         else:
             gen, train, host = measure_profiles(a, cfg, model_dir, tok, task, wls, trainer, gen_before)
         saved.append({"generation": asdict(gen), "trainer": asdict(train), "host": host})
-        print(json.dumps({"segment": k, "load_avg_1m": round(os.getloadavg()[0], 2),
+        print(json_line({"segment": k, "load_avg_1m": round(os.getloadavg()[0], 2),
                           "profiles": {"ptl_ms": [round(x * 1e3, 3) for x in gen.ptl_s], "batch_sizes": gen.batch_sizes,
                                        "prefill_step_ms": round(gen.prefill_step_s * 1e3, 3),
                                        "kv_us_per_token": round(gen.kv_s_per_token * 1e6, 4),
@@ -401,14 +402,14 @@ def main(argv=None) -> dict:
         for key in ("gen_s", "train_s"):
             line[key] = {"predicted": mean([x for p, _ in stages for x in p[key]]),
                          "measured": mean([x for _, m in stages for x in m.get(key, [])])}
-        print(json.dumps(line), flush=True)
+        print(json_line(line), flush=True)
     summary = {"max_rel_error": round(max(errors.values()), 3),
                "mean_rel_error": round(float(np.mean(list(errors.values()))), 3), "quick": a.quick,
                "segments": n_seg, "shared_host": shared, "errors": {m: round(e, 3) for m, e in errors.items()},
                "max_segment_error": max(max(v) for v in seg_errors.values()),
                ("max_rel_error_separate_hardware" if shared else "max_rel_error_shared_host"):
                    round(max(alt_errors.values()), 3)}
-    print(json.dumps({"summary": summary}), flush=True)
+    print(json_line({"summary": summary}), flush=True)
     return summary
 
 

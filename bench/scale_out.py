@@ -14,14 +14,13 @@ instance). The PTL profile the policy uses is measured here first with ``profile
 and passed as ``dispatch.profile``. ``placement.force_scale_out_at`` is NOT used.
 
 Prints one JSON line per iteration (iteration, forced_len, gen_s, train_s, delta_s,
-delta_prime_s, instances, add) and a summary line (scale_out_iteration, delta_at_scale_out,
+delta_prime_s, instances, wanted: delta >= delta', add: an add decided with a joiner waiting) and a summary line (scale_out_iteration, delta_at_scale_out,
 delta_prime_at_scale_out, gen_s_before, gen_s_after, logdir, tb_delta: the delta curve read
 back from the TensorBoard event file).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
 
 
 def parse_args(argv=None):
@@ -125,7 +126,7 @@ def controller(a) -> int:
         prof = PTLProfile.load(str(logdir / "ptl_profile.json"))
     else:
         prof = measure_profile(cfg0, boot["path"], logdir / "ptl_profile.json")
-    print(json.dumps({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s]}}),
+    print(json_line({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s]}}),
           flush=True)
     cfg = bench_config(a, str(logdir / "ptl_profile.json"))
     session = runner.Session(cfg, argparse.Namespace(repl=False, resume="", set=[]), 3)
@@ -149,7 +150,7 @@ def controller(a) -> int:
             return
         row = {"iteration": res.iteration, "forced_len": forced_len(a, res.iteration),
                "delta_s": round(d.delta_s, 4), "delta_prime_s": round(d.delta_prime_s, 4),
-               "instances": len(session.world.sgs.slots), "add": d.add, "reason": d.reason}
+               "instances": len(session.world.sgs.slots), "wanted": d.wanted, "add": d.add, "reason": d.reason}
         rows.append(row)
 
     prog.on_iteration = log_row
@@ -167,13 +168,13 @@ def controller(a) -> int:
     try:
         summary = session.run()
     except Exception as e:  # noqa: BLE001 - report and stop every process
-        print(json.dumps({"error": repr(e)}), flush=True)
+        print(json_line({"error": repr(e)}), flush=True)
         summary, code = {}, 1
     for row in rows:
         dv = derived_by_it.get(row["iteration"], {})
         row["gen_s"] = round(dv.get("time/generate_busy_s", float("nan")), 4)
         row["train_s"] = round(dv.get("time/train_busy_s", float("nan")), 4)
-        print(json.dumps(row), flush=True)
+        print(json_line(row), flush=True)
     adds = [r for r in rows if r["add"]]
     first = adds[0] if adds else None
     joined_at = next((s.joined_at for s in session.world.sgs.slots if s.handle.rank >= 3), None)
@@ -184,7 +185,7 @@ def controller(a) -> int:
     before_ms = per_tok([r for r in rows if first and first["iteration"] - 2 <= r["iteration"] <= first["iteration"]])
     after_ms = per_tok([r for r in rows if joined_at is not None and joined_at <= r["iteration"] <= joined_at + 2])
     tb = read_tb(logdir)
-    print(json.dumps({"summary": True, "quick": a.quick, "iterations": a.iterations,
+    print(json_line({"summary": True, "quick": a.quick, "iterations": a.iterations,
                       "samples_per_iteration": a.prompts * a.group,
                       "lengths": [forced_len(a, i) for i in range(a.iterations)],
                       "scale_out_iteration": first["iteration"] if first else None,

@@ -45,6 +45,7 @@ from workers.generation.config import EngineConfig  # noqa: E402
 from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
+from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
 
 TRACE = "llama33_70b_rg_easy.{split}.jsonl.gz"
 # CPU seconds of this process: with one compute thread this is the instance's own work, which
@@ -205,7 +206,7 @@ def main(argv=None) -> dict:
     p_lens = [prompt_len(r, args.prompt_cap) for r in rows]
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, 512, (n,), generator=g) for n in p_lens]
-    print(json.dumps({"workload": {"prompts": len(rows), "out_tokens": sum(out_lens),
+    print(json_line({"workload": {"prompts": len(rows), "out_tokens": sum(out_lens),
                                    "p50": float(np.percentile(out_lens, 50)), "p90": float(np.percentile(out_lens, 90)),
                                    "max": max(out_lens), "instances": args.instances, "kv_tokens": args.kv_tokens}}),
           flush=True)
@@ -222,7 +223,7 @@ def main(argv=None) -> dict:
     del twin
     prof.kv_tokens = engine.cfg.total_blocks * engine.cfg.block_size
     prof.max_batch_size = args.max_batch
-    print(json.dumps({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(p * 1e3, 3) for p in prof.ptl_s],
+    print(json_line({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(p * 1e3, 3) for p in prof.ptl_s],
                                   "context_tokens": ctx, "prefill_step_ms": round(prof.prefill_step_s * 1e3, 3),
                                   "kv_us_per_token": round(prof.kv_s_per_token * 1e6, 4),
                                   "kv_tokens": prof.kv_tokens}}), flush=True)
@@ -230,7 +231,7 @@ def main(argv=None) -> dict:
 
     est, info = estimates(args, rows, args.len_cap)
     posterior = info.pop("posterior")
-    print(json.dumps({"estimates": {**info, **ranking_quality(est, out_lens)}}), flush=True)
+    print(json_line({"estimates": {**info, **ranking_quality(est, out_lens)}}), flush=True)
     true = [float(x) for x in out_lens]
     runs = {
         "random": (make_dispatcher("random"), est),
@@ -256,7 +257,7 @@ def main(argv=None) -> dict:
         model[name] = max(r.makespan_s for r in sims)
         times, cnt = best[name], counts[name]
         gen[name] = max(times)
-        print(json.dumps({"run": name, "gen_time_s": round(gen[name], 3), "instance_s": [round(t, 3) for t in times],
+        print(json_line({"run": name, "gen_time_s": round(gen[name], 3), "instance_s": [round(t, 3) for t in times],
                           "predicted_s": [round(r.makespan_s, 3) for r in sims],
                           "requests": [len(g) for g in plan.per_instance],
                           "batch_caps": plan.batch_caps, "long_tail": plan.long_tail,
@@ -274,15 +275,15 @@ def main(argv=None) -> dict:
                "gen_time_ranker_paper": round(gen["ranker_paper"], 3),
                "speedup_ranker": round(gen["random"] / gen["ranker"], 3),
                "speedup_oracle": round(gen["random"] / gen["oracle"], 3),
-               "fraction_of_oracle": round((gen["random"] - gen["ranker"]) / gap, 3) if gap > 0 else float("nan")}
+               "fraction_of_oracle": round((gen["random"] - gen["ranker"]) / gap, 3) if gap > 0 else None}
     # the same comparison in the instance model (measured profile, counts checked against the
     # engine): free of the machine's load, which inflates CPU seconds by up to ~1.5x here
     mgap = model["random"] - model["oracle"]
     summary.update({"model_speedup_ranker": round(model["random"] / model["ranker"], 3),
                     "model_speedup_oracle": round(model["random"] / model["oracle"], 3),
                     "model_fraction_of_oracle": round((model["random"] - model["ranker"]) / mgap, 3)
-                    if mgap > 0 else float("nan")})
-    print(json.dumps({"summary": summary}), flush=True)
+                    if mgap > 0 else None})  # null: the oracle gained nothing
+    print(json_line({"summary": summary}), flush=True)
     return summary
 
 

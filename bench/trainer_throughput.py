@@ -9,7 +9,6 @@ Prints one JSON line per measurement and a summary line with ``packed_tok_s``, `
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
@@ -18,6 +17,7 @@ import torch
 from workers.model import CausalAttention, CausalLM, ModelConfig, init_weights
 from workers.trainer.losses import aggregate_sum, policy_loss
 from workers.trainer.packing import PaddedCausalAttention, pack, token_logprobs
+from jsonline import json_line  # bench/ is the script's folder
 
 
 def batch(n: int, prompt: int, max_len: int, vocab: int, seed: int):
@@ -61,11 +61,11 @@ def main() -> None:
                            ("padded", lambda: PaddedCausalAttention(b.cu, torch.device("cpu")))):
             tok_s = measure(model, b, make, reps)
             results[(name, n)] = tok_s
-            print(json.dumps({"bench": "trainer_throughput", "attention": name, "sequences": n,
+            print(json_line({"bench": "trainer_throughput", "attention": name, "sequences": n,
                               "tokens": b.ids.numel(), "max_len": int(b.seq_lens.max()) + 16,
                               "tok_s": round(tok_s, 1)}), flush=True)
     n = max(k[1] for k in results)
-    print(json.dumps({"summary": True, "sequences": n, "packed_tok_s": round(results[("packed", n)], 1),
+    print(json_line({"summary": True, "sequences": n, "packed_tok_s": round(results[("packed", n)], 1),
                       "padded_tok_s": round(results[("padded", n)], 1),
                       "padded_over_packed": round(results[("padded", n)] / results[("packed", n)], 2)}))
 

@@ -19,7 +19,6 @@ Prints one JSON line per measurement, the last one the summary.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from workers.weight_sync import Topology, WeightSyncReceiver, WeightSyncSender, plan_naive, plan_sync
 from workers.weight_sync.checksum import bucket_checksum
 from workers.weight_sync.localrun import run_local
+from jsonline import json_line  # bench/ is the script's folder
 
 WORLD = 6
 MB = 1e6
@@ -145,7 +145,7 @@ def main() -> None:
     per_rank = run_local(WORLD, bench_rank, args, threads=1)
     lines = [summarize_run([per_rank[r][i] for r in range(WORLD)]) for i in range(len(per_rank[0]))]
     for line in lines:
-        print(json.dumps(line), flush=True)
+        print(json_line(line), flush=True)
     model_bytes = cases(args)[0][2].model_bytes()
     n_buckets = len(cases(args)[0][2].buckets)
 
@@ -178,7 +178,7 @@ def main() -> None:
         "wall_s": round(time.time() - t0, 1),
     }
     summary["tree_within_1_25x"] = summary["tree_over_bound"] <= 1.25
-    print(json.dumps(summary), flush=True)
+    print(json_line(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -466,6 +466,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                                   f"(launch with --nproc-per-node/--nnodes giving >= {cfg.world_ranks})")
         if len(set(ranks)) != len(ranks):
             raise ConfigError(f"placement.{role}: duplicate ranks {ranks}")
+    if world_size is not None and hasattr(cfg.topology, "check_world"):
+        try:
+            cfg.topology.check_world(world_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     colocated = cfg.pipeline.mode == "colocated" or p.colocated
     if colocated and sorted(p.generation) != sorted(p.trainer):
         same = list(range(1, len(p.trainer) + 1))

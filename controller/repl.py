@@ -10,7 +10,9 @@ Commands (one per line)::
     dispatch NAME [k=v ...]   switch the dispatcher (controller.scheduling names)
     eval [N]           score N test prompts (32; 0: all), as train.eval_*; logged to eval.jsonl
     save               write a checkpoint now
-    leave RANK         scale in: generation instance RANK stops taking prompts
+    leave RANK         scale in: generation instance RANK stops taking prompts; a process that
+                       joined with --join closes its engine and exits (code 0), a torchrun
+                       rank stays idle until the job ends
     status             iteration, weight version, mode, last reward
     help | quit
 
@@ -109,7 +111,22 @@ class Repl:
             return {"error": "the last generation instance cannot leave"}
         handle.call("stop").wait()
         sgs.remove(handle.rank, reason="left (REPL)")
-        return {"left": handle.rank, "instances": [h.rank for h in sgs.handles]}
+        out = {"left": handle.rank, "instances": [h.rank for h in sgs.handles]}
+        if handle.rank in self.s.static_ranks:
+            # a torchrun rank does not exit early: the static ranks' process group cannot drop
+            # a member, and the run's exit barriers wait for every one of them
+            out["process"] = "stays (a torchrun rank): idle, holding its engine, until the job ends"
+            return out
+        from controller.runner import dismiss_joiner
+
+        try:  # its engine (and vLLM's engine process) goes now, then the process itself
+            handle.call("close").wait()
+        except WorkerFailed:
+            pass  # gone already
+        dismiss_joiner(handle.rank, 0, "left the job (REPL leave): instance closed, nothing more to serve")
+        self.s.departed.append(handle.rank)
+        out["process"] = "exits (joined with --join): instance closed, exit code 0"
+        return out
 
     def status(self) -> dict:
         p = self.s.program

@@ -22,7 +22,7 @@ from controller.config import ConfigError
 from controller.metrics import Metrics
 from controller.prompt_check import ContextTooSmall
 from controller.program import Program
-from controller.rpc import WorkerFailed, request_exit, worker_name
+from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
 from controller.preflight import (check_model_folder, check_writable, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.world import add_instance, build_world, check_engine_device
@@ -37,6 +37,23 @@ def register_joiner(rank: int, role: str) -> bool:
     _JOINERS.put((rank, role))
     print(f"[controller] rank {rank} ({role}) is waiting to join", file=sys.stderr, flush=True)
     return True
+
+
+def leave_job(code: int, reason: str) -> bool:
+    """RPC target on a process that joined with ``--join``: say why it leaves, on its own line,
+    then exit with ``code`` the local way (it is none of torchrun's static ranks, so nobody's
+    barrier waits for it). Its instance was closed first (``dismiss_joiner``)."""
+    print(f"[join] rank {LOCAL.rank} exits (code {code}): {reason}", file=sys.stderr, flush=True)
+    return request_exit(code, quiet=False)
+
+
+def dismiss_joiner(rank: int, code: int, reason: str) -> None:
+    """Tell joined process ``rank`` to exit with ``code``, giving ``reason`` (a joiner refused
+    for its context, or one scaled in with the REPL's ``leave``); one already gone is skipped."""
+    try:
+        rpc.rpc_sync(worker_name(rank), leave_job, args=(code, reason), timeout=10)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 class RunStopped(RuntimeError):
@@ -55,6 +72,7 @@ class Session:
         self.static_ranks = set(range(1, world_size))
         self.joined: list[int] = []
         self.waiting: list[int] = []
+        self.departed: list[int] = []  # joined processes told to exit during the run (refused, or ``leave``)
         self.want_add = False
         if not args.resume:
             refuse_previous_run(self.logdir)
@@ -228,7 +246,9 @@ class Session:
                 h = add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)
             except ContextTooSmall as e:  # it would refuse kept prompts: the run goes on without it
                 print(f"[controller] iteration {i}: {e}", file=sys.stderr, flush=True)
-                _stop_workers([rank], 2, quiet=False)
+                dismiss_joiner(rank, 2, "not added: its max_model_len is less than this run's prompts need "
+                                        "(the controller's log says by how much)")
+                self.departed.append(rank)
                 return
             except WorkerFailed as e:  # lost while asked for its context (SGS.add)
                 if not (e.lost and e.role == "generation"):
@@ -238,6 +258,8 @@ class Session:
                 return
             if h is None:  # lost before it held the weights (add_instance said so)
                 return
+            if self.policy is not None:
+                self.policy.added(i)  # the cooldown counts from an add that happened
             self.metrics.log_scalars({"sgs/instances": len(self.world.sgs.slots)}, i)
             print(f"[controller] iteration {i}: added generation instance rank {rank} "
                   f"(weights v{self.program.version})", file=sys.stderr, flush=True)
@@ -254,9 +276,11 @@ class Session:
         if self.policy is not None:
             lens = res.out_lens
             if lens:
+                spare = len(self.waiting) + _JOINERS.qsize()  # processes waiting to join
                 d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
-                                        derived["time/train_busy_s"], lens, len(self.world.sgs.slots))
-                self.want_add = d.add  # the latest decision: a joiner arriving later is added only if still needed
+                                        derived["time/train_busy_s"], lens, len(self.world.sgs.slots), spare=spare)
+                # the latest decision: a joiner arriving later is added at the next decision that still wants one
+                self.want_add = d.add
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
         if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
             self.metrics.log_eval(self.program.evaluate(c.train.eval_prompts), res.iteration)
@@ -416,5 +440,7 @@ def run_controller(cfg, args, world_size: int) -> int:
     while not _JOINERS.empty():
         joined.append(_JOINERS.get_nowait()[0])
     lost = bool(session and session.world.sgs.removed)
-    _stop_workers(static + joined, code, quiet=code in (0, 2) and not joined and not lost)
+    gone = set(session.departed) if session else set()  # exited already: nothing to tell them
+    _stop_workers(static + [r for r in joined if r not in gone], code,
+                  quiet=code in (0, 2) and not joined and not lost)
     return code

@@ -148,10 +148,32 @@ def test_scale_out_policy_adds_when_delta_exceeds_delta_prime():
     d0 = pol.observe(0, gen_time_s=t2, train_time_s=0.99 * t2, out_lens=lens, instances=2)
     assert not d0.add and d0.delta_prime_s > d0.delta_s
     d1 = pol.observe(1, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=2)
-    assert d1.add and d1.instances == 3 and d1.delta_s >= d1.delta_prime_s
+    assert d1.add and d1.wanted and d1.instances == 3 and d1.delta_s >= d1.delta_prime_s
+    pol.added(2)  # the session made the add: the instance joined at iteration 2
     d2 = pol.observe(2, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=3)
-    assert not d2.add and "cooldown" in d2.reason
+    assert not d2.add and d2.reason == "cooldown after the add at iteration 2"
     assert [d.iteration for d in pol.history] == [0, 1, 2]
+
+
+def test_scale_out_policy_says_when_an_add_is_wanted_but_nobody_waits_to_join():
+    # bench/scale_out.py --quick: after the one spare joined, the policy went on printing
+    # add: true and "cooldown after the add at iteration N" while instances stayed at 2
+    lens = workload(120, seed=4)
+    pol = ScaleOutPolicy(profile(), cooldown=1)
+    t2 = predicted_gen_times(profile(), lens, [2])[0]
+    d0 = pol.observe(0, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=2, spare=0)
+    assert d0.wanted and not d0.add and d0.instances == 2
+    assert "wanted an add, but no process is waiting to join" in d0.reason
+    # no add happened, so no cooldown: a joiner that turns up is added at the next decision
+    d1 = pol.observe(1, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=2, spare=1)
+    assert d1.add and d1.wanted and d1.instances == 3 and "cooldown" not in d1.reason
+    pol.added(2)
+    d2 = pol.observe(2, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=3, spare=0)
+    assert not d2.add and "cooldown after the add at iteration 2" == d2.reason
+    d3 = pol.observe(3, gen_time_s=t2, train_time_s=0.1 * t2, out_lens=lens, instances=3, spare=0)
+    assert not d3.add and "cooldown" not in d3.reason
+    d4 = pol.observe(4, gen_time_s=t2, train_time_s=0.99 * t2, out_lens=lens, instances=3, spare=1)
+    assert not d4.add and not d4.wanted
 
 
 def test_analytic_gpu_profiles():

@@ -48,6 +48,7 @@ def _plan(tmp_path, capsys, cluster_text=DC, model="qwen2.5-7b", extra=()):
     (DC + "gpus_per_node: 4\ngen_tp: 8\n", "gen_tp 8 is more than one node's GPUs (gpus_per_node 4)"),
     (DC + "gpus_per_node: 0\n", "gpus_per_node must be a whole number > 0, got 0"),
     (DC.replace("2.0}", "2.0, role: trainer}"), "one datacenter runs both stages: its role must be 'any'"),
+    (TWO.replace("name: t", "name: g"), "two datacenters named 'g'"),
 ])
 def test_bad_cluster_file_is_one_line_naming_file_and_key(tmp_path, capsys, text, said):
     with pytest.raises(SystemExit) as e:
@@ -87,7 +88,8 @@ def test_model_yaml_numbers_pyyaml_reads_as_strings_are_numbers(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--iterations", "0"), ("--len-scale", "-1"),
-                                         ("--max-len", "0"), ("--batch", "x")])
+                                         ("--max-len", "0"), ("--batch", "x"), ("--len-scale", "inf"),
+                                         ("--len-scale", "nan"), ("--len-scale", "-inf")])
 def test_bad_cli_values_exit_2(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as e:
         _plan(tmp_path, capsys, extra=[flag, value])
@@ -96,7 +98,8 @@ def test_bad_cli_values_exit_2(tmp_path, capsys, flag, value):
 
 
 @pytest.mark.parametrize("args", [["--models", "qwen2.5-8b"], ["--mode", "colocated"], ["--unit", "0"],
-                                  ["--link-gbps", "0"], ["--gpus", "-8"]])
+                                  ["--link-gbps", "0"], ["--gpus", "-8"], ["--link-gbps", "inf"],
+                                  ["--h800-price", "-1"], ["--h20-price", "nan"], ["--h800-price", "inf"]])
 def test_report_refuses_bad_arguments(capsys, args):
     with pytest.raises(SystemExit) as e:
         main(["report", "--trace", "x.json", *args])

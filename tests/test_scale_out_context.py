@@ -121,13 +121,13 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
 
     stopped, logged = [], []
     monkeypatch.setattr(runner, "add_instance", add_instance)
-    monkeypatch.setattr(runner, "_stop_workers", lambda ranks, code, quiet=None: stopped.append((ranks, code)))
-    s.waiting, s.joined, s.want_add = [3, 6, 5], [], False
+    monkeypatch.setattr(runner, "dismiss_joiner", lambda rank, code, reason: stopped.append(([rank], code)))
+    s.waiting, s.joined, s.departed, s.want_add, s.policy = [3, 6, 5], [], [], False, None
     s.program = SimpleNamespace(version=0)
     s.model_dir, s.eos_ids = tiny_model, [0]
     s.metrics = SimpleNamespace(log_scalars=lambda d, i: logged.append((i, d)))
     s._before_iteration(1)
-    assert stopped == [([3], 2)] and [h.rank for h in sgs.handles] == [1] and s.joined == [3]
+    assert stopped == [([3], 2)] and [h.rank for h in sgs.handles] == [1] and s.joined == [3] and s.departed == [3]
     assert "iteration 1: generation instance rank 3 has max_model_len 240" in capsys.readouterr().err
     s._before_iteration(2)
     assert "iteration 2: joiner rank 6 lost before it was added" in capsys.readouterr().err

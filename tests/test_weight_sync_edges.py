@@ -138,13 +138,33 @@ def test_receiver_dying_mid_broadcast_is_reported_not_hung():
     ("topology", {"bandwidth_gbps": {"intra_dc": -1}}, "topology.bandwidth_gbps.intra_dc"),
     ("topology", {"bandwidth_gbps": {"intra_node": None}}, "topology.bandwidth_gbps.intra_node"),
     ("topology", {"shaped_links": "inter_dc"}, "topology.shaped_links must be a list"),
+    # 1-byte buckets (1e-9) were taken: 0.0001 gave 13,388 buckets and an 18 s sync of 1.7 MB
+    ("weight_sync", {"bucket_mb": 1e-9}, "weight_sync.bucket_mb must be >= 0.001"),
+    ("weight_sync", {"bucket_mb": 0.0001}, "weight_sync.bucket_mb must be >= 0.001"),
+    # a typo put the unlisted ranks in a datacenter of their own
+    ("topology", {"datacenters": {"a": [0, 1], "b": [2]}, "default_datacenter": "zzz"},
+     "topology.default_datacenter: 'zzz' is none of topology.datacenters ['a', 'b']"),
+    # a rank outside the 3-rank world
+    ("topology", {"datacenters": {"a": [0, 1], "b": [7]}}, "topology.datacenters.b: rank 7 is outside the world of 3"),
+    ("topology", {"nodes": {"n0": [0, 3]}}, "topology.nodes.n0: rank 3 is outside the world of 3"),
 ])
 def test_bad_values_are_refused_at_load(section, value, needle):
     from controller.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError) as e:
-        from_dict({section: value})
+        from_dict({section: value}, world_size=3)
     assert needle in str(e.value)
+
+
+def test_smallest_bucket_and_a_named_default_datacenter_are_taken():
+    from controller.config import from_dict
+
+    cfg = from_dict({"weight_sync": {"bucket_mb": 0.001},
+                     "topology": {"datacenters": {"a": [0, 1, 2], "joiners": []}, "default_datacenter": "joiners"}},
+                    world_size=3)
+    assert cfg.weight_sync.bucket_bytes == 1000
+    assert cfg.topology.dc(2) == "a" and cfg.topology.dc(5) == "joiners"
+    assert WeightSyncConfig(bucket_bytes=1).bucket_bytes == 1  # the library takes any size (tests, benches)
 
 
 def test_integer_datacenter_names():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from controller.planner.cluster import (Cluster, Datacenter, Planner, describe, load_cluster, load_model,
@@ -25,17 +26,20 @@ from controller.planner.hardware import MODELS
 from controller.planner.simulator import MODES
 
 
-def _positive(kind):
-    """argparse type: a number of ``kind`` > 0 (a bad value exits 2 with argparse's usage line)."""
+def _number(kind, strict: bool = True):
+    """argparse type: a finite number of ``kind`` > 0 (``strict``) or >= 0; a bad value (nan,
+    inf, a negative) exits 2 with argparse's usage line naming the flag."""
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if not (v > 0 if strict else v >= 0):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} 0, got {text}")
         return v
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{'positive' if strict else 'non-negative'} {kind.__name__}"
     return parse
 
 
@@ -97,12 +101,12 @@ def main(argv=None) -> None:
     for name in ("plan", "report"):
         s = sub.add_parser(name, help=helps[name], description=helps[name])
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
-        s.add_argument("--batch", type=_positive(int), default=1024, help="samples per iteration")
-        s.add_argument("--iterations", type=_positive(int), default=4,
+        s.add_argument("--batch", type=_number(int), default=1024, help="samples per iteration")
+        s.add_argument("--iterations", type=_number(int), default=4,
                        help="simulated iterations, each its own batch; Algorithm 1 plans on all of them (mean stage "
                             "times), the first is warm-up (left out of the reported time)")
-        s.add_argument("--max-len", type=_positive(int), default=20000, help="output length cap (tokens)")
-        s.add_argument("--len-scale", type=_positive(float), default=1.0, help="multiply the trace's lengths")
+        s.add_argument("--max-len", type=_number(int), default=20000, help="output length cap (tokens)")
+        s.add_argument("--len-scale", type=_number(float), default=1.0, help="multiply the trace's lengths")
         s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])
         s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
                        help="PPO's trainer.whiten_advantages (auto: on for ppo, as the trainer and verl): with it "
@@ -117,13 +121,15 @@ def main(argv=None) -> None:
                            default=sorted(MODELS, key=lambda k: MODELS[k].params))
             s.add_argument("--mode", default="async_stream", choices=[m for m in MODES if m != "colocated"],
                            help="pipeline mode compared (colocated has no cross-datacenter form)")
-            s.add_argument("--gpus", type=_positive(int), default=128, help="H800 GPUs of the homogeneous cluster")
-            s.add_argument("--h20-gpus", type=_positive(int), default=64)
-            s.add_argument("--h800-gpus", type=_positive(int), default=64)
-            s.add_argument("--h800-price", type=float, default=2.0)
-            s.add_argument("--h20-price", type=float, default=0.7)
-            s.add_argument("--link-gbps", type=_positive(float), default=80.0)
-            s.add_argument("--unit", type=_positive(int), default=None, help="GPU granularity of both stages (default 8)")
+            s.add_argument("--gpus", type=_number(int), default=128, help="H800 GPUs of the homogeneous cluster")
+            s.add_argument("--h20-gpus", type=_number(int), default=64)
+            s.add_argument("--h800-gpus", type=_number(int), default=64)
+            s.add_argument("--h800-price", type=_number(float, strict=False), default=2.0,
+                           help="dollars per GPU-hour (>= 0)")
+            s.add_argument("--h20-price", type=_number(float, strict=False), default=0.7,
+                           help="dollars per GPU-hour (>= 0)")
+            s.add_argument("--link-gbps", type=_number(float), default=80.0)
+            s.add_argument("--unit", type=_number(int), default=None, help="GPU granularity of both stages (default 8)")
     args = ap.parse_args(argv)
     try:
         {"plan": cmd_plan, "report": cmd_report}[args.cmd](args)

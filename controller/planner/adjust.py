@@ -7,7 +7,9 @@ generation time one more instance would save, predicted from the PTL profile and
 current workload (same dispatcher + instance model as the planner), and scaled to the
 measured generation time (the profile gives the *relative* saving; the measurement the
 absolute scale, so a profile that is off by a constant factor still decides right).
-Add when delta >= delta'. The trainer is never resized.
+Add when delta >= delta' and a process is waiting to join; the session reports each add that
+happened (``ScaleOutPolicy.added``), and the cooldown counts from it. The trainer is never
+resized.
 """
 from __future__ import annotations
 
@@ -20,12 +22,17 @@ from controller.scheduling import PTLProfile
 
 @dataclass
 class ScaleDecision:
+    """One iteration's verdict. ``wanted``: one more instance would pay (delta >= delta' > 0).
+    ``add``: one is to be added at the next iteration boundary: wanted, not held back (cooldown,
+    ``max_instances``) and a process is waiting to join; a wanted add with none waiting has
+    ``add`` False and its ``reason`` says so. ``instances``: the count once the add is made."""
     iteration: int
     delta_s: float
     delta_prime_s: float
     add: bool
     instances: int
     reason: str
+    wanted: bool = False
 
 
 def predicted_gen_times(profile: PTLProfile, out_lens: Sequence[float], instances: Sequence[int],
@@ -68,9 +75,10 @@ def delta_prime(profile: PTLProfile, out_lens: Sequence[float], instances: int, 
 
 @dataclass
 class ScaleOutPolicy:
-    """Decides one add at a time. ``cooldown``: iterations to wait after an add (the new
-    instance joins at the next iteration; its effect shows one later). ``max_instances``
-    bounds the service (0: no bound)."""
+    """Decides one add at a time. ``cooldown``: iterations to wait after an add that happened
+    (``added``: the session reports each one; the new instance's effect shows in the iteration
+    it joins at), counted from the iteration it joined at. ``max_instances`` bounds the service
+    (0: no bound)."""
 
     profile: PTLProfile
     dispatcher: str = "oracle"
@@ -78,23 +86,31 @@ class ScaleOutPolicy:
     max_instances: int = 0
     horizon: int = 0
     history: list[ScaleDecision] = field(default_factory=list)
-    _last_add: int = -10**9
+    _joined_at: int = -10**9
+
+    def added(self, iteration: int) -> None:
+        """An instance joined at the start of ``iteration`` (any add, a forced one too): the
+        cooldown counts from here, not from a decision that found no process to add."""
+        self._joined_at = iteration
 
     def observe(self, iteration: int, gen_time_s: float, train_time_s: float, out_lens: Sequence[float],
-                instances: int, prompt_lens: Sequence[int] | None = None) -> ScaleDecision:
-        """out_lens: the iteration's output lengths (true, from finished samples)."""
+                instances: int, prompt_lens: Sequence[int] | None = None, spare: int | None = None) -> ScaleDecision:
+        """out_lens: the iteration's output lengths (true, from finished samples). ``spare``:
+        processes waiting to join (None: not known, taken as one waiting)."""
         delta = gen_time_s - train_time_s
         dp = delta_prime(self.profile, out_lens, instances, gen_time_s, prompt_lens, self.dispatcher, self.horizon)
+        wanted = delta >= dp > 0
         if self.max_instances and instances >= self.max_instances:
             add, why = False, f"at max_instances={self.max_instances}"
-        elif iteration - self._last_add <= self.cooldown:
-            add, why = False, f"cooldown after the add at iteration {self._last_add}"
-        elif delta >= dp and dp > 0:
+        elif iteration - self._joined_at < self.cooldown:
+            add, why = False, f"cooldown after the add at iteration {self._joined_at}"
+        elif wanted and spare == 0:
+            add, why = False, (f"delta {delta:.3f}s >= delta' {dp:.3f}s: wanted an add, but no process is waiting "
+                               "to join (start one with controller/main.py --join)")
+        elif wanted:
             add, why = True, f"delta {delta:.3f}s >= delta' {dp:.3f}s"
         else:
             add, why = False, f"delta {delta:.3f}s < delta' {dp:.3f}s" if dp > 0 else "no predicted saving"
-        if add:
-            self._last_add = iteration
-        d = ScaleDecision(iteration, delta, dp, add, instances + int(add), why)
+        d = ScaleDecision(iteration, delta, dp, add, instances + int(add), why, wanted)
         self.history.append(d)
         return d

@@ -70,6 +70,9 @@ class Cluster:
         where = f"cluster {self.name!r}"
         if not 1 <= len(self.datacenters) <= 2:
             raise ValueError(f"{where}: 1 or 2 datacenters supported, got {len(self.datacenters)}")
+        names = [d.name for d in self.datacenters]
+        if len(set(names)) < len(names):
+            raise ValueError(f"{where}: two datacenters named {names[0]!r}; each needs its own name")
         self.link_gbps = check_number(f"{where}: link_gbps", self.link_gbps)
         self.intra_gbps = check_number(f"{where}: intra_gbps", self.intra_gbps)
         self.trainer_unit = check_number(f"{where}: trainer_unit", self.trainer_unit, integer=True)

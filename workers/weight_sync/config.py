@@ -20,6 +20,12 @@ from workers.weight_sync.planner import TREE_SHAPES, plan_naive, plan_sync
 from workers.weight_sync.topology import Topology
 
 _KEYS = {"bucket_mb", "tree_shape", "naive", "topology"}
+# Smallest bucket a config may ask for (MB): every bucket is two messages per tree edge (a
+# 32-byte header, then the payload) and starts on a 64-byte boundary, so below ~1 KB the
+# header and the per-message latency are the whole cost (gloo on loopback: ~1.3 ms a bucket,
+# 13,388 buckets of 100 B took 18 s for a 1.7 MB model). Smaller is a typo, not a tuning.
+# The library itself (WeightSyncConfig(bucket_bytes=...), plan_sync) takes any size >= 1 B.
+MIN_BUCKET_MB = 0.001
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class WeightSyncConfig:
         mb = cfg.get("bucket_mb", 4)
         if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 0 < mb < math.inf:
             raise ValueError(f"weight_sync.bucket_mb must be a finite number > 0, got {mb!r}")
+        if mb < MIN_BUCKET_MB:
+            raise ValueError(f"weight_sync.bucket_mb must be >= {MIN_BUCKET_MB} (1 KB; below it each bucket's "
+                             f"header and message latency are the whole cost), got {mb!r}")
         naive = cfg.get("naive", False)
         if not isinstance(naive, bool):
             raise ValueError(f"weight_sync.naive must be true or false, got {naive!r}")

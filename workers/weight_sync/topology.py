@@ -8,6 +8,7 @@ anywhere live in the default datacenter, each on its own node, so the default to
 Config form (YAML: a run config's top-level ``topology:`` section)::
 
     datacenters: {h800: [0, 1, 2, 3], h20: [4, 5]}   # dc name -> global ranks
+    default_datacenter: h800                          # optional: one of the above (first)
     nodes: {n0: [0, 1], n1: [2, 3]}                   # optional: ranks sharing a node
     bandwidth_gbps: {intra_node: 1600, intra_dc: 200, inter_dc: 80}
     shaped_links: [inter_dc]                           # emulate these links by pacing
@@ -48,6 +49,15 @@ class Topology:
         default_factory=lambda: {LinkClass(k): v * 1e9 / 8 for k, v in DEFAULT_BANDWIDTH_GBPS.items()})
     shaped: frozenset[LinkClass] = frozenset()
     default_dc: str = DEFAULT_DC
+
+    def check_world(self, world_size: int) -> None:
+        """Every listed rank is one of the run's ``world_size`` static ranks (joined processes
+        pull their weights over RPC: they are never in a tree); else a ValueError naming the key."""
+        for key, groups in (("datacenters", self.rank_dc), ("nodes", self.rank_node)):
+            for r, name in sorted(groups.items()):
+                if r >= world_size:
+                    raise ValueError(f"topology.{key}.{name}: rank {r} is outside the world of {world_size} "
+                                     f"ranks (0..{world_size - 1})")
 
     def __post_init__(self) -> None:
         for lc in LinkClass:
@@ -100,6 +110,10 @@ class Topology:
         default_dc = cfg.get("default_datacenter", str(names[0]) if names else DEFAULT_DC)
         if not isinstance(default_dc, str):
             raise ValueError(f"topology.default_datacenter must be a string, got {default_dc!r}")
+        if names and default_dc not in map(str, names):
+            # a typo would silently put every unlisted rank in a datacenter of its own
+            raise ValueError(f"topology.default_datacenter: {default_dc!r} is none of topology.datacenters "
+                             f"{[str(n) for n in names]} (list it there, with [] for no ranks, to use it)")
         for r, node in rank_node.items():
             dcs = {rank_dc.get(o, default_dc) for o, n in rank_node.items() if n == node}
             if len(dcs) > 1:

@@ -1,0 +1,88 @@
+"""REPL ``leave RANK`` (scale-in): a process that joined with ``--join`` closes its instance and
+exits (code 0, a line saying why) while the run goes on; a torchrun rank cannot leave
+torchrun's group early, so it stays, idle, until the job ends (docs/controller.md)."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from controller.repl import Repl
+from controller.rpc import WorkerHandle
+from controller.scheduling import make_dispatcher
+from controller.sgs import SGS
+from runtime_helpers import ROOT, LocalRRef, free_port, iterations, last_json, tiny_model, write_config  # noqa: F401
+
+
+class FakeInstance:
+    def __init__(self, calls, rank):
+        self.calls, self.rank = calls, rank
+
+    def stop(self):
+        self.calls.append(("stop", self.rank))
+        return True
+
+    def close(self):
+        self.calls.append(("close", self.rank))
+        return True
+
+
+def test_leave_closes_and_dismisses_a_joined_process_but_not_a_torchrun_rank(monkeypatch):
+    from controller import runner
+
+    calls = []
+    sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
+    for r in (1, 3, 4):  # ranks 1 and 3: torchrun generation ranks (2: the trainer); 4 joined
+        sgs.add(WorkerHandle(r, "generation", LocalRRef(FakeInstance(calls, r))))
+    session = SimpleNamespace(world=SimpleNamespace(sgs=sgs), static_ranks={1, 2, 3}, joined=[4], departed=[])
+    monkeypatch.setattr(runner, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
+    repl = Repl(session)
+    out = repl.leave("4")
+    assert out["left"] == 4 and out["instances"] == [1, 3] and out["process"].startswith("exits")
+    assert calls == [("stop", 4), ("close", 4), ("exit", 4, 0)] and session.departed == [4]
+    calls.clear()
+    out = repl.leave("3")
+    assert out["instances"] == [1] and out["process"].startswith("stays")
+    assert calls == [("stop", 3)] and session.departed == [4]  # neither closed nor told to exit
+    assert repl.leave("1") == {"error": "the last generation instance cannot leave"}
+
+
+def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_model):  # noqa: F811
+    import os
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=8, train__eval_every=0,
+                       placement__force_scale_out_at=1)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    main = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                             str(port), "controller/main.py", "--config", str(cfg), "--repl"], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    joiner = subprocess.Popen([sys.executable, "controller/main.py", "--join", f"127.0.0.1:{port}", "--role",
+                               "generation"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        main.stdin.write("run 2\nsgs\nleave 3\n")
+        main.stdin.flush()
+        _, joiner_err = joiner.communicate(timeout=300)  # it exits on its own, before the job ends
+        assert main.poll() is None  # the run is still going
+        main.stdin.write("run 1\nstatus\nquit\n")
+        main.stdin.close()
+        out = main.stdout.read()
+        main.wait(timeout=300)
+        err = main.stderr.read()
+    finally:
+        for p in (main, joiner):
+            if p.poll() is None:
+                p.kill()
+    assert joiner.returncode == 0, joiner_err[-3000:]
+    said = [ln for ln in joiner_err.splitlines() if ln.startswith("[join] rank 3 exits")]
+    assert said == ["[join] rank 3 exits (code 0): left the job (REPL leave): instance closed, nothing more to "
+                    "serve"], joiner_err[-3000:]
+    assert main.returncode == 0, err[-4000:]
+    a = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")]
+    ready, run2, sgs, leave, run1, status = a
+    assert [i["rank"] for i in sgs["instances"]] == [1, 3]
+    assert leave["left"] == 3 and leave["instances"] == [1] and leave["process"].startswith("exits")
+    assert run1["ran"] == 1 and status["instances"] == 1
+    rows = iterations(tmp_path / "run")
+    assert [r["num_samples"] for r in rows] == [8, 8, 8] and rows[2]["per_instance"] == {"1": 8}
+    assert last_json(out)["iterations"] == 3
