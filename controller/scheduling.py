@@ -273,8 +273,8 @@ class SkewDispatcher:
                 if n_l == 0 and n > 1 and self.mixed_order:  # the fallback: estimates not trusted for order
                     tries = [self.mixed_order]
                 for j, g in enumerate(groups):
-                    best = None
-                    for o in tries:
+                    best = None if g else (0.0, 1, [])  # an instance with nothing to do (many at large N)
+                    for o in (tries if g else ()):
                         idx = ORDERS[o](g, lens)
                         t, cap = COSTS[self.cost](profiles[j], arr[idx], l_avg(classes[j], q[j]), prompt_len, noise,
                                                  self.draws)
