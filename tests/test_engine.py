@@ -159,6 +159,40 @@ def test_load_weights_refuses_bad_tensor_before_touching_anything():
     assert eng.weight_version == 0
 
 
+def test_load_weights_refusal_writes_nothing_mid_flight():
+    # the version and every tensor are checked before the first write: a refused update leaves
+    # the weights, the version and the samples in flight as they were (no mixed versions)
+    model = tiny_model()
+    eng = engine(model=model)
+    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
+    reqs = greedy_requests(PS[:3], 8)
+    eng.add(reqs)
+    for _ in range(3):
+        eng.step()
+    new = [(k, v + 1.0) for k, v in before.items()]
+    name, t = new[1]
+    for items, version in [(new, "v2"), (new, 2.5),
+                           (new[:1] + [(name, torch.empty(t.shape, device="meta"))], 1),
+                           (new[:1] + [(name, t.to(torch.int64))], 1),
+                           (new[:1] + [(name, t.to(torch.complex64))], 1),
+                           (new[:1] + [(name, torch.full_like(t, float("inf")))], 1)]:
+        with pytest.raises(ValueError, match="load_weights: "):
+            eng.load_weights(items, version)
+        assert all(torch.equal(before[k], v) for k, v in model.hf_state_dict().items())
+        assert eng.weight_version == 0
+    got = sorted(generate_all(eng, []), key=lambda s: s.sample_id)
+    check_against_recompute(reqs, got, model)
+    assert all(s.weight_version == 0 for s in got)
+
+
+def test_set_max_batch_size_refuses_bools():
+    eng = engine()
+    for bad in (True, False, 2.0, 0):
+        with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+            eng.set_max_batch_size(bad)
+    assert type(eng.stats().max_batch_size) is int and eng.stats().max_batch_size == 8
+
+
 def test_forced_lengths_and_eos():
     ps = prompts([3, 6, 9, 12], seed=1)
     def reqs(base, n_max, n_min):

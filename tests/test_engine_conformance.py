@@ -178,3 +178,61 @@ def test_abort_everything_then_reuse_the_ids(backend, model_dir):
     assert eng.add(again) == []
     got = _outputs(_run(eng))
     assert got == _outputs(generate_all(make(backend, model_dir, max_batch_size=2), again))
+
+
+def test_temperature_range_is_the_same(backend, model_dir):
+    # both backends serve greedy (T < 1e-5) and 0.01 <= T <= 2 (vLLM's range); vLLM raises
+    # 0 < T < 0.01 to 0.01 and refuses T > 2, so both are refused everywhere, per request
+    eng = make(backend, model_dir)
+    temps = {0: 2.5, 1: 1e30, 2: 0.005, 3: 1e-5, 4: 2.0, 5: 0.01}
+    rs = [Request(sample_id=i, prompt_ids=torch.tensor([3, 4, 5]), max_tokens=4,
+                  sampling=SamplingParams(temperature=t, seed=i)) for i, t in temps.items()]
+    out = {s.sample_id: s for s in generate_all(eng, rs)}
+    for i in (0, 1, 2, 3):
+        assert out[i].finish_reason == "error" and "outside the served range" in out[i].error
+    assert out[4].finish_reason == out[5].finish_reason == "length"
+    assert not eng.has_work()
+    again = generate_all(eng, [Request(sample_id=0, prompt_ids=torch.tensor([3, 4]), max_tokens=2)])
+    assert again[0].finish_reason == "length"  # the refused id was not left "in flight"
+
+
+def test_near_zero_temperature_is_greedy_with_t1_logprobs(backend, model_dir):
+    # the trainer takes greedy samples' log-probs at T = 1: 0 < T < 1e-5 must report exactly
+    # those (vLLM alone would sample at 0.01 and report log-probs at 0.01)
+    greedy = generate_all(make(backend, model_dir), reqs(3))
+    tiny = generate_all(make(backend, model_dir), reqs(3, sampling=SamplingParams(temperature=1e-6, seed=3)))
+    for g, t in zip(greedy, tiny):
+        assert t.output_ids.tolist() == g.output_ids.tolist()
+        torch.testing.assert_close(t.logprobs, g.logprobs, atol=1e-5, rtol=0)
+    assert min(float(s.logprobs.min()) for s in greedy) < -0.05  # T = 1 log-probs, not ~0
+
+
+def test_refused_weights_write_nothing_and_keep_samples_in_flight(backend, model_dir):
+    eng = make(backend, model_dir)
+    rs = reqs(3, new=10)
+    assert eng.add(rs) == []
+    for _ in range(3):
+        eng.step()
+    new = list(_model(5).hf_state_dict().items())
+    name, t = new[1]
+    bad = [(new, "v2"), (new, -1), (new, True),  # a bad version, with valid new weights
+           (new[:1] + [(name, torch.empty(t.shape, device="meta"))], 3),  # meta after a good one
+           (new[:1] + [(name, t.to(torch.int64))], 3), (new[:1] + [(name, t.bool())], 3),
+           (new[:1] + [(name, t.to(torch.complex64))], 3),
+           (new[:1] + [(name, torch.full_like(t, float("nan")))], 3)]
+    for items, version in bad:
+        with pytest.raises(ValueError, match="load_weights: "):
+            eng.load_weights(items, version)
+        assert eng.stats().weight_version == 0
+    got = _run(eng)
+    assert all(s.weight_version == 0 for s in got)  # not restarted, old weights throughout
+    assert _outputs(got) == _outputs(generate_all(make(backend, model_dir), rs))
+
+
+def test_type_leniency_refused(backend, model_dir):
+    eng = make(backend, model_dir)
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1, got True"):
+        eng.set_max_batch_size(True)
+    assert eng.stats().max_batch_size == 4
+    out = generate_all(eng, [Request(sample_id=0, prompt_ids=torch.tensor([True, False]), max_tokens=2)])
+    assert out[0].finish_reason == "error" and "1-D integer tensor" in out[0].error

@@ -1,10 +1,11 @@
 """The request validation every engine backend shares (workers/generation/request_check.py)."""
 import math
+import re
 
 import pytest
 import torch
 
-from workers.generation.request_check import refusal
+from workers.generation.request_check import check_weights, refusal
 from workers.types import Request, SamplingParams
 
 OK = dict(sample_id=1, prompt_ids=torch.tensor([1, 2]), max_tokens=3)
@@ -35,6 +36,11 @@ def test_a_valid_request_passes():
     (dict(sampling=SamplingParams(temperature=-0.1)), "temperature=-0.1"),
     (dict(sampling=SamplingParams(temperature=math.nan)), "temperature=nan"),
     (dict(sampling=SamplingParams(temperature=math.inf)), "temperature=inf"),
+    (dict(sampling=SamplingParams(temperature=2.5)), "temperature 2.5 is outside the served range"),
+    (dict(sampling=SamplingParams(temperature=1e30)), "temperature 1e+30 is outside"),
+    (dict(sampling=SamplingParams(temperature=1e-5)), "temperature 1e-05 is outside"),
+    (dict(sampling=SamplingParams(temperature=0.005)), "below 1e-05 (greedy) or in [0.01, 2]"),
+    (dict(prompt_ids=torch.tensor([True, False])), "prompt_ids must be a 1-D integer tensor"),
     (dict(sampling=SamplingParams(top_k=-2)), "top_k=-2"),
     (dict(sampling=SamplingParams(top_k=2.5)), "top_k=2.5"),
     (dict(sampling=SamplingParams(top_k=True)), "top_k=True"),
@@ -51,6 +57,49 @@ def test_a_valid_request_passes():
 def test_each_problem_is_named(change, why):
     msg = refusal(Request(**{**OK, **change}), 128, 512, set())
     assert msg is not None and why in msg
+
+
+@pytest.mark.parametrize("t", [0.0, 1e-45, 9.9e-6, 0.01, 1.0, 2.0])
+def test_served_temperatures(t):
+    # the range both backends serve: greedy below 1e-5, sampled in [0.01, 2] (vLLM's range)
+    assert refusal(Request(**OK, sampling=SamplingParams(temperature=t)), 128, 512, set()) is None
+
+
+def test_integer_prompt_dtypes_pass():
+    for dt in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        assert refusal(Request(**{**OK, "prompt_ids": torch.tensor([1, 2], dtype=dt)}), 128, 512, set()) is None
+
+
+SHAPES = {"a": (2, 3), "b": (3,)}
+GOOD = [("a", torch.ones(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+
+
+def test_check_weights_passes_and_returns_the_version():
+    assert check_weights(GOOD, SHAPES, 3) == 3
+    assert check_weights([], SHAPES, torch.tensor(4)) == 4  # an int-like 0-d tensor
+    assert check_weights([("a", torch.ones(2, 3, dtype=torch.float64))], SHAPES, 0) == 0
+
+
+@pytest.mark.parametrize("items, version, why", [
+    (GOOD, "v2", "version must be an int >= 0, got 'v2'"),
+    (GOOD, "3", "got '3'"),
+    (GOOD, 2.0, "got 2.0"),
+    (GOOD, True, "got True"),
+    (GOOD, -1, "got -1"),
+    (GOOD + [("c", torch.ones(1))], 1, "unknown tensor 'c'"),
+    ([("a", torch.ones(3, 2))], 1, "tensor 'a' has shape (3, 2), expected (2, 3)"),
+    ([("a", [[1.0] * 3] * 2)], 1, "tensor 'a' has shape list"),
+    ([("b", torch.ones(3)), ("a", torch.empty(2, 3, device="meta"))], 1, "'a' is on the meta device"),
+    ([("a", torch.ones(2, 3, dtype=torch.int64))], 1, "'a' has dtype torch.int64; weights must be floating"),
+    ([("a", torch.ones(2, 3, dtype=torch.bool))], 1, "dtype torch.bool"),
+    ([("a", torch.ones(2, 3, dtype=torch.complex64))], 1, "dtype torch.complex64"),
+    ([("b", torch.ones(3)), ("a", torch.full((2, 3), math.nan))], 1, "'a' has NaN or infinite values"),
+    ([("b", torch.tensor([1.0, math.inf, -math.inf]))], 1, "'b' has NaN or infinite values"),
+    ([("b", torch.tensor([1.0, math.inf, 0.0], dtype=torch.bfloat16))], 1, "'b' has NaN"),
+])
+def test_check_weights_names_each_problem(items, version, why):
+    with pytest.raises(ValueError, match="load_weights: .*" + re.escape(why)):
+        check_weights(items, SHAPES, version)
 
 
 def test_a_live_sample_id_is_refused():

@@ -111,6 +111,27 @@ def test_lpt_admission_order_and_batch_cap(setup):
     assert eng.stats().max_batch_size == 4
 
 
+def test_a_request_vllm_itself_refuses_is_an_error_sample(setup, monkeypatch):
+    """Past the shared checks (here switched off), vLLM's own refusal of a request's
+    parameters - VLLMValidationError, not a ValueError - comes back from the next step as
+    an "error" sample for that request only; its id is not left in flight; the others run."""
+    import workers.generation.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "refusal", lambda *a: None)
+    eng = setup["vllm"]
+    good = _greedy(_prompts([5, 9]), 6, first_id=300)
+    hot = Request(sample_id=302, prompt_ids=_prompts([4])[0], max_tokens=3,
+                  sampling=SamplingParams(temperature=2.5, seed=1))  # vLLM: "must be in [0, 2]"
+    out = generate_all(eng, [good[0], hot, good[1]])
+    assert [s.finish_reason for s in out] == ["length", "error", "length"]
+    assert "refused by vLLM: VLLMValidationError" in out[1].error and "temperature" in out[1].error
+    want = generate_all(setup["native"], good)
+    assert [out[0].output_ids.tolist(), out[2].output_ids.tolist()] == [s.output_ids.tolist() for s in want]
+    assert not eng.has_work() and eng.stats().running == 0
+    again = generate_all(eng, [Request(sample_id=302, prompt_ids=hot.prompt_ids, max_tokens=3)])
+    assert again[0].finish_reason == "length"  # the id is free again
+
+
 def test_bad_weights_refused_and_fused_modules_whole(setup):
     eng = setup["vllm"]
     with pytest.raises(ValueError, match="model.norm.weight"):

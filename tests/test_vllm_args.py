@@ -71,6 +71,16 @@ def test_priority_is_lpt_and_sampling_kwargs():
     assert vllm_args.sampling_kwargs(r, ())["ignore_eos"]
 
 
+@pytest.mark.parametrize("t, sent", [(0.0, 0.0), (1e-45, 0.0), (1e-6, 0.0), (9.99e-6, 0.0),
+                                     (0.01, 0.01), (0.5, 0.5), (2.0, 2.0)])
+def test_near_zero_temperature_is_sent_as_greedy(t, sent):
+    # the native sampler is greedy below GREEDY_BELOW (log-probs at T=1); vLLM would raise
+    # 0 < T < 0.01 to 0.01 and report log-probs at 0.01
+    r = Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=2,
+                sampling=SamplingParams(temperature=t))
+    assert vllm_args.sampling_kwargs(r, ())["temperature"] == sent
+
+
 def test_fused_modules_must_be_whole():
     names = {n for n, _ in CausalLM(MC).named_parameters()}
     assert vllm_args.incomplete_modules(names, names) == {}

@@ -20,7 +20,9 @@ GREEDY_BELOW = 1e-5
 @dataclass
 class SamplingParams:
     """Per-request sampling. ``top_k`` 0 or -1 (vLLM's) and ``top_p == 1`` disable those filters;
-    ``temperature`` below ``GREEDY_BELOW`` is greedy. ``seed`` makes a request's draws reproducible."""
+    ``temperature`` below ``GREEDY_BELOW`` is greedy (log-probs at T = 1); engines sample at
+    0.01 <= T <= 2 (vLLM's range) and refuse the rest. ``seed`` makes a request's draws
+    reproducible."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -104,8 +106,10 @@ class Engine(Protocol):
         ``abort_request``), so a caller can pass every id it has not seen finish."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace weights in place (HF parameter names). Raises ValueError naming the
-        tensor on a wrong name or shape, leaving the old weights intact."""
+        """Replace weights in place (HF parameter names); samples in flight restart on the new
+        version. Everything is checked first: a version that is not an int >= 0, a wrong name
+        or shape, a meta, non-floating or non-finite tensor raises ValueError naming it, with
+        the old weights, version and samples in flight untouched."""
 
     def set_max_batch_size(self, n: int) -> None: ...
 

@@ -17,7 +17,7 @@ from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
-from workers.generation.request_check import check_eos_ids, refusal
+from workers.generation.request_check import check_eos_ids, check_weights, refusal
 from workers.generation.scheduler import Scheduler
 from workers.generation.sequence import Sequence, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
@@ -204,29 +204,25 @@ class NativeEngine:
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
         self.scheduler.set_max_batch_size(n)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy HF-named tensors into the model in place (any subset of its parameters).
-        Every name and shape is checked before anything is written. Sequences in flight are
+        Everything is checked before anything is written (``request_check.check_weights``:
+        version, names, shapes, meta/non-floating tensors, NaN/inf; ValueError, the weights
+        and the samples in flight untouched). On success sequences in flight are
         restarted from their prompts (their tokens so far came from the old weights: a
         sample never mixes versions) and cached prefixes are dropped."""
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names
         items = list(named_tensors)
-        for name, t in items:
-            if name not in params:
-                raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter of the model)")
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(params[name].shape):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"load_weights: tensor {name!r} has shape {got}, "
-                                 f"expected {tuple(params[name].shape)}")
+        version = check_weights(items, {n: p.shape for n, p in params.items()}, version)
         with torch.no_grad():
             for name, t in items:  # rounded to the engine's weight dtype (bf16 stays bf16)
                 params[name].copy_(t.to(self.weight_dtype))
         self.runner.forward.refresh()  # the fused q/k/v and gate/up copies
-        self.weight_version = int(version)
+        self.weight_version = version
         self._restart_in_flight()
 
     def _restart_in_flight(self) -> None:

@@ -1,20 +1,31 @@
-"""Per-request validation shared by every engine backend (native, vLLM): one set of rules
-and one message per problem, so a request is refused the same way whichever engine serves it."""
+"""Validation shared by every engine backend (native, vLLM): one set of rules and one message
+per problem, so a request (``refusal``) or a weight update (``check_weights``) is refused the
+same way whichever engine serves it."""
 from __future__ import annotations
 
 import math
-from typing import Container
+import operator
+from typing import Container, Mapping, Sequence
 
 import torch
 
-from workers.types import Request
+from workers.types import GREEDY_BELOW, Request
+
+# Sampling temperatures both backends serve: T < GREEDY_BELOW (1e-5) is greedy (vLLM reads it
+# as 0); otherwise MIN_SAMPLED_TEMPERATURE <= T <= MAX_TEMPERATURE. vLLM (0.32) refuses T > 2
+# and silently raises 0 < T < 0.01 to 0.01 - its samples and log-probs would then be of
+# T = 0.01 while the trainer takes its log-probs at the requested T - so both are refused.
+MIN_SAMPLED_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
+# prompt token ids: integer dtypes (bool is not a token id)
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -> str | None:
     """Why ``req`` cannot be served (None when it can): ``max_len`` is the engine's context
     (prompt + output tokens), ``live`` the sample ids already queued or running."""
     p = req.prompt_ids
-    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.is_complex():
+    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype not in _ID_DTYPES:
         return "prompt_ids must be a 1-D integer tensor"
     if p.numel() == 0:
         return "empty prompt"
@@ -34,6 +45,9 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
             and _is_int(s.top_k) and s.top_k >= -1):
         return (f"bad sampling params {s} (need a finite temperature >= 0, 0 < top_p <= 1 and an "
                 "int top_k >= -1)")
+    if GREEDY_BELOW <= s.temperature < MIN_SAMPLED_TEMPERATURE or s.temperature > MAX_TEMPERATURE:
+        return (f"temperature {s.temperature} is outside the served range: below {GREEDY_BELOW:g} "
+                f"(greedy) or in [{MIN_SAMPLED_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (vLLM's range)")
     if not (s.seed is None or (_is_int(s.seed) and 0 <= s.seed < 1 << 63)):
         return f"sampling seed must be None or an int in [0, 2**63), got {s.seed!r}"
     if not (_is_real(req.est_len) and req.est_len >= 0):
@@ -41,6 +55,41 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     if req.sample_id in live:
         return f"sample_id {req.sample_id} is already queued or running"
     return None
+
+
+def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
+                  version) -> int:
+    """Check a weight update before anything is written; -> the version as an int.
+    Raises ValueError naming the first problem: a version that is not an int >= 0, an unknown
+    name, a non-tensor or wrong shape, a meta tensor (no data), a non-floating dtype (int,
+    bool, complex: a mis-wired sender; a cast would silently change the values) or a tensor
+    with NaN/inf (it would make every sample's log-probs NaN). The finiteness check reads each
+    tensor once (a float64 sum per tensor; one host sync per tensor, queued first)."""
+    if isinstance(version, bool):
+        raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}")
+    try:
+        v = operator.index(version)
+    except TypeError:
+        raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}") from None
+    if v < 0:
+        raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}")
+    for name, t in items:
+        if name not in shapes:
+            raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter of the model)")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shapes[name]):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"load_weights: tensor {name!r} has shape {got}, "
+                             f"expected {tuple(shapes[name])}")
+        if t.device.type == "meta":
+            raise ValueError(f"load_weights: tensor {name!r} is on the meta device (no data)")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"load_weights: tensor {name!r} has dtype {t.dtype}; weights must be "
+                             "floating point")
+    sums = [t.detach().sum(dtype=torch.float64) for _, t in items]  # NaN/inf propagate
+    for (name, _), s in zip(items, sums):
+        if not math.isfinite(s):
+            raise ValueError(f"load_weights: tensor {name!r} has NaN or infinite values")
+    return v
 
 
 def check_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> None:

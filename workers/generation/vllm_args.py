@@ -12,7 +12,7 @@ import torch
 
 from workers.generation.config import EngineConfig
 from workers.model import ModelConfig
-from workers.types import Request
+from workers.types import GREEDY_BELOW, Request
 
 # vLLM's CPU attention backend (0.32): supported head sizes, and block sizes must be a multiple of 32
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -108,9 +108,13 @@ def priority(req: Request, admission: str) -> int:
 
 def sampling_kwargs(req: Request, eos_ids: tuple[int, ...]) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1): EOS ids as stop ids
-    (the tokenizer is skipped), ``min_tokens`` suppresses them, log-prob of the sampled token."""
+    (the tokenizer is skipped), ``min_tokens`` suppresses them, log-prob of the sampled token.
+    A temperature below ``GREEDY_BELOW`` is sent as 0: greedy with log-probs at T = 1, as the
+    native sampler (vLLM would raise it to 0.01 and report log-probs at 0.01; the trainer
+    takes greedy samples' log-probs at T = 1)."""
     s = req.sampling
-    return dict(n=1, temperature=float(s.temperature), top_p=float(s.top_p),
+    temperature = float(s.temperature) if s.temperature >= GREEDY_BELOW else 0.0
+    return dict(n=1, temperature=temperature, top_p=float(s.top_p),
                 top_k=int(s.top_k) if s.top_k > 0 else 0, seed=s.seed,
                 max_tokens=int(req.max_tokens), min_tokens=int(req.min_tokens),
                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,

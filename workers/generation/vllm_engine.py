@@ -32,7 +32,7 @@ import torch
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
 from workers.generation.engine import recent_rate
-from workers.generation.request_check import check_eos_ids, refusal
+from workers.generation.request_check import check_eos_ids, check_weights, refusal
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -91,6 +91,17 @@ def _reload_on_worker(items: list[tuple[str, torch.Tensor]], tied: bool, worker)
         _reprocess_tied_head(worker.get_model())
 
 
+def _request_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions by which vLLM refuses one request's parameters: ValueError / TypeError, and
+    (vLLM >= 0.32) ``VLLMClientError`` - ``VLLMValidationError`` ("temperature must be in [0,
+    2]") is not a ValueError. Server-side errors (``VLLMServerError``) still raise."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # older vLLM: its validation errors are ValueErrors
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, VLLMClientError)
+
+
 def _use_subprocess(cfg: EngineConfig) -> bool:
     opt = cfg.backend_options.get("multiprocess")
     if opt is not None:
@@ -144,6 +155,7 @@ class VLLMEngine:
             self._shapes = {n: tuple(p.shape) for n, p in
                             CausalLM(mc).named_parameters(remove_duplicate=False)}
         self._sampling_cls, self._final_only = vllm.SamplingParams, RequestOutputKind.FINAL_ONLY
+        self._request_errors = _request_errors()
         self.max_batch_size = cfg.max_batch_size
         self.weight_version = 0
         self._queue: list[_Queued] = []  # heap: admission order
@@ -184,15 +196,15 @@ class VLLMEngine:
         while self._queue and len(self._live) < self.max_batch_size:
             q = heapq.heappop(self._queue)
             rid = f"s{q.req.sample_id}.r{self._restarts}"
-            params = self._sampling_cls(**vllm_args.sampling_kwargs(q.req, self.eos_ids),
-                                        output_kind=self._final_only)
-            try:
+            try:  # vLLM validates in SamplingParams(...) and in add_request
+                params = self._sampling_cls(**vllm_args.sampling_kwargs(q.req, self.eos_ids),
+                                            output_kind=self._final_only)
                 self.llm.add_request(rid, {"prompt_token_ids": q.req.prompt_ids.tolist()}, params,
                                      priority=vllm_args.priority(q.req, self.cfg.admission))
-            except (ValueError, TypeError) as e:
+            except self._request_errors as e:
                 self._sample_ids.discard(q.req.sample_id)
                 self._late_errors.append(self._error_sample(
-                    q.req, f"sample_id {q.req.sample_id}: refused by vLLM: {e}"))
+                    q.req, f"sample_id {q.req.sample_id}: refused by vLLM: {type(e).__name__}: {e}"))
                 continue
             self._live[rid] = q
 
@@ -275,7 +287,7 @@ class VLLMEngine:
         runner once for ``max_num_seqs`` (``backend_options``; default max(max_batch_size,
         256)); a cap above it needs a new engine, so it is refused. Lowering the cap below the
         running count admits nothing until enough finish."""
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
         if n > self.max_num_seqs:
             raise ValueError(f"max_batch_size {n} exceeds this vLLM engine's max_num_seqs "
@@ -286,17 +298,13 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy HF-named tensors into vLLM's model in place (any set of whole vLLM modules)
-        through vLLM's ``reload_weights``. Every name and shape is checked first (ValueError,
-        old weights intact). Requests in flight are restarted from their prompts (a sample
+        through vLLM's ``reload_weights``. Everything is checked first
+        (``request_check.check_weights``: version, names, shapes, meta/non-floating tensors,
+        NaN/inf; then whole fused modules): a ValueError leaves the old weights and the
+        requests in flight untouched. On success requests in flight are restarted from their prompts (a sample
         never mixes versions) and the prefix cache is dropped."""
         items = list(named_tensors)
-        for name, t in items:
-            if name not in self._shapes:
-                raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter of the model)")
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != self._shapes[name]:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"load_weights: tensor {name!r} has shape {got}, "
-                                 f"expected {self._shapes[name]}")
+        version = check_weights(items, self._shapes, version)
         tied = self.model_config.tie_word_embeddings
         names = {n for n, _ in items}
         if tied and names & {"lm_head.weight", "model.embed_tokens.weight"}:
@@ -322,7 +330,7 @@ class VLLMEngine:
             _reload_on_worker, [(n, t.detach().cpu()) for n, t in items], tied))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("load_weights: vLLM refused to reset its prefix cache")
-        self.weight_version = int(version)
+        self.weight_version = version
         self.llm.set_weight_version(str(self.weight_version))
         self._restarts += 1
         self._admit()
