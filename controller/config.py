@@ -22,7 +22,7 @@ import yaml
 from controller.modes import MODES
 from controller.prompt_check import OVERLONG_POLICIES
 from workers.trainer.config import VERL_LOSS_AGGS
-from workers.types import GREEDY_BELOW
+from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
 
 PIPELINE_MODES = tuple(MODES)
 
@@ -200,6 +200,7 @@ class Range:
         return f"{text} ({self.note})" if self.note else text
 
 
+TEMPERATURES = f"below {GREEDY_BELOW:g}: greedy; sampled from {MIN_SAMPLED_TEMPERATURE:g}, as both engines serve"
 SEEDS = Range(0, 2**32, open_hi=True)  # numpy's seed range; sampling seeds are train.seed * 7919 + index
 # Every numeric key of the run sections, and the owned sections' keys their own classes leave
 # unchecked. Checked at load after the types (every float must also be finite: no .nan/.inf);
@@ -216,13 +217,13 @@ RANGES: dict[str, Range] = {
     "train.group_size": Range(1),
     "train.max_tokens": Range(1),
     "train.min_tokens": Range(0),
-    "train.temperature": Range(0, note=f"below {GREEDY_BELOW:g}: greedy"),
+    "train.temperature": Range(0, MAX_TEMPERATURE, note=TEMPERATURES),
     "train.top_k": Range(-1, note="0 or -1: off"),
     "train.top_p": Range(0, 1, open_lo=True, note="1: off"),
     "train.eval_every": Range(0, note="0: never"),
     "train.eval_prompts": Range(0, note="0: the whole test split"),
     "train.eval_samples": Range(1),
-    "train.eval_temperature": Range(0, note="0: greedy"),
+    "train.eval_temperature": Range(0, MAX_TEMPERATURE, note=TEMPERATURES),
     "train.ckpt_every": Range(0, note="0: only at the end"),
     "train.ckpt_keep": Range(1, note="null: keep every checkpoint, as verl's 0 or null"),
     "train.sft_steps": Range(0),
@@ -480,6 +481,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not colocated and set(p.generation) & set(p.trainer):
         raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
                           "generation and trainer; set placement.colocated or pipeline.mode: colocated")
+    for key in ("temperature", "eval_temperature"):  # the gap no engine serves (workers.types)
+        if GREEDY_BELOW <= getattr(t, key) < MIN_SAMPLED_TEMPERATURE:
+            raise ConfigError(f"train.{key} must be below {GREEDY_BELOW:g} (greedy) or in "
+                              f"[{MIN_SAMPLED_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {getattr(t, key)!r}")
     if t.min_tokens > t.max_tokens:
         raise ConfigError(f"train.min_tokens must be <= train.max_tokens ({t.max_tokens}), got {t.min_tokens}")
     if t.length_trace and not Path(t.length_trace).is_file():

@@ -225,7 +225,11 @@ def _load_with(tmp_path, *sets, **sections):
     (["placement.rpc_timeout_s=0"], "placement.rpc_timeout_s must be > 0, got 0.0"),
     (["train.temperature=.nan"], "train.temperature: expected a finite number, got nan"),
     (["train.temperature=-1", "trainer.algorithm=ppo"],
-     "train.temperature must be >= 0 (below 1e-05: greedy), got -1.0"),
+     "train.temperature must be in [0, 2.0] (below 1e-05: greedy; sampled from 0.01, as both engines serve), "
+     "got -1.0"),
+    (["train.temperature=2.5"], "train.temperature must be in [0, 2.0]"),  # vLLM refuses T > 2
+    (["train.eval_temperature=0.005"],  # vLLM would sample it at 0.01: no engine serves it
+     "train.eval_temperature must be below 1e-05 (greedy) or in [0.01, 2], got 0.005"),
     (["trainer.kl_coef=.nan"], "trainer.kl_coef: expected a finite number, got nan"),
     (["trainer.min_lr_ratio=1.5"], "trainer.min_lr_ratio must be in [0, 1] (the fraction of lr the schedule decays "
                                    "to), got 1.5"),

@@ -15,6 +15,12 @@ import torch
 # below this a temperature is greedy (argmax; vLLM's _SAMPLING_EPS): logits / 1e-45 overflow
 # to inf in fp32 and the draw returns NaN log-probs
 GREEDY_BELOW = 1e-5
+# Sampling temperatures both backends serve: T < GREEDY_BELOW is greedy (vLLM reads it as 0);
+# otherwise MIN_SAMPLED_TEMPERATURE <= T <= MAX_TEMPERATURE. vLLM (0.32) refuses T > 2 and
+# silently raises 0 < T < 0.01 to 0.01 - its samples and log-probs would then be of T = 0.01
+# while the trainer takes its log-probs at the requested T - so both are refused.
+MIN_SAMPLED_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass

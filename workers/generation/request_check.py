@@ -9,14 +9,7 @@ from typing import Container, Mapping, Sequence
 
 import torch
 
-from workers.types import GREEDY_BELOW, Request
-
-# Sampling temperatures both backends serve: T < GREEDY_BELOW (1e-5) is greedy (vLLM reads it
-# as 0); otherwise MIN_SAMPLED_TEMPERATURE <= T <= MAX_TEMPERATURE. vLLM (0.32) refuses T > 2
-# and silently raises 0 < T < 0.01 to 0.01 - its samples and log-probs would then be of
-# T = 0.01 while the trainer takes its log-probs at the requested T - so both are refused.
-MIN_SAMPLED_TEMPERATURE = 0.01
-MAX_TEMPERATURE = 2.0
+from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE, Request
 # prompt token ids: integer dtypes (bool is not a token id)
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
