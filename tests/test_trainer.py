@@ -411,3 +411,13 @@ def test_bootstrap_says_when_the_bpe_learns_fewer_tokens_than_asked(tmp_path, ca
     assert vocab < 300
     assert (f"[bootstrap] the BPE learned {vocab} tokens of the 300 asked (model.init's vocab_size)"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("key, value", [("recompute_old_logprobs", "false"), ("grpo_std_normalize", 0),
+                                        ("critic", "yes"), ("whiten_advantages", 1), ("grpo_std_normalize", None)])
+def test_switches_take_only_bools(key, value):
+    """A library user's TrainerConfig(recompute_old_logprobs="false") turned the switch on (a
+    non-empty string is truthy); run configs were type-checked already, direct use was not."""
+    with pytest.raises(ValueError, match=rf"trainer.{key} must be true or false"):
+        TrainerConfig(**{key: value})
+    TrainerConfig(critic=None, whiten_advantages=None, recompute_old_logprobs=True)

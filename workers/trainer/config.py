@@ -115,9 +115,12 @@ class TrainerConfig:
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         _one_of("precision", self.precision, PRECISIONS)
-        if not isinstance(self.activation_checkpointing, bool):  # "false" would be truthy
-            raise ValueError(f"trainer.activation_checkpointing must be true or false, got "
-                             f"{self.activation_checkpointing!r}")
+        for f in fields(self):  # "false" or 0 given to a switch would be read as truthy / falsy
+            value = getattr(self, f.name)
+            if f.type in ("bool", "bool | None") and not (isinstance(value, bool) or
+                                                         (value is None and f.type == "bool | None")):
+                raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if 'None' in f.type else ''}, "
+                                 f"got {value!r}")
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
                      "mini_batches",
                      "temperature"):
