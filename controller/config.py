@@ -22,7 +22,8 @@ import yaml
 from controller.modes import MODES
 from controller.prompt_check import OVERLONG_POLICIES
 from workers.trainer.config import VERL_LOSS_AGGS
-from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
+from workers.types import (GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE, SERVED_TEMPERATURES,
+                           temperature_served)
 
 PIPELINE_MODES = tuple(MODES)
 
@@ -481,10 +482,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not colocated and set(p.generation) & set(p.trainer):
         raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
                           "generation and trainer; set placement.colocated or pipeline.mode: colocated")
-    for key in ("temperature", "eval_temperature"):  # the gap no engine serves (workers.types)
-        if GREEDY_BELOW <= getattr(t, key) < MIN_SAMPLED_TEMPERATURE:
-            raise ConfigError(f"train.{key} must be below {GREEDY_BELOW:g} (greedy) or in "
-                              f"[{MIN_SAMPLED_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {getattr(t, key)!r}")
+    for key in ("temperature", "eval_temperature"):  # the gap no engine serves (RANGES bounds the rest)
+        if not temperature_served(getattr(t, key)):
+            raise ConfigError(f"train.{key} must be {SERVED_TEMPERATURES}, got {getattr(t, key)!r}")
     if t.min_tokens > t.max_tokens:
         raise ConfigError(f"train.min_tokens must be <= train.max_tokens ({t.max_tokens}), got {t.min_tokens}")
     if t.length_trace and not Path(t.length_trace).is_file():

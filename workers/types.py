@@ -21,6 +21,13 @@ GREEDY_BELOW = 1e-5
 # while the trainer takes its log-probs at the requested T - so both are refused.
 MIN_SAMPLED_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
+SERVED_TEMPERATURES = f"below {GREEDY_BELOW:g} (greedy) or in [{MIN_SAMPLED_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+
+
+def temperature_served(t: float) -> bool:
+    """Whether both engines serve temperature ``t`` (``SERVED_TEMPERATURES``): the one rule the
+    engines' request check and the run config's check share."""
+    return t < GREEDY_BELOW or MIN_SAMPLED_TEMPERATURE <= t <= MAX_TEMPERATURE
 
 
 @dataclass

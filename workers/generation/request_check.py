@@ -9,7 +9,7 @@ from typing import Container, Mapping, Sequence
 
 import torch
 
-from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE, Request
+from workers.types import SERVED_TEMPERATURES, Request, temperature_served
 # prompt token ids: integer dtypes (bool is not a token id)
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -38,9 +38,8 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
             and _is_int(s.top_k) and s.top_k >= -1):
         return (f"bad sampling params {s} (need a finite temperature >= 0, 0 < top_p <= 1 and an "
                 "int top_k >= -1)")
-    if GREEDY_BELOW <= s.temperature < MIN_SAMPLED_TEMPERATURE or s.temperature > MAX_TEMPERATURE:
-        return (f"temperature {s.temperature} is outside the served range: below {GREEDY_BELOW:g} "
-                f"(greedy) or in [{MIN_SAMPLED_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (vLLM's range)")
+    if not temperature_served(s.temperature):
+        return f"temperature {s.temperature} is outside the served range: {SERVED_TEMPERATURES} (vLLM's range)"
     if not (s.seed is None or (_is_int(s.seed) and 0 <= s.seed < 1 << 63)):
         return f"sampling seed must be None or an int in [0, 2**63), got {s.seed!r}"
     if not (_is_real(req.est_len) and req.est_len >= 0):
@@ -83,6 +82,12 @@ def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str
         if not math.isfinite(s):
             raise ValueError(f"load_weights: tensor {name!r} has NaN or infinite values")
     return v
+
+
+def check_batch_cap(n) -> None:
+    """``set_max_batch_size``'s argument: an int >= 1 (a bool is not a count)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
 
 
 def check_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> None:
