@@ -17,7 +17,7 @@ from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
-from workers.generation.request_check import check_eos_ids, check_weights, refusal
+from workers.generation.request_check import check_batch_cap, check_eos_ids, check_weights, refusal
 from workers.generation.scheduler import Scheduler
 from workers.generation.sequence import Sequence, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
@@ -204,8 +204,7 @@ class NativeEngine:
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
+        check_batch_cap(n)
         self.scheduler.set_max_batch_size(n)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

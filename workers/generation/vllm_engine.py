@@ -32,7 +32,7 @@ import torch
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
 from workers.generation.engine import recent_rate
-from workers.generation.request_check import check_eos_ids, check_weights, refusal
+from workers.generation.request_check import check_batch_cap, check_eos_ids, check_weights, refusal
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -287,8 +287,7 @@ class VLLMEngine:
         runner once for ``max_num_seqs`` (``backend_options``; default max(max_batch_size,
         256)); a cap above it needs a new engine, so it is refused. Lowering the cap below the
         running count admits nothing until enough finish."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
+        check_batch_cap(n)
         if n > self.max_num_seqs:
             raise ValueError(f"max_batch_size {n} exceeds this vLLM engine's max_num_seqs "
                              f"{self.max_num_seqs} (fixed at start; restart with "
