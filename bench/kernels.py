@@ -209,7 +209,7 @@ def sweep_launch(model, bsz, ctx, dtype, dev, ragged=False) -> list[dict]:
             times[cfg] = triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
         except Exception as e:
             print(json_line(dict(bench="kernels_sweep", model=name, batch=bsz, ctx=ctx,
-                                  config=str(cfg), error=f"{type(e).__name__}: {e}"[:200])))
+                                 config=str(cfg), error=f"{type(e).__name__}: {e}"[:200])))
     best = min(times, key=times.get)
     kv_bytes = 2 * sum(lens) * kv_heads * dh * q.element_size()
     rec = dict(bench="kernels_sweep", model=name, batch=bsz, ctx=ctx, ragged=ragged,
@@ -341,9 +341,9 @@ def main() -> int:
             recs += sweep_launch(model, 64, 2048, dtype, dev, ragged=True)
         ratios = [r["heuristic_over_best"] for r in recs if r["heuristic_over_best"] == r["heuristic_over_best"]]
         print(json_line(dict(bench="kernels_sweep", summary=True, device=name, shapes=len(recs),
-                              heuristic_over_best_geomean=round(math.exp(statistics.fmean(
-                                  map(math.log, ratios))), 3) if ratios else None,
-                              heuristic_over_best_max=max(ratios, default=None))))
+                             heuristic_over_best_geomean=round(math.exp(statistics.fmean(
+                                 map(math.log, ratios))), 3) if ratios else None,
+                             heuristic_over_best_max=max(ratios, default=None))))
         return 0
     rows = []
     for model in models:
