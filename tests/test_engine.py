@@ -185,6 +185,30 @@ def test_load_weights_refusal_writes_nothing_mid_flight():
     assert all(s.weight_version == 0 for s in got)
 
 
+class _CastFails(torch.Tensor):
+    """A tensor whose dtype cast raises, standing in for a cast that runs out of memory."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            raise RuntimeError("simulated out of memory in the cast")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_load_weights_casts_everything_before_the_first_write():
+    # float64 update into float32 weights: every cast happens before any tensor is written, so
+    # one that fails (here: the last one) leaves all the weights and the version as they were
+    model = tiny_model()
+    eng = engine(model=model)
+    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
+    new = [(k, (v + 1.0).double()) for k, v in before.items()]
+    new[-1] = (new[-1][0], new[-1][1].as_subclass(_CastFails))
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        eng.load_weights(new, version=1)
+    assert all(torch.equal(before[k], v) for k, v in model.hf_state_dict().items())
+    assert eng.weight_version == 0
+
+
 def test_set_max_batch_size_refuses_bools():
     eng = engine()
     for bad in (True, False, 2.0, 0):

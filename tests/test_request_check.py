@@ -75,9 +75,20 @@ GOOD = [("a", torch.ones(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16))]
 
 
 def test_check_weights_passes_and_returns_the_version():
-    assert check_weights(GOOD, SHAPES, 3) == 3
-    assert check_weights([], SHAPES, torch.tensor(4)) == 4  # an int-like 0-d tensor
-    assert check_weights([("a", torch.ones(2, 3, dtype=torch.float64))], SHAPES, 0) == 0
+    assert check_weights(GOOD, SHAPES, 3)[0] == 3
+    assert check_weights([], SHAPES, torch.tensor(4))[0] == 4  # an int-like 0-d tensor
+    assert check_weights([("a", torch.ones(2, 3, dtype=torch.float64))], SHAPES, 0)[0] == 0
+
+
+def test_check_weights_casts_to_the_engine_dtype_before_checking():
+    a64 = torch.ones(2, 3, dtype=torch.float64)
+    v, staged = check_weights([("a", a64), GOOD[1]], SHAPES, 1, torch.float32)
+    assert [t.dtype for _, t in staged] == [torch.float32, torch.float32]
+    f32 = torch.ones(3)
+    assert check_weights([("b", f32)], SHAPES, 1, torch.float32)[1][0][1].data_ptr() == f32.data_ptr()  # no copy
+    # finite in float64, infinite once rounded to the engine's dtype: refused, naming it
+    with pytest.raises(ValueError, match=r"'a' has NaN or infinite values once rounded to torch.float32"):
+        check_weights([("a", torch.full((2, 3), 1e300, dtype=torch.float64))], SHAPES, 1, torch.float32)
 
 
 @pytest.mark.parametrize("items, version, why", [

@@ -209,17 +209,19 @@ class NativeEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy HF-named tensors into the model in place (any subset of its parameters).
-        Everything is checked before anything is written (``request_check.check_weights``:
-        version, names, shapes, meta/non-floating tensors, NaN/inf; ValueError, the weights
-        and the samples in flight untouched). On success sequences in flight are
+        Everything is checked, and cast to the engine's weight dtype, before anything is
+        written (``request_check.check_weights``: version, names, shapes, meta/non-floating
+        tensors, NaN/inf after the cast; ValueError, the weights and the samples in flight
+        untouched; a cast that runs out of memory fails before the first write). On success sequences in flight are
         restarted from their prompts (their tokens so far came from the old weights: a
         sample never mixes versions) and cached prefixes are dropped."""
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names
         items = list(named_tensors)
-        version = check_weights(items, {n: p.shape for n, p in params.items()}, version)
+        version, staged = check_weights(items, {n: p.shape for n, p in params.items()}, version,
+                                        self.weight_dtype)  # rounded to it (bf16 stays bf16)
         with torch.no_grad():
-            for name, t in items:  # rounded to the engine's weight dtype (bf16 stays bf16)
-                params[name].copy_(t.to(self.weight_dtype))
+            for name, t in staged:
+                params[name].copy_(t)
         self.runner.forward.refresh()  # the fused q/k/v and gate/up copies
         self.weight_version = version
         self._restart_in_flight()

@@ -50,13 +50,18 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
 
 
 def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
-                  version) -> int:
-    """Check a weight update before anything is written; -> the version as an int.
-    Raises ValueError naming the first problem: a version that is not an int >= 0, an unknown
-    name, a non-tensor or wrong shape, a meta tensor (no data), a non-floating dtype (int,
-    bool, complex: a mis-wired sender; a cast would silently change the values) or a tensor
-    with NaN/inf (it would make every sample's log-probs NaN). The finiteness check reads each
-    tensor once (a float64 sum per tensor; one host sync per tensor, queued first)."""
+                  version, dtype: torch.dtype | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """Check a weight update before anything is written; -> (the version as an int, the
+    tensors to write). Raises ValueError naming the first problem: a version that is not an
+    int >= 0, an unknown name, a non-tensor or wrong shape, a meta tensor (no data), a
+    non-floating dtype (int, bool, complex: a mis-wired sender; a cast would silently change
+    the values) or a tensor with NaN/inf (it would make every sample's log-probs NaN).
+
+    ``dtype``: the dtype the engine keeps its weights in. Every tensor is cast to it here,
+    before the caller writes anything, so a cast that fails (out of memory) fails before the
+    first write, and the NaN/inf check sees the values as they will be stored (a float64
+    1e300 is finite, its float32 rounding is not). A tensor already in ``dtype`` is not
+    copied. The finiteness check reads each tensor once (a float64 sum per tensor)."""
     if isinstance(version, bool):
         raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}")
     try:
@@ -77,11 +82,13 @@ def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str
         if not t.dtype.is_floating_point:
             raise ValueError(f"load_weights: tensor {name!r} has dtype {t.dtype}; weights must be "
                              "floating point")
-    sums = [t.detach().sum(dtype=torch.float64) for _, t in items]  # NaN/inf propagate
-    for (name, _), s in zip(items, sums):
+    staged = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in items]
+    sums = [t.sum(dtype=torch.float64) for _, t in staged]  # NaN/inf propagate
+    for (name, t), (_, original), s in zip(staged, items, sums):
         if not math.isfinite(s):
-            raise ValueError(f"load_weights: tensor {name!r} has NaN or infinite values")
-    return v
+            why = "" if t.dtype == original.dtype else f" once rounded to {dtype}"
+            raise ValueError(f"load_weights: tensor {name!r} has NaN or infinite values{why}")
+    return v, staged
 
 
 def check_batch_cap(n) -> None:

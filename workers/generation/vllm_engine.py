@@ -303,7 +303,7 @@ class VLLMEngine:
         requests in flight untouched. On success requests in flight are restarted from their prompts (a sample
         never mixes versions) and the prefix cache is dropped."""
         items = list(named_tensors)
-        version = check_weights(items, self._shapes, version)
+        version, items = check_weights(items, self._shapes, version)
         tied = self.model_config.tie_word_embeddings
         names = {n for n, _ in items}
         if tied and names & {"lm_head.weight", "model.embed_tokens.weight"}:
