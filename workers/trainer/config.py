@@ -1,6 +1,7 @@
 """``TrainerConfig``: every trainer knob, typed and validated once (at the edge)."""
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
 
 ALGORITHMS = ("ppo", "grpo", "rloo")
@@ -115,11 +116,11 @@ class TrainerConfig:
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         _one_of("precision", self.precision, PRECISIONS)
+        hints = typing.get_type_hints(type(self))  # resolved types (the annotations are strings)
         for f in fields(self):  # "false" or 0 given to a switch would be read as truthy / falsy
-            value = getattr(self, f.name)
-            if f.type in ("bool", "bool | None") and not (isinstance(value, bool) or
-                                                         (value is None and f.type == "bool | None")):
-                raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if 'None' in f.type else ''}, "
+            value, nullable = getattr(self, f.name), hints[f.name] == typing.Optional[bool]
+            if (hints[f.name] is bool or nullable) and not (isinstance(value, bool) or (value is None and nullable)):
+                raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if nullable else ''}, "
                                  f"got {value!r}")
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
                      "mini_batches",
