@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from controller.config import ConfigError, PipelineSection, from_dict, load_config, parse_override
+from controller.config_ranges import RANGES
 from controller.modes import MODES
 
 
@@ -266,9 +267,9 @@ def test_every_numeric_key_has_a_range():
                          (C.PlacementSection, "placement"), (C.TrainSection, "train"), (C.LoggingSection, "logging")):
         for name, hint in typing.get_type_hints(cls).items():
             if {int, float} & {hint, *typing.get_args(hint)}:
-                assert f"{section}.{name}" in C.RANGES, f"{section}.{name} has no range in controller/config.py RANGES"
+                assert f"{section}.{name}" in RANGES, f"{section}.{name} has no range in controller/config_ranges.py RANGES"
     default = from_dict({})
-    for key in C.RANGES:  # and no entry names a key that is not there
+    for key in RANGES:  # and no entry names a key that is not there
         section, name = key.split(".")
         assert name in {f.name for f in dataclasses.fields(getattr(default, section))}, key
     # the edges of the ranges load (0: never, -1: off, greedy for ppo, beta1 0)
