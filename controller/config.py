@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -481,10 +482,27 @@ def _check_registries(cfg: Config) -> None:
         except (OSError, ValueError, TypeError) as e:  # the error names the file
             raise ConfigError(f"dispatch.profile: {e}") from None
     if cfg.ranker.kind != "none":
-        from ranker.store import KINDS
+        _check_ranker(cfg.ranker)
 
-        if cfg.ranker.kind not in KINDS:
-            raise ConfigError(f"ranker.kind: {cfg.ranker.kind!r} is not one of {['none', *sorted(KINDS)]}")
+
+def _check_ranker(r: RankerSection) -> None:
+    """The kind is registered, its options build a ranker (cheap: a config, no model), and a
+    ranker already saved at ``path`` is of that kind (it is what the run loads)."""
+    from ranker.store import KINDS, build
+
+    if r.kind not in KINDS:
+        raise ConfigError(f"ranker.kind: {r.kind!r} is not one of {['none', *sorted(KINDS)]}")
+    try:
+        build(r.kind, **dict(r.options))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"ranker.options: {e}") from None
+    try:  # a damaged folder is reported by the ranker's own load, naming the file
+        saved = json.loads((Path(r.path) / "meta.json").read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(saved, str) and saved != r.kind:
+        raise ConfigError(f"ranker.kind: {r.kind!r}, but {r.path} holds a {saved!r} ranker (set ranker.kind: "
+                          f"{saved}, or point ranker.path at an empty folder to bootstrap a {r.kind} one)")
 
 
 def load_config(path: str | Path, world_size: int | None = None, overrides: dict | None = None) -> Config:

@@ -381,3 +381,18 @@ def test_main_says_a_bad_set_in_one_line(tmp_path, monkeypatch, capsys):
     assert main(["--config", str(p), '--set=tokenizer.prompt_template=Reply as JSON {"answer": N}. Q: {prompt}']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: --set tokenizer.prompt_template=Reply"), err
+
+
+def test_ranker_options_and_saved_kind_checked_at_load(tmp_path):
+    """ranker.options are built at load (not at the bootstrap, after the engines started), and
+    a folder at ranker.path holding another kind of ranker than ranker.kind is refused."""
+    with pytest.raises(ConfigError, match=r"ranker.options: .*rounds"):
+        from_dict({"ranker": {"kind": "lgbm", "path": str(tmp_path / "new"), "options": {"rounds": "x"}}})
+    with pytest.raises(ConfigError, match=r"ranker.options: .*nope"):
+        from_dict({"ranker": {"kind": "lgbm", "path": str(tmp_path / "new"), "options": {"nope": 1}}})
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "meta.json").write_text('{"kind": "lgbm"}')
+    with pytest.raises(ConfigError, match=rf"ranker.kind: 'ensemble', but {saved} holds a 'lgbm' ranker"):
+        from_dict({"ranker": {"kind": "ensemble", "path": str(saved)}})
+    assert from_dict({"ranker": {"kind": "lgbm", "path": str(saved)}}).ranker.kind == "lgbm"
