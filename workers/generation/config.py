@@ -18,7 +18,9 @@ class EngineConfig:
     KV memory: ``num_blocks`` blocks of ``block_size`` tokens; when ``num_blocks`` is 0 it is
     ``kv_cache_tokens // block_size``. ``max_model_len`` 0 means the model's
     ``max_position_embeddings``. ``max_prefill_tokens`` bounds the new tokens one prefill step
-    computes (one sequence longer than it is still admitted alone). ``device``/``dtype`` ""
+    computes; with ``enable_chunked_prefill`` (vLLM's name and default) a prompt longer than
+    what is left of it is computed in chunks over several steps, the running batch decoding
+    between them; without, a sequence longer than it is admitted alone, whole. ``device``/``dtype`` ""
     pick CUDA+bf16 when a GPU is present, else CPU+fp32. ``eos_ids`` None means the model
     config's ``eos_token_id``. ``seed`` seeds sampling of requests without their own seed.
     ``cpu_half_compute``: with a bf16/fp16 ``dtype`` on a CPU, "float32" rounds the weights to
@@ -44,6 +46,7 @@ class EngineConfig:
     num_blocks: int = 0
     max_model_len: int = 0
     max_prefill_tokens: int = 8192
+    enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     admission: str = "fcfs"
     prefix_sharing: bool = True

@@ -76,7 +76,7 @@ class NativeEngine:
                                  mc.max_position_embeddings, max(kv_len, cfg.block_size))
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
         self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
-                                   cfg.max_prefill_tokens, cfg.admission)
+                                   cfg.max_prefill_tokens, cfg.admission, cfg.enable_chunked_prefill)
         kv_dtype = None if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         compute = next(self.model.parameters()).dtype
         if kv_dtype not in (None, compute) and compute != torch.float32:
@@ -144,12 +144,13 @@ class NativeEngine:
             for s in batch.seqs:
                 s.timings.setdefault("admitted", now)
         tokens, logprobs = self.runner.run(batch)
-        if self.prefix is not None and batch.is_prefill:
-            self.prefix.mark_ready()
+        for seq, end in zip(batch.seqs, batch.ends):
+            if end < seq.num_tokens:  # a prefill chunk: no token yet, more chunks to come
+                seq.num_cached = end
         now = time.time()
         done = []
         eos = self.eos_ids
-        for seq, tok, lp in zip(batch.seqs, tokens, logprobs):
+        for seq, tok, lp in zip(batch.sampling, tokens, logprobs):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             seq.num_cached = seq.num_tokens - 1
@@ -159,6 +160,8 @@ class NativeEngine:
                 done.append((seq, "stop"))
             elif seq.num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
                 done.append((seq, "length"))
+        if self.prefix is not None and batch.is_prefill:
+            self.prefix.mark_ready()
         self._count_tokens(now, len(tokens))
         return [self._finish(seq, reason, now) for seq, reason in done]
 

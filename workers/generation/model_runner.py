@@ -80,20 +80,21 @@ class ModelRunner:
         """Sets the attention context; returns (ids [T], positions [T], last_index [B] or None)."""
         seqs, bs = batch.seqs, self.bm.block_size
         tables, width = self._block_tables(seqs)
-        ctx_lens = [s.num_tokens for s in seqs]
+        ctx_lens = list(batch.ends)  # decode: num_tokens; prefill: where this step's chunk ends
         q_index = seq_of = last = None
         max_q = 1
         if batch.is_prefill:
             ids, pos, slots, q_index, seq_of, last = [], [], [], [], [], []
-            max_q = max(s.num_tokens - s.num_cached for s in seqs)
-            for b, s in enumerate(seqs):
-                n0, n1 = s.num_cached, s.num_tokens
+            max_q = max(e - s.num_cached for s, e in zip(seqs, ctx_lens))
+            for b, (s, n1) in enumerate(zip(seqs, ctx_lens)):
+                n0 = s.num_cached
                 ids += s.tokens[n0:n1]
                 pos += range(n0, n1)
                 slots += [tables[b][i // bs] * bs + i % bs for i in range(n0, n1)]
                 q_index += range(b * max_q, b * max_q + n1 - n0)
                 seq_of += [b] * (n1 - n0)
-                last.append(len(ids) - 1)
+                if n1 == s.num_tokens:  # its last token: logits for the next one
+                    last.append(len(ids) - 1)
         else:
             ids, pos, slots = self._decode_inputs(seqs, tables, ctx_lens)
         bt = self._to_dev(tables, torch.int32)
@@ -149,10 +150,13 @@ class ModelRunner:
         if logits is None:
             ids, pos, last = self._prepare(batch)
             hidden = self.forward(ids, pos, self.attn)  # [T, D]
+            if not batch.sampling:  # prefill chunks only: nothing to sample yet
+                self.attn.ctx = None
+                return [], []
             if last is not None:
                 hidden = hidden.index_select(0, last)  # [B, D]
             logits = self.forward.logits(hidden)  # [B, V]
-        tok, logp = self.sampler(logits, batch.seqs)
+        tok, logp = self.sampler(logits, batch.sampling)
         both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
         self.attn.ctx = None
         return [int(t) for t in both[0]], both[1]

@@ -21,7 +21,8 @@ from workers.generation.sequence import Sequence
 class GroupPrefix:
     prompt: tuple[int, ...]
     blocks: list[int]
-    ready: bool = False  # K/V written (set after the forward of the step that computed it)
+    owner: Sequence  # the sample computing the prompt
+    ready: bool = False  # K/V written (set after the step that computed its last prefix token)
 
 
 class PrefixCache:
@@ -48,11 +49,14 @@ class PrefixCache:
             return
         blocks = seq.block_table[:n]
         self.bm.incref(blocks)
-        self.groups[seq.group_id] = GroupPrefix(tuple(seq.tokens[:seq.prompt_len]), blocks)
+        self.groups[seq.group_id] = GroupPrefix(tuple(seq.tokens[:seq.prompt_len]), blocks, seq)
 
     def mark_ready(self) -> None:
+        """After a step: prefixes whose owner now has tokens ``[0, P-1)`` in the cache (a
+        chunked prefill may take several steps) are ready to share."""
         for g in self.groups.values():
-            g.ready = True
+            if not g.ready and g.owner.num_cached >= len(g.prompt) - 1:
+                g.ready = True
 
     def release(self, group_id: int) -> None:
         g = self.groups.pop(group_id, None)

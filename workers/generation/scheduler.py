@@ -30,22 +30,33 @@ ADMISSION_POLICIES: dict[str, AdmissionPolicy] = {
 
 @dataclass
 class ScheduledBatch:
-    """``seqs`` to run this step; a prefill computes tokens ``[num_cached, num_tokens)`` of
-    each, a decode the last token of each. ``copies`` are (src, dst) block copies
-    (copy-on-write) to do in the cache before the forward."""
+    """``seqs`` to run this step; a prefill computes tokens ``[num_cached, ends[i])`` of each
+    (``ends`` None: to ``num_tokens``), a decode the last token of each. ``copies`` are
+    (src, dst) block copies (copy-on-write) to do in the cache before the forward.
+    ``sampling``: the sequences that get a new token this step (a prefill chunk that stops
+    before a sequence's last token gets none)."""
 
     seqs: list[Sequence]
     is_prefill: bool
     copies: list[tuple[int, int]] = field(default_factory=list)
+    ends: list[int] | None = None
+    sampling: list[Sequence] = field(init=False)
+
+    def __post_init__(self):
+        if self.ends is None:
+            self.ends = [s.num_tokens for s in self.seqs]
+        self.sampling = [s for s, e in zip(self.seqs, self.ends) if e == s.num_tokens]
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, prefix: PrefixCache | None, max_batch_size: int,
-                 max_prefill_tokens: int, admission: str = "fcfs"):
+                 max_prefill_tokens: int, admission: str = "fcfs", chunked_prefill: bool = True):
         if admission not in ADMISSION_POLICIES:
             raise ValueError(f"engine.admission: {admission!r} is not one of {sorted(ADMISSION_POLICIES)}")
         self.bm, self.prefix = blocks, prefix
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
+        self._after_chunk = False  # the last step left a prefill unfinished: decode next
         self.policy = ADMISSION_POLICIES[admission]
         self.waiting: list[Sequence] = []  # sorted by _key
         self._keys: list[tuple] = []
@@ -70,6 +81,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
         self.running.remove(seq)
+        if self.prefix is not None and seq.group_id >= 0:
+            self.prefix.release_unready(seq.group_id)  # its prompt was still being prefilled
         self.bm.free(seq)
         seq.preempted = True
         self.preemptions += int(count)
@@ -99,21 +112,47 @@ class Scheduler:
             self.preempt(self.running[-1])
 
     # ---- one step ----------------------------------------------------------------------------
+    @staticmethod
+    def prefilling(seq: Sequence) -> bool:
+        """A running sequence whose prompt (or recomputation) is not yet all in the cache: it
+        takes more prefill chunks before it decodes."""
+        return seq.num_cached < seq.num_tokens - 1
+
+    def _decodable(self) -> bool:
+        return any(not self.prefilling(s) for s in self.running)
+
     def schedule(self) -> ScheduledBatch | None:
+        """A prefill when something can be admitted or a prefill is unfinished, else a decode.
+        After a prefill chunk that leaves a prompt unfinished the next step decodes (when any
+        sequence can): a long prompt delays the running batch by one chunk at a time, not by
+        its whole prefill."""
+        if self._after_chunk and self._decodable():
+            self._after_chunk = False
+            return self._decode()
         batch = self._admit()
         if batch is not None:
+            self._after_chunk = len(batch.sampling) < len(batch.seqs)
             return batch
-        return self._decode() if self.running else None
+        return self._decode() if self._decodable() else None
 
     def _running_groups(self) -> set[int]:
         return {s.group_id for s in self.running}
 
     def _admit(self) -> ScheduledBatch | None:
         admitted: list[Sequence] = []
+        ends: list[int] = []
         copies: list[tuple[int, int]] = []
         budget = self.max_prefill_tokens
+        for seq in self.running:  # unfinished prefills first: their blocks are allocated
+            if budget > 0 and self.prefilling(seq):
+                n = min(seq.num_tokens - seq.num_cached, budget)
+                admitted.append(seq)
+                ends.append(seq.num_cached + n)
+                budget -= n
+        continuing = len(admitted)
         i = 0
-        while i < len(self.waiting) and len(self.running) + len(admitted) < self.max_batch_size:
+        while (i < len(self.waiting) and len(self.running) + len(admitted) - continuing < self.max_batch_size
+               and (budget > 0 or not self.chunked_prefill)):
             seq = self.waiting[i]
             g = self.prefix.lookup(seq) if self.prefix is not None and seq.group_id >= 0 else None
             if g is not None and not g.ready:
@@ -130,7 +169,7 @@ class Scheduler:
             # keep a small watermark free while others run, so admission does not
             # immediately cause preemptions in the next decode steps
             reserve = self.watermark if (self.running or admitted) else 0
-            if (admitted and new_tokens > budget) or need + reserve > self.bm.num_free:
+            if (admitted and new_tokens > budget and not self.chunked_prefill) or need + reserve > self.bm.num_free:
                 if g is not None:
                     self.bm.free(seq)  # undo attach
                 break
@@ -139,14 +178,16 @@ class Scheduler:
                 copies.append(copy)
             if g is None and self.prefix is not None and seq.num_cached == 0:
                 self.prefix.pin(seq)
-            budget -= new_tokens
+            n = min(new_tokens, budget) if self.chunked_prefill else new_tokens
+            budget -= n
             del self.waiting[i], self._keys[i]
             seq.status = Status.RUNNING
             admitted.append(seq)
+            ends.append(seq.num_cached + n)
         if not admitted:
             return None
-        self.running.extend(admitted)
-        return ScheduledBatch(admitted, True, copies)
+        self.running.extend(admitted[continuing:])
+        return ScheduledBatch(admitted, True, copies, ends)
 
     def _decode(self) -> ScheduledBatch:
         copies: list[tuple[int, int]] = []
@@ -155,7 +196,7 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             table = seq.block_table
-            if seq.num_tokens <= len(table) * bs and ref[table[seq.num_cached // bs]] == 1:
+            if self.prefilling(seq) or (seq.num_tokens <= len(table) * bs and ref[table[seq.num_cached // bs]] == 1):
                 i += 1  # fast path: the token's slot is in a private block already
                 continue
             while self.bm.new_blocks_needed(seq, seq.num_tokens) > self.bm.num_free:
@@ -171,4 +212,4 @@ class Scheduler:
             if copy is not None:
                 copies.append(copy)
             i += 1
-        return ScheduledBatch(list(self.running), False, copies)
+        return ScheduledBatch([s for s in self.running if not self.prefilling(s)], False, copies)
