@@ -172,7 +172,8 @@ class VLLMEngine:
     def __repr__(self) -> str:
         import vllm
 
-        return (f"VLLMEngine(vllm {vllm.__version__}, dtype {self.cfg.dtype or 'auto'}, "
+        device, dtype = vllm_args.resolve_device_dtype(self.cfg)  # what vLLM was given
+        return (f"VLLMEngine(vllm {vllm.__version__}, {device} {dtype}, "
                 f"enforce_eager {self.enforce_eager}, KV {self.num_blocks} blocks, "
                 f"max_model_len {self.max_model_len}, max batch {self.max_batch_size})")
 
