@@ -1,6 +1,7 @@
 """Trainer checkpoints, written atomically (temp dir beside the target, then renamed).
 
-Layout: ``model/`` (HF format: config.json, model.safetensors, tokenizer files),
+Layout: ``model/`` (HF format: config.json, model.safetensors, and the source model folder's other
+files: tokenizer, chat template, generation_config.json; ``carried_files``),
 ``critic.safetensors`` (when a critic is used), ``trainer_state.pt`` (optimizer, scheduler,
 RNG states, weight version, iteration), ``trainer.json`` (algorithm, critic: what ``check``
 reads without loading tensors). The reference model is not saved: it is the ``model_dir`` the
@@ -22,12 +23,17 @@ from workers.trainer.schedule import lr_lambda
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# what of the source model folder is not carried into a checkpoint's model/: config.json and the
+# weights are written anew; other weight formats and hidden files are left out
+NOT_CARRIED = ("config.json",)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".ot",
+                   ".safetensors.index.json", ".bin.index.json")
+CARRIED_DIRS = ("additional_chat_templates",)  # transformers' named chat templates
 STATE_FILE = "trainer_state.pt"
 META_FILE = "trainer.json"
 # the ModelConfig fields that decide the tensors' names and shapes
 SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias",
+              "num_attention_heads", "num_key_value_heads", "dim_head", "has_qkv_bias", "has_o_bias", "mlp_bias",
               "tie_word_embeddings")
 
 
@@ -38,8 +44,7 @@ def save(w: "TrainerWorker", path: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
     try:
-        extra = [Path(w.model_dir) / f for f in TOKENIZER_FILES if (Path(w.model_dir) / f).exists()]
-        save_pretrained(w.actor, tmp / "model", extra_files=extra)
+        save_pretrained(w.actor, tmp / "model", extra_files=carried_files(w.model_dir))
         if w.critic is not None:
             save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
                        if "rotary_emb" not in k}, str(tmp / "critic.safetensors"))
@@ -60,6 +65,26 @@ def save(w: "TrainerWorker", path: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def carried_files(model_dir: str | Path) -> list[Path]:
+    """The files of ``model_dir`` a checkpoint's ``model/`` copies, so that the exported model
+    tokenizes, formats chats and generates as the source did: every top-level file but config.json
+    and the weights (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+    added_tokens.json, chat_template.jinja, generation_config.json with its extra EOS ids and
+    sampling defaults, vocab.json / merges.txt / tokenizer.model, README, ...), and the
+    ``additional_chat_templates/`` folder. Hidden files and other folders are left out."""
+    folder = Path(model_dir)
+    out = []
+    for f in sorted(folder.iterdir()):
+        if f.name.startswith("."):
+            continue
+        if f.is_dir():
+            if f.name in CARRIED_DIRS:
+                out.append(f)
+        elif f.is_file() and f.name not in NOT_CARRIED and not f.name.endswith(WEIGHT_SUFFIXES):
+            out.append(f)
+    return out
 
 
 def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool) -> None:
