@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -98,7 +99,9 @@ def estimates(args, rows: list[dict], cap: int) -> tuple[list[float], dict]:
     if (cache / "meta.json").exists():
         try:
             model, source = ranker.load(cache), "cache"
-        except (ranker.FeatureMismatchError, ValueError):  # ranker code changed since: refit
+        except (ranker.FeatureMismatchError, ValueError) as e:  # ranker code changed since: refit
+            print(f"[skew_dispatch] cached ranker not usable ({e}); refitting it", file=sys.stderr)
+            shutil.rmtree(cache)  # the bench's own cache folder (a save refuses a folder it cannot read)
             model = None
     if model is None:
         model = ranker.build(args.ranker)

@@ -20,6 +20,8 @@ class TfidfRidge:
         self.model = Ridge(alpha)
 
     def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> "TfidfRidge":
+        if len(prompts) < 2:  # its words must occur in 2 prompts (min_df)
+            raise ValueError(f"needs at least 2 training prompts, got {len(prompts)}")
         self.model.fit(self.vec.fit_transform(prompts), np.log1p(np.asarray(lengths, dtype=np.float64)))
         return self
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from ranker import progress
-from ranker.data import TraceError, read_traces
+from ranker.data import LENGTHS_KEY, TraceError, read_traces
 
-# --quick: a smaller model for smoke runs (seconds, not minutes).
+# --quick: a smaller model for smoke runs (seconds, not minutes); --config goes on top of it.
 QUICK = {"lgbm": {"rounds": 60}, "lm": {"epochs": 1, "max_tokens": 128},
          "ensemble": {"lgbm": {"rounds": 60}, "lm": {"epochs": 1, "max_tokens": 128}}}
 
@@ -41,9 +41,17 @@ def _json_out(obj) -> str:
     return json.dumps(clean(obj), allow_nan=False)
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``; objects nested in both are merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _config(a) -> dict:
-    """``--config`` as keyword arguments (on top of ``--quick``'s), checked by building the model."""
-    kw = dict(QUICK[a.kind]) if a.quick else {}
+    """``--config`` as keyword arguments (merged into ``--quick``'s), checked by building the model."""
+    kw = QUICK[a.kind] if a.quick else {}
     if a.config:
         try:
             over = json.loads(a.config)
@@ -51,19 +59,25 @@ def _config(a) -> dict:
             raise ValueError(f"--config: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
         if not isinstance(over, dict):
             raise ValueError(f"--config: expected a JSON object of config keys, got {type(over).__name__}")
-        kw.update(over)
+        kw = _merge(kw, over)
     return kw
 
 
 def _output_file(path: str, flag: str) -> Path:
-    """``path`` as a file to write, its folder created; refused (naming ``flag``) when it cannot be."""
+    """``path`` as a file to write later (nothing is created yet); refused, naming ``flag``, when it
+    is a folder, ends in .gz, or its folder cannot be created or written."""
+    from ranker.store import check_writable_parent
+
     out = Path(path)
+    if out.suffix.lower() == ".gz":
+        raise ValueError(f"{flag} {out}: predictions are written as plain JSON lines, not gzip; use a name "
+                         f"without .gz (and compress the file afterwards if needed)")
     if out.is_dir():
         raise ValueError(f"{flag} {out}: is a folder, expected a file name")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{flag} {out}: cannot create its folder ({e.strerror or e})") from e
+        check_writable_parent(out)
+    except ValueError as e:
+        raise ValueError(f"{flag} {e}") from e
     return out
 
 
@@ -98,13 +112,16 @@ def cmd_train(a) -> int:
 def cmd_predict(a) -> int:
     import ranker
 
+    from workers.atomic import write_text
+
     out = _output_file(a.output, "--output")
+    if out.exists() and Path(a.input).exists() and os.path.samefile(out, a.input):
+        raise ValueError(f"--output {out}: is the --input file; refusing to overwrite the trace with predictions")
     rows = read_traces(a.input, need_lengths=False)
     preds = ranker.load(a.model).predict([x.prompt for x in rows])
-    try:
-        with open(out, "w") as f:
-            for row, p in zip(rows, preds):
-                f.write(json.dumps({"idx": row.line, "pred_len": float(p)}) + "\n")
+    text = "".join(json.dumps({"idx": row.line, "pred_len": float(p)}) + "\n" for row, p in zip(rows, preds))
+    try:  # temp file + rename: a failed write leaves the earlier output as it was
+        write_text(out, text)
     except OSError as e:
         raise ValueError(f"--output {out}: cannot write ({e.strerror or e})") from e
     progress.log(f"wrote {len(rows)} predictions to {out}")
@@ -123,8 +140,15 @@ def cmd_eval(a) -> int:
     train_path = a.baseline_train or _default_train(a.data)
     if train_path:
         tr = read_traces(train_path)
-        ridge = TfidfRidge().fit([x.prompt for x in tr], [x.target for x in tr])
+        try:
+            ridge = TfidfRidge().fit([x.prompt for x in tr], [x.target for x in tr])
+        except ValueError as e:
+            what = "--baseline-train" if a.baseline_train else "the *.train.* sibling of --data,"
+            raise ValueError(f"{what} {train_path}: cannot fit the TF-IDF baseline on it ({e})") from e
         results["tfidf_ridge"] = ranking_report(ridge.predict(prompts), true)
+    else:
+        print(f"note: no TF-IDF ridge baseline: {a.data} has no *.train.* sibling (a file named like it with "
+              f"'.val.' -> '.train.'); pass --baseline-train FILE to get it", file=sys.stderr)
     for name, rep in results.items():
         print(_report_line(name, rep), file=sys.stderr)
     print(_json_out({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results}))
@@ -138,15 +162,24 @@ def cmd_ceiling(a) -> int:
     if a.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     rows = read_traces(a.data)
-    n = {len(x.lengths) for x in rows}
-    if len(n) != 1 or n.pop() < 2:
-        raise ValueError(f"{a.data}: ceiling needs the same number (>= 2) of answers on every line")
+    first, n = rows[0], len(rows[0].lengths)
+    if n < 2:
+        raise ValueError(f"{a.data}:{first.line}: 1 answer in '{LENGTHS_KEY}'; ceiling needs >= 2 answers per line")
+    bad = next((x for x in rows if len(x.lengths) != n), None)
+    if bad is not None:
+        k = len(bad.lengths)
+        raise ValueError(f"{a.data}:{bad.line}: {k} answer{'s' * (k != 1)} in '{LENGTHS_KEY}', but line {first.line} "
+                         f"has {n}; ceiling needs the same number of answers on every line")
+    untasked = sum(not x.task for x in rows)
+    if untasked:
+        print(f"note: {untasked} of {len(rows)} lines have no 'task' field; they are pooled as one task (the "
+              f"estimate models the answers' noise per task)", file=sys.stderr)
     out = {"data": a.data, "rows": len(rows)}
     for frac in (0.1, 0.2, 0.3):
         rep = noise_ceiling([x.lengths for x in rows], [x.task for x in rows], frac=frac, repeats=a.repeats)
         out[f"recall@{int(round(frac * 100))}"] = rep
         print(f"recall@{int(round(frac * 100))}: split-half {rep['observed_split_half']:.3f}, "
-              f"oracle ceiling {rep['ceiling']:.3f} +- {rep['ceiling_std']:.3f} (q {rep['matched_q']})",
+              f"oracle ceiling {rep['ceiling']:.3f} +- {rep['ceiling_std']:.3f} (q {rep['matched_q']:.3f})",
               file=sys.stderr)
     print(_json_out(out))
     return 0
@@ -162,34 +195,51 @@ def _default_train(data: str) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ranker", description="output-length ranker")
+def _os_error(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m ranker", description="output-length ranker (docs/ranker.md)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fit a ranker on a trace file and save it")
-    t.add_argument("--train", required=True)
-    t.add_argument("--val")
-    t.add_argument("--out", required=True)
-    t.add_argument("--quick", action="store_true", help="small model, for smoke tests")
-    t.add_argument("--kind", default="lgbm", choices=["lgbm", "lm", "ensemble"])
-    t.add_argument("--config", help="JSON object of config overrides for the kind")
+    t.add_argument("--train", required=True, help="trace file to fit on (JSON lines, .gz or plain)")
+    t.add_argument("--val", help="trace file to report ranking metrics on after training (read first)")
+    t.add_argument("--out", required=True, help="model folder to write: new, empty, or a ranker folder to replace")
+    t.add_argument("--quick", action="store_true",
+                   help="small model for smoke tests: lgbm 60 trees (rounds 60), lm 1 fine-tune epoch and "
+                        "max_tokens 128; --config goes on top")
+    t.add_argument("--kind", default="lgbm", choices=["lgbm", "lm", "ensemble"], help="model kind (default lgbm)")
+    t.add_argument("--config", help="JSON object of config overrides for the kind, e.g. '{\"rounds\": 100}'")
     p = sub.add_parser("predict", help="predict lengths for each line of a trace file")
-    p.add_argument("--model", required=True)
-    p.add_argument("--input", required=True)
-    p.add_argument("--output", required=True)
+    p.add_argument("--model", required=True, help="trained model folder")
+    p.add_argument("--input", required=True, help="trace file; only 'question' is needed")
+    p.add_argument("--output", required=True,
+                   help="JSON lines file to write, one {idx, pred_len} per input line (not .gz, not --input)")
     e = sub.add_parser("eval", help="ranking quality vs two baselines")
-    e.add_argument("--model", required=True)
-    e.add_argument("--data", required=True)
+    e.add_argument("--model", required=True, help="trained model folder")
+    e.add_argument("--data", required=True, help="trace file to judge on (needs 'resp_words')")
     e.add_argument("--baseline-train", help="training file for the TF-IDF ridge baseline "
                    "(default: the *.train.* sibling of --data)")
     c = sub.add_parser("ceiling", help="recall an oracle of each prompt's expected length would get, "
                        "given the answers' sampling noise (uses the trace's task field)")
-    c.add_argument("--data", required=True)
-    c.add_argument("--repeats", type=int, default=40)
-    a = ap.parse_args(argv)
+    c.add_argument("--data", required=True, help="trace file with >= 2 answers per line (and a 'task' field)")
+    c.add_argument("--repeats", type=int, default=40, help="simulation repeats per q (default 40)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     progress.set_enabled(True)
     try:
         return {"train": cmd_train, "predict": cmd_predict, "eval": cmd_eval,
                 "ceiling": cmd_ceiling}[a.cmd](a)
-    except (TraceError, ValueError, FileNotFoundError) as e:
+    except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # FileNotFoundError from load, or an I/O error while saving (full disk, ...)
+        print(f"error: {_os_error(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -76,8 +76,16 @@ def _surrogate_at(text: str) -> int | None:
         return e.start
 
 
+_BOM, _GZIP_MAGIC = b"\xef\xbb\xbf", b"\x1f\x8b"
+
+
 def _parse(path: Path, i: int, raw: bytes, need_lengths: bool) -> TraceRow:
     where = f"{path}:{i}"
+    if i == 1 and raw.startswith(_BOM):  # a UTF-8 byte-order mark, as some editors write
+        raw = raw[len(_BOM):]
+    if i == 1 and raw.startswith(_GZIP_MAGIC):
+        raise TraceError(f"{where}: gzip data (starts with bytes 1f 8b) in a file whose name does not end in "
+                         f".gz; rename it to end in .gz")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -117,14 +125,21 @@ def _parse(path: Path, i: int, raw: bytes, need_lengths: bool) -> TraceRow:
 
 
 def read_traces(path: str | Path, need_lengths: bool = True) -> list[TraceRow]:
-    """All rows of a trace file (``.gz`` or plain JSON lines). Blank lines are errors too,
-    since ``predict`` promises one output line per input line."""
+    """All rows of a trace file (``.gz`` or plain JSON lines). Blank lines at the end of the
+    file are ignored; one before a row is an error (a lost or spliced row, most likely)."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"{path}: no such file")
-    rows = [_parse(path, i, raw, need_lengths) for i, raw in _lines(path)]
+    rows, blank = [], 0
+    for i, raw in _lines(path):
+        if not raw.strip():
+            blank = blank or i
+            continue
+        if blank:
+            raise TraceError(f"{path}:{blank}: blank line (only the end of the file may have blank lines)")
+        rows.append(_parse(path, i, raw, need_lengths))
     if not rows:
-        raise TraceError(f"{path}: no lines")
+        raise TraceError(f"{path}: no rows (the file is empty or holds only blank lines)")
     return rows
 
 

@@ -20,7 +20,7 @@ from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
 from ranker.base import check_range, check_types, config_kwargs
-from ranker.textspace import SpaceConfig, TextSpace
+from ranker.textspace import SpaceConfig, TextSpace, one_blas_thread
 from ranker.textstats import STAT_NAMES, text_stats
 
 FEATURES_VERSION = 3  # 3: training rows' neighbour columns out-of-fold
@@ -28,6 +28,8 @@ _N_SIZE = 30  # the first columns of STAT_NAMES are sizes (compared with neighbo
 _KNN_NAMES = ("knn_mean", "knn_wmean", "knn_max", "knn_min", "knn_std", "knn_sim_mean",
               "knn_top1", "knn_sim_top1", "knn_frac_long", "knn_log_mean_words")
 LONG_QUANTILE = 0.8  # "long" = above this quantile of the training lengths
+_GRID = 2.0 ** 20  # neighbour similarities are computed on coordinates rounded to multiples of 1/_GRID
+_CHUNK = 2048     # rows per neighbour-search block
 
 # An embedding function: prompts -> float32 [N, D] (e.g. the small LM's pooled hidden state).
 Embedder = Callable[[Sequence[str]], np.ndarray]
@@ -59,6 +61,14 @@ class FeatureConfig:
         d = config_kwargs(cls, d, name)
         space = SpaceConfig.from_dict(d.pop("space", {}), f"{name}.space")
         return cls(space=space, **d)
+
+
+def _exact(z: np.ndarray) -> np.ndarray:
+    """float64 integers round(z * _GRID). With |z| <= 1 (unit rows) every product and partial sum
+    of their dot products is an integer below 2**53, so a matrix product of them is exact: the
+    same whatever the BLAS, its thread count, the summation order or the batch (a float32
+    product differed in the last bits with the thread count and changed neighbour sets)."""
+    return np.round(np.asarray(z, dtype=np.float64) * _GRID)
 
 
 class FeatureMismatchError(ValueError):
@@ -107,15 +117,7 @@ class FeatureBuilder:
         k = min(self.cfg.knn_k, n_out)
         if k < 1:
             return np.zeros((len(z), len(_KNN_NAMES) + _N_SIZE), dtype=np.float32)
-        sim = z @ self.mem_z.T  # sim: [N, K]
-        if exclude_self and folds is not None:
-            sim[folds[:, None] == folds[None, :]] = -np.inf
-        elif exclude_self:
-            np.fill_diagonal(sim, -np.inf)
-        idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]
-        top = np.take_along_axis(sim, idx, 1)
-        order = np.argsort(-top, axis=1, kind="stable")
-        idx, top = np.take_along_axis(idx, order, 1), np.take_along_axis(top, order, 1)
+        idx, top = self._neighbours(z, k, exclude_self, folds)
         yy = self.mem_y[idx]  # yy: [N, k]
         w = np.exp(20.0 * (top - top[:, :1]))
         # frac_long and the mean in words (not logs) see runaway answers that log-means hide.
@@ -124,6 +126,26 @@ class FeatureBuilder:
                          np.log1p(np.expm1(yy).mean(1))], axis=1)
         rel = sizes - self.mem_s[idx].mean(1)
         return np.concatenate([summ, rel], axis=1).astype(np.float32)
+
+    def _neighbours(self, z: np.ndarray, k: int, exclude_self: bool, folds: np.ndarray | None):
+        """(idx int [N, k], sim float64 [N, k]): each row's k most similar memory rows, most
+        similar first; computed _CHUNK rows at a time (a [N, K] float64 matrix of 20k x 20k
+        rows would take 3.2 GB)."""
+        mem = _exact(self.mem_z).T
+        idx, top = [], []
+        for s in range(0, len(z), _CHUNK):
+            sim = _exact(z[s:s + _CHUNK]) @ mem / _GRID ** 2  # sim: [c, K], exact
+            if exclude_self and folds is not None:
+                sim[folds[s:s + _CHUNK, None] == folds[None, :]] = -np.inf
+            elif exclude_self:
+                rows = np.arange(len(sim))
+                sim[rows, s + rows] = -np.inf
+            i = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+            t = np.take_along_axis(sim, i, 1)
+            order = np.argsort(-t, axis=1, kind="stable")
+            idx.append(np.take_along_axis(i, order, 1))
+            top.append(np.take_along_axis(t, order, 1))
+        return np.concatenate(idx), np.concatenate(top)
 
     def _ridge_oof(self, x: sp.csr_matrix, log_y: np.ndarray) -> np.ndarray:
         out = np.zeros(len(log_y), dtype=np.float32)
@@ -154,8 +176,9 @@ class FeatureBuilder:
         z = self.space.dense(x)
         stats = text_stats(prompts)
         sizes = np.log1p(stats[:, :_N_SIZE])
-        ridge_oof = self._ridge_oof(x, log_y)
-        full = Ridge(self.cfg.ridge_alpha).fit(x, log_y)
+        with one_blas_thread():  # the ridge solvers' sums too (see one_blas_thread)
+            ridge_oof = self._ridge_oof(x, log_y)
+            full = Ridge(self.cfg.ridge_alpha).fit(x, log_y)
         self.ridge_coef = np.asarray(full.coef_, dtype=np.float32)
         self.ridge_bias = float(full.intercept_)
         self.mem_z, self.mem_y, self.mem_s = z, log_y.copy(), sizes

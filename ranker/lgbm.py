@@ -198,7 +198,9 @@ class LgbmRanker(LogLengthRanker):
         return {"config": asdict(self.cfg), "fingerprint": self.features.fingerprint()}
 
     def save_files(self, folder: Path) -> None:
-        self.booster.save_model(str(folder / "lgbm.txt"))
+        # Written by Python, not by LightGBM's own file code: a full disk raises OSError here
+        # instead of leaving a truncated model whose checksum would then be recorded.
+        (folder / "lgbm.txt").write_text(self.booster.model_to_string())
         np.savez(folder / "lgbm_state.npz", **self.features.state(), score_q=self.score_q,
                  logy_q=self.logy_q, replay_x=self.replay_x, replay_y=self.replay_y)
 

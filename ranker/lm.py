@@ -59,6 +59,14 @@ class LmConfig:
                               ("lr", self.lr > 0, "> 0"), ("pairwise_weight", self.pairwise_weight >= 0, ">= 0"),
                               ("update_steps", self.update_steps >= 0, ">= 0"), ("replay", self.replay >= 0, ">= 0")):
             check_range("lm", key, ok, want, getattr(self, key))
+        if self.model_dir:  # the architecture and tokenizer come from the folder
+            return
+        check_range("lm", "vocab_size", self.vocab_size >= 258, ">= 258 (256 bytes + 2 special tokens)",
+                    self.vocab_size)
+        check_range("lm", "kv_heads", self.heads % self.kv_heads == 0, f"a divisor of heads ({self.heads})",
+                    self.kv_heads)
+        check_range("lm", "hidden", self.hidden % (2 * self.heads) == 0,
+                    f"a multiple of 2 x heads ({2 * self.heads}: each head's size must be even for RoPE)", self.hidden)
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "lm") -> "LmConfig":

@@ -5,6 +5,7 @@ is invariant to monotone transforms of ``pred``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -28,6 +29,10 @@ def recall_at(pred: Sequence[float], true: Sequence[float], frac: float) -> floa
 def ranking_report(pred: Sequence[float], true: Sequence[float]) -> dict[str, float]:
     """{"recall@10", "recall@20", "recall@30", "kendall_tau", "spearman"}."""
     out = {f"recall@{int(round(f * 100))}": recall_at(pred, true, f) for f in RECALL_FRACTIONS}
-    out["kendall_tau"] = float(kendalltau(pred, true).statistic)
-    out["spearman"] = float(spearmanr(pred, true).statistic)
+    # Undefined correlations (constant input, fewer than 2 rows) are NaN, printed as null by the
+    # CLI: scipy's warnings about them (ConstantInputWarning, SmallSampleWarning) add nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out["kendall_tau"] = float(kendalltau(pred, true).statistic)
+        out["spearman"] = float(spearmanr(pred, true).statistic)
     return out

@@ -3,12 +3,16 @@
 A model folder holds ``meta.json`` (format, kind, config, feature-set fingerprint, target
 definition) plus the kind's own files (``lgbm.txt`` + ``lgbm_state.npz`` for LightGBM,
 ``lm/`` HF-format weights + tokenizer for the small LM). Saves are atomic (temp dir, rename);
-meta.json records a sha256 of every other file, checked at load before anything is parsed.
+meta.json records a sha256 of every other file (``files``), checked at load before anything is
+parsed; a save replaces only a folder holding nothing else.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -53,50 +57,108 @@ def build(kind: str = "lgbm", **kw):
 
 
 def save(ranker, path: str | Path) -> Path:
-    """Save atomically to folder ``path``. Refuses (ValueError) a ``path`` that exists and is not a
-    ranker folder (a file, or a folder with other things in it): only a ranker is replaced."""
-    path = Path(path)
+    """Save atomically to folder ``path`` (a symbolic link: into the folder it points to) and
+    return the folder. Refuses (ValueError) a ``path`` that exists and is not a ranker folder, or
+    holds anything its ranker did not save (only a ranker is replaced); an I/O error (a full disk,
+    no permission) raises OSError naming ``path``. No temp folder is left behind, also after
+    Ctrl-C; ones left by a killed save (``.NAME.tmpXXXXXXXX``) are removed by the next save."""
+    path = Path(path).resolve()  # "." and ".." get a real name and parent; a link is followed
     ranker._need_fitted()
     check_target(path)
+    _remove_stale_temps(path)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
-    except OSError as e:
-        raise ValueError(f"{path}: cannot create the model folder ({e.strerror or e})") from e
-    try:
         ranker.save_files(tmp)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": ranker.kind,
                 "target": TARGET, **ranker.meta(), "files": _checksums(tmp)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, path)
+        replace_dir(tmp, path)
+    except Exception as e:  # OSError, or a writer's own I/O error (safetensors raises SafetensorError)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise OSError(getattr(e, "errno", None), f"cannot save the ranker ({why})", str(path)) from e
+    finally:  # after replace_dir, tmp is gone or holds the replaced folder
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def check_target(path: Path) -> None:
-    """Refuse a save target that is not a ranker folder (and not an empty folder), or whose
-    parent cannot be a folder, so a save never wipes other files."""
-    if path.exists():
-        if not path.is_dir():
+    """Refuse, before any work, a save target that is neither an empty folder nor a ranker folder
+    holding only what its ranker saved (a save replaces the whole folder, so it never wipes
+    other files), or that cannot be created or written."""
+    real = Path(path).resolve()
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise ValueError(f"{path}: is the current folder or holds it; a save replaces the whole folder, which "
+                         f"would leave this shell in a deleted one: run from outside it (cd ..)")
+    if real.exists():
+        if not real.is_dir():
             raise ValueError(f"{path}: exists and is not a folder; refusing to replace it with a ranker")
-        if any(path.iterdir()) and not _is_ranker_folder(path):
-            raise ValueError(f"{path}: exists and is not a ranker folder (no ranker meta.json); refusing to "
-                             f"replace what is in it: save to a new folder")
-    for parent in path.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{path}: cannot create it, {parent} is not a folder")
-            break
+        if any(real.iterdir()):
+            _check_only_ranker_files(path, real)
+    check_writable_parent(path)
 
 
-def _is_ranker_folder(path: Path) -> bool:
+def check_writable_parent(path: Path) -> None:
+    """Refuse ``path`` (a file or folder to be created, through a temp entry beside it) when its
+    nearest existing parent is not a folder or cannot be written: found by creating and removing
+    a temp folder there, which also catches read-only and special file systems (/proc)."""
+    real = Path(path).resolve()
+    parent = next(p for p in real.parents if p.exists())
+    if not parent.is_dir():
+        raise ValueError(f"{path}: cannot create it, {parent} is not a folder")
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        os.rmdir(tempfile.mkdtemp(prefix=f".{real.name}.tmp", dir=parent))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write in {parent} ({e.strerror or e})") from e
+
+
+def _check_only_ranker_files(path: Path, real: Path) -> None:
+    try:
+        meta = json.loads((real / "meta.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: exists and is not a ranker folder (no ranker meta.json); refusing to "
+                         f"replace what is in it: save to a new folder")
+    if not isinstance(meta.get("files"), dict):
+        raise ValueError(f"{path}: ranker folder saved without a file list (by an older version), so its files "
+                         f"cannot be told from others; refusing to replace it: delete it or save to a new folder")
+    extra = _foreign_entries(real, {"meta.json", *meta["files"]})
+    if extra:
+        shown = ", ".join(extra[:5]) + (f", ... ({len(extra)} in all)" if len(extra) > 5 else "")
+        raise ValueError(f"{path}: holds things its saved ranker does not list ({shown}); a save replaces the "
+                         f"whole folder, so it refuses: move them out, or save to a new folder")
+
+
+def _foreign_entries(folder: Path, keep: set[str]) -> list[str]:
+    """Files and folders under ``folder`` that are not in ``keep`` (relative paths of files) nor a
+    folder on the way to one; a foreign folder is listed once (``name/``), not its contents."""
+    dirs = {p.as_posix() for k in keep for p in Path(k).parents}
+    out = []
+    for d, subdirs, names in os.walk(folder):
+        rel = Path(d).relative_to(folder)
+        out += [(rel / n).as_posix() for n in names if (rel / n).as_posix() not in keep]
+        foreign = [n for n in subdirs if (rel / n).as_posix() not in dirs]
+        out += [(rel / n).as_posix() + "/" for n in foreign]
+        subdirs[:] = [n for n in subdirs if n not in foreign]
+    return sorted(out)
+
+
+_TEMP = re.compile(r"\.tmp[a-z0-9_]{8}")  # tempfile.mkdtemp's random suffix
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove ``.NAME.tmpXXXXXXXX`` entries beside ``path``: temp folders of saves that were killed
+    before they could clean up (one save at a time per folder: a running one's would go too)."""
+    for p in path.parent.glob(glob.escape(f".{path.name}.tmp") + "*"):
+        if _TEMP.fullmatch(p.name[len(path.name) + 1:]):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 def _sha256(path: Path) -> str:
@@ -114,7 +176,11 @@ def _checksums(folder: Path) -> dict[str, str]:
 
 def _verify(folder: Path, files) -> None:
     """Check every file ``save`` recorded before anything parses it (LightGBM aborts the whole
-    process on some truncated model files instead of raising)."""
+    process, even with a segfault, on some truncated model files instead of raising): a folder
+    without the list (saved by an older version) is refused too, since its files cannot be checked."""
+    if files is None:
+        raise ValueError(f"{folder}/meta.json: no 'files' checksum list (saved by an older version), so its "
+                         f"files cannot be checked before parsing; retrain with `python -m ranker train`")
     if not isinstance(files, dict):
         raise ValueError(f"{folder}/meta.json: 'files' must be an object of checksums")
     for rel, want in files.items():
@@ -129,6 +195,10 @@ def _verify(folder: Path, files) -> None:
 
 def _read_meta(path: Path) -> dict:
     meta_path = path / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{path}: is not a folder (a ranker is a folder holding meta.json)")
     if not meta_path.exists():
         raise FileNotFoundError(f"{path}: not a ranker folder (no meta.json)")
     try:
@@ -144,6 +214,8 @@ def _read_meta(path: Path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format_version {meta.get('format_version')!r}, this code reads "
                          f"{FORMAT_VERSION}; retrain with `python -m ranker train`")
+    if meta.get("kind") not in KINDS:
+        raise ValueError(f"{meta_path}: unknown ranker kind {meta.get('kind')!r}: expected one of {sorted(KINDS)}")
     return meta
 
 
@@ -155,12 +227,9 @@ def load(path: str | Path):
 
     path = Path(path)
     meta = _read_meta(path)
-    # Folders saved before checksums were recorded (no "files") still load, unverified.
-    if "files" in meta:
-        _verify(path, meta["files"])
-    cls = _cls(meta.get("kind", ""))
+    _verify(path, meta.get("files"))
     try:
-        return cls.load_files(path, meta)
+        return _cls(meta["kind"]).load_files(path, meta)
     except FeatureMismatchError:
         raise
     except Exception as e:  # any parse failure of a damaged/hand-edited folder: name the folder

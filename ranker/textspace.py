@@ -14,6 +14,7 @@ import scipy.sparse as sp
 from sklearn.decomposition import TruncatedSVD
 from sklearn.feature_extraction.text import HashingVectorizer
 from sklearn.preprocessing import normalize
+from threadpoolctl import threadpool_limits
 
 from ranker.base import check_range, check_types, config_kwargs
 
@@ -35,13 +36,22 @@ class SpaceConfig:
                   and 1 <= lo_hi[0] <= lo_hi[1])
             check_range("space", key, ok, "[lo, hi] with 1 <= lo <= hi", lo_hi)
         for key, ok, want in (("hash_bits", 1 <= self.hash_bits <= 24, "in [1, 24]"),
-                              ("max_columns", self.max_columns >= 1, ">= 1"), ("svd_dims", self.svd_dims >= 1, ">= 1")):
+                              ("max_columns", self.max_columns >= 2, ">= 2 (the SVD needs 2 columns)"),
+                              ("svd_dims", self.svd_dims >= 1, ">= 1")):
             check_range("space", key, ok, want, getattr(self, key))
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "space") -> "SpaceConfig":
         d = config_kwargs(cls, d, name)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def one_blas_thread():
+    """Context: BLAS / LAPACK on one thread. Their float results depend on the thread count (it
+    changes the blocking and so the order of sums), so without it a model trained with
+    OMP_NUM_THREADS=1 differed from one trained with 2 threads (SVD components ~2e-5 apart,
+    other neighbours, other trees). Fits run their BLAS calls inside it."""
+    return threadpool_limits(1, user_api="blas")
 
 
 class TextSpace:
@@ -74,7 +84,8 @@ class TextSpace:
         self.idf = (np.log((1 + n) / (1 + df[keep])) + 1).astype(np.float32)
         x = self._weight(counts[:, self.columns])
         k = max(1, min(self.cfg.svd_dims, x.shape[1] - 1, x.shape[0] - 1))
-        svd = TruncatedSVD(k, algorithm="randomized", n_iter=4, random_state=self.cfg.seed).fit(x)
+        with one_blas_thread():
+            svd = TruncatedSVD(k, algorithm="randomized", n_iter=4, random_state=self.cfg.seed).fit(x)
         comps = np.zeros((self.cfg.svd_dims, x.shape[1]), dtype=np.float32)
         comps[:k] = svd.components_
         self.components = comps

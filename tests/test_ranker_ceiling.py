@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -58,12 +59,28 @@ def test_cli_ceiling(tmp_path, capsys):
     assert out["rows"] == 200 and out["recall@20"]["ceiling"] >= 0.95
 
 
-def test_cli_ceiling_needs_equal_answer_counts(tmp_path, capsys):
+def test_cli_ceiling_needs_equal_answer_counts_naming_the_line(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"question": "a", "resp_words": [1, 2]}) + "\n"
-                    + json.dumps({"question": "b", "resp_words": [3]}) + "\n")
+    path.write_text("".join(json.dumps({"question": q, "resp_words": w}) + "\n"
+                            for q, w in (("a", [1, 2]), ("b", [3, 4]), ("c", [3]))))
     assert main(["ceiling", "--data", str(path)]) == 2
-    assert "same number" in capsys.readouterr().err
+    assert f"{path}:3: 1 answer in 'resp_words', but line 1 has 2; ceiling needs the same number" in \
+        capsys.readouterr().err
+    path.write_text(json.dumps({"question": "a", "resp_words": [1]}) + "\n")
+    assert main(["ceiling", "--data", str(path)]) == 2
+    assert f"{path}:1: 1 answer in 'resp_words'; ceiling needs >= 2" in capsys.readouterr().err
+
+
+def test_cli_ceiling_notes_a_missing_task_field_and_rounds_q(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q {i}", "resp_words": [int(x) for x in rng.lognormal(4, 1, 3)]})
+                            + "\n" for i in range(60)))
+    assert main(["ceiling", "--data", str(path), "--repeats", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 60 of 60 lines have no 'task' field; they are pooled as one task" in err
+    qs = re.findall(r"\(q ([0-9.]+)\)", err)
+    assert len(qs) == 3 and all(len(q.split(".")[1]) == 3 for q in qs), err
 
 
 def test_cli_ceiling_refuses_zero_repeats(tmp_path, capsys):

@@ -30,7 +30,8 @@ GOOD = json.dumps({"question": "Sort 3, 1, 2", "resp_words": [10, 12, 14]}).enco
     (json.dumps({"question": "x", "resp_words": [-3]}).encode(), r":2: field 'resp_words' must be"),
     (b"not json", r":2: not a JSON object"),
     (b"[1, 2]", r":2: expected a JSON object"),
-    (b"", r":2: not a JSON object"),
+    (b"", r":2: blank line"),
+    (b"  \t\r", r":2: blank line"),
     (b'{"question": "x", "resp_words": [1' + b"0" * 400 + b']}', r":2: field 'resp_words' must be"),
     (json.dumps({"question": "x", "resp_words": [1e39]}).encode(), r":2: field 'resp_words' must be"),
     (b"[" * 100000 + b"]" * 100000, r":2: not a JSON object \(nested too deeply\)"),
@@ -172,3 +173,94 @@ def test_cli_bad_val_line_stops_before_training(tmp_path, capsys):
                  "--config", json.dumps(SMALL_LGBM)]) == 2
     assert "v.jsonl.gz:2: not a JSON object" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()  # nothing was trained or saved
+
+
+def _plain(path, lines: list[bytes]):
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_blank_lines_only_at_the_end(tmp_path):
+    path = _plain(tmp_path / "t.jsonl", [GOOD, GOOD, b"", b"  "])  # trailing blank lines: ignored
+    assert [r.line for r in read_traces(path)] == [1, 2]
+    path = _plain(tmp_path / "t.jsonl", [GOOD, b"", b"", GOOD])
+    with pytest.raises(TraceError, match=r"t.jsonl:2: blank line \(only the end of the file may have blank lines\)"):
+        read_traces(path)
+    with pytest.raises(TraceError, match=r"t.jsonl: no rows"):
+        read_traces(_plain(tmp_path / "t.jsonl", [b""]))
+
+
+def test_gzip_data_in_a_plain_name_and_a_bom_are_recognised(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(gzip.compress(GOOD + b"\n"))
+    with pytest.raises(TraceError, match=r"t.jsonl:1: gzip data \(starts with bytes 1f 8b\) .*rename it to end in .gz"):
+        read_traces(path)
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD + b"\n" + GOOD + b"\n")  # a UTF-8 byte-order mark on line 1
+    assert [r.target for r in read_traces(path)] == [12.0, 12.0]
+
+
+def test_cli_quick_and_nested_config_are_merged():
+    import argparse
+
+    from ranker.cli import QUICK, _config
+
+    a = argparse.Namespace(kind="ensemble", quick=True, config='{"lm": {"threads": 1}, "lgbm_weight": 0.5}')
+    assert _config(a) == {"lgbm": {"rounds": 60}, "lm": {"epochs": 1, "max_tokens": 128, "threads": 1},
+                          "lgbm_weight": 0.5}
+    assert QUICK["ensemble"]["lm"] == {"epochs": 1, "max_tokens": 128}  # not changed in place
+
+
+@pytest.mark.parametrize("kind, config, key", [
+    ("lm", '{"vocab_size": 100}', "'vocab_size' must be >= 258"),
+    ("lm", '{"hidden": 30, "heads": 4}', "'hidden' must be a multiple of 2 x heads"),
+    ("lm", '{"heads": 4, "kv_heads": 3}', "'kv_heads' must be a divisor of heads (4)"),
+    ("ensemble", '{"lm": {"hidden": 12, "heads": 4, "kv_heads": 2}}', "'hidden' must be a multiple of 2 x heads"),
+    ("lgbm", '{"features": {"space": {"max_columns": 1}}}', "'max_columns' must be >= 2"),
+])
+def test_cli_config_values_that_would_fail_in_fit_exit_2_first(tmp_path, capsys, kind, config, key):
+    assert main(["train", "--kind", kind, "--train", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "m"),
+                 "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "error: --config" in err and key in err, err
+
+
+def test_cli_eval_baseline_notes_and_errors(tmp_path, capsys, model_dir):
+    data = write_trace(tmp_path / "d.jsonl.gz", 40, seed=1)  # no .val. in the name: no sibling
+    assert main(["eval", "--model", str(model_dir), "--data", str(data)]) == 0
+    captured = capsys.readouterr()
+    assert "note: no TF-IDF ridge baseline" in captured.err and "--baseline-train FILE" in captured.err
+    assert "tfidf_ridge" not in json.loads(captured.out.strip().splitlines()[-1])
+    one = _write(tmp_path / "one.jsonl.gz", [GOOD])
+    assert main(["eval", "--model", str(model_dir), "--data", str(data), "--baseline-train", str(one)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --baseline-train {one}: cannot fit the TF-IDF baseline on it (needs at least 2 training " \
+           f"prompts, got 1)" in err
+
+
+def test_cli_model_errors_name_the_folder(tmp_path, capsys, model_dir):
+    data = write_trace(tmp_path / "d.jsonl.gz", 20, seed=1)
+    assert main(["eval", "--model", str(tmp_path / "nope"), "--data", str(data)]) == 2
+    assert f"error: {tmp_path / 'nope'}: does not exist" in capsys.readouterr().err
+    assert main(["eval", "--model", str(data), "--data", str(data)]) == 2
+    assert f"error: {data}: is not a folder" in capsys.readouterr().err
+
+
+def test_cli_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    from ranker.lgbm import LgbmRanker
+
+    def interrupted(self, prompts, lengths):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(LgbmRanker, "fit", interrupted)
+    train = write_trace(tmp_path / "s.train.jsonl.gz", 60, seed=0)
+    assert main(["train", "--train", str(train), "--out", str(tmp_path / "m"), "--quick"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    assert not (tmp_path / "m").exists()
+
+
+def test_every_cli_flag_has_help():
+    from ranker.cli import parser
+
+    sub = next(a for a in parser()._actions if a.dest == "cmd")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, (name, action.option_strings)

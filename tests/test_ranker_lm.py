@@ -88,6 +88,16 @@ def test_lm_refuses_empty_fit_and_bad_config():
         ranker.build("lm", nope=1)
     with pytest.raises(ValueError, match="'lr' must be float, got True"):
         ranker.build("lm", lr=True)
+    # values the model or tokenizer would refuse only in fit, without naming the key
+    with pytest.raises(ValueError, match=r"lm config key 'vocab_size' must be >= 258 \(256 bytes"):
+        ranker.build("lm", vocab_size=100)
+    with pytest.raises(ValueError, match=r"lm config key 'hidden' must be a multiple of 2 x heads \(8"):
+        ranker.build("lm", hidden=30, heads=4)
+    with pytest.raises(ValueError, match=r"lm config key 'hidden' must be a multiple of 2 x heads"):
+        ranker.build("lm", hidden=12, heads=4)  # head size 3: RoPE needs an even one
+    with pytest.raises(ValueError, match=r"lm config key 'kv_heads' must be a divisor of heads \(4\), got 3"):
+        ranker.build("lm", heads=4, kv_heads=3)
+    ranker.build("lm", model_dir="some/folder", vocab_size=100)  # a folder brings its own tokenizer
     with pytest.raises(ValueError, match="unknown ensemble.lgbm.features config key 'nope'"):
         ranker.build("ensemble", lgbm={"features": {"nope": 1}})
     with pytest.raises(ValueError, match="ensemble ranker needs at least 20"):
