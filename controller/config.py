@@ -219,7 +219,7 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         raise ConfigError(f"{key}: expected a finite number, got {value}")
     if base is int and isinstance(value, bool) or not isinstance(value, base):
         quote = (" (YAML read the value as a mapping or a list: ': ', '{', '[' in it; put it in YAML quotes, '...')"
-                 if isinstance(value, (dict, list)) and base in (str, int, float, bool) else "")
+                 if isinstance(value, (dict, list)) and base is str else "")
         raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
                           f"{type(value).__name__} {value!r}{quote}")
     return value
@@ -255,6 +255,16 @@ def _hint(key: str, known) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _none_as_empty(cls, name: str, value: Any, hint: Any) -> Any:
+    """YAML null (``profile:``, ``profile: null``, ``--set dispatch.profile=null``) for a string
+    key whose default is empty (empty: none, off) reads as that empty string."""
+    if value is None and hint is str:
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+        if default == "":
+            return ""
+    return value
+
+
 def _build(cls, section: str, data: Any):
     """Instantiate dataclass ``cls`` from a mapping, naming unknown keys and wrong types."""
     if data is None:
@@ -266,7 +276,8 @@ def _build(cls, section: str, data: Any):
     for k in data:
         if k not in names:
             raise ConfigError(f"{section}.{k}: unknown key{_hint(k, names)} (known: {sorted(names)})")
-    kwargs = {k: _check_type(f"{section}.{k}", v, hints[k]) for k, v in data.items()}
+    kwargs = {k: _check_type(f"{section}.{k}", _none_as_empty(cls, k, v, hints[k]), hints[k])
+              for k, v in data.items()}
     for k, v in kwargs.items():
         _check_range(f"{section}.{k}", v)
     try:
@@ -476,7 +487,7 @@ def _check_registries(cfg: Config) -> None:
     if cfg.dispatch.profile:
         if not Path(cfg.dispatch.profile).is_file():
             raise ConfigError(f"dispatch.profile: {cfg.dispatch.profile} does not exist (a saved PTLProfile JSON, "
-                              "docs/scheduling.md; empty: a flat default profile)")
+                              "docs/scheduling.md; empty or null: a flat default profile)")
         try:
             PTLProfile.load(cfg.dispatch.profile)
         except (OSError, ValueError, TypeError) as e:  # the error names the file
@@ -505,8 +516,11 @@ def _check_ranker(r: RankerSection) -> None:
                           f"{saved}, or point ranker.path at an empty folder to bootstrap a {r.kind} one)")
 
 
-def load_config(path: str | Path, world_size: int | None = None, overrides: dict | None = None) -> Config:
-    """Read YAML ``path`` (plus dotted ``overrides`` like {"train.iterations": 3}) into a Config."""
+def load_config(path: str | Path, world_size: int | None = None,
+                overrides: dict | typing.Sequence[str] | None = None) -> Config:
+    """Read YAML ``path`` plus ``overrides`` into a Config. ``overrides``: the command line's
+    ``--set`` texts (``["train.iterations=3", ...]``, parsed here and echoed as typed in an error
+    they cause), or a mapping of dotted keys to values ({"train.iterations": 3})."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -514,11 +528,46 @@ def load_config(path: str | Path, world_size: int | None = None, overrides: dict
         d = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
-    overrides = overrides or {}
+    overrides, typed = _parse_overrides(overrides)
     try:
         return from_dict(_overridden(d, overrides), world_size)
     except ConfigError as e:
-        raise ConfigError(f"{_source(d, overrides, world_size, str(e)) or path}: {e}") from None
+        raise ConfigError(f"{_source(d, overrides, typed, world_size, str(e)) or path}: {e}") from None
+
+
+def _parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
+    """(dotted key -> value, dotted key -> the ``--set`` text to echo). A text is echoed as it
+    was typed; a value given as a mapping is echoed as YAML (``null``, ``.nan``, ``true``)."""
+    if not overrides:
+        return {}, {}
+    if isinstance(overrides, dict):
+        return dict(overrides), {k: f"--set {k}={_yaml_text(v)}" for k, v in overrides.items()}
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    values, typed = {}, {}
+    for text in overrides:
+        k, v = parse_override(text)
+        values.pop(k, None)  # the last --set of a key wins, in its own place
+        values[k], typed[k] = v, f"--set {text}"
+    return values, typed
+
+
+def _yaml_text(value: Any) -> str:
+    """``value`` as one line of YAML, as it would be typed after ``--set key=``."""
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    try:
+        text = yaml.safe_dump(plain(value), default_flow_style=True, width=math.inf).strip()
+    except yaml.YAMLError:
+        return str(value)
+    return text.removesuffix("\n...").removesuffix("...").strip()
 
 
 def _overridden(d: dict, overrides: dict) -> dict:
@@ -528,21 +577,21 @@ def _overridden(d: dict, overrides: dict) -> dict:
     return d
 
 
-def _source(d: dict, overrides: dict, world_size: int | None, error: str) -> str:
-    """The ``--set`` overrides the config error ``error`` comes from: the one whose key it
-    names, else (a rule over several keys) those without which the config does not fail with
-    it; '' when the file's own values do."""
-    named = [f"--set {k}={v}" for k, v in overrides.items() if error.startswith((f"{k}:", f"{k} ", f"{k}["))]
+def _source(d: dict, overrides: dict, typed: dict, world_size: int | None, error: str) -> str:
+    """The ``--set`` overrides the config error ``error`` comes from (as typed): the one whose
+    key it names, else (a rule over several keys) those without which the config does not fail
+    with it; '' when the file's own values do."""
+    named = [typed[k] for k in overrides if error.startswith((f"{k}:", f"{k} ", f"{k}["))]
     if named:
         return named[0]
     blamed = []
-    for k, v in overrides.items():
+    for k in overrides:
         try:
             from_dict(_overridden(d, {o: w for o, w in overrides.items() if o != k}), world_size)
         except ConfigError as e:
             if str(e) == error:
                 continue
-        blamed.append(f"--set {k}={v}")
+        blamed.append(typed[k])
     return " ".join(blamed)
 
 
@@ -564,12 +613,90 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     k, v = text.split("=", 1)
+    k = k.strip()
     try:
-        return k.strip(), yaml.safe_load(v)
+        return k, yaml.safe_load(v)
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or str(e).splitlines()[0]
         mark = getattr(e, "problem_mark", None)
         at = f" at character {mark.column + 1}" if mark is not None and mark.line == 0 else ""
-        raise ConfigError(f"--set {text}: the value is not valid YAML ({why}{at}); quote it as a YAML string: "
-                          f"--set \"{k.strip()}='...'\" (a ' inside written as ''), or set it in the YAML "
-                          "file") from None
+        try:
+            advice = _unparsed_advice(k)
+        except ConfigError as unknown:  # no such key: that is the error, not the value
+            raise ConfigError(f"--set {text}: {unknown}") from None
+        raise ConfigError(f"--set {text}: the value is not valid YAML ({why}{at}); {advice}") from None
+
+
+# ---- what type a dotted key takes (for the advice on a --set value that is not YAML) -----------
+_FREE = object()  # a key inside a free mapping (task.kwargs.*, dispatch.options.*): any value
+# the sections built by their owners' own readers, not dataclass fields
+_READER_KEYS = {
+    "weight_sync": {"bucket_mb": float, "tree_shape": str, "naive": bool},
+    "topology": {"datacenters": dict, "nodes": dict, "bandwidth_gbps": dict, "shaped_links": list,
+                 "default_datacenter": str},
+}
+_OWNED = {"engine": ("workers.generation.config", "EngineConfig"),
+          "trainer": ("workers.trainer.config", "TrainerConfig")}
+
+
+def key_type(dotted: str) -> Any:
+    """The type hint of a dotted config key (``train.iterations`` -> int; a section -> dict);
+    ``_FREE`` inside a free mapping or for a bare name that is no section; raises the usual
+    ConfigError for an unknown section or key."""
+    import importlib
+
+    section, *rest = dotted.split(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        if not rest:
+            return _FREE
+        raise ConfigError(f"{section}: unknown section{_hint(section, sections)} (known: {sorted(sections)})")
+    if not rest:
+        return dict
+    if section in _READER_KEYS:
+        hints = _READER_KEYS[section]
+    else:
+        cls = typing.get_type_hints(Config)[section]
+        if section in _OWNED:
+            try:
+                cls = getattr(importlib.import_module(_OWNED[section][0]), _OWNED[section][1])
+            except (ImportError, AttributeError):
+                return _FREE
+        hints = typing.get_type_hints(cls)
+    key = rest[0]
+    if key not in hints:
+        raise ConfigError(f"{section}.{key}: unknown key{_hint(key, hints)} (known: {sorted(hints)})")
+    if len(rest) > 1:
+        return _FREE
+    return hints[key]
+
+
+def _type_words(hint: Any) -> str:
+    """``int`` -> 'an int (e.g. 3)': what a key of this type is written as."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_type_words(a).split(" (e.g.")[0] for a in args if a is not type(None)]
+        return " or ".join(kinds) + (" or null" if type(None) in args else "")
+    base = origin or hint
+    if base is tuple and args:
+        item = {int: "ints", float: "numbers", str: "strings"}.get(args[0], "values")
+        if args[-1] is Ellipsis:
+            return f"a list of {item} (e.g. [1, 2])" if args[0] is int else f"a list of {item}"
+        example = {float: "[0.9, 0.999]", int: "[1, 2]"}.get(args[0], "")
+        return f"a list of {len(args)} {item}" + (f" (e.g. {example})" if example and len(args) == 2 else "")
+    return {int: "an int (e.g. 3)", float: "a number (e.g. 0.5)", bool: "true or false", str: "a string",
+            list: "a list (e.g. [1, 2])", tuple: "a list (e.g. [1, 2])",
+            dict: "a mapping (e.g. {key: value})"}.get(base, getattr(base, "__name__", str(base)))
+
+
+def _unparsed_advice(key: str) -> str:
+    """What to do about a ``--set key=...`` value that is not valid YAML: quote it when the key
+    takes a string; else say what the key takes."""
+    hint = key_type(key)
+    quote = f"quote it as a YAML string: --set \"{key}='...'\" (a ' inside written as ''), or set it in the YAML file"
+    if hint is _FREE or hint is Any:
+        return f"if it is a string, {quote}"
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if str in args:
+        return quote
+    return f"{key} takes {_type_words(hint)}"

@@ -164,11 +164,11 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
         sys.exit("controller/main.py must be launched with torchrun "
                  "(torchrun --nproc-per-node 3 controller/main.py --config configs/quickstart.yaml)")
-    from controller.config import ConfigError, load_config, parse_override
+    from controller.config import ConfigError, load_config
 
     world = int(os.environ["WORLD_SIZE"])
     try:  # every rank validates, so a bad config stops all of them before any work
-        cfg = load_config(args.config, world, dict(parse_override(s) for s in args.set))
+        cfg = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
     except ConfigError as e:
         if os.environ["RANK"] == "0":  # one message, not one per rank
             print(f"config error: {e}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -227,7 +227,15 @@ class SkewDispatcher:
     mixed_order: str | None = None
 
     def __post_init__(self):
-        self.alphas = tuple(float(a) for a in self.alphas)
+        for key in ("alphas", "orders"):  # a YAML scalar where a list goes (``alphas: 0.2``)
+            if isinstance(getattr(self, key), (str, bytes, int, float)):
+                raise ValueError(f"skew dispatcher: {key} must be a list (e.g. {key}: "
+                                 f"{[0.1, 0.2] if key == 'alphas' else ['lpt']}), got {getattr(self, key)!r}")
+        try:
+            self.alphas = tuple(float(a) for a in self.alphas)
+        except (TypeError, ValueError):
+            raise ValueError(f"skew dispatcher: alphas must be a list of fractions in (0, 1), "
+                             f"got {self.alphas!r}") from None
         if not self.alphas or any(not 0.0 < a < 1.0 for a in self.alphas):
             raise ValueError(f"skew dispatcher: every alpha must be in (0, 1), got {self.alphas}")
         if self.cost not in COSTS:
@@ -316,11 +324,38 @@ DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
     "skew_paper": lambda **kw: SkewDispatcher(kind="skew_paper", **kw),
     "oracle": lambda **kw: SkewDispatcher(use_true=True, kind="oracle", **{**ORACLE_DEFAULTS, **kw}),
 }
+# The options (``dispatch.options``) each dispatcher takes; ``kind`` and ``use_true`` are fixed
+# by the name (``oracle`` is ``skew`` on the true lengths).
+_SKEW_OPTIONS = tuple(f.name for f in fields(SkewDispatcher) if f.name not in ("kind", "use_true"))
+DISPATCHER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "random": ("order",),
+    "round_robin": ("order",),
+    "skew": _SKEW_OPTIONS,
+    "skew_paper": _SKEW_OPTIONS,
+    "oracle": _SKEW_OPTIONS,
+}
 
 
 def make_dispatcher(name: str, **kwargs) -> Dispatcher:
     """Build a dispatcher by registry name; kwargs go to its constructor (e.g. order="lpt",
-    alpha=0.2)."""
+    alphas=(0.2,)). An option the dispatcher does not take is a ValueError naming the
+    dispatcher and the options it takes."""
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher {name!r} is not one of {sorted(DISPATCHERS)}")
+    takes = DISPATCHER_OPTIONS.get(name)
+    unknown = sorted(k for k in kwargs if takes is not None and k not in takes)
+    if unknown:
+        import difflib
+
+        near = [m for k in unknown for m in difflib.get_close_matches(str(k), takes, n=1, cutoff=0.75)]
+        raise ValueError(f"dispatcher {name!r} takes {_options_text(takes)}, got {unknown}"
+                         + (f"; did you mean {near[0]!r}?" if near else ""))
     return DISPATCHERS[name](**kwargs)
+
+
+def _options_text(takes: tuple[str, ...]) -> str:
+    if not takes:
+        return "no options"
+    if len(takes) == 1:
+        return f"only {takes[0]!r}"
+    return "the options " + ", ".join(takes)
