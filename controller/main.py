@@ -27,6 +27,7 @@ required of every rank so that processes can join later).
 from __future__ import annotations
 
 import argparse
+import math
 import datetime
 import os
 import socket
@@ -94,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.join and not args.config:
         ap.error("--config is required (unless --join)")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1 (torch threads per process), got {args.threads}")
+    if not (math.isfinite(args.rpc_timeout) and args.rpc_timeout > 0):
+        ap.error(f"--rpc-timeout must be a number of seconds > 0, got {args.rpc_timeout}")
     return args
 
 

@@ -247,3 +247,18 @@ def test_a_list_for_a_number_key_gets_no_quoting_advice(tmp_path):
     assert str(e.value) == "--set train.iterations=[1]: train.iterations: expected int, got list [1]", str(e.value)
     with pytest.raises(ConfigError, match=r"expected str, got dict .*put it in YAML quotes"):  # a string key: quote
         load_config(_file(tmp_path), 3, ["tokenizer.prompt_template=Q: {prompt}"])
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--config", "c.yaml", "--threads", "0"], "--threads must be >= 1"),
+    (["--join", "h:1", "--rpc-timeout", "-5"], "--rpc-timeout must be a number of seconds > 0, got -5.0"),
+    (["--join", "h:1", "--rpc-timeout", "nan"], "--rpc-timeout must be a number of seconds > 0, got nan"),
+])
+def test_launcher_flags_are_checked(argv, why, capsys):
+    """--threads 0 was a traceback from torch.set_num_threads; --rpc-timeout -5 was taken and
+    the joiner failed later with "timed out after -5000ms"."""
+    from controller.main import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
