@@ -81,6 +81,16 @@ def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskP
 READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet}
 
 
+def _files_hint(files) -> str:
+    """Why a ``files`` mapping is malformed, in the two ways it happens."""
+    if isinstance(files, dict) and any(v is None and ":" in str(k) for k, v in files.items()):
+        return (" (YAML reads {train:a.jsonl} as a key 'train:a.jsonl' without a value: write a space "
+                "after each ':', {train: a.jsonl, test: b.jsonl})")
+    if isinstance(files, dict) and any(isinstance(v, (list, tuple)) for v in files.values()):
+        return " (several files per split: concatenate them)"
+    return ""
+
+
 class FileTask:
     """``files``: split -> path (``{"train": "a.jsonl", "test": "b.jsonl"}``; ``val`` or
     ``validation`` stand for ``test``) or one path for every split; ``~`` is expanded.
@@ -93,7 +103,7 @@ class FileTask:
             files = {"train": files, "test": files}
         if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
             raise ValueError(f"task.kwargs.files: one path, or split -> one path ({{train: a.jsonl, test: "
-                             f"b.jsonl}}), got {files!r} (several files per split: concatenate them)")
+                             f"b.jsonl}}), got {files!r}{_files_hint(files)}")
         files = dict(files)
         for alias in ("val", "validation"):
             if alias in files and "test" not in files:
