@@ -628,13 +628,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 # ---- what type a dotted key takes (for the advice on a --set value that is not YAML) -----------
-_FREE = object()  # a key inside a free mapping (task.kwargs.*, dispatch.options.*): any value
-# the sections built by their owners' own readers, not dataclass fields
-_READER_KEYS = {
-    "weight_sync": {"bucket_mb": float, "tree_shape": str, "naive": bool},
-    "topology": {"datacenters": dict, "nodes": dict, "bandwidth_gbps": dict, "shaped_links": list,
-                 "default_datacenter": str},
-}
+# a key inside a free mapping (task.kwargs.*, dispatch.options.*), or of a section its owner
+# reads itself (weight_sync, topology): any value
+_FREE = object()
 _OWNED = {"engine": ("workers.generation.config", "EngineConfig"),
           "trainer": ("workers.trainer.config", "TrainerConfig")}
 
@@ -653,16 +649,12 @@ def key_type(dotted: str) -> Any:
         raise ConfigError(f"{section}: unknown section{_hint(section, sections)} (known: {sorted(sections)})")
     if not rest:
         return dict
-    if section in _READER_KEYS:
-        hints = _READER_KEYS[section]
-    else:
-        cls = typing.get_type_hints(Config)[section]
-        if section in _OWNED:
-            try:
-                cls = getattr(importlib.import_module(_OWNED[section][0]), _OWNED[section][1])
-            except (ImportError, AttributeError):
-                return _FREE
-        hints = typing.get_type_hints(cls)
+    cls = typing.get_type_hints(Config)[section]
+    if section in _OWNED:
+        cls = getattr(importlib.import_module(_OWNED[section][0]), _OWNED[section][1])
+    elif not dataclasses.is_dataclass(cls):
+        return _FREE
+    hints = typing.get_type_hints(cls)
     key = rest[0]
     if key not in hints:
         raise ConfigError(f"{section}.{key}: unknown key{_hint(key, hints)} (known: {sorted(hints)})")

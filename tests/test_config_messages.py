@@ -209,12 +209,12 @@ def test_main_echoes_the_set_as_typed(tmp_path, monkeypatch, capsys):
     ("train.ckpt_keep=[3", "; train.ckpt_keep takes an int or null"),
     ("trainer.betas=[0.9, 0.99", "; trainer.betas takes a list of 2 numbers (e.g. [0.9, 0.999])"),
     ("engine.eos_ids=[1, 2", "; engine.eos_ids takes a list of ints or null"),
-    ("weight_sync.bucket_mb={4", "; weight_sync.bucket_mb takes a number (e.g. 0.5)"),
+    ("weight_sync.bucket_mb={4", "; if it is a string, quote it"),  # a section its owner reads
     ("train={iterations: [1", "; train takes a mapping (e.g. {key: value})"),
     ("tokenizer.prompt_template=A: {x}: {prompt}", "; quote it as a YAML string: "
                                                    "--set \"tokenizer.prompt_template='...'\""),
     ("task.name=a: b: c", "; quote it as a YAML string: --set \"task.name='...'\""),
-    ("topology.default_datacenter=[a", "; quote it as a YAML string"),
+    ("topology.default_datacenter=[a", "; if it is a string, quote it as a YAML string"),
     ("task.kwargs.prompt_key=a: b: c", "; if it is a string, quote it as a YAML string: "
                                        "--set \"task.kwargs.prompt_key='...'\""),
 ])
