@@ -88,7 +88,7 @@ class Repl:
         return {"mode": name}
 
     def dispatch(self, name: str, *kv: str) -> dict:
-        from controller.config import parse_override
+        from controller.config_overrides import parse_override
 
         opts = dict(parse_override(x) for x in kv)
         self.s.program.set_dispatcher(name, **opts)

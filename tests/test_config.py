@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import yaml
 
-from controller.config import ConfigError, PipelineSection, from_dict, load_config, parse_override
+from controller.config import ConfigError, PipelineSection, from_dict, load_config
+from controller.config_overrides import parse_override
 from controller.config_ranges import RANGES
 from controller.modes import MODES
 

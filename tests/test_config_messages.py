@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.config import ConfigError, from_dict, load_config, parse_override
+from controller.config import ConfigError, from_dict, load_config
+from controller.config_overrides import parse_override
 from workers.tasks.registry import make_task
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"

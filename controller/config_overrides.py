@@ -1,0 +1,174 @@
+"""``--set`` overrides of a run config: parsing (``parse_override``: the value read as YAML,
+with advice that follows the key's type when it is not valid YAML), applying them to the YAML
+mapping, and naming the ``--set`` a config error comes from, exactly as typed."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from controller.config import Config, ConfigError, _hint, from_dict
+
+
+def parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
+    """(dotted key -> value, dotted key -> the ``--set`` text to echo). A text is echoed as it
+    was typed; a value given as a mapping is echoed as YAML (``null``, ``.nan``, ``true``)."""
+    if not overrides:
+        return {}, {}
+    if isinstance(overrides, dict):
+        return dict(overrides), {k: f"--set {k}={_yaml_text(v)}" for k, v in overrides.items()}
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    values, typed = {}, {}
+    for text in overrides:
+        k, v = parse_override(text)
+        values.pop(k, None)  # the last --set of a key wins, in its own place
+        values[k], typed[k] = v, f"--set {text}"
+    return values, typed
+
+
+def _yaml_text(value: Any) -> str:
+    """``value`` as one line of YAML, as it would be typed after ``--set key=``."""
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    try:
+        text = yaml.safe_dump(plain(value), default_flow_style=True, width=math.inf).strip()
+    except yaml.YAMLError:
+        return str(value)
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def overridden(d: dict, overrides: dict) -> dict:
+    d = copy.deepcopy(d)
+    for dotted, value in overrides.items():
+        apply_override(d, dotted, value)
+    return d
+
+
+def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: str) -> str:
+    """The ``--set`` overrides the config error ``error`` comes from (as typed): the one whose
+    key it names, else (a rule over several keys) those without which the config does not fail
+    with it; '' when the file's own values do."""
+    named = [typed[k] for k in overrides if error.startswith((f"{k}:", f"{k} ", f"{k}["))]
+    if named:
+        return named[0]
+    blamed = []
+    for k in overrides:
+        try:
+            from_dict(overridden(d, {o: w for o, w in overrides.items() if o != k}), world_size)
+        except ConfigError as e:
+            if str(e) == error:
+                continue
+        blamed.append(typed[k])
+    return " ".join(blamed)
+
+
+def apply_override(d: dict, dotted: str, value: Any) -> None:
+    """Set ``d["a"]["b"] = value`` for ``dotted == "a.b"`` (creating the section)."""
+    *parents, leaf = dotted.split(".")
+    node = d
+    for p in parents:
+        if node.get(p) is None:
+            node[p] = {}
+        node = node[p]
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.iterations=3"`` -> ("train.iterations", 3) (value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    k, v = text.split("=", 1)
+    k = k.strip()
+    try:
+        return k, yaml.safe_load(v)
+    except yaml.YAMLError as e:
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        mark = getattr(e, "problem_mark", None)
+        at = f" at character {mark.column + 1}" if mark is not None and mark.line == 0 else ""
+        try:
+            advice = _unparsed_advice(k)
+        except ConfigError as unknown:  # no such key: that is the error, not the value
+            raise ConfigError(f"--set {text}: {unknown}") from None
+        raise ConfigError(f"--set {text}: the value is not valid YAML ({why}{at}); {advice}") from None
+
+
+# ---- what type a dotted key takes (for the advice on a --set value that is not YAML) -----------
+# a key inside a free mapping (task.kwargs.*, dispatch.options.*), or of a section its owner
+# reads itself (weight_sync, topology): any value
+_FREE = object()
+_OWNED = {"engine": ("workers.generation.config", "EngineConfig"),
+          "trainer": ("workers.trainer.config", "TrainerConfig")}
+
+
+def key_type(dotted: str) -> Any:
+    """The type hint of a dotted config key (``train.iterations`` -> int; a section -> dict);
+    ``_FREE`` inside a free mapping or for a bare name that is no section; raises the usual
+    ConfigError for an unknown section or key."""
+    import importlib
+
+    section, *rest = dotted.split(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        if not rest:
+            return _FREE
+        raise ConfigError(f"{section}: unknown section{_hint(section, sections)} (known: {sorted(sections)})")
+    if not rest:
+        return dict
+    cls = typing.get_type_hints(Config)[section]
+    if section in _OWNED:
+        cls = getattr(importlib.import_module(_OWNED[section][0]), _OWNED[section][1])
+    elif not dataclasses.is_dataclass(cls):
+        return _FREE
+    hints = typing.get_type_hints(cls)
+    key = rest[0]
+    if key not in hints:
+        raise ConfigError(f"{section}.{key}: unknown key{_hint(key, hints)} (known: {sorted(hints)})")
+    if len(rest) > 1:
+        return _FREE
+    return hints[key]
+
+
+def _type_words(hint: Any) -> str:
+    """``int`` -> 'an int (e.g. 3)': what a key of this type is written as."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_type_words(a).split(" (e.g.")[0] for a in args if a is not type(None)]
+        return " or ".join(kinds) + (" or null" if type(None) in args else "")
+    base = origin or hint
+    if base is tuple and args:
+        item = {int: "ints", float: "numbers", str: "strings"}.get(args[0], "values")
+        if args[-1] is Ellipsis:
+            return f"a list of {item} (e.g. [1, 2])" if args[0] is int else f"a list of {item}"
+        example = {float: "[0.9, 0.999]", int: "[1, 2]"}.get(args[0], "")
+        return f"a list of {len(args)} {item}" + (f" (e.g. {example})" if example and len(args) == 2 else "")
+    return {int: "an int (e.g. 3)", float: "a number (e.g. 0.5)", bool: "true or false", str: "a string",
+            list: "a list (e.g. [1, 2])", tuple: "a list (e.g. [1, 2])",
+            dict: "a mapping (e.g. {key: value})"}.get(base, getattr(base, "__name__", str(base)))
+
+
+def _unparsed_advice(key: str) -> str:
+    """What to do about a ``--set key=...`` value that is not valid YAML: quote it when the key
+    takes a string; else say what the key takes."""
+    hint = key_type(key)
+    quote = f"quote it as a YAML string: --set \"{key}='...'\" (a ' inside written as ''), or set it in the YAML file"
+    if hint is _FREE or hint is Any:
+        return f"if it is a string, {quote}"
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if str in args:
+        return quote
+    return f"{key} takes {_type_words(hint)}"
