@@ -1,11 +1,7 @@
-"""Data parallel: 2 trainer ranks (gloo, spawned processes, samples split by group) produce the
-same update as 1 rank on all the samples."""
-import os
-
+"""Data parallel: 2 trainer ranks (gloo, local processes, samples split by group) produce the
+same update as 1 rank on all the samples (ranks started by ``run_local``)."""
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from workers.model import ModelConfig
 from workers.tasks import make_task
@@ -13,7 +9,7 @@ from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.bootstrap import build_model_dir
 from workers.trainer.rollout import rollout
 from workers.trainer.grads import all_reduce_sum
-from workers.weight_sync.localrun import free_port
+from workers.weight_sync.localrun import run_local
 from tests.trainer_helpers import LengthRewardTask
 
 TINY = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -28,37 +24,34 @@ CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),
            dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01, ppo_epochs=2)]
 
 
-def _run(rank, world, port, model_dir, tmp):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        samples, prompts, groups = torch.load(f"{tmp}/data.pt", weights_only=False)
-        for i, cfg_kw in enumerate(CONFIGS):
-            w = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), rank=rank, world_size=world,
-                              device="cpu")
-            mine = [s for s in samples if s.group_id % world == rank]  # whole groups per rank
-            w.begin_iteration(0, prompts, groups)
-            for s in mine:  # streamed one by one
-                w.receive([s])
-            res = w.step()
-            if rank == 0:
-                torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/out{i}.pt")
-        # mini-batches: each rank splits its own micro-batches into 3 shares (some empty); every
-        # rank runs the same all-reduces, so they stay in step and identical
-        w = TrainerWorker(TrainerConfig(**_common(dict(algorithm="grpo", mini_batches=3))), model_dir, _task(),
-                          rank=rank, world_size=world, device="cpu")
+def _run(rank, world, model_dir, data):
+    """Rank ``rank``'s results: the weights and result of each of CONFIGS (rank 0), of a
+    mini-batched step, and a bucketed all-reduce."""
+    samples, prompts, groups = data
+    out = {"configs": []}
+    for cfg_kw in CONFIGS:
+        w = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), rank=rank, world_size=world,
+                          device="cpu")
+        mine = [s for s in samples if s.group_id % world == rank]  # whole groups per rank
         w.begin_iteration(0, prompts, groups)
-        w.receive([s for s in samples if s.group_id % world == rank])
+        for s in mine:  # streamed one by one
+            w.receive([s])
         res = w.step()
-        torch.save(({k: v.clone() for k, v in w.named_weights()}, res), f"{tmp}/mini{rank}.pt")
-        # the bucketed all-reduce across several small buckets
-        ts = [torch.full((5,), rank + 1.0), torch.full((3, 2), 2.0 * (rank + 1)), torch.full((40,), rank + 1.0)]
-        all_reduce_sum(ts, None, bucket_bytes=64)
         if rank == 0:
-            torch.save(ts, f"{tmp}/buckets.pt")
-    finally:
-        dist.destroy_process_group()
+            out["configs"].append(({k: v.clone() for k, v in w.named_weights()}, res))
+    # mini-batches: each rank splits its own micro-batches into 3 shares (some empty); every
+    # rank runs the same all-reduces, so they stay in step and identical
+    w = TrainerWorker(TrainerConfig(**_common(dict(algorithm="grpo", mini_batches=3))), model_dir, _task(),
+                      rank=rank, world_size=world, device="cpu")
+    w.begin_iteration(0, prompts, groups)
+    w.receive([s for s in samples if s.group_id % world == rank])
+    res = w.step()
+    out["mini"] = ({k: v.clone() for k, v in w.named_weights()}, res)
+    # the bucketed all-reduce across several small buckets
+    ts = [torch.full((5,), rank + 1.0), torch.full((3, 2), 2.0 * (rank + 1)), torch.full((40,), rank + 1.0)]
+    all_reduce_sum(ts, None, bucket_bytes=64)
+    out["buckets"] = ts
+    return out
 
 
 def _common(cfg_kw):
@@ -70,13 +63,10 @@ def test_two_ranks_equal_one_rank(tmp_path):
     model_dir = str(build_model_dir(tmp_path / "m", _task().base, TINY, seed=0)[0])
     ref = TrainerWorker(TrainerConfig(), model_dir, _task(), device="cpu")
     samples, prompts, groups = rollout(ref.actor, ref.tokenizer, _task().prompts("train")[:4], 3, 12, seed=5)
-    torch.save((samples, prompts, groups), tmp_path / "data.pt")
-    # fork: the children skip re-importing torch (the test is CPU only, one thread)
-    mp.start_processes(_run, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
-    ts = torch.load(tmp_path / "buckets.pt")
+    ranks = run_local(2, _run, model_dir, (samples, prompts, groups))
+    ts = ranks[0]["buckets"]
     assert [t.unique().tolist() for t in ts] == [[3.0], [6.0], [3.0]] and ts[1].shape == (3, 2)
-    (m0, r0), (m1, r1) = (torch.load(tmp_path / f"mini{r}.pt", weights_only=False) for r in (0, 1))
+    (m0, r0), (m1, r1) = (ranks[r]["mini"] for r in (0, 1))
     assert r0.metrics["updates"] == r1.metrics["updates"] >= 2.0 and r0.num_samples == len(samples)
     assert all(torch.equal(m0[k], m1[k]) for k in m0)
     for i, cfg_kw in enumerate(CONFIGS):
@@ -85,7 +75,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
         one.receive(samples)
         r1 = one.step()
         w1 = {k: v.clone() for k, v in one.named_weights()}
-        w2, r2 = torch.load(tmp_path / f"out{i}.pt", weights_only=False)
+        w2, r2 = ranks[0]["configs"][i]
         assert r2.version == r1.version == 1
         assert r2.num_samples == r1.num_samples == len(samples) and r2.num_tokens == r1.num_tokens
         assert r2.metrics["reward_mean"] == pytest.approx(r1.metrics["reward_mean"])

@@ -4,12 +4,8 @@ backward. The gradients and updates equal those without it (packed micro-batches
 samples, both training attention backends, tied embeddings, the critic's value head, bf16
 autocast, ppo_epochs 2), far fewer bytes are kept for backward, and no-grad forwards (reference,
 old log-probs, values) never recompute. Data parallel: 2 checkpointing ranks equal 1 rank without."""
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from controller.config import ConfigError, from_dict
 from workers.trainer import TrainerConfig, TrainerWorker
@@ -18,7 +14,7 @@ from workers.trainer import packing
 from workers.trainer.packing import CausalAttention, PaddedCausalAttention
 from workers.trainer.rollout import rollout
 from workers.trainer.step_math import group_advantages, prepare_batch, train_terms
-from workers.weight_sync.localrun import free_port
+from workers.weight_sync.localrun import run_local
 from tests.trainer_helpers import LengthRewardTask, synthetic_task, tiny_config, tiny_model_dir
 
 torch.set_num_threads(1)
@@ -203,40 +199,30 @@ def test_bf16_update_equal_without_checkpointing(model_dir, data, algorithm):
 DP_CONFIG = dict(algorithm="ppo", ppo_epochs=2, lr=1e-2, adam_eps=1.0, max_tokens_per_microbatch=100)
 
 
-def _dp_rank(rank, world, port, model_dir, tmp):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        samples, prompts, groups = torch.load(f"{tmp}/data.pt", weights_only=False)
-        w = worker(model_dir, rank, world, **DP_CONFIG, activation_checkpointing=True)
-        forwards, calls = [], layer_calls(w.critic)
-        w.critic.model.register_forward_pre_hook(lambda m, args: forwards.append(torch.is_grad_enabled()))
-        w.begin_iteration(0, prompts, groups)
-        w.receive([s for s in samples if s.group_id % world == rank])
-        w.step()
-        assert calls.count(True) == 2 * forwards.count(True) > 0  # each training forward recomputed
-        if rank == 0:
-            torch.save({**dict(w.named_weights()), **{f"critic.{k}": v for k, v in w.critic.state_dict().items()}},
-                       f"{tmp}/weights.pt")
-    finally:
-        dist.destroy_process_group()
+def _dp_rank(rank, world, model_dir, data):
+    samples, prompts, groups = data
+    w = worker(model_dir, rank, world, **DP_CONFIG, activation_checkpointing=True)
+    forwards, calls = [], layer_calls(w.critic)
+    w.critic.model.register_forward_pre_hook(lambda m, args: forwards.append(torch.is_grad_enabled()))
+    w.begin_iteration(0, prompts, groups)
+    w.receive([s for s in samples if s.group_id % world == rank])
+    w.step()
+    assert calls.count(True) == 2 * forwards.count(True) > 0  # each training forward recomputed
+    return {**{k: v.clone() for k, v in w.named_weights()},
+            **{f"critic.{k}": v.clone() for k, v in w.critic.state_dict().items()}}
 
 
-def test_two_checkpointing_ranks_equal_one_rank_without(model_dir, data, tmp_path):
+def test_two_checkpointing_ranks_equal_one_rank_without(model_dir, data):
     """PPO (critic, advantages whitened over both ranks, gradients all-reduced after backward),
     ppo_epochs 2: 2 gloo ranks with checkpointing, each with its own groups, give the update of
     1 rank without it on all the samples (tolerance as tests/test_trainer_dp.py's: the sums are
     reduced in another order)."""
-    torch.save(data, tmp_path / "data.pt")
-    mp.start_processes(_dp_rank, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    two = run_local(2, _dp_rank, model_dir, data)[0]
     one = worker(model_dir, **DP_CONFIG, activation_checkpointing=False)
     samples, prompts, groups = data
     one.begin_iteration(0, prompts, groups)
     one.receive(samples)
     one.step()
-    two = torch.load(tmp_path / "weights.pt")
     mine = {**dict(one.named_weights()), **{f"critic.{k}": v for k, v in one.critic.state_dict().items()}}
     assert mine.keys() == two.keys()
     for k in mine:
