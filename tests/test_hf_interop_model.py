@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+from test_model import hf_model
 from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference")
@@ -35,11 +36,6 @@ def hf_logits(m):
         return torch.cat([m(input_ids=s[None]).logits[0] for s in SEQS])
 
 
-def hf_load(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
 def test_llama_defaults_save_a_folder_both_load(tmp_path):
     """ModelConfig(architecture=Llama) kept Qwen2's qkv_bias=True, o_bias=False and saved
     attention_bias: true; load_pretrained then refused its own folder (no o_proj.bias)."""
@@ -50,7 +46,7 @@ def test_llama_defaults_save_a_folder_both_load(tmp_path):
     assert json.loads((folder / "config.json").read_text())["attention_bias"] is False
     back = load_pretrained(folder, "cpu", torch.float32).eval()
     assert torch.equal(ours_logits(back), ours_logits(m))
-    torch.testing.assert_close(hf_logits(hf_load(folder)), ours_logits(m), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hf_logits(hf_model(folder)), ours_logits(m), atol=1e-4, rtol=1e-4)
 
 
 def test_llama_attention_bias_covers_qkv_and_o(tmp_path):
@@ -62,7 +58,7 @@ def test_llama_attention_bias_covers_qkv_and_o(tmp_path):
     d = json.loads((folder / "config.json").read_text())
     assert (d["attention_bias"], d["mlp_bias"]) == (True, True)
     assert ModelConfig.from_hf(d) == replace(cfg, head_dim=cfg.dim_head)
-    torch.testing.assert_close(hf_logits(hf_load(folder)), ours_logits(m), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hf_logits(hf_model(folder)), ours_logits(m), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours_logits(load_pretrained(folder, "cpu", torch.float32)), ours_logits(m))
 
 
@@ -99,7 +95,6 @@ def test_run_config_model_init_llama_trains(tmp_path):
     """The run-config path end to end: controller.bootstrap.ensure_model with model.init
     {architecture: LlamaForCausalLM} builds a folder the trainer loads."""
     from controller.bootstrap import ensure_model
-    from workers.tasks import make_task  # noqa: F401 - the registry ensure_model uses
     from workers.trainer import TrainerConfig, TrainerWorker
     from tests.trainer_helpers import synthetic_task
 
