@@ -207,8 +207,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--val", help="trace file to report ranking metrics on after training (read first)")
     t.add_argument("--out", required=True, help="model folder to write: new, empty, or a ranker folder to replace")
     t.add_argument("--quick", action="store_true",
-                   help="small model for smoke tests: lgbm 60 trees (rounds 60), lm 1 fine-tune epoch and "
-                        "max_tokens 128; --config goes on top")
+                   help=f"small model for smoke tests: {QUICK['lgbm']} (lgbm), {QUICK['lm']} (lm), both "
+                        "(ensemble); --config goes on top")
     t.add_argument("--kind", default="lgbm", choices=["lgbm", "lm", "ensemble"], help="model kind (default lgbm)")
     t.add_argument("--config", help="JSON object of config overrides for the kind, e.g. '{\"rounds\": 100}'")
     p = sub.add_parser("predict", help="predict lengths for each line of a trace file")
