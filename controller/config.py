@@ -288,11 +288,17 @@ def _build(cls, section: str, data: Any):
         raise ConfigError(msg if msg.startswith(section) else f"{section}: {msg}") from e
 
 
-def _owned_section(section: str, data: Any, module: str, cls_name: str):
+# sections owned by another component: (module, class) of their config dataclass
+OWNED_SECTIONS = {"engine": ("workers.generation.config", "EngineConfig"),
+                  "trainer": ("workers.trainer.config", "TrainerConfig")}
+
+
+def _owned_section(section: str, data: Any):
     """Convert a section owned by another component into its config class when that
     component is installed; otherwise keep the validated mapping."""
     import importlib
 
+    module, cls_name = OWNED_SECTIONS[section]
     try:
         cls = getattr(importlib.import_module(module), cls_name)
     except (ImportError, AttributeError):
@@ -338,13 +344,13 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     topology = _topology(d.get("topology"))
     train = _build(TrainSection, "train", d.get("train"))
     trainer = _trainer_from_train(
-        _owned_section("trainer", _norm_follows(d.get("trainer"), train), "workers.trainer.config", "TrainerConfig"),
+        _owned_section("trainer", _norm_follows(d.get("trainer"), train)),
         train, set(d.get("trainer") or {}))
     cfg = Config(
         model=_build(ModelSection, "model", d.get("model")),
         tokenizer=_build(TokenizerSection, "tokenizer", d.get("tokenizer")),
         task=_build(TaskSection, "task", d.get("task")),
-        engine=_owned_section("engine", d.get("engine"), "workers.generation.config", "EngineConfig"),
+        engine=_owned_section("engine", d.get("engine")),
         trainer=trainer,
         pipeline=_build(PipelineSection, "pipeline", d.get("pipeline")),
         dispatch=_build(DispatchSection, "dispatch", d.get("dispatch")),

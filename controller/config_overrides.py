@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from controller.config import Config, ConfigError, _hint, from_dict
+from controller.config import OWNED_SECTIONS, Config, ConfigError, _hint, from_dict
 
 
 def parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
@@ -111,8 +111,6 @@ def parse_override(text: str) -> tuple[str, Any]:
 # a key inside a free mapping (task.kwargs.*, dispatch.options.*), or of a section its owner
 # reads itself (weight_sync, topology): any value
 _FREE = object()
-_OWNED = {"engine": ("workers.generation.config", "EngineConfig"),
-          "trainer": ("workers.trainer.config", "TrainerConfig")}
 
 
 def key_type(dotted: str) -> Any:
@@ -130,8 +128,8 @@ def key_type(dotted: str) -> Any:
     if not rest:
         return dict
     cls = typing.get_type_hints(Config)[section]
-    if section in _OWNED:
-        cls = getattr(importlib.import_module(_OWNED[section][0]), _OWNED[section][1])
+    if section in OWNED_SECTIONS:
+        cls = getattr(importlib.import_module(OWNED_SECTIONS[section][0]), OWNED_SECTIONS[section][1])
     elif not dataclasses.is_dataclass(cls):
         return _FREE
     hints = typing.get_type_hints(cls)
