@@ -11,6 +11,19 @@ from workers.generation.engine import generate_all
 LONG = prompts([41, 3, 26, 57, 9, 18], seed=5)
 
 
+def generate_checked(eng, reqs):
+    """generate_all, checking after every step what the scheduler relies on: at most one running
+    sequence has an unfinished prefill, and it is the last one admitted."""
+    out = eng.add(reqs)
+    while eng.has_work():
+        out += eng.step()
+        running = eng.scheduler.running
+        partial = [s for s in running if eng.scheduler.prefilling(s)]
+        assert partial == ([running[-1]] if partial else []), [s.request.sample_id for s in partial]
+        assert eng.scheduler.partial() is (partial[0] if partial else None)
+    return sorted(out, key=lambda s: s.sample_id)
+
+
 @pytest.mark.parametrize("budget", [1, 7, 16])
 @pytest.mark.parametrize("attention", ["torch", "cpu"])
 def test_chunked_prefill_equals_recompute(budget, attention):
@@ -18,7 +31,7 @@ def test_chunked_prefill_equals_recompute(budget, attention):
         _cpu_kernel_or_skip()
     reqs = greedy_requests(LONG, 9)
     eng = engine(max_prefill_tokens=budget, max_batch_size=4, attention_backend=attention)
-    out = generate_all(eng, reqs)
+    out = generate_checked(eng, reqs)
     check_against_recompute(reqs, out)
     assert eng.stats().kv_blocks_used == 0 and not eng.scheduler.running
 
@@ -33,7 +46,7 @@ def test_chunked_prefill_with_shared_prompts_and_preemption(kv_tokens):
     reqs = greedy_requests([ps[g] for g in group_of], 8, group_of)
     # 128 tokens, chunks of 4: a group's first sample is preempted in the middle of its prompt
     eng = engine(kv_cache_tokens=kv_tokens, max_batch_size=9, max_prefill_tokens=4)
-    got = sorted(generate_all(eng, reqs), key=lambda s: s.sample_id)
+    got = generate_checked(eng, reqs)
     check_against_recompute(reqs, got)
     assert eng.stats().kv_blocks_used == 0 and not eng.prefix.groups
     if kv_tokens == 128:

@@ -118,8 +118,15 @@ class Scheduler:
         takes more prefill chunks before it decodes."""
         return seq.num_cached < seq.num_tokens - 1
 
+    def partial(self) -> Sequence | None:
+        """The running sequence whose prefill is unfinished, if any. There is at most one, the
+        last admitted: a step cuts only its last admission, continues that prefill first in the
+        next prefill step and admits nothing new before it is done (so no scan of the batch)."""
+        last = self.running[-1] if self.running else None
+        return last if last is not None and self.prefilling(last) else None
+
     def _decodable(self) -> bool:
-        return any(not self.prefilling(s) for s in self.running)
+        return len(self.running) > (self.partial() is not None)
 
     def schedule(self) -> ScheduledBatch | None:
         """A prefill when something can be admitted or a prefill is unfinished, else a decode.
@@ -143,12 +150,12 @@ class Scheduler:
         ends: list[int] = []
         copies: list[tuple[int, int]] = []
         budget = self.max_prefill_tokens
-        for seq in self.running:  # unfinished prefills first: their blocks are allocated
-            if budget > 0 and self.prefilling(seq):
-                n = min(seq.num_tokens - seq.num_cached, budget)
-                admitted.append(seq)
-                ends.append(seq.num_cached + n)
-                budget -= n
+        seq = self.partial()
+        if seq is not None:  # an unfinished prefill first: its blocks are allocated
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            admitted.append(seq)
+            ends.append(seq.num_cached + n)
+            budget -= n
         continuing = len(admitted)
         i = 0
         while (i < len(self.waiting) and len(self.running) + len(admitted) - continuing < self.max_batch_size
@@ -192,11 +199,12 @@ class Scheduler:
     def _decode(self) -> ScheduledBatch:
         copies: list[tuple[int, int]] = []
         bs, ref = self.bm.block_size, self.bm.ref
+        partial = self.partial()  # it waits for its next chunk (a victim like any other)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             table = seq.block_table
-            if self.prefilling(seq) or (seq.num_tokens <= len(table) * bs and ref[table[seq.num_cached // bs]] == 1):
+            if seq is partial or (seq.num_tokens <= len(table) * bs and ref[table[seq.num_cached // bs]] == 1):
                 i += 1  # fast path: the token's slot is in a private block already
                 continue
             while self.bm.new_blocks_needed(seq, seq.num_tokens) > self.bm.num_free:
@@ -212,4 +220,4 @@ class Scheduler:
             if copy is not None:
                 copies.append(copy)
             i += 1
-        return ScheduledBatch([s for s in self.running if not self.prefilling(s)], False, copies)
+        return ScheduledBatch(self.running[:-1] if self.partial() is not None else list(self.running), False, copies)
