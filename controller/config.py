@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelSection:
     """``path``: HF folder of the policy. ``init``: when set and ``path`` has no model yet, a
-    fresh model with these ``workers.model.ModelConfig`` fields is built there (quickstart)."""
+    fresh model with these ``workers.model_config.ModelConfig`` fields is built there (quickstart)."""
 
     path: str = "runs/quickstart/model"
     init: dict | None = None
