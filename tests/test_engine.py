@@ -269,58 +269,64 @@ def test_bad_requests_refused_and_others_served():
 
 def test_malformed_requests_refused_naming_the_field_and_others_served():
     """Refusals besides the ones above: prompt not a 1-D integer tensor, min_tokens outside
-    [0, max_tokens] or not an int, bad sampling params. Each bad request gets an error Sample
-    naming the field; the good ones of the same call (boundary values included) are served
+    [0, max_tokens] or not an int, bad sampling params, malformed fields (sampling not a
+    SamplingParams, an unhashable sample id, a meta prompt, a non-int group). Each bad request
+    gets an error Sample naming the field and the value; the good ones of the same call (boundary values included) are served
     exactly as when added alone."""
     good = [Request(sample_id=0, prompt_ids=PS[0], max_tokens=5, min_tokens=5, sampling=GREEDY),
             Request(sample_id=1, prompt_ids=PS[1], max_tokens=5, min_tokens=0,  # bounds: accepted
                     sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=V + 3)),
             Request(sample_id=2, prompt_ids=PS[2], max_tokens=5, min_tokens=5, sampling=GREEDY)]
-    prompt_msg = "prompt_ids must be a 1-D integer tensor"
-    sampling_msg = "(need a finite temperature >= 0, 0 < top_p <= 1 and an int top_k >= -1)"
+    prompt_msg = "prompt_ids must be a 1-D integer tensor, got "
     ok = torch.tensor([1, 2])
-    bad = [  # (request, the field's complaint, the offending field=value in a sampling message)
-        (Request(sample_id=100, prompt_ids=torch.tensor([[1, 2]]), max_tokens=4), prompt_msg, None),
-        (Request(sample_id=101, prompt_ids=torch.tensor([1.0, 2.0]), max_tokens=4), prompt_msg, None),
-        (Request(sample_id=102, prompt_ids=torch.tensor(3), max_tokens=4), prompt_msg, None),
-        (Request(sample_id=103, prompt_ids=[1, 2], max_tokens=4), prompt_msg, None),
-        (Request(sample_id=104, prompt_ids=torch.tensor([1j, 2j]), max_tokens=4), prompt_msg, None),
+    bad = [  # (request, its complaint)
+        (Request(sample_id=100, prompt_ids=torch.tensor([[1, 2]]), max_tokens=4), prompt_msg + "shape (1, 2) torch.int64"),
+        (Request(sample_id=101, prompt_ids=torch.tensor([1.0, 2.0]), max_tokens=4), prompt_msg + "shape (2,) torch.float32"),
+        (Request(sample_id=102, prompt_ids=torch.tensor(3), max_tokens=4), prompt_msg + "shape () torch.int64"),
+        (Request(sample_id=103, prompt_ids=[1, 2], max_tokens=4), prompt_msg + "list"),
+        (Request(sample_id=104, prompt_ids=torch.tensor([1j, 2j]), max_tokens=4), prompt_msg + "shape (2,) torch.complex64"),
         (Request(sample_id=105, prompt_ids=ok, max_tokens=4, min_tokens=-1),
-         "min_tokens must be in [0, max_tokens=4], got -1", None),
+         "min_tokens must be in [0, max_tokens=4], got -1"),
         (Request(sample_id=106, prompt_ids=ok, max_tokens=4, min_tokens=5),
-         "min_tokens must be in [0, max_tokens=4], got 5", None),
+         "min_tokens must be in [0, max_tokens=4], got 5"),
         (Request(sample_id=107, prompt_ids=ok, max_tokens=4, min_tokens=1.5),
-         "min_tokens must be in [0, max_tokens=4], got 1.5", None),
+         "min_tokens must be in [0, max_tokens=4], got 1.5"),
         (Request(sample_id=108, prompt_ids=ok, max_tokens=4, min_tokens="1"),
-         "min_tokens must be in [0, max_tokens=4], got '1'", None),
+         "min_tokens must be in [0, max_tokens=4], got '1'"),
         (Request(sample_id=109, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(temperature=-0.5)),
-         sampling_msg, "temperature=-0.5"),
+         "sampling temperature must be a finite number >= 0, got -0.5"),
         (Request(sample_id=110, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=0.0)),
-         sampling_msg, "top_p=0.0"),
+         "sampling top_p must be in (0, 1], got 0.0"),
         (Request(sample_id=111, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=1.5)),
-         sampling_msg, "top_p=1.5"),
+         "sampling top_p must be in (0, 1], got 1.5"),
         (Request(sample_id=112, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_p=float("nan"))),
-         sampling_msg, "top_p=nan"),
+         "sampling top_p must be in (0, 1], got nan"),
         (Request(sample_id=113, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=-2)),
-         sampling_msg, "top_k=-2"),
+         "sampling top_k must be an int >= -1 (0 or -1: off), got -2"),
         (Request(sample_id=114, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(temperature=float("nan"))),
-         sampling_msg, "temperature=nan"),  # would sample garbage with NaN log-probs
+         "sampling temperature must be a finite number >= 0, got nan"),  # would sample garbage with NaN log-probs
         (Request(sample_id=115, prompt_ids=ok, max_tokens=4, sampling=SamplingParams(top_k=2.5)),
-         sampling_msg, "top_k=2.5"),  # would crash step() for every request in flight
+         "sampling top_k must be an int >= -1 (0 or -1: off), got 2.5"),  # would crash step() for every request in flight
+        # each of these raised out of add() part way, the requests after it never queued:
+        (Request(sample_id=116, prompt_ids=ok, max_tokens=4, sampling=None),
+         "sampling must be a SamplingParams, got NoneType None"),
+        (Request(sample_id=117, prompt_ids=ok, max_tokens=4, sampling={"temperature": 0.5}),
+         "sampling must be a SamplingParams, got dict {'temperature': 0.5}"),
+        (Request(sample_id=[118], prompt_ids=ok, max_tokens=4), "sample_id must be an int, got list [118]"),
+        (Request(sample_id=119, prompt_ids=torch.tensor([1, 2], device="meta"), max_tokens=4),
+         "prompt_ids is on the meta device (no data)"),
+        (Request(sample_id=120, prompt_ids=ok, max_tokens=4, group_id="g"),
+         "group_id must be an int (-1: no group), got 'g'"),
     ]
     # good requests first, between and last: refusals must not disturb their queueing
-    reqs = [good[0]] + [r for r, _, _ in bad[:7]] + [good[1]] + [r for r, _, _ in bad[7:]] + [good[2]]
+    reqs = [good[0]] + [r for r, _ in bad[:7]] + [good[1]] + [r for r, _ in bad[7:]] + [good[2]]
     eng = engine()
     refused = eng.add(reqs)
-    assert [s.sample_id for s in refused] == [r.sample_id for r, _, _ in bad]
-    for s, (r, msg, field) in zip(refused, bad):
+    assert [s.sample_id for s in refused] == [r.sample_id for r, _ in bad]
+    for s, (r, msg) in zip(refused, bad):
         assert s.finish_reason == "error" and s.output_ids.numel() == 0 and s.logprobs.numel() == 0
-        prefix = f"request {reqs.index(r)} (sample_id {r.sample_id}): "
-        if field is None:
-            assert s.error == prefix + msg
-        else:
-            assert s.error.startswith(prefix + "bad sampling params SamplingParams(") and s.error.endswith(msg)
-            assert field in s.error
+        i = next(i for i, q in enumerate(reqs) if q is r)
+        assert s.error == f"request {i} (sample_id {r.sample_id}): {msg}"
     assert eng.stats().waiting == 3
     out = sorted(generate_all(eng, []), key=lambda s: s.sample_id)
     alone = sorted(generate_all(engine(), good), key=lambda s: s.sample_id)

@@ -34,7 +34,7 @@ def test_top_k_minus_one_is_off_as_in_vllm():
         assert s.finish_reason == "length", (k, s.error)
         assert s.output_ids.tolist() == off.output_ids.tolist() and torch.equal(s.logprobs, off.logprobs)
     bad = run(-2)
-    assert bad.finish_reason == "error" and "top_k=-2" in bad.error
+    assert bad.finish_reason == "error" and "top_k must be an int >= -1 (0 or -1: off), got -2" in bad.error
 
 
 @torch.no_grad()
@@ -85,6 +85,16 @@ def test_context_limit_boundaries():
     assert all(out[i].finish_reason == "length" for i in range(3))
     assert out[0].output_ids.tolist() == recompute_greedy(MODEL, p10, 10)[0] == out[1].output_ids.tolist()
     assert out[3].finish_reason == "error" and "does not fit the context" in out[3].error
+
+
+def test_a_configured_context_the_cache_cannot_hold_is_refused():
+    # as vLLM, which refuses to start; it was cut silently to the cache, and prompts were then
+    # refused naming a max_model_len the user never set
+    with pytest.raises(ValueError, match=r"engine.max_model_len: 512 tokens do not fit the KV cache, whose 16 "
+                                         r"blocks of 4 tokens hold at most 60 tokens of one sequence"):
+        engine(max_model_len=512, kv_cache_tokens=64)
+    assert engine(max_model_len=60, kv_cache_tokens=64).max_model_len == 60
+    assert engine(kv_cache_tokens=64).max_model_len == 60  # the model's own context: cut to the cache
 
 
 @pytest.mark.parametrize("plen", [4, 8, 5])

@@ -1,5 +1,7 @@
 """Engine parts on their own: config validation, block manager (ref counts, copy-on-write),
 sampler (filters, seeds, log-probs of the distribution used), make_engine from a folder."""
+import re
+
 import pytest
 import torch
 
@@ -20,9 +22,15 @@ torch.set_num_threads(1)
     (dict(block_size=0), "engine.block_size"), (dict(admission="sjf"), "engine.admission"),
     (dict(attention_backend="cuda"), "engine.attention_backend"), (dict(dtype="fp8"), "engine.dtype"),
     (dict(kv_cache_tokens=4, block_size=16), "engine.kv_cache_tokens"), (dict(device="tpu"), "engine.device"),
-    (dict(eos_ids=[1]), "engine.eos_ids")])
+    (dict(eos_ids=[1]), "engine.eos_ids"), (dict(eos_ids=(True,)), "engine.eos_ids"),
+    # a string is truthy: "false" switched prefix sharing on
+    (dict(prefix_sharing="false"), "engine.prefix_sharing: must be true or false, got 'false'"),
+    (dict(enforce_eager="no"), "engine.enforce_eager"), (dict(enable_chunked_prefill=0), "engine.enable_chunked_prefill"),
+    (dict(max_batch_size=True), "engine.max_batch_size"),
+    (dict(seed=1.5), "engine.seed: must be an int in [0, 2**63), got 1.5"), (dict(seed="7"), "engine.seed"),
+    (dict(seed=2 ** 64), "engine.seed"), (dict(seed=-1), "engine.seed")])
 def test_config_validation_names_key(kw, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(key)):
         EngineConfig(**kw)
 
 

@@ -34,6 +34,11 @@ def test_max_model_len_capped_so_one_sequence_fits_the_cache():
     assert vllm_args.engine_args(cfg, "/m", big)["max_model_len"] == 127 * 32
     assert vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=1000,
                                                 device="cpu"), big) == 1000
+    # a max_model_len set in the config that the cache cannot hold is refused, as the native engine
+    with pytest.raises(ValueError, match=r"engine.max_model_len: 4090 tokens do not fit the KV cache, whose "
+                                         r"128 vLLM blocks of 32 tokens hold at most 4064 tokens"):
+        vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=4090,
+                                             device="cpu"), big)
 
 
 def test_engine_args_refusals():
@@ -63,6 +68,10 @@ def test_priority_is_lpt_and_sampling_kwargs():
     pri = [vllm_args.priority(r, "lpt") for r in reqs]
     assert sorted(range(3), key=pri.__getitem__) == [1, 2, 0]
     assert {vllm_args.priority(r, "fcfs") for r in reqs} == {0}
+    # an estimate past the int range is clamped before rounding (round(1e303 * 1e6) raised
+    # OverflowError inside step(), losing the step's finished samples)
+    huge = [Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=4, est_len=e) for e in (1e303, 1e308)]
+    assert [vllm_args.priority(r, "lpt") for r in huge] == [-2 ** 62, -2 ** 62]
     r = Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=6, min_tokens=6,
                 sampling=SamplingParams(temperature=0.5, top_k=0, top_p=0.9, seed=4))
     kw = vllm_args.sampling_kwargs(r, (7, 9))

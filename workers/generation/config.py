@@ -79,11 +79,16 @@ class EngineConfig:
             bad("kv_cache_dtype", "must be 'auto' with attention_backend 'triton' (its kernel reads "
                                   "caches of the model's dtype)")
         for key in ("max_batch_size", "block_size", "max_prefill_tokens"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
                 bad(key, "must be an int >= 1")
         for key in ("kv_cache_tokens", "num_blocks", "max_model_len"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
                 bad(key, "must be an int >= 0")
+        for key in ("enable_chunked_prefill", "prefix_sharing", "enforce_eager"):
+            if not isinstance(getattr(self, key), bool):  # "false" is truthy: it would switch it on
+                bad(key, "must be true or false")
+        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 63:
+            bad("seed", "must be an int in [0, 2**63)")
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
             key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
             bad(key, f"must give at least two blocks of {self.block_size} tokens")
@@ -91,7 +96,7 @@ class EngineConfig:
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
         if self.eos_ids is not None:
             if not isinstance(self.eos_ids, tuple) or not all(
-                    isinstance(e, int) and e >= 0 for e in self.eos_ids):
+                    _is_int(e) and e >= 0 for e in self.eos_ids):
                 bad("eos_ids", "must be None or a tuple of non-negative ints")
         if not isinstance(self.backend_options, dict):
             bad("backend_options", "must be a dict")
@@ -99,3 +104,7 @@ class EngineConfig:
     @property
     def total_blocks(self) -> int:
         return self.num_blocks or self.kv_cache_tokens // self.block_size
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

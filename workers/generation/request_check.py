@@ -9,7 +9,7 @@ from typing import Container, Mapping, Sequence
 
 import torch
 
-from workers.types import SERVED_TEMPERATURES, Request, temperature_served
+from workers.types import SERVED_TEMPERATURES, Request, SamplingParams, temperature_served
 # prompt token ids: integer dtypes (bool is not a token id)
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -17,9 +17,21 @@ _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -> str | None:
     """Why ``req`` cannot be served (None when it can): ``max_len`` is the engine's context
     (prompt + output tokens), ``live`` the sample ids already queued or running."""
+    if not isinstance(req, Request):
+        return f"not a Request: {type(req).__name__}"
+    try:
+        hash(req.sample_id)
+    except TypeError:
+        return f"sample_id must be an int, got {type(req.sample_id).__name__} {req.sample_id!r}"
+    if not _is_int(req.group_id):
+        return f"group_id must be an int (-1: no group), got {req.group_id!r}"
     p = req.prompt_ids
-    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype not in _ID_DTYPES:
-        return "prompt_ids must be a 1-D integer tensor"
+    if not isinstance(p, torch.Tensor):
+        return f"prompt_ids must be a 1-D integer tensor, got {type(p).__name__}"
+    if p.dim() != 1 or p.dtype not in _ID_DTYPES:
+        return f"prompt_ids must be a 1-D integer tensor, got shape {tuple(p.shape)} {p.dtype}"
+    if p.device.type == "meta":
+        return "prompt_ids is on the meta device (no data)"
     if p.numel() == 0:
         return "empty prompt"
     if p.numel() >= max_len:
@@ -33,11 +45,14 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     if not _is_int(req.min_tokens) or not 0 <= req.min_tokens <= req.max_tokens:
         return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens!r}"
     s = req.sampling
-    # top_k -1 is off, as 0 (vLLM accepts both; -1 was its default for years)
-    if not (_is_real(s.temperature) and s.temperature >= 0 and _is_real(s.top_p) and 0 < s.top_p <= 1
-            and _is_int(s.top_k) and s.top_k >= -1):
-        return (f"bad sampling params {s} (need a finite temperature >= 0, 0 < top_p <= 1 and an "
-                "int top_k >= -1)")
+    if not isinstance(s, SamplingParams):
+        return f"sampling must be a SamplingParams, got {type(s).__name__} {s!r}"
+    if not (_is_real(s.temperature) and s.temperature >= 0):
+        return f"sampling temperature must be a finite number >= 0, got {s.temperature!r}"
+    if not (_is_real(s.top_p) and 0 < s.top_p <= 1):
+        return f"sampling top_p must be in (0, 1], got {s.top_p!r}"
+    if not (_is_int(s.top_k) and s.top_k >= -1):  # -1 is off, as 0 (vLLM accepts both)
+        return f"sampling top_k must be an int >= -1 (0 or -1: off), got {s.top_k!r}"
     if not temperature_served(s.temperature):
         return f"temperature {s.temperature} is outside the served range: {SERVED_TEMPERATURES} (vLLM's range)"
     if not (s.seed is None or (_is_int(s.seed) and 0 <= s.seed < 1 << 63)):
@@ -112,4 +127,10 @@ def _is_int(x) -> bool:
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int or float (an int too large for a float is not)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

@@ -34,10 +34,18 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[str, str]:
 
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
     """As the native engine: the config's (or the model's) context, capped so that one
-    sequence always fits the KV cache (all blocks but one; vLLM refuses to start otherwise)."""
+    sequence always fits the KV cache (all blocks but one; vLLM refuses to start otherwise),
+    counted in vLLM's blocks: on CPU those are rounded up to a multiple of 32 tokens, so a
+    small cache can give a shorter context than the native engine's (one block less)."""
     block = vllm_block_size(cfg, resolve_device_dtype(cfg)[0])
-    kv_len = (_num_blocks(cfg, block) - 1) * block
-    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, max(kv_len, block))
+    kv_len = max((_num_blocks(cfg, block) - 1) * block, block)
+    if cfg.max_model_len > kv_len:  # the native engine's message (vLLM would refuse to start)
+        raise ValueError(
+            f"engine.max_model_len: {cfg.max_model_len} tokens do not fit the KV cache, whose "
+            f"{_num_blocks(cfg, block)} vLLM blocks of {block} tokens hold at most {kv_len} tokens of one "
+            f"sequence (all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower "
+            f"max_model_len")
+    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, kv_len)
 
 
 def _num_blocks(cfg: EngineConfig, block: int) -> int:
@@ -102,8 +110,8 @@ def priority(req: Request, admission: str) -> int:
     """vLLM priority (smaller first): LPT admits the longest estimate first; FCFS uses 0."""
     if admission != "lpt":
         return 0
-    p = -round(float(req.est_len) * _PRIORITY_SCALE)
-    return max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, p))
+    p = -float(req.est_len) * _PRIORITY_SCALE  # clamped before rounding: round(1e303 * 1e6) is inf
+    return round(max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, p)))
 
 
 def sampling_kwargs(req: Request, eos_ids: tuple[int, ...]) -> dict:
