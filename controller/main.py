@@ -32,6 +32,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -95,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.join and not args.config:
         ap.error("--config is required (unless --join)")
+    if args.join:
+        host, sep, port = args.join.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            ap.error(f"--join must be HOST:PORT (the controller's 'join address' line), got {args.join!r}")
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (torch threads per process), got {args.threads}")
     if not (math.isfinite(args.rpc_timeout) and args.rpc_timeout > 0):
@@ -110,10 +115,19 @@ def _rpc_options(timeout: float, init_method: str) -> rpc.TensorPipeRpcBackendOp
                                            _transports=transports, _channels=["basic"])
 
 
-def serve() -> int:
-    """Worker ranks: host role objects until the controller says to exit."""
+def serve(gone: Callable[[], str | None] | None = None, every_s: float = 5.0) -> int:
+    """Worker ranks: host role objects until the controller says to exit. ``gone`` (a joiner's
+    check that its job still runs: torchrun's ranks are ended by torchrun, a joiner is not)
+    is called every ``every_s``; a reason back ends serving with exit code 1."""
+    waited = 0.0
     while not LOCAL.exit_event.wait(timeout=1.0):
-        pass
+        waited += 1.0
+        if gone is not None and waited >= every_s:
+            waited = 0.0
+            why = gone()
+            if why is not None:
+                print(f"[join] rank {LOCAL.rank} exits (code 1): {why}", file=sys.stderr, flush=True)
+                return 1
     return LOCAL.exit_code
 
 
@@ -142,8 +156,32 @@ def data_plane_backend(device: torch.device, local_world_size: int, gpus: int) -
 def join_main(args) -> int:
     """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
     host, port = args.join.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=args.rpc_timeout))
-    attempt = store.get(ATTEMPT_KEY).decode()  # set once the controller is up
+    deadline = time.monotonic() + args.rpc_timeout
+    while True:  # wait for the store quietly (torch's client logs a stack trace per retry)
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                print(f"[join] no StreamRL job answered at --join {args.join} within {args.rpc_timeout:g} s "
+                      f"({type(e).__name__}); pass the address from the controller's 'join address' line",
+                      file=sys.stderr, flush=True)
+                return 1
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=args.rpc_timeout))
+        attempt = store.get(ATTEMPT_KEY).decode()  # set once the controller is up
+        elastic = store.get(_key("elastic", attempt)).decode() == "1"
+    except (RuntimeError, TimeoutError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
+        print(f"[join] no StreamRL job answered at --join {args.join} within {args.rpc_timeout:g} s "
+              f"({type(e).__name__}); pass the address from the controller's 'join address' line",
+              file=sys.stderr, flush=True)
+        return 1
+    if not elastic:
+        print(f"[join] the job at {args.join} runs with placement.elastic: false (a static RPC group): "
+              "it takes no joiners", file=sys.stderr, flush=True)
+        return 1
     static = int(store.get(_key("static_world", attempt)).decode())
     rank = static + int(store.add(_key("joined", attempt), 1)) - 1
     rpc_addr = store.get(_key("rpc_store", attempt)).decode()
@@ -154,9 +192,26 @@ def join_main(args) -> int:
     from controller.runner import register_joiner
 
     rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
-    print(f"[join] rank {rank} joined as {args.role}", file=sys.stderr, flush=True)
-    code = serve()
+    print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "
+          "(REPL: sgs)", file=sys.stderr, flush=True)
+
+    def gone() -> str | None:
+        try:  # a plain connect first: a store op on a dead server logs a C++ stack trace
+            socket.create_connection((host, int(port)), timeout=10).close()
+            now = store.get(ATTEMPT_KEY).decode()
+        except (RuntimeError, TimeoutError, OSError) as e:
+            return f"the job at {args.join} is gone ({type(e).__name__}: its store does not answer)"
+        if now != attempt:
+            return (f"the job restarted (torchrun attempt {now}; this process joined attempt {attempt}): "
+                    "start it again to join the new one")
+        return None
+
+    code = serve(gone)
     close_roles()
+    if code == 1:  # the job is gone: nobody to leave the RPC group with
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     rpc.shutdown(graceful=False)
     return code
 
@@ -242,6 +297,7 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
     dist.barrier()  # every static rank is in the RPC group
     if rank == 0:  # joiners wait for these keys (torchrun's store): the controller is up
         tstore.set(_key("static_world", attempt), str(world))
+        tstore.set(_key("elastic", attempt), "1" if elastic else "0")
         tstore.set(ATTEMPT_KEY, attempt)
 
 
