@@ -101,6 +101,7 @@ class Metrics:
             "staleness/max": float(res.staleness_max),
             "staleness/gen_version_lag": float(res.version - 1 - res.gen_version),
             "sgs/redispatched": float(res.redispatched),
+            "sgs/instances": float(res.instances),
         }
         # the iteration's own window (its dispatch .. the end of its step), not the drain's:
         # a trainer's idle span can start long before (set-up, a pause at the REPL prompt)

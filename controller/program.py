@@ -71,6 +71,24 @@ class _Batch:
     gen_done: float = 0.0
 
 
+class _Push:
+    """A weight push in flight: its calls and when each completed (RPC threads note it), so
+    its duration is the transfer's, however late the controller waits for it."""
+
+    def __init__(self, calls: list):
+        self.calls, self.t0, self._ends = calls, time.time(), []
+        for c in calls:
+            c.future.add_done_callback(lambda _f: self._ends.append(time.time()))
+
+    def wait(self, program: "Program") -> float:
+        """Wait for it (``Program._wait_push``: instances lost meanwhile leave the SGS); -> seconds."""
+        program._wait_push(self.calls)
+        if not self.calls:
+            return 0.0
+        ends = self._ends + [time.time()] * (len(self.calls) - len(self._ends))  # callbacks still running
+        return max(ends) - self.t0
+
+
 class Program:
     def __init__(self, cfg, world: World, tokenizer, task, ranker=None, on_iteration=None,
                  stream_state: dict | None = None, start_iteration: int = 0, version: int = 0):
@@ -87,6 +105,7 @@ class Program:
         self.version = version  # weights the instances hold
         self.on_iteration = on_iteration  # callback(IterationResult, spans)
         self.history: list[IterationResult] = []
+        self._drained_sync_s = 0.0  # the last push of a lag-1 run, reported by the next run's first row
         self.ranker_rows: list[tuple[str, float]] = []  # awaiting the next online update
         self.length_of = None  # benchmarks: prompt text -> forced output length
         self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
@@ -157,7 +176,9 @@ class Program:
                               [n for rep in (b.round.reports if b.round else []) for n in rep.lengths])
         for rep in (b.round.reports if b.round else []):
             res.per_instance[rep.rank] = res.per_instance.get(rep.rank, 0) + len(rep.sample_ids)
-        res.instances = len(self.world.sgs.slots)
+        # the instances the batch was dispatched to (one added later, while an async step
+        # waited, served the next batch)
+        res.instances = b.round.instances if b.round else len(self.world.sgs.slots)
         every = self.cfg.ranker.update_every
         if self.ranker is not None and every > 0 and b.round is not None:
             self.ranker_rows += self._true_lengths(b)
@@ -191,8 +212,8 @@ class Program:
                 self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(e).splitlines()[0]}")
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
-    def _push(self, version: int):
-        return self.world.push_weights(version), time.time()
+    def _push(self, version: int) -> "_Push":
+        return _Push(self.world.push_weights(version))
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, k: int) -> list[IterationResult]:
@@ -202,7 +223,13 @@ class Program:
         lag = self.mode.lag
         prev: _Batch | None = None
         prev_gen_version = self.version
-        push, push_t0, sync_s = [], 0.0, 0.0
+        # weight_sync_seconds of a row: the last push that completed before it was recorded,
+        # timed from its start to its last call's completion (the transfer, not the waits
+        # around it). lag 0: the push of the row's own weights. lag 1: the push of the
+        # previous row's weights (the weights the next generation uses); a run's last push
+        # (drained) is reported by the next run's first lag-1 row.
+        push: _Push | None = None
+        sync_s, self._drained_sync_s = self._drained_sync_s, 0.0
         for _ in range(k):
             i = self.iteration
             if self.before_iteration is not None:
@@ -212,35 +239,29 @@ class Program:
                 self._generate(b, self.version)
                 self._finish_generation(b)
                 res = self._step(b, self.version, 0.0)
-                t0 = time.time()
-                self._wait_push(self.world.push_weights(res.version))
-                res.weight_sync_seconds = time.time() - t0
+                res.weight_sync_seconds = self._push(res.version).wait(self)
                 self.version = res.version
                 self._record(res, out)
             else:
                 if prev is not None:
                     self._finish_generation(prev)
-                if push:
-                    self._wait_push(push)
-                    sync_s = time.time() - push_t0
-                    push = []
+                if push is not None:
+                    sync_s, push = push.wait(self), None
                 gen_version = self.version
                 self._generate(b, gen_version)
                 if prev is not None:
                     res = self._step(prev, prev_gen_version, sync_s)
-                    push, push_t0 = self._push(res.version)
+                    push = self._push(res.version)
                     self.version = res.version  # staged on the instances once `push` completes
                     self._record(res, out)
                 prev, prev_gen_version = b, gen_version
             self.iteration += 1
         if prev is not None:  # drain
             self._finish_generation(prev)
-            if push:
-                self._wait_push(push)
-                sync_s = time.time() - push_t0
+            if push is not None:
+                sync_s = push.wait(self)
             res = self._step(prev, prev_gen_version, sync_s)
-            t0 = time.time()
-            self._wait_push(self.world.push_weights(res.version))
+            self._drained_sync_s = self._push(res.version).wait(self)
             self.version = res.version
             self._record(res, out)
         return out

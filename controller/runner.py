@@ -260,7 +260,6 @@ class Session:
                 return
             if self.policy is not None:
                 self.policy.added(i)  # the cooldown counts from an add that happened
-            self.metrics.log_scalars({"sgs/instances": len(self.world.sgs.slots)}, i)
             print(f"[controller] iteration {i}: added generation instance rank {rank} "
                   f"(weights v{self.program.version})", file=sys.stderr, flush=True)
 
@@ -415,8 +414,12 @@ def whitening_note(cfg) -> str | None:
 
 def run_controller(cfg, args, world_size: int) -> int:
     """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
-    print(f"[controller] join address {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
-          f"(python controller/main.py --join ADDR --role generation)", file=sys.stderr, flush=True)
+    if cfg.placement.elastic:
+        host = os.environ.get("MASTER_ADDR", "")
+        local = ("; this host only: from another host, use this node's address with the same port"
+                 if host in ("localhost", "127.0.0.1", "::1") else "")
+        print(f"[controller] join address {host}:{os.environ.get('MASTER_PORT')} "
+              f"(python controller/main.py --join ADDR --role generation{local})", file=sys.stderr, flush=True)
     static = list(range(1, world_size))
     session = None
     note = whitening_note(cfg)
@@ -436,11 +439,14 @@ def run_controller(cfg, args, world_size: int) -> int:
     except Exception:  # noqa: BLE001 - the controller itself failed
         print(f"[controller] run stopped by a controller error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = 1
-    joined = session.joined + session.waiting if session else []
+    waiting = list(session.waiting) if session else []
     while not _JOINERS.empty():
-        joined.append(_JOINERS.get_nowait()[0])
+        waiting.append(_JOINERS.get_nowait()[0])
+    joined = session.joined if session else []
     lost = bool(session and session.world.sgs.removed)
     gone = set(session.departed) if session else set()  # exited already: nothing to tell them
+    for r in waiting:  # registered, never added: say so on the joiner's own terminal
+        dismiss_joiner(r, code, "the job ended before the scale-out policy added it")
     _stop_workers(static + [r for r in joined if r not in gone], code,
-                  quiet=code in (0, 2) and not joined and not lost)
+                  quiet=code in (0, 2) and not joined and not waiting and not lost)
     return code

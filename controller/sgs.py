@@ -53,6 +53,7 @@ class Round:
     reports: list[GenerateReport] = field(default_factory=list)
     redispatched: list[int] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)  # ranks lost during this round
+    instances: int = 0  # instances in the SGS when the round was dispatched
 
     def wait(self) -> list[GenerateReport]:
         while self.calls:
@@ -146,6 +147,6 @@ class SGS:
         return calls
 
     def generate(self, iteration: int, requests: list[Request], version: int) -> Round:
-        rnd = Round(self, iteration, version, {r.sample_id: r for r in requests})
+        rnd = Round(self, iteration, version, {r.sample_id: r for r in requests}, instances=len(self.slots))
         rnd.calls = self.launch(iteration, requests, version)
         return rnd
