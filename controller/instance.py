@@ -125,6 +125,7 @@ class GenerationInstance:
         self.spans = SpanRecorder(f"gen{rank}")
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._staging = threading.Lock()  # _staged: set by pushes (RPC threads) while generating
+        self._receiver = None  # the weight-sync receiver of the current plan (receive_weights)
         self._lock = threading.Lock()  # one generate at a time
         self._stop = threading.Event()
         LOCAL.roles["generation"] = self
@@ -162,7 +163,13 @@ class GenerationInstance:
         from workers.weight_sync import WeightSyncReceiver
 
         t0 = time.time()
-        staged = WeightSyncReceiver(plan, self.rank, device=LOCAL.comm_device).receive()
+        if self._receiver is None or self._receiver.plan != plan:
+            # one per plan: its staging is allocated and touched once (page faults cost ~4 ms/MB,
+            # more than the transfer). Two buffers, used in turn: the staged tensors (views of
+            # one) are loaded at the next iteration boundary, before the push after next
+            # (pushes follow steps, and a generate - which swaps - starts between two steps).
+            self._receiver = WeightSyncReceiver(plan, self.rank, device=LOCAL.comm_device, staging_buffers=2)
+        staged = self._receiver.receive()
         if not staged.ok:
             raise RuntimeError(f"gen{self.rank}: weight sync of version {staged.version} failed: {staged.error}")
         self.spans.add("weight_sync", t0, time.time(), staged.version)

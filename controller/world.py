@@ -63,7 +63,8 @@ class World:
             plan = sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
             if (plan.senders, plan.receivers) != self._described:
                 self._described = (plan.senders, plan.receivers)
-                print(f"[controller] weight sync: {plan.kind} plan ({sync.tree_shape}), {len(plan.buckets)} "
+                shape = f" ({sync.tree_shape})" if plan.kind != "naive" else ""  # naive: a star from each root
+                print(f"[controller] weight sync: {plan.kind} plan{shape}, {len(plan.buckets)} "
                       f"buckets of <= {plan.bucket_bytes} B, {plan.total_bytes} B from roots "
                       f"{plan.bytes_by_root()} to {list(plan.receivers)}", file=sys.stderr, flush=True)
             calls += [t.call("push_weights", plan, version) for t in senders if t.rank in plan.senders]

@@ -108,8 +108,11 @@ class Topology:
         names = list((cfg.get("datacenters") or {}).keys())
         # datacenter names are strings (YAML `{0: [...]}` keys are ints; _rank_groups str()s them)
         default_dc = cfg.get("default_datacenter", str(names[0]) if names else DEFAULT_DC)
+        if isinstance(default_dc, int) and not isinstance(default_dc, bool):
+            default_dc = str(default_dc)  # as the datacenter keys: YAML `default_datacenter: 1`
         if not isinstance(default_dc, str):
-            raise ValueError(f"topology.default_datacenter must be a string, got {default_dc!r}")
+            raise ValueError(f"topology.default_datacenter must be a string (or an int, taken as one), "
+                             f"got {default_dc!r}")
         if names and default_dc not in map(str, names):
             # a typo would silently put every unlisted rank in a datacenter of its own
             raise ValueError(f"topology.default_datacenter: {default_dc!r} is none of topology.datacenters "
