@@ -26,7 +26,9 @@ without the REPL.
 """
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import shlex
 
 from controller.rpc import WorkerFailed, wait_all
@@ -52,7 +54,15 @@ class Repl:
                 if not words:
                     continue
                 fn = self.commands.get(words[0])
-                out = fn(*words[1:]) if fn else {"error": f"unknown command {words[0]!r}; try help"}
+                if fn is None:
+                    out = {"error": f"unknown command {words[0]!r}; try help"}
+                else:
+                    try:
+                        inspect.signature(fn).bind(*words[1:])
+                    except TypeError:  # a missing or extra argument: the command's usage, not Python's words
+                        out = {"error": f"usage: {usage(words[0])}"}
+                    else:
+                        out = fn(*words[1:])
             except WorkerFailed as e:
                 out = {"error": f"{type(e).__name__}: {e}"}
                 if words[0] == "run":  # mid-iteration: the pipeline cannot go on (runner: exit 1)
@@ -104,6 +114,8 @@ class Repl:
 
     def leave(self, rank: str) -> dict:
         sgs = self.s.world.sgs
+        if not rank.isdigit():
+            return {"error": f"leave: expected a generation instance's rank (see sgs), got {rank!r}"}
         handle = next((h for h in sgs.handles if h.rank == int(rank)), None)
         if handle is None:
             return {"error": f"no generation instance on rank {rank}"}
@@ -136,6 +148,15 @@ class Repl:
 
     def help(self) -> dict:
         return {"help": __doc__.split("Commands (one per line)::")[1].split("Every command")[0].strip()}
+
+
+def usage(command: str) -> str:
+    """The command with its arguments, from the module's command list."""
+    for line in __doc__.split("Commands (one per line)::")[1].splitlines():
+        head = re.split(r"\s{2,}", line.strip())[0]  # the text before the description
+        if head.split(" ")[0] == command:
+            return head
+    return command
 
 
 def _count(command: str, text: str) -> int:

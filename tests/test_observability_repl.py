@@ -60,6 +60,15 @@ def test_errors_are_answered_and_eof_ends_the_session():
     assert status["iteration"] == 1
 
 
+def test_a_missing_or_extra_argument_is_answered_with_the_usage():
+    # was Python's own words: "TypeError: Repl.mode() missing 1 required positional argument"
+    a = _drive(_session(), "mode\nleave\nleave x\nsgs now\nrun 1 2\ntimeline 1 2\n")[1:]
+    assert [x["error"] for x in a] == [
+        "usage: mode NAME", "usage: leave RANK",
+        "leave: expected a generation instance's rank (see sgs), got 'x'",
+        "usage: sgs", "usage: run K", "usage: timeline [N]"]
+
+
 def test_a_worker_failure_during_run_stops_the_session():
     # the iteration it interrupted is registered with the trainers, its samples in flight:
     # the run must stop (runner: exit 1), not answer and go on with a broken pipeline
