@@ -1,6 +1,10 @@
 """Benchmark: dynamic scale-out of generation as output lengths grow (paper Figure 11, scaled down).
 
-    python bench/scale_out.py [--quick]
+    python bench/scale_out.py [--quick] [--profile FILE] [--logdir DIR]
+
+Writes its run (logs, TensorBoard, the model, ptl_profile.json, joiner.log) to a new folder
+runs/bench_scale_out/YYYYmmdd-HHMMSS, or to --logdir DIR (relative to the repository root),
+which must not hold a run already (refused up front; nothing there is written).
 
 Starts its own processes: torchrun with 3 ranks (controller, 1 generation instance, 1 trainer
 rank) and one spare process ``controller/main.py --join ADDR --role generation`` that
@@ -25,12 +29,15 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
+
+DEFAULT_LOGDIR = "runs/bench_scale_out"  # a new timestamped sub-folder per run
 
 
 def parse_args(argv=None):
@@ -46,9 +53,27 @@ def parse_args(argv=None):
                     help="numbers per prompt (long prompts: training pays for them, generation barely)")
     ap.add_argument("--mode", default="stream", help="pipeline mode")
     ap.add_argument("--profile", default="", help="reuse this PTL profile JSON instead of measuring one")
-    ap.add_argument("--logdir", default="runs/bench_scale_out")
+    ap.add_argument("--logdir", default="",
+                    help=f"run folder, relative to the repository root; must not hold a run "
+                         f"(default: a new {DEFAULT_LOGDIR}/YYYYmmdd-HHMMSS)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if not a.worker:  # the launcher picks the folder and passes it on to the ranks
+        if not a.logdir:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            a.logdir, n = f"{DEFAULT_LOGDIR}/{stamp}", 1
+            while (ROOT / a.logdir).exists():  # two runs started within a second
+                n += 1
+                a.logdir = f"{DEFAULT_LOGDIR}/{stamp}-{n}"
+        else:
+            from controller.config import ConfigError
+            from controller.preflight import refuse_previous_run
+
+            try:  # the controller's own test, made before anything is written or started
+                refuse_previous_run(ROOT / a.logdir)
+            except ConfigError:
+                ap.error(f"--logdir {a.logdir} already holds a run; pass a new folder, or leave --logdir out "
+                         f"(a new timestamped folder under {DEFAULT_LOGDIR}/)")
     a.iterations = a.iterations or (16 if a.quick else 24)
     a.grow = a.grow or (12 if a.quick else 20)
     return a
@@ -185,10 +210,17 @@ def controller(a) -> int:
     before_ms = per_tok([r for r in rows if first and first["iteration"] - 2 <= r["iteration"] <= first["iteration"]])
     after_ms = per_tok([r for r in rows if joined_at is not None and joined_at <= r["iteration"] <= joined_at + 2])
     tb = read_tb(logdir)
+    no_add = None  # why the summary's scale-out fields are null (delta depends on the machine's load)
+    if first is None and rows:
+        c = max(rows, key=lambda r: r["delta_s"] - r["delta_prime_s"])
+        no_add = (f"no add: delta stayed below delta' in all {len(rows)} iterations (closest: iteration "
+                  f"{c['iteration']}, delta {c['delta_s']:.3f} s vs delta' {c['delta_prime_s']:.3f} s)"
+                  if not any(r["wanted"] for r in rows) else
+                  f"no add: {next(r['reason'] for r in rows if r['wanted'])}")
     print(json_line({"summary": True, "quick": a.quick, "iterations": a.iterations,
                       "samples_per_iteration": a.prompts * a.group,
                       "lengths": [forced_len(a, i) for i in range(a.iterations)],
-                      "scale_out_iteration": first["iteration"] if first else None,
+                      "scale_out_iteration": first["iteration"] if first else None, "no_add": no_add,
                       "instance_joined_at": joined_at,
                       "delta_at_scale_out": first["delta_s"] if first else None,
                       "delta_prime_at_scale_out": first["delta_prime_s"] if first else None,
@@ -220,7 +252,7 @@ def main() -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         Path(ROOT / a.logdir).mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(port),
-               __file__, "--worker", *sys.argv[1:]]
+               __file__, "--worker", *sys.argv[1:], "--logdir", a.logdir]
         main_p = subprocess.Popen(cmd, cwd=ROOT, env=env)
         with open(ROOT / a.logdir / "joiner.log", "w") as log:
             joiner = subprocess.Popen([sys.executable, "controller/main.py", "--join", f"127.0.0.1:{port}",

@@ -19,6 +19,7 @@ Prints one JSON line per measurement, the last one the summary.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -130,17 +131,34 @@ def summarize_run(rows: list[dict]) -> dict:
             "bytes_sent_by_root": by_root}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The bench's arguments, checked before any rank starts (a bad one: one line naming the
+    flag, exit code 2, like argparse's own errors)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one timed repetition per case (< 2 minutes)")
     ap.add_argument("--model-mb", type=float, default=104.0, help="model size in MB (>= 100)")
-    ap.add_argument("--bucket-mb", type=float, default=4.0)
-    ap.add_argument("--inter-dc-mbps", type=float, default=50.0, help="shaped inter-DC MB/s")
-    ap.add_argument("--intra-dc-mbps", type=float, default=50.0, help="shaped per-rank NIC MB/s (single_dc)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per case")
-    args = ap.parse_args()
+    ap.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size in MB (> 0)")
+    ap.add_argument("--inter-dc-mbps", type=float, default=50.0, help="shaped inter-DC MB/s (> 0)")
+    ap.add_argument("--intra-dc-mbps", type=float, default=50.0, help="shaped per-rank NIC MB/s (single_dc; > 0)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per case (>= 1; --quick: 1)")
+    args = ap.parse_args(argv)
+    if not (math.isfinite(args.model_mb) and args.model_mb >= 100):
+        ap.error(f"--model-mb must be a finite number >= 100, got {args.model_mb:g}")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb * MB >= 1):
+        ap.error(f"--bucket-mb must be a finite number > 0 (at least 1 byte), got {args.bucket_mb:g}")
+    for flag in ("--inter-dc-mbps", "--intra-dc-mbps"):
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"{flag} must be a finite number > 0, got {v:g}")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.quick:
         args.reps = 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     t0 = time.time()
     per_rank = run_local(WORLD, bench_rank, args, threads=1)
     lines = [summarize_run([per_rank[r][i] for r in range(WORLD)]) for i in range(len(per_rank[0]))]

@@ -1,0 +1,77 @@
+"""Bench arguments are checked before any process starts: a bad one is one line naming the
+flag and exit code 2 (argparse's own error path); nothing is run here."""
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the benches import jsonline from their folder
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _refused(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error:" in err
+    return err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--reps", "-2", "--quick"], "--reps must be >= 1"),
+    (["--inter-dc-mbps", "0"], "--inter-dc-mbps must be a finite number > 0"),
+    (["--inter-dc-mbps", "inf"], "--inter-dc-mbps must be a finite number > 0"),
+    (["--inter-dc-mbps", "nan"], "--inter-dc-mbps must be a finite number > 0"),
+    (["--intra-dc-mbps", "-5"], "--intra-dc-mbps must be a finite number > 0"),
+    (["--model-mb", "50"], "--model-mb must be a finite number >= 100"),
+    (["--model-mb", "inf"], "--model-mb must be a finite number >= 100"),
+    (["--bucket-mb", "0"], "--bucket-mb must be a finite number > 0"),
+])
+def test_weight_sync_refuses_bad_arguments(argv, flag, monkeypatch, capsys):
+    ws = _load("weight_sync", monkeypatch)
+    assert flag in _refused(ws.parse_args, argv, capsys)
+
+
+def test_weight_sync_accepts_the_documented_arguments(monkeypatch):
+    ws = _load("weight_sync", monkeypatch)
+    a = ws.parse_args([])
+    assert (a.reps, a.model_mb, a.inter_dc_mbps) == (3, 104.0, 50.0)
+    assert ws.parse_args(["--quick"]).reps == 1
+    a = ws.parse_args(["--model-mb", "100", "--inter-dc-mbps", "150", "--intra-dc-mbps", "150", "--reps", "1"])
+    assert (a.model_mb, a.inter_dc_mbps, a.reps) == (100.0, 150.0, 1)
+
+
+def test_scale_out_default_logdir_is_new_each_run(monkeypatch, tmp_path):
+    so = _load("scale_out", monkeypatch)
+    monkeypatch.setattr(so, "ROOT", tmp_path)
+    monkeypatch.setattr(so, "time", SimpleNamespace(strftime=lambda fmt: "20260101-000000"))
+    a = so.parse_args(["--quick"])
+    assert a.logdir == "runs/bench_scale_out/20260101-000000"
+    (tmp_path / a.logdir).mkdir(parents=True)  # a run started within the same second
+    assert so.parse_args(["--quick"]).logdir == "runs/bench_scale_out/20260101-000000-2"
+    assert not (tmp_path / "runs/bench_scale_out/20260101-000000-2").exists()  # parsing writes nothing
+
+
+def test_scale_out_refuses_a_logdir_holding_a_run(monkeypatch, tmp_path, capsys):
+    so = _load("scale_out", monkeypatch)
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "iterations.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    before = sorted(p.name for p in run.iterdir())
+    err = _refused(so.parse_args, ["--quick", "--logdir", str(run)], capsys)
+    assert f"--logdir {run} already holds a run" in err
+    assert sorted(p.name for p in run.iterdir()) == before
+    # an empty or new folder is fine, and the ranks (--worker) take the folder they are given
+    assert so.parse_args(["--logdir", str(tmp_path / "new")]).logdir == str(tmp_path / "new")
+    assert so.parse_args(["--worker", "--logdir", str(run)]).logdir == str(run)
