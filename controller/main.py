@@ -153,6 +153,13 @@ def data_plane_backend(device: torch.device, local_world_size: int, gpus: int) -
     return "nccl"
 
 
+def _no_job(args, e: BaseException) -> int:
+    print(f"[join] no StreamRL job answered at --join {args.join} within {args.rpc_timeout:g} s "
+          f"({type(e).__name__}); pass the address from the controller's 'join address' line",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def join_main(args) -> int:
     """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
     host, port = args.join.rsplit(":", 1)
@@ -163,10 +170,7 @@ def join_main(args) -> int:
             break
         except OSError as e:
             if time.monotonic() >= deadline:
-                print(f"[join] no StreamRL job answered at --join {args.join} within {args.rpc_timeout:g} s "
-                      f"({type(e).__name__}); pass the address from the controller's 'join address' line",
-                      file=sys.stderr, flush=True)
-                return 1
+                return _no_job(args, e)
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     try:
         store = dist.TCPStore(host, int(port), is_master=False,
@@ -174,10 +178,7 @@ def join_main(args) -> int:
         attempt = store.get(ATTEMPT_KEY).decode()  # set once the controller is up
         elastic = store.get(_key("elastic", attempt)).decode() == "1"
     except (RuntimeError, TimeoutError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
-        print(f"[join] no StreamRL job answered at --join {args.join} within {args.rpc_timeout:g} s "
-              f"({type(e).__name__}); pass the address from the controller's 'join address' line",
-              file=sys.stderr, flush=True)
-        return 1
+        return _no_job(args, e)
     if not elastic:
         print(f"[join] the job at {args.join} runs with placement.elastic: false (a static RPC group): "
               "it takes no joiners", file=sys.stderr, flush=True)
@@ -195,20 +196,24 @@ def join_main(args) -> int:
     print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "
           "(REPL: sgs)", file=sys.stderr, flush=True)
 
+    lost = []
+
     def gone() -> str | None:
         try:  # a plain connect first: a store op on a dead server logs a C++ stack trace
             socket.create_connection((host, int(port)), timeout=10).close()
             now = store.get(ATTEMPT_KEY).decode()
         except (RuntimeError, TimeoutError, OSError) as e:
-            return f"the job at {args.join} is gone ({type(e).__name__}: its store does not answer)"
-        if now != attempt:
-            return (f"the job restarted (torchrun attempt {now}; this process joined attempt {attempt}): "
-                    "start it again to join the new one")
-        return None
+            lost.append(f"the job at {args.join} is gone ({type(e).__name__}: its store does not answer)")
+        else:
+            if now == attempt:
+                return None
+            lost.append(f"the job restarted (torchrun attempt {now}; this process joined attempt {attempt}): "
+                        "start it again to join the new one")
+        return lost[-1]
 
     code = serve(gone)
     close_roles()
-    if code == 1:  # the job is gone: nobody to leave the RPC group with
+    if lost:  # nobody left to leave the RPC group with
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
