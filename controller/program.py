@@ -227,7 +227,7 @@ class Program:
         # timed from its start to its last call's completion (the transfer, not the waits
         # around it). lag 0: the push of the row's own weights. lag 1: the push of the
         # previous row's weights (the weights the next generation uses); a run's last push
-        # (drained) is reported by the next run's first lag-1 row.
+        # (drained) is reported by the next run's first row if that run is lag-1 too.
         push: _Push | None = None
         sync_s, self._drained_sync_s = self._drained_sync_s, 0.0
         for _ in range(k):
