@@ -2,7 +2,8 @@
 
 Numerics follow ``workers.model``: ``RMSNorm`` normalises in fp32, rounds to the input dtype,
 then multiplies by the weight; ``apply_rotary`` is HF's rotate-half convention. The Triton
-versions do each in one pass (fp32 inside, one rounding at the end), so 16-bit results may
+versions take x's dtype for every input (a residual or cos/sin of another dtype is refused:
+the references would promote to it, the kernels round to x's) and do each in one pass (fp32 inside, one rounding at the end), so 16-bit results may
 differ from the eager torch ones by an ulp. Not wired into the model (its forward is shared
 with the trainer); they are here for the decode path once measured to pay on a GPU
 (bench/kernels.py).
@@ -38,9 +39,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.dim() != 2 or weight.shape != (x.shape[1],) or x.stride(-1) != 1:
         raise ValueError(f"rms_norm: x must be [T, D] with a contiguous last dim and weight [D]; "
                          f"got x {tuple(x.shape)} stride {x.stride()}, weight {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"rms_norm: residual must match x {tuple(x.shape)}, got "
-                         f"{tuple(residual.shape)}")
+    if weight.stride(0) != 1:  # the kernel reads it as contiguous
+        raise ValueError(f"rms_norm: weight must be contiguous, got stride {weight.stride()}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm: residual must match x ({tuple(x.shape)} {x.dtype}, contiguous last dim), got "
+                         f"{tuple(residual.shape)} {residual.dtype} stride {residual.stride()}")
     _require_triton(x, "rms_norm")
     from kernels import _norm_rope_triton
 
@@ -61,9 +65,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
                          f"got {tuple(x.shape)} stride {x.stride()}")
     want = (x.shape[0], x.shape[2])
     for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != want or t.stride(-1) != 1:
-            raise ValueError(f"rotary: {name} must be [T, Dh] = {list(want)} with a contiguous "
-                             f"last dim, got {tuple(t.shape)}")
+        if tuple(t.shape) != want or t.stride(-1) != 1 or t.dtype != x.dtype:
+            raise ValueError(f"rotary: {name} must be [T, Dh] = {list(want)} in x's dtype {x.dtype} with a "
+                             f"contiguous last dim, got {tuple(t.shape)} {t.dtype} stride {t.stride()}")
     _require_triton(x, "rotary")
     from kernels import _norm_rope_triton
 

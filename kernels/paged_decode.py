@@ -20,6 +20,8 @@ import torch
 
 from kernels import interpreter_mismatch, interpreting, triton_available, triton_usable
 
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # of q and the K/V caches
+
 MIN_DOT = 16            # tl.dot needs every dim >= 16 when compiled for a GPU
 MIN_SPLIT_TOKENS = 128  # don't split a sequence into pieces shorter than this
 MAX_SPLITS = 64
@@ -117,12 +119,21 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"paged_decode_attention: dtypes differ: q {q.dtype}, k_cache "
                          f"{k_cache.dtype}, v_cache {v_cache.dtype}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"paged_decode_attention: dtype {q.dtype} is not supported (only "
+                         f"{', '.join(str(d) for d in DTYPES)}; no fp8 KV cache)")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != bsz:
         raise ValueError(f"paged_decode_attention: block_tables must be int32 [B={bsz}, "
                          f"max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:  # rows may be strided, not their entries
+        raise ValueError(f"paged_decode_attention: block_tables rows must be contiguous, got stride "
+                         f"{block_tables.stride()}")
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (bsz,):
         raise ValueError(f"paged_decode_attention: context_lens must be int32 [B={bsz}], got "
                          f"{context_lens.dtype} {tuple(context_lens.shape)}")
+    if bsz > 1 and context_lens.stride(0) != 1:
+        raise ValueError(f"paged_decode_attention: context_lens must be contiguous, got stride "
+                         f"{context_lens.stride()}")
     devs = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devs) > 1:
         raise ValueError(f"paged_decode_attention: inputs on several devices: {sorted(map(str, devs))}")
@@ -163,7 +174,14 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.zeros(bsz, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    for b, n in enumerate(context_lens.tolist()):
+    lens = context_lens.tolist()
+    room = block_tables.shape[1] * block_size
+    bad = [(b, n) for b, n in enumerate(lens) if not 0 <= n <= room]
+    if bad:  # the kernel cannot check this without a host sync: there it is undefined
+        b, n = bad[0]
+        raise ValueError(f"paged_decode_attention: context_lens[{b}] = {n} is outside [0, {room}] (the block "
+                         f"table's {block_tables.shape[1]} blocks of {block_size} tokens)")
+    for b, n in enumerate(lens):
         if n == 0:
             continue
         blocks = block_tables[b, :math.ceil(n / block_size)].long()

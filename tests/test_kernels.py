@@ -20,7 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 pytest.importorskip("triton", reason="triton not installed (pip install streamrl[kernels])")
 
 import kernels  # noqa: E402
-from kernels.paged_decode import (DecodeLaunch, choose_launch, paged_decode_attention,  # noqa: E402
+from kernels.paged_decode import (DecodeLaunch, check_inputs, choose_launch, paged_decode_attention,  # noqa: E402
                                   paged_decode_attention_ref)
 
 pytestmark = pytest.mark.triton
@@ -194,6 +194,34 @@ def test_bad_inputs_name_the_argument():
         paged_decode_attention(q.half(), k, v, tables, lens_t, 0.1)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_attention(q, k, v, tables, lens_t, 0.1, num_splits=0)
+
+
+
+def test_layouts_and_dtypes_the_kernel_cannot_read_are_refused():
+    # each of these ran and gave a silently wrong answer (or read past the table)
+    q, k, v, tables, lens_t = make_paged([5, 9], 4, 2, 64, 16, torch.float32)
+    wide = torch.zeros(tables.shape[1], 2, dtype=torch.int32).t()  # [B, blocks], column-major
+    wide.copy_(tables)
+    with pytest.raises(ValueError, match=r"block_tables rows must be contiguous, got stride \(1, 2\)"):
+        paged_decode_attention(q, k, v, wide, lens_t, 0.1)
+    pairs = torch.stack((lens_t, lens_t), dim=1)  # [B, 2]: a column is strided
+    with pytest.raises(ValueError, match=r"context_lens must be contiguous, got stride \(2,\)"):
+        paged_decode_attention(q, k, v, tables, pairs[:, 0], 0.1)
+    for dt in (torch.float64, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=f"dtype {dt} is not supported"):
+            paged_decode_attention(q.to(dt), k.to(dt), v.to(dt), tables, lens_t, 0.1)
+    # a row slice of a wider table (the engine's CUDA graphs pass those) is fine
+    assert check_inputs(q, k, v, torch.cat((tables, tables), 1)[:, :tables.shape[1]], lens_t) is None
+
+
+def test_the_reference_refuses_lengths_past_the_block_table():
+    q, k, v, tables, lens_t = make_paged([5, 9], 4, 2, 64, 16, torch.float32)
+    room = tables.shape[1] * 16
+    for bad in (room + 1, -1):
+        lens = lens_t.clone()
+        lens[1] = bad
+        with pytest.raises(ValueError, match=rf"context_lens\[1\] = {bad} is outside \[0, {room}\]"):
+            paged_decode_attention_ref(q, k, v, tables, lens, 0.1)
 
 
 def test_without_triton_package_imports_and_refuses(monkeypatch):

@@ -71,3 +71,10 @@ def test_bad_shapes_are_named():
         rotary(x, x[:, 0, :32], x[:, 0])
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x[:, 0], x[0, 0, :10], 1e-6)
+    # read as contiguous / as x's dtype by the kernels: refused, not a silently different answer
+    with pytest.raises(ValueError, match=r"weight must be contiguous, got stride \(2,\)"):
+        rms_norm(x[:, 0], rand(128, dtype=torch.float32)[::2], 1e-6)
+    with pytest.raises(ValueError, match="residual must match x"):
+        rms_norm(x[:, 0].bfloat16(), x[0, 0].bfloat16(), 1e-6, residual=x[:, 0])
+    with pytest.raises(ValueError, match="cos must be .* in x's dtype torch.bfloat16"):
+        rotary(x.bfloat16(), x[:, 0], x[:, 0].bfloat16())
