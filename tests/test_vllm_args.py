@@ -34,10 +34,14 @@ def test_max_model_len_capped_so_one_sequence_fits_the_cache():
     assert vllm_args.engine_args(cfg, "/m", big)["max_model_len"] == 127 * 32
     assert vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=1000,
                                                 device="cpu"), big) == 1000
-    # a max_model_len set in the config that the cache cannot hold is refused, as the native engine
+    # a max_model_len set in the config that the cache cannot hold is refused (EngineConfig, in
+    # native blocks: 255 x 16 = 4080); in vLLM's CPU blocks of 32 it holds less (127 x 32 = 4064)
     with pytest.raises(ValueError, match=r"engine.max_model_len: 4090 tokens do not fit the KV cache, whose "
+                                         r"256 blocks of 16 tokens hold at most 4080 tokens"):
+        EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=4090, device="cpu")
+    with pytest.raises(ValueError, match=r"engine.max_model_len: 4070 tokens do not fit the KV cache, whose "
                                          r"128 vLLM blocks of 32 tokens hold at most 4064 tokens"):
-        vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=4090,
+        vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=4070,
                                              device="cpu"), big)
 
 

@@ -92,6 +92,12 @@ class EngineConfig:
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
             key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
             bad(key, f"must give at least two blocks of {self.block_size} tokens")
+        if self.max_model_len > self.kv_len:  # as vLLM, which refuses to start: not a silent cut
+            raise ValueError(
+                f"engine.max_model_len: {self.max_model_len} tokens do not fit the KV cache, whose "
+                f"{self.total_blocks} blocks of {self.block_size} tokens hold at most {self.kv_len} tokens of "
+                f"one sequence (all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower "
+                f"max_model_len")
         if self.device and self.device.split(":")[0] not in ("cpu", "cuda"):
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
         if self.eos_ids is not None:
@@ -104,6 +110,12 @@ class EngineConfig:
     @property
     def total_blocks(self) -> int:
         return self.num_blocks or self.kv_cache_tokens // self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        """The longest sequence the cache always holds: all blocks but one (a group's pinned
+        copy-on-write block)."""
+        return max((self.total_blocks - 1) * self.block_size, self.block_size)
 
 
 def _is_int(x) -> bool:

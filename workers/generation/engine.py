@@ -70,16 +70,9 @@ class NativeEngine:
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
         check_eos_ids(self.eos_ids, self.vocab_size)
         self.bm = BlockManager(cfg.total_blocks, cfg.block_size)
-        # a lone sequence must always fit: its blocks + one pinned copy of a partial block
-        kv_len = max((cfg.total_blocks - 1) * cfg.block_size, cfg.block_size)
-        if cfg.max_model_len > kv_len:  # as vLLM, which refuses to start: not a silent cut
-            raise ValueError(
-                f"engine.max_model_len: {cfg.max_model_len} tokens do not fit the KV cache, whose "
-                f"{cfg.total_blocks} blocks of {cfg.block_size} tokens hold at most {kv_len} tokens of one "
-                f"sequence (all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower "
-                f"max_model_len")
+        # a lone sequence must always fit (EngineConfig refuses a max_model_len that does not)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings, kv_len)
+                                 mc.max_position_embeddings, cfg.kv_len)
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
         self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
                                    cfg.max_prefill_tokens, cfg.admission, cfg.enable_chunked_prefill)
