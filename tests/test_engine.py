@@ -337,6 +337,16 @@ def test_malformed_requests_refused_naming_the_field_and_others_served():
     check_against_recompute([good[0], good[2]], [out[0], out[2]])
 
 
+def test_add_takes_a_list_of_requests():
+    eng = engine()
+    ok = Request(sample_id=0, prompt_ids=PS[0], max_tokens=2)
+    with pytest.raises(TypeError, match=r"add: requests\[1\] is a dict, not a Request"):
+        eng.add([ok, {"sample_id": 1}])
+    with pytest.raises(TypeError, match="add: expected a list of Request, got Request"):
+        eng.add(ok)
+    assert eng.stats().waiting == 0  # nothing queued before the refusal
+
+
 def test_lpt_admission_order():
     est = [3.0, 50.0, 10.0, 7.0, 50.0]
     reqs = [Request(sample_id=i, prompt_ids=PS[i], max_tokens=2, est_len=e, sampling=GREEDY)

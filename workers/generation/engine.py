@@ -17,7 +17,7 @@ from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
-from workers.generation.request_check import check_batch_cap, check_eos_ids, check_weights, refusal
+from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
 from workers.generation.scheduler import Scheduler
 from workers.generation.sequence import Sequence, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
@@ -114,6 +114,7 @@ class NativeEngine:
 
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
+        check_requests(requests)
         refused = []
         for i, req in enumerate(requests):
             why = self._refusal(req)

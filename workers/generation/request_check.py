@@ -17,8 +17,6 @@ _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -> str | None:
     """Why ``req`` cannot be served (None when it can): ``max_len`` is the engine's context
     (prompt + output tokens), ``live`` the sample ids already queued or running."""
-    if not isinstance(req, Request):
-        return f"not a Request: {type(req).__name__}"
     try:
         hash(req.sample_id)
     except TypeError:
@@ -62,6 +60,16 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     if req.sample_id in live:
         return f"sample_id {req.sample_id} is already queued or running"
     return None
+
+
+def check_requests(requests) -> None:
+    """``add``'s argument: a sequence of ``Request``s. Anything else has no sample id to answer
+    with: TypeError naming the first one, before any is queued."""
+    if isinstance(requests, (Request, str, bytes)) or not hasattr(requests, "__iter__"):
+        raise TypeError(f"add: expected a list of Request, got {type(requests).__name__}")
+    for i, r in enumerate(requests):
+        if not isinstance(r, Request):
+            raise TypeError(f"add: requests[{i}] is a {type(r).__name__}, not a Request")
 
 
 def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],

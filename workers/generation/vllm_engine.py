@@ -32,7 +32,7 @@ import torch
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
 from workers.generation.engine import recent_rate
-from workers.generation.request_check import check_batch_cap, check_eos_ids, check_weights, refusal
+from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -180,6 +180,7 @@ class VLLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
+        check_requests(requests)
         refused, now = [], time.time()
         for i, req in enumerate(requests):
             why = refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
