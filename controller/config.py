@@ -476,7 +476,7 @@ def _check_registries(cfg: Config) -> None:
     """Names that select a registered implementation (task, dispatcher, ranker kind), the
     dispatcher's options (building one is cheap and pure) and its profile file; a task's
     kwargs are checked when the controller builds it, before any other work."""
-    from controller.scheduling import DISPATCHERS, PTLProfile, make_dispatcher
+    from controller.scheduling import DISPATCHERS, PTLProfile, make_dispatcher, runnable
     from workers.tasks.registry import task_factory
 
     try:
@@ -486,9 +486,13 @@ def _check_registries(cfg: Config) -> None:
     if cfg.dispatch.name not in DISPATCHERS:
         raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}")
     try:
-        make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
+        dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"dispatch.options: {e}") from None
+    try:
+        runnable(dispatcher)
+    except ValueError as e:
+        raise ConfigError(f"dispatch.name: {cfg.dispatch.name}: {e}") from None
     if cfg.dispatch.profile:
         if not Path(cfg.dispatch.profile).is_file():
             raise ConfigError(f"dispatch.profile: {cfg.dispatch.profile} does not exist (a saved PTLProfile JSON, "

@@ -294,9 +294,9 @@ class Program:
         self.mode = mode
 
     def set_dispatcher(self, name: str, **options) -> None:
-        from controller.scheduling import make_dispatcher
+        from controller.scheduling import make_dispatcher, runnable
 
-        self.world.sgs.dispatcher = make_dispatcher(name, **options)
+        self.world.sgs.dispatcher = runnable(make_dispatcher(name, **options))
 
     def _prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, fields
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -242,10 +242,25 @@ class SkewDispatcher:
             raise ValueError(f"skew dispatcher: cost {self.cost!r} is not one of {sorted(COSTS)}")
         if self.quantile_of not in ("class", "distribution"):
             raise ValueError(f"skew dispatcher: quantile_of must be 'class' or 'distribution', got {self.quantile_of!r}")
+        if isinstance(self.orders, Mapping):
+            raise ValueError(f"skew dispatcher: orders must be a list of order names, got {self.orders!r}")
         self.orders = tuple(self.orders)
-        for o in (self.order, *self.orders, *([self.mixed_order] if self.mixed_order else [])):
+        if self.mixed_order == "":
+            raise ValueError("skew dispatcher: mixed_order must be an order name or null, got ''")
+        for o in (self.order, *self.orders, *([self.mixed_order] if self.mixed_order is not None else [])):
             if o not in ORDERS:
                 raise ValueError(f"skew dispatcher: order {o!r} is not one of {sorted(ORDERS)}")
+        for key in ("mixed", "use_true"):
+            if not isinstance(getattr(self, key), bool):  # "false" is truthy
+                raise ValueError(f"skew dispatcher: {key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("q_long", "q_regular"):
+            v = getattr(self, key)
+            if not (_real(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"skew dispatcher: {key} must be a quantile in [0, 1], got {v!r}")
+        if not (isinstance(self.draws, int) and not isinstance(self.draws, bool) and self.draws >= 1):
+            raise ValueError(f"skew dispatcher: draws must be an int >= 1, got {self.draws!r}")
+        if not isinstance(self.noise, BinnedPosterior) and not (_real(self.noise) and self.noise >= 0):
+            raise ValueError(f"skew dispatcher: noise must be a finite log-error std >= 0, got {self.noise!r}")
 
     def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
                     ) -> dict[tuple[float, int], tuple[float, list[list[int]], list[float], list[int]]]:
@@ -334,6 +349,19 @@ DISPATCHER_OPTIONS: dict[str, tuple[str, ...]] = {
     "skew_paper": _SKEW_OPTIONS,
     "oracle": _SKEW_OPTIONS,
 }
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def runnable(d: Dispatcher) -> Dispatcher:
+    """``d``, if a training run can use it: the oracle plans on the true output lengths, which
+    only a benchmark knows (bench/skew_dispatch.py); a run has only the ranker's estimates."""
+    if getattr(d, "use_true", False):
+        raise ValueError("the oracle dispatcher plans on the true output lengths, which a training run does not "
+                         "know (it is for bench/skew_dispatch.py); use skew, skew_paper, random or round_robin")
+    return d
 
 
 def make_dispatcher(name: str, **kwargs) -> Dispatcher:

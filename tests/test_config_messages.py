@@ -51,6 +51,13 @@ def test_docs_give_the_dispatch_profile_default_as_empty():
     assert "none: a flat default" not in row
 
 
+def test_the_oracle_dispatcher_is_refused_for_a_run(tmp_path):
+    # it plans on the true output lengths: a run crashed in its first iteration
+    with pytest.raises(ConfigError, match=r"dispatch.name: oracle: the oracle dispatcher plans on the true output "
+                                          r"lengths, which a training run does not know"):
+        load_config(_file(tmp_path), 3, ["dispatch.name=oracle"])
+
+
 # ---- 9: dispatch.options name the dispatcher and the options it takes --------------------------
 @pytest.mark.parametrize("name, options, message", [
     ("round_robin", "{alphas: 3}", "dispatch.options: dispatcher 'round_robin' takes only 'order', got ['alphas']"),
@@ -65,6 +72,19 @@ def test_docs_give_the_dispatch_profile_default_as_empty():
                                     "(0, 1), got ['x']"),
     ("skew", "{orders: lpt}", "dispatch.options: skew dispatcher: orders must be a list (e.g. orders: ['lpt']), "
                               "got 'lpt'"),
+    # values: each of these passed the load check and crashed iteration 0 (or was silently wrong)
+    ("skew", "{draws: 0}", "dispatch.options: skew dispatcher: draws must be an int >= 1, got 0"),
+    ("skew", "{draws: 2.5}", "dispatch.options: skew dispatcher: draws must be an int >= 1, got 2.5"),
+    ("skew", "{noise: .nan}", "dispatch.options: skew dispatcher: noise must be a finite log-error std >= 0, got nan"),
+    ("skew", "{noise: '0.3'}", "dispatch.options: skew dispatcher: noise must be a finite log-error std >= 0, got '0.3'"),
+    ("skew", "{q_long: 1.5}", "dispatch.options: skew dispatcher: q_long must be a quantile in [0, 1], got 1.5"),
+    ("skew_paper", "{q_regular: x}", "dispatch.options: skew dispatcher: q_regular must be a quantile in [0, 1], "
+                                     "got 'x'"),
+    ("skew", "{mixed: 'false'}", "dispatch.options: skew dispatcher: mixed must be true or false, got 'false'"),
+    ("skew", "{mixed_order: ''}", "dispatch.options: skew dispatcher: mixed_order must be an order name or null, "
+                                  "got ''"),
+    ("skew", "{orders: {lpt: 1}}", "dispatch.options: skew dispatcher: orders must be a list of order names, "
+                                   "got {'lpt': 1}"),
 ])
 def test_dispatch_options_name_the_dispatcher_and_what_it_takes(tmp_path, name, options, message):
     with pytest.raises(ConfigError) as e:

@@ -25,10 +25,12 @@ class _Program:
         self.version += k
         return [SimpleNamespace(metrics={"reward_mean": 0.5})] * k
 
-    def set_dispatcher(self, name, **opts):
-        from controller.scheduling import make_dispatcher
+    def set_dispatcher(self, name, **opts):  # the real one, on a stand-in SGS
+        from controller.program import Program
 
-        self.dispatcher = make_dispatcher(name, **opts)
+        sgs = SimpleNamespace(dispatcher=self.dispatcher)
+        Program.set_dispatcher(SimpleNamespace(world=SimpleNamespace(sgs=sgs)), name, **opts)
+        self.dispatcher = sgs.dispatcher
 
     def evaluate(self, n):
         raise WorkerFailed(1, "generation", "evaluate", "ValueError: engine refused eval request")
@@ -67,6 +69,14 @@ def test_a_missing_or_extra_argument_is_answered_with_the_usage():
         "usage: mode NAME", "usage: leave RANK",
         "leave: expected a generation instance's rank (see sgs), got 'x'",
         "usage: sgs", "usage: run K", "usage: timeline [N]"]
+
+
+def test_a_dispatcher_a_run_cannot_use_is_refused_and_not_applied():
+    s = _session()
+    a = _drive(s, "dispatch skew draws=0\ndispatch oracle\n")[1:]
+    assert a[0]["error"] == "ValueError: skew dispatcher: draws must be an int >= 1, got 0"
+    assert "the oracle dispatcher plans on the true output lengths" in a[1]["error"]
+    assert s.program.dispatcher is None  # neither replaced the one in use
 
 
 def test_a_worker_failure_during_run_stops_the_session():
