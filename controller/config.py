@@ -97,6 +97,9 @@ class RankerSection:
         if self.kind != "none" and not self.path:
             raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
                               "(python -m ranker train ... --out DIR); path is empty")
+        if self.kind == "none" and isinstance(self.update_every, int) and self.update_every > 0:
+            raise ConfigError(f"ranker.update_every: {self.update_every} updates a ranker online, but ranker.kind is "
+                              "'none' (no ranker); set ranker.kind and ranker.path, or update_every: 0")
 
 
 @dataclass(frozen=True)

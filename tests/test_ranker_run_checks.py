@@ -1,0 +1,51 @@
+"""A run's ranker.path is checked before any work (controller.runner.Session): a saved ranker
+is loaded then, so a damaged one is one config error instead of a traceback after the model
+bootstrap; a path that cannot take the ranker a run bootstraps is refused before the
+bootstrap's generations and fit (they were lost at its save). Plus the config's own checks."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from controller.config import ConfigError, RankerSection
+from controller.runner import Session
+from ranker.store import FORMAT, FORMAT_VERSION
+
+
+def _check(path, kind="lgbm"):
+    me = SimpleNamespace(cfg=SimpleNamespace(ranker=RankerSection(kind=kind, path=str(path))))
+    return Session._check_ranker_path(me)
+
+
+def test_an_empty_or_new_folder_takes_the_bootstrapped_ranker(tmp_path):
+    assert _check(tmp_path / "new") is None
+    (tmp_path / "empty").mkdir()
+    assert _check(tmp_path / "empty") is None
+    assert not (tmp_path / "new").exists()  # nothing created by the check
+    assert _check(tmp_path / "x", kind="none") is None
+
+
+def test_a_file_or_a_folder_of_other_things_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match=r"ranker.path: .*f: exists and is not a folder"):
+        _check(tmp_path / "f")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"ranker.path: .*d: exists and is not a ranker folder"):
+        _check(tmp_path / "d")
+
+
+def test_a_damaged_ranker_folder_is_refused_naming_the_file(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "lgbm.txt").write_text("tree\n")
+    (d / "meta.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "lgbm",
+                                             "files": {"lgbm.txt": "0" * 64}}))
+    with pytest.raises(ConfigError, match=r"ranker.path: .*lgbm.txt: checksum mismatch"):
+        _check(d)
+
+
+def test_update_every_without_a_ranker_is_refused():
+    with pytest.raises(ConfigError, match=r"ranker.update_every: 2 updates a ranker online, but ranker.kind is 'none'"):
+        RankerSection(kind="none", update_every=2)
+    assert RankerSection(kind="none", update_every=0).update_every == 0
