@@ -105,6 +105,9 @@ class Metrics:
         }
         # the iteration's own window (its dispatch .. the end of its step), not the drain's:
         # a trainer's idle span can start long before (set-up, a pause at the REPL prompt)
+        for k, v in getattr(res, "ranker_quality", {}).items():  # the estimates against the true lengths
+            if v is not None:
+                derived[f"ranker/{k}"] = float(v)
         window = iteration_windows(it_spans).get(step)
         if window is not None:
             for worker, frac in bubble_fractions(recent, window).items():

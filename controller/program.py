@@ -55,6 +55,9 @@ class IterationResult:
     per_instance: dict[int, int] = field(default_factory=dict)  # rank -> samples generated
     instances: int = 0
     ranker_rows: int = 0  # rows of the ranker's online update after this iteration (0: none)
+    # with a ranker: how its estimates (est_len) ranked this batch's true output lengths
+    # (ranker.metrics.ranking_report: recall@10/20/30, kendall_tau, spearman) and their means
+    ranker_quality: dict[str, float | None] = field(default_factory=dict)
     # time since the previous iteration was recorded (the first of a ``run`` call: since that
     # call began): the pipeline's throughput interval. The intervals add up to the run's time;
     # ``iter_seconds`` (the batch's own start to its step's end) overlap in the async modes.
@@ -179,6 +182,8 @@ class Program:
         # the instances the batch was dispatched to (one added later, while an async step
         # waited, served the next batch)
         res.instances = b.round.instances if b.round else len(self.world.sgs.slots)
+        if self.ranker is not None and b.round is not None:
+            res.ranker_quality = self._ranker_quality(b)
         every = self.cfg.ranker.update_every
         if self.ranker is not None and every > 0 and b.round is not None:
             self.ranker_rows += self._true_lengths(b)
@@ -187,6 +192,18 @@ class Program:
                 self.ranker.update(list(texts), list(lens))
                 res.ranker_rows, self.ranker_rows = len(texts), []
         return res
+
+    @staticmethod
+    def _ranker_quality(b: _Batch) -> dict[str, float | None]:
+        from ranker.metrics import ranking_report
+
+        est = {r.sample_id: r.est_len for r in b.requests}
+        pairs = [(est[sid], n) for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths) if sid in est]
+        if len(pairs) < 2:
+            return {}
+        pred, true = zip(*pairs)
+        out = {**ranking_report(pred, true), "est_mean": sum(pred) / len(pred), "true_mean": sum(true) / len(true)}
+        return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}  # NaN: constant lengths
 
     def _true_lengths(self, b: _Batch) -> list[tuple[str, float]]:
         """(prompt text, generated length) of every sample of this iteration: the ranker's

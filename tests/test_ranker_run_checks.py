@@ -49,3 +49,22 @@ def test_update_every_without_a_ranker_is_refused():
     with pytest.raises(ConfigError, match=r"ranker.update_every: 2 updates a ranker online, but ranker.kind is 'none'"):
         RankerSection(kind="none", update_every=2)
     assert RankerSection(kind="none", update_every=0).update_every == 0
+
+
+def test_each_iteration_reports_how_the_estimates_ranked_the_true_lengths():
+    # iterations.jsonl / TensorBoard had nothing to tell whether the ranker helps
+    import torch
+
+    from controller.program import Program
+    from workers.types import Request
+
+    reqs = [Request(sample_id=i, prompt_ids=torch.tensor([1]), max_tokens=64, est_len=e)
+            for i, e in enumerate([10.0, 40.0, 20.0, 30.0])]
+    reports = [SimpleNamespace(sample_ids=[0, 1], lengths=[5, 50]), SimpleNamespace(sample_ids=[2, 3], lengths=[20, 40])]
+    b = SimpleNamespace(requests=reqs, round=SimpleNamespace(reports=reports))
+    q = Program._ranker_quality(b)
+    assert q["spearman"] == 1.0 and q["kendall_tau"] == 1.0 and q["recall@30"] == 1.0
+    assert q["est_mean"] == 25.0 and q["true_mean"] == 28.75
+    same = [SimpleNamespace(sample_ids=[0, 1, 2, 3], lengths=[16, 16, 16, 16])]  # forced lengths: rank undefined
+    q = Program._ranker_quality(SimpleNamespace(requests=reqs, round=SimpleNamespace(reports=same)))
+    assert q["spearman"] is None and q["true_mean"] == 16.0
