@@ -243,5 +243,5 @@ def test_report_alg1_is_no_slower_than_even_for_every_model(capsys):
     assert [r["model"] for r in rows] == ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"]
     for r in rows:
         assert r["alloc_vs_even_throughput"] >= 1.0, r
-    tps = {r["model"]: r["alg1_h800"]["gen_tp"] for r in rows}
+    tps = {r["model"]: r["planned_h800"]["gen_tp"] for r in rows}
     assert (tps["qwen2.5-7b"], tps["qwen2.5-72b"]) == (4, 8)  # the sizes the fast test fixes

@@ -110,16 +110,16 @@ def test_plan_cli_on_small_clusters(tmp_path, capsys):
     main(["plan", "--cluster", str(tmp_path / "one.yaml"), *common])
     out = json.loads(capsys.readouterr().out)
     rec = out["recommended"]
-    assert set(rec["modes"]) == set(MODES) and out["tp"] == rec["gen_tp"] and out["tp_from"] == "searched"
+    assert set(rec) == set(MODES) and out["tp"] == rec["async_stream"]["gen_tp"] and out["tp_from"] == "searched"
     tried = {t["tp"]: t for t in out["tp_tried"]}  # 7B: 28 heads do not split over 8 GPUs
     assert sorted(tried) == [1, 2, 4, 8] and "28 attention heads" in tried[8]["skipped"]
     assert out["tp"] == min((t["iteration_s"], t["gen_gpus"] + t["train_gpus"], k)
                             for k, t in tried.items() if "iteration_s" in t)[2]
-    assert rec["modes"]["async_stream"]["samples_per_s"] >= rec["modes"]["batch"]["samples_per_s"]
+    assert rec["async_stream"]["samples_per_s"] >= rec["batch"]["samples_per_s"]
     main(["plan", "--cluster", str(tmp_path / "two.yaml"), *common])
     out = json.loads(capsys.readouterr().out)
-    assert "colocated" not in out["recommended"]["modes"] and "even_split" not in out
-    assert out["recommended"]["train"].endswith("x H800") and "H20" in out["recommended"]["gen"]
+    assert "colocated" not in out["recommended"] and "even_split" not in out
+    assert all(r["train"].endswith("x H800") and "H20" in r["gen"] for r in out["recommended"].values())
     (tmp_path / "bad.yaml").write_text("datacenters:\n  - {name: a, gpu: V100, gpus: 8, price_per_gpu_hour: 1}\n")
     with pytest.raises(SystemExit):
         main(["plan", "--cluster", str(tmp_path / "bad.yaml"), *common])
@@ -143,7 +143,7 @@ def test_plan_cli_bad_inputs_name_the_file(tmp_path, capsys):
         (["--cluster", str(one), "--trace", str(tmp_path / "t.json")],
          f"{tmp_path / 't.json'}: neither a length trace"),
         (["--cluster", str(one), "--trace", str(tmp_path / "neg.json")],
-         f"{tmp_path / 'neg.json'}: expected a non-empty JSON list of output lengths"),
+         f"{tmp_path / 'neg.json'}: entry 1 (-1) is not an output length"),
         (["--cluster", str(one), "--trace", str(tmp_path / "missing.json")], f"{tmp_path / 'missing.json'}: no such file"),
     ]
     for args, said in cases:

@@ -107,7 +107,8 @@ def test_plan_cli_fixed_and_bad_tp(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(dc + "gen_tp: 2\n")
     main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "qwen2.5-7b", *args])
     out = json.loads(capsys.readouterr().out)
-    assert out["tp"] == 2 == out["recommended"]["gen_tp"] and out["tp_from"] == "gen_tp (cluster file)"
+    assert out["tp_from"] == "gen_tp (cluster file)"
+    assert out["tp"] == 2 and all(r["gen_tp"] == 2 for r in out["recommended"].values())
     assert [t["tp"] for t in out["tp_tried"]] == [2]
     with pytest.raises(SystemExit) as e:
         main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "qwen2.5-72b", *args])

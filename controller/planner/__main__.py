@@ -5,13 +5,16 @@
     python -m controller.planner report --trace data/length_traces/llama33_70b_rg_easy.val.jsonl.gz
 
 ``plan`` prints the generation tensor-parallel size (``tp``, searched unless the cluster file
-fixes ``gen_tp``; ``tp_tried``: Algorithm 1's iteration time with each size tried), the
-recommended allocation (Algorithm 1, planned on every simulated iteration's batch) and, for
-each pipeline mode, the simulated iteration time, samples/s and samples per dollar (one JSON
-object).
-``report`` runs the cluster-scale comparisons of docs/planner.md for Qwen2.5 7B..72B:
-Algorithm 1 vs an even split on one H800 datacenter, and H20 generation + H800 training
-(cross-DC) vs all-H800, in samples per dollar. One JSON line per model, then a summary.
+fixes ``gen_tp``; ``tp_tried``: Algorithm 1's iteration time with each size tried), and for
+each pipeline mode the recommended allocation with the objective it minimises (the async
+modes: Algorithm 1's max(gen, train), planned on every simulated iteration's batch; batch,
+minibatch, stream: their own simulated iteration time; colocated: every GPU), its simulated
+iteration time, samples/s and samples per dollar; on one datacenter also the even split (one
+JSON object).
+``report`` runs the cluster-scale comparisons of docs/planner.md for Qwen2.5 7B..72B: the
+mode's recommended allocation vs an even split on one H800 datacenter, and H20 generation +
+H800 training (cross-DC) vs all-H800, in samples per dollar. One JSON line per model, then a
+summary.
 """
 from __future__ import annotations
 
@@ -20,15 +23,19 @@ import json
 import math
 import sys
 
-from controller.planner.cluster import (Cluster, Datacenter, Planner, describe, load_cluster, load_model,
-                                        load_trace, sample_workloads)
+from controller.planner.cluster import (MAX_GPUS, Cluster, Datacenter, Planner, describe, describe_mode, load_cluster,
+                                        load_model, load_trace, sample_workloads)
 from controller.planner.hardware import MODELS
 from controller.planner.simulator import MODES
 
 
-def _number(kind, strict: bool = True):
-    """argparse type: a finite number of ``kind`` > 0 (``strict``) or >= 0; a bad value (nan,
-    inf, a negative) exits 2 with argparse's usage line naming the flag."""
+MAX_LEN_SCALE = 1e6  # --len-scale: a trace answer (<= 1e9 words) times this stays a finite token count
+MIN_ITERATIONS = 2  # the first simulated iteration is warm-up, left out of the reported time
+
+
+def _number(kind, strict: bool = True, lo: float = 0, hi: float | None = None, why: str = ""):
+    """argparse type: a finite number of ``kind`` > ``lo`` (``strict``) or >= ``lo``, and <=
+    ``hi``; a bad value (nan, inf, a negative) exits 2 with argparse's usage line naming the flag."""
     def parse(text: str):
         try:
             v = kind(text)
@@ -36,8 +43,10 @@ def _number(kind, strict: bool = True):
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
         if not math.isfinite(v):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if not (v > 0 if strict else v >= 0):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} 0, got {text}")
+        if not (v > lo if strict else v >= lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}{why}, got {text}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi:g}{why}, got {text}")
         return v
     parse.__name__ = f"{'positive' if strict else 'non-negative'} {kind.__name__}"
     return parse
@@ -55,7 +64,7 @@ def cmd_plan(args) -> dict:
     out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp, "algorithm": p.algorithm, "whiten": p.whiten,
            "tp_from": "gen_tp (cluster file)" if p.tp_fixed else "searched",
            "tp_tried": [o.summary() for o in p.tp_options],
-           "recommended": describe(p.simulate_modes(p.allocate()))}
+           "recommended": {mode: describe_mode(plan, mode) for mode, plan in p.recommend().items()}}
     if not p.cluster.cross_dc:
         out["even_split"] = describe(p.simulate_modes(p.allocate(even=True)))
     print(json.dumps(out, indent=1))
@@ -74,15 +83,17 @@ def cmd_report(args) -> dict:
     for name in args.models:
         model = MODELS[name]
         p = _planner(h800, model, args)
-        best = p.simulate_modes(p.allocate(), [mode])
+        best = p.recommend([mode])[mode]
         even = p.simulate_modes(p.allocate(even=True), [mode])
         q = _planner(hetero, model, args)
-        het = q.simulate_modes(q.allocate(), [mode])
+        het = q.recommend([mode])[mode]
+        per_dollar = het.modes[mode]["samples_per_dollar"], best.modes[mode]["samples_per_dollar"]
         row = {"model": name, "mode": mode, "algorithm": p.algorithm, "whiten": p.whiten,
-               "alg1_h800": describe(best), "even_h800": describe(even), "h20_h800": describe(het),
+               "planned_h800": describe_mode(best, mode), "even_h800": describe(even),
+               "h20_h800": describe_mode(het, mode),
                "alloc_vs_even_throughput": round(best.modes[mode]["samples_per_s"] / even.modes[mode]["samples_per_s"], 3),
-               "hetero_vs_h800_samples_per_dollar": round(het.modes[mode]["samples_per_dollar"]
-                                                          / best.modes[mode]["samples_per_dollar"], 3)}
+               # null when a price of 0 makes either side's samples per dollar null (unbounded)
+               "hetero_vs_h800_samples_per_dollar": None if None in per_dollar else round(per_dollar[0] / per_dollar[1], 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {"summary": {r["model"]: {"alloc_vs_even": r["alloc_vs_even_throughput"],
@@ -94,25 +105,28 @@ def cmd_report(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m controller.planner", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{plan,report}")
-    helps = {"plan": "the recommended generation/training split (Algorithm 1) and each pipeline mode's "
-                     "simulated iteration time, samples/s and samples per dollar, for one cluster and model",
-             "report": "cluster-scale comparisons for Qwen2.5 7B..72B: Algorithm 1 vs an even split, and "
+    helps = {"plan": "each pipeline mode's recommended generation/training split (async modes: Algorithm 1; "
+                     "batch/minibatch/stream: their own shortest simulated iteration) with its simulated iteration "
+                     "time, samples/s and samples per dollar, for one cluster and model",
+             "report": "cluster-scale comparisons for Qwen2.5 7B..72B: the mode's recommended split vs an even split, and "
                        "H20 generation + H800 training vs all-H800 (docs/planner.md)"}
     for name in ("plan", "report"):
         s = sub.add_parser(name, help=helps[name], description=helps[name])
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
         s.add_argument("--batch", type=_number(int), default=1024, help="samples per iteration")
-        s.add_argument("--iterations", type=_number(int), default=4,
-                       help="simulated iterations, each its own batch; Algorithm 1 plans on all of them (mean stage "
-                            "times), the first is warm-up (left out of the reported time)")
+        s.add_argument("--iterations", type=_number(int, strict=False, lo=MIN_ITERATIONS,
+                                                    why=" (the first is warm-up)"), default=4,
+                       help="simulated iterations (>= 2), each its own batch; Algorithm 1 plans on all of them (mean "
+                            "stage times), the first is warm-up (left out of the reported time)")
         s.add_argument("--max-len", type=_number(int), default=20000, help="output length cap (tokens)")
-        s.add_argument("--len-scale", type=_number(float), default=1.0, help="multiply the trace's lengths")
+        s.add_argument("--len-scale", type=_number(float, hi=MAX_LEN_SCALE), default=1.0,
+                       help=f"multiply the trace's lengths (<= {MAX_LEN_SCALE:g})")
         s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])
         s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
                        help="PPO's trainer.whiten_advantages (auto: on for ppo, as the trainer and verl): with it "
                             "on, every mode trains after the iteration's last sample")
         s.add_argument("--dispatcher", default="skew_paper", help="controller.scheduling dispatcher name")
-        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--seed", type=_number(int, strict=False), default=0, help="workload draw seed (>= 0)")
         if name == "plan":
             s.add_argument("--cluster", required=True)
             s.add_argument("--model", required=True, help=f"file or one of {sorted(MODELS)}")
@@ -121,9 +135,10 @@ def main(argv=None) -> None:
                            default=sorted(MODELS, key=lambda k: MODELS[k].params))
             s.add_argument("--mode", default="async_stream", choices=[m for m in MODES if m != "colocated"],
                            help="pipeline mode compared (colocated has no cross-datacenter form)")
-            s.add_argument("--gpus", type=_number(int), default=128, help="H800 GPUs of the homogeneous cluster")
-            s.add_argument("--h20-gpus", type=_number(int), default=64)
-            s.add_argument("--h800-gpus", type=_number(int), default=64)
+            s.add_argument("--gpus", type=_number(int, hi=MAX_GPUS), default=128,
+                           help="H800 GPUs of the homogeneous cluster")
+            s.add_argument("--h20-gpus", type=_number(int, hi=MAX_GPUS), default=64)
+            s.add_argument("--h800-gpus", type=_number(int, hi=MAX_GPUS), default=64)
             s.add_argument("--h800-price", type=_number(float, strict=False), default=2.0,
                            help="dollars per GPU-hour (>= 0)")
             s.add_argument("--h20-price", type=_number(float, strict=False), default=0.7,

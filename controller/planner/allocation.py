@@ -73,9 +73,30 @@ def _xs(model: StageModel, hi: int) -> range:
     return range(model.gen_unit, hi + 1, model.gen_unit)
 
 
+def _train_lo(model: StageModel) -> int:
+    """The fewest trainer GPUs: its states (train_min), in whole trainer units."""
+    return max(model.train_unit, math.ceil(model.train_min / model.train_unit) * model.train_unit)
+
+
 def _ys(model: StageModel, hi: int) -> list[int]:
-    lo = max(model.train_unit, math.ceil(model.train_min / model.train_unit) * model.train_unit)
-    return list(range(lo, hi + 1, model.train_unit))
+    return list(range(_train_lo(model), hi + 1, model.train_unit))
+
+
+def _gen_unit_says(model: StageModel) -> str:
+    """What one generation unit is: gen_unit GPUs, or whole instances of tp GPUs."""
+    tp = model.gpus_per_instance or model.gen_unit
+    if tp == model.gen_unit:
+        return f"{model.gen_unit} GPUs: one instance of tp {tp}" + ("" if tp == 1 else ", or the cluster's gen_unit")
+    return f"{model.gen_unit} GPUs: the cluster's gen_unit in whole instances of tp {tp}"
+
+
+def _too_few(model: StageModel, n: int) -> str:
+    """One datacenter of ``n`` GPUs too small for a generation unit and the trainer side by side."""
+    train = _train_lo(model)
+    return (f"allocation: {n} GPUs cannot hold one generation unit ({_gen_unit_says(model)}) and the trainer "
+            f"(>= {train} GPUs: its states, in trainer_unit {model.train_unit}) side by side: the planner needs "
+            f">= {model.gen_unit + train} GPUs (generation and training on separate GPUs; colocated is only "
+            f"simulated beside such a split)")
 
 
 def allocate_brute_force(model: StageModel, n: int) -> Allocation:
@@ -87,8 +108,7 @@ def allocate_brute_force(model: StageModel, n: int) -> Allocation:
             if best is None or key < best[0]:
                 best = (key, x, y)
     if best is None:
-        raise ValueError(f"allocation: {n} GPUs cannot hold one generation instance ({model.gen_unit} GPUs) "
-                         f"and the trainer (>= {model.train_min} GPUs)")
+        raise ValueError(_too_few(model, n))
     return _alloc(model, best[1], best[2])
 
 
@@ -115,8 +135,7 @@ def allocate_single_dc(model: StageModel, n: int) -> Allocation:
         if best is None or key < best[0]:
             best = (key, x, y)
     if best is None:
-        raise ValueError(f"allocation: {n} GPUs cannot hold one generation instance ({model.gen_unit} GPUs) "
-                         f"and the trainer (>= {model.train_min} GPUs)")
+        raise ValueError(_too_few(model, n))
     return _alloc(model, best[1], best[2], released_gen=0, released_train=n - best[1] - best[2])
 
 
@@ -131,16 +150,30 @@ def allocate_cross_dc(model: StageModel, m: int, n: int) -> Allocation:
     the GPUs that do not speed it up even when it is the slower stage; the rest is released."""
     xs, ys = list(_xs(model, m)), _ys(model, n)
     if not xs:
-        raise ValueError(f"allocation: the generation datacenter's {m} GPUs cannot hold one generation "
-                         f"instance ({model.gpus_per_instance or model.gen_unit} GPUs, in units of {model.gen_unit})")
+        raise ValueError(f"allocation: the generation datacenter's {m} GPUs cannot hold one generation unit "
+                         f"({_gen_unit_says(model)})")
     if not ys:
         raise ValueError(f"allocation: the trainer datacenter's {n} GPUs cannot hold the trainer "
-                         f"(>= {max(model.train_min, model.train_unit)} GPUs)")
+                         f"(>= {_train_lo(model)} GPUs: its states, in trainer_unit {model.train_unit})")
     gens, trains = [model.gen(x) for x in xs], [model.train(y) for y in ys]
     target = max(min(gens), min(trains))
     x = next(x for x, g in zip(xs, gens) if g <= target)
     y = next(y for y, t in zip(ys, trains) if t <= target)
     return _alloc(model, x, y, released_gen=m - x, released_train=n - y)
+
+
+def most_trainer_splits(model: StageModel, n: int, m: int | None = None) -> list[Allocation]:
+    """The splits a mode whose iteration is gen + sync + train chooses from: every generation
+    size x (multiples of gen_unit; x <= m on a generation datacenter of ``m`` GPUs, else
+    x + y <= n) with the trainer on the most GPUs left (y <= n), as training time never rises
+    with GPUs; the rest is released."""
+    out = []
+    for x in _xs(model, n if m is None else m):
+        ys = _ys(model, n - x if m is None else n)
+        if ys:
+            out.append(_alloc(model, x, ys[-1], released_gen=0 if m is None else m - x,
+                              released_train=n - ys[-1] - (x if m is None else 0)))
+    return out
 
 
 def even_split(model: StageModel, n: int) -> Allocation:

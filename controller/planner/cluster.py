@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
-                                           even_split, mean_generation_time_model)
+                                           even_split, mean_generation_time_model, most_trainer_splits)
 from controller.planner.hardware import (GPUS, MODELS, ModelSpec, analytic_ptl_profile, analytic_train_profile,
                                          check_number, gpu, tp_candidates, tp_problem, trainer_min_gpus)
 from controller.planner.simulator import MODES, SimConfig, Workload, simulate, sync_time_s
@@ -31,6 +31,18 @@ from controller.scheduling import PTLProfile
 
 
 ROLES = ("any", "generation", "trainer")
+PROGRESS_MIN = 128  # instance counts x batches from which planning shows progress on stderr (~30 s)
+MAX_GPUS = 65536  # per datacenter: the search runs every instance count (2,048 H800 for 72B take minutes)
+
+# What each mode's recommended allocation minimises (Planner.recommend, docs/planner.md Allocation)
+ASYNC_MODES = ("async_batch", "async_stream")
+SYNC_CANDIDATES = 8  # splits simulated per synchronous mode: the best by gen + sync + train (stage model)
+OBJECTIVES = {
+    "colocated": "every GPU of the datacenter generates, then trains: no split to choose",
+    **{m: "max(gen, train), Algorithm 1: the stages overlap, the slower one sets the iteration" for m in ASYNC_MODES},
+    **{m: ("this mode's simulated iteration time (training waits for generation: gen + sync + train), the "
+           "shortest of the splits simulated (Planner.sync_candidates)") for m in ("batch", "minibatch", "stream")},
+}
 
 
 @dataclass
@@ -50,6 +62,8 @@ class Datacenter:
         except (ValueError, TypeError):
             raise ValueError(f"{where}: gpu: unknown GPU {self.gpu!r}; known: {sorted(GPUS)}") from None
         self.gpus = check_number(f"{where}: gpus", self.gpus, integer=True)
+        if self.gpus > MAX_GPUS:
+            raise ValueError(f"{where}: gpus {self.gpus} is more than the planner searches ({MAX_GPUS})")
         self.price_per_gpu_hour = check_number(f"{where}: price_per_gpu_hour", self.price_per_gpu_hour, strict=False)
         if self.role not in ROLES:
             raise ValueError(f"{where}: role {self.role!r} is not generation | trainer | any")
@@ -165,7 +179,9 @@ def load_model(spec: str) -> ModelSpec:
     if not p.exists():
         raise ValueError(f"model {spec!r}: neither a file nor one of {sorted(MODELS)}")
     d = _read(p, "model", json.loads if p.suffix == ".json" else yaml.safe_load)
-    return ModelSpec.from_dict(d, where=str(p))
+    # an HF config without a name is named by its folder (models/<name>/config.json), else its file
+    name = p.resolve().parent.name if p.name == "config.json" else p.stem
+    return ModelSpec.from_dict(d, where=str(p), name=name or "hf-model")
 
 
 @dataclass
@@ -178,18 +194,19 @@ TOKENS_PER_WORD = 1.3  # the traces count whitespace words; the simulated engine
 
 
 def trace_tokens(words: float, scale: float = 1.0, max_len: int = 20000) -> int:
-    """A trace answer's length in tokens (x ``scale``), within [1, ``max_len``]."""
-    return int(min(max_len, max(1, round(words * TOKENS_PER_WORD * scale))))
+    """A trace answer's length in tokens (x ``scale``), within [1, ``max_len``] (capped before
+    rounding, so a huge product cannot overflow)."""
+    return int(max(1, round(min(max_len, words * TOKENS_PER_WORD * scale))))
 
 
 def load_trace(path: str | Path, max_len: int = 20000, scale: float = 1.0) -> Trace:
     """A length trace (gzip JSON lines with resp_words and question, 1.3 tokens per word, every
     answer), or a JSON list of output lengths."""
-    from ranker.data import length_ok, read_traces  # the traces' one reader: errors name FILE:LINE
+    from ranker.data import MAX_WORDS, length_ok, read_traces  # the traces' one reader: errors name FILE:LINE
 
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{p}: no such file")
+        raise ValueError(f"{p}: {'not a file' if p.exists() else 'no such file'} (expected a length trace)")
     if ".jsonl" in p.name.lower():
         outs, prompts = [], []
         for row in read_traces(p):
@@ -202,9 +219,13 @@ def load_trace(path: str | Path, max_len: int = 20000, scale: float = 1.0) -> Tr
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{p}: neither a length trace (.jsonl, .jsonl.gz) nor a JSON list of output "
                          f"lengths ({e})") from None
-    if not isinstance(lens, list) or not lens or not all(map(length_ok, lens)):
-        raise ValueError(f"{p}: expected a non-empty JSON list of output lengths (numbers >= 0)")
-    return Trace([int(min(max_len, max(1, round(x * scale)))) for x in lens], [64] * len(lens))
+    if not isinstance(lens, list) or not lens:
+        raise ValueError(f"{p}: expected a non-empty JSON list of output lengths (numbers in [0, {MAX_WORDS:.0e}])")
+    bad = next((i for i, x in enumerate(lens) if not length_ok(x)), None)
+    if bad is not None:
+        raise ValueError(f"{p}: entry {bad} ({lens[bad]!r:.40}) is not an output length: expected numbers in "
+                         f"[0, {MAX_WORDS:.0e}] (ranker.data.MAX_WORDS)")
+    return Trace([int(max(1, round(min(max_len, x * scale)))) for x in lens], [64] * len(lens))
 
 
 @dataclass
@@ -242,6 +263,7 @@ class Plan:
     price_per_s: float
     modes: dict[str, dict] = field(default_factory=dict)
     tp: int = 1  # GPUs per generation instance
+    colocated: bool = False  # every GPU generates then trains (allocation.gen_gpus: all of them)
 
 
 @dataclass
@@ -319,8 +341,12 @@ class Planner:
         return tps
 
     def _none_fits(self) -> str:
-        """Why no tp tried can run the workload: the largest that holds the model's heads (it has
-        the most KV room), else the heads."""
+        """Why no tp tried can run the workload: the smallest whose samples fit (too few GPUs: it
+        needs the fewest), else the largest that holds the model's heads (it has the most KV room),
+        else the heads."""
+        fits = [o for o in self.tp_options if o.stage_model is not None]
+        if fits:
+            return fits[0].problem
         built = [o for o in self.tp_options if o.profile is not None]
         if built:
             return built[-1].problem
@@ -347,10 +373,29 @@ class Planner:
             gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
             gen_unit=math.lcm(tp, self.cluster.gen_unit),  # whole instances per unit
             train_unit=self.cluster.trainer_unit, train_min=self.train_min, gpus_per_instance=tp)
+        self._precompute(sm, tp)
         try:
             return TPOption(tp, prof, sm, self._allocate(sm, even=False))
         except ValueError as e:
             return TPOption(tp, prof, sm, problem=f"{self._where()}: {e}")
+
+    def _precompute(self, sm: StageModel, tp: int) -> None:
+        """Generation time of every instance count Algorithm 1 will ask for (cached in ``sm``),
+        with a progress bar on stderr when there are many (a 2,048-GPU plan takes minutes)."""
+        if self.cluster.cross_dc:
+            top = self.cluster.dc("generation").gpus
+        else:
+            top = self.cluster.datacenters[0].gpus - self.train_min
+        xs = range(sm.gen_unit, top + 1, sm.gen_unit)
+        work = len(xs) * len(self.workloads.iterations)
+        if work < PROGRESS_MIN:
+            return
+        from rich.console import Console
+        from rich.progress import track
+
+        for x in track(xs, description=f"planner: tp {tp}, generation time per instance count",
+                       console=Console(stderr=True)):
+            sm.gen(x)
 
     def allocate(self, even: bool = False) -> Allocation:
         try:
@@ -375,19 +420,75 @@ class Planner:
         pt = self.cluster.dc("trainer").price_per_gpu_hour
         return (a.gen_gpus * pg + a.train_gpus * pt) / 3600.0
 
-    def simulate_modes(self, a: Allocation, modes=MODES) -> Plan:
-        plan = Plan(a, self.g_gen.name, self.g_train.name, self.price_per_s(a), tp=self.tp)
+    def recommend(self, modes=MODES) -> dict[str, Plan]:
+        """Each mode's recommended allocation, simulated (a Plan holding that mode), chosen by the
+        mode's own objective (OBJECTIVES): the async modes overlap the stages, so Algorithm 1's
+        max(gen, train) is theirs; batch / minibatch / stream pay gen + sync + train (training waits
+        for generation, the next generation for the sync), so their split is the one of shortest
+        simulated iteration among ``sync_candidates``; colocated uses every GPU for both stages."""
+        out, cands = {}, None
+        for mode in modes:
+            if mode == "colocated":
+                if self.cluster.cross_dc:
+                    continue
+                n = self.cluster.datacenters[0].gpus
+                a = Allocation(n, 0, n // self.tp, math.nan, math.nan)
+                out[mode] = self.simulate_modes(a, [mode])
+                out[mode].colocated = True
+            elif mode in ASYNC_MODES:
+                out[mode] = self.simulate_modes(self.allocate(), [mode])
+            else:
+                cands = cands if cands is not None else self.sync_candidates()
+                plans = [self.simulate_modes(a, [mode], o) for o, a in cands]
+                out[mode] = min(plans, key=lambda p: (p.modes[mode]["iteration_s"],
+                                                      p.allocation.gen_gpus + p.allocation.train_gpus, p.tp))
+        return out
+
+    def sync_candidates(self) -> list[tuple[TPOption, Allocation]]:
+        """The splits the synchronous modes simulate: for every tp tried, every generation size
+        with the trainer on the GPUs left (``most_trainer_splits``), ranked by the stage model's
+        gen + sync + train (their iteration without overlap); the ``SYNC_CANDIDATES`` best, plus
+        Algorithm 1's allocation and the even split (so the choice is never slower than either
+        in the simulation). Bounded so a large cluster (hundreds of sizes) simulates a few."""
+        best = next(o for o in self.tp_options if o.tp == self.tp)
+        sync, cross = self.sync_s(), self.cluster.cross_dc
+        splits = []
+        for o in self.tp_options:
+            if o.allocation is None:
+                continue
+            if cross:
+                splits += [(o, a) for a in most_trainer_splits(o.stage_model, self.cluster.dc("trainer").gpus,
+                                                               self.cluster.dc("generation").gpus)]
+            else:
+                splits += [(o, a) for a in most_trainer_splits(o.stage_model, self.cluster.datacenters[0].gpus)]
+        splits.sort(key=lambda s: (s[1].gen_time_s + sync + s[1].train_time_s, s[1].gen_gpus + s[1].train_gpus,
+                                   s[0].tp))
+        chosen = splits[:SYNC_CANDIDATES] + [(best, self.allocate())]
+        if not cross:
+            chosen.append((best, self.allocate(even=True)))
+        out, seen = [], set()
+        for o, a in chosen:
+            if (o.tp, a.gen_gpus, a.train_gpus) not in seen:
+                seen.add((o.tp, a.gen_gpus, a.train_gpus))
+                out.append((o, a))
+        return out
+
+    def simulate_modes(self, a: Allocation, modes=MODES, option: TPOption | None = None) -> Plan:
+        """Simulate allocation ``a`` in each of ``modes``, with the chosen tp's instances (or
+        ``option``'s, one of ``tp_options``)."""
+        tp, profile = (option.tp, option.profile) if option is not None else (self.tp, self.gen_profile)
+        plan = Plan(a, self.g_gen.name, self.g_train.name, self.price_per_s(a), tp=tp)
         batch = len(self.workloads.iterations[0].out_lens)
         for mode in modes:
             if mode == "colocated" and self.cluster.cross_dc:
                 continue
             if mode == "colocated":  # every GPU does both stages, one after the other
                 n = a.gen_gpus + a.train_gpus
-                k, trainer, sync = n // self.tp, analytic_train_profile(self.model, self.g_train, n, self.algorithm), 0.0
+                k, trainer, sync = n // tp, analytic_train_profile(self.model, self.g_train, n, self.algorithm), 0.0
             else:
                 k, trainer, sync = a.gen_instances, analytic_train_profile(self.model, self.g_train, a.train_gpus,
                                                                            self.algorithm), self.sync_s()
-            cfg = SimConfig(mode, k, self.gen_profile, trainer, sync_s=sync, dispatcher=self.dispatcher,
+            cfg = SimConfig(mode, k, profile, trainer, sync_s=sync, dispatcher=self.dispatcher,
                             minibatch_size=max(1, batch // 8), microbatch_tokens=0, train_at_end=self.whiten)
             r = simulate(cfg, self.workloads.iterations)
             it = r.steady_iteration_s()
@@ -399,7 +500,17 @@ class Planner:
 
 def describe(p: Plan) -> dict:
     a = p.allocation
+    if p.colocated:
+        return {"gen": f"{a.gen_gpus} x {p.gen_gpu} ({a.gen_instances} instances)", "gen_tp": p.tp,
+                "train": f"the same {a.gen_gpus} x {p.train_gpu}, after generation", "released": [0, 0],
+                "dollars_per_hour": round(p.price_per_s * 3600, 1), "modes": p.modes}
     return {"gen": f"{a.gen_gpus} x {p.gen_gpu} ({a.gen_instances} instances)", "gen_tp": p.tp,
             "train": f"{a.train_gpus} x {p.train_gpu}", "released": [a.released_gen, a.released_train],
             "gen_s": round(a.gen_time_s, 2), "train_s": round(a.train_time_s, 2),
             "dollars_per_hour": round(p.price_per_s * 3600, 1), "modes": p.modes}
+
+
+def describe_mode(p: Plan, mode: str) -> dict:
+    """One mode's recommendation: what it minimises, its allocation, its simulated numbers."""
+    d = describe(p)
+    return {"objective": OBJECTIVES[mode], **{k: v for k, v in d.items() if k != "modes"}, **d["modes"][mode]}

@@ -102,26 +102,42 @@ class ModelSpec:
             object.__setattr__(self, k, check_number(f"{where}: {k}", getattr(self, k), integer=True))
         object.__setattr__(self, "num_heads", check_number(f"{where}: num_heads", self.num_heads, integer=True,
                                                            strict=False))
+        if self.num_kv_heads > self.heads:
+            raise ValueError(f"{where}: num_kv_heads {self.num_kv_heads} is more than the attention heads "
+                             f"({self.heads}{'' if self.num_heads else ' = hidden // head_dim'}); KV heads are "
+                             "shared by groups of query heads, never more of them")
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "model") -> "ModelSpec":
-        """Accepts this class's fields, or a Hugging Face config.json (params estimated).
-        Every problem is a ValueError naming ``where`` and the key."""
+    def from_dict(cls, d: dict, where: str = "model", name: str = "hf-model") -> "ModelSpec":
+        """Accepts this class's fields, or a Hugging Face config.json of a dense decoder (params
+        estimated; named by its ``name``, else ``_name_or_path``, else ``name``: the loader passes
+        the config's folder name; ``torch_dtype`` sets the bytes per parameter, bf16 if absent).
+        Mixture-of-experts configs are refused (the dense count would miss the experts). Every
+        problem is a ValueError naming ``where`` and the key."""
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected a mapping of ModelSpec fields or an HF config, got {type(d).__name__}")
         try:
             if "num_hidden_layers" in d:  # HF config
+                moe = [k for k in HF_MOE_KEYS if d.get(k) not in (None, 0, 1)]
+                if moe:
+                    raise ValueError(f"{moe[0]}: {d[moe[0]]!r}: a mixture-of-experts config; the planner's cost model "
+                                     "is for dense models (its parameter count would leave out the experts); write a "
+                                     "model YAML of ModelSpec fields with the total params instead")
                 hf = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
                 missing = [k for k in hf if k not in d]
                 if missing:
                     raise ValueError(f"HF config without {missing}")
+                dkey = "torch_dtype" if "torch_dtype" in d else "dtype"
+                dtype = d.get(dkey) or "bfloat16"
+                if dtype not in HF_DTYPE_BYTES:
+                    raise ValueError(f"{dkey}: {dtype!r} is not one of {sorted(HF_DTYPE_BYTES)}")
                 h, L, heads, inter, vocab = (check_number(k, d[k], integer=True) for k in hf)
                 kvh = check_number("num_key_value_heads", d.get("num_key_value_heads", heads), integer=True)
                 hd = check_number("head_dim", d.get("head_dim") or h // heads, integer=True)
                 emb = vocab * h * (1 if d.get("tie_word_embeddings") else 2)
                 params = L * (h * hd * heads * 2 + 2 * h * hd * kvh + 3 * h * inter) + emb
-                return cls(str(d.get("name", d.get("_name_or_path", "hf-model"))), float(params), L, h, kvh, hd,
-                           num_heads=heads)
+                return cls(str(d.get("name") or d.get("_name_or_path") or name), float(params), L, h, kvh, hd,
+                           dtype_bytes=HF_DTYPE_BYTES[dtype], num_heads=heads)
             known = set(cls.__dataclass_fields__)
             unknown = set(d) - known
             if unknown:
@@ -133,6 +149,12 @@ class ModelSpec:
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
+
+# HF config keys of mixture-of-experts models (Mixtral, Qwen-MoE / OLMoE, DeepSeek, DBRX-style);
+# a value above 1 is refused: the dense parameter formula would count one MLP, not the experts
+HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "n_experts")
+# an HF config's torch_dtype (or dtype) -> bytes per weight and KV element; absent: bf16
+HF_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # Qwen2.5 dense models (shapes from their config.json files; params rounded).
 MODELS: dict[str, ModelSpec] = {
