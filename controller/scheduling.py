@@ -25,6 +25,7 @@ import numpy as np
 
 from controller.length_estimates import BinnedPosterior, calibrate_by_bins, calibrate_by_rank  # noqa: F401 (re-exported)
 from controller.ptl_profile import PTLProfile  # noqa: F401 (re-exported)
+from workers.generation.request_check import is_int, is_real
 
 
 @dataclass
@@ -255,11 +256,11 @@ class SkewDispatcher:
                 raise ValueError(f"skew dispatcher: {key} must be true or false, got {getattr(self, key)!r}")
         for key in ("q_long", "q_regular"):
             v = getattr(self, key)
-            if not (_real(v) and 0.0 <= v <= 1.0):
+            if not (is_real(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"skew dispatcher: {key} must be a quantile in [0, 1], got {v!r}")
-        if not (isinstance(self.draws, int) and not isinstance(self.draws, bool) and self.draws >= 1):
+        if not (is_int(self.draws) and self.draws >= 1):
             raise ValueError(f"skew dispatcher: draws must be an int >= 1, got {self.draws!r}")
-        if not isinstance(self.noise, BinnedPosterior) and not (_real(self.noise) and self.noise >= 0):
+        if not isinstance(self.noise, BinnedPosterior) and not (is_real(self.noise) and self.noise >= 0):
             raise ValueError(f"skew dispatcher: noise must be a finite log-error std >= 0, got {self.noise!r}")
 
     def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
@@ -349,10 +350,6 @@ DISPATCHER_OPTIONS: dict[str, tuple[str, ...]] = {
     "skew_paper": _SKEW_OPTIONS,
     "oracle": _SKEW_OPTIONS,
 }
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def runnable(d: Dispatcher) -> Dispatcher:

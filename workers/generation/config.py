@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.generation.request_check import is_int
+
 BACKEND_NAMES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 ADMISSION_POLICIES = ("fcfs", "lpt")
@@ -79,30 +81,26 @@ class EngineConfig:
             bad("kv_cache_dtype", "must be 'auto' with attention_backend 'triton' (its kernel reads "
                                   "caches of the model's dtype)")
         for key in ("max_batch_size", "block_size", "max_prefill_tokens"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 bad(key, "must be an int >= 1")
         for key in ("kv_cache_tokens", "num_blocks", "max_model_len"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 bad(key, "must be an int >= 0")
         for key in ("enable_chunked_prefill", "prefix_sharing", "enforce_eager"):
             if not isinstance(getattr(self, key), bool):  # "false" is truthy: it would switch it on
                 bad(key, "must be true or false")
-        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 63:
+        if not is_int(self.seed) or not 0 <= self.seed < 1 << 63:
             bad("seed", "must be an int in [0, 2**63)")
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
             key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
             bad(key, f"must give at least two blocks of {self.block_size} tokens")
         if self.max_model_len > self.kv_len:  # as vLLM, which refuses to start: not a silent cut
-            raise ValueError(
-                f"engine.max_model_len: {self.max_model_len} tokens do not fit the KV cache, whose "
-                f"{self.total_blocks} blocks of {self.block_size} tokens hold at most {self.kv_len} tokens of "
-                f"one sequence (all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower "
-                f"max_model_len")
+            raise ValueError(context_too_long(self.max_model_len, self.total_blocks, self.block_size, self.kv_len))
         if self.device and self.device.split(":")[0] not in ("cpu", "cuda"):
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
         if self.eos_ids is not None:
             if not isinstance(self.eos_ids, tuple) or not all(
-                    _is_int(e) and e >= 0 for e in self.eos_ids):
+                    is_int(e) and e >= 0 for e in self.eos_ids):
                 bad("eos_ids", "must be None or a tuple of non-negative ints")
         if not isinstance(self.backend_options, dict):
             bad("backend_options", "must be a dict")
@@ -118,5 +116,9 @@ class EngineConfig:
         return max((self.total_blocks - 1) * self.block_size, self.block_size)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def context_too_long(max_model_len: int, blocks: int, block_size: int, kv_len: int, kind: str = "") -> str:
+    """The message for a configured ``max_model_len`` that ``blocks`` KV blocks (of ``kind``:
+    "vLLM" for the vLLM backend's own blocks) cannot hold."""
+    return (f"engine.max_model_len: {max_model_len} tokens do not fit the KV cache, whose {blocks} "
+            f"{kind + ' ' if kind else ''}blocks of {block_size} tokens hold at most {kv_len} tokens of one sequence "
+            f"(all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower max_model_len")

@@ -21,7 +21,7 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
         hash(req.sample_id)
     except TypeError:
         return f"sample_id must be an int, got {type(req.sample_id).__name__} {req.sample_id!r}"
-    if not _is_int(req.group_id):
+    if not is_int(req.group_id):
         return f"group_id must be an int (-1: no group), got {req.group_id!r}"
     p = req.prompt_ids
     if not isinstance(p, torch.Tensor):
@@ -38,24 +38,24 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     lo, hi = int(p.min()), int(p.max())
     if lo < 0 or hi >= vocab_size:
         return f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})"
-    if not _is_int(req.max_tokens) or req.max_tokens < 1:
+    if not is_int(req.max_tokens) or req.max_tokens < 1:
         return f"max_tokens must be an int >= 1, got {req.max_tokens!r}"
-    if not _is_int(req.min_tokens) or not 0 <= req.min_tokens <= req.max_tokens:
+    if not is_int(req.min_tokens) or not 0 <= req.min_tokens <= req.max_tokens:
         return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens!r}"
     s = req.sampling
     if not isinstance(s, SamplingParams):
         return f"sampling must be a SamplingParams, got {type(s).__name__} {s!r}"
-    if not (_is_real(s.temperature) and s.temperature >= 0):
+    if not (is_real(s.temperature) and s.temperature >= 0):
         return f"sampling temperature must be a finite number >= 0, got {s.temperature!r}"
-    if not (_is_real(s.top_p) and 0 < s.top_p <= 1):
+    if not (is_real(s.top_p) and 0 < s.top_p <= 1):
         return f"sampling top_p must be in (0, 1], got {s.top_p!r}"
-    if not (_is_int(s.top_k) and s.top_k >= -1):  # -1 is off, as 0 (vLLM accepts both)
+    if not (is_int(s.top_k) and s.top_k >= -1):  # -1 is off, as 0 (vLLM accepts both)
         return f"sampling top_k must be an int >= -1 (0 or -1: off), got {s.top_k!r}"
     if not temperature_served(s.temperature):
         return f"temperature {s.temperature} is outside the served range: {SERVED_TEMPERATURES} (vLLM's range)"
-    if not (s.seed is None or (_is_int(s.seed) and 0 <= s.seed < 1 << 63)):
+    if not (s.seed is None or (is_int(s.seed) and 0 <= s.seed < 1 << 63)):
         return f"sampling seed must be None or an int in [0, 2**63), got {s.seed!r}"
-    if not (_is_real(req.est_len) and req.est_len >= 0):
+    if not (is_real(req.est_len) and req.est_len >= 0):
         return f"est_len must be a finite number >= 0, got {req.est_len!r}"
     if req.sample_id in live:
         return f"sample_id {req.sample_id} is already queued or running"
@@ -116,7 +116,7 @@ def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str
 
 def check_batch_cap(n) -> None:
     """``set_max_batch_size``'s argument: an int >= 1 (a bool is not a count)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"max_batch_size must be an int >= 1, got {n!r}")
 
 
@@ -130,11 +130,12 @@ def check_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> None:
                          f"(EOS ids {tuple(eos_ids)})")
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int that is not a bool (True is an int to Python, not a count or an id)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_real(x) -> bool:
+def is_real(x) -> bool:
     """A finite int or float (an int too large for a float is not)."""
     if not isinstance(x, (int, float)) or isinstance(x, bool):
         return False

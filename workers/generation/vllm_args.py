@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from workers.generation.config import EngineConfig
+from workers.generation.config import EngineConfig, context_too_long
 from workers.model import ModelConfig
 from workers.types import GREEDY_BELOW, Request
 
@@ -40,11 +40,7 @@ def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
     block = vllm_block_size(cfg, resolve_device_dtype(cfg)[0])
     kv_len = max((_num_blocks(cfg, block) - 1) * block, block)
     if cfg.max_model_len > kv_len:  # the native engine's message (vLLM would refuse to start)
-        raise ValueError(
-            f"engine.max_model_len: {cfg.max_model_len} tokens do not fit the KV cache, whose "
-            f"{_num_blocks(cfg, block)} vLLM blocks of {block} tokens hold at most {kv_len} tokens of one "
-            f"sequence (all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower "
-            f"max_model_len")
+        raise ValueError(context_too_long(cfg.max_model_len, _num_blocks(cfg, block), block, kv_len, "vLLM"))
     return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, kv_len)
 
 
