@@ -105,7 +105,7 @@ class Metrics:
         }
         # the iteration's own window (its dispatch .. the end of its step), not the drain's:
         # a trainer's idle span can start long before (set-up, a pause at the REPL prompt)
-        for k, v in getattr(res, "ranker_quality", {}).items():  # the estimates against the true lengths
+        for k, v in res.ranker_quality.items():  # the estimates against the true lengths
             if v is not None:
                 derived[f"ranker/{k}"] = float(v)
         window = iteration_windows(it_spans).get(step)

@@ -197,8 +197,8 @@ class Program:
     def _ranker_quality(b: _Batch) -> dict[str, float | None]:
         from ranker.metrics import ranking_report
 
-        est = {r.sample_id: r.est_len for r in b.requests}
-        pairs = [(est[sid], n) for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths) if sid in est]
+        reqs = b.round.requests  # sample_id -> Request
+        pairs = [(reqs[sid].est_len, n) for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths)]
         if len(pairs) < 2:
             return {}
         pred, true = zip(*pairs)

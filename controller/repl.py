@@ -147,12 +147,15 @@ class Repl:
                 "instances": len(self.s.world.sgs.slots)}
 
     def help(self) -> dict:
-        return {"help": __doc__.split("Commands (one per line)::")[1].split("Every command")[0].strip()}
+        return {"help": _COMMANDS}
+
+
+_COMMANDS = __doc__.split("Commands (one per line)::")[1].split("Every command")[0].strip()  # help's text
 
 
 def usage(command: str) -> str:
     """The command with its arguments, from the module's command list."""
-    for line in __doc__.split("Commands (one per line)::")[1].splitlines():
+    for line in _COMMANDS.splitlines():
         head = re.split(r"\s{2,}", line.strip())[0]  # the text before the description
         if head.split(" ")[0] == command:
             return head

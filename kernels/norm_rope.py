@@ -3,10 +3,10 @@
 Numerics follow ``workers.model``: ``RMSNorm`` normalises in fp32, rounds to the input dtype,
 then multiplies by the weight; ``apply_rotary`` is HF's rotate-half convention. The Triton
 versions take x's dtype for every input (a residual or cos/sin of another dtype is refused:
-the references would promote to it, the kernels round to x's) and do each in one pass (fp32 inside, one rounding at the end), so 16-bit results may
-differ from the eager torch ones by an ulp. Not wired into the model (its forward is shared
-with the trainer); they are here for the decode path once measured to pay on a GPU
-(bench/kernels.py).
+the references would promote to it, the kernels round to x's) and do each in one pass (fp32
+inside, one rounding at the end), so 16-bit results may differ from the eager torch ones by
+an ulp. Not wired into the model (its forward is shared with the trainer); they are here for
+the decode path once measured to pay on a GPU (bench/kernels.py).
 """
 from __future__ import annotations
 
