@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from controller.config import OWNED_SECTIONS, Config, ConfigError, _hint, from_dict
+from controller.config import OWNED_SECTIONS, Config, ConfigError, from_dict
+from controller.config_types import key_hint
 
 
 def parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
@@ -124,7 +125,7 @@ def key_type(dotted: str) -> Any:
     if section not in sections:
         if not rest:
             return _FREE
-        raise ConfigError(f"{section}: unknown section{_hint(section, sections)} (known: {sorted(sections)})")
+        raise ConfigError(f"{section}: unknown section{key_hint(section, sections)} (known: {sorted(sections)})")
     if not rest:
         return dict
     cls = typing.get_type_hints(Config)[section]
@@ -135,7 +136,7 @@ def key_type(dotted: str) -> Any:
     hints = typing.get_type_hints(cls)
     key = rest[0]
     if key not in hints:
-        raise ConfigError(f"{section}.{key}: unknown key{_hint(key, hints)} (known: {sorted(hints)})")
+        raise ConfigError(f"{section}.{key}: unknown key{key_hint(key, hints)} (known: {sorted(hints)})")
     if len(rest) > 1:
         return _FREE
     return hints[key]

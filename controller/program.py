@@ -302,7 +302,7 @@ class Program:
         if mode.colocated != self.world.colocated:
             raise ValueError(f"pipeline.mode {name!r} needs a {'colocated' if mode.colocated else 'disaggregated'} "
                              "placement; this run's ranks are placed otherwise")
-        from controller.config import ConfigError, check_staleness
+        from controller.config_checks import ConfigError, check_staleness
 
         try:  # an async mode with trainer.max_staleness 0 would skip every sample as stale
             check_staleness(name, self.cfg.trainer.max_staleness)

@@ -1,0 +1,138 @@
+"""The checks of a run config across keys, run once its sections are built: placement
+against the world, the pipeline mode against the trainer's staleness, sampling against the
+algorithm, and the names that select registered implementations (task, dispatcher, ranker)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from controller.config_types import ConfigError
+from controller.modes import MODES
+from controller.prompt_check import OVERLONG_POLICIES
+from workers.types import GREEDY_BELOW, SERVED_TEMPERATURES, temperature_served
+
+if TYPE_CHECKING:
+    from controller.config import Config, RankerSection
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    p, t = cfg.placement, cfg.train
+    for role in ("generation", "trainer"):
+        ranks = getattr(p, role)
+        if not ranks:
+            raise ConfigError(f"placement.{role}: needs at least one rank")
+        for i, r in enumerate(ranks):
+            if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+                raise ConfigError(f"placement.{role}[{i}]: {r!r} is not a worker rank (ints >= 1; "
+                                  "rank 0 is the controller)")
+            if world_size is not None and r >= world_size:
+                raise ConfigError(f"placement.{role}[{i}]: rank {r} >= world size {world_size} "
+                                  f"(launch with --nproc-per-node/--nnodes giving >= {cfg.world_ranks})")
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"placement.{role}: duplicate ranks {ranks}")
+    if world_size is not None and hasattr(cfg.topology, "check_world"):
+        try:
+            cfg.topology.check_world(world_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    colocated = cfg.pipeline.mode == "colocated" or p.colocated
+    if colocated and sorted(p.generation) != sorted(p.trainer):
+        same = list(range(1, len(p.trainer) + 1))
+        raise ConfigError(f"placement: colocated needs generation == trainer ranks, got {p.generation} vs "
+                          f"{p.trainer}; generation and training take turns on the same ranks: e.g. "
+                          f"placement.generation={same} placement.trainer={same} ({len(same) + 1} processes)")
+    if not colocated and set(p.generation) & set(p.trainer):
+        raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
+                          "generation and trainer; set placement.colocated or pipeline.mode: colocated")
+    for key in ("temperature", "eval_temperature"):  # the gap no engine serves (RANGES bounds the rest)
+        if not temperature_served(getattr(t, key)):
+            raise ConfigError(f"train.{key} must be {SERVED_TEMPERATURES}, got {getattr(t, key)!r}")
+    if t.min_tokens > t.max_tokens:
+        raise ConfigError(f"train.min_tokens must be <= train.max_tokens ({t.max_tokens}), got {t.min_tokens}")
+    if t.length_trace and not Path(t.length_trace).is_file():
+        raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
+                          "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
+    if t.overlong_prompts not in OVERLONG_POLICIES:
+        raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
+    check_staleness(cfg.pipeline.mode, getattr(cfg.trainer, "max_staleness", None))
+    algorithm = getattr(cfg.trainer, "algorithm", None)
+    if algorithm in ("grpo", "rloo") and t.temperature < GREEDY_BELOW:
+        raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
+                          "sample group_size times, so every group's advantages are 0 and nothing trains; "
+                          "sample at a temperature > 0")
+    if t.eval_samples > 1 and t.eval_temperature < GREEDY_BELOW:
+        raise ConfigError(f"train.eval_samples: {t.eval_samples} greedy samples of a prompt are all the same; "
+                          "set train.eval_temperature > 0")
+    if algorithm in ("grpo", "rloo") and t.group_size < 2:
+        raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
+                          f"compare a sample with its group's others), got {t.group_size}")
+    _check_registries(cfg)
+    if world_size is not None and world_size < 2:
+        raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
+
+
+def check_staleness(mode: str, max_staleness: int | None) -> None:
+    """A mode with lag L trains samples generated up to L weight versions back (controller/
+    modes.py); the trainer skips samples older than ``trainer.max_staleness``, so it must be
+    >= L (values above L change nothing: no sample is older)."""
+    lag = MODES[mode].lag
+    if max_staleness is not None and max_staleness < lag:
+        sync = ", ".join(m.name for m in MODES.values() if m.lag <= max_staleness)
+        raise ConfigError(f"trainer.max_staleness: {max_staleness} is below the lag of pipeline.mode {mode} ({lag}: "
+                          f"its samples come from weights up to {lag} version(s) old), so the trainer would skip "
+                          f"every sample as stale; set trainer.max_staleness >= {lag}, or a pipeline.mode with "
+                          f"lag <= {max_staleness} ({sync})")
+
+
+def _check_registries(cfg: Config) -> None:
+    """Names that select a registered implementation (task, dispatcher, ranker kind), the
+    dispatcher's options (building one is cheap and pure) and its profile file; a task's
+    kwargs are checked when the controller builds it, before any other work."""
+    from controller.scheduling import DISPATCHERS, PTLProfile, make_dispatcher, runnable
+    from workers.tasks.registry import task_factory
+
+    try:
+        task_factory(cfg.task.name)  # a plugin is imported here: its errors at load, on every rank
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.dispatch.name not in DISPATCHERS:
+        raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}")
+    try:
+        dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"dispatch.options: {e}") from None
+    try:
+        runnable(dispatcher)
+    except ValueError as e:
+        raise ConfigError(f"dispatch.name: {cfg.dispatch.name}: {e}") from None
+    if cfg.dispatch.profile:
+        if not Path(cfg.dispatch.profile).is_file():
+            raise ConfigError(f"dispatch.profile: {cfg.dispatch.profile} does not exist (a saved PTLProfile JSON, "
+                              "docs/scheduling.md; empty or null: a flat default profile)")
+        try:
+            PTLProfile.load(cfg.dispatch.profile)
+        except (OSError, ValueError, TypeError) as e:  # the error names the file
+            raise ConfigError(f"dispatch.profile: {e}") from None
+    if cfg.ranker.kind != "none":
+        _check_ranker(cfg.ranker)
+
+
+def _check_ranker(r: RankerSection) -> None:
+    """The kind is registered, its options build a ranker (cheap: a config, no model), and a
+    ranker already saved at ``path`` is of that kind (it is what the run loads)."""
+    from ranker.store import KINDS, build
+
+    if r.kind not in KINDS:
+        raise ConfigError(f"ranker.kind: {r.kind!r} is not one of {['none', *sorted(KINDS)]}")
+    try:
+        build(r.kind, **dict(r.options))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"ranker.options: {e}") from None
+    try:  # a damaged folder is reported by the ranker's own load, naming the file
+        saved = json.loads((Path(r.path) / "meta.json").read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(saved, str) and saved != r.kind:
+        raise ConfigError(f"ranker.kind: {r.kind!r}, but {r.path} holds a {saved!r} ranker (set ranker.kind: "
+                          f"{saved}, or point ranker.path at an empty folder to bootstrap a {r.kind} one)")
