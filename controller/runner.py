@@ -384,7 +384,7 @@ def forced_lengths(trace: str, scale: float, max_tokens: int):
     trace row its text hashes to (words x 1.3 tokens x ``scale``, within [1, ``max_tokens``])."""
     import zlib
 
-    from controller.planner.cluster import trace_tokens
+    from controller.planner.workloads import trace_tokens
     from ranker.data import read_traces
 
     lens = [trace_tokens(r.lengths[0], scale, max_tokens) for r in read_traces(trace)]

@@ -12,7 +12,9 @@ from controller.planner.__main__ import main
 from controller.planner.adjust import ScaleOutPolicy, delta_prime, lower_convex_hull, predicted_gen_times
 from controller.planner.allocation import (StageModel, allocate_brute_force, allocate_cross_dc, allocate_single_dc,
                                            even_split, generation_time_model, mean_generation_time_model)
-from controller.planner.cluster import Cluster, Datacenter, Planner, load_trace, sample_workloads
+from controller.planner.cluster import Cluster, Datacenter
+from controller.planner.planner import Planner
+from controller.planner.workloads import load_trace, sample_workloads
 from controller.planner.hardware import (GPUS, MODELS, analytic_ptl_profile, analytic_train_profile, gpu,
                                          trainer_min_gpus)
 from controller.scheduling import PTLProfile

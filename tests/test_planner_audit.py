@@ -7,8 +7,9 @@ import pytest
 
 from controller.planner.__main__ import main
 from controller.planner.allocation import StageModel, allocate_cross_dc, allocate_single_dc
-from controller.planner.cluster import (ASYNC_MODES, MAX_GPUS, OBJECTIVES, Cluster, Datacenter, Planner, Trace,
-                                        load_model, load_trace, sample_workloads)
+from controller.planner.cluster import MAX_GPUS, Cluster, Datacenter, load_model
+from controller.planner.planner import ASYNC_MODES, OBJECTIVES, Planner
+from controller.planner.workloads import Trace, load_trace, sample_workloads
 from controller.planner.hardware import MODELS, ModelSpec, gpu, trainer_min_gpus
 from controller.planner.simulator import MODES
 

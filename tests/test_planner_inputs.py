@@ -9,7 +9,9 @@ import pytest
 
 from controller.planner.__main__ import main
 from controller.planner.allocation import allocate_cross_dc, generation_time_model
-from controller.planner.cluster import Cluster, Datacenter, Planner, Trace, load_cluster, load_model, sample_workloads
+from controller.planner.cluster import Cluster, Datacenter, load_cluster, load_model
+from controller.planner.planner import Planner
+from controller.planner.workloads import Trace, sample_workloads
 from controller.planner.colocated import ColocatedGenProfile
 from controller.planner.hardware import MODELS, ModelSpec, analytic_train_profile
 from controller.planner.profile import StageProfiles, TrainProfile

@@ -43,7 +43,10 @@ def test_whitened_ppo_trains_after_the_last_sample(mode, like):
 
 
 def test_planner_whitens_ppo_by_default():
-    from controller.planner.cluster import MODELS, Cluster, Datacenter, Planner, Trace, sample_workloads
+    from controller.planner.cluster import Cluster, Datacenter
+    from controller.planner.hardware import MODELS
+    from controller.planner.planner import Planner
+    from controller.planner.workloads import Trace, sample_workloads
     wl = sample_workloads(Trace([300, 40, 60, 2000] * 16, [64] * 64), 64, 2, 0)
     cluster = Cluster("c", [Datacenter("a", "H800", 16, 2.0)])
     assert Planner(cluster, MODELS["qwen2.5-7b"], wl).whiten is True

@@ -8,7 +8,9 @@ import pytest
 
 from controller.planner.__main__ import main
 from controller.planner.allocation import allocate_brute_force
-from controller.planner.cluster import Cluster, Datacenter, Planner, Trace, sample_workloads
+from controller.planner.cluster import Cluster, Datacenter
+from controller.planner.planner import Planner
+from controller.planner.workloads import Trace, sample_workloads
 from controller.planner.hardware import (DEFAULT_ASSUMPTIONS as A, MODELS, ModelSpec, analytic_ptl_profile, gpu,
                                          tp_allreduce_s, tp_candidates, tp_problem)
 

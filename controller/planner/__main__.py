@@ -23,8 +23,9 @@ import json
 import math
 import sys
 
-from controller.planner.cluster import (MAX_GPUS, Cluster, Datacenter, Planner, describe, describe_mode, load_cluster,
-                                        load_model, load_trace, sample_workloads)
+from controller.planner.cluster import MAX_GPUS, Cluster, Datacenter, load_cluster, load_model
+from controller.planner.planner import Planner, describe, describe_mode
+from controller.planner.workloads import load_trace, sample_workloads
 from controller.planner.hardware import MODELS
 from controller.planner.simulator import MODES
 
