@@ -137,7 +137,7 @@ def workloads(a, pa, cfg, tok, task) -> list[Workload]:
     out = []
     for _ in range(1 + pa.iterations):
         batch = stream.next(cfg.train.batch_prompts)
-        plen = [len(tok.encode(tok.format_prompt(it.prompt))) for it in batch for _ in range(g)]
+        plen = [len(tok.encode_prompt(it.prompt)) for it in batch for _ in range(g)]
         out.append(Workload([by_prompt[it.prompt] for it in batch for _ in range(g)], plen,
                             groups=[j for j in range(len(batch)) for _ in range(g)]))  # group_id parity
     return out[1:]
@@ -154,7 +154,7 @@ def controller_work_s(cfg, tok, task, wl: Workload, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        ids = [torch.tensor(tok.encode(tok.format_prompt(it.prompt)), dtype=torch.long) for it in items]
+        ids = [torch.tensor(tok.encode_prompt(it.prompt), dtype=torch.long) for it in items]
         dispatcher.plan([float(x) for x in wl.out_lens], [default_profile()], prompt_lens=[len(x) for x in ids] * 2)
         best = min(best, time.perf_counter() - t0)
     return best

@@ -56,30 +56,52 @@ class ContextNeed:
                 "from a host whose engine resolves at least that context (their device and KV memory)")
 
 
-def fitting_prompts(items: Sequence[TaskPrompt], n_tokens: Callable[[TaskPrompt], int], context_len: int,
+def where(item: TaskPrompt, split: str, i: int) -> str:
+    """``task.prompts('train')[3]``, with the data file's line when the task records it
+    (``meta["source"]``), and the prompt's start."""
+    src = item.meta.get("source") if isinstance(item.meta, dict) else None
+    return f"task.prompts({split!r})[{i}]{f' ({src})' if src else ''} ({item.prompt[:40]!r}...)"
+
+
+def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], Sequence[int]], context_len: int,
                     split: str, policy: str, max_prompt_tokens: int = 0,
-                    need: ContextNeed | None = None) -> tuple[list[TaskPrompt], list[int]]:
+                    need: ContextNeed | None = None, vocab_size: int = 0) -> tuple[list[TaskPrompt], list[int]]:
     """The prompts of ``split`` that leave room for an output token (and are at most
     ``max_prompt_tokens`` long, when > 0), and the indices dropped (``policy`` "skip"); "error"
-    raises ``PromptTooLong`` at the first one that does not. ``need``: updated with the longest
-    kept prompt. A split with no prompts at all raises ValueError (an empty data file: without
-    this it read as "every prompt is over-long")."""
+    raises ``PromptTooLong`` at the first one that does not. ``encode``: a prompt's token ids
+    with its template; a prompt it cannot render (a chat template raising on its turns) or with
+    an id outside ``vocab_size`` (when > 0: a tokenizer that does not match the model) raises
+    ValueError naming it, whatever the policy. ``need``: updated with the longest kept prompt.
+    A split with no prompts at all raises ValueError (an empty data file: without this it read
+    as "every prompt is over-long")."""
     if not len(items):
         raise ValueError(f"the {split} split is empty (an empty data file in task.kwargs.files, or a task "
                          "whose prompts() returns nothing)")
     limit = context_len - 1 if max_prompt_tokens <= 0 else min(context_len - 1, max_prompt_tokens)
     kept, dropped = [], []
     for i, item in enumerate(items):
-        n = n_tokens(item)
+        try:
+            ids = encode(item)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateError and whatever a template raises
+            raise ValueError(f"{where(item, split, i)}: the prompt template cannot render it: "
+                             f"{type(e).__name__}: {e}") from None
+        n = len(ids)
+        if vocab_size and n and max(ids) >= vocab_size:
+            bad = max(ids)
+            raise ValueError(f"{where(item, split, i)}: token id {bad} is outside the model's vocabulary "
+                             f"(vocab_size {vocab_size}): the tokenizer does not match the model (a token added "
+                             "to the tokenizer, e.g. by a chat template's special tokens, needs the model's "
+                             "embeddings resized)")
         if n <= limit:
             kept.append(item)
             if need is not None and n > need.longest:
-                need.longest, need.where = n, f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...)"
+                need.longest, need.where = n, where(item, split, i)
         elif policy == "error":
-            why = (f"the engines' context (max_model_len) is {context_len}, which leaves no room for an output "
-                   "token" if n + 1 > context_len else f"train.max_prompt_tokens is {max_prompt_tokens}")
+            whys = ([f"the engines' context (max_model_len) is {context_len}, which leaves no room for an output "
+                     "token"] if n + 1 > context_len else [])
+            whys += [f"train.max_prompt_tokens is {max_prompt_tokens}"] if 0 < max_prompt_tokens < n else []
             raise PromptTooLong(
-                f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...) is {n} tokens with the template; {why}. "
+                f"{where(item, split, i)} is {n} tokens with the template; {'; and '.join(whys)}. "
                 "Shorten or drop it, raise engine.max_model_len / engine.kv_cache_tokens (within the model's "
                 "max_position_embeddings) or train.max_prompt_tokens, or set train.overlong_prompts: skip to "
                 "drop such prompts")

@@ -3,7 +3,14 @@
 Every process runs ``controller/main.py``; rank 0 is the controller, the others wait for the
 controller to create role objects on them with ``rpc.remote`` (``GenerationInstance``,
 ``TrainerRank``). The controller holds ``WorkerHandle``s (rank, role, RRef) and calls plain
-methods: ``handle.call("generate", ...)`` -> ``rref.rpc_async(timeout).generate(...)``.
+methods: ``handle.call("generate", ...)`` -> ``rref.rpc_async().generate(...)``.
+
+A call runs as long as its work takes (a generation round, a step over a slow reward): no
+deadline on the call itself, as Ray's calls in verl. What ``placement.rpc_timeout_s`` bounds
+is how long a busy worker may go without answering: while the controller waits on a call it
+sends the worker a heartbeat every ``HEARTBEAT_S`` seconds (``ping``, served by another of
+its RPC threads), and a worker that does not answer one within the timeout is lost. A call
+given an explicit ``timeout`` keeps that deadline instead.
 
 A worker's exception comes back with torch's remote traceback; ``wait`` re-raises it as
 ``WorkerFailed`` naming the rank and role. A peer that vanished (process killed, connection
@@ -13,11 +20,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+
+
+HEARTBEAT_S = 10.0  # how often a waiting controller checks that a busy worker still answers
 
 
 def worker_name(rank: int) -> str:
@@ -29,7 +40,9 @@ class WorkerFailed(RuntimeError):
 
     def __init__(self, rank: int, role: str, method: str, detail: str, lost: bool = False):
         self.rank, self.role, self.method, self.lost = rank, role, method, lost
-        what = "was lost (process gone)" if lost else "raised"
+        timed_out = lost and ("timeout" in detail.lower() or "timed out" in detail.lower())
+        what = ("did not answer in time (hung, or busy past its deadline)" if timed_out
+                else "was lost (process gone)" if lost else "raised")
         super().__init__(f"worker rank {rank} ({role}) {what} in {method}():\n{detail}")
 
 
@@ -61,12 +74,14 @@ class WorkerHandle:
         return worker_name(self.rank)
 
     def call(self, method: str, *args, timeout: float | None = None) -> "Call":
+        """``method(*args)`` on the worker; without ``timeout`` it may run as long as the
+        worker keeps answering heartbeats (module docstring), with one it must end in time."""
         try:
-            fut = getattr(self.rref.rpc_async(timeout=timeout or self.timeout), method)(*args)
+            fut = getattr(self.rref.rpc_async(timeout=0 if timeout is None else timeout), method)(*args)
         except Exception as e:  # noqa: BLE001 - e.g. the peer is already gone: fail via the future
             fut = torch.futures.Future()
             fut.set_exception(e)
-        return Call(self, method, fut)
+        return Call(self, method, fut, heartbeat=timeout is None)
 
 
 @dataclass
@@ -74,13 +89,35 @@ class Call:
     handle: WorkerHandle
     method: str
     future: Any
+    heartbeat: bool = False
 
     def wait(self) -> Any:
         try:
+            if self.heartbeat:
+                self._wait_answering()
             return self.future.wait()
+        except WorkerFailed:
+            raise
         except Exception as e:  # noqa: BLE001 - re-raised with rank/role
             raise WorkerFailed(self.handle.rank, self.handle.role, self.method, str(e),
                                lost=is_peer_lost(e)) from None
+
+    def _wait_answering(self) -> None:
+        """Until the call ends, ping the worker every HEARTBEAT_S; one unanswered within the
+        handle's timeout (or failing: the process is gone) makes it lost."""
+        done = threading.Event()
+        self.future.add_done_callback(lambda _: done.set())
+        start = time.monotonic()
+        while not done.wait(HEARTBEAT_S):
+            try:
+                rpc.rpc_sync(self.handle.name, ping, timeout=self.handle.timeout)
+            except Exception as e:  # noqa: BLE001
+                if done.is_set():
+                    return  # it ended meanwhile: its own result or error tells
+                raise WorkerFailed(
+                    self.handle.rank, self.handle.role, self.method,
+                    f"no answer to a heartbeat within placement.rpc_timeout_s = {self.handle.timeout:g} s, "
+                    f"{time.monotonic() - start:.0f} s into the call: {e}", lost=True) from None
 
     def done(self) -> bool:
         return self.future.done()
@@ -159,6 +196,7 @@ def request_exit(code: int = 0, quiet: bool = True) -> bool:
 
 
 def ping() -> int:
+    """Runs on a worker's RPC thread (the heartbeat): it answers while its other threads work."""
     return os.getpid()
 
 

@@ -27,6 +27,7 @@ from controller.preflight import (check_model_folder, check_writable, refuse_fre
                                   refuse_previous_run, resumed_logdir)
 from controller.world import add_instance, build_world, check_engine_device
 from workers.model import stop_ids
+from workers.model_config import ModelConfig
 
 _JOINERS: "queue.Queue[tuple[int, str]]" = queue.Queue()
 
@@ -101,6 +102,7 @@ class Session:
         except ValueError as e:
             raise ConfigError(f"model.path {self.model_dir}: tokenizer: {e}") from None
         self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
+        self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.task = self._fitting_task(self.task)
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
@@ -132,15 +134,15 @@ class Session:
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         context = min(st["max_model_len"] for st in stats)
         need = ContextNeed(context, self.cfg.train.max_tokens)  # what a joiner must hold (SGS.add)
-        n_tokens = lambda item: len(self.tok.encode_prompt(item.prompt, item.messages))  # noqa: E731
+        encode = lambda item: self.tok.encode_prompt(item.prompt, item.messages)  # noqa: E731
         kept = {}
         # the test split is read (and checked) here when the run evaluates; a REPL ``eval`` of a
         # run without eval_every reads it then
         for split in ("train", "test") if self.cfg.train.eval_every else ("train",):
             try:
-                kept[split], dropped = fitting_prompts(task.prompts(split), n_tokens, context, split,
+                kept[split], dropped = fitting_prompts(task.prompts(split), encode, context, split,
                                                        self.cfg.train.overlong_prompts,
-                                                       self.cfg.train.max_prompt_tokens, need)
+                                                       self.cfg.train.max_prompt_tokens, need, self.vocab_size)
             except PromptTooLong as e:
                 raise ConfigError(str(e)) from None
             except (ValueError, OSError, ImportError) as e:  # the task's data: a file, a line, a field
@@ -151,10 +153,11 @@ class Session:
                       f"or with no room for an output token in max_model_len {context} "
                       f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})",
                       file=sys.stderr, flush=True)
-            if split == "train" and not kept[split]:
-                raise ConfigError(f"train.overlong_prompts skip: every train prompt is over-long (longer than "
+            if not kept[split]:
+                raise ConfigError(f"train.overlong_prompts skip: every {split} prompt is over-long (longer than "
                                   f"train.max_prompt_tokens, or no room for an output token in the engines' "
-                                  f"context of {context} tokens)")
+                                  f"context of {context} tokens)" + (": train.eval_every would evaluate nothing"
+                                                                     if split == "test" else ""))
         self.world.sgs.need = need
         return FittingTask(task, kept)
 

@@ -133,3 +133,29 @@ def test_namespace_refuses_underscore_names(tok, tmp_path):
     from jinja2.exceptions import SecurityError
     with pytest.raises(SecurityError):
         Tokenizer.load(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_plain_template_prompt_gets_the_bos_the_tokenizer_adds_as_transformers(tmp_path):
+    # a Llama base model: no chat template, tokenizer.json's post-processor adds BOS to any
+    # text (transformers' tokenizer(text), vLLM's generate(str)); a chat template writes its
+    # own {{ bos_token }}, so the chat path must not add a second one
+    from tokenizers import processors
+    transformers = pytest.importorskip("transformers")
+    bos = "<|begin_of_text|>"
+    base = train_bpe(["Question: What is 2 + 3?\nAnswer: 5"] * 40, vocab_size=300,
+                     special_tokens=("<|end_of_text|>", bos))
+    bid = base.tok.token_to_id(bos)
+    base.tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bid)])])
+    plain = Tokenizer(base.tok, eos_token="<|end_of_text|>", pad_token=None, bos_token=bos,
+                      prompt_template="Question: {prompt}\nAnswer: ")
+    plain.save(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ours, hf = Tokenizer.load(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = ours.encode_prompt("What is 2 + 3?")
+    assert ids[0] == bid and ids.count(bid) == 1
+    assert ids == hf(ours.format_prompt("What is 2 + 3?"))["input_ids"]
+    chat = Tokenizer(base.tok, eos_token="<|end_of_text|>", pad_token=None, bos_token=bos,
+                     chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat.encode_prompt("What is 2 + 3?").count(bid) == 1

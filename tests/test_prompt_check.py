@@ -15,11 +15,11 @@ ITEMS = [TaskPrompt("a " * n, "x", "t") for n in (3, 9, 2, 12)]
 def test_an_empty_split_is_named_not_taken_for_over_long_prompts():
     for policy in ("error", "skip"):
         with pytest.raises(ValueError, match="the train split is empty"):
-            fitting_prompts([], len, 100, "train", policy)
+            fitting_prompts([], list, 100, "train", policy)
 
 
 def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
-    n_tokens = lambda item: len(item.prompt.split())  # noqa: E731
+    n_tokens = lambda item: [0] * len(item.prompt.split())  # noqa: E731
     with pytest.raises(PromptTooLong, match=r"task.prompts\('train'\)\[1\] .* is 9 tokens .*\(max_model_len\) is 9"):
         fitting_prompts(ITEMS, n_tokens, 9, "train", "error")
     kept, dropped = fitting_prompts(ITEMS, n_tokens, 9, "test", "skip")
@@ -36,7 +36,7 @@ def test_fitting_prompts_error_names_the_prompt_and_skip_drops():
 def test_the_check_records_what_a_joining_instance_must_hold():
     """The longest kept prompt + train.max_tokens, within the starting context: a joiner with
     less is refused by name (tests/test_scale_out_context.py runs it on real engines)."""
-    n_tokens = lambda item: len(item.prompt.split())  # noqa: E731
+    n_tokens = lambda item: [0] * len(item.prompt.split())  # noqa: E731
     need = ContextNeed(10, 4)
     fitting_prompts(ITEMS, n_tokens, 10, "train", "skip", need=need)  # 12 is dropped: it needs nothing
     fitting_prompts(ITEMS[:1], n_tokens, 10, "test", "skip", need=need)
@@ -97,3 +97,50 @@ def test_runtime_refuses_then_skips_an_overlong_prompt(tmp_path, tiny_model):  #
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dropped 1 of 8 train prompts" in r.stderr and "dropped 1 of 8 test prompts" in r.stderr
     assert len(iterations(tmp_path / "skip")) == 2
+
+
+def test_a_prompt_the_template_cannot_render_is_named_whatever_the_policy():
+    def encode(item):
+        if item is ITEMS[2]:
+            raise RuntimeError("System role not supported")  # what a chat template's raise_exception raises
+        return [0] * len(item.prompt.split())
+
+    for policy in ("error", "skip"):
+        with pytest.raises(ValueError, match=r"task.prompts\('train'\)\[2\] .*: the prompt template cannot render "
+                                             r"it: RuntimeError: System role not supported"):
+            fitting_prompts(ITEMS, encode, 100, "train", policy)
+
+
+def test_a_token_id_outside_the_models_vocabulary_is_named():
+    # a tokenizer with tokens the model has no embeddings for (special tokens added by hand)
+    encode = lambda item: [5] * (len(item.prompt.split()) - 1) + [264]  # noqa: E731
+    with pytest.raises(ValueError, match=r"task.prompts\('test'\)\[0\] .*: token id 264 is outside the model's "
+                                         r"vocabulary \(vocab_size 264\)"):
+        fitting_prompts(ITEMS, encode, 100, "test", "skip", vocab_size=264)
+    assert fitting_prompts(ITEMS, encode, 100, "test", "skip", vocab_size=265)[1] == []
+
+
+def test_the_error_names_every_limit_the_prompt_passes_and_its_source_line():
+    items = [TaskPrompt("a " * 12, "x", "t", meta={"source": "data/train.jsonl:6"})]
+    encode = lambda item: [0] * 12  # noqa: E731
+    with pytest.raises(PromptTooLong, match=r"\[0\] \(data/train.jsonl:6\) .* is 12 tokens with the template; the "
+                                            r"engines' context \(max_model_len\) is 10, .*; and train.max_prompt_tokens "
+                                            r"is 8\."):
+        fitting_prompts(items, encode, 10, "train", "error", max_prompt_tokens=8)
+
+
+def test_a_test_split_left_empty_by_skip_is_an_error_not_a_silent_empty_eval():
+    from types import SimpleNamespace
+
+    from controller import runner
+
+    s = runner.Session.__new__(runner.Session)  # the start check alone; the engines' stats stubbed
+    s.cfg = SimpleNamespace(train=SimpleNamespace(eval_every=1, overlong_prompts="skip", max_prompt_tokens=0,
+                                                  max_tokens=8), task=SimpleNamespace(name="t"))
+    stats = SimpleNamespace(wait=lambda: {"max_model_len": 10})
+    s.world = SimpleNamespace(sgs=SimpleNamespace(handles=[SimpleNamespace(call=lambda method: stats)]))
+    s.tok = SimpleNamespace(encode_prompt=lambda text, messages=(): [0] * len(text.split()))
+    s.vocab_size = 0
+    splits = {"train": ITEMS[:1], "test": ITEMS[3:]}  # the one test prompt, 12 tokens, is over-long
+    with pytest.raises(ConfigError, match="every test prompt is over-long .*: train.eval_every would evaluate nothing"):
+        s._fitting_task(SimpleNamespace(prompts=lambda split: splits[split]))

@@ -180,8 +180,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens``: with what tokenizer.json's
+        post-processor adds (a Llama tokenizer's BOS), as transformers' ``tokenizer(text)``."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int] | Iterable[int], skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):
@@ -200,8 +202,12 @@ class Tokenizer:
         return self.prompt_template.format(prompt=text)
 
     def encode_prompt(self, text: str, messages: Sequence[dict] = ()) -> list[int]:
-        """Token ids of a prompt (or a chat) as the policy sees it: ``format_prompt``, encoded."""
-        return self.encode(self.format_prompt(text, messages))
+        """Token ids of a prompt (or a chat) as the policy sees it: ``format_prompt``, encoded.
+        A chat template writes its own special tokens (``{{ bos_token }}``): encoded without
+        more, as transformers' ``apply_chat_template(tokenize=True)``; a plain template's text
+        gets what the tokenizer adds to any text (BOS for Llama), as ``tokenizer(text)`` and
+        vLLM's ``generate(str)`` do."""
+        return self.encode(self.format_prompt(text, messages), add_special_tokens=not self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat rendered as ``transformers``' ``apply_chat_template(..., tokenize=False)``: the

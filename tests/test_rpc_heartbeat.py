@@ -1,0 +1,93 @@
+"""A worker's call may run longer than ``placement.rpc_timeout_s`` as long as the worker keeps
+answering heartbeats (a slow reward function, a long generation round); a worker that dies in
+the middle of a call is reported lost.
+Real torch RPC across three processes: rank 0 plays the controller."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from workers.weight_sync.localrun import free_port, run_local
+
+TIMEOUT_S = 2.0  # the handles' rpc_timeout_s: each call below runs longer
+_RELEASED = threading.Event()
+
+
+def release() -> None:
+    """Rank 0 tells rank 1 it is done with it."""
+    _RELEASED.set()
+
+
+class Busy:
+    """A role object on a worker rank."""
+
+    def work(self, seconds: float) -> float:
+        time.sleep(seconds)  # busy past the timeout; its RPC threads still answer pings
+        return seconds
+
+    def die(self, after_s: float) -> None:
+        time.sleep(after_s)
+        os._exit(0)  # the process is gone in the middle of the call
+
+    def fail(self) -> None:
+        raise ValueError("the reward function raised")
+
+
+def _scenario(rank: int, world: int, rpc_port: int):
+    import torch.distributed.rpc as rpc
+
+    from controller import rpc as crpc
+
+    crpc.HEARTBEAT_S = 0.5
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}", rpc_timeout=TIMEOUT_S)
+    rpc.init_rpc(crpc.worker_name(rank), rank=rank, world_size=world, rpc_backend_options=opts)
+    out = None
+    if rank == 0:
+        slow, doomed = (crpc.create(r, "trainer", Busy, timeout=TIMEOUT_S) for r in (1, 2))
+        out = {"long": slow.call("work", 3 * TIMEOUT_S).wait()}
+        try:
+            slow.call("work", 3 * TIMEOUT_S, timeout=TIMEOUT_S).wait()  # an explicit deadline holds
+        except crpc.WorkerFailed as e:
+            out["deadline"] = str(e)
+        try:
+            slow.call("fail").wait()
+        except crpc.WorkerFailed as e:
+            out["raised"] = (e.lost, str(e))
+        try:
+            doomed.call("die", 0.5).wait()
+        except crpc.WorkerFailed as e:
+            out["died"] = (e.lost, e.rank)
+        rpc.rpc_async("worker1", release)  # not waited: rank 1 leaves before it could answer
+    elif rank == 1:
+        _RELEASED.wait(120)
+    else:
+        time.sleep(120)  # dies in die() long before; never gets further
+    rpc.shutdown(graceful=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_local(3, _scenario, free_port(), missing_ok=True)[0]
+
+
+def test_a_call_longer_than_the_timeout_completes_while_the_worker_answers(result):
+    assert result["long"] == 3 * TIMEOUT_S
+
+
+def test_a_call_with_its_own_timeout_keeps_that_deadline(result):
+    assert result["deadline"].startswith("worker rank 1 (trainer) did not answer in time (hung, or busy past "
+                                         "its deadline) in work()")
+
+
+def test_an_exception_in_the_worker_is_raised_not_lost(result):
+    lost, msg = result["raised"]
+    assert not lost and "the reward function raised" in msg
+
+
+def test_a_worker_dying_mid_call_is_lost(result):
+    # without a deadline on the call, only the heartbeat (or the closed connection) can tell
+    assert result["died"] == (True, 2)
