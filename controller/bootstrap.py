@@ -34,6 +34,11 @@ def ensure_model(model_path: str, init: dict | None, task_name: str, task_kwargs
     print(f"[bootstrap] building {path} (tokenizer + model from scratch, SFT {sft_steps} steps)",
           file=sys.stderr, flush=True)
     _, sft = build_model_dir(path, make_task(task_name, **task_kwargs), mcfg, sft_steps=sft_steps,
-                             sft_lr=sft_lr, seed=seed, prompt_template=prompt_template)
-    return {"path": str(path), "built": True, "seconds": time.time() - t0,
-            "sft": {k: v for k, v in vars(sft).items() if isinstance(v, (int, float))}}
+                             sft_lr=sft_lr, seed=seed, prompt_template=prompt_template,
+                             log_every=max(1, sft_steps // 10))  # streamrl.sft's lines: every tenth
+    seconds = time.time() - t0
+    loss = f", SFT loss {sft.losses[0]:.3f} -> {sft.losses[-1]:.3f}" if sft.losses else ""
+    print(f"[bootstrap] built {path} in {seconds:.1f} s{loss}", file=sys.stderr, flush=True)
+    return {"path": str(path), "built": True, "seconds": seconds,
+            "sft": {"steps": len(sft.losses), **({"loss_first": sft.losses[0], "loss_last": sft.losses[-1]}
+                                                 if sft.losses else {})}}

@@ -221,9 +221,23 @@ def join_main(args) -> int:
     return code
 
 
+def _log_to_stderr() -> None:
+    """StreamRL's own loggers (``streamrl.*``: SFT progress, trainer and engine warnings) print
+    on stderr as ``[streamrl.sft] ...``; other libraries' loggers keep their own settings."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    root = logging.getLogger("streamrl")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    _log_to_stderr()
     if args.join:
         return join_main(args)
     if "RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:

@@ -22,6 +22,7 @@ from controller.config import ConfigError
 from controller.metrics import Metrics
 from controller.prompt_check import ContextTooSmall
 from controller.program import Program
+from controller.run_record import save_run_config
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
 from controller.preflight import (check_model_folder, check_writable, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
@@ -80,6 +81,13 @@ class Session:
         else:
             refuse_fresh_start_over_a_run(self.logdir, args.resume)
         check_writable(self.logdir)
+        save_run_config(self.logdir, cfg, args)
+        if cfg.placement.elastic:  # after the checks: a run refused at start has no address to join
+            host = os.environ.get("MASTER_ADDR", "")
+            local = ("; this host only: from another host, use this node's address with the same port"
+                     if host in ("localhost", "127.0.0.1", "::1") else "")
+            print(f"[controller] join address {host}:{os.environ.get('MASTER_PORT')} "
+                  f"(python controller/main.py --join ADDR --role generation{local})", file=sys.stderr, flush=True)
         # the task and the dispatcher first: a bad task.kwargs or dispatch.options fails in
         # a second, before the model bootstrap (SFT) spends minutes
         try:
@@ -319,6 +327,11 @@ class Session:
             self.progress.update(self.task_id, advance=1,
                                  description=f"RL {c.pipeline.mode} reward (last iteration) "
                                              f"{res.metrics.get('reward_mean', 0):.3f}")
+        if c.logging.progress and (self.progress is None or not self.progress.console.is_terminal):
+            # a log file, a pipe or the REPL: rich draws its bar only at the end there
+            print(f"[controller] iteration {res.iteration + 1}/{c.train.iterations} ({self.program.mode.name}): "
+                  f"reward {res.metrics.get('reward_mean', 0):.3f}, {int(res.metrics.get('num_samples', 0))} "
+                  f"samples, {derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
     def save_checkpoint(self, next_iteration: int) -> Path:
         state = ckpt.ControllerState(next_iteration, self.program.version,
@@ -377,7 +390,8 @@ class Session:
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
         summary.update(logdir=str(self.logdir), checkpoint=str(final), mode=self.program.mode.name,
                        rl_seconds=self.metrics.seconds,
-                       bootstrap_seconds=self.boot["seconds"], instances=len(self.world.sgs.slots))
+                       bootstrap_seconds=self.boot["seconds"], bootstrap_sft=self.boot["sft"],
+                       instances=len(self.world.sgs.slots))
         self.metrics.close()
         return summary
 
@@ -444,12 +458,6 @@ def whitening_note(cfg) -> str | None:
 
 def run_controller(cfg, args, world_size: int) -> int:
     """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
-    if cfg.placement.elastic:
-        host = os.environ.get("MASTER_ADDR", "")
-        local = ("; this host only: from another host, use this node's address with the same port"
-                 if host in ("localhost", "127.0.0.1", "::1") else "")
-        print(f"[controller] join address {host}:{os.environ.get('MASTER_PORT')} "
-              f"(python controller/main.py --join ADDR --role generation{local})", file=sys.stderr, flush=True)
     static = list(range(1, world_size))
     session = None
     note = whitening_note(cfg)

@@ -103,7 +103,7 @@ def test_resume_writes_into_the_resumed_run_or_forks_into_an_unused_logdir(tmp_p
     unused logdir C it forks, leaving A as it was."""
     def run(logdir, iters, *extra):
         cfg = write_config(tmp_path, tiny_model, train__iterations=iters, train__eval_every=0,
-                           logging__logdir=str(tmp_path / logdir))
+                           logging__logdir=str(tmp_path / logdir), logging__progress=True)
         p = torchrun(cfg, extra=list(extra))
         assert p.returncode == 0, p.stderr[-4000:]
         return p
@@ -119,6 +119,15 @@ def test_resume_writes_into_the_resumed_run_or_forks_into_an_unused_logdir(tmp_p
     assert "in the new folder" in p.stderr
     assert [r["iteration"] for r in iterations(tmp_path / "c")] == [4]
     assert [r["iteration"] for r in iterations(tmp_path / "a")] == [0, 1, 2, 3]
+    # stderr is a pipe here: a plain line per iteration (rich draws its bar only at the end)
+    assert "[controller] iteration 5/5 (async_stream): reward " in p.stderr
+    # each attempt's command line, overrides and resolved config are in its run folder
+    import yaml
+
+    first, resumed = (yaml.safe_load((tmp_path / "a" / n).read_text()) for n in ("config.yaml", "config.resume1.yaml"))
+    assert first["resume"] is None and first["config"]["train"]["iterations"] == 2
+    assert resumed["resume"] == str(tmp_path / "a") and resumed["config"]["train"]["iterations"] == 4
+    assert resumed["config"]["engine"]["block_size"] == 16 and "--resume" in resumed["command"]  # defaults filled in
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ def build_tokenizer(task: Task, vocab_size: int, prompt_template: str | None = N
 
 def build_model_dir(folder: str | os.PathLike, task: Task, model_cfg: ModelConfig = TINY,
                     sft_steps: int = 0, sft_batch_size: int = 32, sft_lr: float = 1e-3, seed: int = 0,
-                    eval_items: int = 0, prompt_template: str | None = None) -> tuple[Path, SFTResult]:
+                    eval_items: int = 0, prompt_template: str | None = None,
+                    log_every: int = 0) -> tuple[Path, SFTResult]:
     """-> (folder, SFT result). ``model_cfg.vocab_size`` sets the BPE vocabulary size; EOS and
     PAD ids are written into config.json."""
     torch.manual_seed(seed)
@@ -45,7 +46,7 @@ def build_model_dir(folder: str | os.PathLike, task: Task, model_cfg: ModelConfi
     result = SFTResult()
     if sft_steps > 0 or eval_items > 0:
         result = sft_warmstart(model, tok, task, sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed,
-                               eval_items=eval_items)
+                               eval_items=eval_items, log_every=log_every)
     folder = Path(folder)
     tmp_tok = folder.parent / f".{folder.name}.tok"
     tok.save(tmp_tok)

@@ -1,0 +1,42 @@
+"""What a run folder records about how each attempt was started: ``config.yaml`` (the first
+start) and ``config.resume<N>.yaml`` (the N-th ``--resume``), each the command line, the YAML
+file and ``--set`` overrides as typed, and the config as resolved (every default filled in),
+as verl's Hydra writes ``.hydra/config.yaml``. Written atomically before any work."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workers.atomic import write_text
+
+
+def plain(value: Any) -> Any:
+    """``value`` as YAML-safe data: dataclasses as mappings, tuples as lists, anything else
+    that YAML cannot hold as its ``str``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def save_run_config(logdir: Path, cfg, args) -> Path:
+    """Write this attempt's record into ``logdir``; returns its path."""
+    name = "config.yaml"
+    if args.resume:
+        n = 1
+        while (logdir / f"config.resume{n}.yaml").exists():
+            n += 1
+        name = f"config.resume{n}.yaml"
+    record = {"command": " ".join(sys.argv), "config_file": args.config, "overrides": list(args.set),
+              "resume": args.resume or None, "config": plain(cfg)}
+    return write_text(logdir / name, "# how this attempt was started (controller/run_record.py)\n"
+                      + yaml.safe_dump(record, sort_keys=False))
