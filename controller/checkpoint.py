@@ -103,6 +103,10 @@ def find(path: str | Path) -> Path | None:
             c = root / latest.read_text().strip()
             if c != root and (c / "controller.json").exists():
                 return c
+            if done and (root, c.name) not in _SAID:  # said once per process: find() is asked often
+                _SAID.add((root, c.name))
+                print(f"[controller] {latest} names {c.name}, which is {'incomplete' if c.exists() else 'missing'}; "
+                      f"taking the newest complete checkpoint, {done[-1].name}", file=sys.stderr, flush=True)
         if done:
             return done[-1]
         if latest.exists() or list(root.glob("iter_*")):
@@ -110,6 +114,27 @@ def find(path: str | Path) -> Path | None:
             raise CheckpointError(f"--resume {path}: {root} holds no complete checkpoint ({said}no "
                                   "iter_*/controller.json there); give one with --resume DIR/checkpoints/iter_N")
     return None
+
+
+_SAID: set = set()
+
+
+def previous(ckpt: Path) -> Path | None:
+    """The newest complete checkpoint before ``ckpt`` in its folder (to try when it is damaged)."""
+    older = [c for c in complete(Path(ckpt).parent) if c.name < Path(ckpt).name]
+    return older[-1] if older else None
+
+
+def resume_hint(logdir: str | Path, resume: str = "") -> str:
+    """What a stopped run keeps: its last checkpoint and the ``--resume`` that continues it."""
+    from controller.preflight import run_logdir
+
+    try:
+        found = find(run_logdir(Path(logdir), resume)) or (find(resume) if resume else None)
+    except CheckpointError:  # --resume names a file (refused at start, unless this came first)
+        found = None
+    return (f"the last checkpoint is {found}: continue with --resume {found}" if found
+            else "no checkpoint was written yet (train.ckpt_every)")
 
 
 def load_state(ckpt: Path) -> ControllerState:

@@ -70,6 +70,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_registries(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
+    if world_size is not None and world_size > cfg.world_ranks:
+        idle = list(range(cfg.world_ranks, world_size))
+        raise ConfigError(f"world size {world_size}: ranks {idle[:8]}{' ...' if len(idle) > 8 else ''} are in neither "
+                          f"placement.generation {p.generation} nor placement.trainer {p.trainer} and would sit idle "
+                          f"(holding their devices); launch {cfg.world_ranks} processes (--nproc-per-node/--nnodes), or "
+                          "list them in the placement (processes that come later join with --join)")
 
 
 def check_staleness(mode: str, max_staleness: int | None) -> None:

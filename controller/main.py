@@ -217,6 +217,9 @@ def join_main(args) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    if not LOCAL.exit_reason:  # the controller named no other reason: the job itself ended
+        print(f"[join] rank {rank} exits (code {code}): the job ended "
+              f"({'finished' if code == 0 else 'stopped: see the controller'})", file=sys.stderr, flush=True)
     rpc.shutdown(graceful=False)
     return code
 
@@ -243,14 +246,24 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
         sys.exit("controller/main.py must be launched with torchrun "
                  "(torchrun --nproc-per-node 3 controller/main.py --config configs/quickstart.yaml)")
-    from controller.config import ConfigError, load_config
+    import signal
 
+    from controller import lifecycle
+    from controller.config import ConfigError, load_config
+    from controller.run_record import plain
+
+    lifecycle.die_with_launcher()
+    lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
     world = int(os.environ["WORLD_SIZE"])
+    cfg, error = None, ""
     try:  # every rank validates, so a bad config stops all of them before any work
         cfg = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
     except ConfigError as e:
-        if os.environ["RANK"] == "0":  # one message, not one per rank
-            print(f"config error: {e}", file=sys.stderr, flush=True)
+        error = str(e)
+    error = lifecycle.agree_on_config(int(os.environ["RANK"]), world, None if cfg is None else plain(cfg), error,
+                                      cfg.placement.rpc_timeout_s if cfg is not None else 300.0)
+    if error is not None:
+        lifecycle.print_once_per_node(f"config error: {error}")  # one message per node, not per rank
         return 2
 
     def controller() -> int:
@@ -260,26 +273,20 @@ def main(argv=None) -> int:
 
     try:
         return run_rank(controller, cfg.placement.rpc_timeout_s, cfg.placement.elastic)
-    except KeyboardInterrupt:
-        _interrupted(cfg.logging.logdir, args.resume)
+    except KeyboardInterrupt as e:
+        _interrupted(cfg.logging.logdir, args.resume, str(e))
 
 
-def _interrupted(logdir: str, resume: str) -> None:
-    """Ctrl-C (every rank of the terminal's job gets SIGINT): one line from rank 0 saying what
-    is kept, no traceback from every rank, and out at once (RPC threads may still be blocked
-    in calls to peers that are going away). Checkpoints are written atomically, so the last
-    complete one is intact whatever was running."""
+def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
+    """Ctrl-C (every rank of the terminal's job gets SIGINT), SIGTERM or SIGHUP: one line from
+    rank 0 saying what is kept, no traceback from every rank, and out at once (RPC threads may
+    still be blocked in calls to peers that are going away). Checkpoints are written
+    atomically, so the last complete one is intact whatever was running."""
     if os.environ.get("RANK") == "0":
-        from controller import checkpoint as ckpt
-        from controller.preflight import run_logdir
+        from controller.checkpoint import resume_hint
 
-        try:
-            found = ckpt.find(run_logdir(Path(logdir), resume)) or (ckpt.find(resume) if resume else None)
-        except ckpt.CheckpointError:  # --resume names a file (refused at start, unless this came first)
-            found = None
-        kept = (f"the last checkpoint is {found}: continue with --resume {found}" if found
-                else "no checkpoint was written yet (train.ckpt_every)")
-        print(f"[controller] interrupted; {kept}", file=sys.stderr, flush=True)
+        print(f"[controller] {'stopped by ' + signame if signame else 'interrupted'}; {resume_hint(logdir, resume)}",
+              file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(130)

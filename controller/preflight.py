@@ -3,6 +3,7 @@ folder (a fresh start never writes over another run; ``--resume`` continues a ru
 folder or forks it into an unused one; the folder can be written) and the model folder."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def refuse_previous_run(logdir: Path, why: str = "") -> None:
                       f"(or delete the folder)")
 
 
+WRITE_TEST_BYTES = 1 << 20  # written and synced: an empty file fits even on a full disk
+
+
 def check_writable(logdir: Path) -> None:
     """Logs and checkpoints go to ``logdir``: one that cannot be written (read-only, no
     permission, full) is said before any work, not as a traceback once the workers are up."""
@@ -95,10 +99,35 @@ def check_writable(logdir: Path) -> None:
 
     try:
         logdir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test") as f:
+            f.write(b"\0" * WRITE_TEST_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
         raise ConfigError(f"logging.logdir: {logdir}: cannot write there ({e.strerror or e})") from None
+
+
+def lock_run_folder(logdir: Path) -> int:
+    """Hold ``logdir/.lock`` (an flock, released when this process ends, however it ends) for
+    the run: a second job writing into the same folder (a resume started while the first still
+    runs, an orphaned job) would interleave checkpoints, ``latest`` and log rows. Returns the
+    lock's file descriptor, to keep open."""
+    import fcntl
+    import socket
+
+    fd = os.open(logdir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"logging.logdir: {logdir} is in use by a running job ({holder}); wait for it to end, "
+                          "or stop it, before resuming or writing there") from None
+    except OSError:  # a file system without flock (some network mounts): run without the lock
+        return fd
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    return fd
 
 
 def refuse_fresh_start_over_a_run(logdir: Path, resume: str) -> None:

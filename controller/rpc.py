@@ -177,6 +177,7 @@ class Local:
     has_process_group: bool = False
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0
+    exit_reason: str = ""  # said on a joiner's own terminal when it was told to leave (runner.leave_job)
     quiet_exit: bool = True  # leave RPC in lock-step with the other static ranks (controller.main)
     roles: dict = field(default_factory=dict)  # "trainer" / "generation" -> object
     groups: dict = field(default_factory=dict)  # tuple(ranks) -> ProcessGroup

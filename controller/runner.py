@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import sys
 import time
 import traceback
@@ -24,7 +25,8 @@ from controller.prompt_check import ContextTooSmall
 from controller.program import Program
 from controller.run_record import save_run_config
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
-from controller.preflight import (check_model_folder, check_writable, refuse_fresh_start_over_a_run,
+from controller.sgs import NoInstancesLeft
+from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.world import add_instance, build_world, check_engine_device
 from workers.model import stop_ids
@@ -46,6 +48,7 @@ def leave_job(code: int, reason: str) -> bool:
     then exit with ``code`` the local way (it is none of torchrun's static ranks, so nobody's
     barrier waits for it). Its instance was closed first (``dismiss_joiner``)."""
     print(f"[join] rank {LOCAL.rank} exits (code {code}): {reason}", file=sys.stderr, flush=True)
+    LOCAL.exit_reason = reason
     return request_exit(code, quiet=False)
 
 
@@ -81,6 +84,7 @@ class Session:
         else:
             refuse_fresh_start_over_a_run(self.logdir, args.resume)
         check_writable(self.logdir)
+        self._lock = lock_run_folder(self.logdir)
         save_run_config(self.logdir, cfg, args)
         if cfg.placement.elastic:  # after the checks: a run refused at start has no address to join
             host = os.environ.get("MASTER_ADDR", "")
@@ -166,6 +170,11 @@ class Session:
                                   f"train.max_prompt_tokens, or no room for an output token in the engines' "
                                   f"context of {context} tokens)" + (": train.eval_every would evaluate nothing"
                                                                      if split == "test" else ""))
+        if need.longest + need.max_tokens > context:  # vLLM refuses to start here; verl asks prompt + response
+            print(f"[controller] the engines' context (max_model_len) is {context} tokens: the longest kept prompt, "
+                  f"{need.where}, is {need.longest}, so its answers stop at {context - need.longest} of "
+                  f"train.max_tokens {need.max_tokens} (finish reason length); raise engine.kv_cache_tokens / "
+                  "engine.max_model_len, or lower train.max_prompt_tokens", file=sys.stderr, flush=True)
         self.world.sgs.need = need
         return FittingTask(task, kept)
 
@@ -237,14 +246,17 @@ class Session:
             print(f"[controller] --resume {self.args.resume}: the path {where} yet; starting fresh",
                   file=sys.stderr, flush=True)
             return None
-        state = ckpt.load_state(found)
         from controller.rpc import wait_all
         from workers.trainer.checkpoint import check
 
         try:  # a damaged file or another model / algorithm: one line, before the trainers load it
+            state = ckpt.load_state(found)
             check(found / "trainer", self.model_dir, self.cfg.trainer.algorithm, self.cfg.trainer.use_critic)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--resume {self.args.resume}: {e}") from None
+            older = ckpt.previous(found)
+            raise ConfigError(f"--resume {self.args.resume}: {e}"
+                              + (f"; the previous checkpoint, {older}, is complete: --resume {older}" if older else "")
+                              ) from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
         self._saved = (state.iteration, state.mode, found)
@@ -347,9 +359,11 @@ class Session:
             if isinstance(e, WorkerFailed) and e.lost:
                 raise
             kept = ckpt.find(root) if root.is_dir() else None
-            raise RunStopped(f"the checkpoint of iteration {next_iteration} could not be written under {root}: "
-                             f"{_error_line(e)}; " + (f"the last checkpoint, {kept}, is intact" if kept else
-                                                      "no checkpoint was written before")) from None
+            free = shutil.disk_usage(root if root.is_dir() else self.logdir).free if self.logdir.is_dir() else None
+            raise RunStopped(f"the checkpoint of iteration {next_iteration} could not be written under {root}"
+                             + (f" ({free / 2**20:.0f} MiB free there)" if free is not None else "")
+                             + f": {_error_line(e)}; " + (f"the last checkpoint, {kept}, is intact" if kept else
+                                                          "no checkpoint was written before")) from None
         if self.cfg.train.ckpt_keep is not None:  # the checkpoint resumed from stays, for another try from it
             ckpt.prune(root, self.cfg.train.ckpt_keep,
                        protect=[saved, self.resumed_from] if self.resumed_from else [saved])
@@ -471,12 +485,19 @@ def run_controller(cfg, args, world_size: int) -> int:
     except ConfigError as e:  # found by the controller before any work (e.g. the logdir)
         print(f"config error: {e}", file=sys.stderr, flush=True)
         code = 2
-    except (WorkerFailed, RunStopped) as e:
-        print(f"[controller] run stopped: {e}", file=sys.stderr, flush=True)
+    except (WorkerFailed, RunStopped, NoInstancesLeft, OSError) as e:  # OSError: the run folder (full, gone)
+        if isinstance(e, (WorkerFailed, NoInstancesLeft)):
+            # a worker lost to the job's own Ctrl-C / SIGTERM: this process's signal is due as well
+            # (delivered once a blocking call returns); let it end the run as "interrupted"
+            time.sleep(1.0)
+        print(f"[controller] run stopped: {_error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr,
+              flush=True)
         code = 1
     except Exception:  # noqa: BLE001 - the controller itself failed
         print(f"[controller] run stopped by a controller error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = 1
+    if code == 1 and session is not None:
+        print(f"[controller] {ckpt.resume_hint(session.logdir, args.resume)}", file=sys.stderr, flush=True)
     waiting = list(session.waiting) if session else []
     while not _JOINERS.empty():
         waiting.append(_JOINERS.get_nowait()[0])

@@ -41,6 +41,10 @@ class InstanceSlot:
     joined_at: int = 0  # iteration it started taking prompts
 
 
+class NoInstancesLeft(RuntimeError):
+    """A round lost its last generation instance: the run cannot go on (the message says why)."""
+
+
 @dataclass
 class Round:
     """One iteration's generation over the SGS (in flight)."""
@@ -79,8 +83,9 @@ class Round:
         if not missing:
             return
         if not self.sgs.slots:
-            raise RuntimeError(f"iteration {self.iteration}: every generation instance is gone, "
-                               f"{len(missing)} requests left")
+            raise NoInstancesLeft(f"iteration {self.iteration}: every generation instance is gone "
+                                  f"({', '.join(f'rank {r}: {why}' for r, why in self.sgs.removed)}), "
+                                  f"{len(missing)} requests left")
         print(f"[sgs] iteration {self.iteration}: re-dispatching {len(missing)} unfinished requests "
               f"to {[s.handle.rank for s in self.sgs.slots]}", file=sys.stderr, flush=True)
         self.redispatched += missing

@@ -77,3 +77,38 @@ def test_two_torchrun_agents_on_loopback(tmp_path, tiny_model):  # noqa: F811
     assert summary["iterations"] == 2
     rows = iterations(tmp_path / "run")
     assert [r["num_samples"] for r in rows] == [8, 8]  # trainer DP across the two "nodes"
+
+
+def _two_agents(tmp_path, cfgs):
+    """Two torchrun agents on loopback ("nodes" 0 and 1), node n running ``cfgs[n]``; their
+    (return code, stderr)."""
+    port = free_port()
+    agents = [_popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                      "--node-rank", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                      "--rdzv-id", "streamrl-cfg", "controller/main.py", "--config", str(cfg)])
+              for n, cfg in enumerate(cfgs)]
+    try:
+        return [(a.wait(timeout=240), a.communicate()[1]) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+
+
+def test_a_config_error_or_another_config_on_one_node_is_said_on_every_node(tmp_path, tiny_model):  # noqa: F811
+    # each node reads its own YAML: an error on node 1 used to show on no terminal (only rank 0
+    # printed config errors) while node 0 waited out the store's timeout; a node with another
+    # config started and failed later in gloo. Both are now one line on each node, at start.
+    placement = dict(placement__generation=[1], placement__trainer=[2, 3])
+    good = write_config(tmp_path, tiny_model, **placement)
+    (tmp_path / "good.yaml").write_text(good.read_text())
+    write_config(tmp_path, tiny_model, train__iterations=-1, **placement).rename(tmp_path / "bad.yaml")
+    runs = _two_agents(tmp_path, [tmp_path / "good.yaml", tmp_path / "bad.yaml"])
+    for code, err in runs:
+        assert code != 0 and "train.iterations" in err and "config error: " in err, err[-2000:]
+    assert "config error: (rank 2) " in runs[0][1] or "config error: (rank 3) " in runs[0][1]
+    write_config(tmp_path, tiny_model, train__iterations=5, **placement).rename(tmp_path / "other.yaml")
+    runs = _two_agents(tmp_path, [tmp_path / "good.yaml", tmp_path / "other.yaml"])
+    for code, err in runs:
+        assert code != 0 and "config error: rank 2 resolved another config than rank 0 (keys ['train.iterations'" \
+            in err, err[-2000:]

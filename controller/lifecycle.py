@@ -1,0 +1,110 @@
+"""How torchrun's ranks start and end together, beyond what torchrun does itself.
+
+* ``die_with_launcher``: a rank is killed when its torchrun agent dies (SIGKILLed, OOM-killed):
+  torchrun ends its ranks only while it runs, and orphans would finish the run on their own, or
+  hang forever once the controller is gone too (Ray ends a driver's workers the same way).
+* ``signals_interrupt``: SIGTERM and SIGHUP (how Slurm, Kubernetes and ssh stop a job) take
+  Ctrl-C's path: one line naming the last checkpoint, not a silent exit.
+* ``agree_on_config``: every rank publishes its config (or its config error) in torchrun's
+  store and reads every other rank's before any process group exists, so an error on one
+  node is printed on every node within seconds (it used to show on none but rank 0's node,
+  while the others waited out the store timeout), and nodes that resolved different configs
+  (a different file or ``--set`` on one node) are refused naming the keys that differ.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (torchrun's agent) dies; if the
+    parent is already gone (the kernel would not fire), exit now. Linux; elsewhere a no-op."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # reparented between the two calls
+        os._exit(1)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, taken as Ctrl-C (the message names the signal)."""
+
+
+def signals_interrupt(*signums: int) -> None:
+    """Raise ``Terminated`` in the main thread on each of ``signums``."""
+    def handler(signum, frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    for s in signums:
+        signal.signal(s, handler)
+
+
+def _differing_keys(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _differing_keys(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if a == b else [prefix or "(the whole config)"]
+
+
+def _store(timeout_s: float):
+    """torchrun's store (this attempt's config keys), or None when nothing answers there."""
+    import socket
+
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:  # a plain connect first: torch's client retries a refused one until its timeout
+        socket.create_connection((host, port), timeout=min(timeout_s, 10.0)).close()
+    except OSError:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"streamrl/{attempt}/config", dist.TCPStore(
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
+
+
+def agree_on_config(rank: int, world: int, config: dict | None, error: str, timeout_s: float) -> str | None:
+    """Publish this rank's resolved ``config`` (plain data) or its config ``error`` in
+    torchrun's store. A rank with an error returns it at once; the others wait for every
+    rank's entry and return the first error one reports, or the keys where a rank's config
+    differs from rank 0's; None when all agree."""
+    store = _store(timeout_s if config is not None else 10.0)
+    if config is None:
+        if store is not None:
+            try:
+                store.set(str(rank), json.dumps({"error": error}))
+            except (RuntimeError, OSError):  # the others will time out on their own; the error is said here
+                pass
+        return error
+    if store is None:
+        return None  # no job's store to agree through (its own errors show at the process group)
+    store.set(str(rank), json.dumps({"config": config}))
+    store.wait([str(r) for r in range(world)])
+    seen = [json.loads(store.get(str(r))) for r in range(world)]
+    for r, s in enumerate(seen):
+        if "error" in s:
+            return f"(rank {r}) {s['error']}"
+    for r, s in enumerate(seen[1:], start=1):
+        keys = _differing_keys(seen[0]["config"], s["config"])
+        if keys:
+            return (f"rank {r} resolved another config than rank 0 (keys {keys[:8]}{' ...' if len(keys) > 8 else ''}): "
+                    "every node must run the same config file and --set overrides")
+    return None
+
+
+def print_once_per_node(text: str) -> None:
+    """On each node's first rank only (every node's terminal or log gets it once)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,129 @@
+"""How a run starts and stops around its processes: the run folder's lock, a full disk found
+at start, the resume hint of every stop, a damaged or missing checkpoint named with the one to
+take instead, ranks that would sit idle, and a rank that dies with its launcher (a real
+process tree: the launcher is SIGKILLed)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from controller import checkpoint as ckpt
+from controller import lifecycle, preflight
+from controller.config import ConfigError, from_dict
+
+
+def test_a_second_job_in_a_running_jobs_folder_is_refused(tmp_path):
+    held = preflight.lock_run_folder(tmp_path)
+    with pytest.raises(ConfigError, match=rf"logging.logdir: {tmp_path} is in use by a running job "
+                                          rf"\(pid {os.getpid()} on "):
+        preflight.lock_run_folder(tmp_path)  # a second descriptor: what another process would get
+    os.close(held)  # the first job ended (its process exit releases the lock the same way)
+    os.close(preflight.lock_run_folder(tmp_path))
+
+
+def test_a_disk_with_no_room_is_found_at_start(tmp_path):
+    # a file-size limit stands in for a full disk (mounting a full file system needs root):
+    # either way the empty file the check used to write fitted, the first real write failed
+    preflight.check_writable(tmp_path)  # room here
+    code = textwrap.dedent(f"""
+        import resource, signal, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from pathlib import Path
+        from controller.config import ConfigError
+        from controller.preflight import check_writable
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+        try:
+            check_writable(Path({str(tmp_path)!r}))
+        except ConfigError as e:
+            print(e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith(f"logging.logdir: {tmp_path}: cannot write there (File too large)"), out
+
+
+def _checkpoint(root, it):
+    d = root / "checkpoints" / f"iter_{it:06d}"
+    d.mkdir(parents=True)
+    (d / "controller.json").write_text("{}")
+    return d
+
+
+def test_latest_naming_a_missing_checkpoint_says_which_it_takes(tmp_path, capsys):
+    _checkpoint(tmp_path, 3)
+    six = _checkpoint(tmp_path, 6)
+    (tmp_path / "checkpoints" / "latest").write_text("iter_000099")
+    assert ckpt.find(tmp_path) == six
+    assert "latest names iter_000099, which is missing; taking the newest complete checkpoint, iter_000006" \
+        in capsys.readouterr().err
+    assert ckpt.previous(six) == tmp_path / "checkpoints" / "iter_000003" and ckpt.previous(tmp_path / "x") is None
+    assert ckpt.resume_hint(tmp_path) == f"the last checkpoint is {six}: continue with --resume {six}"
+    assert ckpt.resume_hint(tmp_path / "empty") == "no checkpoint was written yet (train.ckpt_every)"
+
+
+def test_ranks_no_role_would_use_are_refused():
+    d = {"placement": {"generation": [1], "trainer": [2]}}
+    assert from_dict(d, 3).world_ranks == 3
+    with pytest.raises(ConfigError, match=r"world size 5: ranks \[3, 4\] are in neither placement.generation \[1\] "
+                                          r"nor placement.trainer \[2\] and would sit idle"):
+        from_dict(d, 5)
+
+
+def test_configs_that_differ_are_named_by_key():
+    a = {"train": {"iterations": 3, "lr": 1.0}, "engine": {"block_size": 16}}
+    b = {"train": {"iterations": 4, "lr": 1.0}, "engine": {"block_size": 16, "extra": 1}}
+    assert lifecycle._differing_keys(a, b) == ["engine.extra", "train.iterations"]
+    assert lifecycle._differing_keys(a, a) == []
+
+
+def test_sigterm_is_taken_as_an_interrupt_naming_the_signal():
+    lifecycle.signals_interrupt(signal.SIGTERM)
+    try:
+        with pytest.raises(lifecycle.Terminated, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises in this (the main) thread first
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_a_rank_dies_with_its_launcher(tmp_path):
+    # launcher -> rank; SIGKILL the launcher (torchrun's agent OOM-killed, say): the rank must not
+    # live on as an orphan
+    rank = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(os.getcwd())!r})
+        from controller.lifecycle import die_with_launcher
+        die_with_launcher()
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys, json
+        p = subprocess.Popen([sys.executable, "-c", {rank!r}], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        print(json.dumps(p.pid), flush=True)
+        p.wait()
+    """)
+    outer = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    pid = json.loads(outer.stdout.readline())
+    outer.kill()
+    outer.wait()
+    for _ in range(200):  # the kernel delivers the rank's SIGKILL as the launcher exits
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split()[2] == "Z":  # killed, waiting for init to reap it
+                break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the rank outlived its launcher")
