@@ -149,3 +149,39 @@ def test_parquet_task(tmp_path):
     pq.write_table(pa.table({"prompt": ["1+1?"], "answer": ["2"]}), tmp_path / "d.parquet")
     t = make_task("parquet", files=str(tmp_path / "d.parquet"), verifier="numeric")
     assert t.score(t.prompts("train")[0], "answer: 2") == 1.0
+
+
+@pytest.mark.parametrize("kwargs", [{"kind": "running_sum", "min_terms": 2, "max_terms": 4, "max_value": 9},  # quickstart
+                                    {}, {"kind": "countdown"}])
+def test_synthetic_test_split_is_disjoint_from_train(kwargs):
+    t = make_task("synthetic", **kwargs)
+    train, test = {x.prompt for x in t.prompts("train")}, t.prompts("test")
+    assert len(test) == t.num_test and not train & {x.prompt for x in test}
+    assert [x.prompt for x in test] == [x.prompt for x in make_task("synthetic", **kwargs).prompts("test")]
+    for x in test:
+        assert t.score(x, x.answer) == 1.0
+
+
+def test_synthetic_test_split_when_train_holds_most_of_the_prompt_space():
+    # 2 terms up to 3: 9 prompts, all of them among 200 train draws
+    with pytest.raises(ValueError, match="every test prompt drawn is a train prompt .* lower task.kwargs.num_train"):
+        make_task("synthetic", min_terms=2, max_terms=2, max_value=3, num_train=200).prompts("test")
+    # 2 terms up to 5: 25 prompts; the test split is drawn (with repeats, as train is) from those train lacks
+    t = make_task("synthetic", min_terms=2, max_terms=2, max_value=5, num_train=30, num_test=50)
+    train, test = {x.prompt for x in t.prompts("train")}, {x.prompt for x in t.prompts("test")}
+    assert len(t.prompts("test")) == 50 and not train & test and len(train | test) == 25
+
+
+def test_reasoning_gym_without_reference_answers():
+    """propositional_logic and graph_color give answer None (score_answer checks validity):
+    demonstrations use metadata['example_answer'] where there is one, else are refused."""
+    t = make_task("reasoning_gym", dataset="propositional_logic", size=4)
+    demos = t.demonstrations("train")
+    assert all(text != "answer=None" and t.score(item, text) == 1.0 for item, text in demos)
+    assert all(item.answer == item.meta["metadata"]["example_answer"] for item, _ in demos)
+    g = make_task("reasoning_gym", dataset="graph_color", size=2)
+    assert all(item.answer == "" for item in g.prompts("train"))
+    assert g.score(g.prompts("train")[0], "answer=None") == 0.0  # the reward is the dataset's own, as before
+    with pytest.raises(ValueError, match=r"dataset 'graph_color' gives no reference answer .* no "
+                                         r"metadata\['example_answer'\].*set train.sft_steps: 0"):
+        g.demonstrations("train")

@@ -198,7 +198,7 @@ class Tokenizer:
             return self.apply_chat_template(list(messages) or [{"role": "user", "content": text}],
                                             add_generation_prompt=True)
         if messages:
-            text = "\n\n".join(str(m.get("content", "")) for m in messages)
+            text = "\n\n".join(str(m.get("content") or "") for m in messages)
         return self.prompt_template.format(prompt=text)
 
     def encode_prompt(self, text: str, messages: Sequence[dict] = ()) -> list[int]:

@@ -1,84 +1,62 @@
-"""Datasets from files: JSONL (and Parquet when pyarrow is installed) with a prompt field and a
-reference answer, scored by a verifier named in the config (``exact``, ``numeric``,
-``reasoning_gym:<dataset>``). A malformed line raises ``ValueError`` naming file and line."""
+"""Datasets from files: JSON Lines or a JSON array (and Parquet when pyarrow is installed) with a
+prompt field and a reference answer, scored by a verifier named in the config (``verifiers.py``).
+A malformed row raises ``ValueError`` naming file and line (a JSON array: file and index)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Sequence
 
-from workers.tasks.verifiers import make_verifier
+from workers.tasks.rows import row_item
+from workers.tasks.verifiers import is_builtin, make_verifier
 from workers.types import TaskPrompt
 
 
-def read_jsonl(path: Path, prompt_key: str, answer_key: str, task: str) -> list[TaskPrompt]:
+def _decode(path: Path) -> str:
+    """The file's text: UTF-8, a byte-order mark at the start allowed (as ``datasets`` and pandas)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raw = e.object  # without the BOM: e.start counts from there
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column}, counted in "
+                         "bytes); convert the file, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def read_json(path: Path, prompt_key: str, answer_key: str, task: str, text_answers: bool) -> list[TaskPrompt]:
+    """JSON Lines (one object per line, blank lines skipped), or one JSON array of objects
+    (HF ``datasets``' json loader reads both, whatever the suffix)."""
+    text = _decode(path)
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: malformed JSON array ({e.msg} at column {e.colno})") from None
+        return [row_item(r, f"{path}[{i}]", prompt_key, answer_key, task, text_answers) for i, r in enumerate(rows)]
     items = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            items.append(_item(row, f"{path}:{lineno}", prompt_key, answer_key, task))
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a string
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+        items.append(row_item(row, f"{path}:{lineno}", prompt_key, answer_key, task, text_answers))
     return items
 
 
-def read_parquet(path: Path, prompt_key: str, answer_key: str, task: str) -> list[TaskPrompt]:
+def read_parquet(path: Path, prompt_key: str, answer_key: str, task: str, text_answers: bool) -> list[TaskPrompt]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
     rows = pq.read_table(path).to_pylist()
-    return [_item(r, f"{path}:row {i}", prompt_key, answer_key, task) for i, r in enumerate(rows)]
+    return [row_item(r, f"{path}:row {i}", prompt_key, answer_key, task, text_answers) for i, r in enumerate(rows)]
 
 
-def _field(row: dict, key: str, where: str, setting: str):
-    """``row[key]``; a dotted key reads nested objects (verl's ``reward_model.ground_truth``)."""
-    value = row
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise ValueError(f"{where}: missing field {key!r} (have {sorted(row)}; set task.kwargs.{setting})")
-        value = value[part]
-    return value
-
-
-def _message(m, where: str) -> dict:
-    """A chat message ``{"role": str, "content": str}``; OpenAI-style content parts
-    (``[{"type": "text", "text": ...}]``) are joined."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ValueError(f"{where}: a message must be {{\"role\": str, \"content\": str}}, got {m!r:.80}")
-    content = m.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ValueError(f"{where}: content must be a string or a list of text parts, got {content!r:.80}")
-    return {**m, "content": content}
-
-
-def _item(row, where: str, prompt_key: str, answer_key: str, task: str) -> TaskPrompt:
-    """One row. The prompt is a non-empty string, or a chat (verl's format): a list of
-    ``{"role", "content"}`` messages, seen by the policy through the chat template."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    prompt, answer = _field(row, prompt_key, where, "prompt_key"), _field(row, answer_key, where, "answer_key")
-    messages: tuple = ()
-    if isinstance(prompt, (list, tuple)):
-        if not prompt:
-            raise ValueError(f"{where}: field {prompt_key!r} is an empty list of messages")
-        messages = tuple(_message(m, f"{where}: {prompt_key}[{i}]") for i, m in enumerate(prompt))
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        prompt = users[-1] if users else messages[-1]["content"]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: field {prompt_key!r} must be a non-empty string (or a list of chat messages)")
-    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}  # a dotted key's parent stays
-    return TaskPrompt(prompt=prompt, answer=str(answer), task=str(row.get("task", row.get("data_source", task))),
-                      meta=meta, messages=messages, raw_answer=answer)
-
-
-READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".parquet": read_parquet}
+READERS = {".jsonl": read_json, ".json": read_json, ".parquet": read_parquet}
 
 
 def _files_hint(files) -> str:
@@ -95,10 +73,11 @@ class FileTask:
     """``files``: split -> path (``{"train": "a.jsonl", "test": "b.jsonl"}``; ``val`` or
     ``validation`` stand for ``test``) or one path for every split; ``~`` is expanded.
     ``prompt_key`` / ``answer_key`` may be dotted (nested fields). ``verifier``: see
-    ``verifiers.make_verifier``."""
+    ``verifiers.make_verifier``; ``verifier_kwargs``: keyword arguments for it (verl's
+    ``custom_reward_function.reward_kwargs``), checked against it here."""
 
     def __init__(self, files: dict[str, str] | str, verifier: str = "exact", prompt_key: str = "prompt",
-                 answer_key: str = "answer", name: str = "jsonl"):
+                 answer_key: str = "answer", name: str = "jsonl", verifier_kwargs: dict | None = None):
         if isinstance(files, (str, Path)):
             files = {"train": files, "test": files}
         if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
@@ -114,7 +93,12 @@ class FileTask:
                 raise ValueError(f"task.files[{split!r}]: {p} is not one of {sorted(READERS)}")
             if not Path(p).exists():
                 raise FileNotFoundError(f"task.files[{split!r}]: {p} does not exist")
-        self.verify = make_verifier(verifier)
+        if not isinstance(verifier, str):
+            raise ValueError(f"task.kwargs.verifier: a name or 'file.py:fn', got {verifier!r}")
+        if not isinstance(verifier_kwargs or {}, dict) or not all(isinstance(k, str) for k in verifier_kwargs or {}):
+            raise ValueError(f"task.kwargs.verifier_kwargs: a mapping of keyword -> value, got {verifier_kwargs!r}")
+        self.verify = make_verifier(verifier, verifier_kwargs)
+        self.text_answers = is_builtin(verifier)
         self.prompt_key, self.answer_key, self.name = prompt_key, answer_key, name
         self._cache: dict[str, list[TaskPrompt]] = {}
 
@@ -123,7 +107,7 @@ class FileTask:
             raise ValueError(f"task.kwargs.files: no {split!r} file (have {sorted(self.files)})")
         if split not in self._cache:
             p = Path(self.files[split])
-            self._cache[split] = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name)
+            self._cache[split] = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name, self.text_answers)
         return self._cache[split]
 
     def score(self, prompt: TaskPrompt, completion: str) -> float:

@@ -11,6 +11,13 @@ Demonstrations for SFT (``demonstrations(split)``) can be made deliberately impe
 (a noisy teacher). A warm-started model then stops early about that often: partial reward
 that RL, judged by the verifier, quickly removes.
 
+The test split (``prompts("test")``, also ``"eval"``) is disjoint from train: it is drawn as
+train is (with another seed, repeats allowed), leaving out every prompt that train holds, so
+its prompts lean to the less likely (longer) ones where train holds most of the prompt space.
+It has ``num_test`` prompts unless those train lacks are too rare to find: drawing stops after
+``TEST_DRAWS`` x ``num_test`` tries, leaving it shorter; with none found (few terms, a small
+``max_value``, a large ``num_train``) it is a ValueError naming the settings to change.
+
 Score in [0, 1]: half for the fraction of trace steps that are right at their position (extra
 steps dilute it), half for a correct final ``answer=N`` that ends the completion. Any
 malformed completion scores 0 (the verifier never raises).
@@ -25,6 +32,7 @@ from typing import Callable, Sequence
 from workers.types import TaskPrompt
 
 SPLIT_SEEDS = {"train": 0, "test": 1_000_003, "eval": 1_000_003}
+TEST_DRAWS = 100  # tries per test prompt before the test split settles for fewer (see above)
 _STEP = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)\s*=\s*(-?\d+)")
 _ANSWER = re.compile(r"answer\s*=\s*(-?\d+)")
 
@@ -142,7 +150,21 @@ class SyntheticTask:
             raise ValueError(f"task split {split!r} is not one of {sorted(SPLIT_SEEDS)}")
         rng = random.Random(self.seed * 7919 + SPLIT_SEEDS[split])
         make = KINDS[self.kind][0]
-        return [make(rng, self) for _ in range(self.num_train if split == "train" else self.num_test)]
+        if split == "train":
+            return [make(rng, self) for _ in range(self.num_train)]
+        train = {item.prompt for item in self.prompts("train")}
+        items: list[TaskPrompt] = []
+        for _ in range(TEST_DRAWS * self.num_test):
+            item = make(rng, self)
+            if item.prompt not in train:
+                items.append(item)
+                if len(items) == self.num_test:
+                    break
+        if not items:
+            raise ValueError(f"task: every {split} prompt drawn is a train prompt ({self.kind}, {self.num_train} train "
+                             f"prompts over {self.min_terms}-{self.max_terms} terms up to {self.max_value}): lower "
+                             "task.kwargs.num_train, or raise max_terms or max_value")
+        return items
 
     def demonstrations(self, split: str = "train") -> list[tuple[TaskPrompt, str]]:
         """(item, demonstration completion) pairs for SFT; ``demo_noise`` of them truncated."""

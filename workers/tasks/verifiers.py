@@ -1,58 +1,125 @@
 """Answer verifiers for file datasets: ``(prompt: TaskPrompt, completion: str) -> float``.
 
-The completion's answer is the last ``<answer>...</answer>``, else the text after the last
-``answer:`` / ``answer=``, else the whole stripped completion. A verifier never raises.
+Built in (``VERIFIERS``; their options come from ``task.kwargs.verifier_kwargs``):
+
+* ``exact``: the completion's answer (``answers.answer_span``: the last ``<answer>`` tag,
+  ``\\boxed{}``, ``####`` or ``answer:`` / ``answer=``) is the reference text. A reference that
+  is a number in the data (JSON ``72``, not ``"72"``) is compared by value, as ``numeric`` does.
+* ``numeric(rel_tol, abs_tol)``: a reference that is one number (``72``, ``1,000``, ``3/4``,
+  ``\\frac{1}{2}``) is compared by value with the answer: all of the answer when it is one
+  number, else the first number after the tag or mark (the one it marks), else the
+  completion's last number. Any other reference (a ratio ``2:30``, a tuple, an equation) must
+  equal the answer's text, spaces and surrounding ``$`` aside.
+* ``gsm8k(method, format_score, score)``: verl's GSM8K rule. ``strict``: the number after the
+  last ``#### ``; ``flexible``: the completion's last number. Commas and ``$`` are removed;
+  ``score`` when it equals the reference (as text or as a number), ``format_score`` when it does
+  not, 0 when there is none.
+* ``math``: verl's MATH rule: the content of the last ``\\boxed{}`` / ``\\fbox{}`` equals the
+  reference after ``latex.normalise`` (or has its exact value); 0 without one.
+* ``reasoning_gym:<dataset>``: reasoning-gym's own ``score_answer``.
+
+A built-in verifier never raises: a malformed completion scores 0.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import re
+from functools import partial
 from typing import Callable
 
+from workers.tasks.answers import answer_span, close, extract_answer, last_boxed, numbers_in, value
+from workers.tasks.latex import equivalent
 from workers.tasks.plugins import is_plugin, load_plugin
+from workers.tasks.user_verifier import user_verifier
 from workers.types import TaskPrompt
 
 Verifier = Callable[[TaskPrompt, str], float]
-_TAGGED = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
-_MARKED = re.compile(r"answer\s*[:=]\s*(.*)$", re.IGNORECASE | re.DOTALL)
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+GSM8K_METHODS = ("strict", "flexible")
+_GSM8K = {"strict": re.compile(r"#### (-?[0-9.,]+)"), "flexible": re.compile(r"-?[0-9.,]+")}
 
 
-def extract_answer(completion: str) -> str:
-    tagged = _TAGGED.findall(completion)
-    if tagged:
-        return tagged[-1].strip()
-    parts = re.split(r"answer\s*[:=]", completion, flags=re.IGNORECASE)
-    if len(parts) > 1:
-        return parts[-1].strip()
-    return completion.strip()
+def _never_raises(verify: Verifier) -> Verifier:
+    def safe(prompt: TaskPrompt, completion: str) -> float:
+        try:
+            return verify(prompt, completion)
+        except Exception:  # noqa: BLE001 - a malformed completion scores 0
+            return 0.0
+    return safe
+
+
+def _squash(text: str) -> str:
+    """Text compared as text: no spaces, no surrounding ``$``, no final period."""
+    return "".join(text.split()).strip("$").rstrip(".")
+
+
+def is_number(answer) -> bool:
+    """Whether a reference as the data gives it is a number (JSON ``2.0``; ``true`` is not)."""
+    return isinstance(answer, numbers.Real) and not isinstance(answer, bool)
 
 
 def exact(prompt: TaskPrompt, completion: str) -> float:
+    if is_number(prompt.raw_answer):
+        return numeric(prompt, completion)
     try:
         return float(extract_answer(completion) == prompt.answer.strip())
-    except Exception:
+    except Exception:  # noqa: BLE001
         return 0.0
-
-
-def _to_float(text: str) -> float | None:
-    text = text.replace(",", "").strip()
-    try:
-        return float(text)
-    except ValueError:
-        nums = _NUMBER.findall(text)
-        return float(nums[-1]) if nums else None
 
 
 def numeric(prompt: TaskPrompt, completion: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
     try:
-        got, want = _to_float(extract_answer(completion)), _to_float(prompt.answer)
-        if got is None or want is None or not math.isfinite(got):
-            return 0.0
-        return float(math.isclose(got, want, rel_tol=rel_tol, abs_tol=abs_tol))
-    except Exception:
+        span, marked = answer_span(completion)
+        want = value(prompt.answer)
+        if want is None:  # not one number: no number in it stands for it
+            return float(_squash(span) == _squash(prompt.answer))
+        got = value(span)
+        if got is None:
+            found = numbers_in(span)
+            got = (found[0] if marked else found[-1]) if found else None
+        return float(got is not None and close(got, want, rel_tol, abs_tol))
+    except Exception:  # noqa: BLE001
         return 0.0
+
+
+def _same_number(got: str, want: str) -> bool:
+    if got == want:
+        return True
+    a, b = value(got), value(want)
+    return a is not None and a == b
+
+
+def gsm8k(prompt: TaskPrompt, completion: str, method: str = "strict", format_score: float = 0.0,
+          score: float = 1.0) -> float:
+    found = [s for s in _GSM8K[method].findall(completion) if any(c.isdigit() for c in s)]  # not "." or ","
+    if not found:
+        return 0.0
+    got = found[-1].replace(",", "").replace("$", "")
+    return float(score if _same_number(got, prompt.answer.replace(",", "").strip()) else format_score)
+
+
+def math_boxed(prompt: TaskPrompt, completion: str) -> float:
+    boxed = last_boxed(completion)
+    return float(boxed is not None and equivalent(boxed[2], prompt.answer))
+
+
+def _option(name: str, x, low: float = -math.inf) -> float:
+    """A real-valued option, checked once, at load."""
+    if not is_number(x) or not low <= x < math.inf:
+        raise ValueError(f"task.kwargs.verifier_kwargs.{name}: a number >= {low}, got {x!r}")
+    return float(x)
+
+
+def _numeric_verifier(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> Verifier:
+    return partial(numeric, rel_tol=_option("rel_tol", rel_tol, 0), abs_tol=_option("abs_tol", abs_tol, 0))
+
+
+def _gsm8k_verifier(method: str = "strict", format_score: float = 0.0, score: float = 1.0) -> Verifier:
+    if method not in GSM8K_METHODS:
+        raise ValueError(f"task.kwargs.verifier_kwargs.method: {method!r} is not one of {GSM8K_METHODS} (gsm8k)")
+    return _never_raises(partial(gsm8k, method=method, format_score=_option("format_score", format_score),
+                                 score=_option("score", score)))
 
 
 def reasoning_gym_verifier(dataset_name: str) -> Verifier:
@@ -67,73 +134,47 @@ def reasoning_gym_verifier(dataset_name: str) -> Verifier:
                      "metadata": dict(prompt.meta.get("metadata", prompt.meta))}
             r = float(fn(answer=extract_answer(completion), entry=entry))
             return r if math.isfinite(r) else 0.0
-        except Exception:
+        except Exception:  # noqa: BLE001
             return 0.0
 
     return verify
 
 
-VERIFIERS: dict[str, Callable[[], Verifier]] = {"exact": lambda: exact, "numeric": lambda: numeric}
+# name -> builder: its keyword arguments are the verifier's options (task.kwargs.verifier_kwargs)
+VERIFIERS: dict[str, Callable[..., Verifier]] = {
+    "exact": lambda: exact,
+    "numeric": _numeric_verifier,
+    "gsm8k": _gsm8k_verifier,
+    "math": lambda: _never_raises(math_boxed),
+}
 
 
-def make_verifier(spec: str) -> Verifier:
-    """``"exact"``, ``"numeric"``, ``"reasoning_gym:<dataset>"``, or the user's own function
-    named ``"package.module:fn"`` or ``"path/to/file.py:fn"``, either
-    ``fn(prompt: TaskPrompt, completion: str) -> float`` or verl's
-    ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | {"score": ...}``
-    (recognised by its parameter names; ``data_source`` / ``extra_info`` come from the row's
-    fields of those names). A user function that raises or returns a non-number makes that
-    sample's reward unusable: the trainer skips the sample and logs why (``skipped_samples``)."""
+def is_builtin(spec: str) -> bool:
+    """Whether ``spec`` names a built-in verifier (they compare the answer as text or a number)."""
+    return spec in VERIFIERS or spec.startswith("reasoning_gym:")
+
+
+def make_verifier(spec: str, options: dict | None = None) -> Verifier:
+    """``spec``: a name in ``VERIFIERS``, ``"reasoning_gym:<dataset>"``, or the user's own function
+    ``"package.module:fn"`` / ``"path/to/file.py:fn"`` (``user_verifier.user_verifier``).
+    ``options`` (``task.kwargs.verifier_kwargs``): keyword arguments for it, checked here."""
+    options = dict(options or {})
     if spec.startswith("reasoning_gym:"):
-        return reasoning_gym_verifier(spec.split(":", 1)[1])
+        return _built(lambda: reasoning_gym_verifier(spec.split(":", 1)[1]), spec, options)
     if spec in VERIFIERS:
-        return VERIFIERS[spec]()
+        return _built(VERIFIERS[spec], spec, options)
     if is_plugin(spec):
-        return _user_verifier(load_plugin(spec, "task.kwargs.verifier"), spec)
+        return user_verifier(load_plugin(spec, "task.kwargs.verifier"), spec, options)
     raise ValueError(f"task.kwargs.verifier: {spec!r} is not one of {sorted(VERIFIERS)}, "
                      "'reasoning_gym:<dataset>' or 'package.module:fn' / 'file.py:fn'")
 
 
-VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
-
-
-def _user_verifier(fn, spec: str) -> Verifier:
-    """The user's function as a Verifier, checked against the two signatures at load (a
-    mismatch used to raise on every sample, so every sample was skipped, silently)."""
+def _built(builder: Callable[..., Verifier], spec: str, options: dict) -> Verifier:
+    signature = inspect.signature(builder)
     try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or C function: trust it
-        return lambda prompt, completion: _as_score(fn(prompt, completion))
-    params = sig.parameters
-    if "solution_str" in params:  # verl's names (its own gsm8k/math scorers lack data_source)
-        required = [n for n, p in params.items() if p.default is p.empty
-                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in VERL_ARGS]
-        if required:
-            raise ValueError(f"task.kwargs.verifier: {spec!r} needs {required}, which a verl-style scorer "
-                             f"is not given (it gets {list(VERL_ARGS)})")
-        wanted = [n for n in VERL_ARGS if n in params]
-
-        def verl_style(prompt: TaskPrompt, completion: str) -> float:
-            values = {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
-                      "ground_truth": prompt.answer if prompt.raw_answer is None else prompt.raw_answer,
-                      "extra_info": prompt.meta.get("extra_info")}
-            return _as_score(fn(**{n: values[n] for n in wanted}))
-        return verl_style
-    try:
-        sig.bind(None, "")
+        signature.bind(**options)
     except TypeError:
-        raise ValueError(f"task.kwargs.verifier: {spec!r} takes ({', '.join(params)}); a verifier is "
-                         "fn(prompt, completion) -> float, or verl's compute_score(data_source, solution_str, "
-                         "ground_truth, extra_info=None)") from None
-    return lambda prompt, completion: _as_score(fn(prompt, completion))
-
-
-def _as_score(out) -> float:
-    """A number, or verl's {"score": number, ...}; anything else says what it was."""
-    if isinstance(out, dict):
-        if "score" not in out:
-            raise ValueError(f"the reward returned a dict without 'score' (keys {sorted(map(str, out))})")
-        out = out["score"]
-    if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
-        raise ValueError(f"the reward returned {type(out).__name__} {out!r:.60}, not a number")
-    return float(out)
+        takes = list(signature.parameters)
+        raise ValueError(f"task.kwargs.verifier_kwargs: {sorted(options)} are not options of the verifier "
+                         f"{spec!r} (it takes {takes or 'none'})") from None
+    return builder(**options)

@@ -24,7 +24,7 @@ def build_tokenizer(task: Task, vocab_size: int, prompt_template: str | None = N
     texts = []
     for item in task.prompts("train"):
         texts.append(item.prompt)
-        texts.extend(m["content"] for m in item.messages)  # a system turn is text the policy sees
+        texts.extend(m["content"] for m in item.messages if m.get("content"))  # a system turn: text the policy sees
         texts.append(item.answer)
     return train_bpe(texts, vocab_size=vocab_size, prompt_template=prompt_template)
 

@@ -1,0 +1,124 @@
+"""Data files as the jsonl/parquet tasks read them: encodings, JSON arrays, and the rows refused
+(naming file, line and key) or accepted as transformers and HF datasets would."""
+import json
+
+import pytest
+
+from workers.tasks import make_task
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_null_reference_is_refused_naming_line_and_key(tmp_path):
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}])
+    with pytest.raises(ValueError, match=r"d.jsonl:2: field 'answer' is null: every row needs a reference answer"):
+        make_task("jsonl", files=p).prompts("train")
+    p = write_rows(tmp_path / "v.jsonl", [{"prompt": "a", "reward_model": {"ground_truth": None}}])
+    with pytest.raises(ValueError, match=r"v.jsonl:1: field 'reward_model.ground_truth' is null"):
+        make_task("jsonl", files=p, answer_key="reward_model.ground_truth", verifier="numeric").prompts("train")
+
+
+def test_a_null_reference_in_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow not installed: Parquet datasets are optional")
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]),
+                   tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r"d.parquet:row 1: field 'answer' is null"):
+        make_task("parquet", files=str(tmp_path / "d.parquet")).prompts("train")
+
+
+def test_a_list_reference_needs_the_users_own_verifier(tmp_path):
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": ["2", "two"]}])
+    with pytest.raises(ValueError, match=r"d.jsonl:1: field 'answer' is a list .*the built-in verifiers compare one "
+                                         r"answer, a string or a number"):
+        make_task("jsonl", files=p).prompts("train")
+    f = tmp_path / "r.py"
+    f.write_text("def score(prompt, completion):\n    return float(completion in prompt.raw_answer)\n")
+    t = make_task("jsonl", files=p, verifier=f"{f}:score")
+    assert t.score(t.prompts("train")[0], "two") == 1.0
+
+
+def test_non_utf8_names_line_and_byte(tmp_path):
+    p = tmp_path / "latin.jsonl"
+    p.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:2: not UTF-8 \(byte 0xe9 at column 16, counted in bytes\)"):
+        make_task("jsonl", files=str(p)).prompts("train")
+
+
+def test_a_utf8_bom_is_accepted(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "caf\u00e9", "answer": "1"}\n'.encode())
+    assert make_task("jsonl", files=str(p)).prompts("train")[0].prompt == "caf\u00e9"
+
+
+def test_a_json_array_file_is_read(tmp_path):
+    p = tmp_path / "arr.json"
+    p.write_text(json.dumps([{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"}], indent=2))
+    t = make_task("jsonl", files=str(p), verifier="numeric")
+    assert [(i.prompt, i.answer) for i in t.prompts("train")] == [("1+1?", "2"), ("2+2?", "4")]
+    p.write_text(json.dumps([{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?"}], indent=2))
+    with pytest.raises(ValueError, match=r"arr.json\[1\]: missing field 'answer'"):
+        make_task("jsonl", files=str(p)).prompts("train")
+    p.write_text('[\n  {"prompt": "1+1?", "answer": "2"},\n  {"prompt": }\n]')
+    with pytest.raises(ValueError, match=r"arr.json:3: malformed JSON array \(Expecting value at column 14\)"):
+        make_task("jsonl", files=str(p)).prompts("train")
+    lines = tmp_path / "lines.json"  # JSON Lines under .json still read
+    lines.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b", "answer": "2"}\n')
+    assert len(make_task("jsonl", files=str(lines)).prompts("train")) == 2
+
+
+def test_whitespace_prompts_are_refused_like_empty_ones(tmp_path):
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "   \n", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"d.jsonl:2: field 'prompt' must be a string with some text"):
+        make_task("jsonl", files=p).prompts("train")
+    p = write_rows(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": " "}], "answer": "1"}])
+    with pytest.raises(ValueError, match=r"c.jsonl:1: field 'prompt' must be a string with some text"):
+        make_task("jsonl", files=p).prompts("train")
+
+
+def test_a_tool_call_turn_may_have_null_content(tmp_path):
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
+            {"role": "tool", "content": "sunny"}, {"role": "user", "content": "so?"}]
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "sunny"}])
+    item = make_task("jsonl", files=p).prompts("train")[0]
+    assert item.prompt == "so?" and item.messages[1]["content"] is None and "tool_calls" in item.messages[1]
+    p = write_rows(tmp_path / "u.jsonl", [{"prompt": [{"role": "user", "content": None}], "answer": "1"}])
+    with pytest.raises(ValueError, match=r"u.jsonl:1: prompt\[0\]: content must be a string or a list of text parts "
+                                         r"\(null only in an assistant or tool turn\)"):
+        make_task("jsonl", files=p).prompts("train")
+
+
+def test_a_row_records_its_file_and_line(tmp_path):
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", "source": "web"}])
+    a, b = make_task("jsonl", files=p).prompts("train")
+    assert a.meta["source"] == f"{p}:1" and b.meta["source"] == "web"  # the row's own field is kept
+
+
+def test_a_tool_call_turn_without_content_renders_without_a_chat_template():
+    # transformers accepts an assistant turn with content null (a tool call); with no chat
+    # template the turns' contents are joined, and a null one adds no "None" to the prompt
+    from workers.tokenizer import train_bpe
+
+    tok = train_bpe(["what is 2 + 2 ? call a tool"] * 20, vocab_size=300)
+    msgs = [{"role": "user", "content": "what is 2 + 2 ?"}, {"role": "assistant", "content": None},
+            {"role": "tool", "content": "4"}]
+    text = tok.format_prompt("4", msgs)
+    assert "None" not in text and "what is 2 + 2 ?" in text and "4" in text
+
+
+def test_a_tool_call_turn_without_content_does_not_stop_a_tokenizer_build():
+    # model.init builds the tokenizer from the train prompts' texts, turns included
+    from types import SimpleNamespace
+
+    from workers.trainer.bootstrap import build_tokenizer
+    from workers.types import TaskPrompt
+
+    msgs = ({"role": "user", "content": "what is 2 + 2 ?"}, {"role": "assistant", "content": None})
+    task = SimpleNamespace(prompts=lambda split: [TaskPrompt("what is 2 + 2 ?", "4", "t", messages=msgs)] * 20)
+    assert build_tokenizer(task, 300).encode("what is")

@@ -1,0 +1,213 @@
+"""The built-in verifiers (exact, numeric, gsm8k, math) and the user's reward function: which
+answer a completion gives, how it is compared with the reference, and the options
+(``task.kwargs.verifier_kwargs``) each takes."""
+import asyncio
+import json
+
+import pytest
+
+from workers.tasks import make_task
+from workers.tasks.latex import normalise
+from workers.tasks.scoring import safe_score
+from workers.tasks.verifiers import exact, make_verifier, numeric
+from workers.types import TaskPrompt
+
+
+def item(answer: str, raw=None) -> TaskPrompt:
+    return TaskPrompt("q", answer, "t", raw_answer=raw)
+
+
+@pytest.mark.parametrize("reference, completion", [
+    ("\\frac{1}{2}", "\\boxed{\\frac{3}{2}}"),  # not the denominator
+    ("3/4", "answer=1/4"),
+    ("2:30", "answer=1:30"),  # a ratio or time: its text, not its last number
+    ("(1, 2)", "answer=(5, 2)"),
+    ("x = 5", "answer: y = 5"),
+    ("\\frac{1}{2}", "answer: 1/3"),
+    ("72", "answer: 7. Because 3+4 = 72"),  # the marked number is 7
+])
+def test_numeric_no_longer_matches_a_part_of_the_reference(reference, completion):
+    assert numeric(item(reference), completion) == 0.0
+
+
+@pytest.mark.parametrize("reference, completion", [
+    ("72", "#### 72\nI hope this helps, 3 more"),  # gsm8k's mark, then chatter
+    ("7", "answer: 7. Because 3+4 = 7 and 2 more steps"),
+    ("\\frac{1}{2}", "so \\boxed{\\frac{1}{2}}"),
+    ("\\frac{1}{2}", "answer: 0.5"),
+    ("3/4", "answer=0.75"),
+    ("\\dfrac34", "answer=3/4"),
+    ("1,000", "answer: 1000"),
+    ("1000", "#### 1,000"),
+    ("2:30", "answer= 2:30"),
+    ("(1, 2)", "answer=(1,2)"),
+    ("x = 5", "answer: x=5"),
+    ("42", "so \\boxed{42}. Check: 41"),
+    ("5", "\\boxed{3} was wrong, so answer=5"),  # the last mark wins
+    ("3", "x = 3.0000000001"),  # no mark: the last number
+    ("1000", "<answer>1e3</answer>"),
+])
+def test_numeric_reads_the_marked_answer(reference, completion):
+    assert numeric(item(reference), completion) == 1.0
+
+
+def test_numeric_tolerances_are_options():
+    assert make_verifier("numeric", {"rel_tol": 0.1})(item("100"), "answer=95") == 1.0
+    assert make_verifier("numeric")(item("100"), "answer=95") == 0.0
+    with pytest.raises(ValueError, match=r"task.kwargs.verifier_kwargs.rel_tol: a number >= 0"):
+        make_verifier("numeric", {"rel_tol": -1})
+    with pytest.raises(ValueError, match=r"task.kwargs.verifier_kwargs: \['tolerance'\] are not options of the "
+                                         r"verifier 'numeric' \(it takes \['rel_tol', 'abs_tol'\]\)"):
+        make_verifier("numeric", {"tolerance": 0.1})
+
+
+@pytest.mark.parametrize("completion, strict, flexible", [
+    ("Natalia sold 48/2 = 24 clips in May. 48+24 = 72. #### 72", 1.0, 1.0),
+    ("#### 71\nno, #### 72", 1.0, 1.0),  # the last mark
+    ("48+24 = 72. #### 72\nI hope this helps, 3 more", 1.0, 0.0),  # flexible: the last number
+    ("The answer is 72.", 0.0, 1.0),  # strict needs '#### '
+    ("####72", 0.0, 1.0),
+    ("#### 72.00", 1.0, 1.0),  # compared as numbers too
+    ("#### 73", 0.0, 0.0),
+    ("no number", 0.0, 0.0),
+])
+def test_gsm8k_strict_and_flexible(completion, strict, flexible):
+    assert make_verifier("gsm8k")(item("72"), completion) == strict
+    assert make_verifier("gsm8k", {"method": "flexible"})(item("72"), completion) == flexible
+
+
+def test_gsm8k_commas_scores_and_options():
+    assert make_verifier("gsm8k")(item("1000"), "so #### 1,000") == 1.0
+    assert make_verifier("gsm8k")(item("1,000"), "so #### 1000") == 1.0
+    g = make_verifier("gsm8k", {"format_score": 0.1, "score": 2.0})
+    assert (g(item("72"), "#### 72"), g(item("72"), "#### 7"), g(item("72"), "7")) == (2.0, 0.1, 0.0)
+    with pytest.raises(ValueError, match=r"verifier_kwargs.method: 'lenient' is not one of \('strict', 'flexible'\)"):
+        make_verifier("gsm8k", {"method": "lenient"})
+
+
+@pytest.mark.parametrize("reference, boxed", [
+    ("\\frac{1}{2}", "\\dfrac12"),
+    ("\\frac{1}{2}", "\\tfrac{1}{2}"),
+    ("\\frac{1}{2}", "0.5"),
+    ("0.5", ".5"),
+    ("5", "x = 5"),
+    ("10", "10 \\text{ cm}"),
+    ("\\left( 1, 2 \\right)", "(1,2)"),
+    ("3", "3."),
+    ("3", "$3$"),
+    ("\\sqrt{3}", "\\sqrt3"),
+    ("\\frac{\\sqrt{3}}{2}", "\\dfrac{\\sqrt{3}}{2}"),
+    ("90^\\circ", "90"),
+    ("-\\frac{1}{2}", "-\\!\\frac{1}{2}"),
+])
+def test_math_equivalent_forms(reference, boxed):
+    m = make_verifier("math")
+    assert m(item(reference), f"so the answer is $\\boxed{{{boxed}}}$.") == 1.0
+    assert m(item(reference), f"\\fbox{{{boxed}}}") == 1.0
+
+
+@pytest.mark.parametrize("reference, completion", [
+    ("\\frac{1}{2}", "\\boxed{\\frac{3}{2}}"),
+    ("42", "answer: 42"),  # verl's math rule: no \boxed, no answer
+    ("42", "\\boxed{42} then \\boxed{41}"),  # the last box
+    ("2", "\\boxed{\\frac{4}{2}"),  # its braces do not close
+    ("x+1", "\\boxed{x-1}"),
+])
+def test_math_wrong_or_unboxed(reference, completion):
+    assert make_verifier("math")(item(reference), completion) == 0.0
+
+
+def test_math_boxed_braces_balance_and_normalise():
+    assert make_verifier("math")(item("\\frac{1}{2}"), "\\boxed{\\frac{1}{2}} and more {text}") == 1.0
+    assert normalise("\\left(\\dfrac12, 3\\right).") == "(\\frac{1}{2},3)"
+
+
+def test_numbers_in_the_data_compare_by_value(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "a", "answer": 2.0}, {"prompt": "b", "answer": 72},
+                                                      {"prompt": "c", "answer": True}]) + "\n")
+    t = make_task("jsonl", files=str(data))  # exact
+    a, b, c = t.prompts("train")
+    assert (a.answer, a.raw_answer, b.answer) == ("2.0", 2.0, "72")
+    assert t.score(a, "answer=2") == 1.0 and t.score(b, "answer: 72.0") == 1.0 and t.score(b, "answer: 7") == 0.0
+    assert t.score(c, "answer=True") == 1.0  # not a number: its text
+    assert exact(item("2.0"), "answer=2") == 0.0  # a string reference stays text
+
+
+def test_verl_reward_dict_keeps_score_and_ignores_the_rest(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return {'score': 0.5, 'acc': True, 'pred': solution_str}\n")
+    t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score")
+    assert t.score(t.prompts("train")[0], "x") == 0.5
+
+
+ASYNC_REWARDS = '''
+import asyncio
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    await asyncio.sleep(0)
+    return {"score": float(solution_str == ground_truth)}
+
+async def mine(prompt, completion, bonus=0.0):
+    await asyncio.sleep(0)
+    return float(completion == prompt.answer) + bonus
+'''
+
+
+def test_async_rewards_are_awaited(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": "7"}) + "\n")
+    f = tmp_path / "r.py"
+    f.write_text(ASYNC_REWARDS)
+    for fn in ("compute_score", "mine"):
+        t = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
+        q = t.prompts("train")[0]
+        assert (t.score(q, "7"), t.score(q, "8")) == (1.0, 0.0)
+        assert safe_score(t, q, "7") == (1.0, "")
+
+        async def inside_a_loop():  # a caller that runs an event loop itself
+            return t.score(q, "7")
+        assert asyncio.run(inside_a_loop()) == 1.0
+
+
+def test_verifier_kwargs_reach_the_users_function(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": "7"}) + "\n")
+    f = tmp_path / "r.py"
+    f.write_text(ASYNC_REWARDS + "def verl(solution_str, ground_truth, scale, **kw):\n"
+                 "    return scale * (solution_str == ground_truth) + kw.get('extra', 0)\n")
+    t = make_task("jsonl", files=str(data), verifier=f"{f}:mine", verifier_kwargs={"bonus": 0.25})
+    assert t.score(t.prompts("train")[0], "7") == 1.25
+    t = make_task("jsonl", files=str(data), verifier=f"{f}:verl", verifier_kwargs={"scale": 3, "extra": 1})
+    assert t.score(t.prompts("train")[0], "7") == 4.0
+    with pytest.raises(ValueError, match=r"task.kwargs.verifier_kwargs: '.*r.py:mine' takes no keyword argument "
+                                         r"\['scale'\] \(it takes prompt, completion, bonus\)"):
+        make_task("jsonl", files=str(data), verifier=f"{f}:mine", verifier_kwargs={"scale": 2})
+    with pytest.raises(ValueError, match=r"verifier_kwargs: \['ground_truth'\] are the arguments every call gets"):
+        make_task("jsonl", files=str(data), verifier=f"{f}:verl", verifier_kwargs={"scale": 1, "ground_truth": "x"})
+    with pytest.raises(ValueError, match=r"needs \['scale'\], which a verl-style scorer is not given"):
+        make_task("jsonl", files=str(data), verifier=f"{f}:verl")
+    with pytest.raises(ValueError, match=r"task.kwargs.verifier_kwargs: a mapping"):
+        make_task("jsonl", files=str(data), verifier=f"{f}:mine", verifier_kwargs=[1])
+    with pytest.raises(ValueError, match=r"are not options of the verifier 'reasoning_gym:basic_arithmetic'"):
+        make_task("jsonl", files=str(data), verifier="reasoning_gym:basic_arithmetic", verifier_kwargs={"x": 1})
+
+
+def test_a_verifier_per_data_source_as_the_docs_show(tmp_path):
+    """verl's default reward picks its scorer from data_source; here, a few lines of the user's."""
+    rows = [{"data_source": "openai/gsm8k", "prompt": "a", "reward_model": {"ground_truth": "72"}},
+            {"data_source": "lighteval/MATH", "prompt": "b", "reward_model": {"ground_truth": "\\frac{1}{2}"}}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    f = tmp_path / "by_source.py"
+    f.write_text("from workers.tasks.verifiers import make_verifier\n\n"
+                 "BY_SOURCE = {'openai/gsm8k': make_verifier('gsm8k'), 'lighteval/MATH': make_verifier('math')}\n\n"
+                 "def score(prompt, completion):\n"
+                 "    return BY_SOURCE[prompt.meta['data_source']](prompt, completion)\n")
+    t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:score")
+    gsm, mth = t.prompts("train")
+    assert t.score(gsm, "#### 72") == 1.0 and t.score(gsm, "\\boxed{72}") == 0.0
+    assert t.score(mth, "\\boxed{\\dfrac12}") == 1.0 and t.score(mth, "#### 0.5") == 0.0

@@ -1,0 +1,110 @@
+"""Where a completion's answer is, and the value of a number written as text: shared by the
+built-in verifiers (``workers/tasks/verifiers.py``).
+
+The answer span: within the last ``<answer>...</answer>`` (the last closing tag and the
+opening one nearest before it), else within the whole completion, the text after whichever of
+these marks comes last: a ``\\boxed{...}`` / ``\\fbox{...}`` (its content, braces balanced, as
+verl's ``last_boxed_only_string``), gsm8k's ``####``, ``answer:`` / ``answer=``. With no mark
+the span is all of that text, stripped.
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_OPEN, _CLOSE = "<answer>", "</answer>"
+_MARK = re.compile(r"####|answer\s*[:=]", re.IGNORECASE)
+_BOX = re.compile(r"\\(?:boxed|fbox)")
+
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # 1,234,567 or 1234567
+_DECIMAL = rf"(?:{_DIGITS}(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_SIGNED = rf"[-+]?{_DECIMAL}"
+# one number as it may be written: a decimal, a ratio of two (3/4), a \frac of two (\frac{3}{4}, \frac34)
+_FRAC = rf"\\[dt]?frac\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))"
+_VALUE = re.compile(rf"([-+]?)\s*{_FRAC}|({_SIGNED})(?:\s*/\s*({_SIGNED}))?")
+MAX_EXPONENT = 400  # "1e999999999" is text, not a value worth building
+
+
+def last_boxed(text: str) -> tuple[int, int, str] | None:
+    """(start, end, content) of the last ``\\boxed{...}`` / ``\\fbox{...}``; verl's brace-less
+    ``\\boxed 5`` reads up to a ``$`` or the end. None when there is none, or its braces do not close."""
+    found = list(_BOX.finditer(text))
+    if not found:
+        return None
+    start, rest_at = found[-1].start(), found[-1].end()
+    rest = text[rest_at:]
+    if rest[:1] == "{":
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += (c == "{") - (c == "}")
+            if depth == 0:
+                return start, rest_at + i + 1, rest[1:i]
+        return None
+    if rest[:1].isspace():
+        content = rest.split("$")[0]
+        return start, rest_at + len(content), content.strip()
+    return None
+
+
+def answer_span(completion: str) -> tuple[str, bool]:
+    """(the answer's text, whether a tag or mark delimited it): see the module docstring."""
+    end = completion.rfind(_CLOSE)
+    start = completion.rfind(_OPEN, 0, end) if end >= 0 else -1  # rfind, not a regex: linear on any text
+    tagged = start >= 0
+    text = completion[start + len(_OPEN):end] if tagged else completion
+    boxed, marks = last_boxed(text), list(_MARK.finditer(text))
+    mark = marks[-1] if marks else None
+    if boxed is not None and (mark is None or mark.start() < boxed[1]):
+        return boxed[2].strip(), True
+    if mark is not None:
+        return text[mark.end():].strip(), True
+    return text.strip(), tagged
+
+
+def extract_answer(completion: str) -> str:
+    """The completion's answer text (``answer_span``)."""
+    return answer_span(completion)[0]
+
+
+def _number(text: str) -> Fraction | None:
+    """A decimal (thousands commas allowed) as an exact fraction; None for text that is not one."""
+    text = text.replace(",", "")
+    exponent = re.search(r"[eE]([-+]?\d+)$", text)
+    if exponent and abs(int(exponent.group(1))) > MAX_EXPONENT:
+        return None
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):  # also an int of more than 4300 digits
+        return None
+
+
+def _from_match(m: re.Match) -> Fraction | None:
+    sign, num_braced, num_digit, den_braced, den_digit, plain, over = m.groups()
+    if plain is not None:
+        num, den = _number(plain), _number(over) if over is not None else Fraction(1)
+    else:
+        num, den = _number(num_braced or num_digit), _number(den_braced or den_digit)
+        num = -num if (sign == "-" and num is not None) else num
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def value(text: str) -> Fraction | None:
+    """The exact value of ``text`` when all of it is one number (``72``, ``-1,000.5``, ``1e3``,
+    ``3/4``, ``\\frac{3}{4}``, ``\\dfrac34``; surrounding ``$`` and a final period allowed), else None."""
+    text = text.strip().strip("$").strip()
+    text = text[:-1] if text.endswith(".") and not text.endswith("..") else text
+    m = _VALUE.fullmatch(text)
+    return _from_match(m) if m else None
+
+
+def numbers_in(text: str) -> list[Fraction]:
+    """Every number written in ``text``, in order (the forms ``value`` reads)."""
+    found = (_from_match(m) for m in _VALUE.finditer(text))
+    return [v for v in found if v is not None]
+
+
+def close(got: Fraction, want: Fraction, rel_tol: float = 0.0, abs_tol: float = 0.0) -> bool:
+    """``math.isclose`` on exact values (no overflow for huge numbers)."""
+    return abs(got - want) <= max(Fraction(rel_tol) * max(abs(got), abs(want)), Fraction(abs_tol))

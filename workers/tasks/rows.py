@@ -1,0 +1,80 @@
+"""One data-file row as a ``TaskPrompt``: the prompt (a string, or verl's list of chat messages)
+and the reference answer, each error naming the row (``file:line``) and the key to set."""
+from __future__ import annotations
+
+import numbers
+
+from workers.types import TaskPrompt
+
+NULL_CONTENT_ROLES = ("assistant", "tool")  # a tool-call turn may have no text (transformers passes None on)
+
+
+def _field(row: dict, key: str, where: str, setting: str):
+    """``row[key]``; a dotted key reads nested objects (verl's ``reward_model.ground_truth``)."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{where}: missing field {key!r} (have {sorted(row)}; set task.kwargs.{setting})")
+        value = value[part]
+    return value
+
+
+def _message(m, where: str) -> dict:
+    """A chat message ``{"role": str, "content": str}``; OpenAI-style content parts
+    (``[{"type": "text", "text": ...}]``) are joined; an assistant or tool turn's content may
+    be null (a tool call), and stays so for the chat template."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"{where}: a message must be {{\"role\": str, \"content\": str}}, got {m!r:.80}")
+    content = m.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if content is None and m["role"] in NULL_CONTENT_ROLES:
+        return {**m, "content": None}
+    if not isinstance(content, str):
+        raise ValueError(f"{where}: content must be a string or a list of text parts (null only in an "
+                         f"{' or '.join(NULL_CONTENT_ROLES)} turn), got {content!r:.80}")
+    return {**m, "content": content}
+
+
+def _answer_text(answer, where: str, key: str, text_answers: bool) -> str:
+    """The reference as text: a string as it is, a number as Python writes it (``72``, ``2.0``;
+    the built-in verifiers compare it by value). A null is refused; so is a list or object when
+    the verifier is a built-in one, which compares one answer (the user's own function gets any
+    value as it is: ``raw_answer``, verl's ``ground_truth``)."""
+    if answer is None:
+        raise ValueError(f"{where}: field {key!r} is null: every row needs a reference answer (drop the row, "
+                         "or set task.kwargs.answer_key)")
+    if isinstance(answer, str):
+        return answer
+    if text_answers and not isinstance(answer, (numbers.Real, bool)):
+        raise ValueError(f"{where}: field {key!r} is a {type(answer).__name__} ({answer!r:.60}); the built-in "
+                         "verifiers compare one answer, a string or a number: name your own function as "
+                         "task.kwargs.verifier (it gets the value as it is: prompt.raw_answer, verl's ground_truth)")
+    return str(answer)
+
+
+def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_answers: bool = True) -> TaskPrompt:
+    """One row. The prompt is a string with some non-space text, or a chat (verl's format): a
+    list of ``{"role", "content"}`` messages, seen by the policy through the chat template (its
+    last user turn is ``prompt``). ``meta``: the row's other fields, and ``source`` (``where``)
+    unless the row has a field of that name. ``text_answers``: the verifier compares the answer
+    as text or a number (a built-in one)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    prompt, answer = _field(row, prompt_key, where, "prompt_key"), _field(row, answer_key, where, "answer_key")
+    messages: tuple = ()
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError(f"{where}: field {prompt_key!r} is an empty list of messages")
+        messages = tuple(_message(m, f"{where}: {prompt_key}[{i}]") for i, m in enumerate(prompt))
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = users[-1] if users else messages[-1]["content"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: field {prompt_key!r} must be a string with some text (or a list of chat "
+                         f"messages), got {prompt!r:.40}")
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}  # a dotted key's parent stays
+    meta.setdefault("source", where)  # file:line, for the start check's messages; a row's own "source" wins
+    return TaskPrompt(prompt=prompt, answer=_answer_text(answer, where, answer_key, text_answers),
+                      task=str(row.get("task", row.get("data_source", task))), meta=meta, messages=messages,
+                      raw_answer=answer)
