@@ -1,7 +1,9 @@
 """Prompt stream of the controller: the task's train split, shuffled per epoch, resumable."""
 from __future__ import annotations
 
+import hashlib
 import random
+import sys
 from dataclasses import asdict, dataclass
 
 from workers.types import TaskPrompt
@@ -12,6 +14,18 @@ class StreamState:
     seed: int
     epoch: int = 0
     pos: int = 0
+    # the prompts the position counts in: their number and a digest of their texts, in order
+    # (empty in checkpoints written before they were recorded)
+    items: int = 0
+    digest: str = ""
+
+
+def digest(items: list[TaskPrompt]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for it in items:
+        h.update(it.prompt.encode("utf-8", "surrogatepass") + b"\0" + str(it.answer).encode("utf-8", "surrogatepass")
+                 + b"\1")
+    return h.hexdigest()
 
 
 class PromptStream:
@@ -23,6 +37,14 @@ class PromptStream:
             raise ValueError("task has no train prompts")
         self.items = list(items)
         self.state = StreamState(**state) if state else StreamState(seed)
+        now = digest(self.items)
+        if self.state.digest and self.state.digest != now:
+            print(f"[controller] the train prompts differ from those the checkpoint's position counts in "
+                  f"({self.state.items} then, {len(self.items)} now: an edited data file, or another "
+                  "train.max_prompt_tokens / max_model_len dropping others): its position (epoch "
+                  f"{self.state.epoch}, prompt {self.state.pos}) now falls in another shuffle, so prompts of this "
+                  "epoch may repeat or be skipped", file=sys.stderr, flush=True)
+        self.state.items, self.state.digest = len(self.items), now
         self._order = self._shuffle(self.state.epoch)
 
     def _shuffle(self, epoch: int) -> list[int]:

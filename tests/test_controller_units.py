@@ -29,6 +29,18 @@ def test_prompt_stream_resumes_the_same_sequence():
     assert [x.prompt for x in PromptStream(_items(10), seed=4).next(7)] != first
 
 
+def test_a_resume_over_other_prompts_says_the_position_falls_elsewhere(capsys):
+    state = json.loads(json.dumps(PromptStream(_items(10), seed=3).state_dict()))
+    PromptStream(_items(10), seed=3, state=state)
+    assert capsys.readouterr().err == ""
+    edited = _items(11)  # a row added to the data file
+    PromptStream(edited, seed=3, state=state)
+    assert "the train prompts differ from those the checkpoint's position counts in (10 then, 11 now" \
+        in capsys.readouterr().err
+    old = {k: v for k, v in state.items() if k not in ("items", "digest")}  # a checkpoint from before
+    assert PromptStream(edited, seed=3, state=old).state_dict()["items"] == 11 and capsys.readouterr().err == ""
+
+
 def test_checkpoint_is_atomic_and_found(tmp_path):
     root = tmp_path / "run" / "checkpoints"
 
