@@ -319,8 +319,9 @@ class Session:
         skipped = int(res.metrics.get("skipped_samples", 0))
         if skipped and not res.metrics.get("num_samples", 0):
             raise RunStopped(f"iteration {res.iteration}: all {skipped} samples were skipped, so nothing was "
-                             "trained (a reward that raised or was not a finite number: see the trainer ranks' "
-                             "warnings, e.g. 'the task's score raised ...'; or samples refused as bad input)")
+                             "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
+                             "finite number ('the task's score raised ...'), samples refused as bad input, or "
+                             "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
         c = self.cfg
         if self.policy is not None:
             lens = res.out_lens

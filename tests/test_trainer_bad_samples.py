@@ -171,7 +171,8 @@ def test_bad_sample_is_skipped_counted_and_the_rest_trained(model_dir, base, rol
         assert any(m.startswith(f"sample {victim.sample_id}: the task's score raised ValueError('verifier crashed "
                                 "on this completion'); skipped") for m in msgs), msgs
     else:
-        assert skips == [f"trainer rank 0 skips {reason}"]
+        assert skips == [f"trainer rank 0 skips {reason} (more samples skipped for this reason are counted, "
+                         "not listed)"]
     m = res.metrics
     good_tokens = sum(len(s.output_ids) for s in good)
     assert m["skipped_samples"] == 1 and m["duplicates"] == 0 and m["skipped_microbatches"] == 0
@@ -314,3 +315,15 @@ def test_nonfinite_loss_skips_only_its_microbatch(model_dir, base, rollouts, cap
     assert_same_weights(after, ref_after)
     for k in ("pg_loss", "value_loss", "grad_norm", "critic_grad_norm"):
         assert m[k] == pytest.approx(ref.metrics[k], rel=1e-5, abs=1e-9), k
+
+
+def test_many_samples_skipped_for_one_reason_are_one_line_and_a_count(model_dir, base, rollouts, caplog):
+    # a diverged policy gives every sample non-finite log-probs: 128 warning lines before
+    samples, prompts, groups = rollouts
+    bad = [replace(s, logprobs=torch.full_like(s.logprobs, float("nan"))) for s in samples[:5]]
+    with caplog.at_level(logging.WARNING, "streamrl.trainer"):
+        res, _, _ = run(GRPO, model_dir, ScoreTask(base), prompts, groups, [bad + samples[5:]])
+    msgs = trainer_warnings(caplog)
+    assert len([m for m in msgs if " skips " in m]) == 1
+    assert "trainer rank 0, iteration 0: skipped 5 x non-finite sampler logprobs" in msgs
+    assert res.metrics["skipped_samples"] == 5

@@ -104,6 +104,7 @@ class TrainerWorker:
         self._prompts: dict[int, TaskPrompt] = {}
         self._group_sizes: dict[int, int] = {}
         self._seen: set[int] = set()  # sample ids received this iteration (duplicates dropped)
+        self._skip_kinds: dict[str, int] = {}  # why samples were skipped this iteration: counts
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
         self._trained_any = False
@@ -133,6 +134,7 @@ class TrainerWorker:
         self._prompts = dict(prompts)
         self._group_sizes = dict(group_sizes)
         self._seen = set()
+        self._skip_kinds = {}
         self.buffer.clear()
         self.stats.reset()
 
@@ -189,8 +191,11 @@ class TrainerWorker:
         reason was already logged (a failing reward is logged once per kind, not per sample)."""
         if self.cfg.on_bad_sample == "error":
             raise ValueError(reason)
-        if not logged:
-            log.warning("trainer rank %d skips %s", self.rank, reason)
+        kind = reason.split(": ", 1)[-1]  # "sample 12: empty output" -> "empty output"
+        if not logged and kind not in self._skip_kinds:  # once per kind and iteration, then counted
+            log.warning("trainer rank %d skips %s (more samples skipped for this reason are counted, not "
+                        "listed)", self.rank, reason)
+        self._skip_kinds[kind] = self._skip_kinds.get(kind, 0) + 1
         self.stats.add("skipped_samples", 1.0)
         g = self.buffer.groups.get(s.group_id)
         if self.cfg.grouped and s.group_id in self._group_sizes:
@@ -340,6 +345,10 @@ class TrainerWorker:
         metrics["updates"] = float(applied)
         result = StepResult(version=self._version, metrics=metrics, num_samples=int(metrics["num_samples"]),
                             num_tokens=int(metrics["num_tokens"]))
+        if sum(self._skip_kinds.values()) > len(self._skip_kinds):  # some were counted, not listed
+            log.warning("trainer rank %d, iteration %d: skipped %s", self.rank, self.iteration,
+                        ", ".join(f"{n} x {kind}" for kind, n in self._skip_kinds.items()))
+        self._skip_kinds = {}
         self.buffer.clear()
         self.stats.reset()
         self._trained = []
