@@ -174,6 +174,22 @@ def test_a_truncated_file_is_named(models, saved, tmp_path, damage, msg):
         w.load_checkpoint(str(copy))
 
 
+@pytest.mark.parametrize("damage", ["trainer_state.pt", "model/model.safetensors"])
+def test_bytes_changed_inside_a_file_are_found(models, saved, tmp_path, damage):
+    # a flipped byte in the middle keeps the file's structure: torch.load and safetensors' header
+    # take it without a word (one weight silently differed); the CRC-32 written at save does not
+    small, _, _ = models
+    copy = tmp_path / "trainer"
+    shutil.copytree(saved, copy)
+    data = bytearray((copy / damage).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / damage).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{damage}: unreadable, the checkpoint is damaged \(CRC-32 [0-9a-f]{{8}}, "
+                                         r"written as [0-9a-f]{8}: its bytes changed since the save\)"):
+        tckpt.check(copy, small, "grpo", False)
+    tckpt.check(saved, small, "grpo", False)
+
+
 def test_another_model_or_algorithm_is_named(models, saved):
     small, wide, task = models
     with pytest.raises(ValueError, match=r"another model than this run's model.path .*hidden_size 32 \(this run: 48\)"):

@@ -2,7 +2,7 @@
 
 Layout: ``model/`` (HF format: config.json, model.safetensors, and the source model folder's other
 files: tokenizer, chat template, generation_config.json; ``carried_files``),
-``critic.safetensors`` (when a critic is used), ``trainer_state.pt`` (optimizer, scheduler,
+``critic.safetensors`` (when a critic is used), ``checksums.json`` (every file's CRC-32), ``trainer_state.pt`` (optimizer, scheduler,
 RNG states, weight version, iteration), ``trainer.json`` (algorithm, critic: what ``check``
 reads without loading tensors). The reference model is not saved: it is the ``model_dir`` the
 worker was built from."""
@@ -12,6 +12,7 @@ import json
 import shutil
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 CARRIED_DIRS = ("additional_chat_templates",)  # transformers' named chat templates
 STATE_FILE = "trainer_state.pt"
 META_FILE = "trainer.json"
+SUMS_FILE = "checksums.json"  # each file's CRC-32 at save, checked by check()
 # the ModelConfig fields that decide the tensors' names and shapes
 SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "dim_head", "has_qkv_bias", "has_o_bias", "mlp_bias",
@@ -60,11 +62,22 @@ def save(w: "TrainerWorker", path: str) -> Path:
         torch.save(state, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({"algorithm": w.cfg.algorithm, "critic": w.critic is not None,
                                                  "version": w.version}))
+        (tmp / SUMS_FILE).write_text(json.dumps({str(f.relative_to(tmp)): _crc32(f) for f in sorted(tmp.rglob("*"))
+                                                 if f.is_file()}, indent=0))
         replace_dir(tmp, path)
     except BaseException:  # a full disk, an unwritable folder: no half-written copy left taking space
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _crc32(f: Path) -> str:
+    """CRC-32 of a file's bytes, read in 16 MiB blocks (~2 GB/s: what a flipped byte costs to find)."""
+    crc = 0
+    with open(f, "rb") as fh:
+        while block := fh.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
 def carried_files(model_dir: str | Path) -> list[Path]:
@@ -148,6 +161,16 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool)
         zipfile.ZipFile(path / STATE_FILE).close()
     except (OSError, zipfile.BadZipFile) as e:
         raise damaged(path / STATE_FILE, e) from None
+    # bytes changed inside a file (a disk or copy error): safetensors' header and torch.load
+    # take it without a word; the sums written at save do not (checkpoints before them have none)
+    sums = read_json(path / SUMS_FILE) if (path / SUMS_FILE).exists() else {}
+    for name, want in sums.items():
+        f = path / name
+        if not f.is_file():
+            raise damaged(f, FileNotFoundError("missing"))
+        got = _crc32(f)
+        if got != want:
+            raise damaged(f, ValueError(f"CRC-32 {got}, written as {want}: its bytes changed since the save"))
 
 def load(w: "TrainerWorker", path: str) -> None:
     from safetensors.torch import load_file
