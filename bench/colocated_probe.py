@@ -142,8 +142,13 @@ def run_mode(cfg, mode, a, *args):
 pm.run_mode = run_mode  # pipeline_modes.controller looks it up at call time
 
 
+def parse_args(argv=None):
+    """pipeline_modes' flags (the same workload and ranks), with this probe's description."""
+    return pm.parse_args(argv, description=__doc__.split("\n\n")[0])
+
+
 def main() -> int:
-    a = pm.parse_args()
+    a = parse_args()
     if not a.worker:  # launcher: our own torchrun job, this file on every rank
         import socket
         import subprocess

@@ -36,8 +36,8 @@ TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
 ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None, description: str | None = None):
+    ap = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small run (< 2 minutes)")
     ap.add_argument("--iterations", type=int, default=0, help="measured iterations per mode")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per iteration")
@@ -128,7 +128,7 @@ def run_mode(cfg, mode: str, a, model_dir, tok, task, length_of) -> dict:
     fig.savefig(logdir / f"timeline_{mode}.png", dpi=90)
     return {"mode": mode, "samples_per_s": samples / (t1 - t0), "iteration_s": (t1 - t0) / a.iterations,
             "seconds": t1 - t0, "samples": samples, "tokens": sum(r.num_tokens for r in res), "iterations": a.iterations,
-            "bubble": {w: round(f, 3) for w, f in bubble_fractions(spans, (t0, t1)).items()},
+            "bubble": {w: round(f, 3) for w, f in bubble_fractions(spans, (t0, t1), per_device=True).items()},
             "staleness_max": max(r.staleness_max for r in res),
             "busy_s": {w: round(sum(s.duration for s in spans if s.worker == w and s.stage in ("generate", "train")
                                     and s.start >= t0), 3) for w in sorted({s.worker for s in spans})},

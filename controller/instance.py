@@ -155,7 +155,7 @@ class GenerationInstance:
         with self._staging:
             if self._staged is None or version > self._staged[0]:
                 self._staged = (version, named)
-        self.spans.add("weight_sync", t0, time.time(), version)
+        self.spans.add("weight_stage", t0, time.time(), version)  # the transfer is the "weight_sync" span
         return version
 
     def receive_weights(self, plan) -> int:
@@ -258,7 +258,7 @@ class GenerationInstance:
         """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
         ranker's bootstrap) with the weights held now; outputs come back to the controller,
         not to the trainers."""
-        with self._lock:
+        with self._lock, self.spans.span("eval", self.version):
             out = []
             refused = self.engine.add(requests)
             try:

@@ -1,18 +1,28 @@
-"""TensorBoard logging of the controller: per-iteration scalars, timeline figures, traces.
+"""TensorBoard logging of the controller: per-iteration scalars, evaluations, timeline files.
 
 Scalars per iteration: the trainer's metrics (``train/*``: reward_mean, kl, losses, entropy,
-...), throughput (samples/s, tokens/s), stage times, idle (bubble) fraction per worker,
-staleness, weight-sync time, and delta = generation time - training time (stage balancing).
+...), the batch's lengths (``batch/*``), throughput (samples/s, tokens/s), stage times
+(``time/*``), idle (bubble) fraction per device, staleness, weight-sync time, and delta =
+generation time - training time (stage balancing). docs/controller.md defines each tag.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from controller.timeline import (BATCH_STAGES, Span, bubble_fractions, gantt_figure, iteration_windows,
+from torch.utils.tensorboard import SummaryWriter  # at set-up: imported at the first log, it stalled iteration 1
+
+from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fractions, gantt_figure, iteration_windows,
                                  merge_intervals, pyplot, write_chrome_trace)
 from workers.atomic import write_text
+
+SPANS = "spans.jsonl"  # every span of every attempt, one JSON object a line, appended per iteration
 
 
 def stage_busy(spans: list[Span], stage: str) -> float:
@@ -31,36 +41,52 @@ class Metrics:
     checkpoint) continues in the same folder: when the earlier attempt had logged iterations
     from the first step this one logs, N, on (it crashed after its last checkpoint), those are
     replaced (TensorBoard ``purge_step``; their iterations.jsonl rows are dropped), so no step
-    appears twice. The writer is opened at that first write, when N is known."""
+    appears twice. The writer is opened at that first write, when N is known. The spans of
+    earlier attempts (``spans.jsonl``) stay in the trace, as processes of their own."""
 
     def __init__(self, logdir: str | Path, timeline_every: int = 5):
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = None
         self.timeline_every = timeline_every
-        self.spans: list[Span] = []
+        self.earlier = _load_spans(self.logdir / SPANS)  # earlier attempts' spans
+        self.attempt = max((s.attempt for s in self.earlier), default=-1) + 1
+        self.spans: list[Span] = []  # this attempt's
         self._batch_spans: dict[int, list[Span]] = {}  # iteration -> its batch's spans, until logged
         self._prev_drain: list[Span] = []
+        self._steps: set[int] = set()  # iterations this attempt logged
+        self._tb_once: set[tuple[str, int]] = set()  # (tag group, step) written: one point per step
         self.rewards: list[float] = []
         self.samples = 0
         self.skipped = 0
         self.tokens = 0
         self.seconds = 0.0
+        # timeline files are written on a thread of their own, off the pipeline's critical path
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="timeline")
+        self._want: tuple[int, int] | None = None  # (upto, spans) of the write wanted next
+        self._want_lock, self._write_lock = threading.Lock(), threading.Lock()
+        self._written = 0  # spans in the last timeline files written
         if timeline_every:
-            pyplot()  # imported now (~1-2 s on a loaded machine), not in the middle of iteration
-            # timeline_every - 1, where the controller's wait would stall the pipeline
+            pyplot()  # imported now (~1-2 s on a loaded machine), not while the pipeline runs
 
     def _open(self, first_step: int):
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
             # steps logged again (a restart from an older checkpoint than the last row) are
             # purged; a plain resume (rows end just before first_step) purges nothing, not even
-            # the final Gantt figure logged at step first_step
+            # the final Gantt figure logged at step first_step - 1
             again = _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
             again = _drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
         return self._writer
+
+    def _keep(self, spans: list[Span]) -> None:
+        """This attempt's spans: in memory, and appended to ``spans.jsonl`` at once (so a crash or
+        Ctrl-C leaves every span logged so far)."""
+        for s in spans:
+            s.attempt = self.attempt
+        self.spans += spans
+        if spans:
+            _append_line(self.logdir / SPANS, "\n".join(json.dumps(vars(s)) for s in spans))
 
     def log_iteration(self, res, spans: list[Span]) -> dict[str, float]:
         """Write one iteration's scalars; returns the derived ones (delta, bubbles, rates).
@@ -68,7 +94,8 @@ class Metrics:
         belong to the next iteration (G(i+1) runs during step(i)); they are kept for it."""
         step = res.iteration
         w = self._open(step)
-        self.spans += spans
+        self._keep(spans)
+        self._steps.add(step)
         for s in spans:
             if s.stage in BATCH_STAGES:
                 self._batch_spans.setdefault(s.iteration, []).append(s)
@@ -103,21 +130,22 @@ class Metrics:
             "sgs/redispatched": float(res.redispatched),
             "sgs/instances": float(res.instances),
         }
-        # the iteration's own window (its dispatch .. the end of its step), not the drain's:
-        # a trainer's idle span can start long before (set-up, a pause at the REPL prompt)
+        derived.update({f"batch/{k}": float(v) for k, v in res.batch.items()})
         for k, v in res.ranker_quality.items():  # the estimates against the true lengths
             if v is not None:
                 derived[f"ranker/{k}"] = float(v)
+        # the iteration's own window (its dispatch .. the end of its step), not the drain's:
+        # a trainer's idle span can start long before (set-up, a pause at the REPL prompt)
         window = iteration_windows(it_spans).get(step)
         if window is not None:
-            for worker, frac in bubble_fractions(recent, window).items():
-                derived[f"idle/{worker}"] = frac
+            for device, frac in bubble_fractions(recent, window, per_device=True).items():
+                derived[f"idle/{device}"] = frac
         for k, v in derived.items():
             w.add_scalar(k, v, step)
         row = {k: v for k, v in vars(res).items() if k != "out_lens"}
         _append_line(self.logdir / "iterations.jsonl", json.dumps({**row, **derived}))
-        if self.timeline_every and (step + 1) % self.timeline_every == 0 and self.spans:
-            self.write_timeline(step)
+        if self.timeline_every and (step + 1) % self.timeline_every == 0:
+            self._write_timeline_soon(step + 1)
         w.flush()
         return derived
 
@@ -127,46 +155,133 @@ class Metrics:
             w.add_scalar(k, float(v), step)
         w.flush()
 
-    def log_eval(self, scores: dict[str, float], step: int) -> None:
-        """An evaluation after iteration ``step``: TensorBoard, and a row of ``eval.jsonl``."""
-        self.log_scalars(scores, step)
-        _append_line(self.logdir / "eval.jsonl", json.dumps({"iteration": step, **scores}))
+    def log_eval(self, ev, step: int, repl: bool = False) -> dict:
+        """An evaluation (``program.EvalResult``) after iteration ``step``: an "eval" span of the
+        controller's row, a row of ``eval.jsonl`` (its scores, ``prompts``, ``source``,
+        ``seconds``), and TensorBoard:
+        ``eval/*`` and ``time/eval_s`` (``train.eval_every``), or, for a REPL ``eval``,
+        ``eval_repl/p<N>/*`` and ``time/eval_repl_s`` (one curve per prompt count N, apart from
+        the periodic one). A tag gets one point per step: an evaluation repeated at the same
+        step is in eval.jsonl only. -> what was logged where."""
+        group, timing = (f"eval_repl/p{ev.prompts}/", "time/eval_repl_s") if repl else ("eval/", "time/eval_s")
+        row = {"iteration": step, "source": "repl" if repl else "periodic", "prompts": ev.prompts,
+               "requested": ev.requested, "split": ev.split, "samples_per_prompt": ev.samples,
+               "seconds": round(ev.seconds, 4), **ev.scores}
+        self._open(step)  # first: a resumed run's first write drops the rows it runs again
+        _append_line(self.logdir / "eval.jsonl", json.dumps(row))
+        self._keep([Span(CONTROLLER, "eval", ev.started, ev.started + ev.seconds, step)])
+        if (group, step) in self._tb_once:
+            return {**row, "tensorboard": f"not logged: {group}* has a point at step {step} already"}
+        self._tb_once.add((group, step))
+        self.log_scalars({**{group + k.removeprefix("eval/"): v for k, v in ev.scores.items()},
+                          timing: ev.seconds}, step)
+        return {**row, "tensorboard": f"{group}* at step {step}"}
 
-    def write_timeline(self, step: int, last: int = 400) -> Path:
-        """The Gantt figure of the last ``last`` spans (TensorBoard ``timeline/gantt`` and
-        ``timeline.png``) and the Chrome trace of all spans (``timeline.json``); both files
-        are replaced atomically."""
-        spans = self.spans[-last:]
-        fig = gantt_figure(spans, f"timeline up to iteration {step}")
-        self._open(step).add_figure("timeline/gantt", fig, step, close=False)
-        plt = pyplot()
-        png = self.logdir / "timeline.png"
-        tmp = png.with_name(f".{png.name}.tmp{os.getpid()}")
+    @contextmanager
+    def timed(self, stage: str, step: int):
+        """Around a block of the controller's (``stage``: "save", ...): a span of the controller's
+        row and, when it completes after iteration ``step`` of this attempt, ``time/<stage>_s``
+        at that step. The runner's checkpoint save: ``with metrics.timed("save", next_iteration - 1):``."""
+        t0 = time.time()
+        yield
+        t1 = time.time()
+        self._keep([Span(CONTROLLER, stage, t0, t1, step)])
+        if step in self._steps:
+            self.log_scalars({f"time/{stage}_s": t1 - t0}, step)
+
+    def _write_timeline_soon(self, upto: int) -> None:
+        """``write_timeline(upto)`` on the timeline thread; a write still waiting is replaced."""
+        with self._want_lock:
+            waiting, self._want = self._want is not None, (upto, len(self.spans))
+        if not waiting:
+            self._pool.submit(self._write_wanted)
+
+    def _write_wanted(self) -> None:
+        with self._want_lock:
+            (upto, n), self._want = self._want, None
         try:
-            fig.savefig(tmp, dpi=100, format="png")
-            os.replace(tmp, png)
-        finally:
-            tmp.unlink(missing_ok=True)
-            plt.close(fig)
-        return write_chrome_trace(self.spans, self.logdir / "timeline.json")
+            self._write(upto, n)
+        except Exception as e:  # noqa: BLE001 - a figure is not worth the run
+            print(f"[controller] timeline files up to iteration {upto - 1} not written: {e!r}; the run goes on",
+                  file=sys.stderr, flush=True)
+
+    def write_timeline(self, upto: int) -> Path:
+        """The timeline files of the iterations before ``upto`` (as ``range``): the Gantt figure
+        of this attempt's last 400 spans (``timeline.png``; TensorBoard ``timeline/gantt`` at
+        step ``upto - 1`` when this attempt logged it, once per step) and the Chrome trace of
+        every attempt's spans (``timeline.json``); both files are replaced atomically."""
+        return self._write(upto, len(self.spans))
+
+    def _write(self, upto: int, n: int, last: int = 400) -> Path:
+        with self._write_lock:
+            spans = self.spans[:n]
+            fig = gantt_figure(spans[-last:], f"timeline up to iteration {upto - 1}")
+            step = upto - 1
+            if step in self._steps and ("timeline/gantt", step) not in self._tb_once:
+                self._open(step).add_figure("timeline/gantt", fig, step, close=False)
+                self._open(step).flush()
+                self._tb_once.add(("timeline/gantt", step))
+            png = self.logdir / "timeline.png"
+            tmp = png.with_name(f".{png.name}.tmp{os.getpid()}")
+            try:
+                fig.savefig(tmp, dpi=100, format="png")
+                os.replace(tmp, png)
+            finally:
+                tmp.unlink(missing_ok=True)
+            out = write_chrome_trace(self.earlier + spans, self.logdir / "timeline.json")
+            self._written = n
+            return out
 
     def summary(self) -> dict:
+        """The final JSON's metrics. The whole run (every attempt): ``iterations``,
+        ``reward_first`` / ``reward_last`` (means over its first / last tenth). This attempt
+        (from ``resumed_at``, 0 for a fresh run): ``attempt_iterations``, ``samples_per_s``,
+        ``tokens_per_s`` (over the runner's ``rl_seconds``), ``skipped_samples``."""
         n = len(self.rewards)
         k = max(1, n // 10)
         return {"reward_first": sum(self.rewards[:k]) / k if n else 0.0,
                 "reward_last": sum(self.rewards[-k:]) / k if n else 0.0,
+                "iterations": n, "resumed_at": n - len(self._steps), "attempt_iterations": len(self._steps),
                 "samples_per_s": self.samples / max(self.seconds, 1e-9),
                 "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-                "iterations": n, "skipped_samples": self.skipped}
+                "skipped_samples": self.skipped}
 
     def close(self) -> None:
+        """Finish: wait for a timeline write in progress, write the timeline files once more
+        when spans came since the last write (the end of a run, or a crash or Ctrl-C when the
+        runner calls this on its way out), close TensorBoard. Safe to call twice."""
+        self._pool.shutdown(wait=True)
+        if len(self.spans) > self._written:
+            try:
+                self._write(max(self._steps, default=-1) + 1, len(self.spans))
+            except Exception as e:  # noqa: BLE001 - on the way out: say so, keep the exit's own error
+                print(f"[controller] timeline files not written: {e!r}", file=sys.stderr, flush=True)
         if self._writer is not None:
             self._writer.close()
 
 
+def _load_spans(path: Path) -> list[Span]:
+    """The spans of ``spans.jsonl`` (a torn last line, after a crash, is dropped from the file)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    out, kept = [], []
+    for line in text.splitlines(keepends=True):
+        try:
+            if line.endswith("\n"):
+                out.append(Span(**json.loads(line)))
+                kept.append(line)
+        except (ValueError, TypeError):
+            pass
+    if "".join(kept) != text:
+        write_text(path, "".join(kept))
+    return out
+
+
 def _append_line(path: Path, line: str) -> None:
-    """Append one row with a single write() on an O_APPEND descriptor: a crash leaves the row
-    whole or absent (a torn last line, after a power loss, is dropped at the next resume)."""
+    """Append one row (or several, joined by newlines) with a single write() on an O_APPEND
+    descriptor: a crash leaves the rows whole or absent (a torn last line, after a power loss,
+    is dropped at the next resume)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         data = (line + "\n").encode()

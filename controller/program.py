@@ -44,9 +44,9 @@ class IterationResult:
     metrics: dict[str, float]
     num_samples: int
     num_tokens: int
-    gen_seconds: float
-    train_seconds: float
-    iter_seconds: float
+    gen_seconds: float  # from the batch's dispatch to its last instance report's arrival
+    train_seconds: float  # the controller's wait for the step
+    iter_seconds: float  # from the batch's dispatch to the end of its step
     staleness_max: int
     weight_sync_seconds: float = 0.0
     redispatched: int = 0
@@ -58,10 +58,42 @@ class IterationResult:
     # with a ranker: how its estimates (est_len) ranked this batch's true output lengths
     # (ranker.metrics.ranking_report: recall@10/20/30, kendall_tau, spearman) and their means
     ranker_quality: dict[str, float | None] = field(default_factory=dict)
+    # the batch's lengths in tokens (``Program._batch_stats``: response_len_max/min,
+    # response_clip_ratio, prompt_len_mean/max) and the prompt stream's epoch
+    batch: dict[str, float] = field(default_factory=dict)
     # time since the previous iteration was recorded (the first of a ``run`` call: since that
     # call began): the pipeline's throughput interval. The intervals add up to the run's time;
-    # ``iter_seconds`` (the batch's own start to its step's end) overlap in the async modes.
+    # ``iter_seconds`` (the batch's dispatch to its step's end) overlap in the async modes.
     interval_s: float = 0.0
+
+
+@dataclass
+class EvalResult:
+    """One evaluation (``Program.evaluate``)."""
+
+    scores: dict[str, float]  # eval/<task>, eval/mean, eval/best@k, eval/unscored
+    prompts: int  # test prompts evaluated
+    requested: int  # test prompts asked for (0: all)
+    split: int  # test prompts in the split
+    samples: int  # generations per prompt (train.eval_samples)
+    started: float  # epoch seconds
+    seconds: float
+
+
+class _Completions:
+    """When each of some calls completed, noted by the RPC threads as it happens, so a duration
+    ends where the work ended, however late the controller waits for it."""
+
+    def __init__(self, calls: list):
+        self.t0, self.n, self._ends = time.time(), len(calls), []
+        for c in calls:
+            c.future.add_done_callback(lambda _f: self._ends.append(time.time()))
+
+    def last(self, unwatched: int = 0) -> float:
+        """The last completion, once the calls were waited for; a callback still running, and
+        ``unwatched`` calls waited for too (started during the wait), count as now."""
+        now = time.time()
+        return max(self._ends + [now] * (self.n - len(self._ends) + unwatched), default=now)
 
 
 @dataclass
@@ -71,25 +103,22 @@ class _Batch:
     requests: list[Request]
     started: float
     round: Round | None = None
+    dispatched: float = 0.0
+    arrivals: _Completions | None = None  # of each instance's GenerateReport
     gen_done: float = 0.0
 
 
 class _Push:
-    """A weight push in flight: its calls and when each completed (RPC threads note it), so
-    its duration is the transfer's, however late the controller waits for it."""
+    """A weight push in flight: its calls and when each completed, so its duration is the
+    transfer's, however late the controller waits for it."""
 
     def __init__(self, calls: list):
-        self.calls, self.t0, self._ends = calls, time.time(), []
-        for c in calls:
-            c.future.add_done_callback(lambda _f: self._ends.append(time.time()))
+        self.calls, self.done = calls, _Completions(calls)
 
     def wait(self, program: "Program") -> float:
         """Wait for it (``Program._wait_push``: instances lost meanwhile leave the SGS); -> seconds."""
         program._wait_push(self.calls)
-        if not self.calls:
-            return 0.0
-        ends = self._ends + [time.time()] * (len(self.calls) - len(self._ends))  # callbacks still running
-        return max(ends) - self.t0
+        return self.done.last() - self.done.t0 if self.calls else 0.0
 
 
 class Program:
@@ -148,15 +177,20 @@ class Program:
                          self.mode.max_staleness) for t, (prompts, groups) in zip(self.world.trainers, per)])
 
     def _generate(self, b: _Batch, version: int) -> None:
+        b.dispatched = time.time()
         with self.spans.span("dispatch", b.iteration):
             self._begin(b)
             b.round = self.world.sgs.generate(b.iteration, b.requests, version)
+        b.arrivals = _Completions([call for _, call, _ in b.round.calls])
 
     def _finish_generation(self, b: _Batch) -> None:
+        """Wait for ``b``'s generation. It ended when the last instance's report arrived (in the
+        lag-1 modes the controller waits only after the previous step); the reports of requests
+        re-dispatched during the wait (a lost instance's) arrived during it."""
         if b.round is not None and not b.gen_done:
             with self.spans.span("wait_generate", b.iteration):
                 b.round.wait()
-            b.gen_done = time.time()
+            b.gen_done = b.arrivals.last(unwatched=1 if b.round.redispatched else 0)
 
     def drain_spans(self) -> list:
         """Every worker's spans plus the controller's own."""
@@ -173,7 +207,7 @@ class Program:
         res = IterationResult(b.iteration, version, gen_version, metrics,
                               int(metrics.get("num_samples", sum(r.num_samples for r in reports))),
                               int(metrics.get("num_tokens", sum(r.num_tokens for r in reports))),
-                              b.gen_done - b.started, t1 - t0, t1 - b.started,
+                              b.gen_done - b.dispatched, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
                               len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [],
                               [n for rep in (b.round.reports if b.round else []) for n in rep.lengths])
@@ -182,6 +216,7 @@ class Program:
         # the instances the batch was dispatched to (one added later, while an async step
         # waited, served the next batch)
         res.instances = b.round.instances if b.round else len(self.world.sgs.slots)
+        res.batch = self._batch_stats(b, res.out_lens)
         if self.ranker is not None and b.round is not None:
             res.ranker_quality = self._ranker_quality(b)
         every = self.cfg.ranker.update_every
@@ -192,6 +227,17 @@ class Program:
                 self.ranker.update(list(texts), list(lens))
                 res.ranker_rows, self.ranker_rows = len(texts), []
         return res
+
+    def _batch_stats(self, b: _Batch, out_lens: list[int]) -> dict[str, float]:
+        """The batch's lengths in tokens (verl's response_length/*, prompt_length/*): output
+        max / min, the share of samples cut at ``train.max_tokens`` (verl's clip_ratio), prompt
+        mean / max (with the template, per sample); and the prompt stream's epoch."""
+        cap = self.cfg.train.max_tokens
+        prompts = [len(r.prompt_ids) for r in b.requests]
+        return {"response_len_max": max(out_lens, default=0), "response_len_min": min(out_lens, default=0),
+                "response_clip_ratio": sum(n >= cap for n in out_lens) / max(len(out_lens), 1),
+                "prompt_len_mean": sum(prompts) / max(len(prompts), 1), "prompt_len_max": max(prompts, default=0),
+                "epoch": self._stream_at.get(b.iteration, self.stream.state_dict())["epoch"]}
 
     @staticmethod
     def _ranker_quality(b: _Batch) -> dict[str, float | None]:
@@ -214,7 +260,8 @@ class Program:
 
     def _wait_push(self, calls) -> None:
         """Wait for a weight push; an instance lost meanwhile leaves the SGS (its next prompts
-        go to the others), any other failure stops the run."""
+        go to the others), any other failure stops the run. Its span carries ``self.iteration``:
+        in every mode the next iteration to dispatch, the one that generates with those weights."""
         from controller.rpc import WorkerFailed
 
         t0 = time.time()
@@ -256,6 +303,7 @@ class Program:
                 self._generate(b, self.version)
                 self._finish_generation(b)
                 res = self._step(b, self.version, 0.0)
+                self.iteration += 1  # before the push: its weights are the next iteration's (as lag 1)
                 res.weight_sync_seconds = self._push(res.version).wait(self)
                 self.version = res.version
                 self._record(res, out)
@@ -272,7 +320,7 @@ class Program:
                     self.version = res.version  # staged on the instances once `push` completes
                     self._record(res, out)
                 prev, prev_gen_version = b, gen_version
-            self.iteration += 1
+                self.iteration += 1
         if prev is not None:  # drain
             self._finish_generation(prev)
             if push is not None:
@@ -349,13 +397,16 @@ class Program:
         return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
                 for j in range(len(prompts))]
 
-    def evaluate(self, n: int) -> dict[str, float]:
-        """``train.eval_samples`` generations of each of the first ``n`` test prompts (0: all),
-        at ``train.eval_temperature`` (0: greedy). Scores: ``eval/<task>`` and ``eval/mean``, the
-        mean over every sample (verl's mean@k), and with k > 1 ``eval/best@k``, the mean over
-        prompts of their best sample's score."""
+    def evaluate(self, n: int) -> EvalResult:
+        """``train.eval_samples`` generations of each of the first ``n`` test prompts (0, or more
+        than the split holds: all), at ``train.eval_temperature`` (0: greedy). Scores:
+        ``eval/<task>`` and ``eval/mean``, the mean over every sample (verl's mean@k), and with
+        k > 1 ``eval/best@k``, the mean over prompts of their best sample's score. Its span (on the
+        controller's row) is recorded where it is logged (``Metrics.log_eval``)."""
+        t0 = time.time()
         t = self.cfg.train
-        items = list(self.task.prompts("test"))[:n] if n > 0 else list(self.task.prompts("test"))
+        split = list(self.task.prompts("test"))
+        items = split[:n] if n > 0 else split
         k = t.eval_samples
         reqs = [Request(-1 - (j * k + s), self._prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
                         sampling=self._sampling(t.eval_temperature, t.seed * 7919 + j * k + s))
@@ -378,7 +429,7 @@ class Program:
             acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
         if unscored:
             acc["eval/unscored"] = float(unscored)
-        return acc
+        return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0)
 
     def _eval_score(self, item, completion: str, j: int) -> float:
         """The task's score, NaN (left out, counted) when it fails, as for training samples."""

@@ -5,10 +5,12 @@ Commands (one per line)::
     run K              run K iterations in the current mode (pipeline drained after)
     sgs                generation instances: running / waiting requests, KV blocks, version
     trainer            trainer ranks: version, queued iterations
-    timeline [N]       bubble fraction per worker and stage times over the last N spans (200)
+    timeline [N]       bubble fraction per device and stage seconds over the last N spans (200),
+                       within the iterations' windows
     mode NAME          switch pipeline mode (same placement kind) between iterations
     dispatch NAME [k=v ...]   switch the dispatcher (controller.scheduling names)
-    eval [N]           score N test prompts (32; 0: all), as train.eval_*; logged to eval.jsonl
+    eval [N]           score N test prompts (32; 0: all), as train.eval_*; a row of eval.jsonl,
+                       TensorBoard eval_repl/p<N>/* (once per iteration and N)
     save               write a checkpoint now
     leave RANK         scale in: generation instance RANK stops taking prompts; a process that
                        joined with --join closes its engine and exits (code 0), a torchrun
@@ -17,9 +19,11 @@ Commands (one per line)::
     help | quit
 
 Every command's answer is printed as one line starting with ``>>> `` then JSON, so a
-script (or a test) can drive the console through stdin and read the answers. What is typed
-never stops the run: a bad line or argument is answered ``{"error": ...}``, and so is a
-worker's error in a command that leaves the pipeline alone (``eval``, ``save``, ``sgs``, ...).
+script (or a test) can drive the console through stdin and read the answers; ``help`` prints
+its text as plain lines before its answer, and a terminal (stdin a TTY) gets a ``streamrl> ``
+prompt, which a pipe does not. What is typed never stops the run: a bad line or argument is
+answered ``{"error": ...}``, and so is a worker's error in a command that leaves the pipeline
+alone (``eval``, ``save``, ``sgs``, ...).
 A worker failure during ``run`` is not an answer: it left an iteration half done (registered
 with the trainers, samples in flight), so it ends the session and the run (exit 1), as
 without the REPL.
@@ -30,6 +34,7 @@ import inspect
 import json
 import re
 import shlex
+import textwrap
 
 from controller.rpc import WorkerFailed, wait_all
 from controller.timeline import bubble_fractions, iteration_windows, stage_times
@@ -38,6 +43,7 @@ from controller.timeline import bubble_fractions, iteration_windows, stage_times
 class Repl:
     def __init__(self, session):
         self.s = session
+        self.stdout = None  # the loop's (None: sys.stdout)
         self.commands = {
             "run": self.run, "sgs": self.sgs, "trainer": self.trainer, "timeline": self.timeline,
             "mode": self.mode, "dispatch": self.dispatch, "eval": self.eval, "save": self.save,
@@ -45,8 +51,16 @@ class Repl:
         }
 
     def loop(self, stdin, stdout) -> None:
+        self.stdout = stdout
+        prompt = PROMPT if stdin.isatty() else ""
         print(">>> " + json.dumps({"ready": True, "commands": sorted(self.commands) + ["quit"]}), file=stdout, flush=True)
-        for line in stdin:
+        while True:
+            if prompt:
+                print(prompt, end="", file=stdout, flush=True)
+            line = stdin.readline()
+            if not line:  # EOF (Ctrl-D on a terminal: end the prompt's line)
+                print(end="\n" if prompt else "", file=stdout, flush=True)
+                break
             try:  # a bad line or command must not end the session (nor the run)
                 words = shlex.split(line.strip())
                 if words and words[0] in ("quit", "exit"):
@@ -88,10 +102,11 @@ class Repl:
 
     def timeline(self, last: str = "200") -> dict:
         spans = self.s.metrics.spans[-_count("timeline", last):]
-        # over the iterations' windows: the pauses between `run` commands are nobody's bubble
-        windows = list(iteration_windows(spans).values())
-        return {"spans": len(spans), "bubble": bubble_fractions(spans, windows or None),
-                "stage_s": stage_times(spans)}
+        # over the iterations' windows: the pauses between `run` commands are nobody's bubble,
+        # and no stage's time (a trainer's idle span lasts through them)
+        windows = list(iteration_windows(spans).values()) or None
+        return {"spans": len(spans), "bubble": bubble_fractions(spans, windows, per_device=True),
+                "stage_s": stage_times(spans, windows)}
 
     def mode(self, name: str) -> dict:
         self.s.program.set_mode(name)
@@ -105,9 +120,12 @@ class Repl:
         return {"dispatch": name, "options": opts}
 
     def eval(self, n: str = "32") -> dict:
-        acc = self.s.program.evaluate(0 if n.strip() == "0" else _count("eval", n))  # 0: the whole split
-        self.s.metrics.log_eval(acc, self.s.program.iteration)  # beside the periodic evals
-        return acc
+        want = 0 if n.strip() == "0" else _count("eval", n)  # 0: the whole split
+        ev = self.s.program.evaluate(want)
+        out = self.s.metrics.log_eval(ev, self.s.program.iteration, repl=True)  # apart from the periodic evals
+        if want > ev.split:
+            out["note"] = f"asked for {want} prompts; the test split has {ev.split}: evaluated all of them"
+        return out
 
     def save(self) -> dict:
         return {"checkpoint": str(self.s.save_checkpoint(self.s.program.iteration))}
@@ -147,19 +165,19 @@ class Repl:
                 "instances": len(self.s.world.sgs.slots)}
 
     def help(self) -> dict:
-        return {"help": _COMMANDS}
+        print(_COMMANDS, file=self.stdout, flush=True)  # readable on a terminal; the answer follows
+        return {"help": _USAGES}
 
 
-_COMMANDS = __doc__.split("Commands (one per line)::")[1].split("Every command")[0].strip()  # help's text
+PROMPT = "streamrl> "
+_COMMANDS = textwrap.dedent(__doc__.split("Commands (one per line)::")[1].split("Every command")[0]).strip("\n")
+# each command with its arguments: the text before the description, on the lines that name one
+_USAGES = [re.split(r"\s{2,}", ln)[0] for ln in _COMMANDS.splitlines() if ln and not ln[0].isspace()]
 
 
 def usage(command: str) -> str:
     """The command with its arguments, from the module's command list."""
-    for line in _COMMANDS.splitlines():
-        head = re.split(r"\s{2,}", line.strip())[0]  # the text before the description
-        if head.split(" ")[0] == command:
-            return head
-    return command
+    return next((u for u in _USAGES if u.split(" ")[0] == command), command)
 
 
 def _count(command: str, text: str) -> int:

@@ -1,6 +1,7 @@
 """Checkpoint retention (``train.ckpt_keep``: the run deletes old checkpoints after each save,
 never the one ``latest`` names, the one just written or the one resumed from) and durable
 saves (workers/atomic.py fsyncs what it renames into place, and the folder after the rename)."""
+import contextlib
 import errno
 import json
 import os
@@ -71,7 +72,7 @@ def _session(tmp_path, keep, resumed_from=None):
     s = runner.Session.__new__(runner.Session)
     s.cfg = SimpleNamespace(train=SimpleNamespace(ckpt_keep=keep), ranker=SimpleNamespace(update_every=0))
     s.logdir, s.resumed_from, s.ranker = tmp_path / "run", resumed_from, None
-    s.metrics = SimpleNamespace(rewards=[])
+    s.metrics = SimpleNamespace(rewards=[], timed=lambda name, step: contextlib.nullcontext())
     s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"pos": i}, mode=SimpleNamespace(name="stream"),
                                 ranker_rows=[])
     s.world = SimpleNamespace(trainers=[_Trainer()])

@@ -91,15 +91,35 @@ def test_a_worker_failure_during_run_stops_the_session():
     assert len(answers) == 3 and answers[-1]["fatal"] is True and "worker rank 2" in answers[-1]["error"]
 
 
-def test_help_lists_every_command():
+def test_help_prints_its_text_as_lines_and_answers_the_usages():
+    # was one JSON string with escaped newlines: unreadable on a terminal
     s = _session()
-    help_text = _drive(s, "help\n")[1]["help"]
-    listed = set()
-    for line in help_text.splitlines():
-        listed |= {w.strip() for w in line.split()[0:3] if w.strip() not in ("|", "")} & \
-            (set(Repl(s).commands) | {"quit"})
-    assert listed == set(Repl(s).commands) | {"quit"}
-    assert "timeline [N]" in help_text  # its argument is documented
+    out = io.StringIO()
+    Repl(s).loop(io.StringIO("help\n"), out)
+    lines = out.getvalue().splitlines()
+    answer = json.loads(lines[-1][4:])["help"]
+    text = lines[1:-1]
+    assert text[0].startswith("run K") and any(ln.startswith("timeline [N]") for ln in text)
+    assert not any(ln.startswith(">>> ") or "\\n" in ln for ln in text)
+    listed = {u.split(" ")[0] for u in answer} | {"quit"}
+    assert listed == set(Repl(s).commands) | {"help", "quit"}
+    assert "timeline [N]" in answer and "dispatch NAME [k=v ...]" in answer  # with their arguments
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_gets_a_prompt_and_a_pipe_does_not():
+    out = io.StringIO()
+    Repl(_session()).loop(_Tty("status\n"), out)
+    assert out.getvalue().count("streamrl> ") == 2  # before `status`, and before the EOF
+    assert out.getvalue().endswith("streamrl> \n")
+    piped = io.StringIO()
+    Repl(_session()).loop(io.StringIO("status\n"), piped)
+    assert "streamrl>" not in piped.getvalue()
+    assert all(ln.startswith(">>> ") for ln in piped.getvalue().splitlines())
 
 
 def test_timeline_leaves_out_the_pauses_between_runs():
@@ -114,3 +134,24 @@ def test_timeline_leaves_out_the_pauses_between_runs():
     assert t["bubble"]["gen1"] == pytest.approx(1 - 1.8 / 4.0)  # busy 1.8 s of the iterations' 4 s
     assert t["bubble"]["train2"] == pytest.approx(1 - 2.5 / 4.0)
     assert t["stage_s"]["generate"] == pytest.approx(1.8)
+    assert t["stage_s"]["idle"] == pytest.approx(0.5)  # was 60.5: the pause at the prompt (62.0-62.5 is in)
+
+
+def test_eval_answers_its_prompt_count_and_says_when_n_exceeds_the_split(tmp_path):
+    from controller.metrics import Metrics
+    from controller.program import EvalResult
+
+    s = _session()
+    s.metrics = Metrics(tmp_path, timeline_every=0)
+    s.program.iteration = 8
+    s.program.evaluate = lambda n: EvalResult({"eval/mean": 0.4}, min(n, 16) or 16, n, 16, 1, 100.0, 0.5)
+    a = _drive(s, "eval 4\neval 100\neval 4\neval 0\n")[1:]
+    s.metrics.close()
+    assert [(x["prompts"], x["requested"], x["eval/mean"]) for x in a] == [(4, 4, 0.4), (16, 100, 0.4), (4, 4, 0.4),
+                                                                           (16, 0, 0.4)]
+    assert "note" not in a[0] and a[1]["note"] == "asked for 100 prompts; the test split has 16: evaluated all of them"
+    assert a[0]["tensorboard"] == "eval_repl/p4/* at step 8" and a[2]["tensorboard"].startswith("not logged")
+    assert a[3]["tensorboard"].startswith("not logged")  # 0 (all) is the 16 prompts `eval 100` logged
+    rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["prompts"], r["iteration"]) for r in rows] == [("repl", 4, 8), ("repl", 16, 8),
+                                                                          ("repl", 4, 8), ("repl", 16, 8)]

@@ -70,7 +70,7 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert mode == {"mode": "stream"} and run1["ran"] == 1 and run1["iteration"] == 3
     assert "error" in bad_mode and "colocated" in bad_mode["error"]
     assert disp["dispatch"] == "random"
-    assert "eval/mean" in ev
+    assert "eval/mean" in ev and ev["prompts"] == 4 and ev["source"] == "repl"
     assert "unknown command" in bogus["error"]
     assert bad_quote == {"error": "ValueError: No closing quotation"}  # answered; the session goes on
     assert run_neg == {"error": "ValueError: run: expected a count >= 1, got '-1'"}
@@ -83,8 +83,10 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert [r["gen_version"] for r in rows] == [0, 0, 2]  # async lag 1, then a sync iteration
     assert [r["staleness_max"] for r in rows] == [0, 1, 0]
     assert [r["ranker_rows"] for r in rows] == [0, 16, 0]  # iterations 0-1's samples, after iteration 1
+    assert [r["batch"]["response_len_max"] for r in rows] == [6] * 3 and rows[0]["batch"]["response_clip_ratio"] == 0
     summary = last_json(p.stdout)
     assert summary["iterations"] == 3 and summary["mode"] == "stream"
+    assert summary["resumed_at"] == 0 and summary["attempt_iterations"] == 3
     # both rates over the same time: the iterations' intervals, without the REPL's pauses and evals
     assert summary["rl_seconds"] == pytest.approx(sum(r["interval_s"] for r in rows))
     assert summary["samples_per_s"] * summary["rl_seconds"] == pytest.approx(24)
@@ -100,10 +102,12 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
         assert t in tags["scalars"], t
     assert [e.step for e in ea.Scalars("train/reward_mean")] == [0, 1, 2]
     assert "timeline/gantt" in tags["images"]
-    assert [e.step for e in ea.Scalars("eval/mean")] == [3]  # the REPL's eval, logged at its iteration
+    # the REPL's eval, logged at its iteration, apart from the periodic evals' curve
+    assert [e.step for e in ea.Scalars("eval_repl/p4/mean")] == [3] and "eval/mean" not in tags["scalars"]
+    assert [e.step for e in ea.Scalars("batch/response_clip_ratio")] == [0, 1, 2]
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
     stages = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {"generate", "train", "weight_sync"} <= stages
+    assert {"generate", "train", "weight_sync", "eval"} <= stages
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000003"
 
     # a new run into the same logdir (no --resume) is refused before any work: its rows,
@@ -115,3 +119,16 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert (f"config error: logging.logdir: {tmp_path / 'run'} already holds a run (checkpoints up to "
             f"iter_000003); continue it with --resume {tmp_path / 'run'}") in again.stderr
     assert len(iterations(tmp_path / "run")) == 3  # untouched
+
+    # resumed for one more iteration: the trace keeps the first attempt's spans, and the final
+    # JSON says which fields are this attempt's
+    spans_before = len((tmp_path / "run" / "spans.jsonl").read_text().splitlines())
+    more = torchrun(cfg, extra=["--resume", str(tmp_path / "run"), "--set", "train.iterations=4"])
+    assert more.returncode == 0, more.stderr[-4000:]
+    s = last_json(more.stdout)
+    assert (s["iterations"], s["resumed_at"], s["attempt_iterations"]) == (4, 3, 1)
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+    procs = [e["args"]["name"] for e in trace if e["name"] == "process_name"]
+    assert [p.split(" (")[0] for p in procs] == ["StreamRL attempt 0", "StreamRL attempt 1"], procs
+    assert "iterations 0-2" in procs[0] and "iterations 3-3" in procs[1]
+    assert sum(e["ph"] == "X" and e["pid"] == 0 for e in trace) == spans_before

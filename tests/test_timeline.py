@@ -1,7 +1,7 @@
 """Timeline spans -> bubble fractions, Chrome trace, Gantt figure."""
 import json
 
-from controller.timeline import (Span, SpanRecorder, bubble_fractions, gantt_figure, iteration_windows,
+from controller.timeline import (Span, SpanRecorder, bubble_fractions, devices, gantt_figure, iteration_windows,
                                  merge_intervals, stage_times, to_chrome_trace, write_chrome_trace)
 
 
@@ -84,3 +84,63 @@ def test_idle_spans_do_not_stretch_the_window():
     assert wins == [(0.0, 4.0), (100.0, 102.0)]
     b = bubble_fractions(spans + later, wins)
     assert abs(b["train2"] - (1 - 4.0 / 6.0)) < 1e-9 and abs(b["gen1"] - 0.5) < 1e-9
+
+
+def test_the_train_span_keeps_the_main_lane_when_a_push_overlaps_it():
+    # the trainer sends weights v2 (2.5-3.5) while its next micro-batch (3.0-6.0) starts: the
+    # push started first, and used to take lane 0, moving the train span to "train2 #2"
+    spans = [Span("train2", "train", 1.0, 2.5, 1), Span("train2", "weight_sync", 2.5, 3.5, 2),
+             Span("train2", "train", 3.0, 6.0, 2), Span("train2", "train", 6.0, 7.0, 2)]
+    ev = to_chrome_trace(spans)["traceEvents"]
+    name = {e["tid"]: e["args"]["name"] for e in ev if e["name"] == "thread_name"}
+    lanes = {e["name"] + str(e["args"]["iteration"]) + str(e["ts"]): name[e["tid"]] for e in ev if e["ph"] == "X"}
+    assert [k for k, v in lanes.items() if v == "train2 #2"] == ["weight_sync22500000.0"]
+    assert sum(v == "train2" for v in lanes.values()) == 3
+
+
+def test_chrome_trace_has_epoch_times_attempts_as_processes_and_wall_times():
+    t = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+    spans = [Span("controller", "dispatch", t, t + 0.1, 0), Span("gen1", "generate", t + 0.1, t + 1.0, 0),
+             Span("controller", "dispatch", t + 60, t + 60.1, 1, attempt=1),
+             Span("gen1", "generate", t + 60.1, t + 61.0, 1, attempt=1)]
+    ev = to_chrome_trace(spans)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in ev if e["name"] == "process_name"}
+    assert procs == {0: "StreamRL attempt 0 (iterations 0-0, started 2027-01-15T08:00:00.000+00:00)",
+                     1: "StreamRL attempt 1 (iterations 1-1, started 2027-01-15T08:01:00.000+00:00)"}
+    xs = [e for e in ev if e["ph"] == "X"]
+    assert xs[0]["ts"] == t * 1e6 and xs[-1]["pid"] == 1  # absolute: lines up across attempts and with logs
+    assert xs[1]["args"] == {"iteration": 0, "wall_time": "2027-01-15T08:00:00.100+00:00"}
+    threads = {(e["pid"], e["args"]["name"]) for e in ev if e["name"] == "thread_name"}
+    assert threads == {(0, "controller"), (0, "gen1"), (1, "controller"), (1, "gen1")}
+
+
+def test_stage_times_within_windows():
+    # a trainer's idle span through a 60 s pause between two REPL `run`s: not a stage's time
+    spans = [Span("gen1", "generate", 0.0, 1.0, 0), Span("train2", "idle", 1.0, 62.0, 1),
+             Span("gen1", "generate", 61.0, 62.0, 1)]
+    assert stage_times(spans)["idle"] == 61.0
+    st = stage_times(spans, [(0.0, 2.0), (61.0, 63.0)])
+    assert st == {"generate": 2.0, "idle": 2.0}
+
+
+def test_colocated_ranks_are_one_device():
+    # rank 1 generates (0-4), then trains (4-9), pushes (9-10): busy the whole window. Per
+    # worker that read 60% / 50% idle; per device it is 0%
+    spans = [Span("gen1", "generate", 0.0, 4.0, 0), Span("train1", "idle", 0.0, 4.0, 0),
+             Span("train1", "train", 4.0, 9.0, 0), Span("train1", "weight_sync", 9.0, 10.0, 1),
+             Span("gen2", "generate", 0.0, 2.0, 0), Span("train2", "train", 4.0, 6.0, 0)]
+    assert devices({"gen1", "train1", "gen2", "train2", "trainer"}) == {
+        "gen1": "rank1", "train1": "rank1", "gen2": "rank2", "train2": "rank2", "trainer": "trainer"}
+    assert devices({"gen1", "train2"}) == {"gen1": "gen1", "train2": "train2"}  # disaggregated: the worker
+    per_worker = bubble_fractions(spans, (0.0, 10.0))
+    assert per_worker["gen1"] == 0.6 and per_worker["train1"] == 0.4
+    assert bubble_fractions(spans, (0.0, 10.0), per_device=True) == {"rank1": 0.0, "rank2": 0.6}
+
+
+def test_gantt_legend_sits_below_the_rows():
+    spans = [Span(w, st, 0.0, 10.0, 0) for w in ("controller", "gen1", "train2")
+             for st in ("generate", "train", "idle", "weight_sync", "wait_step")]
+    fig = gantt_figure(spans, "t")
+    fig.canvas.draw()
+    ax, legend = fig.axes[0], fig.legends[0]
+    assert legend.get_window_extent().y1 <= ax.get_window_extent().y0  # not over the top (trainer) row

@@ -103,8 +103,17 @@ def cmd_report(args) -> dict:
     return summary
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` names each flag's default (docs/planner.md lists them in brackets), except
+    where there is none: a required flag, or one left unset."""
+
+    def _get_help_string(self, action):
+        return action.help if action.required or action.default is None else super()._get_help_string(action)
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m controller.planner", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m controller.planner", description=__doc__.splitlines()[0],
+                                 formatter_class=_Help)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{plan,report}")
     helps = {"plan": "each pipeline mode's recommended generation/training split (async modes: Algorithm 1; "
                      "batch/minibatch/stream: their own shortest simulated iteration) with its simulated iteration "
@@ -112,7 +121,8 @@ def main(argv=None) -> None:
              "report": "cluster-scale comparisons for Qwen2.5 7B..72B: the mode's recommended split vs an even split, and "
                        "H20 generation + H800 training vs all-H800 (docs/planner.md)"}
     for name in ("plan", "report"):
-        s = sub.add_parser(name, help=helps[name], description=helps[name])
+        s = sub.add_parser(name, help=helps[name], description=helps[name],
+                           formatter_class=_Help)
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
         s.add_argument("--batch", type=_number(int), default=1024, help="samples per iteration")
         s.add_argument("--iterations", type=_number(int, strict=False, lo=MIN_ITERATIONS,
@@ -122,30 +132,36 @@ def main(argv=None) -> None:
         s.add_argument("--max-len", type=_number(int), default=20000, help="output length cap (tokens)")
         s.add_argument("--len-scale", type=_number(float, hi=MAX_LEN_SCALE), default=1.0,
                        help=f"multiply the trace's lengths (<= {MAX_LEN_SCALE:g})")
-        s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"])
+        s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"], help="trainer.algorithm simulated")
         s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
                        help="PPO's trainer.whiten_advantages (auto: on for ppo, as the trainer and verl): with it "
                             "on, every mode trains after the iteration's last sample")
         s.add_argument("--dispatcher", default="skew_paper", help="controller.scheduling dispatcher name")
         s.add_argument("--seed", type=_number(int, strict=False), default=0, help="workload draw seed (>= 0)")
         if name == "plan":
-            s.add_argument("--cluster", required=True)
+            s.add_argument("--cluster", required=True,
+                           help="planner cluster file (YAML: datacenters with GPU type, count, price and role, "
+                                "links; configs/plan_cluster_*.yaml)")
             s.add_argument("--model", required=True, help=f"file or one of {sorted(MODELS)}")
         else:
             s.add_argument("--models", nargs="+", choices=sorted(MODELS),
-                           default=sorted(MODELS, key=lambda k: MODELS[k].params))
+                           default=sorted(MODELS, key=lambda k: MODELS[k].params), help="models compared")
             s.add_argument("--mode", default="async_stream", choices=[m for m in MODES if m != "colocated"],
                            help="pipeline mode compared (colocated has no cross-datacenter form)")
             s.add_argument("--gpus", type=_number(int, hi=MAX_GPUS), default=128,
                            help="H800 GPUs of the homogeneous cluster")
-            s.add_argument("--h20-gpus", type=_number(int, hi=MAX_GPUS), default=64)
-            s.add_argument("--h800-gpus", type=_number(int, hi=MAX_GPUS), default=64)
+            s.add_argument("--h20-gpus", type=_number(int, hi=MAX_GPUS), default=64,
+                           help="H20 GPUs (generation) of the heterogeneous cluster")
+            s.add_argument("--h800-gpus", type=_number(int, hi=MAX_GPUS), default=64,
+                           help="H800 GPUs (training) of the heterogeneous cluster")
             s.add_argument("--h800-price", type=_number(float, strict=False), default=2.0,
                            help="dollars per GPU-hour (>= 0)")
             s.add_argument("--h20-price", type=_number(float, strict=False), default=0.7,
                            help="dollars per GPU-hour (>= 0)")
-            s.add_argument("--link-gbps", type=_number(float), default=80.0)
-            s.add_argument("--unit", type=_number(int), default=None, help="GPU granularity of both stages (default 8)")
+            s.add_argument("--link-gbps", type=_number(float), default=80.0,
+                           help="the cross-datacenter link (Gbit/s)")
+            s.add_argument("--unit", type=_number(int), default=None,
+                           help="GPU granularity of both stages (unset: the cluster default, 8)")
     args = ap.parse_args(argv)
     try:
         {"plan": cmd_plan, "report": cmd_report}[args.cmd](args)

@@ -1,0 +1,203 @@
+"""Metrics' timeline files, timings, evaluations and summary, on real TensorBoard event files:
+the timeline written off the pipeline's thread, the final figure at the last iteration, the
+trace kept across a resume and after a crash, eval and checkpoint timings, REPL evals apart
+from the periodic curve, idle per device, the final JSON's scopes, the batch's lengths."""
+import json
+import threading
+
+import pytest
+
+import controller.metrics as metrics_mod
+from controller.metrics import Metrics
+from controller.program import EvalResult, IterationResult
+from controller.timeline import Span
+
+
+def _res(i: int, reward: float = 0.5) -> IterationResult:
+    return IterationResult(iteration=i, version=i + 1, gen_version=i, metrics={"reward_mean": reward},
+                           num_samples=8, num_tokens=48, gen_seconds=1.0, train_seconds=1.0,
+                           iter_seconds=2.0, staleness_max=0, interval_s=1.0)
+
+
+def _spans(i: int, t0: float = 0.0) -> list[Span]:
+    t = t0 + 10.0 * i
+    return [Span("controller", "dispatch", t, t + 0.1, i), Span("gen1", "generate", t + 0.1, t + 1.0, i),
+            Span("train2", "train", t + 1.0, t + 2.0, i), Span("controller", "wait_step", t + 1.0, t + 2.0, i)]
+
+
+def _events(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(logdir / "tb"), size_guidance={"images": 0, "scalars": 0})
+    ea.Reload()
+    return ea
+
+
+def _scalars(logdir, tag):
+    return [(e.step, round(e.value, 6)) for e in _events(logdir).Scalars(tag)]
+
+
+def _trace(logdir):
+    return json.loads((logdir / "timeline.json").read_text())["traceEvents"]
+
+
+def test_the_timeline_is_drawn_off_the_pipelines_thread(tmp_path, monkeypatch):
+    # drawn inside log_iteration, the figure stalled the controller (0.9-1.3 s every
+    # timeline_every iterations, a bubble on every worker)
+    drawn_on = []
+    real = metrics_mod.gantt_figure
+
+    def gantt(*a, **k):
+        drawn_on.append(threading.current_thread())
+        return real(*a, **k)
+
+    monkeypatch.setattr(metrics_mod, "gantt_figure", gantt)
+    m = Metrics(tmp_path, timeline_every=2)
+    for i in range(4):
+        m.log_iteration(_res(i), _spans(i))
+    m.close()  # waits for the timeline thread
+    assert drawn_on and all(t is not threading.main_thread() for t in drawn_on)
+    assert [e.step for e in _events(tmp_path).Images("timeline/gantt")][-1] == 3
+    assert len([e for e in _trace(tmp_path) if e["ph"] == "X"]) == 16
+
+
+def test_the_final_figure_is_at_the_last_iteration_once(tmp_path, monkeypatch):
+    # the runner passes the next iteration (as range's end): the figure was logged one step
+    # past the last scalar, titled with it, and twice when timeline_every divides the run
+    titles = []
+    real = metrics_mod.gantt_figure
+    monkeypatch.setattr(metrics_mod, "gantt_figure", lambda spans, title: titles.append(title) or real(spans, title))
+    m = Metrics(tmp_path, timeline_every=3)
+    for i in range(3):
+        m.log_iteration(_res(i), _spans(i))
+    m.write_timeline(3)  # the run's end, after iteration 2
+    m.close()
+    assert [e.step for e in _events(tmp_path).Images("timeline/gantt")] == [2]
+    assert set(titles) == {"timeline up to iteration 2"}
+
+
+def test_a_resumed_run_keeps_the_earlier_attempts_spans(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    for i in range(2):
+        m.log_iteration(_res(i), _spans(i, 1000.0))
+    m.write_timeline(2)
+    m.close()
+    m = Metrics(tmp_path, timeline_every=0)  # --resume from iteration 2
+    m.rewards = [0.5, 0.5]  # the runner restores them from the checkpoint
+    m.log_iteration(_res(2), _spans(2, 5000.0))
+    m.close()
+    xs = [e for e in _trace(tmp_path) if e["ph"] == "X"]
+    assert [(e["pid"], e["args"]["iteration"]) for e in xs if e["name"] == "dispatch"] == [(0, 0), (0, 1), (1, 2)]
+    assert xs[0]["ts"] == 1000.0 * 1e6  # epoch time: the attempts line up
+    procs = [e["args"]["name"] for e in _trace(tmp_path) if e["name"] == "process_name"]
+    assert [p.split(" (")[0] for p in procs] == ["StreamRL attempt 0", "StreamRL attempt 1"]
+    s = m.summary()
+    assert (s["iterations"], s["resumed_at"], s["attempt_iterations"]) == (3, 2, 1)
+
+
+def test_a_crash_leaves_every_span_logged_so_far(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    for i in range(3):
+        m.log_iteration(_res(i), _spans(i))
+    # killed here (os._exit, Ctrl-C): no timeline write, no close
+    with open(tmp_path / "spans.jsonl", "a") as f:
+        f.write('{"worker": "gen1", "stage"')  # torn by the crash
+    rows = [json.loads(ln) for ln in (tmp_path / "spans.jsonl").read_text().splitlines()[:-1]]
+    assert len(rows) == 12 and rows[0] == {"worker": "controller", "stage": "dispatch", "start": 0.0, "end": 0.1,
+                                           "iteration": 0, "attempt": 0}
+    m = Metrics(tmp_path, timeline_every=0)  # the resume reads them back; the torn line goes
+    assert len(m.earlier) == 12 and m.attempt == 1
+    m.log_iteration(_res(3), _spans(3))
+    m.close()
+    assert len([e for e in _trace(tmp_path) if e["ph"] == "X"]) == 16
+    assert len((tmp_path / "spans.jsonl").read_text().splitlines()) == 16
+
+
+def test_close_writes_the_timeline_of_a_run_that_stopped(tmp_path):
+    # the runner's way out of a failure or Ctrl-C: close() writes what the last periodic
+    # write (timeline_every) had not yet
+    m = Metrics(tmp_path, timeline_every=5)
+    for i in range(3):
+        m.log_iteration(_res(i), _spans(i))
+    assert not (tmp_path / "timeline.json").exists()
+    m.close()
+    m.close()  # twice: harmless
+    assert len([e for e in _trace(tmp_path) if e["ph"] == "X"]) == 12
+    assert [e.step for e in _events(tmp_path).Images("timeline/gantt")] == [2]
+
+
+def test_checkpoint_saves_and_evals_get_spans_and_timings(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    m.log_iteration(_res(0), _spans(0))
+    with m.timed("save", 0):
+        pass
+    with m.timed("save", -1):  # a REPL `save` before any iteration: the span only
+        pass
+    m.log_eval(EvalResult({"eval/sum": 0.5, "eval/mean": 0.5}, 32, 32, 40, 1, 100.0, 0.75), 0)
+    m.close()
+    assert [(s.worker, s.stage, s.iteration) for s in m.spans if s.stage == "save"] == [
+        ("controller", "save", 0), ("controller", "save", -1)]
+    assert [s for s, _ in _scalars(tmp_path, "time/save_s")] == [0]
+    assert _scalars(tmp_path, "time/eval_s") == [(0, 0.75)] and _scalars(tmp_path, "eval/mean") == [(0, 0.5)]
+    assert [(s.stage, s.start, s.end) for s in m.spans if s.stage == "eval"] == [("eval", 100.0, 100.75)]
+    assert {"save", "eval"} <= {e["name"] for e in _trace(tmp_path) if e["ph"] == "X"}
+
+
+def test_repl_evals_get_a_curve_per_prompt_count_and_one_point_per_step(tmp_path):
+    # four REPL evals at iteration 8 (32 prompts, all 40, 4, 32 again) put 4 points at step 8
+    # of eval/mean, the 4-prompt one on the 32-prompt curve
+    m = Metrics(tmp_path, timeline_every=0)
+    m.log_eval(EvalResult({"eval/mean": 0.42}, 32, 32, 40, 1, 100.0, 1.0), 7)  # the periodic one
+    answers = [m.log_eval(EvalResult({"eval/mean": v}, n, n, 40, 1, 100.0, 1.0), 8, repl=True)
+               for v, n in ((0.41, 32), (0.40, 40), (0.0, 4), (0.43, 32))]
+    m.close()
+    assert _scalars(tmp_path, "eval/mean") == [(7, 0.42)]
+    assert _scalars(tmp_path, "eval_repl/p32/mean") == [(8, 0.41)]
+    assert _scalars(tmp_path, "eval_repl/p40/mean") == [(8, 0.4)]
+    assert _scalars(tmp_path, "eval_repl/p4/mean") == [(8, 0.0)]
+    assert answers[3]["tensorboard"].startswith("not logged") and answers[0]["tensorboard"] == "eval_repl/p32/* at step 8"
+    rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["source"], r["prompts"], r["eval/mean"]) for r in rows] == [
+        (7, "periodic", 32, 0.42), (8, "repl", 32, 0.41), (8, "repl", 40, 0.4), (8, "repl", 4, 0.0),
+        (8, "repl", 32, 0.43)]
+
+
+def test_colocated_idle_is_per_device(tmp_path):
+    # rank 1 generates, then trains: one busy device, not 50% idle generation + 50% idle trainer
+    m = Metrics(tmp_path, timeline_every=0)
+    spans = [Span("controller", "dispatch", 0.0, 0.1, 0), Span("gen1", "generate", 0.1, 4.0, 0),
+             Span("train1", "idle", 0.1, 4.0, 0), Span("train1", "train", 4.0, 8.0, 0),
+             Span("controller", "wait_step", 4.0, 8.0, 0)]
+    d = m.log_iteration(_res(0), spans)
+    m.close()
+    idle = {k: round(v, 4) for k, v in d.items() if k.startswith("idle/")}
+    assert idle == {"idle/rank1": round(0.1 / 8.0, 4)}
+    assert [t for t in _events(tmp_path).Tags()["scalars"] if t.startswith("idle/")] == ["idle/rank1"]
+
+
+def test_batch_lengths_are_tags_and_row_fields(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    r = _res(0)
+    r.batch = {"response_len_max": 48, "response_len_min": 3, "response_clip_ratio": 0.25,
+               "prompt_len_mean": 12.5, "prompt_len_max": 20, "epoch": 0}
+    m.log_iteration(r, _spans(0))
+    m.close()
+    assert _scalars(tmp_path, "batch/response_clip_ratio") == [(0, 0.25)]
+    assert _scalars(tmp_path, "batch/prompt_len_max") == [(0, 20)]
+    row = json.loads((tmp_path / "iterations.jsonl").read_text())
+    assert row["batch"]["response_len_max"] == 48
+
+
+@pytest.mark.parametrize("first", [0, 10])
+def test_the_summary_names_its_scopes(tmp_path, first):
+    # resumed at 10 (the checkpoint's 10 rewards restored): iterations and rewards cover the
+    # whole run, the rates and counts this attempt; resumed_at says where it began
+    m = Metrics(tmp_path, timeline_every=0)
+    m.rewards = [0.1] * first
+    for i in range(first, first + 2):
+        m.log_iteration(_res(i, 0.9), _spans(i))
+    m.close()
+    s = m.summary()
+    assert (s["iterations"], s["resumed_at"], s["attempt_iterations"]) == (first + 2, first, 2)
+    assert s["reward_first"] == (0.1 if first else 0.9)
+    assert s["samples_per_s"] == 8.0  # this attempt's 16 samples over its 2 s

@@ -1,0 +1,129 @@
+"""The RL loop's own timings and labels (controller/program.py), on the real Program and SGS
+with stand-in instances and a trainer that advance a clock of the test's: generation time is
+generation's own in the async modes, wait_push spans name the same iteration in every mode,
+the batch's lengths, evaluations with their span and prompt count."""
+from types import SimpleNamespace
+
+import pytest
+
+import controller.program as program_mod
+import controller.timeline as timeline_mod
+from controller.instance import GenerateReport
+from controller.program import Program
+from controller.rpc import WorkerHandle
+from controller.scheduling import make_dispatcher
+from controller.sgs import SGS
+from controller.trainer_rank import StepReport
+from runtime_helpers import LocalRRef
+from workers.types import TaskPrompt
+
+GEN_S, STEP_S, PUSH_S, EVAL_S = 1.0, 5.0, 0.25, 2.0
+MAX_TOKENS = 6
+
+
+class Clock:
+    """The program's time.time(): advanced by the stand-ins' work, never by waiting."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def time(self) -> float:
+        return self.t
+
+
+class Instance:
+    def __init__(self, clock):
+        self.clock = clock
+
+    def generate(self, iteration, requests, version, cap, window):
+        self.clock.t += GEN_S
+        lengths = [MAX_TOKENS if r.sample_id % 2 else 3 for r in requests]  # every other sample cut
+        return GenerateReport(1, iteration, [r.sample_id for r in requests], sum(lengths), GEN_S, version, lengths)
+
+    def receive_weights(self, version):
+        self.clock.t += PUSH_S
+        return version
+
+    def evaluate(self, requests):
+        self.clock.t += EVAL_S
+        return [(r.sample_id, [7]) for r in requests]
+
+
+class Trainer:
+    def __init__(self, clock):
+        self.clock, self.version = clock, 0
+
+    def begin_iteration(self, *args):
+        return True
+
+    def step(self, iteration):
+        self.clock.t += STEP_S
+        self.version += 1
+        return StepReport(2, iteration, self.version, {"reward_mean": 0.5, "num_samples": 4.0, "num_tokens": 18.0},
+                          4, 18, 0, 0.0, 0, 0.0, 0.0, STEP_S)
+
+
+def _program(monkeypatch, mode: str, clock: Clock) -> Program:
+    monkeypatch.setattr(program_mod, "time", clock)
+    monkeypatch.setattr(timeline_mod, "time", clock)  # the spans' clock
+    inst = WorkerHandle(1, "generation", LocalRRef(Instance(clock)))
+    sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
+    sgs.add(inst)
+    world = SimpleNamespace(sgs=sgs, trainers=[WorkerHandle(2, "trainer", LocalRRef(Trainer(clock)))],
+                            colocated=False, drain_spans=lambda: [],
+                            push_weights=lambda v: [inst.call("receive_weights", v)])
+    train = SimpleNamespace(seed=0, batch_prompts=2, group_size=2, max_tokens=MAX_TOKENS, min_tokens=0,
+                            temperature=1.0, top_k=-1, top_p=1.0, eval_samples=1, eval_temperature=0.0)
+    cfg = SimpleNamespace(pipeline=SimpleNamespace(mode=mode, minibatch_size=0, stream_window_s=0.02), train=train,
+                          ranker=SimpleNamespace(update_every=0), trainer=SimpleNamespace(max_staleness=1))
+    prompts = {"train": [TaskPrompt(f"{i} + {i} =", str(2 * i), "sum") for i in range(5)],
+               "test": [TaskPrompt(f"{i} + 1 =", str(i + 1), "sum") for i in range(3)]}
+    task = SimpleNamespace(prompts=lambda split: prompts[split], score=lambda item, text: 1.0)
+    tok = SimpleNamespace(encode_prompt=lambda text, messages=(): list(range(len(text))), decode=lambda ids: "x")
+    return Program(cfg, world, tok, task)
+
+
+@pytest.mark.parametrize("mode", ["async_stream", "async_batch", "batch", "stream"])
+def test_generation_time_is_generations_own_in_every_mode(monkeypatch, mode):
+    # async: G(i+1) is dispatched before step(i) and finishes during it, but the controller
+    # waits for it only after the step: the old figure (its wait's end - the batch's draw)
+    # was 1 + 5 = 6 s, the controller's schedule, not generation's
+    res = _program(monkeypatch, mode, Clock()).run(4)
+    assert [r.gen_seconds for r in res] == [GEN_S] * 4
+    assert [r.train_seconds for r in res][1:] == [STEP_S] * 3
+    assert all(r.iter_seconds >= GEN_S + STEP_S for r in res)
+
+
+@pytest.mark.parametrize("mode", ["batch", "async_stream"])
+def test_wait_push_spans_name_the_iteration_that_waits_for_the_weights(monkeypatch, mode):
+    # the docs: wait_push carries the iteration that comes next (the one generating with those
+    # weights); lag-0 modes labelled it with the iteration just trained
+    p = _program(monkeypatch, mode, Clock())
+    p.run(3)
+    spans = p.spans.drain()
+    order = [(s.stage, s.iteration) for s in sorted(spans, key=lambda s: s.start)
+             if s.stage in ("dispatch", "wait_push")]
+    for k, (stage, it) in enumerate(order):
+        if stage == "wait_push":  # the next dispatch's, or after the run the next run's first (3)
+            assert it == next((i for st, i in order[k:] if st == "dispatch"), 3), order
+    assert order[-1] == ("wait_push", 3)
+
+
+def test_batch_lengths(monkeypatch):
+    res = _program(monkeypatch, "batch", Clock()).run(1)[0]
+    prompt_lens = [len(f"{i} + {i} =") for i in range(5)]  # the stream's first two prompts, group of 2
+    assert res.batch["response_len_max"] == MAX_TOKENS and res.batch["response_len_min"] == 3
+    assert res.batch["response_clip_ratio"] == 0.5  # verl's response_length/clip_ratio
+    assert res.batch["prompt_len_max"] <= max(prompt_lens) and res.batch["prompt_len_mean"] > 0
+    assert res.batch["epoch"] == 0
+
+
+def test_evaluate_reports_its_prompts_and_time(monkeypatch):
+    clock = Clock()
+    p = _program(monkeypatch, "batch", clock)
+    p.run(1)
+    t0 = clock.t
+    ev = p.evaluate(2)
+    assert (ev.prompts, ev.requested, ev.split, ev.samples, ev.started, ev.seconds) == (2, 2, 3, 1, t0, EVAL_S)
+    assert ev.scores == {"eval/sum": 1.0, "eval/mean": 1.0}
+    assert p.evaluate(100).prompts == 3  # more than the split: all of it (the REPL says so)
