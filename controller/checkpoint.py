@@ -125,12 +125,11 @@ def previous(ckpt: Path) -> Path | None:
     return older[-1] if older else None
 
 
-def resume_hint(logdir: str | Path, resume: str = "") -> str:
-    """What a stopped run keeps: its last checkpoint and the ``--resume`` that continues it."""
-    from controller.preflight import run_logdir
-
+def resume_hint(run_folder: str | Path, resume: str = "") -> str:
+    """What a stopped run keeps: its last checkpoint (in ``run_folder``, where the run wrote,
+    else the one it resumed from) and the ``--resume`` that continues it."""
     try:
-        found = find(run_logdir(Path(logdir), resume)) or (find(resume) if resume else None)
+        found = find(run_folder) or (find(resume) if resume else None)
     except CheckpointError:  # --resume names a file (refused at start, unless this came first)
         found = None
     return (f"the last checkpoint is {found}: continue with --resume {found}" if found

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -42,12 +43,20 @@ class Terminated(KeyboardInterrupt):
 
 
 def signals_interrupt(*signums: int) -> None:
-    """Raise ``Terminated`` in the main thread on each of ``signums``."""
+    """Raise ``Terminated`` in the main thread on each of ``signums``, once: from then on these
+    and SIGINT are ignored (Slurm signals every process and torchrun forwards it too; a second
+    one must not break the way out the first took)."""
     def handler(signum, frame):
+        for s in (*signums, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
         raise Terminated(signal.Signals(signum).name)
 
     for s in signums:
         signal.signal(s, handler)
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True)  # NaN as "NaN": equal to itself, unlike the float
 
 
 def _differing_keys(a, b, prefix: str = "") -> list[str]:
@@ -56,7 +65,7 @@ def _differing_keys(a, b, prefix: str = "") -> list[str]:
         for k in sorted(set(a) | set(b)):
             out += _differing_keys(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
         return out
-    return [] if a == b else [prefix or "(the whole config)"]
+    return [] if _canonical(a) == _canonical(b) else [prefix or "(the whole config)"]
 
 
 def _store(timeout_s: float):
@@ -76,32 +85,43 @@ def _store(timeout_s: float):
 
 
 def agree_on_config(rank: int, world: int, config: dict | None, error: str, timeout_s: float) -> str | None:
-    """Publish this rank's resolved ``config`` (plain data) or its config ``error`` in
-    torchrun's store. A rank with an error returns it at once; the others wait for every
-    rank's entry and return the first error one reports, or the keys where a rank's config
-    differs from rank 0's; None when all agree."""
+    """Publish this rank's resolved ``config`` (plain data; its digest, and the data itself for
+    naming differences) or its config ``error`` in torchrun's store; rank 0 reads every rank's
+    entry and publishes the verdict the others wait for (O(ranks) reads, not O(ranks^2)).
+    Returns the error every rank reports (a rank's own error, or the keys where a rank's
+    config differs from rank 0's), None when all agree."""
     store = _store(timeout_s if config is not None else 10.0)
     if config is None:
         if store is not None:
             try:
                 store.set(str(rank), json.dumps({"error": error}))
+                if rank == 0:  # the others wait for rank 0's verdict: this is it
+                    store.set("verdict", json.dumps({"error": error}))
             except (RuntimeError, OSError):  # the others will time out on their own; the error is said here
                 pass
         return error
     if store is None:
         return None  # no job's store to agree through (its own errors show at the process group)
-    store.set(str(rank), json.dumps({"config": config}))
-    store.wait([str(r) for r in range(world)])
-    seen = [json.loads(store.get(str(r))) for r in range(world)]
-    for r, s in enumerate(seen):
-        if "error" in s:
-            return f"(rank {r}) {s['error']}"
-    for r, s in enumerate(seen[1:], start=1):
-        keys = _differing_keys(seen[0]["config"], s["config"])
-        if keys:
-            return (f"rank {r} resolved another config than rank 0 (keys {keys[:8]}{' ...' if len(keys) > 8 else ''}): "
-                    "every node must run the same config file and --set overrides")
-    return None
+    text = _canonical(config)
+    store.set(f"{rank}/config", text)
+    store.set(str(rank), json.dumps({"digest": hashlib.sha256(text.encode()).hexdigest()}))
+    if rank == 0:
+        store.wait([str(r) for r in range(world)])
+        verdict = None
+        for r in range(world):
+            seen = json.loads(store.get(str(r)))
+            if "error" in seen:
+                verdict = f"(rank {r}) {seen['error']}"
+                break
+            if seen["digest"] != json.loads(store.get("0"))["digest"]:
+                keys = _differing_keys(config, json.loads(store.get(f"{r}/config")))
+                verdict = (f"rank {r} resolved another config than rank 0 (keys {keys[:8]}"
+                           f"{' ...' if len(keys) > 8 else ''}): every node must run the same config file and --set "
+                           "overrides")
+                break
+        store.set("verdict", json.dumps({"error": verdict}))
+    store.wait(["verdict"])
+    return json.loads(store.get("verdict"))["error"]
 
 
 def print_once_per_node(text: str) -> None:

@@ -38,6 +38,11 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
 
+if "TORCHELASTIC_RUN_ID" in os.environ and "--join" not in sys.argv:  # a torchrun rank: before torch's
+    from controller.lifecycle import die_with_launcher  # seconds-long import, an orphan window
+
+    die_with_launcher()
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
@@ -252,16 +257,19 @@ def main(argv=None) -> int:
     from controller.config import ConfigError, load_config
     from controller.run_record import plain
 
-    lifecycle.die_with_launcher()
+    lifecycle.die_with_launcher()  # (again: main() may be called without the module's start)
     lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
     world = int(os.environ["WORLD_SIZE"])
     cfg, error = None, ""
-    try:  # every rank validates, so a bad config stops all of them before any work
-        cfg = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
-    except ConfigError as e:
-        error = str(e)
-    error = lifecycle.agree_on_config(int(os.environ["RANK"]), world, None if cfg is None else plain(cfg), error,
-                                      cfg.placement.rpc_timeout_s if cfg is not None else 300.0)
+    try:
+        try:  # every rank validates, so a bad config stops all of them before any work
+            cfg = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
+        except ConfigError as e:
+            error = str(e)
+        error = lifecycle.agree_on_config(int(os.environ["RANK"]), world, None if cfg is None else plain(cfg),
+                                          error, cfg.placement.rpc_timeout_s if cfg is not None else 300.0)
+    except KeyboardInterrupt:  # stopped before any work: nothing to say but the exit code
+        os._exit(130)
     if error is not None:
         lifecycle.print_once_per_node(f"config error: {error}")  # one message per node, not per rank
         return 2
@@ -284,8 +292,10 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
     atomically, so the last complete one is intact whatever was running."""
     if os.environ.get("RANK") == "0":
         from controller.checkpoint import resume_hint
+        from controller.preflight import run_logdir
 
-        print(f"[controller] {'stopped by ' + signame if signame else 'interrupted'}; {resume_hint(logdir, resume)}",
+        folder = LOCAL.run_folder or run_logdir(Path(logdir), resume)  # resolved by the session once it began
+        print(f"[controller] {'stopped by ' + signame if signame else 'interrupted'}; {resume_hint(folder, resume)}",
               file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,12 +5,14 @@ controller to create role objects on them with ``rpc.remote`` (``GenerationInsta
 ``TrainerRank``). The controller holds ``WorkerHandle``s (rank, role, RRef) and calls plain
 methods: ``handle.call("generate", ...)`` -> ``rref.rpc_async().generate(...)``.
 
-A call runs as long as its work takes (a generation round, a step over a slow reward): no
-deadline on the call itself, as Ray's calls in verl. What ``placement.rpc_timeout_s`` bounds
+A method call on a role runs as long as its work takes (a generation round, a step over a slow
+reward): no deadline on the call itself, as Ray's calls in verl (creating a role, and the model
+bootstrap, keep ``placement.rpc_timeout_s``; 4x for the bootstrap). What ``placement.rpc_timeout_s`` bounds
 is how long a busy worker may go without answering: while the controller waits on a call it
 sends the worker a heartbeat every ``HEARTBEAT_S`` seconds (``ping``, served by another of
-its RPC threads), and a worker that does not answer one within the timeout is lost. A call
-given an explicit ``timeout`` keeps that deadline instead.
+its RPC threads), and a worker that does not answer one within the timeout is lost. One that
+answers but whose call never ends (a deadlock, an endless reward function) is waited for, said
+on stderr every ``STILL_WAITING_S``. A call given an explicit ``timeout`` keeps that deadline.
 
 A worker's exception comes back with torch's remote traceback; ``wait`` re-raises it as
 ``WorkerFailed`` naming the rank and role. A peer that vanished (process killed, connection
@@ -19,6 +21,7 @@ closed) is told apart from a Python exception raised in the worker (``is_peer_lo
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +32,12 @@ import torch.distributed.rpc as rpc
 
 
 HEARTBEAT_S = 10.0  # how often a waiting controller checks that a busy worker still answers
+STILL_WAITING_S = 300.0  # how often a wait on a call that answers but does not end is said on stderr
+
+
+def _timed_out(msg: str) -> bool:
+    low = msg.lower()
+    return "timeout" in low or "timed out" in low
 
 
 def worker_name(rank: int) -> str:
@@ -40,7 +49,7 @@ class WorkerFailed(RuntimeError):
 
     def __init__(self, rank: int, role: str, method: str, detail: str, lost: bool = False):
         self.rank, self.role, self.method, self.lost = rank, role, method, lost
-        timed_out = lost and ("timeout" in detail.lower() or "timed out" in detail.lower())
+        timed_out = lost and _timed_out(detail.splitlines()[0] if detail else "")
         what = ("did not answer in time (hung, or busy past its deadline)" if timed_out
                 else "was lost (process gone)" if lost else "raised")
         super().__init__(f"worker rank {rank} ({role}) {what} in {method}():\n{detail}")
@@ -104,23 +113,30 @@ class Call:
 
     def _wait_answering(self) -> None:
         """Until the call ends, ping the worker every HEARTBEAT_S; one unanswered within the
-        handle's timeout (or failing: the process is gone) makes it lost."""
+        handle's timeout, or failing (the process is gone), makes it lost. A worker that answers
+        but whose call never ends (a deadlock, a reward function in an endless loop) is waited
+        for, as Ray's calls are, with a line on stderr every ``STILL_WAITING_S``."""
         done = threading.Event()
         self.future.add_done_callback(lambda _: done.set())
         start = time.monotonic()
+        said = 0
         while not done.wait(HEARTBEAT_S):
             try:
                 rpc.rpc_sync(self.handle.name, ping, timeout=self.handle.timeout)
             except Exception as e:  # noqa: BLE001
-                if done.is_set():
+                if done.wait(1.0):
                     return  # it ended meanwhile: its own result or error tells
-                raise WorkerFailed(
-                    self.handle.rank, self.handle.role, self.method,
-                    f"no answer to a heartbeat within placement.rpc_timeout_s = {self.handle.timeout:g} s, "
-                    f"{time.monotonic() - start:.0f} s into the call: {e}", lost=True) from None
-
-    def done(self) -> bool:
-        return self.future.done()
+                waited = time.monotonic() - start
+                why = (f"no answer to a heartbeat within placement.rpc_timeout_s = {self.handle.timeout:g} s"
+                       if _timed_out(str(e)) else "its connection closed")
+                raise WorkerFailed(self.handle.rank, self.handle.role, self.method,
+                                   f"{why}, {waited:.0f} s into the call: {e}", lost=True) from None
+            waited = time.monotonic() - start
+            if waited >= (said + 1) * STILL_WAITING_S:
+                said += 1
+                print(f"[controller] still waiting for worker rank {self.handle.rank} ({self.handle.role}) in "
+                      f"{self.method}(): {waited / 60:.0f} min; it answers its heartbeat, so it is alive but its "
+                      "work has not ended (a long round, or stuck: see its own output)", file=sys.stderr, flush=True)
 
 
 def wait_all(calls: list[Call]) -> list[Any]:
@@ -178,6 +194,7 @@ class Local:
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0
     exit_reason: str = ""  # said on a joiner's own terminal when it was told to leave (runner.leave_job)
+    run_folder: str = ""  # the controller's run folder once resolved (a forked --resume writes elsewhere)
     quiet_exit: bool = True  # leave RPC in lock-step with the other static ranks (controller.main)
     roles: dict = field(default_factory=dict)  # "trainer" / "generation" -> object
     groups: dict = field(default_factory=dict)  # tuple(ranks) -> ProcessGroup

@@ -5,6 +5,7 @@ as verl's Hydra writes ``.hydra/config.yaml``. Written atomically before any wor
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ def save_run_config(logdir: Path, cfg, args) -> Path:
         while (logdir / f"config.resume{n}.yaml").exists():
             n += 1
         name = f"config.resume{n}.yaml"
-    record = {"command": " ".join(sys.argv), "config_file": args.config, "overrides": list(args.set),
+    record = {"command": shlex.join(sys.argv), "config_file": args.config, "overrides": list(args.set),
               "resume": args.resume or None, "config": plain(cfg)}
     return write_text(logdir / name, "# how this attempt was started (controller/run_record.py)\n"
                       + yaml.safe_dump(record, sort_keys=False))

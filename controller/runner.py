@@ -74,6 +74,7 @@ class Session:
         self.cfg, self.args = cfg, args
         self.logdir = resumed_logdir(Path(cfg.logging.logdir), args.resume) if args.resume else \
             Path(cfg.logging.logdir)
+        LOCAL.run_folder = str(self.logdir)
         self.static_ranks = set(range(1, world_size))
         self.joined: list[int] = []
         self.waiting: list[int] = []
@@ -342,7 +343,8 @@ class Session:
                                              f"{res.metrics.get('reward_mean', 0):.3f}")
         if c.logging.progress and (self.progress is None or not self.progress.console.is_terminal):
             # a log file, a pipe or the REPL: rich draws its bar only at the end there
-            print(f"[controller] iteration {res.iteration + 1}/{c.train.iterations} ({self.program.mode.name}): "
+            of = f"/{c.train.iterations}" if res.iteration < c.train.iterations else ""  # a REPL `run` may go on
+            print(f"[controller] iteration {res.iteration + 1}{of} ({self.program.mode.name}): "
                   f"reward {res.metrics.get('reward_mean', 0):.3f}, {int(res.metrics.get('num_samples', 0))} "
                   f"samples, {derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
@@ -354,8 +356,9 @@ class Session:
         trainer0 = self.world.trainers[0]
         root = self.logdir / "checkpoints"
         try:
-            saved = ckpt.save(root, state, lambda folder: trainer0.call("save_checkpoint", folder).wait(),
-                              self.ranker if self.cfg.ranker.update_every else None)
+            with self.metrics.timed("save", next_iteration - 1):
+                saved = ckpt.save(root, state, lambda folder: trainer0.call("save_checkpoint", folder).wait(),
+                                  self.ranker if self.cfg.ranker.update_every else None)
         except (OSError, ValueError, WorkerFailed) as e:  # a full disk, an unwritable folder (here or on the trainer)
             if isinstance(e, WorkerFailed) and e.lost:
                 raise
@@ -497,6 +500,12 @@ def run_controller(cfg, args, world_size: int) -> int:
     except Exception:  # noqa: BLE001 - the controller itself failed
         print(f"[controller] run stopped by a controller error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = 1
+    finally:  # also on Ctrl-C / SIGTERM, which pass through: the timeline of every span logged
+        if session is not None:
+            try:
+                session.metrics.close()
+            except OSError as e:  # the run folder went bad (full, read-only): said once already
+                print(f"[controller] closing the logs: {e}", file=sys.stderr, flush=True)
     if code == 1 and session is not None:
         print(f"[controller] {ckpt.resume_hint(session.logdir, args.resume)}", file=sys.stderr, flush=True)
     waiting = list(session.waiting) if session else []

@@ -66,6 +66,10 @@ def test_latest_naming_a_missing_checkpoint_says_which_it_takes(tmp_path, capsys
     assert ckpt.previous(six) == tmp_path / "checkpoints" / "iter_000003" and ckpt.previous(tmp_path / "x") is None
     assert ckpt.resume_hint(tmp_path) == f"the last checkpoint is {six}: continue with --resume {six}"
     assert ckpt.resume_hint(tmp_path / "empty") == "no checkpoint was written yet (train.ckpt_every)"
+    # a resume that forked into another folder names that folder's newest, not the one it came from
+    forked = _checkpoint(tmp_path / "b", 8)
+    assert ckpt.resume_hint(tmp_path / "b", str(six)) == f"the last checkpoint is {forked}: continue with --resume {forked}"
+    assert ckpt.resume_hint(tmp_path / "c", str(six)).startswith(f"the last checkpoint is {six}")  # nothing new yet
 
 
 def test_ranks_no_role_would_use_are_refused():
@@ -83,14 +87,22 @@ def test_configs_that_differ_are_named_by_key():
     assert lifecycle._differing_keys(a, a) == []
 
 
-def test_sigterm_is_taken_as_an_interrupt_naming_the_signal():
-    lifecycle.signals_interrupt(signal.SIGTERM)
+def test_sigterm_is_taken_as_an_interrupt_naming_the_signal_and_a_second_one_waits():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
     try:
         with pytest.raises(lifecycle.Terminated, match="SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises in this (the main) thread first
+        # Slurm signals every process and torchrun forwards it too: the second must not break
+        # the way out the first took (it is ignored from then on)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.1)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def test_a_rank_dies_with_its_launcher(tmp_path):

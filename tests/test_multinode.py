@@ -87,8 +87,12 @@ def _two_agents(tmp_path, cfgs):
                       "--node-rank", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                       "--rdzv-id", "streamrl-cfg", "controller/main.py", "--config", str(cfg)])
               for n, cfg in enumerate(cfgs)]
-    try:
-        return [(a.wait(timeout=240), a.communicate()[1]) for a in agents]
+    try:  # both read at once: an agent blocked on a full pipe must not stall the other
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            errs = list(pool.map(lambda a: a.communicate(timeout=240)[1], agents))
+        return [(a.returncode, err) for a, err in zip(agents, errs)]
     finally:
         for a in agents:
             if a.poll() is None:

@@ -1,10 +1,12 @@
 """A worker's call may run longer than ``placement.rpc_timeout_s`` as long as the worker keeps
 answering heartbeats (a slow reward function, a long generation round); a worker that dies in
 the middle of a call is reported lost.
-Real torch RPC across three processes: rank 0 plays the controller."""
+Real torch RPC across four processes: rank 0 plays the controller; a frozen (SIGSTOPped) worker is
+one only the heartbeat can find."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -60,8 +62,20 @@ def _scenario(rank: int, world: int, rpc_port: int):
             doomed.call("die", 0.5).wait()
         except crpc.WorkerFailed as e:
             out["died"] = (e.lost, e.rank)
-        rpc.rpc_async("worker1", release)  # not waited: rank 1 leaves before it could answer
-    elif rank == 1:
+        # alive but answering nothing (SIGSTOPped: its connections stay open, so the call's own
+        # future never fails): only the heartbeat can tell
+        frozen = crpc.create(3, "generation", Busy, timeout=TIMEOUT_S)
+        pid = rpc.rpc_sync("worker3", crpc.ping)
+        call = frozen.call("work", 60.0)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            call.wait()
+        except crpc.WorkerFailed as e:
+            out["frozen"] = (e.lost, e.rank, str(e).splitlines()[0])
+        os.kill(pid, signal.SIGCONT)
+        for r in (1, 3):
+            rpc.rpc_async(f"worker{r}", release)  # not waited: the rank leaves before it could answer
+    elif rank in (1, 3):
         _RELEASED.wait(120)
     else:
         time.sleep(120)  # dies in die() long before; never gets further
@@ -71,7 +85,7 @@ def _scenario(rank: int, world: int, rpc_port: int):
 
 @pytest.fixture(scope="module")
 def result():
-    return run_local(3, _scenario, free_port(), missing_ok=True)[0]
+    return run_local(4, _scenario, free_port(), missing_ok=True)[0]
 
 
 def test_a_call_longer_than_the_timeout_completes_while_the_worker_answers(result):
@@ -89,5 +103,10 @@ def test_an_exception_in_the_worker_is_raised_not_lost(result):
 
 
 def test_a_worker_dying_mid_call_is_lost(result):
-    # without a deadline on the call, only the heartbeat (or the closed connection) can tell
     assert result["died"] == (True, 2)
+
+
+def test_a_frozen_worker_is_lost_by_its_heartbeat(result):
+    lost, rank, line = result["frozen"]
+    assert lost and rank == 3
+    assert line == "worker rank 3 (generation) did not answer in time (hung, or busy past its deadline) in work():"

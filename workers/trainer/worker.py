@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import math
+import re
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -191,7 +192,7 @@ class TrainerWorker:
         reason was already logged (a failing reward is logged once per kind, not per sample)."""
         if self.cfg.on_bad_sample == "error":
             raise ValueError(reason)
-        kind = reason.split(": ", 1)[-1]  # "sample 12: empty output" -> "empty output"
+        kind = re.sub(r"\d+", "N", reason.split(": ", 1)[-1])  # "sample 12: 9 + 60 tokens ..." -> "N + N tokens ..."
         if not logged and kind not in self._skip_kinds:  # once per kind and iteration, then counted
             log.warning("trainer rank %d skips %s (more samples skipped for this reason are counted, not "
                         "listed)", self.rank, reason)
