@@ -12,6 +12,7 @@ a kept prompt mid-iteration.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -127,3 +128,41 @@ class FittingTask:
         if name == "task":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.task, name)
+
+
+def check_task(task, train, task_name: str, context: int, encode: Callable[[TaskPrompt], Sequence[int]],
+               vocab_size: int = 0) -> tuple[FittingTask, ContextNeed]:
+    """The run's start check: ``task``'s train split (and test split, when ``train.eval_every``
+    evaluates; a REPL ``eval`` of a run without it reads it then) against the engines' smallest
+    ``context``, under ``train``'s ``overlong_prompts`` / ``max_prompt_tokens``. Returns the task
+    seen through the kept prompts and what a joining instance must hold; an over-long prompt
+    (``error``), a split left empty, the task's data (a file, a line, a field) raise
+    ``ConfigError`` naming it; a context that cuts the longest kept prompt's answers is said."""
+    from controller.config_types import ConfigError
+
+    need = ContextNeed(context, train.max_tokens)
+    kept = {}
+    for split in ("train", "test") if train.eval_every else ("train",):
+        try:
+            kept[split], dropped = fitting_prompts(task.prompts(split), encode, context, split, train.overlong_prompts,
+                                                   train.max_prompt_tokens, need, vocab_size)
+        except PromptTooLong as e:
+            raise ConfigError(str(e)) from None
+        except (ValueError, OSError, ImportError) as e:
+            raise ConfigError(f"task ({task_name}) {split} prompts: {e}") from None
+        if dropped:
+            print(f"[controller] train.overlong_prompts skip: dropped {len(dropped)} of "
+                  f"{len(dropped) + len(kept[split])} {split} prompts longer than train.max_prompt_tokens "
+                  f"or with no room for an output token in max_model_len {context} "
+                  f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})", file=sys.stderr, flush=True)
+        if not kept[split]:
+            raise ConfigError(f"train.overlong_prompts skip: every {split} prompt is over-long (longer than "
+                              f"train.max_prompt_tokens, or no room for an output token in the engines' "
+                              f"context of {context} tokens)" + (": train.eval_every would evaluate nothing"
+                                                                 if split == "test" else ""))
+    if need.longest + need.max_tokens > context:  # vLLM refuses to start here; verl asks prompt + response
+        print(f"[controller] the engines' context (max_model_len) is {context} tokens: the longest kept prompt, "
+              f"{need.where}, is {need.longest}, so its answers stop at {context - need.longest} of "
+              f"train.max_tokens {need.max_tokens} (finish reason length); raise engine.kv_cache_tokens / "
+              "engine.max_model_len, or lower train.max_prompt_tokens", file=sys.stderr, flush=True)
+    return FittingTask(task, kept), need

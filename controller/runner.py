@@ -139,45 +139,16 @@ class Session:
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _fitting_task(self, task):
-        """The task with its prompts checked against the engines' context (prompt_check.py):
-        an over-long prompt stops the run here, naming it, or is dropped (``skip``)."""
-        from controller.prompt_check import ContextNeed, FittingTask, PromptTooLong, fitting_prompts
+        """The task with its prompts checked against the engines' smallest context
+        (``prompt_check.check_task``); the SGS keeps what a joiner must hold."""
+        from controller.prompt_check import check_task
         from controller.rpc import wait_all
 
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
-        context = min(st["max_model_len"] for st in stats)
-        need = ContextNeed(context, self.cfg.train.max_tokens)  # what a joiner must hold (SGS.add)
-        encode = lambda item: self.tok.encode_prompt(item.prompt, item.messages)  # noqa: E731
-        kept = {}
-        # the test split is read (and checked) here when the run evaluates; a REPL ``eval`` of a
-        # run without eval_every reads it then
-        for split in ("train", "test") if self.cfg.train.eval_every else ("train",):
-            try:
-                kept[split], dropped = fitting_prompts(task.prompts(split), encode, context, split,
-                                                       self.cfg.train.overlong_prompts,
-                                                       self.cfg.train.max_prompt_tokens, need, self.vocab_size)
-            except PromptTooLong as e:
-                raise ConfigError(str(e)) from None
-            except (ValueError, OSError, ImportError) as e:  # the task's data: a file, a line, a field
-                raise ConfigError(f"task ({self.cfg.task.name}) {split} prompts: {e}") from None
-            if dropped:
-                print(f"[controller] train.overlong_prompts skip: dropped {len(dropped)} of "
-                      f"{len(dropped) + len(kept[split])} {split} prompts longer than train.max_prompt_tokens "
-                      f"or with no room for an output token in max_model_len {context} "
-                      f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})",
-                      file=sys.stderr, flush=True)
-            if not kept[split]:
-                raise ConfigError(f"train.overlong_prompts skip: every {split} prompt is over-long (longer than "
-                                  f"train.max_prompt_tokens, or no room for an output token in the engines' "
-                                  f"context of {context} tokens)" + (": train.eval_every would evaluate nothing"
-                                                                     if split == "test" else ""))
-        if need.longest + need.max_tokens > context:  # vLLM refuses to start here; verl asks prompt + response
-            print(f"[controller] the engines' context (max_model_len) is {context} tokens: the longest kept prompt, "
-                  f"{need.where}, is {need.longest}, so its answers stop at {context - need.longest} of "
-                  f"train.max_tokens {need.max_tokens} (finish reason length); raise engine.kv_cache_tokens / "
-                  "engine.max_model_len, or lower train.max_prompt_tokens", file=sys.stderr, flush=True)
-        self.world.sgs.need = need
-        return FittingTask(task, kept)
+        fitting, self.world.sgs.need = check_task(
+            task, self.cfg.train, self.cfg.task.name, min(st["max_model_len"] for st in stats),
+            lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
+        return fitting
 
     def _check_ranker_path(self):
         """The ranker saved at ``ranker.path`` (loaded, so a damaged or incompatible folder is one

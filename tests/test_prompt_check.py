@@ -129,38 +129,25 @@ def test_the_error_names_every_limit_the_prompt_passes_and_its_source_line():
         fitting_prompts(items, encode, 10, "train", "error", max_prompt_tokens=8)
 
 
-def _start_check(eval_every: int, policy: str, context: int):
-    """A Session with only what its start check (``_fitting_task``) reads; the engines' stats
-    (their ``max_model_len``) stubbed, the tokenizer a word counter."""
+def _start_check(eval_every: int, policy: str, context: int, splits: dict):
+    """``check_task`` as the runner calls it; the tokenizer a word counter."""
     from types import SimpleNamespace
 
-    from controller import runner
+    from controller.prompt_check import check_task
 
-    s = runner.Session.__new__(runner.Session)
-    s.cfg = SimpleNamespace(train=SimpleNamespace(eval_every=eval_every, overlong_prompts=policy, max_prompt_tokens=0,
-                                                  max_tokens=8), task=SimpleNamespace(name="t"))
-    stats = SimpleNamespace(wait=lambda: {"max_model_len": context})
-    s.world = SimpleNamespace(sgs=SimpleNamespace(handles=[SimpleNamespace(call=lambda method: stats)]))
-    s.tok = SimpleNamespace(encode_prompt=lambda text, messages=(): [0] * len(text.split()))
-    s.vocab_size = 0
-    return s
-
-
-def _task(splits):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(prompts=lambda split: splits[split])
+    train = SimpleNamespace(eval_every=eval_every, overlong_prompts=policy, max_prompt_tokens=0, max_tokens=8)
+    return check_task(SimpleNamespace(prompts=lambda split: splits[split]), train, "t", context,
+                      lambda item: [0] * len(item.prompt.split()))
 
 
 def test_a_test_split_left_empty_by_skip_is_an_error_not_a_silent_empty_eval():
-    s = _start_check(eval_every=1, policy="skip", context=10)
     splits = {"train": ITEMS[:1], "test": ITEMS[3:]}  # the one test prompt, 12 tokens, is over-long
     with pytest.raises(ConfigError, match="every test prompt is over-long .*: train.eval_every would evaluate nothing"):
-        s._fitting_task(_task(splits))
+        _start_check(1, "skip", 10, splits)
 
 
 def test_a_context_that_cuts_the_longest_prompts_answers_is_said(capsys):
-    _start_check(eval_every=0, policy="error", context=14)._fitting_task(_task({"train": ITEMS}))  # 12 + 8 > 14
+    _start_check(0, "error", 14, {"train": ITEMS})  # 12 + 8 > 14
     assert "the longest kept prompt, task.prompts('train')[3]" in capsys.readouterr().err
-    _start_check(eval_every=0, policy="error", context=20)._fitting_task(_task({"train": ITEMS}))  # 12 + 8 fits
+    _start_check(0, "error", 20, {"train": ITEMS})  # 12 + 8 fits
     assert "answers stop" not in capsys.readouterr().err
