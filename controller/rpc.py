@@ -63,9 +63,8 @@ def is_peer_lost(err: BaseException) -> bool:
         return False
     low = msg.lower()
     lost_marks = ("eof", "end of file", "pipe closed", "connection reset", "econnreset", "connection refused",
-                  "econnrefused", "broken pipe", "epipe", "closed", "shut down", "unknown destination worker",
-                  "timed out", "timeout")
-    return any(m in low for m in lost_marks)
+                  "econnrefused", "broken pipe", "epipe", "closed", "shut down", "unknown destination worker")
+    return any(m in low for m in lost_marks) or _timed_out(msg)
 
 
 @dataclass
