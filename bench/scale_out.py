@@ -132,11 +132,9 @@ def read_tb(logdir: Path) -> dict:
 
 
 def controller(a) -> int:
-    import queue
-
     import torch.distributed.rpc as rpc
 
-    from controller import runner
+    from controller import joiners, runner
     from controller.bootstrap import ensure_model
 
     logdir = Path(a.logdir)
@@ -233,12 +231,7 @@ def controller(a) -> int:
                       "tb_instances": tb.get("sgs/instances"),
                       "samples_per_s": summary.get("samples_per_s"), "profile_ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s],
                       "logdir": str(logdir)}), flush=True)
-    ranks = [1, 2] + session.joined + session.waiting
-    while True:
-        try:
-            ranks.append(runner._JOINERS.get_nowait()[0])
-        except queue.Empty:
-            break
+    ranks = [1, 2] + session.joined + session.waiting + joiners.announced()
     runner._stop_workers(ranks, code)
     return code
 

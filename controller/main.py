@@ -195,7 +195,7 @@ def join_main(args) -> int:
     LOCAL.device = _pick_device(int(os.environ.get("LOCAL_RANK", "0")))
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
                  rpc_backend_options=_rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
-    from controller.runner import register_joiner
+    from controller.joiners import register_joiner
 
     rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
     print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "

@@ -147,7 +147,7 @@ class Repl:
             # a member, and the run's exit barriers wait for every one of them
             out["process"] = "stays (a torchrun rank): idle, holding its engine, until the job ends"
             return out
-        from controller.runner import dismiss_joiner
+        from controller.joiners import dismiss_joiner
 
         try:  # its engine (and vLLM's engine process) goes now, then the process itself
             handle.call("close").wait()

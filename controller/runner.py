@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import sys
 import time
@@ -20,46 +19,18 @@ import torch.distributed.rpc as rpc
 from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError
+from controller.joiners import admit, announced, dismiss_joiner, pending
 from controller.metrics import Metrics
-from controller.prompt_check import ContextTooSmall
 from controller.program import Program
 from controller.run_record import save_run_config
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
 from controller.sgs import NoInstancesLeft
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
-from controller.world import add_instance, build_world, check_engine_device
+from controller.ranker_setup import run_ranker, saved_ranker
+from controller.world import build_world, check_engine_device
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
-
-_JOINERS: "queue.Queue[tuple[int, str]]" = queue.Queue()
-
-
-def register_joiner(rank: int, role: str) -> bool:
-    """RPC target: a process started with ``--join`` announces itself; it is added to the SGS
-    at an iteration boundary when the scale-out policy (or a forced test flag) says so."""
-    _JOINERS.put((rank, role))
-    print(f"[controller] rank {rank} ({role}) is waiting to join", file=sys.stderr, flush=True)
-    return True
-
-
-def leave_job(code: int, reason: str) -> bool:
-    """RPC target on a process that joined with ``--join``: say why it leaves, on its own line,
-    then exit with ``code`` the local way (it is none of torchrun's static ranks, so nobody's
-    barrier waits for it). Its instance was closed first (``dismiss_joiner``)."""
-    print(f"[join] rank {LOCAL.rank} exits (code {code}): {reason}", file=sys.stderr, flush=True)
-    LOCAL.exit_reason = reason
-    return request_exit(code, quiet=False)
-
-
-def dismiss_joiner(rank: int, code: int, reason: str) -> None:
-    """Tell joined process ``rank`` to exit with ``code``, giving ``reason`` (a joiner refused
-    for its context, or one scaled in with the REPL's ``leave``); one already gone is skipped."""
-    try:
-        rpc.rpc_sync(worker_name(rank), leave_job, args=(code, reason), timeout=10)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
-
 
 class RunStopped(RuntimeError):
     """The run cannot usefully go on (e.g. an iteration trained nothing); the message says why."""
@@ -100,7 +71,7 @@ class Session:
         except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
             raise ConfigError(str(e)) from None
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
-        self._saved_ranker = self._check_ranker_path()  # loaded now: a damaged one fails before the bootstrap
+        saved = saved_ranker(cfg)  # loaded now: a damaged one fails before the bootstrap
         check_model_folder(Path(cfg.model.path), cfg.model.init)
         check_engine_device(getattr(cfg.engine, "device", ""), cfg.placement.generation, cfg.placement.rpc_timeout_s)
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
@@ -130,11 +101,12 @@ class Session:
         if cfg.train.length_trace:
             self.program.length_of = forced_lengths(cfg.train.length_trace, cfg.train.length_scale,
                                                     cfg.train.max_tokens)
-        self.program.ranker = self.ranker = self._ranker()
+        self.program.ranker = self.ranker = run_ranker(cfg, saved, self.resumed_from, self.program.measure_lengths,
+                                                       [it.prompt for it in self.task.prompts("train")])
         if state:
             self.metrics.rewards = list(state.rewards)
             self.program.ranker_rows = list(state.ranker_rows)
-        self.program.before_iteration = self._before_iteration
+        self.program.before_iteration = lambda i: admit(self, i)
         self.progress = None
 
     # ---- set-up helpers ------------------------------------------------------------------
@@ -149,58 +121,6 @@ class Session:
             task, self.cfg.train, self.cfg.task.name, min(st["max_model_len"] for st in stats),
             lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
         return fitting
-
-    def _check_ranker_path(self):
-        """The ranker saved at ``ranker.path`` (loaded, so a damaged or incompatible folder is one
-        config error before any work), or None when there is none yet and the path can take the
-        one the run bootstraps (else the bootstrap's generations and fit would be lost at its save)."""
-        r = self.cfg.ranker
-        if r.kind == "none":
-            return None
-        import ranker
-        from ranker.store import check_target
-
-        path = Path(r.path)
-        try:
-            if (path / "meta.json").exists():
-                return ranker.load(path)
-            check_target(path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"ranker.path: {e}") from None
-        return None
-
-    def _ranker(self):
-        """The length ranker at ``ranker.path``; when none is there yet, bootstrap one: the
-        current policy's lengths on ``bootstrap_prompts`` training prompts, generated by the
-        SGS, then fit and saved there (paper 5.2: the ranker needs no trace to start)."""
-        r = self.cfg.ranker
-        if r.kind == "none":
-            return None
-        import ranker
-
-        path = Path(r.path)
-        resumed = self.resumed_from / "ranker" if self.resumed_from else None
-        if resumed is not None and (resumed / "meta.json").exists():  # updated online (update_every)
-            saved = ranker.load(resumed)
-            if saved.kind != r.kind:
-                raise ConfigError(f"ranker.kind: {r.kind!r}, but the checkpoint resumed from holds a {saved.kind!r} "
-                                  f"ranker ({resumed}); set ranker.kind: {saved.kind} to resume")
-            print(f"[controller] ranker: {saved.kind}, the one saved with the checkpoint, {resumed}",
-                  file=sys.stderr, flush=True)
-            return saved
-        if self._saved_ranker is not None:
-            print(f"[controller] ranker: {r.kind} from {path} (its estimates are in the unit it was trained on)",
-                  file=sys.stderr, flush=True)
-            return self._saved_ranker
-        t0 = time.time()
-        prompts = [it.prompt for it in self.task.prompts("train")]
-        model = ranker.bootstrap(self.program.measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
-                                 seed=self.cfg.train.seed, **dict(r.options))
-        ranker.save(model, path)
-        print(f"[controller] ranker: no {r.kind} ranker at {path}; bootstrapped one from the policy's lengths on "
-              f"{min(r.bootstrap_prompts, len(prompts))} prompts x {self.cfg.train.group_size} samples in "
-              f"{time.time() - t0:.1f} s, saved there", file=sys.stderr, flush=True)
-        return model
 
     def _scale_policy(self):
         if not self.cfg.placement.elastic:
@@ -243,48 +163,6 @@ class Session:
         return state
 
     # ---- per-iteration hooks ---------------------------------------------------------------
-    def _before_iteration(self, i: int) -> None:
-        while True:
-            try:
-                rank, _ = _JOINERS.get_nowait()
-            except queue.Empty:
-                break
-            self.waiting.append(rank)
-        forced = 0 <= self.cfg.placement.force_scale_out_at <= i
-        if forced and i == self.cfg.placement.force_scale_out_at and not self.waiting:
-            # forced (tests, demos): wait for the joiner instead of racing its start-up, which
-            # takes minutes on a loaded machine (importing torch, joining the RPC group)
-            wait_s = max(self.cfg.placement.rpc_timeout_s, 600.0)
-            try:
-                self.waiting.append(_JOINERS.get(timeout=wait_s)[0])
-            except queue.Empty:
-                print(f"[controller] placement.force_scale_out_at={i}: no process joined within {wait_s:.0f} s; "
-                      "going on without it", file=sys.stderr, flush=True)
-        if self.waiting and (forced or self.want_add):
-            rank = self.waiting.pop(0)
-            self.joined.append(rank)
-            self.want_add = False
-            try:
-                h = add_instance(self.world, self.cfg, rank, self.model_dir, self.eos_ids, self.program.version, i)
-            except ContextTooSmall as e:  # it would refuse kept prompts: the run goes on without it
-                print(f"[controller] iteration {i}: {e}", file=sys.stderr, flush=True)
-                dismiss_joiner(rank, 2, "not added: its max_model_len is less than this run's prompts need "
-                                        "(the controller's log says by how much)")
-                self.departed.append(rank)
-                return
-            except WorkerFailed as e:  # lost while asked for its context (SGS.add)
-                if not (e.lost and e.role == "generation"):
-                    raise
-                print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: "
-                      f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-                return
-            if h is None:  # lost before it held the weights (add_instance said so)
-                return
-            if self.policy is not None:
-                self.policy.added(i)  # the cooldown counts from an add that happened
-            print(f"[controller] iteration {i}: added generation instance rank {rank} "
-                  f"(weights v{self.program.version})", file=sys.stderr, flush=True)
-
     def _on_iteration(self, res) -> None:
         spans = self.program.drain_spans()
         derived = self.metrics.log_iteration(res, spans)
@@ -298,7 +176,7 @@ class Session:
         if self.policy is not None:
             lens = res.out_lens
             if lens:
-                spare = len(self.waiting) + _JOINERS.qsize()  # processes waiting to join
+                spare = len(self.waiting) + pending()  # processes waiting to join
                 d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
                                         derived["time/train_busy_s"], lens, len(self.world.sgs.slots), spare=spare)
                 # the latest decision: a joiner arriving later is added at the next decision that still wants one
@@ -416,8 +294,6 @@ def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> Non
     lock-step exit waits for, so those runs exit the local way."""
     import torch.distributed as dist
 
-    from controller.rpc import LOCAL
-
     if quiet is None:
         static = dist.get_world_size() if dist.is_initialized() else 1
         quiet = code == 0 and all(r < static for r in ranks)
@@ -479,9 +355,7 @@ def run_controller(cfg, args, world_size: int) -> int:
                 print(f"[controller] closing the logs: {e}", file=sys.stderr, flush=True)
     if code == 1 and session is not None:
         print(f"[controller] {ckpt.resume_hint(session.logdir, args.resume)}", file=sys.stderr, flush=True)
-    waiting = list(session.waiting) if session else []
-    while not _JOINERS.empty():
-        waiting.append(_JOINERS.get_nowait()[0])
+    waiting = (list(session.waiting) if session else []) + announced()
     joined = session.joined if session else []
     lost = bool(session and session.world.sgs.removed)
     gone = set(session.departed) if session else set()  # exited already: nothing to tell them

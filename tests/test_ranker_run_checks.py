@@ -1,4 +1,4 @@
-"""A run's ranker.path is checked before any work (controller.runner.Session): a saved ranker
+"""A run's ranker.path is checked before any work (controller.ranker_setup.saved_ranker, first thing in controller.runner.Session): a saved ranker
 is loaded then, so a damaged one is one config error instead of a traceback after the model
 bootstrap; a path that cannot take the ranker a run bootstraps is refused before the
 bootstrap's generations and fit (they were lost at its save). Plus the config's own checks."""
@@ -8,13 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from controller.config import ConfigError, RankerSection
-from controller.runner import Session
+from controller.ranker_setup import saved_ranker
 from ranker.store import FORMAT, FORMAT_VERSION
 
 
 def _check(path, kind="lgbm"):
-    me = SimpleNamespace(cfg=SimpleNamespace(ranker=RankerSection(kind=kind, path=str(path))))
-    return Session._check_ranker_path(me)
+    return saved_ranker(SimpleNamespace(ranker=RankerSection(kind=kind, path=str(path))))
 
 
 def test_an_empty_or_new_folder_takes_the_bootstrapped_ranker(tmp_path):

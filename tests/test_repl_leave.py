@@ -27,14 +27,14 @@ class FakeInstance:
 
 
 def test_leave_closes_and_dismisses_a_joined_process_but_not_a_torchrun_rank(monkeypatch):
-    from controller import runner
+    from controller import joiners
 
     calls = []
     sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
     for r in (1, 3, 4):  # ranks 1 and 3: torchrun generation ranks (2: the trainer); 4 joined
         sgs.add(WorkerHandle(r, "generation", LocalRRef(FakeInstance(calls, r))))
     session = SimpleNamespace(world=SimpleNamespace(sgs=sgs), static_ranks={1, 2, 3}, joined=[4], departed=[])
-    monkeypatch.setattr(runner, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
     repl = Repl(session)
     out = repl.leave("4")
     assert out["left"] == 4 and out["instances"] == [1, 3] and out["process"].startswith("exits")

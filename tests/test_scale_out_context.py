@@ -90,7 +90,7 @@ def test_a_joiner_with_less_context_than_the_kept_prompts_need_is_refused(tiny_m
 
 def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_model, monkeypatch,  # noqa: F811
                                                                            capsys):
-    from controller import runner
+    from controller import joiners, runner
 
     sink = SinkTrainer()
     sgs = _sgs()
@@ -113,25 +113,25 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
         def stats(self):
             raise RuntimeError("connection reset by peer")
 
-    joiners = {3: _instance(3, 256, tiny_model, sink), 5: _instance(5, 336, tiny_model, sink),
-               6: WorkerHandle(6, "generation", LocalRRef(Dying()))}
+    instances = {3: _instance(3, 256, tiny_model, sink), 5: _instance(5, 336, tiny_model, sink),
+                 6: WorkerHandle(6, "generation", LocalRRef(Dying()))}
 
     def add_instance(world, cfg, rank, model_dir, eos_ids, version, iteration):
-        world.sgs.add(joiners[rank], None, iteration)
-        return joiners[rank]
+        world.sgs.add(instances[rank], None, iteration)
+        return instances[rank]
 
     stopped, logged = [], []
-    monkeypatch.setattr(runner, "add_instance", add_instance)
-    monkeypatch.setattr(runner, "dismiss_joiner", lambda rank, code, reason: stopped.append(([rank], code)))
+    monkeypatch.setattr(joiners, "add_instance", add_instance)
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: stopped.append(([rank], code)))
     s.waiting, s.joined, s.departed, s.want_add, s.policy = [3, 6, 5], [], [], False, None
     s.program = SimpleNamespace(version=0)
     s.model_dir, s.eos_ids = tiny_model, [0]
     s.metrics = SimpleNamespace(log_scalars=lambda d, i: logged.append((i, d)))
-    s._before_iteration(1)
+    joiners.admit(s, 1)
     assert stopped == [([3], 2)] and [h.rank for h in sgs.handles] == [1] and s.joined == [3] and s.departed == [3]
     assert "iteration 1: generation instance rank 3 has max_model_len 240" in capsys.readouterr().err
-    s._before_iteration(2)
+    joiners.admit(s, 2)
     assert "iteration 2: joiner rank 6 lost before it was added" in capsys.readouterr().err
-    s._before_iteration(3)
+    joiners.admit(s, 3)
     assert [h.rank for h in sgs.handles] == [1, 5] and s.joined == [3, 6, 5] and stopped == [([3], 2)]
     assert logged == []  # sgs/instances comes with each iteration's row (Metrics.log_iteration)

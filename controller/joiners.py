@@ -1,0 +1,107 @@
+"""Processes that join a running job (``python controller/main.py --join``): the queue of those
+waiting on the controller, their admission at an iteration boundary (run-time scale-out), and
+telling one to leave. The session keeps the lists (``waiting``, ``joined``, ``departed``) and
+the scale-out policy's latest wish (``want_add``)."""
+from __future__ import annotations
+
+import queue
+import sys
+
+import torch.distributed.rpc as rpc
+
+from controller.prompt_check import ContextTooSmall
+from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
+from controller.world import add_instance
+
+_ANNOUNCED: "queue.Queue[tuple[int, str]]" = queue.Queue()  # (rank, role) of --join processes not yet taken
+
+
+def register_joiner(rank: int, role: str) -> bool:
+    """RPC target: a process started with ``--join`` announces itself; it is added to the SGS
+    at an iteration boundary when the scale-out policy (or a forced test flag) says so."""
+    _ANNOUNCED.put((rank, role))
+    print(f"[controller] rank {rank} ({role}) is waiting to join", file=sys.stderr, flush=True)
+    return True
+
+
+def announced(timeout_s: float | None = None) -> list[int]:
+    """The ranks announced since the last call (with ``timeout_s``: wait that long for one
+    when there is none yet; none came: [])."""
+    ranks = []
+    if timeout_s is not None:
+        try:
+            ranks.append(_ANNOUNCED.get(timeout=timeout_s)[0])
+        except queue.Empty:
+            return []
+    while True:
+        try:
+            ranks.append(_ANNOUNCED.get_nowait()[0])
+        except queue.Empty:
+            return ranks
+
+
+def pending() -> int:
+    """Announced processes not yet taken by ``announced``."""
+    return _ANNOUNCED.qsize()
+
+
+def leave_job(code: int, reason: str) -> bool:
+    """RPC target on a process that joined with ``--join``: say why it leaves, on its own line,
+    then exit with ``code`` the local way (it is none of torchrun's static ranks, so nobody's
+    barrier waits for it). Its instance was closed first (``dismiss_joiner``)."""
+    print(f"[join] rank {LOCAL.rank} exits (code {code}): {reason}", file=sys.stderr, flush=True)
+    LOCAL.exit_reason = reason
+    return request_exit(code, quiet=False)
+
+
+def dismiss_joiner(rank: int, code: int, reason: str) -> None:
+    """Tell joined process ``rank`` to exit with ``code``, giving ``reason`` (a joiner refused
+    for its context, or one scaled in with the REPL's ``leave``); one already gone is skipped."""
+    try:
+        rpc.rpc_sync(worker_name(rank), leave_job, args=(code, reason), timeout=10)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def admit(session, i: int) -> None:
+    """Before iteration ``i``: take the announced processes into ``session.waiting`` and add
+    the first of them as a generation instance when the scale-out policy wants one
+    (``session.want_add``) or ``placement.force_scale_out_at`` <= ``i``. A joiner whose context
+    is too small for the run's prompts is told to exit; one lost on the way is passed over."""
+    placement = session.cfg.placement
+    session.waiting += announced()
+    forced = 0 <= placement.force_scale_out_at <= i
+    if forced and i == placement.force_scale_out_at and not session.waiting:
+        # forced (tests, demos): wait for the joiner instead of racing its start-up, which
+        # takes minutes on a loaded machine (importing torch, joining the RPC group)
+        wait_s = max(placement.rpc_timeout_s, 600.0)
+        session.waiting += announced(timeout_s=wait_s)
+        if not session.waiting:
+            print(f"[controller] placement.force_scale_out_at={i}: no process joined within {wait_s:.0f} s; "
+                  "going on without it", file=sys.stderr, flush=True)
+    if not (session.waiting and (forced or session.want_add)):
+        return
+    rank = session.waiting.pop(0)
+    session.joined.append(rank)
+    session.want_add = False
+    try:
+        h = add_instance(session.world, session.cfg, rank, session.model_dir, session.eos_ids,
+                         session.program.version, i)
+    except ContextTooSmall as e:  # it would refuse kept prompts: the run goes on without it
+        print(f"[controller] iteration {i}: {e}", file=sys.stderr, flush=True)
+        dismiss_joiner(rank, 2, "not added: its max_model_len is less than this run's prompts need "
+                                "(the controller's log says by how much)")
+        session.departed.append(rank)
+        return
+    except WorkerFailed as e:  # lost while asked for its context (SGS.add)
+        if not (e.lost and e.role == "generation"):
+            raise
+        print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: "
+              f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return
+    if h is None:  # lost before it held the weights (add_instance said so)
+        return
+    if session.policy is not None:
+        session.policy.added(i)  # the cooldown counts from an add that happened
+    print(f"[controller] iteration {i}: added generation instance rank {rank} "
+          f"(weights v{session.program.version})", file=sys.stderr, flush=True)

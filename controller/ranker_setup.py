@@ -1,0 +1,64 @@
+"""The run's output-length ranker (``ranker.*``): the one saved at ``ranker.path`` is checked
+before any work, and at start the run takes the checkpoint's (updated online), the saved one,
+or bootstraps one from the current policy's lengths (paper 5.2: no trace needed to start)."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from controller.config import ConfigError
+
+
+def saved_ranker(cfg):
+    """The ranker saved at ``ranker.path`` (loaded, so a damaged or incompatible folder is one
+    config error before any work), or None when there is none yet and the path can take the
+    one the run bootstraps (else the bootstrap's generations and fit would be lost at its save)."""
+    r = cfg.ranker
+    if r.kind == "none":
+        return None
+    import ranker
+    from ranker.store import check_target
+
+    path = Path(r.path)
+    try:
+        if (path / "meta.json").exists():
+            return ranker.load(path)
+        check_target(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"ranker.path: {e}") from None
+    return None
+
+
+def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: list[str]):
+    """The ranker the run uses: the one of the checkpoint resumed from (``resumed_from``),
+    else ``saved`` (``saved_ranker``), else one bootstrapped on ``ranker.bootstrap_prompts`` of
+    ``prompts`` with ``measure_lengths`` (the SGS generating with the current policy), fit and
+    saved at ``ranker.path``."""
+    r = cfg.ranker
+    if r.kind == "none":
+        return None
+    import ranker
+
+    path = Path(r.path)
+    resumed = resumed_from / "ranker" if resumed_from else None
+    if resumed is not None and (resumed / "meta.json").exists():  # updated online (update_every)
+        kept = ranker.load(resumed)
+        if kept.kind != r.kind:
+            raise ConfigError(f"ranker.kind: {r.kind!r}, but the checkpoint resumed from holds a {kept.kind!r} "
+                              f"ranker ({resumed}); set ranker.kind: {kept.kind} to resume")
+        print(f"[controller] ranker: {kept.kind}, the one saved with the checkpoint, {resumed}",
+              file=sys.stderr, flush=True)
+        return kept
+    if saved is not None:
+        print(f"[controller] ranker: {r.kind} from {path} (its estimates are in the unit it was trained on)",
+              file=sys.stderr, flush=True)
+        return saved
+    t0 = time.time()
+    model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
+                             seed=cfg.train.seed, **dict(r.options))
+    ranker.save(model, path)
+    print(f"[controller] ranker: no {r.kind} ranker at {path}; bootstrapped one from the policy's lengths on "
+          f"{min(r.bootstrap_prompts, len(prompts))} prompts x {cfg.train.group_size} samples in "
+          f"{time.time() - t0:.1f} s, saved there", file=sys.stderr, flush=True)
+    return model
