@@ -14,7 +14,6 @@ dispatcher between calls.
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,11 +26,7 @@ from controller.rpc import wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
-from workers.tasks.scoring import safe_score
 from workers.types import Request, SamplingParams, TaskPrompt
-
-log = logging.getLogger("streamrl.controller")
-
 
 SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
 
@@ -65,19 +60,6 @@ class IterationResult:
     # call began): the pipeline's throughput interval. The intervals add up to the run's time;
     # ``iter_seconds`` (the batch's dispatch to its step's end) overlap in the async modes.
     interval_s: float = 0.0
-
-
-@dataclass
-class EvalResult:
-    """One evaluation (``Program.evaluate``)."""
-
-    scores: dict[str, float]  # eval/<task>, eval/mean, eval/best@k, eval/unscored
-    prompts: int  # test prompts evaluated
-    requested: int  # test prompts asked for (0: all)
-    split: int  # test prompts in the split
-    samples: int  # generations per prompt (train.eval_samples)
-    started: float  # epoch seconds
-    seconds: float
 
 
 class _Completions:
@@ -153,7 +135,7 @@ class Program:
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs = []
         for j, item in enumerate(items):
-            ids = self._prompt_ids(item)
+            ids = self.prompt_ids(item)
             max_tokens, min_tokens = t.max_tokens, t.min_tokens
             if self.length_of is not None:
                 max_tokens = min_tokens = max(1, int(self.length_of(item)))
@@ -161,7 +143,7 @@ class Program:
                 sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j]),
                                     group_id=iteration * SAMPLE_STRIDE + j,
-                                    sampling=self._sampling(t.temperature, t.seed * 7919 + sid)))
+                                    sampling=self.sampling(t.temperature, t.seed * 7919 + sid)))
         return _Batch(iteration, items, reqs, time.time())
 
     def _begin(self, b: _Batch) -> None:
@@ -363,77 +345,14 @@ class Program:
 
         self.world.sgs.dispatcher = runnable(make_dispatcher(name, **options))
 
-    def _prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
+    def prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy
         sees it (chat template or prompt template), tokenized."""
         if isinstance(item, str):
             return torch.tensor(self.tok.encode_prompt(item), dtype=torch.long)
         return torch.tensor(self.tok.encode_prompt(item.prompt, item.messages), dtype=torch.long)
 
-    def _sampling(self, temperature: float, seed: int) -> SamplingParams:
+    def sampling(self, temperature: float, seed: int) -> SamplingParams:
         """The rollout's sampling (``train.top_k`` / ``top_p``; a top_k of -1 is off, as 0)."""
         t = self.cfg.train
         return SamplingParams(temperature=temperature, top_k=max(t.top_k, 0), top_p=t.top_p, seed=seed)
-
-    # ---- evaluation, length measurement (outputs come back to the controller) -------------
-    def _side_generate(self, reqs: list[Request]) -> dict[int, list[int]]:
-        """Generate ``reqs`` on the instances (spread evenly) with the weights they hold,
-        outside the training stream; sample id -> output ids."""
-        handles = self.world.sgs.handles
-        chunks = [reqs[i::len(handles)] for i in range(len(handles))]
-        outs = wait_all([h.call("evaluate", c) for h, c in zip(handles, chunks) if c])
-        return {sid: ids for o in outs for sid, ids in o}
-
-    def measure_lengths(self, prompts: list[str]) -> list[float]:
-        """Each prompt's mean output length (tokens) over ``train.group_size`` samples at the
-        training temperature and ``max_tokens``: what the policy does now (ranker bootstrap)."""
-        t = self.cfg.train
-        reqs = [Request(-(1 << 40) - j * t.group_size - k,
-                        self._prompt_ids(p),
-                        t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=self._sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))
-                for j, p in enumerate(prompts) for k in range(t.group_size)]
-        out = self._side_generate(reqs)
-        return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
-                for j in range(len(prompts))]
-
-    def evaluate(self, n: int) -> EvalResult:
-        """``train.eval_samples`` generations of each of the first ``n`` test prompts (0, or more
-        than the split holds: all), at ``train.eval_temperature`` (0: greedy). Scores:
-        ``eval/<task>`` and ``eval/mean``, the mean over every sample (verl's mean@k), and with
-        k > 1 ``eval/best@k``, the mean over prompts of their best sample's score. Its span (on the
-        controller's row) is recorded where it is logged (``Metrics.log_eval``)."""
-        t0 = time.time()
-        t = self.cfg.train
-        split = list(self.task.prompts("test"))
-        items = split[:n] if n > 0 else split
-        k = t.eval_samples
-        reqs = [Request(-1 - (j * k + s), self._prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
-                        sampling=self._sampling(t.eval_temperature, t.seed * 7919 + j * k + s))
-                for j, it in enumerate(items) for s in range(k)]
-        texts = {sid: self.tok.decode(ids) for sid, ids in self._side_generate(reqs).items()}
-        per: dict[str, list[float]] = {}
-        best: list[float] = []
-        unscored = 0
-        for j, it in enumerate(items):
-            scores = [self._eval_score(it, texts.get(-1 - (j * k + s), ""), j) for s in range(k)]
-            ok = [x for x in scores if math.isfinite(x)]
-            unscored += k - len(ok)
-            per.setdefault(it.task, []).extend(ok)
-            if ok:
-                best.append(max(ok))
-        acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items() if v}
-        if len(items) * k > unscored:  # nothing scored: no mean (a 0 would read as 0% accuracy)
-            acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
-        if k > 1:
-            acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
-        if unscored:
-            acc["eval/unscored"] = float(unscored)
-        return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0)
-
-    def _eval_score(self, item, completion: str, j: int) -> float:
-        """The task's score, NaN (left out, counted) when it fails, as for training samples."""
-        score, why = safe_score(self.task, item, completion)
-        if why:
-            log.warning("eval prompt %d: %s; left out of eval/mean", j, why)
-        return score

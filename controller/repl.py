@@ -36,6 +36,7 @@ import re
 import shlex
 import textwrap
 
+from controller.evaluation import evaluate
 from controller.rpc import WorkerFailed, wait_all
 from controller.timeline import bubble_fractions, iteration_windows, stage_times
 
@@ -121,7 +122,7 @@ class Repl:
 
     def eval(self, n: str = "32") -> dict:
         want = 0 if n.strip() == "0" else _count("eval", n)  # 0: the whole split
-        ev = self.s.program.evaluate(want)
+        ev = evaluate(self.s.program, want)
         out = self.s.metrics.log_eval(ev, self.s.program.iteration, repl=True)  # apart from the periodic evals
         if want > ev.split:
             out["note"] = f"asked for {want} prompts; the test split has {ev.split}: evaluated all of them"

@@ -19,6 +19,7 @@ import torch.distributed.rpc as rpc
 from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError
+from controller.evaluation import evaluate, measure_lengths
 from controller.joiners import admit, announced, dismiss_joiner, pending
 from controller.metrics import Metrics
 from controller.program import Program
@@ -101,7 +102,8 @@ class Session:
         if cfg.train.length_trace:
             self.program.length_of = forced_lengths(cfg.train.length_trace, cfg.train.length_scale,
                                                     cfg.train.max_tokens)
-        self.program.ranker = self.ranker = run_ranker(cfg, saved, self.resumed_from, self.program.measure_lengths,
+        self.program.ranker = self.ranker = run_ranker(cfg, saved, self.resumed_from,
+                                                       lambda ps: measure_lengths(self.program, ps),
                                                        [it.prompt for it in self.task.prompts("train")])
         if state:
             self.metrics.rewards = list(state.rewards)
@@ -183,7 +185,7 @@ class Session:
                 self.want_add = d.add
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
         if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
-            self.metrics.log_eval(self.program.evaluate(c.train.eval_prompts), res.iteration)
+            self.metrics.log_eval(evaluate(self.program, c.train.eval_prompts), res.iteration)
         if c.train.ckpt_every and (res.iteration + 1) % c.train.ckpt_every == 0:
             self.save_checkpoint(res.iteration + 1)
         if self.progress is not None:

@@ -9,7 +9,8 @@ import pytest
 
 import controller.metrics as metrics_mod
 from controller.metrics import Metrics
-from controller.program import EvalResult, IterationResult
+from controller.evaluation import EvalResult
+from controller.program import IterationResult
 from controller.timeline import Span
 
 

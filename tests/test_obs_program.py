@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import controller.evaluation as evaluation_mod
 import controller.program as program_mod
 import controller.timeline as timeline_mod
 from controller.instance import GenerateReport
@@ -65,6 +66,7 @@ class Trainer:
 
 def _program(monkeypatch, mode: str, clock: Clock) -> Program:
     monkeypatch.setattr(program_mod, "time", clock)
+    monkeypatch.setattr(evaluation_mod, "time", clock)
     monkeypatch.setattr(timeline_mod, "time", clock)  # the spans' clock
     inst = WorkerHandle(1, "generation", LocalRRef(Instance(clock)))
     sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
@@ -123,7 +125,7 @@ def test_evaluate_reports_its_prompts_and_time(monkeypatch):
     p = _program(monkeypatch, "batch", clock)
     p.run(1)
     t0 = clock.t
-    ev = p.evaluate(2)
+    ev = evaluation_mod.evaluate(p, 2)
     assert (ev.prompts, ev.requested, ev.split, ev.samples, ev.started, ev.seconds) == (2, 2, 3, 1, t0, EVAL_S)
     assert ev.scores == {"eval/sum": 1.0, "eval/mean": 1.0}
-    assert p.evaluate(100).prompts == 3  # more than the split: all of it (the REPL says so)
+    assert evaluation_mod.evaluate(p, 100).prompts == 3  # more than the split: all of it (the REPL says so)

@@ -32,8 +32,10 @@ class _Program:
         Program.set_dispatcher(SimpleNamespace(world=SimpleNamespace(sgs=sgs)), name, **opts)
         self.dispatcher = sgs.dispatcher
 
-    def evaluate(self, n):
-        raise WorkerFailed(1, "generation", "evaluate", "ValueError: engine refused eval request")
+
+
+def _refused_eval(program, n):
+    raise WorkerFailed(1, "generation", "evaluate", "ValueError: engine refused eval request")
 
 
 def _session(spans=()):
@@ -49,7 +51,10 @@ def _drive(session, text: str) -> list[dict]:
     return [json.loads(ln[4:]) for ln in out.getvalue().splitlines() if ln.startswith(">>> ")]
 
 
-def test_errors_are_answered_and_eof_ends_the_session():
+def test_errors_are_answered_and_eof_ends_the_session(monkeypatch):
+    from controller import repl
+
+    monkeypatch.setattr(repl, "evaluate", _refused_eval)
     s = _session()
     a = _drive(s, "run\nrun abc\nrun 1 2\nleave x\ntimeline 0\ndispatch\ndispatch nosuch\n"
                   "dispatch random\neval 2\n\nstatus")  # no quit: EOF ends it
@@ -137,14 +142,16 @@ def test_timeline_leaves_out_the_pauses_between_runs():
     assert t["stage_s"]["idle"] == pytest.approx(0.5)  # was 60.5: the pause at the prompt (62.0-62.5 is in)
 
 
-def test_eval_answers_its_prompt_count_and_says_when_n_exceeds_the_split(tmp_path):
+def test_eval_answers_its_prompt_count_and_says_when_n_exceeds_the_split(tmp_path, monkeypatch):
+    from controller import repl
+    from controller.evaluation import EvalResult
     from controller.metrics import Metrics
-    from controller.program import EvalResult
 
     s = _session()
     s.metrics = Metrics(tmp_path, timeline_every=0)
     s.program.iteration = 8
-    s.program.evaluate = lambda n: EvalResult({"eval/mean": 0.4}, min(n, 16) or 16, n, 16, 1, 100.0, 0.5)
+    monkeypatch.setattr(repl, "evaluate", lambda program, n: EvalResult({"eval/mean": 0.4}, min(n, 16) or 16, n, 16, 1,
+                                                                        100.0, 0.5))
     a = _drive(s, "eval 4\neval 100\neval 4\neval 0\n")[1:]
     s.metrics.close()
     assert [(x["prompts"], x["requested"], x["eval/mean"]) for x in a] == [(4, 4, 0.4), (16, 100, 0.4), (4, 4, 0.4),

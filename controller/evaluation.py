@@ -1,0 +1,92 @@
+"""Generation outside the training stream, whose outputs come back to the controller: the
+periodic and REPL evaluations on the test split, and the policy's output lengths that
+bootstrap a length ranker. Both run on the SGS's instances with the weights they hold."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from controller.rpc import wait_all
+from workers.tasks.scoring import safe_score
+from workers.types import Request
+
+log = logging.getLogger("streamrl.controller")
+
+
+@dataclass
+class EvalResult:
+    """One evaluation (``evaluate``)."""
+
+    scores: dict[str, float]  # eval/<task>, eval/mean, eval/best@k, eval/unscored
+    prompts: int  # test prompts evaluated
+    requested: int  # test prompts asked for (0: all)
+    split: int  # test prompts in the split
+    samples: int  # generations per prompt (train.eval_samples)
+    started: float  # epoch seconds
+    seconds: float
+
+
+def side_generate(program, reqs: list[Request]) -> dict[int, list[int]]:
+    """Generate ``reqs`` on ``program``'s instances (spread evenly) with the weights they hold,
+    outside the training stream; sample id -> output ids."""
+    handles = program.world.sgs.handles
+    chunks = [reqs[i::len(handles)] for i in range(len(handles))]
+    outs = wait_all([h.call("evaluate", c) for h, c in zip(handles, chunks) if c])
+    return {sid: ids for o in outs for sid, ids in o}
+
+
+def measure_lengths(program, prompts: list[str]) -> list[float]:
+    """Each prompt's mean output length (tokens) over ``train.group_size`` samples at the
+    training temperature and ``max_tokens``: what the policy does now (ranker bootstrap)."""
+    t = program.cfg.train
+    reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), t.max_tokens, 0, 0.0, group_id=-1,
+                    sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))
+            for j, p in enumerate(prompts) for k in range(t.group_size)]
+    out = side_generate(program, reqs)
+    return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
+            for j in range(len(prompts))]
+
+
+def evaluate(program, n: int) -> EvalResult:
+    """``train.eval_samples`` generations of each of the first ``n`` test prompts (0, or more
+    than the split holds: all), at ``train.eval_temperature`` (0: greedy). Scores:
+    ``eval/<task>`` and ``eval/mean``, the mean over every sample (verl's mean@k), and with
+    k > 1 ``eval/best@k``, the mean over prompts of their best sample's score. Its span (on the
+    controller's row) is recorded where it is logged (``Metrics.log_eval``)."""
+    t0 = time.time()
+    t = program.cfg.train
+    split = list(program.task.prompts("test"))
+    items = split[:n] if n > 0 else split
+    k = t.eval_samples
+    reqs = [Request(-1 - (j * k + s), program.prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
+                    sampling=program.sampling(t.eval_temperature, t.seed * 7919 + j * k + s))
+            for j, it in enumerate(items) for s in range(k)]
+    texts = {sid: program.tok.decode(ids) for sid, ids in side_generate(program, reqs).items()}
+    per: dict[str, list[float]] = {}
+    best: list[float] = []
+    unscored = 0
+    for j, it in enumerate(items):
+        scores = [_score(program.task, it, texts.get(-1 - (j * k + s), ""), j) for s in range(k)]
+        ok = [x for x in scores if math.isfinite(x)]
+        unscored += k - len(ok)
+        per.setdefault(it.task, []).extend(ok)
+        if ok:
+            best.append(max(ok))
+    acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items() if v}
+    if len(items) * k > unscored:  # nothing scored: no mean (a 0 would read as 0% accuracy)
+        acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
+    if k > 1:
+        acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
+    if unscored:
+        acc["eval/unscored"] = float(unscored)
+    return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0)
+
+
+def _score(task, item, completion: str, j: int) -> float:
+    """The task's score, NaN (left out, counted) when it fails, as for training samples."""
+    score, why = safe_score(task, item, completion)
+    if why:
+        log.warning("eval prompt %d: %s; left out of eval/mean", j, why)
+    return score
