@@ -41,6 +41,9 @@ class GenerateReport:
     lengths: list[int] = field(default_factory=list)  # output tokens per finished sample
     stopped: bool = False  # left early (scale-in); unfinished requests go back to the SGS
     unfinished: list[int] = field(default_factory=list)
+    preemptions: int = 0  # sequences the engine preempted (recomputed later) in this call
+    kv_blocks_peak: int = 0  # the most KV blocks in use at once during this call
+    kv_blocks_total: int = 0  # the engine's KV blocks
 
 
 class Outbox:
@@ -215,6 +218,7 @@ class GenerationInstance:
                 # test hook: an engine failure (a CUDA error, OOM) cannot be produced on demand here
                 raise RuntimeError(f"gen{self.rank}: STREAMRL_TEST_RAISE_IN_GENERATE (test hook)")
             out = Outbox(self.trainers, self.stream_window_s if window_s is None else window_s)
+            preempted_before = self.engine.stats().preemptions
             done: list[int] = []
             lengths: list[int] = []
             try:
@@ -241,8 +245,10 @@ class GenerationInstance:
             finally:
                 out.close()
             self.spans.add("generate", t0, time.time(), iteration)
+            st = self.engine.stats()
             return GenerateReport(self.rank, iteration, done, sum(lengths), time.time() - t0,
-                                  weight_version, lengths, stopped, unfinished)
+                                  weight_version, lengths, stopped, unfinished, st.preemptions - preempted_before,
+                                  st.kv_blocks_peak, st.kv_blocks_used + st.kv_blocks_free)
 
     def _abort_after_error(self, requests: list[Request]) -> None:
         """Cancel in the engine what a failing call queued (its refused ids are unknown there;

@@ -131,6 +131,7 @@ class Metrics:
             "sgs/instances": float(res.instances),
         }
         derived.update({f"batch/{k}": float(v) for k, v in res.batch.items()})
+        derived.update({f"engine/{k}": float(v) for k, v in res.engine.items()})
         for k, v in res.ranker_quality.items():  # the estimates against the true lengths
             if v is not None:
                 derived[f"ranker/{k}"] = float(v)

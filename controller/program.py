@@ -48,6 +48,9 @@ class IterationResult:
     lost: list[int] = field(default_factory=list)
     out_lens: list[int] = field(default_factory=list)  # output length of every sample
     per_instance: dict[int, int] = field(default_factory=dict)  # rank -> samples generated
+    # the engines in this batch's generation (``Program._engine_stats``): preemptions (sum over
+    # the instances), kv_peak_frac (the fullest instance's peak share of its KV blocks)
+    engine: dict[str, float] = field(default_factory=dict)
     instances: int = 0
     ranker_rows: int = 0  # rows of the ranker's online update after this iteration (0: none)
     # with a ranker: how its estimates (est_len) ranked this batch's true output lengths
@@ -199,6 +202,7 @@ class Program:
         # waited, served the next batch)
         res.instances = b.round.instances if b.round else len(self.world.sgs.slots)
         res.batch = self._batch_stats(b, res.out_lens)
+        res.engine = self._engine_stats(b.round.reports if b.round else [])
         if self.ranker is not None and b.round is not None:
             res.ranker_quality = self._ranker_quality(b)
         every = self.cfg.ranker.update_every
@@ -220,6 +224,15 @@ class Program:
                 "response_clip_ratio": sum(n >= cap for n in out_lens) / max(len(out_lens), 1),
                 "prompt_len_mean": sum(prompts) / max(len(prompts), 1), "prompt_len_max": max(prompts, default=0),
                 "epoch": self._stream_at.get(b.iteration, self.stream.state_dict())["epoch"]}
+
+    @staticmethod
+    def _engine_stats(reports: list) -> dict[str, float]:
+        """Preemptions (recomputations a full KV cache forced: raise ``engine.kv_cache_tokens``
+        or lower ``engine.max_batch_size``) and the fullest instance's peak KV share."""
+        if not reports:
+            return {}
+        return {"preemptions": float(sum(r.preemptions for r in reports)),
+                "kv_peak_frac": max(r.kv_blocks_peak / max(r.kv_blocks_total, 1) for r in reports)}
 
     @staticmethod
     def _ranker_quality(b: _Batch) -> dict[str, float | None]:

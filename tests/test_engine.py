@@ -117,6 +117,28 @@ def test_prefix_sharing_equals_recompute(kv_tokens):
         assert eng.stats().preemptions > 0
 
 
+def test_kv_peak_is_the_most_blocks_held_at_once_in_a_busy_period():
+    # one sequence alone: its table grows to hold prompt + output (the last token written
+    # too: the finishing step allocates its slot, then frees everything)
+    eng = engine()
+    (req,) = greedy_requests(prompts([9]), 14)
+    seen = 0
+    eng.add([req])
+    while eng.has_work():
+        eng.step()
+        seen = max(seen, eng.stats().kv_blocks_used)
+    st = eng.stats()
+    assert st.kv_blocks_used == 0 and st.kv_blocks_peak == -(-(9 + 14 - 1) // 4) >= seen
+    # a new busy period counts from its own start: a shorter request, a smaller peak
+    generate_all(eng, greedy_requests(prompts([2]), 3))
+    assert eng.stats().kv_blocks_peak == -(-(2 + 3 - 1) // 4)
+    # a cache too small for the batch: full at its peak, then preemptions
+    eng = engine(kv_cache_tokens=64)
+    generate_all(eng, greedy_requests(PS, 14))
+    st = eng.stats()
+    assert st.preemptions > 0 and st.kv_blocks_peak == st.kv_blocks_free == 16
+
+
 def test_load_weights_like_fresh_engine():
     other = tiny_model(seed=7)
     reqs = greedy_requests(PS[:4], 8)

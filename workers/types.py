@@ -93,7 +93,10 @@ class EngineStats:
     tokens_per_s: float
     max_batch_size: int
     weight_version: int
-    preemptions: int = 0
+    preemptions: int = 0  # since the engine started
+    # the most KV blocks in use at once since the engine last became busy (an ``add`` to an
+    # idle engine starts a new busy period): how close a round came to preempting
+    kv_blocks_peak: int = 0
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
         self._free = deque(range(num_blocks))
+        self.peak = 0  # most blocks in use at once since ``reset_peak``
 
     @property
     def num_free(self) -> int:
@@ -27,12 +28,16 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def reset_peak(self) -> None:
+        self.peak = self.num_used
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _take(self) -> int:
         b = self._free.popleft()
         self.ref[b] = 1
+        self.peak = max(self.peak, self.num_blocks - len(self._free))
         return b
 
     def decref(self, blocks: list[int]) -> None:

@@ -115,6 +115,8 @@ class NativeEngine:
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
         check_requests(requests)
+        if not self.has_work():  # a new busy period: stats().kv_blocks_peak counts from here
+            self.bm.reset_peak()
         refused = []
         for i, req in enumerate(requests):
             why = self._refusal(req)
@@ -245,7 +247,7 @@ class NativeEngine:
                            kv_blocks_used=self.bm.num_used, kv_blocks_free=self.bm.num_free,
                            tokens_per_s=tps, max_batch_size=self.scheduler.max_batch_size,
                            weight_version=self.weight_version,
-                           preemptions=self.scheduler.preemptions)
+                           preemptions=self.scheduler.preemptions, kv_blocks_peak=self.bm.peak)
 
 
 def recent_rate(window: deque[tuple[float, int]], now: float, horizon: float = 5.0) -> float:

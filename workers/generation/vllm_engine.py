@@ -53,12 +53,14 @@ class _StatsTap:
     def __init__(self):
         self.running = self.waiting = 0
         self.kv_usage = 0.0
+        self.kv_peak = 0.0  # the highest kv_usage since the engine last became busy
         self.generated = 0  # output tokens since start
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if scheduler_stats is not None:
             self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
             self.kv_usage = scheduler_stats.kv_cache_usage
+            self.kv_peak = max(self.kv_peak, self.kv_usage)
         if iteration_stats is not None:
             self.generated += iteration_stats.num_generation_tokens
 
@@ -181,6 +183,8 @@ class VLLMEngine:
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
         check_requests(requests)
+        if not self.has_work():  # a new busy period: stats().kv_blocks_peak counts from here
+            self._tap.kv_peak = 0.0
         refused, now = [], time.time()
         for i, req in enumerate(requests):
             why = refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
@@ -354,4 +358,5 @@ class VLLMEngine:
                            waiting=len(self._queue) + (self._tap.waiting if self._live else 0),
                            kv_blocks_used=used, kv_blocks_free=self.num_blocks - used,
                            tokens_per_s=tps, max_batch_size=self.max_batch_size,
-                           weight_version=self.weight_version, preemptions=self._preemptions)
+                           weight_version=self.weight_version, preemptions=self._preemptions,
+                           kv_blocks_peak=round(self._tap.kv_peak * self.num_blocks))
