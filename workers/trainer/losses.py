@@ -27,11 +27,21 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, c
     return loss, was_clipped
 
 
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """values, old_values, returns: [N] -> (loss [N] = 0.5 * max(sq, sq_clipped), clipped [N]
+    float 0/1: where the clipped term was the larger, verl's ``vf_clipfrac`` per token). Clamped
+    as verl's ``clip_by_value``: inside the range the clipped value is exactly ``values``
+    (``old + (values - old)`` can be an ulp off, and then counted as clipped)."""
+    v_clipped = torch.clamp(values, old_values - clip, old_values + clip)
+    sq, sq_clipped = (values - returns) ** 2, (v_clipped - returns) ** 2
+    return 0.5 * torch.maximum(sq, sq_clipped), (sq_clipped > sq).float()
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float) -> torch.Tensor:
     """Clipped value loss. values, old_values, returns: [N] -> [N] = 0.5 * max(sq, sq_clipped)."""
-    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
-    return 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+    return clipped_value_loss(values, old_values, returns, clip)[0]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,11 @@
 whitening of GAE advantages over the batch is the worker's, at ``step()``).
 ``group_advantages``: GRPO / RLOO once a group is complete.
 ``train_terms``: the micro-batch loss as a SUM plus the summed statistics for logging.
+``StatSums``: those statistics over an iteration, and the metrics they give (verl's meanings).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Callable
@@ -18,8 +20,8 @@ from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
-from workers.trainer.losses import (aggregate_sum, entropy_from_logits, fraction_agg, loss_divisor, policy_loss,
-                                    value_loss)
+from workers.trainer.losses import (aggregate_sum, clipped_value_loss, entropy_from_logits, fraction_agg,
+                                    loss_divisor, policy_loss)
 from workers.trainer.packing import pack, response_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -133,27 +135,43 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         with torch.no_grad():
             ent = entropy_from_logits(logits)
     loss = agg(terms)
+    # verl's ppo_kl: old - new log-prob, the approximate KL(old || new), clamped as its ratio is
+    ppo_kl = (old - logp.detach()).clamp(-20.0, 20.0)
     stats = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
              "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
-             "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp(logp - old), frac).detach()}
+             "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp(logp - old), frac).detach(),
+             "ppo_kl": agg(ppo_kl, frac), "advantage_sum": adv.sum(), "advantage_max": adv.max(),
+             "advantage_min": adv.min()}
     if w.critic is not None:
         values = w.critic(batch)  # [N]
         old_v = torch.cat([p.values for p in items]).to(dev)
         ret = torch.cat([p.returns for p in items]).to(dev)
-        vl = agg(value_loss(values, old_v, ret, cfg.value_clip))
+        vl_tokens, v_clipped = clipped_value_loss(values, old_v, ret, cfg.value_clip)
+        vl = agg(vl_tokens)
         loss = loss + cfg.value_coef * vl
-        stats["value_loss"] = vl.detach()
+        stats.update(value_loss=vl.detach(), vf_clipfrac=agg(v_clipped, frac), values_sum=old_v.sum(),
+                     returns_sum=ret.sum(), vpred_sum=values.detach().sum())
     return loss, stats
 
 
 class StatSums:
-    """Summed statistics of one iteration, packed into one tensor for the all-reduce."""
+    """Statistics of one iteration: sums packed into one tensor for a SUM all-reduce, and the
+    maxima and minima into another for a MAX all-reduce (minima kept negated, so one op does
+    both: a sum cannot carry an extreme)."""
 
     KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
-            "entropy", "clipfrac", "ratio", "value_loss")
-    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss")
-    FRACTIONS = ("clipfrac", "ratio")  # averaged per fraction_agg(loss_agg)
+            "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
+            "returns_sum", "vpred_sum")
+    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac")
+    FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac")  # averaged per fraction_agg(loss_agg)
+    # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
+    TOKEN_MEANS = {"advantage_mean": "advantage_sum", "values_mean": "values_sum", "returns_mean": "returns_sum",
+                   "vpred_mean": "vpred_sum"}
+    CRITIC = ("values_mean", "returns_mean", "vf_clipfrac", "vpred_mean")  # reported only with a critic
+    MAXIMA = ("reward_max", "response_len_max", "advantage_max")
+    MINIMA = ("reward_min", "response_len_min", "advantage_min")
+    EXTREMES = MAXIMA + MINIMA
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -161,9 +179,21 @@ class StatSums:
 
     def reset(self) -> None:
         self.sums: dict[str, torch.Tensor | float] = {k: 0.0 for k in self.KEYS}
+        self.extremes: dict[str, torch.Tensor | float] = {k: -math.inf for k in self.EXTREMES}
 
     def add(self, key: str, value) -> None:
         self.sums[key] = self.sums[key] + value
+
+    def add_extreme(self, key: str, value: float | torch.Tensor) -> None:
+        """Fold ``value`` into the running maximum (or minimum) ``key``; a tensor stays on the
+        device (no host sync per micro-batch), a float stays a float (none per sample)."""
+        value = -value if key in self.MINIMA else value
+        cur = self.extremes[key]
+        if torch.is_tensor(cur) or torch.is_tensor(value):
+            as_t = functools.partial(torch.as_tensor, dtype=torch.float64, device=self.device)
+            self.extremes[key] = torch.maximum(as_t(cur), as_t(value))
+        else:
+            self.extremes[key] = max(cur, value)
 
     def add_sample(self, p: Prepared, version: int) -> None:
         self.add("num_samples", 1.0)
@@ -171,17 +201,32 @@ class StatSums:
         self.add("score_sq_sum", p.score * p.score)
         self.add("resp_len_sum", float(p.num_tokens))
         self.add("staleness_sum", float(version - p.weight_version))
+        for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
+            self.add_extreme(f"{k}_max", v)
+            self.add_extreme(f"{k}_min", v)
 
     def add_counts(self, counts: dict[str, torch.Tensor]) -> None:
         for k, v in counts.items():
-            self.add(k, v.detach().double().to(self.device))
+            v = v.detach().double().to(self.device)
+            if k in self.EXTREMES:
+                self.add_extreme(k, v)
+            else:
+                self.add(k, v)
 
     def packed(self) -> torch.Tensor:
         return torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float64, device=self.device)
                             for k in self.KEYS])
 
-    def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None) -> dict[str, float]:
-        """``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``)."""
+    def packed_extremes(self) -> torch.Tensor:
+        """[len(EXTREMES)] float64, minima negated: all-reduced with MAX (-inf: nothing seen)."""
+        return torch.stack([torch.as_tensor(self.extremes[k], dtype=torch.float64, device=self.device)
+                            for k in self.EXTREMES])
+
+    def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
+                extremes: torch.Tensor | None = None, critic: bool = False) -> dict[str, float]:
+        """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
+        all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
+        report the critic's statistics. A maximum or minimum over nothing is 0.0, as the means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
@@ -195,5 +240,13 @@ class StatSums:
         for k in self.PER_UNIT:
             d = frac_divisor if k in self.FRACTIONS else divisor
             m[k] = t[k] / d if d > 0 else 0.0
+        for k, s in self.TOKEN_MEANS.items():
+            m[k] = t[s] / t["num_tokens"] if t["num_tokens"] > 0 else 0.0
+        ext = self.packed_extremes() if extremes is None else extremes
+        for k, v in zip(self.EXTREMES, ext.tolist()):
+            m[k] = (-v if k in self.MINIMA else v) if math.isfinite(v) else 0.0
+        if not critic:
+            for k in self.CRITIC:
+                del m[k]
         m["_divisor"] = divisor
         return m

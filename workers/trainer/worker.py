@@ -330,10 +330,12 @@ class TrainerWorker:
         lr = float(self.scheduler.get_last_lr()[0])
         if self.cfg.mini_batches > 1:  # trains here (first pass: the logged statistics)
             applied, norms = self._mini_batch_updates(params)
-        totals = self.stats.packed()
+        totals, extremes = self.stats.packed(), self.stats.packed_extremes()
         if self.world_size > 1:
             dist.all_reduce(totals, group=self.group)
-        metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
+        metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
+                                     critic=self.critic is not None)
         divisor = metrics.pop("_divisor")
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = self._streamed_updates(params, divisor)
