@@ -152,9 +152,7 @@ def controller(a) -> int:
     print(json_line({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s]}}),
           flush=True)
     cfg = bench_config(a, str(logdir / "ptl_profile.json"))
-    from controller.main import parse_args
-
-    session = runner.Session(cfg, parse_args([]), 3)  # the entry point's defaults (no --resume, REPL, --set)
+    session = runner.Session(cfg, argparse.Namespace(config=None, repl=False, resume="", set=[]), 3)
     prog = session.program
     current = {"it": 0}
     make_batch = prog.make_batch
