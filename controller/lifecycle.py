@@ -4,7 +4,8 @@
   torchrun ends its ranks only while it runs, and orphans would finish the run on their own, or
   hang forever once the controller is gone too (Ray ends a driver's workers the same way).
 * ``signals_interrupt``: SIGTERM and SIGHUP (how Slurm, Kubernetes and ssh stop a job) take
-  Ctrl-C's path: one line naming the last checkpoint, not a silent exit.
+  Ctrl-C's path: one line naming the last checkpoint, not a silent exit. The interrupt is not
+  raised inside torch's future / RPC code, which would swallow it (``_TORCH_CALLBACK_CODE``).
 * ``agree_on_config``: every rank publishes its config (or its config error) in torchrun's
   store and reads every other rank's before any process group exists, so an error on one
   node is printed on every node within seconds (it used to show on none but rank 0's node,
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -42,17 +44,85 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM / SIGHUP, taken as Ctrl-C (the message names the signal)."""
 
 
+_STOP_SIGNAL: list[str] = []  # the name of the first stop signal the handler took
+
+# Code the interrupt is not raised in: torch runs a Future's callback inline, in the thread that
+# adds it, when the future is already complete (``then`` / ``add_done_callback``), and keeps an
+# exception raised in a callback as that callback's future's error (rref_proxy's own
+# ``except BaseException`` fails on a KeyboardInterrupt, which is no Exception, and torch keeps
+# that error instead). Every ``rref.rpc_async().method()`` (each controller -> worker call) makes
+# its call in such a callback (torch/distributed/rpc/rref_proxy.py): an interrupt raised there
+# would never reach the caller (the handler has run, the signal is spent), the call's future
+# would never complete, and the controller would go on until it found its workers gone, stopped
+# by the same signal ("worker ... was lost" instead of "stopped by SIGTERM").
+_TORCH_CALLBACK_CODE = ("futures", os.path.join("distributed", "rpc"))
+DEFER_AT_MOST_S = 1.0  # past this the interrupt is raised wherever the main thread is
+
+
+def stop_signal() -> str | None:
+    """The name of the first signal ``signals_interrupt``'s handler took ("SIGTERM", "SIGINT"),
+    None before: recorded before anything is raised, so it stays known whatever catches the
+    interrupt."""
+    return _STOP_SIGNAL[0] if _STOP_SIGNAL else None
+
+
+def _outermost_torch_callback_frame(frame):
+    """The outermost frame of torch's future / RPC Python code among ``frame`` and its callers
+    (None when there is none)."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(torch, "__file__", None) is None:
+        return None
+    root = os.path.dirname(torch.__file__)
+    dirs = tuple(os.path.join(root, d) + os.sep for d in _TORCH_CALLBACK_CODE)
+    outer = None
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(dirs):
+            outer = frame
+        frame = frame.f_back
+    return outer
+
+
 def signals_interrupt(*signums: int) -> None:
-    """Raise ``Terminated`` in the main thread on each of ``signums``, once: from then on these
-    and SIGINT are ignored (Slurm signals every process and torchrun forwards it too; a second
-    one must not break the way out the first took)."""
-    def handler(signum, frame):
+    """Raise ``Terminated`` in the main thread on each of ``signums`` (and ``KeyboardInterrupt``
+    on SIGINT, unless it has a handler of its own or is ignored), once: from then on these and
+    SIGINT are ignored (Slurm signals every process and torchrun forwards it too; a second one
+    must not break the way out the first took).
+
+    Python runs the handler in the main thread between two bytecodes, wherever it is. Inside
+    torch's future / RPC code (``_TORCH_CALLBACK_CODE``) the interrupt is raised when the
+    outermost such frame returns, into its caller (a profile function on the main thread until
+    then; after ``DEFER_AT_MOST_S`` it is raised at once; where a profiler is already set, at once)."""
+    deferred: list = []  # [signum, deadline, outermost torch frame] while an interrupt waits
+
+    def interrupt(signum):
         for s in (*signums, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)
-        raise Terminated(signal.Signals(signum).name)
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
 
+    def on_event(frame, event, arg):  # sys.setprofile: every call / return on the main thread
+        if (event == "return" and frame is deferred[2]) or time.monotonic() > deferred[1]:
+            sys.setprofile(None)
+            signum = deferred[0]
+            deferred.clear()
+            interrupt(signum)  # raised from the returning frame: its caller gets it
+
+    def handler(signum, frame):
+        if not _STOP_SIGNAL:
+            _STOP_SIGNAL.append(signal.Signals(signum).name)
+        if deferred:  # a second signal while the first waits: the first one's interrupt stands
+            return
+        outer = _outermost_torch_callback_frame(frame)
+        if outer is not None and sys.getprofile() is None:
+            deferred[:] = [signum, time.monotonic() + DEFER_AT_MOST_S, outer]
+            sys.setprofile(on_event)
+            return
+        interrupt(signum)
+
+    _STOP_SIGNAL.clear()
     for s in signums:
         signal.signal(s, handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
 
 
 def _canonical(value) -> str:

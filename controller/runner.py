@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch.distributed.rpc as rpc
 
 from controller import checkpoint as ckpt
+from controller import lifecycle
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.evaluation import evaluate, measure_lengths
@@ -339,10 +339,11 @@ def run_controller(cfg, args, world_size: int) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         code = 2
     except (WorkerFailed, RunStopped, NoInstancesLeft, OSError) as e:  # OSError: the run folder (full, gone)
-        if isinstance(e, (WorkerFailed, NoInstancesLeft)):
-            # a worker lost to the job's own Ctrl-C / SIGTERM: this process's signal is due as well
-            # (delivered once a blocking call returns); let it end the run as "interrupted"
-            time.sleep(1.0)
+        sig = lifecycle.stop_signal()
+        if sig and isinstance(e, (WorkerFailed, NoInstancesLeft)):
+            # a worker lost to the job's own Ctrl-C / SIGTERM, seen before this process's interrupt
+            # surfaced: the run was stopped by the signal, and says so (controller.main._interrupted)
+            raise (KeyboardInterrupt() if sig == "SIGINT" else lifecycle.Terminated(sig)) from None
         print(f"[controller] run stopped: {_error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr,
               flush=True)
         code = 1
