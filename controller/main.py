@@ -89,7 +89,8 @@ _RPC_STORE = None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="StreamRL controller / worker entry point")
+    ap = argparse.ArgumentParser(description="StreamRL controller / worker entry point",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--config", help="YAML run config (configs/*.yaml)")
     ap.add_argument("--repl", action="store_true", help="interactive console on the controller (stdin of rank 0)")
     ap.add_argument("--resume", default="", help="run logdir or checkpoint folder to resume from")
