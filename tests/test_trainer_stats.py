@@ -17,6 +17,7 @@ from workers.trainer.step_math import StatSums, prepare_batch
 from workers.types import Sample, TaskPrompt
 from workers.weight_sync.localrun import run_local
 from tests.trainer_helpers import tiny_model_dir
+from tests.test_trainer_math_grad import loop_gae
 
 torch.set_num_threads(1)
 NEW_KEYS = ("reward_max", "reward_min", "advantage_mean", "advantage_max", "advantage_min", "response_len_max",
@@ -111,15 +112,6 @@ def test_ppo_kl_is_the_mean_old_minus_new_log_prob(model_dir, loss_agg):
     assert abs(token_mean - seq_mean) > 0.03  # the two aggregations differ here
     want = seq_mean if loss_agg == "seq_mean" else token_mean
     assert m["ppo_kl"] == pytest.approx(want, abs=1e-5)
-
-
-def loop_gae(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
-    adv, last = [0.0] * len(rewards), 0.0
-    for t in reversed(range(len(rewards))):
-        nv = values[t + 1] if t + 1 < len(rewards) else 0.0
-        last = rewards[t] + gamma * nv - values[t] + gamma * lam * last
-        adv[t] = last
-    return adv
 
 
 def critic_values(critic, s: Sample) -> list[float]:
