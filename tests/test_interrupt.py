@@ -73,6 +73,9 @@ _IN_CALLBACK = textwrap.dedent("""
 
     rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
         init_method="tcp://127.0.0.1:{port}", _transports=["uv"], _channels=["basic"]))
+    # a shell's background job starts with SIGINT ignored (CI may run so): give this process the
+    # handler Python installs when started from a terminal, which signals_interrupt takes over
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
     rref = rpc.RRef(Obj())
     assert rref.rpc_async().ping(1).wait() == 1  # the RRef's type is known: callbacks run inline from here
