@@ -59,6 +59,12 @@ _TORCH_CALLBACK_CODE = ("futures", os.path.join("distributed", "rpc"))
 DEFER_AT_MOST_S = 1.0  # past this the interrupt is raised wherever the main thread is
 
 
+def interrupt_for(signame: str) -> KeyboardInterrupt:
+    """The interrupt a stop signal raises: Ctrl-C's plain ``KeyboardInterrupt`` for SIGINT,
+    ``Terminated`` naming the signal otherwise."""
+    return KeyboardInterrupt() if signame == "SIGINT" else Terminated(signame)
+
+
 def stop_signal() -> str | None:
     """The name of the first signal ``signals_interrupt``'s handler took ("SIGTERM", "SIGINT"),
     None before: recorded before anything is raised, so it stays known whatever catches the
@@ -97,7 +103,7 @@ def signals_interrupt(*signums: int) -> None:
     def interrupt(signum):
         for s in (*signums, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)
-        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+        raise interrupt_for(signal.Signals(signum).name)
 
     def on_event(frame, event, arg):  # sys.setprofile: every call / return on the main thread
         if (event == "return" and frame is deferred[2]) or time.monotonic() > deferred[1]:

@@ -343,7 +343,7 @@ def run_controller(cfg, args, world_size: int) -> int:
         if sig and isinstance(e, (WorkerFailed, NoInstancesLeft)):
             # a worker lost to the job's own Ctrl-C / SIGTERM, seen before this process's interrupt
             # surfaced: the run was stopped by the signal, and says so (controller.main._interrupted)
-            raise (KeyboardInterrupt() if sig == "SIGINT" else lifecycle.Terminated(sig)) from None
+            raise lifecycle.interrupt_for(sig) from None
         print(f"[controller] run stopped: {_error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr,
               flush=True)
         code = 1
