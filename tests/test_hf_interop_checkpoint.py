@@ -68,8 +68,21 @@ def test_checkpoint_of_a_folder_without_head_dim_resumes(source, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     w = TrainerWorker(TrainerConfig(), str(folder), synthetic_task(), device="cpu")
     w.save_checkpoint(str(tmp_path / "ckpt"))
+    head_dim = json.loads((tmp_path / "ckpt" / "model" / "config.json").read_text())["head_dim"]
+    assert head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]
     tckpt.check(tmp_path / "ckpt", folder, "grpo", critic=False)
+    saved = {k: v.clone() for k, v in w.actor.state_dict().items()}
+    with torch.no_grad():
+        for p in w.actor.parameters():
+            p.add_(1.0)
     w.load_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(v, saved[k]) for k, v in w.actor.state_dict().items())
+    # a model whose head_dim really differs is still refused, by name
+    other = tmp_path / "otherhd"
+    shutil.copytree(folder, other)
+    (other / "config.json").write_text(json.dumps({**cfg, "head_dim": 2 * head_dim}))
+    with pytest.raises(ValueError, match=f"dim_head {head_dim} \\(this run: {2 * head_dim}\\)"):
+        tckpt.check(tmp_path / "ckpt", other, "grpo", critic=False)
 
 
 def test_carried_files_list(source):

@@ -114,8 +114,10 @@ def test_jinja_environment_matches_transformers(tok, tmp_path, name, template):
     ours = Tokenizer.load(folder)
     for gen in (True, False):
         assert ours.apply_chat_template(MSGS, add_generation_prompt=gen) == hf_render(folder, MSGS, gen)
-    if name == "strftime_now":
-        assert datetime.now().strftime("%d %b %Y") in ours.format_prompt("hi")
+    if name == "strftime_now":  # the date before or after rendering (a render across midnight)
+        before = datetime.now().strftime("%d %b %Y")
+        text = ours.format_prompt("hi")
+        assert before in text or datetime.now().strftime("%d %b %Y") in text
 
 
 def test_template_sees_what_transformers_hands_it(tok, tmp_path):

@@ -24,9 +24,10 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, tiny_mo
     p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 240
+        # no deadline of its own (a loaded machine only makes the run slower): the suite's
+        # pytest-timeout ends a run that never checkpoints
         while ckpt.find(tmp_path / "run") is None or ckpt.find(tmp_path / "run").name < "iter_000004":
-            assert p.poll() is None and time.time() < deadline, "the run ended or made no checkpoint"
+            assert p.poll() is None, "the run ended before its fourth iteration's checkpoint"
             time.sleep(0.5)
         if how == "ctrl-c":
             os.killpg(p.pid, signal.SIGINT)

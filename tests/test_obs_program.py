@@ -9,6 +9,7 @@ import pytest
 import controller.evaluation as evaluation_mod
 import controller.program as program_mod
 import controller.timeline as timeline_mod
+from controller.data import PromptStream
 from controller.instance import GenerateReport
 from controller.program import Program
 from controller.rpc import WorkerHandle
@@ -20,6 +21,7 @@ from workers.types import TaskPrompt
 
 GEN_S, STEP_S, PUSH_S, EVAL_S = 1.0, 5.0, 0.25, 2.0
 MAX_TOKENS = 6
+TRAIN = [TaskPrompt(f"{10 ** i} + {i} =", str(10 ** i + i), "sum") for i in range(5)]  # 7..11 characters
 
 
 class Clock:
@@ -78,7 +80,7 @@ def _program(monkeypatch, mode: str, clock: Clock) -> Program:
                             temperature=1.0, top_k=-1, top_p=1.0, eval_samples=1, eval_temperature=0.0)
     cfg = SimpleNamespace(pipeline=SimpleNamespace(mode=mode, minibatch_size=0, stream_window_s=0.02), train=train,
                           ranker=SimpleNamespace(update_every=0), trainer=SimpleNamespace(max_staleness=1))
-    prompts = {"train": [TaskPrompt(f"{i} + {i} =", str(2 * i), "sum") for i in range(5)],
+    prompts = {"train": TRAIN,
                "test": [TaskPrompt(f"{i} + 1 =", str(i + 1), "sum") for i in range(3)]}
     task = SimpleNamespace(prompts=lambda split: prompts[split], score=lambda item, text: 1.0)
     tok = SimpleNamespace(encode_prompt=lambda text, messages=(): list(range(len(text))), decode=lambda ids: "x")
@@ -113,10 +115,12 @@ def test_wait_push_spans_name_the_iteration_that_waits_for_the_weights(monkeypat
 
 def test_batch_lengths(monkeypatch):
     res = _program(monkeypatch, "batch", Clock()).run(1)[0]
-    prompt_lens = [len(f"{i} + {i} =") for i in range(5)]  # the stream's first two prompts, group of 2
+    first = PromptStream(TRAIN, 0).next(2)  # iteration 0's prompts (train.seed 0), each sampled twice
+    lens = [len(p.prompt) for p in first]  # the stand-in tokenizer: a token per character
+    assert len(set(lens)) == 2
     assert res.batch["response_len_max"] == MAX_TOKENS and res.batch["response_len_min"] == 3
     assert res.batch["response_clip_ratio"] == 0.5  # verl's response_length/clip_ratio
-    assert res.batch["prompt_len_max"] <= max(prompt_lens) and res.batch["prompt_len_mean"] > 0
+    assert res.batch["prompt_len_max"] == max(lens) and res.batch["prompt_len_mean"] == sum(lens) / 2
     assert res.batch["epoch"] == 0
 
 

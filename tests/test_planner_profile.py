@@ -26,10 +26,10 @@ def tiny_engine(kv_tokens=2048, max_batch_size=16):
 
 class StepClock:
     """Wraps an engine; a virtual clock advances by a + b * running + c * cached KV tokens
-    (blocks in use x 16) on every step."""
+    (blocks in use x 16) + p * prompt tokens prefilled, on every step."""
 
-    def __init__(self, engine, a=0.01, b=0.001, c=0.0):
-        self.engine, self.a, self.b, self.c, self.t = engine, a, b, c, 0.0
+    def __init__(self, engine, a=0.01, b=0.001, c=0.0, p=0.0):
+        self.engine, self.a, self.b, self.c, self.p, self.t = engine, a, b, c, p, 0.0
         self.cfg = engine.cfg
 
     def __getattr__(self, name):
@@ -37,8 +37,12 @@ class StepClock:
 
     def step(self):
         st = self.engine.stats()
+        sch = self.engine.scheduler
+        seqs = list(sch.running) + list(sch.waiting)
+        before = [s.num_cached for s in seqs]
         out = self.engine.step()
-        self.t += self.a + self.b * st.running + self.c * st.kv_blocks_used * 16
+        prefilled = sum(max(0, min(s.num_cached, s.prompt_len) - b) for s, b in zip(seqs, before))
+        self.t += self.a + self.b * st.running + self.c * st.kv_blocks_used * 16 + self.p * prefilled
         return out
 
     def clock(self):
@@ -47,14 +51,15 @@ class StepClock:
 
 def test_profile_recovers_the_step_law_and_leaves_the_engine_idle():
     torch.set_num_threads(1)
-    eng = StepClock(tiny_engine())
+    eng = StepClock(tiny_engine(), p=1e-4)
     prof = profile_engine(eng, batch_sizes=(1, 2, 4, 8), prompt_len=8, decode_steps=4, warmup_steps=1,
                           clock=eng.clock, name="tiny")
     assert prof.batch_sizes == [1, 2, 4, 8]
     assert prof.ptl_s == pytest.approx([0.01 + 0.001 * b for b in (1, 2, 4, 8)])
     assert prof.kv_s_per_token == 0.0
     assert prof.kv_tokens == 2048 and prof.block_size == 16 and prof.max_batch_size == 16
-    assert prof.prefill_s_per_token >= 0.0
+    # a prefill step runs alone (nothing else running): a + p * prompt tokens
+    assert prof.prefill_s_per_token == pytest.approx(1e-4) and prof.prefill_step_s == pytest.approx(0.01)
     assert not eng.engine.has_work() and eng.engine.stats().max_batch_size == 16
     assert prof.max_batch_for_len(200) == 2048 // 208  # KV-bound: 9 sequences of 13 blocks
     assert prof.max_batch_for_len(10) == 16  # bound by the engine's max_batch_size

@@ -1,7 +1,10 @@
 """The instance model (controller/planner/engine_sim.py) against the real native engine:
-same requests, same admission order, same KV budget and batch cap -> the same number of
-decode steps, prefill steps and preemptions (counted, not timed), and the dispatcher's
-choices of batch cap and admission order are its own cost model's argmin."""
+same requests, same admission order, same KV budget and batch cap -> the same counts of decode
+steps, prefill steps, prefill tokens and preemptions (counted, not timed) when the KV cache
+never runs out, and close ones under KV pressure (measured: decode steps within 3%, prefill
+steps within 25%, preemptions within 33%; the model does not copy the engine's admission
+watermark and preemption victim choice); and the dispatcher's choices of batch cap and
+admission order are its own cost model's argmin."""
 import numpy as np
 import pytest
 import torch
@@ -53,11 +56,12 @@ def test_instance_model_counts_match_the_engine(kv_tokens, n, cap):
     # prefill_step_s > 0: a measured prefill step, which yields each admitted sequence's next token
     prof = PTLProfile([1], [1.0], kv_tokens=kv, block_size=16, prefill_step_s=1.0)
     sim = simulate_instance(out, prof, cap, prompts)
-    assert sim.decode_steps == pytest.approx(eng["decode"], rel=0.08)
+    assert sim.decode_steps == pytest.approx(eng["decode"], rel=0.05)
     assert sim.prefill_steps == pytest.approx(eng["prefill"], rel=0.35, abs=3)
     assert sim.prefill_tokens == pytest.approx(eng["prefill_tokens"], rel=0.2)
-    if eng["preemptions"] == 0:
-        assert sim.preemptions == 0
+    if eng["preemptions"] == 0:  # no KV pressure: the model is the engine's step sequence
+        assert (sim.decode_steps, sim.prefill_steps, sim.prefill_tokens, sim.preemptions) == \
+            (eng["decode"], eng["prefill"], eng["prefill_tokens"], 0)
     else:
         assert sim.preemptions == pytest.approx(eng["preemptions"], rel=0.4)
 

@@ -243,7 +243,7 @@ def test_config_validation():
 def test_streams_from_native_engine_and_loads_weights_back(model_dir, task):
     """Engine samples go straight into receive() as they finish; the engine's log-probs equal the
     trainer's (ratio 1 on the first step); the new weights load into the engine by name."""
-    factory = pytest.importorskip("workers.generation.factory")
+    from workers.generation import factory
     from workers.generation.config import EngineConfig
     from workers.generation.engine import generate_all
     from workers.types import Request, SamplingParams
