@@ -1,6 +1,7 @@
 """End-to-end runs of controller/main.py under torchrun: real processes, real torch RPC,
 real TensorBoard event files (read back with EventAccumulator)."""
 import json
+import shutil
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_resume_writes_into_the_resumed_run_or_forks_into_an_unused_logdir(tmp_p
         return p
 
     run("a", 2)
-    run("b", 2)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # another finished run in B (a copy: one launch less)
     p = run("b", 4, "--resume", str(tmp_path / "a"))
     assert f"continuing that run in its folder {tmp_path / 'a'}" in p.stderr
     assert [r["iteration"] for r in iterations(tmp_path / "a")] == [0, 1, 2, 3]
