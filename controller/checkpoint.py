@@ -3,8 +3,9 @@
 Layout under ``<logdir>/checkpoints/``::
 
     iter_000010/trainer/        TrainerWorker.save_checkpoint (model HF format, optimizer, RNG, version)
-    iter_000010/controller.json iteration, weight version, prompt-stream position, RNG, mode,
-                                the ranker's rows awaiting its next online update
+    iter_000010/controller.json iteration, weight version, prompt-stream position, mode, rewards,
+                                the ranker's rows awaiting its next online update (the RNG states
+                                are the trainer's, in trainer/; ``rng`` is always empty)
     iter_000010/ranker/         the length ranker, when it is updated online (ranker.update_every)
     latest                      text file naming the newest complete checkpoint
 
@@ -22,18 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from controller.config import ConfigError
-from workers.atomic import replace_dir, write_text
+from workers.atomic import atomic_dir, remove_stale_temps, write_text
 
 
 class CheckpointError(ConfigError):
@@ -47,15 +43,10 @@ class ControllerState:
     stream: dict  # PromptStream.state_dict()
     mode: str
     rewards: list
-    rng: dict
+    rng: dict  # always {}: no controller RNG state is saved (kept: the runner passes it, old files have it)
     # (prompt, length) rows gathered for the ranker's next online update (ranker.update_every):
     # a resume between two updates keeps them (checkpoints before session 12 have none)
     ranker_rows: list = field(default_factory=list)
-
-
-def _rng_state() -> dict:
-    return {"python": repr(random.getstate()), "numpy": np.random.get_state()[1].tolist()[:4],
-            "torch_seed": int(torch.initial_seed())}
 
 
 def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=None) -> Path:
@@ -63,19 +54,13 @@ def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=Non
     (one updated online) is saved beside it."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".iter_*.tmp*"):  # a save killed before it could clean up (kill -9), a failed prune
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temps(root, r"\.iter_.*\.tmp.*")  # a save killed before it could clean up (kill -9), a failed prune
     final = root / f"iter_{state.iteration:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
-    try:
+    with atomic_dir(final) as tmp:  # a full disk, a trainer lost mid-save: the temp folder is removed
         trainer_save(str(tmp / "trainer"))
         if ranker is not None:
             ranker.save(tmp / "ranker")
         (tmp / "controller.json").write_text(json.dumps(state.__dict__, indent=1))
-        replace_dir(tmp, final)
-    except BaseException:  # a full disk, a trainer lost mid-save: no half-written copy left taking space
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     write_text(root / "latest", final.name)
     return final
 

@@ -20,7 +20,7 @@ from torch.utils.tensorboard import SummaryWriter  # at set-up: imported at the 
 
 from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fractions, gantt_figure, iteration_windows,
                                  merge_intervals, pyplot, write_chrome_trace)
-from workers.atomic import write_text
+from workers.atomic import atomic_file, write_text
 
 SPANS = "spans.jsonl"  # every span of every attempt, one JSON object a line, appended per iteration
 
@@ -222,13 +222,8 @@ class Metrics:
                 self._open(step).add_figure("timeline/gantt", fig, step, close=False)
                 self._open(step).flush()
                 self._tb_once.add(("timeline/gantt", step))
-            png = self.logdir / "timeline.png"
-            tmp = png.with_name(f".{png.name}.tmp{os.getpid()}")
-            try:
+            with atomic_file(self.logdir / "timeline.png") as tmp:
                 fig.savefig(tmp, dpi=100, format="png")
-                os.replace(tmp, png)
-            finally:
-                tmp.unlink(missing_ok=True)
             out = write_chrome_trace(self.earlier + spans, self.logdir / "timeline.json")
             self._written = n
             return out

@@ -8,17 +8,14 @@ parsed; a save replaces only a folder holding nothing else.
 """
 from __future__ import annotations
 
-import glob
-import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from workers.atomic import replace_dir
+from workers.atomic import atomic_dir, file_digest, folder_digests, remove_stale_temps
 
 FORMAT = "streamrl-length-ranker"
 FORMAT_VERSION = 1
@@ -65,22 +62,18 @@ def save(ranker, path: str | Path) -> Path:
     path = Path(path).resolve()  # "." and ".." get a real name and parent; a link is followed
     ranker._need_fitted()
     check_target(path)
-    _remove_stale_temps(path)
-    tmp = None
+    # temp folders of saves killed before they could clean up (one save at a time per folder:
+    # a running one's would go too); tempfile.mkdtemp's random suffix is 8 of [a-z0-9_]
+    remove_stale_temps(path.parent, re.escape(f".{path.name}.tmp") + "[a-z0-9_]{8}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
-        ranker.save_files(tmp)
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": ranker.kind,
-                "target": TARGET, **ranker.meta(), "files": _checksums(tmp)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        replace_dir(tmp, path)
+        with atomic_dir(path) as tmp:  # removed when anything in it fails, also Ctrl-C
+            ranker.save_files(tmp)
+            meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": ranker.kind,
+                    "target": TARGET, **ranker.meta(), "files": folder_digests(tmp, "sha256")}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     except Exception as e:  # OSError, or a writer's own I/O error (safetensors raises SafetensorError)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise OSError(getattr(e, "errno", None), f"cannot save the ranker ({why})", str(path)) from e
-    finally:  # after replace_dir, tmp is gone or holds the replaced folder
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -147,33 +140,6 @@ def _foreign_entries(folder: Path, keep: set[str]) -> list[str]:
     return sorted(out)
 
 
-_TEMP = re.compile(r"\.tmp[a-z0-9_]{8}")  # tempfile.mkdtemp's random suffix
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Remove ``.NAME.tmpXXXXXXXX`` entries beside ``path``: temp folders of saves that were killed
-    before they could clean up (one save at a time per folder: a running one's would go too)."""
-    for p in path.parent.glob(glob.escape(f".{path.name}.tmp") + "*"):
-        if _TEMP.fullmatch(p.name[len(path.name) + 1:]):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _checksums(folder: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file under ``folder``."""
-    return {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _verify(folder: Path, files) -> None:
     """Check every file ``save`` recorded before anything parses it (LightGBM aborts the whole
     process, even with a segfault, on some truncated model files instead of raising): a folder
@@ -189,7 +155,7 @@ def _verify(folder: Path, files) -> None:
         p = folder / rel
         if not p.is_file():
             raise ValueError(f"{p}: missing; retrain or restore it")
-        if _sha256(p) != want:
+        if file_digest(p, "sha256") != want:
             raise ValueError(f"{p}: checksum mismatch (truncated or modified); retrain or restore it")
 
 

@@ -41,6 +41,49 @@ def test_write_text_replaces_a_file(tmp_path):
     assert p.read_text() == "two" and sorted(q.name for q in p.parent.iterdir()) == ["x.txt"]
 
 
+def test_atomic_dir_replaces_on_success_and_leaves_the_old_folder_on_failure(tmp_path):
+    target = _folder(tmp_path / "t", "old")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.atomic_dir(target) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".t.tmp")
+            (tmp / "f").write_text("half")
+            raise KeyboardInterrupt
+    assert (target / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+    with atomic.atomic_dir(tmp_path / "new" / "t") as tmp:  # the parent is created
+        (tmp / "f").write_text("new")
+    assert (tmp_path / "new" / "t" / "f").read_text() == "new"
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["t"]
+
+
+def test_atomic_file_keeps_the_old_file_when_the_write_fails(tmp_path):
+    p = atomic.write_text(tmp_path / "x.png", "old")
+    with pytest.raises(OSError):
+        with atomic.atomic_file(p) as tmp:
+            tmp.write_text("half")
+            raise OSError("disk full")
+    assert p.read_text() == "old" and sorted(q.name for q in tmp_path.iterdir()) == ["x.png"]
+
+
+def test_remove_stale_temps_removes_only_matching_names(tmp_path):
+    for name in (".m.tmpabcd1234", ".m.tmpzz9", "m"):
+        _folder(tmp_path / name, "x")
+    (tmp_path / ".m.tmpfile0001").write_text("x")
+    (tmp_path / ".m.tmplink0001").symlink_to(tmp_path / "m")
+    atomic.remove_stale_temps(tmp_path, r"\.m\.tmp[a-z0-9_]{8}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.tmpzz9", "m"]
+    assert (tmp_path / "m" / "f").read_text() == "x"  # a link's target is left alone
+    atomic.remove_stale_temps(tmp_path / "none", r".*")  # no folder: nothing to do
+
+
+def test_digests_keep_the_formats_saved_folders_hold(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_bytes(b"hello")
+    (tmp_path / "b").write_bytes(b"")
+    assert atomic.folder_digests(tmp_path, "crc32") == {"b": "00000000", "d/a": "3610a686"}
+    assert atomic.file_digest(tmp_path / "d" / "a", "sha256") == \
+        "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+
+
 def test_saved_model_folders_are_readable_as_a_plain_mkdir_makes_them(tmp_path):
     """mkdtemp gives 0o700 and safetensors writes 0o600: a model or checkpoint saved on a shared
     cluster was unreadable to everyone else. Saved trees get the umask's modes."""

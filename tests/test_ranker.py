@@ -175,12 +175,12 @@ def test_folder_without_checksums_is_refused(fitted, tmp_path):
 def _reseal(damage):
     """``damage`` to a saved file, then its checksums recorded again: the damage reaches the
     parser (as after a hand edit of the folder), so its own error must name the folder."""
-    from ranker.store import _checksums
+    from workers.atomic import folder_digests
 
     def run(d):
         damage(d)
         meta = json.loads((d / "meta.json").read_text())
-        meta["files"] = {k: v for k, v in _checksums(d).items() if k != "meta.json"}
+        meta["files"] = {k: v for k, v in folder_digests(d, "sha256").items() if k != "meta.json"}
         (d / "meta.json").write_text(json.dumps(meta))
     return run
 

@@ -16,6 +16,7 @@ import ranker
 from ranker import store
 from ranker.cli import main
 from test_ranker_synth import SMALL_LGBM, synth, write_trace
+from workers import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +122,7 @@ def test_interrupted_save_leaves_no_temp_and_stale_temps_are_removed(model, othe
 
     def interrupted(tmp, folder):
         raise KeyboardInterrupt
-    monkeypatch.setattr(store, "replace_dir", interrupted)
+    monkeypatch.setattr(atomic, "replace_dir", interrupted)
     with pytest.raises(KeyboardInterrupt):
         other_model.save(d)
     monkeypatch.undo()

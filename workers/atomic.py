@@ -2,15 +2,26 @@
 was saved is either the old file/folder or the new one, never a half-written mix, also after a
 power loss or a node crash. The new data is fsynced before the rename that commits it, and the
 parent folder after it (a rename is only durable once its directory is): without that, a crash
-could leave the renamed folder holding zero-length files."""
+could leave the renamed folder holding zero-length files.
+
+``atomic_dir`` / ``atomic_file`` give a temp folder / file beside the target to write into and
+put it in place (``replace_dir`` / a rename) when the block ends, or remove it when the block
+raises; ``remove_stale_temps`` sweeps the temp folders of saves that were killed. ``file_digest``
+and ``folder_digests`` are the checksums saved folders record."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import os
+import re
 import shutil
 import stat
+import tempfile
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
@@ -113,20 +124,81 @@ def replace_dir(tmp: str | os.PathLike, folder: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to a temp file beside ``path``, fsync it, rename it over ``path``, then
-    fsync the folder (the rename is the commit point)."""
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temp folder beside ``target`` (``.NAME.tmpXXXXXXXX``, its parent created)
+    to write into; when the block ends, put it at ``target`` with ``replace_dir`` (atomic,
+    durable). When the block, or the replacement, raises, the temp folder is removed and
+    ``target`` is left as it was."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, target)
+    except BaseException:  # a full disk, Ctrl-C, a writer's error: no half-written copy left taking space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp file path beside ``path`` (``.NAME.tmp<pid>``, its parent created) to write;
+    when the block ends, fsync it, rename it over ``path``, then fsync the folder (the rename is
+    the commit point). When the block raises, the temp file is removed and ``path`` is left as
+    it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:  # a full disk: no temp file left beside ``path``
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
-    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through ``atomic_file``."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+def remove_stale_temps(folder: str | os.PathLike, name: str | re.Pattern) -> None:
+    """Remove the entries of ``folder`` whose name fully matches regex ``name``: temp folders of
+    saves killed before they could clean up (kill -9). Folders are deleted whole, files and
+    links unlinked; errors are ignored (the next save tries again)."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:  # no folder yet: nothing to sweep
+        return
+    for p in entries:
+        if not re.fullmatch(name, p.name):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def file_digest(path: str | os.PathLike, algo: str) -> str:
+    """Hex digest of a file's bytes, read in 16 MiB blocks: ``algo`` "crc32" (8 hex digits,
+    ~2 GB/s) or a hashlib name ("sha256")."""
+    crc, h = 0, None if algo == "crc32" else hashlib.new(algo)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            if h is None:
+                crc = zlib.crc32(block, crc)
+            else:
+                h.update(block)
+    return f"{crc:08x}" if h is None else h.hexdigest()
+
+
+def folder_digests(folder: str | os.PathLike, algo: str) -> dict[str, str]:
+    """{relative POSIX path: ``file_digest``} of every file under ``folder``, sorted by path."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): file_digest(p, algo) for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from workers.atomic import replace_dir
+from workers.atomic import atomic_dir
 from workers.model_config import ROPE_KEYS, ModelConfig
 
 
@@ -310,31 +309,29 @@ def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes:
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp", dir=folder.parent))
     state = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
-    if max_shard_bytes <= 0:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        shards, cur, size = [], {}, 0
-        for k, v in state.items():
-            nb = v.numel() * v.element_size()
-            if cur and size + nb > max_shard_bytes:
-                shards.append(cur)
-                cur, size = {}, 0
-            cur[k], size = v, size + nb
-        shards.append(cur)
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in state.values())
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    try:
+    with atomic_dir(folder) as tmp:  # a failed save (a full disk, a clashing extra file) leaves no temp dir
+        dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
+        if max_shard_bytes <= 0:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            shards, cur, size = [], {}, 0
+            for k, v in state.items():
+                nb = v.numel() * v.element_size()
+                if cur and size + nb > max_shard_bytes:
+                    shards.append(cur)
+                    cur, size = {}, 0
+                cur[k], size = v, size + nb
+            shards.append(cur)
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         for f in extra_files:
             f = Path(f)
             if f.name in ("config.json", *(p.name for p in tmp.iterdir())):
@@ -343,9 +340,5 @@ def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes:
                 shutil.copytree(f, tmp / f.name)
             else:
                 shutil.copyfile(f, tmp / f.name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, folder)
     return folder
 

@@ -9,16 +9,14 @@ worker was built from."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import zipfile
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from workers.model import load_state, replace_dir, save_pretrained
+from workers.atomic import atomic_dir, file_digest, folder_digests
+from workers.model import load_state, save_pretrained
 from workers.trainer.schedule import lr_lambda
 
 if TYPE_CHECKING:
@@ -43,9 +41,7 @@ def save(w: "TrainerWorker", path: str) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:  # a full disk, an unwritable folder: no half-written copy left taking space
         save_pretrained(w.actor, tmp / "model", extra_files=carried_files(w.model_dir))
         if w.critic is not None:
             save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
@@ -62,22 +58,8 @@ def save(w: "TrainerWorker", path: str) -> Path:
         torch.save(state, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({"algorithm": w.cfg.algorithm, "critic": w.critic is not None,
                                                  "version": w.version}))
-        (tmp / SUMS_FILE).write_text(json.dumps({str(f.relative_to(tmp)): _crc32(f) for f in sorted(tmp.rglob("*"))
-                                                 if f.is_file()}, indent=0))
-        replace_dir(tmp, path)
-    except BaseException:  # a full disk, an unwritable folder: no half-written copy left taking space
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / SUMS_FILE).write_text(json.dumps(folder_digests(tmp, "crc32"), indent=0))
     return path
-
-
-def _crc32(f: Path) -> str:
-    """CRC-32 of a file's bytes, read in 16 MiB blocks (~2 GB/s: what a flipped byte costs to find)."""
-    crc = 0
-    with open(f, "rb") as fh:
-        while block := fh.read(1 << 24):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
 
 
 def carried_files(model_dir: str | Path) -> list[Path]:
@@ -168,7 +150,7 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool)
         f = path / name
         if not f.is_file():
             raise damaged(f, FileNotFoundError("missing"))
-        got = _crc32(f)
+        got = file_digest(f, "crc32")
         if got != want:
             raise damaged(f, ValueError(f"CRC-32 {got}, written as {want}: its bytes changed since the save"))
 
