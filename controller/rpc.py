@@ -52,7 +52,12 @@ class WorkerFailed(RuntimeError):
         timed_out = lost and _timed_out(detail.splitlines()[0] if detail else "")
         what = ("did not answer in time (hung, or busy past its deadline)" if timed_out
                 else "was lost (process gone)" if lost else "raised")
-        super().__init__(f"worker rank {rank} ({role}) {what} in {method}():\n{detail}")
+        head = f"worker rank {rank} ({role}) {what} in {method}()"
+        if lost and detail:  # the transport's reason on the first line: logs that keep one line keep it
+            first, _, rest = detail.partition("\n")
+            super().__init__(f"{head}: {first}" + (f"\n{rest}" if rest else ""))
+        else:  # a Python exception: the worker's traceback below
+            super().__init__(f"{head}:\n{detail}")
 
 
 def is_peer_lost(err: BaseException) -> bool:
@@ -121,7 +126,12 @@ class Call:
         said = 0
         while not done.wait(HEARTBEAT_S):
             try:
-                rpc.rpc_sync(self.handle.name, ping, timeout=self.handle.timeout)
+                beat = rpc.rpc_async(self.handle.name, ping, timeout=self.handle.timeout)
+                if not _settles(beat, HEARTBEAT_S) and not done.is_set():  # say a silent worker at once
+                    print(f"[controller] worker rank {self.handle.rank} ({self.handle.role}) has not answered a "
+                          f"heartbeat for {HEARTBEAT_S:g} s in {self.method}(); it is declared lost if none comes "
+                          f"within placement.rpc_timeout_s = {self.handle.timeout:g} s", file=sys.stderr, flush=True)
+                beat.wait()
             except Exception as e:  # noqa: BLE001
                 if done.wait(1.0):
                     return  # it ended meanwhile: its own result or error tells
@@ -136,6 +146,13 @@ class Call:
                 print(f"[controller] still waiting for worker rank {self.handle.rank} ({self.handle.role}) in "
                       f"{self.method}(): {waited / 60:.0f} min; it answers its heartbeat, so it is alive but its "
                       "work has not ended (a long round, or stuck: see its own output)", file=sys.stderr, flush=True)
+
+
+def _settles(fut, seconds: float) -> bool:
+    """Whether ``fut`` completes (with a result or an error) within ``seconds``."""
+    ended = threading.Event()
+    fut.add_done_callback(lambda _: ended.set())
+    return ended.wait(seconds)
 
 
 def wait_all(calls: list[Call]) -> list[Any]:

@@ -5,8 +5,10 @@ Real torch RPC across four processes: rank 0 plays the controller; a frozen (SIG
 one only the heartbeat can find."""
 from __future__ import annotations
 
+import io
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -68,10 +70,14 @@ def _scenario(rank: int, world: int, rpc_port: int):
         pid = rpc.rpc_sync("worker3", crpc.ping)
         call = frozen.call("work", 60.0)
         os.kill(pid, signal.SIGSTOP)
+        said, sys.stderr = sys.stderr, io.StringIO()  # what the controller says while it waits
         try:
             call.wait()
         except crpc.WorkerFailed as e:
             out["frozen"] = (e.lost, e.rank, str(e).splitlines()[0])
+        finally:
+            said, sys.stderr = sys.stderr.getvalue(), said
+        out["frozen_said"] = said
         os.kill(pid, signal.SIGCONT)
         for r in (1, 3):
             rpc.rpc_async(f"worker{r}", release)  # not waited: the rank leaves before it could answer
@@ -109,4 +115,9 @@ def test_a_worker_dying_mid_call_is_lost(result):
 def test_a_frozen_worker_is_lost_by_its_heartbeat(result):
     lost, rank, line = result["frozen"]
     assert lost and rank == 3
-    assert line == "worker rank 3 (generation) did not answer in time (hung, or busy past its deadline) in work():"
+    # the reason on the same line (the SGS logs one line when it removes an instance)
+    assert line.startswith("worker rank 3 (generation) did not answer in time (hung, or busy past its deadline) in "
+                           f"work(): no answer to a heartbeat within placement.rpc_timeout_s = {TIMEOUT_S:g} s, "), line
+    # said before it is declared lost: a heartbeat unanswered for HEARTBEAT_S
+    assert ("[controller] worker rank 3 (generation) has not answered a heartbeat for 0.5 s in work(); it is "
+            f"declared lost if none comes within placement.rpc_timeout_s = {TIMEOUT_S:g} s") in result["frozen_said"]
