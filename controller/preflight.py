@@ -84,6 +84,12 @@ def refuse_previous_run(logdir: Path, why: str = "") -> None:
         return
     found = ckpt.find(logdir)
     what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0:  # torchrun --max-restarts restarted the job: the folder is this job's own
+        raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}) and this is torchrun's "
+                          f"restart {restart} of the job, launched without --resume: launch with --resume {logdir} "
+                          "so that a restart continues from the last checkpoint (the first start, with no "
+                          "checkpoint yet, starts fresh)")
     raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}); continue it with "
                       f"--resume {logdir}, or start a new one elsewhere with --set logging.logdir=NEW_DIR "
                       f"(or delete the folder)")

@@ -239,3 +239,20 @@ def test_an_unwritable_logdir_is_said_before_any_work(tmp_path):
         check_writable(tmp_path / "file" / "run")
     check_writable(tmp_path / "new" / "run")
     assert list((tmp_path / "new" / "run").iterdir()) == []
+
+
+def test_a_torchrun_restart_without_resume_says_to_launch_with_resume(tmp_path, monkeypatch):
+    """torchrun --max-restarts restarts the job with its first command line: without --resume
+    the restart found its own run folder and was refused like a second job would be."""
+    from controller.preflight import refuse_previous_run
+
+    logdir = tmp_path / "run"
+    _saved(logdir / "checkpoints", 2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints up to iter_000002\) and this is "
+                                          r"torchrun's restart 1 of the job, launched without --resume: launch with "
+                                          rf"--resume {logdir} so that"):
+        refuse_previous_run(logdir)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(ConfigError, match=r"continue it with --resume"):
+        refuse_previous_run(logdir)
