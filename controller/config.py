@@ -20,7 +20,10 @@ import yaml
 from controller.config_checks import validate
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.modes import MODES
+from workers.generation.config import EngineConfig
+from workers.trainer.config import TrainerConfig
 from workers.types import GREEDY_BELOW
+from workers.weight_sync import Topology, WeightSyncConfig
 
 PIPELINE_MODES = tuple(MODES)
 
@@ -153,14 +156,16 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     task: TaskSection = field(default_factory=TaskSection)
-    engine: Any = None  # workers.generation.config.EngineConfig
-    trainer: Any = None  # workers.trainer.config.TrainerConfig
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     dispatch: DispatchSection = field(default_factory=DispatchSection)
     ranker: RankerSection = field(default_factory=RankerSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
-    topology: Any = None  # workers.weight_sync.Topology
-    weight_sync: Any = None  # workers.weight_sync.WeightSyncConfig (its topology: the one above)
+    # Topology and WeightSyncConfig; typed Any: their YAML keys (datacenters, bucket_mb) are not
+    # the classes' fields, so --set takes them free-form (config_overrides.key_type)
+    topology: Any = None
+    weight_sync: Any = None  # its topology: the one above
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
@@ -178,24 +183,7 @@ OWNED_SECTIONS = {"engine": ("workers.generation.config", "EngineConfig"),
                   "trainer": ("workers.trainer.config", "TrainerConfig")}
 
 
-def _owned_section(section: str, data: Any):
-    """Convert a section owned by another component into its config class when that
-    component is installed; otherwise keep the validated mapping."""
-    import importlib
-
-    module, cls_name = OWNED_SECTIONS[section]
-    try:
-        cls = getattr(importlib.import_module(module), cls_name)
-    except (ImportError, AttributeError):
-        return dict(data or {})
-    return build_section(cls, section, data)
-
-
-def _topology(data: Any):
-    try:
-        from workers.weight_sync import Topology
-    except ImportError:
-        return dict(data or {})
+def _topology(data: Any) -> Topology:
     try:
         return Topology.from_config(data or {})
     except (TypeError, ValueError, KeyError) as e:
@@ -203,12 +191,8 @@ def _topology(data: Any):
         raise ConfigError(msg if msg.startswith("topology") else f"topology: {msg}") from e
 
 
-def _weight_sync(data: Any, topology: Any):
+def _weight_sync(data: Any, topology: Topology) -> WeightSyncConfig:
     """The ``weight_sync`` section (bucket_mb, tree_shape, naive) with the run's topology."""
-    try:
-        from workers.weight_sync import WeightSyncConfig
-    except ImportError:
-        return dict(data or {})
     if isinstance(data, dict) and "topology" in data:
         raise ConfigError("weight_sync.topology: a run's topology is the top-level `topology:` section "
                           "(the planner reads it too); move it there")
@@ -229,13 +213,13 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     topology = _topology(d.get("topology"))
     train = build_section(TrainSection, "train", d.get("train"))
     trainer = _trainer_from_train(
-        _owned_section("trainer", _norm_follows(d.get("trainer"), train)),
+        build_section(TrainerConfig, "trainer", _norm_follows(d.get("trainer"), train)),
         train, set(d.get("trainer") or {}))
     cfg = Config(
         model=build_section(ModelSection, "model", d.get("model")),
         tokenizer=build_section(TokenizerSection, "tokenizer", d.get("tokenizer")),
         task=build_section(TaskSection, "task", d.get("task")),
-        engine=_owned_section("engine", d.get("engine")),
+        engine=build_section(EngineConfig, "engine", d.get("engine")),
         trainer=trainer,
         pipeline=build_section(PipelineSection, "pipeline", d.get("pipeline")),
         dispatch=build_section(DispatchSection, "dispatch", d.get("dispatch")),
@@ -260,14 +244,12 @@ def _norm_follows(trainer: Any, train: TrainSection) -> Any:
     return trainer
 
 
-def _trainer_from_train(trainer, train: TrainSection, explicit: set):
+def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: set) -> TrainerConfig:
     """Trainer settings that follow the run unless the trainer section sets them: the
     temperature its log-probs are taken at (the samples' ``train.temperature``; greedy samples
     carry T = 1 log-probs; checked when set), the LR schedule's length ``total_steps`` (one
     scheduler step per iteration: ``train.iterations``), and ``recompute_old_logprobs`` when the
     rollout filters tokens (``train.top_k`` / ``top_p``; checked when set)."""
-    if not dataclasses.is_dataclass(trainer):  # the trainer component is not installed
-        return trainer
     rollout = train.temperature if train.temperature >= GREEDY_BELOW else 1.0
     if "temperature" in explicit and trainer.temperature != rollout:
         raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from controller.config import PipelineSection
 from controller.rpc import LOCAL
 from controller.timeline import SpanRecorder
 from workers.types import Request, Sample
@@ -52,7 +53,7 @@ class Outbox:
     RPC per trainer (fewer round trips, and the trainer prepares them in one forward instead
     of one per sample). ``close()`` sends what is left at once (no window wait at the end)."""
 
-    def __init__(self, trainers: list, window_s: float = 0.02):
+    def __init__(self, trainers: list, window_s: float):
         self.trainers, self.window_s = trainers, window_s
         self.q: queue.Queue = queue.Queue()
         self.futures: list = []
@@ -116,7 +117,7 @@ class GenerationInstance:
     """Engine + weight staging + sample streaming, on one rank."""
 
     def __init__(self, rank: int, engine_cfg, model_dir: str, eos_ids: list[int] | None = None,
-                 stream_window_s: float = 0.02):
+                 stream_window_s: float = PipelineSection.stream_window_s):
         from workers.generation.factory import make_engine
 
         self.rank = rank

@@ -158,8 +158,8 @@ class Program:
             prompts, groups = per[r.group_id % n]
             prompts[r.sample_id] = b.items[(r.group_id - b.iteration * SAMPLE_STRIDE)]
             groups[r.group_id] = g
-        wait_all([t.call("begin_iteration", b.iteration, prompts, groups, self.mode.release, self.minibatch,
-                         self.mode.max_staleness) for t, (prompts, groups) in zip(self.world.trainers, per)])
+        wait_all([t.call("begin_iteration", b.iteration, prompts, groups, self.mode.name, self.minibatch)
+                  for t, (prompts, groups) in zip(self.world.trainers, per)])
 
     def _generate(self, b: _Batch, version: int) -> None:
         b.dispatched = time.time()
@@ -190,8 +190,7 @@ class Program:
         metrics = dict(reports[0].metrics)  # all-reduced: every DP rank reports the same totals
         metrics["staleness_max"] = float(max(r.staleness_max for r in reports))
         res = IterationResult(b.iteration, version, gen_version, metrics,
-                              int(metrics.get("num_samples", sum(r.num_samples for r in reports))),
-                              int(metrics.get("num_tokens", sum(r.num_tokens for r in reports))),
+                              int(metrics["num_samples"]), int(metrics["num_tokens"]),
                               b.gen_done - b.dispatched, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
                               len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [],
@@ -262,9 +261,7 @@ class Program:
         t0 = time.time()
         for c in calls:
             try:
-                out = c.wait()
-                for rank in (out.get("failed", []) if isinstance(out, dict) else []):
-                    self.world.sgs.remove(rank, reason="lost during weight push")
+                c.wait()
             except WorkerFailed as e:
                 if not (e.lost and c.handle.role == "generation"):
                     raise

@@ -22,6 +22,8 @@ from controller.config import ConfigError
 from controller.evaluation import evaluate, measure_lengths
 from controller.joiners import admit, announced, dismiss_joiner, pending
 from controller.metrics import Metrics
+from controller.modes import MODES
+from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
 from controller.run_record import save_run_config
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
@@ -74,7 +76,7 @@ class Session:
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         saved = saved_ranker(cfg)  # loaded now: a damaged one fails before the bootstrap
         check_model_folder(Path(cfg.model.path), cfg.model.init)
-        check_engine_device(getattr(cfg.engine, "device", ""), cfg.placement.generation, cfg.placement.rpc_timeout_s)
+        check_engine_device(cfg.engine.device, cfg.placement.generation, cfg.placement.rpc_timeout_s)
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
@@ -126,10 +128,6 @@ class Session:
 
     def _scale_policy(self):
         if not self.cfg.placement.elastic:
-            return None
-        try:
-            from controller.planner.adjust import ScaleOutPolicy
-        except ImportError:
             return None
         return ScaleOutPolicy(self.world.sgs.slots[0].profile)
 
@@ -316,7 +314,7 @@ def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> Non
 def whitening_note(cfg) -> str | None:
     """The one-line notice for PPO with whitened advantages (verl's default) in a mode that
     streams samples into the trainer: training then waits for each iteration's last sample."""
-    if cfg.trainer.whiten and cfg.pipeline.mode in ("minibatch", "stream", "async_stream"):
+    if cfg.trainer.whiten and MODES[cfg.pipeline.mode].release != "all":
         return (f"pipeline.mode {cfg.pipeline.mode} with ppo: trainer.whiten_advantages (on, as verl) needs every "
                 "sample's advantage, so PPO's forward/backward run at the end of each iteration, not while samples "
                 "stream in; set trainer.whiten_advantages: false to train on samples as they arrive")

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from controller.config import PipelineSection
 from controller.instance import GenerateReport
 from controller.prompt_check import ContextTooSmall
 from controller.rpc import Call, WorkerFailed, WorkerHandle
@@ -102,7 +103,7 @@ class SGS:
         self.seed = seed
         self.slots: list[InstanceSlot] = []
         self.removed: list[tuple[int, str]] = []
-        self.stream_window_s = 0.02  # instances' Outbox window (``pipeline.stream_window_s``)
+        self.stream_window_s = PipelineSection.stream_window_s  # instances' Outbox window (Program sets the run's)
         self.need = None  # controller.prompt_check.ContextNeed, set by the start check
         self._lock = threading.Lock()
 

@@ -21,7 +21,7 @@ import time
 from bisect import bisect_left
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import accumulate
 from pathlib import Path
@@ -281,7 +281,3 @@ def gantt_figure(spans: list[Span], title: str = ""):
     fig.legend(uniq.values(), uniq.keys(), loc="outside lower center", fontsize=7, ncol=len(uniq) or 1)
     ax.set_title(title)
     return fig
-
-
-def spans_to_dicts(spans: list[Span]) -> list[dict]:
-    return [asdict(s) for s in spans]

@@ -2,13 +2,13 @@
 
 Generation instances call ``receive(samples)`` directly (the sample stream); the rank keeps a
 per-iteration inbox and a consumer thread that hands samples to ``TrainerWorker.receive`` as
-the pipeline mode's release policy allows:
+the pipeline mode's release (``controller.modes``: ``PipelineMode.release``) allows:
 
 * ``all``       -- the whole iteration at once (colocated, batch, async_batch)
 * ``minibatch`` -- fixed-size hand-overs of ``minibatch`` samples (strawman 1)
-* ``stream``    -- as samples arrive, in chunks of at least ``stream_tokens`` tokens (default:
-  one micro-batch, ``max_tokens_per_microbatch``), and the rest as soon as the iteration is
-  complete (stream, async_stream). The trainer trains a micro-batch as soon as one has
+* ``stream``    -- as samples arrive, in chunks of at least one trainer micro-batch
+  (``max_tokens_per_microbatch`` tokens), and the rest as soon as the iteration is complete
+  (stream, async_stream). The trainer trains a micro-batch as soon as one has
   arrived; handing it single samples would only split its receive-time forwards (reward,
   reference log-probs) into many small ones (measured: up to 2x the trainer's CPU).
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from controller.modes import get_mode
 from controller.rpc import LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from workers.types import Sample, TaskPrompt
@@ -47,9 +48,7 @@ class _Iteration:
     seen: set[int] = field(default_factory=set)
     consumed: int = 0
     duplicates: int = 0
-    staleness: list[int] = field(default_factory=list)
-    first_sample_at: float = 0.0
-    last_sample_at: float = 0.0
+    staleness_max: int = 0
 
     @property
     def expected(self) -> int:
@@ -85,14 +84,7 @@ class StepReport:
     num_samples: int
     num_tokens: int
     staleness_max: int
-    staleness_mean: float
     duplicates: int
-    first_sample_at: float
-    last_sample_at: float
-    step_seconds: float
-
-
-RELEASE_POLICIES = ("all", "minibatch", "stream")
 
 
 # ---- plain-RPC entry points: a generation instance reaches its trainer ranks through these,
@@ -170,19 +162,17 @@ class TrainerRank:
 
     # ---- control -------------------------------------------------------------------------
     def begin_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int],
-                        policy: str, minibatch: int, max_staleness: int, stream_tokens: int = -1) -> bool:
-        """Register an iteration's samples. ``stream_tokens``: chunk size of the ``stream``
-        policy in tokens (-1: one trainer micro-batch; 0: every sample at once)."""
-        if policy not in RELEASE_POLICIES:
-            raise ValueError(f"release policy {policy!r} is not one of {RELEASE_POLICIES}")
+                        mode: str, minibatch: int) -> bool:
+        """Register an iteration's samples, released to the trainer as pipeline ``mode``
+        (``controller.modes``) says, with its staleness bound; ``minibatch``: the hand-over size
+        of the ``minibatch`` release."""
+        m = get_mode(mode)
         with self._cond:
             self._raise_if_failed()
             if iteration in self._iters:
                 raise RuntimeError(f"train{self.rank}: iteration {iteration} begun twice")
-            if stream_tokens < 0:
-                stream_tokens = int(getattr(self.worker.cfg, "max_tokens_per_microbatch", 0) or 0)
-            self._iters[iteration] = _Iteration(iteration, dict(prompts), dict(group_sizes), policy,
-                                                minibatch, max_staleness, stream_tokens)
+            self._iters[iteration] = _Iteration(iteration, dict(prompts), dict(group_sizes), m.release, minibatch,
+                                                m.max_staleness, self.worker.cfg.max_tokens_per_microbatch)
             for sid in prompts:
                 self._owner[sid] = iteration
             self._cond.notify_all()
@@ -190,7 +180,6 @@ class TrainerRank:
 
     def receive(self, samples: list[Sample]) -> int:
         """The sample stream (called by generation instances). Returns how many were new."""
-        now = time.time()
         new = 0
         with self._cond:
             for s in samples:
@@ -204,8 +193,6 @@ class TrainerRank:
                 rec.seen.add(s.sample_id)
                 rec.pending.append(s)
                 rec.pending_tokens += _tokens(s)
-                rec.first_sample_at = rec.first_sample_at or now
-                rec.last_sample_at = now
                 new += 1
             self._cond.notify_all()
         return new
@@ -236,10 +223,8 @@ class TrainerRank:
                 self._owner.pop(sid, None)
             self._current = None
             self._cond.notify_all()
-        st = rec.staleness or [0]
         return StepReport(self.rank, iteration, result.version, dict(result.metrics), result.num_samples,
-                          result.num_tokens, max(st), sum(st) / len(st), rec.duplicates,
-                          rec.first_sample_at, rec.last_sample_at, t1 - t0)
+                          result.num_tokens, rec.staleness_max, rec.duplicates)
 
     # ---- the consumer thread -------------------------------------------------------------
     def _consume_loop(self) -> None:
@@ -292,7 +277,7 @@ class TrainerRank:
                 raise RuntimeError(f"train{self.rank}: sample {s.sample_id} of iteration {rec.iteration} has "
                                    f"weight version {s.weight_version}, trainer is at {version}: staleness "
                                    f"{stale} outside [0, {rec.max_staleness}]")
-            rec.staleness.append(stale)
+            rec.staleness_max = max(rec.staleness_max, stale)
         with self.spans.span("train", rec.iteration):
             self.worker.receive(batch)
         with self._cond:
@@ -308,8 +293,8 @@ class TrainerRank:
     # ---- weights, checkpoints, stats -----------------------------------------------------
     def weights_for(self, version: int) -> dict[str, torch.Tensor]:
         """The current weights as CPU named tensors, for an instance that pulls them (joined
-        instances; the fallback when the weight-sync package is missing). The instance asks and
-        the trainer only answers, so an instance that dies meanwhile costs one failed reply."""
+        instances). The instance asks and the trainer only answers, so an instance that dies
+        meanwhile costs one failed reply."""
         if version != self.worker.version:
             raise RuntimeError(f"train{self.rank}: weights of version {version} asked for, "
                                f"the trainer holds version {self.worker.version}")

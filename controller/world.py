@@ -6,11 +6,11 @@ Weight push paths, chosen per instance:
 * weight-sync tree (``workers.weight_sync``: the run's ``weight_sync`` section and
   ``topology``, every trainer rank a root for its share of the buckets, sender/receiver over
   torch.distributed) for instances inside the static world;
-* pulled over RPC for instances that joined later (outside the process group) and as the
-  fallback when the weight-sync package is not installed: the controller asks the instance
-  to fetch the version from trainer rank 0 (``pull_weights``). The trainer never calls a
-  generation instance: a joiner that dies mid-transfer fails only the controller's call,
-  which the program turns into "instance lost" (re-dispatch), with ``weight_timeout_s``.
+* pulled over RPC for instances that joined later (outside the process group): the
+  controller asks the instance to fetch the version from trainer rank 0 (``pull_weights``).
+  The trainer never calls a generation instance: a joiner that dies mid-transfer fails only
+  the controller's call, which the program turns into "instance lost" (re-dispatch), with
+  ``weight_timeout_s``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from controller.instance import GenerationInstance
 from controller.rpc import Call, WorkerHandle, create, settle, wait_all
 from controller.sgs import SGS, default_profile
 from controller.trainer_rank import TrainerRank
+from workers.weight_sync import WeightSyncConfig
 
 
 @dataclass
@@ -29,7 +30,7 @@ class World:
     sgs: SGS
     colocated: bool
     static_ranks: set[int] = field(default_factory=set)  # ranks inside the gloo/NCCL world
-    sync: object = None  # workers.weight_sync.WeightSyncConfig (None: its defaults, one datacenter)
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # default: one datacenter
     weight_timeout_s: float = 60.0  # a pull that takes longer: the instance counts as lost
     _spec: list | None = None
     _described: tuple = ()  # (senders, receivers) of the last plan described on stderr
@@ -48,22 +49,19 @@ class World:
             return []
         if self.colocated:
             return [h.call("load_local_trainer_weights", version) for h in targets]
-        tree = [h for h in targets if h.rank in self.static_ranks and _weight_sync_available()]
+        tree = [h for h in targets if h.rank in self.static_ranks]
         rest = [h for h in targets if h not in tree]
         calls = []
         if tree:
-            from workers.weight_sync import WeightSyncConfig
-
             # the trainer ranks are data-parallel replicas: each is a root for its share of
             # the buckets, so no one NIC carries the whole model
             senders = self.trainers
             if self._spec is None:
                 self._spec = senders[0].call("tensor_spec").wait()
-            sync = self.sync or WeightSyncConfig()
-            plan = sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
+            plan = self.sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
             if (plan.senders, plan.receivers) != self._described:
                 self._described = (plan.senders, plan.receivers)
-                shape = f" ({sync.tree_shape})" if plan.kind != "naive" else ""  # naive: a star from each root
+                shape = f" ({self.sync.tree_shape})" if plan.kind != "naive" else ""  # naive: a star from each root
                 print(f"[controller] weight sync: {plan.kind} plan{shape}, {len(plan.buckets)} "
                       f"buckets of <= {plan.bucket_bytes} B, {plan.total_bytes} B from roots "
                       f"{plan.bytes_by_root()} to {list(plan.receivers)}", file=sys.stderr, flush=True)
@@ -86,14 +84,6 @@ class World:
                 if not (e.lost and c.handle.role == "generation"):
                     raise
         return out
-
-
-def _weight_sync_available() -> bool:
-    try:
-        from workers.weight_sync import WeightSyncReceiver, WeightSyncSender, plan_sync  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: set[int],
@@ -178,6 +168,4 @@ def _profile(cfg):
     if cfg.dispatch.profile:
         return PTLProfile.load(cfg.dispatch.profile)
     e = cfg.engine
-    if isinstance(e, dict):
-        return default_profile()
     return default_profile(e.max_batch_size, e.total_blocks * e.block_size, e.block_size)

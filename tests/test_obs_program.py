@@ -63,7 +63,7 @@ class Trainer:
         self.clock.t += STEP_S
         self.version += 1
         return StepReport(2, iteration, self.version, {"reward_mean": 0.5, "num_samples": 4.0, "num_tokens": 18.0},
-                          4, 18, 0, 0.0, 0, 0.0, 0.0, STEP_S)
+                          4, 18, 0, 0)
 
 
 def _program(monkeypatch, mode: str, clock: Clock) -> Program:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from runtime_helpers import TASK, tiny_model  # noqa: F401
 
-from controller.modes import MODES
 from controller.trainer_rank import TrainerRank
 from workers.generation.config import EngineConfig
 from workers.generation.factory import make_engine
@@ -47,10 +46,9 @@ def samples(model_dir):
 
 
 def _train(model_dir, samples, prompts, mode):
-    m = MODES[mode]
     tcfg = TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64, seed=0)
     rank = TrainerRank(1, [1], tcfg, model_dir, "synthetic", TASK)
-    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, m.release, 4, m.max_staleness)
+    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, mode, 4)
     feeder = threading.Thread(target=lambda: [rank.receive([s]) for s in samples])
     feeder.start()
     feeder.join()
@@ -81,14 +79,14 @@ def test_duplicates_dropped_and_staleness_checked(model_dir, samples):
     out, prompts = samples
     tcfg = TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64)
     rank = TrainerRank(1, [1], tcfg, model_dir, "synthetic", TASK)
-    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, "stream", 4, 0)
+    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, "stream", 4)
     assert rank.receive(out[:5]) == 5
     assert rank.receive(out[:5]) == 0  # re-dispatched duplicates are never trained twice
     rank.receive(out[5:])
     rep = rank.step(0)
     assert rep.duplicates == 5 and rep.num_samples == len(out)
     # a sample claiming a future weight version violates staleness >= 0
-    rank.begin_iteration(1, {10**6: prompts[0]}, {10**6: 1}, "stream", 4, 0)
+    rank.begin_iteration(1, {10**6: prompts[0]}, {10**6: 1}, "stream", 4)
     bad = out[0]
     bad = type(bad)(**{**vars(bad), "sample_id": 10**6, "group_id": 10**6, "weight_version": 5})
     rank.receive([bad])

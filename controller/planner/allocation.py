@@ -20,7 +20,6 @@ from functools import lru_cache
 from typing import Callable, Sequence
 
 from controller.planner.engine_sim import simulate_plan
-from controller.planner.profile import TrainProfile
 from controller.scheduling import PTLProfile, make_dispatcher
 
 
@@ -216,8 +215,3 @@ def mean_generation_time_model(profile: PTLProfile, batches: Sequence[tuple[Sequ
         return sum(m(k) for m in models) / len(models)
 
     return gen_time
-
-
-def train_time_model(make_profile: Callable[[int], TrainProfile], tokens: float) -> Callable[[int], float]:
-    """train_time(gpus) for ``tokens`` tokens per iteration, from a per-GPU-count profile."""
-    return lambda y: make_profile(y).time(tokens, y)

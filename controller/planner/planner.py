@@ -18,14 +18,14 @@ from controller.scheduling import PTLProfile
 
 PROGRESS_MIN = 128  # instance counts x batches from which planning shows progress on stderr (~30 s)
 
-# What each mode's recommended allocation minimises (Planner.recommend, docs/planner.md Allocation)
-ASYNC_MODES = ("async_batch", "async_stream")
 SYNC_CANDIDATES = 8  # splits simulated per synchronous mode: the best by gen + sync + train (stage model)
+# What each mode's recommended allocation minimises (Planner.recommend, docs/planner.md Allocation)
 OBJECTIVES = {
-    "colocated": "every GPU of the datacenter generates, then trains: no split to choose",
-    **{m: "max(gen, train), Algorithm 1: the stages overlap, the slower one sets the iteration" for m in ASYNC_MODES},
-    **{m: ("this mode's simulated iteration time (training waits for generation: gen + sync + train), the "
-           "shortest of the splits simulated (Planner.sync_candidates)") for m in ("batch", "minibatch", "stream")},
+    m: "every GPU of the datacenter generates, then trains: no split to choose" if mode.colocated else
+    "max(gen, train), Algorithm 1: the stages overlap, the slower one sets the iteration" if mode.lag else
+    ("this mode's simulated iteration time (training waits for generation: gen + sync + train), the "
+     "shortest of the splits simulated (Planner.sync_candidates)")
+    for m, mode in MODES.items()
 }
 
 
@@ -211,7 +211,7 @@ class Planner:
                 a = Allocation(n, 0, n // self.tp, math.nan, math.nan)
                 out[mode] = self.simulate_modes(a, [mode])
                 out[mode].colocated = True
-            elif mode in ASYNC_MODES:
+            elif MODES[mode].lag:
                 out[mode] = self.simulate_modes(self.allocate(), [mode])
             else:
                 cands = cands if cands is not None else self.sync_candidates()

@@ -37,14 +37,13 @@ that training overlaps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 from controller.planner.engine_sim import simulate_plan
+from controller.modes import MODES
 from controller.planner.profile import TrainProfile
 from controller.scheduling import PTLProfile, make_dispatcher
 from controller.timeline import Span
-
-MODES = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
 
 
 # the shared-host time factors of SimConfig (all 1: each stage on its own hardware)
@@ -94,7 +93,7 @@ class SimConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"simulator: mode {self.mode!r} is not one of {MODES}")
+            raise ValueError(f"simulator: mode {self.mode!r} is not one of {tuple(MODES)}")
         if self.gen_instances < 1:
             raise ValueError(f"simulator: gen_instances must be >= 1, got {self.gen_instances}")
         bad = {k: getattr(self, k) for k in SLOWDOWNS if not getattr(self, k) >= 1.0}
@@ -129,12 +128,12 @@ def _chunks(arrivals: list[tuple[float, int]], size: int) -> list[tuple[float, i
     return out
 
 
-def _train_batches(mode: str, arrivals: list[tuple[float, int]], cfg: SimConfig) -> list[tuple[float, int]]:
-    """(ready time, tokens) of each hand-over the trainer gets, in order.
-    arrivals: (finish time, tokens) per request in request-index order."""
-    if mode in ("colocated", "batch", "async_batch") or cfg.train_at_end:
+def _train_batches(release: str, arrivals: list[tuple[float, int]], cfg: SimConfig) -> list[tuple[float, int]]:
+    """(ready time, tokens) of each hand-over the trainer gets, in order, under the mode's
+    ``release`` rule. arrivals: (finish time, tokens) per request in request-index order."""
+    if release == "all" or cfg.train_at_end:
         return [(max(t for t, _ in arrivals), sum(n for _, n in arrivals))]
-    if mode == "minibatch":
+    if release == "minibatch":
         return _chunks(sorted(arrivals), cfg.minibatch_size)
     out, acc, last = [], 0, 0.0  # stream: by finish order, fill micro-batches
     for t, n in sorted(arrivals):
@@ -251,8 +250,7 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
               train_scale: list[float]) -> SimResult:
     dispatcher = make_dispatcher(cfg.dispatcher, **cfg.dispatch_kw)
     base = [cfg.gen_profile] * cfg.gen_instances
-    mode = cfg.mode
-    asynchronous = mode.startswith("async")
+    mode = MODES[cfg.mode]
     spans: list[Span] = []
     gen_start, gen_end, train_end, sync_start, sync_end = [], [], [], [], []
     trainer_free = 0.0
@@ -260,7 +258,7 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
         if len(w.prompt_lens) != len(w.out_lens):
             raise ValueError(f"simulator: workload {i} has {len(w.out_lens)} out_lens, {len(w.prompt_lens)} prompt_lens")
         # --- when generation of iteration i may start
-        if asynchronous:
+        if mode.lag:
             t0 = max(gen_end[i - 1] if i >= 1 else 0.0, sync_end[i - 2] if i >= 2 else 0.0)
         else:
             t0 = sync_end[i - 1] if i >= 1 else 0.0
@@ -282,15 +280,15 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
         gen_end.append(max(finish, default=t0))
         # --- training of iteration i
         arrivals = [(arrive[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish))]
-        t = max(trainer_free, t0 if mode == "colocated" else 0.0)
-        if mode == "colocated" and cfg.colocated_dp and cfg.train_ranks > 1:
+        t = max(trainer_free, t0 if mode.colocated else 0.0)
+        if mode.colocated and cfg.colocated_dp and cfg.train_ranks > 1:
             t = _colocated_dp_train(cfg, w, arrivals, t, train_scale[i], i, spans)
             train_end.append(t)
             trainer_free = t
             sync_start.append(t)
             sync_end.append(t + cfg.sync_s)
             continue
-        for ready, tokens in _train_batches(mode, arrivals, cfg):
+        for ready, tokens in _train_batches(mode.release, arrivals, cfg):
             start = max(t, ready)
             t = start + (cfg.trainer.s_per_token * tokens + cfg.train_overhead_per_batch_s) * train_scale[i]
             spans.append(Span("trainer", "train", start, t, i))
@@ -339,9 +337,3 @@ def sync_time_s(weight_bytes: float, gbps: float, hops: int = 1, latency_s: floa
     if gbps <= 0:
         raise ValueError(f"sync bandwidth must be > 0 Gbit/s, got {gbps}")
     return weight_bytes * 8 / (gbps * 1e9) + hops * latency_s
-
-
-def run_modes(make_cfg: Callable[[str], SimConfig], workloads: Sequence[Workload], modes: Sequence[str] = MODES
-              ) -> dict[str, SimResult]:
-    """Simulate the same workloads under each pipeline mode."""
-    return {m: simulate(make_cfg(m), workloads) for m in modes}

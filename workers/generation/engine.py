@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
+import kernels
 from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
@@ -41,10 +42,6 @@ def resolve_attention_backend(cfg: EngineConfig, device: torch.device) -> str:
     if cfg.attention_backend != "auto":
         return cfg.attention_backend
     if device.type != "cuda" or cfg.kv_cache_dtype != "auto" or cfg.block_size % 16:
-        return "torch"
-    try:
-        import kernels
-    except ImportError:
         return "torch"
     return "triton" if kernels.triton_usable(device) else "torch"
 

@@ -1,7 +1,6 @@
-"""Generation-instance side of the weight sync: WeightSyncReceiver.receive (see executor.py)."""
+"""Generation-instance side of the weight sync: WeightSyncReceiver.receive (see __init__.py for the protocol)."""
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from datetime import timedelta
@@ -48,13 +47,6 @@ class WeightSyncReceiver:
         self.timeout_s = timeout_s
         self.expected_version = expected_version
         self.corrupt_buckets = frozenset(corrupt_buckets)
-
-    def receive_async(self) -> "concurrent.futures.Future[StagedWeights]":
-        """Run ``receive`` on a background thread (the engine keeps generating meanwhile)."""
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weight-sync-recv-{self.rank}")
-        fut = pool.submit(self.receive)
-        pool.shutdown(wait=False)
-        return fut
 
     def receive(self) -> StagedWeights:
         """Receive one version. Never raises for transfer or integrity faults: returns
