@@ -1,4 +1,4 @@
-"""Trainer side of the weight sync: WeightSyncSender.push (see executor.py for the protocol)."""
+"""Trainer side of the weight sync: WeightSyncSender.push (the protocol: workers/weight_sync/__init__.py)."""
 from __future__ import annotations
 
 import time
