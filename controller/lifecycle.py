@@ -145,7 +145,9 @@ def _differing_keys(a, b, prefix: str = "") -> list[str]:
 
 
 def _store(timeout_s: float):
-    """torchrun's store (this attempt's config keys), or None when nothing answers there."""
+    """torchrun's store (this attempt's config keys), or None when nothing answers there.
+    The attempt id is agreed by every rank first (controller/attempt.py; raises
+    ``AttemptError`` when a rank does not come), not taken from TORCHELASTIC_RESTART_COUNT."""
     import socket
 
     import torch.distributed as dist
@@ -155,7 +157,9 @@ def _store(timeout_s: float):
         socket.create_connection((host, port), timeout=min(timeout_s, 10.0)).close()
     except OSError:
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    from controller.attempt import current_attempt
+
+    attempt = current_attempt(timeout_s)
     return dist.PrefixStore(f"streamrl/{attempt}/config", dist.TCPStore(
         host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
 
@@ -166,8 +170,13 @@ def agree_on_config(rank: int, world: int, config: dict | None, error: str, time
     entry and publishes the verdict the others wait for (O(ranks) reads, not O(ranks^2)).
     Returns the error every rank reports (a rank's own error, or the keys where a rank's
     config differs from rank 0's), None when all agree."""
-    store = _store(timeout_s if config is not None else 10.0)
     if config is None:
+        from controller.attempt import AttemptError
+
+        try:
+            store = _store(min(timeout_s, 30.0))
+        except (AttemptError, RuntimeError, OSError):  # not every rank came: the error is said here all the same
+            return error
         if store is not None:
             try:
                 store.set(str(rank), json.dumps({"error": error}))
@@ -176,6 +185,7 @@ def agree_on_config(rank: int, world: int, config: dict | None, error: str, time
             except (RuntimeError, OSError):  # the others will time out on their own; the error is said here
                 pass
         return error
+    store = _store(timeout_s)
     if store is None:
         return None  # no job's store to agree through (its own errors show at the process group)
     text = _canonical(config)

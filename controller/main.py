@@ -51,6 +51,9 @@ from controller.rpc import LOCAL, worker_name  # noqa: E402
 
 # Keys in torchrun's store. The RPC group gets its own store (hosted by rank 0, one per
 # torchrun restart attempt: a restarted job must not see the names of the previous attempt).
+# Per-attempt keys are named by the id every rank agreed on (controller/attempt.py), not by
+# TORCHELASTIC_RESTART_COUNT (per node: only the failed node's agent counts a restart).
+# ATTEMPT_KEY holds the current id (joiners read it; a change means the job restarted).
 ATTEMPT_KEY = "streamrl/attempt"
 
 
@@ -71,12 +74,11 @@ def _local_address(peer_host: str, peer_port: int) -> str:
         return s.getsockname()[0]
 
 
-def _rpc_store_address(rank: int, world: int, timeout: datetime.timedelta) -> str:
+def _rpc_store_address(rank: int, world: int, timeout: datetime.timedelta, attempt: str) -> str:
     """Rank 0 picks the RPC store address and publishes it in torchrun's store; every rank
     returns it (``host:port``)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if rank == 0:
         global _RPC_STORE  # rank 0 hosts it for the whole run (torchrun's env makes init_rpc a client)
         addr = _local_address(host, port)
@@ -213,7 +215,7 @@ def join_main(args) -> int:
         else:
             if now == attempt:
                 return None
-            lost.append(f"the job restarted (torchrun attempt {now}; this process joined attempt {attempt}): "
+            lost.append(f"the job restarted (attempt {now[:8]}; this process joined attempt {attempt[:8]}): "
                         "start it again to join the new one")
         return lost[-1]
 
@@ -255,6 +257,7 @@ def main(argv=None) -> int:
     import signal
 
     from controller import lifecycle
+    from controller.attempt import AttemptError
     from controller.config import ConfigError, load_config
     from controller.run_record import plain
 
@@ -271,6 +274,9 @@ def main(argv=None) -> int:
                                           error, cfg.placement.rpc_timeout_s if cfg is not None else 300.0)
     except KeyboardInterrupt:  # stopped before any work: nothing to say but the exit code
         os._exit(130)
+    except AttemptError as e:  # the ranks of this attempt did not all meet in torchrun's store
+        print(f"[rank {os.environ['RANK']}] {e}", file=sys.stderr, flush=True)
+        return 1
     if error is not None:
         lifecycle.print_once_per_node(f"config error: {error}")  # one message per node, not per rank
         return 2
@@ -317,9 +323,11 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
     LOCAL.rank, LOCAL.local_rank = rank, local_rank
     LOCAL.device = _pick_device(local_rank)
     timeout = datetime.timedelta(seconds=rpc_timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    # torchrun's store outlives a restart: prefix by attempt so stale keys of a dead attempt
-    # (gloo addresses) are never read
+    from controller.attempt import current_attempt
+
+    # torchrun's store outlives a restart: prefix by the agreed attempt id (the same on every
+    # node, fresh each attempt) so stale keys of a dead attempt (gloo addresses) are never read
+    attempt = current_attempt(rpc_timeout_s)
     tstore = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=timeout)
     backend = data_plane_backend(LOCAL.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -328,7 +336,7 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
     dist.init_process_group(backend, timeout=timeout,
                             store=dist.PrefixStore(f"streamrl/pg/{attempt}", tstore), rank=rank, world_size=world)
     LOCAL.has_process_group = True
-    rpc_addr = _rpc_store_address(rank, world, timeout)
+    rpc_addr = _rpc_store_address(rank, world, timeout, attempt)
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if elastic else world,
                  rpc_backend_options=_rpc_options(rpc_timeout_s, f"tcp://{rpc_addr}"))
     dist.barrier()  # every static rank is in the RPC group

@@ -1,0 +1,89 @@
+"""One attempt id for every rank of a torchrun (re)start.
+
+torchrun's ``TORCHELASTIC_RESTART_COUNT`` is per node: only the agent whose worker failed
+counts the restart; a node restarted because of a membership change keeps its count. So on
+a multi-node job the new workers of one restart may see different counts, and torchrun's
+store (shared, outliving attempts) still holds every dead attempt's keys. Per-attempt keys
+are therefore named by an id the ranks agree on here, not by that counter:
+
+* rank 0 makes a fresh random id N;
+* every other rank r makes a fresh nonce n_r, sets ``streamrl/hello/{r}`` = n_r and polls
+  ``streamrl/ack/{r}`` until it reads ``"{n_r}:{N}"``, then sets ``streamrl/ready/{r}`` = N;
+* rank 0 answers each hello it sees (``ack/{r}`` = ``"{hello}:{N}"``) until every
+  ``ready/{r}`` reads N.
+
+Keys left by dead attempts carry other nonces / ids and are ignored (a stale hello gets an
+ack nobody reads; a stale ready holds another id). A rank that never says hello within the
+timeout makes rank 0 raise one line naming it; a rank that hears no ack raises too.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+_ATTEMPT: str | None = None  # this process's agreed id (one process = one attempt)
+
+
+class AttemptError(RuntimeError):
+    """The ranks did not agree on an attempt id within the timeout."""
+
+
+def _peek(store, key: str) -> str | None:
+    """The key's value, or None when it is not set (no blocking get)."""
+    if not store.check([key]):
+        return None
+    return store.get(key).decode()
+
+
+def agree_on_attempt(store, rank: int, world: int, timeout_s: float, poll_s: float = 0.05) -> str:
+    """Run the handshake over ``store`` (torchrun's TCPStore); every rank returns the same fresh id."""
+    deadline = time.monotonic() + timeout_s
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"streamrl/hello/{rank}", nonce)
+        while True:
+            ack = _peek(store, f"streamrl/ack/{rank}")
+            if ack is not None and ack.startswith(nonce + ":"):
+                attempt = ack[len(nonce) + 1:]
+                store.set(f"streamrl/ready/{rank}", attempt)
+                return attempt
+            if time.monotonic() >= deadline:
+                raise AttemptError(f"rank {rank}: rank 0 did not answer the attempt handshake in torchrun's store "
+                                   f"within {timeout_s:g} s")
+            time.sleep(poll_s)
+    attempt = uuid.uuid4().hex
+    pending = set(range(1, world))
+    acked: dict[int, str] = {}  # the hello each pending rank was last answered for
+    while pending:
+        for r in sorted(pending):
+            if _peek(store, f"streamrl/ready/{r}") == attempt:
+                pending.discard(r)
+                continue
+            hello = _peek(store, f"streamrl/hello/{r}")
+            if hello is not None and acked.get(r) != hello:  # a new hello (a stale one is answered too: harmless)
+                store.set(f"streamrl/ack/{r}", f"{hello}:{attempt}")
+                acked[r] = hello
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            missing = sorted(pending)
+            raise AttemptError(f"attempt handshake: rank(s) {missing} of {world} never said hello in torchrun's "
+                               f"store within {timeout_s:g} s (their node did not start or rejoin?)")
+        time.sleep(poll_s)
+    return attempt
+
+
+def current_attempt(timeout_s: float) -> str:
+    """This process's attempt id under torchrun: agreed once (torchrun's store at
+    MASTER_ADDR:MASTER_PORT, ranks RANK / WORLD_SIZE), then the same answer."""
+    global _ATTEMPT
+    if _ATTEMPT is None:
+        import datetime
+        import os
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        _ATTEMPT = agree_on_attempt(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s)
+    return _ATTEMPT
