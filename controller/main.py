@@ -296,7 +296,13 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
     """Ctrl-C (every rank of the terminal's job gets SIGINT), SIGTERM or SIGHUP: one line from
     rank 0 saying what is kept, no traceback from every rank, and out at once (RPC threads may
     still be blocked in calls to peers that are going away). Checkpoints are written
-    atomically, so the last complete one is intact whatever was running."""
+    atomically, so the last complete one is intact whatever was running. On the controller,
+    after the run's end was said (``LOCAL.outcome``: a lost worker, a success), the signal is
+    torchrun stopping the job's ranks: the exit code said stands, with no second line."""
+    if LOCAL.outcome is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(LOCAL.outcome)
     if os.environ.get("RANK") == "0":
         from controller.checkpoint import resume_hint
         from controller.preflight import run_logdir

@@ -97,3 +97,17 @@ def test_an_interrupt_in_torchs_rpc_callback_reaches_the_caller(signame, raised)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.stdout.strip() == f"raised {raised} {signame}", r.stdout + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("outcome,code,said", [(None, 130, "[controller] stopped by SIGTERM; "), (1, 1, ""),
+                                               (0, 0, "")])
+def test_a_signal_after_the_run_ended_keeps_the_exit_code_said(tmp_path, outcome, code, said):
+    """torchrun stops every rank once one has died: a SIGTERM reaching the controller after it
+    said "run stopped: worker rank 2 (trainer) was lost" turned exit 1 into "stopped by SIGTERM",
+    exit 130 (an SRE audit's run)."""
+    prog = ("from controller.rpc import LOCAL; from controller.main import _interrupted; "
+            f"LOCAL.outcome = {outcome}; _interrupted({str(tmp_path)!r}, '', 'SIGTERM')")
+    r = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env={**os.environ, "RANK": "0"}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == code, r.stderr[-2000:]
+    assert r.stderr.startswith(said) if said else r.stderr == "", r.stderr[-2000:]
