@@ -47,6 +47,24 @@ class GenerateReport:
     kv_blocks_total: int = 0  # the engine's KV blocks
 
 
+@dataclass(frozen=True)
+class InstanceStats:
+    """What an instance holds now (the REPL's ``sgs``, the prompts' context check): its
+    engine's ``EngineStats`` less the preemption counters, plus the context (``max_model_len``,
+    tokens), the weight version it generates with and the one staged for the next round."""
+
+    rank: int
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    tokens_per_s: float
+    max_batch_size: int
+    max_model_len: int
+    weight_version: int
+    staged_version: int | None
+
+
 class Outbox:
     """Sends finished samples to trainer RRefs from a background thread in time-windowed
     chunks: the samples that finish within ``window_s`` of the first unsent one travel in one
@@ -281,14 +299,11 @@ class GenerationInstance:
                 raise
             return out
 
-    def stats(self) -> dict:
+    def stats(self) -> InstanceStats:
         st = self.engine.stats()
-        return {"rank": self.rank, "running": st.running, "waiting": st.waiting,
-                "kv_blocks_used": st.kv_blocks_used, "kv_blocks_free": st.kv_blocks_free,
-                "tokens_per_s": st.tokens_per_s, "max_batch_size": st.max_batch_size,
-                "max_model_len": self.engine.max_model_len,
-                "weight_version": self.version,
-                "staged_version": None if self._staged is None else self._staged[0]}
+        return InstanceStats(self.rank, st.running, st.waiting, st.kv_blocks_used, st.kv_blocks_free,
+                             st.tokens_per_s, st.max_batch_size, self.engine.max_model_len, self.version,
+                             None if self._staged is None else self._staged[0])
 
     def drain_spans(self) -> list:
         return self.spans.drain()
@@ -298,7 +313,5 @@ class GenerationInstance:
         which would otherwise outlive this one."""
         if LOCAL.roles.get("generation") is self:
             del LOCAL.roles["generation"]
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
         return True

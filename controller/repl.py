@@ -35,6 +35,7 @@ import json
 import re
 import shlex
 import textwrap
+from dataclasses import asdict
 
 from controller.evaluation import evaluate
 from controller.rpc import WorkerFailed, wait_all
@@ -96,10 +97,11 @@ class Repl:
 
     def sgs(self) -> dict:
         handles = self.s.world.sgs.handles
-        return {"instances": wait_all([h.call("stats") for h in handles]), "removed": self.s.world.sgs.removed}
+        return {"instances": [asdict(st) for st in wait_all([h.call("stats") for h in handles])],
+                "removed": self.s.world.sgs.removed}
 
     def trainer(self) -> dict:
-        return {"ranks": wait_all([t.call("stats") for t in self.s.world.trainers])}
+        return {"ranks": [asdict(st) for st in wait_all([t.call("stats") for t in self.s.world.trainers])]}
 
     def timeline(self, last: str = "200") -> dict:
         spans = self.s.metrics.spans[-_count("timeline", last):]

@@ -34,6 +34,7 @@ from controller.ranker_setup import run_ranker, saved_ranker
 from controller.world import build_world, check_engine_device
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
+from workers.types import Ranker
 
 class RunStopped(RuntimeError):
     """The run cannot usefully go on (e.g. an iteration trained nothing); the message says why."""
@@ -104,9 +105,10 @@ class Session:
         if cfg.train.length_trace:
             self.program.length_of = forced_lengths(cfg.train.length_trace, cfg.train.length_scale,
                                                     cfg.train.max_tokens)
-        self.program.ranker = self.ranker = run_ranker(cfg, saved, self.resumed_from,
-                                                       lambda ps: measure_lengths(self.program, ps),
-                                                       [it.prompt for it in self.task.prompts("train")])
+        self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from,
+                                                lambda ps: measure_lengths(self.program, ps),
+                                                [it.prompt for it in self.task.prompts("train")])
+        self.program.ranker = self.ranker
         if state:
             self.metrics.rewards = list(state.rewards)
             self.program.ranker_rows = list(state.ranker_rows)
@@ -122,7 +124,7 @@ class Session:
 
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         fitting, self.world.sgs.need = check_task(
-            task, self.cfg.train, self.cfg.task.name, min(st["max_model_len"] for st in stats),
+            task, self.cfg.train, self.cfg.task.name, min(st.max_model_len for st in stats),
             lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
         return fitting
 
@@ -356,6 +358,9 @@ def run_controller(cfg, args, world_size: int) -> int:
                 print(f"[controller] closing the logs: {e}", file=sys.stderr, flush=True)
     if code == 1 and session is not None:
         print(f"[controller] {ckpt.resume_hint(session.logdir, args.resume)}", file=sys.stderr, flush=True)
+    # said: a stop signal from here on (torchrun stops every rank once one has died) does not
+    # turn a lost worker's exit 1 into "stopped by SIGTERM", exit 130 (controller.main._interrupted)
+    LOCAL.outcome = code
     waiting = (list(session.waiting) if session else []) + announced()
     joined = session.joined if session else []
     lost = bool(session and session.world.sgs.removed)

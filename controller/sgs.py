@@ -116,7 +116,7 @@ class SGS:
         less context (max_model_len) is closed and refused: ``ContextTooSmall``."""
         if self.need is not None:
             try:
-                self.need.check(handle.rank, handle.call("stats").wait()["max_model_len"])
+                self.need.check(handle.rank, handle.call("stats").wait().max_model_len)
             except ContextTooSmall:
                 handle.alive = False
                 try:

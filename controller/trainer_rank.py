@@ -87,6 +87,20 @@ class StepReport:
     duplicates: int
 
 
+@dataclass(frozen=True)
+class TrainerStats:
+    """Where a trainer rank stands (the REPL's ``trainer``): its weight version, the iteration
+    its worker is in (None between iterations), the iterations registered and not yet stepped,
+    and per iteration the samples waiting to be trained on and those trained on so far."""
+
+    rank: int
+    version: int
+    current_iteration: int | None
+    queued_iterations: list[int]
+    pending: dict[int, int]
+    consumed: dict[int, int]
+
+
 # ---- plain-RPC entry points: a generation instance reaches its trainer ranks through these,
 # by worker name, never through an RRef. An RRef sent to its owner makes the owner send an
 # RRef-protocol acknowledgement back to the sender, and the old weight push made the trainer
@@ -332,12 +346,11 @@ class TrainerRank:
     def version(self) -> int:
         return self.worker.version
 
-    def stats(self) -> dict:
+    def stats(self) -> TrainerStats:
         with self._cond:
-            return {"rank": self.rank, "version": self.worker.version, "current_iteration": self._current,
-                    "queued_iterations": sorted(self._iters),
-                    "pending": {i: len(r.pending) for i, r in self._iters.items()},
-                    "consumed": {i: r.consumed for i, r in self._iters.items()}}
+            return TrainerStats(self.rank, self.worker.version, self._current, sorted(self._iters),
+                                {i: len(r.pending) for i, r in self._iters.items()},
+                                {i: r.consumed for i, r in self._iters.items()})
 
     def drain_spans(self) -> list:
         return self.spans.drain()

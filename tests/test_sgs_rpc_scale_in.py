@@ -223,7 +223,7 @@ def test_scale_in_over_rpc_mid_round_re_dispatches_what_the_leaving_instance_lef
 
     # the leaving engine holds nothing
     st = r["leaving_stats"]
-    assert (st["running"], st["waiting"], st["kv_blocks_used"]) == (0, 0, 0), st
+    assert (st.running, st.waiting, st.kv_blocks_used) == (0, 0, 0), st
 
     # the two instances generated at the same time: their first generate windows overlap
     gen1 = [(a, b) for stage, a, b in r["spans"][LEAVING] if stage == "generate"]

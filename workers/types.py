@@ -131,14 +131,24 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def close(self) -> None:
+        """Release what outlives the engine object (vLLM's engine core process). Idempotent;
+        the engine is not used after it."""
+
 
 @runtime_checkable
 class Ranker(Protocol):
-    """Predicts output length from the prompt text alone (only the order matters)."""
+    """Predicts output length from the prompt text alone (only the order matters): the
+    rankers of ``ranker/`` (``ranker.base.LogLengthRanker``). ``fit`` trains from scratch,
+    ``update`` goes on from the fitted model with new rows (online); both return the ranker.
+    ``save(path)`` writes a folder that ``ranker.load(path)`` reads back as a ranker of the
+    same ``kind``."""
 
-    def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> None: ...
+    kind: str
 
-    def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> None: ...
+    def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> Ranker: ...
+
+    def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> Ranker: ...
 
     def predict(self, prompts: Sequence[str]) -> list[float]: ...
 

@@ -238,6 +238,10 @@ class NativeEngine:
         if self.prefix is not None:
             self.prefix.release_all()
 
+    def close(self) -> None:
+        """Nothing to stop: the model and the KV cache live in this process and go with the
+        engine object (the model may be a trainer's, shared when colocated). Idempotent."""
+
     def stats(self) -> EngineStats:
         tps = recent_rate(self._window, time.time())
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
