@@ -20,12 +20,19 @@ import yaml
 from controller.config_checks import validate
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.modes import MODES
+from workers.config_schema import SEEDS, Range, ranged
 from workers.generation.config import EngineConfig
 from workers.trainer.config import TrainerConfig
-from workers.types import GREEDY_BELOW
+from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
 from workers.weight_sync import Topology, WeightSyncConfig
 
 PIPELINE_MODES = tuple(MODES)
+# Every int / float key of a run section declares its valid values next to it (``ranged``),
+# checked at load after the types (every float must also be finite: no .nan/.inf); a tuple's
+# range applies to each value. docs/config.md lists the same.
+TEMPERATURES = f"below {GREEDY_BELOW:g}: greedy; sampled from {MIN_SAMPLED_TEMPERATURE:g}, as both engines serve"
+# the ranges of an owned section whose class declares none itself
+OWNED_RANGES = {"engine": {"seed": SEEDS}}
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,9 @@ class TaskSection:
 @dataclass(frozen=True)
 class PipelineSection:
     mode: str = "async_stream"
-    minibatch_size: int = 8  # samples per hand-over in ``minibatch`` mode
+    minibatch_size: int = ranged(8, Range(1))  # samples per hand-over in ``minibatch`` mode
     # instance -> trainer sample stream: samples finishing within this window share one RPC
-    stream_window_s: float = 0.02
+    stream_window_s: float = ranged(0.02, Range(0, 10, note="seconds"))
 
     def __post_init__(self):
         if self.mode not in PIPELINE_MODES:
@@ -85,8 +92,9 @@ class DispatchSection:
 class RankerSection:
     kind: str = "none"  # "none": est_len = max_tokens; otherwise load (or bootstrap) the ranker at path
     path: str = ""
-    update_every: int = 0  # K > 0: online update with the last K iterations' lengths, every K
-    bootstrap_prompts: int = 256  # no ranker at path yet: measure the policy on this many prompts
+    # K > 0: online update with the last K iterations' lengths, every K
+    update_every: int = ranged(0, Range(0, note="0: never"))
+    bootstrap_prompts: int = ranged(256, Range(2))  # no ranker at path yet: measure the policy on this many prompts
     options: dict = field(default_factory=dict)  # the bootstrapped ranker's config (ranker.build)
 
     def __post_init__(self):
@@ -108,46 +116,50 @@ class PlacementSection:
     trainer: list = field(default_factory=lambda: [2])
     colocated: bool = False
     elastic: bool = True
-    rpc_timeout_s: float = 300.0
-    force_scale_out_at: int = -1  # test hook: add a waiting joiner at this iteration
+    rpc_timeout_s: float = ranged(300.0, Range(0, open_lo=True))
+    # test hook: add a waiting joiner at this iteration
+    force_scale_out_at: int = ranged(-1, Range(-1, note="-1: never"))
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    iterations: int = 20
-    batch_prompts: int = 16
-    group_size: int = 4
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
+    iterations: int = ranged(20, Range(1))
+    batch_prompts: int = ranged(16, Range(1))
+    group_size: int = ranged(4, Range(1))
+    max_tokens: int = ranged(16, Range(1))
+    min_tokens: int = ranged(0, Range(0))
+    temperature: float = ranged(1.0, Range(0, MAX_TEMPERATURE, note=TEMPERATURES))
     # rollout filters (as vLLM's): top_k 0 and top_p 1 are off; with either on, the trainer
     # recomputes the old log-probs on the full distribution (recompute_old_logprobs), as verl
-    top_k: int = 0
-    top_p: float = 1.0
-    eval_every: int = 0  # 0: never
-    eval_prompts: int = 32  # 0: the whole test split
-    eval_samples: int = 1  # generations per eval prompt (verl's val_kwargs.n)
-    eval_temperature: float = 0.0  # 0: greedy (verl's val_kwargs.temperature / do_sample)
-    ckpt_every: int = 0  # 0: only at the end
-    ckpt_keep: int | None = None  # keep the newest N checkpoints (None: all, as verl's max_actor_ckpt_to_keep)
-    sft_steps: int = 0
-    sft_lr: float = 3e-3
-    seed: int = 0
+    top_k: int = ranged(0, Range(-1, note="0 or -1: off"))
+    top_p: float = ranged(1.0, Range(0, 1, open_lo=True, note="1: off"))
+    eval_every: int = ranged(0, Range(0, note="0: never"))
+    eval_prompts: int = ranged(32, Range(0, note="0: the whole test split"))
+    eval_samples: int = ranged(1, Range(1))  # generations per eval prompt (verl's val_kwargs.n)
+    # 0: greedy (verl's val_kwargs.temperature / do_sample)
+    eval_temperature: float = ranged(0.0, Range(0, MAX_TEMPERATURE, note=TEMPERATURES))
+    ckpt_every: int = ranged(0, Range(0, note="0: only at the end"))
+    # keep the newest N checkpoints (as verl's max_actor_ckpt_to_keep)
+    ckpt_keep: int | None = ranged(None, Range(1, note="null: keep every checkpoint, as verl's 0 or null"))
+    sft_steps: int = ranged(0, Range(0))
+    sft_lr: float = ranged(3e-3, Range(0, open_lo=True))
+    seed: int = ranged(0, SEEDS)
     # length-forced runs (the paper's benchmarks): each training prompt generates exactly the
     # length of one trace row's first answer (words x 1.3 tokens x length_scale, within
     # [1, max_tokens]); the row is fixed per prompt (hash of its text)
     length_trace: str = ""
-    length_scale: float = 1.0
+    length_scale: float = ranged(1.0, Range(0, open_lo=True))
     # a prompt with no room for an output token in the engines' context: "error" at start
     # (naming it), or "skip" it (controller/prompt_check.py)
     overlong_prompts: str = "error"
-    max_prompt_tokens: int = 0  # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
+    # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
+    max_prompt_tokens: int = ranged(0, Range(0, note="0: the engines' context"))
 
 
 @dataclass(frozen=True)
 class LoggingSection:
     logdir: str = "runs/quickstart"
-    timeline_every: int = 5  # Gantt figure to TensorBoard every K iterations (0: never)
+    timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations
     progress: bool = True
 
 
@@ -197,7 +209,7 @@ def _weight_sync(data: Any, topology: Topology) -> WeightSyncConfig:
         raise ConfigError("weight_sync.topology: a run's topology is the top-level `topology:` section "
                           "(the planner reads it too); move it there")
     try:
-        return dataclasses.replace(WeightSyncConfig.from_dict(data), topology=topology)
+        return WeightSyncConfig.from_dict(data, topology)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
 
@@ -219,7 +231,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         model=build_section(ModelSection, "model", d.get("model")),
         tokenizer=build_section(TokenizerSection, "tokenizer", d.get("tokenizer")),
         task=build_section(TaskSection, "task", d.get("task")),
-        engine=build_section(EngineConfig, "engine", d.get("engine")),
+        engine=build_section(EngineConfig, "engine", d.get("engine"), OWNED_RANGES["engine"]),
         trainer=trainer,
         pipeline=build_section(PipelineSection, "pipeline", d.get("pipeline")),
         dispatch=build_section(DispatchSection, "dispatch", d.get("dispatch")),

@@ -45,7 +45,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not colocated and set(p.generation) & set(p.trainer):
         raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
                           "generation and trainer; set placement.colocated or pipeline.mode: colocated")
-    for key in ("temperature", "eval_temperature"):  # the gap no engine serves (RANGES bounds the rest)
+    for key in ("temperature", "eval_temperature"):  # the gap no engine serves (the fields' Ranges bound the rest)
         if not temperature_served(getattr(t, key)):
             raise ConfigError(f"train.{key} must be {SERVED_TEMPERATURES}, got {getattr(t, key)!r}")
     if t.min_tokens > t.max_tokens:

@@ -1,70 +1,16 @@
-"""Mapping -> typed config dataclass: the checks every run-config key passes on its own (type,
-range, known name) and ``ConfigError``, the one error a bad config raises, naming the key.
+"""The run config's own wording around ``workers.config_schema`` (the one mapping -> dataclass
+builder, with ``ConfigError``): an unknown key names verl's equivalent or a near miss.
 
 ``controller.config`` builds each section with ``build_section``; the checks across keys
 (placement, modes, registries) are ``controller.config_checks``.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-import typing
 from typing import Any
 
-from controller.config_ranges import range_error
+from workers import config_schema
+from workers.config_schema import ConfigError, Range  # noqa: F401  (ConfigError: the run config's error)
 from workers.trainer.config import VERL_LOSS_AGGS
-
-
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the key."""
-
-
-def _check_range(key: str, value: Any) -> None:
-    why = range_error(key, value)
-    if why is not None:
-        raise ConfigError(why)
-
-
-def check_type(key: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
-    X | None); floats must be finite."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is not type(None):
-                return check_type(key, value, a)
-    if hint is Any:
-        return value
-    base = origin or hint
-    if base is tuple and isinstance(value, list):
-        value = tuple(value)
-    if base is tuple and isinstance(value, tuple) and typing.get_args(hint):
-        args = typing.get_args(hint)
-        if args[-1] is Ellipsis:
-            args = args[:1] * len(value)
-        elif len(value) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
-        return tuple(check_type(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if base is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if base is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}: expected a finite number, got {value}")
-    if base is int and isinstance(value, bool) or not isinstance(value, base):
-        quote = (" (YAML read the value as a mapping or a list: ': ', '{', '[' in it; put it in YAML quotes, '...')"
-                 if isinstance(value, (dict, list)) and base is str else "")
-        raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
-                          f"{type(value).__name__} {value!r}{quote}")
-    return value
-
 
 # verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
 VERL_KEYS = {
@@ -88,43 +34,11 @@ VERL_KEYS = {
 
 def key_hint(key: str, known) -> str:
     """', did you mean X?' for a near miss or a verl name, else ''."""
-    import difflib
-
     if key in VERL_KEYS:
         return f"; verl's {key!r} is {VERL_KEYS[key]} here (docs/migrating_from_verl.md)"
-    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.75)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return config_schema.near_miss(key, known)
 
 
-def _none_as_empty(cls, name: str, value: Any, hint: Any) -> Any:
-    """YAML null (``profile:``, ``profile: null``, ``--set dispatch.profile=null``) for a string
-    key whose default is empty (empty: none, off) reads as that empty string."""
-    if value is None and hint is str:
-        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
-        if default == "":
-            return ""
-    return value
-
-
-def build_section(cls, section: str, data: Any):
-    """Instantiate dataclass ``cls`` from a mapping, naming unknown keys and wrong types."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in names:
-            raise ConfigError(f"{section}.{k}: unknown key{key_hint(k, names)} (known: {sorted(names)})")
-    kwargs = {k: check_type(f"{section}.{k}", _none_as_empty(cls, k, v, hints[k]), hints[k])
-              for k, v in data.items()}
-    for k, v in kwargs.items():
-        _check_range(f"{section}.{k}", v)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        msg = str(e)
-        raise ConfigError(msg if msg.startswith(section) else f"{section}: {msg}") from e
+def build_section(cls, section: str, data: Any, ranges: dict[str, Range] | None = None):
+    """``config_schema.build_section`` with verl's names in the unknown-key hint."""
+    return config_schema.build_section(cls, section, data, hint=key_hint, ranges=ranges)

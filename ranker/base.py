@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
+from workers.config_schema import RANGE
+
 
 class LogLengthRanker:
     @property
@@ -39,7 +41,8 @@ class LogLengthRanker:
         save(self, path)
 
 
-# --- config checks (shared by LgbmConfig, FeatureConfig, SpaceConfig, LmConfig, EnsembleConfig) ---
+# --- config checks (shared by LgbmConfig, FeatureConfig, SpaceConfig, LmConfig, EnsembleConfig);
+# their ranges are declared on the fields, as the run config's (workers.config_schema) ---
 
 _SCALAR_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
@@ -56,13 +59,18 @@ def config_kwargs(cls, d, name: str) -> dict:
     return dict(d)
 
 
-def check_types(cfg, name: str) -> None:
-    """Refuse scalar fields of the wrong type (a bool is not a number, 2.5 is not an int)."""
+def check_fields(cfg, name: str) -> None:
+    """Refuse scalar fields of the wrong type (a bool is not a number, 2.5 is not an int), then
+    values outside the ``Range`` declared on the field (``workers.config_schema.ranged``)."""
     for f in fields(cfg):
         want = _SCALAR_TYPES.get(f.type)
         v = getattr(cfg, f.name)
         if want and (not isinstance(v, want) or (isinstance(v, bool) and f.type != "bool")):
             raise ValueError(f"{name} config key {f.name!r} must be {f.type}, got {v!r:.40}")
+    for f in fields(cfg):
+        rng = f.metadata.get(RANGE)
+        if rng is not None:
+            check_range(name, f.name, getattr(cfg, f.name) in rng, str(rng), getattr(cfg, f.name))
 
 
 def check_range(name: str, key: str, ok: bool, want: str, value) -> None:

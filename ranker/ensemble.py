@@ -16,22 +16,22 @@ from typing import Sequence
 import numpy as np
 
 from ranker import progress
-from ranker.base import LogLengthRanker, check_range, check_types, config_kwargs
+from ranker.base import LogLengthRanker, check_fields, config_kwargs
 from ranker.data import as_prompts, check_lengths
 from ranker.lgbm import LgbmConfig, LgbmRanker
 from ranker.lm import LmConfig, LmRanker
+from workers.config_schema import Range, ranged
 
 
 @dataclass(frozen=True)
 class EnsembleConfig:
     lgbm: LgbmConfig = field(default_factory=LgbmConfig)
     lm: LmConfig = field(default_factory=LmConfig)
-    lgbm_weight: float = 0.7
+    lgbm_weight: float = ranged(0.7, Range(0, 1))
     lm_embedding: bool = True
 
     def __post_init__(self):
-        check_types(self, "ensemble")
-        check_range("ensemble", "lgbm_weight", 0.0 <= self.lgbm_weight <= 1.0, "in [0, 1]", self.lgbm_weight)
+        check_fields(self, "ensemble")
 
     @classmethod
     def from_dict(cls, d: dict) -> "EnsembleConfig":

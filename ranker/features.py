@@ -19,9 +19,10 @@ import scipy.sparse as sp
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from ranker.base import check_range, check_types, config_kwargs
+from ranker.base import check_fields, config_kwargs
 from ranker.textspace import SpaceConfig, TextSpace, one_blas_thread
 from ranker.textstats import STAT_NAMES, text_stats
+from workers.config_schema import Range, ranged
 
 FEATURES_VERSION = 3  # 3: training rows' neighbour columns out-of-fold
 _N_SIZE = 30  # the first columns of STAT_NAMES are sizes (compared with neighbours)
@@ -38,23 +39,18 @@ Embedder = Callable[[Sequence[str]], np.ndarray]
 @dataclass(frozen=True)
 class FeatureConfig:
     space: SpaceConfig = field(default_factory=SpaceConfig)
-    knn_k: int = 10
+    knn_k: int = ranged(10, Range(1))
     # Training rows' neighbour columns come from the other folds only (0: leave-one-out).
     # Leave-one-out leaks: within a group of similar prompts the left-out mean falls as the
     # row's own label rises, which trees learn on training rows and which is absent at predict.
-    knn_folds: int = 5
-    ridge_folds: int = 5
-    ridge_alpha: float = 1.0
-    max_memory: int = 20000   # neighbour memory keeps the most recent rows
-    lm_dims: int = 0          # columns of LM embedding appended (0: none)
+    knn_folds: int = ranged(5, Range(0))
+    ridge_folds: int = ranged(5, Range(0))
+    ridge_alpha: float = ranged(1.0, Range(0))
+    max_memory: int = ranged(20000, Range(1))   # neighbour memory keeps the most recent rows
+    lm_dims: int = ranged(0, Range(0))          # columns of LM embedding appended (0: none)
 
     def __post_init__(self):
-        check_types(self, "features")
-        for key, ok, want in (("knn_k", self.knn_k >= 1, ">= 1"), ("knn_folds", self.knn_folds >= 0, ">= 0"),
-                              ("ridge_folds", self.ridge_folds >= 0, ">= 0"),
-                              ("ridge_alpha", self.ridge_alpha >= 0, ">= 0"),
-                              ("max_memory", self.max_memory >= 1, ">= 1"), ("lm_dims", self.lm_dims >= 0, ">= 0")):
-            check_range("features", key, ok, want, getattr(self, key))
+        check_fields(self, "features")
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "features") -> "FeatureConfig":

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ranker import progress
-from ranker.base import LogLengthRanker, check_range, check_types, config_kwargs
+from ranker.base import LogLengthRanker, check_fields, check_range, config_kwargs
 from ranker.data import as_prompts, check_lengths
+from workers.config_schema import Range, ranged
 from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
 from workers.tokenizer import Tokenizer, train_bpe
 
@@ -31,34 +32,25 @@ from workers.tokenizer import Tokenizer, train_bpe
 @dataclass(frozen=True)
 class LmConfig:
     model_dir: str = ""          # HF folder with tokenizer; "" = tiny model built from scratch
-    vocab_size: int = 1024
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 192
-    max_tokens: int = 192
-    pretrain_epochs: int = 1     # next-token epochs (0 to skip)
-    epochs: int = 4              # regression fine-tuning epochs
-    batch_size: int = 32
-    lr: float = 3e-3
-    pairwise_weight: float = 0.5
-    update_steps: int = 30
-    replay: int = 256            # fine-tuning rows kept and mixed into every online update
-    threads: int = 2
+    vocab_size: int = ranged(1024, Range(1))
+    hidden: int = ranged(64, Range(1))
+    layers: int = ranged(2, Range(1))
+    heads: int = ranged(4, Range(1))
+    kv_heads: int = ranged(2, Range(1))
+    intermediate: int = ranged(192, Range(1))
+    max_tokens: int = ranged(192, Range(8))
+    pretrain_epochs: int = ranged(1, Range(0))     # next-token epochs (0 to skip)
+    epochs: int = ranged(4, Range(0))              # regression fine-tuning epochs
+    batch_size: int = ranged(32, Range(2))
+    lr: float = ranged(3e-3, Range(0, open_lo=True))
+    pairwise_weight: float = ranged(0.5, Range(0))
+    update_steps: int = ranged(30, Range(0))
+    replay: int = ranged(256, Range(0))            # fine-tuning rows kept and mixed into every online update
+    threads: int = ranged(2, Range(1))
     seed: int = 0
 
     def __post_init__(self):
-        check_types(self, "lm")
-        for key, ok, want in (("max_tokens", self.max_tokens >= 8, ">= 8"), ("epochs", self.epochs >= 0, ">= 0"),
-                              ("pretrain_epochs", self.pretrain_epochs >= 0, ">= 0"),
-                              ("batch_size", self.batch_size >= 2, ">= 2"), ("threads", self.threads >= 1, ">= 1"),
-                              ("vocab_size", self.vocab_size >= 1, ">= 1"), ("hidden", self.hidden >= 1, ">= 1"),
-                              ("layers", self.layers >= 1, ">= 1"), ("heads", self.heads >= 1, ">= 1"),
-                              ("kv_heads", self.kv_heads >= 1, ">= 1"), ("intermediate", self.intermediate >= 1, ">= 1"),
-                              ("lr", self.lr > 0, "> 0"), ("pairwise_weight", self.pairwise_weight >= 0, ">= 0"),
-                              ("update_steps", self.update_steps >= 0, ">= 0"), ("replay", self.replay >= 0, ">= 0")):
-            check_range("lm", key, ok, want, getattr(self, key))
+        check_fields(self, "lm")
         if self.model_dir:  # the architecture and tokenizer come from the folder
             return
         check_range("lm", "vocab_size", self.vocab_size >= 258, ">= 258 (256 bytes + 2 special tokens)",

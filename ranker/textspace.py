@@ -16,29 +16,26 @@ from sklearn.feature_extraction.text import HashingVectorizer
 from sklearn.preprocessing import normalize
 from threadpoolctl import threadpool_limits
 
-from ranker.base import check_range, check_types, config_kwargs
+from ranker.base import check_fields, check_range, config_kwargs
+from workers.config_schema import Range, ranged
 
 
 @dataclass(frozen=True)
 class SpaceConfig:
     char_ngrams: tuple[int, int] = (2, 4)
     word_ngrams: tuple[int, int] = (1, 2)
-    hash_bits: int = 18
-    max_columns: int = 20000
-    svd_dims: int = 64
+    hash_bits: int = ranged(18, Range(1, 24))
+    max_columns: int = ranged(20000, Range(2, note="the SVD needs 2 columns"))
+    svd_dims: int = ranged(64, Range(1))
     seed: int = 0
 
     def __post_init__(self):
-        check_types(self, "space")
+        check_fields(self, "space")
         for key in ("char_ngrams", "word_ngrams"):
             lo_hi = getattr(self, key)
             ok = (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(type(v) is int for v in lo_hi)
                   and 1 <= lo_hi[0] <= lo_hi[1])
             check_range("space", key, ok, "[lo, hi] with 1 <= lo <= hi", lo_hi)
-        for key, ok, want in (("hash_bits", 1 <= self.hash_bits <= 24, "in [1, 24]"),
-                              ("max_columns", self.max_columns >= 2, ">= 2 (the SVD needs 2 columns)"),
-                              ("svd_dims", self.svd_dims >= 1, ">= 1")):
-            check_range("space", key, ok, want, getattr(self, key))
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "space") -> "SpaceConfig":

@@ -6,8 +6,8 @@ import yaml
 
 from controller.config import ConfigError, PipelineSection, from_dict, load_config
 from controller.config_overrides import parse_override
-from controller.config_ranges import RANGES
 from controller.modes import MODES
+from workers.config_schema import field_range
 
 
 def _cfg(**sections):
@@ -258,8 +258,9 @@ def test_audited_bad_values_name_their_key_and_the_set(tmp_path, sets, message):
 
 
 def test_every_numeric_key_has_a_range():
-    """A new int / float key of a run section gets its valid values in RANGES (or an explicit
-    check): an unlisted key would take any value, as -1 meant "every iteration" before."""
+    """A new int / float key of a run section declares its valid values next to it (``ranged``,
+    or an explicit check): an unranged key would take any value, as -1 meant "every iteration"
+    before."""
     import typing
 
     from controller import config as C
@@ -268,11 +269,11 @@ def test_every_numeric_key_has_a_range():
                          (C.PlacementSection, "placement"), (C.TrainSection, "train"), (C.LoggingSection, "logging")):
         for name, hint in typing.get_type_hints(cls).items():
             if {int, float} & {hint, *typing.get_args(hint)}:
-                assert f"{section}.{name}" in RANGES, f"{section}.{name} has no range in controller/config_ranges.py RANGES"
+                assert field_range(cls, name) is not None, f"{section}.{name} has no range: ranged(default, Range(..))"
     default = from_dict({})
-    for key in RANGES:  # and no entry names a key that is not there
-        section, name = key.split(".")
-        assert name in {f.name for f in dataclasses.fields(getattr(default, section))}, key
+    for section, ranges in C.OWNED_RANGES.items():  # and no entry names a key that is not there
+        for name in ranges:
+            assert name in {f.name for f in dataclasses.fields(getattr(default, section))}, f"{section}.{name}"
     # the edges of the ranges load (0: never, -1: off, greedy for ppo, beta1 0)
     cfg = from_dict(_cfg(train={"eval_every": 0, "ckpt_every": 0, "sft_steps": 0, "seed": 2**32 - 1, "top_k": -1,
                                 "temperature": 0.0, "top_p": 1.0, "ckpt_keep": None},

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from workers.config_schema import build_section
 from workers.model import ModelConfig
 from workers.tasks import make_task
 from workers.trainer import StepResult, TrainerConfig, TrainerWorker
@@ -235,9 +236,9 @@ def test_config_validation():
         TrainerConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="critic"):
         TrainerConfig(algorithm="ppo", critic=False)
-    with pytest.raises(ValueError, match="unknown keys"):
-        TrainerConfig.from_dict({"lr": 1e-3, "lrr": 1})
-    assert TrainerConfig.from_dict({"algorithm": "ppo", "betas": [0.9, 0.95]}).use_critic
+    with pytest.raises(ValueError, match="trainer.lrr: unknown key; did you mean 'lr'"):
+        build_section(TrainerConfig, "trainer", {"lr": 1e-3, "lrr": 1})
+    assert build_section(TrainerConfig, "trainer", {"algorithm": "ppo", "betas": [0.9, 0.95]}).use_critic
 
 
 def test_streams_from_native_engine_and_loads_weights_back(model_dir, task):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from controller.config import ConfigError, from_dict
+from workers.config_schema import build_section
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer import critic as critic_module
 from workers.trainer import packing
@@ -149,7 +150,7 @@ def test_no_grad_forwards_never_recompute(model_dir, data):
 
 def test_config_key_and_verl_name():
     assert TrainerConfig().activation_checkpointing is False
-    assert TrainerConfig.from_dict({"activation_checkpointing": True}).activation_checkpointing is True
+    assert build_section(TrainerConfig, "trainer", {"activation_checkpointing": True}).activation_checkpointing is True
     for bad in ("false", 1, None):  # a string would be truthy: on when the user wrote "false"
         with pytest.raises(ValueError, match=r"trainer.activation_checkpointing must be true or false, got "):
             TrainerConfig(activation_checkpointing=bad)

@@ -176,7 +176,7 @@ def test_integer_datacenter_names():
     # an int default, written as the keys are, is one of them (was: "must be a string, got 1")
     topo = Topology.from_config({"datacenters": {0: [0, 1], 1: [2, 3]}, "default_datacenter": 1})
     assert topo.dc(9) == "1" and topo.dc(0) == "0"
-    cfg = WeightSyncConfig.from_dict({"topology": {"datacenters": {0: [0], 1: [1, 2]}}})
+    cfg = WeightSyncConfig(topology=Topology.from_config({"datacenters": {0: [0], 1: [1, 2]}}))
     plan = cfg.plan([0], [1, 2], [("w", (4,), "float32")])
     assert plan.trees[0].edges() == [(0, 1), (1, 2)]
 

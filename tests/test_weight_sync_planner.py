@@ -226,14 +226,14 @@ def test_shaper_paces_to_the_rate():
 
 # ---- config section and swap helper ---------------------------------------------------
 def test_weight_sync_config():
-    cfg = WeightSyncConfig.from_dict({"bucket_mb": 0.002, "tree_shape": "binary", "topology": TWO_DC})
+    cfg = WeightSyncConfig.from_dict({"bucket_mb": 0.002, "tree_shape": "binary"}, Topology.from_config(TWO_DC))
     assert cfg.bucket_bytes == 2000 and cfg.topology.dc(4) == "remote"
     assert cfg.plan([0], [1, 2, 3, 4], SPEC).kind == "tree"
     assert WeightSyncConfig.from_dict({"naive": True}).plan([0], [1, 2], SPEC).kind == "naive"
     assert WeightSyncConfig.from_dict(None) == WeightSyncConfig()
     for bad, needle in [({"bucket": 1}, "unknown key(s) ['bucket']"), ({"bucket_mb": -1}, "weight_sync.bucket_mb"),
                         ({"tree_shape": "ring"}, "weight_sync.tree_shape"), ({"naive": "yes"}, "weight_sync.naive"),
-                        ({"topology": {"shaped_links": ["x"]}}, "shaped_links")]:
+                        ({"topology": TWO_DC}, "unknown key(s) ['topology']")]:
         with pytest.raises(ValueError) as e:
             WeightSyncConfig.from_dict(bad)
         assert needle in str(e.value)

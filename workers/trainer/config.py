@@ -1,8 +1,11 @@
-"""``TrainerConfig``: every trainer knob, typed and validated once (at the edge)."""
+"""``TrainerConfig``: every trainer knob, typed and validated once (at the edge; a mapping is
+built by ``workers.config_schema.build_section``, as the run config's ``trainer:`` section)."""
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, fields
+
+from workers.config_schema import SEEDS, Range, ranged
 
 ALGORITHMS = ("ppo", "grpo", "rloo")
 KL_ESTIMATORS = ("k1", "k3")
@@ -57,7 +60,7 @@ class TrainerConfig:
     algorithm: str = "grpo"
     lr: float = 1e-5
     weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = ranged((0.9, 0.999), Range(0, 1, open_hi=True))
     adam_eps: float = 1e-8
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -75,7 +78,7 @@ class TrainerConfig:
     warmup_steps: int = 0
     lr_schedule: str = "constant"
     total_steps: int = 1000
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = ranged(0.0, Range(0, 1, note="the fraction of lr the schedule decays to"))
     # critic / GAE (ppo)
     critic: bool | None = None  # None: on for ppo, off otherwise
     critic_lr: float = 1e-4
@@ -93,7 +96,7 @@ class TrainerConfig:
     mini_batches: int = 1  # optimizer updates per pass (verl: train_batch_size / ppo_mini_batch_size)
     precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each layer in backward (actor and critic)
-    seed: int = 0
+    seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
         _one_of("algorithm", self.algorithm, ALGORITHMS)
@@ -162,17 +165,6 @@ class TrainerConfig:
     def grouped(self) -> bool:
         """Advantages need every sample of a group (grpo, rloo)."""
         return self.algorithm in ("grpo", "rloo")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainerConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"trainer config: unknown keys {unknown} (known: {sorted(known)})")
-        d = dict(d)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
 
 
 def _one_of(name: str, value, allowed) -> None:

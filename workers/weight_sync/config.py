@@ -4,10 +4,9 @@
       bucket_mb: 4             # bucket size (MB, 1e6 bytes)
       tree_shape: chain        # chain | binary | star
       naive: false             # true: root sends to every instance (baseline)
-      topology: {...}          # see topology.py; absent -> one datacenter
 
-In a run config (controller/config.py) the topology is the top-level ``topology:`` section,
-which the planner reads too; ``weight_sync`` there holds the other three keys.
+The topology (topology.py) is the run config's top-level ``topology:`` section, which the
+planner reads too (controller/config.py); ``from_dict`` takes it built.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from workers.weight_sync.plan import SyncPlan, TensorSpec
 from workers.weight_sync.planner import TREE_SHAPES, plan_naive, plan_sync
 from workers.weight_sync.topology import Topology
 
-_KEYS = {"bucket_mb", "tree_shape", "naive", "topology"}
+_KEYS = {"bucket_mb", "tree_shape", "naive"}
 # Smallest bucket a config may ask for (MB): every bucket is two messages per tree edge (a
 # 32-byte header, then the payload) and starts on a 64-byte boundary, so below ~1 KB the
 # header and the per-message latency are the whole cost (gloo on loopback: ~1.3 ms a bucket,
@@ -42,8 +41,9 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.tree_shape: unknown {self.tree_shape!r}; allowed: {sorted(TREE_SHAPES)}")
 
     @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None) -> "WeightSyncConfig":
-        """Validate the ``weight_sync`` section (None -> defaults); errors name the key."""
+    def from_dict(cls, cfg: Mapping[str, Any] | None, topology: Topology | None = None) -> "WeightSyncConfig":
+        """Validate the ``weight_sync`` section (None -> defaults); errors name the key.
+        ``topology``: the run's (None: one datacenter)."""
         cfg = cfg or {}
         if not isinstance(cfg, Mapping):
             raise ValueError(f"weight_sync must be a mapping, got {type(cfg).__name__}")
@@ -60,7 +60,7 @@ class WeightSyncConfig:
         if not isinstance(naive, bool):
             raise ValueError(f"weight_sync.naive must be true or false, got {naive!r}")
         return cls(bucket_bytes=max(1, int(mb * 1e6)), tree_shape=str(cfg.get("tree_shape", "chain")),
-                   naive=naive, topology=Topology.from_config(cfg.get("topology")))
+                   naive=naive, topology=Topology() if topology is None else topology)
 
     def plan(self, senders: Sequence[int], receivers: Sequence[int],
              tensor_spec: Sequence[TensorSpec | tuple]) -> SyncPlan:

@@ -1,0 +1,154 @@
+"""Mapping -> typed config dataclass, the one way: ``build_section`` checks every key of a
+mapping against its dataclass field (known name, type, and the ``Range`` declared next to the
+field with ``ranged``) and raises ``ConfigError`` naming the key with the caller's prefix
+(``train.iterations``, ``trainer.betas[1]``). The run config (``controller.config``) builds its
+sections with it. Here, under ``workers``, so ``controller`` and ``ranker`` both import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+RANGE = "range"  # the dataclass field metadata key of a Range
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: ``lo <= v <= hi`` (``<`` at an ``open`` end; None:
+    unbounded). ``note`` says what special values mean (``0: never``)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+    note: str = ""
+
+    def __contains__(self, v) -> bool:
+        return ((self.lo is None or (v > self.lo if self.open_lo else v >= self.lo))
+                and (self.hi is None or (v < self.hi if self.open_hi else v <= self.hi)))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            text = f"{'>' if self.open_lo else '>='} {self.lo}"
+        else:
+            text = f"in {'(' if self.open_lo else '['}{self.lo}, {self.hi}{')' if self.open_hi else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+SEEDS = Range(0, 2**32, open_hi=True)  # numpy's seed range; sampling seeds are train.seed * 7919 + index
+
+
+def ranged(default: Any, rng: Range) -> Any:
+    """A dataclass field with ``default`` whose values must lie in ``rng`` (checked by
+    ``build_section``, after the type; a tuple's range applies to each value)."""
+    return dataclasses.field(default=default, metadata={RANGE: rng})
+
+
+def field_range(cls, name: str) -> Range | None:
+    """The Range declared on field ``name`` of dataclass ``cls`` (None: none)."""
+    return next((f.metadata.get(RANGE) for f in dataclasses.fields(cls) if f.name == name), None)
+
+
+def range_error(key: str, value: Any, rng: Range | None) -> str | None:
+    """Why ``value`` is outside ``rng`` (None when inside, or when there is no range)."""
+    if rng is None or value is None:
+        return None
+    for i, v in enumerate(value) if isinstance(value, tuple) else [(None, value)]:
+        if v not in rng:
+            name = key if i is None else f"{key}[{i}]"
+            return f"{name} must be {'an int ' if isinstance(v, int) else ''}{rng}, got {v!r}"
+    return None
+
+
+def check_type(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
+    X | None); floats must be finite."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None):
+                return check_type(key, value, a)
+    if hint is Any:
+        return value
+    base = origin or hint
+    if base is tuple and isinstance(value, list):
+        value = tuple(value)
+    if base is tuple and isinstance(value, tuple) and typing.get_args(hint):
+        args = typing.get_args(hint)
+        if args[-1] is Ellipsis:
+            args = args[:1] * len(value)
+        elif len(value) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
+        return tuple(check_type(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if base is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if base is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value}")
+    if base is int and isinstance(value, bool) or not isinstance(value, base):
+        quote = (" (YAML read the value as a mapping or a list: ': ', '{', '[' in it; put it in YAML quotes, '...')"
+                 if isinstance(value, (dict, list)) and base is str else "")
+        raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
+                          f"{type(value).__name__} {value!r}{quote}")
+    return value
+
+
+def near_miss(key: str, known) -> str:
+    """', did you mean X?' for a near miss, else ''."""
+    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _none_as_empty(cls, name: str, value: Any, hint: Any) -> Any:
+    """YAML null (``profile:``, ``profile: null``, ``--set dispatch.profile=null``) for a string
+    key whose default is empty (empty: none, off) reads as that empty string."""
+    if value is None and hint is str:
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+        if default == "":
+            return ""
+    return value
+
+
+def build_section(cls, section: str, data: Any, *, hint: Callable[[str, Any], str] = near_miss,
+                  ranges: dict[str, Range] | None = None):
+    """Instantiate dataclass ``cls`` from a mapping, naming unknown keys, wrong types and values
+    outside a field's Range as ``section.key``. ``hint``: what an unknown key may have meant;
+    ``ranges``: Ranges for fields of a class that declares none itself."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            raise ConfigError(f"{section}.{k}: unknown key{hint(k, fields)} (known: {sorted(fields)})")
+    kwargs = {k: check_type(f"{section}.{k}", _none_as_empty(cls, k, v, hints[k]), hints[k])
+              for k, v in data.items()}
+    for k, v in kwargs.items():
+        why = range_error(f"{section}.{k}", v, fields[k].metadata.get(RANGE) or (ranges or {}).get(k))
+        if why is not None:
+            raise ConfigError(why)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(section) else f"{section}: {msg}") from e
