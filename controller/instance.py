@@ -16,14 +16,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from controller.config import PipelineSection
 from controller.rpc import LOCAL
 from controller.timeline import SpanRecorder
-from workers.types import Request, Sample
+from workers.types import EngineStats, Request, Sample
 
 
 def route(group_id: int, num_trainers: int) -> int:
@@ -50,19 +50,19 @@ class GenerateReport:
 @dataclass(frozen=True)
 class InstanceStats:
     """What an instance holds now (the REPL's ``sgs``, the prompts' context check): its
-    engine's ``EngineStats`` less the preemption counters, plus the context (``max_model_len``,
-    tokens), the weight version it generates with and the one staged for the next round."""
+    engine's ``EngineStats``, its context (``max_model_len``, tokens), the weight version it
+    generates with and the one staged for the next round."""
 
     rank: int
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    tokens_per_s: float
-    max_batch_size: int
+    engine: EngineStats
     max_model_len: int
     weight_version: int
     staged_version: int | None
+
+    def flat(self) -> dict:
+        """One level of keys (the REPL's JSON): the engine's next to the instance's."""
+        return {"rank": self.rank, **asdict(self.engine), "max_model_len": self.max_model_len,
+                "weight_version": self.weight_version, "staged_version": self.staged_version}
 
 
 class Outbox:
@@ -300,9 +300,7 @@ class GenerationInstance:
             return out
 
     def stats(self) -> InstanceStats:
-        st = self.engine.stats()
-        return InstanceStats(self.rank, st.running, st.waiting, st.kv_blocks_used, st.kv_blocks_free,
-                             st.tokens_per_s, st.max_batch_size, self.engine.max_model_len, self.version,
+        return InstanceStats(self.rank, self.engine.stats(), self.engine.max_model_len, self.version,
                              None if self._staged is None else self._staged[0])
 
     def drain_spans(self) -> list:

@@ -97,7 +97,7 @@ class Repl:
 
     def sgs(self) -> dict:
         handles = self.s.world.sgs.handles
-        return {"instances": [asdict(st) for st in wait_all([h.call("stats") for h in handles])],
+        return {"instances": [st.flat() for st in wait_all([h.call("stats") for h in handles])],
                 "removed": self.s.world.sgs.removed}
 
     def trainer(self) -> dict:

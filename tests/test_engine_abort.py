@@ -266,7 +266,7 @@ def test_scale_in_aborts_what_the_instance_leaves_and_the_sgs_serves_it_elsewher
     assert sorted(s.sample_id for s in sink.samples) == list(range(12))  # each sample once
     # the leaving instance's engine holds nothing: no request queued or running, no block used
     assert not leaving.engine.has_work()
-    assert leaving.stats().kv_blocks_used == 0 and leaving.stats().running == 0
+    assert leaving.stats().engine.kv_blocks_used == 0 and leaving.stats().engine.running == 0
     assert all(len(s.output_ids) == 8 for s in sink.samples)
 
 

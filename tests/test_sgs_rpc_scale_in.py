@@ -222,7 +222,7 @@ def test_scale_in_over_rpc_mid_round_re_dispatches_what_the_leaving_instance_lef
     assert all(n == FORCED for _, n in r["samples"])
 
     # the leaving engine holds nothing
-    st = r["leaving_stats"]
+    st = r["leaving_stats"].engine
     assert (st.running, st.waiting, st.kv_blocks_used) == (0, 0, 0), st
 
     # the two instances generated at the same time: their first generate windows overlap
