@@ -18,6 +18,7 @@ timeout makes rank 0 raise one line naming it; a rank that hears no ack raises t
 """
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -73,17 +74,21 @@ def agree_on_attempt(store, rank: int, world: int, timeout_s: float, poll_s: flo
     return attempt
 
 
+def torchrun_store(timeout_s: float):
+    """A client of torchrun's store (MASTER_ADDR:MASTER_PORT), waiting up to ``timeout_s``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def current_attempt(timeout_s: float) -> str:
-    """This process's attempt id under torchrun: agreed once (torchrun's store at
-    MASTER_ADDR:MASTER_PORT, ranks RANK / WORLD_SIZE), then the same answer."""
+    """This process's attempt id under torchrun: agreed once (torchrun's store, ranks RANK /
+    WORLD_SIZE), then the same answer."""
     global _ATTEMPT
     if _ATTEMPT is None:
-        import datetime
-        import os
-
-        import torch.distributed as dist
-
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        _ATTEMPT = agree_on_attempt(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s)
+        _ATTEMPT = agree_on_attempt(torchrun_store(timeout_s), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                    timeout_s)
     return _ATTEMPT

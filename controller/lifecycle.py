@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import ctypes
-import datetime
 import hashlib
 import json
 import os
@@ -152,16 +151,15 @@ def _store(timeout_s: float):
 
     import torch.distributed as dist
 
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    from controller.attempt import current_attempt, torchrun_store
+
     try:  # a plain connect first: torch's client retries a refused one until its timeout
-        socket.create_connection((host, port), timeout=min(timeout_s, 10.0)).close()
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                                 timeout=min(timeout_s, 10.0)).close()
     except OSError:
         return None
-    from controller.attempt import current_attempt
-
     attempt = current_attempt(timeout_s)
-    return dist.PrefixStore(f"streamrl/{attempt}/config", dist.TCPStore(
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
+    return dist.PrefixStore(f"streamrl/{attempt}/config", torchrun_store(timeout_s))
 
 
 def agree_on_config(rank: int, world: int, config: dict | None, error: str, timeout_s: float) -> str | None:

@@ -74,14 +74,12 @@ def _local_address(peer_host: str, peer_port: int) -> str:
         return s.getsockname()[0]
 
 
-def _rpc_store_address(rank: int, world: int, timeout: datetime.timedelta, attempt: str) -> str:
-    """Rank 0 picks the RPC store address and publishes it in torchrun's store; every rank
+def _rpc_store_address(rank: int, store, timeout: datetime.timedelta, attempt: str) -> str:
+    """Rank 0 picks the RPC store address and publishes it in torchrun's ``store``; every rank
     returns it (``host:port``)."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     if rank == 0:
         global _RPC_STORE  # rank 0 hosts it for the whole run (torchrun's env makes init_rpc a client)
-        addr = _local_address(host, port)
+        addr = _local_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         _RPC_STORE = dist.TCPStore(addr, _free_port(), is_master=True, wait_for_workers=False, timeout=timeout)
         store.set(_key("rpc_store", attempt), f"{addr}:{_RPC_STORE.port}")
     return store.get(_key("rpc_store", attempt)).decode()
@@ -329,20 +327,19 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
     LOCAL.rank, LOCAL.local_rank = rank, local_rank
     LOCAL.device = _pick_device(local_rank)
     timeout = datetime.timedelta(seconds=rpc_timeout_s)
-    from controller.attempt import current_attempt
+    from controller.attempt import current_attempt, torchrun_store
 
     # torchrun's store outlives a restart: prefix by the agreed attempt id (the same on every
     # node, fresh each attempt) so stale keys of a dead attempt (gloo addresses) are never read
     attempt = current_attempt(rpc_timeout_s)
-    tstore = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout)
+    tstore = torchrun_store(rpc_timeout_s)
     backend = data_plane_backend(LOCAL.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                  torch.cuda.device_count() if torch.cuda.is_available() else 0)
     LOCAL.comm_device = LOCAL.device if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, timeout=timeout,
                             store=dist.PrefixStore(f"streamrl/pg/{attempt}", tstore), rank=rank, world_size=world)
     LOCAL.has_process_group = True
-    rpc_addr = _rpc_store_address(rank, world, timeout, attempt)
+    rpc_addr = _rpc_store_address(rank, tstore, timeout, attempt)
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if elastic else world,
                  rpc_backend_options=_rpc_options(rpc_timeout_s, f"tcp://{rpc_addr}"))
     dist.barrier()  # every static rank is in the RPC group
