@@ -161,7 +161,7 @@ def main() -> int:
         return subprocess.call(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     import torch
 
-    from controller.main import run_rank
+    from controller.processes import run_rank
 
     torch.set_num_threads(1)
     return run_rank(lambda: pm.controller(a), 600.0)

@@ -232,7 +232,7 @@ def main() -> int:
         return subprocess.call(cmd, cwd=ROOT, env=env)
     import torch
 
-    from controller.main import run_rank
+    from controller.processes import run_rank
 
     torch.set_num_threads(1)
     return run_rank(lambda: controller(a), 600.0)

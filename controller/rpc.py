@@ -211,7 +211,7 @@ class Local:
     exit_code: int = 0
     exit_reason: str = ""  # said on a joiner's own terminal when it was told to leave (runner.leave_job)
     run_folder: str = ""  # the controller's run folder once resolved (a forked --resume writes elsewhere)
-    quiet_exit: bool = True  # leave RPC in lock-step with the other static ranks (controller.main)
+    quiet_exit: bool = True  # leave RPC in lock-step with the other static ranks (controller.processes)
     outcome: int | None = None  # the controller's exit code once the run's end was said (a later signal keeps it)
     roles: dict = field(default_factory=dict)  # "trainer" / "generation" -> object
     groups: dict = field(default_factory=dict)  # tuple(ranks) -> ProcessGroup

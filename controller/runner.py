@@ -291,7 +291,7 @@ def _error_line(e: BaseException) -> str:
 
 def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> None:
     """Tell ``ranks`` to exit with ``code``. ``quiet`` (default: ``code == 0`` and no rank that
-    joined later): the static ranks leave RPC in lock-step (controller.main.stop_processes);
+    joined later): the static ranks leave RPC in lock-step (controller.processes.stop_processes);
     a joined process, or an instance lost during the run, would leave RRef owners the
     lock-step exit waits for, so those runs exit the local way."""
     import torch.distributed as dist

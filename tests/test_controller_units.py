@@ -138,7 +138,7 @@ def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
 def test_data_plane_backend_nccl_only_with_a_gpu_per_rank(capsys):
     import torch
 
-    from controller.main import data_plane_backend
+    from controller.processes import data_plane_backend
 
     assert data_plane_backend(torch.device("cpu"), 3, 0) == "gloo"
     assert data_plane_backend(torch.device("cuda", 0), 8, 8) == "nccl"

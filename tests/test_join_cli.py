@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
+from controller import join_cli, processes
 from controller import main as entry
 
 
@@ -26,46 +27,46 @@ def _free_port() -> int:
 
 def test_no_job_at_the_address_is_one_line_after_the_timeout(capsys):
     args = entry.parse_args(["--join", f"127.0.0.1:{_free_port()}", "--rpc-timeout", "0.5"])
-    assert entry.join_main(args) == 1
+    assert join_cli.join_main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"[join] no StreamRL job answered at --join {args.join} within 0.5 s (ConnectionRefusedError)")
     assert "Traceback" not in err and "frame #" not in err
 
 
 def test_a_static_job_is_said_to_take_no_joiners(capsys):
-    # a job with placement.elastic: false publishes it (controller.main.start_processes);
+    # a job with placement.elastic: false publishes it (controller.processes.start_processes);
     # joining it failed deep in torch ("RPC group mixes statically and dynamically initialized members")
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
-    store.set(entry._key("static_world", "0"), "3")
-    store.set(entry._key("elastic", "0"), "0")
-    store.set(entry.ATTEMPT_KEY, "0")
+    store.set(processes.store_key("static_world", "0"), "3")
+    store.set(processes.store_key("elastic", "0"), "0")
+    store.set(processes.ATTEMPT_KEY, "0")
     args = entry.parse_args(["--join", f"127.0.0.1:{port}", "--rpc-timeout", "5"])
-    assert entry.join_main(args) == 1
+    assert join_cli.join_main(args) == 1
     assert capsys.readouterr().err == (f"[join] the job at 127.0.0.1:{port} runs with placement.elastic: false "
                                        "(a static RPC group): it takes no joiners\n")
 
 
 def test_serving_ends_when_the_job_is_gone(monkeypatch, capsys):
-    monkeypatch.setattr(entry.LOCAL, "rank", 3)
-    monkeypatch.setattr(entry.LOCAL, "exit_event", type(entry.LOCAL.exit_event)())
+    monkeypatch.setattr(processes.LOCAL, "rank", 3)
+    monkeypatch.setattr(processes.LOCAL, "exit_event", type(processes.LOCAL.exit_event)())
     calls = []
 
     def gone():
         calls.append(1)
         return None if len(calls) < 2 else "the job at h:1 is gone (ConnectionRefusedError: its store does not answer)"
 
-    assert entry.serve(gone, every_s=1.0) == 1
+    assert processes.serve(gone, every_s=1.0) == 1
     assert len(calls) == 2
     assert capsys.readouterr().err == ("[join] rank 3 exits (code 1): the job at h:1 is gone (ConnectionRefusedError: "
                                        "its store does not answer)\n")
 
 
 def test_serving_ends_with_the_controllers_code(monkeypatch):
-    ev = type(entry.LOCAL.exit_event)()
+    ev = type(processes.LOCAL.exit_event)()
     ev.set()
-    monkeypatch.setattr(entry.LOCAL, "exit_event", ev)
-    monkeypatch.setattr(entry.LOCAL, "exit_code", 2)
-    assert entry.serve(lambda: pytest.fail("not asked: the controller said exit")) == 2
+    monkeypatch.setattr(processes.LOCAL, "exit_event", ev)
+    monkeypatch.setattr(processes.LOCAL, "exit_code", 2)
+    assert processes.serve(lambda: pytest.fail("not asked: the controller said exit")) == 2
 

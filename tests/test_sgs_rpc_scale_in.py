@@ -162,7 +162,7 @@ def _controller(model_dir: str) -> dict:
 def _rank(rank: int, world_size: int, rpc_port: int, model_dir: str):
     import torch.distributed.rpc as rpc
 
-    from controller.main import _rpc_options
+    from controller.processes import rpc_options
     from controller.rpc import LOCAL, worker_name
 
     torch.set_num_threads(1)
@@ -171,7 +171,7 @@ def _rank(rank: int, world_size: int, rpc_port: int, model_dir: str):
     watchdog.daemon = True
     watchdog.start()
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size,
-                 rpc_backend_options=_rpc_options(60, f"tcp://127.0.0.1:{rpc_port}"))
+                 rpc_backend_options=rpc_options(60, f"tcp://127.0.0.1:{rpc_port}"))
     out = None
     try:
         if rank == 0:

@@ -118,7 +118,7 @@ def _rank(rank: int, world_size: int, engine_cfg, model_dir: str, batches, windo
     import torch.distributed.rpc as rpc
 
     from controller.instance import GenerationInstance
-    from controller.main import _rpc_options
+    from controller.processes import rpc_options
     from controller.rpc import LOCAL, worker_name
     from controller.trainer_rank import TrainerAddress
     from workers.weight_sync.localrun import free_port
@@ -131,7 +131,7 @@ def _rank(rank: int, world_size: int, engine_cfg, model_dir: str, batches, windo
         inst = GenerationInstance(rank, engine_cfg, model_dir, stream_window_s=window_s)
         inst.connect([TrainerAddress(w) for w in WORKERS])
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size,
-                 rpc_backend_options=_rpc_options(300, f"tcp://127.0.0.1:{port[0]}"))
+                 rpc_backend_options=rpc_options(300, f"tcp://127.0.0.1:{port[0]}"))
     out = None
     if rank == 0:
         out = _drive(batches, vocab, seed)

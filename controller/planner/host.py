@@ -220,11 +220,11 @@ def _rpc_round_trips(rank: int, n: int) -> list[float]:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
-    from controller.main import _rpc_options
+    from controller.processes import rpc_options
 
     port = [free_port() if rank == 0 else 0]
     dist.broadcast_object_list(port, src=0)
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=_rpc_options(60, f"tcp://127.0.0.1:{port[0]}"))
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=rpc_options(60, f"tcp://127.0.0.1:{port[0]}"))
     times = []
     if rank == 0:
         rpc.rpc_sync("w1", os.getpid)

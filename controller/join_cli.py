@@ -1,0 +1,87 @@
+"""``controller/main.py --join ADDR``: a generation process joining a running job's RPC group
+(elastic scale-out). ADDR is torchrun's store, printed by the controller as ``join address``;
+the process registers with the controller and serves once the scale-out policy adds it."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from controller.processes import ATTEMPT_KEY, store_key, close_roles, pick_device, rpc_options, serve
+from controller.rpc import LOCAL, worker_name
+
+
+def _no_job(args, e: BaseException) -> int:
+    print(f"[join] no StreamRL job answered at --join {args.join} within {args.rpc_timeout:g} s "
+          f"({type(e).__name__}); pass the address from the controller's 'join address' line",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+def join_main(args) -> int:
+    """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
+    host, port = args.join.rsplit(":", 1)
+    deadline = time.monotonic() + args.rpc_timeout
+    while True:  # wait for the store quietly (torch's client logs a stack trace per retry)
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                return _no_job(args, e)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=args.rpc_timeout))
+        attempt = store.get(ATTEMPT_KEY).decode()  # set once the controller is up
+        elastic = store.get(store_key("elastic", attempt)).decode() == "1"
+    except (RuntimeError, TimeoutError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
+        return _no_job(args, e)
+    if not elastic:
+        print(f"[join] the job at {args.join} runs with placement.elastic: false (a static RPC group): "
+              "it takes no joiners", file=sys.stderr, flush=True)
+        return 1
+    static = int(store.get(store_key("static_world", attempt)).decode())
+    rank = static + int(store.add(store_key("joined", attempt), 1)) - 1
+    rpc_addr = store.get(store_key("rpc_store", attempt)).decode()
+    LOCAL.rank = rank
+    LOCAL.device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
+                 rpc_backend_options=rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
+    from controller.joiners import register_joiner
+
+    rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
+    print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "
+          "(REPL: sgs)", file=sys.stderr, flush=True)
+
+    lost = []
+
+    def gone() -> str | None:
+        try:  # a plain connect first: a store op on a dead server logs a C++ stack trace
+            socket.create_connection((host, int(port)), timeout=10).close()
+            now = store.get(ATTEMPT_KEY).decode()
+        except (RuntimeError, TimeoutError, OSError) as e:
+            lost.append(f"the job at {args.join} is gone ({type(e).__name__}: its store does not answer)")
+        else:
+            if now == attempt:
+                return None
+            lost.append(f"the job restarted (attempt {now[:8]}; this process joined attempt {attempt[:8]}): "
+                        "start it again to join the new one")
+        return lost[-1]
+
+    code = serve(gone)
+    close_roles()
+    if lost:  # nobody left to leave the RPC group with
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if not LOCAL.exit_reason:  # the controller named no other reason: the job itself ended
+        print(f"[join] rank {rank} exits (code {code}): the job ended "
+              f"({'finished' if code == 0 else 'stopped: see the controller'})", file=sys.stderr, flush=True)
+    rpc.shutdown(graceful=False)
+    return code
