@@ -59,7 +59,7 @@ def test_quickstart_loads_into_owner_classes():
     ({"ranker": {"kind": "lgbm"}}, "ranker.path: kind 'lgbm' loads a trained ranker folder"),
     ({"weight_sync": {"bucket_mb": 0}}, "weight_sync.bucket_mb"),
     ({"weight_sync": {"tree_shape": "ring"}}, "weight_sync.tree_shape"),
-    ({"weight_sync": {"buckets": 3}}, "weight_sync: unknown key(s) ['buckets']"),
+    ({"weight_sync": {"buckets": 3}}, "weight_sync.buckets: unknown key; did you mean 'bucket_mb'?"),
     ({"weight_sync": {"topology": {}}}, "weight_sync.topology: a run's topology is the top-level"),
 ])
 def test_bad_values_name_the_key(d, key):

@@ -231,9 +231,9 @@ def test_weight_sync_config():
     assert cfg.plan([0], [1, 2, 3, 4], SPEC).kind == "tree"
     assert WeightSyncConfig.from_dict({"naive": True}).plan([0], [1, 2], SPEC).kind == "naive"
     assert WeightSyncConfig.from_dict(None) == WeightSyncConfig()
-    for bad, needle in [({"bucket": 1}, "unknown key(s) ['bucket']"), ({"bucket_mb": -1}, "weight_sync.bucket_mb"),
+    for bad, needle in [({"bucket": 1}, "weight_sync.bucket: unknown key; did you mean 'bucket_mb'?"), ({"bucket_mb": -1}, "weight_sync.bucket_mb"),
                         ({"tree_shape": "ring"}, "weight_sync.tree_shape"), ({"naive": "yes"}, "weight_sync.naive"),
-                        ({"topology": TWO_DC}, "unknown key(s) ['topology']")]:
+                        ({"topology": TWO_DC}, "weight_sync.topology: unknown key")]:
         with pytest.raises(ValueError) as e:
             WeightSyncConfig.from_dict(bad)
         assert needle in str(e.value)

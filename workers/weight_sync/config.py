@@ -10,21 +10,30 @@ planner reads too (controller/config.py); ``from_dict`` takes it built.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from workers.config_schema import Range, build_section, ranged
 from workers.weight_sync.plan import SyncPlan, TensorSpec
 from workers.weight_sync.planner import TREE_SHAPES, plan_naive, plan_sync
 from workers.weight_sync.topology import Topology
 
-_KEYS = {"bucket_mb", "tree_shape", "naive"}
 # Smallest bucket a config may ask for (MB): every bucket is two messages per tree edge (a
 # 32-byte header, then the payload) and starts on a 64-byte boundary, so below ~1 KB the
 # header and the per-message latency are the whole cost (gloo on loopback: ~1.3 ms a bucket,
 # 13,388 buckets of 100 B took 18 s for a 1.7 MB model). Smaller is a typo, not a tuning.
 # The library itself (WeightSyncConfig(bucket_bytes=...), plan_sync) takes any size >= 1 B.
 MIN_BUCKET_MB = 0.001
+
+
+@dataclass(frozen=True)
+class WeightSyncSection:
+    """The ``weight_sync:`` keys as written (checked by ``build_section``: names, types, ranges)."""
+
+    bucket_mb: float = ranged(4.0, Range(MIN_BUCKET_MB, note="MB; below 1 KB each bucket's header and "
+                                         "message latency are the whole cost"))
+    tree_shape: str = "chain"
+    naive: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,25 +51,12 @@ class WeightSyncConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any] | None, topology: Topology | None = None) -> "WeightSyncConfig":
-        """Validate the ``weight_sync`` section (None -> defaults); errors name the key.
+        """Validate the ``weight_sync`` section (None -> defaults; ``ConfigError`` naming the key).
         ``topology``: the run's (None: one datacenter)."""
-        cfg = cfg or {}
-        if not isinstance(cfg, Mapping):
-            raise ValueError(f"weight_sync must be a mapping, got {type(cfg).__name__}")
-        unknown = set(cfg) - _KEYS
-        if unknown:
-            raise ValueError(f"weight_sync: unknown key(s) {sorted(unknown)}; allowed: {sorted(_KEYS)}")
-        mb = cfg.get("bucket_mb", 4)
-        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 0 < mb < math.inf:
-            raise ValueError(f"weight_sync.bucket_mb must be a finite number > 0, got {mb!r}")
-        if mb < MIN_BUCKET_MB:
-            raise ValueError(f"weight_sync.bucket_mb must be >= {MIN_BUCKET_MB} (1 KB; below it each bucket's "
-                             f"header and message latency are the whole cost), got {mb!r}")
-        naive = cfg.get("naive", False)
-        if not isinstance(naive, bool):
-            raise ValueError(f"weight_sync.naive must be true or false, got {naive!r}")
-        return cls(bucket_bytes=max(1, int(mb * 1e6)), tree_shape=str(cfg.get("tree_shape", "chain")),
-                   naive=naive, topology=Topology() if topology is None else topology)
+        sec = build_section(WeightSyncSection, "weight_sync", None if cfg is None else
+                            (dict(cfg) if isinstance(cfg, Mapping) else cfg))
+        return cls(bucket_bytes=max(1, int(sec.bucket_mb * 1e6)), tree_shape=sec.tree_shape, naive=sec.naive,
+                   topology=Topology() if topology is None else topology)
 
     def plan(self, senders: Sequence[int], receivers: Sequence[int],
              tensor_spec: Sequence[TensorSpec | tuple]) -> SyncPlan:
