@@ -12,6 +12,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from controller.keepalive import Watchdog
 from controller.processes import ATTEMPT_KEY, store_key, close_roles, pick_device, rpc_options, serve
 from controller.rpc import LOCAL, worker_name
 
@@ -47,6 +48,7 @@ def join_main(args) -> int:
               "it takes no joiners", file=sys.stderr, flush=True)
         return 1
     static = int(store.get(store_key("static_world", attempt)).decode())
+    job_timeout_s = float(store.get(store_key("rpc_timeout_s", attempt)).decode())  # the controller's silence bound
     rank = static + int(store.add(store_key("joined", attempt), 1)) - 1
     rpc_addr = store.get(store_key("rpc_store", attempt)).decode()
     LOCAL.rank = rank
@@ -59,24 +61,20 @@ def join_main(args) -> int:
     print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "
           "(REPL: sgs)", file=sys.stderr, flush=True)
 
-    lost = []
-
     def gone() -> str | None:
         try:  # a plain connect first: a store op on a dead server logs a C++ stack trace
             socket.create_connection((host, int(port)), timeout=10).close()
             now = store.get(ATTEMPT_KEY).decode()
         except (RuntimeError, TimeoutError, OSError) as e:
-            lost.append(f"the job at {args.join} is gone ({type(e).__name__}: its store does not answer)")
-        else:
-            if now == attempt:
-                return None
-            lost.append(f"the job restarted (attempt {now[:8]}; this process joined attempt {attempt[:8]}): "
-                        "start it again to join the new one")
-        return lost[-1]
+            return f"the job at {args.join} is gone ({type(e).__name__}: its store does not answer)"
+        if now == attempt:
+            return None
+        return (f"the job restarted (attempt {now[:8]}; this process joined attempt {attempt[:8]}): "
+                "start it again to join the new one")
 
-    code = serve(gone)
+    code = serve(gone, watchdog=Watchdog(job_timeout_s), who=f"[join] rank {rank}")
     close_roles()
-    if lost:  # nobody left to leave the RPC group with
+    if LOCAL.left_because:  # its job or controller is gone: nobody left to leave the RPC group with
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -9,6 +9,7 @@ import sys
 
 import torch.distributed.rpc as rpc
 
+from controller import keepalive
 from controller.prompt_check import ContextTooSmall
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
 from controller.world import add_instance
@@ -20,6 +21,7 @@ def register_joiner(rank: int, role: str) -> bool:
     """RPC target: a process started with ``--join`` announces itself; it is added to the SGS
     at an iteration boundary when the scale-out policy (or a forced test flag) says so."""
     _ANNOUNCED.put((rank, role))
+    keepalive.watch(rank)  # pinged from now on: it leaves if the controller goes silent
     print(f"[controller] rank {rank} ({role}) is waiting to join", file=sys.stderr, flush=True)
     return True
 

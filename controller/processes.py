@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from controller import keepalive
+from controller.keepalive import Watchdog
 from controller.rpc import LOCAL, worker_name
 
 # Keys in torchrun's store. The RPC group gets its own store (hosted by rank 0, one per
@@ -69,19 +71,24 @@ def rpc_options(timeout: float, init_method: str) -> rpc.TensorPipeRpcBackendOpt
                                            _transports=transports, _channels=["basic"])
 
 
-def serve(gone: Callable[[], str | None] | None = None, every_s: float = 5.0) -> int:
-    """Worker ranks: host role objects until the controller says to exit. ``gone`` (a joiner's
-    check that its job still runs: torchrun's ranks are ended by torchrun, a joiner is not)
-    is called every ``every_s``; a reason back ends serving with exit code 1."""
+def serve(gone: Callable[[], str | None] | None = None, every_s: float = 5.0,
+          watchdog: Watchdog | None = None, who: str = "") -> int:
+    """Worker ranks: host role objects until the controller says to exit. ``watchdog`` (checked
+    every second) ends serving when the controller has gone silent; ``gone`` (a joiner's check
+    that its job still runs: torchrun's ranks are ended by torchrun, a joiner is not) is called
+    every ``every_s``. Either one's reason ends serving with exit code 1, said on stderr as
+    ``{who} exits (code 1): {reason}`` and kept in ``LOCAL.left_because``."""
     waited = 0.0
     while not LOCAL.exit_event.wait(timeout=1.0):
         waited += 1.0
-        if gone is not None and waited >= every_s:
+        why = watchdog.check() if watchdog is not None else None
+        if why is None and gone is not None and waited >= every_s:
             waited = 0.0
             why = gone()
-            if why is not None:
-                print(f"[join] rank {LOCAL.rank} exits (code 1): {why}", file=sys.stderr, flush=True)
-                return 1
+        if why is not None:
+            LOCAL.left_because = why
+            print(f"{who or f'[rank {LOCAL.rank}]'} exits (code 1): {why}", file=sys.stderr, flush=True)
+            return 1
     return LOCAL.exit_code
 
 
@@ -108,11 +115,20 @@ def data_plane_backend(device: torch.device, local_world_size: int, gpus: int) -
 
 
 def run_rank(controller: Callable[[], int], rpc_timeout_s: float, elastic: bool = True) -> int:
-    """Under torchrun: join the process and RPC groups, run ``controller`` on rank 0 and serve
-    RPC on every other rank, then leave. Returns the exit code."""
+    """Under torchrun: join the process and RPC groups, run ``controller`` on rank 0 (pinging
+    every worker meanwhile: controller.keepalive) and serve RPC on every other rank (leaving when
+    the controller is silent for ``rpc_timeout_s``), then leave. Returns the exit code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     start_processes(rank, world, rpc_timeout_s, elastic)
-    return stop_processes(controller() if rank == 0 else serve())
+    if rank != 0:
+        return stop_processes(serve(watchdog=Watchdog(rpc_timeout_s)))
+    keepalive.watch(*range(1, world))
+    pinger = keepalive.Keepalive(keepalive.period(rpc_timeout_s)).start()
+    try:
+        code = controller()
+    finally:
+        pinger.stop()
+    return stop_processes(code)
 
 
 def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool = True) -> None:
@@ -140,6 +156,7 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
     if rank == 0:  # joiners wait for these keys (torchrun's store): the controller is up
         tstore.set(store_key("static_world", attempt), str(world))
         tstore.set(store_key("elastic", attempt), "1" if elastic else "0")
+        tstore.set(store_key("rpc_timeout_s", attempt), repr(rpc_timeout_s))  # a joiner's watchdog uses it
         tstore.set(ATTEMPT_KEY, attempt)
 
 

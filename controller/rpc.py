@@ -213,6 +213,8 @@ class Local:
     run_folder: str = ""  # the controller's run folder once resolved (a forked --resume writes elsewhere)
     quiet_exit: bool = True  # leave RPC in lock-step with the other static ranks (controller.processes)
     outcome: int | None = None  # the controller's exit code once the run's end was said (a later signal keeps it)
+    last_heard: float = 0.0  # time.monotonic() of the controller's last ping (controller.keepalive)
+    left_because: str = ""  # why this worker left on its own (its job or controller gone), said on stderr
     roles: dict = field(default_factory=dict)  # "trainer" / "generation" -> object
     groups: dict = field(default_factory=dict)  # tuple(ranks) -> ProcessGroup
 
@@ -231,7 +233,9 @@ def request_exit(code: int = 0, quiet: bool = True) -> bool:
 
 
 def ping() -> int:
-    """Runs on a worker's RPC thread (the heartbeat): it answers while its other threads work."""
+    """Runs on a worker's RPC thread (the heartbeat, the keepalive): it answers while its other
+    threads work, and tells the worker's watchdog the controller is there."""
+    LOCAL.last_heard = time.monotonic()
     return os.getpid()
 
 

@@ -51,14 +51,16 @@ def test_a_static_job_is_said_to_take_no_joiners(capsys):
 def test_serving_ends_when_the_job_is_gone(monkeypatch, capsys):
     monkeypatch.setattr(processes.LOCAL, "rank", 3)
     monkeypatch.setattr(processes.LOCAL, "exit_event", type(processes.LOCAL.exit_event)())
+    monkeypatch.setattr(processes.LOCAL, "left_because", "")
     calls = []
 
     def gone():
         calls.append(1)
         return None if len(calls) < 2 else "the job at h:1 is gone (ConnectionRefusedError: its store does not answer)"
 
-    assert processes.serve(gone, every_s=1.0) == 1
+    assert processes.serve(gone, every_s=1.0, who="[join] rank 3") == 1
     assert len(calls) == 2
+    assert processes.LOCAL.left_because.startswith("the job at h:1 is gone")
     assert capsys.readouterr().err == ("[join] rank 3 exits (code 1): the job at h:1 is gone (ConnectionRefusedError: "
                                        "its store does not answer)\n")
 
