@@ -68,6 +68,17 @@ def test_bad_values_name_the_key(d, key):
     assert key in str(e.value)
 
 
+def test_fewer_prompts_than_trainer_ranks_is_refused():
+    """A trainer rank given no prompt group waited forever in step() while the others blocked in
+    the gradient all-reduce (RL correctness audit, session 18)."""
+    two = {"placement": {"generation": [1], "trainer": [2, 3]}}
+    with pytest.raises(ConfigError) as e:
+        from_dict({**two, "train": {"batch_prompts": 1}}, world_size=4)
+    assert str(e.value).startswith("train.batch_prompts: 1 prompts an iteration cannot feed the 2 trainer ranks "
+                                   "of placement.trainer [2, 3]")
+    assert from_dict({**two, "train": {"batch_prompts": 2}}, world_size=4).train.batch_prompts == 2
+
+
 def test_weight_sync_section_takes_the_run_topology():
     topo = {"datacenters": {"a": [0, 1], "b": [2]}}
     cfg = from_dict(_cfg(topology=topo, weight_sync={"bucket_mb": 0.5, "tree_shape": "binary"}), 3)

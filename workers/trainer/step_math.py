@@ -139,7 +139,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     ppo_kl = (old - logp.detach()).clamp(-20.0, 20.0)
     stats = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
              "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
-             "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp(logp - old), frac).detach(),
+             "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp((logp - old).clamp(-20.0, 20.0)), frac).detach(),
              "ppo_kl": agg(ppo_kl, frac), "advantage_sum": adv.sum(), "advantage_max": adv.max(),
              "advantage_min": adv.min()}
     if w.critic is not None:
