@@ -28,7 +28,7 @@ def test_two_mini_batches_equal_two_iterations_of_one(setup, loss_agg):
     samples, prompts, groups = rollout(probe.actor, probe.tokenizer, task.prompts("train")[:4], 3, 10, seed=5)
     halves = [[s for s in samples if s.group_id in (0, 1)], [s for s in samples if s.group_id in (2, 3)]]
 
-    a = TrainerWorker(cfg(mini_batches=2, loss_agg=loss_agg), model_dir, task, device="cpu")
+    a = TrainerWorker(cfg(mini_batches=2, loss_agg=loss_agg, shuffle=False), model_dir, task, device="cpu")
     a.begin_iteration(0, prompts, groups)
     for half in halves:
         a.receive(half)
@@ -74,3 +74,29 @@ def test_mini_batches_split_samples_not_micro_batches(setup):
 def test_mini_batches_must_be_positive():
     with pytest.raises(ValueError, match="mini_batches"):
         TrainerConfig(mini_batches=0)
+
+
+def test_shuffled_shares_hold_whole_groups_in_a_seeded_order_not_arrival_order():
+    """Samples arrive shortest first; a share must not be "the groups that finished first"."""
+    from types import SimpleNamespace
+
+    from workers.trainer.buffer import mini_batch_shares
+
+    items = [SimpleNamespace(group_id=g, i=j) for g in range(8) for j in range(4)]  # arrival order: group 0 first
+    assert mini_batch_shares(items, 2, None) == [items[:16], items[16:]]  # no seed: arrival order
+    orders = set()
+    for seed in range(6):
+        shares = mini_batch_shares(items, 2, seed)
+        assert [len(s) for s in shares] == [16, 16] and sorted(map(id, sum(shares, []))) == sorted(map(id, items))
+        for share in shares:  # whole groups, each group's samples in their order
+            groups = {p.group_id for p in share}
+            assert len(groups) == 4 and all([p.i for p in share if p.group_id == g] == [0, 1, 2, 3] for g in groups)
+        assert shares == mini_batch_shares(items, 2, seed)  # the seed decides
+        orders.add(tuple(p.group_id for p in shares[0][::4]))
+    assert len(orders) > 1 and any(set(o) != {0, 1, 2, 3} for o in orders)  # not the first-arrived groups
+
+
+def test_shuffle_is_on_by_default_and_must_be_a_bool():
+    assert TrainerConfig().shuffle is True
+    with pytest.raises(ValueError, match="trainer.shuffle must be true or false"):
+        TrainerConfig(shuffle="no")

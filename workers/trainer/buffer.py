@@ -102,3 +102,22 @@ class SampleBuffer:
     @property
     def pending(self) -> int:
         return len(self.ready) + sum(len(g.members) for g in self.groups.values())
+
+
+def mini_batch_shares(items: Sequence[T], k: int, seed: int | None, group_of: Callable[[T], int] = lambda p: p.group_id
+                      ) -> list[list[T]]:
+    """``items`` cut into ``k`` shares of (nearly) equal sample counts, one optimizer update each.
+    ``seed`` None: in the given (arrival) order. Otherwise whole prompt groups in an order drawn
+    from ``seed`` first, as verl's mini-batches hold a random set of prompts with their n samples:
+    in arrival order the first update would train the groups that finished first, i.e. the
+    shortest responses, and the last the longest."""
+    items = list(items)
+    if seed is not None:
+        groups: dict[int, list[T]] = {}
+        for p in items:
+            groups.setdefault(group_of(p), []).append(p)
+        order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+        ids = list(groups)
+        items = [p for i in order for p in groups[ids[i]]]
+    n = len(items)
+    return [items[i * n // k:(i + 1) * n // k] for i in range(k)]

@@ -48,8 +48,11 @@ class TrainerConfig:
     while streaming, each further one re-runs the iteration's micro-batches at ``step()`` (the
     clipped ratio then bounds how far the policy moves). The weight version bumps once.
     ``mini_batches``: optimizer updates per epoch (verl's train_batch_size / ppo_mini_batch_size):
-    each rank's micro-batches, in arrival order, split into this many mini-batches, each one
-    update with its own token (or sequence) count. Above 1 the training compute runs at
+    each rank's samples split into this many mini-batches, each one update with its own token
+    (or sequence) count. ``shuffle`` (verl's ``actor.shuffle``; on here, off in verl): the
+    mini-batches hold whole prompt groups in an order drawn from ``seed`` and the step, because
+    samples arrive shortest first (streamed as they finish) where verl's batch is in prompt
+    order; off: arrival order. Above 1 the training compute runs at
     ``step()`` (gradients of the whole iteration cannot be accumulated while streaming).
     ``activation_checkpointing`` (verl's ``enable_gradient_checkpointing``): the actor's and the
     critic's training forwards keep only each decoder layer's input and recompute the layer in
@@ -94,6 +97,7 @@ class TrainerConfig:
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
     ppo_epochs: int = 1  # passes over the iteration's samples
     mini_batches: int = 1  # optimizer updates per pass (verl: train_batch_size / ppo_mini_batch_size)
+    shuffle: bool = True  # mini_batches > 1: shares of whole groups in a seeded random order (else arrival order)
     precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each layer in backward (actor and critic)
     seed: int = ranged(0, SEEDS)

@@ -38,7 +38,7 @@ from workers.model import default_device, load_pretrained, stop_ids
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
 from workers.trainer.advantages import whiten
-from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
+from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches, mini_batch_shares
 from workers.trainer.config import TrainerConfig
 from workers.trainer.grads import all_reduce_sum, clip_norm
 from workers.trainer.losses import loss_divisor
@@ -398,15 +398,14 @@ class TrainerWorker:
         return applied, first
 
     def _mini_batch_updates(self, params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
-        """``mini_batches`` updates per epoch: each rank splits its samples, in arrival order, into
-        that many shares, each re-packed into micro-batches (every rank runs the same number of
+        """``mini_batches`` updates per epoch: each rank splits its samples (whole prompt groups in a
+        seeded random order, ``shuffle``; else in arrival order) into that many shares, each re-packed into micro-batches (every rank runs the same number of
         all-reduces; a share with no sample on any rank makes no update).
         Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
-        k = self.cfg.mini_batches
         items = [p for mb in self._trained for p in mb]  # samples in arrival order
-        n = len(items)
-        shares = [microbatches(items[i * n // k:(i + 1) * n // k], self.cfg.max_tokens_per_microbatch)
-                  for i in range(k)]
+        seed = self.cfg.seed * 1_000_003 + self._version if self.cfg.shuffle else None  # a new order every step
+        shares = [microbatches(share, self.cfg.max_tokens_per_microbatch)
+                  for share in mini_batch_shares(items, self.cfg.mini_batches, seed)]
         applied, first = 0, None
         for epoch in range(self.cfg.ppo_epochs):
             for share in shares:
