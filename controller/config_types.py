@@ -29,6 +29,7 @@ VERL_KEYS = {
     "n": "train.group_size", "default_local_dir": "logging.logdir",
     "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
     "val_kwargs": "train.eval_samples and train.eval_temperature",
+    "tis_imp_ratio_cap": "trainer.tis_cap (0: off, where verl says -1)",
 }
 
 

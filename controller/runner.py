@@ -323,13 +323,25 @@ def whitening_note(cfg) -> str | None:
     return None
 
 
+def off_policy_note(cfg) -> str | None:
+    """The one-line notice for an async mode whose PPO old log-probs are the trainer's (top-k /
+    top-p sampling makes them so): the ratio is then 1 on the one-step-stale samples."""
+    t = cfg.trainer
+    if MODES[cfg.pipeline.mode].lag > 0 and t.recomputes_old_logprobs and t.tis_cap == 0:
+        return (f"pipeline.mode {cfg.pipeline.mode} trains samples of the previous weights, and the PPO old "
+                "log-probs are the trainer's own (trainer.recompute_old_logprobs, on with train.top_k / top_p): "
+                "the ratio starts at 1, so nothing corrects for the staleness (as verl's one-step off-policy); "
+                "trainer.tis_cap (e.g. 2) weights each token by the trainer/sampler probability ratio")
+    return None
+
+
 def run_controller(cfg, args, world_size: int) -> int:
     """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
     static = list(range(1, world_size))
     session = None
-    note = whitening_note(cfg)
-    if note:
-        print(f"[controller] {note}", file=sys.stderr, flush=True)
+    for note in (whitening_note(cfg), off_policy_note(cfg)):
+        if note:
+            print(f"[controller] {note}", file=sys.stderr, flush=True)
     try:
         session = Session(cfg, args, world_size)
         summary = session.run()

@@ -244,3 +244,21 @@ def test_streaming_modes_note_that_whitened_ppo_trains_at_step():
     assert whitening_note(from_dict({"trainer": ppo, "pipeline": {"mode": "batch"}})) is None
     assert whitening_note(from_dict({"trainer": {**ppo, "whiten_advantages": False}})) is None
     assert whitening_note(from_dict({"trainer": {"algorithm": "grpo"}})) is None
+
+
+def test_async_modes_note_that_recomputed_old_logprobs_leave_staleness_uncorrected():
+    """top-k / top-p make the trainer recompute the PPO old log-probs; in an async mode the ratio
+    then starts at 1 on stale samples (RL correctness audit, session 18): said once, with the fix."""
+    from controller.config import from_dict
+    from controller.config import ConfigError
+    from controller.runner import off_policy_note
+
+    top_p = {"top_p": 0.9}
+    note = off_policy_note(from_dict({"train": top_p, "pipeline": {"mode": "async_stream"}}))
+    assert note and "pipeline.mode async_stream" in note and "trainer.tis_cap" in note
+    assert off_policy_note(from_dict({"train": top_p, "pipeline": {"mode": "stream"}})) is None  # on-policy
+    assert off_policy_note(from_dict({"pipeline": {"mode": "async_stream"}})) is None  # the sampler's log-probs
+    tis = from_dict({"train": top_p, "pipeline": {"mode": "async_stream"}, "trainer": {"tis_cap": 2}})
+    assert off_policy_note(tis) is None and tis.trainer.tis_cap == 2.0
+    with pytest.raises(ConfigError, match="trainer.tis_cap must be >= 0"):
+        from_dict({"trainer": {"tis_cap": -1}})

@@ -31,6 +31,7 @@ class Prepared:
     returns: torch.Tensor | None = None
     weight_version: int = 0
     min_tokens: int = 0  # EOS was not allowed before this many outputs (Sample.min_tokens)
+    tis_weight: torch.Tensor | None = None  # [L] min(pi_old / pi_sampler, tis_cap) (TrainerConfig.tis_cap)
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,12 @@ class TrainerConfig:
     version older than ``version - max_staleness`` are refused (``on_bad_sample``: skip with a
     warning, or raise). ``recompute_old_logprobs``: use the trainer's own log-probs at
     receive time as the PPO "old" policy instead of the sampler's ``Sample.logprobs``.
+    ``tis_cap`` (verl's ``actor.tis_imp_ratio_cap``; 0: off): truncated importance sampling.
+    The old log-probs are then the trainer's (as ``recompute_old_logprobs``) and each token's
+    policy loss is weighted by ``min(pi_old / pi_sampler, tis_cap)``, the sampler's being the
+    distribution the token was drawn from: one-step-stale weights in the async modes, top-k /
+    top-p filtering, engine-vs-trainer numerics. Without it, recomputed old log-probs make the
+    PPO ratio 1 on stale samples (verl's one-step-off-policy does the same).
     ``temperature``: the sampling temperature the samples were drawn at; every log-prob the
     trainer takes (policy, old, reference; entropy) is of ``softmax(logits / temperature)``,
     the distribution the sampler's log-probs are of (as verl divides the logits by the rollout
@@ -94,6 +100,7 @@ class TrainerConfig:
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
+    tis_cap: float = 0.0  # truncated importance sampling cap (verl's actor.tis_imp_ratio_cap); 0: off
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
     ppo_epochs: int = 1  # passes over the iteration's samples
     mini_batches: int = 1  # optimizer updates per pass (verl: train_batch_size / ppo_mini_batch_size)
@@ -135,7 +142,8 @@ class TrainerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "grad_clip",
-                     "warmup_steps", "max_staleness", "value_clip", "value_coef", "adv_eps", "min_lr_ratio"):
+                     "warmup_steps", "max_staleness", "value_clip", "value_coef", "adv_eps", "min_lr_ratio",
+                     "tis_cap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if self.warmup_steps > self.total_steps:
@@ -169,6 +177,11 @@ class TrainerConfig:
     def grouped(self) -> bool:
         """Advantages need every sample of a group (grpo, rloo)."""
         return self.algorithm in ("grpo", "rloo")
+
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """The PPO "old" log-probs are the trainer's own at receive time (``tis_cap`` needs them)."""
+        return self.recompute_old_logprobs or self.tis_cap > 0
 
 
 def _one_of(name: str, value, allowed) -> None:

@@ -39,10 +39,12 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     lens = batch.seq_lens.tolist()
     with w.autocast():
         ref = token_logprobs(_logits(w.ref, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()  # [N]
-        if cfg.recompute_old_logprobs:
+        sampler = torch.cat([s.logprobs.float().cpu() for s in samples]) if \
+            cfg.tis_cap > 0 or not cfg.recomputes_old_logprobs else None
+        if cfg.recomputes_old_logprobs:
             old = token_logprobs(_logits(w.actor, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()
         else:
-            old = torch.cat([s.logprobs.float().cpu() for s in samples])
+            old = sampler
         values = w.critic(batch).float().cpu() if w.critic is not None else None
     kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
     penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
@@ -56,6 +58,8 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
                      reward=score - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens)
+        if cfg.tis_cap > 0:  # log-ratio capped before exp: the weight is finite whatever the gap
+            p.tis_weight = torch.exp((old_i - sampler.split(lens)[i]).clamp(max=math.log(cfg.tis_cap)))
         if values is not None:
             p.values = values.split(lens)[i]
             p.token_rewards = -cfg.kl_coef * kl_i if penalise else torch.zeros_like(kl_i)
@@ -124,6 +128,9 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     frac = fraction_agg(cfg.loss_agg)
 
     pg, clipped = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)  # [N]
+    tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.tis_cap > 0 else None
+    if tis is not None:
+        pg = pg * tis  # truncated importance sampling: sampler -> trainer's old policy (constant weights)
     kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref)  # [N]
     terms = pg
     if cfg.kl_mode == "loss" and cfg.kl_coef > 0:
@@ -142,6 +149,8 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
              "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp((logp - old).clamp(-20.0, 20.0)), frac).detach(),
              "ppo_kl": agg(ppo_kl, frac), "advantage_sum": adv.sum(), "advantage_max": adv.max(),
              "advantage_min": adv.min()}
+    if tis is not None:
+        stats["tis_weight"] = agg(tis, frac)
     if w.critic is not None:
         values = w.critic(batch)  # [N]
         old_v = torch.cat([p.values for p in items]).to(dev)
@@ -162,9 +171,9 @@ class StatSums:
     KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
-            "returns_sum", "vpred_sum")
-    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac")
-    FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac")  # averaged per fraction_agg(loss_agg)
+            "returns_sum", "vpred_sum", "tis_weight")
+    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
+    FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
     TOKEN_MEANS = {"advantage_mean": "advantage_sum", "values_mean": "values_sum", "returns_mean": "returns_sum",
                    "vpred_mean": "vpred_sum"}
@@ -223,10 +232,10 @@ class StatSums:
                             for k in self.EXTREMES])
 
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
-                extremes: torch.Tensor | None = None, critic: bool = False) -> dict[str, float]:
+                extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
-        report the critic's statistics. A maximum or minimum over nothing is 0.0, as the means."""
+        report the critic's statistics; ``tis``: the mean truncated importance weight. A maximum or minimum over nothing is 0.0, as the means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
@@ -248,5 +257,7 @@ class StatSums:
         if not critic:
             for k in self.CRITIC:
                 del m[k]
+        if not tis:  # reported only with trainer.tis_cap
+            del m["tis_weight"]
         m["_divisor"] = divisor
         return m

@@ -186,6 +186,11 @@ class TrainerWorker:
         for p in self._params():
             p.grad = None
 
+    @property
+    def _uses_sampler_logprobs(self) -> bool:
+        """The samples' own log-probs are read (the PPO old policy, or the TIS denominator)."""
+        return not self.cfg.recomputes_old_logprobs or self.cfg.tis_cap > 0
+
     # ---- receive-time bookkeeping ----------------------------------------------------------
     def _reject(self, s: Sample, reason: str, logged: bool = False) -> None:
         """Skip a bad sample (counted), or raise with ``on_bad_sample: error``. ``logged``: its
@@ -237,9 +242,9 @@ class TrainerWorker:
         elif s.prompt_ids.numel() + s.output_ids.numel() > self.actor.config.max_position_embeddings:
             reason = (f"sample {sid}: {s.prompt_ids.numel()} + {s.output_ids.numel()} tokens exceed the model's "
                       f"max_position_embeddings {self.actor.config.max_position_embeddings}")
-        elif not self.cfg.recompute_old_logprobs and s.logprobs.numel() != s.output_ids.numel():
+        elif self._uses_sampler_logprobs and s.logprobs.numel() != s.output_ids.numel():
             reason = f"sample {sid}: {s.logprobs.numel()} logprobs for {s.output_ids.numel()} output tokens"
-        elif not self.cfg.recompute_old_logprobs and not bool(torch.isfinite(s.logprobs).all()):
+        elif self._uses_sampler_logprobs and not bool(torch.isfinite(s.logprobs).all()):
             reason = f"sample {sid}: non-finite sampler logprobs"
         if reason is not None:
             self._reject(s, reason)
@@ -335,7 +340,7 @@ class TrainerWorker:
             dist.all_reduce(totals, group=self.group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
-                                     critic=self.critic is not None)
+                                     critic=self.critic is not None, tis=self.cfg.tis_cap > 0)
         divisor = metrics.pop("_divisor")
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = self._streamed_updates(params, divisor)
