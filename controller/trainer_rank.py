@@ -267,6 +267,9 @@ class TrainerRank:
                     rec = self._iters[nxt]
                     self.worker.begin_iteration(nxt, rec.prompts, rec.group_sizes)
                     self._current = nxt
+                    if rec.expected == 0:  # no group came to this rank: step() all-reduces zeros
+                        self._ready.add(nxt)
+                        self._cond.notify_all()
             stepping = self._current is not None and self._current in self._ready
             if self._current is not None and not stepping:
                 rec = self._iters[self._current]

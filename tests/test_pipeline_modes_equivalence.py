@@ -93,3 +93,22 @@ def test_duplicates_dropped_and_staleness_checked(model_dir, samples):
     with pytest.raises(RuntimeError, match="staleness"):
         rank.step(1)
     rank.close()
+
+
+def test_an_iteration_with_no_group_for_this_rank_steps_at_once(model_dir):
+    """A data-parallel rank may be given no prompt group (group ids go to ranks by id mod the
+    number of ranks): its step() must still run (and all-reduce zeros), not wait for samples
+    that never come (it hung: RL correctness audit, session 18)."""
+    rank = TrainerRank(1, [1], TrainerConfig(algorithm="grpo", seed=0), model_dir, "synthetic", TASK)
+    before = {k: v.detach().clone() for k, v in rank.worker.named_weights()}
+    rank.begin_iteration(0, {}, {}, "stream", 4)
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("report", rank.step(0)), daemon=True)
+    t.start()
+    t.join(60)
+    rank.close()
+    assert not t.is_alive(), "step() of an empty iteration did not return"
+    rep = done["report"]
+    assert rep.iteration == 0 and rep.num_samples == 0 and rep.num_tokens == 0
+    after = dict(rank.worker.named_weights())
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing to learn from
