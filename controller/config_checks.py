@@ -48,7 +48,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.batch_prompts < len(p.trainer):  # groups go to trainer ranks by group id: one would get none
         raise ConfigError(f"train.batch_prompts: {t.batch_prompts} prompts an iteration cannot feed the "
                           f"{len(p.trainer)} trainer ranks of placement.trainer {p.trainer} (each rank trains "
-                          f"whole prompt groups, and one with none would wait forever in the gradient all-reduce); "
+                          f"whole prompt groups: one would get none and sit idle every iteration); "
                           f"set train.batch_prompts >= {len(p.trainer)}")
     for key in ("temperature", "eval_temperature"):  # the gap no engine serves (the fields' Ranges bound the rest)
         if not temperature_served(getattr(t, key)):

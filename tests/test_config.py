@@ -69,8 +69,8 @@ def test_bad_values_name_the_key(d, key):
 
 
 def test_fewer_prompts_than_trainer_ranks_is_refused():
-    """A trainer rank given no prompt group waited forever in step() while the others blocked in
-    the gradient all-reduce (RL correctness audit, session 18)."""
+    """A trainer rank would get no prompt group every iteration (it once hung in step(); now it
+    all-reduces zeros, tests/test_pipeline_modes_equivalence.py): refused at load."""
     two = {"placement": {"generation": [1], "trainer": [2, 3]}}
     with pytest.raises(ConfigError) as e:
         from_dict({**two, "train": {"batch_prompts": 1}}, world_size=4)
