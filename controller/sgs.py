@@ -83,14 +83,19 @@ class Round:
         missing = [i for i in ids if i not in received]
         if not missing:
             return
-        if not self.sgs.slots:
+        # an instance that joined after this round began holds newer weights than its version
+        # (async modes finish a round while the next iteration has started): not one to use
+        slots = [s for s in self.sgs.slots if s.joined_at <= self.iteration]
+        if not slots:
+            joined = [s.handle.rank for s in self.sgs.slots]
             raise NoInstancesLeft(f"iteration {self.iteration}: every generation instance is gone "
-                                  f"({', '.join(f'rank {r}: {why}' for r, why in self.sgs.removed)}), "
-                                  f"{len(missing)} requests left")
+                                  f"({', '.join(f'rank {r}: {why}' for r, why in self.sgs.removed)})"
+                                  f"{f'; ranks {joined} joined later with newer weights than v{self.version}' if joined else ''}"
+                                  f", {len(missing)} requests left")
         print(f"[sgs] iteration {self.iteration}: re-dispatching {len(missing)} unfinished requests "
-              f"to {[s.handle.rank for s in self.sgs.slots]}", file=sys.stderr, flush=True)
+              f"to {[s.handle.rank for s in slots]}", file=sys.stderr, flush=True)
         self.redispatched += missing
-        self.calls += self.sgs.launch(self.iteration, [self.requests[i] for i in missing], self.version)
+        self.calls += self.sgs.launch(self.iteration, [self.requests[i] for i in missing], self.version, slots)
 
 
 class SGS:
@@ -136,9 +141,10 @@ class SGS:
                     self.removed.append((rank, reason))
                     print(f"[sgs] instance rank {rank} removed: {reason}", file=sys.stderr, flush=True)
 
-    def launch(self, iteration: int, requests: list[Request], version: int
-               ) -> list[tuple[InstanceSlot, Call, list[int]]]:
-        slots = list(self.slots)
+    def launch(self, iteration: int, requests: list[Request], version: int,
+               slots: list[InstanceSlot] | None = None) -> list[tuple[InstanceSlot, Call, list[int]]]:
+        """Dispatch ``requests`` over ``slots`` (default: every live instance)."""
+        slots = list(self.slots) if slots is None else slots
         est = [r.est_len if r.est_len > 0 else float(r.max_tokens) for r in requests]
         plan = self.dispatcher.plan(est, [s.profile for s in slots], seed=self.seed + iteration,
                                     prompt_lens=[len(r.prompt_ids) for r in requests])

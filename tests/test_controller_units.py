@@ -289,3 +289,36 @@ def test_repl_mode_switch_refuses_a_mode_whose_lag_max_staleness_forbids():
     assert prog.mode.name == "stream"
     prog.set_mode("batch")
     assert prog.mode.name == "batch"
+
+
+def test_redispatch_skips_an_instance_that_joined_after_the_round_began(capsys):
+    """Async modes finish round i while iteration i+1 has begun; a joiner added at i+1 holds the
+    newer weights, so what a lost instance of round i left goes to the instances of round i
+    only (sent to the joiner too, it would refuse: "asked to generate with weight version";
+    RL correctness audit, session 18). With only the joiner left the round stops, saying why."""
+    import torch
+
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import SGS, InstanceSlot, NoInstancesLeft, Round, default_profile
+    from workers.types import Request
+
+    class Handle:  # stands in for a WorkerHandle: records what it is asked to generate
+        def __init__(self, rank):
+            self.rank, self.asked, self.alive = rank, [], True
+
+        def call(self, method, iteration, chunk, version, *rest):
+            self.asked.append((iteration, [r.sample_id for r in chunk], version))
+            return None
+
+    old, joiner = Handle(1), Handle(5)
+    sgs = SGS(make_dispatcher("random"), received=lambda it: {0})
+    sgs.slots = [InstanceSlot(old, default_profile(), 0), InstanceSlot(joiner, default_profile(), 3)]
+    reqs = {i: Request(i, torch.tensor([1, 2, 3]), 4) for i in range(4)}
+    rnd = Round(sgs, iteration=2, version=1, requests=reqs)
+    rnd._redispatch([0, 1, 2, 3])  # 0 already reached the trainers
+    assert old.asked == [(2, [1, 2, 3], 1)] and joiner.asked == []
+    assert rnd.redispatched == [1, 2, 3]
+    assert "re-dispatching 3 unfinished requests to [1]" in capsys.readouterr().err
+    sgs.slots = sgs.slots[1:]  # the old instance is gone too
+    with pytest.raises(NoInstancesLeft, match=r"ranks \[5\] joined later with newer weights than v1, 3 requests left"):
+        rnd._redispatch([1, 2, 3])
