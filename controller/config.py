@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -151,7 +151,7 @@ class TrainSection:
     length_scale: float = ranged(1.0, Range(0, open_lo=True))
     # a prompt with no room for an output token in the engines' context: "error" at start
     # (naming it), or "skip" it (controller/prompt_check.py)
-    overlong_prompts: str = "error"
+    overlong_prompts: Literal["error", "skip"] = "error"
     # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
     max_prompt_tokens: int = ranged(0, Range(0, note="0: the engines' context"))
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from controller.config_types import ConfigError
 from controller.modes import MODES
-from controller.prompt_check import OVERLONG_POLICIES
 from workers.types import GREEDY_BELOW, SERVED_TEMPERATURES, temperature_served
 
 if TYPE_CHECKING:
@@ -58,8 +57,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.length_trace and not Path(t.length_trace).is_file():
         raise ConfigError(f"train.length_trace: {t.length_trace} does not exist (a length trace, "
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
-    if t.overlong_prompts not in OVERLONG_POLICIES:
-        raise ConfigError(f"train.overlong_prompts: {t.overlong_prompts!r} is not one of {OVERLONG_POLICIES}")
     check_staleness(cfg.pipeline.mode, getattr(cfg.trainer, "max_staleness", None))
     algorithm = getattr(cfg.trainer, "algorithm", None)
     if algorithm in ("grpo", "rloo") and t.temperature < GREEDY_BELOW:

@@ -30,6 +30,31 @@ VERL_KEYS = {
     "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
     "val_kwargs": "train.eval_samples and train.eval_temperature",
     "tis_imp_ratio_cap": "trainer.tis_cap (0: off, where verl says -1)",
+    "warmup_style": "trainer.lr_schedule", "lr_scheduler_type": "trainer.lr_schedule",
+    "lr_warmup_steps": "trainer.warmup_steps",
+    "use_kl_loss": "trainer.kl_mode: loss (with trainer.kl_coef)",
+    "use_kl_in_reward": "trainer.kl_mode: reward (with trainer.kl_coef)",
+    "kl_ctrl": "trainer.kl_coef with trainer.kl_mode: reward (a fixed coefficient)",
+    "kl_penalty": "trainer.kl_estimator", "norm_adv_by_std_in_grpo": "trainer.grpo_std_normalize",
+    "clip_ratio_low": "trainer.clip_low", "clip_ratio_high": "trainer.clip_high",
+    "max_num_seqs": "engine.max_batch_size",
+    "gpu_memory_utilization": "engine.kv_cache_tokens (the KV cache is sized in tokens)",
+    "ppo_max_token_len_per_gpu": "trainer.max_tokens_per_microbatch",
+    "ppo_micro_batch_size_per_gpu": "trainer.max_tokens_per_microbatch (micro-batches are packed by tokens)",
+    "log_prob_micro_batch_size_per_gpu": "trainer.max_tokens_per_microbatch (micro-batches are packed by tokens)",
+    "n_gpus_per_node": "placement.generation / placement.trainer with torchrun's --nproc-per-node",
+    "nnodes": "placement.generation / placement.trainer with torchrun's --nnodes",
+    "do_sample": "train.temperature (0: greedy)", "resume_mode": "the --resume DIR flag",
+    "filter_overlong_prompts": "train.overlong_prompts: skip (default error)",
+}
+
+# verl keys with no key here, and what to do instead
+VERL_NOTES = {
+    "total_epochs": "set train.iterations = epochs x rows / train.batch_prompts (trainer.total_steps is the "
+                    "LR schedule's length, not the run's)",
+    "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
+    "val_before_train": "the first evaluation comes after train.eval_every iterations",
+    "logger": "every run logs to TensorBoard (<logdir>/tb) and <logdir>/iterations.jsonl",
 }
 
 
@@ -37,6 +62,8 @@ def key_hint(key: str, known) -> str:
     """', did you mean X?' for a near miss or a verl name, else ''."""
     if key in VERL_KEYS:
         return f"; verl's {key!r} is {VERL_KEYS[key]} here (docs/migrating_from_verl.md)"
+    if key in VERL_NOTES:
+        return f"; verl's {key!r} has no key here: {VERL_NOTES[key]} (docs/migrating_from_verl.md)"
     return config_schema.near_miss(key, known)
 
 

@@ -18,7 +18,6 @@ from typing import Callable, Sequence
 
 from workers.types import TaskPrompt
 
-OVERLONG_POLICIES = ("error", "skip")
 
 
 class PromptTooLong(ValueError):

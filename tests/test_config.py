@@ -162,6 +162,14 @@ def test_trainer_takes_log_probs_at_the_rollout_temperature():
     ({"trainer": {"kl_loss_coef": 0.1}}, "trainer.kl_loss_coef: unknown key; verl's 'kl_loss_coef' is trainer.kl_coef"),
     ({"data": {"train_files": "x"}}, r"data: unknown section; verl's 'data' is task \(the dataset\)"),
     ({"trainer": {"zzz": 1}}, r"trainer.zzz: unknown key \(known:"),
+    # near misses that pointed elsewhere (new-user audit, session 18): total_epochs -> total_steps
+    # (the LR schedule's length), warmup_style -> warmup_steps
+    ({"trainer": {"total_epochs": 3}}, "trainer.total_epochs: unknown key; verl's 'total_epochs' has no key here: "
+                                       "set train.iterations = epochs x rows / train.batch_prompts"),
+    ({"trainer": {"warmup_style": "cosine"}}, "verl's 'warmup_style' is trainer.lr_schedule here"),
+    ({"trainer": {"clip_ratio_high": 0.28}}, "verl's 'clip_ratio_high' is trainer.clip_high here"),
+    ({"train": {"filter_overlong_prompts": True}}, "verl's 'filter_overlong_prompts' is train.overlong_prompts: skip"),
+    ({"train": {"overlong_prompts": True}}, r"train.overlong_prompts: True is not one of \('error', 'skip'\)"),
 ])
 def test_unknown_keys_suggest_the_name(d, message):
     from controller.config import from_dict

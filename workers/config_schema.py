@@ -71,7 +71,7 @@ def range_error(key: str, value: Any, rng: Range | None) -> str | None:
 
 def check_type(key: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
-    X | None); floats must be finite."""
+    X | None, Literal[...] choices); floats must be finite."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -81,6 +81,10 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
             if a is not type(None):
                 return check_type(key, value, a)
     if hint is Any:
+        return value
+    if origin is typing.Literal:  # a choice: the message names them all
+        if value not in typing.get_args(hint) or isinstance(value, bool):
+            raise ConfigError(f"{key}: {value!r} is not one of {typing.get_args(hint)}")
         return value
     base = origin or hint
     if base is tuple and isinstance(value, list):
