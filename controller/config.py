@@ -221,7 +221,9 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     sections = {f.name for f in dataclasses.fields(Config)}
     for k in d:
         if k not in sections:
-            raise ConfigError(f"{k}: unknown section{key_hint(k, sections)} (known: {sorted(sections)})")
+            planner = " (a planner cluster file: python -m controller.planner plan --cluster FILE, docs/planner.md)" \
+                if "datacenters" in d and "name" in d else ""
+            raise ConfigError(f"{k}: unknown section{key_hint(k, sections)} (known: {sorted(sections)}){planner}")
     topology = _topology(d.get("topology"))
     train = build_section(TrainSection, "train", d.get("train"))
     trainer = _trainer_from_train(

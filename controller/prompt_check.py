@@ -129,6 +129,20 @@ class FittingTask:
         return getattr(self.task, name)
 
 
+def chat_without_template_note(prompts: Sequence[TaskPrompt], has_chat_template: bool) -> str | None:
+    """The one-line notice for chat prompts (``messages``) on a tokenizer with no chat template:
+    they are flattened (roles dropped), where transformers' ``apply_chat_template`` refuses."""
+    if has_chat_template:
+        return None
+    chats = sum(1 for p in prompts if p.messages)
+    if not chats:
+        return None
+    return (f"{chats} of {len(prompts)} train prompts are chat messages, but the model folder's tokenizer has "
+            "no chat template (tokenizer_config.json chat_template): each is its turns' contents, roles "
+            "dropped, joined by blank lines, in tokenizer.prompt_template; give the folder a chat template "
+            "to keep the roles")
+
+
 def check_task(task, train, task_name: str, context: int, encode: Callable[[TaskPrompt], Sequence[int]],
                vocab_size: int = 0) -> tuple[FittingTask, ContextNeed]:
     """The run's start check: ``task``'s train split (and test split, when ``train.eval_every``

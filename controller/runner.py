@@ -119,13 +119,16 @@ class Session:
     def _fitting_task(self, task):
         """The task with its prompts checked against the engines' smallest context
         (``prompt_check.check_task``); the SGS keeps what a joiner must hold."""
-        from controller.prompt_check import check_task
+        from controller.prompt_check import chat_without_template_note, check_task
         from controller.rpc import wait_all
 
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         fitting, self.world.sgs.need = check_task(
             task, self.cfg.train, self.cfg.task.name, min(st.max_model_len for st in stats),
             lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
+        note = chat_without_template_note(fitting.prompts("train"), bool(self.tok.chat_template))
+        if note:
+            print(f"[controller] {note}", file=sys.stderr, flush=True)
         return fitting
 
     def _scale_policy(self):

@@ -418,3 +418,9 @@ def test_ranker_options_and_saved_kind_checked_at_load(tmp_path):
     with pytest.raises(ConfigError, match=rf"ranker.kind: 'ensemble', but {saved} holds a 'lgbm' ranker"):
         from_dict({"ranker": {"kind": "ensemble", "path": str(saved)}})
     assert from_dict({"ranker": {"kind": "lgbm", "path": str(saved)}}).ranker.kind == "lgbm"
+
+
+def test_a_planner_cluster_file_given_as_a_run_config_is_named():
+    with pytest.raises(ConfigError, match=r"name: unknown section .*\(a planner cluster file: python -m "
+                                          r"controller.planner plan --cluster FILE, docs/planner.md\)"):
+        load_config("configs/plan_cluster_h800.yaml")

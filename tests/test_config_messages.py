@@ -148,7 +148,7 @@ def test_an_error_inside_a_user_task_is_its_own(user_tasks):
     with pytest.raises(ValueError) as e:
         make_task("my_rl/tasks.py:MathTask", n=5, path="data/math.jsonl")
     msg = str(e.value)
-    assert "bad arguments" not in msg and "\n" not in msg, msg
+    assert "task.kwargs [" not in msg and "\n" not in msg, msg
     assert msg.startswith("task 'my_rl/tasks.py:MathTask': MathTask(...) raised TypeError: TaskPrompt.__init__() "
                           "missing 1 required positional argument: 'task' (at my_rl/tasks.py:"), msg
     assert re.search(rf"my_rl/tasks.py:{line} in ", msg), msg
@@ -165,10 +165,10 @@ def test_an_error_inside_a_user_task_is_its_own(user_tasks):
 def test_bad_kwargs_are_checked_against_the_signature(user_tasks):
     with pytest.raises(ValueError) as e:
         make_task("my_rl/tasks.py:MathTask", n=5, pth="data/math.jsonl")
-    assert str(e.value) == ("task 'my_rl/tasks.py:MathTask': bad arguments ['n', 'pth']: MathTask.__init__() got an "
+    assert str(e.value) == ("task 'my_rl/tasks.py:MathTask': task.kwargs ['n', 'pth']: MathTask.__init__() got an "
                             "unexpected keyword argument 'pth' (did you mean 'path'?); missing required argument(s) "
                             "['path'] (it takes path, n)"), str(e.value)
-    with pytest.raises(ValueError, match=r"^task 'jsonl': bad arguments \['train_files'\]: FileTask.__init__\(\) got "
+    with pytest.raises(ValueError, match=r"^task 'jsonl': task.kwargs \['train_files'\]: FileTask.__init__\(\) got "
                                          r"an unexpected keyword argument 'train_files'"):
         make_task("jsonl", train_files="x.jsonl")
     with pytest.raises(ValueError, match=r"^task.kind 'nope' is not one of"):  # a registered task's own message

@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(params=["native", "vllm"])
 def backend(request):
     if request.param == "vllm" and importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed (pip install -e .[vllm]); the vLLM backend is optional")
+        pytest.skip("vLLM is not installed (bash scripts/install_vllm.sh): the vLLM backend is optional")
     return request.param
 
 

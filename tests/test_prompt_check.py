@@ -151,3 +151,17 @@ def test_a_context_that_cuts_the_longest_prompts_answers_is_said(capsys):
     assert "the longest kept prompt, task.prompts('train')[3]" in capsys.readouterr().err
     _start_check(0, "error", 20, {"train": ITEMS})  # 12 + 8 fits
     assert "answers stop" not in capsys.readouterr().err
+
+
+def test_chat_prompts_on_a_tokenizer_without_a_chat_template_are_said_to_be_flattened():
+    """transformers refuses apply_chat_template without a template; here the turns are joined
+    (roles dropped): said once at start (new-user audit, session 18), nothing otherwise."""
+    from controller.prompt_check import chat_without_template_note
+
+    chat = TaskPrompt("What is 2 + 9?", "11", "t", messages=({"role": "system", "content": "Answer with #### N."},
+                                                               {"role": "user", "content": "What is 2 + 9?"}))
+    note = chat_without_template_note([chat, ITEMS[0], chat], has_chat_template=False)
+    assert note.startswith("2 of 3 train prompts are chat messages, but the model folder's tokenizer has no chat "
+                           "template") and "roles dropped" in note
+    assert chat_without_template_note([chat], has_chat_template=True) is None
+    assert chat_without_template_note(ITEMS, has_chat_template=False) is None

@@ -122,3 +122,16 @@ def test_a_tool_call_turn_without_content_does_not_stop_a_tokenizer_build():
     msgs = ({"role": "user", "content": "what is 2 + 2 ?"}, {"role": "assistant", "content": None})
     task = SimpleNamespace(prompts=lambda split: [TaskPrompt("what is 2 + 2 ?", "4", "t", messages=msgs)] * 20)
     assert build_tokenizer(task, 300).encode("what is")
+
+
+def test_a_missing_or_unreadable_file_is_named_by_the_key_the_user_wrote(tmp_path):
+    """The key is task.kwargs.files.<split>, as written in the config (it said task.files['train'])."""
+    import pytest
+
+    from workers.tasks.registry import make_task
+
+    with pytest.raises(FileNotFoundError, match=r"^task.kwargs.files.train: .*nope.jsonl does not exist$"):
+        make_task("jsonl", files={"train": str(tmp_path / "nope.jsonl")})
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match=r"^task.kwargs.files.train: .*rows.csv: a .csv file; the readers take \["):
+        make_task("jsonl", files={"train": str(tmp_path / "rows.csv")})

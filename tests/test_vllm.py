@@ -6,7 +6,7 @@ Skipped, with the reason, where vLLM is not installed."""
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[vllm]; "
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed ("
                                           "bash scripts/install_vllm.sh): vLLM tests skipped")
 
 from workers.generation.config import EngineConfig  # noqa: E402

@@ -90,9 +90,10 @@ class FileTask:
         self.files = {split: str(Path(p).expanduser()) for split, p in files.items()}
         for split, p in self.files.items():
             if Path(p).suffix not in READERS:
-                raise ValueError(f"task.files[{split!r}]: {p} is not one of {sorted(READERS)}")
+                raise ValueError(f"task.kwargs.files.{split}: {p}: a {Path(p).suffix or 'suffixless'} file; "
+                                 f"the readers take {sorted(READERS)}")
             if not Path(p).exists():
-                raise FileNotFoundError(f"task.files[{split!r}]: {p} does not exist")
+                raise FileNotFoundError(f"task.kwargs.files.{split}: {p} does not exist")
         if not isinstance(verifier, str):
             raise ValueError(f"task.kwargs.verifier: a name or 'file.py:fn', got {verifier!r}")
         if not isinstance(verifier_kwargs or {}, dict) or not all(isinstance(k, str) for k in verifier_kwargs or {}):

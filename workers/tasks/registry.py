@@ -68,7 +68,7 @@ def make_task(name: str, **kwargs) -> Task:
         try:
             signature.bind(**kwargs)
         except TypeError as e:
-            raise ValueError(f"task {name!r}: bad arguments {sorted(kwargs)}: {_init_name(target)} "
+            raise ValueError(f"task {name!r}: task.kwargs {sorted(kwargs)}: {_init_name(target)} "
                              f"{_bind_problem(signature, kwargs) or e} ({_takes(signature)})") from None
     try:
         task = target(**kwargs)
