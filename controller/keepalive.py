@@ -26,6 +26,7 @@ from controller.rpc import LOCAL, _timed_out, is_peer_lost, ping, worker_name
 KEEPALIVE_S = 10.0  # how often the controller pings each worker (at most a quarter of rpc_timeout_s)
 OWN_GAP_S = 5.0  # a check this late means this process was stopped or starved: count afresh
 
+
 def period(timeout_s: float) -> float:
     """The controller's ping period for workers that leave after ``timeout_s`` of silence."""
     return min(KEEPALIVE_S, timeout_s / 4)
@@ -110,4 +111,3 @@ class Watchdog:
         return (f"the controller (rank 0) has not been heard from for {silent:.0f} s "
                 f"(placement.rpc_timeout_s = {self.timeout_s:g} s): it is frozen or unreachable; "
                 "this worker leaves so that the launcher ends the job")
-
