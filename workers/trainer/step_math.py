@@ -47,6 +47,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
             old = sampler
         values = w.critic(batch).float().cpu() if w.critic is not None else None
     kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
+    sampler_of = sampler.split(lens) if sampler is not None else None
     penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
     out: list[Prepared | None] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
@@ -59,7 +60,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
                      reward=score - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens)
         if cfg.tis_cap > 0:  # log-ratio capped before exp: the weight is finite whatever the gap
-            p.tis_weight = torch.exp((old_i - sampler.split(lens)[i]).clamp(max=math.log(cfg.tis_cap)))
+            p.tis_weight = torch.exp((old_i - sampler_of[i]).clamp(max=math.log(cfg.tis_cap)))
         if values is not None:
             p.values = values.split(lens)[i]
             p.token_rewards = -cfg.kl_coef * kl_i if penalise else torch.zeros_like(kl_i)
