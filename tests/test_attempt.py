@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import socket
-import time
 
 import pytest
 import torch.distributed as dist
@@ -91,9 +90,7 @@ def test_a_rank_that_never_comes_is_named_by_rank_0(ctx):
     port, store = _server()
     store.set("streamrl/hello/2", "oldnonce")  # a stale hello is no arrival
     store.set("streamrl/ready/2", "deadbeef")
-    t0 = time.monotonic()
-    got = _attempt(ctx, port, [0, 1], timeout_s=2.0)
-    assert time.monotonic() - t0 < 60
+    got = _attempt(ctx, port, [0, 1], timeout_s=2.0)  # bounded by _attempt's own waits, not timed here
     status, message = got[0]
     assert status == "error" and message.startswith("AttemptError: attempt handshake: rank(s) [2] of 3 never said hello")
     assert "\n" not in message
