@@ -50,7 +50,10 @@ def _scenario(rank: int, world: int, rpc_port: int):
         time.sleep(TIMEOUT_S + 2.5)
         out["2_serving_after_its_stop"] = rpc.rpc_sync("worker2", serving)
         out["watched_after"] = keepalive.watched()
-        rpc.rpc_sync("worker2", crpc.request_exit, args=(0,))
+        try:
+            rpc.rpc_sync("worker2", crpc.request_exit, args=(0,))
+        except RuntimeError:  # delivered: the rank may leave before its answer is sent (EOF here);
+            pass  # had it not been, it would leave on its own with code 1, which the test refuses
         pinger.stop()
     else:
         said, sys.stderr = sys.stderr, io.StringIO()
