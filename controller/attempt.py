@@ -23,6 +23,14 @@ import time
 import uuid
 
 _ATTEMPT: str | None = None  # this process's agreed id (one process = one attempt)
+# the current id, set once the controller is up (a joiner reads it; a change: the job restarted)
+ATTEMPT_KEY = "streamrl/attempt"
+
+
+def store_key(name: str, attempt: str) -> str:
+    """The key (or PrefixStore prefix) ``name`` of ``attempt`` in torchrun's store: every
+    per-attempt key (config agreement, process group, RPC store address, joiners) is named here."""
+    return f"streamrl/{attempt}/{name}"
 
 
 class AttemptError(RuntimeError):

@@ -12,8 +12,9 @@ import time
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from controller.attempt import ATTEMPT_KEY, store_key
 from controller.keepalive import Watchdog
-from controller.processes import ATTEMPT_KEY, store_key, close_roles, pick_device, rpc_options, serve
+from controller.processes import close_roles, pick_device, rpc_options, serve
 from controller.rpc import LOCAL, worker_name
 
 

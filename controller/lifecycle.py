@@ -151,7 +151,7 @@ def _store(timeout_s: float):
 
     import torch.distributed as dist
 
-    from controller.attempt import current_attempt, torchrun_store
+    from controller.attempt import current_attempt, store_key, torchrun_store
 
     try:  # a plain connect first: torch's client retries a refused one until its timeout
         socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
@@ -159,7 +159,7 @@ def _store(timeout_s: float):
     except OSError:
         return None
     attempt = current_attempt(timeout_s)
-    return dist.PrefixStore(f"streamrl/{attempt}/config", torchrun_store(timeout_s))
+    return dist.PrefixStore(store_key("config", attempt), torchrun_store(timeout_s))
 
 
 def agree_on_config(rank: int, world: int, config: dict | None, error: str, timeout_s: float) -> str | None:

@@ -21,19 +21,13 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from controller import keepalive
+from controller.attempt import ATTEMPT_KEY, store_key
 from controller.keepalive import Watchdog
 from controller.rpc import LOCAL, worker_name
 
-# Keys in torchrun's store. The RPC group gets its own store (hosted by rank 0, one per
-# torchrun restart attempt: a restarted job must not see the names of the previous attempt).
-# Per-attempt keys are named by the id every rank agreed on (controller/attempt.py), not by
-# TORCHELASTIC_RESTART_COUNT (per node: only the failed node's agent counts a restart).
-# ATTEMPT_KEY holds the current id (joiners read it; a change means the job restarted).
-ATTEMPT_KEY = "streamrl/attempt"
-
-
-def store_key(name: str, attempt: str) -> str:
-    return f"streamrl/{attempt}/{name}"
+# The RPC group gets its own store (hosted by rank 0, one per torchrun restart attempt: a
+# restarted job must not see the names of the previous attempt); its address and what joiners
+# read are per-attempt keys of torchrun's store (controller.attempt.store_key).
 
 
 def _free_port() -> int:
@@ -147,7 +141,7 @@ def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool =
                                  torch.cuda.device_count() if torch.cuda.is_available() else 0)
     LOCAL.comm_device = LOCAL.device if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, timeout=timeout,
-                            store=dist.PrefixStore(f"streamrl/pg/{attempt}", tstore), rank=rank, world_size=world)
+                            store=dist.PrefixStore(store_key("pg", attempt), tstore), rank=rank, world_size=world)
     LOCAL.has_process_group = True
     rpc_addr = _rpc_store_address(rank, tstore, timeout, attempt)
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=None if elastic else world,

@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from controller import join_cli, processes
+from controller.attempt import ATTEMPT_KEY, store_key
 from controller import main as entry
 
 
@@ -39,9 +40,9 @@ def test_a_static_job_is_said_to_take_no_joiners(capsys):
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
-    store.set(processes.store_key("static_world", "0"), "3")
-    store.set(processes.store_key("elastic", "0"), "0")
-    store.set(processes.ATTEMPT_KEY, "0")
+    store.set(store_key("static_world", "0"), "3")
+    store.set(store_key("elastic", "0"), "0")
+    store.set(ATTEMPT_KEY, "0")
     args = entry.parse_args(["--join", f"127.0.0.1:{port}", "--rpc-timeout", "5"])
     assert join_cli.join_main(args) == 1
     assert capsys.readouterr().err == (f"[join] the job at 127.0.0.1:{port} runs with placement.elastic: false "
