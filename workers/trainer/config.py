@@ -183,6 +183,11 @@ class TrainerConfig:
         """The PPO "old" log-probs are the trainer's own at receive time (``tis_cap`` needs them)."""
         return self.recompute_old_logprobs or self.tis_cap > 0
 
+    @property
+    def uses_sampler_logprobs(self) -> bool:
+        """The samples' own log-probs are read: as the PPO old policy, or as TIS's denominator."""
+        return not self.recomputes_old_logprobs or self.tis_cap > 0
+
 
 def _one_of(name: str, value, allowed) -> None:
     if value not in allowed:

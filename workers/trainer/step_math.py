@@ -39,8 +39,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     lens = batch.seq_lens.tolist()
     with w.autocast():
         ref = token_logprobs(_logits(w.ref, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()  # [N]
-        sampler = torch.cat([s.logprobs.float().cpu() for s in samples]) if \
-            cfg.tis_cap > 0 or not cfg.recomputes_old_logprobs else None
+        sampler = torch.cat([s.logprobs.float().cpu() for s in samples]) if cfg.uses_sampler_logprobs else None
         if cfg.recomputes_old_logprobs:
             old = token_logprobs(_logits(w.actor, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()
         else:

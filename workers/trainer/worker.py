@@ -186,11 +186,6 @@ class TrainerWorker:
         for p in self._params():
             p.grad = None
 
-    @property
-    def _uses_sampler_logprobs(self) -> bool:
-        """The samples' own log-probs are read (the PPO old policy, or the TIS denominator)."""
-        return not self.cfg.recomputes_old_logprobs or self.cfg.tis_cap > 0
-
     # ---- receive-time bookkeeping ----------------------------------------------------------
     def _reject(self, s: Sample, reason: str, logged: bool = False) -> None:
         """Skip a bad sample (counted), or raise with ``on_bad_sample: error``. ``logged``: its
@@ -242,9 +237,9 @@ class TrainerWorker:
         elif s.prompt_ids.numel() + s.output_ids.numel() > self.actor.config.max_position_embeddings:
             reason = (f"sample {sid}: {s.prompt_ids.numel()} + {s.output_ids.numel()} tokens exceed the model's "
                       f"max_position_embeddings {self.actor.config.max_position_embeddings}")
-        elif self._uses_sampler_logprobs and s.logprobs.numel() != s.output_ids.numel():
+        elif self.cfg.uses_sampler_logprobs and s.logprobs.numel() != s.output_ids.numel():
             reason = f"sample {sid}: {s.logprobs.numel()} logprobs for {s.output_ids.numel()} output tokens"
-        elif self._uses_sampler_logprobs and not bool(torch.isfinite(s.logprobs).all()):
+        elif self.cfg.uses_sampler_logprobs and not bool(torch.isfinite(s.logprobs).all()):
             reason = f"sample {sid}: non-finite sampler logprobs"
         if reason is not None:
             self._reject(s, reason)
@@ -404,8 +399,9 @@ class TrainerWorker:
 
     def _mini_batch_updates(self, params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
         """``mini_batches`` updates per epoch: each rank splits its samples (whole prompt groups in a
-        seeded random order, ``shuffle``; else in arrival order) into that many shares, each re-packed into micro-batches (every rank runs the same number of
-        all-reduces; a share with no sample on any rank makes no update).
+        seeded random order, ``shuffle``; else in arrival order) into that many shares, each
+        re-packed into micro-batches (every rank runs the same number of all-reduces; a share
+        with no sample on any rank makes no update).
         Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
         items = [p for mb in self._trained for p in mb]  # samples in arrival order
         seed = self.cfg.seed * 1_000_003 + self._version if self.cfg.shuffle else None  # a new order every step
