@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch.distributed.rpc as rpc
 
-from controller.rpc import LOCAL, _timed_out, is_peer_lost, ping, worker_name
+from controller.rpc import LOCAL, is_peer_lost, is_timeout, ping, worker_name
 
 KEEPALIVE_S = 10.0  # how often the controller pings each worker (at most a quarter of rpc_timeout_s)
 OWN_GAP_S = 5.0  # a check this late means this process was stopped or starved: count afresh
@@ -86,7 +86,7 @@ class Keepalive:
         try:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - a failed ping is only ever a reason to stop pinging
-            if is_peer_lost(e) and not _timed_out(str(e)):  # gone, not slow (a stopped worker resumes)
+            if is_peer_lost(e) and not is_timeout(str(e)):  # gone, not slow (a stopped worker resumes)
                 unwatch(rank)
 
 

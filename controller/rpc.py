@@ -35,7 +35,8 @@ HEARTBEAT_S = 10.0  # how often a waiting controller checks that a busy worker s
 STILL_WAITING_S = 300.0  # how often a wait on a call that answers but does not end is said on stderr
 
 
-def _timed_out(msg: str) -> bool:
+def is_timeout(msg: str) -> bool:
+    """Whether an RPC error message says its deadline passed (vs. a closed connection)."""
     low = msg.lower()
     return "timeout" in low or "timed out" in low
 
@@ -49,7 +50,7 @@ class WorkerFailed(RuntimeError):
 
     def __init__(self, rank: int, role: str, method: str, detail: str, lost: bool = False):
         self.rank, self.role, self.method, self.lost = rank, role, method, lost
-        timed_out = lost and _timed_out(detail.splitlines()[0] if detail else "")
+        timed_out = lost and is_timeout(detail.splitlines()[0] if detail else "")
         what = ("did not answer in time (hung, or busy past its deadline)" if timed_out
                 else "was lost (process gone)" if lost else "raised")
         head = f"worker rank {rank} ({role}) {what} in {method}()"
@@ -69,7 +70,7 @@ def is_peer_lost(err: BaseException) -> bool:
     low = msg.lower()
     lost_marks = ("eof", "end of file", "pipe closed", "connection reset", "econnreset", "connection refused",
                   "econnrefused", "broken pipe", "epipe", "closed", "shut down", "unknown destination worker")
-    return any(m in low for m in lost_marks) or _timed_out(msg)
+    return any(m in low for m in lost_marks) or is_timeout(msg)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Call:
                     return  # it ended meanwhile: its own result or error tells
                 waited = time.monotonic() - start
                 why = (f"no answer to a heartbeat within placement.rpc_timeout_s = {self.handle.timeout:g} s"
-                       if _timed_out(str(e)) else "its connection closed")
+                       if is_timeout(str(e)) else "its connection closed")
                 raise WorkerFailed(self.handle.rank, self.handle.role, self.method,
                                    f"{why}, {waited:.0f} s into the call: {e}", lost=True) from None
             waited = time.monotonic() - start

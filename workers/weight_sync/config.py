@@ -53,8 +53,7 @@ class WeightSyncConfig:
     def from_dict(cls, cfg: Mapping[str, Any] | None, topology: Topology | None = None) -> "WeightSyncConfig":
         """Validate the ``weight_sync`` section (None -> defaults; ``ConfigError`` naming the key).
         ``topology``: the run's (None: one datacenter)."""
-        sec = build_section(WeightSyncSection, "weight_sync", None if cfg is None else
-                            (dict(cfg) if isinstance(cfg, Mapping) else cfg))
+        sec = build_section(WeightSyncSection, "weight_sync", dict(cfg) if isinstance(cfg, Mapping) else cfg)
         return cls(bucket_bytes=max(1, int(sec.bucket_mb * 1e6)), tree_shape=sec.tree_shape, naive=sec.naive,
                    topology=Topology() if topology is None else topology)
 
