@@ -6,10 +6,17 @@
 set -euo pipefail
 case "${1:-}" in
   -h|--help)
-    echo "usage: scripts/setup.sh   (no arguments; env TORCH_INDEX_URL=URL: take torch from that index)"
-    echo "Installs torch==2.13.0, then StreamRL with its test and kernels extras (pip install -e), into the active Python."
+    echo "usage: scripts/setup.sh [EXTRAS]   (env TORCH_INDEX_URL=URL: take torch from that index)"
+    echo "Installs torch==2.13.0, then StreamRL (pip install -e) into the active Python, with EXTRAS"
+    echo "if given: comma-separated setup.cfg extras, e.g. 'test' (the default test suite) or"
+    echo "'test,kernels' (adds triton, ~1 GB, for pytest -m triton)."
     exit 0 ;;
 esac
+extras=${1:-}
+if [[ ! "$extras" =~ ^[a-z,]*$ ]]; then
+    echo "scripts/setup.sh: EXTRAS must be comma-separated extra names (test, kernels, parquet), got '$extras'" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-pip install -q -e ".[test,kernels]"
+pip install -q -e ".${extras:+[$extras]}"
