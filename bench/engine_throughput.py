@@ -173,8 +173,15 @@ def _requests(work: Work, cap: int | None = None) -> list[Request]:
             for i, (p, n) in enumerate(work)]
 
 
-def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float:
-    import transformers
+def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
+    """transformers' ``generate``. None when transformers is not importable (it comes with the
+    ``test`` extra: ``bash scripts/setup.sh test``), said on stderr."""
+    try:
+        import transformers
+    except ImportError as e:
+        print(f"engine_throughput: competitor hf skipped: transformers is not importable ({e}); "
+              "install it with `bash scripts/setup.sh test`", file=sys.stderr, flush=True)
+        return None
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval().to(DEVICE["name"])

@@ -1,6 +1,8 @@
 """Generation outside the training stream, whose outputs come back to the controller: the
 periodic and REPL evaluations on the test split, and the policy's output lengths that
-bootstrap a length ranker. Both run on the SGS's instances with the weights they hold."""
+bootstrap a length ranker. Both run on the SGS's instances: with the newest weights (staged
+ones loaded first) when no round is in flight, else with the weights each holds (async modes
+evaluate while the next round generates); an evaluation names the versions it ran with."""
 from __future__ import annotations
 
 import logging
@@ -26,15 +28,18 @@ class EvalResult:
     samples: int  # generations per prompt (train.eval_samples)
     started: float  # epoch seconds
     seconds: float
+    weight_versions: tuple[int, ...] = ()  # the weights the instances generated with (one, unless mixed)
 
 
-def side_generate(program, reqs: list[Request]) -> dict[int, list[int]]:
-    """Generate ``reqs`` on ``program``'s instances (spread evenly) with the weights they hold,
-    outside the training stream; sample id -> output ids."""
+def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], tuple[int, ...]]:
+    """Generate ``reqs`` on ``program``'s instances (spread evenly) outside the training
+    stream -> (sample id -> output ids, the weight versions used). With no round in flight the
+    instances load their staged weights first (after a push, after ``--resume``)."""
     handles = program.world.sgs.handles
+    newest = program.in_flight is None
     chunks = [reqs[i::len(handles)] for i in range(len(handles))]
-    outs = wait_all([h.call("evaluate", c) for h, c in zip(handles, chunks) if c])
-    return {sid: ids for o in outs for sid, ids in o}
+    outs = wait_all([h.call("evaluate", c, newest) for h, c in zip(handles, chunks) if c])
+    return {sid: ids for o in outs for sid, ids in o.outputs}, tuple(sorted({o.weight_version for o in outs}))
 
 
 def measure_lengths(program, prompts: list[str]) -> list[float]:
@@ -44,7 +49,7 @@ def measure_lengths(program, prompts: list[str]) -> list[float]:
     reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), t.max_tokens, 0, 0.0, group_id=-1,
                     sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))
             for j, p in enumerate(prompts) for k in range(t.group_size)]
-    out = side_generate(program, reqs)
+    out, _ = side_generate(program, reqs)
     return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
             for j in range(len(prompts))]
 
@@ -63,7 +68,8 @@ def evaluate(program, n: int) -> EvalResult:
     reqs = [Request(-1 - (j * k + s), program.prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
                     sampling=program.sampling(t.eval_temperature, t.seed * 7919 + j * k + s))
             for j, it in enumerate(items) for s in range(k)]
-    texts = {sid: program.tok.decode(ids) for sid, ids in side_generate(program, reqs).items()}
+    outputs, versions = side_generate(program, reqs)
+    texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}
     per: dict[str, list[float]] = {}
     best: list[float] = []
     unscored = 0
@@ -81,7 +87,7 @@ def evaluate(program, n: int) -> EvalResult:
         acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
     if unscored:
         acc["eval/unscored"] = float(unscored)
-    return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0)
+    return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions)
 
 
 def _score(task, item, completion: str, j: int) -> float:

@@ -47,6 +47,14 @@ class GenerateReport:
     kv_blocks_total: int = 0  # the engine's KV blocks
 
 
+@dataclass
+class EvalOutput:
+    """What ``GenerationInstance.evaluate`` generated, and with which weights."""
+
+    weight_version: int
+    outputs: list[tuple[int, list[int]]]  # (sample id, output token ids)
+
+
 @dataclass(frozen=True)
 class InstanceStats:
     """What an instance holds now (the REPL's ``sgs``, the prompts' context check): its
@@ -76,16 +84,25 @@ class Outbox:
         self.q: queue.Queue = queue.Queue()
         self.futures: list = []
         self.sends = 0  # RPCs issued
+        self.error: BaseException | None = None  # what stopped the sending thread (raised by close)
         self.thread = threading.Thread(target=self._run, daemon=True, name="outbox")
         self.thread.start()
 
     def put(self, sample: Sample) -> None:
+        if self.error is not None:  # the sending thread is gone: say so now, not at close()
+            raise RuntimeError(f"sending samples to the trainers failed: {self.error!r}") from self.error
         if sample.output_ids.is_cuda:  # RPC moves CPU tensors without device maps
             sample.prompt_ids, sample.output_ids = sample.prompt_ids.cpu(), sample.output_ids.cpu()
             sample.logprobs = sample.logprobs.cpu()
         self.q.put(sample)
 
     def _run(self) -> None:
+        try:
+            self._send_windows()
+        except BaseException as e:  # noqa: BLE001 - a failed send (a sample RPC cannot carry, RPC
+            self.error = e  # shut down) must fail the generate call, not lose its samples quietly
+
+    def _send_windows(self) -> None:
         done = False
         while not done:
             first = self.q.get()
@@ -118,6 +135,8 @@ class Outbox:
         self.thread.join()
         for f in self.futures:
             f.wait()
+        if self.error is not None:
+            raise RuntimeError(f"sending samples to the trainers failed: {self.error!r}") from self.error
 
 
 def _test_die_after(rank: int, iteration: int) -> int:
@@ -217,6 +236,14 @@ class GenerationInstance:
                 self._staged = None
         self.version = version
 
+    def _swap_to_newest(self) -> None:
+        """Load the staged weights, if any (between rounds only: a round in flight on another
+        instance generates with the version it was dispatched with)."""
+        with self._staging:
+            staged = None if self._staged is None else self._staged[0]
+        if staged is not None:
+            self._swap_weights(staged)
+
     def stop(self) -> bool:
         """Scale-in: the running ``generate`` returns early, reporting its unfinished requests."""
         self._stop.set()
@@ -279,25 +306,30 @@ class GenerationInstance:
         except Exception as e:
             print(f"[generation {self.rank}] abort after an error failed: {e!r}", file=sys.stderr, flush=True)
 
-    def evaluate(self, requests: list[Request]) -> list[tuple[int, list[int]]]:
+    def evaluate(self, requests: list[Request], newest: bool = False) -> EvalOutput:
         """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
-        ranker's bootstrap) with the weights held now; outputs come back to the controller,
-        not to the trainers."""
-        with self._lock, self.spans.span("eval", self.version):
-            out = []
-            refused = self.engine.add(requests)
-            try:
-                if refused:
-                    s = refused[0]
-                    raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
-                while self.engine.has_work():
-                    out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
-            except BaseException:
-                # the accepted requests of this call must not stay queued and run inside the
-                # next generate() as training samples
-                self._abort_after_error(requests)
-                raise
-            return out
+        ranker's bootstrap); outputs come back to the controller, not to the trainers. With
+        ``newest`` (the controller has no round in flight) the staged weights are loaded first,
+        so an evaluation after a push runs on the weights it is logged under; otherwise on the
+        weights held now. The answer names the version used."""
+        with self._lock:
+            if newest:
+                self._swap_to_newest()
+            with self.spans.span("eval", self.version):
+                out = []
+                refused = self.engine.add(requests)
+                try:
+                    if refused:
+                        s = refused[0]
+                        raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
+                    while self.engine.has_work():
+                        out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
+                except BaseException:
+                    # the accepted requests of this call must not stay queued and run inside the
+                    # next generate() as training samples
+                    self._abort_after_error(requests)
+                    raise
+                return EvalOutput(self.version, out)
 
     def stats(self) -> InstanceStats:
         return InstanceStats(self.rank, self.engine.stats(), self.engine.max_model_len, self.version,

@@ -88,7 +88,7 @@ def admit(session, i: int) -> None:
     session.want_add = False
     try:
         h = add_instance(session.world, session.cfg, rank, session.model_dir, session.eos_ids,
-                         session.program.version, i)
+                         session.program.version)
     except ContextTooSmall as e:  # it would refuse kept prompts: the run goes on without it
         print(f"[controller] iteration {i}: {e}", file=sys.stderr, flush=True)
         dismiss_joiner(rank, 2, "not added: its max_model_len is less than this run's prompts need "

@@ -168,6 +168,9 @@ class Metrics:
         row = {"iteration": step, "source": "repl" if repl else "periodic", "prompts": ev.prompts,
                "requested": ev.requested, "split": ev.split, "samples_per_prompt": ev.samples,
                "seconds": round(ev.seconds, 4), **ev.scores}
+        if ev.weight_versions:  # one, unless instances held different weights (async modes)
+            v = ev.weight_versions
+            row["weight_version"] = v[0] if len(v) == 1 else list(v)
         self._open(step)  # first: a resumed run's first write drops the rows it runs again
         _append_line(self.logdir / "eval.jsonl", json.dumps(row))
         self._keep([Span(CONTROLLER, "eval", ev.started, ev.started + ev.seconds, step)])

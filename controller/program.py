@@ -120,6 +120,7 @@ class Program:
         self.stream = PromptStream(list(task.prompts("train")), cfg.train.seed, stream_state)
         self.iteration = start_iteration
         self.version = version  # weights the instances hold
+        self.in_flight: Round | None = None  # the round generating now (async modes: during a step)
         self.on_iteration = on_iteration  # callback(IterationResult, spans)
         self.history: list[IterationResult] = []
         self._drained_sync_s = 0.0  # the last push of a lag-1 run, reported by the next run's first row
@@ -165,7 +166,7 @@ class Program:
         b.dispatched = time.time()
         with self.spans.span("dispatch", b.iteration):
             self._begin(b)
-            b.round = self.world.sgs.generate(b.iteration, b.requests, version)
+            b.round = self.in_flight = self.world.sgs.generate(b.iteration, b.requests, version)
         b.arrivals = _Completions([call for _, call, _ in b.round.calls])
 
     def _finish_generation(self, b: _Batch) -> None:
@@ -176,6 +177,8 @@ class Program:
             with self.spans.span("wait_generate", b.iteration):
                 b.round.wait()
             b.gen_done = b.arrivals.last(unwatched=1 if b.round.redispatched else 0)
+            if self.in_flight is b.round:
+                self.in_flight = None
 
     def drain_spans(self) -> list:
         """Every worker's spans plus the controller's own."""

@@ -24,9 +24,10 @@ its text as plain lines before its answer, and a terminal (stdin a TTY) gets a `
 prompt, which a pipe does not. What is typed never stops the run: a bad line or argument is
 answered ``{"error": ...}``, and so is a worker's error in a command that leaves the pipeline
 alone (``eval``, ``save``, ``sgs``, ...).
-A worker failure during ``run`` is not an answer: it left an iteration half done (registered
-with the trainers, samples in flight), so it ends the session and the run (exit 1), as
-without the REPL.
+A failure inside ``run`` (a worker's, the last generation instance lost, an iteration that
+trained nothing) is not an answer: it left an iteration half done (registered with the
+trainers, samples in flight), so it ends the session and the run (exit 1), as without the
+REPL.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Repl:
     def __init__(self, session):
         self.s = session
         self.stdout = None  # the loop's (None: sys.stdout)
+        self._in_run = False  # inside program.run (a failure there ends the session)
         self.commands = {
             "run": self.run, "sgs": self.sgs, "trainer": self.trainer, "timeline": self.timeline,
             "mode": self.mode, "dispatch": self.dispatch, "eval": self.eval, "save": self.save,
@@ -79,19 +81,19 @@ class Repl:
                         out = {"error": f"usage: {usage(words[0])}"}
                     else:
                         out = fn(*words[1:])
-            except WorkerFailed as e:
-                out = {"error": f"{type(e).__name__}: {e}"}
-                if words[0] == "run":  # mid-iteration: the pipeline cannot go on (runner: exit 1)
-                    print(">>> " + json.dumps({**out, "fatal": True}), file=stdout, flush=True)
-                    raise
             except Exception as e:  # noqa: BLE001
                 out = {"error": f"{type(e).__name__}: {e}"}
+                if self._in_run:  # mid-iteration: the pipeline cannot go on (runner: exit 1)
+                    print(">>> " + json.dumps({**out, "fatal": True}), file=stdout, flush=True)
+                    raise
             print(">>> " + json.dumps(out, default=str), file=stdout, flush=True)
 
     # ---- commands ------------------------------------------------------------------------
     def run(self, k: str = "1") -> dict:
         n = _count("run", k)
+        self._in_run = True  # from here a failure is the run's, not the command's
         res = self.s.program.run(n)
+        self._in_run = False
         return {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,
                 "reward": [round(r.metrics.get("reward_mean", 0.0), 4) for r in res]}
 

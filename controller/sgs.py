@@ -39,7 +39,6 @@ def default_profile(max_batch_size: int = 64, kv_tokens: int = 1 << 16, block_si
 class InstanceSlot:
     handle: WorkerHandle
     profile: object  # controller.scheduling.PTLProfile
-    joined_at: int = 0  # iteration it started taking prompts
 
 
 class NoInstancesLeft(RuntimeError):
@@ -59,6 +58,12 @@ class Round:
     redispatched: list[int] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)  # ranks lost during this round
     instances: int = 0  # instances in the SGS when the round was dispatched
+    took_part: set[int] = field(default_factory=set)  # ranks given requests of this round
+
+    def launch(self, requests: list[Request], slots: list[InstanceSlot] | None = None) -> None:
+        calls = self.sgs.launch(self.iteration, requests, self.version, slots)
+        self.took_part |= {slot.handle.rank for slot, _, _ in calls}
+        self.calls += calls
 
     def wait(self) -> list[GenerateReport]:
         while self.calls:
@@ -83,19 +88,34 @@ class Round:
         missing = [i for i in ids if i not in received]
         if not missing:
             return
-        # an instance that joined after this round began holds newer weights than its version
-        # (async modes finish a round while the next iteration has started): not one to use
-        slots = [s for s in self.sgs.slots if s.joined_at <= self.iteration]
+        slots = self._holders()
         if not slots:
-            joined = [s.handle.rank for s in self.sgs.slots]
+            others = [s.handle.rank for s in self.sgs.slots]
             raise NoInstancesLeft(f"iteration {self.iteration}: every generation instance is gone "
                                   f"({', '.join(f'rank {r}: {why}' for r, why in self.sgs.removed)})"
-                                  f"{f'; ranks {joined} joined later with newer weights than v{self.version}' if joined else ''}"
+                                  f"{f'; ranks {others} hold other weights than v{self.version}' if others else ''}"
                                   f", {len(missing)} requests left")
         print(f"[sgs] iteration {self.iteration}: re-dispatching {len(missing)} unfinished requests "
               f"to {[s.handle.rank for s in slots]}", file=sys.stderr, flush=True)
         self.redispatched += missing
-        self.calls += self.sgs.launch(self.iteration, [self.requests[i] for i in missing], self.version, slots)
+        self.launch([self.requests[i] for i in missing], slots)
+
+    def _holders(self) -> list[InstanceSlot]:
+        """Live instances that can generate with this round's weights: those that took part in
+        it (each loaded ``version`` when its call began) and any other that holds ``version``
+        now. Not one that only has it staged (async modes push the next version during the
+        round, which replaces it before the call arrives: "asked to generate with weight
+        version"), nor a joiner added after the round began (it pulled newer weights)."""
+        out = []
+        for s in list(self.sgs.slots):
+            if s.handle.rank not in self.took_part:
+                try:
+                    if s.handle.call("stats").wait().weight_version != self.version:
+                        continue
+                except WorkerFailed:
+                    continue  # gone too: its own call (if any) says so
+            out.append(s)
+        return out
 
 
 class SGS:
@@ -116,7 +136,7 @@ class SGS:
     def handles(self) -> list[WorkerHandle]:
         return [s.handle for s in self.slots]
 
-    def add(self, handle: WorkerHandle, profile=None, iteration: int = 0) -> None:
+    def add(self, handle: WorkerHandle, profile=None) -> None:
         """Take ``handle``'s instance. Once ``need`` is set (the prompts are checked), one with
         less context (max_model_len) is closed and refused: ``ContextTooSmall``."""
         if self.need is not None:
@@ -130,7 +150,7 @@ class SGS:
                     pass  # gone already
                 raise
         with self._lock:
-            self.slots.append(InstanceSlot(handle, profile or default_profile(), iteration))
+            self.slots.append(InstanceSlot(handle, profile or default_profile()))
 
     def remove(self, rank: int, reason: str = "") -> None:
         with self._lock:
@@ -160,5 +180,5 @@ class SGS:
 
     def generate(self, iteration: int, requests: list[Request], version: int) -> Round:
         rnd = Round(self, iteration, version, {r.sample_id: r for r in requests}, instances=len(self.slots))
-        rnd.calls = self.launch(iteration, requests, version)
+        rnd.launch(requests)
         return rnd

@@ -140,8 +140,7 @@ def check_engine_device(device: str, ranks, timeout: float) -> None:
             raise ConfigError(f"engine.device: {device!r}, but rank {r} (generation) has {n} CUDA device(s)")
 
 
-def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int,
-                 iteration: int) -> WorkerHandle | None:
+def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int) -> WorkerHandle | None:
     """Scale out: create an instance on a joined rank, have it pull the current weights, add
     it. A joiner that dies before it holds them is not added (returns None); nothing else
     (no trainer, no collective) has depended on it yet."""
@@ -158,7 +157,7 @@ def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version:
         print(f"[world] joiner rank {rank} lost before it held weights v{version}: {str(e).splitlines()[0]}",
               file=sys.stderr, flush=True)
         return None
-    world.sgs.add(h, _profile(cfg), iteration)
+    world.sgs.add(h, _profile(cfg))
     return h
 
 

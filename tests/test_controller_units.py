@@ -111,6 +111,27 @@ def test_outbox_sends_windowed_chunks_per_trainer_and_flushes_on_close():
     assert trainers[0].calls[-1] == [9]
 
 
+def test_an_outbox_whose_send_fails_says_so_and_loses_nothing_quietly():
+    """A send that raises in the sending thread (a sample RPC cannot carry, RPC shutting down)
+    used to end that thread with a printed traceback: close() returned, generate() reported the
+    samples done, and the trainer waited for them for ever (concurrency audit, session 19)."""
+    import pytest
+
+    from controller.instance import Outbox
+
+    class Refusing(_FakeTrainer):
+        def receive(self, samples):
+            raise RuntimeError("cannot pickle the sample")
+
+    out = Outbox([Refusing()], window_s=0.0)
+    out.put(_sample(1, 0))
+    out.thread.join(timeout=30)  # the thread ends on the failed send
+    with pytest.raises(RuntimeError, match="sending samples to the trainers failed.*cannot pickle"):
+        out.put(_sample(2, 0))
+    with pytest.raises(RuntimeError, match="sending samples to the trainers failed.*cannot pickle"):
+        out.close()
+
+
 def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
     from controller.trainer_rank import _Iteration
 
@@ -269,7 +290,7 @@ def test_a_refused_eval_leaves_nothing_queued_for_the_next_generate(tiny_model):
     with pytest.raises(ValueError, match="refused eval request 2"):
         inst.evaluate([*ok, long])
     assert not inst.engine.has_work()
-    assert [sid for sid, _ in inst.evaluate(ok)] == [0, 1]  # the same ids are accepted again
+    assert [sid for sid, _ in inst.evaluate(ok).outputs] == [0, 1]  # the same ids are accepted again
 
 
 def test_repl_mode_switch_refuses_a_mode_whose_lag_max_staleness_forbids():
@@ -291,11 +312,15 @@ def test_repl_mode_switch_refuses_a_mode_whose_lag_max_staleness_forbids():
     assert prog.mode.name == "batch"
 
 
-def test_redispatch_skips_an_instance_that_joined_after_the_round_began(capsys):
-    """Async modes finish round i while iteration i+1 has begun; a joiner added at i+1 holds the
-    newer weights, so what a lost instance of round i left goes to the instances of round i
-    only (sent to the joiner too, it would refuse: "asked to generate with weight version";
-    RL correctness audit, session 18). With only the joiner left the round stops, saying why."""
+def test_redispatch_goes_only_to_instances_holding_the_rounds_weights(capsys):
+    """What a lost instance left goes to instances that can generate with the round's weights:
+    those that took part in the round, or hold its version now. Not a joiner added after the
+    round began (it pulled newer weights; RL correctness audit, session 18), nor an instance
+    that sat the round out and holds older weights with the round's version only staged (async
+    modes push the next version during the round, which replaces it: "asked to generate with
+    weight version"; concurrency audit, session 19). With none left the round stops, saying why."""
+    from types import SimpleNamespace
+
     import torch
 
     from controller.scheduling import make_dispatcher
@@ -303,22 +328,27 @@ def test_redispatch_skips_an_instance_that_joined_after_the_round_began(capsys):
     from workers.types import Request
 
     class Handle:  # stands in for a WorkerHandle: records what it is asked to generate
-        def __init__(self, rank):
-            self.rank, self.asked, self.alive = rank, [], True
+        def __init__(self, rank, held):
+            self.rank, self.held, self.asked, self.alive = rank, held, [], True
 
-        def call(self, method, iteration, chunk, version, *rest):
+        def call(self, method, *args):
+            if method == "stats":
+                return SimpleNamespace(wait=lambda: SimpleNamespace(weight_version=self.held))
+            iteration, chunk, version = args[:3]
             self.asked.append((iteration, [r.sample_id for r in chunk], version))
             return None
 
-    old, joiner = Handle(1), Handle(5)
+    ran, idle_same, idle_older, joiner = Handle(1, 1), Handle(2, 1), Handle(3, 0), Handle(5, 2)
     sgs = SGS(make_dispatcher("random"), received=lambda it: {0})
-    sgs.slots = [InstanceSlot(old, default_profile(), 0), InstanceSlot(joiner, default_profile(), 3)]
+    sgs.slots = [InstanceSlot(h, default_profile()) for h in (ran, idle_same, idle_older, joiner)]
     reqs = {i: Request(i, torch.tensor([1, 2, 3]), 4) for i in range(4)}
-    rnd = Round(sgs, iteration=2, version=1, requests=reqs)
+    rnd = Round(sgs, iteration=2, version=1, requests=reqs, took_part={1})
+    ran.held = 0  # what it reports is not asked: it loaded v1 when its call began
     rnd._redispatch([0, 1, 2, 3])  # 0 already reached the trainers
-    assert old.asked == [(2, [1, 2, 3], 1)] and joiner.asked == []
+    assert sorted(r for h in (ran, idle_same) for _, ids, v in h.asked if v == 1 for r in ids) == [1, 2, 3]
+    assert idle_older.asked == [] and joiner.asked == []
     assert rnd.redispatched == [1, 2, 3]
-    assert "re-dispatching 3 unfinished requests to [1]" in capsys.readouterr().err
-    sgs.slots = sgs.slots[1:]  # the old instance is gone too
-    with pytest.raises(NoInstancesLeft, match=r"ranks \[5\] joined later with newer weights than v1, 3 requests left"):
+    assert "re-dispatching 3 unfinished requests to [1, 2]" in capsys.readouterr().err
+    sgs.slots = sgs.slots[2:]  # both holders are gone too
+    with pytest.raises(NoInstancesLeft, match=r"ranks \[3, 5\] hold other weights than v1, 3 requests left"):
         rnd._redispatch([1, 2, 3])

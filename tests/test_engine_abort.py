@@ -296,7 +296,30 @@ def test_a_refused_eval_is_aborted_not_run(tiny_model):  # noqa: F811
         inst.evaluate([*ok, long])
     assert inst.engine.total_tokens == 0  # nothing was generated for a call that fails anyway
     assert not inst.engine.has_work() and inst.engine.stats().kv_blocks_used == 0
-    assert sorted(sid for sid, _ in inst.evaluate(ok)) == [0, 1]  # the same ids are accepted again
+    assert sorted(sid for sid, _ in inst.evaluate(ok).outputs) == [0, 1]  # the same ids are accepted again
+
+
+def test_an_eval_between_rounds_runs_on_the_staged_weights(tiny_model):  # noqa: F811
+    """An evaluation right after a push (sync modes; the REPL; after --resume) runs on the
+    weights just staged, and says so; one during a round (async modes, ``newest=False``) runs
+    on the weights held and names them (concurrency audit, session 19: evaluations ran one
+    version behind what they were logged under)."""
+    inst = _instance(1, tiny_model, SinkTrainer())
+    reqs = lambda: [Request(-1, torch.tensor([1, 2, 3]), 6, 6, sampling=GREEDY)]  # noqa: E731
+    before = inst.evaluate(reqs())
+    assert before.weight_version == 0
+    g = torch.Generator().manual_seed(7)
+    new = {k: torch.randn(v.shape, generator=g) for k, v in inst.engine.model.named_parameters()}
+    inst.stage_weights(new, 1)
+    held = inst.evaluate(reqs())
+    assert (held.weight_version, held.outputs) == (0, before.outputs)
+    fresh = _instance(2, tiny_model, SinkTrainer())
+    fresh.stage_weights({k: v.clone() for k, v in new.items()}, 1)
+    fresh._swap_weights(1)
+    after = inst.evaluate(reqs(), newest=True)
+    assert after.weight_version == 1 and inst.stats().staged_version is None
+    assert after.outputs == fresh.evaluate(reqs()).outputs != before.outputs
+    inst.generate(3, [], 1)  # the next round, dispatched with v1, finds it loaded
 
 
 def test_an_eval_failing_mid_way_leaves_nothing_queued(tiny_model):  # noqa: F811

@@ -10,7 +10,7 @@ import controller.evaluation as evaluation_mod
 import controller.program as program_mod
 import controller.timeline as timeline_mod
 from controller.data import PromptStream
-from controller.instance import GenerateReport
+from controller.instance import EvalOutput, GenerateReport
 from controller.program import Program
 from controller.rpc import WorkerHandle
 from controller.scheduling import make_dispatcher
@@ -37,19 +37,25 @@ class Clock:
 class Instance:
     def __init__(self, clock):
         self.clock = clock
+        self.held, self.staged, self.newest = 0, None, []  # weight versions; evaluate's newest flags
 
     def generate(self, iteration, requests, version, cap, window):
+        self.held = version
         self.clock.t += GEN_S
         lengths = [MAX_TOKENS if r.sample_id % 2 else 3 for r in requests]  # every other sample cut
         return GenerateReport(1, iteration, [r.sample_id for r in requests], sum(lengths), GEN_S, version, lengths)
 
     def receive_weights(self, version):
         self.clock.t += PUSH_S
+        self.staged = version
         return version
 
-    def evaluate(self, requests):
+    def evaluate(self, requests, newest=False):
         self.clock.t += EVAL_S
-        return [(r.sample_id, [7]) for r in requests]
+        self.newest.append(newest)
+        if newest and self.staged is not None:
+            self.held, self.staged = self.staged, None
+        return EvalOutput(self.held, [(r.sample_id, [7]) for r in requests])
 
 
 class Trainer:
@@ -133,3 +139,18 @@ def test_evaluate_reports_its_prompts_and_time(monkeypatch):
     assert (ev.prompts, ev.requested, ev.split, ev.samples, ev.started, ev.seconds) == (2, 2, 3, 1, t0, EVAL_S)
     assert ev.scores == {"eval/sum": 1.0, "eval/mean": 1.0}
     assert evaluation_mod.evaluate(p, 100).prompts == 3  # more than the split: all of it (the REPL says so)
+    assert ev.weight_versions == (1,)  # no round in flight: on the weights just pushed, not those of the round
+
+
+def test_an_evaluation_during_a_round_runs_on_the_weights_held(monkeypatch):
+    """Async modes evaluate (train.eval_every) while the next round generates: the instances
+    keep the round's weights, and the evaluation says which it ran with."""
+    clock = Clock()
+    p = _program(monkeypatch, "async_stream", clock)
+    seen = []
+    p.on_iteration = lambda res: seen.append((res.iteration, p.in_flight is not None,
+                                              evaluation_mod.evaluate(p, 1).weight_versions))
+    p.run(3)
+    inst = p.world.sgs.slots[0].handle.rref.obj
+    assert seen == [(0, True, (0,)), (1, True, (1,)), (2, False, (3,))]  # the last: drained, newest
+    assert inst.newest == [False, False, True]

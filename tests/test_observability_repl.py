@@ -8,6 +8,8 @@ import pytest
 
 from controller.repl import Repl
 from controller.rpc import WorkerFailed
+from controller.runner import RunStopped
+from controller.sgs import NoInstancesLeft
 from controller.timeline import Span
 
 
@@ -84,16 +86,21 @@ def test_a_dispatcher_a_run_cannot_use_is_refused_and_not_applied():
     assert s.program.dispatcher is None  # neither replaced the one in use
 
 
-def test_a_worker_failure_during_run_stops_the_session():
+@pytest.mark.parametrize("failure", [
+    WorkerFailed(2, "trainer", "step", "RuntimeError: staleness"),
+    NoInstancesLeft("iteration 1: every generation instance is gone"),  # were answered, and the
+    RunStopped("iteration 1: all 8 samples were skipped"),  # session went on (audit, session 19)
+])
+def test_a_failure_during_run_stops_the_session(failure):
     # the iteration it interrupted is registered with the trainers, its samples in flight:
     # the run must stop (runner: exit 1), not answer and go on with a broken pipeline
     s = _session()
-    s.program.fail_run = WorkerFailed(2, "trainer", "step", "RuntimeError: staleness")
+    s.program.fail_run = failure
     out = io.StringIO()
-    with pytest.raises(WorkerFailed):
+    with pytest.raises(type(failure)):
         Repl(s).loop(io.StringIO("status\nrun 2\nstatus\n"), out)
     answers = [json.loads(ln[4:]) for ln in out.getvalue().splitlines()]
-    assert len(answers) == 3 and answers[-1]["fatal"] is True and "worker rank 2" in answers[-1]["error"]
+    assert len(answers) == 3 and answers[-1]["fatal"] is True and str(failure).splitlines()[0] in answers[-1]["error"]
 
 
 def test_help_prints_its_text_as_lines_and_answers_the_usages():

@@ -51,14 +51,14 @@ def test_without_the_check_a_smaller_joiner_fails_the_round_or_cuts_outputs(tiny
     sink = SinkTrainer()
     sgs = _sgs()
     sgs.add(_instance(1, 1024, tiny_model, sink))
-    sgs.add(_instance(3, 256, tiny_model, sink), iteration=1)
+    sgs.add(_instance(3, 256, tiny_model, sink))
     too_long = r"(?s)rank 3 .*prompt of 300 tokens does not fit the context: max_model_len 240"
     with pytest.raises(WorkerFailed, match=too_long) as e:
         sgs.generate(1, _requests(4), 0).wait()
     assert not e.value.lost  # an exception, not a loss: no re-dispatch, the run stops
     # a joiner the prompt fits, but not prompt + max_tokens: its outputs are cut at 4 tokens, not 8
     sgs.remove(3)
-    sgs.add(_instance(4, 320, tiny_model, sink), iteration=1)
+    sgs.add(_instance(4, 320, tiny_model, sink))
     reports = sgs.generate(2, _requests(4), 0).wait()
     assert {r.rank: r.lengths for r in reports} == {1: [8, 8], 4: [4, 4]}
 
@@ -75,11 +75,11 @@ def test_a_joiner_with_less_context_than_the_kept_prompts_need_is_refused(tiny_m
         with pytest.raises(ContextTooSmall, match=rf"generation instance rank {rank} has max_model_len {have}, less "
                            r"than the 308 tokens .* task.prompts\('train'\)\[1\] .* is 300 tokens .* train.max_tokens "
                            r"8, within the starting instances' context of 1008"):
-            sgs.add(h, iteration=1)
+            sgs.add(h)
         assert not h.alive
     assert [h.rank for h in sgs.handles] == [1]
     joiner = _instance(5, 336, tiny_model, sink)  # 320 >= 308: serves every kept prompt in full
-    sgs.add(joiner, iteration=1)
+    sgs.add(joiner)
     reports = sgs.generate(1, _requests(4), 0).wait()
     assert {r.rank: r.lengths for r in reports} == {1: [8, 8], 5: [8, 8]}
     # the converse: the larger instance leaves (scale-in, or lost): the smaller one left serves it all
@@ -116,8 +116,8 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
     instances = {3: _instance(3, 256, tiny_model, sink), 5: _instance(5, 336, tiny_model, sink),
                  6: WorkerHandle(6, "generation", LocalRRef(Dying()))}
 
-    def add_instance(world, cfg, rank, model_dir, eos_ids, version, iteration):
-        world.sgs.add(instances[rank], None, iteration)
+    def add_instance(world, cfg, rank, model_dir, eos_ids, version):
+        world.sgs.add(instances[rank], None)
         return instances[rank]
 
     stopped, logged = [], []
