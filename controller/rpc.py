@@ -21,6 +21,7 @@ closed) is told apart from a Python exception raised in the worker (``is_peer_lo
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 import time
@@ -168,6 +169,41 @@ def wait_all(calls: list[Call]) -> list[Any]:
     if first is not None:
         raise first
     return out
+
+
+class Completions:
+    """Calls waited for together, taken in the order they end: ``next()`` returns the first to
+    end as ``(tag, call, result, error)``, its error a ``WorkerFailed`` (else None). Each call is
+    waited on a thread of its own, with its heartbeat (``Call.wait``), so a worker lost while
+    an earlier call still runs is known when it is lost, not once the earlier call ends."""
+
+    def __init__(self) -> None:
+        self._ended: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0
+
+    def add(self, call: Call, tag: Any = None) -> None:
+        def waiter() -> None:
+            try:
+                self._ended.put((tag, call, call.wait(), None))
+            except WorkerFailed as e:
+                self._ended.put((tag, call, None, e))
+            except BaseException as e:  # noqa: BLE001 - never leave next() waiting
+                self._ended.put((tag, call, None, WorkerFailed(call.handle.rank, call.handle.role, call.method,
+                                                               f"{type(e).__name__}: {e}")))
+
+        self.pending += 1
+        threading.Thread(target=waiter, daemon=True, name=f"wait-{call.handle.name}-{call.method}").start()
+
+    def next(self) -> tuple[Any, Call, Any, WorkerFailed | None]:
+        if self.pending == 0:
+            raise RuntimeError("Completions.next: no call pending")
+        while True:  # a timed get: a signal on the main thread is handled at once
+            try:
+                out = self._ended.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            self.pending -= 1
+            return out
 
 
 def create(rank: int, role: str, cls, *args, timeout: float = 300.0) -> WorkerHandle:

@@ -23,7 +23,7 @@ from typing import Callable
 from controller.config import PipelineSection
 from controller.instance import GenerateReport
 from controller.prompt_check import ContextTooSmall
-from controller.rpc import Call, WorkerFailed, WorkerHandle
+from controller.rpc import Call, Completions, WorkerFailed, WorkerHandle
 from workers.types import Request
 
 
@@ -66,14 +66,19 @@ class Round:
         self.calls += calls
 
     def wait(self) -> list[GenerateReport]:
-        while self.calls:
-            slot, call, ids = self.calls.pop(0)
-            try:
-                rep: GenerateReport = call.wait()
-            except WorkerFailed as e:
-                if not e.lost:
-                    raise
-                self.sgs.remove(slot.handle.rank, reason=str(e).splitlines()[0])
+        """Collect every instance's report, in the order they end (``rpc.Completions``): a lost
+        instance's requests are re-dispatched as soon as it is found lost, not after the
+        reports of the instances dispatched before it."""
+        waiting = Completions()
+        while self.calls or waiting.pending:
+            while self.calls:  # the round's calls, and those its re-dispatches add
+                slot, call, ids = self.calls.pop(0)
+                waiting.add(call, (slot, ids))
+            (slot, ids), _call, rep, err = waiting.next()
+            if err is not None:
+                if not err.lost:
+                    raise err
+                self.sgs.remove(slot.handle.rank, reason=str(err).splitlines()[0])
                 self.lost.append(slot.handle.rank)
                 self._redispatch(ids)
                 continue

@@ -352,3 +352,64 @@ def test_redispatch_goes_only_to_instances_holding_the_rounds_weights(capsys):
     sgs.slots = sgs.slots[2:]  # both holders are gone too
     with pytest.raises(NoInstancesLeft, match=r"ranks \[3, 5\] hold other weights than v1, 3 requests left"):
         rnd._redispatch([1, 2, 3])
+
+
+def test_a_lost_instance_is_redispatched_while_an_earlier_instance_still_generates():
+    """Round.wait takes the instances' calls in the order they end (concurrency audit, session
+    19, finding 6): before, it waited them in dispatch order, so an instance lost while the one
+    dispatched before it still generated was found only when that one finished, and its
+    requests started late. Here rank 1 (first) ends only once the loss of rank 2 has been
+    acted on; waited in order, the round would wait for rank 1 until the deadline and fail.
+    The calls are real ``controller.rpc.Call``s over torch futures; the handles stand in for
+    the instances (the real RPC path: tests/test_rpc_heartbeat.py)."""
+    import threading
+
+    import torch
+
+    from controller.instance import GenerateReport
+    from controller.rpc import Call
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import SGS, InstanceSlot, Round, default_profile
+    from workers.types import Request
+
+    redispatched = threading.Event()
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank, self.role, self.name, self.alive, self.futures = rank, "generation", f"worker{rank}", True, []
+
+        def call(self, method, *args):
+            iteration, chunk, version = args[:3]
+            fut = torch.futures.Future()
+            self.futures.append((fut, [r.sample_id for r in chunk]))
+            if self.rank == 2:  # its process dies: the transport fails the call
+                fut.set_exception(RuntimeError("Connection reset by peer"))
+            elif len(self.futures) == 2:  # the re-dispatched requests
+                redispatched.set()
+                self.end(1)
+            return Call(self, method, fut)
+
+        def end(self, k):
+            fut, ids = self.futures[k]
+            fut.set_result(GenerateReport(self.rank, 3, ids, 4 * len(ids), 0.1, 1, [4] * len(ids)))
+
+    first, doomed = Handle(1), Handle(2)
+
+    def finish_first_after_the_redispatch():
+        ok = redispatched.wait(20)
+        first.end(0)
+        outcome.append(ok)
+
+    outcome = []
+    sgs = SGS(make_dispatcher("random"), received=lambda it: set())
+    sgs.slots = [InstanceSlot(first, default_profile()), InstanceSlot(doomed, default_profile())]
+    reqs = [Request(i, torch.tensor([1, 2, 3]), 4) for i in range(8)]
+    rnd = Round(sgs, iteration=3, version=1, requests={r.sample_id: r for r in reqs})
+    rnd.launch(reqs)
+    assert [len(h.futures) for h in (first, doomed)] == [1, 1]
+    threading.Thread(target=finish_first_after_the_redispatch, daemon=True).start()
+    reports = rnd.wait()
+    assert outcome == [True], "rank 1's report was waited for before rank 2's loss was acted on"
+    assert rnd.lost == [2] and sorted(rnd.redispatched) == sorted(doomed.futures[0][1])
+    assert sorted(i for rep in reports for i in rep.sample_ids) == list(range(8))
+    assert [s.handle.rank for s in sgs.slots] == [1]

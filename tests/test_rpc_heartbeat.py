@@ -68,15 +68,20 @@ def _scenario(rank: int, world: int, rpc_port: int):
         # future never fails): only the heartbeat can tell
         frozen = crpc.create(3, "generation", Busy, timeout=TIMEOUT_S)
         pid = rpc.rpc_sync("worker3", crpc.ping)
-        call = frozen.call("work", 5 * TIMEOUT_S)  # longer than its loss takes; the rank exits when it ends
+        # waited together with a longer call dispatched before it (as Round.wait waits a round's
+        # instances): the frozen one is found lost while the other still runs
+        waiting = crpc.Completions()
+        waiting.add(slow.call("work", 4 * TIMEOUT_S), "slow")
+        waiting.add(frozen.call("work", 5 * TIMEOUT_S), "frozen")  # longer than its loss takes
         os.kill(pid, signal.SIGSTOP)
         said, sys.stderr = sys.stderr, io.StringIO()  # what the controller says while it waits
         try:
-            call.wait()
-        except crpc.WorkerFailed as e:
-            out["frozen"] = (e.lost, e.rank, str(e).splitlines()[0])
+            ended = [waiting.next() for _ in range(2)]
         finally:
             said, sys.stderr = sys.stderr.getvalue(), said
+        out["order"] = [(tag, result, err is not None) for tag, _, result, err in ended]
+        e = ended[0][3]
+        out["frozen"] = (e.lost, e.rank, str(e).splitlines()[0])
         out["frozen_said"] = said
         os.kill(pid, signal.SIGCONT)
         for fut in [rpc.rpc_async(f"worker{r}", release) for r in (1, 3)]:
@@ -113,6 +118,11 @@ def test_an_exception_in_the_worker_is_raised_not_lost(result):
 
 def test_a_worker_dying_mid_call_is_lost(result):
     assert result["died"] == (True, 2)
+
+
+def test_calls_waited_together_end_in_the_order_they_end(result):
+    # the frozen worker's call was dispatched second; its loss comes before the first call's result
+    assert result["order"] == [("frozen", None, True), ("slow", 4 * TIMEOUT_S, False)]
 
 
 def test_a_frozen_worker_is_lost_by_its_heartbeat(result):
