@@ -259,16 +259,19 @@ class Program:
         """Wait for a weight push; an instance lost meanwhile leaves the SGS (its next prompts
         go to the others), any other failure stops the run. Its span carries ``self.iteration``:
         in every mode the next iteration to dispatch, the one that generates with those weights."""
-        from controller.rpc import WorkerFailed
+        from controller.rpc import Completions
 
         t0 = time.time()
-        for c in calls:
-            try:
-                c.wait()
-            except WorkerFailed as e:
-                if not (e.lost and c.handle.role == "generation"):
-                    raise
-                self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(e).splitlines()[0]}")
+        waiting = Completions()  # in the order they end: a receiver's error is said at once, not
+        for c in calls:          # once a sender waiting on it gives up (600 s)
+            waiting.add(c)
+        while waiting.pending:
+            _, c, _, err = waiting.next()
+            if err is None:
+                continue
+            if not (err.lost and c.handle.role == "generation"):
+                raise err
+            self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(err).splitlines()[0]}")
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
     def _push(self, version: int) -> "_Push":

@@ -157,20 +157,6 @@ def _settles(fut, seconds: float) -> bool:
     return ended.wait(seconds)
 
 
-def wait_all(calls: list[Call]) -> list[Any]:
-    """Wait for every call; the first failure is raised after all have settled."""
-    out, first = [], None
-    for c in calls:
-        try:
-            out.append(c.wait())
-        except WorkerFailed as e:
-            first = first or e
-            out.append(None)
-    if first is not None:
-        raise first
-    return out
-
-
 class Completions:
     """Calls waited for together, taken in the order they end: ``next()`` returns the first to
     end as ``(tag, call, result, error)``, its error a ``WorkerFailed`` (else None). Each call is
@@ -204,6 +190,24 @@ class Completions:
                 continue
             self.pending -= 1
             return out
+
+
+def wait_all(calls: list[Call]) -> list[Any]:
+    """Every call's result, in the calls' order. The first call to fail fails the wait at once
+    (``Completions``), whatever the others do: when one trainer rank raises in ``step()`` the
+    others wait in a collective for it until the process group's timeout, and waited in
+    order, that timeout (minutes later) would be what the controller said instead of the
+    worker's own error."""
+    waiting = Completions()
+    for i, c in enumerate(calls):
+        waiting.add(c, i)
+    out: list[Any] = [None] * len(calls)
+    while waiting.pending:
+        i, _call, result, err = waiting.next()
+        if err is not None:
+            raise err
+        out[i] = result
+    return out
 
 
 def create(rank: int, role: str, cls, *args, timeout: float = 300.0) -> WorkerHandle:

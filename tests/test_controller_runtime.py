@@ -1,6 +1,7 @@
 """End-to-end runs of controller/main.py under torchrun: real processes, real torch RPC,
 real TensorBoard event files (read back with EventAccumulator)."""
 import json
+import re
 import shutil
 
 import pytest
@@ -62,6 +63,34 @@ def test_worker_exception_stops_the_run_with_rank_role_traceback(tmp_path, tiny_
     assert "worker rank 1 (generation) raised in generate()" in p.stderr
     assert "Traceback" in p.stderr and "STREAMRL_TEST_RAISE_IN_GENERATE" in p.stderr
     assert not (tmp_path / "run" / "iterations.jsonl").exists()
+
+
+def test_one_trainer_ranks_error_is_said_not_the_others_timeout(tmp_path, tiny_model):  # noqa: F811
+    # two trainer DP ranks; the reward raises on the second (rank 3) only, and
+    # trainer.on_bad_sample: error makes that the rank's error in step(). Rank 2 meanwhile waits
+    # in the gradient all-reduce for rank 3 until the process group's timeout
+    # (placement.rpc_timeout_s). The controller says rank 3's own error: it used to wait the
+    # ranks' calls in order and report rank 2's collective timeout instead, minutes later.
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(16)))
+    (tmp_path / "rew.py").write_text(
+        "import os\n\n\ndef score(prompt, completion):\n"
+        "    if os.environ.get('RANK') == '3':\n"
+        "        raise ValueError('the reward service is down (test)')\n"
+        "    return 0.0\n")
+    cfg = write_config(tmp_path, tiny_model, task__name="jsonl",
+                       task__kwargs={"files": str(data), "verifier": f"{tmp_path / 'rew.py'}:score"},
+                       trainer__on_bad_sample="error", placement__trainer=[2, 3], placement__rpc_timeout_s=600,
+                       train__iterations=2, train__eval_every=0, pipeline__mode="stream")
+    p = torchrun(cfg, nproc=4, timeout=300)  # the old wait: 600 s, then rank 2's timeout
+    assert p.returncode != 0
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("[controller] run stopped:")]
+    assert said == ["[controller] run stopped: worker rank 3 (trainer) raised in step():"], p.stderr[-4000:]
+    # the cause, named: the sample and the score's own error (it used to say "reward is not finite")
+    assert re.search(r"ValueError: sample \d+: the task's score raised ValueError\('the reward service is down "
+                     r"\(test\)'\)", p.stderr), p.stderr[-4000:]
+    assert "skipped" not in p.stderr  # refused, not skipped
 
 
 def test_bad_config_stops_before_any_work(tmp_path, tiny_model, monkeypatch, capsys):  # noqa: F811

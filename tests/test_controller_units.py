@@ -413,3 +413,39 @@ def test_a_lost_instance_is_redispatched_while_an_earlier_instance_still_generat
     assert rnd.lost == [2] and sorted(rnd.redispatched) == sorted(doomed.futures[0][1])
     assert sorted(i for rep in reports for i in rep.sample_ids) == list(range(8))
     assert [s.handle.rank for s in sgs.slots] == [1]
+
+
+def test_wait_all_fails_with_the_first_call_to_fail_at_once():
+    """One trainer rank raising in ``step()`` leaves the others in a collective waiting for it
+    until the process group's timeout. wait_all used to wait the calls in order and raise the
+    first failure in that order once all had settled: minutes later, the others' timeout
+    instead of the rank's own error. Now the first call to fail fails the wait at once; results
+    come back in the calls' order. Real ``controller.rpc.Call``s over torch futures."""
+    import threading
+
+    import torch
+
+    from controller.rpc import Call, WorkerFailed, wait_all
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank, self.role, self.name = rank, "trainer", f"worker{rank}"
+
+    futs = [torch.futures.Future() for _ in range(3)]
+    calls = [Call(Handle(r), "step", f) for r, f in zip((1, 2, 3), futs)]
+    futs[2].set_result("done")
+    futs[1].set_exception(RuntimeError("On WorkerInfo(id=2, name=worker2):\nValueError('the reward raised')"))
+    returned = threading.Event()
+    threading.Thread(target=lambda: (returned.wait(20), futs[0].set_result("late")), daemon=True).start()
+    with pytest.raises(WorkerFailed, match="worker rank 2 \\(trainer\\) raised in step\\(\\)") as e:
+        try:
+            wait_all(calls)
+        finally:
+            ended_first = not futs[0].done()
+            returned.set()
+    assert ended_first, "wait_all waited for rank 1 before saying rank 2's error"
+    assert "the reward raised" in str(e.value) and not e.value.lost
+    ok = [torch.futures.Future() for _ in range(3)]
+    for i in (2, 0, 1):
+        ok[i].set_result(i)
+    assert wait_all([Call(Handle(r), "stats", f) for r, f in zip((1, 2, 3), ok)]) == [0, 1, 2]

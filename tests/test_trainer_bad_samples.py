@@ -133,7 +133,7 @@ def _empty_prompt(s, tok):  # the engine refuses these; a sample from elsewhere 
 
 
 def _verifier_raises(s, tok):  # the sample itself is fine; ScoreTask raises on its completion
-    return s, f"sample {s.sample_id}: reward is not finite"
+    return s, f"sample {s.sample_id}: the task's score raised ValueError('verifier crashed on this completion')"
 
 
 BAD = {"generation_error": _generation_error, "logprobs_short": _logprobs_short, "logprobs_nan": _logprobs_nan,

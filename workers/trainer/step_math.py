@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared | None]:
-    """Reward, reference log-probs, values (and GAE) for each sample; None where the reward is
-    not finite."""
+def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared | str]:
+    """Reward, reference log-probs, values (and GAE) for each sample; where the task's score
+    failed (raised, or no finite number), why, naming the sample."""
     cfg = w.cfg
     batch = pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], w.device,
                  [s.min_tokens for s in samples])
@@ -48,11 +48,11 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
     sampler_of = sampler.split(lens) if sampler is not None else None
     penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
-    out: list[Prepared | None] = []
+    out: list[Prepared | str] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
-        score = _score(w, s)
-        if not math.isfinite(score):
-            out.append(None)
+        score, why = _score(w, s)
+        if why:
+            out.append(f"sample {s.sample_id}: {why}")
             continue
         p = Prepared(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids.cpu(),
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
@@ -87,15 +87,17 @@ def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Te
     return logits
 
 
-def _score(w: "TrainerWorker", s: "Sample") -> float:
-    """The sample's reward; NaN (the sample is skipped) when the task's score fails."""
+def _score(w: "TrainerWorker", s: "Sample") -> tuple[float, str]:
+    """The sample's reward, or (NaN, why) when the task's score fails: the sample is skipped
+    (said once per kind of failure: every sample may fail the same way), or with
+    ``on_bad_sample: error`` refused with that reason (``TrainerWorker._reject``)."""
     score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids))
-    if why and why not in w.score_failures:  # once per kind: every sample may fail the same way
+    if why and w.cfg.on_bad_sample == "skip" and why not in w.score_failures:
         w.score_failures.add(why)
         logging.getLogger("streamrl.trainer").warning(
             "sample %d: %s; skipped (samples failing the same way are counted in skipped_samples, not "
             "logged again)", s.sample_id, why)
-    return score
+    return score, why
 
 
 GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, TrainerConfig], torch.Tensor]] = {

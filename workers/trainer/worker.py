@@ -150,8 +150,8 @@ class TrainerWorker:
             items = prepare_batch(self, chunk)
             ok = []
             for s, p in zip(chunk, items):
-                if p is None:
-                    self._reject(s, f"sample {s.sample_id}: reward is not finite", logged=True)
+                if isinstance(p, str):  # the task's score failed (said by the scorer when skipped)
+                    self._reject(s, p, logged=True)
                 else:
                     ok.append(p)
             self._route(ok)
