@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from controller.rpc import wait_all
+from controller.rpc import Completions
 from workers.tasks.scoring import safe_score
 from workers.types import Request
 
@@ -34,12 +34,38 @@ class EvalResult:
 def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], tuple[int, ...]]:
     """Generate ``reqs`` on ``program``'s instances (spread evenly) outside the training
     stream -> (sample id -> output ids, the weight versions used). With no round in flight the
-    instances load their staged weights first (after a push, after ``--resume``)."""
-    handles = program.world.sgs.handles
+    instances load their staged weights first (after a push, after ``--resume``). An instance
+    lost meanwhile leaves the SGS and its share goes to the others, as a round's does; any
+    other failure, or no instance left, stops the run."""
+    from controller.sgs import NoInstancesLeft
+
+    sgs = program.world.sgs
     newest = program.in_flight is None
-    chunks = [reqs[i::len(handles)] for i in range(len(handles))]
-    outs = wait_all([h.call("evaluate", c, newest) for h, c in zip(handles, chunks) if c])
-    return {sid: ids for o in outs for sid, ids in o.outputs}, tuple(sorted({o.weight_version for o in outs}))
+    waiting = Completions()
+
+    def spread(batch: list[Request]) -> None:
+        handles = sgs.handles
+        if not handles:
+            raise NoInstancesLeft("evaluation: every generation instance is gone ("
+                                  + ", ".join(f"rank {r}: {why}" for r, why in sgs.removed) + ")")
+        for i, h in enumerate(handles):
+            if chunk := batch[i::len(handles)]:
+                waiting.add(h.call("evaluate", chunk, newest), chunk)
+
+    spread(reqs)
+    outputs: dict[int, list[int]] = {}
+    versions: set[int] = set()
+    while waiting.pending:
+        chunk, call, out, err = waiting.next()
+        if err is None:
+            outputs.update(out.outputs)
+            versions.add(out.weight_version)
+            continue
+        if not (err.lost and call.handle.role == "generation"):
+            raise err
+        sgs.remove(call.handle.rank, reason=f"lost during an evaluation: {str(err).splitlines()[0]}")
+        spread(chunk)
+    return outputs, tuple(sorted(versions))
 
 
 def measure_lengths(program, prompts: list[str]) -> list[float]:
