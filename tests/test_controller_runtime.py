@@ -83,7 +83,7 @@ def test_one_trainer_ranks_error_is_said_not_the_others_timeout(tmp_path, tiny_m
                        task__kwargs={"files": str(data), "verifier": f"{tmp_path / 'rew.py'}:score"},
                        trainer__on_bad_sample="error", placement__trainer=[2, 3], placement__rpc_timeout_s=600,
                        train__iterations=2, train__eval_every=0, pipeline__mode="stream")
-    p = torchrun(cfg, nproc=4, timeout=300)  # the old wait: 600 s, then rank 2's timeout
+    p = torchrun(cfg, nproc=4, timeout=300)  # the old wait hung in rank 2's all-reduce (30 min: gloo subgroup default)
     assert p.returncode != 0
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("[controller] run stopped:")]
     assert said == ["[controller] run stopped: worker rank 3 (trainer) raised in step():"], p.stderr[-4000:]
