@@ -74,11 +74,11 @@ class _Completions:
         for c in calls:
             c.future.add_done_callback(lambda _f: self._ends.append(time.time()))
 
-    def last(self, unwatched: int = 0) -> float:
-        """The last completion, once the calls were waited for; a callback still running, and
-        ``unwatched`` calls waited for too (started during the wait), count as now."""
+    def last(self) -> float:
+        """The last completion, once the calls were waited for (a callback still running
+        counts as now)."""
         now = time.time()
-        return max(self._ends + [now] * (self.n - len(self._ends) + unwatched), default=now)
+        return max(self._ends + [now] * (self.n - len(self._ends)), default=now)
 
 
 @dataclass
@@ -89,7 +89,6 @@ class _Batch:
     started: float
     round: Round | None = None
     dispatched: float = 0.0
-    arrivals: _Completions | None = None  # of each instance's GenerateReport
     gen_done: float = 0.0
 
 
@@ -167,16 +166,15 @@ class Program:
         with self.spans.span("dispatch", b.iteration):
             self._begin(b)
             b.round = self.in_flight = self.world.sgs.generate(b.iteration, b.requests, version)
-        b.arrivals = _Completions([call for _, call, _ in b.round.calls])
 
     def _finish_generation(self, b: _Batch) -> None:
-        """Wait for ``b``'s generation. It ended when the last instance's report arrived (in the
-        lag-1 modes the controller waits only after the previous step); the reports of requests
-        re-dispatched during the wait (a lost instance's) arrived during it."""
+        """Wait for ``b``'s generation. It ended when the last instance's report arrived, noted
+        by the round as it arrived (in the lag-1 modes the controller waits only after the
+        previous step), re-dispatched requests' reports included."""
         if b.round is not None and not b.gen_done:
             with self.spans.span("wait_generate", b.iteration):
                 b.round.wait()
-            b.gen_done = b.arrivals.last(unwatched=1 if b.round.redispatched else 0)
+            b.gen_done = b.round.ended_at or time.time()
             if self.in_flight is b.round:
                 self.in_flight = None
 

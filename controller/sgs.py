@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,46 +48,69 @@ class NoInstancesLeft(RuntimeError):
 
 @dataclass
 class Round:
-    """One iteration's generation over the SGS (in flight)."""
+    """One iteration's generation over the SGS (in flight). Its own thread collects the
+    instances' reports as they end (``rpc.Completions``) from ``start()`` on, and re-dispatches
+    a lost instance's requests at once, also while the controller waits on something else (the
+    async modes train the previous batch meanwhile); ``wait()`` joins it."""
 
     sgs: "SGS"
     iteration: int
     version: int
     requests: dict[int, Request]
-    calls: list[tuple[InstanceSlot, Call, list[int]]] = field(default_factory=list)
+    calls: list[tuple[InstanceSlot, Call, list[int]]] = field(default_factory=list)  # every call made
     reports: list[GenerateReport] = field(default_factory=list)
     redispatched: list[int] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)  # ranks lost during this round
     instances: int = 0  # instances in the SGS when the round was dispatched
     took_part: set[int] = field(default_factory=set)  # ranks given requests of this round
+    ended_at: float = 0.0  # time.time() the last report arrived (noted as it arrives)
+    _waiting: Completions = field(default_factory=Completions, repr=False)
+    _ends: dict[int, float] = field(default_factory=dict, repr=False)  # id(call) -> when it ended
+    _collector: threading.Thread | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
 
     def launch(self, requests: list[Request], slots: list[InstanceSlot] | None = None) -> None:
         calls = self.sgs.launch(self.iteration, requests, self.version, slots)
         self.took_part |= {slot.handle.rank for slot, _, _ in calls}
         self.calls += calls
+        for slot, call, ids in calls:  # when each ended, noted as it ends (not when collected)
+            call.future.add_done_callback(lambda _f, key=id(call): self._ends.setdefault(key, time.time()))
+            self._waiting.add(call, (slot, ids))
+
+    def start(self) -> "Round":
+        self._collector = threading.Thread(target=self._collect, daemon=True, name=f"round-{self.iteration}")
+        self._collector.start()
+        return self
 
     def wait(self) -> list[GenerateReport]:
-        """Collect every instance's report, in the order they end (``rpc.Completions``): a lost
-        instance's requests are re-dispatched as soon as it is found lost, not after the
-        reports of the instances dispatched before it."""
-        waiting = Completions()
-        while self.calls or waiting.pending:
-            while self.calls:  # the round's calls, and those its re-dispatches add
-                slot, call, ids = self.calls.pop(0)
-                waiting.add(call, (slot, ids))
-            (slot, ids), _call, rep, err = waiting.next()
-            if err is not None:
-                if not err.lost:
-                    raise err
-                self.sgs.remove(slot.handle.rank, reason=str(err).splitlines()[0])
-                self.lost.append(slot.handle.rank)
-                self._redispatch(ids)
-                continue
-            self.reports.append(rep)
-            if rep.unfinished:  # the instance left (scale-in): hand its rest to the others
-                self.sgs.remove(slot.handle.rank, reason="stopped")
-                self._redispatch(rep.unfinished)
+        """Every instance's report (re-dispatches included); raises what stopped the round: a
+        worker's error, or ``NoInstancesLeft``."""
+        if self._collector is None:
+            self.start()
+        while self._collector.is_alive():
+            self._collector.join(1.0)  # timed: a signal on the main thread is handled at once
+        if self._error is not None:
+            raise self._error
         return self.reports
+
+    def _collect(self) -> None:
+        try:
+            while self._waiting.pending:
+                (slot, ids), call, rep, err = self._waiting.next()
+                if err is not None:
+                    if not err.lost:
+                        raise err
+                    self.sgs.remove(slot.handle.rank, reason=str(err).splitlines()[0])
+                    self.lost.append(slot.handle.rank)
+                    self._redispatch(ids)
+                    continue
+                self.reports.append(rep)
+                self.ended_at = max(self.ended_at, self._ends.get(id(call), time.time()))
+                if rep.unfinished:  # the instance left (scale-in): hand its rest to the others
+                    self.sgs.remove(slot.handle.rank, reason="stopped")
+                    self._redispatch(rep.unfinished)
+        except BaseException as e:  # noqa: BLE001 - raised by wait(), on the controller's thread
+            self._error = e
 
     def _redispatch(self, ids: list[int]) -> None:
         received = self.sgs.received(self.iteration)
@@ -186,4 +210,4 @@ class SGS:
     def generate(self, iteration: int, requests: list[Request], version: int) -> Round:
         rnd = Round(self, iteration, version, {r.sample_id: r for r in requests}, instances=len(self.slots))
         rnd.launch(requests)
-        return rnd
+        return rnd.start()

@@ -323,6 +323,7 @@ def test_redispatch_goes_only_to_instances_holding_the_rounds_weights(capsys):
 
     import torch
 
+    from controller.rpc import Call
     from controller.scheduling import make_dispatcher
     from controller.sgs import SGS, InstanceSlot, NoInstancesLeft, Round, default_profile
     from workers.types import Request
@@ -330,13 +331,14 @@ def test_redispatch_goes_only_to_instances_holding_the_rounds_weights(capsys):
     class Handle:  # stands in for a WorkerHandle: records what it is asked to generate
         def __init__(self, rank, held):
             self.rank, self.held, self.asked, self.alive = rank, held, [], True
+            self.role, self.name = "generation", f"worker{rank}"
 
         def call(self, method, *args):
             if method == "stats":
                 return SimpleNamespace(wait=lambda: SimpleNamespace(weight_version=self.held))
             iteration, chunk, version = args[:3]
             self.asked.append((iteration, [r.sample_id for r in chunk], version))
-            return None
+            return Call(self, method, torch.futures.Future())  # generating (never ends here)
 
     ran, idle_same, idle_older, joiner = Handle(1, 1), Handle(2, 1), Handle(3, 0), Handle(5, 2)
     sgs = SGS(make_dispatcher("random"), received=lambda it: {0})
@@ -496,3 +498,49 @@ def test_an_instance_lost_during_an_evaluation_leaves_its_share_to_the_others(ca
     with pytest.raises(NoInstancesLeft, match=r"evaluation: every generation instance is gone \(rank 2: lost "
                                               r"during an evaluation: .*rank 1: lost during an evaluation"):
         side_generate(program, reqs)
+
+
+def test_a_round_redispatches_a_lost_instances_requests_while_the_controller_is_busy_elsewhere():
+    """In the async modes the controller trains the previous batch while a round generates;
+    a loss in the round used to be acted on only when the controller came to wait for it
+    (after the step). The round's own thread now re-dispatches at once: here before wait()
+    is called at all. gen_seconds ends at the last report's arrival (``Round.ended_at``)."""
+    import threading
+    import time
+
+    import torch
+
+    from controller.instance import GenerateReport
+    from controller.rpc import Call
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import SGS, InstanceSlot, default_profile
+    from workers.types import Request
+
+    second_call = threading.Event()
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank, self.role, self.name, self.alive, self.futures = rank, "generation", f"worker{rank}", True, []
+
+        def call(self, method, iteration, chunk, version, *rest):
+            fut = torch.futures.Future()
+            self.futures.append((fut, [r.sample_id for r in chunk]))
+            if self.rank == 2:
+                fut.set_exception(RuntimeError("Connection reset by peer"))
+            elif len(self.futures) == 2:
+                second_call.set()
+            return Call(self, method, fut)
+
+    live, doomed = Handle(1), Handle(2)
+    sgs = SGS(make_dispatcher("random"), received=lambda it: set())
+    sgs.slots = [InstanceSlot(live, default_profile()), InstanceSlot(doomed, default_profile())]
+    reqs = [Request(i, torch.tensor([1, 2, 3]), 4) for i in range(8)]
+    rnd = sgs.generate(5, reqs, 1)
+    assert second_call.wait(20), "the lost instance's requests waited for the controller to wait"
+    assert rnd.lost == [2] and [s.handle.rank for s in sgs.slots] == [1]
+    before = time.time()
+    for fut, ids in live.futures:
+        fut.set_result(GenerateReport(1, 5, ids, 4 * len(ids), 0.1, 1, [4] * len(ids)))
+    reports = rnd.wait()
+    assert sorted(i for rep in reports for i in rep.sample_ids) == list(range(8))
+    assert before <= rnd.ended_at <= time.time()
