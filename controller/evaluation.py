@@ -41,6 +41,8 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
 
     sgs = program.world.sgs
     newest = program.in_flight is None
+    if program.in_flight is not None:  # a round that already failed says why, not this evaluation
+        program.in_flight.raise_if_failed()
     waiting = Completions()
 
     def spread(batch: list[Request]) -> None:
@@ -52,19 +54,22 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
             if chunk := batch[i::len(handles)]:
                 waiting.add(h.call("evaluate", chunk, newest), chunk)
 
-    spread(reqs)
     outputs: dict[int, list[int]] = {}
     versions: set[int] = set()
-    while waiting.pending:
-        chunk, call, out, err = waiting.next()
-        if err is None:
-            outputs.update(out.outputs)
-            versions.add(out.weight_version)
-            continue
-        if not (err.lost and call.handle.role == "generation"):
-            raise err
-        sgs.remove(call.handle.rank, reason=f"lost during an evaluation: {str(err).splitlines()[0]}")
-        spread(chunk)
+    try:
+        spread(reqs)
+        while waiting.pending:
+            chunk, call, out, err = waiting.next()
+            if err is None:
+                outputs.update(out.outputs)
+                versions.add(out.weight_version)
+                continue
+            if not (err.lost and call.handle.role == "generation"):
+                raise err
+            sgs.remove(call.handle.rank, reason=f"lost during an evaluation: {str(err).splitlines()[0]}")
+            spread(chunk)
+    finally:
+        waiting.cancel()
     return outputs, tuple(sorted(versions))
 
 

@@ -263,13 +263,16 @@ class Program:
         waiting = Completions()  # in the order they end: a receiver's error is said at once, not
         for c in calls:          # once a sender waiting on it gives up (600 s)
             waiting.add(c)
-        while waiting.pending:
-            _, c, _, err = waiting.next()
-            if err is None:
-                continue
-            if not (err.lost and c.handle.role == "generation"):
-                raise err
-            self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(err).splitlines()[0]}")
+        try:
+            while waiting.pending:
+                _, c, _, err = waiting.next()
+                if err is None:
+                    continue
+                if not (err.lost and c.handle.role == "generation"):
+                    raise err
+                self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(err).splitlines()[0]}")
+        finally:
+            waiting.cancel()
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
     def _push(self, version: int) -> "_Push":
@@ -277,7 +280,17 @@ class Program:
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, k: int) -> list[IterationResult]:
-        """Run ``k`` iterations in the current mode; returns their results (pipeline drained)."""
+        """Run ``k`` iterations in the current mode; returns their results (pipeline drained).
+        When it fails, a round still in flight is abandoned (``Round.abandon``): its calls,
+        failing as the workers exit, are not losses to re-dispatch."""
+        try:
+            return self._run(k)
+        except BaseException:
+            if self.in_flight is not None:
+                self.in_flight.abandon()
+            raise
+
+    def _run(self, k: int) -> list[IterationResult]:
         out: list[IterationResult] = []
         self._recorded_at = time.time()  # pauses between calls (the REPL's prompt) are nobody's time
         lag = self.mode.lag

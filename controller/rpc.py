@@ -99,6 +99,11 @@ class WorkerHandle:
         return Call(self, method, fut, heartbeat=timeout is None)
 
 
+class Cancelled(BaseException):
+    """A wait given up by its owner (``Completions.cancel``): it stops pinging and says nothing.
+    A BaseException, so no ``except Exception`` on the way turns it into a worker failure."""
+
+
 @dataclass
 class Call:
     handle: WorkerHandle
@@ -106,10 +111,12 @@ class Call:
     future: Any
     heartbeat: bool = False
 
-    def wait(self) -> Any:
+    def wait(self, cancelled: threading.Event | None = None) -> Any:
+        """The call's result (``WorkerFailed`` if it failed). ``cancelled``: once set, the
+        heartbeat loop stops and raises ``Cancelled``."""
         try:
             if self.heartbeat:
-                self._wait_answering()
+                self._wait_answering(cancelled or threading.Event())
             return self.future.wait()
         except WorkerFailed:
             raise
@@ -117,7 +124,7 @@ class Call:
             raise WorkerFailed(self.handle.rank, self.handle.role, self.method, str(e),
                                lost=is_peer_lost(e)) from None
 
-    def _wait_answering(self) -> None:
+    def _wait_answering(self, cancelled: threading.Event) -> None:
         """Until the call ends, ping the worker every HEARTBEAT_S; one unanswered within the
         handle's timeout, or failing (the process is gone), makes it lost. A worker that answers
         but whose call never ends (a deadlock, a reward function in an endless loop) is waited
@@ -127,9 +134,12 @@ class Call:
         start = time.monotonic()
         said = 0
         while not done.wait(HEARTBEAT_S):
+            if cancelled.is_set():
+                raise Cancelled
             try:
                 beat = rpc.rpc_async(self.handle.name, ping, timeout=self.handle.timeout)
-                if not _settles(beat, HEARTBEAT_S) and not done.is_set():  # say a silent worker at once
+                if not _settles(beat, HEARTBEAT_S) and not done.is_set() and not cancelled.is_set():
+                    # say a silent worker at once
                     print(f"[controller] worker rank {self.handle.rank} ({self.handle.role}) has not answered a "
                           f"heartbeat for {HEARTBEAT_S:g} s in {self.method}(); it is declared lost if none comes "
                           f"within placement.rpc_timeout_s = {self.handle.timeout:g} s", file=sys.stderr, flush=True)
@@ -137,13 +147,15 @@ class Call:
             except Exception as e:  # noqa: BLE001
                 if done.wait(1.0):
                     return  # it ended meanwhile: its own result or error tells
+                if cancelled.is_set():
+                    raise Cancelled from None
                 waited = time.monotonic() - start
                 why = (f"no answer to a heartbeat within placement.rpc_timeout_s = {self.handle.timeout:g} s"
                        if is_timeout(str(e)) else "its connection closed")
                 raise WorkerFailed(self.handle.rank, self.handle.role, self.method,
                                    f"{why}, {waited:.0f} s into the call: {e}", lost=True) from None
             waited = time.monotonic() - start
-            if waited >= (said + 1) * STILL_WAITING_S:
+            if waited >= (said + 1) * STILL_WAITING_S and not cancelled.is_set():
                 said += 1
                 print(f"[controller] still waiting for worker rank {self.handle.rank} ({self.handle.role}) in "
                       f"{self.method}(): {waited / 60:.0f} min; it answers its heartbeat, so it is alive but its "
@@ -161,16 +173,21 @@ class Completions:
     """Calls waited for together, taken in the order they end: ``next()`` returns the first to
     end as ``(tag, call, result, error)``, its error a ``WorkerFailed`` (else None). Each call is
     waited on a thread of its own, with its heartbeat (``Call.wait``), so a worker lost while
-    an earlier call still runs is known when it is lost, not once the earlier call ends."""
+    an earlier call still runs is known when it is lost, not once the earlier call ends.
+    ``cancel()``: the owner gives up on what is still pending (it failed, or stops): those
+    waits stop pinging and say nothing more, and ``next()`` raises ``Cancelled``."""
 
     def __init__(self) -> None:
         self._ended: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0
+        self.cancelled = threading.Event()
 
     def add(self, call: Call, tag: Any = None) -> None:
         def waiter() -> None:
             try:
-                self._ended.put((tag, call, call.wait(), None))
+                self._ended.put((tag, call, call.wait(self.cancelled), None))
+            except Cancelled:
+                pass
             except WorkerFailed as e:
                 self._ended.put((tag, call, None, e))
             except BaseException as e:  # noqa: BLE001 - never leave next() waiting
@@ -184,12 +201,19 @@ class Completions:
         if self.pending == 0:
             raise RuntimeError("Completions.next: no call pending")
         while True:  # a timed get: a signal on the main thread is handled at once
+            if self.cancelled.is_set():
+                raise Cancelled
             try:
                 out = self._ended.get(timeout=1.0)
             except queue.Empty:
                 continue
+            if self.cancelled.is_set():  # ended after the owner gave up: not its to act on
+                raise Cancelled
             self.pending -= 1
             return out
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 def wait_all(calls: list[Call]) -> list[Any]:
@@ -202,11 +226,14 @@ def wait_all(calls: list[Call]) -> list[Any]:
     for i, c in enumerate(calls):
         waiting.add(c, i)
     out: list[Any] = [None] * len(calls)
-    while waiting.pending:
-        i, _call, result, err = waiting.next()
-        if err is not None:
-            raise err
-        out[i] = result
+    try:
+        while waiting.pending:
+            i, _call, result, err = waiting.next()
+            if err is not None:
+                raise err
+            out[i] = result
+    finally:
+        waiting.cancel()  # the run stops on a failure: the calls left need no more heartbeats
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 from controller.config import PipelineSection
 from controller.instance import GenerateReport
 from controller.prompt_check import ContextTooSmall
-from controller.rpc import Call, Completions, WorkerFailed, WorkerHandle
+from controller.rpc import Call, Cancelled, Completions, WorkerFailed, WorkerHandle
 from workers.types import Request
 
 
@@ -63,7 +63,7 @@ class Round:
     lost: list[int] = field(default_factory=list)  # ranks lost during this round
     instances: int = 0  # instances in the SGS when the round was dispatched
     took_part: set[int] = field(default_factory=set)  # ranks given requests of this round
-    ended_at: float = 0.0  # time.time() the last report arrived (noted as it arrives)
+    ended_at: float = 0.0  # time.time() its last call ended (noted as each ends)
     _waiting: Completions = field(default_factory=Completions, repr=False)
     _ends: dict[int, float] = field(default_factory=dict, repr=False)  # id(call) -> when it ended
     _collector: threading.Thread | None = field(default=None, repr=False)
@@ -93,10 +93,23 @@ class Round:
             raise self._error
         return self.reports
 
+    def abandon(self) -> None:
+        """The run stopped while this round was in flight (a failed step, a stop signal): its
+        calls failing as the workers exit are not losses to act on. The collector stops
+        quietly: no removals, no re-dispatch, no heartbeat lines."""
+        self._waiting.cancel()
+
+    def raise_if_failed(self) -> None:
+        """Raise what stopped this round, if it stopped already (before the controller waits
+        for it: an evaluation in an async mode asks first, so the round's own message is said)."""
+        if self._error is not None and not isinstance(self._error, Cancelled):
+            raise self._error
+
     def _collect(self) -> None:
         try:
             while self._waiting.pending:
                 (slot, ids), call, rep, err = self._waiting.next()
+                self.ended_at = max(self.ended_at, self._ends.get(id(call), time.time()))
                 if err is not None:
                     if not err.lost:
                         raise err
@@ -105,14 +118,17 @@ class Round:
                     self._redispatch(ids)
                     continue
                 self.reports.append(rep)
-                self.ended_at = max(self.ended_at, self._ends.get(id(call), time.time()))
                 if rep.unfinished:  # the instance left (scale-in): hand its rest to the others
                     self.sgs.remove(slot.handle.rank, reason="stopped")
                     self._redispatch(rep.unfinished)
+        except Cancelled:
+            pass  # abandoned
         except BaseException as e:  # noqa: BLE001 - raised by wait(), on the controller's thread
             self._error = e
 
     def _redispatch(self, ids: list[int]) -> None:
+        if self._waiting.cancelled.is_set():
+            raise Cancelled
         received = self.sgs.received(self.iteration)
         missing = [i for i in ids if i not in received]
         if not missing:
@@ -163,7 +179,8 @@ class SGS:
 
     @property
     def handles(self) -> list[WorkerHandle]:
-        return [s.handle for s in self.slots]
+        with self._lock:  # a round's collector may remove a lost instance meanwhile
+            return [s.handle for s in self.slots]
 
     def add(self, handle: WorkerHandle, profile=None) -> None:
         """Take ``handle``'s instance. Once ``need`` is set (the prompts are checked), one with

@@ -544,3 +544,45 @@ def test_a_round_redispatches_a_lost_instances_requests_while_the_controller_is_
     reports = rnd.wait()
     assert sorted(i for rep in reports for i in rep.sample_ids) == list(range(8))
     assert before <= rnd.ended_at <= time.time()
+
+
+def test_an_abandoned_round_acts_on_no_loss(capsys):
+    """A run that stops while a round is in flight (a failed step, a stop signal; async modes)
+    abandons it: its calls, failing as the workers exit, are not losses. Before, the round's
+    thread removed the instances, said they were lost and re-dispatched their requests to
+    exiting workers, after the controller had said why the run stopped (review of session 20)."""
+    import torch
+
+    from controller.program import Program
+    from controller.rpc import Call
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import SGS, InstanceSlot, default_profile
+    from workers.types import Request
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank, self.role, self.name, self.alive, self.futures = rank, "generation", f"worker{rank}", True, []
+
+        def call(self, method, *args):
+            self.futures.append(torch.futures.Future())
+            return Call(self, method, self.futures[-1])
+
+    a, b = Handle(1), Handle(2)
+    sgs = SGS(make_dispatcher("random"), received=lambda it: set())
+    sgs.slots = [InstanceSlot(a, default_profile()), InstanceSlot(b, default_profile())]
+    prog = Program.__new__(Program)
+    prog.in_flight = sgs.generate(4, [Request(i, torch.tensor([1, 2]), 4) for i in range(4)], 1)
+
+    def failing_run(k):
+        raise RuntimeError("worker rank 3 (trainer) raised in step()")
+
+    prog._run = failing_run
+    with pytest.raises(RuntimeError, match="raised in step"):
+        prog.run(1)
+    for h in (a, b):  # the workers exit: their calls fail as a lost peer's would
+        h.futures[0].set_exception(RuntimeError("RPC agent is shut down"))
+    prog.in_flight._collector.join(5)
+    assert not prog.in_flight._collector.is_alive()
+    assert [s.handle.rank for s in sgs.slots] == [1, 2] and prog.in_flight.redispatched == []
+    assert [len(h.futures) for h in (a, b)] == [1, 1]
+    assert "[sgs]" not in capsys.readouterr().err
