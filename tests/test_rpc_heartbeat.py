@@ -83,6 +83,20 @@ def _scenario(rank: int, world: int, rpc_port: int):
         e = ended[0][3]
         out["frozen"] = (e.lost, e.rank, str(e).splitlines()[0])
         out["frozen_said"] = said
+        # a wait given up (the run failed elsewhere): no heartbeat lines, no loss declared
+        given_up = crpc.Completions()
+        given_up.add(frozen.call("work", 0.1), "given up")  # still frozen: it would be found lost
+        given_up.cancel()
+        said, sys.stderr = sys.stderr, io.StringIO()
+        try:
+            time.sleep(TIMEOUT_S + 4 * crpc.HEARTBEAT_S)  # a loss takes one beat + the timeout
+            try:
+                given_up.next()
+            except crpc.Cancelled:
+                out["given_up"] = "cancelled"
+        finally:
+            said, sys.stderr = sys.stderr.getvalue(), said
+        out["given_up_said"] = said
         os.kill(pid, signal.SIGCONT)
         for fut in [rpc.rpc_async(f"worker{r}", release) for r in (1, 3)]:
             try:  # delivered before this rank leaves (unwaited, it was lost to shutdown and the ranks
@@ -134,3 +148,7 @@ def test_a_frozen_worker_is_lost_by_its_heartbeat(result):
     # said before it is declared lost: a heartbeat unanswered for HEARTBEAT_S
     assert ("[controller] worker rank 3 (generation) has not answered a heartbeat for 0.5 s in work(); it is "
             f"declared lost if none comes within placement.rpc_timeout_s = {TIMEOUT_S:g} s") in result["frozen_said"]
+
+
+def test_a_wait_given_up_says_nothing_and_declares_no_loss(result):
+    assert result["given_up"] == "cancelled" and result["given_up_said"] == ""
