@@ -209,7 +209,8 @@ class GenerationInstance:
             # more than the transfer). Two buffers, used in turn: the staged tensors (views of
             # one) are loaded at the next iteration boundary, before the push after next
             # (pushes follow steps, and a generate - which swaps - starts between two steps).
-            self._receiver = WeightSyncReceiver(plan, self.rank, device=LOCAL.comm_device, staging_buffers=2)
+            self._receiver = WeightSyncReceiver(plan, self.rank, device=LOCAL.comm_device, staging_buffers=2,
+                                                timeout_s=LOCAL.rpc_timeout_s)
         staged = self._receiver.receive()
         if not staged.ok:
             raise RuntimeError(f"gen{self.rank}: weight sync of version {staged.version} failed: {staged.error}")

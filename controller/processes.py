@@ -128,7 +128,7 @@ def run_rank(controller: Callable[[], int], rpc_timeout_s: float, elastic: bool 
 def start_processes(rank: int, world: int, rpc_timeout_s: float, elastic: bool = True) -> None:
     """Under torchrun: pick the device, init the data-plane process group and the RPC group."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    LOCAL.rank, LOCAL.local_rank = rank, local_rank
+    LOCAL.rank, LOCAL.local_rank, LOCAL.rpc_timeout_s = rank, local_rank, rpc_timeout_s
     LOCAL.device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=rpc_timeout_s)
     from controller.attempt import current_attempt, torchrun_store

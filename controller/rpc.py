@@ -275,6 +275,9 @@ class Local:
     # where tensors sent over the process group live: the GPU under NCCL, host memory under gloo
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     has_process_group: bool = False
+    # placement.rpc_timeout_s: also how long one weight-sync bucket may take (a peer stuck longer is
+    # not coming: the push fails then, not after the executor's own 600 s default)
+    rpc_timeout_s: float = 300.0
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0
     exit_reason: str = ""  # said on a joiner's own terminal when it was told to leave (runner.leave_job)

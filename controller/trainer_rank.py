@@ -329,7 +329,7 @@ class TrainerRank:
             raise RuntimeError(f"trainer rank {self.rank}: asked to send weights version {version}, "
                                f"holds version {self.worker.version}")
         named = [(k, v.detach().to(LOCAL.comm_device, copy=True)) for k, v in self.worker.named_weights()]
-        WeightSyncSender(plan, self.rank).push(named, version)
+        WeightSyncSender(plan, self.rank, timeout_s=LOCAL.rpc_timeout_s).push(named, version)
         self.spans.add("weight_sync", t0, time.time(), version)
         return time.time() - t0
 

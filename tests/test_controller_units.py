@@ -586,3 +586,48 @@ def test_an_abandoned_round_acts_on_no_loss(capsys):
     assert [s.handle.rank for s in sgs.slots] == [1, 2] and prog.in_flight.redispatched == []
     assert [len(h.futures) for h in (a, b)] == [1, 1]
     assert "[sgs]" not in capsys.readouterr().err
+
+
+def test_a_weight_push_gives_up_on_a_stuck_peer_after_rpc_timeout_s(monkeypatch):
+    """Both ends of a tree push wait for a bucket at most ``placement.rpc_timeout_s`` (what
+    docs/controller.md says of a worker frozen during a push), not the executor's own 600 s
+    default, which they used before. The executor's timeouts themselves: test_weight_sync_edges."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    import workers.weight_sync as ws
+    from controller.instance import GenerationInstance
+    from controller.rpc import LOCAL
+    from controller.timeline import SpanRecorder
+    from controller.trainer_rank import TrainerRank
+
+    given = {}
+
+    class Sender:
+        def __init__(self, plan, rank, timeout_s=600.0, **kw):
+            given["sender"] = timeout_s
+
+        def push(self, named, version):
+            return None
+
+    class Receiver:
+        def __init__(self, plan, rank, timeout_s=600.0, **kw):
+            given["receiver"], self.plan = timeout_s, plan
+
+        def receive(self):
+            return SimpleNamespace(ok=True, version=1, tensors={"w": torch.zeros(2)}, error="")
+
+    monkeypatch.setattr(ws, "WeightSyncSender", Sender)
+    monkeypatch.setattr(ws, "WeightSyncReceiver", Receiver)
+    monkeypatch.setattr(LOCAL, "rpc_timeout_s", 7.0)
+    trainer = TrainerRank.__new__(TrainerRank)
+    trainer.rank, trainer.spans = 2, SpanRecorder("train2")
+    trainer.worker = SimpleNamespace(version=1, named_weights=lambda: iter([("w", torch.zeros(2))]))
+    trainer.push_weights("plan", 1)
+    inst = GenerationInstance.__new__(GenerationInstance)
+    inst.rank, inst.spans, inst._receiver, inst._staged, inst._staging = 1, SpanRecorder("gen1"), None, None, \
+        threading.Lock()
+    assert inst.receive_weights("plan") == 1
+    assert given == {"sender": 7.0, "receiver": 7.0}
