@@ -59,14 +59,12 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
     try:
         spread(reqs)
         while waiting.pending:
-            chunk, call, out, err = waiting.next()
+            chunk, _call, out, err = waiting.next()
             if err is None:
                 outputs.update(out.outputs)
                 versions.add(out.weight_version)
                 continue
-            if not (err.lost and call.handle.role == "generation"):
-                raise err
-            sgs.remove(call.handle.rank, reason=f"lost during an evaluation: {str(err).splitlines()[0]}")
+            sgs.remove_lost(err, "an evaluation")
             spread(chunk)
     finally:
         waiting.cancel()

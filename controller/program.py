@@ -265,12 +265,9 @@ class Program:
             waiting.add(c)
         try:
             while waiting.pending:
-                _, c, _, err = waiting.next()
-                if err is None:
-                    continue
-                if not (err.lost and c.handle.role == "generation"):
-                    raise err
-                self.world.sgs.remove(c.handle.rank, reason=f"lost during weight push: {str(err).splitlines()[0]}")
+                err = waiting.next()[3]
+                if err is not None:
+                    self.world.sgs.remove_lost(err, "weight push")
         finally:
             waiting.cancel()
         self.spans.add("wait_push", t0, time.time(), self.iteration)

@@ -111,9 +111,7 @@ class Round:
                 (slot, ids), call, rep, err = self._waiting.next()
                 self.ended_at = max(self.ended_at, self._ends.get(id(call), time.time()))
                 if err is not None:
-                    if not err.lost:
-                        raise err
-                    self.sgs.remove(slot.handle.rank, reason=str(err).splitlines()[0])
+                    self.sgs.remove_lost(err)
                     self.lost.append(slot.handle.rank)
                     self._redispatch(ids)
                     continue
@@ -206,6 +204,13 @@ class SGS:
                     self.slots.remove(s)
                     self.removed.append((rank, reason))
                     print(f"[sgs] instance rank {rank} removed: {reason}", file=sys.stderr, flush=True)
+
+    def remove_lost(self, err: WorkerFailed, during: str = "") -> None:
+        """A generation instance found lost (its process gone or silent) leaves, with the
+        transport's reason; any other failure is raised: it stops the run."""
+        if not (err.lost and err.role == "generation"):
+            raise err
+        self.remove(err.rank, reason=f"{f'lost during {during}: ' if during else ''}{str(err).splitlines()[0]}")
 
     def launch(self, iteration: int, requests: list[Request], version: int,
                slots: list[InstanceSlot] | None = None) -> list[tuple[InstanceSlot, Call, list[int]]]:
