@@ -22,7 +22,7 @@ import torch
 
 from controller.data import PromptStream
 from controller.modes import PipelineMode, get_mode
-from controller.rpc import wait_all
+from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
@@ -65,22 +65,6 @@ class IterationResult:
     interval_s: float = 0.0
 
 
-class _Completions:
-    """When each of some calls completed, noted by the RPC threads as it happens, so a duration
-    ends where the work ended, however late the controller waits for it."""
-
-    def __init__(self, calls: list):
-        self.t0, self.n, self._ends = time.time(), len(calls), []
-        for c in calls:
-            c.future.add_done_callback(lambda _f: self._ends.append(time.time()))
-
-    def last(self) -> float:
-        """The last completion, once the calls were waited for (a callback still running
-        counts as now)."""
-        now = time.time()
-        return max(self._ends + [now] * (self.n - len(self._ends)), default=now)
-
-
 @dataclass
 class _Batch:
     iteration: int
@@ -93,16 +77,18 @@ class _Batch:
 
 
 class _Push:
-    """A weight push in flight: its calls and when each completed, so its duration is the
-    transfer's, however late the controller waits for it."""
+    """A weight push in flight: its calls, waited for from the start (``rpc.Completions``), so
+    its duration is the transfer's, however late the controller takes it."""
 
     def __init__(self, calls: list):
-        self.calls, self.done = calls, _Completions(calls)
+        self.t0, self.waiting = time.time(), Completions()
+        for c in calls:
+            self.waiting.add(c)
 
     def wait(self, program: "Program") -> float:
         """Wait for it (``Program._wait_push``: instances lost meanwhile leave the SGS); -> seconds."""
-        program._wait_push(self.calls)
-        return self.done.last() - self.done.t0 if self.calls else 0.0
+        program._wait_push(self.waiting)
+        return self.waiting.last_end() - self.t0 if self.waiting.added else 0.0
 
 
 class Program:
@@ -174,7 +160,7 @@ class Program:
         if b.round is not None and not b.gen_done:
             with self.spans.span("wait_generate", b.iteration):
                 b.round.wait()
-            b.gen_done = b.round.ended_at or time.time()
+            b.gen_done = b.round.ended_at
             if self.in_flight is b.round:
                 self.in_flight = None
 
@@ -253,16 +239,13 @@ class Program:
         return [(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt, float(n))
                 for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths)]
 
-    def _wait_push(self, calls) -> None:
-        """Wait for a weight push; an instance lost meanwhile leaves the SGS (its next prompts
-        go to the others), any other failure stops the run. Its span carries ``self.iteration``:
-        in every mode the next iteration to dispatch, the one that generates with those weights."""
-        from controller.rpc import Completions
-
+    def _wait_push(self, waiting: Completions) -> None:
+        """Wait for a weight push's calls, in the order they end (a receiver's error is said at
+        once, not once a sender waiting on it gives up); an instance lost meanwhile leaves the
+        SGS (its next prompts go to the others), any other failure stops the run. Its span
+        carries ``self.iteration``: in every mode the next iteration to dispatch, the one that
+        generates with those weights."""
         t0 = time.time()
-        waiting = Completions()  # in the order they end: a receiver's error is said at once, not
-        for c in calls:          # once a sender waiting on it gives up (600 s)
-            waiting.add(c)
         try:
             while waiting.pending:
                 err = waiting.next()[3]

@@ -175,12 +175,16 @@ class Completions:
     waited on a thread of its own, with its heartbeat (``Call.wait``), so a worker lost while
     an earlier call still runs is known when it is lost, not once the earlier call ends.
     ``cancel()``: the owner gives up on what is still pending (it failed, or stops): those
-    waits stop pinging and say nothing more, and ``next()`` raises ``Cancelled``."""
+    waits stop pinging and say nothing more, and ``next()`` raises ``Cancelled``.
+    ``last_end()``: when the last call ended, noted as it ends (a done-callback), however late
+    the owner takes it: a duration ends where the work ended."""
 
     def __init__(self) -> None:
         self._ended: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0
+        self.added = 0
         self.cancelled = threading.Event()
+        self._end_times: list[float] = []
 
     def add(self, call: Call, tag: Any = None) -> None:
         def waiter() -> None:
@@ -195,6 +199,8 @@ class Completions:
                                                                f"{type(e).__name__}: {e}")))
 
         self.pending += 1
+        self.added += 1
+        call.future.add_done_callback(lambda _f: self._end_times.append(time.time()))
         threading.Thread(target=waiter, daemon=True, name=f"wait-{call.handle.name}-{call.method}").start()
 
     def next(self) -> tuple[Any, Call, Any, WorkerFailed | None]:
@@ -214,6 +220,12 @@ class Completions:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def last_end(self) -> float:
+        """When the last call added so far ended; one still ending (its callback running, or
+        not ended yet) counts as now."""
+        now = time.time()
+        return max(self._end_times + [now] * (self.added - len(self._end_times)), default=now)
 
 
 def wait_all(calls: list[Call]) -> list[Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,9 +62,7 @@ class Round:
     lost: list[int] = field(default_factory=list)  # ranks lost during this round
     instances: int = 0  # instances in the SGS when the round was dispatched
     took_part: set[int] = field(default_factory=set)  # ranks given requests of this round
-    ended_at: float = 0.0  # time.time() its last call ended (noted as each ends)
     _waiting: Completions = field(default_factory=Completions, repr=False)
-    _ends: dict[int, float] = field(default_factory=dict, repr=False)  # id(call) -> when it ended
     _collector: threading.Thread | None = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
 
@@ -73,9 +70,13 @@ class Round:
         calls = self.sgs.launch(self.iteration, requests, self.version, slots)
         self.took_part |= {slot.handle.rank for slot, _, _ in calls}
         self.calls += calls
-        for slot, call, ids in calls:  # when each ended, noted as it ends (not when collected)
-            call.future.add_done_callback(lambda _f, key=id(call): self._ends.setdefault(key, time.time()))
+        for slot, call, ids in calls:
             self._waiting.add(call, (slot, ids))
+
+    @property
+    def ended_at(self) -> float:
+        """time.time() its last call ended (re-dispatched ones included), noted as each ended."""
+        return self._waiting.last_end()
 
     def start(self) -> "Round":
         self._collector = threading.Thread(target=self._collect, daemon=True, name=f"round-{self.iteration}")
@@ -108,8 +109,7 @@ class Round:
     def _collect(self) -> None:
         try:
             while self._waiting.pending:
-                (slot, ids), call, rep, err = self._waiting.next()
-                self.ended_at = max(self.ended_at, self._ends.get(id(call), time.time()))
+                (slot, ids), _call, rep, err = self._waiting.next()
                 if err is not None:
                     self.sgs.remove_lost(err)
                     self.lost.append(slot.handle.rank)

@@ -8,7 +8,7 @@ import pytest
 
 import controller.evaluation as evaluation_mod
 import controller.program as program_mod
-import controller.sgs as sgs_mod
+import controller.rpc as rpc_mod
 import controller.timeline as timeline_mod
 from controller.data import PromptStream
 from controller.instance import EvalOutput, GenerateReport
@@ -33,6 +33,8 @@ class Clock:
 
     def time(self) -> float:
         return self.t
+
+    monotonic = time  # the heartbeat's clock (rpc.Call), on the same fake time
 
 
 class Instance:
@@ -75,7 +77,7 @@ class Trainer:
 
 def _program(monkeypatch, mode: str, clock: Clock) -> Program:
     monkeypatch.setattr(program_mod, "time", clock)
-    monkeypatch.setattr(sgs_mod, "time", clock)  # when each report arrived (Round)
+    monkeypatch.setattr(rpc_mod, "time", clock)  # when each call ended (rpc.Completions)
     monkeypatch.setattr(evaluation_mod, "time", clock)
     monkeypatch.setattr(timeline_mod, "time", clock)  # the spans' clock
     inst = WorkerHandle(1, "generation", LocalRRef(Instance(clock)))
