@@ -352,7 +352,12 @@ def thread_cpu() -> dict[str, float]:
 
 def subgroup(ranks: list[int]):
     """Process group over ``ranks`` (global ranks), created by its members only; ``None`` for
-    a single rank or when this process is outside the static world (joined later)."""
+    a single rank or when this process is outside the static world (joined later). Its
+    collectives time out after ``placement.rpc_timeout_s``, as the default group's do (torch's
+    own default for a new group is 30 min: a rank waiting in the gradient all-reduce for a
+    peer that froze without raising would hold the run that long)."""
+    import datetime
+
     import torch.distributed as dist
 
     ranks = sorted(ranks)
@@ -360,5 +365,6 @@ def subgroup(ranks: list[int]):
         return None
     key = tuple(ranks)
     if key not in LOCAL.groups:
-        LOCAL.groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+        LOCAL.groups[key] = dist.new_group(ranks, use_local_synchronization=True,
+                                           timeout=datetime.timedelta(seconds=LOCAL.rpc_timeout_s))
     return LOCAL.groups[key]

@@ -82,3 +82,28 @@ def test_two_ranks_equal_one_rank(tmp_path):
         assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-4)
         for k in w1:
             assert torch.allclose(w1[k], w2[k], atol=1e-6, rtol=1e-5), (cfg_kw, k)
+
+
+def _frozen_peer(rank, world, timeout_s):
+    import time
+
+    from controller.rpc import LOCAL, subgroup
+
+    LOCAL.has_process_group, LOCAL.rpc_timeout_s = True, timeout_s
+    group = subgroup([0, 1])
+    if rank == 1:  # frozen: in the group, never joins the all-reduce
+        time.sleep(4 * timeout_s)
+        return "slept"
+    try:
+        all_reduce_sum([torch.ones(3)], group)
+    except RuntimeError as e:
+        return f"raised: {e}"
+    return "returned"
+
+
+def test_dp_subgroup_times_out_after_rpc_timeout_not_torchs_30_min():
+    # real gloo ranks: the trainers' DP group is made by controller.rpc.subgroup; a peer that
+    # froze without raising must fail the all-reduce after placement.rpc_timeout_s
+    out = run_local(2, _frozen_peer, 2.0)
+    assert out[1] == "slept"
+    assert out[0].startswith("raised:") and "imed out" in out[0], out[0]
