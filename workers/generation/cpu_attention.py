@@ -10,8 +10,8 @@ copied into a small item-local buffer first and then scored, softmaxed online
 (flash-decoding style) and accumulated in fp32; fp32, bf16 and fp16 caches. Why: with torch
 ops, decode attention over a paged cache has to gather each sequence's blocks into a padded
 copy first, which on a CPU costs more than the
-attention itself (see docs/engine.md). The build (~1 min, once per machine: cached under
-``~/.cache/torch_extensions``) needs a C++ compiler.
+attention itself (see docs/engine.md). The build (~1 min, once per kind of CPU: cached under
+``~/.cache/torch_extensions``, by instruction set, ``cpp_build``) needs a C++ compiler.
 """
 from __future__ import annotations
 
