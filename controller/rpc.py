@@ -231,9 +231,9 @@ class Completions:
 def wait_all(calls: list[Call]) -> list[Any]:
     """Every call's result, in the calls' order. The first call to fail fails the wait at once
     (``Completions``), whatever the others do: when one trainer rank raises in ``step()`` the
-    others wait for it in the gradient all-reduce until their group's timeout (torch's default,
-    30 min), and waited in order, the run hung that long, then said that timeout instead of the
-    worker's own error."""
+    others wait for it in the gradient all-reduce until their group's timeout (torch's default
+    then, 30 min; ``placement.rpc_timeout_s`` now, ``subgroup``), and waited in order, the run
+    hung that long, then said that timeout instead of the worker's own error."""
     waiting = Completions()
     for i, c in enumerate(calls):
         waiting.add(c, i)
