@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 
 from controller.rpc import Completions
@@ -36,7 +37,9 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
     stream -> (sample id -> output ids, the weight versions used). With no round in flight the
     instances load their staged weights first (after a push, after ``--resume``). An instance
     lost meanwhile leaves the SGS and its share goes to the others, as a round's does; any
-    other failure, or no instance left, stops the run."""
+    other failure, or no instance left, fails the evaluation, and the instances still on it
+    are told to stop (``GenerationInstance.cancel``): the REPL's next command does not wait
+    for generation nobody takes."""
     from controller.sgs import NoInstancesLeft
 
     sgs = program.world.sgs
@@ -44,6 +47,8 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
     if program.in_flight is not None:  # a round that already failed says why, not this evaluation
         program.in_flight.raise_if_failed()
     waiting = Completions()
+    running: dict[str, object] = {}  # token -> handle of each call not ended yet
+    name = uuid.uuid4().hex[:12]
 
     def spread(batch: list[Request]) -> None:
         handles = sgs.handles
@@ -52,20 +57,30 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
                                   + ", ".join(f"rank {r}: {why}" for r, why in sgs.removed) + ")")
         for i, h in enumerate(handles):
             if chunk := batch[i::len(handles)]:
-                waiting.add(h.call("evaluate", chunk, newest), chunk)
+                token = f"{name}-{waiting.added}"
+                running[token] = h
+                waiting.add(h.call("evaluate", chunk, newest, token), (chunk, token))
 
     outputs: dict[int, list[int]] = {}
     versions: set[int] = set()
     try:
         spread(reqs)
         while waiting.pending:
-            chunk, _call, out, err = waiting.next()
+            (chunk, token), _call, out, err = waiting.next()
+            del running[token]
             if err is None:
                 outputs.update(out.outputs)
                 versions.add(out.weight_version)
                 continue
             sgs.remove_lost(err, "an evaluation")
             spread(chunk)
+    except BaseException:
+        for token, h in running.items():  # the others stop generating what nobody waits for
+            try:
+                h.call("cancel", token)  # not waited for: an instance that is gone answers nothing
+            except Exception:  # noqa: BLE001 - the error being raised is what the caller hears
+                pass
+        raise
     finally:
         waiting.cancel()
     return outputs, tuple(sorted(versions))

@@ -53,6 +53,7 @@ class EvalOutput:
 
     weight_version: int
     outputs: list[tuple[int, list[int]]]  # (sample id, output token ids)
+    cancelled: bool = False  # stopped by ``cancel``: outputs are what finished before
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ class GenerationInstance:
         self._receiver = None  # the weight-sync receiver of the current plan (receive_weights)
         self._lock = threading.Lock()  # one generate at a time
         self._stop = threading.Event()
+        self._cancelled: dict[str, None] = {}  # evaluate tokens the controller gave up on (cancel)
+        self._cancel_lock = threading.Lock()
         LOCAL.roles["generation"] = self
 
     # ---- control -------------------------------------------------------------------------
@@ -307,13 +310,17 @@ class GenerationInstance:
         except Exception as e:
             print(f"[generation {self.rank}] abort after an error failed: {e!r}", file=sys.stderr, flush=True)
 
-    def evaluate(self, requests: list[Request], newest: bool = False) -> EvalOutput:
+    def evaluate(self, requests: list[Request], newest: bool = False, token: str | None = None) -> EvalOutput:
         """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
         ranker's bootstrap); outputs come back to the controller, not to the trainers. With
         ``newest`` (the controller has no round in flight) the staged weights are loaded first,
         so an evaluation after a push runs on the weights it is logged under; otherwise on the
-        weights held now. The answer names the version used."""
+        weights held now. The answer names the version used. ``token``: the call's name for
+        ``cancel`` (then it stops at its next step, or does not start, answering
+        ``cancelled``)."""
         with self._lock:
+            if self._take_cancel(token):
+                return EvalOutput(self.version, [], cancelled=True)
             if newest:
                 self._swap_to_newest()
             with self.spans.span("eval", self.version):
@@ -324,6 +331,9 @@ class GenerationInstance:
                         s = refused[0]
                         raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
                     while self.engine.has_work():
+                        if self._take_cancel(token):
+                            self.engine.abort([r.sample_id for r in requests])
+                            return EvalOutput(self.version, out, cancelled=True)
                         out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
                 except BaseException:
                     # the accepted requests of this call must not stay queued and run inside the
@@ -331,6 +341,27 @@ class GenerationInstance:
                     self._abort_after_error(requests)
                     raise
                 return EvalOutput(self.version, out)
+
+    def cancel(self, token: str) -> bool:
+        """The controller gave up on the ``evaluate`` call named ``token`` (another instance's
+        share failed, so the evaluation did): it stops at its next step, aborting what it
+        queued, or, still queued behind another call, does not start. Without this the
+        instance kept generating the dead evaluation, and the next command (a REPL ``run``)
+        waited for it."""
+        with self._cancel_lock:
+            self._cancelled[token] = None
+            while len(self._cancelled) > 64:  # a cancel that came after its call had ended
+                del self._cancelled[next(iter(self._cancelled))]
+        return True
+
+    def _take_cancel(self, token: str | None) -> bool:
+        if token is None:
+            return False
+        with self._cancel_lock:
+            if token not in self._cancelled:
+                return False
+            del self._cancelled[token]
+            return True
 
     def stats(self) -> InstanceStats:
         return InstanceStats(self.rank, self.engine.stats(), self.engine.max_model_len, self.version,

@@ -356,3 +356,37 @@ def test_a_weight_push_gives_up_on_a_stuck_peer_after_rpc_timeout_s(monkeypatch)
         threading.Lock()
     assert inst.receive_weights("plan") == 1
     assert given == {"sender": 7.0, "receiver": 7.0}
+
+
+def test_an_evaluate_call_stops_when_cancelled(tiny_model):  # noqa: F811
+    # controller.evaluation cancels the shares of a failed evaluation: the instance stops at
+    # its next step, leaves nothing queued, and a cancel that came before the call (queued
+    # behind another) means it does not start; other tokens are untouched
+    import torch
+
+    from controller.instance import GenerationInstance
+    from workers.generation.config import EngineConfig
+    from workers.types import Request, SamplingParams
+
+    torch.set_num_threads(1)
+    inst = GenerationInstance(1, EngineConfig(device="cpu", kv_cache_tokens=2048), tiny_model, [0])
+    greedy = SamplingParams(temperature=0.0)
+    reqs = [Request(sample_id=-1 - i, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=40, min_tokens=40,
+                    sampling=greedy) for i in range(4)]
+    step, steps = inst.engine.step, []
+
+    def counted_step():
+        steps.append(1)
+        if len(steps) == 3:  # the controller's cancel arrives (an RPC thread) mid-call
+            inst.cancel("eval-a")
+        return step()
+
+    inst.engine.step = counted_step
+    out = inst.evaluate(reqs, token="eval-a")
+    assert out.cancelled and out.outputs == [] and len(steps) == 3
+    assert not inst.engine.has_work()
+    inst.cancel("eval-b")  # before its call starts
+    assert inst.evaluate(reqs, token="eval-b").cancelled and len(steps) == 3
+    inst.cancel("eval-stale")  # a cancel for a call that ended already changes nothing later
+    done = inst.evaluate(reqs, token="eval-c")
+    assert not done.cancelled and sorted(sid for sid, ids in done.outputs if len(ids) == 40) == [-4, -3, -2, -1]

@@ -53,7 +53,7 @@ class Instance:
         self.staged = version
         return version
 
-    def evaluate(self, requests, newest=False):
+    def evaluate(self, requests, newest=False, token=None):
         self.clock.t += EVAL_S
         self.newest.append(newest)
         if newest and self.staged is not None:

@@ -169,7 +169,7 @@ def test_an_instance_lost_during_an_evaluation_leaves_its_share_to_the_others(ca
             self.rank, self.role, self.name, self.alive, self.dies, self.asked = rank, "generation", \
                 f"worker{rank}", True, dies, []
 
-        def call(self, method, chunk, newest):
+        def call(self, method, chunk, newest, token):
             self.asked.append(sorted(r.sample_id for r in chunk))
             fut = torch.futures.Future()
             if self.dies:
@@ -280,3 +280,44 @@ def test_an_abandoned_round_acts_on_no_loss(capsys):
     assert [s.handle.rank for s in sgs.slots] == [1, 2] and prog.in_flight.redispatched == []
     assert [len(h.futures) for h in (a, b)] == [1, 1]
     assert "[sgs]" not in capsys.readouterr().err
+
+
+def test_a_failed_evaluation_tells_the_instances_still_on_it_to_stop():
+    """One instance's share of an evaluation fails (an error, not a loss): the evaluation fails
+    at once, and each instance still generating its share is sent ``cancel`` with the token its
+    call carries. Before, those calls ran on, and the REPL's next ``run`` waited behind them.
+    Real ``controller.rpc.Call``s over torch futures; the handles stand in for the instances
+    (the instance's side: test_controller_units.py::test_an_evaluate_call_stops_when_cancelled)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from controller.evaluation import side_generate
+    from controller.rpc import Call, WorkerFailed
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import SGS, InstanceSlot, default_profile
+    from workers.types import Request
+
+    class Handle:
+        def __init__(self, rank, fails):
+            self.rank, self.role, self.name, self.alive, self.fails = rank, "generation", f"worker{rank}", True, fails
+            self.calls = []
+
+        def call(self, method, *args):
+            self.calls.append((method, args))
+            fut = torch.futures.Future()
+            if method == "evaluate" and self.fails:
+                fut.set_exception(RuntimeError("On WorkerInfo(id=2, name=worker2):\nValueError('engine refused')"))
+            return Call(self, method, fut)  # the other's evaluate never ends here
+
+    busy, failing = Handle(1, False), Handle(2, True)
+    sgs = SGS(make_dispatcher("random"), received=lambda it: set())
+    sgs.slots = [InstanceSlot(h, default_profile()) for h in (busy, failing)]
+    program = SimpleNamespace(world=SimpleNamespace(sgs=sgs), in_flight=None)
+    reqs = [Request(-1 - i, torch.tensor([1, 2]), 4) for i in range(4)]
+    with pytest.raises(WorkerFailed, match="engine refused"):
+        side_generate(program, reqs)
+    (m1, (chunk, newest, token)), (m2, cancel_args) = busy.calls
+    assert (m1, m2) == ("evaluate", "cancel") and cancel_args == (token,)
+    assert [m for m, _ in failing.calls] == ["evaluate"]  # the failed call is not cancelled
+    assert [s.handle.rank for s in sgs.slots] == [1, 2]  # an error is not a loss: both stay
