@@ -277,6 +277,12 @@ def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[Wo
 
 
 # ---- process-local state (each worker process) -------------------------------------------
+def _config_default_rpc_timeout_s() -> float:
+    from controller.config import PlacementSection  # the config's default, said once (there)
+
+    return PlacementSection.rpc_timeout_s
+
+
 @dataclass
 class Local:
     """What a process knows about itself; role objects look things up here."""
@@ -289,7 +295,7 @@ class Local:
     has_process_group: bool = False
     # placement.rpc_timeout_s: also how long one weight-sync bucket may take (a peer stuck longer is
     # not coming: the push fails then, not after the executor's own 600 s default)
-    rpc_timeout_s: float = 300.0
+    rpc_timeout_s: float = field(default_factory=_config_default_rpc_timeout_s)  # start_processes sets the job's
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0
     exit_reason: str = ""  # said on a joiner's own terminal when it was told to leave (runner.leave_job)
