@@ -146,3 +146,68 @@ def test_fused_forward_split_gemms_at_two_threads():
         want = m(ids, pos, CausalAttention(cu))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits, m.logits(want), rtol=1e-5, atol=1e-5)
+
+
+def _prepack_or_skip(dtype):
+    from workers.generation import prepacked
+
+    if not prepacked.available(dtype):
+        pytest.skip(f"oneDNN prepacked GEMMs do not run here for {dtype} (bf16: AVX512-BF16 or AMX)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+@torch.no_grad()
+def test_prepacked_gemms_equal_the_plain_ones(case, dtype):
+    _prepack_or_skip(dtype)
+    m = model_for(case, dtype)
+    ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
+    plain, pk = FusedForward(m, max_len=64, prepack=False), FusedForward(m, max_len=64, prepack=True)
+    assert pk.prepack and len(pk.packed) == m.config.num_hidden_layers and pk.lm_packed is not None
+    want, got = plain(ids, pos, CausalAttention(cu)), pk(ids, pos, CausalAttention(cu))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(pk.logits(got).float(), plain.logits(want).float(), rtol=tol, atol=tol)
+
+
+@torch.no_grad()
+def test_prepacked_weights_follow_in_place_updates_of_every_gemm():
+    """The packed copies are of o_proj, down_proj and lm_head too, which the plain forward
+    reads from the model directly: an in-place write to any of them (load_weights' copy_,
+    a colocated optimizer step) must reach the next forward."""
+    _prepack_or_skip(torch.float32)
+    m = model_for("llama_tied_mha")  # tied: lm_head is the embedding
+    ids, pos, cu = packed([7, 4], m.config.vocab_size)
+    fwd = FusedForward(m, max_len=32, prepack=True)
+    before = fwd.logits(fwd(ids, pos, CausalAttention(cu)))
+    m.model.layers[0].self_attn.o_proj.weight.mul_(0.5)
+    m.model.layers[1].mlp.down_proj.weight.add_(0.05)
+    m.model.embed_tokens.weight.mul_(-1.0)
+    got = fwd.logits(fwd(ids, pos, CausalAttention(cu)))
+    assert not torch.allclose(got, before)
+    torch.testing.assert_close(got, m.logits(m(ids, pos, CausalAttention(cu))), rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_where_it_cannot_run_is_refused_and_auto_falls_back(monkeypatch):
+    from workers.generation import prepacked
+
+    m = model_for("qwen2")
+    monkeypatch.setattr(prepacked, "available", lambda dtype: False)
+    with pytest.raises(ValueError, match=r"prepacked GEMMs do not run here for torch.float32 on cpu"):
+        FusedForward(m, max_len=32, prepack=True)
+    fwd = FusedForward(m, max_len=32)  # auto: the plain GEMMs
+    assert not fwd.prepack and fwd.packed == [] and fwd.lm_packed is None
+
+
+def test_prepacked_probe_says_no_when_onednn_fails(monkeypatch):
+    from workers.generation import prepacked
+
+    def broken(weight, batch_hint):  # as a torch build or CPU without the kernel raises
+        raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(prepacked, "pack", broken)
+    prepacked.available.cache_clear()
+    try:
+        assert prepacked.available(torch.bfloat16) is False
+    finally:
+        prepacked.available.cache_clear()

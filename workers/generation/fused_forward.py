@@ -11,7 +11,11 @@ matmuls. This forward computes the same function over the same weights with ~15 
 * RMSNorm as ``F.rms_norm`` for fp32 (the model's formula otherwise), residual adds folded
   into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul;
 * with ``cpu_ops`` (the "cpu" attention backend) RMSNorm, SwiGLU and RoPE are single-pass C++
-  loops (``cpu_ops.py``), RoPE in place on the qkv output, q passed on as a strided view.
+  loops (``cpu_ops.py``), RoPE in place on the qkv output, q passed on as a strided view;
+* on a CPU whose torch runs oneDNN's prepacked GEMMs for the model's dtype (``prepacked.py``),
+  every GEMM (the fused ones, o, down, lm_head) multiplies against a copy of its weight laid
+  out once for the CPU, re-made when the weights change (``prepack``; costs one more copy of
+  those weights in memory).
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
 counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
@@ -23,9 +27,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from workers.generation import prepacked
 from workers.model import AttentionBackend, CausalLM
 
 SPLIT_GEMM_MAX_ROWS = 512  # larger (prefill) GEMMs keep MKL's own threading
+# rows the prepacked weights are laid out for (a hint: 1-256 measured within 5% at 1-640 rows)
+PACK_BATCH_HINT = 16
 
 
 _FUSED = (1, 2, 6, 7)  # positions of the fused (engine-owned) tensors in a layer tuple
@@ -60,13 +67,24 @@ class FusedForward:
     """``fwd(ids [T], positions [T], attn) -> hidden [T, D]``; ``fwd.logits(hidden) -> [T, V]``.
     Positions must be below ``max_len`` (the RoPE table's length)."""
 
-    def __init__(self, model: CausalLM, max_len: int, cpu_ops: bool = False):
+    def __init__(self, model: CausalLM, max_len: int, cpu_ops: bool = False, prepack: bool | None = None):
+        """``prepack``: GEMMs against oneDNN-prepacked weights (None: where ``prepacked``
+        runs for the model's dtype, on a CPU)."""
         cfg = model.config
         self.ops = None
         if cpu_ops:
             from workers.generation import cpu_ops as ops
 
             self.ops = ops.load()
+        p = model.model.embed_tokens.weight
+        if prepack is None:
+            prepack = p.device.type == "cpu" and prepacked.available(p.dtype)
+        elif prepack and not (p.device.type == "cpu" and prepacked.available(p.dtype)):
+            raise ValueError(f"FusedForward: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
+                             "(oneDNN's; bf16 needs AVX512-BF16 or AMX)")
+        self.prepack = prepack
+        self.packed: list[tuple[torch.Tensor, ...]] = []  # per layer: qkv, o, gate/up, down
+        self.lm_packed: torch.Tensor | None = None
         self.model, self.cfg = model, cfg
         self.h, self.hkv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_head
         self.nq, self.nkv, self.inter = self.h * self.dh, self.hkv * self.dh, cfg.intermediate_size
@@ -87,6 +105,10 @@ class FusedForward:
             out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
             out += [b for b in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, m.gate_proj.bias,
                                 m.up_proj.bias) if b is not None]
+            if self.prepack:  # their packed copies follow them too
+                out += [a.o_proj.weight, m.down_proj.weight]
+        if self.prepack:
+            out.append(self.model.lm_head.weight)
         return out
 
     def sync(self) -> None:
@@ -128,6 +150,10 @@ class FusedForward:
                                for new in layers]
                 self.rope = rope
                 self.epoch += 1
+            if self.prepack:
+                pk = lambda w: prepacked.pack(w, PACK_BATCH_HINT)  # noqa: E731
+                self.packed = [(pk(layer[1]), pk(layer[3]), pk(layer[6]), pk(layer[8])) for layer in self.layers]
+                self.lm_packed = pk(self.model.lm_head.weight)
         self._stamp = stamp
 
     def _same_layout(self, layers: list[tuple], rope: torch.Tensor) -> bool:
@@ -184,10 +210,15 @@ class FusedForward:
         """With cpu_ops, decode-sized GEMMs are split by output columns over the threads."""
         return self.ops is not None and a.shape[0] <= SPLIT_GEMM_MAX_ROWS
 
-    def _linear(self, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    def _linear(self, a: torch.Tensor, w: torch.Tensor, b, packed: torch.Tensor | None = None) -> torch.Tensor:
+        if packed is not None:
+            return prepacked.linear(a, packed, b)
         return self.ops.linear(a, w, b) if self._split(a) else F.linear(a, w, b)
 
-    def _residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    def _residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b,
+                         packed: torch.Tensor | None = None) -> torch.Tensor:
+        if packed is not None:
+            return prepacked.linear(a, packed, b, add=x)  # x + a @ w.T + b in one GEMM
         if b is None and self._split(a):
             return self.ops.linear(a, w, x)  # x + a @ w.T, columns split over the threads
         out = torch.addmm(x, a, w.t())  # x + a @ w.T in one GEMM
@@ -199,16 +230,19 @@ class FusedForward:
         x = F.embedding(input_ids, self.model.model.embed_tokens.weight)  # [T, D]
         cs = self.rope.index_select(0, positions)  # [T, 2, Dh]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
-            q, k, v = self._qkv(self._linear(self._norm(x, ln1), wqkv, bqkv), cs)
+            pqkv, po, pgu, pd = self.packed[i] if self.prepack else (None,) * 4
+            q, k, v = self._qkv(self._linear(self._norm(x, ln1), wqkv, bqkv, pqkv), cs)
             o = attn(i, q, k, v)  # [T, H, Dh]
-            x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo)
-            gu = self._linear(self._norm(x, ln2), wgu, bgu)  # [T, 2 I]
-            x = self._residual_linear(x, self._swiglu(gu), wd, bd)
+            x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo, po)
+            gu = self._linear(self._norm(x, ln2), wgu, bgu, pgu)  # [T, 2 I]
+            x = self._residual_linear(x, self._swiglu(gu), wd, bd, pd)
         return self._norm(x, self.model.model.norm.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, D] -> [B, V] (the model's lm_head; column-split over the threads like
         the layers' GEMMs)."""
+        if self.prepack:
+            return prepacked.linear(hidden, self.lm_packed, self.model.lm_head.bias)
         if self._split(hidden):
             return self.ops.linear(hidden, self.model.lm_head.weight, self.model.lm_head.bias)
         return self.model.logits(hidden)
