@@ -4,8 +4,8 @@ A linear layer's weight is reordered once, when the weights change, into oneDNN'
 layout for this CPU (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing
 pass does), and every step multiplies against that (``_linear_pointwise``). A plain ``[N, K]``
 weight is re-laid-out inside each call instead; at decode batch sizes that costs as much as
-the arithmetic. Measured on a 2-core AVX512-BF16 VM (docs/benchmarks.md, engine_throughput):
-Qwen2.5-0.5B shapes at 16 rows, bf16, the step's GEMMs 84 -> 48 ms; fp32 108 -> ... of 291 ms;
+the arithmetic. Measured on a 2-core AVX512-BF16 VM (docs/engine.md, "Prepacked GEMMs"): a
+decode step's GEMMs at Qwen2.5-0.5B shapes and 16 rows, bf16 84 -> 48 ms, fp32 291 -> 107 ms;
 the tiny model of workload (a) at 64 rows, fp32, 2.4 -> 2.0 ms.
 
 ``available(dtype)`` probes whether this torch build and CPU run it for ``dtype`` (x86 builds
