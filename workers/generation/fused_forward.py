@@ -12,9 +12,9 @@ matmuls. This forward computes the same function over the same weights with ~15 
   into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul;
 * with ``cpu_ops`` (the "cpu" attention backend) RMSNorm, SwiGLU and RoPE are single-pass C++
   loops (``cpu_ops.py``), RoPE in place on the qkv output, q passed on as a strided view;
-* on a CPU whose torch runs oneDNN's prepacked GEMMs for the model's dtype (``prepacked.py``),
-  every GEMM (the fused ones, o, down, lm_head) multiplies against a copy of its weight laid
-  out once for the CPU, re-made when the weights change (``prepack``; costs one more copy of
+* on an AVX-512 CPU whose torch runs oneDNN's prepacked GEMMs for the model's dtype
+  (``prepacked.py``), every GEMM (the fused ones, o, down, lm_head) multiplies against a
+  copy of its weight laid out once for the CPU, re-made when the weights change (``prepack``; costs one more copy of
   those weights in memory).
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
@@ -68,8 +68,8 @@ class FusedForward:
     Positions must be below ``max_len`` (the RoPE table's length)."""
 
     def __init__(self, model: CausalLM, max_len: int, cpu_ops: bool = False, prepack: bool | None = None):
-        """``prepack``: GEMMs against oneDNN-prepacked weights (None: where ``prepacked``
-        runs for the model's dtype, on a CPU)."""
+        """``prepack``: GEMMs against oneDNN-prepacked weights (None: on a CPU where
+        ``prepacked.preferred`` says so for the model's dtype)."""
         cfg = model.config
         self.ops = None
         if cpu_ops:
@@ -78,7 +78,7 @@ class FusedForward:
             self.ops = ops.load()
         p = model.model.embed_tokens.weight
         if prepack is None:
-            prepack = p.device.type == "cpu" and prepacked.available(p.dtype)
+            prepack = p.device.type == "cpu" and prepacked.preferred(p.dtype)
         elif prepack and not (p.device.type == "cpu" and prepacked.available(p.dtype)):
             raise ValueError(f"FusedForward: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
                              "(oneDNN's; bf16 needs AVX512-BF16 or AMX)")
