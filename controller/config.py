@@ -20,6 +20,7 @@ import yaml
 from controller.config_checks import validate
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.modes import MODES
+from controller.rpc import RPC_TIMEOUT_S
 from workers.config_schema import SEEDS, Range, ranged
 from workers.generation.config import EngineConfig
 from workers.trainer.config import TrainerConfig
@@ -116,7 +117,7 @@ class PlacementSection:
     trainer: list = field(default_factory=lambda: [2])
     colocated: bool = False
     elastic: bool = True
-    rpc_timeout_s: float = ranged(300.0, Range(0, open_lo=True))
+    rpc_timeout_s: float = ranged(RPC_TIMEOUT_S, Range(0, open_lo=True))
     # test hook: add a waiting joiner at this iteration
     force_scale_out_at: int = ranged(-1, Range(-1, note="-1: never"))
 

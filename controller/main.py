@@ -42,7 +42,7 @@ if "TORCHELASTIC_RUN_ID" in os.environ and "--join" not in sys.argv:  # a torchr
 import torch  # noqa: E402
 
 from controller.processes import run_rank  # noqa: E402
-from controller.rpc import LOCAL  # noqa: E402
+from controller.rpc import LOCAL, RPC_TIMEOUT_S  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
     from controller import lifecycle
     from controller.attempt import AttemptError
-    from controller.config import ConfigError, PlacementSection, load_config
+    from controller.config import ConfigError, load_config
     from controller.run_record import plain
 
     lifecycle.die_with_launcher()  # (again: main() may be called without the module's start)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         except ConfigError as e:
             error = str(e)
         error = lifecycle.agree_on_config(int(os.environ["RANK"]), world, None if cfg is None else plain(cfg),
-                                          error, (cfg.placement if cfg is not None else PlacementSection).rpc_timeout_s)
+                                          error, cfg.placement.rpc_timeout_s if cfg is not None else RPC_TIMEOUT_S)
     except KeyboardInterrupt:  # stopped before any work: nothing to say but the exit code
         os._exit(130)
     except AttemptError as e:  # the ranks of this attempt did not all meet in torchrun's store

@@ -277,10 +277,9 @@ def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[Wo
 
 
 # ---- process-local state (each worker process) -------------------------------------------
-def _config_default_rpc_timeout_s() -> float:
-    from controller.config import PlacementSection  # the config's default, said once (there)
-
-    return PlacementSection.rpc_timeout_s
+# placement.rpc_timeout_s's default, said here (the config reads it from this module: importing
+# the config from here would load it, and what it imports, into every process that uses RPC)
+RPC_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -295,7 +294,7 @@ class Local:
     has_process_group: bool = False
     # placement.rpc_timeout_s: also how long one weight-sync bucket may take (a peer stuck longer is
     # not coming: the push fails then, not after the executor's own 600 s default)
-    rpc_timeout_s: float = field(default_factory=_config_default_rpc_timeout_s)  # start_processes sets the job's
+    rpc_timeout_s: float = RPC_TIMEOUT_S  # start_processes sets the job's (placement.rpc_timeout_s)
     exit_event: threading.Event = field(default_factory=threading.Event)
     exit_code: int = 0
     exit_reason: str = ""  # said on a joiner's own terminal when it was told to leave (runner.leave_job)
