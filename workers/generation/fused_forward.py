@@ -14,8 +14,8 @@ matmuls. This forward computes the same function over the same weights with ~15 
   loops (``cpu_ops.py``), RoPE in place on the qkv output, q passed on as a strided view;
 * on an AVX-512 CPU whose torch runs oneDNN's prepacked GEMMs for the model's dtype
   (``prepacked.py``), every GEMM (the fused ones, o, down, lm_head) multiplies against a
-  copy of its weight laid out once for the CPU, re-made when the weights change (``prepack``; costs one more copy of
-  those weights in memory).
+  copy of its weight laid out once for the CPU, re-made when the weights change
+  (``prepack``; costs one more copy of those weights in memory).
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
 counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
@@ -77,12 +77,11 @@ class FusedForward:
 
             self.ops = ops.load()
         p = model.model.embed_tokens.weight
-        if prepack is None:
-            prepack = p.device.type == "cpu" and prepacked.preferred(p.dtype)
-        elif prepack and not (p.device.type == "cpu" and prepacked.available(p.dtype)):
+        runs = p.device.type == "cpu" and prepacked.available(p.dtype)
+        if prepack and not runs:
             raise ValueError(f"FusedForward: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
                              "(oneDNN's; bf16 needs AVX512-BF16 or AMX)")
-        self.prepack = prepack
+        self.prepack = runs and (prepacked.preferred(p.dtype) if prepack is None else prepack)
         self.packed: list[tuple[torch.Tensor, ...]] = []  # per layer: qkv, o, gate/up, down
         self.lm_packed: torch.Tensor | None = None
         self.model, self.cfg = model, cfg
