@@ -15,7 +15,8 @@ matmuls. This forward computes the same function over the same weights with ~15 
 * on an AVX-512 CPU whose torch runs oneDNN's prepacked GEMMs for the model's dtype
   (``prepacked.py``), every GEMM (the fused ones, o, down, lm_head) multiplies against a
   copy of its weight laid out once for the CPU, re-made when the weights change
-  (``prepack``; costs one more copy of those weights in memory).
+  (``prepack``; it replaces the fused q/k/v and gate/up copies, and adds one of o, down and
+  lm_head).
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
 counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
@@ -139,7 +140,9 @@ class FusedForward:
                 m.down_proj.weight, m.down_proj.bias))
         rope = self._rope_table()
         with torch.no_grad():
-            if self._same_layout(layers, rope):
+            if self.prepack:
+                self._pack(layers, rope)
+            elif self._same_layout(layers, rope):
                 for old, new in zip(self.layers, layers):
                     for i in _FUSED:
                         _fuse(new[i], out=old[i])
@@ -149,11 +152,21 @@ class FusedForward:
                                for new in layers]
                 self.rope = rope
                 self.epoch += 1
-            if self.prepack:
-                pk = lambda w: prepacked.pack(w, PACK_BATCH_HINT)  # noqa: E731
-                self.packed = [(pk(layer[1]), pk(layer[3]), pk(layer[6]), pk(layer[8])) for layer in self.layers]
-                self.lm_packed = pk(self.model.lm_head.weight)
         self._stamp = stamp
+
+    def _pack(self, layers: list[tuple], rope: torch.Tensor) -> None:
+        """Prepacked weights only: each fused q/k/v and gate/up weight is packed straight from
+        a transient concatenation (one layer's at a time), and the plain fused copies are not
+        kept (``layers[i][1]``, ``[6]`` are None): the packed copy is the only one the forward
+        reads. For Qwen2.5-7B in bf16 that is 8.5 GB not held. Every tensor is new: ``epoch``
+        is bumped (the packed layout has no CUDA graphs to keep)."""
+        pk = lambda w: prepacked.pack(w, PACK_BATCH_HINT)  # noqa: E731
+        self.packed = [(pk(_fuse(new[1])), pk(new[3]), pk(_fuse(new[6])), pk(new[8])) for new in layers]
+        self.lm_packed = pk(self.model.lm_head.weight)
+        self.layers = [tuple(None if i in (1, 6) else _fuse(x) if i in _FUSED else x for i, x in enumerate(new))
+                       for new in layers]
+        self.rope = rope
+        self.epoch += 1
 
     def _same_layout(self, layers: list[tuple], rope: torch.Tensor) -> bool:
         """Whether ``layers`` can be written into the current tensors: same parameter objects,
