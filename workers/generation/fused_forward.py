@@ -161,6 +161,7 @@ class FusedForward:
         reads. For Qwen2.5-7B in bf16 that is 8.5 GB not held. Every tensor is new: ``epoch``
         is bumped (the packed layout has no CUDA graphs to keep)."""
         pk = lambda w: prepacked.pack(w, PACK_BATCH_HINT)  # noqa: E731
+        self.packed, self.lm_packed = [], None  # the old copies go first: no second set at the peak
         self.packed = [(pk(_fuse(new[1])), pk(new[3]), pk(_fuse(new[6])), pk(new[8])) for new in layers]
         self.lm_packed = pk(self.model.lm_head.weight)
         self.layers = [tuple(None if i in (1, 6) else _fuse(x) if i in _FUSED else x for i, x in enumerate(new))
