@@ -3,6 +3,9 @@ parity of tokens and log-probs, EOS / forced lengths, LPT admission order, the r
 cap, and in-place weights (in flight requests restart; result equals a fresh native engine).
 One vLLM engine is shared by the module (starting one costs ~10-20 s on CPU).
 Skipped, with the reason, where vLLM is not installed."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -203,3 +206,40 @@ def test_engine_core_in_subprocess(setup):
         assert eng.stats().kv_blocks_used == 0
     finally:
         eng.close()
+
+
+_RANK = """
+import json, sys, torch
+from worker_probes import torch_threads
+from workers.generation.config import EngineConfig
+from workers.generation.factory import make_engine
+if __name__ == "__main__":  # (a spawned child re-imports this module: nothing above may set threads)
+    torch.set_num_threads(2)  # the worker's share of the cores, as controller/main.py's main() sets it
+    eng = make_engine(EngineConfig(backend="vllm", max_batch_size=2, kv_cache_tokens=8192, block_size=32,
+                                   backend_options={"multiprocess": True}), sys.argv[1])
+    print(json.dumps({"child": eng.llm.collective_rpc(torch_threads), "env": __import__("os").environ["OMP_NUM_THREADS"]}))
+    eng.close()
+"""
+
+
+@pytest.mark.slow
+def test_engine_core_child_computes_on_the_callers_threads(setup, tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 for every rank, and the worker then sizes its own pool
+    (``torch.set_num_threads``). The engine-core child is spawned: it reads only the
+    environment, and vLLM's CPU worker refuses ``set_num_threads``. It must get the thread
+    count of the process that made it, not torchrun's 1. Run in a fresh process, as a rank
+    is (this one's ``set_num_threads`` is vLLM's no-op since the module's engine started)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script), str(setup["dir"])], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"child": [2], "env": "1"}  # the rank's own environment is left as it was

@@ -23,6 +23,7 @@ import json
 import os
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
@@ -129,6 +130,27 @@ def _import_vllm(subprocess: bool):
     return vllm
 
 
+@contextmanager
+def _child_threads(subprocess: bool):
+    """While vLLM spawns its engine-core child: ``OMP_NUM_THREADS`` = this process's torch
+    thread count. A spawned child reads its pool size from the environment only (vLLM's CPU
+    worker refuses ``torch.set_num_threads``), and under torchrun that says 1 for every rank
+    whatever the worker then set for itself: the child computed on one core. This process's
+    environment is restored after."""
+    if not subprocess:
+        yield
+        return
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+
 class VLLMEngine:
     """``VLLMEngine(cfg, model_dir)``: one generation instance over the HF folder ``model_dir``."""
 
@@ -150,9 +172,10 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._tap = _StatsTap()
-        self.llm = vllm.LLMEngine.from_engine_args(
-            vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
-            enable_multiprocessing=self.subprocess)
+        with _child_threads(self.subprocess):
+            self.llm = vllm.LLMEngine.from_engine_args(
+                vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
+                enable_multiprocessing=self.subprocess)
         with torch.device("meta"):  # names and shapes load_weights accepts (tied: both names)
             self._shapes = {n: tuple(p.shape) for n, p in
                             CausalLM(mc).named_parameters(remove_duplicate=False)}
