@@ -3,14 +3,13 @@ the returned log-probs against a brute-force recomputation of the processed dist
 context-limit boundaries, prefix sharing at a block boundary, EOS ids checked at
 construction, ``stats().tokens_per_s`` of an idle engine."""
 import time
-from collections import deque
 
 import pytest
 import torch
 from test_engine import GREEDY, MODEL, V, engine, prompts, recompute_greedy
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all, recent_rate
+from workers.generation.engine import NativeEngine, TokenRate, generate_all
 from workers.generation.factory import make_engine
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
 from workers.types import Request, SamplingParams
@@ -124,13 +123,27 @@ def test_eos_ids_outside_the_vocabulary_refused_at_construction(tmp_path):
             make_engine(EngineConfig(backend=backend, device="cpu"), str(tmp_path / "m"), eos_ids=[64])
 
 
-def test_recent_rate_window():
-    w = deque([(0.0, 5), (1.0, 10), (2.0, 10)])
-    assert recent_rate(w, 2.0) == 10.0  # 20 tokens after the first step, in 2 s
-    assert recent_rate(w, 4.0) == 5.0  # idle for 2 s: the rate falls
-    assert recent_rate(w, 6.5) == pytest.approx(10 / 5.5) and len(w) == 2  # trimmed
-    assert recent_rate(w, 7.0) == 0.0 and len(w) == 1  # no step in the last 5 s
-    assert recent_rate(deque(), 1.0) == 0.0
+def test_token_rate_window():
+    r = TokenRate()
+    for t, n in [(0.0, 5), (1.0, 10), (2.0, 10)]:
+        r.add(t, n)
+    assert r.rate(2.0) == 10.0  # 20 tokens after the first step, in 2 s
+    assert r.rate(4.0) == 5.0  # idle for 2 s: the rate falls
+    assert r.rate(6.5) == pytest.approx(10 / 5.5) and len(r.window) == 2  # trimmed
+    assert r.rate(7.0) == 0.0 and len(r.window) == 1  # no step in the last 5 s
+    r.add(8.0, 4)  # steps again: the span starts at the entry kept (t = 2)
+    assert r.rate(9.0) == pytest.approx(4 / 7.0)
+    assert TokenRate().rate(1.0) == 0.0
+
+
+def test_token_rate_running_sum_equals_the_sum_over_its_window():
+    r, g = TokenRate(horizon=3.0), torch.Generator().manual_seed(0)
+    t = 0.0
+    for _ in range(2000):
+        t += float(torch.rand(1, generator=g)) * 0.05 + (2.5 if torch.rand(1, generator=g) < 0.01 else 0.0)
+        r.add(t, int(torch.randint(0, 64, (1,), generator=g)))
+        want = sum(n for _, n in list(r.window)[1:]) / (t - r.window[0][0]) if t > r.window[0][0] else 0.0
+        assert r.rate(t) == pytest.approx(want)
 
 
 def test_tokens_per_s_of_an_idle_engine_falls_to_zero(monkeypatch):

@@ -87,7 +87,7 @@ class NativeEngine:
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
         self._group_live: Counter[int] = Counter()
         self._group_prompt: dict[int, torch.Tensor] = {}  # live group -> its prompt ids
-        self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self._rate = TokenRate()
         self.total_tokens = 0
 
     def __repr__(self) -> str:
@@ -201,8 +201,7 @@ class NativeEngine:
 
     def _count_tokens(self, now: float, n: int) -> None:
         self.total_tokens += n
-        self._window.append((now, n))
-        recent_rate(self._window, now)  # trims it
+        self._rate.add(now, n)
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
@@ -243,7 +242,7 @@ class NativeEngine:
         engine object (the model may be a trainer's, shared when colocated). Idempotent."""
 
     def stats(self) -> EngineStats:
-        tps = recent_rate(self._window, time.time())
+        tps = self._rate.rate(time.time())
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            kv_blocks_used=self.bm.num_used, kv_blocks_free=self.bm.num_free,
                            tokens_per_s=tps, max_batch_size=self.scheduler.max_batch_size,
@@ -251,16 +250,36 @@ class NativeEngine:
                            preemptions=self.scheduler.preemptions, kv_blocks_peak=self.bm.peak)
 
 
-def recent_rate(window: deque[tuple[float, int]], now: float, horizon: float = 5.0) -> float:
-    """Tokens per second over about the last ``horizon`` seconds up to ``now``. ``window``:
-    (time, tokens) of each step, oldest first; the first entry only marks where the span
-    starts. Trims ``window`` to the last entry at least ``horizon`` old and what follows
-    (both engines' ``stats().tokens_per_s``). An engine that made no step for ``horizon``
-    seconds reports 0, not the rate of its last steps."""
-    while len(window) > 1 and now - window[1][0] >= horizon:
-        window.popleft()
-    span = now - window[0][0] if window else 0.0
-    return sum(n for _, n in itertools.islice(window, 1, None)) / span if span > 0 else 0.0
+class TokenRate:
+    """Tokens per second over about the last ``horizon`` seconds (both engines'
+    ``stats().tokens_per_s``). ``add(now, n)`` records a step that made ``n`` tokens; the
+    window keeps the last entry at least ``horizon`` old (it only marks where the span
+    starts) and what follows, with a running sum of the tokens after it: O(1) a step (the
+    sum used to be recomputed over the whole window at every step, ~500 entries at
+    workload (a)'s step rate, ~0.15 ms of an 8 ms step). An engine that made no step for
+    ``horizon`` seconds reports 0, not the rate of its last steps."""
+
+    def __init__(self, horizon: float = 5.0):
+        self.horizon = horizon
+        self.window: deque[tuple[float, int]] = deque()
+        self._after_first = 0  # tokens of every entry but the first
+
+    def add(self, now: float, n: int) -> None:
+        if self.window:
+            self._after_first += n
+        self.window.append((now, n))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        w = self.window
+        while len(w) > 1 and now - w[1][0] >= self.horizon:
+            w.popleft()
+            self._after_first -= w[0][1]  # the new first entry only marks the start
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        span = now - self.window[0][0] if self.window else 0.0
+        return self._after_first / span if span > 0 else 0.0
 
 
 def generate_all(engine: Engine, requests: Seq[Request],

@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
-from workers.generation.engine import recent_rate
+from workers.generation.engine import TokenRate
 from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
@@ -190,8 +189,8 @@ class VLLMEngine:
         self._late_errors: list[Sample] = []  # refused by vLLM on admission; out at next step
         self._restarts = 0
         self._preemptions = 0
-        self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated in the step)
-        self._counted = 0  # tokens of vLLM's count already in _window
+        self._rate = TokenRate()  # tokens generated per step
+        self._counted = 0  # tokens of vLLM's count already in _rate
         self._clock_offset = time.time() - time.monotonic()  # engine-core stamps -> wall clock
 
     def __repr__(self) -> str:
@@ -274,9 +273,8 @@ class VLLMEngine:
         outputs = self.llm.step()
         now = time.time()
         done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
-        self._window.append((now, self._tap.generated - self._counted))
+        self._rate.add(now, self._tap.generated - self._counted)
         self._counted = self._tap.generated
-        recent_rate(self._window, now)  # trims it
         self._admit()
         return done
 
@@ -375,7 +373,7 @@ class VLLMEngine:
         engine's queue; tokens/s over the last ~5 s (0 when idle that long). With nothing
         inside vLLM (all finished or aborted) nothing runs and no block is used: vLLM's own
         numbers are refreshed only by the next step."""
-        tps = recent_rate(self._window, time.time())
+        tps = self._rate.rate(time.time())
         used = round(self._tap.kv_usage * self.num_blocks) if self._live else 0
         return EngineStats(running=self._tap.running if self._live else 0,
                            waiting=len(self._queue) + (self._tap.waiting if self._live else 0),
