@@ -1,5 +1,6 @@
 """Config loading: YAML -> typed, validated dataclasses; every error names its key."""
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -424,3 +425,18 @@ def test_a_planner_cluster_file_given_as_a_run_config_is_named():
     with pytest.raises(ConfigError, match=r"name: unknown section .*\(a planner cluster file: python -m "
                                           r"controller.planner plan --cluster FILE, docs/planner.md\)"):
         load_config("configs/plan_cluster_h800.yaml")
+
+
+@pytest.mark.parametrize("value, want", [("false", False), ("true", True), ("auto", "auto"), ("off", False)])
+def test_engine_cpu_prepack_takes_auto_or_a_yaml_boolean(value, want):
+    """A key typed ``str | bool`` takes either (the schema tries each type of a union); YAML 1.1
+    reads off/no as false, which means what the user wrote."""
+    assert load_config("configs/quickstart.yaml", overrides=[f"engine.cpu_prepack={value}"]).engine.cpu_prepack == want
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "engine.cpu_prepack: expected str or bool, got int 0"),
+    ("fast", "engine.cpu_prepack: must be 'auto', true or false, got 'fast'")])
+def test_engine_cpu_prepack_bad_values_name_the_key(value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/quickstart.yaml", overrides=[f"engine.cpu_prepack={value}"])

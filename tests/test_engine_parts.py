@@ -28,7 +28,9 @@ torch.set_num_threads(1)
     (dict(enforce_eager="no"), "engine.enforce_eager"), (dict(enable_chunked_prefill=0), "engine.enable_chunked_prefill"),
     (dict(max_batch_size=True), "engine.max_batch_size"),
     (dict(seed=1.5), "engine.seed: must be an int in [0, 2**63), got 1.5"), (dict(seed="7"), "engine.seed"),
-    (dict(seed=2 ** 64), "engine.seed"), (dict(seed=-1), "engine.seed")])
+    (dict(seed=2 ** 64), "engine.seed"), (dict(seed=-1), "engine.seed"),
+    (dict(cpu_prepack="off"), "engine.cpu_prepack: must be 'auto', true or false, got 'off'"),
+    (dict(cpu_prepack=0), "engine.cpu_prepack")])
 def test_config_validation_names_key(kw, key):
     with pytest.raises(ValueError, match=re.escape(key)):
         EngineConfig(**kw)
@@ -133,6 +135,29 @@ def test_bf16_weights_fp32_compute_on_cpu(tmp_path):
     req = [Request(sample_id=0, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=4, min_tokens=4,
                    sampling=SamplingParams(temperature=0))]
     assert len(generate_all(native, req)[0].output_ids) == 4
+
+
+def test_cpu_prepack_key_reaches_the_forward(tmp_path, monkeypatch):
+    """engine.cpu_prepack: false keeps the plain GEMMs (less memory), true forces the prepacked
+    ones, and true where they cannot run is refused at start naming the key."""
+    from workers.generation import prepacked
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    save_pretrained(init_weights(CausalLM(cfg), seed=1, std=0.2), tmp_path / "m")
+    req = [Request(sample_id=0, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=5, min_tokens=5,
+                   sampling=SamplingParams(temperature=0))]
+    off = make_engine(EngineConfig(device="cpu", cpu_prepack=False), str(tmp_path / "m"))
+    assert not off.runner.forward.prepack and off.runner.forward.packed == []
+    want = generate_all(off, req)[0].output_ids.tolist()
+    if prepacked.available(torch.float32):
+        on = make_engine(EngineConfig(device="cpu", cpu_prepack=True), str(tmp_path / "m"))
+        assert on.runner.forward.prepack
+        assert generate_all(on, req)[0].output_ids.tolist() == want
+    monkeypatch.setattr(prepacked, "available", lambda dtype: False)
+    with pytest.raises(ValueError, match=r"^engine\.cpu_prepack: prepacked GEMMs do not run here"):
+        make_engine(EngineConfig(device="cpu", cpu_prepack=True), str(tmp_path / "m"))
+    assert not make_engine(EngineConfig(device="cpu"), str(tmp_path / "m")).runner.forward.prepack  # auto
 
 
 def test_attention_backend_auto(monkeypatch):

@@ -71,15 +71,22 @@ def range_error(key: str, value: Any, rng: Range | None) -> str | None:
 
 def check_type(key: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
-    X | None, Literal[...] choices); floats must be finite."""
+    X | None, X | Y (the first that takes it), Literal[...] choices); floats must be finite."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        for a in args:
-            if a is not type(None):
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) == 1:
+            return check_type(key, value, kinds[0])
+        for a in kinds:  # X | Y: the first that takes the value
+            try:
                 return check_type(key, value, a)
+            except ConfigError:
+                pass
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in kinds)
+        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
     if hint is Any:
         return value
     if origin is typing.Literal:  # a choice: the message names them all

@@ -37,7 +37,11 @@ class EngineConfig:
     outputs differ from "auto" by the rounding of K/V). ``enforce_eager`` (as vLLM's): with the
     "triton" backend on CUDA, decode steps replay CUDA graphs unless this is True (prefill
     and the other backends always run eagerly); the vLLM backend passes it to vLLM, which uses
-    CUDA graphs on GPUs the same way. ``backend_options`` holds
+    CUDA graphs on GPUs the same way. ``cpu_prepack``: the CPU forward's GEMMs against
+    oneDNN-prepacked weights (docs/engine.md, "Prepacked GEMMs"): "auto" where the CPU has
+    AVX-512 and oneDNN runs it for the compute dtype; true forces it (refused at start where it
+    cannot run); false keeps the plain GEMMs (less memory: o, down and lm_head are not held
+    twice). ``backend_options`` holds
     backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
     """
 
@@ -59,6 +63,7 @@ class EngineConfig:
     cpu_half_compute: str = "auto"
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    cpu_prepack: str | bool = "auto"
     backend_options: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self):
@@ -89,6 +94,8 @@ class EngineConfig:
         for key in ("enable_chunked_prefill", "prefix_sharing", "enforce_eager"):
             if not isinstance(getattr(self, key), bool):  # "false" is truthy: it would switch it on
                 bad(key, "must be true or false")
+        if self.cpu_prepack != "auto" and not isinstance(self.cpu_prepack, bool):
+            bad("cpu_prepack", "must be 'auto', true or false")
         if not is_int(self.seed) or not 0 <= self.seed < 1 << 63:
             bad("seed", "must be an int in [0, 2**63)")
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group

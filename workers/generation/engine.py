@@ -81,7 +81,8 @@ class NativeEngine:
         self.attention_backend = resolve_attention_backend(cfg, next(self.model.parameters()).device)
         self.runner = ModelRunner(self.model, self.bm, self.attention_backend, self.eos_ids, cfg.seed,
                                   self.max_model_len, kv_dtype,
-                                  cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size)
+                                  cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size,
+                                  prepack=None if cfg.cpu_prepack == "auto" else cfg.cpu_prepack)
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)

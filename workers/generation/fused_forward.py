@@ -80,8 +80,8 @@ class FusedForward:
         p = model.model.embed_tokens.weight
         runs = p.device.type == "cpu" and prepacked.available(p.dtype)
         if prepack and not runs:
-            raise ValueError(f"FusedForward: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
-                             "(oneDNN's; bf16 needs AVX512-BF16 or AMX)")
+            raise ValueError(f"engine.cpu_prepack: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
+                             "(oneDNN's; bf16 needs AVX512-BF16 or AMX); set it to 'auto' or false")
         self.prepack = runs and (prepacked.preferred(p.dtype) if prepack is None else prepack)
         self.packed: list[tuple[torch.Tensor, ...]] = []  # per layer: qkv, o, gate/up, down
         self.lm_packed: torch.Tensor | None = None

@@ -45,14 +45,15 @@ def graphs_supported(device: torch.device, attention_backend: str) -> bool:
 class ModelRunner:
     def __init__(self, model: CausalLM, blocks: BlockManager, attention_backend: str,
                  eos_ids: tuple[int, ...], seed: int, max_len: int, kv_dtype: torch.dtype | None = None,
-                 cuda_graph_batch: int = 0):
+                 cuda_graph_batch: int = 0, prepack: bool | None = None):
         """``cuda_graph_batch`` > 0: decode steps of up to that many sequences replay CUDA
-        graphs (CUDA and the "triton" backend only; see cuda_graph.py)."""
+        graphs (CUDA and the "triton" backend only; see cuda_graph.py). ``prepack``: the
+        forward's prepacked CPU GEMMs (None: where they are preferred; ``FusedForward``)."""
         cfg = model.config
         p = next(model.parameters())
         self.model, self.bm, self.device = model, blocks, p.device
         # positions < max_len; the "cpu" backend's toolchain also builds the fused C++ ops
-        self.forward = FusedForward(model, max_len, cpu_ops=attention_backend == "cpu")
+        self.forward = FusedForward(model, max_len, cpu_ops=attention_backend == "cpu", prepack=prepack)
         graphs = cuda_graph_batch > 0 and graphs_supported(p.device, attention_backend)
         # with graphs, one more block than the manager hands out: padded rows write K/V there
         self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks + graphs, blocks.block_size,
