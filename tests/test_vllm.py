@@ -209,7 +209,7 @@ def test_engine_core_in_subprocess(setup):
 
 
 _RANK = """
-import json, sys, torch
+import json, os, sys, torch
 from worker_probes import torch_threads
 from workers.generation.config import EngineConfig
 from workers.generation.factory import make_engine
@@ -217,7 +217,7 @@ if __name__ == "__main__":  # (a spawned child re-imports this module: nothing a
     torch.set_num_threads(2)  # the worker's share of the cores, as controller/main.py's main() sets it
     eng = make_engine(EngineConfig(backend="vllm", max_batch_size=2, kv_cache_tokens=8192, block_size=32,
                                    backend_options={"multiprocess": True}), sys.argv[1])
-    print(json.dumps({"child": eng.llm.collective_rpc(torch_threads), "env": __import__("os").environ["OMP_NUM_THREADS"]}))
+    print(json.dumps({"child": eng.llm.collective_rpc(torch_threads), "env": os.environ["OMP_NUM_THREADS"]}))
     eng.close()
 """
 

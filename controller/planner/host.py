@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from workers.env import env_var
 from workers.types import Request, SamplingParams, Sample
 from workers.weight_sync.localrun import free_port
 
@@ -156,33 +157,28 @@ def concurrent_slowdown(measure: Callable[[], float], background: Callable, args
     ctx = mp.get_context("spawn")
     gate = {k: ctx.Event() for k in ("ready", "go", "idle", "stop")}
     gate["go"].set()
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    proc = ctx.Process(target=background, args=(*args, gate), daemon=True)
-    proc.start()
-    alone, shared = [], []
-    try:
-        if not gate["ready"].wait(timeout=300):
-            raise RuntimeError("concurrent_slowdown: the background workload never started")
-        for _ in range(rounds):
-            gate["idle"].clear()
-            gate["go"].clear()
-            if not gate["idle"].wait(timeout=120):
-                raise RuntimeError("concurrent_slowdown: the background workload did not pause")
-            alone.append(measure())
+    with env_var("OMP_NUM_THREADS", "1"):  # the background process runs on one thread
+        proc = ctx.Process(target=background, args=(*args, gate), daemon=True)
+        proc.start()
+        alone, shared = [], []
+        try:
+            if not gate["ready"].wait(timeout=300):
+                raise RuntimeError("concurrent_slowdown: the background workload never started")
+            for _ in range(rounds):
+                gate["idle"].clear()
+                gate["go"].clear()
+                if not gate["idle"].wait(timeout=120):
+                    raise RuntimeError("concurrent_slowdown: the background workload did not pause")
+                alone.append(measure())
+                gate["go"].set()
+                time.sleep(0.2)  # let it get going
+                shared.append(measure())
+        finally:
+            gate["stop"].set()
             gate["go"].set()
-            time.sleep(0.2)  # let it get going
-            shared.append(measure())
-    finally:
-        gate["stop"].set()
-        gate["go"].set()
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
     a, b = sorted(alone)[len(alone) // 2], sorted(shared)[len(shared) // 2]
     ratios = sorted(y / x for x, y in zip(alone, shared))  # each pair saw the same outside load
     return {"alone_s": a, "shared_s": b, "slowdown": max(1.0, ratios[len(ratios) // 2])}

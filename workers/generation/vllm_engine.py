@@ -22,13 +22,14 @@ import itertools
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
 
 import torch
 
+from workers.env import env_var
 from workers.generation import vllm_args
 from workers.generation.config import EngineConfig
 from workers.generation.engine import TokenRate
@@ -129,25 +130,13 @@ def _import_vllm(subprocess: bool):
     return vllm
 
 
-@contextmanager
 def _child_threads(subprocess: bool):
     """While vLLM spawns its engine-core child: ``OMP_NUM_THREADS`` = this process's torch
     thread count. A spawned child reads its pool size from the environment only (vLLM's CPU
     worker refuses ``torch.set_num_threads``), and under torchrun that says 1 for every rank
     whatever the worker then set for itself: the child computed on one core. This process's
     environment is restored after."""
-    if not subprocess:
-        yield
-        return
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    return env_var("OMP_NUM_THREADS", str(torch.get_num_threads())) if subprocess else nullcontext()
 
 
 class VLLMEngine:
