@@ -155,6 +155,7 @@ def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypa
     assert len(t.prompts("train")) == 8
 
 
+@pytest.mark.slow  # 4 torchrun jobs, ~80 s: the slow tier (.ci/run runs it); the refusals are checked in-process above
 def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_model, verl_data):  # noqa: F811
     """Real torchrun, 3 processes. (1) verl rows + verl reward train (with top_p); (2) a reward that raises on
     every sample used to train nothing and exit 0: the run now stops after the first iteration,
