@@ -49,6 +49,24 @@ def test_kernel_matches_reference(dh, h, hkv, dtype):
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_with_blocks_of_128_tokens(cache_dtype):
+    """Blocks of 128 tokens (vLLM's CPU default; bench/engine_throughput.py runs the engine with
+    it): a block's rows are copied as one 64 KB run; contexts inside one block, across two and
+    three with partial tails, and a prefill chunk that crosses a block boundary."""
+    attn = _kernel()
+    g = torch.Generator().manual_seed(128)
+    bs, nb, dh, h, hkv = 128, 12, 64, 4, 2
+    kc = torch.randn(nb, bs, hkv, dh, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, bs, hkv, dh, generator=g).to(cache_dtype)
+    tables = torch.randperm(nb, generator=g)[:9].view(3, 3).int().contiguous()
+    seq_of = torch.tensor([0, 1, 2, 2, 2, 2], dtype=torch.int64)
+    positions = torch.tensor([100, 300, 126, 127, 128, 129], dtype=torch.int64)
+    q = torch.randn(6, h, dh, generator=g)
+    got = attn(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dh,h,hkv,cache_dtype", [(64, 4, 2, torch.bfloat16), (128, 14, 2, torch.bfloat16),
                                                   (16, 4, 2, torch.bfloat16), (64, 4, 2, torch.float16)])
 def test_kernel_fp32_query_over_16bit_cache(dh, h, hkv, cache_dtype):
