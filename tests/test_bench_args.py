@@ -99,7 +99,7 @@ def test_engine_bench_names_vllm_cpus_version(monkeypatch):
 def test_engine_bench_gives_vllm_the_same_cores(monkeypatch):
     # vLLM's default on CPU reserves one core per worker for its scheduler: on a 2-core
     # machine it computed on 1 core beside the others' 2 (a third slower on workload (c))
-    bench = _load("engine_throughput", monkeypatch)
+    bench = _load("engine_competitors", monkeypatch)
     monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {3, 1, 2, 0})
     assert bench.vllm_cpu_env(2) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
                                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
