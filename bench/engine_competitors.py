@@ -19,7 +19,7 @@ DEVICE = {"name": "cpu"}  # set from --device
 CLOCK = {"now": time.perf_counter}  # --clock cpu: time.process_time (CPU seconds of this process)
 
 
-def _sync() -> None:
+def sync_device() -> None:
     if DEVICE["name"] == "cuda":
         torch.cuda.synchronize()
 
@@ -56,7 +56,7 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
     t = CLOCK["now"]()
     for i in range(0, len(work), batch):
         gen(work[i:i + batch])
-    _sync()
+    sync_device()
     return CLOCK["now"]() - t
 
 

@@ -44,7 +44,7 @@ from workers.generation.model_runner import tune_cpu_malloc  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
-from engine_competitors import CLOCK, DEVICE, Work, _sync, run_hf, run_vllm, run_vllm_default  # noqa: E402
+from engine_competitors import CLOCK, DEVICE, Work, run_hf, run_vllm, run_vllm_default, sync_device  # noqa: E402
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.val.jsonl.gz"
 
@@ -61,12 +61,12 @@ def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
     dev = DEVICE["name"]
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     a @ b
-    _sync()
+    sync_device()
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t = CLOCK["now"]()
         a @ b
-        _sync()
+        sync_device()
         best = max(best, 2 * n ** 3 / max(CLOCK["now"]() - t, 1e-9))
     return best
 
