@@ -119,3 +119,26 @@ def test_kernel_split_over_kv_heads_and_long_contexts(ntok, dh, h, hkv):
         torch.set_num_threads(threads)
     want = reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy_and_refuses_a_slot_outside(cache_dtype):
+    """The engine's K/V write: rows of strided views (k, v of a fused qkv projection) land in
+    their slots as index_copy_ puts them (rounded to nearest even into a bf16 cache)."""
+    from workers.generation import cpu_attention
+
+    extension_or_skip(cpu_attention, "C++ CPU attention kernel")
+    torch.manual_seed(0)
+    kc, vc = torch.zeros(6, 16, 2, 64, dtype=cache_dtype), torch.zeros(6, 16, 2, 64, dtype=cache_dtype)
+    qkv = torch.randn(5, 4 * 64 + 2 * 2 * 64)
+    k, v = qkv[:, 256:384].view(5, 2, 64), qkv[:, 384:].view(5, 2, 64)
+    slots = torch.tensor([3, 17, 40, 95, 0])
+    cpu_attention.write_kv(kc, vc, k, v, slots)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    want_k.view(-1, 2, 64).index_copy_(0, slots, k.to(cache_dtype))
+    want_v.view(-1, 2, 64).index_copy_(0, slots, v.to(cache_dtype))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="slot 96 of token 4 is outside the cache"):
+        cpu_attention.write_kv(kc, vc, k, v, torch.tensor([0, 1, 2, 3, 96]))
+    with pytest.raises(RuntimeError, match="write_kv: k and v must be"):
+        cpu_attention.write_kv(kc, vc, k, v[:, :1], slots)

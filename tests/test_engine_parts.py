@@ -63,8 +63,19 @@ def _seq_with(sp: SamplingParams, min_tokens=0, sid=0) -> Sequence:
                                          min_tokens=min_tokens, sampling=sp), sid)
 
 
-def test_sampler_greedy_filters_and_logprobs():
-    s = Sampler(eos_ids=(0,), device=torch.device("cpu"), seed=0)
+def _fused(kind: str):
+    """None: the torch sampler; "cpu": with the engine's compiled ``cpu_ops.sample``."""
+    if kind == "torch":
+        return None
+    from ext_helpers import extension_or_skip
+
+    from workers.generation import cpu_ops
+    return extension_or_skip(cpu_ops, "C++ fused CPU ops")
+
+
+@pytest.mark.parametrize("kind", ["torch", "cpu"])
+def test_sampler_greedy_filters_and_logprobs(kind):
+    s = Sampler(eos_ids=(0,), device=torch.device("cpu"), seed=0, fused=_fused(kind))
     logits = torch.tensor([[5.0, 4.0, 1.0, 0.0], [0.0, 1.0, 3.0, 2.5], [2.0, 2.0, 1.0, 9.0]])
     seqs = [_seq_with(SamplingParams(temperature=0.0), min_tokens=1),
             _seq_with(SamplingParams(temperature=0.7, top_k=1), sid=1),
@@ -77,8 +88,9 @@ def test_sampler_greedy_filters_and_logprobs():
     assert lp[1] == pytest.approx(0.0) and lp[2] == pytest.approx(0.0)  # filters leave one token
 
 
-def test_sampler_seed_reproducible_and_distribution():
-    s = Sampler(eos_ids=(), device=torch.device("cpu"), seed=0)
+@pytest.mark.parametrize("kind", ["torch", "cpu"])
+def test_sampler_seed_reproducible_and_distribution(kind):
+    s = Sampler(eos_ids=(), device=torch.device("cpu"), seed=0, fused=_fused(kind))
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
     sp = SamplingParams(temperature=1.0, seed=7)
     a, b = _seq_with(sp), _seq_with(sp)
@@ -105,6 +117,35 @@ def test_sampler_seed_reproducible_and_distribution():
     torch.testing.assert_close(lp, want.float(), atol=1e-5, rtol=0)
     # each kind drew more than one distinct token (else a fixed token's log-prob would pass)
     assert [sorted(set(ids[k::3].tolist())) for k in range(3)] == [[1, 2, 3], [2, 3], [0, 1, 2, 3]]
+
+
+def test_fused_cpu_sampler_draws_what_the_torch_sampler_draws():
+    """Same engine seed, same requests: the C++ draw (no top-k/top-p in the batch) picks the
+    torch path's tokens - greedy, temperatures, seeded and unseeded rows, EOS masked before
+    min_tokens - with the same log-probs; a batch asking for top-k goes the torch way."""
+    fused = _fused("cpu")
+    torch.manual_seed(0)
+    logits = torch.randn(96, 300) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.6, seed=11), SamplingParams(temperature=1.7)]
+
+    def batch():
+        return [_seq_with(params[i % 4], sid=i, min_tokens=5 if i % 3 == 0 else 0) for i in range(96)]
+
+    a = Sampler(eos_ids=(2, 5), device=torch.device("cpu"), seed=3)
+    b = Sampler(eos_ids=(2, 5), device=torch.device("cpu"), seed=3, fused=fused)
+    sa, sb = batch(), batch()
+    for _ in range(3):  # seeded rows' generators advance step by step
+        ids_a, lp_a = a(logits.clone(), sa)
+        ids_b, lp_b = b(logits.clone(), sb)
+        assert ids_b.tolist() == ids_a.tolist()
+        torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    assert len(set(ids_b.tolist())) > 40  # random rows: many distinct tokens
+    assert not {int(t) for t in ids_b[::3]} & {2, 5}  # EOS masked before min_tokens
+    calls = []
+    b.fused = type("Spy", (), {"sample": lambda self, *x: calls.append(x)})()
+    b(logits[:2].clone(), [_seq_with(SamplingParams(temperature=1.0, top_k=3)), _seq_with(SamplingParams())])
+    assert calls == []
 
 
 def test_make_engine_from_folder_and_eos_override(tmp_path):

@@ -53,14 +53,14 @@ class PagedAttention:
         self.cache, self.h, self.dh = cache, num_heads, head_dim
         self.scale = head_dim ** -0.5
         self.ctx: StepContext | None = None
-        self._triton = self._cpu = None
+        self._triton = self._cpu = self._write = None
         if decode_kernel == "cpu":
             if cache.k[0].device.type != "cpu":
                 raise ValueError("engine.attention_backend 'cpu' needs device 'cpu'")
             from workers.generation import cpu_attention
 
             cpu_attention.load()  # build now (clear error at construction, not mid-step)
-            self._cpu = cpu_attention.paged_attention
+            self._cpu, self._write = cpu_attention.paged_attention, cpu_attention.write_kv
         elif decode_kernel == "triton":
             try:
                 import kernels
@@ -85,10 +85,11 @@ class PagedAttention:
         ctx = self.ctx
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         hkv = kc.shape[2]
+        if self._cpu is not None:
+            self._write(kc, vc, k, v, ctx.slot_mapping)
+            return self._cpu(q, kc, vc, ctx.block_tables, ctx.seq_of, ctx.positions, self.scale)
         kc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, k.to(kc.dtype))
         vc.view(-1, hkv, self.dh).index_copy_(0, ctx.slot_mapping, v.to(vc.dtype))
-        if self._cpu is not None:
-            return self._cpu(q, kc, vc, ctx.block_tables, ctx.seq_of, ctx.positions, self.scale)
         if not ctx.is_prefill and self._triton is not None:
             return self._triton(q, kc, vc, ctx.block_tables, ctx.context_lens, self.scale)
         b = ctx.context_lens.shape[0]

@@ -19,6 +19,7 @@ _SOURCE = r"""
 #include <ATen/ThreadLocalState.h>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 // Rows per parallel chunk: ~32k elements, so a decode step's small tensors run on one thread
 // (an OpenMP fork/join costs more than normalising 64 rows of 256).
@@ -101,6 +102,80 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
   });
 }
 
+// One token per row of logits [B, V] (fp32, contiguous), as sampler.Sampler's draw without
+// top-k/top-p: the EOS columns eos [E] set to -inf in rows with block[r]; greedy[r]: argmax
+// (first of equal maxima, as torch), log-prob at temperature 1; else logits / temps[r], the
+// token whose cumulative probability (fp64 running sum) first exceeds u[r] times the total,
+// its log-prob at that temperature. One vectorised pass for the max, one for exp and the
+// sum, a scan for the draw; no [B, V] temporaries (torch composes it from ~12 ops).
+// A masked logit: finite (the build's -ffast-math assumes no infinities), exp() of it is 0.
+constexpr float kMasked = -1e30f;
+
+std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch::Tensor block,
+                                  torch::Tensor greedy, torch::Tensor temps, torch::Tensor u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "sample: logits must be contiguous fp32 [B, V]");
+  const int64_t B = logits.size(0), V = logits.size(1), E = eos.numel();
+  TORCH_CHECK(eos.dtype() == torch::kInt64 && eos.is_contiguous(), "sample: eos must be int64");
+  TORCH_CHECK(block.dtype() == torch::kBool && greedy.dtype() == torch::kBool && block.numel() == B &&
+              greedy.numel() == B, "sample: block and greedy must be bool [B]");
+  TORCH_CHECK(temps.dtype() == torch::kFloat && temps.numel() == B && u.dtype() == torch::kDouble &&
+              u.numel() == B, "sample: temps must be fp32 [B] and u fp64 [B]");
+  const int64_t* ep = eos.data_ptr<int64_t>();
+  for (int64_t j = 0; j < E; ++j) TORCH_CHECK(ep[j] >= 0 && ep[j] < V, "sample: eos id ", ep[j], " outside the vocabulary");
+  auto ids = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  auto logp = torch::empty({B}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  const bool* bp = block.data_ptr<bool>();
+  const bool* gp = greedy.data_ptr<bool>();
+  const float* tp = temps.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* op = logp.data_ptr<float>();
+  at::parallel_for(0, B, grain(V), [&](int64_t b, int64_t e) {
+    std::vector<float> x(V), ex(V);
+    for (int64_t r = b; r < e; ++r) {
+      std::copy(lp + r * V, lp + (r + 1) * V, x.begin());
+      if (bp[r])
+        for (int64_t j = 0; j < E; ++j) x[ep[j]] = kMasked;
+      if (!gp[r] && tp[r] != 1.f) {
+        const float inv_t = 1.f / tp[r];
+        for (int64_t j = 0; j < V; ++j) x[j] *= inv_t;
+      }
+      float mx = x[0];
+      for (int64_t j = 1; j < V; ++j) mx = std::max(mx, x[j]);
+      float sum = 0.f;  // vectorised: partial sums in fp32, as torch's log_softmax
+      for (int64_t j = 0; j < V; ++j) {
+        ex[j] = std::exp(x[j] - mx);
+        sum += ex[j];
+      }
+      const float lse = mx + std::log(sum);
+      int64_t tok = 0;
+      if (gp[r]) {
+        while (x[tok] != mx) ++tok;  // the first maximum
+      } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * sum
+        const double target = up[r] * static_cast<double>(sum);
+        double cum = 0.0;
+        int64_t j0 = 0;
+        for (; j0 + 16 <= V; j0 += 16) {
+          float c = 0.f;
+          for (int k = 0; k < 16; ++k) c += ex[j0 + k];
+          if (cum + c > target) break;
+          cum += c;
+        }
+        tok = V - 1;
+        for (int64_t j = j0; j < V; ++j) {
+          cum += ex[j];
+          if (cum > target) { tok = j; break; }
+        }
+      }
+      ip[r] = tok;
+      op[r] = x[tok] - lse;
+    }
+  });
+  return {ids, logp};
+}
+
 // x @ w^T + add, add: none, a bias [N] or a residual [M, N]. The N output columns are split
 // into one GEMM per thread (multiples of 16 columns; each runs single-threaded inside the
 // parallel region). At decode sizes (M ~ 64) MKL's own threading of one GEMM splits worse.
@@ -139,5 +214,5 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_fused_ops_cpu_v5", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear"),
+    return build("streamrl_fused_ops_cpu_v6", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear", "sample"),
                  "engine: fused CPU ops")

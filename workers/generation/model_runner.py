@@ -59,7 +59,7 @@ class ModelRunner:
         self.cache = KVCache(cfg.num_hidden_layers, blocks.num_blocks + graphs, blocks.block_size,
                              cfg.num_key_value_heads, cfg.dim_head, kv_dtype or p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
-        self.sampler = Sampler(eos_ids, p.device, seed)
+        self.sampler = Sampler(eos_ids, p.device, seed, fused=self.forward.ops)  # ops: the "cpu" backend's
         self.graphs = None
         if graphs:
             from workers.generation.cuda_graph import DecodeGraphs
