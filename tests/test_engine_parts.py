@@ -119,13 +119,15 @@ def test_sampler_seed_reproducible_and_distribution(kind):
     assert [sorted(set(ids[k::3].tolist())) for k in range(3)] == [[1, 2, 3], [2, 3], [0, 1, 2, 3]]
 
 
-def test_fused_cpu_sampler_draws_what_the_torch_sampler_draws():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_sampler_draws_what_the_torch_sampler_draws(dtype):
     """Same engine seed, same requests: the C++ draw (no top-k/top-p in the batch) picks the
     torch path's tokens - greedy, temperatures, seeded and unseeded rows, EOS masked before
-    min_tokens - with the same log-probs; a batch asking for top-k goes the torch way."""
+    min_tokens - with the same log-probs, from fp32 and bf16 logits (a bf16 model's); a batch
+    asking for top-k goes the torch way."""
     fused = _fused("cpu")
     torch.manual_seed(0)
-    logits = torch.randn(96, 300) * 3
+    logits = (torch.randn(96, 300) * 3).to(dtype)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.6, seed=11), SamplingParams(temperature=1.7)]
 

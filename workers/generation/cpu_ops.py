@@ -19,6 +19,8 @@ _SOURCE = r"""
 #include <ATen/ThreadLocalState.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 // Rows per parallel chunk: ~32k elements, so a decode step's small tensors run on one thread
@@ -51,7 +53,30 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// gu: [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up: [T, I]
+// exp(x) in plain C++ that the compiler vectorises (Cephes expf: 2^n times a degree-6
+// polynomial of the remainder; relative error ~2e-7), x clamped to [-87, 88] (no inf, no
+// denormals). std::exp is a libm call per element: the SwiGLU of Qwen2.5-0.5B's 16-row decode
+// step took 3.9 ms a step with it.
+static inline float vexp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// gu: [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up: [T, I]; fp32 math over chunks
+// of 256 columns converted into local buffers (vectorised loops, vexp).
 torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, "silu_mul: gu must be [T, 2I]");
   const int64_t T = gu.size(0), I = gu.size(1) / 2, gs = gu.stride(0);
@@ -59,15 +84,17 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gu.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, grain(2 * I), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const scalar_t* g = gp + t * gs;
-        const scalar_t* u = g + I;
-        scalar_t* o = op + t * I;
-        for (int64_t j = 0; j < I; ++j) {
-          const float x = static_cast<float>(g[j]);
-          o[j] = static_cast<scalar_t>(x / (1.f + std::exp(-x)) * static_cast<float>(u[j]));
-        }
+    const int64_t chunks = (I + 255) / 256;
+    at::parallel_for(0, T * chunks, std::max<int64_t>(1, grain(2 * I) * chunks), [&](int64_t b, int64_t e) {
+      float g[256], u[256];
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t t = item / chunks, j0 = (item % chunks) * 256, n = std::min<int64_t>(256, I - j0);
+        const scalar_t* gr = gp + t * gs + j0;
+        const scalar_t* ur = gr + I;
+        for (int64_t j = 0; j < n; ++j) { g[j] = static_cast<float>(gr[j]); u[j] = static_cast<float>(ur[j]); }
+        for (int64_t j = 0; j < n; ++j) g[j] = g[j] / (1.f + vexp(-g[j])) * u[j];
+        scalar_t* o = op + t * I + j0;
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<scalar_t>(g[j]);
       }
     });
   });
@@ -102,7 +129,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
   });
 }
 
-// One token per row of logits [B, V] (fp32, contiguous), as sampler.Sampler's draw without
+// One token per row of logits [B, V] (contiguous; fp32 math), as sampler.Sampler's draw without
 // top-k/top-p: the EOS columns eos [E] set to -inf in rows with block[r]; greedy[r]: argmax
 // (first of equal maxima, as torch), log-prob at temperature 1; else logits / temps[r], the
 // token whose cumulative probability (fp64 running sum) first exceeds u[r] times the total,
@@ -113,8 +140,7 @@ constexpr float kMasked = -1e30f;
 
 std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch::Tensor block,
                                   torch::Tensor greedy, torch::Tensor temps, torch::Tensor u) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
-              "sample: logits must be contiguous fp32 [B, V]");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "sample: logits must be contiguous [B, V]");
   const int64_t B = logits.size(0), V = logits.size(1), E = eos.numel();
   TORCH_CHECK(eos.dtype() == torch::kInt64 && eos.is_contiguous(), "sample: eos must be int64");
   TORCH_CHECK(block.dtype() == torch::kBool && greedy.dtype() == torch::kBool && block.numel() == B &&
@@ -124,54 +150,56 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
   const int64_t* ep = eos.data_ptr<int64_t>();
   for (int64_t j = 0; j < E; ++j) TORCH_CHECK(ep[j] >= 0 && ep[j] < V, "sample: eos id ", ep[j], " outside the vocabulary");
   auto ids = torch::empty({B}, logits.options().dtype(torch::kInt64));
-  auto logp = torch::empty({B}, logits.options());
-  const float* lp = logits.data_ptr<float>();
+  auto logp = torch::empty({B}, logits.options().dtype(torch::kFloat));
   const bool* bp = block.data_ptr<bool>();
   const bool* gp = greedy.data_ptr<bool>();
   const float* tp = temps.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* op = logp.data_ptr<float>();
-  at::parallel_for(0, B, grain(V), [&](int64_t b, int64_t e) {
-    std::vector<float> x(V), ex(V);
-    for (int64_t r = b; r < e; ++r) {
-      std::copy(lp + r * V, lp + (r + 1) * V, x.begin());
-      if (bp[r])
-        for (int64_t j = 0; j < E; ++j) x[ep[j]] = kMasked;
-      if (!gp[r] && tp[r] != 1.f) {
-        const float inv_t = 1.f / tp[r];
-        for (int64_t j = 0; j < V; ++j) x[j] *= inv_t;
-      }
-      float mx = x[0];
-      for (int64_t j = 1; j < V; ++j) mx = std::max(mx, x[j]);
-      float sum = 0.f;  // vectorised: partial sums in fp32, as torch's log_softmax
-      for (int64_t j = 0; j < V; ++j) {
-        ex[j] = std::exp(x[j] - mx);
-        sum += ex[j];
-      }
-      const float lse = mx + std::log(sum);
-      int64_t tok = 0;
-      if (gp[r]) {
-        while (x[tok] != mx) ++tok;  // the first maximum
-      } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * sum
-        const double target = up[r] * static_cast<double>(sum);
-        double cum = 0.0;
-        int64_t j0 = 0;
-        for (; j0 + 16 <= V; j0 += 16) {
-          float c = 0.f;
-          for (int k = 0; k < 16; ++k) c += ex[j0 + k];
-          if (cum + c > target) break;
-          cum += c;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "sample", [&] {
+    const scalar_t* lp = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, B, grain(V), [&](int64_t b, int64_t e) {
+      std::vector<float> x(V), ex(V);
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t j = 0; j < V; ++j) x[j] = static_cast<float>(lp[r * V + j]);
+        if (bp[r])
+          for (int64_t j = 0; j < E; ++j) x[ep[j]] = kMasked;
+        if (!gp[r] && tp[r] != 1.f) {
+          const float inv_t = 1.f / tp[r];
+          for (int64_t j = 0; j < V; ++j) x[j] *= inv_t;
         }
-        tok = V - 1;
-        for (int64_t j = j0; j < V; ++j) {
-          cum += ex[j];
-          if (cum > target) { tok = j; break; }
+        float mx = x[0];
+        for (int64_t j = 1; j < V; ++j) mx = std::max(mx, x[j]);
+        float sum = 0.f;  // vectorised: partial sums in fp32, as torch's log_softmax
+        for (int64_t j = 0; j < V; ++j) {
+          ex[j] = vexp(x[j] - mx);
+          sum += ex[j];
         }
+        const float lse = mx + std::log(sum);
+        int64_t tok = 0;
+        if (gp[r]) {
+          while (x[tok] != mx) ++tok;  // the first maximum
+        } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * sum
+          const double target = up[r] * static_cast<double>(sum);
+          double cum = 0.0;
+          int64_t j0 = 0;
+          for (; j0 + 16 <= V; j0 += 16) {
+            float c = 0.f;
+            for (int k = 0; k < 16; ++k) c += ex[j0 + k];
+            if (cum + c > target) break;
+            cum += c;
+          }
+          tok = V - 1;
+          for (int64_t j = j0; j < V; ++j) {
+            cum += ex[j];
+            if (cum > target) { tok = j; break; }
+          }
+        }
+        ip[r] = tok;
+        op[r] = x[tok] - lse;
       }
-      ip[r] = tok;
-      op[r] = x[tok] - lse;
-    }
+    });
   });
   return {ids, logp};
 }

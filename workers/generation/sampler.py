@@ -50,16 +50,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [B, V] -> (token ids int64 [B], log-probs float32 [B])."""
-        logits = logits.float()
         block = [s.num_output < s.request.min_tokens for s in seqs] if self.eos is not None else []
         params = [s.request.sampling for s in seqs]
         greedy = [p.temperature < GREEDY_BELOW for p in params]
         if self.fused is not None and not self._filters(params, greedy, logits.shape[1]):
             temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
-            ids, logp = self.fused.sample(logits.contiguous(), self.eos if block else self._no_eos,
-                                          torch.tensor(block or [False] * len(seqs)), torch.tensor(greedy),
-                                          temps, self._uniforms(seqs, greedy)[:, 0])
-            return ids, logp
+            return self.fused.sample(logits.contiguous(), self.eos if block else self._no_eos,  # fp32 math inside
+                                     torch.tensor(block or [False] * len(seqs)), torch.tensor(greedy),
+                                     temps, self._uniforms(seqs, greedy)[:, 0])
+        logits = logits.float()
         if self.eos is not None:
             if any(block):
                 rows = to_device(block, torch.bool, logits.device)[:, None]  # [B, 1]
