@@ -50,14 +50,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [B, V] -> (token ids int64 [B], log-probs float32 [B])."""
-        block = [s.num_output < s.request.min_tokens for s in seqs] if self.eos is not None else []
+        block = [len(s.tokens) - s.prompt_len < s.request.min_tokens for s in seqs] if self.eos is not None else []
         params = [s.request.sampling for s in seqs]
         greedy = [p.temperature < GREEDY_BELOW for p in params]
         if self.fused is not None and not self._filters(params, greedy, logits.shape[1]):
-            temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
-            return self.fused.sample(logits.contiguous(), self.eos if block else self._no_eos,  # fp32 math inside
+            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+            return self.fused.sample(logits.contiguous(), self.eos if any(block) else self._no_eos,  # fp32 math
                                      torch.tensor(block or [False] * len(seqs)), torch.tensor(greedy),
-                                     temps, self._uniforms(seqs, greedy)[:, 0])
+                                     torch.tensor(temps, dtype=torch.float32), self._uniforms(seqs, greedy)[:, 0])
         logits = logits.float()
         if self.eos is not None:
             if any(block):
@@ -80,8 +80,10 @@ class Sampler:
     def _uniforms(self, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         """fp64 [B, 1]: a uniform for each sampled row (greedy rows: 0), from the request's
         own generator when it has a seed, else from the engine's (one draw for all of those)."""
-        u = torch.zeros(len(seqs), 1, dtype=torch.float64, device=self.device)
         shared = [i for i, s in enumerate(seqs) if not greedy[i] and self._generator(s) is None]
+        if len(shared) == len(seqs):  # the common case: every row draws from the engine's generator
+            return torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device, generator=self.generator)
+        u = torch.zeros(len(seqs), 1, dtype=torch.float64, device=self.device)
         if shared:
             idx = to_device(shared, torch.int64, self.device)
             u.index_copy_(0, idx, torch.rand(len(shared), 1, dtype=torch.float64, device=self.device,
