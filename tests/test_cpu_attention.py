@@ -125,20 +125,20 @@ def test_kernel_split_over_kv_heads_and_long_contexts(ntok, dh, h, hkv):
 def test_write_kv_matches_index_copy_and_refuses_a_slot_outside(cache_dtype):
     """The engine's K/V write: rows of strided views (k, v of a fused qkv projection) land in
     their slots as index_copy_ puts them (rounded to nearest even into a bf16 cache)."""
-    from workers.generation import cpu_attention
+    from workers.generation import cpu_ops
 
-    extension_or_skip(cpu_attention, "C++ CPU attention kernel")
+    extension_or_skip(cpu_ops, "C++ fused CPU ops")
     torch.manual_seed(0)
     kc, vc = torch.zeros(6, 16, 2, 64, dtype=cache_dtype), torch.zeros(6, 16, 2, 64, dtype=cache_dtype)
     qkv = torch.randn(5, 4 * 64 + 2 * 2 * 64)
     k, v = qkv[:, 256:384].view(5, 2, 64), qkv[:, 384:].view(5, 2, 64)
     slots = torch.tensor([3, 17, 40, 95, 0])
-    cpu_attention.write_kv(kc, vc, k, v, slots)
+    cpu_ops.write_kv(kc, vc, k, v, slots)
     want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
     want_k.view(-1, 2, 64).index_copy_(0, slots, k.to(cache_dtype))
     want_v.view(-1, 2, 64).index_copy_(0, slots, v.to(cache_dtype))
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     with pytest.raises(RuntimeError, match="slot 96 of token 4 is outside the cache"):
-        cpu_attention.write_kv(kc, vc, k, v, torch.tensor([0, 1, 2, 3, 96]))
+        cpu_ops.write_kv(kc, vc, k, v, torch.tensor([0, 1, 2, 3, 96]))
     with pytest.raises(RuntimeError, match="write_kv: k and v must be"):
-        cpu_attention.write_kv(kc, vc, k, v[:, :1], slots)
+        cpu_ops.write_kv(kc, vc, k, v[:, :1], slots)

@@ -57,10 +57,11 @@ class PagedAttention:
         if decode_kernel == "cpu":
             if cache.k[0].device.type != "cpu":
                 raise ValueError("engine.attention_backend 'cpu' needs device 'cpu'")
-            from workers.generation import cpu_attention
+            from workers.generation import cpu_attention, cpu_ops
 
             cpu_attention.load()  # build now (clear error at construction, not mid-step)
-            self._cpu, self._write = cpu_attention.paged_attention, cpu_attention.write_kv
+            cpu_ops.load()
+            self._cpu, self._write = cpu_attention.paged_attention, cpu_ops.write_kv
         elif decode_kernel == "triton":
             try:
                 import kernels

@@ -10,8 +10,7 @@ copied into a small item-local buffer first and then scored, softmaxed online
 (flash-decoding style) and accumulated in fp32; fp32, bf16 and fp16 caches. Why: with torch
 ops, decode attention over a paged cache has to gather each sequence's blocks into a padded
 copy first, which on a CPU costs more than the
-attention itself (see docs/engine.md). ``write_kv`` puts a step's new K/V rows into their
-cache slots (a row copy each; ``index_copy_`` from the strided k/v views took ~25 us a call). The build (~1 min, once per kind of CPU: cached under
+attention itself (see docs/engine.md). The build (~1 min, once per kind of CPU: cached under
 ``~/.cache/torch_extensions``, by instruction set, ``cpp_build``) needs a C++ compiler.
 """
 from __future__ import annotations
@@ -296,63 +295,6 @@ static void run_attend(torch::Tensor& q, torch::Tensor& k_cache, torch::Tensor& 
   else run(std::integral_constant<int, 0>());
 }
 
-// k, v: [T, Hkv, Dh] (each token's heads contiguous; any token stride, e.g. views of a fused
-// qkv projection) written into the caches [num_blocks, block_size, Hkv, Dh] at slots [T]: a
-// row copy per token (what index_copy_ does, without its strided-source path: ~25 us a call
-// at decode sizes, this ~1 us). Cache dtype = k's, or bf16/fp16 under fp32 k (rounded to nearest even).
-template <typename S, typename C>
-static void write_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc, torch::Tensor& vc,
-                       const int64_t* slots, int64_t row) {
-  const int64_t T = k.size(0), ks = k.stride(0), vs = v.stride(0);
-  const S* kp = k.data_ptr<S>();
-  const S* vp = v.data_ptr<S>();
-  C* kcp = kc.data_ptr<C>();
-  C* vcp = vc.data_ptr<C>();
-  for (int64_t t = 0; t < T; ++t) {
-    C* kd = kcp + slots[t] * row;
-    C* vd = vcp + slots[t] * row;
-    if constexpr (std::is_same_v<S, C>) {
-      std::memcpy(kd, kp + t * ks, row * sizeof(C));
-      std::memcpy(vd, vp + t * vs, row * sizeof(C));
-    } else {
-      for (int64_t j = 0; j < row; ++j) {
-        kd[j] = static_cast<C>(kp[t * ks + j]);
-        vd[j] = static_cast<C>(vp[t * vs + j]);
-      }
-    }
-  }
-}
-
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "write_kv: the caches must be contiguous [num_blocks, block_size, Hkv, Dh] of one dtype");
-  const int64_t Hkv = k_cache.size(2), Dh = k_cache.size(3), row = Hkv * Dh;
-  for (const auto& x : {k, v})
-    TORCH_CHECK(x.dim() == 3 && x.size(1) == Hkv && x.size(2) == Dh && x.stride(2) == 1 && x.stride(1) == Dh &&
-                x.scalar_type() == k.scalar_type() && x.size(0) == k.size(0),
-                "write_kv: k and v must be [T, Hkv, Dh] with each token's heads contiguous");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
-              "write_kv: slots must be contiguous int64 [T]");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < k.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "write_kv: slot ", sp[t], " of token ", t, " is outside the cache (",
-                nslots, " slots)");
-  const auto cd = k_cache.scalar_type(), sd = k.scalar_type();
-  if (sd == cd) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cd, "write_kv", [&] {
-      write_rows<scalar_t, scalar_t>(k, v, k_cache, v_cache, sp, row);
-    });
-  } else if (sd == at::kFloat && cd == at::kBFloat16) {
-    write_rows<float, c10::BFloat16>(k, v, k_cache, v_cache, sp, row);
-  } else if (sd == at::kFloat && cd == at::kHalf) {
-    write_rows<float, c10::Half>(k, v, k_cache, v_cache, sp, row);
-  } else {
-    TORCH_CHECK(false, "write_kv: a ", cd, " cache under ", sd, " k/v is not supported");
-  }
-}
-
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_of,
                               torch::Tensor positions, double scale) {
@@ -386,8 +328,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v9", _SOURCE, ("paged_attention", "write_kv"),
-                 "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu_v8", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -400,11 +341,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     return load().paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, scale)
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """Token ``t``'s k/v ``[T, Hkv, Dh]`` (each token's heads contiguous; any token stride)
-    into cache slot ``slots[t]`` (int64) of ``[num_blocks, block_size, Hkv, Dh]`` caches;
-    rounded to nearest even into a bf16/fp16 cache under fp32 k/v."""
-    load().write_kv(k_cache, v_cache, k, v, slots)

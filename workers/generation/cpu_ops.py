@@ -5,9 +5,11 @@ RMSNorm in one pass over each row, SwiGLU's ``silu(gate) * up`` in one pass, RoP
 q and k columns of the fused qkv projection in place (no copies; the attention kernel reads
 q as a row-strided view). Each is one parallel loop over tokens (``at::parallel_for``);
 torch composes the same maths from 3-6 passes and temporaries. Math in fp32; fp32, bf16
-and fp16 tensors. Plus ``linear``: a decode-sized GEMM whose output columns are split into
-one single-threaded GEMM per torch thread (MKL's own threading of an M=64 GEMM scales ~1.3x
-on 2 threads).
+and fp16 tensors. ``write_kv`` puts a step's new K/V rows into their paged-cache slots (a
+row copy each; ``index_copy_`` from the strided k/v views took ~25 us a call); ``sample``
+is the sampler's one-pass draw (``sampler.py``). Plus ``linear``: a decode-sized GEMM whose
+output columns are split into one single-threaded GEMM per torch thread (MKL's own
+threading of an M=64 GEMM scales ~1.3x on 2 threads).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Rows per parallel chunk: ~32k elements, so a decode step's small tensors run on one thread
@@ -204,6 +207,63 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
   return {ids, logp};
 }
 
+// k, v: [T, Hkv, Dh] (each token's heads contiguous; any token stride, e.g. views of a fused
+// qkv projection) written into the caches [num_blocks, block_size, Hkv, Dh] at slots [T]: a
+// row copy per token (what index_copy_ does, without its strided-source path: ~25 us a call
+// at decode sizes, this ~1 us). Cache dtype = k's, or bf16/fp16 under fp32 k (rounded to nearest even).
+template <typename S, typename C>
+static void write_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc, torch::Tensor& vc,
+                       const int64_t* slots, int64_t row) {
+  const int64_t T = k.size(0), ks = k.stride(0), vs = v.stride(0);
+  const S* kp = k.data_ptr<S>();
+  const S* vp = v.data_ptr<S>();
+  C* kcp = kc.data_ptr<C>();
+  C* vcp = vc.data_ptr<C>();
+  for (int64_t t = 0; t < T; ++t) {
+    C* kd = kcp + slots[t] * row;
+    C* vd = vcp + slots[t] * row;
+    if constexpr (std::is_same_v<S, C>) {
+      std::memcpy(kd, kp + t * ks, row * sizeof(C));
+      std::memcpy(vd, vp + t * vs, row * sizeof(C));
+    } else {
+      for (int64_t j = 0; j < row; ++j) {
+        kd[j] = static_cast<C>(kp[t * ks + j]);
+        vd[j] = static_cast<C>(vp[t * vs + j]);
+      }
+    }
+  }
+}
+
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: the caches must be contiguous [num_blocks, block_size, Hkv, Dh] of one dtype");
+  const int64_t Hkv = k_cache.size(2), Dh = k_cache.size(3), row = Hkv * Dh;
+  for (const auto& x : {k, v})
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == Hkv && x.size(2) == Dh && x.stride(2) == 1 && x.stride(1) == Dh &&
+                x.scalar_type() == k.scalar_type() && x.size(0) == k.size(0),
+                "write_kv: k and v must be [T, Hkv, Dh] with each token's heads contiguous");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
+              "write_kv: slots must be contiguous int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "write_kv: slot ", sp[t], " of token ", t, " is outside the cache (",
+                nslots, " slots)");
+  const auto cd = k_cache.scalar_type(), sd = k.scalar_type();
+  if (sd == cd) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cd, "write_kv", [&] {
+      write_rows<scalar_t, scalar_t>(k, v, k_cache, v_cache, sp, row);
+    });
+  } else if (sd == at::kFloat && cd == at::kBFloat16) {
+    write_rows<float, c10::BFloat16>(k, v, k_cache, v_cache, sp, row);
+  } else if (sd == at::kFloat && cd == at::kHalf) {
+    write_rows<float, c10::Half>(k, v, k_cache, v_cache, sp, row);
+  } else {
+    TORCH_CHECK(false, "write_kv: a ", cd, " cache under ", sd, " k/v is not supported");
+  }
+}
+
 // x @ w^T + add, add: none, a bias [N] or a residual [M, N]. The N output columns are split
 // into one GEMM per thread (multiples of 16 columns; each runs single-threaded inside the
 // parallel region). At decode sizes (M ~ 64) MKL's own threading of one GEMM splits worse.
@@ -242,5 +302,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_fused_ops_cpu_v6", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear", "sample"),
+    return build("streamrl_fused_ops_cpu_v6", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear", "sample",
+                                                        "write_kv"),
                  "engine: fused CPU ops")
+
+
+def write_kv(k_cache, v_cache, k, v, slots) -> None:
+    """Token ``t``'s k/v ``[T, Hkv, Dh]`` (each token's heads contiguous; any token stride)
+    into cache slot ``slots[t]`` (int64) of ``[num_blocks, block_size, Hkv, Dh]`` caches;
+    rounded to nearest even into a bf16/fp16 cache under fp32 k/v."""
+    load().write_kv(k_cache, v_cache, k, v, slots)
