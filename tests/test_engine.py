@@ -1,6 +1,6 @@
 """NativeEngine correctness: greedy output equals greedy decoding by full recomputation (no
-cache) for mixed-length prompts, across preemption and with prefix sharing; in-place weights
-act like a fresh engine; forced lengths, EOS, refusals, admission order, batch cap."""
+cache) for mixed-length prompts, across preemption and with prefix sharing; forced lengths,
+EOS, refusals, admission order, batch cap. In-place weights: test_engine_load_weights.py."""
 import pytest
 import torch
 from ext_helpers import extension_or_skip
@@ -137,98 +137,6 @@ def test_kv_peak_is_the_most_blocks_held_at_once_in_a_busy_period():
     generate_all(eng, greedy_requests(PS, 14))
     st = eng.stats()
     assert st.preemptions > 0 and st.kv_blocks_peak == st.kv_blocks_free == 16
-
-
-def test_load_weights_like_fresh_engine():
-    other = tiny_model(seed=7)
-    reqs = greedy_requests(PS[:4], 8)
-    eng = engine(model=tiny_model())  # own copy: load_weights writes into the model in place
-    generate_all(eng, reqs)
-    eng.load_weights(other.hf_state_dict().items(), version=3)
-    got = generate_all(eng, reqs)
-    want = generate_all(engine(model=other), reqs)
-    assert [s.output_ids.tolist() for s in got] == [s.output_ids.tolist() for s in want]
-    assert all(s.weight_version == 3 for s in got)
-
-
-def test_load_weights_mid_flight_restarts_in_flight_samples():
-    other = tiny_model(seed=7)
-    reqs = [Request(sample_id=i, prompt_ids=PS[2 + i % 2], max_tokens=8, min_tokens=8,
-                    sampling=SamplingParams(temperature=1.0, seed=i), group_id=i % 2)  # 2 groups of 2
-            for i in range(4)]
-    eng = engine(model=tiny_model(), max_batch_size=2)
-    eng.add(reqs)
-    for _ in range(3):
-        assert eng.step() == []
-    eng.load_weights(other.hf_state_dict().items(), version=1)
-    got = generate_all(eng, [])
-    want = generate_all(engine(model=other, max_batch_size=2), reqs)
-    assert {s.sample_id: s.output_ids.tolist() for s in got} == {s.sample_id: s.output_ids.tolist() for s in want}
-    assert sorted(s.sample_id for s in got) == [0, 1, 2, 3] and all(len(s.output_ids) == 8 for s in got)
-    assert all(s.weight_version == 1 for s in got)
-
-
-def test_load_weights_refuses_bad_tensor_before_touching_anything():
-    eng = engine()
-    before = {k: v.clone() for k, v in MODEL.hf_state_dict().items()}
-    new = [(k, torch.zeros_like(v)) for k, v in before.items()]
-    bad_shape = new[:-1] + [(new[-1][0], torch.zeros(3, 3))]
-    with pytest.raises(ValueError, match=new[-1][0].replace(".", r"\.")):
-        eng.load_weights(bad_shape, version=1)
-    with pytest.raises(ValueError, match="model.nope.weight"):
-        eng.load_weights(new + [("model.nope.weight", torch.zeros(1))], version=1)
-    assert all(torch.equal(before[k], v) for k, v in MODEL.hf_state_dict().items())
-    assert eng.weight_version == 0
-
-
-def test_load_weights_refusal_writes_nothing_mid_flight():
-    # the version and every tensor are checked before the first write: a refused update leaves
-    # the weights, the version and the samples in flight as they were (no mixed versions)
-    model = tiny_model()
-    eng = engine(model=model)
-    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
-    reqs = greedy_requests(PS[:3], 8)
-    eng.add(reqs)
-    for _ in range(3):
-        eng.step()
-    new = [(k, v + 1.0) for k, v in before.items()]
-    name, t = new[1]
-    for items, version in [(new, "v2"), (new, 2.5),
-                           (new[:1] + [(name, torch.empty(t.shape, device="meta"))], 1),
-                           (new[:1] + [(name, t.to(torch.int64))], 1),
-                           (new[:1] + [(name, t.to(torch.complex64))], 1),
-                           (new[:1] + [(name, torch.full_like(t, float("inf")))], 1)]:
-        with pytest.raises(ValueError, match="load_weights: "):
-            eng.load_weights(items, version)
-        assert all(torch.equal(before[k], v) for k, v in model.hf_state_dict().items())
-        assert eng.weight_version == 0
-    got = sorted(generate_all(eng, []), key=lambda s: s.sample_id)
-    check_against_recompute(reqs, got, model)
-    assert all(s.weight_version == 0 for s in got)
-
-
-class _CastFails(torch.Tensor):
-    """A tensor whose dtype cast raises, standing in for a cast that runs out of memory."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.to:
-            raise RuntimeError("simulated out of memory in the cast")
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-def test_load_weights_casts_everything_before_the_first_write():
-    # float64 update into float32 weights: every cast happens before any tensor is written, so
-    # one that fails (here: the last one) leaves all the weights and the version as they were
-    model = tiny_model()
-    eng = engine(model=model)
-    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
-    new = [(k, (v + 1.0).double()) for k, v in before.items()]
-    new[-1] = (new[-1][0], new[-1][1].as_subclass(_CastFails))
-    with pytest.raises(RuntimeError, match="simulated out of memory"):
-        eng.load_weights(new, version=1)
-    assert all(torch.equal(before[k], v) for k, v in model.hf_state_dict().items())
-    assert eng.weight_version == 0
 
 
 def test_set_max_batch_size_refuses_bools():
