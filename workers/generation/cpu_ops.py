@@ -115,16 +115,30 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
     scalar_t* xp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cs.data_ptr<scalar_t>();
     at::parallel_for(0, T, grain(n_heads * Dh), [&](int64_t b, int64_t e) {
+      // 16-bit: a token's cos/sin converted once and each head's row through an fp32 buffer
+      // (converting per element per head took 24 us for Qwen2.5-0.5B's 16 rows, this 7-9 us)
+      std::vector<float> cf(Dh), sf(Dh), xf(Dh);
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* c = cp + t * 2 * Dh;
         const scalar_t* s = c + Dh;
-        for (int64_t h = 0; h < n_heads; ++h) {
-          scalar_t* x = xp + t * qs + h * Dh;
-          for (int64_t d = 0; d < half; ++d) {
-            const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
-            x[d] = static_cast<scalar_t>(x1 * static_cast<float>(c[d]) + x2 * static_cast<float>(s[d]));
-            x[d + half] = static_cast<scalar_t>(x2 * static_cast<float>(c[d + half]) +
-                                                x1 * static_cast<float>(s[d + half]));
+        if (sizeof(scalar_t) >= 4) {  // fp32/fp64 in place (AT_DISPATCH's lambda compiles both arms)
+          for (int64_t h = 0; h < n_heads; ++h) {
+            scalar_t* x = xp + t * qs + h * Dh;
+            for (int64_t d = 0; d < half; ++d) {
+              const scalar_t x1 = x[d], x2 = x[d + half];
+              x[d] = x1 * c[d] + x2 * s[d];
+              x[d + half] = x2 * c[d + half] + x1 * s[d + half];
+            }
+          }
+        } else {
+          for (int64_t d = 0; d < Dh; ++d) { cf[d] = static_cast<float>(c[d]); sf[d] = static_cast<float>(s[d]); }
+          for (int64_t h = 0; h < n_heads; ++h) {
+            scalar_t* x = xp + t * qs + h * Dh;
+            for (int64_t d = 0; d < Dh; ++d) xf[d] = static_cast<float>(x[d]);
+            for (int64_t d = 0; d < half; ++d) {
+              x[d] = static_cast<scalar_t>(xf[d] * cf[d] + xf[d + half] * sf[d]);
+              x[d + half] = static_cast<scalar_t>(xf[d + half] * cf[d + half] + xf[d] * sf[d + half]);
+            }
           }
         }
       }
