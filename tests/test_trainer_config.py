@@ -1,0 +1,45 @@
+"""TrainerConfig: validation at construction (unknown algorithm / estimator / key, switches that
+take only bools, warmup past the schedule) and the learning-rate schedules."""
+import pytest
+
+from workers.config_schema import build_section
+from workers.trainer import TrainerConfig
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="algorithm"):
+        TrainerConfig(algorithm="dpo")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        TrainerConfig(kl_estimator="k2")
+    with pytest.raises(ValueError, match="dual_clip"):
+        TrainerConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="critic"):
+        TrainerConfig(algorithm="ppo", critic=False)
+    with pytest.raises(ValueError, match="trainer.lrr: unknown key; did you mean 'lr'"):
+        build_section(TrainerConfig, "trainer", {"lr": 1e-3, "lrr": 1})
+    assert build_section(TrainerConfig, "trainer", {"algorithm": "ppo", "betas": [0.9, 0.95]}).use_critic
+
+
+def test_lr_schedule():
+    from workers.trainer.schedule import lr_lambda
+
+    f = lr_lambda(TrainerConfig(warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.1))
+    assert [round(f(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
+    g = lr_lambda(TrainerConfig(lr_schedule="linear", total_steps=4))
+    assert [g(s) for s in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_warmup_longer_than_the_schedule_is_refused():
+    with pytest.raises(ValueError, match=r"trainer.warmup_steps \(5\) must be <= trainer.total_steps \(3\)"):
+        TrainerConfig(warmup_steps=5, total_steps=3)
+    TrainerConfig(warmup_steps=3, total_steps=3)
+
+
+@pytest.mark.parametrize("key, value", [("recompute_old_logprobs", "false"), ("grpo_std_normalize", 0),
+                                        ("critic", "yes"), ("whiten_advantages", 1), ("grpo_std_normalize", None)])
+def test_switches_take_only_bools(key, value):
+    """A library user's TrainerConfig(recompute_old_logprobs="false") turned the switch on (a
+    non-empty string is truthy); run configs were type-checked already, direct use was not."""
+    with pytest.raises(ValueError, match=rf"trainer.{key} must be true or false"):
+        TrainerConfig(**{key: value})
+    TrainerConfig(critic=None, whiten_advantages=None, recompute_old_logprobs=True)
