@@ -150,6 +150,17 @@ def test_fused_cpu_sampler_draws_what_the_torch_sampler_draws(dtype):
     assert calls == []
 
 
+def test_fused_draw_gives_a_masked_eos_no_mass_even_at_u_zero():
+    """A masked EOS column has probability exactly 0: the smallest uniform draws the first
+    unmasked token (as the torch path's searchsorted does), and its log-prob is finite."""
+    ops = _fused("cpu")
+    logits = torch.tensor([[9.0, 1.0, 2.0], [9.0, 1.0, 2.0]])
+    ids, lp = ops.sample(logits, torch.tensor([0]), torch.tensor([True, False]), torch.tensor([False, False]),
+                         torch.ones(2), torch.zeros(2, dtype=torch.float64))
+    assert ids.tolist() == [1, 0]
+    assert lp[0] == pytest.approx(float(torch.log_softmax(torch.tensor([1.0, 2.0]), -1)[0]), abs=1e-6)
+
+
 def test_make_engine_from_folder_and_eos_override(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)

@@ -8,7 +8,7 @@ logits / temperature -> top-k -> top-p
 ``torch.Generator`` (reproducible whatever the batch), those of the others from the
 engine's generator. On CPU, with the engine's compiled ops (the "cpu" attention backend),
 a batch without top-k/top-p is drawn by one C++ pass per row (``cpu_ops.sample``: the same
-formula and uniforms, ~0.05 ms instead of ~0.35 ms a decode step of workload (a)).
+formula and uniforms; ~0.1 ms instead of ~0.3 ms a decode step of workload (a)).
 
 Returned log-prob: ``log_softmax`` of the logits the token was drawn from, i.e. after EOS
 masking, temperature scaling and top-k/top-p filtering. Greedy rows report the model's
