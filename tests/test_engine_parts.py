@@ -161,6 +161,16 @@ def test_fused_draw_gives_a_masked_eos_no_mass_even_at_u_zero():
     assert lp[0] == pytest.approx(float(torch.log_softmax(torch.tensor([1.0, 2.0]), -1)[0]), abs=1e-6)
 
 
+def test_fused_draw_of_nan_logits_stays_in_the_vocabulary():
+    """A diverged model's NaN logits give a token id inside the vocabulary and a NaN log-prob
+    (the trainer's non-finite checks take it from there), not a read past the row."""
+    ops = _fused("cpu")
+    ids, lp = ops.sample(torch.full((2, 50), float("nan")), torch.empty(0, dtype=torch.int64),
+                         torch.tensor([False, False]), torch.tensor([True, False]), torch.ones(2),
+                         torch.full((2,), 0.5, dtype=torch.float64))
+    assert all(0 <= i < 50 for i in ids.tolist()) and torch.isnan(lp).all()
+
+
 def test_make_engine_from_folder_and_eos_override(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)

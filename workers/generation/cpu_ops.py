@@ -196,7 +196,7 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
         const float lse = mx + std::log(sum);
         int64_t tok = 0;
         if (gp[r]) {
-          while (x[tok] != mx) ++tok;  // the first maximum
+          while (tok < V - 1 && x[tok] != mx) ++tok;  // the first maximum (bounded: NaN logits)
         } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * sum
           const double target = up[r] * static_cast<double>(sum);
           double cum = 0.0;
