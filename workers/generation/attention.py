@@ -60,8 +60,7 @@ class PagedAttention:
             from workers.generation import cpu_attention, cpu_ops
 
             cpu_attention.load()  # build now (clear error at construction, not mid-step)
-            cpu_ops.load()
-            self._cpu, self._write = cpu_attention.paged_attention, cpu_ops.write_kv
+            self._cpu, self._write = cpu_attention.paged_attention, cpu_ops.load().write_kv
         elif decode_kernel == "triton":
             try:
                 import kernels

@@ -147,7 +147,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cs, int64_t n_heads) {
 }
 
 // One token per row of logits [B, V] (contiguous; fp32 math), as sampler.Sampler's draw without
-// top-k/top-p: the EOS columns eos [E] set to -inf in rows with block[r]; greedy[r]: argmax
+// top-k/top-p: the EOS columns eos [E] get no mass in rows with block[r]; greedy[r]: argmax
 // (first of equal maxima, as torch), log-prob at temperature 1; else logits / temps[r], the
 // token whose cumulative probability (fp64 running sum) first exceeds u[r] times the total,
 // its log-prob at that temperature. One vectorised pass for the max, one for exp and the

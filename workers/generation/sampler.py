@@ -50,20 +50,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [B, V] -> (token ids int64 [B], log-probs float32 [B])."""
-        block = [len(s.tokens) - s.prompt_len < s.request.min_tokens for s in seqs] if self.eos is not None else []
+        # rows whose EOS is masked (fewer outputs than min_tokens)
+        block = [s.num_output < s.request.min_tokens for s in seqs] if self.eos is not None else [False] * len(seqs)
         params = [s.request.sampling for s in seqs]
         greedy = [p.temperature < GREEDY_BELOW for p in params]
         if self.fused is not None and not self._filters(params, greedy, logits.shape[1]):
             temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-            return self.fused.sample(logits.contiguous(), self.eos if any(block) else self._no_eos,  # fp32 math
-                                     torch.tensor(block or [False] * len(seqs)), torch.tensor(greedy),
+            return self.fused.sample(logits.contiguous(), self.eos if self.eos is not None else self._no_eos,
+                                     torch.tensor(block), torch.tensor(greedy),  # fp32 math inside
                                      torch.tensor(temps, dtype=torch.float32), self._uniforms(seqs, greedy)[:, 0])
         logits = logits.float()
-        if self.eos is not None:
-            if any(block):
-                rows = to_device(block, torch.bool, logits.device)[:, None]  # [B, 1]
-                eos_cols = logits.index_select(1, self.eos)
-                logits.index_copy_(1, self.eos, eos_cols.masked_fill(rows, float("-inf")))
+        if any(block):
+            rows = to_device(block, torch.bool, logits.device)[:, None]  # [B, 1]
+            eos_cols = logits.index_select(1, self.eos)
+            logits.index_copy_(1, self.eos, eos_cols.masked_fill(rows, float("-inf")))
         if all(greedy):
             logp = torch.log_softmax(logits, dim=-1)
             ids = logits.argmax(-1)
