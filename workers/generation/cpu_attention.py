@@ -6,8 +6,8 @@ read straight from the paged cache through the block table: no gather copy, no p
 mask, decode and prefill (with cached prefixes) alike. Work is split
 over query tokens (and over KV heads when there are fewer tokens than 2 per thread) with
 ``at::parallel_for`` (torch's intra-op threads); one pass over a sequence's blocks, each
-copied into a small item-local buffer first and then scored, softmaxed online
-(flash-decoding style) and accumulated in fp32; fp32, bf16 and fp16 caches. Why: with torch
+scored, softmaxed online (flash-decoding style) and accumulated in fp32; fp32, bf16 and
+fp16 caches. Why: with torch
 ops, decode attention over a paged cache has to gather each sequence's blocks into a padded
 copy first, which on a CPU costs more than the
 attention itself (see docs/engine.md). The build (~1 min, once per kind of CPU: cached under
@@ -33,8 +33,8 @@ _SOURCE = r"""
 #define STREAMRL_AVX2 1
 #endif
 
-// Item-local layout: a block's rows copied into kb/vb with row stride `rs` (= the item's KV
-// heads x Dh), scores sc[h * bs + r] for the item's query heads h (kv head h / G).
+// Layout: a block's rows with row stride `rs` (the cache's row: KV heads x Dh, the item's
+// first KV head at the start), scores sc[h * bs + r] for the item's query heads h (kv head h / G).
 
 #ifdef STREAMRL_AVX2
 // 8 cache values -> 8 floats in a register (fp32 as is; bf16 = the high half of an fp32; fp16 via F16C).
@@ -207,14 +207,28 @@ static inline void softmax_update(float* sc, int64_t nr, int64_t nh, int64_t bs,
   }
 }
 
+// One load per 64-byte line of `bytes` at the start of each of `rows` rows `stride` elements
+// apart: independent loads, so the CPU keeps many cache misses in flight at once.
+template <typename C>
+static inline void touch(const C* p, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const volatile char* c = reinterpret_cast<const volatile char*>(p + r * stride);
+    for (int64_t o = 0; o < bytes; o += 64) (void)c[o];
+  }
+}
+
 // One work item = a query token i and `nkv` of its KV heads (all of them when there are
 // enough tokens to keep the threads busy, else one: a single long sequence still uses every
-// thread). One pass over the sequence's blocks: for a decode token each block's rows are
-// first copied into an item-local buffer (a tight copy loop keeps many cache misses in flight,
-// where the compute loops alone left DRAM idle between them: ~1.4x on decode), then scored,
-// softmaxed online and accumulated from L1; prefill tokens read the (cache-resident) blocks
-// in place. DH > 0 fixes the head size at compile time (64, 128: AVX2 paths
-// where the CPU has them); DH == 0 is generic. T: q/out dtype; C: cache dtype.
+// thread). One pass over the sequence's blocks, read in place: each block's rows are scored,
+// softmaxed online and accumulated. A decode token's blocks come from DRAM (or L3): each is
+// touched first, one load per line, so that all its misses are in flight at once; the
+// compute loops alone left memory idle between misses (~7-8 GB/s). Before session 25 a
+// memcpy into a local buffer did that job at the cost of a second pass over the rows, and
+// software prefetch ahead of the loops was dropped because the CPU lets prefetches go when
+// its miss buffers are full (slower than the copy once DRAM bounds). DH > 0 fixes the head
+// size at compile time (64, 128: AVX2 paths where the CPU has them); DH == 0 is generic.
+// T: q/out dtype; C: cache dtype.
+
 template <typename T, typename C, int DH>
 static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const int* bt,
                    const int64_t* seq_of, const int64_t* pos, T* out, int64_t ntok, int64_t H,
@@ -225,7 +239,6 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
   const int64_t nkv = Hkv / split, rs = nkv * Dh, nh = nkv * G;
   at::parallel_for(0, ntok * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(nh * Dh), acc(nh * Dh), sc(nh * bs), m(nh), l(nh);
-    std::vector<C> kb(bs * rs), vb(bs * rs);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / split, g0 = (item % split) * nkv;
       const int* table = bt + seq_of[i] * maxb;
@@ -236,38 +249,28 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       // A token whose neighbours in the batch belong to its sequence (a prefill chunk) reads
-      // blocks its neighbours just read (cache-resident): in place. A lone token (decode)
-      // copies each block first (see above).
-      const bool copy = !((i > 0 && seq_of[i - 1] == seq_of[i]) || (i + 1 < ntok && seq_of[i + 1] == seq_of[i]));
-      const int64_t stride = copy ? rs : row;
+      // blocks its neighbours just read (cache-resident). A lone token (decode) touches each
+      // block's rows before reading them (see above).
+      const bool lone = !((i > 0 && seq_of[i - 1] == seq_of[i]) || (i + 1 < ntok && seq_of[i + 1] == seq_of[i]));
       for (int64_t b = 0; b < nblk; ++b) {
         const int64_t nr = std::min(bs, n - b * bs), off = static_cast<int64_t>(table[b]) * block_elems + g0 * Dh;
         const C* kp = kc + off;
         const C* vp = vc + off;
-        if (copy && split == 1) {
-          std::memcpy(kb.data(), kp, nr * rs * sizeof(C));
-          std::memcpy(vb.data(), vp, nr * rs * sizeof(C));
-        } else if (copy) {
-          for (int64_t r = 0; r < nr; ++r) {
-            std::memcpy(kb.data() + r * rs, kp + r * row, rs * sizeof(C));
-            std::memcpy(vb.data() + r * rs, vp + r * row, rs * sizeof(C));
-          }
-        }
-        if (copy) {
-          kp = kb.data();
-          vp = vb.data();
+        if (lone) {
+          touch(kp, nr, row, rs * sizeof(C));
+          touch(vp, nr, row, rs * sizeof(C));
         }
 #ifdef STREAMRL_AVX2
         if constexpr (DH > 0 && kVec<C>) {
-          scores_avx<C, DH>(qf.data(), kp, stride, nr, nkv, G, bs, sc.data());
+          scores_avx<C, DH>(qf.data(), kp, row, nr, nkv, G, bs, sc.data());
           softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
-          values_avx<C, DH>(sc.data(), vp, stride, nr, nkv, G, bs, acc.data());
+          values_avx<C, DH>(sc.data(), vp, row, nr, nkv, G, bs, acc.data());
           continue;
         }
 #endif
-        scores_generic<C>(qf.data(), kp, stride, nr, nkv, G, Dh, bs, sc.data());
+        scores_generic<C>(qf.data(), kp, row, nr, nkv, G, Dh, bs, sc.data());
         softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
-        values_generic<C>(sc.data(), vp, stride, nr, nkv, G, Dh, bs, acc.data());
+        values_generic<C>(sc.data(), vp, row, nr, nkv, G, Dh, bs, acc.data());
       }
       T* o = out + i * H * Dh + g0 * G * Dh;
       for (int64_t h = 0; h < nh; ++h) {
@@ -328,7 +331,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v8", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu_v9", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
