@@ -133,12 +133,12 @@ def test_write_kv_matches_index_copy_and_refuses_a_slot_outside(cache_dtype):
     qkv = torch.randn(5, 4 * 64 + 2 * 2 * 64)
     k, v = qkv[:, 256:384].view(5, 2, 64), qkv[:, 384:].view(5, 2, 64)
     slots = torch.tensor([3, 17, 40, 95, 0])
-    cpu_ops.write_kv(kc, vc, k, v, slots)
+    cpu_ops.load().write_kv(kc, vc, k, v, slots)
     want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
     want_k.view(-1, 2, 64).index_copy_(0, slots, k.to(cache_dtype))
     want_v.view(-1, 2, 64).index_copy_(0, slots, v.to(cache_dtype))
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     with pytest.raises(RuntimeError, match="slot 96 of token 4 is outside the cache"):
-        cpu_ops.write_kv(kc, vc, k, v, torch.tensor([0, 1, 2, 3, 96]))
+        cpu_ops.load().write_kv(kc, vc, k, v, torch.tensor([0, 1, 2, 3, 96]))
     with pytest.raises(RuntimeError, match="write_kv: k and v must be"):
-        cpu_ops.write_kv(kc, vc, k, v[:, :1], slots)
+        cpu_ops.load().write_kv(kc, vc, k, v[:, :1], slots)

@@ -6,7 +6,9 @@ instruction sets. torch's cache (``~/.cache/torch_extensions``, often on a home 
 shared by a cluster's nodes) keys a build by its name, sources and flags, and the flag
 ``-march=native`` reads the same everywhere: a build made on an AVX-512 node would be loaded
 on an AVX2 node and die there of SIGILL. The cache name therefore carries a tag of this CPU's
-instruction-set flags (``isa_tag``): each kind of CPU gets, and keeps, its own build."""
+instruction-set flags (``isa_tag``): each kind of CPU gets, and keeps, its own build.
+
+``VEXP`` is C++ the extensions share (prepended to their sources): one ``exp``."""
 from __future__ import annotations
 
 import hashlib
@@ -47,3 +49,35 @@ def build(name: str, source: str, functions: tuple[str, ...], what: str):
     except Exception as e:
         raise RuntimeError(f"{what}: building the C++ extension failed ({e}); "
                            "use attention_backend 'torch'") from e
+
+
+# exp(x) for the extensions' C++ (prepended to their sources): plain C++ that the compiler
+# vectorises under -O3 -march=native, where std::exp is a libm call per element.
+VEXP = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// exp(x) in plain C++ that the compiler vectorises (Cephes expf: 2^n times a degree-6
+// polynomial of the remainder; relative error ~2e-7); 0 below -87 (a masked logit gets no
+// mass; no denormals), x clamped to 88 above. std::exp is a libm call per element: the
+// SwiGLU of Qwen2.5-0.5B's 16-row decode step took 3.9 ms a step with it.
+static inline float vexp(float x_in) {
+  const float x = std::min(std::max(x_in, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x_in < -87.f ? 0.f : y * scale;
+}
+"""

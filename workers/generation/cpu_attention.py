@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from workers.generation.cpp_build import build
+from workers.generation.cpp_build import VEXP, build
 
-_SOURCE = r"""
+_SOURCE = VEXP + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -55,24 +54,6 @@ static inline float hsum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-// exp of 8 floats <= 0 (softmax terms): 2^round(x log2 e) times a degree-6 polynomial of the
-// remainder (Cephes expf; relative error ~1e-7); below -87 the result is 0-ish, not denormal.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 template <typename C>
 constexpr bool kVec = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
@@ -188,17 +169,10 @@ static inline void softmax_update(float* sc, int64_t nr, int64_t nh, int64_t bs,
     const float corr = std::exp(m[h] - mn);  // 0 on the first block (m = -inf)
     m[h] = mn;
     float sum = 0.f;
-    int64_t r = 0;
-#ifdef STREAMRL_AVX2
-    __m256 vs = _mm256_setzero_ps();
-    for (; r + 8 <= nr; r += 8) {
-      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + r), _mm256_set1_ps(mn)));
-      _mm256_storeu_ps(s + r, p);
-      vs = _mm256_add_ps(vs, p);
+    for (int64_t r = 0; r < nr; ++r) {
+      s[r] = vexp(s[r] - mn);
+      sum += s[r];
     }
-    sum = hsum(vs);
-#endif
-    for (; r < nr; ++r) { s[r] = std::exp(s[r] - mn); sum += s[r]; }
     l[h] = l[h] * corr + sum;
     if (corr != 1.f) {
       float* a = acc + h * Dh;

@@ -13,9 +13,9 @@ threading of an M=64 GEMM scales ~1.3x on 2 threads).
 """
 from __future__ import annotations
 
-from workers.generation.cpp_build import build
+from workers.generation.cpp_build import VEXP, build
 
-_SOURCE = r"""
+_SOURCE = VEXP + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -54,28 +54,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     });
   });
   return out;
-}
-
-// exp(x) in plain C++ that the compiler vectorises (Cephes expf: 2^n times a degree-6
-// polynomial of the remainder; relative error ~2e-7); 0 below -87 (a masked logit gets no
-// mass; no denormals), x clamped to 88 above. std::exp is a libm call per element: the
-// SwiGLU of Qwen2.5-0.5B's 16-row decode step took 3.9 ms a step with it.
-static inline float vexp(float x_in) {
-  const float x = std::min(std::max(x_in, -87.f), 88.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x_in < -87.f ? 0.f : y * scale;
 }
 
 // gu: [T, 2I] (gate | up, rows contiguous) -> silu(gate) * up: [T, I]; fp32 math over chunks
@@ -319,10 +297,3 @@ def load():
     return build("streamrl_fused_ops_cpu_v6", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear", "sample",
                                                         "write_kv"),
                  "engine: fused CPU ops")
-
-
-def write_kv(k_cache, v_cache, k, v, slots) -> None:
-    """Token ``t``'s k/v ``[T, Hkv, Dh]`` (each token's heads contiguous; any token stride)
-    into cache slot ``slots[t]`` (int64) of ``[num_blocks, block_size, Hkv, Dh]`` caches;
-    rounded to nearest even into a bf16/fp16 cache under fp32 k/v."""
-    load().write_kv(k_cache, v_cache, k, v, slots)
