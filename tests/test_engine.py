@@ -329,6 +329,22 @@ def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():
     check_against_recompute(reqs, out)
 
 
+def test_cpu_kernel_decode_keeps_its_inputs_between_steps():
+    # the decode inputs are updated in place between steps of the same batch (DecodeInputs)
+    # and rebuilt when it changes; the tokens are the recomputation's either way
+    _cpu_kernel_or_skip()
+    reqs = greedy_requests(PS, 14)
+    eng = engine(attention_backend="cpu", max_batch_size=8)
+    eng.add(reqs)
+    out, steps = [], 0
+    while eng.has_work():
+        out += eng.step()
+        steps += 1
+    out.sort(key=lambda s: s.sample_id)
+    check_against_recompute(reqs, out)
+    assert 1 <= eng.runner.decode_inputs.rebuilds <= steps // 3, (eng.runner.decode_inputs.rebuilds, steps)
+
+
 def test_a_live_group_keeps_its_prompt():
     # GRPO groups share one prompt (and its cached prefix): a new prompt under a live group id
     # is refused (it used to deadlock the prefix cache's eviction); once the group is done,

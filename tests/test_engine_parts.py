@@ -150,6 +150,28 @@ def test_fused_cpu_sampler_draws_what_the_torch_sampler_draws(dtype):
     assert calls == []
 
 
+@pytest.mark.parametrize("kind", ["torch", "cpu"])
+def test_sampler_keeps_a_batchs_parameters_only_while_the_batch_is_the_same(kind):
+    # the rows' parameters are kept between calls on the same sequences (a decode batch);
+    # another batch of the same size, greedy where the first sampled, gets its own
+    s = Sampler(eos_ids=(0,), device=torch.device("cpu"), seed=0, fused=_fused(kind))
+    logits = torch.tensor([[0.0, 1.0, 1.1, 0.9]]).repeat(4, 1)
+    hot = [_seq_with(SamplingParams(temperature=50.0), sid=i) for i in range(4)]
+    cold = [_seq_with(SamplingParams(temperature=0.0), sid=10 + i) for i in range(4)]
+    drawn = {int(t) for _ in range(10) for t in s(logits.clone(), hot)[0]}
+    assert len(drawn) >= 3  # T=50: near uniform
+    for _ in range(3):
+        assert s(logits.clone(), cold)[0].tolist() == [2, 2, 2, 2]  # greedy
+    # the same batch again: its EOS masking is recomputed every call
+    s2 = Sampler(eos_ids=(1,), device=torch.device("cpu"), seed=0, fused=_fused(kind))
+    mins = [_seq_with(SamplingParams(temperature=0.0), min_tokens=2, sid=20 + i) for i in range(2)]
+    sharp = torch.tensor([[0.0, 9.0, 1.0, 0.0]]).repeat(2, 1)
+    assert s2(sharp.clone(), mins)[0].tolist() == [2, 2]  # EOS (1) masked: 0 outputs < 2
+    for m in mins:
+        m.tokens += [3, 3]
+    assert s2(sharp.clone(), mins)[0].tolist() == [1, 1]  # 2 outputs: EOS allowed
+
+
 def test_fused_draw_gives_a_masked_eos_no_mass_even_at_u_zero():
     """A masked EOS column has probability exactly 0: the smallest uniform draws the first
     unmasked token (as the torch path's searchsorted does), and its log-prob is finite."""

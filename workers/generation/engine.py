@@ -144,21 +144,25 @@ class NativeEngine:
             for s in batch.seqs:
                 s.timings.setdefault("admitted", now)
         tokens, logprobs = self.runner.run(batch)
-        for seq, end in zip(batch.seqs, batch.ends):
-            if end < seq.num_tokens:  # a prefill chunk: no token yet, more chunks to come
-                seq.num_cached = end
+        if batch.is_prefill:
+            for seq, end in zip(batch.seqs, batch.ends):
+                if end < seq.num_tokens:  # a prefill chunk: no token yet, more chunks to come
+                    seq.num_cached = end
         now = time.time()
         done = []
-        eos = self.eos_ids
-        for seq, tok, lp in zip(batch.sampling, tokens, logprobs):
-            seq.tokens.append(tok)
+        eos, max_len = self.eos_ids, self.max_model_len
+        for seq, tok, lp in zip(batch.sampling, tokens, logprobs):  # per token of every step: kept lean
+            toks, req = seq.tokens, seq.request
+            toks.append(tok)
             seq.logprobs.append(lp)
-            seq.num_cached = seq.num_tokens - 1
-            if seq.num_output == 1:
+            n = len(toks)
+            seq.num_cached = n - 1
+            n_out = n - seq.prompt_len
+            if n_out == 1:
                 seq.timings.setdefault("first_token", now)
-            if tok in eos and seq.num_output >= seq.request.min_tokens:
+            if tok in eos and n_out >= req.min_tokens:
                 done.append((seq, "stop"))
-            elif seq.num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif n_out >= req.max_tokens or n >= max_len:
                 done.append((seq, "length"))
         if self.prefix is not None and batch.is_prefill:
             self.prefix.mark_ready()

@@ -14,6 +14,7 @@ import torch
 
 from workers.generation.attention import PagedAttention, StepContext
 from workers.generation.block_manager import BlockManager
+from workers.generation.decode_inputs import DecodeInputs
 from workers.generation.fused_forward import FusedForward
 from workers.generation.kv_cache import KVCache
 from workers.generation.sampler import Sampler, to_device
@@ -60,6 +61,7 @@ class ModelRunner:
                              cfg.num_key_value_heads, cfg.dim_head, kv_dtype or p.dtype, p.device)
         self.attn = PagedAttention(self.cache, cfg.num_attention_heads, cfg.dim_head, attention_backend)
         self.sampler = Sampler(eos_ids, p.device, seed, fused=self.forward.ops)  # ops: the "cpu" backend's
+        self.decode_inputs = DecodeInputs(blocks.block_size, p.device, ctx_int64=self.attn.uses_cpu_kernel)
         self.graphs = None
         if graphs:
             from workers.generation.cuda_graph import DecodeGraphs
@@ -79,6 +81,14 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sets the attention context; returns (ids [T], positions [T], last_index [B] or None)."""
+        if batch.is_prefill:
+            self.decode_inputs.invalidate()  # a recomputed sequence may have new blocks
+        elif not self.attn.needs_mask(False):
+            d = self.decode_inputs(batch.seqs, batch.copies)
+            self.attn.ctx = StepContext(is_prefill=False, slot_mapping=d.slots, block_tables=d.block_tables,
+                                        context_lens=d.context_lens, positions=d.positions,
+                                        seq_of=d.seq_of if self.attn.uses_cpu_kernel else None)
+            return d.ids, d.positions, None
         seqs, bs = batch.seqs, self.bm.block_size
         tables, width = self._block_tables(seqs)
         ctx_lens = list(batch.ends)  # decode: num_tokens; prefill: where this step's chunk ends
@@ -158,6 +168,8 @@ class ModelRunner:
                 hidden = hidden.index_select(0, last)  # [B, D]
             logits = self.forward.logits(hidden)  # [B, V]
         tok, logp = self.sampler(logits, batch.sampling)
-        both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
         self.attn.ctx = None
+        if self.device.type == "cpu":
+            return tok.tolist(), logp.tolist()
+        both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
         return [int(t) for t in both[0]], both[1]

@@ -16,6 +16,9 @@ log-prob at temperature 1 (after EOS masking): a point mass would carry no infor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from operator import is_
+
 import torch
 
 from workers.generation.sequence import Sequence
@@ -29,6 +32,20 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class _Rows:
+    """What a batch's rows ask for, kept while the same sequences are sampled step after step
+    (their sampling parameters do not change; only EOS masking does)."""
+
+    seqs: list[Sequence]
+    params: list
+    greedy: list[bool]
+    filters: bool  # some sampled row asks for top-k or top-p
+    greedy_t: torch.Tensor  # bool [B]
+    temps_t: torch.Tensor  # fp32 [B]: greedy rows 1.0
+    shared: bool  # every row draws from the engine's generator (none greedy, none seeded)
+
+
 class Sampler:
     def __init__(self, eos_ids: tuple[int, ...], device: torch.device, seed: int = 0, fused=None):
         """``fused``: the compiled ``cpu_ops`` module (CPU only): batches without top-k/top-p
@@ -39,6 +56,20 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.fused = fused if torch.device(device).type == "cpu" else None
         self._no_eos = torch.empty(0, dtype=torch.int64)
+        self._kept: _Rows | None = None
+
+    def _rows(self, seqs: list[Sequence], vocab: int) -> _Rows:
+        r = self._kept
+        if r is not None and len(r.seqs) == len(seqs) and all(map(is_, seqs, r.seqs)):
+            return r
+        params = [s.request.sampling for s in seqs]
+        greedy = [p.temperature < GREEDY_BELOW for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        self._kept = _Rows(seqs=list(seqs), params=params, greedy=greedy,
+                           filters=self._filters(params, greedy, vocab), greedy_t=torch.tensor(greedy),
+                           temps_t=torch.tensor(temps, dtype=torch.float32),
+                           shared=not any(greedy) and all(p.seed is None for p in params))
+        return self._kept
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.request.sampling.seed
@@ -52,18 +83,17 @@ class Sampler:
         """logits: [B, V] -> (token ids int64 [B], log-probs float32 [B])."""
         # rows whose EOS is masked (fewer outputs than min_tokens)
         block = [s.num_output < s.request.min_tokens for s in seqs] if self.eos is not None else [False] * len(seqs)
-        params = [s.request.sampling for s in seqs]
-        greedy = [p.temperature < GREEDY_BELOW for p in params]
-        if self.fused is not None and not self._filters(params, greedy, logits.shape[1]):
-            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        rows = self._rows(seqs, logits.shape[1])
+        params, greedy = rows.params, rows.greedy
+        if self.fused is not None and not rows.filters:
+            u = self._uniforms(seqs, greedy, rows.shared)[:, 0]
             return self.fused.sample(logits.contiguous(), self.eos if self.eos is not None else self._no_eos,
-                                     torch.tensor(block), torch.tensor(greedy),  # fp32 math inside
-                                     torch.tensor(temps, dtype=torch.float32), self._uniforms(seqs, greedy)[:, 0])
+                                     torch.tensor(block), rows.greedy_t, rows.temps_t, u)  # fp32 math inside
         logits = logits.float()
         if any(block):
-            rows = to_device(block, torch.bool, logits.device)[:, None]  # [B, 1]
+            masked = to_device(block, torch.bool, logits.device)[:, None]  # [B, 1]
             eos_cols = logits.index_select(1, self.eos)
-            logits.index_copy_(1, self.eos, eos_cols.masked_fill(rows, float("-inf")))
+            logits.index_copy_(1, self.eos, eos_cols.masked_fill(masked, float("-inf")))
         if all(greedy):
             logp = torch.log_softmax(logits, dim=-1)
             ids = logits.argmax(-1)
@@ -71,17 +101,20 @@ class Sampler:
         logp = self._filtered_logprobs(logits, params, greedy)  # [B, V]
         # inverse-CDF draw: one uniform per row (cheap even for a 150k vocabulary)
         cdf = logp.exp().cumsum(-1, dtype=torch.float64)  # [B, V]
-        u = self._uniforms(seqs, greedy)
+        u = self._uniforms(seqs, greedy, rows.shared)
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=logp.shape[1] - 1)
         if any(greedy):
             sampled = torch.where(to_device(greedy, torch.bool, logp.device), logp.argmax(-1), sampled)
         return sampled, logp.gather(1, sampled[:, None])[:, 0]
 
-    def _uniforms(self, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    def _uniforms(self, seqs: list[Sequence], greedy: list[bool], all_shared: bool = False) -> torch.Tensor:
         """fp64 [B, 1]: a uniform for each sampled row (greedy rows: 0), from the request's
-        own generator when it has a seed, else from the engine's (one draw for all of those)."""
+        own generator when it has a seed, else from the engine's (one draw for all of those).
+        ``all_shared``: known already that every row draws from the engine's generator."""
+        if all_shared:  # the common case
+            return torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device, generator=self.generator)
         shared = [i for i, s in enumerate(seqs) if not greedy[i] and self._generator(s) is None]
-        if len(shared) == len(seqs):  # the common case: every row draws from the engine's generator
+        if len(shared) == len(seqs):
             return torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device, generator=self.generator)
         u = torch.zeros(len(seqs), 1, dtype=torch.float64, device=self.device)
         if shared:
