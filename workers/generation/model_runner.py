@@ -123,9 +123,8 @@ class ModelRunner:
                 mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
             ctx.key_mask = to_device(mask[:, None], torch.bool, self.device)
             ctx.gather_idx = bt.flatten().long()
-        elif self.attn.uses_cpu_kernel:
-            ctx.seq_of = self._to_dev(seq_of, torch.int64) if seq_of is not None else \
-                torch.arange(len(seqs), device=self.device)
+        elif self.attn.uses_cpu_kernel:  # a prefill: the kernel's decode steps took DecodeInputs above
+            ctx.seq_of = self._to_dev(seq_of, torch.int64)
         self.attn.ctx = ctx
         last_t = None if last is None else self._to_dev(last, torch.int64)
         return self._to_dev(ids, torch.int64), pos_t, last_t
