@@ -127,6 +127,7 @@ def test_resume_continues_the_sequence(tmp_path, tiny_model):  # noqa: F811
     assert last_json(p.stdout)["iterations"] == 4
 
 
+@pytest.mark.slow  # three launches (~90 s): with the other resume runs, out of the default suite's 15 minutes
 def test_resume_writes_into_the_resumed_run_or_forks_into_an_unused_logdir(tmp_path, tiny_model):  # noqa: F811
     """``--resume A`` with ``logging.logdir`` naming another run's folder B continued into B
     (rows, steps and checkpoints of two runs interleaved). Now it continues in A; into an
