@@ -10,9 +10,10 @@ context lengths) are computed in Python from the sequences' lists and become one
 (through an ``array``: a third of ``torch.tensor(list)``'s time).
 
 Why the op count matters more than the Python: inside a decode step, after the forward has
-swept the caches, every small torch op costs ~10-20 us of dispatch (a gather of 64 ints: 6 us
-alone, ~40 us in a step), so five tensors built per step were ~0.2 ms of a ~6 ms step of
-workload (a); this way it is two ops, plus one per row whose table grew.
+swept the caches, a small torch op costs 2-3x what it costs alone (the slots as a gather and
+three arithmetic ops: ~95 us in a step of workload (a), ~15 us alone), so building five
+tensors a step took ~0.2 ms of a ~6 ms step; this way it is a handful of ops (one tensor from
+an array, a view, an unbind), plus one per row whose table grew.
 """
 from __future__ import annotations
 
@@ -42,6 +43,22 @@ class DecodeTensors:
     seq_of: torch.Tensor
 
 
+def token_inputs(seqs: list[Sequence], block_size: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A decode step's per-sequence (ids, positions, cache slots, context lengths) as lists:
+    each sequence's last token, written at its last position."""
+    bs = block_size
+    ids, pos, slots, ntok = [], [], [], []
+    for s in seqs:
+        toks, table = s.tokens, s.block_table
+        n = len(toks)
+        p = n - 1
+        ids.append(toks[-1])
+        pos.append(p)
+        slots.append(table[p // bs] * bs + p % bs)
+        ntok.append(n)
+    return ids, pos, slots, ntok
+
+
 class DecodeInputs:
     def __init__(self, block_size: int, device: torch.device, ctx_int64: bool = False):
         """``ctx_int64``: the context lengths may stay int64 (the "cpu" kernel does not read
@@ -59,16 +76,7 @@ class DecodeInputs:
 
     def __call__(self, seqs: list[Sequence], copies: list) -> DecodeTensors:
         tables = self._block_tables(seqs, copies)
-        bs = self.bs
-        ids, pos, slots, ntok = [], [], [], []
-        for s in seqs:
-            toks, table = s.tokens, s.block_table
-            n = len(toks)
-            p = n - 1
-            ids.append(toks[-1])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            ntok.append(n)
+        ids, pos, slots, ntok = token_inputs(seqs, self.bs)
         # array -> tensor: ~8 us for 256 ints, against ~27 us for torch.tensor(list)
         flat = torch.frombuffer(array("q", ids + pos + slots + ntok), dtype=torch.int64)
         ids_t, pos_t, slots_t, ctx_t = to_device(flat, torch.int64, self.device).view(4, -1).unbind(0)

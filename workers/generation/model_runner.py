@@ -14,7 +14,7 @@ import torch
 
 from workers.generation.attention import PagedAttention, StepContext
 from workers.generation.block_manager import BlockManager
-from workers.generation.decode_inputs import DecodeInputs
+from workers.generation.decode_inputs import DecodeInputs, token_inputs
 from workers.generation.fused_forward import FusedForward
 from workers.generation.kv_cache import KVCache
 from workers.generation.sampler import Sampler, to_device
@@ -107,7 +107,7 @@ class ModelRunner:
                 if n1 == s.num_tokens:  # its last token: logits for the next one
                     last.append(len(ids) - 1)
         else:
-            ids, pos, slots = self._decode_inputs(seqs, tables, ctx_lens)
+            ids, pos, slots, _ = token_inputs(seqs, bs)  # ctx_lens: each one's num_tokens
         bt = self._to_dev(tables, torch.int32)
         pos_t = self._to_dev(pos, torch.int64)
         ctx = StepContext(is_prefill=batch.is_prefill, slot_mapping=self._to_dev(slots, torch.int64),
@@ -129,22 +129,13 @@ class ModelRunner:
         last_t = None if last is None else self._to_dev(last, torch.int64)
         return self._to_dev(ids, torch.int64), pos_t, last_t
 
-    def _decode_inputs(self, seqs: list[Sequence], tables: list[list[int]], ctx_lens: list[int]):
-        """A decode step's (ids, positions, cache slots): each sequence's last token, written
-        at its last position."""
-        bs = self.bm.block_size
-        pos = [n - 1 for n in ctx_lens]
-        slots = [tables[b][p // bs] * bs + p % bs for b, p in enumerate(pos)]
-        return [s.tokens[-1] for s in seqs], pos, slots
-
     def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Logits [B, V] of a decode step from the CUDA graphs; None when it doesn't fit them."""
         seqs = batch.seqs
         tables, width = self._block_tables(seqs)
         if not self.graphs.fits(len(seqs), width):
             return None
-        lens = [s.num_tokens for s in seqs]
-        ids, pos, slots = self._decode_inputs(seqs, tables, lens)
+        ids, pos, slots, lens = token_inputs(seqs, self.bm.block_size)
         try:
             return self.graphs.run(ids, pos, slots, tables, lens)
         except RuntimeError as e:  # a capture the driver refused: serve on, eagerly

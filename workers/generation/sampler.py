@@ -107,15 +107,13 @@ class Sampler:
             sampled = torch.where(to_device(greedy, torch.bool, logp.device), logp.argmax(-1), sampled)
         return sampled, logp.gather(1, sampled[:, None])[:, 0]
 
-    def _uniforms(self, seqs: list[Sequence], greedy: list[bool], all_shared: bool = False) -> torch.Tensor:
+    def _uniforms(self, seqs: list[Sequence], greedy: list[bool], all_shared: bool) -> torch.Tensor:
         """fp64 [B, 1]: a uniform for each sampled row (greedy rows: 0), from the request's
         own generator when it has a seed, else from the engine's (one draw for all of those).
-        ``all_shared``: known already that every row draws from the engine's generator."""
+        ``all_shared`` (``_Rows.shared``): every row draws from the engine's generator."""
         if all_shared:  # the common case
             return torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device, generator=self.generator)
         shared = [i for i, s in enumerate(seqs) if not greedy[i] and self._generator(s) is None]
-        if len(shared) == len(seqs):
-            return torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device, generator=self.generator)
         u = torch.zeros(len(seqs), 1, dtype=torch.float64, device=self.device)
         if shared:
             idx = to_device(shared, torch.int64, self.device)
