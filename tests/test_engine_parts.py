@@ -226,7 +226,7 @@ def test_bf16_weights_fp32_compute_on_cpu(tmp_path):
 def test_cpu_prepack_key_reaches_the_forward(tmp_path, monkeypatch):
     """engine.cpu_prepack: false keeps the plain GEMMs (less memory), true forces the prepacked
     ones, and true where they cannot run is refused at start naming the key."""
-    from workers.generation import prepacked
+    from workers.generation import panel_gemm, prepacked
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
@@ -236,10 +236,11 @@ def test_cpu_prepack_key_reaches_the_forward(tmp_path, monkeypatch):
     off = make_engine(EngineConfig(device="cpu", cpu_prepack=False), str(tmp_path / "m"))
     assert not off.runner.forward.prepack and off.runner.forward.packed == []
     want = generate_all(off, req)[0].output_ids.tolist()
-    if prepacked.available(torch.float32):
+    if panel_gemm.available(torch.float32) or prepacked.available(torch.float32):
         on = make_engine(EngineConfig(device="cpu", cpu_prepack=True), str(tmp_path / "m"))
         assert on.runner.forward.prepack
         assert generate_all(on, req)[0].output_ids.tolist() == want
+    monkeypatch.setattr(panel_gemm, "available", lambda dtype: False)
     monkeypatch.setattr(prepacked, "available", lambda dtype: False)
     with pytest.raises(ValueError, match=r"^engine\.cpu_prepack: prepacked GEMMs do not run here"):
         make_engine(EngineConfig(device="cpu", cpu_prepack=True), str(tmp_path / "m"))

@@ -150,18 +150,25 @@ def test_fused_forward_split_gemms_at_two_threads():
         torch.testing.assert_close(logits, m.logits(want), rtol=1e-5, atol=1e-5)
 
 
-def _prepack_or_skip(dtype):
-    from workers.generation import prepacked
+def _prepack_or_skip(dtype, packer="auto", monkeypatch=None):
+    """Skip unless the forward's packed GEMMs run here for ``dtype``; ``packer`` "onednn"
+    hides the panel GEMM (fp32's default), so that oneDNN's fp32 path is the one tested."""
+    from workers.generation import panel_gemm, prepacked
 
+    if packer == "onednn":
+        monkeypatch.setattr(panel_gemm, "available", lambda dtype: False)
+    elif dtype == torch.float32 and panel_gemm.available(dtype):
+        return
     if not prepacked.available(dtype):
         pytest.skip(f"oneDNN prepacked GEMMs do not run here for {dtype} (bf16: AVX512-BF16 or AMX)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,packer", [(torch.float32, "auto"), (torch.float32, "onednn"), (torch.bfloat16, "auto")],
+                         ids=["fp32", "fp32-onednn", "bf16"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @torch.no_grad()
-def test_prepacked_gemms_equal_the_plain_ones(case, dtype):
-    _prepack_or_skip(dtype)
+def test_prepacked_gemms_equal_the_plain_ones(case, dtype, packer, monkeypatch):
+    _prepack_or_skip(dtype, packer, monkeypatch)
     m = model_for(case, dtype)
     ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
     plain, pk = FusedForward(m, max_len=64, prepack=False), FusedForward(m, max_len=64, prepack=True)
@@ -212,7 +219,12 @@ def test_prepacking_keeps_no_plain_fused_copies():
     d, nq, nkv = c.hidden_size, c.num_attention_heads * c.dim_head, c.num_key_value_heads * c.dim_head
     assert [tuple(t.shape) for t in fwd.packed[0]] == [(nq + 2 * nkv, d), (d, nq), (2 * c.intermediate_size, d),
                                                          (d, c.intermediate_size)]
-    assert all(t.is_mkldnn for layer in fwd.packed for t in layer)  # oneDNN's own copies
+    from workers.generation import panel_gemm
+
+    if fwd.gemm is panel_gemm:  # fp32 on an AVX-512 CPU: the panel layout
+        assert all(isinstance(t, panel_gemm.Panels) for layer in fwd.packed for t in layer)
+    else:
+        assert all(t.is_mkldnn for layer in fwd.packed for t in layer)  # oneDNN's own copies
     # beside the model's parameters the forward keeps only small plain tensors (biases, norms)
     params = {p.data_ptr() for p in m.parameters()}
     extra = sum(t.numel() for layer in fwd.layers for t in layer if t is not None and t.data_ptr() not in params)
@@ -220,9 +232,10 @@ def test_prepacking_keeps_no_plain_fused_copies():
 
 
 def test_prepack_where_it_cannot_run_is_refused_and_auto_falls_back(monkeypatch):
-    from workers.generation import prepacked
+    from workers.generation import panel_gemm, prepacked
 
     m = model_for("qwen2")
+    monkeypatch.setattr(panel_gemm, "available", lambda dtype: False)
     monkeypatch.setattr(prepacked, "available", lambda dtype: False)
     with pytest.raises(ValueError, match=r"prepacked GEMMs do not run here for torch.float32 on cpu"):
         FusedForward(m, max_len=32, prepack=True)
@@ -259,15 +272,13 @@ def test_repacking_after_a_weight_update_drops_the_old_packed_copies_first(monke
     """A weight update (every RL step) re-packs every GEMM weight: the old packed copies are
     released before the new ones are made, so memory never holds two sets (measured at 0.5B
     bf16: the refresh's peak was +1,057 MiB over the resting RSS with both, +0 now)."""
-    from workers.generation import prepacked
-
     _prepack_or_skip(torch.float32)
     m = model_for("qwen2")
     fwd = FusedForward(m, max_len=32, prepack=True)
     old = [weakref.ref(t) for layer in fwd.packed for t in layer] + [weakref.ref(fwd.lm_packed)]
     alive = []  # old packed copies still alive at each pack call
-    pack = prepacked.pack
-    monkeypatch.setattr(prepacked, "pack", lambda w, hint: (alive.append(sum(r() is not None for r in old)),
+    pack = fwd.gemm.pack  # the packer this forward uses (fp32 on AVX-512: panel_gemm)
+    monkeypatch.setattr(fwd.gemm, "pack", lambda w, hint: (alive.append(sum(r() is not None for r in old)),
                                                             pack(w, hint))[1])
     m.model.layers[0].mlp.up_proj.weight.add_(0.01)
     fwd.sync()

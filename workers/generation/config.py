@@ -38,8 +38,9 @@ class EngineConfig:
     "triton" backend on CUDA, decode steps replay CUDA graphs unless this is True (prefill
     and the other backends always run eagerly); the vLLM backend passes it to vLLM, which uses
     CUDA graphs on GPUs the same way. ``cpu_prepack``: the CPU forward's GEMMs against
-    oneDNN-prepacked weights (docs/engine.md, "Prepacked GEMMs"): "auto" where the CPU has
-    AVX-512 and oneDNN runs it for the compute dtype; true forces it (refused at start where it
+    weights packed once (docs/engine.md, "Prepacked GEMMs"): fp32 in the project's panel
+    layout (``panel_gemm.py``), other dtypes in oneDNN's; "auto" where the CPU has AVX-512 and
+    the packer runs for the compute dtype; true forces it (refused at start where it
     cannot run); false keeps the plain GEMMs (less memory: o, down and lm_head are not held
     twice). ``backend_options`` holds
     backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).

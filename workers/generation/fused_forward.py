@@ -12,11 +12,11 @@ matmuls. This forward computes the same function over the same weights with ~15 
   into the output GEMMs (``addmm``), SwiGLU as silu + in-place mul;
 * with ``cpu_ops`` (the "cpu" attention backend) RMSNorm, SwiGLU and RoPE are single-pass C++
   loops (``cpu_ops.py``), RoPE in place on the qkv output, q passed on as a strided view;
-* on an AVX-512 CPU whose torch runs oneDNN's prepacked GEMMs for the model's dtype
-  (``prepacked.py``), every GEMM (the fused ones, o, down, lm_head) multiplies against a
+* on an AVX-512 CPU, every GEMM (the fused ones, o, down, lm_head) multiplies against a
   copy of its weight laid out once for the CPU, re-made when the weights change
   (``prepack``; it replaces the fused q/k/v and gate/up copies, and adds one of o, down and
-  lm_head).
+  lm_head): fp32 through this project's panel GEMM (``panel_gemm.py``), other dtypes through
+  oneDNN's prepacked GEMM where torch runs it for them (``prepacked.py``).
 
 The fused copies follow the model: before each forward ``sync()`` compares the version
 counters (bumped by every in-place write: ``load_weights``' ``copy_``, an optimizer step of
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.generation import prepacked
+from workers.generation import panel_gemm, prepacked
 from workers.model import AttentionBackend, CausalLM
 
 SPLIT_GEMM_MAX_ROWS = 512  # larger (prefill) GEMMs keep MKL's own threading
@@ -69,8 +69,8 @@ class FusedForward:
     Positions must be below ``max_len`` (the RoPE table's length)."""
 
     def __init__(self, model: CausalLM, max_len: int, cpu_ops: bool = False, prepack: bool | None = None):
-        """``prepack``: GEMMs against oneDNN-prepacked weights (None: on a CPU where
-        ``prepacked.preferred`` says so for the model's dtype)."""
+        """``prepack``: GEMMs against prepacked weights (None: on a CPU where the packer for
+        the model's dtype, ``panel_gemm`` for fp32 else ``prepacked``, says it is preferred)."""
         cfg = model.config
         self.ops = None
         if cpu_ops:
@@ -78,13 +78,16 @@ class FusedForward:
 
             self.ops = ops.load()
         p = model.model.embed_tokens.weight
-        runs = p.device.type == "cpu" and prepacked.available(p.dtype)
+        on_cpu = p.device.type == "cpu"
+        self.gemm = panel_gemm if on_cpu and panel_gemm.available(p.dtype) else prepacked
+        runs = on_cpu and self.gemm.available(p.dtype)
         if prepack and not runs:
             raise ValueError(f"engine.cpu_prepack: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
-                             "(oneDNN's; bf16 needs AVX512-BF16 or AMX); set it to 'auto' or false")
-        self.prepack = runs and (prepacked.preferred(p.dtype) if prepack is None else prepack)
-        self.packed: list[tuple[torch.Tensor, ...]] = []  # per layer: qkv, o, gate/up, down
-        self.lm_packed: torch.Tensor | None = None
+                             "(fp32 needs AVX-512; other dtypes oneDNN's, bf16 with AVX512-BF16 or AMX); "
+                             "set it to 'auto' or false")
+        self.prepack = runs and (self.gemm.preferred(p.dtype) if prepack is None else prepack)
+        self.packed: list[tuple] = []  # per layer: qkv, o, gate/up, down (self.gemm.pack's)
+        self.lm_packed = None
         self.model, self.cfg = model, cfg
         self.h, self.hkv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_head
         self.nq, self.nkv, self.inter = self.h * self.dh, self.hkv * self.dh, cfg.intermediate_size
@@ -160,7 +163,7 @@ class FusedForward:
         kept (``layers[i][1]``, ``[6]`` are None): the packed copy is the only one the forward
         reads. For Qwen2.5-7B in bf16 that is 8.5 GB not held. Every tensor is new: ``epoch``
         is bumped (the packed layout has no CUDA graphs to keep)."""
-        pk = lambda w: prepacked.pack(w, PACK_BATCH_HINT)  # noqa: E731
+        pk = lambda w: self.gemm.pack(w, PACK_BATCH_HINT)  # noqa: E731
         self.packed, self.lm_packed = [], None  # the old copies go first: no second set at the peak
         self.packed = [(pk(_fuse(new[1])), pk(new[3]), pk(_fuse(new[6])), pk(new[8])) for new in layers]
         self.lm_packed = pk(self.model.lm_head.weight)
@@ -223,15 +226,14 @@ class FusedForward:
         """With cpu_ops, decode-sized GEMMs are split by output columns over the threads."""
         return self.ops is not None and a.shape[0] <= SPLIT_GEMM_MAX_ROWS
 
-    def _linear(self, a: torch.Tensor, w: torch.Tensor, b, packed: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, a: torch.Tensor, w: torch.Tensor, b, packed=None) -> torch.Tensor:
         if packed is not None:
-            return prepacked.linear(a, packed, b)
+            return self.gemm.linear(a, packed, b)
         return self.ops.linear(a, w, b) if self._split(a) else F.linear(a, w, b)
 
-    def _residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b,
-                         packed: torch.Tensor | None = None) -> torch.Tensor:
+    def _residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b, packed=None) -> torch.Tensor:
         if packed is not None:
-            return prepacked.linear(a, packed, b, add=x)  # x + a @ w.T + b in one GEMM
+            return self.gemm.linear(a, packed, b, add=x)  # x + a @ w.T + b in one GEMM
         if b is None and self._split(a):
             return self.ops.linear(a, w, x)  # x + a @ w.T, columns split over the threads
         out = torch.addmm(x, a, w.t())  # x + a @ w.T in one GEMM
@@ -255,7 +257,7 @@ class FusedForward:
         """hidden: [B, D] -> [B, V] (the model's lm_head; column-split over the threads like
         the layers' GEMMs)."""
         if self.prepack:
-            return prepacked.linear(hidden, self.lm_packed, self.model.lm_head.bias)
+            return self.gemm.linear(hidden, self.lm_packed, self.model.lm_head.bias)
         if self._split(hidden):
             return self.ops.linear(hidden, self.model.lm_head.weight, self.model.lm_head.bias)
         return self.model.logits(hidden)
