@@ -277,9 +277,12 @@ def test_repacking_after_a_weight_update_drops_the_old_packed_copies_first(monke
     fwd = FusedForward(m, max_len=32, prepack=True)
     old = [weakref.ref(t) for layer in fwd.packed for t in layer] + [weakref.ref(fwd.lm_packed)]
     alive = []  # old packed copies still alive at each pack call
-    pack = fwd.gemm.pack  # the packer this forward uses (fp32 on AVX-512: panel_gemm)
-    monkeypatch.setattr(fwd.gemm, "pack", lambda w, hint: (alive.append(sum(r() is not None for r in old)),
-                                                            pack(w, hint))[1])
+    def counting(f):
+        return lambda *a: (alive.append(sum(r() is not None for r in old)), f(*a))[1]
+
+    monkeypatch.setattr(fwd.gemm, "pack", counting(fwd.gemm.pack))  # fp32 on AVX-512: panel_gemm
+    if hasattr(fwd.gemm, "pack_swiglu"):  # gate/up packed in one call
+        monkeypatch.setattr(fwd.gemm, "pack_swiglu", counting(fwd.gemm.pack_swiglu))
     m.model.layers[0].mlp.up_proj.weight.add_(0.01)
     fwd.sync()
     assert len(alive) == 4 * m.config.num_hidden_layers + 1 and max(alive) == 0

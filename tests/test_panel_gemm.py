@@ -84,3 +84,29 @@ def test_available_only_for_fp32_on_avx512(monkeypatch):
     assert not panel_gemm.available(torch.bfloat16)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert not panel_gemm.available(torch.float32)
+
+
+@pytest.mark.parametrize("m,k,i", [(1, 16, 40), (7, 33, 100), (64, 256, 688), (13, 5, 32)])
+def test_swiglu_is_silu_of_the_gate_times_the_up_projection(m, k, i):
+    """The SwiGLU in the GEMM's epilogue equals silu(x @ Wg.T + bg) * (x @ Wu.T + bu),
+    with and without biases, at a last panel of 8, 4 and 16 columns and a whole one."""
+    g = torch.Generator().manual_seed(m + k + i)
+    x, wg, wu, b = (torch.randn(*s, generator=g) for s in ((m, k), (i, k), (i, k), (2 * i,)))
+    p = panel_gemm.pack_swiglu(wg, wu)
+    assert p.gated and p.shape == (2 * i, k)
+    for bias in (None, b):
+        gate, up = _ref(x, wg, None if bias is None else bias[:i]), _ref(x, wu, None if bias is None else bias[i:])
+        want = torch.nn.functional.silu(gate.double()) * up.double()
+        got = panel_gemm.swiglu(x, p, bias)
+        assert got.shape == (m, i)
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * scale)
+
+
+def test_swiglu_refuses_panels_that_are_not_a_gate_up_pair():
+    x = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match=r"panel_gemm.swiglu: panels \[2, 16, 32\] do not fit"):
+        panel_gemm.swiglu(x, panel_gemm.pack(torch.randn(40, 16)), None)  # not a gate/up pair
+    p = panel_gemm.pack_swiglu(torch.randn(40, 16), torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match=r"panel_gemm.swiglu: bias must be fp32 \[80\]"):
+        panel_gemm.swiglu(x, p, torch.randn(40))

@@ -165,7 +165,11 @@ class FusedForward:
         is bumped (the packed layout has no CUDA graphs to keep)."""
         pk = lambda w: self.gemm.pack(w, PACK_BATCH_HINT)  # noqa: E731
         self.packed, self.lm_packed = [], None  # the old copies go first: no second set at the peak
-        self.packed = [(pk(_fuse(new[1])), pk(new[3]), pk(_fuse(new[6])), pk(new[8])) for new in layers]
+        if self.gemm is panel_gemm:  # gate/up packed for the GEMM with the SwiGLU as its epilogue
+            pk_gu = lambda parts: panel_gemm.pack_swiglu(*parts)  # noqa: E731
+        else:
+            pk_gu = lambda parts: pk(_fuse(parts))  # noqa: E731
+        self.packed = [(pk(_fuse(new[1])), pk(new[3]), pk_gu(new[6]), pk(new[8])) for new in layers]
         self.lm_packed = pk(self.model.lm_head.weight)
         self.layers = [tuple(None if i in (1, 6) else _fuse(x) if i in _FUSED else x for i, x in enumerate(new))
                        for new in layers]
@@ -222,6 +226,13 @@ class FusedForward:
             return self.ops.silu_mul(gu)
         return F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
 
+    def _mlp_act(self, h: torch.Tensor, wgu: torch.Tensor, bgu, packed=None) -> torch.Tensor:
+        """silu(h @ Wg.T + bg) * (h @ Wu.T + bu): [T, I]; one GEMM with the SwiGLU in its
+        epilogue on panel-packed weights, else the gate/up GEMM, then the SwiGLU."""
+        if packed is not None and self.gemm is panel_gemm:
+            return panel_gemm.swiglu(h, packed, bgu)
+        return self._swiglu(self._linear(h, wgu, bgu, packed))
+
     def _split(self, a: torch.Tensor) -> bool:
         """With cpu_ops, decode-sized GEMMs are split by output columns over the threads."""
         return self.ops is not None and a.shape[0] <= SPLIT_GEMM_MAX_ROWS
@@ -249,8 +260,8 @@ class FusedForward:
             q, k, v = self._qkv(self._linear(self._norm(x, ln1), wqkv, bqkv, pqkv), cs)
             o = attn(i, q, k, v)  # [T, H, Dh]
             x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo, po)
-            gu = self._linear(self._norm(x, ln2), wgu, bgu, pgu)  # [T, 2 I]
-            x = self._residual_linear(x, self._swiglu(gu), wd, bd, pd)
+            act = self._mlp_act(self._norm(x, ln2), wgu, bgu, pgu)  # [T, I]
+            x = self._residual_linear(x, act, wd, bd, pd)
         return self._norm(x, self.model.model.norm.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

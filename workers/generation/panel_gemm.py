@@ -22,11 +22,11 @@ from functools import cache
 
 import torch
 
-from workers.generation.cpp_build import build
+from workers.generation.cpp_build import VEXP, build
 
 PANEL = 32  # columns per panel
 
-_SOURCE = r"""
+_SOURCE = VEXP + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -52,8 +52,10 @@ torch::Tensor pack(torch::Tensor w) {
 
 // MR rows x NW panels: c[r, :] = a[r, :] @ panels (+ bias) (+ add[r, :]); `cols` of the tile's
 // 32 * NW columns exist (the rest are not stored). K-loop order fixed: a row's result does not
-// depend on which tile or batch it is in.
-template <int MR, int NW>
+// depend on which tile or batch it is in. SW (SwiGLU, NW = 2): the first panel is gate columns,
+// the second the same up columns; c[r, :32] = silu(gate + bias) * (up + add), where `add` is
+// then the up columns' bias.
+template <int MR, int NW, bool SW = false>
 static inline void tile(const float* a, int64_t K, const float* b, float* c, int64_t ldc, int64_t cols,
                         const float* bias, const float* add) {
   constexpr int U = 2 * NW;
@@ -68,6 +70,24 @@ static inline void tile(const float* a, int64_t K, const float* b, float* c, int
       for (int u = 0; u < U; ++u) x[r][u] = _mm512_fmadd_ps(v, w[u], x[r][u]);
     }
   }
+  if constexpr (SW) {
+    static_assert(NW == 2, "SwiGLU tiles are a gate panel and an up panel");
+    for (int u = 0; u < 2; ++u) {
+      const int64_t n = std::min<int64_t>(16, cols - 16 * u);
+      if (n <= 0) break;
+      const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+      const __m512 bg = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * u) : _mm512_setzero_ps();
+      const __m512 bu = add ? _mm512_maskz_loadu_ps(m, add + 16 * u) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r) {
+        alignas(64) float g[16], v[16];
+        _mm512_store_ps(g, _mm512_add_ps(x[r][u], bg));
+        _mm512_store_ps(v, _mm512_add_ps(x[r][u + 2], bu));
+        for (int j = 0; j < 16; ++j) g[j] = g[j] / (1.f + vexp(-g[j])) * v[j];  // as cpu_ops' silu_mul
+        _mm512_mask_storeu_ps(c + r * ldc + 16 * u, m, _mm512_load_ps(g));
+      }
+    }
+    return;
+  }
   for (int u = 0; u < U; ++u) {
     const int64_t n = std::min<int64_t>(16, cols - 16 * u);
     if (n <= 0) break;
@@ -81,21 +101,23 @@ static inline void tile(const float* a, int64_t K, const float* b, float* c, int
   }
 }
 
-template <int NW>
+// Rows [0, M) of one work item: 6-row tiles, then the 1-5 rows left. `add` is per row (a
+// residual), or, for SwiGLU, the up bias (the same for every row).
+template <int NW, bool SW = false>
 static void rows(const float* a, int64_t K, int64_t M, const float* b, float* c, int64_t ldc, int64_t cols,
                  const float* bias, const float* add) {
   int64_t r = 0;
-  for (; r + ROWS <= M; r += ROWS)
-    tile<ROWS, NW>(a + r * K, K, b, c + r * ldc, ldc, cols, bias, add ? add + r * ldc : nullptr);
+  auto add_at = [&](int64_t i) { return SW || !add ? add : add + i * ldc; };
+  for (; r + ROWS <= M; r += ROWS) tile<ROWS, NW, SW>(a + r * K, K, b, c + r * ldc, ldc, cols, bias, add_at(r));
   const float* ai = a + r * K;
   float* ci = c + r * ldc;
-  const float* di = add ? add + r * ldc : nullptr;
+  const float* di = add_at(r);
   switch (M - r) {
-    case 5: tile<5, NW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 4: tile<4, NW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 3: tile<3, NW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 2: tile<2, NW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 1: tile<1, NW>(ai, K, b, ci, ldc, cols, bias, di); break;
+    case 5: tile<5, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
+    case 4: tile<4, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
+    case 3: tile<3, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
+    case 2: tile<2, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
+    case 1: tile<1, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
     default: break;
   }
 }
@@ -142,23 +164,58 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
   });
   return out;
 }
+
+// silu(x @ Wg.T + bg) * (x @ Wu.T + bu): [M, I], `panels` = gate and up panels interleaved
+// (2 * ceil(I / 32) of them), `bias` the fused [2I] (gate | up) or absent.
+torch::Tensor swiglu(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm.swiglu: x must be 2-D fp32, got ",
+              x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous() &&
+              panels.size(1) == x.size(1) && 2 * ((n + PANEL - 1) / PANEL) == panels.size(0),
+              "panel_gemm.swiglu: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and ", n, " columns");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), supers = panels.size(0) / 2;
+  torch::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == 2 * n, "panel_gemm.swiglu: bias must be fp32 [", 2 * n, "]");
+    bp = bc.data_ptr<float>();
+  }
+  auto out = torch::empty({M, n}, xc.options());
+  const float* a = xc.data_ptr<float>();
+  const float* b = panels.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  const int64_t chunks = (M + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, supers * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t s = it / chunks, r0 = (it % chunks) * CHUNK, m = std::min(CHUNK, M - r0);
+      const int64_t c0 = s * PANEL, cols = std::min<int64_t>(PANEL, n - c0);
+      rows<2, true>(a + r0 * K, K, m, b + 2 * s * K * PANEL, c + r0 * n + c0, n, cols,
+                    bp ? bp + c0 : nullptr, bp ? bp + n + c0 : nullptr);
+    }
+  });
+  return out;
+}
 """
 
 
 @dataclass(frozen=True)
 class Panels:
-    """A weight ``[n, K]`` packed for ``linear`` (``data``: ``[ceil(n / 32), K, 32]``)."""
+    """A weight ``[n, K]`` packed for ``linear`` (``data``: ``[ceil(n / 32), K, 32]``), or
+    (``gated``) gate and up weights ``[n, K]`` each packed for ``swiglu``."""
     data: torch.Tensor
     n: int
+    gated: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The packed weight's ``[N, K]``."""
-        return self.n, self.data.shape[1]
+        """The packed weight's ``[N, K]`` (gate and up together: ``[2n, K]``)."""
+        return (2 if self.gated else 1) * self.n, self.data.shape[1]
 
 
 def _load():
-    return build("streamrl_panel_gemm_v1", _SOURCE, ("pack", "linear"), "panel GEMM (engine.cpu_prepack)")
+    return build("streamrl_panel_gemm_v2", _SOURCE, ("pack", "linear", "swiglu"), "panel GEMM (engine.cpu_prepack)")
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -194,3 +251,17 @@ def linear(x: torch.Tensor, packed: Panels, bias: torch.Tensor | None,
            add: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ add)`` for ``packed = pack(W)``; ``add`` [M, N] (a residual)."""
     return _load().linear(x, packed.data, packed.n, bias, add)
+
+
+def pack_swiglu(gate: torch.Tensor, up: torch.Tensor) -> Panels:
+    """Gate and up weights ``[I, K]`` packed for ``swiglu``: their panels interleaved (gate
+    panel p, then up panel p), so one tile computes both halves of its 32 columns."""
+    g, u = _load().pack(gate.detach()), _load().pack(up.detach())
+    return Panels(torch.stack((g, u), dim=1).flatten(0, 1), gate.shape[0], gated=True)
+
+
+def swiglu(x: torch.Tensor, packed: Panels, bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` [M, I] for ``packed = pack_swiglu(Wg, Wu)``;
+    ``bias``: the gate and up biases concatenated ([2I]) or None. The SwiGLU is the GEMM's
+    epilogue: the [M, 2I] projection is never written."""
+    return _load().swiglu(x, packed.data, packed.n, bias)
