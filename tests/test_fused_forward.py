@@ -201,6 +201,12 @@ def test_prepacked_weights_follow_in_place_updates_of_every_gemm():
     again = fwd.logits(fwd(ids, pos, CausalAttention(cu)))
     assert not torch.allclose(again, got)
     torch.testing.assert_close(again, m.logits(m(ids, pos, CausalAttention(cu))), rtol=1e-5, atol=1e-5)
+    # and the RMSNorm weights (folded into the q/k/v and gate/up panels on fp32 AVX-512 CPUs)
+    m.model.layers[0].input_layernorm.weight.mul_(1.5)
+    m.model.layers[1].post_attention_layernorm.weight.add_(0.1)
+    third = fwd.logits(fwd(ids, pos, CausalAttention(cu)))
+    assert not torch.allclose(third, again)
+    torch.testing.assert_close(third, m.logits(m(ids, pos, CausalAttention(cu))), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -278,7 +284,7 @@ def test_repacking_after_a_weight_update_drops_the_old_packed_copies_first(monke
     old = [weakref.ref(t) for layer in fwd.packed for t in layer] + [weakref.ref(fwd.lm_packed)]
     alive = []  # old packed copies still alive at each pack call
     def counting(f):
-        return lambda *a: (alive.append(sum(r() is not None for r in old)), f(*a))[1]
+        return lambda *a, **k: (alive.append(sum(r() is not None for r in old)), f(*a, **k))[1]
 
     monkeypatch.setattr(fwd.gemm, "pack", counting(fwd.gemm.pack))  # fp32 on AVX-512: panel_gemm
     if hasattr(fwd.gemm, "pack_swiglu"):  # gate/up packed in one call

@@ -110,3 +110,27 @@ def test_swiglu_refuses_panels_that_are_not_a_gate_up_pair():
     p = panel_gemm.pack_swiglu(torch.randn(40, 16), torch.randn(40, 16))
     with pytest.raises(RuntimeError, match=r"panel_gemm.swiglu: bias must be fp32 \[80\]"):
         panel_gemm.swiglu(x, p, torch.randn(40))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 16, 40), (7, 33, 100), (64, 256, 512), (100, 48, 64)])
+def test_a_folded_rmsnorm_equals_normalising_the_input_first(m, k, n):
+    """pack(W, norm=(g, eps)): rms_norm(x, g) @ W.T (+ bias, + residual) with the norm's
+    weight in the panels and each row's 1/rms applied in the epilogue; SwiGLU likewise."""
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w, w2, nw = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n, k), (k,)))
+    x = x * 3.0 + 0.5  # rows whose rms is far from 1
+    bias, add, eps = torch.randn(n, generator=g), torch.randn(m, n, generator=g), 1e-6
+    h = torch.nn.functional.rms_norm(x, (k,), nw, eps)
+    p = panel_gemm.pack(w, norm=(nw, eps))
+    assert p.rms_eps == eps
+    tol = dict(rtol=1e-5, atol=1e-5 * max(1.0, k ** 0.5))
+    torch.testing.assert_close(panel_gemm.linear(x, p, bias, add), _ref(h, w, bias, add), **tol)
+    ps = panel_gemm.pack_swiglu(w, w2, norm=(nw, eps))
+    want = torch.nn.functional.silu(_ref(h, w).double()) * _ref(h, w2).double()
+    torch.testing.assert_close(panel_gemm.swiglu(x, ps, None).double(), want, rtol=1e-5,
+                               atol=2e-6 * want.abs().max().item())
+
+
+def test_a_norm_weight_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match=r"a norm weight of shape \(15,\) cannot fold into a weight \[40, 16\]"):
+        panel_gemm.pack(torch.randn(40, 16), norm=(torch.ones(15), 1e-6))

@@ -86,6 +86,8 @@ class FusedForward:
                              "(fp32 needs AVX-512; other dtypes oneDNN's, bf16 with AVX512-BF16 or AMX); "
                              "set it to 'auto' or false")
         self.prepack = runs and (self.gemm.preferred(p.dtype) if prepack is None else prepack)
+        # panel GEMMs normalise their input rows themselves (the norm weights folded in)
+        self.folds_norms = self.prepack and self.gemm is panel_gemm
         self.packed: list[tuple] = []  # per layer: qkv, o, gate/up, down (self.gemm.pack's)
         self.lm_packed = None
         self.model, self.cfg = model, cfg
@@ -108,8 +110,9 @@ class FusedForward:
             out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
             out += [b for b in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, m.gate_proj.bias,
                                 m.up_proj.bias) if b is not None]
-            if self.prepack:  # their packed copies follow them too
-                out += [a.o_proj.weight, m.down_proj.weight]
+            if self.prepack:  # their packed copies follow them too (and the norms folded in)
+                out += [a.o_proj.weight, m.down_proj.weight, layer.input_layernorm.weight,
+                        layer.post_attention_layernorm.weight]
         if self.prepack:
             out.append(self.model.lm_head.weight)
         return out
@@ -165,11 +168,13 @@ class FusedForward:
         is bumped (the packed layout has no CUDA graphs to keep)."""
         pk = lambda w: self.gemm.pack(w, PACK_BATCH_HINT)  # noqa: E731
         self.packed, self.lm_packed = [], None  # the old copies go first: no second set at the peak
-        if self.gemm is panel_gemm:  # gate/up packed for the GEMM with the SwiGLU as its epilogue
-            pk_gu = lambda parts: panel_gemm.pack_swiglu(*parts)  # noqa: E731
+        if self.gemm is panel_gemm:  # the RMSNorms fold into q/k/v and gate/up; SwiGLU as an epilogue
+            norm = (lambda g: (g, self.eps)) if self.folds_norms else (lambda g: None)  # noqa: E731
+            pk_qkv = lambda new: panel_gemm.pack(_fuse(new[1]), norm=norm(new[0]))  # noqa: E731
+            pk_gu = lambda new: panel_gemm.pack_swiglu(*new[6], norm=norm(new[5]))  # noqa: E731
         else:
-            pk_gu = lambda parts: pk(_fuse(parts))  # noqa: E731
-        self.packed = [(pk(_fuse(new[1])), pk(new[3]), pk_gu(new[6]), pk(new[8])) for new in layers]
+            pk_qkv, pk_gu = (lambda new: pk(_fuse(new[1]))), (lambda new: pk(_fuse(new[6])))
+        self.packed = [(pk_qkv(new), pk(new[3]), pk_gu(new), pk(new[8])) for new in layers]
         self.lm_packed = pk(self.model.lm_head.weight)
         self.layers = [tuple(None if i in (1, 6) else _fuse(x) if i in _FUSED else x for i, x in enumerate(new))
                        for new in layers]
@@ -257,10 +262,11 @@ class FusedForward:
         cs = self.rope.index_select(0, positions)  # [T, 2, Dh]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
             pqkv, po, pgu, pd = self.packed[i] if self.prepack else (None,) * 4
-            q, k, v = self._qkv(self._linear(self._norm(x, ln1), wqkv, bqkv, pqkv), cs)
+            h = x if self.folds_norms else self._norm(x, ln1)  # else the GEMM normalises
+            q, k, v = self._qkv(self._linear(h, wqkv, bqkv, pqkv), cs)
             o = attn(i, q, k, v)  # [T, H, Dh]
             x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo, po)
-            act = self._mlp_act(self._norm(x, ln2), wgu, bgu, pgu)  # [T, I]
+            act = self._mlp_act(x if self.folds_norms else self._norm(x, ln2), wgu, bgu, pgu)  # [T, I]
             x = self._residual_linear(x, act, wd, bd, pd)
         return self._norm(x, self.model.model.norm.weight)
 

@@ -31,6 +31,7 @@ _SOURCE = VEXP + r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 
 constexpr int64_t PANEL = 32, ROWS = 6, CHUNK = 96;  // tile rows; rows per work item
 
@@ -50,14 +51,21 @@ torch::Tensor pack(torch::Tensor w) {
   return p;
 }
 
-// MR rows x NW panels: c[r, :] = a[r, :] @ panels (+ bias) (+ add[r, :]); `cols` of the tile's
-// 32 * NW columns exist (the rest are not stored). K-loop order fixed: a row's result does not
+// What a tile does with its products, each pointer already at the tile's first row / column.
+struct Epilogue {
+  const float* scale = nullptr;  // per row: 1 / rms of the input row (a folded RMSNorm)
+  const float* bias = nullptr;   // per column (SwiGLU: the gate columns')
+  const float* up_bias = nullptr;  // SwiGLU: the up columns' bias
+  const float* add = nullptr;    // a residual, rows ldc apart
+};
+
+// MR rows x NW panels: c[r, :] = scale[r] * (a[r, :] @ panels) + bias + add[r, :]; `cols` of the
+// tile's 32 * NW columns exist (the rest are not stored). One k order: a row's result does not
 // depend on which tile or batch it is in. SW (SwiGLU, NW = 2): the first panel is gate columns,
-// the second the same up columns; c[r, :32] = silu(gate + bias) * (up + add), where `add` is
-// then the up columns' bias.
-template <int MR, int NW, bool SW = false>
+// the second the same up columns, and c[r, :32] = silu(gate) * up.
+template <int MR, int NW, bool SW>
 static inline void tile(const float* a, int64_t K, const float* b, float* c, int64_t ldc, int64_t cols,
-                        const float* bias, const float* add) {
+                        const Epilogue& e) {
   constexpr int U = 2 * NW;
   __m512 x[MR][U];
   for (int r = 0; r < MR; ++r)
@@ -70,132 +78,130 @@ static inline void tile(const float* a, int64_t K, const float* b, float* c, int
       for (int u = 0; u < U; ++u) x[r][u] = _mm512_fmadd_ps(v, w[u], x[r][u]);
     }
   }
-  if constexpr (SW) {
-    static_assert(NW == 2, "SwiGLU tiles are a gate panel and an up panel");
-    for (int u = 0; u < 2; ++u) {
-      const int64_t n = std::min<int64_t>(16, cols - 16 * u);
-      if (n <= 0) break;
-      const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-      const __m512 bg = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * u) : _mm512_setzero_ps();
-      const __m512 bu = add ? _mm512_maskz_loadu_ps(m, add + 16 * u) : _mm512_setzero_ps();
+  if (e.scale)
+    for (int r = 0; r < MR; ++r)
+      for (int u = 0; u < U; ++u) x[r][u] = _mm512_mul_ps(x[r][u], _mm512_set1_ps(e.scale[r]));
+  for (int u = 0; u < (SW ? 2 : U); ++u) {
+    const int64_t n = std::min<int64_t>(16, cols - 16 * u);
+    if (n <= 0) break;
+    const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    const __m512 bv = e.bias ? _mm512_maskz_loadu_ps(m, e.bias + 16 * u) : _mm512_setzero_ps();
+    if constexpr (SW) {
+      const __m512 bu = e.up_bias ? _mm512_maskz_loadu_ps(m, e.up_bias + 16 * u) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r) {
         alignas(64) float g[16], v[16];
-        _mm512_store_ps(g, _mm512_add_ps(x[r][u], bg));
+        _mm512_store_ps(g, _mm512_add_ps(x[r][u], bv));
         _mm512_store_ps(v, _mm512_add_ps(x[r][u + 2], bu));
         for (int j = 0; j < 16; ++j) g[j] = g[j] / (1.f + vexp(-g[j])) * v[j];  // as cpu_ops' silu_mul
         _mm512_mask_storeu_ps(c + r * ldc + 16 * u, m, _mm512_load_ps(g));
       }
-    }
-    return;
-  }
-  for (int u = 0; u < U; ++u) {
-    const int64_t n = std::min<int64_t>(16, cols - 16 * u);
-    if (n <= 0) break;
-    const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * u) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      __m512 y = _mm512_add_ps(x[r][u], bv);
-      if (add) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, add + r * ldc + 16 * u));
-      _mm512_mask_storeu_ps(c + r * ldc + 16 * u, m, y);
+    } else {
+      for (int r = 0; r < MR; ++r) {
+        __m512 y = _mm512_add_ps(x[r][u], bv);
+        if (e.add) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, e.add + r * ldc + 16 * u));
+        _mm512_mask_storeu_ps(c + r * ldc + 16 * u, m, y);
+      }
     }
   }
 }
 
-// Rows [0, M) of one work item: 6-row tiles, then the 1-5 rows left. `add` is per row (a
-// residual), or, for SwiGLU, the up bias (the same for every row).
-template <int NW, bool SW = false>
+// Rows [0, M) of one work item: 6-row tiles, then the 1-5 rows left.
+template <int NW, bool SW>
 static void rows(const float* a, int64_t K, int64_t M, const float* b, float* c, int64_t ldc, int64_t cols,
-                 const float* bias, const float* add) {
+                 const Epilogue& e) {
+  auto at = [&](int64_t r) {
+    Epilogue f = e;
+    if (f.scale) f.scale += r;
+    if (f.add) f.add += r * ldc;
+    return f;
+  };
   int64_t r = 0;
-  auto add_at = [&](int64_t i) { return SW || !add ? add : add + i * ldc; };
-  for (; r + ROWS <= M; r += ROWS) tile<ROWS, NW, SW>(a + r * K, K, b, c + r * ldc, ldc, cols, bias, add_at(r));
+  for (; r + ROWS <= M; r += ROWS) tile<ROWS, NW, SW>(a + r * K, K, b, c + r * ldc, ldc, cols, at(r));
   const float* ai = a + r * K;
   float* ci = c + r * ldc;
-  const float* di = add_at(r);
+  const Epilogue f = at(r);
   switch (M - r) {
-    case 5: tile<5, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 4: tile<4, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 3: tile<3, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 2: tile<2, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
-    case 1: tile<1, NW, SW>(ai, K, b, ci, ldc, cols, bias, di); break;
+    case 5: tile<5, NW, SW>(ai, K, b, ci, ldc, cols, f); break;
+    case 4: tile<4, NW, SW>(ai, K, b, ci, ldc, cols, f); break;
+    case 3: tile<3, NW, SW>(ai, K, b, ci, ldc, cols, f); break;
+    case 2: tile<2, NW, SW>(ai, K, b, ci, ldc, cols, f); break;
+    case 1: tile<1, NW, SW>(ai, K, b, ci, ldc, cols, f); break;
     default: break;
   }
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> add) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm.linear: x must be 2-D fp32, got ",
-              x.sizes(), " ", x.scalar_type());
+// out [M, n]: linear (sw false; panels ceil(n / 32)) or SwiGLU (sw; gate and up panels
+// interleaved, 2 * ceil(n / 32), bias [2n] = gate | up). rms_eps >= 0: each input row is first
+// RMS-normalised with it (the norm's weight was folded into the panels at packing).
+static torch::Tensor run(const char* what, torch::Tensor x, torch::Tensor panels, int64_t n,
+                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> add, double rms_eps, bool sw) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, what, ": x must be 2-D fp32, got ", x.sizes(), " ",
+              x.scalar_type());
+  const int64_t per = (n + PANEL - 1) / PANEL;
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous() &&
-              panels.size(1) == x.size(1) && (n + PANEL - 1) / PANEL == panels.size(0),
-              "panel_gemm.linear: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and ", n, " columns");
+              panels.size(1) == x.size(1) && (sw ? 2 : 1) * per == panels.size(0),
+              what, ": panels ", panels.sizes(), " do not fit x ", x.sizes(), " and ", n, " columns");
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), NP = panels.size(0);
+  torch::Tensor bc, dc;
   const float* bp = nullptr;
   const float* dp = nullptr;
-  torch::Tensor bc, dc;
   if (bias.has_value()) {
     bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n, "panel_gemm.linear: bias must be fp32 [", n, "]");
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == (sw ? 2 : 1) * n, what, ": bias must be fp32 [",
+                (sw ? 2 : 1) * n, "]");
     bp = bc.data_ptr<float>();
   }
   if (add.has_value()) {
     dc = add->contiguous();
     TORCH_CHECK(dc.scalar_type() == at::kFloat && dc.dim() == 2 && dc.size(0) == M && dc.size(1) == n,
-                "panel_gemm.linear: add must be fp32 [", M, ", ", n, "]");
+                what, ": add must be fp32 [", M, ", ", n, "]");
     dp = dc.data_ptr<float>();
   }
   auto out = torch::empty({M, n}, xc.options());
   const float* a = xc.data_ptr<float>();
   const float* b = panels.data_ptr<float>();
   float* c = out.data_ptr<float>();
-  const int64_t supers = (NP + 1) / 2, chunks = (M + CHUNK - 1) / CHUNK;
-  // items panel-pair-major: a thread's consecutive items reuse one pair of panels
+  // items of (64 output columns, up to CHUNK rows), column-major: a thread's consecutive items
+  // reuse one pair of panels (SwiGLU: 32 output columns, a gate and an up panel)
+  const int64_t supers = sw ? NP / 2 : (NP + 1) / 2, width = sw ? PANEL : 2 * PANEL;
+  const int64_t chunks = (M + CHUNK - 1) / CHUNK;
   at::parallel_for(0, supers * chunks, 1, [&](int64_t begin, int64_t end) {
+    float inv[CHUNK];
     for (int64_t it = begin; it < end; ++it) {
       const int64_t s = it / chunks, r0 = (it % chunks) * CHUNK, m = std::min(CHUNK, M - r0);
-      const int64_t c0 = 2 * s * PANEL, cols = std::min<int64_t>(2 * PANEL, n - c0);
+      const int64_t c0 = s * width, cols = std::min<int64_t>(width, n - c0);
+      const float* ai = a + r0 * K;
+      Epilogue e;
+      if (rms_eps >= 0) {
+        for (int64_t i = 0; i < m; ++i) {
+          float ss = 0.f;
+          for (int64_t k = 0; k < K; ++k) ss += ai[i * K + k] * ai[i * K + k];
+          inv[i] = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(rms_eps));
+        }
+        e.scale = inv;
+      }
+      e.bias = bp ? bp + c0 : nullptr;
+      e.up_bias = sw && bp ? bp + n + c0 : nullptr;
+      e.add = dp ? dp + r0 * n + c0 : nullptr;
       const float* bs = b + 2 * s * K * PANEL;
-      const float* bi = bp ? bp + c0 : nullptr;
-      const float* di = dp ? dp + r0 * n + c0 : nullptr;
-      if (2 * s + 1 < NP) rows<2>(a + r0 * K, K, m, bs, c + r0 * n + c0, n, cols, bi, di);
-      else rows<1>(a + r0 * K, K, m, bs, c + r0 * n + c0, n, cols, bi, di);
+      float* cs = c + r0 * n + c0;
+      if (sw) rows<2, true>(ai, K, m, bs, cs, n, cols, e);
+      else if (2 * s + 1 < NP) rows<2, false>(ai, K, m, bs, cs, n, cols, e);
+      else rows<1, false>(ai, K, m, bs, cs, n, cols, e);
     }
   });
   return out;
 }
 
-// silu(x @ Wg.T + bg) * (x @ Wu.T + bu): [M, I], `panels` = gate and up panels interleaved
-// (2 * ceil(I / 32) of them), `bias` the fused [2I] (gate | up) or absent.
-torch::Tensor swiglu(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm.swiglu: x must be 2-D fp32, got ",
-              x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous() &&
-              panels.size(1) == x.size(1) && 2 * ((n + PANEL - 1) / PANEL) == panels.size(0),
-              "panel_gemm.swiglu: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and ", n, " columns");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), supers = panels.size(0) / 2;
-  torch::Tensor bc;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == 2 * n, "panel_gemm.swiglu: bias must be fp32 [", 2 * n, "]");
-    bp = bc.data_ptr<float>();
-  }
-  auto out = torch::empty({M, n}, xc.options());
-  const float* a = xc.data_ptr<float>();
-  const float* b = panels.data_ptr<float>();
-  float* c = out.data_ptr<float>();
-  const int64_t chunks = (M + CHUNK - 1) / CHUNK;
-  at::parallel_for(0, supers * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t s = it / chunks, r0 = (it % chunks) * CHUNK, m = std::min(CHUNK, M - r0);
-      const int64_t c0 = s * PANEL, cols = std::min<int64_t>(PANEL, n - c0);
-      rows<2, true>(a + r0 * K, K, m, b + 2 * s * K * PANEL, c + r0 * n + c0, n, cols,
-                    bp ? bp + c0 : nullptr, bp ? bp + n + c0 : nullptr);
-    }
-  });
-  return out;
+torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                     c10::optional<torch::Tensor> add, double rms_eps) {
+  return run("panel_gemm.linear", x, panels, n, bias, add, rms_eps, false);
+}
+
+torch::Tensor swiglu(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                     double rms_eps) {
+  return run("panel_gemm.swiglu", x, panels, n, bias, c10::nullopt, rms_eps, true);
 }
 """
 
@@ -203,10 +209,14 @@ torch::Tensor swiglu(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
 @dataclass(frozen=True)
 class Panels:
     """A weight ``[n, K]`` packed for ``linear`` (``data``: ``[ceil(n / 32), K, 32]``), or
-    (``gated``) gate and up weights ``[n, K]`` each packed for ``swiglu``."""
+    (``gated``) gate and up weights ``[n, K]`` each packed for ``swiglu``. ``rms_eps`` (not
+    None): an RMSNorm's weight was folded into the panels (``W * g``), and each input row is
+    normalised with this eps inside the GEMM: ``rms_norm(x, g) @ W.T`` without a normalised copy
+    of ``x``."""
     data: torch.Tensor
     n: int
     gated: bool = False
+    rms_eps: float | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -215,7 +225,7 @@ class Panels:
 
 
 def _load():
-    return build("streamrl_panel_gemm_v2", _SOURCE, ("pack", "linear", "swiglu"), "panel GEMM (engine.cpu_prepack)")
+    return build("streamrl_panel_gemm_v3", _SOURCE, ("pack", "linear", "swiglu"), "panel GEMM (engine.cpu_prepack)")
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -240,28 +250,46 @@ def preferred(dtype: torch.dtype) -> bool:
     return available(dtype)
 
 
-def pack(weight: torch.Tensor, batch_hint: int | None = None) -> Panels:
-    """``weight`` [N, K] packed into panels (``batch_hint``: unused, the panel layout is the
-    same for every row count; taken for the signature ``prepacked.pack`` has)."""
-    w = weight.detach()
-    return Panels(_load().pack(w), w.shape[0])
+def _folded(w: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    w = w.detach()
+    if norm is None:
+        return w
+    g = norm[0].detach()
+    if g.shape != (w.shape[1],):
+        raise ValueError(f"panel_gemm: a norm weight of shape {tuple(g.shape)} cannot fold into a weight "
+                         f"[{w.shape[0]}, {w.shape[1]}] (it must be [{w.shape[1]}])")
+    return w * g
+
+
+def pack(weight: torch.Tensor, batch_hint: int | None = None,
+         norm: tuple[torch.Tensor, float] | None = None) -> Panels:
+    """``weight`` [N, K] packed into panels; ``norm`` = (RMSNorm weight [K], eps): fold that
+    norm of the input in (see ``Panels``). ``batch_hint``: unused (the panel layout is the same
+    for every row count), taken for the signature ``prepacked.pack`` has."""
+    return Panels(_load().pack(_folded(weight, norm)), weight.shape[0], rms_eps=None if norm is None else norm[1])
 
 
 def linear(x: torch.Tensor, packed: Panels, bias: torch.Tensor | None,
            add: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias) (+ add)`` for ``packed = pack(W)``; ``add`` [M, N] (a residual)."""
-    return _load().linear(x, packed.data, packed.n, bias, add)
+    """``x @ W.T (+ bias) (+ add)`` for ``packed = pack(W)`` (``rms_norm(x) @ W.T ...`` when a
+    norm was folded in); ``add`` [M, N] (a residual)."""
+    eps = -1.0 if packed.rms_eps is None else packed.rms_eps
+    return _load().linear(x, packed.data, packed.n, bias, add, eps)
 
 
-def pack_swiglu(gate: torch.Tensor, up: torch.Tensor) -> Panels:
+def pack_swiglu(gate: torch.Tensor, up: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> Panels:
     """Gate and up weights ``[I, K]`` packed for ``swiglu``: their panels interleaved (gate
-    panel p, then up panel p), so one tile computes both halves of its 32 columns."""
-    g, u = _load().pack(gate.detach()), _load().pack(up.detach())
-    return Panels(torch.stack((g, u), dim=1).flatten(0, 1), gate.shape[0], gated=True)
+    panel p, then up panel p), so one tile computes both halves of its 32 columns; ``norm``
+    as in ``pack``."""
+    g, u = _load().pack(_folded(gate, norm)), _load().pack(_folded(up, norm))
+    return Panels(torch.stack((g, u), dim=1).flatten(0, 1), gate.shape[0], gated=True,
+                  rms_eps=None if norm is None else norm[1])
 
 
 def swiglu(x: torch.Tensor, packed: Panels, bias: torch.Tensor | None) -> torch.Tensor:
-    """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` [M, I] for ``packed = pack_swiglu(Wg, Wu)``;
-    ``bias``: the gate and up biases concatenated ([2I]) or None. The SwiGLU is the GEMM's
-    epilogue: the [M, 2I] projection is never written."""
-    return _load().swiglu(x, packed.data, packed.n, bias)
+    """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` [M, I] for ``packed = pack_swiglu(Wg, Wu)``
+    (of ``rms_norm(x)`` when a norm was folded in); ``bias``: the gate and up biases
+    concatenated ([2I]) or None. The SwiGLU is the GEMM's epilogue: the [M, 2I] projection is
+    never written."""
+    eps = -1.0 if packed.rms_eps is None else packed.rms_eps
+    return _load().swiglu(x, packed.data, packed.n, bias, eps)
