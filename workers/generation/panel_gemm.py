@@ -5,15 +5,21 @@ A weight ``[N, K]`` is packed as ``[ceil(N / 32), K, 32]``: panel ``p`` holds co
 ``32p .. 32p + 31`` (zeros past ``N``), its row ``k`` the 32 weights that multiply ``x[:, k]``,
 so the kernel streams a panel front to back. A tile of 6 rows x 64 columns keeps 24
 accumulators in registers; per ``k`` it loads 4 panel vectors and broadcasts 6 inputs. Work
-items are (64 columns, up to 96 rows), over torch's intra-op threads. Bias and a residual
-(``add``) are added in the tile's epilogue; the last panel's missing columns are masked.
+items are (64 output columns, up to 96 rows), over torch's intra-op threads. The tile's
+epilogue adds a bias and a residual (``add``), masks the last panel's missing columns, and
+can do two more things, each saving the forward a whole op:
 
-Why not oneDNN's prepacked GEMM (``prepacked.py``, kept for bf16): at decode sizes each of
-its calls pays ~20 us of fixed cost (17 calls a step in workload (a)), and its fp32 kernels
-ran slower than this one at every decode size measured (2 threads, the five GEMM shapes of
-workload (a)'s layer plus lm_head, weights evicted first: 64 rows 1,121 -> 765 us, 8 rows
-647 -> 250 us; docs/engine.md). Each output row is computed the same way whatever the
-number of rows (no blocking that depends on M): a row's result does not depend on its batch.
+* ``swiglu``: gate and up panels interleaved (``pack_swiglu``), one tile holds 32 gate and the
+  same 32 up columns and writes ``silu(gate) * up``; the ``[M, 2I]`` projection is never written;
+* a folded RMSNorm (``pack(..., norm=(g, eps))``): ``rms_norm(x, g) @ W.T`` is
+  ``(1 / rms(x)) * (x @ (W * g).T)``, so ``g`` is multiplied into the panels at packing and
+  each row's ``1 / rms`` is computed by the work item and applied in the epilogue.
+
+Why not oneDNN's prepacked GEMM (``prepacked.py``, kept for bf16/fp16): at decode sizes each
+of its calls pays ~20 us of fixed cost (17 calls a step in workload (a)), and its fp32 kernels
+ran slower than this tile at (a)'s shapes at every row count measured (``bench/cpu_gemm.py``:
+1.4-3.5x; at Qwen2.5-0.5B's shapes 0.97-1.7x). Each output row is computed in one k order
+whatever the number of rows: a row's result does not depend on the rows beside it.
 """
 from __future__ import annotations
 
