@@ -79,7 +79,8 @@ class FusedForward:
             self.ops = ops.load()
         p = model.model.embed_tokens.weight
         on_cpu = p.device.type == "cpu"
-        self.gemm = panel_gemm if on_cpu and panel_gemm.available(p.dtype) else prepacked
+        # (prepack=False: not even probed, which would build the panel extension)
+        self.gemm = panel_gemm if on_cpu and prepack is not False and panel_gemm.available(p.dtype) else prepacked
         runs = on_cpu and self.gemm.available(p.dtype)
         if prepack and not runs:
             raise ValueError(f"engine.cpu_prepack: prepacked GEMMs do not run here for {p.dtype} on {p.device} "
