@@ -78,6 +78,7 @@ def test_policy_is_validated(tmp_path):
         load_config(p)
 
 
+@pytest.mark.slow  # two torchrun runs (~50 s); the check's logic is covered above, in the default tier
 def test_runtime_refuses_then_skips_an_overlong_prompt(tmp_path, tiny_model):  # noqa: F811
     """Real torchrun: prompt 5 of 8 is 6,001 tokens for a 4,080-token context. "error" stops
     before any iteration with exit code 2 and one line naming it; "skip" trains on the others."""

@@ -3,6 +3,8 @@ reward (every sample used to be skipped: 'coroutine ... never awaited'), its opt
 ``task.kwargs.verifier_kwargs``, and the data as one JSON array in a ``.json`` file."""
 import json
 
+import pytest
+
 from tests import runtime_helpers
 from tests.runtime_helpers import iterations, last_json, torchrun, write_config
 
@@ -17,6 +19,7 @@ async def compute_score(data_source, solution_str, ground_truth, extra_info=None
 '''
 
 
+@pytest.mark.slow  # a torchrun run (~45 s); async rewards are covered by test_tasks_verifiers in the default tier
 def test_an_async_reward_with_options_trains(tmp_path, tiny_model):
     data = tmp_path / "train.json"
     data.write_text(json.dumps([{"data_source": "toy", "prompt": f"sum {i} {i}",
