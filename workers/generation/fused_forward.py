@@ -87,8 +87,6 @@ class FusedForward:
                              "(fp32 needs AVX-512; other dtypes oneDNN's, bf16 with AVX512-BF16 or AMX); "
                              "set it to 'auto' or false")
         self.prepack = runs and (self.gemm.preferred(p.dtype) if prepack is None else prepack)
-        # panel GEMMs normalise their input rows themselves (the norm weights folded in)
-        self.folds_norms = self.prepack and self.gemm is panel_gemm
         self.packed: list[tuple] = []  # per layer: qkv, o, gate/up, down (self.gemm.pack's)
         self.lm_packed = None
         self.model, self.cfg = model, cfg
@@ -103,6 +101,13 @@ class FusedForward:
         self.epoch = -1  # bumped whenever refresh() replaces tensors (0 after the first build)
         self.sync()
 
+    @property
+    def panels(self) -> bool:
+        """GEMMs on panel-packed weights (``panel_gemm``): they normalise their input rows
+        themselves (the input RMSNorms' weights folded into q/k/v and gate/up) and do the
+        SwiGLU in the gate/up GEMM."""
+        return self.prepack and self.gemm is panel_gemm
+
     # ---- weights -------------------------------------------------------------------------
     def _sources(self) -> list[torch.Tensor]:
         out = []
@@ -111,9 +116,10 @@ class FusedForward:
             out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
             out += [b for b in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, m.gate_proj.bias,
                                 m.up_proj.bias) if b is not None]
-            if self.prepack:  # their packed copies follow them too (and the norms folded in)
-                out += [a.o_proj.weight, m.down_proj.weight, layer.input_layernorm.weight,
-                        layer.post_attention_layernorm.weight]
+            if self.prepack:  # their packed copies follow them too
+                out += [a.o_proj.weight, m.down_proj.weight]
+            if self.panels:  # and the norm weights folded into the panels
+                out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if self.prepack:
             out.append(self.model.lm_head.weight)
         return out
@@ -169,10 +175,9 @@ class FusedForward:
         is bumped (the packed layout has no CUDA graphs to keep)."""
         pk = lambda w: self.gemm.pack(w, PACK_BATCH_HINT)  # noqa: E731
         self.packed, self.lm_packed = [], None  # the old copies go first: no second set at the peak
-        if self.gemm is panel_gemm:  # the RMSNorms fold into q/k/v and gate/up; SwiGLU as an epilogue
-            norm = (lambda g: (g, self.eps)) if self.folds_norms else (lambda g: None)  # noqa: E731
-            pk_qkv = lambda new: panel_gemm.pack(_fuse(new[1]), norm=norm(new[0]))  # noqa: E731
-            pk_gu = lambda new: panel_gemm.pack_swiglu(*new[6], norm=norm(new[5]))  # noqa: E731
+        if self.panels:  # the RMSNorms fold into q/k/v and gate/up; SwiGLU as an epilogue
+            pk_qkv = lambda new: panel_gemm.pack(_fuse(new[1]), norm=(new[0], self.eps))  # noqa: E731
+            pk_gu = lambda new: panel_gemm.pack_swiglu(*new[6], norm=(new[5], self.eps))  # noqa: E731
         else:
             pk_qkv, pk_gu = (lambda new: pk(_fuse(new[1]))), (lambda new: pk(_fuse(new[6])))
         self.packed = [(pk_qkv(new), pk(new[3]), pk_gu(new), pk(new[8])) for new in layers]
@@ -235,7 +240,7 @@ class FusedForward:
     def _mlp_act(self, h: torch.Tensor, wgu: torch.Tensor, bgu, packed=None) -> torch.Tensor:
         """silu(h @ Wg.T + bg) * (h @ Wu.T + bu): [T, I]; one GEMM with the SwiGLU in its
         epilogue on panel-packed weights, else the gate/up GEMM, then the SwiGLU."""
-        if packed is not None and self.gemm is panel_gemm:
+        if self.panels:
             return panel_gemm.swiglu(h, packed, bgu)
         return self._swiglu(self._linear(h, wgu, bgu, packed))
 
@@ -263,11 +268,11 @@ class FusedForward:
         cs = self.rope.index_select(0, positions)  # [T, 2, Dh]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
             pqkv, po, pgu, pd = self.packed[i] if self.prepack else (None,) * 4
-            h = x if self.folds_norms else self._norm(x, ln1)  # else the GEMM normalises
+            h = x if self.panels else self._norm(x, ln1)  # else the GEMM normalises
             q, k, v = self._qkv(self._linear(h, wqkv, bqkv, pqkv), cs)
             o = attn(i, q, k, v)  # [T, H, Dh]
             x = self._residual_linear(x, o.reshape(t, self.nq), wo, bo, po)
-            act = self._mlp_act(x if self.folds_norms else self._norm(x, ln2), wgu, bgu, pgu)  # [T, I]
+            act = self._mlp_act(x if self.panels else self._norm(x, ln2), wgu, bgu, pgu)  # [T, I]
             x = self._residual_linear(x, act, wd, bd, pd)
         return self._norm(x, self.model.model.norm.weight)
 

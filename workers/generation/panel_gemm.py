@@ -30,8 +30,6 @@ import torch
 
 from workers.generation.cpp_build import VEXP, build
 
-PANEL = 32  # columns per panel
-
 _SOURCE = VEXP + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
