@@ -1,6 +1,11 @@
 """The C++ extensions' build cache is per instruction set (workers/generation/cpp_build.py):
 a build made with -march=native on one kind of CPU must never be loaded on another."""
+import sys
+import threading
+import time
+
 import pytest
+import torch
 
 from workers.generation import cpp_build
 
@@ -50,3 +55,82 @@ def test_the_real_extension_is_built_for_this_cpu():
     except RuntimeError as e:  # no compiler here: the engine's clear error, tested elsewhere
         pytest.skip(str(e))
     assert mod.__name__.endswith(cpp_build.isa_tag())
+
+
+def _others_ran_during(call) -> int:
+    """How many times another Python thread ran while ``call()`` ran in this one: 0 when
+    ``call`` holds the GIL throughout. The switch interval is raised so this thread keeps the
+    GIL from reading the count to entering ``call`` and back (no timed hand-over); the other
+    thread gives it up at every count (``sleep(0)``), so this one gets it back after."""
+    count, stop, started = [0], threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=spin, daemon=True)
+    sys.setswitchinterval(100.0)
+    try:
+        t.start()
+        started.wait()
+        before = count[0]
+        call()
+        return count[0] - before
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+
+
+def test_the_harness_sees_a_call_that_holds_the_gil():
+    assert _others_ran_during(lambda: sum(range(2_000_000))) <= 1
+
+
+def _attention_call():
+    from workers.generation import cpu_attention
+
+    n, bs, ctx = 8, 128, 8192  # 16 query heads on 2 KV heads: ~70 M multiply-adds
+    kc, vc = torch.randn(n * ctx // bs, bs, 2, 64), torch.randn(n * ctx // bs, bs, 2, 64)
+    tables = torch.arange(n * ctx // bs, dtype=torch.int32).view(n, -1)
+    q = torch.randn(n, 16, 64)
+    return lambda: cpu_attention.paged_attention(q, kc, vc, tables, torch.arange(n), torch.full((n,), ctx - 1), 0.125)
+
+
+def _fused_ops_call():
+    from workers.generation import cpu_ops
+
+    x, w = torch.randn(1024, 2048), torch.randn(2048, 2048)
+    return lambda: cpu_ops.load().linear(x, w, None)
+
+
+def _panel_call():
+    from workers.generation import panel_gemm
+
+    if not panel_gemm.available(torch.float32):
+        pytest.skip("panel GEMMs need an AVX-512 CPU")
+    x, p = torch.randn(1024, 2048), panel_gemm.pack(torch.randn(2048, 2048))
+    return lambda: panel_gemm.linear(x, p, None)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("make", [_attention_call, _fused_ops_call, _panel_call], ids=["attention", "fused_ops", "panel"])
+def test_the_extensions_release_the_gil_while_they_run(make):
+    """The engine's kernels, like torch's ops, let the worker's other Python threads run (the
+    outbox, the weight-sync lanes) while a step computes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a free core for the other thread on small machines
+    try:
+        call = make()
+        call()  # built and warm
+        # holding the GIL, 0 (at most 1 where the other thread was mid-count at the start);
+        # released, hundreds and more on a 2-core machine
+        assert _others_ran_during(call) > 10
+    except RuntimeError as e:
+        if "building the C++ extension failed" in str(e):
+            pytest.skip(str(e))
+        raise
+    finally:
+        torch.set_num_threads(threads)

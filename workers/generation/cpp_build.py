@@ -39,16 +39,27 @@ def isa_tag(flags: str | None = None) -> str:
 def build(name: str, source: str, functions: tuple[str, ...], what: str):
     """Compile (or load the cached build of) ``source`` exposing ``functions``, cached under
     ``name`` plus this CPU's ``isa_tag``; ``what`` names the extension in the error raised
-    when building fails (no compiler, headers, ...)."""
+    when building fails (no compiler, headers, ...). Each function is bound with
+    ``torch::wrap_pybind_function_no_gil``: like torch's own ops, it runs without the GIL, so
+    the generation worker's other threads (the outbox streaming samples, the weight-sync lanes
+    receiving the next version) run while a step's kernels do; ``load_inline(functions=...)``
+    binds them holding it."""
     from torch.utils.cpp_extension import load_inline
 
     try:
-        return load_inline(name=f"{name}_{isa_tag()}", cpp_sources=source, functions=list(functions),
+        return load_inline(name=f"{name}_{isa_tag()}", cpp_sources=source + bindings(functions),
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:
         raise RuntimeError(f"{what}: building the C++ extension failed ({e}); "
                            "use attention_backend 'torch'") from e
+
+
+def bindings(functions: tuple[str, ...]) -> str:
+    """The module definition binding ``functions``: torch's error translation, GIL released
+    while each runs (its arguments are converted and its result wrapped with the GIL held)."""
+    defs = "".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in functions)
+    return f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
 
 
 # exp(x) for the extensions' C++ (prepended to their sources): plain C++ that the compiler
