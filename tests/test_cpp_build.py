@@ -1,5 +1,6 @@
-"""The C++ extensions' build cache is per instruction set (workers/generation/cpp_build.py):
-a build made with -march=native on one kind of CPU must never be loaded on another."""
+"""The C++ extensions (workers/generation/cpp_build.py): their build cache is per instruction
+set (a build made with -march=native on one kind of CPU must never be loaded on another), and
+their functions run without the GIL."""
 import sys
 import threading
 import time
