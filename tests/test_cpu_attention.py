@@ -142,3 +142,26 @@ def test_write_kv_matches_index_copy_and_refuses_a_slot_outside(cache_dtype):
         cpu_ops.load().write_kv(kc, vc, k, v, torch.tensor([0, 1, 2, 3, 96]))
     with pytest.raises(RuntimeError, match="write_kv: k and v must be"):
         cpu_ops.load().write_kv(kc, vc, k, v[:, :1], slots)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_batch_with_next_block_prefetch(threads):
+    """A decode batch (one token per sequence, >= 2 per thread: whole rows per item), contexts
+    of one to four blocks of 128 with partial tails: each block's successor, and the next
+    token's first block, are prefetched during the arithmetic; the result is the reference's."""
+    attn = _kernel()
+    g = torch.Generator().manual_seed(29)
+    bs, nb, dh, h, hkv, b = 128, 40, 64, 4, 2, 9
+    kc = torch.randn(nb, bs, hkv, dh, generator=g)
+    vc = torch.randn(nb, bs, hkv, dh, generator=g)
+    tables = torch.randperm(nb, generator=g)[: b * 4].view(b, 4).int().contiguous()
+    seq_of = torch.arange(b, dtype=torch.int64)
+    positions = torch.tensor([0, 127, 128, 300, 511, 5, 255, 256, 400], dtype=torch.int64)
+    q = torch.randn(b, h, dh, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attn(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5), rtol=1e-5, atol=1e-5)
