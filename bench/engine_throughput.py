@@ -152,11 +152,13 @@ COMPETITORS: dict[str, Callable[[Path, Work, str, int], float | None]] = {
 
 
 # ---- main ----------------------------------------------------------------------------------
-def probe_machine(quick: bool) -> tuple[float, float]:
-    """(fp32 matmul FLOP/s, memory read bytes/s) on the run's device, threads and clock."""
-    seconds = 0.5 if quick else 2.0
-    return (matmul_flops(DEVICE["name"], CLOCK["now"], sync_device, 512 if quick else 1024, seconds),
-            read_bandwidth(DEVICE["name"], CLOCK["now"], sync_device, 256, seconds))
+def probe_machine(quick: bool, bf16: bool) -> tuple[float, float, float | None]:
+    """(fp32 matmul FLOP/s, memory read bytes/s, bf16 matmul FLOP/s if ``bf16``) on the run's
+    device, threads and clock."""
+    seconds, n, dev = 0.5 if quick else 2.0, 512 if quick else 1024, DEVICE["name"]
+    return (matmul_flops(dev, CLOCK["now"], sync_device, n, seconds),
+            read_bandwidth(dev, CLOCK["now"], sync_device, 256, seconds),
+            matmul_flops(dev, CLOCK["now"], sync_device, n, seconds, torch.bfloat16) if bf16 else None)
 
 
 def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype: str, batch: int,
@@ -244,10 +246,12 @@ def main(argv=None):
             ap.error(f"--competitors: unknown {c!r} (known: {sorted(COMPETITORS)})")
     wl = args.workloads.split(",")
     q = args.quick
-    peak, bw = probe_machine(q)
+    peak, bw, peak16 = probe_machine(q, bf16="c" in wl)
     emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock,
          device=args.device, versions=versions())
     emit(measure="read_bandwidth", bytes_per_s=bw, threads=args.threads, clock=args.clock, device=args.device)
+    if peak16 is not None:
+        emit(measure="bf16_matmul_flops", flops_per_s=peak16, threads=args.threads, clock=args.clock, device=args.device)
     res: dict[str, dict] = {}
     floors: dict[str, Roofline] = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
@@ -270,8 +274,9 @@ def main(argv=None):
 
     # the probes again after the work: on a shared machine a burst of load during the first
     # probe would otherwise understate the peak and overstate every fraction (even above 1)
-    peak_end, bw_end = probe_machine(q)
+    peak_end, bw_end, peak16_end = probe_machine(q, bf16="c" in wl)
     best_peak, best_bw = max(peak, peak_end), max(bw, bw_end)
+    best_peak16 = None if peak16 is None else max(peak16, peak16_end)
 
     def tok_s(w, comp):
         r = res.get(w, {}).get(comp)
@@ -283,7 +288,8 @@ def main(argv=None):
 
     for w, (_, cfg, work, dtype, batch) in specs.items():
         dt = getattr(torch, dtype)  # the headline's K/V cache: the model's dtype ("auto")
-        f = floors[w] = roofline(cfg, work, batch, dt, dt, best_peak, best_bw)
+        rate = best_peak16 if dt == torch.bfloat16 else best_peak
+        f = floors[w] = roofline(cfg, work, batch, dt, dt, rate, best_bw)
         emit(measure="roofline", workload=w, tokens=f.tokens, compute_s=f.compute_s, kv_bytes=f.kv_bytes,
              weight_bytes=f.weight_bytes, memory_s=f.memory_s, serial_floor_tok_s=f.serial_tok_s,
              overlap_floor_tok_s=f.overlap_tok_s, native_tok_s=tok_s(w, "native"),
@@ -319,6 +325,7 @@ def main(argv=None):
          native_bf16kv_over_vllm_05b=ratio(tok_s("c", "native_bf16kv"), tok_s("c", "vllm")),
          matmul_flops_per_s=best_peak, matmul_flops_start=peak, matmul_flops_end=peak_end,
          read_bytes_per_s=best_bw, read_bytes_start=bw, read_bytes_end=bw_end,
+         bf16_matmul_flops_per_s=best_peak16,
          serial_floor_tok_s=floor("a", "serial"), overlap_floor_tok_s=floor("a", "overlap"),
          native_over_serial_floor=ratio(tok_s("a", "native"), floor("a", "serial")),
          native_over_serial_floor_b=ratio(tok_s("b", "native"), floor("b", "serial")),

@@ -13,10 +13,9 @@ From them, two floors on the run's time:
 The byte count is a lower bound where the K/V and weights outgrow the last-level cache (each
 step then reads them from DRAM again): workload (a) past its first few steps, and (c). The
 prefill's own traffic is not counted, and the step count is its lower bound (the batch never
-holds more than ``batch`` sequences), so the floors stay floors. One exception: the compute
-rate is fp32 matmul's, so on bf16 work (workload (c)) on a CPU whose bf16 dot products are
-faster (AVX512-BF16, AMX), ``compute_s`` overstates the arithmetic and the "floors" can be
-beaten; there they are estimates.
+holds more than ``batch`` sequences), so the floors stay floors. The compute rate is a
+matmul's in the work's dtype (bf16 for workload (c): on a CPU with AVX512-BF16 or AMX, its dot
+products outrun fp32's).
 """
 from __future__ import annotations
 
@@ -47,9 +46,9 @@ def _best_rate(op: Callable[[], None], amount: float, seconds: float, now: Calla
 
 
 def matmul_flops(device: str, now: Callable[[], float], sync: Callable[[], None],
-                 n: int = 1024, seconds: float = 1.0) -> float:
-    """Measured fp32 matmul FLOP/s (on CUDA with TF32 off, i.e. true fp32)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+                 n: int = 1024, seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
+    """Measured matmul FLOP/s in ``dtype`` (fp32: on CUDA with TF32 off, i.e. true fp32)."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     return _best_rate(lambda: a @ b, 2 * n ** 3, seconds, now, sync)
 
 

@@ -112,3 +112,4 @@ def test_probes_measure_something(roofline):
     now, sync = __import__("time").perf_counter, lambda: None
     assert roofline.read_bandwidth("cpu", now, sync, mib=8, seconds=0.05) > 1e8
     assert roofline.matmul_flops("cpu", now, sync, n=64, seconds=0.05) > 1e6
+    assert roofline.matmul_flops("cpu", now, sync, n=64, seconds=0.05, dtype=torch.bfloat16) > 1e6
