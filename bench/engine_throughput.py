@@ -266,9 +266,10 @@ def main(argv=None):
         if "c" in wl:
             work = workload_fixed(4 if q else 16, 8 if q else 64, big.vocab_size)
             specs["c"] = ("q05b", big, work, "bfloat16", 16)
+        models = {"tiny": (tiny, torch.float32), "q05b": (big, torch.bfloat16)}
         for name in sorted({folder for folder, *_ in specs.values()}):
-            cfg = tiny if name == "tiny" else big
-            write_model(cfg, Path(tmp) / name, torch.float32 if name == "tiny" else torch.bfloat16)
+            model_cfg, model_dtype = models[name]
+            write_model(model_cfg, Path(tmp) / name, model_dtype)
         for w, (name, cfg, work, dtype, batch) in specs.items():
             res[w] = bench_workload(w, Path(tmp) / name, cfg, work, dtype, batch, comps, peak, args.repeats)
 

@@ -60,11 +60,16 @@ def read_bandwidth(device: str, now: Callable[[], float], sync: Callable[[], Non
     return _best_rate(lambda: x.sum(), x.numel() * 4, seconds, now, sync)
 
 
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    """One decoder layer's GEMM weights: q, k, v, o projections and the three MLP ones."""
+    d, dh = cfg.hidden_size, cfg.dim_head
+    return d * dh * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 3 * d * cfg.intermediate_size
+
+
 def model_flops(cfg: ModelConfig, work: Work) -> float:
     """Forward FLOPs of the work: 2 x matmul params per token (lm_head only for generated
     tokens), plus attention (QK^T and PV over the context)."""
-    d, dh = cfg.hidden_size, cfg.dim_head
-    per_layer = d * dh * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 3 * d * cfg.intermediate_size
+    d, dh, per_layer = cfg.hidden_size, cfg.dim_head, _layer_matmul_params(cfg)
     total = 0.0
     for prompt, n in work:
         p = len(prompt)
@@ -78,9 +83,7 @@ def model_flops(cfg: ModelConfig, work: Work) -> float:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters a decode step reads as GEMM weights: every layer's projections and lm_head
     (the embedding is a gather of one row per token; norms and biases are negligible)."""
-    d, dh = cfg.hidden_size, cfg.dim_head
-    per_layer = d * dh * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 3 * d * cfg.intermediate_size
-    return per_layer * cfg.num_hidden_layers + d * cfg.vocab_size
+    return _layer_matmul_params(cfg) * cfg.num_hidden_layers + cfg.hidden_size * cfg.vocab_size
 
 
 def decode_steps(work: Work, batch: int) -> int:
@@ -132,7 +135,6 @@ def roofline(cfg: ModelConfig, work: Work, batch: int, dtype: torch.dtype, kv_dt
              flops_per_s: float, bytes_per_s: float) -> Roofline:
     if flops_per_s <= 0 or bytes_per_s <= 0:
         raise ValueError(f"roofline: rates must be positive, got {flops_per_s} FLOP/s and {bytes_per_s} B/s")
-    kv, w = decode_bytes(cfg, work, batch, torch.empty((), dtype=dtype).element_size(),
-                         torch.empty((), dtype=kv_dtype).element_size())
+    kv, w = decode_bytes(cfg, work, batch, dtype.itemsize, kv_dtype.itemsize)
     return Roofline(tokens=sum(n for _, n in work), compute_s=model_flops(cfg, work) / flops_per_s,
                     kv_bytes=kv, weight_bytes=w, memory_s=(kv + w) / bytes_per_s)

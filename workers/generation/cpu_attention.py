@@ -35,7 +35,6 @@ _SOURCE = VEXP + r"""
 // Layout: a block's rows with row stride `rs` (the cache's row: KV heads x Dh, the item's
 // first KV head at the start), scores sc[h * bs + r] for the item's query heads h (kv head h / G).
 
-
 // Software prefetch (into L2: locality 2, PREFETCHT1 on x86) of the next block a decode token
 // reads, spread over the arithmetic on the current one: `step(k)` issues the next k of its
 // 64-byte lines (K's rows, then V's), `rest()` the ones left. So memory works while the core
@@ -233,8 +232,9 @@ static inline void touch(const C* p, int64_t rows, int64_t stride, int64_t bytes
 // software prefetch ahead of the loops was dropped because the CPU lets prefetches go when
 // its miss buffers are full (slower than the copy once DRAM bounds). Since session 29 the
 // next block is prefetched into L2 a few lines at a time through the arithmetic on the
-// current one (NextBlock), so the touch finds it there: memory and arithmetic overlap. DH > 0 fixes the head
-// size at compile time (64, 128: AVX2 paths where the CPU has them); DH == 0 is generic.
+// current one (NextBlock), so the touch finds it there: memory and arithmetic overlap.
+// DH > 0 fixes the head size at compile time (64, 128: AVX2 paths where the CPU has them);
+// DH == 0 is generic.
 // T: q/out dtype; C: cache dtype.
 
 template <typename T, typename C, int DH>
@@ -258,11 +258,12 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       // A token whose neighbours in the batch belong to its sequence (a prefill chunk) reads
-      // blocks its neighbours just read (cache-resident). A lone token (decode) touches a
-      // block's rows before reading them (see above), unless the block was prefetched during
-      // the arithmetic on the block before it (NextBlock: the next block of the same token, or
-      // the first block of the thread's next token), as every block is when whole rows are
-      // read (split == 1, a decode batch of at least 2 tokens per thread).
+      // blocks its neighbours just read (cache-resident). A lone token (decode) touches each
+      // block's rows before reading them (see above). When whole rows are read (split == 1, a
+      // decode batch of at least 2 tokens per thread), the block after the current one (the
+      // token's next, or the first of the thread's next token) is also prefetched during the
+      // current one's arithmetic (NextBlock): the touch then finds it in L2, and a token's
+      // first block, prefetched by the token before it, is not touched at all.
       const bool lone = !((i > 0 && seq_of[i - 1] == seq_of[i]) || (i + 1 < ntok && seq_of[i + 1] == seq_of[i]));
       const bool first_prefetched = primed;
       primed = false;
