@@ -1,7 +1,7 @@
 """NativeEngine.abort (vLLM's ``abort_request``) and its use by GenerationInstance.
 
-An aborted request is cancelled wherever it is (waiting, running, preempted, in a prefill whose
-step failed): its blocks are freed, its reference on a group's shared prompt prefix dropped,
+An aborted request is cancelled wherever it is (waiting, running, preempted, requeued after a
+step that failed): its blocks are freed, its reference on a group's shared prompt prefix dropped,
 no Sample of it comes out later, and its sample_id / group_id can be used again. The requests
 left are served exactly as by an engine that never had the aborted ones (greedy, token for
 token). The instance aborts what a scale-in (``stop``) or a failed call leaves in its engine."""
@@ -200,8 +200,9 @@ def test_unknown_finished_and_repeated_ids_are_ignored():
 
 def test_abort_after_a_failed_prefill_step():
     # the step computing a group's prompt fails (an engine error: the instance then aborts the
-    # call's requests): its pin was never written. Aborting that sample must not leave the
-    # group's other samples waiting forever for the pin to become ready.
+    # call's requests). The engine put that step's batch back in the queue and dropped the
+    # group's unready pin (tests/test_engine_step_failure.py); aborting the sample that was
+    # computing the prompt must not leave the group's other samples waiting for it.
     p = prompt(13, seed=7)
     rs = [req(i, p, group=3) for i in range(3)] + [req(7, prompt(5, seed=1))]
     eng = engine()
@@ -215,10 +216,10 @@ def test_abort_after_a_failed_prefill_step():
     with pytest.raises(RuntimeError, match="injected"):
         eng.step()
     eng.runner.run = run_step
-    first = [s.request.sample_id for s in eng.scheduler.running]
-    assert first == [0, 7] and not eng.prefix.groups[3].ready  # mid-prefill: no K/V written
-    assert eng.abort(first) == first
-    assert eng.stats().kv_blocks_used == 0 and 3 not in eng.prefix.groups
+    assert not eng.scheduler.running and 3 not in eng.prefix.groups
+    assert [s.request.sample_id for s in eng.scheduler.waiting] == [0, 7, 1, 2]  # requeued ones first
+    assert eng.abort([0, 7]) == [0, 7]
+    assert eng.stats().kv_blocks_used == 0
     assert eng._live[1].status is Status.WAITING
     assert run(eng) == reference(rs[1:3])
     assert_empty(eng)

@@ -20,7 +20,7 @@ from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
 from workers.generation.scheduler import Scheduler
-from workers.generation.sequence import Sequence, error_sample
+from workers.generation.sequence import Sequence, Status, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
 from workers.types import Engine, EngineStats, Request, Sample
 
@@ -143,7 +143,11 @@ class NativeEngine:
         if batch.is_prefill:
             for s in batch.seqs:
                 s.timings.setdefault("admitted", now)
-        tokens, logprobs = self.runner.run(batch)
+        try:
+            tokens, logprobs = self.runner.run(batch)
+        except BaseException:
+            self._requeue(batch)
+            raise
         if batch.is_prefill:
             for seq, end in zip(batch.seqs, batch.ends):
                 if end < seq.num_tokens:  # a prefill chunk: no token yet, more chunks to come
@@ -168,6 +172,17 @@ class NativeEngine:
             self.prefix.mark_ready()
         self._count_tokens(now, len(tokens))
         return [self._finish(seq, reason, now) for seq, reason in done]
+
+    def _requeue(self, batch) -> None:
+        """A step that raised (an engine error, a KeyboardInterrupt in the REPL) left its batch
+        half done: blocks allocated, some layers' K/V written, no token appended. Each of its
+        sequences goes back to the queue as a preempted one (blocks freed, a group prompt's
+        unready pin dropped, tokens kept): re-admitted, it recomputes its K/V, so the engine can
+        be stepped on and every output is what it would have been without the failure."""
+        self.runner.attn.ctx = None
+        for seq in batch.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.preempt(seq, count=False)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> Sample:
         self.scheduler.finish(seq)
