@@ -143,7 +143,7 @@ def test_failures_during_chunked_prefill():
 
 
 def test_an_interrupt_mid_step_leaves_the_engine_consistent():
-    # Ctrl-C in the controller REPL arrives inside a kernel: a BaseException, not an Exception
+    # Ctrl-C in an interactive session driving an engine: a BaseException, not an Exception
     eng, attn = failing()
     attn.error = KeyboardInterrupt()
     eng.add(requests())

@@ -174,7 +174,7 @@ class NativeEngine:
         return [self._finish(seq, reason, now) for seq, reason in done]
 
     def _requeue(self, batch) -> None:
-        """A step that raised (an engine error, a KeyboardInterrupt in the REPL) left its batch
+        """A step that raised (an engine error, a Ctrl-C in an interactive session) left its batch
         half done: blocks allocated, some layers' K/V written, no token appended. Each of its
         sequences goes back to the queue as a preempted one (blocks freed, a group prompt's
         unready pin dropped, tokens kept): re-admitted, it recomputes its K/V, so the engine can
