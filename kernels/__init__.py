@@ -14,6 +14,10 @@ import sys
 
 import torch
 
+# Hugging Face's hub kernels package has this top-level name too: this marker tells the two apart
+# (workers/generation/kernels_package.py)
+PROJECT = "streamrl"
+
 
 def triton_available() -> bool:
     """True when the ``triton`` package is installed (does not import it)."""

@@ -63,7 +63,9 @@ class PagedAttention:
             self._cpu, self._write = cpu_attention.paged_attention, cpu_ops.load().write_kv
         elif decode_kernel == "triton":
             try:
-                import kernels
+                from workers.generation import kernels_package
+
+                kernels = kernels_package.load()
                 from kernels import paged_decode
             except ImportError as e:
                 raise ValueError(f"engine.attention_backend 'triton' needs kernels.paged_decode: {e}") from e

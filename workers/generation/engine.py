@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
-import kernels
+from workers.generation import kernels_package
 from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
@@ -43,7 +43,7 @@ def resolve_attention_backend(cfg: EngineConfig, device: torch.device) -> str:
         return cfg.attention_backend
     if device.type != "cuda" or cfg.kv_cache_dtype != "auto" or cfg.block_size % 16:
         return "torch"
-    return "triton" if kernels.triton_usable(device) else "torch"
+    return "triton" if kernels_package.load().triton_usable(device) else "torch"
 
 
 class NativeEngine:

@@ -1,0 +1,53 @@
+"""workers.generation.kernels_package: this project's ``kernels``, told apart from Hugging
+Face's package of the same name (hub kernels, which transformers >= 5.25 requires).
+
+The other package is stood in for by a bare module in ``sys.modules``: installing Hugging
+Face's ``kernels`` into the test venv is the collision itself (transformers then imports names
+from it, finds this project's package and the HF equivalence tests fail), so the real one
+cannot be used here."""
+import sys
+import types
+
+import pytest
+import torch
+
+from workers.generation import kernels_package
+from workers.generation.attention import PagedAttention
+from workers.generation.config import EngineConfig
+from workers.generation.engine import resolve_attention_backend
+from workers.generation.kv_cache import KVCache
+
+FOUND = "/venv/lib/python3.11/site-packages/kernels/__init__.py"
+
+
+@pytest.fixture
+def hub_kernels(monkeypatch):
+    """Hugging Face's ``kernels`` first on the path: ``import kernels`` returns it."""
+    mod = types.ModuleType("kernels")
+    mod.__file__ = FOUND
+    mod.CUDAProperties = type("CUDAProperties", (), {})  # one of the names transformers imports
+    monkeypatch.setitem(sys.modules, "kernels", mod)
+    return mod
+
+
+def test_this_projects_kernels_load():
+    k = kernels_package.load()
+    assert k.PROJECT == "streamrl" and callable(k.triton_usable) and k.__file__.endswith("kernels/__init__.py")
+
+
+def test_another_kernels_package_is_named_in_a_clear_error(hub_kernels):
+    with pytest.raises(ImportError, match=rf"found {FOUND}, not StreamRL's kernels package.*transformers >= 5\.25"):
+        kernels_package.load()
+
+
+def test_the_engine_needs_it_only_on_cuda(hub_kernels):
+    cfg = EngineConfig(block_size=16)
+    with pytest.raises(ImportError, match="not StreamRL's kernels package"):
+        resolve_attention_backend(cfg, torch.device("cuda"))  # "auto" asks whether triton runs there
+    assert resolve_attention_backend(cfg, torch.device("cpu")) == "torch"
+
+
+def test_the_triton_attention_backend_refuses_with_the_reason(hub_kernels):
+    cache = KVCache(1, 4, 16, 1, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=rf"needs kernels.paged_decode: 'import kernels' found {FOUND}"):
+        PagedAttention(cache, 2, 8, decode_kernel="triton")
