@@ -179,7 +179,6 @@ class NativeEngine:
         sequences goes back to the queue as a preempted one (blocks freed, a group prompt's
         unready pin dropped, tokens kept): re-admitted, it recomputes its K/V, so the engine can
         be stepped on and every output is what it would have been without the failure."""
-        self.runner.attn.ctx = None
         for seq in batch.seqs:
             if seq.status is Status.RUNNING:
                 self.scheduler.preempt(seq, count=False)

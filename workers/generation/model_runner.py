@@ -143,22 +143,29 @@ class ModelRunner:
             self.graphs = None
             return None
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
-        """One forward + sampling; returns the sampled ids and their log-probs (host lists)."""
+    def _sample(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         self.cache.copy_blocks(batch.copies)
         logits = self._graph_decode(batch) if self.graphs is not None and not batch.is_prefill else None
         if logits is None:
             ids, pos, last = self._prepare(batch)
             hidden = self.forward(ids, pos, self.attn)  # [T, D]
-            if not batch.sampling:  # prefill chunks only: nothing to sample yet
-                self.attn.ctx = None
-                return [], []
+            if not batch.sampling:
+                return None, None
             if last is not None:
                 hidden = hidden.index_select(0, last)  # [B, D]
             logits = self.forward.logits(hidden)  # [B, V]
-        tok, logp = self.sampler(logits, batch.sampling)
-        self.attn.ctx = None
+        return self.sampler(logits, batch.sampling)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float]]:
+        """One forward + sampling; returns the sampled ids and their log-probs (host lists).
+        The attention context lives for the step only, also when the step raises."""
+        try:
+            tok, logp = self._sample(batch)
+        finally:
+            self.attn.ctx = None
+        if tok is None:  # prefill chunks only: nothing to sample yet
+            return [], []
         if self.device.type == "cpu":
             return tok.tolist(), logp.tolist()
         both = torch.stack((tok.double(), logp.double())).cpu().tolist()  # the one sync per step
