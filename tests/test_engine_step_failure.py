@@ -66,17 +66,16 @@ def reference(backend: str = "torch", **kw) -> dict[int, list[int]]:
 
 def step_through(eng: NativeEngine, attn: FailingAttention, fail_at: set[int], max_steps: int = 400):
     """Step until idle, arming the failure before the steps numbered in ``fail_at``; returns the
-    outputs and what each failed step left: (sample ids of its batch, their statuses)."""
-    out, failures = {}, []
+    outputs and how many steps failed."""
+    out, failed = {}, 0
     for n in range(max_steps):
         if not eng.has_work():
-            return out, failures
+            return out, failed
         if n in fail_at:
             attn.armed = True
-            batch_ids = [s.request.sample_id for s in eng.scheduler.running + eng.scheduler.waiting]
             with pytest.raises(type(attn.error)):
                 eng.step()
-            failures.append({sid: eng._live[sid].status for sid in batch_ids if sid in eng._live})
+            failed += 1
             continue
         for s in eng.step():
             assert s.sample_id not in out
@@ -95,9 +94,9 @@ def test_outputs_after_failed_decode_and_prefill_steps_equal_a_clean_run(backend
     eng, attn = failing(backend)
     eng.add(requests())
     # step 0: the first prefill (the group's owner computes its prompt); 3 and 6: decodes
-    out, failures = step_through(eng, attn, {0, 3, 6})
+    out, failed = step_through(eng, attn, {0, 3, 6})
     assert out == reference(backend)
-    assert len(failures) == 3
+    assert failed == 3
     assert_all_free(eng)
     assert eng.stats().preemptions == 0  # a requeue is not a memory preemption
 
@@ -136,9 +135,9 @@ def test_failures_during_chunked_prefill():
     # prompts of 3-18 tokens through a 5-token prefill budget: steps alternate chunks and decodes
     eng, attn = failing(max_prefill_tokens=5)
     eng.add(requests())
-    out, failures = step_through(eng, attn, {1, 2, 5, 9})
+    out, failed = step_through(eng, attn, {1, 2, 5, 9})
     assert out == reference(max_prefill_tokens=5) == reference()
-    assert len(failures) == 4
+    assert failed == 4
     assert_all_free(eng)
 
 
@@ -147,6 +146,6 @@ def test_an_interrupt_mid_step_leaves_the_engine_consistent():
     eng, attn = failing()
     attn.error = KeyboardInterrupt()
     eng.add(requests())
-    out, failures = step_through(eng, attn, {0})  # the first prefill
-    assert out == reference() and len(failures) == 1
+    out, failed = step_through(eng, attn, {0})  # the first prefill
+    assert out == reference() and failed == 1
     assert_all_free(eng)
