@@ -22,6 +22,9 @@ The machine's limits come from bench/roofline.py: measured fp32 matmul FLOP/s an
 bandwidth, and per workload the floors they put on a run (``measure: roofline`` lines; the
 summary's ``native_over_serial_floor*``: the native engine's throughput over the one its
 work allows with arithmetic and memory traffic one after the other).
+With ``--repeats N`` the competitors take turns N times; the headline ratios are best run
+against best run, and the ``*_paired`` ratios the median over the repeats of each repeat's
+ratio (runs minutes apart; on a shared VM whose speed drifts, the steadier figure).
 Prints one JSON line per measurement, then a summary line.
 """
 from __future__ import annotations
@@ -30,9 +33,11 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -161,14 +166,27 @@ def probe_machine(quick: bool, bf16: bool) -> tuple[float, float, float | None]:
             matmul_flops(dev, CLOCK["now"], sync_device, n, seconds, torch.bfloat16) if bf16 else None)
 
 
+@dataclass
+class Runs:
+    """One competitor's runs of one workload, by repeat: useful tokens/s, and the fraction of
+    the fp32 matmul peak reached."""
+
+    tok_s: list[float] = field(default_factory=list)
+    frac: list[float] = field(default_factory=list)
+
+    @property
+    def best(self) -> int:
+        return max(range(len(self.tok_s)), key=self.tok_s.__getitem__)
+
+
 def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype: str, batch: int,
-                   competitors: list[str], peak: float, repeats: int = 1) -> dict[str, tuple[float, float] | None]:
-    """competitor -> (useful tokens/s, fraction of the fp32 matmul peak reached), or None.
-    With ``repeats`` > 1 the competitors alternate (A B A B ...) and the best run of each
-    counts: on a shared machine the load drifts, and alternating exposes both to it."""
+                   competitors: list[str], peak: float, repeats: int = 1) -> dict[str, Runs | None]:
+    """competitor -> its runs, or None when absent. With ``repeats`` > 1 the competitors
+    alternate (A B A B ...): on a shared machine the load drifts, and alternating exposes
+    both to it."""
     tokens = sum(n for _, n in work)
     flops = model_flops(cfg, work)
-    out: dict[str, tuple[float, float] | None] = {}
+    out: dict[str, Runs | None] = {}
     for rep in range(repeats):
         for comp in competitors:
             if rep and out.get(comp) is None:
@@ -181,10 +199,20 @@ def bench_workload(name: str, folder: Path, cfg: ModelConfig, work: Work, dtype:
                  prompts=len(work), new_tokens=tokens, batch=batch, seconds=dt,
                  tok_s=None if dt is None else tokens / dt,
                  flops_fraction=None if dt is None else flops / dt / peak, load_avg=os.getloadavg()[0])
-            if dt is not None and (out.get(comp) is None or tokens / dt > out[comp][0]):
-                out[comp] = (tokens / dt, flops / dt / peak)
-            out.setdefault(comp, None)
+            if dt is None:
+                out[comp] = None
+                continue
+            runs = out.setdefault(comp, Runs())
+            runs.tok_s.append(tokens / dt)
+            runs.frac.append(flops / dt / peak)
     return out
+
+
+def paired_ratio(a: Runs | None, b: Runs | None) -> float | None:
+    """Median over the repeats of a's run over b's run of the same repeat."""
+    if a is None or b is None:
+        return None
+    return statistics.median(x / y for x, y in zip(a.tok_s, b.tok_s))
 
 
 def versions() -> dict[str, str | None]:
@@ -281,11 +309,14 @@ def main(argv=None):
 
     def tok_s(w, comp):
         r = res.get(w, {}).get(comp)
-        return None if r is None else r[0]
+        return None if r is None else r.tok_s[r.best]
 
     def frac(w):
         r = res.get(w, {}).get("native")
-        return None if r is None else r[1] * peak / best_peak
+        return None if r is None else r.frac[r.best] * peak / best_peak
+
+    def paired(w, comp):
+        return paired_ratio(res.get(w, {}).get("native"), res.get(w, {}).get(comp))
 
     for w, (_, cfg, work, dtype, batch) in specs.items():
         dt = getattr(torch, dtype)  # the headline's K/V cache: the model's dtype ("auto")
@@ -306,6 +337,7 @@ def main(argv=None):
          native_tok_s=tok_s("a", "native"), hf_tok_s=tok_s("a", "hf"), vllm_tok_s=tok_s("a", "vllm"),
          native_over_hf=ratio(tok_s("a", "native"), tok_s("a", "hf")),
          native_over_vllm=ratio(tok_s("a", "native"), tok_s("a", "vllm")),
+         native_over_hf_paired=paired("a", "hf"), native_over_vllm_paired=paired("a", "vllm"),
          flops_fraction=frac("c") if frac("c") is not None else frac("a"),
          flops_fraction_a=frac("a"), flops_fraction_b=frac("b"), flops_fraction_05b=frac("c"),
          native_tok_s_b=tok_s("b", "native"), hf_tok_s_b=tok_s("b", "hf"), vllm_tok_s_b=tok_s("b", "vllm"),
@@ -315,6 +347,7 @@ def main(argv=None):
          vllm_tok_s_05b=tok_s("c", "vllm"),
          native_over_hf_05b=ratio(tok_s("c", "native"), tok_s("c", "hf")),
          native_over_vllm_05b=ratio(tok_s("c", "native"), tok_s("c", "vllm")),
+         native_over_hf_05b_paired=paired("c", "hf"), native_over_vllm_05b_paired=paired("c", "vllm"),
          vllm_default_tok_s=tok_s("a", "vllm_default"),
          native_over_vllm_default=ratio(tok_s("a", "native"), tok_s("a", "vllm_default")),
          native_eager_tok_s=tok_s("a", "native_eager"), native_eager_tok_s_b=tok_s("b", "native_eager"),

@@ -2,6 +2,7 @@
 flag and exit code 2 (argparse's own error path); nothing is run here."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ def _load(name: str, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # the benches import jsonline from their folder
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -103,3 +105,25 @@ def test_engine_bench_gives_vllm_the_same_cores(monkeypatch):
     monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {3, 1, 2, 0})
     assert bench.vllm_cpu_env(2) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
                                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def test_engine_bench_pairs_each_repeat_with_its_competitor(monkeypatch):
+    # headline ratios are best run against best run; the paired ratio is the median of each
+    # repeat's ratio, so one lucky or unlucky run of either side does not set it
+    bench = _load("engine_throughput", monkeypatch)
+    monkeypatch.setattr(bench, "emit", lambda **kw: kw)
+    speeds = {"native": iter([13260.0, 11280.0, 7378.0]), "vllm": iter([3594.0, 3942.0, 3777.0])}
+    monkeypatch.setattr(bench, "COMPETITORS", {
+        "native": lambda *a: 16384 / next(speeds["native"]),
+        "vllm": lambda *a: 16384 / next(speeds["vllm"]),
+        "hf": lambda *a: None})  # absent: asked once, then skipped
+    monkeypatch.setattr(bench, "model_flops", lambda cfg, work: 1e9)
+    res = bench.bench_workload("a", None, None, [(None, 16384)], "float32", 64,
+                               ["native", "vllm", "hf"], peak=1e11, repeats=3)
+    native, vllm = res["native"], res["vllm"]
+    assert res["hf"] is None and len(native.tok_s) == len(vllm.tok_s) == 3
+    assert native.best == 0 and vllm.best == 1
+    assert native.tok_s[native.best] / vllm.tok_s[vllm.best] == pytest.approx(13260 / 3942)
+    assert bench.paired_ratio(native, vllm) == pytest.approx(11280 / 3942)  # of 3.69, 2.86, 1.95
+    assert native.frac == pytest.approx([1e9 * s / 16384 / 1e11 for s in (13260, 11280, 7378)])
+    assert bench.paired_ratio(native, None) is None
