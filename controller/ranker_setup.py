@@ -56,7 +56,7 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
         return saved
     t0 = time.time()
     model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
-                             seed=cfg.train.seed, **dict(r.options))
+                             sample_seed=cfg.train.seed, **dict(r.options))
     ranker.save(model, path)
     print(f"[controller] ranker: no {r.kind} ranker at {path}; bootstrapped one from the policy's lengths on "
           f"{min(r.bootstrap_prompts, len(prompts))} prompts x {cfg.train.group_size} samples in "

@@ -43,9 +43,9 @@ def measure(generate: GenerateFn, prompts: Sequence[str], chunk: int = 64) -> li
 
 
 def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: str = "lgbm",
-              seed: int = 0, chunk: int = 64, **kw):
-    """Sample ``n`` prompts, measure them with ``generate``, fit a ``kind`` ranker (config
-    keywords ``kw``) and return it (fitted)."""
+              sample_seed: int = 0, chunk: int = 64, **kw):
+    """Sample ``n`` prompts (drawn with ``sample_seed``), measure them with ``generate``, fit a
+    ``kind`` ranker (config keywords ``kw``, its own ``seed`` among them) and return it (fitted)."""
     from ranker.store import build
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 2:
@@ -54,7 +54,7 @@ def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: 
         raise ValueError(f"bootstrap chunk must be an int >= 1, got {chunk!r}")
     prompts = as_prompts(prompts)
     model = build(kind, **kw)  # a bad config fails here, before anything is generated
-    picked = sample_prompts(prompts, n, seed)
+    picked = sample_prompts(prompts, n, sample_seed)
     model._need_rows(len(picked), f"{len(prompts)} prompts given, n = {n}")
     lengths = measure(generate, picked, chunk)
     return model.fit(picked, lengths)

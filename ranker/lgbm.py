@@ -20,7 +20,7 @@ from ranker import progress
 from ranker.base import LogLengthRanker, check_fields, config_kwargs
 from ranker.data import as_prompts, check_lengths
 from ranker.features import FeatureBuilder, FeatureConfig, FeatureMismatchError
-from workers.config_schema import Range, ranged
+from workers.config_schema import Range, SEEDS, ranged
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LgbmConfig:
     update_rounds: int = ranged(20, Range(0))
     replay: int = ranged(2000, Range(1))
     threads: int = ranged(1, Range(1))  # LightGBM's OpenMP spin-waits: 2 threads on a busy 2-core box ran 12x slower
-    seed: int = 0
+    seed: int = ranged(0, SEEDS)
     features: FeatureConfig = field(default_factory=FeatureConfig)
 
     def __post_init__(self):

@@ -24,7 +24,7 @@ from torch import nn
 from ranker import progress
 from ranker.base import LogLengthRanker, check_fields, check_range, config_kwargs
 from ranker.data import as_prompts, check_lengths
-from workers.config_schema import Range, ranged
+from workers.config_schema import Range, SEEDS, ranged
 from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
 from workers.tokenizer import Tokenizer, train_bpe
 
@@ -47,7 +47,7 @@ class LmConfig:
     update_steps: int = ranged(30, Range(0))
     replay: int = ranged(256, Range(0))            # fine-tuning rows kept and mixed into every online update
     threads: int = ranged(2, Range(1))
-    seed: int = 0
+    seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
         check_fields(self, "lm")
@@ -178,7 +178,7 @@ class LmRanker(LogLengthRanker):
     def _train(self, seqs, ntok, y: np.ndarray | None, steps_or_epochs: tuple[str, int], desc: str) -> None:
         """Next-token loss when ``y`` is None, else MSE + RankNet on standardized targets."""
         c, net = self.cfg, self.net
-        rng = np.random.RandomState(c.seed + len(seqs))
+        rng = np.random.RandomState((c.seed + len(seqs)) % 2**32)
         unit, n = steps_or_epochs
         total = n if unit == "steps" else n * math.ceil(len(seqs) / c.batch_size)
         plan: list[np.ndarray] = []

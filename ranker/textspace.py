@@ -17,7 +17,7 @@ from sklearn.preprocessing import normalize
 from threadpoolctl import threadpool_limits
 
 from ranker.base import check_fields, check_range, config_kwargs
-from workers.config_schema import Range, ranged
+from workers.config_schema import Range, SEEDS, ranged
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SpaceConfig:
     hash_bits: int = ranged(18, Range(1, 24))
     max_columns: int = ranged(20000, Range(2, note="the SVD needs 2 columns"))
     svd_dims: int = ranged(64, Range(1))
-    seed: int = 0
+    seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
         check_fields(self, "space")

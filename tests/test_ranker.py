@@ -270,6 +270,9 @@ def test_save_refuses_to_replace_what_is_not_a_ranker(fitted, tmp_path):
     ({"features": {"space": {"char_ngrams": [3, 2]}}}, "'char_ngrams' must be"),
     ({"features": {"lm_dims": 3}}, "'features.lm_dims' needs the small LM's embedding"),
     ({"features": {"space": {"max_columns": 1}}}, r"space config key 'max_columns' must be >= 2 \(the SVD"),
+    # seeds out of numpy's range failed after the data was read (or every bootstrap prompt generated)
+    ({"seed": -1}, r"lgbm config key 'seed' must be in \[0, 4294967296\), got -1"),
+    ({"features": {"space": {"seed": 2**32}}}, r"space config key 'seed' must be in \[0, 4294967296\)"),
 ])
 def test_bad_config_is_refused_naming_the_key(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from controller.config import ConfigError, RankerSection
-from controller.ranker_setup import saved_ranker
+from controller.ranker_setup import run_ranker, saved_ranker
 from ranker.store import FORMAT, FORMAT_VERSION
 
 
@@ -68,3 +68,17 @@ def test_each_iteration_reports_how_the_estimates_ranked_the_true_lengths():
     same = [SimpleNamespace(sample_ids=[0, 1, 2, 3], lengths=[16, 16, 16, 16])]  # forced lengths: rank undefined
     q = Program._ranker_quality(SimpleNamespace(round=SimpleNamespace(requests=by_id, reports=same)))
     assert q["spearman"] is None and q["true_mean"] == 16.0
+
+
+def test_a_bootstrapped_ranker_takes_its_seed_from_the_options(tmp_path):
+    # ranker.options.seed passed config validation, then the bootstrap got two "seed"
+    # keywords (its prompt-sampling seed and the model's) and the run died with a TypeError
+    from test_ranker_synth import SMALL_LGBM, synth
+
+    cfg = SimpleNamespace(ranker=RankerSection(kind="lgbm", path=str(tmp_path / "r"), bootstrap_prompts=40,
+                                               options={**SMALL_LGBM, "seed": 7}),
+                          train=SimpleNamespace(seed=3, group_size=2))
+    pool, lengths = synth(60, seed=1)
+    truth = dict(zip(pool, lengths))
+    model = run_ranker(cfg, saved_ranker(cfg), None, lambda ps: [truth[p] for p in ps], pool)
+    assert model.cfg.seed == 7 and (tmp_path / "r" / "meta.json").exists()
