@@ -11,17 +11,21 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from scipy.stats import rankdata
 
 
 def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> list[float]:
     """Replace each estimate by the reference length distribution's quantile at its rank:
     keeps the ranker's order (what it predicts well) and restores the tail a regression
-    flattens. reference: recent true lengths (e.g. the trace's train split)."""
+    flattens. Equal estimates share their average rank, so they get one length (the ranker
+    told them apart in nothing). reference: recent true lengths (e.g. the trace's train split)."""
     if not len(reference):
         raise ValueError("calibrate_by_rank: empty reference distribution")
     m = len(est_lens)
-    ranks = np.argsort(np.argsort(np.asarray(est_lens, dtype=float), kind="stable"), kind="stable")
-    qs = (ranks + 0.5) / max(1, m)
+    if not m:
+        return []
+    ranks = rankdata(np.asarray(est_lens, dtype=float), method="average") - 1  # 0-based
+    qs = (ranks + 0.5) / m
     return [float(x) for x in np.quantile(np.asarray(reference, dtype=float), qs)]
 
 

@@ -193,6 +193,16 @@ def test_calibrate_by_rank_keeps_order_and_restores_tail():
     assert max(cal) > 500
 
 
+def test_calibrate_by_rank_gives_equal_estimates_one_length():
+    # a stable argsort ranked ties by request index: [5, 5, 5, 5] became 4.4 .. 662 tokens,
+    # and the dispatcher took the last request for a long-tail one
+    ref = [1, 10, 100, 1000]
+    assert calibrate_by_rank([5.0] * 4, ref) == [float(np.quantile(ref, 0.5))] * 4
+    cal = calibrate_by_rank([3.0, 7.0, 3.0, 9.0], ref)
+    assert cal[0] == cal[2] < cal[1] < cal[3]
+    assert calibrate_by_rank([], ref) == []
+
+
 def test_calibrate_by_bins_and_posterior():
     ref_est = list(range(40))
     ref_true = [10.0] * 20 + [100.0] * 20
