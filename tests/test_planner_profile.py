@@ -74,6 +74,17 @@ def test_profile_recovers_the_cost_per_cached_token():
     assert prof.ref_context == 8 + 1 + 2
 
 
+def test_profile_keeps_the_long_prefill_probe_inside_the_context():
+    # the long prefill probe (4 x prompt_len) was refused past max_model_len (512 here), and
+    # the empty step timed in its place gave a prefill cost of 0
+    torch.set_num_threads(1)
+    eng = StepClock(tiny_engine(kv_tokens=4096), p=1e-4)
+    prof = profile_engine(eng, batch_sizes=(1, 2), prompt_len=200, decode_steps=4, warmup_steps=1,
+                          clock=eng.clock)
+    assert prof.prefill_s_per_token == pytest.approx(1e-4) and prof.prefill_step_s == pytest.approx(0.01)
+    assert not eng.engine.has_work()
+
+
 def test_profile_with_the_real_clock_is_reusable(tmp_path):
     torch.set_num_threads(1)
     eng = tiny_engine()

@@ -109,9 +109,14 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
             kv_coef = max(0.0, (t_long - ptl[sizes.index(bs_kv)]) / (bs_kv * (long_ctx - prompt_len)))
         # prefill step: a short and a long prompt alone; fixed + per-token cost
         pre = []
-        for n in (prompt_len, min(4 * prompt_len, kv_tokens // 2)):
-            engine.add(_requests(1, n, 2, vocab, next_id, seed))
+        long_prompt = min(4 * prompt_len, kv_tokens // 2)
+        if max_len:
+            long_prompt = min(long_prompt, max_len - 2)  # room for its 2 output tokens
+        for n in (prompt_len, long_prompt):
+            refused = engine.add(_requests(1, n, 2, vocab, next_id, seed))
             next_id += 1
+            if refused:  # timing an empty step would give a prefill cost of 0
+                raise ValueError(f"profile_engine: the engine refused a {n}-token prompt: {refused[0].error}")
             t0 = clock()
             engine.step()
             pre.append((n, clock() - t0))
