@@ -53,7 +53,7 @@ def test_plan_cli_says_each_modes_objective(tmp_path, capsys):
                                      "datacenters:\n  - {name: a, gpu: H800, gpus: 32, price_per_gpu_hour: 2.0}\n")
     (tmp_path / "t.json").write_text(json.dumps(LENS))
     main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "qwen2.5-7b", "--trace", str(tmp_path / "t.json"),
-          "--batch", "48", "--iterations", "2"])
+          "--batch", "48", "--iterations", "4"])
     out = json.loads(capsys.readouterr().out)
     rec, even = out["recommended"], out["even_split"]
     assert set(rec) == set(MODES) and all(rec[m]["objective"] == OBJECTIVES[m] for m in MODES)
@@ -65,7 +65,7 @@ def test_plan_cli_says_each_modes_objective(tmp_path, capsys):
 def test_report_with_a_zero_price_gives_a_null_ratio(tmp_path, capsys):
     # D2: was TypeError (float / None)
     (tmp_path / "t.json").write_text(json.dumps(LENS[:8]))
-    main(["report", "--trace", str(tmp_path / "t.json"), "--batch", "8", "--iterations", "2", "--h800-price", "0",
+    main(["report", "--trace", str(tmp_path / "t.json"), "--batch", "8", "--iterations", "4", "--h800-price", "0",
           "--models", "qwen2.5-7b", "--unit", "4"])
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["hetero_vs_h800_samples_per_dollar"] is None
@@ -83,7 +83,8 @@ def _refused(capsys, argv):
 @pytest.mark.parametrize("flag, value, said", [
     ("--len-scale", "1e308", "must be <= 1e+06"),  # D3: was OverflowError
     ("--seed", "-1", "must be >= 0"),  # D7: was numpy's message without the flag
-    ("--iterations", "1", "must be >= 2 (the first is warm-up)"),  # D9: reported the warm-up iteration
+    ("--iterations", "1", "must be >= 3 (the first is warm-up"),  # D9: reported the warm-up iteration
+    ("--iterations", "2", "must be >= 3"),  # async modes: left the weight sync out
 ])
 def test_bad_flags_are_refused_naming_the_flag(tmp_path, capsys, flag, value, said):
     (tmp_path / "t.json").write_text("[100, 200]")

@@ -26,7 +26,7 @@ def _plan(tmp_path, capsys, cluster_text=DC, model="qwen2.5-7b", extra=()):
     (tmp_path / "c.yaml").write_text(cluster_text)
     (tmp_path / "trace.json").write_text(json.dumps([50, 80, 120, 300, 900, 60, 70, 200]))
     main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", model, "--trace", str(tmp_path / "trace.json"),
-          "--batch", "16", "--iterations", "2", *extra])
+          "--batch", "16", "--iterations", "4", *extra])
     return json.loads(capsys.readouterr().out)
 
 

@@ -61,6 +61,19 @@ def test_async_generation_waits_for_weights_two_versions_back():
     assert r.sync_end[0] == pytest.approx(9.5)
 
 
+@pytest.mark.parametrize("iters", [3, 4, 5, 8])
+def test_async_steady_time_averages_whole_periods(iters):
+    # generation 4 s, training 4 s, sync 5 s: gen(i) waits for sync(i - 2), so after the
+    # warm-up the iterations alternate 4 s (no wait) and 9 s (a wait): 6.5 s each in the long
+    # run. A mean over an odd count of them said 5.67 s at 4 iterations, 4 s (no sync) at 2
+    cfg = SimConfig("async_stream", 1, FLAT, TrainProfile(s_per_token=0.5), sync_s=5.0, minibatch_size=1,
+                    microbatch_tokens=0)
+    r = simulate(cfg, [Workload(out_lens=[4, 4], prompt_lens=[0, 0])] * iters)
+    assert r.iteration_s == pytest.approx([8.0] + [4.0, 9.0] * ((iters - 1) // 2) + [4.0] * ((iters - 1) % 2))
+    assert r.steady_iteration_s() == pytest.approx(6.5)
+    assert run("batch", iters).steady_iteration_s() == pytest.approx(11.5)  # lag 0: every iteration after the first
+
+
 def test_minibatch_hand_over_in_arrival_order():
     cfg = SimConfig("minibatch", 1, FLAT, TRAIN, sync_s=0.0, minibatch_size=2)
     r = simulate(cfg, [Workload([1, 5, 2, 3], [0, 0, 0, 0])])
@@ -109,7 +122,7 @@ def test_plan_cli_on_small_clusters(tmp_path, capsys):
         "  - {name: g, gpu: H20, gpus: 8, price_per_gpu_hour: 0.7, role: generation}\n"
         "  - {name: t, gpu: H800, gpus: 16, price_per_gpu_hour: 2.0, role: trainer}\n")
     common = ["--model", "qwen2.5-7b", "--trace", str(tmp_path / "trace.json"), "--batch", "32",
-              "--iterations", "2", "--algorithm", "grpo"]
+              "--iterations", "4", "--algorithm", "grpo"]
     main(["plan", "--cluster", str(tmp_path / "one.yaml"), *common])
     out = json.loads(capsys.readouterr().out)
     rec = out["recommended"]
@@ -138,7 +151,7 @@ def test_plan_cli_bad_inputs_name_the_file(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text('{"question": "q", "resp_words": [3]}\n{"question": "q"}\n')
     (tmp_path / "t.json").write_text("not json")
     (tmp_path / "neg.json").write_text("[5, -1]")
-    base = ["--model", "qwen2.5-7b", "--batch", "8", "--iterations", "2"]
+    base = ["--model", "qwen2.5-7b", "--batch", "8", "--iterations", "4"]
     cases = [
         (["--cluster", str(tmp_path / "dc.yaml"), "--trace", str(tmp_path / "neg.json")],
          f"{tmp_path / 'dc.yaml'}: datacenters must be a list of mappings"),

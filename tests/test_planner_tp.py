@@ -105,7 +105,7 @@ def test_fixed_tp_that_cannot_serve_the_model_is_refused_naming_the_key(model, g
 def test_plan_cli_fixed_and_bad_tp(tmp_path, capsys):
     (tmp_path / "trace.json").write_text(json.dumps([50, 80, 120, 300, 900, 60, 70, 200]))
     dc = "datacenters:\n  - {name: a, gpu: H800, gpus: 16, price_per_gpu_hour: 2.0}\n"
-    args = ["--trace", str(tmp_path / "trace.json"), "--batch", "16", "--iterations", "2"]
+    args = ["--trace", str(tmp_path / "trace.json"), "--batch", "16", "--iterations", "4"]
     (tmp_path / "c.yaml").write_text(dc + "gen_tp: 2\n")
     main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "qwen2.5-7b", *args])
     out = json.loads(capsys.readouterr().out)

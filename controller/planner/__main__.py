@@ -31,7 +31,9 @@ from controller.planner.simulator import MODES
 
 
 MAX_LEN_SCALE = 1e6  # --len-scale: a trace answer (<= 1e9 words) times this stays a finite token count
-MIN_ITERATIONS = 2  # the first simulated iteration is warm-up, left out of the reported time
+# the reported time leaves the first iteration out (warm-up) and averages whole pipeline periods
+# (SimResult.steady_iteration_s): two iterations in the one-step off-policy modes
+MIN_ITERATIONS = 3
 
 
 def _number(kind, strict: bool = True, lo: float = 0, hi: float | None = None, why: str = ""):
@@ -126,9 +128,11 @@ def main(argv=None) -> None:
         s.add_argument("--trace", required=True, help="length trace (.jsonl.gz) or JSON list of lengths")
         s.add_argument("--batch", type=_number(int), default=1024, help="samples per iteration")
         s.add_argument("--iterations", type=_number(int, strict=False, lo=MIN_ITERATIONS,
-                                                    why=" (the first is warm-up)"), default=4,
-                       help="simulated iterations (>= 2), each its own batch; Algorithm 1 plans on all of them (mean "
-                            "stage times), the first is warm-up (left out of the reported time)")
+                                                    why=" (the first is warm-up, then at least one "
+                                                        "period of two in the async modes)"), default=4,
+                       help="simulated iterations (>= 3), each its own batch; Algorithm 1 plans on all of them (mean "
+                            "stage times); the first is warm-up (left out of the reported time), which averages "
+                            "whole periods (in the async modes two iterations: one waits for a weight sync, one not)")
         s.add_argument("--max-len", type=_number(int), default=20000, help="output length cap (tokens)")
         s.add_argument("--len-scale", type=_number(float, hi=MAX_LEN_SCALE), default=1.0,
                        help=f"multiply the trace's lengths (<= {MAX_LEN_SCALE:g})")
