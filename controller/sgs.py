@@ -161,6 +161,15 @@ class Round:
         return out
 
 
+def dispatch_estimates(requests: list[Request]) -> list[float]:
+    """The lengths the dispatcher plans with: the requests' ``est_len``, or, for a batch that
+    carries no estimate (every ``est_len`` 0, the Request default), their ``max_tokens``. An
+    estimate of 0 among others is the shortest, not a missing one (a ranker predicts >= 0)."""
+    if any(r.est_len > 0 for r in requests):
+        return [float(r.est_len) for r in requests]
+    return [float(r.max_tokens) for r in requests]
+
+
 class SGS:
     """Live generation instances + the dispatcher. ``received(iteration)``: sample ids the
     trainers hold for an iteration (used to find what a lost instance left undone)."""
@@ -216,7 +225,7 @@ class SGS:
                slots: list[InstanceSlot] | None = None) -> list[tuple[InstanceSlot, Call, list[int]]]:
         """Dispatch ``requests`` over ``slots`` (default: every live instance)."""
         slots = list(self.slots) if slots is None else slots
-        est = [r.est_len if r.est_len > 0 else float(r.max_tokens) for r in requests]
+        est = dispatch_estimates(requests)
         plan = self.dispatcher.plan(est, [s.profile for s in slots], seed=self.seed + iteration,
                                     prompt_lens=[len(r.prompt_ids) for r in requests])
         calls = []

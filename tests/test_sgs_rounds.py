@@ -322,3 +322,18 @@ def test_a_failed_evaluation_tells_the_instances_still_on_it_to_stop():
     assert (m1, m2) == ("evaluate", "cancel") and cancel_args == (token,)
     assert [m for m, _ in failing.calls] == ["evaluate"]  # the failed call is not cancelled
     assert [s.handle.rank for s in sgs.slots] == [1, 2]  # an error is not a loss: both stay
+
+
+def test_dispatch_plans_with_the_estimates_and_a_zero_estimate_is_the_shortest():
+    # an estimate of 0 (a ranker's shortest prediction, clamped at 0) was taken for "no
+    # estimate" and replaced by max_tokens: the shortest prompt was dispatched as the longest
+    import torch
+
+    from controller.sgs import dispatch_estimates
+    from workers.types import Request
+
+    def req(i, est=0.0):
+        return Request(i, torch.tensor([1, 2]), max_tokens=64, est_len=est)
+
+    assert dispatch_estimates([req(0, 12.0), req(1, 0.0), req(2, 3.5)]) == [12.0, 0.0, 3.5]
+    assert dispatch_estimates([req(0), req(1)]) == [64.0, 64.0]  # no estimates: the caps
