@@ -227,9 +227,15 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
             raise ConfigError(f"{k}: unknown section{key_hint(k, sections)} (known: {sorted(sections)}){planner}")
     topology = _topology(d.get("topology"))
     train = build_section(TrainSection, "train", d.get("train"))
-    trainer = _trainer_from_train(
-        build_section(TrainerConfig, "trainer", _norm_follows(d.get("trainer"), train)),
-        train, set(d.get("trainer") or {}))
+    explicit = set(d["trainer"]) if isinstance(d.get("trainer"), dict) else set()
+    try:
+        trainer = build_section(TrainerConfig, "trainer", _norm_follows(d.get("trainer"), train))
+    except ConfigError as e:
+        if "total_steps" not in str(e) or "total_steps" in explicit:
+            raise
+        raise ConfigError(f"{e} (trainer.total_steps follows train.iterations = {train.iterations} "
+                          "unless set)") from None
+    trainer = _trainer_from_train(trainer, train, explicit)
     cfg = Config(
         model=build_section(ModelSection, "model", d.get("model")),
         tokenizer=build_section(TokenizerSection, "tokenizer", d.get("tokenizer")),
@@ -250,13 +256,20 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
 
 
 def _norm_follows(trainer: Any, train: TrainSection) -> Any:
-    """``trainer.loss_scale_factor`` of ``loss_agg: seq_mean_token_sum_norm`` follows
-    ``train.max_tokens`` unless set (verl divides by the padded response length,
-    max_response_length). Before the trainer section is built: the mode needs the factor."""
-    if isinstance(trainer, dict) and trainer.get("loss_agg") == "seq_mean_token_sum_norm" \
-            and "loss_scale_factor" not in trainer:
-        return {**trainer, "loss_scale_factor": max(train.max_tokens, 1)}  # < 1: validate() says so
-    return trainer
+    """Before the trainer section is built (its own checks need them), unless it sets them:
+    ``trainer.loss_scale_factor`` of ``loss_agg: seq_mean_token_sum_norm`` follows
+    ``train.max_tokens`` (verl divides by the padded response length, max_response_length),
+    and ``trainer.total_steps`` follows ``train.iterations`` (``warmup_steps`` is checked
+    against it; against the default 1,000 a 3,000-iteration run with 1,500 warmup steps was
+    refused)."""
+    if trainer is None:
+        trainer = {}
+    if not isinstance(trainer, dict):
+        return trainer  # build_section says what is wrong with it
+    follow = {"total_steps": max(train.iterations, 1)}  # < 1: validate() says so
+    if trainer.get("loss_agg") == "seq_mean_token_sum_norm":
+        follow["loss_scale_factor"] = max(train.max_tokens, 1)
+    return {**{k: v for k, v in follow.items() if k not in trainer}, **trainer}
 
 
 def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: set) -> TrainerConfig:

@@ -186,6 +186,10 @@ def test_lr_schedule_length_follows_the_run():
     with pytest.raises(ConfigError, match=r"warmup_steps \(10\) must be <= trainer.total_steps \(5\).*follows "
                                           r"train.iterations = 5 unless set"):
         from_dict({"train": {"iterations": 5}, "trainer": {"warmup_steps": 10}})
+    # checked against the length the schedule will have, not the default 1,000 it had before
+    # following train.iterations (a 3,000-iteration run with 1,500 warmup steps was refused)
+    long = from_dict({"train": {"iterations": 3000}, "trainer": {"warmup_steps": 1500}}).trainer
+    assert (long.total_steps, long.warmup_steps) == (3000, 1500)
 
 
 def test_rollout_filters_make_the_trainer_recompute_old_log_probs():
