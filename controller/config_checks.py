@@ -35,6 +35,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             cfg.topology.check_world(world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if p.colocated and cfg.pipeline.mode != "colocated":
+        # a colocated world with another mode overlapped generation and training in one process
+        # on one-step-old weights, and the REPL's `mode` refused the run's own mode
+        raise ConfigError(f"placement.colocated: true time-shares the ranks, which is pipeline.mode: colocated, "
+                          f"not {cfg.pipeline.mode!r}; set pipeline.mode: colocated (it implies "
+                          "placement.colocated), or give generation and training their own ranks")
     colocated = cfg.pipeline.mode == "colocated" or p.colocated
     if colocated and sorted(p.generation) != sorted(p.trainer):
         same = list(range(1, len(p.trainer) + 1))

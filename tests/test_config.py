@@ -101,6 +101,11 @@ def test_colocated_needs_same_ranks():
     assert ok.pipeline.mode == "colocated"
     with pytest.raises(ConfigError, match="colocated"):
         from_dict(_cfg(pipeline={"mode": "colocated"}), 3)
+    same = {"generation": [1], "trainer": [1], "colocated": True}
+    assert from_dict(_cfg(pipeline={"mode": "colocated"}, placement=same), 2).placement.colocated
+    # with another mode the run overlapped both stages in one process on one-step-old weights
+    with pytest.raises(ConfigError, match=r"placement.colocated: true .* not 'async_stream'; set pipeline.mode: colocated"):
+        from_dict(_cfg(pipeline={"mode": "async_stream"}, placement=same), 2)
 
 
 def test_overrides_and_file_errors(tmp_path):
