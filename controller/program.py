@@ -176,6 +176,8 @@ class Program:
         version = reports[0].version
         metrics = dict(reports[0].metrics)  # all-reduced: every DP rank reports the same totals
         metrics["staleness_max"] = float(max(r.staleness_max for r in reports))
+        # re-sent samples are dropped by each rank's TrainerRank before its worker sees them
+        metrics["duplicates"] = metrics.get("duplicates", 0.0) + float(sum(r.duplicates for r in reports))
         res = IterationResult(b.iteration, version, gen_version, metrics,
                               int(metrics["num_samples"]), int(metrics["num_tokens"]),
                               b.gen_done - b.dispatched, t1 - t0, t1 - b.dispatched,

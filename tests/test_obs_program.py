@@ -63,7 +63,7 @@ class Instance:
 
 class Trainer:
     def __init__(self, clock):
-        self.clock, self.version = clock, 0
+        self.clock, self.version, self.duplicates = clock, 0, 0
 
     def begin_iteration(self, *args):
         return True
@@ -72,7 +72,7 @@ class Trainer:
         self.clock.t += STEP_S
         self.version += 1
         return StepReport(2, iteration, self.version, {"reward_mean": 0.5, "num_samples": 4.0, "num_tokens": 18.0},
-                          4, 18, 0, 0)
+                          4, 18, 0, self.duplicates)
 
 
 def _program(monkeypatch, mode: str, clock: Clock) -> Program:
@@ -158,3 +158,11 @@ def test_an_evaluation_during_a_round_runs_on_the_weights_held(monkeypatch):
     inst = p.world.sgs.slots[0].handle.rref.obj
     assert seen == [(0, True, (0,)), (1, True, (1,)), (2, False, (3,))]  # the last: drained, newest
     assert inst.newest == [False, False, True]
+
+
+def test_duplicates_the_trainer_ranks_dropped_reach_the_metrics(monkeypatch):
+    # TrainerRank drops a re-sent sample before its worker sees it: the logged
+    # train/duplicates (the worker's count) was always 0 after a re-dispatch
+    p = _program(monkeypatch, "batch", Clock())
+    p.world.trainers[0].rref.obj.duplicates = 3
+    assert p.run(1)[0].metrics["duplicates"] == 3.0
