@@ -20,7 +20,7 @@ import yaml
 from controller.config_checks import validate
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.modes import MODES
-from controller.rpc import RPC_TIMEOUT_S
+from controller.rpc import COLLECTIVE_TIMEOUT_S, RPC_TIMEOUT_S
 from workers.config_schema import SEEDS, Range, ranged
 from workers.generation.config import EngineConfig
 from workers.trainer.config import TrainerConfig
@@ -118,6 +118,9 @@ class PlacementSection:
     colocated: bool = False
     elastic: bool = True
     rpc_timeout_s: float = ranged(RPC_TIMEOUT_S, Range(0, open_lo=True))
+    # how long a trainer rank's collectives (the gradient all-reduce) wait for a peer that is
+    # alive but behind (a slower reward, more tokens); a lost peer is the heartbeat's to find
+    collective_timeout_s: float = ranged(COLLECTIVE_TIMEOUT_S, Range(0, open_lo=True))
     # test hook: add a waiting joiner at this iteration
     force_scale_out_at: int = ranged(-1, Range(-1, note="-1: never"))
 

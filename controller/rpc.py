@@ -280,6 +280,7 @@ def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[Wo
 # placement.rpc_timeout_s's default, said here (the config reads it from this module: importing
 # the config from here would load it, and what it imports, into every process that uses RPC)
 RPC_TIMEOUT_S = 300.0
+COLLECTIVE_TIMEOUT_S = 3600.0  # placement.collective_timeout_s (subgroup)
 
 
 @dataclass
@@ -355,12 +356,15 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def subgroup(ranks: list[int]):
+def subgroup(ranks: list[int], timeout_s: float):
     """Process group over ``ranks`` (global ranks), created by its members only; ``None`` for
     a single rank or when this process is outside the static world (joined later). Its
-    collectives time out after ``placement.rpc_timeout_s``, as the default group's do (torch's
-    own default for a new group is 30 min: a rank waiting in the gradient all-reduce for a
-    peer that froze without raising would hold the run that long)."""
+    collectives give up after ``timeout_s`` (the trainer ranks': ``placement.
+    collective_timeout_s``). Not ``rpc_timeout_s``: a rank waits in the gradient all-reduce
+    for a peer that is alive and behind (its reward function slower, its share of tokens
+    larger), and with ``rpc_timeout_s`` the run died after 300 s, the error naming the rank
+    that waited. A peer that froze or died is the heartbeat's to find (``rpc_timeout_s``), and
+    that stops the job."""
     import datetime
 
     import torch.distributed as dist
@@ -371,5 +375,5 @@ def subgroup(ranks: list[int]):
     key = tuple(ranks)
     if key not in LOCAL.groups:
         LOCAL.groups[key] = dist.new_group(ranks, use_local_synchronization=True,
-                                           timeout=datetime.timedelta(seconds=LOCAL.rpc_timeout_s))
+                                           timeout=datetime.timedelta(seconds=timeout_s))
     return LOCAL.groups[key]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from controller.modes import get_mode
-from controller.rpc import LOCAL, subgroup
+from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from workers.types import Sample, TaskPrompt
 
@@ -152,13 +152,13 @@ class TrainerAddress:
 
 class TrainerRank:
     def __init__(self, rank: int, dp_ranks: list[int], trainer_cfg, model_dir: str, task_name: str,
-                 task_kwargs: dict):
+                 task_kwargs: dict, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S):
         from workers.tasks.registry import make_task
         from workers.trainer.worker import TrainerWorker
 
         self.rank = rank
         self.dp_ranks = sorted(dp_ranks)
-        group = subgroup(self.dp_ranks)
+        group = subgroup(self.dp_ranks, collective_timeout_s)
         self.worker = TrainerWorker(trainer_cfg, model_dir, make_task(task_name, **task_kwargs),
                                     rank=self.dp_ranks.index(rank), world_size=len(self.dp_ranks),
                                     group=group, device=LOCAL.device)

@@ -95,7 +95,8 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     import torch.distributed.rpc as rpc
 
     futs = [(r, rpc.remote(f"worker{r}", TrainerRank, args=(r, list(p.trainer), cfg.trainer, model_dir,
-                                                          cfg.task.name, dict(cfg.task.kwargs)),
+                                                          cfg.task.name, dict(cfg.task.kwargs),
+                                                          p.collective_timeout_s),
                            timeout=timeout)) for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
     gen_futs = [(r, rpc.remote(f"worker{r}", GenerationInstance, args=(r, cfg.engine, model_dir, eos_ids),

@@ -69,7 +69,7 @@ def test_one_trainer_ranks_error_is_said_not_the_others_timeout(tmp_path, tiny_m
     # two trainer DP ranks; the reward raises on the second (rank 3) only, and
     # trainer.on_bad_sample: error makes that the rank's error in step(). Rank 2 meanwhile waits
     # in the gradient all-reduce for rank 3 until the process group's timeout
-    # (placement.rpc_timeout_s). The controller says rank 3's own error: it used to wait the
+    # (placement.collective_timeout_s). The controller says rank 3's own error: it used to wait the
     # ranks' calls in order and report rank 2's collective timeout instead, minutes later.
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n"

@@ -84,16 +84,17 @@ def test_two_ranks_equal_one_rank(tmp_path):
             assert torch.allclose(w1[k], w2[k], atol=1e-6, rtol=1e-5), (cfg_kw, k)
 
 
-def _frozen_peer(rank, world, timeout_s):
+def _late_peer(rank, world, late_s, rpc_timeout_s, collective_timeout_s):
     import time
 
     from controller.rpc import LOCAL, subgroup
 
-    LOCAL.has_process_group, LOCAL.rpc_timeout_s = True, timeout_s
-    group = subgroup([0, 1])
-    if rank == 1:  # frozen: in the group, never joins the all-reduce
-        time.sleep(4 * timeout_s)
-        return "slept"
+    LOCAL.has_process_group, LOCAL.rpc_timeout_s = True, rpc_timeout_s
+    group = subgroup([0, 1], collective_timeout_s)
+    if rank == 1:  # behind (a slow reward, more tokens): joins the all-reduce late; or frozen
+        time.sleep(late_s)
+        if late_s > collective_timeout_s:
+            return "slept"
     try:
         all_reduce_sum([torch.ones(3)], group)
     except RuntimeError as e:
@@ -101,9 +102,16 @@ def _frozen_peer(rank, world, timeout_s):
     return "returned"
 
 
-def test_dp_subgroup_times_out_after_rpc_timeout_not_torchs_30_min():
-    # real gloo ranks: the trainers' DP group is made by controller.rpc.subgroup; a peer that
-    # froze without raising must fail the all-reduce after placement.rpc_timeout_s
-    out = run_local(2, _frozen_peer, 2.0)
+def test_dp_subgroup_waits_for_a_late_peer_past_rpc_timeout():
+    # real gloo ranks: the trainers' DP group is made by controller.rpc.subgroup. A peer still
+    # scoring its samples is waited for past rpc_timeout_s (the run died after 300 s, the error
+    # naming the rank that waited); liveness is the heartbeat's (rpc_timeout_s)
+    out = run_local(2, _late_peer, 3.0, 1.0, 30.0)
+    assert out == ["returned", "returned"], out
+
+
+def test_dp_subgroup_times_out_after_collective_timeout_not_torchs_30_min():
+    # a peer that never joins fails the all-reduce after placement.collective_timeout_s
+    out = run_local(2, _late_peer, 8.0, 1.0, 2.0)
     assert out[1] == "slept"
     assert out[0].startswith("raised:") and "imed out" in out[0], out[0]
