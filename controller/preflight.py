@@ -24,12 +24,14 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"model.path: {path} is a file, not a model folder")
     if not cfg.exists() and init is not None:  # the bootstrap builds the model there
+        from workers.config_schema import build_section
+        from workers.tokenizer import min_bpe_vocab
         from workers.trainer.bootstrap import TINY
 
-        try:
-            ModelConfig(**{**asdict(TINY), **init})
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"model.init: {e}") from None
+        built = build_section(ModelConfig, "model.init", {**asdict(TINY), **init})  # keys, types, shapes
+        if built.vocab_size < min_bpe_vocab():
+            raise ConfigError(f"model.init.vocab_size: {built.vocab_size} is below {min_bpe_vocab()}, the least "
+                              "the bootstrap's byte-level BPE takes (256 byte symbols + EOS and PAD)")
         return
     if not cfg.exists():
         where = "does not exist" if not path.exists() else "holds no config.json"

@@ -301,6 +301,11 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+def min_bpe_vocab(special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN)) -> int:
+    """The smallest ``vocab_size`` ``train_bpe`` takes: the 256 byte symbols and the special tokens."""
+    return 256 + len(special_tokens)
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN),
               min_frequency: int = 2, chat_template: str | None = None,
               prompt_template: str | None = None, split: str = "qwen2") -> Tokenizer:
@@ -314,7 +319,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Seque
 
     The first special token is EOS, the second (if any) PAD. All 256 byte symbols are in the
     alphabet, so any text encodes."""
-    if vocab_size < 256 + len(special_tokens):
+    if vocab_size < min_bpe_vocab(special_tokens):
         raise ValueError(f"train_bpe: vocab_size {vocab_size} < 256 bytes + {len(special_tokens)} special tokens")
     if not special_tokens:
         raise ValueError("train_bpe: special_tokens must name at least the EOS token")
