@@ -35,6 +35,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             cfg.topology.check_world(world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.engine.eos_ids is not None:
+        # make_engine's override for library use; a run's engines and trainer ranks both stop on
+        # the model folder's ids, so the key was accepted and then ignored
+        raise ConfigError("engine.eos_ids: a run stops on its model folder's ids (the tokenizer's EOS and the "
+                          "eos_token_id of config.json and generation_config.json), for generation and the "
+                          "trainer's min_tokens masking alike; list yours in the folder's generation_config.json "
+                          "and leave engine.eos_ids out")
     if p.colocated and cfg.pipeline.mode != "colocated":
         # a colocated world with another mode overlapped generation and training in one process
         # on one-step-old weights, and the REPL's `mode` refused the run's own mode

@@ -96,6 +96,13 @@ def test_more_ranks_than_world_is_an_error():
     from_dict(_cfg(placement={"generation": [1], "trainer": [5]}))  # world unknown: fine
 
 
+def test_engine_eos_ids_is_refused_in_a_run_config():
+    # accepted, then replaced by the model folder's stop ids before any engine saw it
+    with pytest.raises(ConfigError, match=r"engine.eos_ids: a run stops on its model folder's ids .*"
+                                          r"generation_config.json and leave engine.eos_ids out"):
+        from_dict(_cfg(engine={"eos_ids": [99999]}))
+
+
 def test_colocated_needs_same_ranks():
     ok = from_dict(_cfg(pipeline={"mode": "colocated"}, placement={"generation": [1, 2], "trainer": [1, 2]}), 3)
     assert ok.pipeline.mode == "colocated"
