@@ -54,7 +54,9 @@ def test_more_mini_batches_than_micro_batches_is_fine(setup):
     w.begin_iteration(0, prompts, groups)
     w.receive(samples)
     m = w.step().metrics
-    assert m["updates"] == 2.0 * len(samples)  # empty shares make no update
+    # shares hold whole prompt groups (trainer.shuffle, the default): one update per group and
+    # epoch; empty shares make no update
+    assert m["updates"] == 2.0 * len({s.group_id for s in samples}) == 4.0
     assert m["num_samples"] == len(samples) and m["num_tokens"] == sum(len(s.output_ids) for s in samples)
 
 
@@ -94,6 +96,27 @@ def test_shuffled_shares_hold_whole_groups_in_a_seeded_order_not_arrival_order()
         assert shares == mini_batch_shares(items, 2, seed)  # the seed decides
         orders.add(tuple(p.group_id for p in shares[0][::4]))
     assert len(orders) > 1 and any(set(o) != {0, 1, 2, 3} for o in orders)  # not the first-arrived groups
+
+
+@pytest.mark.parametrize("n_groups, size, k", [(3, 4, 2), (5, 3, 2), (7, 2, 3), (2, 4, 4), (9, 5, 4)])
+def test_shuffled_shares_never_split_a_group(n_groups, size, k):
+    # the cut was by sample count: 3 groups of 4 in 2 shares put half of a group in each (the
+    # docs say whole groups; verl asserts the count divides)
+    from types import SimpleNamespace
+
+    from workers.trainer.buffer import mini_batch_shares
+
+    items = [SimpleNamespace(group_id=g, i=j) for g in range(n_groups) for j in range(size)]
+    for seed in range(4):
+        shares = mini_batch_shares(items, k, seed)
+        assert len(shares) == k and sorted(map(id, sum(shares, []))) == sorted(map(id, items))
+        where = {}
+        for s, share in enumerate(shares):
+            for p in share:
+                assert where.setdefault(p.group_id, s) == s, (seed, [[p.group_id for p in sh] for sh in shares])
+        # each cut is the group boundary nearest an equal split
+        sizes = [len(sh) for sh in shares]
+        assert max(sizes) - min(sizes) <= 2 * size or n_groups < k
 
 
 def test_shuffle_is_on_by_default_and_must_be_a_bool():

@@ -107,18 +107,26 @@ class SampleBuffer:
 
 def mini_batch_shares(items: Sequence[T], k: int, seed: int | None, group_of: Callable[[T], int] = lambda p: p.group_id
                       ) -> list[list[T]]:
-    """``items`` cut into ``k`` shares of (nearly) equal sample counts, one optimizer update each.
-    ``seed`` None: in the given (arrival) order. Otherwise whole prompt groups in an order drawn
-    from ``seed`` first, as verl's mini-batches hold a random set of prompts with their n samples:
-    in arrival order the first update would train the groups that finished first, i.e. the
-    shortest responses, and the last the longest."""
+    """``items`` cut into ``k`` shares, one optimizer update each. ``seed`` None: in the given
+    (arrival) order, of (nearly) equal sample counts. Otherwise whole prompt groups in an order
+    drawn from ``seed``, as verl's mini-batches hold a random set of prompts with their n
+    samples (in arrival order the first update would train the groups that finished first, i.e.
+    the shortest responses, and the last the longest); each cut falls on the group boundary
+    nearest an equal split (a share may be empty when there are fewer groups than shares)."""
     items = list(items)
-    if seed is not None:
-        groups: dict[int, list[T]] = {}
-        for p in items:
-            groups.setdefault(group_of(p), []).append(p)
-        order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
-        ids = list(groups)
-        items = [p for i in order for p in groups[ids[i]]]
     n = len(items)
-    return [items[i * n // k:(i + 1) * n // k] for i in range(k)]
+    if seed is None:
+        return [items[i * n // k:(i + 1) * n // k] for i in range(k)]
+    groups: dict[int, list[T]] = {}
+    for p in items:
+        groups.setdefault(group_of(p), []).append(p)
+    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = list(groups)
+    ordered = [groups[ids[i]] for i in order]
+    bounds = [0]  # sample index after each group
+    for g in ordered:
+        bounds.append(bounds[-1] + len(g))
+    cuts = [0] + [min(bounds, key=lambda b: (abs(b - i * n / k), b)) for i in range(1, k)] + [n]
+    cuts = [max(cuts[:j + 1]) for j in range(len(cuts))]  # non-decreasing
+    items = [p for g in ordered for p in g]
+    return [items[a:b] for a, b in zip(cuts, cuts[1:])]
