@@ -91,11 +91,23 @@ class Repl:
     # ---- commands ------------------------------------------------------------------------
     def run(self, k: str = "1") -> dict:
         n = _count("run", k)
+        note = self._past_schedule(n)
         self._in_run = True  # from here a failure is the run's, not the command's
         res = self.s.program.run(n)
         self._in_run = False
-        return {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,
-                "reward": [round(r.metrics.get("reward_mean", 0.0), 4) for r in res]}
+        out = {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,
+               "reward": [round(r.metrics.get("reward_mean", 0.0), 4) for r in res]}
+        return {**out, "note": note} if note else out
+
+    def _past_schedule(self, n: int) -> str:
+        """What iterations past the LR schedule's end train at (a decaying schedule stays at its
+        last value, lr x min_lr_ratio: 0 by default), when this run goes there."""
+        t = self.s.cfg.trainer
+        past = self.s.program.iteration + n - t.total_steps
+        if past <= 0 or t.lr_schedule == "constant":
+            return ""
+        return (f"{min(past, n)} of these iterations go past trainer.total_steps ({t.total_steps}, the "
+                f"{t.lr_schedule} schedule's length): they train at lr x min_lr_ratio = {t.lr * t.min_lr_ratio:g}")
 
     def sgs(self) -> dict:
         handles = self.s.world.sgs.handles

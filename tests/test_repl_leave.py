@@ -86,3 +86,22 @@ def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_m
     rows = iterations(tmp_path / "run")
     assert [r["num_samples"] for r in rows] == [8, 8, 8] and rows[2]["per_instance"] == {"1": 8}
     assert last_json(out)["iterations"] == 3
+
+
+def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
+    # a cosine/linear schedule stays at its end past trainer.total_steps (lr 0 by default): the
+    # REPL's `run K` went there silently
+    class Program:
+        iteration, version = 4, 4
+
+        def run(self, n):
+            self.iteration += n
+            return []
+
+    trainer = SimpleNamespace(total_steps=6, lr_schedule="cosine", lr=1e-3, min_lr_ratio=0.0)
+    repl = Repl(SimpleNamespace(program=Program(), cfg=SimpleNamespace(trainer=trainer)))
+    assert "note" not in repl.run("2")  # iterations 4, 5
+    assert repl.run("3")["note"] == ("3 of these iterations go past trainer.total_steps (6, the cosine "
+                                     "schedule's length): they train at lr x min_lr_ratio = 0")
+    trainer.lr_schedule = "constant"
+    assert "note" not in repl.run("1")
