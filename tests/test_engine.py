@@ -275,6 +275,9 @@ def test_add_takes_a_list_of_requests():
     with pytest.raises(TypeError, match="add: expected a list of Request, got Request"):
         eng.add(ok)
     assert eng.stats().waiting == 0  # nothing queued before the refusal
+    # a generator was consumed by the type check and nothing was queued, silently
+    assert eng.add(Request(sample_id=i, prompt_ids=PS[i], max_tokens=2) for i in range(2)) == []
+    assert eng.stats().waiting == 2
 
 
 def test_lpt_admission_order():

@@ -112,7 +112,7 @@ class NativeEngine:
 
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
-        check_requests(requests)
+        requests = check_requests(requests)
         if not self.has_work():  # a new busy period: stats().kv_blocks_peak counts from here
             self.bm.reset_peak()
         refused = []

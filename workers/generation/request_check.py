@@ -62,14 +62,17 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
     return None
 
 
-def check_requests(requests) -> None:
-    """``add``'s argument: a sequence of ``Request``s. Anything else has no sample id to answer
-    with: TypeError naming the first one, before any is queued."""
+def check_requests(requests) -> list[Request]:
+    """``add``'s argument, an iterable of ``Request``s, as a list (a generator is read once: it
+    was consumed by this check and nothing was queued). Anything else has no sample id to
+    answer with: TypeError naming the first one, before any is queued."""
     if isinstance(requests, (Request, str, bytes)) or not hasattr(requests, "__iter__"):
         raise TypeError(f"add: expected a list of Request, got {type(requests).__name__}")
+    requests = list(requests)
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
             raise TypeError(f"add: requests[{i}] is a {type(r).__name__}, not a Request")
+    return requests
 
 
 def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],

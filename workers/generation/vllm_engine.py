@@ -193,7 +193,7 @@ class VLLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add(self, requests: Seq[Request]) -> list[Sample]:
         """Queue valid requests; return refusals (``finish_reason == "error"``) at once."""
-        check_requests(requests)
+        requests = check_requests(requests)
         if not self.has_work():  # a new busy period: stats().kv_blocks_peak counts from here
             self._tap.kv_peak = 0.0
         refused, now = [], time.time()
