@@ -278,15 +278,15 @@ def _norm_follows(trainer: Any, train: TrainSection) -> Any:
 def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: set) -> TrainerConfig:
     """Trainer settings that follow the run unless the trainer section sets them: the
     temperature its log-probs are taken at (the samples' ``train.temperature``; greedy samples
-    carry T = 1 log-probs; checked when set), the LR schedule's length ``total_steps`` (one
-    scheduler step per iteration: ``train.iterations``), and ``recompute_old_logprobs`` when the
-    rollout filters tokens (``train.top_k`` / ``top_p``; checked when set)."""
+    carry T = 1 log-probs; checked when set) and ``recompute_old_logprobs`` when the rollout
+    filters tokens (``train.top_k`` / ``top_p``; checked when set). The LR schedule's length
+    ``total_steps`` follows ``train.iterations`` before the section is built (``_norm_follows``)."""
     rollout = train.temperature if train.temperature >= GREEDY_BELOW else 1.0
     if "temperature" in explicit and trainer.temperature != rollout:
         raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "
                           f"train.temperature {train.temperature} (the PPO ratio, KL and entropy must be taken "
                           "at the sampling temperature); leave it out, it is taken from train.temperature")
-    follow = {"temperature": rollout, "total_steps": max(train.iterations, 1)}  # < 1: validate() says so
+    follow = {"temperature": rollout}
     if train.top_k > 0 or train.top_p < 1.0:
         # the sampler's log-probs are of the filtered distribution; the trainer's are not
         if "recompute_old_logprobs" in explicit and not trainer.recompute_old_logprobs:
@@ -297,8 +297,7 @@ def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: s
     try:
         return dataclasses.replace(trainer, **{k: v for k, v in follow.items() if k not in explicit})
     except ValueError as e:
-        raise ConfigError(f"{e} (trainer.total_steps follows train.iterations = {train.iterations} "
-                          "unless set)") from None
+        raise ConfigError(str(e)) from None
 
 
 def load_config(path: str | Path, world_size: int | None = None,

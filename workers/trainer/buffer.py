@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
@@ -127,6 +128,6 @@ def mini_batch_shares(items: Sequence[T], k: int, seed: int | None, group_of: Ca
     for g in ordered:
         bounds.append(bounds[-1] + len(g))
     cuts = [0] + [min(bounds, key=lambda b: (abs(b - i * n / k), b)) for i in range(1, k)] + [n]
-    cuts = [max(cuts[:j + 1]) for j in range(len(cuts))]  # non-decreasing
+    cuts = list(accumulate(cuts, max))  # non-decreasing
     items = [p for g in ordered for p in g]
     return [items[a:b] for a, b in zip(cuts, cuts[1:])]
