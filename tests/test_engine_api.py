@@ -131,9 +131,23 @@ def test_token_rate_window():
     assert r.rate(4.0) == 5.0  # idle for 2 s: the rate falls
     assert r.rate(6.5) == pytest.approx(10 / 5.5) and len(r.window) == 2  # trimmed
     assert r.rate(7.0) == 0.0 and len(r.window) == 1  # no step in the last 5 s
-    r.add(8.0, 4)  # steps again: the span starts at the entry kept (t = 2)
-    assert r.rate(9.0) == pytest.approx(4 / 7.0)
+    r.add(8.0, 4, started=7.5)  # steps again: the span starts with this step, not at t = 2
+    assert r.rate(8.0) == pytest.approx(4 / 0.5)  # used to read 4 / 6: the pause counted
+    r.add(8.5, 4, started=8.0)
+    assert r.rate(8.5) == pytest.approx(8 / 1.0)
     assert TokenRate().rate(1.0) == 0.0
+
+
+def test_token_rate_counts_the_first_step_from_its_start():
+    r = TokenRate()
+    r.add(1.0, 64, started=0.5)
+    assert r.rate(1.0) == pytest.approx(128.0)
+    r = TokenRate()
+    r.add(1.0, 64)  # no start known: the step only marks where the span begins
+    r.add(1.5, 64)
+    assert r.rate(1.5) == pytest.approx(128.0)
+    r.add(10.0, 8)  # after a pause, without a start: a new span, nothing counted yet
+    assert r.rate(10.0) == 0.0 and len(r.window) == 1
 
 
 def test_token_rate_running_sum_equals_the_sum_over_its_window():
@@ -154,3 +168,32 @@ def test_tokens_per_s_of_an_idle_engine_falls_to_zero(monkeypatch):
     later = time.time() + 6.0
     monkeypatch.setattr(time, "time", lambda: later)
     assert eng.stats().tokens_per_s == 0.0  # used to report the last rate for ever
+
+
+def test_tokens_per_s_after_an_idle_period_is_the_new_steps_rate(monkeypatch):
+    """The first steps after a pause used to be divided by the pause (a rate ~0 for 5 s)."""
+    eng = engine()
+    reqs = lambda base: [Request(sample_id=base + i, prompt_ids=PS[i], max_tokens=4, min_tokens=4,
+                                 sampling=GREEDY) for i in range(2)]
+    generate_all(eng, reqs(0))
+    clock = [time.time() + 60.0]  # a minute later, each step takes 0.1 s on this clock
+    def tick():
+        clock[0] += 0.05
+        return clock[0]
+    monkeypatch.setattr(time, "time", tick)
+    eng.add(reqs(10))
+    eng.step()  # prefill: 2 tokens in 0.1 s (start and end each advance the clock by 0.05)
+    assert eng.stats().tokens_per_s == pytest.approx(2 / 0.1, rel=0.5)
+
+
+def test_an_engine_over_a_callers_model_leaves_its_training_flags_alone():
+    """``NativeEngine(cfg, model=m)`` used to freeze ``m`` (requires_grad off, eval mode): a
+    trainer handing its model to an engine would silently stop learning."""
+    from test_engine import tiny_model
+    model = tiny_model().train()
+    eng = engine(model)
+    assert all(p.requires_grad for p in model.parameters()) and model.training
+    req = Request(sample_id=0, prompt_ids=PS[2], max_tokens=5, min_tokens=5, sampling=GREEDY)
+    [s] = generate_all(eng, [req])
+    assert s.output_ids.tolist() == recompute_greedy(model, PS[2], 5)[0]
+    assert all(p.requires_grad for p in model.parameters()) and model.training

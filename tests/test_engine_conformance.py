@@ -226,7 +226,10 @@ def test_refused_weights_write_nothing_and_keep_samples_in_flight(backend, model
            (new[:1] + [(name, torch.empty(t.shape, device="meta"))], 3),  # meta after a good one
            (new[:1] + [(name, t.to(torch.int64))], 3), (new[:1] + [(name, t.bool())], 3),
            (new[:1] + [(name, t.to(torch.complex64))], 3),
-           (new[:1] + [(name, torch.full_like(t, float("nan")))], 3)]
+           (new[:1] + [(name, torch.full_like(t, float("nan")))], 3),
+           # finite in float64, infinite in the engine's dtype (vLLM used to check before the cast)
+           (new[:1] + [(name, torch.full(t.shape, 1e300, dtype=torch.float64))], 3),
+           (iter([name, t]), 3), (t, 3)]  # not (name, tensor) pairs
     for items, version in bad:
         with pytest.raises(ValueError, match="load_weights: "):
             eng.load_weights(items, version)

@@ -120,5 +120,19 @@ def test_check_weights_names_each_problem(items, version, why):
         check_weights(items, SHAPES, version)
 
 
+def test_check_weights_takes_a_state_dict_and_refuses_what_is_not_pairs():
+    pairs = check_weights({"a": torch.ones(2, 3), "b": torch.ones(3)}, SHAPES, 1)[1]
+    assert [n for n, _ in pairs] == ["a", "b"]
+    assert check_weights(iter(GOOD), SHAPES, 1)[1][0][0] == GOOD[0][0]  # a generator, read once
+    for bad, why in [(torch.ones(3), "got Tensor"), ("a", "got str"), (5, "got int"),
+                     (["a", "b"], "item 0 is 'a', not a (name, tensor) pair"),
+                     ([("a", torch.ones(2, 3), 1)], "item 0 is"),
+                     ([(torch.ones(1), "a")], "item 0 is (tensor([1.]), 'a')"),
+                     ([torch.ones(4, 4)], "item 0 is a tensor of shape (4, 4)"),
+                     ([(torch.ones(64, 64), "a")], "item 0 is a tuple")]:
+        with pytest.raises(ValueError, match="load_weights: .*" + re.escape(why)):
+            check_weights(bad, SHAPES, 1)
+
+
 def test_a_live_sample_id_is_refused():
     assert refusal(Request(**OK), 128, 512, {1}) == "sample_id 1 is already queued or running"

@@ -87,6 +87,28 @@ def test_eos_stops_unless_length_forced(setup):
     assert forced.finish_reason == "length" and len(forced.output_ids) == 6
 
 
+def test_configured_eos_ids_replace_the_folders(setup, tmp_path):
+    """engine.eos_ids is the whole stop set on both backends: vLLM used to stop on the
+    folder's eos_token_id too (it adds generation_config.json's / config.json's to every
+    request), so a run that set other EOS ids got shorter vLLM samples than native ones."""
+    import json
+    (Path(setup["dir"]) / "generation_config.json").write_text(json.dumps({"eos_token_id": setup["eos"]}))
+    p = _prompts([5])
+    no_stop = make_engine(_cfg("native", eos_ids=()), setup["dir"])
+    free = generate_all(no_stop, _greedy(p, 6, min_new=0))[0].output_ids.tolist()
+    assert setup["eos"] in free[:-1]  # the folder's EOS comes before the end
+    other = next(t for t in range(2, V) if t not in free)  # an EOS greedy never emits here
+    try:
+        # its own engine-core process: a second in-process engine's close() would tear down
+        # the vLLM state that the module's shared engine runs on
+        eng = make_engine(_cfg("vllm", eos_ids=(other,), backend_options={"multiprocess": True}), setup["dir"])
+        got = generate_all(eng, _greedy(p, 6, min_new=0))[0]
+        eng.close()
+    finally:
+        (Path(setup["dir"]) / "generation_config.json").unlink()
+    assert got.finish_reason == "length" and got.output_ids.tolist() == free
+
+
 def test_sampling_logprobs_are_the_sampling_policy(setup):
     """Non-greedy: log-probs are of the tempered, filtered distribution (as the native
     sampler); a top_k=1 policy is a point mass, so every log-prob is 0."""

@@ -7,7 +7,7 @@ natively; never pickled Python lists).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -121,7 +121,8 @@ class Engine(Protocol):
         Returns the ids actually aborted; unknown or finished ids are ignored (vLLM's
         ``abort_request``), so a caller can pass every id it has not seen finish."""
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     version: int) -> None:
         """Replace weights in place (HF parameter names); samples in flight restart on the new
         version. Everything is checked first: a version that is not an int >= 0, a wrong name
         or shape, a meta, non-floating or non-finite tensor raises ValueError naming it, with

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from typing import Callable, Iterable, Sequence as Seq
+from typing import Callable, Iterable, Mapping, Sequence as Seq
 
 import torch
 
@@ -61,7 +61,9 @@ class NativeEngine:
         if model_dir is not None and self.weight_dtype != torch.float32 and \
                 next(model.parameters()).device.type == "cpu" and _cpu_half_in_fp32(cfg.cpu_half_compute):
             model = model.float()  # bf16/fp16 weight values, fp32 math (see cpu_half_compute)
-        self.model = model.eval().requires_grad_(False)
+        if model_dir is not None:  # the engine's own copy; a caller's model keeps its flags
+            model = model.eval().requires_grad_(False)  # (every forward runs in inference mode)
+        self.model = model
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
@@ -139,7 +141,7 @@ class NativeEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        now = time.time()
+        now = started = time.time()
         if batch.is_prefill:
             for s in batch.seqs:
                 s.timings.setdefault("admitted", now)
@@ -170,7 +172,7 @@ class NativeEngine:
                 done.append((seq, "length"))
         if self.prefix is not None and batch.is_prefill:
             self.prefix.mark_ready()
-        self._count_tokens(now, len(tokens))
+        self._count_tokens(now, len(tokens), started)
         return [self._finish(seq, reason, now) for seq, reason in done]
 
     def _requeue(self, batch) -> None:
@@ -218,16 +220,17 @@ class NativeEngine:
             aborted.append(sid)
         return aborted
 
-    def _count_tokens(self, now: float, n: int) -> None:
+    def _count_tokens(self, now: float, n: int, started: float) -> None:
         self.total_tokens += n
-        self._rate.add(now, n)
+        self._rate.add(now, n, started)
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
         check_batch_cap(n)
         self.scheduler.set_max_batch_size(n)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     version: int) -> None:
         """Copy HF-named tensors into the model in place (any subset of its parameters).
         Everything is checked, and cast to the engine's weight dtype, before anything is
         written (``request_check.check_weights``: version, names, shapes, meta/non-floating
@@ -236,8 +239,7 @@ class NativeEngine:
         restarted from their prompts (their tokens so far came from the old weights: a
         sample never mixes versions) and cached prefixes are dropped."""
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names
-        items = list(named_tensors)
-        version, staged = check_weights(items, {n: p.shape for n, p in params.items()}, version,
+        version, staged = check_weights(named_tensors, {n: p.shape for n, p in params.items()}, version,
                                         self.weight_dtype)  # rounded to it (bf16 stays bf16)
         with torch.no_grad():
             for name, t in staged:
@@ -271,22 +273,32 @@ class NativeEngine:
 
 class TokenRate:
     """Tokens per second over about the last ``horizon`` seconds (both engines'
-    ``stats().tokens_per_s``). ``add(now, n)`` records a step that made ``n`` tokens; the
-    window keeps the last entry at least ``horizon`` old (it only marks where the span
-    starts) and what follows, with a running sum of the tokens after it: O(1) a step (the
-    sum used to be recomputed over the whole window at every step, ~500 entries at
-    workload (a)'s step rate, ~0.15 ms of an 8 ms step). An engine that made no step for
-    ``horizon`` seconds reports 0, not the rate of its last steps."""
+    ``stats().tokens_per_s``). ``add(now, n, started)`` records a step that ran from
+    ``started`` to ``now`` and made ``n`` tokens; the window keeps the last entry at least
+    ``horizon`` old (it only marks where the span starts) and what follows, with a running
+    sum of the tokens after it: O(1) a step (the sum used to be recomputed over the whole
+    window at every step, ~500 entries at workload (a)'s step rate, ~0.15 ms of an 8 ms step).
+    An engine that made no step for ``horizon`` seconds reports 0, not the rate of its last
+    steps; its first step after such a pause starts a new span at that step's start (the
+    pause is not counted as time spent generating, which made the rate read far too low for
+    ``horizon`` seconds after every idle period)."""
 
     def __init__(self, horizon: float = 5.0):
         self.horizon = horizon
         self.window: deque[tuple[float, int]] = deque()
         self._after_first = 0  # tokens of every entry but the first
 
-    def add(self, now: float, n: int) -> None:
-        if self.window:
+    def add(self, now: float, n: int, started: float | None = None) -> None:
+        w = self.window
+        begin = now if started is None else started
+        if w and begin - w[-1][0] >= self.horizon:  # idle since the last step: a new span
+            w.clear()
+            self._after_first = 0
+        if not w and started is not None:
+            w.append((started, 0))  # the span starts when this step did
+        if w:
             self._after_first += n
-        self.window.append((now, n))
+        w.append((now, n))
         self._trim(now)
 
     def _trim(self, now: float) -> None:

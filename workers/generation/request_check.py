@@ -75,19 +75,22 @@ def check_requests(requests) -> list[Request]:
     return requests
 
 
-def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
-                  version, dtype: torch.dtype | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+def check_weights(named_tensors, shapes: Mapping[str, tuple[int, ...]], version,
+                  dtype: torch.dtype | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """Check a weight update before anything is written; -> (the version as an int, the
-    tensors to write). Raises ValueError naming the first problem: a version that is not an
-    int >= 0, an unknown name, a non-tensor or wrong shape, a meta tensor (no data), a
-    non-floating dtype (int, bool, complex: a mis-wired sender; a cast would silently change
-    the values) or a tensor with NaN/inf (it would make every sample's log-probs NaN).
+    tensors to write). ``named_tensors``: (name, tensor) pairs (``named_parameters()``) or a
+    mapping name -> tensor (a ``state_dict``), read once. Raises ValueError naming the first
+    problem: an item that is not a (name, tensor) pair, a version that is not an int >= 0, an
+    unknown name, a non-tensor or wrong shape, a meta tensor (no data), a non-floating dtype
+    (int, bool, complex: a mis-wired sender; a cast would silently change the values) or a
+    tensor with NaN/inf (it would make every sample's log-probs NaN).
 
     ``dtype``: the dtype the engine keeps its weights in. Every tensor is cast to it here,
     before the caller writes anything, so a cast that fails (out of memory) fails before the
     first write, and the NaN/inf check sees the values as they will be stored (a float64
     1e300 is finite, its float32 rounding is not). A tensor already in ``dtype`` is not
     copied. The finiteness check reads each tensor once (a float64 sum per tensor)."""
+    items = _weight_pairs(named_tensors)
     if isinstance(version, bool):
         raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}")
     try:
@@ -115,6 +118,24 @@ def check_weights(items: Sequence[tuple[str, torch.Tensor]], shapes: Mapping[str
             why = "" if t.dtype == original.dtype else f" once rounded to {dtype}"
             raise ValueError(f"load_weights: tensor {name!r} has NaN or infinite values{why}")
     return v, staged
+
+
+def _weight_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items())
+    if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not hasattr(named_tensors, "__iter__"):
+        raise ValueError(f"load_weights: expected (name, tensor) pairs or a name -> tensor mapping, "
+                         f"got {type(named_tensors).__name__}")
+    items = list(named_tensors)
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"load_weights: item {i} is {_short(item)}, not a (name, tensor) pair")
+    return [tuple(item) for item in items]
+
+
+def _short(x) -> str:
+    text = repr(x) if not isinstance(x, torch.Tensor) else f"a tensor of shape {tuple(x.shape)}"
+    return text if len(text) <= 60 else f"a {type(x).__name__}"
 
 
 def check_batch_cap(n) -> None:

@@ -21,11 +21,12 @@ import heapq
 import itertools
 import json
 import os
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence as Seq
+from typing import Iterable, Mapping, Sequence as Seq
 
 import torch
 
@@ -153,8 +154,15 @@ class VLLMEngine:
         check_eos_ids(self.eos_ids, self.vocab_size)  # before vLLM is imported or started
         self.max_model_len = vllm_args.max_model_len(cfg, mc)
         args = vllm_args.engine_args(cfg, str(model_dir), mc)
+        # vLLM adds the eos_token_id of the folder's generation_config.json (or config.json) to
+        # every request's stop ids; this engine stops on self.eos_ids alone, as the native one
+        self._gen_dir = tempfile.TemporaryDirectory(prefix="streamrl-vllm-generation-")
+        Path(self._gen_dir.name, "generation_config.json").write_text(
+            json.dumps({"eos_token_id": list(self.eos_ids)} if self.eos_ids else {}))
+        args.setdefault("generation_config", self._gen_dir.name)
         self.max_num_seqs, self.num_blocks = args["max_num_seqs"], args["num_gpu_blocks_override"]
         self.enforce_eager = bool(args.get("enforce_eager"))  # what vLLM runs (always eager on CPU)
+        self._weight_dtype = getattr(torch, vllm_args.resolve_device_dtype(cfg)[1])  # load_weights casts to it
         self.subprocess = _use_subprocess(cfg)
         vllm = _import_vllm(self.subprocess)
         from vllm.sampling_params import RequestOutputKind
@@ -259,10 +267,11 @@ class VLLMEngine:
         done, self._late_errors = self._late_errors, []
         if not self._live:
             return done
+        started = time.time()
         outputs = self.llm.step()
         now = time.time()
         done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
-        self._rate.add(now, self._tap.generated - self._counted)
+        self._rate.add(now, self._tap.generated - self._counted, started)
         self._counted = self._tap.generated
         self._admit()
         return done
@@ -311,15 +320,15 @@ class VLLMEngine:
         self.max_batch_size = n
         self._admit()
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     version: int) -> None:
         """Copy HF-named tensors into vLLM's model in place (any set of whole vLLM modules)
         through vLLM's ``reload_weights``. Everything is checked first
         (``request_check.check_weights``: version, names, shapes, meta/non-floating tensors,
         NaN/inf; then whole fused modules): a ValueError leaves the old weights and the
         requests in flight untouched. On success requests in flight are restarted from their prompts (a sample
         never mixes versions) and the prefix cache is dropped."""
-        items = list(named_tensors)
-        version, items = check_weights(items, self._shapes, version)
+        version, items = check_weights(named_tensors, self._shapes, version, self._weight_dtype)
         tied = self.model_config.tie_word_embeddings
         names = {n for n, _ in items}
         if tied and names & {"lm_head.weight", "model.embed_tokens.weight"}:
@@ -356,6 +365,7 @@ class VLLMEngine:
         self._live.clear()
         self._sample_ids.clear()
         self.llm.engine_core.shutdown()
+        self._gen_dir.cleanup()
 
     def stats(self) -> EngineStats:
         """From vLLM's scheduler stats of the last step (running, waiting, KV use) plus this
