@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import interpreting
+from kernels import interpreting, triton_available
 from kernels.paged_decode import choose_launch
 
 _TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -138,6 +138,10 @@ def _compile(call, capability: int, dtype: torch.dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not triton_available():
+        print(json.dumps({"skipped": "triton is not installed: bash scripts/setup.sh test,kernels "
+                                     "(or pip install -e .[kernels])"}))
+        return 1
     if interpreting():
         print(json.dumps({"skipped": "TRITON_INTERPRET is set: unset it to compile"}))
         return 1

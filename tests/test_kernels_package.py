@@ -51,3 +51,14 @@ def test_the_triton_attention_backend_refuses_with_the_reason(hub_kernels):
     cache = KVCache(1, 4, 16, 1, 8, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=rf"needs kernels.paged_decode: 'import kernels' found {FOUND}"):
         PagedAttention(cache, 2, 8, decode_kernel="triton")
+
+
+def test_compile_check_without_triton_says_how_to_install_it(monkeypatch, capsys):
+    """Used to end in a raw ``ModuleNotFoundError: triton`` traceback (the default venv has no
+    triton). Where triton is installed, its absence is what the patch stands in for."""
+    import json
+
+    from kernels import compile_check
+    monkeypatch.setattr(compile_check, "triton_available", lambda: False)
+    assert compile_check.main(["80"]) == 1
+    assert "setup.sh test,kernels" in json.loads(capsys.readouterr().out)["skipped"]
