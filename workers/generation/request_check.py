@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Container, Mapping, Sequence
+from typing import Container, Mapping
 
 import torch
 
