@@ -240,6 +240,7 @@ def test_grpo_and_rloo_vs_loops():
     assert rloo(s).tolist() == pytest.approx(loo)
     assert rloo(torch.tensor([1.0])).tolist() == [0.0]
     assert grpo(torch.ones(4)).abs().max().item() == 0.0  # equal rewards: no signal, no NaN
+    assert grpo(torch.full((4,), 0.5), eps=0.0).tolist() == [0.0] * 4  # adv_eps 0: was 0 / 0 = NaN
     # equal rewards that float32 cannot average exactly (0.7 x 8, 1/3 x 7): still exact zeros
     # (once ~0.05 each: the rounding of the mean divided by a std of the same size)
     for v, g in ((0.7, 8), (1 / 3, 8), (0.3, 7)):

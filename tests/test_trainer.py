@@ -152,6 +152,51 @@ def test_bad_input_is_skipped_or_refused(model_dir, task, caplog):
         w.begin_iteration(2, prompts, groups)
 
 
+def _with(s: Sample, **kw) -> Sample:
+    from dataclasses import replace
+    return replace(s, **kw)
+
+
+def test_out_of_vocabulary_ids_and_positive_logprobs_are_bad_samples(model_dir, task, caplog):
+    """An id past the vocabulary used to raise a bare IndexError from the embedding after the
+    whole call's samples were marked seen (resending them was then dropped as duplicates);
+    probabilities sent as log-probs were trained on."""
+    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2)
+    far = samples[0].output_ids.clone()
+    w = TrainerWorker(TrainerConfig(), model_dir, task, device="cpu")
+    vocab = w.actor.config.vocab_size
+    far[0] = vocab
+    bad = [_with(samples[0], output_ids=far), _with(samples[1], logprobs=samples[1].logprobs.exp())]
+    w.begin_iteration(0, prompts, groups)
+    with caplog.at_level(logging.WARNING, "streamrl.trainer"):
+        w.receive(bad + samples[2:])
+    assert f"sample 0: a token id outside the model's vocabulary [0, {vocab})" in caplog.text
+    assert "sample 1: sampler logprobs above 0" in caplog.text and "probabilities" in caplog.text
+    res = w.step()
+    assert res.metrics["skipped_samples"] == 2 and res.num_samples == 2
+    strict = TrainerWorker(TrainerConfig(on_bad_sample="error"), model_dir, task, device="cpu")
+    strict.begin_iteration(0, prompts, groups)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        strict.receive(bad[:1])
+
+
+def test_more_samples_of_a_group_than_its_size_is_refused(model_dir, task):
+    """The extra sample used to open a second group of that id that never completed."""
+    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2)
+    gid = samples[0].group_id
+    extra = _with(samples[0], sample_id=max(prompts) + 1)
+    prompts = {**prompts, extra.sample_id: prompts[samples[0].sample_id]}
+    w = TrainerWorker(TrainerConfig(), model_dir, task, device="cpu")
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    with pytest.raises(ValueError, match=f"group {gid}: 3 distinct samples received in iteration 0, "
+                                         f"but begin_iteration gave it size 2"):
+        w.receive([extra])
+    w.receive(samples[:1])  # a resent sample is still a duplicate, not an extra one
+    res = w.step()
+    assert res.num_samples == 4 and res.metrics["duplicates"] == 1 and res.metrics.get("incomplete_groups", 0) == 0
+
+
 def test_infinite_loss_and_nonfinite_grads_never_corrupt(model_dir, task, caplog):
     samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2)
     huge = TrainerWorker(TrainerConfig(algorithm="ppo"), model_dir, CharTask(task.base, 3e38), device="cpu")

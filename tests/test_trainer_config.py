@@ -20,6 +20,22 @@ def test_config_validation():
     assert build_section(TrainerConfig, "trainer", {"algorithm": "ppo", "betas": [0.9, 0.95]}).use_critic
 
 
+@pytest.mark.parametrize("algorithm, key, value", [
+    ("grpo", "gamma", 0.9), ("grpo", "gae_lambda", 0.5), ("grpo", "critic_lr", 1.0), ("grpo", "value_coef", 2.0),
+    ("rloo", "value_clip", 0.5), ("rloo", "grpo_std_normalize", False), ("rloo", "adv_eps", 5.0),
+    ("ppo", "grpo_std_normalize", False), ("ppo", "adv_eps", 1e-3)])
+def test_a_knob_the_algorithm_does_not_read_is_refused(algorithm, key, value):
+    """Used to be accepted and do nothing (as whiten_advantages under grpo is refused)."""
+    with pytest.raises(ValueError, match=f"trainer.{key} .* only used by algorithm .*not '{algorithm}'"):
+        TrainerConfig(algorithm=algorithm, **{key: value})
+    TrainerConfig(algorithm=algorithm, **{key: getattr(TrainerConfig(), key)})  # the default is fine
+
+
+def test_the_knobs_of_the_algorithm_are_taken():
+    assert TrainerConfig(algorithm="ppo", gamma=0.9, gae_lambda=0.5, value_coef=1.0).gamma == 0.9
+    assert not TrainerConfig(algorithm="grpo", grpo_std_normalize=False, adv_eps=0.0).grpo_std_normalize
+
+
 def test_lr_schedule():
     from workers.trainer.schedule import lr_lambda
 

@@ -123,3 +123,17 @@ def test_shuffle_is_on_by_default_and_must_be_a_bool():
     assert TrainerConfig().shuffle is True
     with pytest.raises(ValueError, match="trainer.shuffle must be true or false"):
         TrainerConfig(shuffle="no")
+
+
+def test_unequal_groups_leave_no_share_empty_while_there_are_enough_groups():
+    """Groups of 10, 1 and 1 samples in 3 shares: the nearest-boundary cuts coincided for some
+    seeds ([[1, 2], [0], []]): one update fewer than ppo_epochs x mini_batches."""
+    from types import SimpleNamespace
+
+    from workers.trainer.buffer import mini_batch_shares
+
+    items = [SimpleNamespace(group_id=0, i=j) for j in range(10)] + [SimpleNamespace(group_id=g, i=0) for g in (1, 2)]
+    for seed in range(8):
+        shares = mini_batch_shares(items, 3, seed)
+        assert sorted(len({p.group_id for p in s}) for s in shares) == [1, 1, 1], seed
+    assert sorted(map(len, mini_batch_shares(items[:1] + items[10:], 4, 0))) == [0, 1, 1, 1]  # fewer groups than shares

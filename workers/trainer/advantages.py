@@ -64,9 +64,10 @@ def grpo(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) ->
     full Adam step driven by rounding."""
     s = (scores - scores[:1]).double()  # equal scores -> exact zeros, whatever their value
     centred = s - s.mean()
-    if not std_normalize or scores.numel() < 2:
+    denom = s.std() + eps if std_normalize and scores.numel() > 1 else None
+    if denom is None or denom == 0:  # adv_eps 0 and equal scores: 0 / 0 would be NaN, not 0
         return centred.to(scores.dtype)
-    return (centred / (s.std() + eps)).to(scores.dtype)
+    return (centred / denom).to(scores.dtype)
 
 
 def rloo(scores: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections import deque
-from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
@@ -113,7 +112,8 @@ def mini_batch_shares(items: Sequence[T], k: int, seed: int | None, group_of: Ca
     drawn from ``seed``, as verl's mini-batches hold a random set of prompts with their n
     samples (in arrival order the first update would train the groups that finished first, i.e.
     the shortest responses, and the last the longest); each cut falls on the group boundary
-    nearest an equal split (a share may be empty when there are fewer groups than shares)."""
+    nearest an equal split that leaves every share at least one group (a share is empty only
+    when there are fewer groups than shares)."""
     items = list(items)
     n = len(items)
     if seed is None:
@@ -127,7 +127,12 @@ def mini_batch_shares(items: Sequence[T], k: int, seed: int | None, group_of: Ca
     bounds = [0]  # sample index after each group
     for g in ordered:
         bounds.append(bounds[-1] + len(g))
-    cuts = [0] + [min(bounds, key=lambda b: (abs(b - i * n / k), b)) for i in range(1, k)] + [n]
-    cuts = list(accumulate(cuts, max))  # non-decreasing
+    g_count, at = len(ordered), [0]  # at: the cuts as indices into bounds
+    for i in range(1, k):
+        # at least one group per share while there are enough groups (the nearest boundaries of
+        # unequal groups could coincide and leave a share empty), else non-decreasing
+        lo, hi = (at[-1] + 1, g_count - (k - i)) if g_count >= k else (at[-1], g_count)
+        at.append(min(range(lo, hi + 1), key=lambda j: (abs(bounds[j] - i * n / k), j)))
+    cuts = [bounds[j] for j in at] + [n]
     items = [p for g in ordered for p in g]
     return [items[a:b] for a, b in zip(cuts, cuts[1:])]

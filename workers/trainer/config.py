@@ -8,6 +8,10 @@ from dataclasses import dataclass, fields
 from workers.config_schema import SEEDS, Range, ranged
 
 ALGORITHMS = ("ppo", "grpo", "rloo")
+# knobs only some algorithms read: set to anything but their default under another, refused
+_CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gamma", "gae_lambda")  # GAE / value loss
+_GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
+UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS, "rloo": _CRITIC_KNOBS + _GRPO_KNOBS}
 KL_ESTIMATORS = ("k1", "k3")
 KL_MODES = ("loss", "reward")
 LOSS_AGGS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -160,6 +164,13 @@ class TrainerConfig:
                              "(use grpo or rloo for critic-free training)")
         if self.algorithm != "ppo" and self.critic:
             raise ValueError(f"trainer.critic: true is only used by algorithm 'ppo', not {self.algorithm!r}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in UNUSED_KNOBS[self.algorithm]:
+            if getattr(self, name) != defaults[name]:
+                users = [a for a in ALGORITHMS if name not in UNUSED_KNOBS[a]]
+                raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used by algorithm "
+                                 f"{' / '.join(map(repr, users))}, not {self.algorithm!r}; leave it out "
+                                 f"(it would have no effect)")
         if self.algorithm != "ppo" and self.whiten_advantages:
             raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm 'ppo' (GAE), not "
                              f"{self.algorithm!r} (its advantages are normalised within each group)")
