@@ -65,10 +65,27 @@ def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=Non
     return final
 
 
+def iteration_of(ckpt: Path) -> int:
+    """``iter_N``'s N (-1 for a name that is not one): checkpoints order by it, not by name
+    (``iter_1000000`` sorts before ``iter_999999`` as a string)."""
+    tail = Path(ckpt).name[len("iter_"):]
+    return int(tail) if Path(ckpt).name.startswith("iter_") and tail.isdigit() else -1
+
+
 def complete(ckpt_root: str | Path) -> list[Path]:
     """The complete checkpoints under ``ckpt_root``, oldest first (a temporary folder of a save
     that did not finish is ``.iter_*``, never listed)."""
-    return sorted(p for p in Path(ckpt_root).glob("iter_*") if (p / "controller.json").exists())
+    return sorted((p for p in Path(ckpt_root).glob("iter_*")
+                   if iteration_of(p) >= 0 and (p / "controller.json").exists()), key=iteration_of)
+
+
+def point_latest(ckpt: Path) -> None:
+    """Make ``latest`` of ``ckpt``'s folder name it. A run resumed from an older checkpoint of
+    its own folder continues that lineage: until its first save ``latest`` would still name the
+    abandoned newest one, which a stop's hint and a plain ``--resume RUN`` would then pick."""
+    latest = Path(ckpt).parent / "latest"
+    if not latest.exists() or latest.read_text().strip() != Path(ckpt).name:
+        write_text(latest, Path(ckpt).name)
 
 
 def find(path: str | Path) -> Path | None:
@@ -106,7 +123,7 @@ _SAID: set = set()
 
 def previous(ckpt: Path) -> Path | None:
     """The newest complete checkpoint before ``ckpt`` in its folder (to try when it is damaged)."""
-    older = [c for c in complete(Path(ckpt).parent) if c.name < Path(ckpt).name]
+    older = [c for c in complete(Path(ckpt).parent) if iteration_of(c) < iteration_of(ckpt)]
     return older[-1] if older else None
 
 
@@ -147,7 +164,7 @@ def prune(ckpt_root: str | Path, keep: int = 2, protect=()) -> list[Path]:
     if named is None or named.parent != root:
         return []
     kept = {p.resolve() for p in protect} | {named.resolve()}
-    older = [p for p in complete(root) if p.name <= named.name]
+    older = [p for p in complete(root) if iteration_of(p) <= iteration_of(named)]
     deleted = []
     for p in older[:-max(1, keep)]:
         if p.resolve() in kept:

@@ -58,13 +58,30 @@ def _other_run(logdir: Path, resume: str) -> Path | None:
     return None if run is None or run.resolve() == logdir.resolve() else run
 
 
+def _fork_of(logdir: Path, resume: str) -> bool:
+    """``logdir`` was started as a fork of the checkpoint ``resume`` names: its first record is
+    a ``--resume`` of that same checkpoint (a fork that stopped before it saved, started again)."""
+    import yaml
+
+    first = logdir / "config.resume1.yaml"
+    if (logdir / "config.yaml").exists() or not first.exists():
+        return False
+    try:
+        typed = (yaml.safe_load(first.read_text()) or {}).get("resume")
+        a, b = ckpt.find(typed) if typed else None, ckpt.find(resume)
+    except (OSError, yaml.YAMLError, ckpt.CheckpointError, AttributeError):
+        return False
+    return a is not None and b is not None and a.resolve() == b.resolve()
+
+
 def run_logdir(logdir: Path, resume: str) -> Path:
     """Where a run writes. ``--resume`` of a checkpoint of run folder R continues in R when
     ``logging.logdir`` is R, or is another folder already holding a run (writing there would
     interleave two runs' rows, steps and checkpoints); into an unused ``logging.logdir`` it
-    forks: R is left as it was."""
+    forks: R is left as it was. A fork's own folder stays the fork's when the same command is
+    run again (it stopped early: its rows are there, no checkpoint yet)."""
     run = _other_run(logdir, resume)
-    return run if run is not None and _holds_run(logdir) else logdir
+    return run if run is not None and _holds_run(logdir) and not _fork_of(logdir, resume) else logdir
 
 
 def resumed_logdir(logdir: Path, resume: str) -> Path:
@@ -139,10 +156,19 @@ def lock_run_folder(logdir: Path) -> int:
 
 
 def refuse_fresh_start_over_a_run(logdir: Path, resume: str) -> None:
-    """``--resume`` of a path with no checkpoint starts fresh (the first start of a ``torchrun
-    --max-restarts`` job resumes its own, still empty, ``logging.logdir``); a path that is not
-    ``logdir`` (mistyped?) must not start a fresh run over the run ``logdir`` holds: its rows,
-    TensorBoard steps, ``iter_*`` folders and ``latest`` would be overwritten."""
-    if ckpt.find(resume) is None and Path(resume).resolve() != logdir.resolve():
-        refuse_previous_run(logdir, f"--resume {resume}: no checkpoint there "
-                                     f"({'the path does not exist' if not Path(resume).exists() else 'none in it'}); ")
+    """``--resume`` of a path with no checkpoint starts fresh only where that path is
+    ``logdir`` (the first start of a ``torchrun --max-restarts`` job resumes its own, still
+    empty, ``logging.logdir``) or does not exist yet, and then never over a run ``logdir``
+    holds (its rows, TensorBoard steps, ``iter_*`` folders and ``latest`` would be overwritten).
+    An existing folder with no checkpoint (``iter_N/trainer``, a run that never saved) is a
+    wrong path: refused, rather than silently training from scratch."""
+    p = Path(resume)
+    if ckpt.find(resume) is not None or p.resolve() == logdir.resolve():
+        return
+    if p.exists():
+        inside = next((q for q in p.resolve().parents if (q / "controller.json").exists()), None)
+        hint = (f"it is inside the checkpoint {inside}: --resume {inside}" if inside else
+                "give a run folder (logging.logdir) or a checkpoint folder (<logdir>/checkpoints/iter_N)")
+        raise ConfigError(f"--resume {resume}: no checkpoint there (none in it: no controller.json, "
+                          f"checkpoints/ or latest); {hint}")
+    refuse_previous_run(logdir, f"--resume {resume}: no checkpoint there (the path does not exist); ")

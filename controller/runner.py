@@ -96,7 +96,7 @@ class Session:
         self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
-        self._saved: tuple | None = None  # (iteration, mode, folder) of this run folder's newest checkpoint
+        self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
         state = self._resume() if args.resume else None
         self.program = Program(cfg, self.world, self.tok, self.task, None, self._on_iteration,
                                stream_state=state.stream if state else None,
@@ -156,7 +156,13 @@ class Session:
                               ) from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
-        self._saved = (state.iteration, state.mode, found)
+        if found.parent.resolve() == (self.logdir / "checkpoints").resolve():
+            ckpt.point_latest(found)  # this folder's lineage continues from here
+        self._saved = (state.iteration, found)
+        if state.mode != self.cfg.pipeline.mode:  # a REPL `mode` before that save; the config rules
+            print(f"[controller] the checkpoint was saved in pipeline.mode {state.mode!r}; this run uses its "
+                  f"config's {self.cfg.pipeline.mode!r} (--set pipeline.mode={state.mode} to keep that one)",
+                  file=sys.stderr, flush=True)
         wait_all(self.world.push_weights(versions[0]))
         state.version = versions[0]
         print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
@@ -225,16 +231,15 @@ class Session:
         if self.cfg.train.ckpt_keep is not None:  # the checkpoint resumed from stays, for another try from it
             ckpt.prune(root, self.cfg.train.ckpt_keep,
                        protect=[saved, self.resumed_from] if self.resumed_from else [saved])
-        self._saved = (next_iteration, state.mode, saved)
+        self._saved = (next_iteration, saved)
         return saved
 
     def final_checkpoint(self) -> Path:
         """The run's last checkpoint: the one already written for this iteration (by
         ``train.ckpt_every``, or the one resumed from when nothing was trained) when it is in
         this run folder, else a new one (a checkpoint is model + optimizer: not written twice)."""
-        it, mode, folder = self._saved or (None, None, None)
-        if it == self.program.iteration and mode == self.program.mode.name and \
-                folder.resolve().parent == (self.logdir / "checkpoints").resolve():
+        it, folder = self._saved or (None, None)  # (the mode it records is not read on resume)
+        if it == self.program.iteration and folder.resolve().parent == (self.logdir / "checkpoints").resolve():
             return folder
         return self.save_checkpoint(self.program.iteration)
 

@@ -126,18 +126,17 @@ def test_the_end_of_a_run_writes_no_second_copy_of_a_checkpoint(tmp_path, monkey
     writes = []
     monkeypatch.setattr(ckpt, "save", lambda *a, **k: writes.append(a) or first)
     assert s.final_checkpoint() == first and writes == []
-    s.program.mode = SimpleNamespace(name="batch")  # a REPL `mode` switch since: saved again
-    s.final_checkpoint()
-    assert len(writes) == 1
+    s.program.mode = SimpleNamespace(name="batch")  # a REPL `mode` switch since: the mode it
+    assert s.final_checkpoint() == first and writes == []  # records is not read on resume
     # resumed from this run's iter_000004 with nothing to train: no rewrite; from another
     # run's folder (a fork into a new logdir): the new folder gets its own checkpoint
     t = _session(tmp_path, keep=None, resumed_from=first)
-    t._saved, t.program.iteration = (4, "stream", first), 4
-    assert t.final_checkpoint() == first and len(writes) == 1
+    t._saved, t.program.iteration = (4, first), 4
+    assert t.final_checkpoint() == first and writes == []
     u = _session(tmp_path / "fork", keep=None, resumed_from=first)
-    u._saved, u.program.iteration = (4, "stream", first), 4
+    u._saved, u.program.iteration = (4, first), 4
     u.final_checkpoint()
-    assert len(writes) == 2 and root.is_dir()
+    assert len(writes) == 1 and root.is_dir()
 
 
 def test_a_failed_deletion_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

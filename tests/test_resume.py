@@ -128,6 +128,63 @@ def test_a_mistyped_resume_never_starts_fresh_over_the_run_in_logdir(tmp_path):
     refuse_fresh_start_over_a_run(tmp_path / "restarted", str(tmp_path / "restarted"))
 
 
+def test_an_existing_folder_with_no_checkpoint_is_refused_not_a_fresh_start(tmp_path):
+    """``--resume RUN/checkpoints/iter_N/trainer`` (an easy slip) into an unused logdir printed
+    'starting fresh' and trained from scratch."""
+    from controller.preflight import refuse_fresh_start_over_a_run
+
+    c = _saved(tmp_path / "run" / "checkpoints", 2) / "iter_000002"
+    with pytest.raises(ConfigError, match=r"trainer: no checkpoint there \(none in it.*\); it is inside the "
+                                          r"checkpoint .*iter_000002: --resume .*iter_000002$"):
+        refuse_fresh_start_over_a_run(tmp_path / "fork", str(c / "trainer"))
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ConfigError, match="give a run folder"):
+        refuse_fresh_start_over_a_run(tmp_path / "fork", str(tmp_path / "other"))
+
+
+def test_a_fork_started_again_writes_into_its_own_folder(tmp_path):
+    """A fork (``--resume R/checkpoints/iter_N`` into an unused F) that stopped before its first
+    checkpoint left rows in F; the same command again then went to R, writing over R's
+    checkpoints and rows, which a fork promises to leave alone."""
+    import yaml
+
+    from controller.preflight import run_logdir
+
+    c = _saved(tmp_path / "R" / "checkpoints", 2, 4) / "iter_000002"
+    fork = tmp_path / "F"
+    assert run_logdir(fork, str(c)) == fork  # unused: a fork
+    fork.mkdir()
+    (fork / "config.resume1.yaml").write_text(yaml.safe_dump({"resume": str(c)}))
+    (fork / "iterations.jsonl").write_text('{"iteration": 2}\n')
+    assert run_logdir(fork, str(c)) == fork  # its own folder, started again (was R)
+    assert run_logdir(fork, str(c.parent / "iter_000004")) == tmp_path / "R"  # another checkpoint: R's run
+    other = tmp_path / "G"  # a folder holding another run: R continues in R, as before
+    other.mkdir()
+    (other / "config.yaml").write_text("{}")
+    (other / "iterations.jsonl").write_text("")
+    assert run_logdir(other, str(c)) == tmp_path / "R"
+
+
+def test_checkpoints_order_by_iteration_not_by_name(tmp_path):
+    root = _saved(tmp_path / "checkpoints", 10, 999999, 1000000)
+    assert [p.name for p in ckpt.complete(root)] == ["iter_000010", "iter_999999", "iter_1000000"]
+    assert ckpt.previous(root / "iter_1000000") == root / "iter_999999"  # was iter_000010
+    (root / "latest").write_text("iter_torn")
+    assert ckpt.find(root) == root / "iter_1000000"  # the newest complete one (was iter_999999)
+    (root / "iter_notanumber").mkdir()
+    assert len(ckpt.complete(root)) == 3
+
+
+def test_resuming_an_older_checkpoint_points_latest_at_it(tmp_path):
+    """Until the resumed run's first save ``latest`` named the abandoned newest checkpoint: a
+    stop's hint and ``--resume RUN`` went back to it, across the rows already cut."""
+    root = _saved(tmp_path / "checkpoints", 2, 4)
+    ckpt.point_latest(root / "iter_000002")
+    assert ckpt.find(tmp_path) == root / "iter_000002"
+    assert ckpt.resume_hint(tmp_path).endswith(f"--resume {root / 'iter_000002'}")
+    assert ckpt.prune(root, keep=1) == []  # the abandoned iter_000004 is not counted or deleted
+
+
 # ---- the trainer's part -------------------------------------------------------------------------------
 
 
