@@ -211,7 +211,7 @@ def _weight_sync(data: Any, topology: Topology) -> WeightSyncConfig:
     """The ``weight_sync`` section (bucket_mb, tree_shape, naive) with the run's topology."""
     if isinstance(data, dict) and "topology" in data:
         raise ConfigError("weight_sync.topology: a run's topology is the top-level `topology:` section "
-                          "(the planner reads it too); move it there")
+                          "(the weight-sync trees read it from there); move it there")
     try:
         return WeightSyncConfig.from_dict(data, topology)
     except (TypeError, ValueError) as e:

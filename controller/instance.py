@@ -216,7 +216,8 @@ class GenerationInstance:
                                                 timeout_s=LOCAL.rpc_timeout_s)
         staged = self._receiver.receive()
         if not staged.ok:
-            raise RuntimeError(f"gen{self.rank}: weight sync of version {staged.version} failed: {staged.error}")
+            which = f"of version {staged.version} " if staged.version >= 0 else ""  # -1: no header arrived
+            raise RuntimeError(f"gen{self.rank}: weight sync {which}failed: {staged.error}")
         self.spans.add("weight_sync", t0, time.time(), staged.version)
         return self.stage_weights(staged.tensors, staged.version)
 

@@ -91,6 +91,42 @@ def _dying_middle(rank: int, world: int) -> tuple:
     return ("receiver", st.ok, st.error)
 
 
+def _silent_root(rank: int, world: int) -> tuple:
+    """Roots 0 and 1 share the buckets of one receiver, 2; root 0 never sends (it lacks a
+    tensor), root 1 pushes version 7. Bucket 0, first in plan order, is root 0's."""
+    plan = plan_sync(Topology(), [0, 1], [2], [("a", (256,), "float32"), ("b", (256,), "float32")], 1024)
+    assert plan.buckets[plan.order[0]].root == 0
+    if rank == 0:
+        time.sleep(4)                  # alive (no reset connection) until rank 2 has timed out
+        return ("silent",)
+    if rank == 1:
+        weights = {"a": torch.ones(256), "b": torch.ones(256)}
+        return ("sender", WeightSyncSender(plan, 1, timeout_s=10).push(weights, 7).version)
+    st = WeightSyncReceiver(plan, 2, timeout_s=2).receive()
+    return ("receiver", st.ok, st.version, st.error)
+
+
+def test_failed_sync_reports_a_version_that_arrived():
+    """Bucket 0's header never came: the failure names version 7 (root 1's header), not
+    the 0 of a zeroed header that was never received."""
+    _, (_, sent), (_, ok, version, error) = run_local(3, _silent_root)
+    assert sent == 7
+    assert not ok and "transfer failed: bucket 0" in error, error
+    assert version == 7                                    # was 0
+    assert "no bucket header arrived" not in error
+
+
+def test_failed_sync_with_no_header_does_not_invent_a_version():
+    """No header at all: -1 (unknown) and the error says so, or the expected version."""
+    plan = plan_sync(Topology(), [0, 1], [2], [("a", (256,), "float32"), ("b", (256,), "float32")], 1024)
+    headers = torch.zeros(len(plan.buckets), 4, dtype=torch.int64)
+    headers[1, 0] = 7
+    buckets = plan.ordered_buckets()
+    assert WeightSyncReceiver(plan, 2)._received_version(headers, buckets, set()) == -1
+    assert WeightSyncReceiver(plan, 2, expected_version=5)._received_version(headers, buckets, set()) == 5
+    assert WeightSyncReceiver(plan, 2)._received_version(headers, buckets, {1}) == 7
+
+
 @pytest.fixture(scope="module")
 def edges():
     return run_local(WORLD, _edges_main)
@@ -147,6 +183,9 @@ def test_receiver_dying_mid_broadcast_is_reported_not_hung():
     # a rank outside the 3-rank world
     ("topology", {"datacenters": {"a": [0, 1], "b": [7]}}, "topology.datacenters.b: rank 7 is outside the world of 3"),
     ("topology", {"nodes": {"n0": [0, 3]}}, "topology.nodes.n0: rank 3 is outside the world of 3"),
+    # naive plans a star from each root: another tree_shape was silently ignored
+    ("weight_sync", {"naive": True, "tree_shape": "binary"},
+     "weight_sync.tree_shape: 'binary' is not used with weight_sync.naive: true"),
 ])
 def test_bad_values_are_refused_at_load(section, value, needle):
     from controller.config import ConfigError, from_dict
@@ -156,6 +195,16 @@ def test_bad_values_are_refused_at_load(section, value, needle):
     assert needle in str(e.value)
 
 
+def test_weight_sync_topology_error_names_its_only_reader():
+    """The pipeline planner reads its cluster file (link_gbps, intra_gbps), not `topology:`:
+    the error said "(the planner reads it too)"."""
+    from controller.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"weight_sync": {"topology": {}}}, world_size=3)
+    assert "weight-sync trees read it" in str(e.value) and "planner" not in str(e.value)
+
+
 def test_smallest_bucket_and_a_named_default_datacenter_are_taken():
     from controller.config import from_dict
 
@@ -163,6 +212,8 @@ def test_smallest_bucket_and_a_named_default_datacenter_are_taken():
                      "topology": {"datacenters": {"a": [0, 1, 2], "joiners": []}, "default_datacenter": "joiners"}},
                     world_size=3)
     assert cfg.weight_sync.bucket_bytes == 1000
+    plan = cfg.weight_sync.plan([0], [1], [("w", (1000,), "float32")])
+    assert max(b.nbytes for b in plan.buckets) == 960          # <= 1000 (was 1024)
     assert cfg.topology.dc(2) == "a" and cfg.topology.dc(5) == "joiners"
     assert WeightSyncConfig(bucket_bytes=1).bucket_bytes == 1  # the library takes any size (tests, benches)
 
@@ -208,8 +259,9 @@ def test_random_topologies_plan_spanning_trees_with_one_crossing_per_datacenter(
                  rng.choice(senders) if sharded else None) for i in range(rng.randint(1, 7))]
         if all(math.prod(shape) == 0 for _, shape, _, _ in spec):
             continue
-        plan = plan_sync(topo, senders, receivers, spec, rng.randint(1, 2000),
-                         rng.choice(["chain", "binary", "star"]))
+        bucket_bytes = rng.randint(1, 2000)
+        plan = plan_sync(topo, senders, receivers, spec, bucket_bytes, rng.choice(["chain", "binary", "star"]))
+        assert max(b.nbytes for b in plan.buckets) <= max(bucket_bytes, 64)   # one 64-B unit at least
         for tree in plan.trees:
             reached, frontier = {tree.root}, [tree.root]
             while frontier:

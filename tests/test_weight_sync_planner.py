@@ -34,7 +34,7 @@ def check_tiling(plan) -> None:
     assert all(0 <= b[0] - a[1] < 64 for a, b in zip(spans, spans[1:]))
     covered = {s.name: 0 for s in plan.slots}
     for b in plan.buckets:
-        assert 0 < b.nbytes <= (plan.bucket_bytes + 63) // 64 * 64 and b.start % 64 == 0
+        assert 0 < b.nbytes <= max(plan.bucket_bytes, 64) and b.start % 64 == 0
         for p in b.pieces:
             assert b.start <= p.flat_start and p.flat_start + p.nbytes <= b.end
             covered[p.name] += p.nbytes
@@ -160,6 +160,103 @@ def test_chain_follows_nodes():
     assert hops.count(LinkClass.INTRA_NODE) == 4
 
 
+def test_buckets_never_exceed_bucket_bytes():
+    """bucket_bytes is a ceiling: a split tensor's chunks are bucket_bytes rounded DOWN to
+    64 B (was: up, 1024-byte buckets for bucket_bytes 1000)."""
+    spec = [("w", (1000,), "float32")]                                  # 4000 B
+    plan = plan_sync(Topology(), [0], [1], spec, 1000)
+    assert [b.nbytes for b in plan.buckets] == [960, 960, 960, 960, 160]   # was [1024, 1024, 1024, 928]
+    assert [b.start for b in plan.buckets] == [0, 960, 1920, 2880, 3840]
+    check_tiling(plan)
+    plan = WeightSyncConfig.from_dict({"bucket_mb": 0.0011}).plan([0], [1], spec)
+    assert plan.bucket_bytes == 1100 and [b.nbytes for b in plan.buckets] == [1088, 1088, 1088, 736]  # was 1152 x3
+    # A tensor of exactly bucket_bytes is packed whole, not cut at the aligned step.
+    plan = plan_sync(Topology(), [0], [1], [("a", (250,), "float32"), ("b", (10,), "float32")], 1000)
+    assert [b.nbytes for b in plan.buckets] == [1000, 40]
+    # Below one alignment unit the library still cuts 64-byte chunks (it takes any size >= 1).
+    plan = plan_sync(Topology(), [0], [1], [("w", (40,), "float32")], 10)
+    assert [b.nbytes for b in plan.buckets] == [64, 64, 32]
+
+
+def test_owned_buckets_are_counted_before_replicated_ones_are_shared():
+    """Roots do not depend on tensor order: a replicated tensor listed before a sharded one
+    was split before the shard was counted ({0: 24192, 1: 7808})."""
+    rep, shard = ("rep", (4000,), "float32", None), ("shard0", (4000,), "float32", 0)
+    for spec in ([rep, shard], [shard, rep]):
+        plan = plan_sync(Topology(), [0, 1], [2, 3], spec, 4096)
+        assert plan.bytes_by_root() == {0: 16000, 1: 16000}, spec
+        assert {b.root for b in plan.buckets if b.pieces[0].name == "shard0"} == {0}
+    # Replicated buckets go largest first to the least-loaded sender: 3000 B owned by 0, then
+    # 2000 -> 1, 1200 -> 1, 1000 -> 0 (in tensor order: 1000 -> 1, 1200 -> 1, 2000 -> 0: 5000 vs 2200).
+    spec = [("a", (250,), "float32"), ("b", (300,), "float32"), ("c", (500,), "float32"),
+            ("own", (750,), "float32", 0)]
+    plan = plan_sync(Topology(), [0, 1], [2], spec, 2048)
+    assert {b.pieces[0].name: b.root for b in plan.buckets} == {"a": 0, "b": 1, "c": 1, "own": 0}
+    assert plan.bytes_by_root() == {0: 4000, 1: 3200}
+    assert plan == plan_sync(Topology(), [0, 1], [2], spec, 2048)     # deterministic
+
+
+def _receiver_hops(plan, topo) -> list[list[LinkClass]]:
+    """Per tree: the link class of every receiver-to-receiver edge."""
+    return [[topo.link(a, b) for a, b in t.edges() if a != t.root] for t in plan.trees]
+
+
+def test_chain_starts_on_the_roots_node():
+    """Root 0 shares node nB with receivers 2, 3: they come first (was 0->4 4->5 5->2 2->3,
+    two cross-node hops, sorted by node name)."""
+    topo = Topology.from_config({"nodes": {"nB": [0, 2, 3], "nA": [4, 5]}})
+    plan = plan_sync(topo, [0], [2, 3, 4, 5], [("w", (1000,), "float32")], 4096)
+    assert plan.trees[0].edges() == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    links = [topo.link(a, b) for a, b in plan.trees[0].edges()]
+    assert links.count(LinkClass.INTRA_DC) == 1                  # was 2
+
+
+def test_rotated_chains_keep_each_node_whole():
+    """3 roots over 2 nodes of 2 receivers: each tree starts at a different receiver, yet
+    enters each node once (tree 1 was 1->4 4->5 5->6 6->3: node nA split, 2 cross hops)."""
+    topo = Topology.from_config({"nodes": {"nA": [3, 4], "nB": [5, 6]}})
+    spec = [(n, (1000,), "float32") for n in "abc"]
+    plan = plan_sync(topo, [0, 1, 2], [3, 4, 5, 6], spec, 4096)
+    check_spanning(plan)
+    assert [t.edges() for t in plan.trees] == [[(0, 3), (3, 4), (4, 5), (5, 6)],
+                                               [(1, 4), (4, 3), (3, 5), (5, 6)],
+                                               [(2, 5), (5, 6), (6, 3), (3, 4)]]
+    assert [hops.count(LinkClass.INTRA_DC) for hops in _receiver_hops(plan, topo)] == [1, 1, 1]
+
+
+def test_binary_tree_enters_each_node_once():
+    """A plain heap over the node order crossed nodes at every level (4 cross-node relay
+    hops for 2 nodes of 4); now each node hangs off one edge, fan-out still <= 2."""
+    topo = Topology.from_config({"nodes": {"nA": [1, 2, 3, 4], "nB": [5, 6, 7, 8]}})
+    plan = plan_sync(topo, [0], list(range(1, 9)), SPEC, 4096, tree_shape="binary")
+    check_spanning(plan)
+    (tree,) = plan.trees
+    assert tree.edges() == [(0, 1), (0, 5), (1, 2), (1, 3), (2, 4), (5, 6), (5, 7), (6, 8)]
+    assert _receiver_hops(plan, topo) == [[LinkClass.INTRA_NODE] * 6]          # was 4 intra_dc
+    assert max(len(tree.children_of(r)) for r in range(9)) == 2 and tree_depth(tree) == 3
+    # The root's node-mates come first here too: one cross-node hop (was 4: 0->4 0->5 4->2 4->3).
+    topo = Topology.from_config({"nodes": {"nB": [0, 2, 3], "nA": [4, 5]}})
+    plan = plan_sync(topo, [0], [2, 3, 4, 5], SPEC, 4096, tree_shape="binary")
+    assert plan.trees[0].edges() == [(0, 2), (0, 3), (2, 4), (4, 5)]
+    # One rank per node (the default topology): still the heap.
+    plan = plan_sync(Topology(), [0], [1, 2, 3, 4, 5], SPEC, 4096, tree_shape="binary")
+    assert plan.trees[0].edges() == [(0, 1), (0, 2), (1, 3), (1, 4), (2, 5)]
+
+
+def test_remote_datacenter_gateway_keeps_its_node_first():
+    """The gateway's node-mates follow it, then the other node: one cross-node hop inside
+    the remote DC for every tree, and the two roots use different gateways."""
+    topo = Topology.from_config({"datacenters": {"t": [0, 1], "g": [2, 3, 4, 5]},
+                                 "nodes": {"nA": [2, 3], "nB": [4, 5]}})
+    spec = [("a", (1000,), "float32"), ("b", (1000,), "float32")]
+    for shape in ("chain", "binary"):
+        plan = plan_sync(topo, [0, 1], [2, 3, 4, 5], spec, 4096, tree_shape=shape)
+        check_spanning(plan)
+        assert crossing_copies(plan) == 1.0
+        assert [t.children_of(t.root) for t in plan.trees] == [(2,), (4,)], shape
+        assert [hops.count(LinkClass.INTRA_DC) for hops in _receiver_hops(plan, topo)] == [1, 1], shape
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(senders=[], receivers=[1]), "senders is empty"),
     (dict(senders=[0], receivers=[]), "receivers is empty"),
@@ -233,7 +330,11 @@ def test_weight_sync_config():
     assert WeightSyncConfig.from_dict(None) == WeightSyncConfig()
     for bad, needle in [({"bucket": 1}, "weight_sync.bucket: unknown key; did you mean 'bucket_mb'?"), ({"bucket_mb": -1}, "weight_sync.bucket_mb"),
                         ({"tree_shape": "ring"}, "weight_sync.tree_shape"), ({"naive": "yes"}, "weight_sync.naive"),
-                        ({"topology": TWO_DC}, "weight_sync.topology: unknown key")]:
+                        ({"topology": TWO_DC}, "weight_sync.topology: unknown key"),
+                        # naive plans a star from each root: another shape was silently ignored
+                        ({"naive": True, "tree_shape": "binary"},
+                         "weight_sync.tree_shape: 'binary' is not used with weight_sync.naive: true"),
+                        ({"naive": True, "tree_shape": "star"}, "weight_sync.tree_shape: 'star'")]:
         with pytest.raises(ValueError) as e:
             WeightSyncConfig.from_dict(bad)
         assert needle in str(e.value)

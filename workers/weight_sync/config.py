@@ -5,8 +5,9 @@
       tree_shape: chain        # chain | binary | star
       naive: false             # true: root sends to every instance (baseline)
 
-The topology (topology.py) is the run config's top-level ``topology:`` section, which the
-planner reads too (controller/config.py); ``from_dict`` takes it built.
+The topology (topology.py) is the run config's top-level ``topology:`` section
+(controller/config.py); ``from_dict`` takes it built. Only the weight sync reads it: the
+pipeline planner (controller/planner) takes bandwidths from its cluster file.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from workers.weight_sync.topology import Topology
 # 13,388 buckets of 100 B took 18 s for a 1.7 MB model). Smaller is a typo, not a tuning.
 # The library itself (WeightSyncConfig(bucket_bytes=...), plan_sync) takes any size >= 1 B.
 MIN_BUCKET_MB = 0.001
+DEFAULT_TREE_SHAPE = "chain"
 
 
 @dataclass(frozen=True)
@@ -32,14 +34,14 @@ class WeightSyncSection:
 
     bucket_mb: float = ranged(4.0, Range(MIN_BUCKET_MB, note="MB; below 1 KB each bucket's header and "
                                          "message latency are the whole cost"))
-    tree_shape: str = "chain"
+    tree_shape: str = DEFAULT_TREE_SHAPE
     naive: bool = False
 
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
     bucket_bytes: int = 4_000_000
-    tree_shape: str = "chain"
+    tree_shape: str = DEFAULT_TREE_SHAPE
     naive: bool = False
     topology: Topology = field(default_factory=Topology)
 
@@ -48,6 +50,12 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.bucket_mb must give > 0 bytes, got {self.bucket_bytes!r}")
         if self.tree_shape not in TREE_SHAPES:
             raise ValueError(f"weight_sync.tree_shape: unknown {self.tree_shape!r}; allowed: {sorted(TREE_SHAPES)}")
+        if self.naive and self.tree_shape != DEFAULT_TREE_SHAPE:
+            # naive plans a star from each root whatever the shape: taking it would make a
+            # "binary" naive run look like a measurement of binary trees
+            raise ValueError(f"weight_sync.tree_shape: {self.tree_shape!r} is not used with weight_sync.naive: true "
+                             f"(the baseline sends from each root straight to every instance); drop "
+                             f"weight_sync.tree_shape or set weight_sync.naive: false")
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any] | None, topology: Topology | None = None) -> "WeightSyncConfig":

@@ -60,11 +60,12 @@ class WeightSyncReceiver:
         in_order = self._in_order()
         links = Links(plan.topology, rank, plan.children_of(rank), self.group, self.timeout_s, inline=in_order)
         errors: list[str] = []
+        arrived: set[int] = set()           # buckets whose header came in (the rest stay zeros)
         try:
             if in_order:
-                self._receive_in_order(buckets, staging, headers, sums, links, errors)
+                self._receive_in_order(buckets, staging, headers, sums, links, errors, arrived)
             else:
-                self._receive_by_tree(buckets, staging, headers, sums, links, errors)
+                self._receive_by_tree(buckets, staging, headers, sums, links, errors, arrived)
         except Exception as e:  # noqa: BLE001 - a failed transfer refuses the version
             errors.append(str(e))
         finally:
@@ -72,7 +73,9 @@ class WeightSyncReceiver:
         error = f"weight sync receiver rank {rank}: transfer failed: {errors[0]}" if errors else ""
         if links.errors and not error:
             error = f"weight sync receiver rank {rank}: forwarding failed: " + "; ".join(links.errors)
-        version = int(headers[buckets[0].index, 0]) if buckets else -1
+        version = self._received_version(headers, buckets, arrived)
+        if error and not arrived:
+            error += " (no bucket header arrived: the version pushed is unknown)"
         if not error:
             error = self._verify(headers, sums, version)
         report = SyncReport(rank, version, time.perf_counter() - t0,
@@ -82,6 +85,15 @@ class WeightSyncReceiver:
         if error:
             return StagedWeights(version, {}, False, error, report)
         return StagedWeights(version, self._views(staging), True, "", report)
+
+    def _received_version(self, headers: torch.Tensor, buckets: list[Bucket], arrived: set[int]) -> int:
+        """The version in the first header, in plan order, that arrived: a failed sync must
+        not report the zeros of a header that never came (version 0 while 7 was pushed).
+        None arrived: ``expected_version`` when set, else -1 (unknown)."""
+        for b in buckets:
+            if b.index in arrived:
+                return int(headers[b.index, 0])
+        return -1 if self.expected_version is None else self.expected_version
 
     def _in_order(self) -> bool:
         """Handle all buckets in plan order on one thread? Needed on NCCL, which matches
@@ -97,13 +109,13 @@ class WeightSyncReceiver:
         return (dist.irecv(headers[b.index], src=parent, group=self.group, tag=2 * b.index),
                 dist.irecv(staging[b.start:b.end], src=parent, group=self.group, tag=2 * b.index + 1))
 
-    def _receive_by_tree(self, buckets: list[Bucket], staging, headers, sums, links, errors) -> None:
+    def _receive_by_tree(self, buckets: list[Bucket], staging, headers, sums, links, errors, arrived) -> None:
         """gloo: post every receive up front; one thread per tree waits for that tree's
         buckets in order, so a bucket late on one tree never holds up the others."""
         lanes: dict[int, list] = {}                 # tree -> [(bucket, header work, payload work)]
         for b in buckets:
             lanes.setdefault(b.tree, []).append((b, *self._post_recv(b, staging, headers)))
-        threads = [threading.Thread(target=self._lane, args=(lane, staging, headers, sums, links, errors),
+        threads = [threading.Thread(target=self._lane, args=(lane, staging, headers, sums, links, errors, arrived),
                                     name=f"weight-sync-recv-{self.rank}", daemon=True)
                    for lane in lanes.values()]
         for t in threads:
@@ -111,22 +123,25 @@ class WeightSyncReceiver:
         for t in threads:
             t.join()
 
-    def _receive_in_order(self, buckets: list[Bucket], staging, headers, sums, links, errors) -> None:
+    def _receive_in_order(self, buckets: list[Bucket], staging, headers, sums, links, errors, arrived) -> None:
         """NCCL: one thread issues everything in plan order -- receive bucket i, then post its
         forwards (inline links), then receive i+1. Every pair then sees its messages in
         (bucket, depth) order on both ends, which cannot deadlock even when two trees use
         the same pair in opposite directions; forwards still overlap the next receive."""
         for b in buckets:
-            self._lane([(b, *self._post_recv(b, staging, headers))], staging, headers, sums, links, errors)
+            self._lane([(b, *self._post_recv(b, staging, headers))], staging, headers, sums, links, errors,
+                       arrived)
             if errors:
                 return
 
     def _lane(self, lane: list, staging: torch.Tensor, headers: torch.Tensor, sums: torch.Tensor,
-              links: Links, errors: list[str]) -> None:
-        """Wait for each bucket of the lane in order, forward it, checksum it."""
+              links: Links, errors: list[str], arrived: set[int]) -> None:
+        """Wait for each bucket of the lane in order, forward it, checksum it; ``arrived``
+        gets each bucket whose header came in."""
         try:
             for b, wh, wp in lane:
                 wh.wait(self.timeout)
+                arrived.add(b.index)
                 wp.wait(self.timeout)
                 payload = staging[b.start:b.end]
                 if b.index in self.corrupt_buckets:
