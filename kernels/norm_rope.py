@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels import interpreter_mismatch, triton_usable
+from kernels.paged_decode import DTYPES
 
 
 def _require_triton(x: torch.Tensor, what: str) -> None:
@@ -33,12 +34,21 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return y if residual is None else (y, h)
 
 
+def _check_float(op: str, **tensors: torch.Tensor) -> None:
+    """The kernels compute in floating point: an integer tensor would come back truncated."""
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected one of "
+                             f"{', '.join(str(d) for d in DTYPES)}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """Triton version of ``rms_norm_ref`` (same signature and results)."""
     if x.dim() != 2 or weight.shape != (x.shape[1],) or x.stride(-1) != 1:
         raise ValueError(f"rms_norm: x must be [T, D] with a contiguous last dim and weight [D]; "
                          f"got x {tuple(x.shape)} stride {x.stride()}, weight {tuple(weight.shape)}")
+    _check_float("rms_norm", x=x, weight=weight)
     if weight.stride(0) != 1:  # the kernel reads it as contiguous
         raise ValueError(f"rms_norm: weight must be contiguous, got stride {weight.stride()}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1
@@ -63,6 +73,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if x.dim() != 3 or x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"rotary: x must be [T, H, Dh] with even Dh and a contiguous last dim, "
                          f"got {tuple(x.shape)} stride {x.stride()}")
+    _check_float("rotary", x=x)
     want = (x.shape[0], x.shape[2])
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != want or t.stride(-1) != 1 or t.dtype != x.dtype:

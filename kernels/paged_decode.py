@@ -88,8 +88,8 @@ def choose_launch(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
         piece = -(-capacity // num_splits)
         num_splits = -(-capacity // (-(-piece // block_n) * block_n))
         min_split_tokens = -(-MIN_SPLIT_TOKENS // block_n) * block_n
-    elif num_splits < 1:
-        raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be >= 1")
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"paged_decode_attention: num_splits={num_splits!r} must be an int >= 1")
     else:
         min_split_tokens = block_n
     # fp32 caches dot in fp32; the interpreter's bf16 dot is wrong (numpy has no bf16), its
@@ -113,6 +113,9 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"paged_decode_attention: q head_dim {head_dim} != cache head_dim "
                          f"{k_cache.shape[3]}")
+    if min(num_heads, num_kv_heads, head_dim) < 1:
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} need "
+                         "at least one head and head_dim >= 1")
     if num_heads % num_kv_heads:
         raise ValueError(f"paged_decode_attention: {num_heads} query heads is not a multiple "
                          f"of {num_kv_heads} KV heads")

@@ -246,7 +246,7 @@ def test_malformed_requests_refused_naming_the_field_and_others_served():
         (Request(sample_id=119, prompt_ids=torch.tensor([1, 2], device="meta"), max_tokens=4),
          "prompt_ids is on the meta device (no data)"),
         (Request(sample_id=120, prompt_ids=ok, max_tokens=4, group_id="g"),
-         "group_id must be an int (-1: no group), got 'g'"),
+         "group_id must be an int >= 0 (-1: no group), got 'g'"),
     ]
     # good requests first, between and last: refusals must not disturb their queueing
     reqs = [good[0]] + [r for r, _ in bad[:7]] + [good[1]] + [r for r, _ in bad[7:]] + [good[2]]

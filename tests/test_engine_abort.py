@@ -139,6 +139,28 @@ def test_abort_samples_of_a_prefix_shared_group():
     assert_empty(eng)
 
 
+def test_aborting_a_waiting_sibling_keeps_the_prompt_being_computed():
+    """While the group's first sample prefills the prompt in chunks, aborting a waiting sibling
+    used to drop the pin: every other sample then computed the whole prompt itself."""
+    p = prompt(40, seed=3)
+    rs = [req(i, p, new=4, group=7) for i in range(3)]
+    eng = engine(max_prefill_tokens=8)
+    eng.add(rs)
+    eng.step()  # the owner's first chunk
+    g = eng.prefix.groups[7]
+    assert not g.ready and g.owner.request.sample_id == 0
+    assert eng.abort([1]) == [1]
+    assert eng.prefix.groups.get(7) is g  # still pinned, still computed by sample 0
+    prefill = []
+    orig = eng.runner.run
+    eng.runner.run = lambda b: (prefill.append(sum(e - s.num_cached for s, e in zip(b.seqs, b.ends))
+                                               if b.is_prefill else 0), orig(b))[1]
+    got = run(eng)
+    assert sum(prefill) < 2 * len(p)  # the prompt once (plus the copied tail), not once per sample
+    assert sorted(got) == [0, 2] and got == reference([rs[0], rs[2]])
+    assert_empty(eng)
+
+
 def test_abort_a_whole_group_releases_its_pin_and_its_group_id():
     p = prompt(13, seed=7)
     eng = engine()

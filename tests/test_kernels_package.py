@@ -62,3 +62,27 @@ def test_compile_check_without_triton_says_how_to_install_it(monkeypatch, capsys
     monkeypatch.setattr(compile_check, "triton_available", lambda: False)
     assert compile_check.main(["80"]) == 1
     assert "setup.sh test,kernels" in json.loads(capsys.readouterr().out)["skipped"]
+
+
+def test_kernel_arguments_are_checked_before_triton_is_needed():
+    """Refused with a ValueError naming the argument (were a TypeError from inside torch, a
+    ZeroDivisionError, and integer tensors normalised into truncated nonsense)."""
+    from kernels.norm_rope import rms_norm, rotary
+    from kernels.paged_decode import check_inputs, choose_launch
+
+    q, cache = torch.zeros(2, 4, 64), torch.zeros(8, 16, 2, 64)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"num_splits=2.5 must be an int >= 1"):
+        choose_launch(q, cache, tables, 2.5)
+    with pytest.raises(ValueError, match=r"num_splits=True must be an int >= 1"):
+        choose_launch(q, cache, tables, True)
+    empty = torch.zeros(8, 16, 0, 64)
+    with pytest.raises(ValueError, match="at least one head"):
+        check_inputs(q, empty, empty, tables, lens)
+    ints = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="rms_norm: x has dtype torch.int64"):
+        rms_norm(ints, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm: weight has dtype torch.int32"):
+        rms_norm(ints.float(), torch.ones(4, dtype=torch.int32), 1e-6)
+    with pytest.raises(ValueError, match="rotary: x has dtype torch.int64"):
+        rotary(torch.ones(1, 1, 4, dtype=torch.int64), torch.ones(1, 4), torch.ones(1, 4))

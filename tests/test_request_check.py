@@ -25,8 +25,9 @@ def test_a_valid_request_passes():
     (dict(prompt_ids=[1, 2]), "prompt_ids must be a 1-D integer tensor, got list"),
     (dict(prompt_ids=torch.tensor([1, 2], device="meta")), "prompt_ids is on the meta device"),
     (dict(sample_id=[1]), "sample_id must be an int, got list [1]"),
-    (dict(group_id=None), "group_id must be an int (-1: no group), got None"),
-    (dict(group_id="g"), "group_id must be an int (-1: no group), got 'g'"),
+    (dict(group_id=None), "group_id must be an int >= 0 (-1: no group), got None"),
+    (dict(group_id="g"), "group_id must be an int >= 0 (-1: no group), got 'g'"),
+    (dict(group_id=-5), "group_id must be an int >= 0 (-1: no group), got -5"),  # was taken as ungrouped
     (dict(sampling=None), "sampling must be a SamplingParams, got NoneType None"),
     (dict(sampling={"temperature": 0.5}), "sampling must be a SamplingParams, got dict"),
     (dict(prompt_ids=torch.tensor([1, 128])), "token id 128 is outside the vocabulary [0, 128)"),

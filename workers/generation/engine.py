@@ -213,8 +213,8 @@ class NativeEngine:
             seq = self._live.get(sid)
             if seq is None:
                 continue
-            if self.prefix is not None and seq.group_id >= 0:
-                self.prefix.release_unready(seq.group_id)  # its step failed: K/V never written
+            if self.prefix is not None and seq.group_id >= 0:  # computing the shared prompt: its K/V
+                self.prefix.release_unready(seq.group_id, seq)  # will never be written (a failed step)
             self.scheduler.abort(seq)
             self._forget(seq)
             aborted.append(sid)

@@ -63,12 +63,14 @@ class PrefixCache:
         if g is not None:
             self.bm.decref(g.blocks)
 
-    def release_unready(self, group_id: int) -> None:
+    def release_unready(self, group_id: int, owner: Sequence | None = None) -> None:
         """Drop the group's pin if its K/V was never written (the step computing it failed and
         its sample is being aborted): nobody would write it, and the group's other samples
-        wait for ``ready``; without the pin the next of them computes the prompt itself."""
+        wait for ``ready``; without the pin the next of them computes the prompt itself.
+        ``owner``: only when that sample is the one computing it (aborting a waiting sibling
+        used to throw away a prompt still being computed: every other sample recomputed it)."""
         g = self.groups.get(group_id)
-        if g is not None and not g.ready:
+        if g is not None and not g.ready and (owner is None or g.owner is owner):
             self.release(group_id)
 
     def release_all(self) -> None:

@@ -21,8 +21,8 @@ def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -
         hash(req.sample_id)
     except TypeError:
         return f"sample_id must be an int, got {type(req.sample_id).__name__} {req.sample_id!r}"
-    if not is_int(req.group_id):
-        return f"group_id must be an int (-1: no group), got {req.group_id!r}"
+    if not is_int(req.group_id) or req.group_id < -1:
+        return f"group_id must be an int >= 0 (-1: no group), got {req.group_id!r}"
     p = req.prompt_ids
     if not isinstance(p, torch.Tensor):
         return f"prompt_ids must be a 1-D integer tensor, got {type(p).__name__}"

@@ -82,7 +82,7 @@ class Scheduler:
     def preempt(self, seq: Sequence, count: bool = True) -> None:
         self.running.remove(seq)
         if self.prefix is not None and seq.group_id >= 0:
-            self.prefix.release_unready(seq.group_id)  # its prompt was still being prefilled
+            self.prefix.release_unready(seq.group_id, seq)  # its prompt was still being prefilled
         self.bm.free(seq)
         seq.preempted = True
         self.preemptions += int(count)
