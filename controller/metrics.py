@@ -50,7 +50,10 @@ class Metrics:
         self._writer = None
         self.timeline_every = timeline_every
         self.earlier = _load_spans(self.logdir / SPANS)  # earlier attempts' spans
-        self.attempt = max((s.attempt for s in self.earlier), default=-1) + 1
+        # one per start of this folder: config.yaml / config.resume<N>.yaml (run_record, written
+        # before any work), so an attempt that stopped before it logged a span still counts
+        records = len(list(self.logdir.glob("config.yaml")) + list(self.logdir.glob("config.resume*.yaml")))
+        self.attempt = max(max((s.attempt for s in self.earlier), default=-1) + 1, records - 1)
         self.spans: list[Span] = []  # this attempt's
         self._batch_spans: dict[int, list[Span]] = {}  # iteration -> its batch's spans, until logged
         self._prev_drain: list[Span] = []
@@ -161,10 +164,11 @@ class Metrics:
         controller's row, a row of ``eval.jsonl`` (its scores, ``prompts``, ``source``,
         ``seconds``), and TensorBoard:
         ``eval/*`` and ``time/eval_s`` (``train.eval_every``), or, for a REPL ``eval``,
-        ``eval_repl/p<N>/*`` and ``time/eval_repl_s`` (one curve per prompt count N, apart from
-        the periodic one). A tag gets one point per step: an evaluation repeated at the same
+        ``eval_repl/p<N>/*`` and ``time/eval_repl_p<N>_s`` (one curve per prompt count N, apart
+        from the periodic one). A tag gets one point per step: an evaluation repeated at the same
         step is in eval.jsonl only. -> what was logged where."""
-        group, timing = (f"eval_repl/p{ev.prompts}/", "time/eval_repl_s") if repl else ("eval/", "time/eval_s")
+        group, timing = ((f"eval_repl/p{ev.prompts}/", f"time/eval_repl_p{ev.prompts}_s") if repl
+                         else ("eval/", "time/eval_s"))
         row = {"iteration": step, "source": "repl" if repl else "periodic", "prompts": ev.prompts,
                "requested": ev.requested, "split": ev.split, "samples_per_prompt": ev.samples,
                "seconds": round(ev.seconds, 4), **ev.scores}
@@ -190,7 +194,8 @@ class Metrics:
         yield
         t1 = time.time()
         self._keep([Span(CONTROLLER, stage, t0, t1, step)])
-        if step in self._steps:
+        if step in self._steps and (f"time/{stage}", step) not in self._tb_once:  # one point per step
+            self._tb_once.add((f"time/{stage}", step))
             self.log_scalars({f"time/{stage}_s": t1 - t0}, step)
 
     def _write_timeline_soon(self, upto: int) -> None:

@@ -114,6 +114,20 @@ def test_a_crash_leaves_every_span_logged_so_far(tmp_path):
     assert len((tmp_path / "spans.jsonl").read_text().splitlines()) == 16
 
 
+def test_an_attempt_that_logged_no_span_still_takes_its_number(tmp_path):
+    """Attempts were counted from spans.jsonl only: a --resume that stopped before any span
+    (set-up, a REPL quit without `run`) gave the next one the same number."""
+    (tmp_path / "config.yaml").write_text("{}")  # run_record's, one per start of the folder
+    m = Metrics(tmp_path, timeline_every=0)
+    assert m.attempt == 0
+    m.log_iteration(_res(0), _spans(0))
+    m.close()
+    (tmp_path / "config.resume1.yaml").write_text("{}")
+    assert Metrics(tmp_path, timeline_every=0).attempt == 1  # stops before logging anything
+    (tmp_path / "config.resume2.yaml").write_text("{}")
+    assert Metrics(tmp_path, timeline_every=0).attempt == 2  # was 1 again
+
+
 def test_close_writes_the_timeline_of_a_run_that_stopped(tmp_path):
     # the runner's way out of a failure or Ctrl-C: close() writes what the last periodic
     # write (timeline_every) had not yet
@@ -134,10 +148,12 @@ def test_checkpoint_saves_and_evals_get_spans_and_timings(tmp_path):
         pass
     with m.timed("save", -1):  # a REPL `save` before any iteration: the span only
         pass
+    with m.timed("save", 0):  # a REPL `save` of the iteration ckpt_every saved: the span only
+        pass
     m.log_eval(EvalResult({"eval/sum": 0.5, "eval/mean": 0.5}, 32, 32, 40, 1, 100.0, 0.75), 0)
     m.close()
     assert [(s.worker, s.stage, s.iteration) for s in m.spans if s.stage == "save"] == [
-        ("controller", "save", 0), ("controller", "save", -1)]
+        ("controller", "save", 0), ("controller", "save", -1), ("controller", "save", 0)]
     assert [s for s, _ in _scalars(tmp_path, "time/save_s")] == [0]
     assert _scalars(tmp_path, "time/eval_s") == [(0, 0.75)] and _scalars(tmp_path, "eval/mean") == [(0, 0.5)]
     assert [(s.stage, s.start, s.end) for s in m.spans if s.stage == "eval"] == [("eval", 100.0, 100.75)]
@@ -156,6 +172,8 @@ def test_repl_evals_get_a_curve_per_prompt_count_and_one_point_per_step(tmp_path
     assert _scalars(tmp_path, "eval_repl/p32/mean") == [(8, 0.41)]
     assert _scalars(tmp_path, "eval_repl/p40/mean") == [(8, 0.4)]
     assert _scalars(tmp_path, "eval_repl/p4/mean") == [(8, 0.0)]
+    # the timing too: one curve per prompt count (was one time/eval_repl_s with 3 points at 8)
+    assert [_scalars(tmp_path, f"time/eval_repl_p{n}_s") for n in (32, 40, 4)] == [[(8, 1.0)]] * 3
     assert answers[3]["tensorboard"].startswith("not logged") and answers[0]["tensorboard"] == "eval_repl/p32/* at step 8"
     rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["source"], r["prompts"], r["eval/mean"]) for r in rows] == [
