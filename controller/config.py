@@ -248,7 +248,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         pipeline=build_section(PipelineSection, "pipeline", d.get("pipeline")),
         dispatch=build_section(DispatchSection, "dispatch", d.get("dispatch")),
         ranker=build_section(RankerSection, "ranker", d.get("ranker")),
-        placement=build_section(PlacementSection, "placement", d.get("placement")),
+        placement=build_section(PlacementSection, "placement", _colocated_static(d.get("placement"), d.get("pipeline"))),
         topology=topology,
         weight_sync=_weight_sync(d.get("weight_sync"), topology),
         train=train,
@@ -256,6 +256,22 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     )
     validate(cfg, world_size)
     return cfg
+
+
+def _colocated_static(placement: Any, pipeline: Any) -> Any:
+    """A colocated run is static: a joined process would hold an instance but no trainer, and
+    colocated weights go from the trainer object of the instance's own process (adding one
+    ended the run). ``placement.elastic`` defaults to false there; true is refused."""
+    colocated = isinstance(pipeline, dict) and pipeline.get("mode") == "colocated"
+    if not colocated or not isinstance(placement, (dict, type(None))):
+        return placement  # build_section says what is wrong with a placement that is not a mapping
+    placement = dict(placement or {})
+    if placement.get("elastic") is True:
+        raise ConfigError("placement.elastic: true cannot be used with pipeline.mode: colocated (a joined "
+                          "process would hold no trainer to take the weights from); leave it out, colocated "
+                          "runs are static")
+    placement.setdefault("elastic", False)
+    return placement
 
 
 def _norm_follows(trainer: Any, train: TrainSection) -> Any:

@@ -95,11 +95,19 @@ def admit(session, i: int) -> None:
                                 "(the controller's log says by how much)")
         session.departed.append(rank)
         return
-    except WorkerFailed as e:  # lost while asked for its context (SGS.add)
-        if not (e.lost and e.role == "generation"):
+    except WorkerFailed as e:  # the joiner lost, or raised while being set up (its engine, connect)
+        if e.rank != rank:  # a trainer (a weight sender): the run's own failure
             raise
-        print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: "
-              f"{str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        first = str(e).splitlines()[0]
+        if e.lost:
+            print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: {first}",
+                  file=sys.stderr, flush=True)
+            return
+        # nothing depended on it yet: the run goes on without it (it used to end the run)
+        print(f"[controller] iteration {i}: joiner rank {rank} not added, it failed while being set up: "
+              f"{str(e)}", file=sys.stderr, flush=True)
+        dismiss_joiner(rank, 1, f"not added: it failed while being set up ({first})")
+        session.departed.append(rank)
         return
     if h is None:  # lost before it held the weights (add_instance said so)
         return

@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         host, sep, port = args.join.rpartition(":")
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             ap.error(f"--join must be HOST:PORT (the controller's 'join address' line), got {args.join!r}")
+        given = [flag for flag, on in (("--config", args.config), ("--set", args.set), ("--repl", args.repl),
+                                       ("--resume", args.resume)) if on]
+        if given:  # they would be dropped without a word
+            ap.error(f"--join takes the running job's config; {', '.join(given)} cannot be given with it")
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (torch threads per process), got {args.threads}")
     if not (math.isfinite(args.rpc_timeout) and args.rpc_timeout > 0):

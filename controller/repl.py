@@ -3,7 +3,8 @@
 Commands (one per line)::
 
     run K              run K iterations in the current mode (pipeline drained after)
-    sgs                generation instances: running / waiting requests, KV blocks, version
+    sgs                generation instances: running / waiting requests, KV blocks, version;
+                       instances found lost are removed; joined processes waiting to be added
     trainer            trainer ranks: version, queued iterations
     timeline [N]       bubble fraction per device and stage seconds over the last N spans (200),
                        within the iterations' windows
@@ -14,8 +15,9 @@ Commands (one per line)::
     save               write a checkpoint now
     leave RANK         scale in: generation instance RANK stops taking prompts; a process that
                        joined with --join closes its engine and exits (code 0), a torchrun
-                       rank stays idle until the job ends
-    status             iteration, weight version, mode, last reward
+                       rank stays idle until the job ends; a joined process still waiting to
+                       be added is dismissed; a lost instance is removed
+    status             iteration, weight version, mode, last reward, instances, waiting joiners
     help | quit
 
 Every command's answer is printed as one line starting with ``>>> `` then JSON, so a
@@ -109,10 +111,27 @@ class Repl:
         return (f"{min(past, n)} of these iterations go past trainer.total_steps ({t.total_steps}, the "
                 f"{t.lr_schedule} schedule's length): they train at lr x min_lr_ratio = {t.lr * t.min_lr_ratio:g}")
 
+    def _live_stats(self) -> dict[int, object]:
+        """Each instance's stats, rank -> stats; an instance found lost is removed from the SGS
+        (one dead instance used to hide every other's stats, and stay counted)."""
+        sgs, out = self.s.world.sgs, {}
+        for h, call in [(h, h.call("stats")) for h in sgs.handles]:
+            try:
+                out[h.rank] = call.wait()
+            except WorkerFailed as e:
+                sgs.remove_lost(e, "a REPL command")  # any other failure is the command's error
+        return out
+
+    def _waiting(self) -> list[int]:
+        """Joined processes not yet added (the scale-out policy adds them at an iteration)."""
+        from controller.joiners import announced
+
+        self.s.waiting += announced()
+        return list(self.s.waiting)
+
     def sgs(self) -> dict:
-        handles = self.s.world.sgs.handles
-        return {"instances": [st.flat() for st in wait_all([h.call("stats") for h in handles])],
-                "removed": self.s.world.sgs.removed}
+        return {"instances": [st.flat() for st in self._live_stats().values()],
+                "removed": self.s.world.sgs.removed, "waiting": self._waiting()}
 
     def trainer(self) -> dict:
         return {"ranks": [asdict(st) for st in wait_all([t.call("stats") for t in self.s.world.trainers])]}
@@ -151,12 +170,26 @@ class Repl:
         sgs = self.s.world.sgs
         if not rank.isdigit():
             return {"error": f"leave: expected a generation instance's rank (see sgs), got {rank!r}"}
+        from controller.joiners import dismiss_joiner
+
+        if int(rank) in self._waiting():  # joined, never added: nothing to stop
+            self.s.waiting.remove(int(rank))
+            dismiss_joiner(int(rank), 0, "dismissed (REPL leave) before it was added")
+            self.s.departed.append(int(rank))
+            return {"left": int(rank), "process": "exits (joined with --join, not yet added): exit code 0"}
         handle = next((h for h in sgs.handles if h.rank == int(rank)), None)
         if handle is None:
             return {"error": f"no generation instance on rank {rank}"}
-        if len(sgs.handles) == 1:
+        live = self._live_stats()  # a lost one is removed here: it must not count as the other
+        if handle.rank not in live:
+            return {"left": handle.rank, "lost": True, "instances": [h.rank for h in sgs.handles]}
+        if len(live) == 1:
             return {"error": "the last generation instance cannot leave"}
-        handle.call("stop").wait()
+        try:
+            handle.call("stop").wait()
+        except WorkerFailed as e:  # lost between the two calls
+            sgs.remove_lost(e, "leave")
+            return {"left": handle.rank, "lost": True, "instances": [h.rank for h in sgs.handles]}
         sgs.remove(handle.rank, reason="left (REPL)")
         out = {"left": handle.rank, "instances": [h.rank for h in sgs.handles]}
         if handle.rank in self.s.static_ranks:
@@ -164,8 +197,6 @@ class Repl:
             # a member, and the run's exit barriers wait for every one of them
             out["process"] = "stays (a torchrun rank): idle, holding its engine, until the job ends"
             return out
-        from controller.joiners import dismiss_joiner
-
         try:  # its engine (and vLLM's engine process) goes now, then the process itself
             handle.call("close").wait()
         except WorkerFailed:
@@ -179,7 +210,7 @@ class Repl:
         p = self.s.program
         last = p.history[-1].metrics.get("reward_mean") if p.history else None
         return {"iteration": p.iteration, "version": p.version, "mode": p.mode.name, "reward": last,
-                "instances": len(self.s.world.sgs.slots)}
+                "instances": len(self.s.world.sgs.slots), "waiting": self._waiting()}
 
     def help(self) -> dict:
         print(_COMMANDS, file=self.stdout, flush=True)  # readable on a terminal; the answer follows

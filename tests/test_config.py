@@ -103,6 +103,15 @@ def test_engine_eos_ids_is_refused_in_a_run_config():
         from_dict(_cfg(engine={"eos_ids": [99999]}))
 
 
+def test_a_colocated_run_is_static():
+    """A joiner in a colocated run held no trainer to take the weights from: adding it ended the run."""
+    both = {"generation": [1, 2], "trainer": [1, 2]}
+    assert not from_dict(_cfg(pipeline={"mode": "colocated"}, placement=both), 3).placement.elastic
+    with pytest.raises(ConfigError, match=r"placement.elastic: true cannot be used with pipeline.mode: colocated"):
+        from_dict(_cfg(pipeline={"mode": "colocated"}, placement={**both, "elastic": True}), 3)
+    assert from_dict(_cfg(), 3).placement.elastic  # disaggregated: elastic by default
+
+
 def test_colocated_needs_same_ranks():
     ok = from_dict(_cfg(pipeline={"mode": "colocated"}, placement={"generation": [1, 2], "trainer": [1, 2]}), 3)
     assert ok.pipeline.mode == "colocated"

@@ -20,6 +20,14 @@ def test_a_bad_join_address_is_refused_naming_the_flag(addr, capsys):
     assert f"--join must be HOST:PORT (the controller's 'join address' line), got {addr!r}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, named", [(["--config", "c.yaml"], "--config"), (["--set", "a=1"], "--set"),
+                                          (["--repl", "--resume", "r"], "--repl, --resume")])
+def test_flags_a_joiner_would_ignore_are_refused(extra, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        entry.parse_args(["--join", "127.0.0.1:29500"] + extra)
+    assert e.value.code == 2 and f"{named} cannot be given with it" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

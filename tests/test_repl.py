@@ -60,7 +60,8 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert a[0]["ready"] is True
     status0, run2, sgs, trainer, timeline, mode, run1, bad_mode, disp, ev, bogus, bad_quote, run_neg, save, \
         status1 = a[1:]
-    assert status0 == {"iteration": 0, "version": 0, "mode": "async_stream", "reward": None, "instances": 1}
+    assert status0 == {"iteration": 0, "version": 0, "mode": "async_stream", "reward": None, "instances": 1,
+                       "waiting": []}
     assert run2["ran"] == 2 and run2["version"] == 2
     inst = sgs["instances"][0]
     assert inst["rank"] == 1 and inst["running"] == 0 and "kv_blocks_free" in inst

@@ -14,8 +14,13 @@ from runtime_helpers import ROOT, LocalRRef, free_port, iterations, last_json, t
 
 
 class FakeInstance:
-    def __init__(self, calls, rank):
-        self.calls, self.rank = calls, rank
+    def __init__(self, calls, rank, lost=False):
+        self.calls, self.rank, self.lost = calls, rank, lost
+
+    def stats(self):
+        if self.lost:  # as the RPC layer reports a peer process that is gone
+            raise RuntimeError("EPIPE: the peer closed the connection")
+        return SimpleNamespace(flat=lambda: {"rank": self.rank})
 
     def stop(self):
         self.calls.append(("stop", self.rank))
@@ -33,7 +38,8 @@ def test_leave_closes_and_dismisses_a_joined_process_but_not_a_torchrun_rank(mon
     sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
     for r in (1, 3, 4):  # ranks 1 and 3: torchrun generation ranks (2: the trainer); 4 joined
         sgs.add(WorkerHandle(r, "generation", LocalRRef(FakeInstance(calls, r))))
-    session = SimpleNamespace(world=SimpleNamespace(sgs=sgs), static_ranks={1, 2, 3}, joined=[4], departed=[])
+    session = SimpleNamespace(world=SimpleNamespace(sgs=sgs), static_ranks={1, 2, 3}, joined=[4], departed=[],
+                              waiting=[])
     monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
     repl = Repl(session)
     out = repl.leave("4")
@@ -44,6 +50,46 @@ def test_leave_closes_and_dismisses_a_joined_process_but_not_a_torchrun_rank(mon
     assert out["instances"] == [1] and out["process"].startswith("stays")
     assert calls == [("stop", 3)] and session.departed == [4]  # neither closed nor told to exit
     assert repl.leave("1") == {"error": "the last generation instance cannot leave"}
+
+
+def _session(calls, lost=(), waiting=()):
+    sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
+    for r in (1, 3):
+        sgs.add(WorkerHandle(r, "generation", LocalRRef(FakeInstance(calls, r, lost=r in lost))))
+    return SimpleNamespace(world=SimpleNamespace(sgs=sgs), static_ranks={1, 2}, joined=[3], departed=[],
+                           waiting=list(waiting))
+
+
+def test_a_lost_instance_is_removed_not_counted_as_the_other(monkeypatch):
+    """With joiner 3 dead, `leave 1` let the only live instance go (the next `run` ended the
+    job), `leave 3` failed in stop() and left it in the SGS, and `sgs` answered an error only."""
+    from controller import joiners
+
+    calls = []
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
+    session = _session(calls, lost={3})
+    repl = Repl(session)
+    assert repl.leave("1") == {"error": "the last generation instance cannot leave"}
+    assert [h.rank for h in session.world.sgs.handles] == [1] and session.world.sgs.removed[0][0] == 3
+    session = _session(calls, lost={3})
+    out = Repl(session).leave("3")
+    assert out == {"left": 3, "lost": True, "instances": [1]} and ("stop", 3) not in calls
+    session = _session(calls, lost={3})
+    out = Repl(session).sgs()
+    assert out["instances"] == [{"rank": 1}] and [r for r, _ in out["removed"]] == [3] and out["waiting"] == []
+
+
+def test_a_waiting_joiner_is_listed_and_can_be_dismissed(monkeypatch):
+    from controller import joiners
+
+    calls = []
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
+    session = _session(calls, waiting=[5])
+    repl = Repl(session)
+    assert repl.sgs()["waiting"] == [5]
+    out = repl.leave("5")
+    assert out["left"] == 5 and out["process"].startswith("exits") and calls == [("exit", 5, 0)]
+    assert session.waiting == [] and session.departed == [5] and repl.sgs()["waiting"] == []
 
 
 def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_model):  # noqa: F811

@@ -135,3 +135,32 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
     joiners.admit(s, 3)
     assert [h.rank for h in sgs.handles] == [1, 5] and s.joined == [3, 6, 5] and stopped == [([3], 2)]
     assert logged == []  # sgs/instances comes with each iteration's row (Metrics.log_iteration)
+
+
+def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run(monkeypatch, capsys):
+    """A joiner alive but raising in its set-up (its engine out of memory) ended a healthy run
+    (exit 1); nothing depended on it yet."""
+    from controller import joiners
+    from controller.rpc import WorkerFailed
+
+    def add_instance(world, cfg, rank, model_dir, eos_ids, version):
+        raise WorkerFailed(rank, "generation", "__init__", "RuntimeError: CUDA out of memory")
+
+    stopped = []
+    monkeypatch.setattr(joiners, "add_instance", add_instance)
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: stopped.append((rank, code, reason)))
+    s = SimpleNamespace(cfg=SimpleNamespace(placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0)),
+                        waiting=[4], joined=[], departed=[], want_add=False, policy=None, world=None,
+                        program=SimpleNamespace(version=0), model_dir="", eos_ids=[0])
+    joiners.admit(s, 1)
+    assert stopped == [(4, 1, "not added: it failed while being set up (worker rank 4 (generation) raised in "
+                              "__init__():)")] and s.departed == [4]
+    assert "joiner rank 4 not added, it failed while being set up" in capsys.readouterr().err
+
+    def sender_fails(world, cfg, rank, model_dir, eos_ids, version):  # a trainer: the run's own failure
+        raise WorkerFailed(2, "trainer", "push", "RuntimeError: boom")
+
+    monkeypatch.setattr(joiners, "add_instance", sender_fails)
+    s.waiting = [5]
+    with pytest.raises(WorkerFailed, match="rank 2"):
+        joiners.admit(s, 1)
