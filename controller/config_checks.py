@@ -137,6 +137,13 @@ def _check_registries(cfg: Config) -> None:
             raise ConfigError(f"dispatch.profile: {e}") from None
     if cfg.ranker.kind != "none":
         _check_ranker(cfg.ranker)
+    elif cfg.dispatch.name in ("skew", "skew_paper"):
+        # every estimate would be max_tokens: skew plans what round_robin does, skew_paper caps
+        # every batch for full-length sequences and puts the first 20% of requests in its
+        # long-tail class (~2x round_robin's makespan in a simulation of a lognormal batch)
+        raise ConfigError(f"dispatch.name: {cfg.dispatch.name} dispatches on output-length estimates, and "
+                          "ranker.kind: none gives every request the same one (max_tokens); set ranker.kind "
+                          "(lgbm, lm, ensemble) or use round_robin")
 
 
 def _check_ranker(r: RankerSection) -> None:

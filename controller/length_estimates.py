@@ -14,6 +14,20 @@ import numpy as np
 from scipy.stats import rankdata
 
 
+def _finite(where: str, **values: Sequence[float]) -> dict[str, np.ndarray]:
+    """Each argument as a float array; ValueError naming the argument and the first index that
+    is not a finite number (a NaN estimate gave numpy's 'Quantiles must be in the range [0,
+    1]', a NaN reference silently NaN lengths)."""
+    out = {}
+    for name, v in values.items():
+        a = np.asarray(v, dtype=float)
+        bad = np.flatnonzero(~np.isfinite(a))
+        if bad.size:
+            raise ValueError(f"{where}: {name}[{bad[0]}] = {a[bad[0]]} is not a finite number")
+        out[name] = a
+    return out
+
+
 def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> list[float]:
     """Replace each estimate by the reference length distribution's quantile at its rank:
     keeps the ranker's order (what it predicts well) and restores the tail a regression
@@ -21,12 +35,13 @@ def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> 
     told them apart in nothing). reference: recent true lengths (e.g. the trace's train split)."""
     if not len(reference):
         raise ValueError("calibrate_by_rank: empty reference distribution")
-    m = len(est_lens)
+    a = _finite("calibrate_by_rank", est_lens=est_lens, reference=reference)
+    m = len(a["est_lens"])
     if not m:
         return []
-    ranks = rankdata(np.asarray(est_lens, dtype=float), method="average") - 1  # 0-based
+    ranks = rankdata(a["est_lens"], method="average") - 1  # 0-based
     qs = (ranks + 0.5) / m
-    return [float(x) for x in np.quantile(np.asarray(reference, dtype=float), qs)]
+    return [float(x) for x in np.quantile(a["reference"], qs)]
 
 
 def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_true: Sequence[float],
@@ -37,13 +52,19 @@ def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_t
     ranker errs, so work balancing on it is not fooled by confident wrong tails."""
     if len(ref_est) != len(ref_true) or len(ref_est) < bins:
         raise ValueError(f"calibrate_by_bins: need >= {bins} held-out pairs, got {len(ref_est)} / {len(ref_true)}")
-    edges = np.quantile(np.asarray(ref_est, dtype=float), np.linspace(0, 1, bins + 1)[1:-1])
-    ref_bin = np.searchsorted(edges, np.asarray(ref_est, dtype=float), side="right")
-    true = np.asarray(ref_true, dtype=float)
-    means = np.array([true[ref_bin == b].mean() if np.any(ref_bin == b) else np.nan for b in range(bins)])
-    means = np.where(np.isnan(means), np.nanmean(means), means)
+    a = _finite("calibrate_by_bins", est_lens=est_lens, ref_est=ref_est, ref_true=ref_true)
+    # tied estimates make equal quantile edges: one bin for them, not empty bins in between
+    edges = np.unique(np.quantile(a["ref_est"], np.linspace(0, 1, bins + 1)[1:-1]))
+    ref_bin = np.searchsorted(edges, a["ref_est"], side="right")
+    true, n = a["ref_true"], len(edges) + 1
+    means = np.array([true[ref_bin == b].mean() if np.any(ref_bin == b) else np.nan for b in range(n)])
+    # a bin left empty takes its nearest non-empty neighbour below (above, for the first):
+    # the overall mean (what empty bins took) is pulled up by the tail and, carried on by the
+    # monotone pass, sent every estimate above a tie to near the top of the scale
+    have = np.flatnonzero(~np.isnan(means))
+    means = means[have[np.maximum(np.searchsorted(have, np.arange(n), side="right") - 1, 0)]]
     means = np.maximum.accumulate(means)  # keep the ranker's order
-    return [float(means[b]) for b in np.searchsorted(edges, np.asarray(est_lens, dtype=float), side="right")]
+    return [float(means[b]) for b in np.searchsorted(edges, a["est_lens"], side="right")]
 
 
 @dataclass

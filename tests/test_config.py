@@ -345,3 +345,10 @@ def test_engine_cpu_prepack_takes_auto_or_a_yaml_boolean(value, want):
 def test_engine_cpu_prepack_bad_values_name_the_key(value, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/quickstart.yaml", overrides=[f"engine.cpu_prepack={value}"])
+
+
+def test_skew_dispatch_needs_a_ranker():
+    """With ranker.kind none every estimate is max_tokens: skew_paper ran ~2x round_robin's makespan."""
+    for name in ("skew", "skew_paper"):
+        with pytest.raises(ConfigError, match=f"dispatch.name: {name} dispatches on output-length estimates"):
+            from_dict(_cfg(dispatch={"name": name}), 3)

@@ -214,6 +214,25 @@ def test_calibrate_by_bins_and_posterior():
         BinnedPosterior([1.0], [2.0], bins=4)
 
 
+def test_calibrate_by_bins_with_a_large_tie_group():
+    """30 of 100 held-out estimates tie at 50 (true 12): the quantile edges coincided, the bins
+    between them were empty and took the overall mean (pulled up by the 2,000-token tail), so
+    an estimate of 50 came out as ~939 tokens."""
+    ref_est = [float(x) for x in range(35)] + [50.0] * 30 + [float(x) for x in range(60, 95)]
+    ref_true = [10.0] * 35 + [12.0] * 30 + [2000.0] * 35
+    assert calibrate_by_bins([5.0, 40.0, 50.0, 90.0], ref_est, ref_true) == [10.0, 10.0, 12.0, 2000.0]
+    assert calibrate_by_bins([0.0], [0.0] * 30 + list(range(1, 31)), [10.0] * 30 + [500.0] * 30) == [10.0]
+
+
+def test_calibration_names_a_value_that_is_not_finite():
+    with pytest.raises(ValueError, match=r"calibrate_by_rank: est_lens\[1\] = nan is not a finite number"):
+        calibrate_by_rank([1.0, float("nan")], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"calibrate_by_rank: reference\[0\] = inf"):
+        calibrate_by_rank([1.0], [float("inf")])
+    with pytest.raises(ValueError, match=r"calibrate_by_bins: est_lens\[0\] = nan"):
+        calibrate_by_bins([float("nan")], list(range(40)), [1.0] * 40)
+
+
 def test_noise_aware_skew_prefers_mixing_when_estimates_say_nothing():
     # Estimates carry no information (every true length equally likely for every bin): the
     # posterior-aware dispatcher must not trust a split built on them.
