@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import sys
 from dataclasses import asdict, dataclass
@@ -21,10 +22,14 @@ class StreamState:
 
 
 def digest(items: list[TaskPrompt]) -> str:
+    """The prompts' texts and answers in order, and a chat's whole conversation (its system and
+    earlier turns too: an edited one resumed without a word before)."""
     h = hashlib.blake2b(digest_size=8)
     for it in items:
         h.update(it.prompt.encode("utf-8", "surrogatepass") + b"\0" + str(it.answer).encode("utf-8", "surrogatepass")
                  + b"\1")
+        if it.messages:  # (absent for plain prompts: their digests are what they were)
+            h.update(json.dumps(it.messages, sort_keys=True, default=str).encode("utf-8", "surrogatepass") + b"\2")
     return h.hexdigest()
 
 
@@ -37,6 +42,10 @@ class PromptStream:
             raise ValueError("task has no train prompts")
         self.items = list(items)
         self.state = StreamState(**state) if state else StreamState(seed)
+        if self.state.seed != seed:
+            print(f"[controller] train.seed {seed}: the prompt order keeps the checkpoint's seed "
+                  f"{self.state.seed} (its position counts in that shuffle); sampling takes the new one",
+                  file=sys.stderr, flush=True)
         now = digest(self.items)
         if self.state.digest and self.state.digest != now:
             print(f"[controller] the train prompts differ from those the checkpoint's position counts in "

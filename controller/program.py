@@ -352,10 +352,11 @@ class Program:
     def set_dispatcher(self, name: str, **options) -> None:
         from controller.scheduling import make_dispatcher, runnable
 
+        dispatcher = runnable(make_dispatcher(name, **options))
         if name in ("skew", "skew_paper") and self.ranker is None:  # as config_checks refuses it
             raise ValueError(f"dispatch {name} dispatches on output-length estimates; this run has no ranker "
                              "(ranker.kind: none), so every request's is max_tokens")
-        self.world.sgs.dispatcher = runnable(make_dispatcher(name, **options))
+        self.world.sgs.dispatcher = dispatcher
 
     def prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy

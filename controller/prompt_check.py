@@ -58,8 +58,10 @@ class ContextNeed:
 
 def where(item: TaskPrompt, split: str, i: int) -> str:
     """``task.prompts('train')[3]``, with the data file's line when the task records it
-    (``meta["source"]``), and the prompt's start."""
-    src = item.meta.get("source") if isinstance(item.meta, dict) else None
+    (``meta[rows.WHERE]``), and the prompt's start."""
+    from workers.tasks.rows import WHERE
+
+    src = item.meta.get(WHERE) if isinstance(item.meta, dict) else None
     return f"task.prompts({split!r})[{i}]{f' ({src})' if src else ''} ({item.prompt[:40]!r}...)"
 
 

@@ -42,6 +42,20 @@ def test_a_resume_over_other_prompts_says_the_position_falls_elsewhere(capsys):
     assert PromptStream(edited, seed=3, state=old).state_dict()["items"] == 11 and capsys.readouterr().err == ""
 
 
+def test_edited_chats_and_another_seed_are_said_on_resume(capsys):
+    from dataclasses import replace
+
+    chats = [replace(it, messages=({"role": "system", "content": "French"}, {"role": "user", "content": it.prompt}))
+             for it in _items(6)]
+    state = json.loads(json.dumps(PromptStream(chats, seed=0).state_dict()))
+    german = [replace(it, messages=({"role": "system", "content": "German"}, it.messages[1])) for it in chats]
+    PromptStream(german, seed=0, state=state)  # same last user turns and answers: used to say nothing
+    assert "the train prompts differ" in capsys.readouterr().err
+    s = PromptStream(chats, seed=123, state=state)  # a new train.seed on resume
+    assert s.state.seed == 0
+    assert "train.seed 123: the prompt order keeps the checkpoint's seed 0" in capsys.readouterr().err
+
+
 def test_checkpoint_is_atomic_and_found(tmp_path):
     root = tmp_path / "run" / "checkpoints"
 

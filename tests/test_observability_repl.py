@@ -19,6 +19,7 @@ class _Program:
         self.mode = SimpleNamespace(name="async_stream")
         self.fail_run = None
         self.dispatcher = None
+        self.ranker = object()  # a run with a ranker (skew dispatchers need one)
 
     def run(self, k):
         if self.fail_run:
@@ -31,7 +32,7 @@ class _Program:
         from controller.program import Program
 
         sgs = SimpleNamespace(dispatcher=self.dispatcher)
-        Program.set_dispatcher(SimpleNamespace(world=SimpleNamespace(sgs=sgs)), name, **opts)
+        Program.set_dispatcher(SimpleNamespace(world=SimpleNamespace(sgs=sgs), ranker=self.ranker), name, **opts)
         self.dispatcher = sgs.dispatcher
 
 
@@ -45,7 +46,8 @@ def _session(spans=()):
     metrics = SimpleNamespace(spans=list(spans), log_scalars=lambda acc, step: logged.append((acc, step)))
     world = SimpleNamespace(sgs=SimpleNamespace(slots=[1], handles=[], removed=[]), trainers=[])
     trainer = SimpleNamespace(total_steps=20, lr_schedule="constant", lr=1e-6, min_lr_ratio=0.0)
-    return SimpleNamespace(program=_Program(), metrics=metrics, world=world, cfg=SimpleNamespace(trainer=trainer))
+    return SimpleNamespace(program=_Program(), metrics=metrics, world=world, cfg=SimpleNamespace(trainer=trainer),
+                           waiting=[])
 
 
 def _drive(session, text: str) -> list[dict]:
@@ -85,6 +87,8 @@ def test_a_dispatcher_a_run_cannot_use_is_refused_and_not_applied():
     assert a[0]["error"] == "ValueError: skew dispatcher: draws must be an int >= 1, got 0"
     assert "the oracle dispatcher plans on the true output lengths" in a[1]["error"]
     assert s.program.dispatcher is None  # neither replaced the one in use
+    s.program.ranker = None  # ranker.kind: none: every estimate max_tokens
+    assert "this run has no ranker" in _drive(s, "dispatch skew\n")[1]["error"] and s.program.dispatcher is None
 
 
 @pytest.mark.parametrize("failure", [

@@ -122,7 +122,9 @@ def test_a_token_id_outside_the_models_vocabulary_is_named():
 
 
 def test_the_error_names_every_limit_the_prompt_passes_and_its_source_line():
-    items = [TaskPrompt("a " * 12, "x", "t", meta={"source": "data/train.jsonl:6"})]
+    from workers.tasks.rows import WHERE
+
+    items = [TaskPrompt("a " * 12, "x", "t", meta={WHERE: "data/train.jsonl:6", "source": "gsm8k"})]
     encode = lambda item: [0] * 12  # noqa: E731
     with pytest.raises(PromptTooLong, match=r"\[0\] \(data/train.jsonl:6\) .* is 12 tokens with the template; the "
                                             r"engines' context \(max_model_len\) is 10, .*; and train.max_prompt_tokens "

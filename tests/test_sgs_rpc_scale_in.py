@@ -126,7 +126,7 @@ def _controller(model_dir: str) -> dict:
     dispatched = {slot.handle.rank: list(ids) for slot, _, ids in rnd.calls}
 
     # the scale-in, from another controller thread while the main one waits on the round
-    session = SimpleNamespace(world=world, static_ranks={LEAVING, STAYING, SINK})
+    session = SimpleNamespace(world=world, static_ranks={LEAVING, STAYING, SINK}, waiting=[], departed=[])
     leave: dict = {}
 
     def scale_in():

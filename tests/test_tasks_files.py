@@ -97,7 +97,16 @@ def test_a_tool_call_turn_may_have_null_content(tmp_path):
 def test_a_row_records_its_file_and_line(tmp_path):
     p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", "source": "web"}])
     a, b = make_task("jsonl", files=p).prompts("train")
-    assert a.meta["source"] == f"{p}:1" and b.meta["source"] == "web"  # the row's own field is kept
+    from workers.tasks.rows import WHERE
+
+    assert a.meta[WHERE] == f"{p}:1" and b.meta[WHERE] == f"{p}:2"
+    assert b.meta["source"] == "web"  # the row's own field is kept, and no longer hides the location
+
+
+def test_an_empty_data_file_is_named(tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=r"e.jsonl: no rows \(task.kwargs.files.train\)"):
+        make_task("jsonl", files=str(tmp_path / "e.jsonl")).prompts("train")
 
 
 def test_a_tool_call_turn_without_content_renders_without_a_chat_template():

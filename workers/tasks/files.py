@@ -108,7 +108,10 @@ class FileTask:
             raise ValueError(f"task.kwargs.files: no {split!r} file (have {sorted(self.files)})")
         if split not in self._cache:
             p = Path(self.files[split])
-            self._cache[split] = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name, self.text_answers)
+            items = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name, self.text_answers)
+            if not items:  # said here, where the file is known (the start check's error could not name it)
+                raise ValueError(f"{p}: no rows (task.kwargs.files.{split})")
+            self._cache[split] = items
         return self._cache[split]
 
     def score(self, prompt: TaskPrompt, completion: str) -> float:

@@ -6,6 +6,8 @@ import numbers
 
 from workers.types import TaskPrompt
 
+WHERE = "_where"  # TaskPrompt.meta key: the data file and line a prompt came from
+
 NULL_CONTENT_ROLES = ("assistant", "tool")  # a tool-call turn may have no text (transformers passes None on)
 
 
@@ -74,7 +76,8 @@ def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_
         raise ValueError(f"{where}: field {prompt_key!r} must be a string with some text (or a list of chat "
                          f"messages), got {prompt!r:.40}")
     meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}  # a dotted key's parent stays
-    meta.setdefault("source", where)  # file:line, for the start check's messages; a row's own "source" wins
+    meta[WHERE] = where  # file:line, for the start check's messages (a key no dataset column takes:
+    # a row's own "source" column, common in datasets, used to replace the location)
     return TaskPrompt(prompt=prompt, answer=_answer_text(answer, where, answer_key, text_answers),
                       task=str(row.get("task", row.get("data_source", task))), meta=meta, messages=messages,
                       raw_answer=answer)
