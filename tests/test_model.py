@@ -113,3 +113,25 @@ def test_folders_written_by_transformers_load_as_they_are(tmp_path, arch, rope):
     ids = torch.randint(0, 97, (40,))
     with torch.no_grad():
         torch.testing.assert_close(ours.forward_packed([ids]), ref(ids[None]).logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_without_architectures_or_max_positions_reads_as_transformers():
+    """No "architectures": transformers goes by model_type (a llama folder was read as Qwen2
+    and failed on missing q/k/v biases); no max_position_embeddings: each class's default
+    (Llama 2048, Qwen2 32768; 4096 here changed llama3 RoPE's logits)."""
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    llama = ModelConfig.from_hf({**base, "model_type": "llama"})
+    assert llama.architecture == "LlamaForCausalLM" and llama.max_position_embeddings == 2048
+    qwen = ModelConfig.from_hf({**base, "model_type": "qwen2"})
+    assert qwen.architecture == "Qwen2ForCausalLM" and qwen.max_position_embeddings == 32768
+    assert transformers.LlamaConfig().max_position_embeddings == 2048
+    assert transformers.Qwen2Config().max_position_embeddings == 32768
+
+
+def test_a_damaged_safetensors_file_is_named(tmp_path):
+    save_pretrained(init_weights(CausalLM(tiny()), seed=0), tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])  # a truncated copy
+    with pytest.raises(ValueError, match=r"model.safetensors: unreadable safetensors file \(SafetensorError"):
+        load_pretrained(tmp_path / "m", device="cpu")

@@ -254,7 +254,12 @@ def load_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(folder / f)))
+        try:
+            state.update(load_file(str(folder / f)))
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' errors name no file: a truncated copy, a bad header
+            raise ValueError(f"{folder / f}: unreadable safetensors file ({type(e).__name__}: {e})") from None
     return state
 
 

@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass, field
 
 ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+# config.json without "architectures": transformers goes by model_type; and the
+# max_position_embeddings each class defaults to when the key is absent (Qwen2Config, LlamaConfig)
+BY_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+DEFAULT_MAX_POSITIONS = {"Qwen2ForCausalLM": 32768, "LlamaForCausalLM": 2048}
 # RoPE scalings workers.model implements, with the keys each needs in rope_scaling
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -126,7 +130,7 @@ class ModelConfig:
         a quantized checkpoint), rather than run as something else. Keys that do not change it
         are ignored: attention_dropout (training-time dropout; this model has none),
         pretraining_tp (transformers 5 ignores it; older versions split the same matmuls)."""
-        arch = (d.get("architectures") or ["Qwen2ForCausalLM"])[0]
+        arch = (d.get("architectures") or [BY_MODEL_TYPE.get(d.get("model_type"), "Qwen2ForCausalLM")])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{source}: architecture {arch!r} is not supported ({ARCHITECTURES})")
         qwen = arch == "Qwen2ForCausalLM"
@@ -140,7 +144,7 @@ class ModelConfig:
             refuse("hidden_act", f"only {' / '.join(SILU_NAMES)} is implemented")
         if d.get("quantization_config"):
             refuse("quantization_config", "quantized weights are not supported")
-        max_pos = d.get("max_position_embeddings", 4096)
+        max_pos = d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[arch])
         # Qwen2 as transformers reads it: a window only with use_sliding_window, on the layers
         # layer_types names (else those from max_window_layers on); a window at least as long as
         # the context (sequences are held to max_position_embeddings) changes nothing
