@@ -1,10 +1,16 @@
 """Tokenizer: a ``tokenizer.json`` (``tokenizers`` library) plus prompt formatting.
 
 Files in a model folder, as Hugging Face lays them out:
-* ``tokenizer.json`` — the fast tokenizer (any model the ``tokenizers`` library reads).
+* ``tokenizer.json`` — the fast tokenizer (any model the ``tokenizers`` library reads). A folder
+  that transformers 5 loads as ``Qwen2Tokenizer`` (config.json's ``model_type: qwen2``, ...: see
+  ``uses_qwen2_tokenizer``) is tokenized with Qwen2's NFC normalizer and split pre-tokenizer, as
+  transformers imposes them whatever tokenizer.json says.
 * ``tokenizer_config.json`` — ``eos_token``, ``pad_token``, ``bos_token`` and optionally
   ``chat_template`` (jinja2, rendered as ``transformers.apply_chat_template`` does) or our own
   ``prompt_template`` (a ``str.format`` template with ``{prompt}``).
+* ``special_tokens_map.json`` — older folders' named special tokens: as in transformers, its
+  entries win over tokenizer_config.json's when that has no ``added_tokens_decoder``. A folder
+  naming no ``eos_token`` in either is refused.
 * ``chat_template.jinja`` (and ``additional_chat_templates/<name>.jinja``) — where transformers 5's
   ``save_pretrained`` writes the chat template; as in transformers, these files win over
   tokenizer_config.json's ``chat_template``, and of several named templates "default" is used.
@@ -30,6 +36,10 @@ DEFAULT_PROMPT_TEMPLATE = "{prompt}\n"
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' names for a folder's template files
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # older folders' named special tokens
+# config.json model types that transformers 5 loads as Qwen2Tokenizer when tokenizer_config.json
+# names no tokenizer_class ("qwen2" whatever it names)
+QWEN2_TOKENIZER_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
 # the named special tokens transformers hands a chat template (those that are set)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # the names a message's reasoning goes by; transformers fills "thinking" and "reasoning_content" from any
@@ -240,19 +250,54 @@ class Tokenizer:
 
     @classmethod
     def load(cls, folder: str | os.PathLike, prompt_template: str | None = None) -> "Tokenizer":
+        """A model folder's tokenizer, as transformers 5's ``AutoTokenizer`` reads it: the named
+        special tokens from tokenizer_config.json and special_tokens_map.json
+        (``folder_special_tokens``), and, where transformers loads the folder as its
+        ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``), Qwen2's pipeline over tokenizer.json's."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: a model folder needs tokenizer.json")
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        cfg = _read_json(folder / "tokenizer_config.json")
+        tokens = folder_special_tokens(folder, cfg)
+        if not tokens.get("eos_token"):
+            raise ValueError(f"{folder}: no eos_token in {folder / 'tokenizer_config.json'} or "
+                             f"{folder / SPECIAL_TOKENS_MAP_FILE}; name the model's end-of-sequence token there")
         tok = _HFTokenizer.from_file(str(path))
-        return cls(tok, eos_token=_token_str(cfg.get("eos_token")) or EOS_TOKEN,
-                   pad_token=_token_str(cfg.get("pad_token")),
-                   bos_token=_token_str(cfg.get("bos_token")),
+        if uses_qwen2_tokenizer(folder, cfg):
+            _impose_qwen2_pipeline(tok, path, add_prefix_space=bool(cfg.get("add_prefix_space")))
+        return cls(tok, eos_token=tokens["eos_token"], pad_token=tokens.get("pad_token"),
+                   bos_token=tokens.get("bos_token"),
                    chat_template=load_chat_template(folder, cfg),
                    prompt_template=prompt_template or cfg.get("prompt_template"),
-                   special_tokens={k: _token_str(cfg.get(k)) for k in SPECIAL_TOKEN_NAMES})
+                   special_tokens=tokens)
+
+
+def _read_json(path: Path) -> dict:
+    """A folder's optional JSON file ({} when absent); a file that is not a JSON object is refused."""
+    if not path.exists():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def folder_special_tokens(folder: str | os.PathLike, cfg: dict | None = None) -> dict[str, str | None]:
+    """The named special tokens (``SPECIAL_TOKEN_NAMES``) of a model folder, as transformers reads
+    them: tokenizer_config.json's, and, when it has no ``added_tokens_decoder`` (older folders),
+    special_tokens_map.json's entries win over them (a string or an ``{"content": ...}`` dict)."""
+    folder = Path(folder)
+    if cfg is None:
+        cfg = _read_json(folder / "tokenizer_config.json")
+    tokens = {k: _token_str(cfg.get(k)) for k in SPECIAL_TOKEN_NAMES}
+    if "added_tokens_decoder" not in cfg:
+        legacy = _read_json(folder / SPECIAL_TOKENS_MAP_FILE)
+        tokens.update({k: _token_str(legacy[k]) for k in SPECIAL_TOKEN_NAMES if k in legacy})
+    return tokens
 
 
 def _token_str(t) -> str | None:
@@ -260,6 +305,37 @@ def _token_str(t) -> str | None:
     if isinstance(t, dict):
         return t.get("content")
     return t
+
+
+def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
+    """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``Qwen2Tokenizer``: always
+    for config.json's ``model_type: qwen2`` (whatever ``tokenizer_class`` says), for a
+    ``tokenizer_class`` Qwen2Tokenizer(Fast), and for the other Qwen model types that name no
+    ``tokenizer_class``."""
+    folder = Path(folder)
+    if cfg is None:
+        cfg = _read_json(folder / "tokenizer_config.json")
+    model_type = _read_json(folder / "config.json").get("model_type")
+    tokenizer_class = cfg.get("tokenizer_class")
+    if model_type == "qwen2" or tokenizer_class in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
+        return True
+    return tokenizer_class is None and model_type in QWEN2_TOKENIZER_MODEL_TYPES
+
+
+def _impose_qwen2_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space: bool = False) -> None:
+    """Qwen2Tokenizer's pipeline over tokenizer.json's (its vocab, merges, added tokens and
+    post-processor are kept): NFC, the ``QWEN2_SPLIT`` pre-tokenizer then bytes, a byte-level
+    decoder, and a plain BPE (no dropout, unknown token, affixes, byte fallback or ignore_merges)."""
+    model = tok.model
+    if not isinstance(model, models.BPE):
+        raise ValueError(f"{path}: a {type(model).__name__} model, but transformers loads this folder as "
+                         "Qwen2Tokenizer, which needs a BPE tokenizer.json")
+    model.dropout, model.unk_token = None, None
+    model.continuing_subword_prefix, model.end_of_word_suffix = None, None
+    model.fuse_unk, model.byte_fallback, model.ignore_merges = False, False, False
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _qwen2_pre_tokenizer(add_prefix_space)
+    tok.decoder = decoders.ByteLevel()
 
 
 def load_chat_template(folder: str | os.PathLike, cfg: dict | None = None) -> str | None:
@@ -271,8 +347,7 @@ def load_chat_template(folder: str | os.PathLike, cfg: dict | None = None) -> st
     "default" are refused, as transformers' ``apply_chat_template`` refuses them."""
     folder = Path(folder)
     if cfg is None:
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        cfg = _read_json(folder / "tokenizer_config.json")
     named: dict[str, str] = {}
     if (folder / CHAT_TEMPLATE_FILE).is_file():
         named["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
@@ -301,6 +376,13 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+def _qwen2_pre_tokenizer(add_prefix_space: bool = False):
+    """Qwen2Tokenizer's pre-tokenizer: the ``QWEN2_SPLIT`` pieces, then their bytes."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
+
+
 def min_bpe_vocab(special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN)) -> int:
     """The smallest ``vocab_size`` ``train_bpe`` takes: the 256 byte symbols and the special tokens."""
     return 256 + len(special_tokens)
@@ -326,9 +408,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Seque
     tok = _HFTokenizer(models.BPE())
     if split == "qwen2":
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = _qwen2_pre_tokenizer()
     elif split == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
