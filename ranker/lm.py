@@ -321,7 +321,7 @@ class LmRanker(LogLengthRanker):
             raise FeatureMismatchError(f"{folder}: LM ranker was trained with input encoding "
                                        f"{meta.get('fingerprint')!r}, this code uses {r.fingerprint()!r}; retrain")
         d = folder / sub
-        r.tok = Tokenizer.load(d)
+        r.tok = Tokenizer.load(d, as_transformers=False)  # the tokenizer it was trained with, as saved
         r.net = LengthLM(load_pretrained(d, device="cpu", dtype=torch.float32))
         r.net.head.load_state_dict(load_file(str(folder / f"{sub}_length_head.safetensors")))
         r.net.eval()

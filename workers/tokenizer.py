@@ -249,11 +249,14 @@ class Tokenizer:
         return folder
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, prompt_template: str | None = None) -> "Tokenizer":
+    def load(cls, folder: str | os.PathLike, prompt_template: str | None = None,
+             as_transformers: bool = True) -> "Tokenizer":
         """A model folder's tokenizer, as transformers 5's ``AutoTokenizer`` reads it: the named
         special tokens from tokenizer_config.json and special_tokens_map.json
         (``folder_special_tokens``), and, where transformers loads the folder as its
-        ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``), Qwen2's pipeline over tokenizer.json's."""
+        ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``), Qwen2's pipeline over tokenizer.json's.
+        ``as_transformers=False``: tokenizer.json's own pipeline, as saved (a folder this
+        project wrote and reads back itself, e.g. the LM ranker's GPT-2-split tokenizer)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
@@ -264,7 +267,7 @@ class Tokenizer:
             raise ValueError(f"{folder}: no eos_token in {folder / 'tokenizer_config.json'} or "
                              f"{folder / SPECIAL_TOKENS_MAP_FILE}; name the model's end-of-sequence token there")
         tok = _HFTokenizer.from_file(str(path))
-        if uses_qwen2_tokenizer(folder, cfg):
+        if as_transformers and uses_qwen2_tokenizer(folder, cfg):
             _impose_qwen2_pipeline(tok, path, add_prefix_space=bool(cfg.get("add_prefix_space")))
         return cls(tok, eos_token=tokens["eos_token"], pad_token=tokens.get("pad_token"),
                    bos_token=tokens.get("bos_token"),
