@@ -21,6 +21,16 @@ def test_a_null_reference_is_refused_naming_line_and_key(tmp_path):
         make_task("jsonl", files=p, answer_key="reward_model.ground_truth", verifier="numeric").prompts("train")
 
 
+def test_a_nan_or_infinite_reference_is_refused_naming_line_and_key(tmp_path):
+    p = tmp_path / "d.jsonl"  # json.dumps writes NaN / Infinity, which json.loads reads back as floats
+    for bad in (float("nan"), float("inf")):
+        write_rows(p, [{"prompt": "a", "answer": 1.5}, {"prompt": "b", "answer": bad}])
+        with pytest.raises(ValueError, match=r"d.jsonl:2: field 'answer' is (nan|inf), not a reference answer"):
+            make_task("jsonl", files=str(p)).prompts("train")
+    write_rows(p, [{"prompt": "a", "answer": 1.5}])
+    assert make_task("jsonl", files=str(p)).prompts("train")[0].answer == "1.5"
+
+
 def test_a_null_reference_in_parquet(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow not installed: Parquet datasets are optional")
     import pyarrow as pa

@@ -2,6 +2,7 @@
 and the reference answer, each error naming the row (``file:line``) and the key to set."""
 from __future__ import annotations
 
+import math
 import numbers
 
 from workers.types import TaskPrompt
@@ -49,6 +50,9 @@ def _answer_text(answer, where: str, key: str, text_answers: bool) -> str:
                          "or set task.kwargs.answer_key)")
     if isinstance(answer, str):
         return answer
+    if text_answers and isinstance(answer, numbers.Real) and not math.isfinite(answer):
+        raise ValueError(f"{where}: field {key!r} is {answer!r}, not a reference answer (JSON's NaN/Infinity, "
+                         "or a table's missing value): drop the row, or set task.kwargs.answer_key")
     if text_answers and not isinstance(answer, (numbers.Real, bool)):
         raise ValueError(f"{where}: field {key!r} is a {type(answer).__name__} ({answer!r:.60}); the built-in "
                          "verifiers compare one answer, a string or a number: name your own function as "
