@@ -129,7 +129,9 @@ class Metrics:
             "time/weight_sync_s": res.weight_sync_seconds,
             "balance/delta_s": gen_busy - train_busy,
             "staleness/max": float(res.staleness_max),
-            "staleness/gen_version_lag": float(res.version - 1 - res.gen_version),
+            # the trainer's version while it trained (a skipped step does not advance it)
+            "staleness/gen_version_lag": float(res.version - (0 if res.metrics.get("step_skipped") else 1)
+                                               - res.gen_version),
             "sgs/redispatched": float(res.redispatched),
             "sgs/instances": float(res.instances),
         }

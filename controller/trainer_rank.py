@@ -4,7 +4,11 @@ Generation instances call ``receive(samples)`` directly (the sample stream); the
 per-iteration inbox and a consumer thread that hands samples to ``TrainerWorker.receive`` as
 the pipeline mode's release (``controller.modes``: ``PipelineMode.release``) allows:
 
-* ``all``       -- the whole iteration at once (colocated, batch, async_batch)
+* ``all``       -- the whole iteration at once, once its generation has ended on every
+  instance (colocated, batch, async_batch): the controller's ``step(i)`` says so, as it is
+  only called after generation of i ended. This rank's own share being complete is not
+  enough: colocated, the instance in this process would still be generating the other
+  ranks' samples while this one trains (generate all, then train all, in turn)
 * ``minibatch`` -- fixed-size hand-overs of ``minibatch`` samples (strawman 1)
 * ``stream``    -- as samples arrive, in chunks of at least one trainer micro-batch
   (``max_tokens_per_microbatch`` tokens), and the rest as soon as the iteration is complete
@@ -49,6 +53,7 @@ class _Iteration:
     consumed: int = 0
     duplicates: int = 0
     staleness_max: int = 0
+    generated: bool = False  # the controller called step(): generation of the iteration has ended
 
     @property
     def expected(self) -> int:
@@ -62,7 +67,7 @@ class _Iteration:
             k = n
         elif self.policy == "minibatch" and (n >= self.minibatch or (complete and n)):
             k = min(n, self.minibatch)
-        elif self.policy == "all" and complete and n:
+        elif self.policy == "all" and complete and n and self.generated:
             k = n
         else:
             return []
@@ -217,8 +222,12 @@ class TrainerRank:
             return sorted(rec.seen) if rec else []
 
     def step(self, iteration: int) -> StepReport:
-        """Wait until ``iteration`` is fully consumed, then flush + all-reduce + optimizer step."""
+        """Wait until ``iteration`` is fully consumed, then flush + all-reduce + optimizer step.
+        Called once generation of ``iteration`` has ended: the ``all`` release waits for it."""
         with self._cond:
+            if iteration in self._iters:
+                self._iters[iteration].generated = True
+                self._cond.notify_all()
             while iteration not in self._ready and self._error is None:
                 self._cond.wait(timeout=1.0)
             self._raise_if_failed()

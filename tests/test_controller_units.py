@@ -171,6 +171,19 @@ def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
     assert len(single.release()) == 1  # 0: every sample at once
 
 
+def test_all_release_waits_for_the_end_of_generation_not_only_this_ranks_share():
+    """colocated / batch / async_batch: generate all, then train all. A rank whose own groups
+    are complete waits for step() (called once generation ended on every instance): colocated,
+    the instance in its process is still generating the other ranks' samples."""
+    from controller.trainer_rank import _Iteration
+
+    rec = _Iteration(0, {0: None, 1: None}, {}, "all", 1, 0)
+    rec.pending += [_sample(0, 0), _sample(1, 1)]
+    assert rec.release() == []  # this rank's share is complete, generation is not over
+    rec.generated = True
+    assert [s.sample_id for s in rec.release()] == [0, 1]
+
+
 def test_data_plane_backend_nccl_only_with_a_gpu_per_rank(capsys):
     import torch
 

@@ -42,6 +42,20 @@ def _trace(logdir):
     return json.loads((logdir / "timeline.json").read_text())["traceEvents"]
 
 
+def test_gen_version_lag_counts_from_the_version_trained_at_also_after_a_skipped_step(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    m.log_iteration(_res(0), _spans(0))  # lag 0: generated with 0, trained at 0 -> 1
+    late = _res(1)
+    late.gen_version = 0  # lag 1: generated with 0, trained at 1 -> 2
+    m.log_iteration(late, _spans(1))
+    skipped = _res(2)
+    skipped.version, skipped.gen_version = 2, 1  # trained at 2, the step skipped: still 2
+    skipped.metrics["step_skipped"] = 1.0
+    m.log_iteration(skipped, _spans(2))
+    m.close()
+    assert _scalars(tmp_path, "staleness/gen_version_lag") == [(0, 0.0), (1, 1.0), (2, 1.0)]
+
+
 def test_the_timeline_is_drawn_off_the_pipelines_thread(tmp_path, monkeypatch):
     # drawn inside log_iteration, the figure stalled the controller (0.9-1.3 s every
     # timeline_every iterations, a bubble on every worker)
