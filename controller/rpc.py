@@ -33,6 +33,9 @@ import torch.distributed.rpc as rpc
 
 
 HEARTBEAT_S = 10.0  # how often a waiting controller checks that a busy worker still answers
+SETUP_FACTOR = 4  # a worker's constructor (model load, the engine's first C++ kernel build, vLLM's start)
+# and the model bootstrap may take this many times placement.rpc_timeout_s: it is one call, with
+# no heartbeat to tell slow from hung
 STILL_WAITING_S = 300.0  # how often a wait on a call that answers but does not end is said on stderr
 
 
@@ -250,8 +253,9 @@ def wait_all(calls: list[Call]) -> list[Any]:
 
 
 def create(rank: int, role: str, cls, *args, timeout: float = 300.0) -> WorkerHandle:
-    """Construct ``cls(*args)`` on ``rank`` and return its handle (waits for the constructor)."""
-    rref = rpc.remote(worker_name(rank), cls, args=args, timeout=timeout)
+    """Construct ``cls(*args)`` on ``rank`` and return its handle (waits for the constructor,
+    up to ``SETUP_FACTOR`` x ``timeout``; the handle's calls get ``timeout``)."""
+    rref = rpc.remote(worker_name(rank), cls, args=args, timeout=timeout * SETUP_FACTOR)
     return settle([(rank, rref)], role, timeout)[0]
 
 
@@ -263,8 +267,9 @@ def owner_ready(rref) -> bool:
 
 def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[WorkerHandle]:
     """Wait until every ``rpc.remote``-created object exists (constructor errors surface here,
-    with rank and role); the object itself stays on its rank."""
-    futs = [(r, rref, rpc.rpc_async(worker_name(r), owner_ready, args=(rref,), timeout=timeout))
+    with rank and role), up to ``SETUP_FACTOR`` x ``timeout`` (create the objects with that
+    deadline too); the object itself stays on its rank, its handle's calls get ``timeout``."""
+    futs = [(r, rref, rpc.rpc_async(worker_name(r), owner_ready, args=(rref,), timeout=timeout * SETUP_FACTOR))
             for r, rref in created]
     out = []
     for r, rref, f in futs:

@@ -26,7 +26,7 @@ from controller.modes import MODES
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
 from controller.run_record import save_run_config
-from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
+from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, request_exit, worker_name
 from controller.sgs import NoInstancesLeft
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
@@ -82,7 +82,7 @@ class Session:
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
                                   cfg.tokenizer.prompt_template or None),
-                            timeout=cfg.placement.rpc_timeout_s * 4)
+                            timeout=cfg.placement.rpc_timeout_s * SETUP_FACTOR)
         self.boot = boot
         self.model_dir = boot["path"]
         try:  # a model folder's own chat template / prompt template

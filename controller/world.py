@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from controller.instance import GenerationInstance
-from controller.rpc import Call, WorkerHandle, create, settle, wait_all
+from controller.rpc import SETUP_FACTOR, Call, WorkerHandle, create, settle, wait_all
 from controller.sgs import SGS, default_profile
 from controller.trainer_rank import TrainerRank
 from workers.weight_sync import WeightSyncConfig
@@ -97,10 +97,10 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     futs = [(r, rpc.remote(f"worker{r}", TrainerRank, args=(r, list(p.trainer), cfg.trainer, model_dir,
                                                           cfg.task.name, dict(cfg.task.kwargs),
                                                           p.collective_timeout_s),
-                           timeout=timeout)) for r in sorted(p.trainer)]
+                           timeout=timeout * SETUP_FACTOR)) for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
     gen_futs = [(r, rpc.remote(f"worker{r}", GenerationInstance, args=(r, cfg.engine, model_dir, eos_ids),
-                               timeout=timeout)) for r in sorted(p.generation)]
+                               timeout=timeout * SETUP_FACTOR)) for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
     world = World(trainers, None, colocated, set(static_ranks), cfg.weight_sync,  # type: ignore[arg-type]
                   weight_timeout_s=float(timeout))

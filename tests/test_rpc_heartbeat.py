@@ -40,6 +40,13 @@ class Busy:
         raise ValueError("the reward function raised")
 
 
+class SlowStart(Busy):
+    """A constructor longer than the timeout: a model load, the engine's first C++ kernel build."""
+
+    def __init__(self, seconds: float):
+        time.sleep(seconds)
+
+
 def _scenario(rank: int, world: int, rpc_port: int):
     import torch.distributed.rpc as rpc
 
@@ -52,6 +59,7 @@ def _scenario(rank: int, world: int, rpc_port: int):
     if rank == 0:
         slow, doomed = (crpc.create(r, "trainer", Busy, timeout=TIMEOUT_S) for r in (1, 2))
         out = {"long": slow.call("work", 3 * TIMEOUT_S).wait()}
+        out["slow_start"] = crpc.create(1, "trainer", SlowStart, 2 * TIMEOUT_S, timeout=TIMEOUT_S).call("work", 0.0).wait()
         try:
             slow.call("work", 3 * TIMEOUT_S, timeout=TIMEOUT_S).wait()  # an explicit deadline holds
         except crpc.WorkerFailed as e:
@@ -118,6 +126,12 @@ def result():
 
 def test_a_call_longer_than_the_timeout_completes_while_the_worker_answers(result):
     assert result["long"] == 3 * TIMEOUT_S
+
+
+def test_a_constructor_may_take_longer_than_the_timeout(result):
+    # one call with no heartbeat: it gets SETUP_FACTOR x the timeout (a cold C++ kernel build
+    # under load stopped a run "hung in __init__()" while the engine was still compiling)
+    assert result["slow_start"] == 0.0
 
 
 def test_a_call_with_its_own_timeout_keeps_that_deadline(result):
