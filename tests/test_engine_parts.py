@@ -58,6 +58,32 @@ def test_block_manager_refcount_and_copy_on_write():
     assert bm.num_free == 8 and bm.num_used == 0
 
 
+def test_prefix_cache_lookup_needs_the_same_group_and_prompt():
+    """A group's pinned prompt blocks serve only a sample of the same group with the same
+    prompt tokens: a same-length prompt with other tokens (or another length) under the same
+    group id must compute its own prompt, not read another prompt's K/V."""
+    from workers.generation.prefix_cache import PrefixCache
+
+    def member(sid, ids, group=7):
+        return Sequence.from_request(Request(sample_id=sid, prompt_ids=torch.tensor(ids), max_tokens=4,
+                                             group_id=group), sid)
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    cache = PrefixCache(bm)
+    owner = member(0, [5, 6, 7, 8, 9, 10])
+    assert cache.lookup(owner) is None  # nothing pinned yet
+    bm.prepare_write(owner, 6)
+    cache.pin(owner)  # tokens [0, 5) -> 2 blocks
+    g = cache.groups[7]
+    assert g.blocks == owner.block_table[:2] and bm.ref[g.blocks[0]] == 2
+    assert cache.lookup(member(1, [5, 6, 7, 8, 9, 10])) is g
+    assert cache.lookup(member(2, [5, 6, 7, 8, 9, 11])) is None  # same length, other tokens
+    assert cache.lookup(member(3, [5, 6, 7, 8, 9])) is None  # a prefix of it
+    assert cache.lookup(member(4, [5, 6, 7, 8, 9, 10], group=8)) is None  # another group
+    cache.release(7)
+    assert cache.groups == {} and bm.ref[owner.block_table[0]] == 1
+
+
 def _seq_with(sp: SamplingParams, min_tokens=0, sid=0) -> Sequence:
     return Sequence.from_request(Request(sample_id=sid, prompt_ids=torch.tensor([1]), max_tokens=9,
                                          min_tokens=min_tokens, sampling=sp), sid)

@@ -123,7 +123,7 @@ def test_a_failed_prefill_of_a_group_prompt_drops_its_unready_pin():
     eng, attn = failing(max_batch_size=8)
     eng.add(requests()[4:])  # the group alone: its owner's prefill is the first step
     attn.armed = True
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="injected"):  # the injected failure, not another error
         eng.step()
     assert 5 not in eng.prefix.groups and eng.stats().kv_blocks_used == 0
     out, _ = step_through(eng, attn, set())

@@ -112,3 +112,27 @@ def test_an_iteration_with_no_group_for_this_rank_steps_at_once(model_dir):
     assert rep.iteration == 0 and rep.num_samples == 0 and rep.num_tokens == 0
     after = dict(rank.worker.named_weights())
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing to learn from
+
+
+def test_async_staleness_bound_is_inclusive_and_enforced(model_dir, samples):
+    """An async mode (max_staleness 1) trains a sample one weight version behind the trainer,
+    and refuses one ``max_staleness + 1`` behind (an upper bound, not only staleness >= 0)."""
+    out, prompts = samples
+    tcfg = TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64)
+    rank = TrainerRank(1, [1], tcfg, model_dir, "synthetic", TASK)
+    rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, "stream", 4)
+    rank.receive(out)
+    assert rank.step(0).version == 1
+
+    def one(iteration, sid, weight_version):
+        rank.begin_iteration(iteration, {sid: prompts[out[0].sample_id]}, {sid: 1}, "async_stream", 4)
+        s = type(out[0])(**{**vars(out[0]), "sample_id": sid, "group_id": sid, "weight_version": weight_version})
+        rank.receive([s])
+
+    one(1, 10**6, 0)  # staleness 1 == max_staleness: trained
+    rep = rank.step(1)
+    assert rep.version == 2 and rep.num_samples == 1 and rep.staleness_max == 1
+    one(2, 10**6 + 1, 0)  # staleness 2 == max_staleness + 1
+    with pytest.raises(RuntimeError, match=r"staleness 2 outside \[0, 1\]"):
+        rank.step(2)
+    rank.close()

@@ -14,6 +14,13 @@ from runtime_helpers import ROOT, LocalRRef, free_port, iterations, last_json, t
 
 
 class FakeInstance:
+    """A generation instance that records stop/close calls (and can be a lost peer): these
+    tests pin the REPL's bookkeeping (which ranks are stopped, closed, told to exit), which a
+    real process shows only indirectly. ``joiners.dismiss_joiner`` is monkeypatched for the
+    same reason (it sends an RPC, which needs an RPC group and a joined process). The
+    real-process path, a joined process exiting after ``leave`` while the run goes on, is
+    ``test_a_joined_process_exits_after_leave_and_the_run_goes_on``."""
+
     def __init__(self, calls, rank, lost=False):
         self.calls, self.rank, self.lost = calls, rank, lost
 

@@ -263,6 +263,15 @@ def test_bad_input_is_named():
     assert set(DISPATCHERS) >= {"random", "skew", "oracle", "round_robin"}
 
 
+def test_equal_lengths_keep_index_order_and_equal_work_goes_to_fewer_requests():
+    """lpt_order breaks length ties by index (ascending); spread_evenly breaks work ties by
+    the count of requests: lens [1, 1, 1, 3, 3, 4] on 2 instances -> [5, 0, 1] and [3, 4]
+    both at work 6, and the last 1 goes to instance 1 (2 requests), not to instance 0 (3)."""
+    assert lpt_order([0, 1, 2, 3], [2.0, 5.0, 2.0, 2.0]) == [1, 0, 2, 3]
+    assert lpt_order([3, 2, 1, 0], [1.0] * 4) == [0, 1, 2, 3]
+    assert spread_evenly(range(6), [1, 1, 1, 3, 3, 4], 2) == [[5, 0, 1], [3, 4, 2]]
+
+
 def test_single_instance_gets_everything_in_lpt_order():
     est = [5.0, 50.0, 20.0]
     plan = make_dispatcher("skew").plan(est, [linear_profile()])

@@ -98,6 +98,8 @@ def group_adv(cfg, rewards):
         return [0.0] * g if g < 2 else [r - (sum(rewards) - r) / (g - 1) for r in rewards]
     if g < 2:
         return [0.0]
+    if not cfg.grpo_std_normalize:  # Dr. GRPO: centred only
+        return [r - mean for r in rewards]
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (g - 1))
     return [(r - mean) / (std + cfg.adv_eps) for r in rewards]
 
@@ -214,6 +216,11 @@ CONFIGS = {
                                            kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
     "grpo_seq_mean_token_sum": dict(algorithm="grpo", loss_agg="seq_mean_token_sum", kl_coef=0.1, kl_mode="reward"),
     "grpo_temperature": dict(algorithm="grpo", temperature=0.6, kl_coef=0.1, entropy_coef=0.01),
+    # Dr. GRPO: no group std division (rewards' std is ~0.4: dividing changes the gradient)
+    "grpo_dr_no_std_normalize": dict(algorithm="grpo", grpo_std_normalize=False, loss_agg="seq_mean_token_sum_norm",
+                                     loss_scale_factor=12, kl_coef=0.1),
+    # an adv_eps comparable to the groups' reward std, so it must reach the advantages
+    "grpo_adv_eps": dict(algorithm="grpo", adv_eps=0.5, kl_coef=0.1, kl_estimator="k1"),
 }
 
 
@@ -234,6 +241,24 @@ def test_gradient_equals_whole_batch_reference_for_any_microbatching(model_dir, 
         for k in want:
             err = (got[k] - want[k]).abs().max().item()
             assert err <= 1e-5 * scale, (name, budget, k, err, scale)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantage_tokens(model_dir, task):
+    """Sampler log-probs perturbed enough that tokens with A < 0 reach ratio > dual_clip: the
+    dual clip caps their loss at -c * A (no gradient), so it changes the gradient, and the
+    worker's equals the reference that applies it (not the one without it)."""
+    samples, prompts, groups, tok = draw(model_dir, task, noise=1.0)
+    cfg = TrainerConfig(grad_clip=0.0, algorithm="grpo", dual_clip=2.0, kl_coef=0.1)
+    want = reference_grads(model_dir, task, tok, samples, prompts, cfg)
+    plain = reference_grads(model_dir, task, tok, samples, prompts, replace(cfg, dual_clip=None))
+    scale = max(v.abs().max().item() for v in want.values())
+    assert scale > 1e-3
+    assert max((want[k] - plain[k]).abs().max().item() for k in want) > 0.05 * scale  # the dual clip matters
+    got, _ = worker_grads(model_dir, task, samples, prompts, groups, replace(cfg, max_tokens_per_microbatch=25), 0, 5)
+    assert set(got) == set(want)
+    for k in want:
+        err = (got[k] - want[k]).abs().max().item()
+        assert err <= 1e-5 * scale, (k, err, scale)
 
 
 def test_whitening_defers_all_training_to_step(model_dir, task):

@@ -224,6 +224,19 @@ def test_rotated_chains_keep_each_node_whole():
     assert [hops.count(LinkClass.INTRA_DC) for hops in _receiver_hops(plan, topo)] == [1, 1, 1]
 
 
+def test_roots_node_mates_are_rotated_per_tree():
+    """Two roots sharing node nA with receivers 2, 3: each tree still starts on the roots'
+    node, but tree k starts k/n of the way along the node-mates (and the other node), so the
+    two trees start at different receivers and no relay forwards both halves first."""
+    topo = Topology.from_config({"nodes": {"nA": [0, 1, 2, 3], "nB": [4, 5]}})
+    spec = [("a", (1000,), "float32"), ("b", (1000,), "float32")]
+    plan = plan_sync(topo, [0, 1], [2, 3, 4, 5], spec, 4096)
+    check_spanning(plan)
+    assert [t.edges() for t in plan.trees] == [[(0, 2), (2, 3), (3, 4), (4, 5)],
+                                               [(1, 3), (3, 2), (2, 5), (5, 4)]]
+    assert [hops.count(LinkClass.INTRA_DC) for hops in _receiver_hops(plan, topo)] == [1, 1]
+
+
 def test_binary_tree_enters_each_node_once():
     """A plain heap over the node order crossed nodes at every level (4 cross-node relay
     hops for 2 nodes of 4); now each node hangs off one edge, fan-out still <= 2."""
