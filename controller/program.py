@@ -176,6 +176,7 @@ class Program:
         version = reports[0].version
         metrics = dict(reports[0].metrics)  # all-reduced: every DP rank reports the same totals
         metrics["staleness_max"] = float(max(r.staleness_max for r in reports))
+        metrics["rss_mb_max"] = max(r.rss_mb for r in reports)  # the trainer ranks' memory (workers/heap.py)
         # re-sent samples are dropped by each rank's TrainerRank before its worker sees them
         metrics["duplicates"] = metrics.get("duplicates", 0.0) + float(sum(r.duplicates for r in reports))
         res = IterationResult(b.iteration, version, gen_version, metrics,

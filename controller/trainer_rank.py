@@ -35,6 +35,7 @@ import torch
 from controller.modes import get_mode
 from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
+from workers import heap
 from workers.types import Sample, TaskPrompt
 
 
@@ -90,6 +91,7 @@ class StepReport:
     num_tokens: int
     staleness_max: int
     duplicates: int
+    rss_mb: float = 0.0  # this process's resident memory after the step (0 where unknown)
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,7 @@ class TrainerRank:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: trainer death on the first attempt
         t0 = time.time()
         result = self.worker.step()
+        heap.trim()  # the step's freed activations back to the kernel (workers/heap.py)
         t1 = time.time()
         self.spans.add("train", t0, t1, iteration)
         with self._cond:
@@ -247,7 +250,7 @@ class TrainerRank:
             self._current = None
             self._cond.notify_all()
         return StepReport(self.rank, iteration, result.version, dict(result.metrics), result.num_samples,
-                          result.num_tokens, rec.staleness_max, rec.duplicates)
+                          result.num_tokens, rec.staleness_max, rec.duplicates, heap.rss_mb())
 
     # ---- the consumer thread -------------------------------------------------------------
     def _consume_loop(self) -> None:

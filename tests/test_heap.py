@@ -1,0 +1,90 @@
+"""workers/heap.py: the arena cap and the trim act on this process's glibc malloc (real libc,
+in a subprocess, since an arena once made stays for the life of the process)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers import heap
+
+ROOT = Path(__file__).resolve().parents[1]
+GLIBC = heap._glibc() is not None
+
+# 8 threads allocate at once (each holds its block until all have one), then malloc_stats()
+# prints one "Arena N:" block per arena on stderr
+SCRIPT = """
+import ctypes, sys, threading
+sys.path.insert(0, {root!r})
+from workers import heap
+if {limit}:
+    assert heap.limit_arenas(2)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+barrier = threading.Barrier(8)
+def work():
+    p = libc.malloc(1 << 16)
+    barrier.wait()
+    libc.free(ctypes.c_void_p(p))
+ts = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+libc.malloc_stats()
+"""
+
+
+def _arenas(limit: bool) -> int:
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), limit=limit)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return sum(1 for ln in out.stderr.splitlines() if ln.startswith("Arena "))
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc malloc only (mallopt / malloc_trim)")
+def test_arena_cap_holds_under_threads():
+    assert _arenas(limit=False) > 2  # the default: a new arena per contending thread
+    assert _arenas(limit=True) == 2
+
+
+TRIM = """
+import ctypes, os, sys
+sys.path.insert(0, {root!r})
+from workers import heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+blocks = [libc.malloc(100_000) for _ in range(500)]  # under the mmap threshold: on the heap
+for b in blocks:
+    ctypes.memset(b, 1, 100_000)  # resident
+for b in blocks[::2]:  # every other one: free chunks between live ones, which free() keeps
+    libc.free(ctypes.c_void_p(b))
+before = rss()
+released = heap.trim()
+print(before, rss(), released)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc malloc only (mallopt / malloc_trim)")
+def test_trim_returns_freed_heap_to_the_kernel():
+    out = subprocess.run([sys.executable, "-c", TRIM.format(root=str(ROOT))], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, after, released = out.stdout.split()
+    assert released == "True"
+    assert int(before) - int(after) > 20e6  # most of the 25 MB freed between live blocks
+
+
+def test_arena_cap_refuses_nonsense():
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        heap.limit_arenas(0)
+
+
+def test_rss_is_this_process_resident_memory():
+    import torch
+
+    before = heap.rss_mb()
+    x = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+    assert heap.rss_mb() - before > 50
+    del x
