@@ -104,6 +104,13 @@ def find(path: str | Path) -> Path | None:
         if latest.exists():
             c = root / latest.read_text().strip()
             if c != root and (c / "controller.json").exists():
+                newer = [d for d in done if iteration_of(d) > iteration_of(c)]
+                if newer and (root, c.name, newer[-1].name) not in _SAID:
+                    _SAID.add((root, c.name, newer[-1].name))
+                    print(f"[controller] {latest} names {c.name}; {newer[-1].name} is newer and complete (a save "
+                          f"stopped between its commit and latest's update, or a lineage abandoned by resuming "
+                          f"{c.name}); taking {c.name}: give --resume {newer[-1]} to continue from there",
+                          file=sys.stderr, flush=True)
                 return c
             if done and (root, c.name) not in _SAID:  # said once per process: find() is asked often
                 _SAID.add((root, c.name))

@@ -296,3 +296,21 @@ def test_the_rows_awaiting_the_rankers_next_update_are_saved(tmp_path):
     del old["ranker_rows"]
     (saved / "controller.json").write_text(json.dumps(old))
     assert ckpt.load_state(saved).ranker_rows == []
+
+
+def test_a_newer_complete_checkpoint_than_latest_is_named_not_taken(tmp_path, capsys):
+    """A save killed between its rename (the commit) and latest's update leaves iter_3 complete
+    and latest on iter_2; resuming the run takes iter_2 (latest may name an older lineage on
+    purpose: point_latest) and says iter_3 is there, with the flag that takes it."""
+    root = tmp_path / "run" / "checkpoints"
+    for it in (1, 2, 3):
+        ckpt.save(root, _state(it), _trainer_save)
+    (root / "latest").write_text("iter_000002")
+    assert ckpt.find(tmp_path / "run") == root / "iter_000002"
+    err = capsys.readouterr().err
+    assert "iter_000003 is newer and complete" in err and f"--resume {root / 'iter_000003'}" in err
+    ckpt.find(tmp_path / "run")
+    assert capsys.readouterr().err == ""  # said once
+    (root / "latest").write_text("iter_000003")
+    assert ckpt.find(tmp_path / "run") == root / "iter_000003"
+    assert capsys.readouterr().err == ""  # nothing newer: nothing said
