@@ -200,7 +200,8 @@ def controller(a) -> int:
         print(json_line(row), flush=True)
     adds = [r for r in rows if r["add"]]
     first = adds[0] if adds else None
-    joined_at = next((s.joined_at for s in session.world.sgs.slots if s.handle.rank >= 3), None)
+    # the first iteration that ran with more instances than the first one did (the joiner, rank 3)
+    joined_at = next((r["iteration"] for r in rows if rows and r["instances"] > rows[0]["instances"]), None)
     mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
     before = [r["gen_s"] for r in rows if first and first["iteration"] - 2 <= r["iteration"] <= first["iteration"]]
     after = [r["gen_s"] for r in rows if joined_at is not None and joined_at <= r["iteration"] <= joined_at + 2]
