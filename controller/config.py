@@ -10,15 +10,15 @@ are ``config_types``; the checks across keys (placement, modes, registries) ``co
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from controller.config_checks import validate
 from controller.config_types import ConfigError, build_section, key_hint
+from controller.config_yaml import read_config_file
 from controller.modes import MODES
 from controller.rpc import COLLECTIVE_TIMEOUT_S, RPC_TIMEOUT_S
 from workers.config_schema import SEEDS, Range, ranged
@@ -43,6 +43,10 @@ class ModelSection:
 
     path: str = "runs/quickstart/model"
     init: dict | None = None
+
+    def __post_init__(self):
+        _path_key(self, "model", "path", "the Hugging Face model folder of the policy (config.json, "
+                  "*.safetensors, tokenizer.json), or where model.init builds one")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class TaskSection:
     name: str = "synthetic"
     kwargs: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        _path_key(self, "task", "name")  # ~/my_rl/tasks.py:Name
+
 
 @dataclass(frozen=True)
 class PipelineSection:
@@ -88,6 +95,9 @@ class DispatchSection:
     options: dict = field(default_factory=dict)  # its constructor kwargs (e.g. alphas, order)
     profile: str = ""  # PTLProfile JSON; empty: a flat default profile per instance
 
+    def __post_init__(self):
+        _path_key(self, "dispatch", "profile")
+
 
 @dataclass(frozen=True)
 class RankerSection:
@@ -99,6 +109,12 @@ class RankerSection:
     options: dict = field(default_factory=dict)  # the bootstrapped ranker's config (ranker.build)
 
     def __post_init__(self):
+        from ranker.store import KINDS  # (a registry of names: imports no model code)
+
+        if self.kind != "none" and self.kind not in KINDS:  # before the path: a typo here is what is wrong
+            raise ConfigError(f"ranker.kind: {self.kind!r} is not one of {['none', *sorted(KINDS)]}"
+                              f"{key_hint(self.kind, KINDS)}")
+        _path_key(self, "ranker", "path")
         if self.kind != "none" and not self.path:
             raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
                               "(python -m ranker train ... --out DIR); path is empty")
@@ -159,12 +175,33 @@ class TrainSection:
     # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
     max_prompt_tokens: int = ranged(0, Range(0, note="0: the engines' context"))
 
+    def __post_init__(self):
+        _path_key(self, "train", "length_trace")
+
 
 @dataclass(frozen=True)
 class LoggingSection:
     logdir: str = "runs/quickstart"
     timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations
     progress: bool = True
+
+    def __post_init__(self):
+        _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
+
+
+def _path_key(section, name: str, key: str, required: str = "") -> None:
+    """A path key of a section: ``~`` is the user's home (a YAML value is no shell word, so
+    nothing else expands it: ``~/runs`` made a folder named ``~``); ``required``: what the key
+    names, when it may not be empty (an empty one failed later, in the bootstrap)."""
+    value = getattr(section, key)
+    if not isinstance(value, str):
+        return  # build_section names a wrong type
+    if required and not value.strip():
+        default = next(f.default for f in dataclasses.fields(section) if f.name == key)
+        raise ConfigError(f"{name}.{key}: empty{f' ({value!r})' if value else ''}; give {required} (or leave the "
+                          f"key out for its default, {default})")
+    if value.startswith("~"):
+        object.__setattr__(section, key, os.path.expanduser(value))
 
 
 @dataclass(frozen=True)
@@ -324,10 +361,7 @@ def load_config(path: str | Path, world_size: int | None = None,
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        d = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    d = read_config_file(path) or {}  # a folder, not UTF-8, a duplicate key, an octal 010: named here
     from controller.config_overrides import blame, overridden, parse_overrides  # (it imports this module)
 
     overrides, typed = parse_overrides(overrides)

@@ -55,8 +55,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"{p.trainer}; generation and training take turns on the same ranks: e.g. "
                           f"placement.generation={same} placement.trainer={same} ({len(same) + 1} processes)")
     if not colocated and set(p.generation) & set(p.trainer):
+        # placement.colocated alone is refused in any other mode (above): the advice names the mode
+        g, n = len(p.generation), len(p.generation) + len(p.trainer)
         raise ConfigError(f"placement: ranks {sorted(set(p.generation) & set(p.trainer))} are in both "
-                          "generation and trainer; set placement.colocated or pipeline.mode: colocated")
+                          f"generation and trainer; give each its own ranks (e.g. placement.generation="
+                          f"{list(range(1, g + 1))} placement.trainer={list(range(g + 1, n + 1))}, {n + 1} processes), "
+                          "or time-share equal lists with pipeline.mode: colocated (it implies placement.colocated)")
     if t.batch_prompts < len(p.trainer):  # groups go to trainer ranks by group id: one would get none
         raise ConfigError(f"train.batch_prompts: {t.batch_prompts} prompts an iteration cannot feed the "
                           f"{len(p.trainer)} trainer ranks of placement.trainer {p.trainer} (each rank trains "
@@ -149,11 +153,9 @@ def _check_registries(cfg: Config) -> None:
 def _check_ranker(r: RankerSection) -> None:
     """The kind is registered, its options build a ranker (cheap: a config, no model), and a
     ranker already saved at ``path`` is of that kind (it is what the run loads)."""
-    from ranker.store import KINDS, build
+    from ranker.store import build
 
-    if r.kind not in KINDS:
-        raise ConfigError(f"ranker.kind: {r.kind!r} is not one of {['none', *sorted(KINDS)]}")
-    try:
+    try:  # (the kind itself is checked first, by RankerSection)
         build(r.kind, **dict(r.options))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"ranker.options: {e}") from None

@@ -14,6 +14,7 @@ import yaml
 
 from controller.config import OWNED_SECTIONS, Config, ConfigError, from_dict
 from controller.config_types import key_hint
+from controller.config_yaml import check_text
 
 
 def parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
@@ -96,7 +97,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     k, v = text.split("=", 1)
     k = k.strip()
     try:
-        return k, yaml.safe_load(v)
+        value = yaml.safe_load(v)
+        check_text(v, k, f"--set {text}")  # 010 read as octal 8, 1:30 as 90
+        return k, value
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or str(e).splitlines()[0]
         mark = getattr(e, "problem_mark", None)

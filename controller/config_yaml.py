@@ -1,0 +1,92 @@
+"""A run config's YAML text -> plain data. PyYAML reads YAML 1.1, which accepts silently what a
+user does not mean; each is refused here naming the key and the line: a key given twice (the
+last one won), and a plain number with a leading zero or a colon (``010`` read as octal 8,
+``1:30`` as base 60, 90). The file itself must be a readable UTF-8 file, not a folder."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from controller.config_types import ConfigError
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_MERGE = "tag:yaml.org,2002:merge"
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")  # YAML 1.1's octal int (``0`` alone is zero)
+
+
+def read_config_file(path: Path) -> Any:
+    """The data of YAML file ``path`` (None when it is empty); ``ConfigError`` naming it otherwise."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder, not a YAML file (give --config FILE.yaml)")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = e.object.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x}); save the file as UTF-8, "
+                          "e.g. iconv -f latin1 -t utf-8") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    check_node(node, "", str(path))
+    return yaml.safe_load(text)
+
+
+def check_text(text: str, key: str, where: str) -> None:
+    """``check_node`` of a YAML text already parsed (a ``--set`` value for ``key``)."""
+    check_node(yaml.compose(text, Loader=yaml.SafeLoader), key, where)
+
+
+def check_node(node: yaml.Node | None, key: str, where: str) -> None:
+    """Raise ``ConfigError`` ``where:LINE: KEY: ...`` for a duplicate key or a number YAML 1.1
+    reads in another base, anywhere under ``node`` (at dotted ``key``)."""
+    seen: set[int] = set()
+
+    def at(n: yaml.Node) -> str:
+        return f"{where}:{n.start_mark.line + 1}" if where and not where.startswith("--set") else where
+
+    def walk(n: yaml.Node, path: str) -> None:
+        if id(n) in seen:  # an alias of a node already checked
+            return
+        seen.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for k, v in n.value:
+                if k.tag == _MERGE:  # '<<: *anchor': its keys may be overridden here, by design
+                    walk(v, path)
+                    continue
+                name = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                dotted = f"{path}.{name}" if path else str(name)
+                if isinstance(k, yaml.ScalarNode):
+                    if (k.tag, k.value) in lines:
+                        raise ConfigError(f"{at(k)}: {dotted}: given twice (lines {lines[k.tag, k.value]} and "
+                                          f"{k.start_mark.line + 1}); YAML would keep only the last: remove one")
+                    lines[k.tag, k.value] = k.start_mark.line + 1
+                walk(v, dotted)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(n, yaml.ScalarNode) and n.style is None and n.tag in (_INT, _FLOAT):
+            text, name = n.value, path or "value"
+            if n.tag == _INT and _OCTAL.fullmatch(text) and yaml.safe_load(text) != int(_decimal(text)):  # 07 is 7
+                raise ConfigError(f"{at(n)}: {name}: {text} would read as octal ({yaml.safe_load(text)}) in YAML "
+                                  f"1.1; write it without the leading zero ({_decimal(text)}), or quote it for a string")
+            if ":" in text:
+                raise ConfigError(f"{at(n)}: {name}: {text} would read as a base-60 number "
+                                  f"({yaml.safe_load(text)}) in YAML 1.1; quote it for a string")
+
+    if node is not None:
+        walk(node, key)
+
+
+def _decimal(text: str) -> str:
+    """``-010`` -> ``-10``: the number a leading-zero int was meant to be."""
+    sign = text[0] if text[0] in "+-" else ""
+    return sign + (text.lstrip("+-").replace("_", "").lstrip("0") or "0")
