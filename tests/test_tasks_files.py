@@ -154,3 +154,43 @@ def test_a_missing_or_unreadable_file_is_named_by_the_key_the_user_wrote(tmp_pat
     (tmp_path / "rows.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match=r"^task.kwargs.files.train: .*rows.csv: a .csv file; the readers take \["):
         make_task("jsonl", files={"train": str(tmp_path / "rows.csv")})
+
+
+def test_a_folder_as_a_data_file_is_refused_naming_the_key(tmp_path):
+    """A folder named like a data file (``data.jsonl/``) passed the start check and failed on the
+    first read with ``[Errno 21] Is a directory``, naming no key."""
+    train = write_rows(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}])
+    for folder in ("d.jsonl", "d"):
+        (tmp_path / folder).mkdir()
+        with pytest.raises(ValueError, match=rf"^task.kwargs.files.test: .*{folder} is a folder; give one data file"):
+            make_task("jsonl", files={"train": train, "test": str(tmp_path / folder)})
+
+
+def test_val_beside_test_or_an_unknown_split_is_refused(tmp_path):
+    """``val`` stands for ``test``; given beside ``test`` it was silently never read (verl users
+    list both), as was any split the run does not read."""
+    t = write_rows(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}])
+    v = write_rows(tmp_path / "v.jsonl", [{"prompt": "b", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"^task.kwargs.files: test and val both name the test split.*keep one"):
+        make_task("jsonl", files={"train": t, "test": t, "val": v})
+    with pytest.raises(ValueError, match=r"^task.kwargs.files.dev: not a split"):
+        make_task("jsonl", files={"train": t, "dev": v})
+    assert make_task("jsonl", files={"train": t, "val": v}).prompts("test")[0].prompt == "b"
+    assert make_task("jsonl", files={"train": t, "validation": v}).prompts("test")[0].prompt == "b"
+
+
+def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"^task.kwargs.files.train: data/t.jsonl does not exist \(a relative "
+                                                rf"path resolves from the working directory, {tmp_path}\)$"):
+        make_task("jsonl", files={"train": "data/t.jsonl"})
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}/t.jsonl does not exist$"):
+        make_task("jsonl", files={"train": str(tmp_path / "t.jsonl")})
+
+
+def test_a_home_verifier_file_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "r.py").write_text("def score(prompt, completion):\n    return 1.0\n")
+    t = write_rows(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}])
+    task = make_task("jsonl", files="~/t.jsonl", verifier="~/r.py:score")
+    assert task.score(task.prompts("train")[0], "x") == 1.0

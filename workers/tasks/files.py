@@ -69,9 +69,40 @@ def _files_hint(files) -> str:
     return ""
 
 
+SPLITS = ("train", "test")
+TEST_ALIASES = ("val", "validation")  # verl's val_files, HF's validation split
+
+
+def _splits(files: dict) -> dict:
+    """split -> path, ``val`` / ``validation`` renamed ``test``. Refused: a split the run never
+    reads (silently unused, as a ``val`` beside a ``test`` was) and two names for the test split."""
+    given = [k for k in ("test", *TEST_ALIASES) if k in files]
+    if len(given) > 1:
+        raise ValueError(f"task.kwargs.files: {' and '.join(given)} both name the test split (val and validation "
+                         f"stand for test, the one evaluations read); keep one")
+    unknown = [k for k in files if k not in (*SPLITS, *TEST_ALIASES)]
+    if unknown:
+        raise ValueError(f"task.kwargs.files.{unknown[0]}: not a split; a run reads train and test (val or "
+                         "validation stand for test)")
+    return {("test" if k in TEST_ALIASES else k): p for k, p in files.items()}
+
+
+def _check_file(key: str, p: Path) -> None:
+    """A data file the readers take, there now (said at start, naming ``key``)."""
+    if p.is_dir():
+        raise ValueError(f"{key}: {p} is a folder; give one data file ({', '.join(sorted(READERS))}) per split "
+                         "(several files: concatenate them)")
+    if p.suffix not in READERS:
+        raise ValueError(f"{key}: {p}: a {p.suffix or 'suffixless'} file; the readers take {sorted(READERS)}")
+    if not p.exists():
+        where = "" if p.is_absolute() else f" (a relative path resolves from the working directory, {Path.cwd()})"
+        raise FileNotFoundError(f"{key}: {p} does not exist{where}")
+
+
 class FileTask:
     """``files``: split -> path (``{"train": "a.jsonl", "test": "b.jsonl"}``; ``val`` or
-    ``validation`` stand for ``test``) or one path for every split; ``~`` is expanded.
+    ``validation`` stand for ``test``, refused beside it) or one path for every split; ``~`` is
+    expanded (in a ``file.py:fn`` verifier too); a relative path resolves from the working directory.
     ``prompt_key`` / ``answer_key`` may be dotted (nested fields). ``verifier``: see
     ``verifiers.make_verifier``; ``verifier_kwargs``: keyword arguments for it (verl's
     ``custom_reward_function.reward_kwargs``), checked against it here."""
@@ -83,19 +114,12 @@ class FileTask:
         if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
             raise ValueError(f"task.kwargs.files: one path, or split -> one path ({{train: a.jsonl, test: "
                              f"b.jsonl}}), got {files!r}{_files_hint(files)}")
-        files = dict(files)
-        for alias in ("val", "validation"):
-            if alias in files and "test" not in files:
-                files["test"] = files.pop(alias)
-        self.files = {split: str(Path(p).expanduser()) for split, p in files.items()}
+        self.files = {split: str(Path(p).expanduser()) for split, p in _splits(files).items()}
         for split, p in self.files.items():
-            if Path(p).suffix not in READERS:
-                raise ValueError(f"task.kwargs.files.{split}: {p}: a {Path(p).suffix or 'suffixless'} file; "
-                                 f"the readers take {sorted(READERS)}")
-            if not Path(p).exists():
-                raise FileNotFoundError(f"task.kwargs.files.{split}: {p} does not exist")
+            _check_file(f"task.kwargs.files.{split}", Path(p))
         if not isinstance(verifier, str):
             raise ValueError(f"task.kwargs.verifier: a name or 'file.py:fn', got {verifier!r}")
+        verifier = str(Path(verifier).expanduser()) if verifier.startswith("~") else verifier  # ~/r.py:fn
         if not isinstance(verifier_kwargs or {}, dict) or not all(isinstance(k, str) for k in verifier_kwargs or {}):
             raise ValueError(f"task.kwargs.verifier_kwargs: a mapping of keyword -> value, got {verifier_kwargs!r}")
         self.verify = make_verifier(verifier, verifier_kwargs)
