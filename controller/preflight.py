@@ -157,18 +157,83 @@ def lock_run_folder(logdir: Path) -> int:
 
 def refuse_fresh_start_over_a_run(logdir: Path, resume: str) -> None:
     """``--resume`` of a path with no checkpoint starts fresh only where that path is
-    ``logdir`` (the first start of a ``torchrun --max-restarts`` job resumes its own, still
-    empty, ``logging.logdir``) or does not exist yet, and then never over a run ``logdir``
-    holds (its rows, TensorBoard steps, ``iter_*`` folders and ``latest`` would be overwritten).
-    An existing folder with no checkpoint (``iter_N/trainer``, a run that never saved) is a
-    wrong path: refused, rather than silently training from scratch."""
+    ``logdir`` and holds no rows yet (the first start of a ``torchrun --max-restarts`` job
+    resumes its own, still empty, ``logging.logdir``; a restart of that job may start over its
+    own rows), or where it does not exist yet and is no checkpoint's path, and then never over a
+    run ``logdir`` holds (its rows, TensorBoard steps, ``iter_*`` folders and ``latest`` would be
+    overwritten). An existing folder with no checkpoint (``iter_N/trainer``, a run that never
+    saved) or a mistyped checkpoint path (``checkpoints/iter_5``) is refused, naming what is
+    there, rather than silently training from scratch."""
     p = Path(resume)
-    if ckpt.find(resume) is not None or p.resolve() == logdir.resolve():
+    if ckpt.find(resume) is not None:
+        return
+    if p.resolve() == logdir.resolve():
+        _refuse_restart_over_rows(logdir, resume)
         return
     if p.exists():
-        inside = next((q for q in p.resolve().parents if (q / "controller.json").exists()), None)
+        inside = _checkpoint_above(p)
         hint = (f"it is inside the checkpoint {inside}: --resume {inside}" if inside else
                 "give a run folder (logging.logdir) or a checkpoint folder (<logdir>/checkpoints/iter_N)")
         raise ConfigError(f"--resume {resume}: no checkpoint there (none in it: no controller.json, "
                           f"checkpoints/ or latest); {hint}")
+    hint = _missing_checkpoint_hint(p)
+    if hint:
+        raise ConfigError(f"--resume {resume}: no checkpoint there (the path does not exist); {hint}")
     refuse_previous_run(logdir, f"--resume {resume}: no checkpoint there (the path does not exist); ")
+
+
+def _rows(logdir: Path) -> int:
+    """Rows ``logdir``'s iterations.jsonl and eval.jsonl hold (a resume from iteration 0 drops them all)."""
+    n = 0
+    for name in ("iterations.jsonl", "eval.jsonl"):
+        try:
+            n += sum(1 for line in (logdir / name).read_text(errors="replace").splitlines() if line.strip())
+        except OSError:
+            pass
+    return n
+
+
+def _refuse_restart_over_rows(logdir: Path, resume: str) -> None:
+    """``--resume`` of a run folder holding rows but no checkpoint (a run stopped before its
+    first save) would start at iteration 0 and drop every row: refused, unless this is
+    torchrun's restart of the job that wrote them (``--max-restarts``, documented to start over)."""
+    rows = _rows(logdir)
+    if not rows or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    raise ConfigError(f"--resume {resume}: the run folder {logdir} holds no checkpoint to resume from, only {rows} "
+                      "logged row(s) (iterations.jsonl, eval.jsonl) of a run that stopped before its first save; "
+                      "resuming would start at iteration 0 and drop them. Start a new run elsewhere with --set "
+                      "logging.logdir=NEW_DIR and no --resume (train.ckpt_every saves along the way), or delete "
+                      "the folder to start over there")
+
+
+def _checkpoint_above(p: Path) -> Path | None:
+    return next((q for q in p.resolve().parents if (q / "controller.json").exists()), None)
+
+
+def _missing_checkpoint_hint(p: Path) -> str:
+    """What a ``--resume`` path that does not exist was likely meant to be, when it is a
+    checkpoint's path (a mistyped ``iter_N``, a path inside a checkpoint or run folder); ''
+    for a path that names no run (the first start of a ``--max-restarts`` job, a fork's
+    folder)."""
+    here = next((q for q in p.absolute().parents if q.is_dir()), None)
+    if here is None:
+        return ""
+    inside = (here if (here / "controller.json").exists() else None) or _checkpoint_above(here)
+    if inside is not None:
+        return f"it is inside the checkpoint {inside}: --resume {inside}"
+    try:
+        found = ckpt.find(here)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    if found is not None:
+        names = [c.name for c in ckpt.complete(found.parent)]
+        listed = ", ".join(names[-4:]) + (f" (and {len(names) - 4} older)" if len(names) > 4 else "")
+        return (f"{found.parent} holds the checkpoints {listed}: --resume {found} (the latest), or another "
+                f"{found.parent}/iter_N of those")
+    if (here / "iterations.jsonl").exists():
+        return f"{here} holds a run that saved no checkpoint: nothing to resume there"
+    if p.name.startswith("iter_") or "checkpoints" in p.parts:
+        return ("expected a checkpoint folder (<logdir>/checkpoints/iter_N, holding controller.json) or a run "
+                "folder (logging.logdir); give one that exists")
+    return ""
