@@ -23,6 +23,8 @@ import time
 import uuid
 
 _ATTEMPT: str | None = None  # this process's agreed id (one process = one attempt)
+_STARTS: int | None = None  # rank 0: the attempts of this job so far, this one included (STARTS_KEY)
+STARTS_KEY = "streamrl/starts"  # counted by rank 0 once per attempt: the store outlives attempts
 # the current id, set once the controller is up (a joiner reads it; a change: the job restarted)
 ATTEMPT_KEY = "streamrl/attempt"
 
@@ -95,8 +97,24 @@ def torchrun_store(timeout_s: float):
 def current_attempt(timeout_s: float) -> str:
     """This process's attempt id under torchrun: agreed once (torchrun's store, ranks RANK /
     WORLD_SIZE), then the same answer."""
-    global _ATTEMPT
+    global _ATTEMPT, _STARTS
     if _ATTEMPT is None:
-        _ATTEMPT = agree_on_attempt(torchrun_store(timeout_s), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                                    timeout_s)
+        store, rank = torchrun_store(timeout_s), int(os.environ["RANK"])
+        _ATTEMPT = agree_on_attempt(store, rank, int(os.environ["WORLD_SIZE"]), timeout_s)
+        if rank == 0:
+            _STARTS = count_start(store)
     return _ATTEMPT
+
+
+def count_start(store) -> int:
+    """Count one more attempt of the job whose store this is; returns the count (1: the first)."""
+    return int(store.add(STARTS_KEY, 1))
+
+
+def is_restart() -> bool:
+    """Whether this attempt restarts the torchrun job (after any node's failure or a membership
+    change). On rank 0 once the attempt is agreed: the job's count in torchrun's store; else
+    ``TORCHELASTIC_RESTART_COUNT`` > 0, which only the node whose worker failed raises."""
+    if _STARTS is not None:
+        return _STARTS > 1
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

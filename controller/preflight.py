@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from controller import checkpoint as ckpt
+from controller.attempt import is_restart
 from controller.config import ConfigError
 
 
@@ -103,10 +104,9 @@ def refuse_previous_run(logdir: Path, why: str = "") -> None:
         return
     found = ckpt.find(logdir)
     what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart > 0:  # torchrun --max-restarts restarted the job: the folder is this job's own
+    if is_restart():  # torchrun --max-restarts restarted the job: the folder is this job's own
         raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}) and this is torchrun's "
-                          f"restart {restart} of the job, launched without --resume: launch with --resume {logdir} "
+                          f"restart of the job, launched without --resume: launch with --resume {logdir} "
                           "so that a restart continues from the last checkpoint (the first start, with no "
                           "checkpoint yet, starts fresh)")
     raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}); continue it with "
@@ -198,7 +198,7 @@ def _refuse_restart_over_rows(logdir: Path, resume: str) -> None:
     first save) would start at iteration 0 and drop every row: refused, unless this is
     torchrun's restart of the job that wrote them (``--max-restarts``, documented to start over)."""
     rows = _rows(logdir)
-    if not rows or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    if not rows or is_restart():
         return
     raise ConfigError(f"--resume {resume}: the run folder {logdir} holds no checkpoint to resume from, only {rows} "
                       "logged row(s) (iterations.jsonl, eval.jsonl) of a run that stopped before its first save; "

@@ -102,3 +102,28 @@ def test_a_rank_that_hears_no_answer_gives_up():
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
     with pytest.raises(AttemptError, match="rank 1: rank 0 did not answer"):
         agree_on_attempt(client, 1, W, 0.3, poll_s=0.01)
+
+
+def test_a_restart_is_counted_per_job_not_per_node(monkeypatch):
+    """TORCHELASTIC_RESTART_COUNT rises only on the node whose worker failed: rank 0 on a
+    healthy node restarted with 0 and took the job's own restart for a new launch (a
+    ``--resume`` over its rows was refused and spent a restart). Rank 0 counts attempts in
+    torchrun's store, which outlives them."""
+    from controller import attempt
+
+    port, store = _server()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # this node's count: another node failed
+    monkeypatch.setattr(attempt, "_STARTS", None)
+    assert attempt.is_restart() is False  # before the handshake: the node's count
+    for start, restart in ((1, False), (2, True), (3, True)):
+        monkeypatch.setattr(attempt, "_ATTEMPT", None)  # a new process of a new attempt
+        attempt.current_attempt(30.0)
+        assert attempt._STARTS == start
+        assert attempt.is_restart() is restart
+    monkeypatch.setattr(attempt, "_STARTS", None)  # no store (a process outside torchrun)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert attempt.is_restart() is True

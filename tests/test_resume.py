@@ -307,7 +307,7 @@ def test_a_torchrun_restart_without_resume_says_to_launch_with_resume(tmp_path, 
     _saved(logdir / "checkpoints", 2)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints up to iter_000002\) and this is "
-                                          r"torchrun's restart 1 of the job, launched without --resume: launch with "
+                                          r"torchrun's restart of the job, launched without --resume: launch with "
                                           rf"--resume {logdir} so that"):
         refuse_previous_run(logdir)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
