@@ -88,11 +88,13 @@ def point_latest(ckpt: Path) -> None:
         write_text(latest, Path(ckpt).name)
 
 
-def find(path: str | Path) -> Path | None:
+def find(path: str | Path, say_newer: bool = False) -> Path | None:
     """A checkpoint folder from ``path``: the folder itself, a ``checkpoints/`` root, or a
     run logdir (its ``checkpoints/latest``; when that names no complete checkpoint, the newest
     complete one). None when nothing is there yet; CheckpointError for a file, or for a folder
-    whose checkpoints are all incomplete (starting fresh there would write over that run)."""
+    whose checkpoints are all incomplete (starting fresh there would write over that run).
+    ``say_newer`` (the resume itself): say so when a complete checkpoint newer than the one
+    ``latest`` names is there (taken only when asked for by its path)."""
     p = Path(path)
     if p.is_file():
         raise CheckpointError(f"--resume {path}: is a file; give a run folder (logging.logdir) or a checkpoint "
@@ -105,11 +107,10 @@ def find(path: str | Path) -> Path | None:
             c = root / latest.read_text().strip()
             if c != root and (c / "controller.json").exists():
                 newer = [d for d in done if iteration_of(d) > iteration_of(c)]
-                if newer and (root, c.name, newer[-1].name) not in _SAID:
-                    _SAID.add((root, c.name, newer[-1].name))
+                if newer and say_newer:
                     print(f"[controller] {latest} names {c.name}; {newer[-1].name} is newer and complete (a save "
-                          f"stopped between its commit and latest's update, or a lineage abandoned by resuming "
-                          f"{c.name}); taking {c.name}: give --resume {newer[-1]} to continue from there",
+                          f"stopped between its commit and latest's update, or a lineage abandoned by resuming an "
+                          f"older checkpoint); resuming {c.name}: give --resume {newer[-1]} to continue from there",
                           file=sys.stderr, flush=True)
                 return c
             if done and (root, c.name) not in _SAID:  # said once per process: find() is asked often

@@ -137,7 +137,7 @@ class Session:
         return ScaleOutPolicy(self.world.sgs.slots[0].profile)
 
     def _resume(self):
-        found = ckpt.find(self.args.resume)
+        found = ckpt.find(self.args.resume, say_newer=True)
         if found is None:  # the first start of a torchrun --max-restarts job has none yet
             where = "does not exist" if not Path(self.args.resume).exists() else "holds no checkpoint"
             print(f"[controller] --resume {self.args.resume}: the path {where} yet; starting fresh",

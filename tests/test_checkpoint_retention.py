@@ -300,17 +300,32 @@ def test_the_rows_awaiting_the_rankers_next_update_are_saved(tmp_path):
 
 def test_a_newer_complete_checkpoint_than_latest_is_named_not_taken(tmp_path, capsys):
     """A save killed between its rename (the commit) and latest's update leaves iter_3 complete
-    and latest on iter_2; resuming the run takes iter_2 (latest may name an older lineage on
-    purpose: point_latest) and says iter_3 is there, with the flag that takes it."""
+    and latest on iter_2; the resume takes iter_2 (latest may name an older lineage on purpose:
+    point_latest) and says iter_3 is there, with the flag that takes it. Only the resume says
+    it: the finds of a run's saves (prune) on a lineage resumed on purpose stay quiet."""
     root = tmp_path / "run" / "checkpoints"
     for it in (1, 2, 3):
         ckpt.save(root, _state(it), _trainer_save)
     (root / "latest").write_text("iter_000002")
-    assert ckpt.find(tmp_path / "run") == root / "iter_000002"
+    assert ckpt.find(tmp_path / "run", say_newer=True) == root / "iter_000002"
     err = capsys.readouterr().err
-    assert "iter_000003 is newer and complete" in err and f"--resume {root / 'iter_000003'}" in err
-    ckpt.find(tmp_path / "run")
-    assert capsys.readouterr().err == ""  # said once
+    assert "iter_000003 is newer and complete" in err and "resuming iter_000002" in err
+    assert f"--resume {root / 'iter_000003'}" in err
+    assert ckpt.find(tmp_path / "run") == root / "iter_000002"
+    assert capsys.readouterr().err == ""  # not the resume: nothing said
     (root / "latest").write_text("iter_000003")
-    assert ckpt.find(tmp_path / "run") == root / "iter_000003"
+    assert ckpt.find(tmp_path / "run", say_newer=True) == root / "iter_000003"
     assert capsys.readouterr().err == ""  # nothing newer: nothing said
+
+
+def test_a_lineage_resumed_on_purpose_is_not_told_of_the_abandoned_one_at_each_save(tmp_path, capsys):
+    s = _session(tmp_path, keep=2)
+    root = tmp_path / "run" / "checkpoints"
+    for it in range(1, 11):
+        s.save_checkpoint(it)
+    capsys.readouterr()
+    ckpt.point_latest(root / "iter_000009")  # --resume RUN/checkpoints/iter_000009 into its own folder
+    s = _session(tmp_path, keep=2, resumed_from=root / "iter_000009")
+    for it in (9, 10):
+        s.save_checkpoint(it)
+    assert "newer and complete" not in capsys.readouterr().err
