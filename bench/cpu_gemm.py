@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.argcheck import positive_int  # noqa: E402
 from bench.jsonline import json_line  # noqa: E402
 from workers.generation import panel_gemm, prepacked  # noqa: E402
 
@@ -44,11 +45,16 @@ def shapes(model: str) -> list[tuple[str, int, int]]:
     return [("qkv", d, qkv), ("o", d, d), ("gate_up", d, 2 * inter), ("down", inter, d), ("lm_head", d, vocab)]
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line: a bad value is one line naming the flag, exit code 2."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="(a)'s shapes, fewer trials (seconds)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if not panel_gemm.available(torch.float32):
         emit(skipped=True, reason="the panel GEMM needs an AVX-512 CPU and a C++ compiler "

@@ -55,8 +55,10 @@ from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
 from engine_competitors import CLOCK, DEVICE, Work, run_hf, run_vllm, run_vllm_default, sync_device  # noqa: E402
 from roofline import Roofline, matmul_flops, model_flops, read_bandwidth, roofline  # noqa: E402
+from argcheck import names_from, positive_int  # noqa: E402
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.val.jsonl.gz"
+WORKLOADS = ("a", "b", "c")  # the docstring's (a), (b), (c)
 
 
 def emit(**kw) -> dict:
@@ -236,20 +238,24 @@ def ratio(a, b):
     return None if a is None or not b else a / b
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before any work: a bad value is one line naming the flag,
+    exit code 2."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small workloads (under a minute)")
-    ap.add_argument("--workloads", default="a,b,c")
-    ap.add_argument("--competitors", default="native,native_bf16kv,hf,vllm,vllm_default",
-                    help="native_bf16kv: the native engine with kv_cache_dtype bfloat16, reported "
-                         "beside the headline (vLLM's CPU backend has no bf16 KV option); "
-                         "vllm_default: vLLM at its own dtype choice (bf16 for the fp32 model)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", type=names_from(WORKLOADS), default="a,b,c",
+                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--competitors", type=names_from(COMPETITORS),
+                    default="native,native_bf16kv,hf,vllm,vllm_default",
+                    help=f"comma-separated, of {', '.join(COMPETITORS)}; native_bf16kv: the native engine "
+                         "with kv_cache_dtype bfloat16, reported beside the headline (vLLM's CPU backend has "
+                         "no bf16 KV option); vllm_default: vLLM at its own dtype choice (bf16 for the fp32 model)")
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="'cpu': time the runs in CPU seconds of this process (with --threads 1: "
                          "single-core throughput, robust to other load on a shared machine; "
                          "misses work done in child processes, e.g. vLLM's engine core)")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="alternate the competitors this many times, keep each one's best run")
     ap.add_argument("--attention", default="", choices=["", "cpu", "torch", "triton"],
                     help="native engine's attention backend ('cpu': C++ kernel, built on first "
@@ -262,17 +268,18 @@ def main(argv=None):
         ap.error("--device cuda: torch sees no CUDA device")
     if args.device == "cuda" and args.attention == "cpu":
         ap.error("--attention cpu is the CPU kernel: use torch or triton with --device cuda")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     DEVICE["name"] = args.device
     args.attention = args.attention or ("triton" if args.device == "cuda" else "cpu")
     torch.set_num_threads(args.threads)
     ATTENTION["backend"] = args.attention
     CLOCK["now"] = time.process_time if args.clock == "cpu" else time.perf_counter
     tune_cpu_malloc()  # process-wide: helps every competitor alike
-    comps = args.competitors.split(",")
-    for c in comps:
-        if c not in COMPETITORS:
-            ap.error(f"--competitors: unknown {c!r} (known: {sorted(COMPETITORS)})")
-    wl = args.workloads.split(",")
+    comps, wl = args.competitors, args.workloads
     q = args.quick
     peak, bw, peak16 = probe_machine(q, bf16="c" in wl)
     emit(measure="fp32_matmul_flops", flops_per_s=peak, threads=args.threads, clock=args.clock,

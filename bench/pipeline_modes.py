@@ -31,37 +31,40 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
+from argcheck import int_at_least, names_from, positive_float, positive_int  # noqa: E402
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
 ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
+QUICK = {"iterations": 4, "prompts": 24, "max_len": 80, "repeat": 1}  # --quick's defaults; flags given win
+FULL = {"iterations": 12, "prompts": 48, "max_len": 160, "repeat": 4}
 
 
 def parse_args(argv=None, description: str | None = None):
+    """The command line, checked before any process starts: a bad value is one line naming
+    the flag, exit code 2. ``--quick`` sets the defaults of the counts."""
     ap = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small run (< 2 minutes)")
-    ap.add_argument("--iterations", type=int, default=0, help="measured iterations per mode")
-    ap.add_argument("--prompts", type=int, default=0, help="prompts per iteration")
-    ap.add_argument("--scale", type=float, default=8.0, help="trace words per generated token")
-    ap.add_argument("--max-len", type=int, default=0, help="longest forced output")
-    ap.add_argument("--modes", default=",".join(ORDER),
+    ap.add_argument("--iterations", type=positive_int,
+                    help=f"measured iterations per mode (default {FULL['iterations']}, --quick {QUICK['iterations']})")
+    ap.add_argument("--prompts", type=int_at_least(2),
+                    help=f"prompts per iteration, >= 2: colocated trains on 2 DP ranks (default {FULL['prompts']}, "
+                         f"--quick {QUICK['prompts']})")
+    ap.add_argument("--scale", type=positive_float, default=8.0, help="trace words per generated token")
+    ap.add_argument("--max-len", type=positive_int,
+                    help=f"longest forced output (default {FULL['max_len']}, --quick {QUICK['max_len']})")
+    ap.add_argument("--modes", type=names_from(ORDER), default=",".join(ORDER),
                     help="comma-separated modes, run in this order (the summary needs batch, stream, async_stream, "
                          "colocated)")
-    ap.add_argument("--repeat", type=int, default=0,
-                    help="rounds over the modes (default 4, --quick 1), alternating forward and reverse order, "
-                         "which cancels a linear drift of the machine's load; each mode's line sums its rounds")
+    ap.add_argument("--repeat", type=positive_int,
+                    help=f"rounds over the modes (default {FULL['repeat']}, --quick {QUICK['repeat']}), alternating "
+                         "forward and reverse order, which cancels a linear drift of the machine's load; each mode's "
+                         "line sums its rounds")
     ap.add_argument("--logdir", default="runs/bench_pipeline_modes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    a.iterations = a.iterations or (4 if a.quick else 12)
-    a.prompts = a.prompts or (24 if a.quick else 48)
-    a.max_len = a.max_len or (80 if a.quick else 160)
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in a.modes if m not in ORDER]
-    if bad:
-        ap.error(f"--modes: {bad} not in {list(ORDER)}")
-    a.repeat = a.repeat or (1 if a.quick else 4)
-    if a.repeat < 1:
-        ap.error(f"--repeat must be >= 1, got {a.repeat}")
+    for key, value in (QUICK if a.quick else FULL).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     return a
 
 

@@ -61,6 +61,7 @@ from controller.planner.profile import TrainerPasses, TrainProfile  # noqa: E402
 from controller.planner.simulator import SimConfig, Workload, scaled_profile, simulate  # noqa: E402
 from controller.scheduling import PTLProfile  # noqa: E402
 from jsonline import json_line  # noqa: E402
+from argcheck import positive_int  # noqa: E402
 
 SEGMENT_ROUNDS = 2  # pipeline_modes rounds per segment: the modes in one order, then reversed
 TRAIN_PROFILE_REPEATS = 3  # passes per size, before and after each pipeline run (fit: median per size)
@@ -170,11 +171,13 @@ def predict(mode: str, gen: PTLProfile, train: TrainProfile, host: dict, wls: li
     return per_it(r), per_it(other), r.spans
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before any work: a bad value is one line naming the flag,
+    exit code 2. ``segments`` is filled in (``--measured``: 1; default 3, --quick 1)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bench/pipeline_modes.py --quick")
     ap.add_argument("--measured", default="", help="JSON lines of a pipeline_modes run (skip running it; one segment)")
-    ap.add_argument("--segments", type=int, default=0,
+    ap.add_argument("--segments", type=positive_int,
                     help="measured segments (default 3, --quick 1): each runs bench/pipeline_modes.py with "
                          "2 rounds, then measures every profile; a segment is predicted from the "
                          "profiles taken right after it")
@@ -184,7 +187,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--separate-hardware", action="store_true",
                     help="predict without the shared-host slowdowns (each stage on its own hardware)")
     a = ap.parse_args(argv)
-    n_seg = 1 if (a.measured or a.quick) else (a.segments or 3)
+    if a.measured and not Path(a.measured).is_file():
+        ap.error(f"argument --measured: no such file: {a.measured}")
+    if a.measured and (a.segments or 1) != 1:
+        ap.error(f"argument --segments: --measured is one segment, got {a.segments}")
+    a.segments = a.segments or (1 if (a.measured or a.quick) else 3)
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    n_seg = a.segments
 
     from workers.tasks.registry import make_task
     from workers.tokenizer import Tokenizer

@@ -41,23 +41,33 @@ DEFAULT_LOGDIR = "runs/bench_scale_out"  # a new timestamped sub-folder per run
 
 
 def parse_args(argv=None):
+    from argcheck import int_at_least, positive_int
+    from controller.modes import MODES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short run (~1 minute)")
-    ap.add_argument("--iterations", type=int, default=0, help="iterations in all")
-    ap.add_argument("--grow", type=int, default=0, help="iterations over which the length rises")
-    ap.add_argument("--start-len", type=int, default=8)
-    ap.add_argument("--end-len", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
-    ap.add_argument("--group", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--prompt-terms", type=int, default=28,
+    ap.add_argument("--iterations", type=positive_int, help="iterations in all (default 24, --quick 16)")
+    ap.add_argument("--grow", type=positive_int,
+                    help="iterations over which the length rises (default 20, --quick 12)")
+    ap.add_argument("--start-len", type=positive_int, default=8, help="forced length of iteration 0")
+    ap.add_argument("--end-len", type=positive_int, default=128, help="forced length once grown (>= --start-len)")
+    ap.add_argument("--prompts", type=positive_int, default=4, help="prompts per iteration")
+    ap.add_argument("--group", type=int_at_least(2), default=4, help="samples per prompt (GRPO: >= 2)")
+    ap.add_argument("--prompt-terms", type=positive_int, default=28,
                     help="numbers per prompt (long prompts: training pays for them, generation barely)")
-    ap.add_argument("--mode", default="stream", help="pipeline mode")
-    ap.add_argument("--profile", default="", help="reuse this PTL profile JSON instead of measuring one")
+    ap.add_argument("--mode", default="stream", choices=[m for m, mode in MODES.items() if not mode.colocated],
+                    help="pipeline mode (colocated runs are static: nothing to scale out)")
+    ap.add_argument("--profile", default="",
+                    help="reuse this PTL profile JSON instead of measuring one (relative to the repository root)")
     ap.add_argument("--logdir", default="",
                     help=f"run folder, relative to the repository root; must not hold a run "
                          f"(default: a new {DEFAULT_LOGDIR}/YYYYmmdd-HHMMSS)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.end_len < a.start_len:
+        ap.error(f"argument --end-len: must be >= --start-len ({a.start_len}): the length rises, got {a.end_len}")
+    if a.profile and not (ROOT / a.profile).is_file():  # the ranks run in the repository root
+        ap.error(f"argument --profile: no such file: {ROOT / a.profile}")
     if not a.worker:  # the launcher picks the folder and passes it on to the ranks
         if not a.logdir:
             stamp = time.strftime("%Y%m%d-%H%M%S")

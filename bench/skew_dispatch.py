@@ -47,6 +47,7 @@ from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
+from argcheck import int_at_least, non_negative_int, positive_int  # noqa: E402
 
 TRACE = "llama33_70b_rg_easy.{split}.jsonl.gz"
 # CPU seconds of this process: with one compute thread this is the instance's own work, which
@@ -176,29 +177,49 @@ def run_plan(engine: NativeEngine, plan, prompts: list[torch.Tensor], out_lens: 
     return times, counts
 
 
-def main(argv=None) -> dict:
+QUICK = {"prompts": 256, "kv_tokens": 2048, "len_cap": 512}  # --quick's defaults; flags given win
+FULL = {"prompts": 1024, "kv_tokens": 8192, "len_cap": 1024}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before any work: a bad value is one line naming the flag,
+    exit code 2. ``--quick`` sets the defaults of --prompts, --kv-tokens and --len-cap."""
+    from ranker.store import KINDS
+
+    root = Path(__file__).resolve().parents[1]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="256 prompts, 2,048-token KV budget (< 2 min)")
-    ap.add_argument("--prompts", type=int, default=1024)
-    ap.add_argument("--instances", type=int, default=4)
-    ap.add_argument("--kv-tokens", type=int, default=8192)
-    ap.add_argument("--len-cap", type=int, default=1024)
-    ap.add_argument("--prompt-cap", type=int, default=32, help="prompt tokens kept per prompt")
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--max-batch", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ranker", default="lgbm", help="ranker.build kind")
-    ap.add_argument("--trace-dir", default=str(Path(__file__).resolve().parents[1] / "data" / "length_traces"))
-    ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / "runs" / "bench" / "skew_dispatch"))
+    ap.add_argument("--prompts", type=positive_int, help=f"default {FULL['prompts']}, --quick {QUICK['prompts']}")
+    ap.add_argument("--instances", type=positive_int, default=4)
+    ap.add_argument("--kv-tokens", type=int_at_least(16),
+                    help=f"KV budget per instance (>= 16: one block); default {FULL['kv_tokens']}, "
+                         f"--quick {QUICK['kv_tokens']}")
+    ap.add_argument("--len-cap", type=positive_int,
+                    help=f"longest forced output; default {FULL['len_cap']}, --quick {QUICK['len_cap']}")
+    ap.add_argument("--prompt-cap", type=positive_int, default=32, help="prompt tokens kept per prompt")
+    ap.add_argument("--hidden", type=int_at_least(8), default=64, help="model width (a multiple of 8: 4 heads)")
+    ap.add_argument("--layers", type=positive_int, default=2)
+    ap.add_argument("--max-batch", type=positive_int, default=512)
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--ranker", default="lgbm", choices=sorted(KINDS), help="ranker.build kind")
+    ap.add_argument("--trace-dir", default=str(root / "data" / "length_traces"))
+    ap.add_argument("--cache", default=str(root / "runs" / "bench" / "skew_dispatch"))
     ap.add_argument("--calibration", default="rank", choices=["rank", "bins"],
                     help="map ranker outputs to lengths: held-out bin means, or train quantile by rank")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=2,
+    ap.add_argument("--seed", type=non_negative_int, default=0)
+    ap.add_argument("--repeats", type=positive_int, default=2,
                     help="run each instance's share this many times, keep the fastest (shared machine)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.prompts, args.kv_tokens, args.len_cap = 256, 2048, 512
+    if args.hidden % 8:
+        ap.error(f"argument --hidden: must be a multiple of 8 (4 heads of an even width), got {args.hidden}")
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
 
     val = load_rows(Path(args.trace_dir), "val")

@@ -18,6 +18,7 @@ from workers.model import CausalAttention, CausalLM, ModelConfig, init_weights
 from workers.trainer.losses import aggregate_sum, policy_loss
 from workers.trainer.packing import PaddedCausalAttention, pack, token_logprobs
 from jsonline import json_line  # bench/ is the script's folder
+from argcheck import positive_int
 
 
 def batch(n: int, prompt: int, max_len: int, vocab: int, seed: int):
@@ -43,13 +44,18 @@ def measure(model, b, make_attn, reps: int) -> float:
     return b.ids.numel() * reps / (time.perf_counter() - t)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line: a bad value is one line naming the flag, exit code 2."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="batches of 16 and 64 sequences, 2 repetitions each (else 16, 64 and 128, 5 each)")
-    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    a = ap.parse_args()
+    ap.add_argument("--threads", type=positive_int, default=2, help="torch.set_num_threads")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2)
