@@ -8,8 +8,9 @@ per generate call, the generate thread's wall, CPU and run-queue seconds
 (``/proc/self/task/<tid>/schedstat``; blocked = wall - CPU - run queue: GIL, I/O, locks), the
 engine steps and their mean batch size, the CPU every other thread of the process used
 meanwhile (RPC/TensorPipe, the Outbox, the trainer's consumer), and the trainer-side receive
-calls that landed in that process meanwhile. Prints one JSON line per (mode, round, worker rank):
-means per measured iteration (the warm-up iteration is left out).
+calls that landed in that process meanwhile. Prints one JSON line per (mode, round, worker rank)
+(``probe: true``, ``mode``, ``round`` from 0, ``rank``): means per measured iteration (the
+warm-up iteration is left out).
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ def summarize(mode: str, recs: list[dict]) -> list[dict]:
 
 _wrap()
 _run_mode = pm.run_mode
+ROUNDS: dict[str, int] = {}  # mode -> rounds run: pipeline_modes runs each mode once a round
 
 
 def run_mode(cfg, mode, a, *args):
@@ -134,8 +136,9 @@ def run_mode(cfg, mode, a, *args):
         rpc.rpc_sync(f"worker{r}", drain)
     row = _run_mode(cfg, mode, a, *args)
     recs = [x for r in (1, 2) for x in rpc.rpc_sync(f"worker{r}", drain)]
+    rnd = ROUNDS[mode] = ROUNDS.get(mode, -1) + 1  # 0-based, as pipeline_modes' own round lines
     for line in summarize(mode, recs):
-        print(json_line({"probe": True, **line}), flush=True)
+        print(json_line({"probe": True, "round": rnd, **line}), flush=True)
     return row
 
 
