@@ -5,12 +5,14 @@ SDPA on a dense cache, vs the engine's torch paged path, vs vLLM's Triton kernel
     python bench/kernels.py --quick    # a few shapes (bench/gpu_check.sh)
 
 One JSON line per (shape, implementation); the last line is the summary with keys
-``device, peak_gbps, triton_median_pct_peak, triton_vs_sdpa_dense, triton_vs_torch_paged,
-triton_vs_vllm, rms_norm_vs_torch, rotary_vs_torch`` and the same from CUDA-graph replays
-(``*_graph``: the GPU's time without the host's launch cost, which dominates small shapes)
-(speedups are time ratios, geometric
-means over shapes for attention; >1 means ours is faster). Also times the fused RMSNorm
-(+ residual) and rotary kernels against the model's eager torch ops.
+``device, peak_gbps, dtype, triton_median_pct_peak, triton_max_gbps, triton_vs_sdpa_dense,
+triton_vs_torch_paged, triton_vs_vllm``, the same from CUDA-graph replays
+(``triton_median_pct_peak_graph, triton_vs_sdpa_dense_graph, triton_vs_torch_paged_graph``:
+the GPU's time without the host's launch cost, which dominates small shapes),
+``rms_norm_vs_torch, rotary_vs_torch, wide_table_vs_capacity_pieces, wide_table_vs_tight,
+vllm`` (speedups are time ratios, geometric means over shapes for attention; >1 means ours is
+faster; docs/benchmarks.md says what each is). Also times the fused RMSNorm (+ residual) and
+rotary kernels against the model's eager torch ops.
 On a machine without CUDA it prints one JSON line saying it skipped, and why.
 
 Bytes counted per call: K and V of every cached token (the kernel's compulsory traffic) plus
