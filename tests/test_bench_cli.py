@@ -1,0 +1,191 @@
+"""Bench command lines: a bad argument is refused before any work, by argparse (exit code 2, one
+line on stderr naming the flag and the value, stdout empty: it is reserved for the JSON lines),
+explicit flags win over --quick's defaults, and a bench's stdout is JSON lines ending with a
+flat summary (``"summary": true``). Nothing here runs a benchmark, but for one --quick run of
+the cheapest (trainer_throughput, ~10 s)."""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+# one bad argument per bench with a command line: (script, argv, what stderr must say)
+REFUSED = [
+    ("engine_throughput", ["--workloads", "x"], "argument --workloads: unknown 'x'"),
+    ("skew_dispatch", ["--prompts", "0"], "argument --prompts: must be an integer >= 1, got '0'"),
+    ("pipeline_modes", ["--iterations", "-1"], "argument --iterations: must be an integer >= 1, got '-1'"),
+    ("colocated_probe", ["--repeat", "0"], "argument --repeat: must be an integer >= 1, got '0'"),
+    ("scale_out", ["--group", "1"], "argument --group: must be an integer >= 2, got '1'"),
+    ("planner_accuracy", ["--segments", "-1"], "argument --segments: must be an integer >= 1, got '-1'"),
+    ("trainer_throughput", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("cpu_gemm", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("kernels", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    ("weight_sync", ["--reps", "0"], "--reps must be >= 1, got 0"),
+]
+
+
+def _run(script: str, argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def refused_runs() -> dict[str, subprocess.CompletedProcess]:
+    # each process pays for importing torch (~2 s); started together they take a few seconds
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = {script: pool.submit(_run, script, argv) for script, argv, _ in REFUSED}
+        return {script: f.result() for script, f in runs.items()}
+
+
+def test_every_bench_with_a_command_line_is_covered():
+    with_cli = {f.stem for f in BENCH.glob("*.py")
+                if any(s in f.read_text() for s in ("ArgumentParser(", "pm.parse_args("))}
+    assert with_cli == {script for script, _, _ in REFUSED}
+
+
+@pytest.mark.parametrize("script, argv, said", REFUSED, ids=[s for s, _, _ in REFUSED])
+def test_bad_argument_is_refused_before_any_work(refused_runs, script, argv, said):
+    p = refused_runs[script]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stdout == ""
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}.py: error: ") and said in last, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+def _load(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the benches import jsonline and argcheck from their folder
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _refused(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("engine_throughput", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    ("engine_throughput", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("engine_throughput", ["--workloads", "a,,d"], "argument --workloads: unknown 'd' in 'a,,d' (known: a, b, c)"),
+    ("engine_throughput", ["--workloads", "a,a"], "argument --workloads: 'a' given twice"),
+    ("engine_throughput", ["--competitors", "native,vllmm"], "argument --competitors: unknown 'vllmm'"),
+    ("skew_dispatch", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    ("skew_dispatch", ["--instances", "0"], "argument --instances: must be an integer >= 1, got '0'"),
+    ("skew_dispatch", ["--quick", "--kv-tokens", "8"], "argument --kv-tokens: must be an integer >= 16, got '8'"),
+    ("skew_dispatch", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("skew_dispatch", ["--hidden", "36"], "argument --hidden: must be a multiple of 8"),
+    ("skew_dispatch", ["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    ("skew_dispatch", ["--ranker", "gbm"], "argument --ranker: invalid choice: 'gbm'"),
+    ("pipeline_modes", ["--quick", "--prompts", "1"], "argument --prompts: must be an integer >= 2, got '1'"),
+    ("pipeline_modes", ["--scale", "inf"], "argument --scale: must be a finite number > 0, got 'inf'"),
+    ("pipeline_modes", ["--max-len", "0"], "argument --max-len: must be an integer >= 1, got '0'"),
+    ("pipeline_modes", ["--modes", "batch,strem"], "argument --modes: unknown 'strem'"),
+    ("pipeline_modes", ["--repeat", "-2"], "argument --repeat: must be an integer >= 1, got '-2'"),
+    ("scale_out", ["--iterations", "0"], "argument --iterations: must be an integer >= 1, got '0'"),
+    ("scale_out", ["--prompts", "0"], "argument --prompts: must be an integer >= 1, got '0'"),
+    ("scale_out", ["--mode", "colocated"], "argument --mode: invalid choice: 'colocated'"),
+    ("scale_out", ["--start-len", "64", "--end-len", "32"], "argument --end-len: must be >= --start-len (64)"),
+    ("scale_out", ["--profile", "no/such/ptl.json"], "argument --profile: no such file:"),
+    ("planner_accuracy", ["--quick", "--segments", "0"], "argument --segments: must be an integer >= 1, got '0'"),
+    ("planner_accuracy", ["--measured", "no/such/measured.jsonl"], "argument --measured: no such file:"),
+    ("trainer_throughput", ["--threads", "-1"], "argument --threads: must be an integer >= 1, got '-1'"),
+    ("cpu_gemm", ["--threads", "two"], "argument --threads: must be an integer >= 1, got 'two'"),
+])
+def test_bad_values_name_the_flag(script, argv, said, monkeypatch, capsys):
+    bench = _load(script, monkeypatch)
+    assert said in _refused(bench.parse_args, argv, capsys)
+
+
+def test_planner_accuracy_measured_is_one_segment(monkeypatch, capsys, tmp_path):
+    pa = _load("planner_accuracy", monkeypatch)
+    measured = tmp_path / "measured.jsonl"
+    measured.write_text("")
+    assert "--measured is one segment, got 3" in _refused(pa.parse_args, ["--measured", str(measured),
+                                                                         "--segments", "3"], capsys)
+    assert pa.parse_args(["--measured", str(measured)]).segments == 1
+
+
+def test_explicit_flags_win_over_quick(monkeypatch):
+    # --quick used to overwrite --prompts / --kv-tokens / --len-cap (skew_dispatch) and --segments
+    # (planner_accuracy) whatever the command line said
+    skew = _load("skew_dispatch", monkeypatch)
+    a = skew.parse_args(["--quick", "--prompts", "100"])
+    assert (a.prompts, a.kv_tokens, a.len_cap) == (100, 2048, 512)
+    a = skew.parse_args(["--kv-tokens", "4096", "--quick"])
+    assert (a.prompts, a.kv_tokens, a.len_cap) == (256, 4096, 512)
+    a = skew.parse_args([])
+    assert (a.prompts, a.kv_tokens, a.len_cap, a.repeats) == (1024, 8192, 1024, 2)
+    pa = _load("planner_accuracy", monkeypatch)
+    assert [pa.parse_args(argv).segments for argv in ([], ["--quick"], ["--quick", "--segments", "2"])] == [3, 1, 2]
+    pm = _load("pipeline_modes", monkeypatch)
+    a = pm.parse_args(["--quick", "--iterations", "7"])
+    assert (a.iterations, a.prompts, a.max_len, a.repeat) == (7, 24, 80, 1)
+    a = pm.parse_args(["--modes", " batch, stream "])
+    assert (a.modes, a.iterations, a.repeat) == (["batch", "stream"], 12, 4)
+    et = _load("engine_throughput", monkeypatch)
+    a = et.parse_args(["--workloads", "c,a"])
+    assert (a.workloads, a.competitors[:2], a.repeats) == (["c", "a"], ["native", "native_bf16kv"], 1)
+
+
+def test_no_bench_nests_its_summary():
+    # skew_dispatch and planner_accuracy printed {"summary": {...}}, the others a flat line
+    # marked "summary": true; readers of the JSON lines look for that mark
+    for f in sorted(BENCH.glob("*.py")):
+        text = f.read_text()
+        assert not re.search(r"""["']summary["']\s*:\s*(\{|summary\b)""", text), f"{f.name} nests its summary"
+        assert "summary=True" in text or re.search(r"""["']summary["']\s*:\s*True""", text) or \
+            f.stem in {"argcheck", "jsonline", "engine_competitors", "roofline", "planner_profiles",
+                       "colocated_probe"}, f.name  # helpers; the probe runs pipeline_modes' controller
+
+
+def test_missing_vllm_is_said_once_on_stderr(monkeypatch, capsys, tmp_path):
+    comp = _load("engine_competitors", monkeypatch)
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # run_vllm sets it otherwise
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert comp.run_vllm(tmp_path, [], "float32", 4) is None
+    assert comp.run_vllm_default(tmp_path, [], "float32", 4) is None
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "vLLM is not installed" in err and "are null" in err, err
+
+
+def test_quick_run_prints_json_lines_ending_with_the_flat_summary():
+    p = _run("trainer_throughput", ["--quick"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(line) for line in p.stdout.splitlines()]  # every line: JSON
+    assert len(lines) >= 2 and all(isinstance(d, dict) for d in lines)
+    assert lines[-1]["summary"] is True and "padded_over_packed" in lines[-1]
+    assert not any(d.get("summary") for d in lines[:-1])
+
+
+def test_kernels_summary_keys_are_documented():
+    # docs/benchmarks.md listed 10 of the kernel bench's 16 summary keys (not dtype, *_graph, wide_table_*)
+    import ast
+
+    tree = ast.parse((BENCH / "kernels.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "dict"]
+    summary = next(c for c in calls if {"bench", "summary"} <= {k.arg for k in c.keywords}
+                   and any(k.arg == "bench" and getattr(k.value, "value", "") == "kernels" for k in c.keywords))
+    extra = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and getattr(n.targets[0], "id", "") == "extra")
+    keys = {k.arg for k in summary.keywords + extra.keywords if k.arg} - {"bench", "summary"}
+    assert len(keys) == 16
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = doc.split("## bench/kernels.py", 1)[1].split("\n## ", 1)[0]
+    words = set(section.replace("`", " ").replace(",", " ").split())
+    assert keys <= words, sorted(keys - words)
