@@ -2,6 +2,7 @@
 in a subprocess, since an arena once made stays for the life of the process)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import ctypes, sys, threading
 sys.path.insert(0, {root!r})
 from workers import heap
 if {limit}:
-    assert heap.limit_arenas(2)
+    heap.limit_arenas(2)
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 barrier = threading.Barrier(8)
@@ -35,9 +36,10 @@ libc.malloc_stats()
 """
 
 
-def _arenas(limit: bool) -> int:
+def _arenas(limit: bool, env: dict | None = None) -> int:
+    base = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), limit=limit)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
     assert out.returncode == 0, out.stderr
     return sum(1 for ln in out.stderr.splitlines() if ln.startswith("Arena "))
 
@@ -46,6 +48,12 @@ def _arenas(limit: bool) -> int:
 def test_arena_cap_holds_under_threads():
     assert _arenas(limit=False) > 2  # the default: a new arena per contending thread
     assert _arenas(limit=True) == 2
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc malloc only (mallopt / malloc_trim)")
+def test_an_arena_count_set_in_the_environment_is_kept():
+    assert _arenas(limit=True, env={"MALLOC_ARENA_MAX": "4"}) == 4
+    assert _arenas(limit=True, env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=3"}) == 3
 
 
 TRIM = """

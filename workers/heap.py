@@ -10,7 +10,8 @@ did not change.
 
 * ``limit_arenas(n)``: at most ``n`` malloc arenas from now on (``mallopt(M_ARENA_MAX)``, the
   call behind ``MALLOC_ARENA_MAX``, which glibc reads only at process start). Call it before
-  threads start allocating: arenas already made stay.
+  threads start allocating: arenas already made stay. An arena count the environment sets
+  (``MALLOC_ARENA_MAX``, ``GLIBC_TUNABLES=glibc.malloc.arena_max=N``) is left as it is.
 * ``trim()``: give free heap memory back to the kernel (``malloc_trim(0)``); returns whether
   any was.
 * ``rss_mb()``: this process's resident memory in MB (Linux ``/proc``; 0.0 elsewhere), what
@@ -39,8 +40,16 @@ def limit_arenas(n: int = DEFAULT_ARENAS) -> bool:
     """At most ``n`` (>= 1) malloc arenas for the threads that allocate from now on."""
     if n < 1:
         raise ValueError(f"limit_arenas: n must be >= 1, got {n}")
+    if user_set_arenas():
+        return False
     libc = _glibc()
     return bool(libc is not None and libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(n)) == 1)
+
+
+def user_set_arenas() -> bool:
+    """Whether the environment sets the arena count (``MALLOC_ARENA_MAX``, or
+    ``glibc.malloc.arena_max`` in ``GLIBC_TUNABLES``): that setting is kept."""
+    return "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def trim() -> bool:
