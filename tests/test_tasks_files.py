@@ -164,6 +164,13 @@ def test_a_folder_as_a_data_file_is_refused_naming_the_key(tmp_path):
         (tmp_path / folder).mkdir()
         with pytest.raises(ValueError, match=rf"^task.kwargs.files.test: .*{folder} is a folder; give one data file"):
             make_task("jsonl", files={"train": train, "test": str(tmp_path / folder)})
+    # named as written: val / validation stand for test, but the config says val
+    with pytest.raises(ValueError, match=r"^task.kwargs.files.val: .*d is a folder"):
+        make_task("jsonl", files={"train": train, "val": str(tmp_path / "d")})
+    with pytest.raises(FileNotFoundError, match=r"^task.kwargs.files.validation: .*missing.jsonl does not exist"):
+        make_task("jsonl", files={"train": train, "validation": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(ValueError, match=r"^task.kwargs.files: .*d is a folder"):  # one path for every split
+        make_task("jsonl", files=str(tmp_path / "d"))
 
 
 def test_val_beside_test_or_an_unknown_split_is_refused(tmp_path):

@@ -109,14 +109,16 @@ class FileTask:
 
     def __init__(self, files: dict[str, str] | str, verifier: str = "exact", prompt_key: str = "prompt",
                  answer_key: str = "answer", name: str = "jsonl", verifier_kwargs: dict | None = None):
-        if isinstance(files, (str, Path)):
+        one = isinstance(files, (str, Path))
+        if one:
             files = {"train": files, "test": files}
         if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
             raise ValueError(f"task.kwargs.files: one path, or split -> one path ({{train: a.jsonl, test: "
                              f"b.jsonl}}), got {files!r}{_files_hint(files)}")
-        self.files = {split: str(Path(p).expanduser()) for split, p in _splits(files).items()}
-        for split, p in self.files.items():
-            _check_file(f"task.kwargs.files.{split}", Path(p))
+        splits = _splits(files)
+        for key, p in files.items():  # named as the config has them (val, not the test it stands for)
+            _check_file("task.kwargs.files" + ("" if one else f".{key}"), Path(p).expanduser())
+        self.files = {split: str(Path(p).expanduser()) for split, p in splits.items()}
         if not isinstance(verifier, str):
             raise ValueError(f"task.kwargs.verifier: a name or 'file.py:fn', got {verifier!r}")
         verifier = str(Path(verifier).expanduser()) if verifier.startswith("~") else verifier  # ~/r.py:fn
