@@ -252,11 +252,16 @@ def wait_all(calls: list[Call]) -> list[Any]:
     return out
 
 
+def construct(rank: int, cls, args: tuple, timeout: float) -> tuple[int, Any]:
+    """Start constructing ``cls(*args)`` on ``rank`` (``rpc.remote``, whose constructor may take
+    ``SETUP_FACTOR`` x ``timeout``); ``settle`` waits for it. Several at once: one ``settle``."""
+    return rank, rpc.remote(worker_name(rank), cls, args=args, timeout=timeout * SETUP_FACTOR)
+
+
 def create(rank: int, role: str, cls, *args, timeout: float = 300.0) -> WorkerHandle:
     """Construct ``cls(*args)`` on ``rank`` and return its handle (waits for the constructor,
     up to ``SETUP_FACTOR`` x ``timeout``; the handle's calls get ``timeout``)."""
-    rref = rpc.remote(worker_name(rank), cls, args=args, timeout=timeout * SETUP_FACTOR)
-    return settle([(rank, rref)], role, timeout)[0]
+    return settle([construct(rank, cls, args, timeout)], role, timeout)[0]
 
 
 def owner_ready(rref) -> bool:
@@ -267,7 +272,7 @@ def owner_ready(rref) -> bool:
 
 def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[WorkerHandle]:
     """Wait until every ``rpc.remote``-created object exists (constructor errors surface here,
-    with rank and role), up to ``SETUP_FACTOR`` x ``timeout`` (create the objects with that
+    with rank and role), up to ``SETUP_FACTOR`` x ``timeout`` (``construct`` made them with that
     deadline too); the object itself stays on its rank, its handle's calls get ``timeout``."""
     futs = [(r, rref, rpc.rpc_async(worker_name(r), owner_ready, args=(rref,), timeout=timeout * SETUP_FACTOR))
             for r, rref in created]

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from controller.instance import GenerationInstance
-from controller.rpc import SETUP_FACTOR, Call, WorkerHandle, create, settle, wait_all
+from controller.rpc import Call, WorkerHandle, construct, create, settle, wait_all
 from controller.sgs import SGS, default_profile
 from controller.trainer_rank import TrainerRank
 from workers.weight_sync import WeightSyncConfig
@@ -92,15 +92,12 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     p = cfg.placement
     colocated = p.colocated or cfg.pipeline.mode == "colocated"
     timeout = p.rpc_timeout_s
-    import torch.distributed.rpc as rpc
-
-    futs = [(r, rpc.remote(f"worker{r}", TrainerRank, args=(r, list(p.trainer), cfg.trainer, model_dir,
-                                                          cfg.task.name, dict(cfg.task.kwargs),
-                                                          p.collective_timeout_s),
-                           timeout=timeout * SETUP_FACTOR)) for r in sorted(p.trainer)]
+    futs = [construct(r, TrainerRank, (r, list(p.trainer), cfg.trainer, model_dir, cfg.task.name,
+                                       dict(cfg.task.kwargs), p.collective_timeout_s), timeout)
+            for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
-    gen_futs = [(r, rpc.remote(f"worker{r}", GenerationInstance, args=(r, cfg.engine, model_dir, eos_ids),
-                               timeout=timeout * SETUP_FACTOR)) for r in sorted(p.generation)]
+    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids), timeout)
+                for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
     world = World(trainers, None, colocated, set(static_ranks), cfg.weight_sync,  # type: ignore[arg-type]
                   weight_timeout_s=float(timeout))
