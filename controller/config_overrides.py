@@ -14,7 +14,7 @@ import yaml
 
 from controller.config import OWNED_SECTIONS, Config, ConfigError, from_dict
 from controller.config_types import key_hint
-from controller.config_yaml import check_text
+from controller.config_yaml import load_checked
 
 
 def parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
@@ -97,9 +97,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     k, v = text.split("=", 1)
     k = k.strip()
     try:
-        value = yaml.safe_load(v)
-        check_text(v, k, f"--set {text}")  # 010 read as octal 8, 1:30 as 90
-        return k, value
+        return k, load_checked(v, k, f"--set {text}")  # 010 read as octal 8, 1:30 as 90: refused
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or str(e).splitlines()[0]
         mark = getattr(e, "problem_mark", None)

@@ -32,16 +32,21 @@ def read_config_file(path: Path) -> Any:
         raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x}); save the file as UTF-8, "
                           "e.g. iconv -f latin1 -t utf-8") from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        return load_checked(text, "", str(path))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
-    check_node(node, "", str(path))
-    return yaml.safe_load(text)
 
 
-def check_text(text: str, key: str, where: str) -> None:
-    """``check_node`` of a YAML text already parsed (a ``--set`` value for ``key``)."""
-    check_node(yaml.compose(text, Loader=yaml.SafeLoader), key, where)
+def load_checked(text: str, key: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, parsed once and ``check_node``-ed before its data is built (a
+    file, or a ``--set`` value for ``key``); a YAML syntax error is raised as ``yaml.YAMLError``."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        check_node(node, key, where)
+        return None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def check_node(node: yaml.Node | None, key: str, where: str) -> None:
