@@ -115,10 +115,11 @@ class FileTask:
         if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
             raise ValueError(f"task.kwargs.files: one path, or split -> one path ({{train: a.jsonl, test: "
                              f"b.jsonl}}), got {files!r}{_files_hint(files)}")
-        splits = _splits(files)
-        for key, p in files.items():  # named as the config has them (val, not the test it stands for)
-            _check_file("task.kwargs.files" + ("" if one else f".{key}"), Path(p).expanduser())
-        self.files = {split: str(Path(p).expanduser()) for split, p in splits.items()}
+        paths = {key: Path(p).expanduser() for key, p in files.items()}
+        splits = _splits(paths)
+        for key in ["train"] if one else paths:  # named as the config has them (val, not the test it stands for)
+            _check_file("task.kwargs.files" + ("" if one else f".{key}"), paths[key])
+        self.files = {split: str(p) for split, p in splits.items()}
         if not isinstance(verifier, str):
             raise ValueError(f"task.kwargs.verifier: a name or 'file.py:fn', got {verifier!r}")
         verifier = str(Path(verifier).expanduser()) if verifier.startswith("~") else verifier  # ~/r.py:fn
