@@ -17,18 +17,20 @@ did not change.
 * ``rss_mb()``: this process's resident memory in MB (Linux ``/proc``; 0.0 elsewhere), what
   the controller logs as ``train/rss_mb_max`` (the largest over the trainer ranks).
 
-Both are no-ops (returning False) where the C library is not glibc (macOS, musl).
+``limit_arenas`` and ``trim`` are no-ops (returning False) where the C library is not glibc (macOS, musl).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 M_ARENA_MAX = -8  # glibc's malloc.h
 DEFAULT_ARENAS = 2
 
 
-def _glibc():
+@functools.cache
+def _glibc():  # (trim() runs after every trainer step: the library is looked up once)
     try:
         libc = ctypes.CDLL(None)
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
