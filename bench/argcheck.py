@@ -52,3 +52,12 @@ def names_from(known: Iterable[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"{what} in {text!r} (known: {', '.join(known)})")
         return names
     return parse
+
+
+def fill_defaults(args: argparse.Namespace, quick: dict, full: dict) -> argparse.Namespace:
+    """The flags left unset (None) take ``quick``'s value under ``--quick``, else ``full``'s: a
+    flag given on the command line wins over ``--quick``."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
-from argcheck import int_at_least, names_from, positive_float, positive_int  # noqa: E402
+from argcheck import fill_defaults, int_at_least, names_from, positive_float, positive_int  # noqa: E402
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
 ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
@@ -61,11 +61,7 @@ def parse_args(argv=None, description: str | None = None):
                          "line sums its rounds")
     ap.add_argument("--logdir", default="runs/bench_pipeline_modes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    for key, value in (QUICK if a.quick else FULL).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
-    return a
+    return fill_defaults(ap.parse_args(argv), QUICK, FULL)
 
 
 def trace_lengths(n: int, scale: float, max_len: int) -> list[int]:

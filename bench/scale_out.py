@@ -38,17 +38,20 @@ sys.path.insert(0, str(ROOT))
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
 
 DEFAULT_LOGDIR = "runs/bench_scale_out"  # a new timestamped sub-folder per run
+QUICK = {"iterations": 16, "grow": 12}  # --quick's defaults; flags given win
+FULL = {"iterations": 24, "grow": 20}
 
 
 def parse_args(argv=None):
-    from argcheck import int_at_least, positive_int
+    from argcheck import fill_defaults, int_at_least, positive_int
     from controller.modes import MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short run (~1 minute)")
-    ap.add_argument("--iterations", type=positive_int, help="iterations in all (default 24, --quick 16)")
-    ap.add_argument("--grow", type=positive_int,
-                    help="iterations over which the length rises (default 20, --quick 12)")
+    ap.add_argument("--iterations", type=positive_int,
+                    help=f"iterations in all (default {FULL['iterations']}, --quick {QUICK['iterations']})")
+    ap.add_argument("--grow", type=positive_int, help=f"iterations over which the length rises "
+                                                      f"(default {FULL['grow']}, --quick {QUICK['grow']})")
     ap.add_argument("--start-len", type=positive_int, default=8, help="forced length of iteration 0")
     ap.add_argument("--end-len", type=positive_int, default=128, help="forced length once grown (>= --start-len)")
     ap.add_argument("--prompts", type=positive_int, default=4, help="prompts per iteration")
@@ -84,9 +87,7 @@ def parse_args(argv=None):
             except ConfigError:
                 ap.error(f"--logdir {a.logdir} already holds a run; pass a new folder, or leave --logdir out "
                          f"(a new timestamped folder under {DEFAULT_LOGDIR}/)")
-    a.iterations = a.iterations or (16 if a.quick else 24)
-    a.grow = a.grow or (12 if a.quick else 20)
-    return a
+    return fill_defaults(a, QUICK, FULL)
 
 
 def forced_len(a, iteration: int) -> int:

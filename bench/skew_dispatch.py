@@ -47,7 +47,7 @@ from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
-from argcheck import int_at_least, non_negative_int, positive_int  # noqa: E402
+from argcheck import fill_defaults, int_at_least, non_negative_int, positive_int  # noqa: E402
 
 TRACE = "llama33_70b_rg_easy.{split}.jsonl.gz"
 # CPU seconds of this process: with one compute thread this is the instance's own work, which
@@ -212,10 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.hidden % 8:
         ap.error(f"argument --hidden: must be a multiple of 8 (4 heads of an even width), got {args.hidden}")
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+    return fill_defaults(args, QUICK, FULL)
 
 
 def main(argv=None) -> dict:
