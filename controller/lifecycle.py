@@ -162,15 +162,25 @@ def _store(timeout_s: float):
     return dist.PrefixStore(store_key("config", attempt), torchrun_store(timeout_s))
 
 
-def agree_on_config(rank: int, world: int, config: dict | None, error: str, timeout_s: float) -> str | None:
+def agree_on_config(rank: int, world: int, config: dict | None, error: str, timeout_s: float,
+                    say=None) -> str | None:
     """Publish this rank's resolved ``config`` (plain data; its digest, and the data itself for
     naming differences) or its config ``error`` in torchrun's store; rank 0 reads every rank's
     entry and publishes the verdict the others wait for (O(ranks) reads, not O(ranks^2)).
     Returns the error every rank reports (a rank's own error, or the keys where a rank's
-    config differs from rank 0's), None when all agree."""
+    config differs from rank 0's), None when all agree.
+
+    An error is handed to ``say`` (one line on this node's terminal) before this rank may
+    leave: a rank with its own error says it before touching the store, the others once the
+    verdict is read, and then every rank waits (bounded) until all have said theirs. The store
+    lives in one node's torchrun agent, which ends when its ranks exit; the other node's agent
+    then fails and kills its ranks, which must by then have printed (CI saw a node's error
+    lost that way)."""
+    say = say or print_once_per_node
     if config is None:
         from controller.attempt import AttemptError
 
+        say(f"config error: {error}")  # first: whatever happens to the store, this node has said it
         try:
             store = _store(min(timeout_s, 30.0))
         except (AttemptError, RuntimeError, OSError):  # not every rank came: the error is said here all the same
@@ -181,7 +191,8 @@ def agree_on_config(rank: int, world: int, config: dict | None, error: str, time
                 if rank == 0:  # the others wait for rank 0's verdict: this is it
                     store.set("verdict", json.dumps({"error": error}))
             except (RuntimeError, OSError):  # the others will time out on their own; the error is said here
-                pass
+                return error
+            _leave_together(store, rank, world, min(timeout_s, 30.0))
         return error
     store = _store(timeout_s)
     if store is None:
@@ -205,7 +216,23 @@ def agree_on_config(rank: int, world: int, config: dict | None, error: str, time
                 break
         store.set("verdict", json.dumps({"error": verdict}))
     store.wait(["verdict"])
-    return json.loads(store.get("verdict"))["error"]
+    verdict = json.loads(store.get("verdict"))["error"]
+    if verdict is not None:
+        say(f"config error: {verdict}")
+        _leave_together(store, rank, world, min(timeout_s, 30.0))
+    return verdict
+
+
+def _leave_together(store, rank: int, world: int, timeout_s: float) -> None:
+    """Mark this rank as done with the config verdict and wait (at most ``timeout_s``) until
+    every rank is; a store that is gone or a rank that never comes ends the wait."""
+    from datetime import timedelta
+
+    try:
+        store.set(f"left/{rank}", "1")
+        store.wait([f"left/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError):
+        pass
 
 
 def print_once_per_node(text: str) -> None:

@@ -125,8 +125,7 @@ def main(argv=None) -> int:
     except AttemptError as e:  # the ranks of this attempt did not all meet in torchrun's store
         print(f"[rank {os.environ['RANK']}] {e}", file=sys.stderr, flush=True)
         return 1
-    if error is not None:
-        lifecycle.print_once_per_node(f"config error: {error}")  # one message per node, not per rank
+    if error is not None:  # said already, once per node (lifecycle.agree_on_config)
         return 2
 
     def controller() -> int:

@@ -139,3 +139,52 @@ def test_a_rank_dies_with_its_launcher(tmp_path):
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the rank outlived its launcher")
+
+
+_AGREE_RANK = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from controller import lifecycle
+    rank, said = int(os.environ["RANK"]), {said!r}
+
+    def say(text):
+        if rank == 0:
+            time.sleep(2.0)  # a slow terminal on the other node
+        with open(f"{{said}}/{{rank}}", "w") as f:
+            f.write(text)
+
+    cfg = {{"train": {{"iterations": 2}}}}
+    err = lifecycle.agree_on_config(rank, 2, None if rank == 1 else cfg, "train.iterations: must be >= 1",
+                                    20.0, say=say)
+    print(sorted(os.listdir(said)), err, flush=True)
+""")
+
+
+def test_no_rank_leaves_a_config_error_before_every_rank_has_said_it(tmp_path):
+    # the store lives in one node's torchrun agent, which ends when its ranks exit; the other
+    # node's agent then kills its ranks. CI once lost node 0's "config error" line that way: the
+    # rank with the error left as soon as it had published it, before rank 0 had printed.
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    said = tmp_path / "said"
+    said.mkdir()
+    code = _AGREE_RANK.format(root=str(os.getcwd()), said=str(said))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r)), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    del store
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    for out, _ in outs:  # each rank, as it returned, saw both ranks' lines already said
+        assert out.strip() == "['0', '1'] train.iterations: must be >= 1" \
+            or out.strip() == "['0', '1'] (rank 1) train.iterations: must be >= 1", out
+    assert (said / "0").read_text() == "config error: (rank 1) train.iterations: must be >= 1"
+    assert (said / "1").read_text() == "config error: train.iterations: must be >= 1"
