@@ -281,6 +281,7 @@ class GenerationInstance:
                     for s in self.engine.step():
                         if s.finish_reason == "error":
                             raise RuntimeError(f"gen{self.rank}: sample {s.sample_id} failed: {s.error}")
+                        s.instance = self.rank
                         out.put(s)
                         done.append(s.sample_id)
                         if len(done) == die_after:  # test hook: a real, abrupt process death

@@ -46,8 +46,10 @@ class IterationResult:
     weight_sync_seconds: float = 0.0
     redispatched: int = 0
     lost: list[int] = field(default_factory=list)
-    out_lens: list[int] = field(default_factory=list)  # output length of every sample
-    per_instance: dict[int, int] = field(default_factory=dict)  # rank -> samples generated
+    # the samples trained on (the trainer ranks' reports: one copy of a re-generated request):
+    # the output length of each, in sample id order, and generation rank -> samples it gave
+    out_lens: list[int] = field(default_factory=list)
+    per_instance: dict[int, int] = field(default_factory=dict)
     # the engines in this batch's generation (``Program._engine_stats``): preemptions (sum over
     # the instances), kv_peak_frac (the fullest instance's peak share of its KV blocks)
     engine: dict[str, float] = field(default_factory=dict)
@@ -183,20 +185,22 @@ class Program:
                               int(metrics["num_samples"]), int(metrics["num_tokens"]),
                               b.gen_done - b.dispatched, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
-                              len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [],
-                              [n for rep in (b.round.reports if b.round else []) for n in rep.lengths])
-        for rep in (b.round.reports if b.round else []):
-            res.per_instance[rep.rank] = res.per_instance.get(rep.rank, 0) + len(rep.sample_ids)
+                              len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [])
+        lengths = {sid: n for r in reports for sid, n in r.lengths.items()}  # each DP rank its own groups
+        res.out_lens = [lengths[sid] for sid in sorted(lengths)]
+        for r in reports:
+            for rank, n in r.per_instance.items():
+                res.per_instance[rank] = res.per_instance.get(rank, 0) + n
         # the instances the batch was dispatched to (one added later, while an async step
         # waited, served the next batch)
         res.instances = b.round.instances if b.round else len(self.world.sgs.slots)
         res.batch = self._batch_stats(b, res.out_lens)
         res.engine = self._engine_stats(b.round.reports if b.round else [])
         if self.ranker is not None and b.round is not None:
-            res.ranker_quality = self._ranker_quality(b)
+            res.ranker_quality = self._ranker_quality(b, lengths)
         every = self.cfg.ranker.update_every
         if self.ranker is not None and every > 0 and b.round is not None:
-            self.ranker_rows += self._true_lengths(b)
+            self.ranker_rows += self._true_lengths(b, lengths)
             if (b.iteration + 1) % every == 0 and self.ranker_rows:
                 texts, lens = zip(*self.ranker_rows)
                 self.ranker.update(list(texts), list(lens))
@@ -224,23 +228,23 @@ class Program:
                 "kv_peak_frac": max(r.kv_blocks_peak / max(r.kv_blocks_total, 1) for r in reports)}
 
     @staticmethod
-    def _ranker_quality(b: _Batch) -> dict[str, float | None]:
+    def _ranker_quality(b: _Batch, lengths: dict[int, int]) -> dict[str, float | None]:
         from ranker.metrics import ranking_report
 
         reqs = b.round.requests  # sample_id -> Request
-        pairs = [(reqs[sid].est_len, n) for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths)]
+        pairs = [(reqs[sid].est_len, lengths[sid]) for sid in sorted(lengths)]
         if len(pairs) < 2:
             return {}
         pred, true = zip(*pairs)
         out = {**ranking_report(pred, true), "est_mean": sum(pred) / len(pred), "true_mean": sum(true) / len(true)}
         return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}  # NaN: constant lengths
 
-    def _true_lengths(self, b: _Batch) -> list[tuple[str, float]]:
-        """(prompt text, generated length) of every sample of this iteration: the ranker's
-        online-update rows."""
+    def _true_lengths(self, b: _Batch, lengths: dict[int, int]) -> list[tuple[str, float]]:
+        """(prompt text, generated length) of every sample of this iteration (``lengths``, as
+        the trainers took them): the ranker's online-update rows."""
         g = self.cfg.train.group_size
-        return [(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt, float(n))
-                for rep in b.round.reports for sid, n in zip(rep.sample_ids, rep.lengths)]
+        return [(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt, float(lengths[sid]))
+                for sid in sorted(lengths)]
 
     def _wait_push(self, waiting: Completions) -> None:
         """Wait for a weight push's calls, in the order they end (a receiver's error is said at

@@ -50,7 +50,8 @@ class _Iteration:
     stream_tokens: int = 0  # ``stream``: release once this many tokens are pending (0: at once)
     pending: list[Sample] = field(default_factory=list)
     pending_tokens: int = 0
-    seen: set[int] = field(default_factory=set)
+    lengths: dict[int, int] = field(default_factory=dict)  # sample_id -> output length, as first received
+    by_instance: dict[int, int] = field(default_factory=dict)  # generation rank -> samples taken from it
     consumed: int = 0
     duplicates: int = 0
     staleness_max: int = 0
@@ -92,6 +93,10 @@ class StepReport:
     staleness_max: int
     duplicates: int
     rss_mb: float = 0.0  # this process's resident memory after the step (0 where unknown)
+    # the samples this rank trained on, each once whatever copies arrived (a lost instance's
+    # requests are generated again): sample_id -> output length, and generation rank -> count
+    lengths: dict[int, int] = field(default_factory=dict)
+    per_instance: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -208,10 +213,11 @@ class TrainerRank:
                 if it is None or it not in self._iters:
                     continue  # a late duplicate of an iteration already trained
                 rec = self._iters[it]
-                if s.sample_id in rec.seen:
+                if s.sample_id in rec.lengths:
                     rec.duplicates += 1
                     continue
-                rec.seen.add(s.sample_id)
+                rec.lengths[s.sample_id] = int(s.output_ids.numel())
+                rec.by_instance[s.instance] = rec.by_instance.get(s.instance, 0) + 1
                 rec.pending.append(s)
                 rec.pending_tokens += _tokens(s)
                 new += 1
@@ -221,7 +227,7 @@ class TrainerRank:
     def received_ids(self, iteration: int) -> list[int]:
         with self._cond:
             rec = self._iters.get(iteration)
-            return sorted(rec.seen) if rec else []
+            return sorted(rec.lengths) if rec else []
 
     def step(self, iteration: int) -> StepReport:
         """Wait until ``iteration`` is fully consumed, then flush + all-reduce + optimizer step.
@@ -250,7 +256,8 @@ class TrainerRank:
             self._current = None
             self._cond.notify_all()
         return StepReport(self.rank, iteration, result.version, dict(result.metrics), result.num_samples,
-                          result.num_tokens, rec.staleness_max, rec.duplicates, heap.rss_mb())
+                          result.num_tokens, rec.staleness_max, rec.duplicates, heap.rss_mb(), dict(rec.lengths),
+                          dict(rec.by_instance))
 
     # ---- the consumer thread -------------------------------------------------------------
     def _consume_loop(self) -> None:

@@ -50,7 +50,10 @@ def test_join_then_kill_loses_no_prompt(tmp_path, tiny_model):  # noqa: F811
     assert rows[1]["instances"] == 2
     # round robin gave 4 samples to each; rank 3 streamed 1 and died: 3 re-dispatched to rank 1
     assert rows[2]["lost"] == [3] and rows[2]["redispatched"] == 3
-    assert rows[2]["per_instance"] == {"1": 7}
+    # the samples trained, by the instance that gave them: rank 3's one streamed sample counts
+    # (rows used to count the surviving instances' reports: {"1": 7}, one sample short)
+    assert rows[2]["per_instance"] == {"1": 7, "3": 1}
+    assert all(sum(r["per_instance"].values()) == r["num_samples"] for r in rows)
     assert rows[3]["per_instance"] == {"1": 8} and rows[3]["instances"] == 1
     assert last_json(out)["iterations"] == 4
 

@@ -71,8 +71,10 @@ class Trainer:
     def step(self, iteration):
         self.clock.t += STEP_S
         self.version += 1
+        sids = [iteration * program_mod.SAMPLE_STRIDE + j for j in range(4)]  # what Instance generated
         return StepReport(2, iteration, self.version, {"reward_mean": 0.5, "num_samples": 4.0, "num_tokens": 18.0},
-                          4, 18, 0, self.duplicates)
+                          4, 18, 0, self.duplicates, lengths={s: MAX_TOKENS if s % 2 else 3 for s in sids},
+                          per_instance={1: 4})
 
 
 def _program(monkeypatch, mode: str, clock: Clock) -> Program:

@@ -80,11 +80,18 @@ def test_duplicates_dropped_and_staleness_checked(model_dir, samples):
     tcfg = TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64)
     rank = TrainerRank(1, [1], tcfg, model_dir, "synthetic", TASK)
     rank.begin_iteration(0, prompts, {g: 3 for g in range(6)}, "stream", 4)
-    assert rank.receive(out[:5]) == 5
-    assert rank.receive(out[:5]) == 0  # re-dispatched duplicates are never trained twice
-    rank.receive(out[5:])
+    from dataclasses import replace
+
+    first = [replace(s, instance=3) for s in out[:5]]  # streamed by rank 3 before it was lost
+    assert rank.receive(first) == 5
+    again = [replace(s, instance=1, output_ids=s.output_ids[:1], logprobs=s.logprobs[:1]) for s in out[:5]]
+    assert rank.receive(again) == 0  # re-dispatched duplicates are never trained twice
+    rank.receive([replace(s, instance=1) for s in out[5:]])
     rep = rank.step(0)
     assert rep.duplicates == 5 and rep.num_samples == len(out)
+    # what was trained, each sample once as it first arrived, and who gave it
+    assert rep.lengths == {s.sample_id: len(s.output_ids) for s in out}
+    assert rep.per_instance == {3: 5, 1: len(out) - 5}
     # a sample claiming a future weight version violates staleness >= 0
     rank.begin_iteration(1, {10**6: prompts[0]}, {10**6: 1}, "stream", 4)
     bad = out[0]

@@ -70,7 +70,8 @@ class Sample:
     (refused; ``error`` says why, output empty). ``timings`` holds wall-clock seconds
     (``queued``, ``admitted``, ``first_token``, ``finished``). ``min_tokens``: the request's; EOS
     could not be sampled before that many outputs, so ``logprobs`` there are of the
-    distribution without EOS (the trainer takes its log-probs the same way)."""
+    distribution without EOS (the trainer takes its log-probs the same way). ``instance``: set
+    by the generation instance that sends it (the trainer counts what each instance gave)."""
 
     sample_id: int
     prompt_ids: torch.Tensor
@@ -82,6 +83,7 @@ class Sample:
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     min_tokens: int = 0
+    instance: int = -1  # the generation instance (its global rank) that streamed it; -1: none
 
 
 @dataclass
