@@ -7,7 +7,8 @@ from datetime import datetime
 
 import pytest
 
-from workers.tokenizer import Tokenizer, load_chat_template, train_bpe
+from workers.chat_template import find as find_chat_template
+from workers.tokenizer import Tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference")
 
@@ -86,7 +87,8 @@ def test_named_templates_default_is_used_and_none_default_refused(tok, tmp_path)
         Tokenizer.load(nodefault)
     with pytest.raises(ValueError, match="default"):
         hf_render(nodefault, msgs)
-    assert load_chat_template(tmp_path / "list") == "DEFAULT {{ 1 + 1 }}"
+    config = json.loads((tmp_path / "list" / "tokenizer_config.json").read_text())
+    assert find_chat_template(tmp_path / "list", config) == "DEFAULT {{ 1 + 1 }}"
 
 
 LOOPCTL = ("{% for m in messages %}{% if m.role == 'system' %}{{ '[SYS]' + m.content }}{% continue %}{% endif %}"
