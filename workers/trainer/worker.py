@@ -43,13 +43,12 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.grads import all_reduce_sum, clip_norm
 from workers.trainer.losses import loss_divisor
 from workers.trainer.critic import ValueModel
+from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, train_terms
 from workers.types import Sample, Task, TaskPrompt
 
 log = logging.getLogger("streamrl.trainer")
-# a log-probability is <= 0; float rounding of one near 0 stays far below this
-LOGPROB_SLACK = 1e-3
 
 
 @dataclass
@@ -146,8 +145,9 @@ class TrainerWorker:
     @_locked
     def receive(self, samples: Sequence[Sample]) -> None:
         for s in samples:  # caller bugs raise before any sample of this call is consumed
-            self._check(s)
-        self._check_group_counts(samples)
+            check_caller(s, self._prompts, self._group_sizes, self._version, self.cfg, self.iteration)
+        if self.cfg.grouped:
+            check_group_counts(samples, self._seen, self._group_seen, self._group_sizes, self.iteration)
         accepted = [s for s in samples if self._accept(s)]
         # by prompt + output tokens, so receive-time forwards stay bounded
         for chunk in microbatches(accepted, self.cfg.max_tokens_per_microbatch,
@@ -210,32 +210,6 @@ class TrainerWorker:
             g.dropped += 1
             self._maybe_complete(s.group_id)
 
-    def _check(self, s: Sample) -> None:
-        """Raise on a caller bug (whatever ``on_bad_sample`` says)."""
-        sid = s.sample_id
-        if sid not in self._prompts:
-            raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({self.iteration})")
-        if s.weight_version > self._version:
-            raise ValueError(f"sample {sid}: weight_version {s.weight_version} is newer than the trainer's {self._version}")
-        if self.cfg.grouped and s.group_id not in self._group_sizes:
-            raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
-                             f"(algorithm {self.cfg.algorithm!r} needs groups)")
-
-    def _check_group_counts(self, samples: Sequence[Sample]) -> None:
-        """More samples of a group than begin_iteration declared is a caller bug: the extra one
-        used to open a second group of that id that never completed (trained with advantage 0)."""
-        if not self.cfg.grouped:
-            return
-        new: dict[int, set[int]] = {}
-        for s in samples:
-            if s.sample_id not in self._seen:  # a resent sample is a duplicate, dropped below
-                new.setdefault(s.group_id, set()).add(s.sample_id)
-        for gid, ids in new.items():
-            total, size = self._group_seen.get(gid, 0) + len(ids), self._group_sizes[gid]
-            if total > size:
-                raise ValueError(f"group {gid}: {total} distinct samples received in iteration {self.iteration}, "
-                                 f"but begin_iteration gave it size {size}")
-
     def _accept(self, s: Sample) -> bool:
         sid = s.sample_id
         if sid in self._seen:
@@ -245,29 +219,7 @@ class TrainerWorker:
             return False
         self._seen.add(sid)
         self._group_seen[s.group_id] = self._group_seen.get(s.group_id, 0) + 1
-        reason, vocab = None, self.actor.config.vocab_size
-        if s.weight_version < self._version - self.cfg.max_staleness:
-            reason = (f"sample {sid}: stale, weight_version {s.weight_version} < trainer version "
-                      f"{self._version} - max_staleness {self.cfg.max_staleness}")
-        elif s.finish_reason == "error":
-            reason = f"sample {sid}: generation failed ({s.error})"
-        elif s.output_ids.numel() == 0:
-            reason = f"sample {sid}: empty output"
-        elif s.prompt_ids.numel() == 0:  # nothing predicts output[0]: packing would read another sequence's state
-            reason = f"sample {sid}: empty prompt"
-        elif s.prompt_ids.numel() + s.output_ids.numel() > self.actor.config.max_position_embeddings:
-            reason = (f"sample {sid}: {s.prompt_ids.numel()} + {s.output_ids.numel()} tokens exceed the model's "
-                      f"max_position_embeddings {self.actor.config.max_position_embeddings}")
-        elif bool(((s.prompt_ids < 0) | (s.prompt_ids >= vocab)).any()
-                  or ((s.output_ids < 0) | (s.output_ids >= vocab)).any()):
-            reason = f"sample {sid}: a token id outside the model's vocabulary [0, {vocab})"
-        elif self.cfg.uses_sampler_logprobs and s.logprobs.numel() != s.output_ids.numel():
-            reason = f"sample {sid}: {s.logprobs.numel()} logprobs for {s.output_ids.numel()} output tokens"
-        elif self.cfg.uses_sampler_logprobs and not bool(torch.isfinite(s.logprobs).all()):
-            reason = f"sample {sid}: non-finite sampler logprobs"
-        elif self.cfg.uses_sampler_logprobs and bool((s.logprobs > LOGPROB_SLACK).any()):
-            reason = (f"sample {sid}: sampler logprobs above 0 (max {float(s.logprobs.max()):.4g}): "
-                      "probabilities rather than log-probabilities?")
+        reason = bad_sample_reason(s, self._version, self.cfg, self.actor.config)
         if reason is not None:
             self._reject(s, reason)
             return False

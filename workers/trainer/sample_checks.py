@@ -1,0 +1,80 @@
+"""What a trainer rank refuses in a received sample.
+
+* ``check_caller`` and ``check_group_counts`` raise on a caller bug (a sample of no registered
+  prompt, from newer weights than the trainer's, of a group with no size, or more distinct
+  samples of a group than its size), whatever ``on_bad_sample`` says.
+* ``bad_sample_reason`` says why a sample is bad input (stale, failed, empty, too long, a token
+  outside the vocabulary, unusable sampler log-probs), or None: the worker skips it (counted)
+  or raises, as ``on_bad_sample`` says.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from workers.trainer.config import TrainerConfig
+from workers.types import Sample
+
+# a log-probability is <= 0; float rounding of one near 0 stays far below this
+LOGPROB_SLACK = 1e-3
+
+
+def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version: int, cfg: TrainerConfig,
+                 iteration: int) -> None:
+    """Raise on a caller bug: ``s`` has no prompt registered for ``iteration``, comes from
+    weights newer than ``version``, or (grouped algorithms) names a group with no size."""
+    sid = s.sample_id
+    if sid not in prompts:
+        raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({iteration})")
+    if s.weight_version > version:
+        raise ValueError(f"sample {sid}: weight_version {s.weight_version} is newer than the trainer's {version}")
+    if cfg.grouped and s.group_id not in group_sizes:
+        raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
+                         f"(algorithm {cfg.algorithm!r} needs groups)")
+
+
+def check_group_counts(samples: Sequence[Sample], seen: set[int], group_seen: dict[int, int],
+                       group_sizes: dict[int, int], iteration: int) -> None:
+    """More distinct samples of a group than begin_iteration declared is a caller bug: the
+    extra one used to open a second group of that id that never completed (trained with
+    advantage 0). ``seen``: sample ids received before; ``group_seen``: their count per group."""
+    new: dict[int, set[int]] = {}
+    for s in samples:
+        if s.sample_id not in seen:  # a resent sample is a duplicate, dropped by the worker
+            new.setdefault(s.group_id, set()).add(s.sample_id)
+    for gid, ids in new.items():
+        total, size = group_seen.get(gid, 0) + len(ids), group_sizes[gid]
+        if total > size:
+            raise ValueError(f"group {gid}: {total} distinct samples received in iteration {iteration}, "
+                             f"but begin_iteration gave it size {size}")
+
+
+def bad_sample_reason(s: Sample, version: int, cfg: TrainerConfig, model_config) -> str | None:
+    """Why ``s`` cannot be trained on by a trainer at weight ``version`` (a message naming the
+    sample), or None. ``model_config``: the actor's (vocab_size, max_position_embeddings)."""
+    sid, vocab, prompt, output = s.sample_id, model_config.vocab_size, s.prompt_ids, s.output_ids
+    if s.weight_version < version - cfg.max_staleness:
+        return (f"sample {sid}: stale, weight_version {s.weight_version} < trainer version "
+                f"{version} - max_staleness {cfg.max_staleness}")
+    if s.finish_reason == "error":
+        return f"sample {sid}: generation failed ({s.error})"
+    if output.numel() == 0:
+        return f"sample {sid}: empty output"
+    if prompt.numel() == 0:  # nothing predicts output[0]: packing would read another sequence's state
+        return f"sample {sid}: empty prompt"
+    if prompt.numel() + output.numel() > model_config.max_position_embeddings:
+        return (f"sample {sid}: {prompt.numel()} + {output.numel()} tokens exceed the model's "
+                f"max_position_embeddings {model_config.max_position_embeddings}")
+    if bool(((prompt < 0) | (prompt >= vocab)).any() or ((output < 0) | (output >= vocab)).any()):
+        return f"sample {sid}: a token id outside the model's vocabulary [0, {vocab})"
+    if not cfg.uses_sampler_logprobs:
+        return None
+    if s.logprobs.numel() != output.numel():
+        return f"sample {sid}: {s.logprobs.numel()} logprobs for {output.numel()} output tokens"
+    if not bool(torch.isfinite(s.logprobs).all()):
+        return f"sample {sid}: non-finite sampler logprobs"
+    if bool((s.logprobs > LOGPROB_SLACK).any()):
+        return (f"sample {sid}: sampler logprobs above 0 (max {float(s.logprobs.max()):.4g}): "
+                "probabilities rather than log-probabilities?")
+    return None
