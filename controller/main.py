@@ -146,6 +146,9 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
     atomically, so the last complete one is intact whatever was running. On the controller,
     after the run's end was said (``LOCAL.outcome``: a lost worker, a success), the signal is
     torchrun stopping the job's ranks: the exit code said stands, with no second line."""
+    from controller.lifecycle import end_children
+
+    end_children()  # an engine's own process (vLLM's engine core) would outlive os._exit
     if LOCAL.outcome is not None:
         sys.stdout.flush()
         sys.stderr.flush()

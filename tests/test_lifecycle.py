@@ -188,3 +188,39 @@ def test_no_rank_leaves_a_config_error_before_every_rank_has_said_it(tmp_path):
             or out.strip() == "['0', '1'] (rank 1) train.iterations: must be >= 1", out
     assert (said / "0").read_text() == "config error: (rank 1) train.iterations: must be >= 1"
     assert (said / "1").read_text() == "config error: train.iterations: must be >= 1"
+
+
+_WITH_CHILDREN = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, subprocess, sys, time
+    sys.path.insert(0, {root!r})
+    from controller import lifecycle
+
+    if __name__ == "__main__":
+        polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # ends on SIGTERM
+        stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                     "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                                     "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+        stubborn.stdout.readline()
+        lock = mp.get_context("spawn").Lock()  # starts multiprocessing's resource tracker
+        print(polite.pid, stubborn.pid, sorted(lifecycle.child_pids()), flush=True)
+        print(lifecycle.end_children(grace_s=2.0), flush=True)
+        os._exit(130)
+""")
+
+
+def test_a_rank_leaving_by_os_exit_ends_its_child_processes(tmp_path):
+    # os._exit skips the hooks that stop an engine's own process: vLLM's engine core outlived
+    # a generation rank stopped by Ctrl-C (10 minutes later it still held 828 MB and the pipes)
+    script = tmp_path / "rank.py"
+    script.write_text(_WITH_CHILDREN.format(root=os.getcwd()))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130, out.stderr[-2000:]
+    first, killed = out.stdout.splitlines()
+    polite, stubborn, *rest = first.split(" ", 2)
+    children = json.loads(rest[0])
+    assert int(polite) in children and int(stubborn) in children and len(children) == 3  # + the tracker
+    # only the one that ignored SIGTERM needed SIGKILL; the resource tracker (it ignores SIGTERM
+    # too) was left to end by itself
+    assert json.loads(killed) == [int(stubborn)]
+    for pid in (int(polite), int(stubborn)):
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]

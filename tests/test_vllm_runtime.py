@@ -46,3 +46,42 @@ def test_async_stream_with_vllm_instances(tmp_path, vllm_model):
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert last_json(p.stdout)["iterations"] == 5
     assert _engine_cores() <= before  # the engine core process left with its instance
+
+
+@pytest.mark.timeout(900)
+def test_a_stopped_job_leaves_no_vllm_engine_core_behind(tmp_path, vllm_model):
+    # SIGTERM to torchrun (Slurm, Kubernetes): the generation rank leaves by os._exit, which
+    # skips vLLM's own shutdown; its engine core (a spawned child) must not run on, holding its
+    # (GPU) memory. Outside torchrun it did (controller/lifecycle.end_children); here torchrun's
+    # group kill and the core's own die_with_launcher end it too, and this keeps it so.
+    import os
+    import signal
+    import sys
+    import time
+
+    from runtime_helpers import ROOT, free_port
+
+    before = _engine_cores()
+    cfg = write_config(tmp_path, vllm_model, engine__backend="vllm", engine__block_size=32,
+                       train__iterations=10_000, train__eval_every=0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+           str(free_port()), str(ROOT / "controller/main.py"), "--config", str(cfg)]
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rows = tmp_path / "run" / "iterations.jsonl"
+        while not (rows.exists() and rows.read_text()):  # generating and training (the suite's timeout ends a hang)
+            assert p.poll() is None, "the run ended before its first iteration"
+            time.sleep(0.5)
+        ours = _engine_cores() - before
+        assert ours, "no vLLM engine core process was found while the run generated"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert "[controller] stopped by SIGTERM" in err, err[-3000:]
+    deadline = time.monotonic() + 30
+    while ours & _engine_cores() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ours & _engine_cores(), "the vLLM engine core outlived its generation rank"
