@@ -383,40 +383,6 @@ def test_bf16_autocast_keeps_fp32_master_weights(model_dir, task):
     assert res2.metrics["grad_norm"] == pytest.approx(ref2.metrics["grad_norm"], rel=1e-3, abs=0)  # <= 3.5e-4
 
 
-def test_packing_and_padded_attention_match_packed_causal():
-    from workers.model import CausalAttention, CausalLM, init_weights
-    from workers.trainer.packing import PaddedCausalAttention, pack
-
-    torch.manual_seed(0)
-    m = init_weights(CausalLM(ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2)))
-    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
-    outs = [torch.tensor([7, 8]), torch.tensor([9, 10, 11, 12]), torch.tensor([13])]
-    b = pack(prompts, outs, torch.device("cpu"))
-    assert b.cu == [0, 5, 10, 13] and b.resp_pos.tolist() == [2, 3, 5, 6, 7, 8, 11]
-    assert torch.equal(b.ids[b.resp_pos + 1], b.resp_ids) and b.seq_index.tolist() == [0, 0, 1, 1, 1, 1, 2]
-    grads = []
-    for attn in (CausalAttention(b.cu), PaddedCausalAttention(b.cu, torch.device("cpu"))):
-        m.zero_grad()
-        h = m(b.ids, b.positions, attn)
-        h.pow(2).sum().backward()
-        grads.append((h.detach(), m.model.layers[0].self_attn.q_proj.weight.grad.clone()))
-    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
-    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4)
-
-
-def test_reward_std_from_summed_stats():
-    from types import SimpleNamespace
-
-    from workers.trainer.step_math import StatSums
-
-    stats = StatSums(torch.device("cpu"))
-    for score in (0.0, 1.0, 1.0, 0.0):
-        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, weight_version=0), version=0)
-    m = stats.metrics(stats.packed(), "token_mean")
-    assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.5)
-
-
 def test_bootstrap_says_when_the_bpe_learns_fewer_tokens_than_asked(tmp_path, capsys):
     """model.init's vocab_size is an upper bound: a small task's texts hold fewer merges, and
     the model is built with the tokenizer's size (the quickstart asks 384 and gets 266)."""

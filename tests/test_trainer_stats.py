@@ -212,3 +212,15 @@ def test_extremes_are_global_over_data_parallel_ranks(model_dir):
         assert (it1["reward_max"], it1["reward_min"]) == (2.0, 0.5)
         assert (it1["response_len_max"], it1["response_len_min"]) == (9.0, 4.0)
         assert it1["advantage_min"] == pytest.approx(min(big), rel=1e-6) and it1["num_samples"] == 3
+
+
+def test_reward_std_from_summed_stats():
+    from types import SimpleNamespace
+
+    from workers.trainer.step_math import StatSums
+
+    stats = StatSums(torch.device("cpu"))
+    for score in (0.0, 1.0, 1.0, 0.0):
+        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, weight_version=0), version=0)
+    m = stats.metrics(stats.packed(), "token_mean")
+    assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.5)
