@@ -278,14 +278,17 @@ def agree_on_config(rank: int, world: int, config: dict | None, error: str, time
     return verdict
 
 
-def _leave_together(store, rank: int, world: int, timeout_s: float) -> None:
+def _leave_together(store, rank: int, world: int, timeout_s: float, poll_s: float = 0.05) -> None:
     """Mark this rank as done with the config verdict and wait (at most ``timeout_s``) until
-    every rank is; a store that is gone or a rank that never comes ends the wait."""
-    from datetime import timedelta
-
+    every rank is; a store that is gone or a rank that never comes ends the wait. Polled from
+    Python, not the store's blocking ``wait``, which holds off Ctrl-C / SIGTERM until it
+    returns."""
+    keys = [f"left/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
     try:
         store.set(f"left/{rank}", "1")
-        store.wait([f"left/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(poll_s)
     except (RuntimeError, OSError):
         pass
 
