@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the CUDA paths and the Triton kernels, on a machine with a CUDA GPU and a Python that
 # has torch (CUDA build), triton, transformers, tokenizers, safetensors, pyyaml, jinja2, pytest
-# (installs nothing; the repo root goes on PYTHONPATH, so no `pip install -e` is needed). Runs:
+# (lightgbm too for step 6; installs nothing; the repo root goes on PYTHONPATH, so no `pip install -e` is needed). Runs:
 #   1. pytest (compiled kernels, TRITON_INTERPRET=0): tests/test_cuda.py (model, engine with
 #      and without CUDA graphs, trainer on CUDA), tests/test_kernels.py (+ the full CUDA
 #      cross-product), tests/test_kernels_norm_rope.py, tests/test_kernels_engine.py
@@ -14,7 +14,9 @@
 #      i.e. triton + CUDA-graph decode in the RL loop): full SFT warm start, 30 RL iterations
 #   6. multirank: 5 ranks on the GPU (controller, 2 generation instances, 2 data-parallel
 #      trainer ranks: all-reduce and weight sync of CUDA tensors over gloo), StreamRL-Sync
-#      ("stream") with skewness-aware dispatch, then StreamRL-Async ("async_stream")
+#      ("stream") with skewness-aware dispatch on a LightGBM ranker bootstrapped from the
+#      policy's own lengths, then StreamRL-Async ("async_stream") on the small-LM ranker
+# The runs (5, 6) go before the benches (2-4), so a short lease checks the product first.
 # STEPS="tests engine sweep kernels quickstart multirank" (the default) picks steps to run.
 # Each step has its own timeout; output also goes to $LOG_DIR (default: gpu_check_logs/).
 # Budget: about 7 minutes on an H100/H200. Usage: bash bench/gpu_check.sh [--quick]
@@ -59,6 +61,20 @@ want tests && step tests 120 "$PY" -m pytest -q -p no:cacheprovider -m "not slow
 if [ "$QUICK" = "--quick" ]; then
   step bench_kernels 90 "$PY" bench/kernels.py --quick
 else
+  rm -rf /tmp/gpu_quickstart /tmp/gpu_multirank
+  want quickstart && step quickstart 170 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
+    --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=30 \
+    --set logging.logdir=/tmp/gpu_quickstart \
+    --set model.path=/tmp/gpu_quickstart/model
+  for pair in stream:lgbm async_stream:lm; do
+    mode=${pair%:*} ranker=${pair#*:}
+    want multirank && step "multirank_$mode" 120 "$PY" -m torch.distributed.run --nproc-per-node 5 \
+      controller/main.py --config configs/quickstart.yaml --set engine.device=cuda \
+      --set placement.generation=[1,2] --set placement.trainer=[3,4] --set pipeline.mode=$mode \
+      --set dispatch.name=skew --set ranker.kind=$ranker --set ranker.path=/tmp/gpu_multirank/ranker_$ranker \
+      --set ranker.bootstrap_prompts=32 --set train.iterations=10 --set logging.logdir=/tmp/gpu_multirank/$mode \
+      --set model.path=/tmp/gpu_multirank/model
+  done
   # native last: native_eager and hf are printed even if a graph capture fails
   want engine && step engine_triton 150 "$PY" bench/engine_throughput.py --device cuda --attention triton \
     --competitors native_eager,hf,native --threads 4
@@ -66,18 +82,6 @@ else
   want kernels && step bench_kernels 100 "$PY" bench/kernels.py
   want engine && [ "${ENGINE_TORCH:-0}" = 1 ] && step engine_torch 60 "$PY" bench/engine_throughput.py \
     --device cuda --attention torch --competitors native --threads 4
-  rm -rf /tmp/gpu_quickstart /tmp/gpu_multirank
-  want quickstart && step quickstart 170 "$PY" -m torch.distributed.run --nproc-per-node 3 controller/main.py \
-    --config configs/quickstart.yaml --set engine.device=cuda --set train.iterations=30 \
-    --set logging.logdir=/tmp/gpu_quickstart \
-    --set model.path=/tmp/gpu_quickstart/model
-  for mode in stream async_stream; do
-    want multirank && step "multirank_$mode" 120 "$PY" -m torch.distributed.run --nproc-per-node 5 \
-      controller/main.py --config configs/quickstart.yaml --set engine.device=cuda \
-      --set placement.generation=[1,2] --set placement.trainer=[3,4] --set pipeline.mode=$mode \
-      --set dispatch.name=skew --set train.iterations=10 --set logging.logdir=/tmp/gpu_multirank/$mode \
-      --set model.path=/tmp/gpu_multirank/model
-  done
 fi
 echo "# gpu_check done in $(( $(date +%s) - start )) s, status $status"
 exit $status
