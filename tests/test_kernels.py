@@ -164,7 +164,7 @@ def test_launch_shapes_are_gpu_compilable(heads, kv_heads, head_dim):
 @pytest.mark.parametrize("batch,kv_heads,ctx,splits", [
     (1, 8, 4096, 32),     # under-filled: 4 waves, capped at 128-token pieces
     (8, 4, 4096, 16),     # 32 programs on 132 SMs: 4 waves
-    (8, 8, 32768, 9),
+    (8, 8, 32768, 8),     # 4 waves want 9 splits (4.4 waves, the fifth a third full): 8, 3.9 waves
     (64, 2, 1024, 4),
     (64, 4, 4096, 2),     # 256 programs >= 132 SMs: 2 waves
     (64, 8, 1024, 1),     # 512 programs: no split
@@ -180,6 +180,22 @@ def test_split_choice_from_the_h200_sweep(monkeypatch, batch, kv_heads, ctx, spl
                         torch.empty(batch, ctx // 16, dtype=torch.int32))
     assert cfg.num_splits == splits
     assert cfg.min_split_tokens == 128 and cfg.num_splits * 128 <= ctx
+
+
+def test_fill_waves_takes_the_split_count_whose_last_wave_is_fullest():
+    from kernels.paged_decode import _fill_waves
+
+    assert _fill_waves(64, 132, 9, 64) == 8      # 576 programs = 4.4 waves; 512 = 3.9
+    assert _fill_waves(32, 132, 17, 64) == 16    # 544 = 4.1 waves; 512 = 3.9
+    assert _fill_waves(128, 132, 5, 8) == 5      # 4 and 5 both fill whole waves: a tie keeps want
+    assert _fill_waves(64, 132, 9, 6) == 6       # the cap first: 6 x 64 = 2.9 waves, 4 x 64 = 1.9
+    assert _fill_waves(8, 132, 66, 32) == 32     # under-filled, capped by the table: as before
+    assert _fill_waves(2, 132, 1, 64) == 1
+    for programs in (1, 3, 8, 28, 64, 130, 257):
+        for want in range(1, 65):
+            got = _fill_waves(programs, 132, want, 64)
+            assert want / 2 < got <= want
+            assert -(-programs * got // 132) / got <= -(-programs * want // 132) / want
 
 
 def test_bad_inputs_name_the_argument():
