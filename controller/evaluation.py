@@ -32,9 +32,10 @@ class EvalResult:
     weight_versions: tuple[int, ...] = ()  # the weights the instances generated with (one, unless mixed)
 
 
-def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], tuple[int, ...]]:
+def side_generate(program, reqs: list[Request], stage: str = "eval") -> tuple[dict[int, list[int]], tuple[int, ...]]:
     """Generate ``reqs`` on ``program``'s instances (spread evenly) outside the training
-    stream -> (sample id -> output ids, the weight versions used). With no round in flight the
+    stream -> (sample id -> output ids, the weight versions used); ``stage`` names the
+    instances' spans ("eval", "ranker"). With no round in flight the
     instances load their staged weights first (after a push, after ``--resume``). An instance
     lost meanwhile leaves the SGS and its share goes to the others, as a round's does; any
     other failure, or no instance left, fails the evaluation, and the instances still on it
@@ -59,7 +60,7 @@ def side_generate(program, reqs: list[Request]) -> tuple[dict[int, list[int]], t
             if chunk := batch[i::len(handles)]:
                 token = f"{name}-{waiting.added}"
                 running[token] = h
-                waiting.add(h.call("evaluate", chunk, newest, token), (chunk, token))
+                waiting.add(h.call("evaluate", chunk, newest, token, stage), (chunk, token))
 
     outputs: dict[int, list[int]] = {}
     versions: set[int] = set()
@@ -93,7 +94,7 @@ def measure_lengths(program, prompts: list[str]) -> list[float]:
     reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), t.max_tokens, 0, 0.0, group_id=-1,
                     sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))
             for j, p in enumerate(prompts) for k in range(t.group_size)]
-    out, _ = side_generate(program, reqs)
+    out, _ = side_generate(program, reqs, stage="ranker")
     return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
             for j in range(len(prompts))]
 

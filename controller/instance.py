@@ -312,9 +312,11 @@ class GenerationInstance:
         except Exception as e:
             print(f"[generation {self.rank}] abort after an error failed: {e!r}", file=sys.stderr, flush=True)
 
-    def evaluate(self, requests: list[Request], newest: bool = False, token: str | None = None) -> EvalOutput:
+    def evaluate(self, requests: list[Request], newest: bool = False, token: str | None = None,
+                 stage: str = "eval") -> EvalOutput:
         """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
-        ranker's bootstrap); outputs come back to the controller, not to the trainers. With
+        ranker's bootstrap); outputs come back to the controller, not to the trainers. Its span
+        on this instance's timeline row is ``stage``: "eval", or "ranker" for the bootstrap. With
         ``newest`` (the controller has no round in flight) the staged weights are loaded first,
         so an evaluation after a push runs on the weights it is logged under; otherwise on the
         weights held now. The answer names the version used. ``token``: the call's name for
@@ -325,13 +327,13 @@ class GenerationInstance:
                 return EvalOutput(self.version, [], cancelled=True)
             if newest:
                 self._swap_to_newest()
-            with self.spans.span("eval", self.version):
+            with self.spans.span(stage, self.version):
                 out = []
                 refused = self.engine.add(requests)
                 try:
                     if refused:
                         s = refused[0]
-                        raise ValueError(f"gen{self.rank}: engine refused eval request {s.sample_id}: {s.error}")
+                        raise ValueError(f"gen{self.rank}: engine refused {stage} request {s.sample_id}: {s.error}")
                     while self.engine.has_work():
                         if self._take_cancel(token):
                             self.engine.abort([r.sample_id for r in requests])

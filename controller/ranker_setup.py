@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from controller.config import ConfigError
@@ -30,11 +31,11 @@ def saved_ranker(cfg):
     return None
 
 
-def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: list[str]):
+def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: list[str], span=nullcontext):
     """The ranker the run uses: the one of the checkpoint resumed from (``resumed_from``),
     else ``saved`` (``saved_ranker``), else one bootstrapped on ``ranker.bootstrap_prompts`` of
     ``prompts`` with ``measure_lengths`` (the SGS generating with the current policy), fit and
-    saved at ``ranker.path``."""
+    saved at ``ranker.path``, inside ``span()`` (the controller's "ranker" timeline span)."""
     r = cfg.ranker
     if r.kind == "none":
         return None
@@ -55,9 +56,10 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
               file=sys.stderr, flush=True)
         return saved
     t0 = time.time()
-    model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
-                             sample_seed=cfg.train.seed, **dict(r.options))
-    ranker.save(model, path)
+    with span():
+        model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
+                                 sample_seed=cfg.train.seed, **dict(r.options))
+        ranker.save(model, path)
     print(f"[controller] ranker: no {r.kind} ranker at {path}; bootstrapped one from the policy's lengths on "
           f"{min(r.bootstrap_prompts, len(prompts))} prompts x {cfg.train.group_size} samples in "
           f"{time.time() - t0:.1f} s, saved there", file=sys.stderr, flush=True)

@@ -107,7 +107,8 @@ class Session:
                                                     cfg.train.max_tokens)
         self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from,
                                                 lambda ps: measure_lengths(self.program, ps),
-                                                [it.prompt for it in self.task.prompts("train")])
+                                                [it.prompt for it in self.task.prompts("train")],
+                                                span=lambda: self.program.spans.span("ranker", self.program.iteration))
         self.program.ranker = self.ranker
         if state:
             self.metrics.rewards = list(state.rewards)

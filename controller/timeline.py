@@ -5,9 +5,11 @@ seconds) around their stages: "generate" (an instance's part of a batch), "train
 rank's receive-time forwards and micro-batches, and its optimizer step), "weight_sync"
 (sending or receiving weights; its ``iteration`` is the weight version), "weight_stage" (an
 instance keeping received weights for the next iteration boundary; the weight version), "eval"
-and "save" (evaluation, a checkpoint), "idle" (a trainer waiting for samples). The
-controller's own row holds what it waits on ("dispatch", "wait_generate", "wait_step",
-"wait_push") and its evaluations and checkpoint saves ("eval", "save"). A worker is named
+and "save" (evaluation, a checkpoint), "ranker" (an instance's generations for the ranker's
+bootstrap), "idle" (a trainer waiting for samples). The controller's own row holds what it
+waits on ("dispatch", "wait_generate", "wait_step", "wait_push"), its evaluations and
+checkpoint saves ("eval", "save") and the ranker's bootstrap at start ("ranker":
+generating, fitting, saving). A worker is named
 ``<role><rank>`` (``gen1``, ``train2``). The controller gathers the spans and writes a
 Chrome-trace JSON (opens in Perfetto / chrome://tracing), a Gantt figure for TensorBoard, and
 the bubble (idle) fraction per device.
@@ -28,7 +30,7 @@ from pathlib import Path
 from workers.atomic import write_text
 
 CONTROLLER = "controller"
-STAGES = ("generate", "train", "weight_sync", "weight_stage", "eval", "save", "idle")
+STAGES = ("generate", "train", "weight_sync", "weight_stage", "eval", "ranker", "save", "idle")
 MAIN_STAGES = ("generate", "train")  # a worker's own work: its trace row's first lane
 # stages whose ``iteration`` is the batch they worked on (weight_sync and weight_stage carry
 # a weight version; wait_push and idle the iteration that comes next, the one that waits for
@@ -38,6 +40,7 @@ BATCH_STAGES = ("generate", "train", "dispatch", "wait_generate", "wait_step")
 _COLORS = {"idle": "lightgrey",  # drawn first: busy spans paint over it
            "generate": "tab:blue", "train": "tab:green",
            "weight_sync": "tab:purple", "weight_stage": "tab:pink", "eval": "tab:orange", "save": "tab:brown",
+           "ranker": "tab:olive",
            # the controller's own row: what it is waiting on
            "dispatch": "tab:red", "wait_generate": "lightsteelblue", "wait_step": "palegreen",
            "wait_push": "plum"}

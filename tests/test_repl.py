@@ -108,7 +108,15 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert [e.step for e in ea.Scalars("batch/response_clip_ratio")] == [0, 1, 2]
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
     stages = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {"generate", "train", "weight_sync", "eval"} <= stages
+    assert {"generate", "train", "weight_sync", "eval", "ranker"} <= stages
+    # the ranker's bootstrap is its own stage (its generations were drawn as "eval"): before
+    # the first dispatch, on the instance and on the controller; the one eval is the REPL's
+    spans = [json.loads(ln) for ln in (tmp_path / "run" / "spans.jsonl").read_text().splitlines()]
+    first = min(s["start"] for s in spans if s["stage"] == "dispatch")
+    boot = {s["worker"] for s in spans if s["stage"] == "ranker"}
+    assert boot == {"gen1", "controller"} and all(s["end"] <= first for s in spans if s["stage"] == "ranker")
+    assert [s["iteration"] for s in spans if s["stage"] == "eval" and s["worker"] == "controller"] == [3]
+    assert all(s["start"] > first for s in spans if s["stage"] == "eval")
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000003"
 
     # a new run into the same logdir (no --resume) is refused before any work: its rows,
