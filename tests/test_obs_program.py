@@ -53,7 +53,7 @@ class Instance:
         self.staged = version
         return version
 
-    def evaluate(self, requests, newest=False, token=None):
+    def evaluate(self, requests, newest=False, token=None, stage="eval"):
         self.clock.t += EVAL_S
         self.newest.append(newest)
         if newest and self.staged is not None:
