@@ -156,9 +156,13 @@ def _check_ranker(r: RankerSection) -> None:
     from ranker.store import build
 
     try:  # (the kind itself is checked first, by RankerSection)
-        build(r.kind, **dict(r.options))
+        model = build(r.kind, **dict(r.options))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"ranker.options: {e}") from None
+    if r.bootstrap_prompts < model.min_rows and not (Path(r.path) / "meta.json").exists():
+        raise ConfigError(f"ranker.bootstrap_prompts: {r.bootstrap_prompts}, but a {r.kind} ranker with these "
+                          f"options fits on at least {model.min_rows} prompts (raise it, or lower "
+                          "min_child_samples in ranker.options for lgbm)")
     try:  # a damaged folder is reported by the ranker's own load, naming the file
         saved = json.loads((Path(r.path) / "meta.json").read_text(encoding="utf-8")).get("kind")
     except (OSError, ValueError, AttributeError):

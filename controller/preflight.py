@@ -20,6 +20,7 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
     from dataclasses import asdict
 
     from workers.model import ModelConfig
+    from workers.model_check import check_weights
 
     cfg = path / "config.json"
     if path.exists() and not path.is_dir():
@@ -43,12 +44,25 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
         ModelConfig.from_hf(json.loads(cfg.read_text()))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.path: {cfg}: {e}") from None
-    if not (path / "tokenizer.json").exists():
+    tok = path / "tokenizer.json"
+    if not tok.exists():
         raise ConfigError(f"model.path: {path} has no tokenizer.json (a model folder carries its tokenizer, "
                           "as on the Hugging Face hub)")
+    try:  # the weights' headers (no tensor read) and the tokenizer, as the workers will load them
+        check_weights(path)
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(tok))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.path: {e}") from None
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception naming no file
+        raise ConfigError(f"model.path: {tok}: not a tokenizer the tokenizers library reads ({e})") from None
 
 
 def _holds_run(logdir: Path) -> bool:
+    if logdir.is_file():  # (ckpt.find would say it as a --resume problem)
+        raise ConfigError(f"logging.logdir: {logdir} is a file; a run writes its logs and checkpoints into a "
+                          "folder: give a folder's path (it is created if missing)")
     return ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
 
 
@@ -109,6 +123,11 @@ def refuse_previous_run(logdir: Path, why: str = "") -> None:
                           f"restart of the job, launched without --resume: launch with --resume {logdir} "
                           "so that a restart continues from the last checkpoint (the first start, with no "
                           "checkpoint yet, starts fresh)")
+    if found is None:  # rows, no checkpoint: --resume would be refused (nothing to continue from)
+        n = _rows(logdir)
+        raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run that saved no checkpoint "
+                          f"({n} row{'' if n == 1 else 's'} in iterations.jsonl and eval.jsonl), so there is nothing to resume: "
+                          "start a new one elsewhere with --set logging.logdir=NEW_DIR (or delete the folder)")
     raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}); continue it with "
                       f"--resume {logdir}, or start a new one elsewhere with --set logging.logdir=NEW_DIR "
                       f"(or delete the folder)")

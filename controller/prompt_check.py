@@ -65,6 +65,35 @@ def where(item: TaskPrompt, split: str, i: int) -> str:
     return f"task.prompts({split!r})[{i}]{f' ({src})' if src else ''} ({item.prompt[:40]!r}...)"
 
 
+def task_prompts(task, split: str) -> list[TaskPrompt]:
+    """``task.prompts(split)`` as a list, each item checked: a ``TaskPrompt`` whose ``prompt`` is a
+    string with some text (or whose ``messages`` hold the chat) and whose ``answer`` is a string.
+    Whatever the task's own code raises, and what it returns that is not that, is a ValueError
+    naming the split and the item's index (a user's task: a dict, a generator, an empty prompt
+    were tracebacks or silent)."""
+    try:
+        got = task.prompts(split)
+        items = list(got)
+    except (ValueError, OSError, ImportError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's prompts(): one line naming it, not a traceback
+        raise ValueError(f"prompts({split!r}) raised {type(e).__name__}: {e}") from e
+    if isinstance(got, (str, bytes, dict)):
+        raise ValueError(f"prompts({split!r}) returned a {type(got).__name__}; it must return a list of "
+                         "workers.types.TaskPrompt")
+    for i, item in enumerate(items):
+        if not isinstance(item, TaskPrompt):
+            raise ValueError(f"task.prompts({split!r})[{i}] is a {type(item).__name__}, not a workers.types.TaskPrompt "
+                             f"(TaskPrompt(prompt=..., answer=..., task=...)): {item!r:.60}")
+        if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
+            raise ValueError(f"task.prompts({split!r})[{i}]: prompt must be a string with some text, got "
+                             f"{item.prompt!r:.40}")
+        if not isinstance(item.answer, str):
+            raise ValueError(f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...): answer must be a string "
+                             f"(raw_answer holds any other form), got {type(item.answer).__name__}")
+    return items
+
+
 def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], Sequence[int]], context_len: int,
                     split: str, policy: str, max_prompt_tokens: int = 0,
                     need: ContextNeed | None = None, vocab_size: int = 0) -> tuple[list[TaskPrompt], list[int]]:
@@ -159,7 +188,7 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
     kept = {}
     for split in ("train", "test") if train.eval_every else ("train",):
         try:
-            kept[split], dropped = fitting_prompts(task.prompts(split), encode, context, split, train.overlong_prompts,
+            kept[split], dropped = fitting_prompts(task_prompts(task, split), encode, context, split, train.overlong_prompts,
                                                    train.max_prompt_tokens, need, vocab_size)
         except PromptTooLong as e:
             raise ConfigError(str(e)) from None

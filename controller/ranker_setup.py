@@ -40,6 +40,7 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
     if r.kind == "none":
         return None
     import ranker
+    from ranker.base import TooFewRows
 
     path = Path(r.path)
     resumed = resumed_from / "ranker" if resumed_from else None
@@ -57,8 +58,11 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
         return saved
     t0 = time.time()
     with span():
-        model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
-                                 sample_seed=cfg.train.seed, **dict(r.options))
+        try:
+            model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
+                                     sample_seed=cfg.train.seed, **dict(r.options))
+        except TooFewRows as e:  # fewer train prompts than the kind fits on (before any generation)
+            raise ConfigError(f"ranker.bootstrap_prompts: {e}") from None
         ranker.save(model, path)
     print(f"[controller] ranker: no {r.kind} ranker at {path}; bootstrapped one from the policy's lengths on "
           f"{min(r.bootstrap_prompts, len(prompts))} prompts x {cfg.train.group_size} samples in "

@@ -42,6 +42,7 @@ class RunStopped(RuntimeError):
 
 class Session:
     def __init__(self, cfg, args, world_size: int):
+        from controller.prompt_check import task_prompts
         from controller.scheduling import make_dispatcher
         from workers.tasks.registry import make_task
         from workers.tokenizer import Tokenizer
@@ -74,6 +75,13 @@ class Session:
             self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
         except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
             raise ConfigError(str(e)) from None
+        for split in ("train", "test") if cfg.train.eval_every else ("train",):  # its data, before the SFT
+            try:
+                task_prompts(self.task, split)
+            except (ValueError, OSError, ImportError) as e:
+                raise ConfigError(f"task ({cfg.task.name}) {split} prompts: {e}") from None
+        length_of = (forced_lengths(cfg.train.length_trace, cfg.train.length_scale, cfg.train.max_tokens)
+                     if cfg.train.length_trace else None)
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         saved = saved_ranker(cfg)  # loaded now: a damaged one fails before the bootstrap
         check_model_folder(Path(cfg.model.path), cfg.model.init)
@@ -102,9 +110,8 @@ class Session:
                                stream_state=state.stream if state else None,
                                start_iteration=state.iteration if state else 0,
                                version=state.version if state else 0)
-        if cfg.train.length_trace:
-            self.program.length_of = forced_lengths(cfg.train.length_trace, cfg.train.length_scale,
-                                                    cfg.train.max_tokens)
+        if length_of is not None:
+            self.program.length_of = length_of
         self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from,
                                                 lambda ps: measure_lengths(self.program, ps),
                                                 [it.prompt for it in self.task.prompts("train")],
@@ -282,7 +289,12 @@ def forced_lengths(trace: str, scale: float, max_tokens: int):
     from controller.planner.workloads import trace_tokens
     from ranker.data import read_traces
 
-    lens = [trace_tokens(r.lengths[0], scale, max_tokens) for r in read_traces(trace)]
+    try:
+        lens = [trace_tokens(r.lengths[0], scale, max_tokens) for r in read_traces(trace)]
+    except (ValueError, OSError, EOFError) as e:  # TraceError names the file and line
+        raise ConfigError(f"train.length_trace: {e}") from None
+    if not lens:
+        raise ConfigError(f"train.length_trace: {trace} holds no rows")
     return lambda item: lens[zlib.crc32(item.prompt.encode()) % len(lens)]
 
 

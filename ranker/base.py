@@ -10,6 +10,10 @@ import numpy as np
 from workers.config_schema import RANGE
 
 
+
+class TooFewRows(ValueError):
+    """Fewer (prompt, length) pairs than a ranker of this kind and config fits on."""
+
 class LogLengthRanker:
     @property
     def fitted(self) -> bool:
@@ -29,7 +33,7 @@ class LogLengthRanker:
 
     def _need_rows(self, n: int, why: str) -> None:
         if n < self.min_rows:
-            raise ValueError(f"{self.kind} ranker needs at least {self.min_rows} (prompt, length) pairs to fit "
+            raise TooFewRows(f"{self.kind} ranker needs at least {self.min_rows} (prompt, length) pairs to fit "
                              f"({why}), got {n}")
 
     def _need_fitted(self) -> None:

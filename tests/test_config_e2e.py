@@ -40,3 +40,26 @@ def test_a_bad_prompt_template_in_the_model_folder_is_one_line(tmp_path, tiny_mo
     p = torchrun(write_config(tmp_path, str(folder), logging__logdir=str(tmp_path / "c")), timeout=120)
     line = _one_config_error(p)
     assert line.startswith(f"config error: model.path {folder}: tokenizer: ") and "{{ and }}" in line, line
+
+
+def test_a_user_task_whose_prompts_are_not_task_prompts_and_mismatched_weights_are_one_line(tmp_path, tiny_model):  # noqa: F811
+    # a task returning dicts was AttributeError tracebacks; weights that do not match config.json
+    # were 7 load_state_dict tracebacks, one from each rank loading them
+    import json
+    import shutil
+
+    user = tmp_path / "tasks.py"
+    user.write_text("class Dicts:\n    def prompts(self, split):\n        return [{'prompt': 'x', 'answer': '1'}]\n"
+                    "    def score(self, prompt, completion):\n        return 0.0\n")
+    p = torchrun(write_config(tmp_path, tiny_model, task__name=f"{user}:Dicts", task__kwargs={},
+                              logging__logdir=str(tmp_path / "a")), timeout=120)
+    assert _one_config_error(p) == (f"config error: task ({user}:Dicts) train prompts: task.prompts('train')[0] is a "
+                                    "dict, not a workers.types.TaskPrompt (TaskPrompt(prompt=..., answer=..., "
+                                    "task=...)): {'prompt': 'x', 'answer': '1'}")
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    p = torchrun(write_config(tmp_path, str(folder), logging__logdir=str(tmp_path / "b")), timeout=120)
+    assert _one_config_error(p).startswith(f"config error: model.path: {folder}: the weights do not match "
+                                           "config.json: missing ['model.layers.")

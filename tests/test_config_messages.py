@@ -171,7 +171,7 @@ def test_bad_kwargs_are_checked_against_the_signature(user_tasks):
     with pytest.raises(ValueError, match=r"^task 'jsonl': task.kwargs \['train_files'\]: FileTask.__init__\(\) got "
                                          r"an unexpected keyword argument 'train_files'"):
         make_task("jsonl", train_files="x.jsonl")
-    with pytest.raises(ValueError, match=r"^task.kind 'nope' is not one of"):  # a registered task's own message
+    with pytest.raises(ValueError, match=r"^task.kwargs.kind: 'nope' is not one of"):  # a registered task's own message
         make_task("synthetic", kind="nope")
 
 

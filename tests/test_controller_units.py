@@ -322,3 +322,17 @@ def test_an_evaluate_call_stops_when_cancelled(tiny_model):  # noqa: F811
     inst.cancel("eval-stale")  # a cancel for a call that ended already changes nothing later
     done = inst.evaluate(reqs, token="eval-c")
     assert not done.cancelled and sorted(sid for sid, ids in done.outputs if len(ids) == 40) == [-4, -3, -2, -1]
+
+
+def test_a_length_trace_with_other_fields_is_a_config_error(tmp_path):
+    # a file with the wrong fields passed the load check (it exists) and was a TraceError traceback
+    from controller.config import ConfigError
+    from controller.runner import forced_lengths
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"q": "x", "lens": [3]}\n')
+    with pytest.raises(ConfigError, match=rf"^train.length_trace: {bad}:1: missing field 'question'"):
+        forced_lengths(str(bad), 1.0, 64)
+    good = tmp_path / "g.jsonl"
+    good.write_text('{"question": "x", "resp_words": [10]}\n')
+    assert forced_lengths(str(good), 1.0, 64)(TaskPrompt("anything", "", "t")) == 13

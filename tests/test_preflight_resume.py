@@ -87,3 +87,28 @@ def test_a_path_inside_a_checkpoint_or_a_checkpoint_shaped_path_is_refused(tmp_p
     with pytest.raises(ConfigError, match=rf"{saved_nothing} holds a run that saved no checkpoint"):
         _resume(tmp_path / "fresh", saved_nothing / "checkpoints" / "iter_000001")
     _resume(tmp_path / "fresh", tmp_path / "fresh_typo")  # names no run: a first start, as before
+
+
+def test_a_logdir_that_is_a_file_is_said_as_logging_logdir(tmp_path):
+    from controller.preflight import refuse_previous_run
+
+    f = tmp_path / "run.sh"
+    f.write_text("#!/bin/sh\n")
+    with pytest.raises(ConfigError, match=rf"^logging.logdir: {f} is a file; a run writes its logs and checkpoints "
+                                          r"into a folder"):
+        refuse_previous_run(f)  # was "--resume ...: is a file", with no --resume given
+
+
+def test_a_folder_with_rows_and_no_checkpoint_is_not_told_to_resume(tmp_path):
+    # the hint said "continue it with --resume", which is then refused (nothing to resume)
+    from controller.preflight import refuse_previous_run
+
+    run = _run(tmp_path / "r", rows=1)
+    with pytest.raises(ConfigError) as e:
+        refuse_previous_run(run)
+    assert str(e.value) == (f"logging.logdir: {run} already holds a run that saved no checkpoint (1 row in "
+                            "iterations.jsonl and eval.jsonl), so there is nothing to resume: start a new one "
+                            "elsewhere with --set logging.logdir=NEW_DIR (or delete the folder)")
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints up to iter_000002\); continue it "
+                                          r"with --resume"):
+        refuse_previous_run(_run(tmp_path / "s", 2, rows=2))

@@ -80,3 +80,25 @@ def test_a_bootstrapped_ranker_takes_its_seed_from_the_options(tmp_path):
     truth = dict(zip(pool, lengths))
     model = run_ranker(cfg, saved_ranker(cfg), None, lambda ps: [truth[p] for p in ps], pool)
     assert model.cfg.seed == 7 and (tmp_path / "r" / "meta.json").exists()
+
+
+def test_too_few_bootstrap_prompts_for_the_kind_is_a_config_error(tmp_path):
+    # an lgbm ranker fits on >= 2 x min_child_samples (20) pairs: 16 failed with a traceback
+    # after the model bootstrap and the engines' start; now said when the config loads
+    from controller.config_checks import _check_ranker
+
+    few = RankerSection(kind="lgbm", path=str(tmp_path / "r"), bootstrap_prompts=16)
+    with pytest.raises(ConfigError, match=r"ranker.bootstrap_prompts: 16, but a lgbm ranker with these options "
+                                          r"fits on at least 20 prompts"):
+        _check_ranker(few)
+    _check_ranker(RankerSection(kind="lgbm", path=str(tmp_path / "r"), bootstrap_prompts=16,
+                                options={"min_child_samples": 8}))
+    _check_ranker(RankerSection(kind="lm", path=str(tmp_path / "r"), bootstrap_prompts=2))
+    # a train split smaller than the kind needs: said naming the key, before any generation
+    cfg = SimpleNamespace(ranker=RankerSection(kind="lgbm", path=str(tmp_path / "r2"), bootstrap_prompts=64),
+                          train=SimpleNamespace(seed=0, group_size=2))
+    asked = []
+    with pytest.raises(ConfigError, match=r"ranker.bootstrap_prompts: lgbm ranker needs at least 20 \(prompt, "
+                                          r"length\) pairs to fit \(12 prompts given"):
+        run_ranker(cfg, None, None, lambda ps: asked.extend(ps) or [1.0] * len(ps), [f"p{i}" for i in range(12)])
+    assert asked == []

@@ -138,3 +138,32 @@ def test_a_user_task_trains_end_to_end(tmp_path, tiny_model, user_file):  # noqa
     ea.Reload()
     assert [e.value for e in ea.Scalars("eval/unscored")] == [1.0, 1.0]
     assert all(e.value == pytest.approx(0.25) for e in ea.Scalars("eval/mean"))
+
+
+@pytest.mark.parametrize("body,said", [
+    ("return [{'prompt': 'x', 'answer': '1'}]", r"task.prompts\('train'\)\[0\] is a dict, not a workers.types.TaskPrompt"),
+    ("return 'double 1'", r"prompts\('train'\) returned a str; it must return a list of workers.types.TaskPrompt"),
+    ("raise KeyError('no such split')", r"prompts\('train'\) raised KeyError: 'no such split'"),
+    ("return [TaskPrompt(prompt=' ', answer='1', task='t')]", r"task.prompts\('train'\)\[0\]: prompt must be a string "
+                                                            r"with some text, got ' '"),
+    ("return [TaskPrompt(prompt='a', answer=1, task='t')]", r"task.prompts\('train'\)\[0\] \('a'...\): answer must be a "
+                                                          r"string \(raw_answer holds any other form\), got int"),
+])
+def test_what_a_user_tasks_prompts_returns_is_checked(body, said):
+    # each was a traceback in the controller (or, for an empty prompt, nothing at all)
+    from controller.prompt_check import task_prompts
+
+    ns = {"TaskPrompt": TaskPrompt}
+    exec(f"class T:\n    def prompts(self, split):\n        {body}\n", ns)
+    with pytest.raises(ValueError, match="^" + said):
+        task_prompts(ns["T"](), "train")
+
+
+def test_a_generator_of_prompts_is_taken_once_as_a_list():
+    from controller.prompt_check import task_prompts
+
+    class Gen:
+        def prompts(self, split):
+            return (TaskPrompt(prompt=f"double {i}", answer=str(2 * i), task="d") for i in range(3))
+
+    assert [i.answer for i in task_prompts(Gen(), "train")] == ["0", "2", "4"]

@@ -201,3 +201,33 @@ def test_a_home_verifier_file_is_expanded(tmp_path, monkeypatch):
     t = write_rows(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}])
     task = make_task("jsonl", files="~/t.jsonl", verifier="~/r.py:score")
     assert task.score(task.prompts("train")[0], "x") == 1.0
+
+
+def test_a_task_kwarg_called_name_names_the_eval_group(tmp_path):
+    # task.kwargs.name (the documented eval group) clashed with make_task's own argument:
+    # "make_task() got multiple values for argument 'name'", a traceback on every run
+    p = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+2=", "answer": "3", "data_source": None},
+            {"prompt": "2+2=", "answer": "4", "data_source": "gsm"}, {"prompt": "2+3=", "answer": "5", "task": 7},
+            {"prompt": "3+3=", "answer": "6", "task": ["x"], "data_source": "mix"}, {"prompt": "4+4=", "answer": "8",
+                                                                                  "task": " "}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = make_task("jsonl", files=str(p), name="mymath")
+    # a null, empty or non-scalar field names no group (a null one was the group "None")
+    assert [i.task for i in t.prompts("train")] == ["mymath", "mymath", "gsm", "7", "mix", "mymath"]
+
+
+@pytest.mark.parametrize("key,value", [("prompt_key", None), ("answer_key", 5), ("name", ""), ("prompt_key", " ")])
+def test_the_field_keys_are_strings(tmp_path, key, value):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=rf"^task.kwargs.{key}: a non-empty string \(.*\), got {value!r}$"):
+        make_task("jsonl", files=str(p), **{key: value})  # was AttributeError: 'NoneType' ... 'split'
+
+
+def test_an_unknown_reasoning_gym_verifier_names_the_key(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"^task.kwargs.verifier: 'reasoning_gym:nonexistent_ds': 'nonexistent_ds' "
+                                         r"is not a registered reasoning-gym dataset"):
+        make_task("jsonl", files=str(p), verifier="reasoning_gym:nonexistent_ds")

@@ -244,16 +244,11 @@ def load_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a HF folder: ``model.safetensors`` or sharded with an index."""
     from safetensors.torch import load_file
 
+    from workers.model_check import safetensors_files
+
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in safetensors_files(folder):
         try:
             state.update(load_file(str(folder / f)))
         except FileNotFoundError:

@@ -127,6 +127,11 @@ class FileTask:
             raise ValueError(f"task.kwargs.verifier_kwargs: a mapping of keyword -> value, got {verifier_kwargs!r}")
         self.verify = make_verifier(verifier, verifier_kwargs)
         self.text_answers = is_builtin(verifier)
+        for key, value, what in (("prompt_key", prompt_key, "a row's field, dotted for a nested one"),
+                                 ("answer_key", answer_key, "a row's field, dotted for a nested one"),
+                                 ("name", name, "the eval group of rows without task or data_source")):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"task.kwargs.{key}: a non-empty string ({what}), got {value!r}")
         self.prompt_key, self.answer_key, self.name = prompt_key, answer_key, name
         self._cache: dict[str, list[TaskPrompt]] = {}
 

@@ -54,8 +54,9 @@ def task_factory(name: str) -> Callable[..., Task]:
     raise ValueError(f"task.name: {name!r} is not one of {sorted(TASKS)} or 'package.module:Name' / 'file.py:Name'")
 
 
-def make_task(name: str, **kwargs) -> Task:
-    """Build the task ``name`` with ``kwargs`` (``task.kwargs``). Kwargs its constructor does not
+def make_task(name: str, /, **kwargs) -> Task:
+    """Build the task ``name`` with ``kwargs`` (``task.kwargs``; they may hold a ``name`` of
+    their own, as the jsonl/parquet tasks' eval group). Kwargs its constructor does not
     take are a ValueError naming them; an exception the constructor itself raises is reported as
     the task's own error (type, message, where it was raised), not blamed on the kwargs."""
     factory = task_factory(name)

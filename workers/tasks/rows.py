@@ -83,5 +83,17 @@ def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_
     meta[WHERE] = where  # file:line, for the start check's messages (a key no dataset column takes:
     # a row's own "source" column, common in datasets, used to replace the location)
     return TaskPrompt(prompt=prompt, answer=_answer_text(answer, where, answer_key, text_answers),
-                      task=str(row.get("task", row.get("data_source", task))), meta=meta, messages=messages,
-                      raw_answer=answer)
+                      task=_group(row, where, task), meta=meta, messages=messages, raw_answer=answer)
+
+
+def _group(row: dict, where: str, default: str) -> str:
+    """The row's eval group: its ``task`` field, else verl's ``data_source``, else ``default``
+    (the task's name). A field that is null, empty or not a string or number (a dataset's own
+    ``task`` object) names no group and is passed over."""
+    for key in ("task", "data_source"):
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (str, numbers.Number)):
+            continue
+        if str(value).strip():
+            return str(value)
+    return default

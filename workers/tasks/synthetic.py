@@ -135,7 +135,7 @@ class SyntheticTask:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"task.kind {self.kind!r} is not one of {sorted(KINDS)}")
+            raise ValueError(f"task.kwargs.kind: {self.kind!r} is not one of {sorted(KINDS)}")
         if not 1 <= self.min_terms <= self.max_terms:
             raise ValueError(f"task: need 1 <= min_terms ({self.min_terms}) <= max_terms ({self.max_terms})")
         if self.kind == "running_sum" and self.min_terms < 2:
@@ -143,7 +143,7 @@ class SyntheticTask:
         if self.max_value < 1 or self.num_train < 1 or self.num_test < 1 or self.tail < 0:
             raise ValueError("task: max_value, num_train, num_test must be >= 1 and tail >= 0")
         if not 0.0 <= self.demo_noise <= 1.0:
-            raise ValueError(f"task.demo_noise must be in [0, 1], got {self.demo_noise}")
+            raise ValueError(f"task.kwargs.demo_noise: must be in [0, 1], got {self.demo_noise}")
 
     def prompts(self, split: str) -> Sequence[TaskPrompt]:
         if split not in SPLIT_SEEDS:

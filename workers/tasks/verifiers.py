@@ -126,6 +126,9 @@ def reasoning_gym_verifier(dataset_name: str) -> Verifier:
     """reasoning-gym's own ``score_answer`` for ``dataset_name`` (entry metadata from meta)."""
     import reasoning_gym
 
+    if dataset_name not in reasoning_gym.factory.DATASETS:
+        raise ValueError(f"task.kwargs.verifier: 'reasoning_gym:{dataset_name}': {dataset_name!r} is not a "
+                         f"registered reasoning-gym dataset (e.g. {sorted(reasoning_gym.factory.DATASETS)[:5]})")
     fn = reasoning_gym.get_score_answer_fn(dataset_name)
 
     def verify(prompt: TaskPrompt, completion: str) -> float:

@@ -1,0 +1,89 @@
+"""A model folder's weights and tokenizer checked by the controller before any worker loads
+them (workers/model_check.py, controller/preflight.py): each broken folder is one config error
+naming the file and the tensor. Each of these was a traceback from every worker rank."""
+import json
+import shutil
+
+import pytest
+
+from controller.config import ConfigError
+from controller.preflight import check_model_folder
+from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
+from workers.model_check import check_weights
+from workers.tokenizer import train_bpe
+
+CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    p = tmp_path_factory.mktemp("m") / "model"
+    save_pretrained(init_weights(CausalLM(CFG)), p, max_shard_bytes=20_000)  # sharded, with an index
+    train_bpe(["1 + 2 = 3", "4 + 5 = 9"] * 10, vocab_size=300).save(p)
+    return p
+
+
+def broken(folder, tmp_path, change):
+    p = tmp_path / "broken"
+    shutil.copytree(folder, p)
+    change(p)
+    with pytest.raises(ConfigError) as e:
+        check_model_folder(p)
+    return str(e.value).replace(str(p), "DIR")
+
+
+def edit_config(**kw):
+    def change(p):
+        c = json.loads((p / "config.json").read_text())
+        (p / "config.json").write_text(json.dumps({**c, **kw}))
+    return change
+
+
+def test_a_good_folder_passes_and_loads(folder):
+    check_model_folder(folder)
+    check_weights(folder)
+    assert load_pretrained(folder, "cpu").config.hidden_size == 32
+
+
+def test_missing_weights(folder, tmp_path):
+    def drop(p):
+        for f in p.glob("*.safetensors*"):
+            f.unlink()
+    assert broken(folder, tmp_path, drop) == ("model.path: DIR: no *.safetensors files (and no "
+                                              "model.safetensors.index.json)")
+
+
+def test_a_shard_the_index_names_is_gone(folder, tmp_path):
+    def drop(p):
+        sorted(p.glob("model-*.safetensors"))[1].unlink()
+    assert "model-00002-of-" in broken(folder, tmp_path, drop) and "named by model.safetensors.index.json but " \
+        "not there" in broken(folder, tmp_path / "b", drop)
+
+
+def test_a_truncated_shard(folder, tmp_path):
+    def cut(p):
+        f = sorted(p.glob("model-*.safetensors"))[0]
+        f.write_bytes(f.read_bytes()[:-100])
+    said = broken(folder, tmp_path, cut)
+    assert said.startswith("model.path: DIR/model-00001-of-") and "unreadable safetensors file" in said
+
+
+@pytest.mark.parametrize("change,said", [
+    (dict(vocab_size=320), "shapes: model.embed_tokens.weight [300, 32] in model-00001-of-"),
+    (dict(num_hidden_layers=3), "missing ['model.layers.2."),
+    (dict(num_hidden_layers=1), "unexpected ['model.layers.1."),
+    (dict(intermediate_size=48), "model.layers.0.mlp.gate_proj.weight [64, 32]"),
+])
+def test_a_config_json_that_does_not_match_the_weights(folder, tmp_path, change, said):
+    msg = broken(folder, tmp_path, edit_config(**change))
+    assert msg.startswith("model.path: DIR: the weights do not match config.json: ") and said in msg, msg
+
+
+def test_a_broken_tokenizer_json(folder, tmp_path):
+    said = broken(folder, tmp_path, lambda p: (p / "tokenizer.json").write_text('{"model" 1}'))
+    assert said.startswith("model.path: DIR/tokenizer.json: not a tokenizer the tokenizers library reads (")
+
+
+def test_untied_weights_need_lm_head(folder, tmp_path):
+    assert "missing ['lm_head.weight']" in broken(folder, tmp_path, edit_config(tie_word_embeddings=False))
