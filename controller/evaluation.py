@@ -117,9 +117,9 @@ def evaluate(program, n: int) -> EvalResult:
     texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}
     per: dict[str, list[float]] = {}
     best: list[float] = []
-    unscored = 0
+    unscored, whys = 0, {}
     for j, it in enumerate(items):
-        scores = [_score(program.task, it, texts.get(-1 - (j * k + s), ""), j) for s in range(k)]
+        scores = [_score(program.task, it, texts.get(-1 - (j * k + s), ""), j, whys) for s in range(k)]
         ok = [x for x in scores if math.isfinite(x)]
         unscored += k - len(ok)
         per.setdefault(it.task, []).extend(ok)
@@ -132,12 +132,17 @@ def evaluate(program, n: int) -> EvalResult:
         acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
     if unscored:
         acc["eval/unscored"] = float(unscored)
+        for why, prompts in whys.items():  # one line per distinct failure, not one per prompt
+            log.warning("eval: %d samples of %d prompts (first: prompt %d) left out of eval/mean: %s",
+                        sum(prompts.values()), len(prompts), next(iter(prompts)), why)
     return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions)
 
 
-def _score(task, item, completion: str, j: int) -> float:
-    """The task's score, NaN (left out, counted) when it fails, as for training samples."""
+def _score(task, item, completion: str, j: int, whys: dict[str, dict[int, int]]) -> float:
+    """The task's score, NaN (left out, counted) when it fails, as for training samples; a
+    failure is kept in ``whys`` (why -> prompt index -> samples), said once per kind."""
     score, why = safe_score(task, item, completion)
     if why:
-        log.warning("eval prompt %d: %s; left out of eval/mean", j, why)
+        per = whys.setdefault(why, {})
+        per[j] = per.get(j, 0) + 1
     return score

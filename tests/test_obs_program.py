@@ -168,3 +168,20 @@ def test_duplicates_the_trainer_ranks_dropped_reach_the_metrics(monkeypatch):
     p = _program(monkeypatch, "batch", Clock())
     p.world.trainers[0].rref.obj.duplicates = 3
     assert p.run(1)[0].metrics["duplicates"] == 3.0
+
+
+def test_a_verifier_that_raises_in_an_evaluation_is_said_once(monkeypatch, caplog):
+    # it was one warning per prompt per evaluation (32 lines for an eval of 32 prompts)
+    p = _program(monkeypatch, "batch", Clock())
+    p.run(1)
+
+    def score(prompt, completion):
+        raise KeyError("no such field")
+
+    monkeypatch.setattr(p.task, "score", score)
+    with caplog.at_level("WARNING"):
+        ev = evaluation_mod.evaluate(p, 3)
+    said = [r.getMessage() for r in caplog.records if "left out of eval/mean" in r.getMessage()]
+    assert said == ["eval: 3 samples of 3 prompts (first: prompt 0) left out of eval/mean: the task's score "
+                    "raised KeyError('no such field')"]
+    assert ev.scores == {"eval/unscored": 3.0}
