@@ -7,6 +7,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -25,6 +26,35 @@ def _no_job(args, e: BaseException) -> int:
     return 1
 
 
+def _open_store(host: str, port: int, timeout_s: float):
+    """The job's store, its attempt id (set once the controller is up) and whether it is elastic."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = store.get(ATTEMPT_KEY).decode()
+    return store, attempt, store.get(store_key("elastic", attempt)).decode() == "1"
+
+
+def _within(timeout_s: float, fn, *args):
+    """``fn(*args)``, given at most ``timeout_s``: a TimeoutError after that. TCPStore's own
+    timeout does not bound its handshake: a port that accepts and never answers (a web server,
+    TensorBoard, a mistyped port) held the join forever. The call runs on a daemon thread,
+    left behind when it does not return."""
+    done, out = threading.Event(), {}
+
+    def call():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = e
+        done.set()
+
+    threading.Thread(target=call, name="join-store", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"no answer in {timeout_s:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def join_main(args) -> int:
     """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
     host, port = args.join.rsplit(":", 1)
@@ -38,10 +68,8 @@ def join_main(args) -> int:
                 return _no_job(args, e)
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     try:
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=args.rpc_timeout))
-        attempt = store.get(ATTEMPT_KEY).decode()  # set once the controller is up
-        elastic = store.get(store_key("elastic", attempt)).decode() == "1"
+        store, attempt, elastic = _within(max(1.0, deadline - time.monotonic()), _open_store, host, int(port),
+                                          args.rpc_timeout)
     except (RuntimeError, TimeoutError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
         return _no_job(args, e)
     if not elastic:

@@ -42,6 +42,18 @@ def test_no_job_at_the_address_is_one_line_after_the_timeout(capsys):
     assert "Traceback" not in err and "frame #" not in err
 
 
+def test_a_port_that_accepts_and_never_answers_is_one_line_after_the_timeout(capsys):
+    # a web server, TensorBoard, a mistyped port: TCPStore's handshake waited forever and
+    # --rpc-timeout was never applied (the join hung until killed)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        args = entry.parse_args(["--join", f"127.0.0.1:{server.getsockname()[1]}", "--rpc-timeout", "1"])
+        assert join_cli.join_main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"[join] no StreamRL job answered at --join {args.join} within 1 s (TimeoutError)")
+
+
 def test_a_static_job_is_said_to_take_no_joiners(capsys):
     # a job with placement.elastic: false publishes it (controller.processes.start_processes);
     # joining it failed deep in torch ("RPC group mixes statically and dynamically initialized members")
