@@ -55,6 +55,28 @@ def _within(timeout_s: float, fn, *args):
     return out["value"]
 
 
+def _interrupted(rank: int, signame: str) -> None:
+    """A joiner stopped on its own: one line, not a traceback. Still waiting to be added, it
+    tells the controller, which stops listing it; an added instance is found lost, and its
+    requests go to the others."""
+    from controller.joiners import withdraw_joiner
+    from controller.lifecycle import end_children
+
+    added = "generation" in LOCAL.roles
+    if not added:
+        try:
+            rpc.rpc_sync("controller", withdraw_joiner, args=(rank, f"stopped by {signame}"), timeout=5)
+        except Exception:  # noqa: BLE001 - the controller is gone or busy: it finds this rank lost
+            pass
+    print(f"[join] rank {rank} stopped by {signame}: it leaves the job" +
+          ("; the controller re-dispatches its requests" if added else " (it was waiting to be added)"),
+          file=sys.stderr, flush=True)
+    end_children()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
 def join_main(args) -> int:
     """A generation process joining a running job (elastic scale-out). ADDR: torchrun's store."""
     host, port = args.join.rsplit(":", 1)
@@ -101,7 +123,10 @@ def join_main(args) -> int:
         return (f"the job restarted (attempt {now[:8]}; this process joined attempt {attempt[:8]}): "
                 "start it again to join the new one")
 
-    code = serve(gone, watchdog=Watchdog(job_timeout_s), who=f"[join] rank {rank}")
+    try:
+        code = serve(gone, watchdog=Watchdog(job_timeout_s), who=f"[join] rank {rank}")
+    except KeyboardInterrupt as e:  # Ctrl-C on its own terminal, SIGTERM, SIGHUP
+        _interrupted(rank, str(e) or "SIGINT")
     close_roles()
     if LOCAL.left_because:  # its job or controller is gone: nobody left to leave the RPC group with
         sys.stdout.flush()

@@ -15,6 +15,7 @@ from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
 from controller.world import add_instance
 
 _ANNOUNCED: "queue.Queue[tuple[int, str]]" = queue.Queue()  # (rank, role) of --join processes not yet taken
+_WITHDRAWN: set[int] = set()  # joiners that left before they were added (Ctrl-C on their terminal)
 
 
 def register_joiner(rank: int, role: str) -> bool:
@@ -26,9 +27,23 @@ def register_joiner(rank: int, role: str) -> bool:
     return True
 
 
+def withdraw_joiner(rank: int, why: str) -> bool:
+    """RPC target: a joiner still waiting to be added leaves (stopped on its own terminal): it
+    is no longer listed as waiting, pinged, or added (adding it found its process gone)."""
+    _WITHDRAWN.add(rank)
+    keepalive.unwatch(rank)
+    print(f"[controller] rank {rank} left before it was added ({why})", file=sys.stderr, flush=True)
+    return True
+
+
+def still_waiting(ranks: list[int]) -> list[int]:
+    """``ranks`` without those that withdrew."""
+    return [r for r in ranks if r not in _WITHDRAWN]
+
+
 def announced(timeout_s: float | None = None) -> list[int]:
-    """The ranks announced since the last call (with ``timeout_s``: wait that long for one
-    when there is none yet; none came: [])."""
+    """The ranks announced since the last call and not withdrawn (with ``timeout_s``: wait that
+    long for one when there is none yet; none came: [])."""
     ranks = []
     if timeout_s is not None:
         try:
@@ -39,7 +54,7 @@ def announced(timeout_s: float | None = None) -> list[int]:
         try:
             ranks.append(_ANNOUNCED.get_nowait()[0])
         except queue.Empty:
-            return ranks
+            return still_waiting(ranks)
 
 
 def pending() -> int:
@@ -71,7 +86,7 @@ def admit(session, i: int) -> None:
     (``session.want_add``) or ``placement.force_scale_out_at`` <= ``i``. A joiner whose context
     is too small for the run's prompts is told to exit; one lost on the way is passed over."""
     placement = session.cfg.placement
-    session.waiting += announced()
+    session.waiting = still_waiting(session.waiting) + announced()
     forced = 0 <= placement.force_scale_out_at <= i
     if forced and i == placement.force_scale_out_at and not session.waiting:
         # forced (tests, demos): wait for the joiner instead of racing its start-up, which

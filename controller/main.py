@@ -96,9 +96,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     _log_to_stderr()
     if args.join:
+        import signal
+
+        from controller import lifecycle
         from controller.join_cli import join_main
 
-        return join_main(args)
+        lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)  # one line, as Ctrl-C (join_cli._interrupted)
+        try:
+            return join_main(args)
+        except KeyboardInterrupt as e:  # before it registered: nothing to tell anyone
+            print(f"[join] stopped by {str(e) or 'SIGINT'} before it joined", file=sys.stderr, flush=True)
+            os._exit(130)
     if "RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
         sys.exit("controller/main.py must be launched with torchrun "
                  "(torchrun --nproc-per-node 3 controller/main.py --config configs/quickstart.yaml)")

@@ -124,9 +124,9 @@ class Repl:
 
     def _waiting(self) -> list[int]:
         """Joined processes not yet added (the scale-out policy adds them at an iteration)."""
-        from controller.joiners import announced
+        from controller.joiners import announced, still_waiting
 
-        self.s.waiting += announced()
+        self.s.waiting = still_waiting(self.s.waiting) + announced()
         return list(self.s.waiting)
 
     def sgs(self) -> dict:

@@ -4,6 +4,8 @@ torchrun's group early, so it stays, idle, until the job ends (docs/controller.m
 import json
 import subprocess
 import sys
+
+import pytest
 from types import SimpleNamespace
 
 from controller.repl import Repl
@@ -139,6 +141,50 @@ def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_m
     rows = iterations(tmp_path / "run")
     assert [r["num_samples"] for r in rows] == [8, 8, 8] and rows[2]["per_instance"] == {"1": 8}
     assert last_json(out)["iterations"] == 3
+
+
+@pytest.mark.slow  # ~40 s on 2 cores (a job, a joiner): the CI's slow tier runs it
+def test_a_waiting_joiner_stopped_on_its_terminal_says_so_and_is_no_longer_listed(tmp_path, tiny_model):  # noqa: F811
+    # it printed a bare KeyboardInterrupt traceback, and the controller kept listing it as
+    # waiting (then, adding it, met its dead process: an EPIPE and a C++ stack in the REPL)
+    import os
+    import signal
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=8, train__eval_every=0)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    main = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                             str(port), "controller/main.py", "--config", str(cfg), "--repl"], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    joiner = subprocess.Popen([sys.executable, "controller/main.py", "--join", f"127.0.0.1:{port}", "--role",
+                               "generation"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        seen = []
+        for line in joiner.stderr:  # until it has registered with the controller
+            seen.append(line)
+            if line.startswith("[join] rank 3 registered"):
+                break
+        joiner.send_signal(signal.SIGINT)
+        joiner_err = "".join(seen) + joiner.communicate(timeout=120)[1]
+        main.stdin.write("status\nrun 1\nstatus\nquit\n")
+        main.stdin.close()
+        out = main.stdout.read()
+        main.wait(timeout=300)
+        err = main.stderr.read()
+    finally:
+        for p in (main, joiner):
+            if p.poll() is None:
+                p.kill()
+    assert joiner.returncode == 130 and "Traceback" not in joiner_err, joiner_err[-3000:]
+    assert joiner_err.splitlines()[-1] == ("[join] rank 3 stopped by SIGINT: it leaves the job (it was waiting to "
+                                           "be added)"), joiner_err[-3000:]
+    assert main.returncode == 0, err[-4000:]
+    assert "[controller] rank 3 left before it was added (stopped by SIGINT)" in err, err[-4000:]
+    assert "EPIPE" not in err and "frame #" not in err, err[-4000:]
+    ready, status0, run1, status1 = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")]
+    assert status0["waiting"] == [] and status1["waiting"] == [] and run1["ran"] == 1
+    assert status1["instances"] == 1
 
 
 def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
