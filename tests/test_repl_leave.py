@@ -4,9 +4,9 @@ torchrun's group early, so it stays, idle, until the job ends (docs/controller.m
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
-from types import SimpleNamespace
 
 from controller.repl import Repl
 from controller.rpc import WorkerHandle
