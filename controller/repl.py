@@ -208,7 +208,9 @@ class Repl:
 
     def status(self) -> dict:
         p = self.s.program
-        last = p.history[-1].metrics.get("reward_mean") if p.history else None
+        # this attempt's last iteration, else the checkpoint's (after --resume, before any run)
+        last = p.history[-1].metrics.get("reward_mean") if p.history else \
+            (self.s.metrics.rewards[-1] if self.s.metrics.rewards else None)
         return {"iteration": p.iteration, "version": p.version, "mode": p.mode.name, "reward": last,
                 "instances": len(self.s.world.sgs.slots), "waiting": self._waiting()}
 

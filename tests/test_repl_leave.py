@@ -204,3 +204,13 @@ def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
                                      "schedule's length): they train at lr x min_lr_ratio = 0")
     trainer.lr_schedule = "constant"
     assert "note" not in repl.run("1")
+
+
+def test_status_after_a_resume_gives_the_checkpoints_last_reward():
+    # it answered "reward": null until the resumed run's first iteration
+    program = SimpleNamespace(iteration=6, version=6, mode=SimpleNamespace(name="stream"), history=[])
+    session = SimpleNamespace(program=program, metrics=SimpleNamespace(rewards=[0.25, 0.5]), waiting=[],
+                              world=SimpleNamespace(sgs=SimpleNamespace(slots=[1])))
+    assert Repl(session).status()["reward"] == 0.5
+    session.metrics.rewards = []
+    assert Repl(session).status()["reward"] is None
