@@ -43,7 +43,7 @@ def _refused_eval(program, n):
 
 def _session(spans=()):
     logged = []
-    metrics = SimpleNamespace(spans=list(spans), log_scalars=lambda acc, step: logged.append((acc, step)))
+    metrics = SimpleNamespace(spans=list(spans), rewards=[], log_scalars=lambda acc, step: logged.append((acc, step)))
     world = SimpleNamespace(sgs=SimpleNamespace(slots=[1], handles=[], removed=[]), trainers=[])
     trainer = SimpleNamespace(total_steps=20, lr_schedule="constant", lr=1e-6, min_lr_ratio=0.0)
     return SimpleNamespace(program=_Program(), metrics=metrics, world=world, cfg=SimpleNamespace(trainer=trainer),
