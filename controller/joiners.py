@@ -73,7 +73,9 @@ def leave_job(code: int, reason: str) -> bool:
 
 def dismiss_joiner(rank: int, code: int, reason: str) -> None:
     """Tell joined process ``rank`` to exit with ``code``, giving ``reason`` (a joiner refused
-    for its context, or one scaled in with the REPL's ``leave``); one already gone is skipped."""
+    for its context, or one scaled in with the REPL's ``leave``); one already gone is skipped.
+    It is no longer pinged (pings to its closed pipe logged an EPIPE each, after it left)."""
+    keepalive.unwatch(rank)
     try:
         rpc.rpc_sync(worker_name(rank), leave_job, args=(code, reason), timeout=10)
     except Exception:  # noqa: BLE001 - already gone

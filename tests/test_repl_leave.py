@@ -133,6 +133,7 @@ def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_m
     assert said == ["[join] rank 3 exits (code 0): left the job (REPL leave): instance closed, nothing more to "
                     "serve"], joiner_err[-3000:]
     assert main.returncode == 0, err[-4000:]
+    assert "EPIPE" not in err, err[-4000:]  # the keepalive no longer pings a process that left
     a = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")]
     ready, run2, sgs, leave, run1, status = a
     assert [i["rank"] for i in sgs["instances"]] == [1, 3]
@@ -214,3 +215,11 @@ def test_status_after_a_resume_gives_the_checkpoints_last_reward():
     assert Repl(session).status()["reward"] == 0.5
     session.metrics.rewards = []
     assert Repl(session).status()["reward"] is None
+
+
+def test_a_dismissed_joiner_is_no_longer_pinged():
+    from controller import joiners, keepalive
+
+    keepalive.watch(7)
+    joiners.dismiss_joiner(7, 0, "left the job")  # no RPC group here: the call fails, as to a gone process
+    assert 7 not in keepalive.watched()
