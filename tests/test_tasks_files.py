@@ -198,7 +198,7 @@ def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path, monkeypa
 def test_a_home_verifier_file_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "r.py").write_text("def score(prompt, completion):\n    return 1.0\n")
-    t = write_rows(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}])
+    write_rows(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}])
     task = make_task("jsonl", files="~/t.jsonl", verifier="~/r.py:score")
     assert task.score(task.prompts("train")[0], "x") == 1.0
 
