@@ -108,9 +108,17 @@ def join_main(args) -> int:
                  rpc_backend_options=rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
     from controller.joiners import register_joiner
 
-    rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
-    print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "
-          "(REPL: sgs)", file=sys.stderr, flush=True)
+    try:  # from here a stop (Ctrl-C, SIGTERM) withdraws it, even mid-registration
+        rpc.rpc_sync("controller", register_joiner, args=(rank, args.role), timeout=args.rpc_timeout)
+        print(f"[join] rank {rank} registered as {args.role}; it serves once the scale-out policy adds it "
+              "(REPL: sgs)", file=sys.stderr, flush=True)
+        return _serve(args, host, port, store, attempt, rank, job_timeout_s)
+    except KeyboardInterrupt as e:  # Ctrl-C on its own terminal, SIGTERM, SIGHUP
+        _interrupted(rank, str(e) or "SIGINT")
+
+
+def _serve(args, host: str, port: str, store, attempt: str, rank: int, job_timeout_s: float) -> int:
+    """Serve as a registered joiner until the controller, or the job's end, says to stop."""
 
     def gone() -> str | None:
         try:  # a plain connect first: a store op on a dead server logs a C++ stack trace
@@ -123,10 +131,7 @@ def join_main(args) -> int:
         return (f"the job restarted (attempt {now[:8]}; this process joined attempt {attempt[:8]}): "
                 "start it again to join the new one")
 
-    try:
-        code = serve(gone, watchdog=Watchdog(job_timeout_s), who=f"[join] rank {rank}")
-    except KeyboardInterrupt as e:  # Ctrl-C on its own terminal, SIGTERM, SIGHUP
-        _interrupted(rank, str(e) or "SIGINT")
+    code = serve(gone, watchdog=Watchdog(job_timeout_s), who=f"[join] rank {rank}")
     close_roles()
     if LOCAL.left_because:  # its job or controller is gone: nobody left to leave the RPC group with
         sys.stdout.flush()
