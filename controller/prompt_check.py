@@ -94,6 +94,22 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
     return items
 
 
+def checked_task(task, task_name: str, splits: Sequence[str]) -> "FittingTask":
+    """``task`` seen through its ``splits``' prompts, each read once and checked
+    (``task_prompts``) when the controller builds the task, before the model bootstrap: a
+    bad split is a ``ConfigError`` naming it. The start check (``check_task``) reads these
+    lists, not the task's ``prompts()`` again."""
+    from controller.config_types import ConfigError
+
+    checked = {}
+    for split in splits:
+        try:
+            checked[split] = task_prompts(task, split)
+        except (ValueError, OSError, ImportError) as e:
+            raise ConfigError(f"task ({task_name}) {split} prompts: {e}") from None
+    return FittingTask(task, checked)
+
+
 def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], Sequence[int]], context_len: int,
                     split: str, policy: str, max_prompt_tokens: int = 0,
                     need: ContextNeed | None = None, vocab_size: int = 0) -> tuple[list[TaskPrompt], list[int]]:

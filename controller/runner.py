@@ -19,10 +19,10 @@ from controller import checkpoint as ckpt
 from controller import lifecycle
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError
+from controller.config_notes import config_notes
 from controller.evaluation import evaluate, measure_lengths
 from controller.joiners import admit, announced, dismiss_joiner, pending
 from controller.metrics import Metrics
-from controller.modes import MODES
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
 from controller.run_record import save_run_config
@@ -42,7 +42,7 @@ class RunStopped(RuntimeError):
 
 class Session:
     def __init__(self, cfg, args, world_size: int):
-        from controller.prompt_check import task_prompts
+        from controller.prompt_check import checked_task
         from controller.scheduling import make_dispatcher
         from workers.tasks.registry import make_task
         from workers.tokenizer import Tokenizer
@@ -72,14 +72,11 @@ class Session:
         # the task and the dispatcher first: a bad task.kwargs or dispatch.options fails in
         # a second, before the model bootstrap (SFT) spends minutes
         try:
-            self.task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+            task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
         except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
             raise ConfigError(str(e)) from None
-        for split in ("train", "test") if cfg.train.eval_every else ("train",):  # its data, before the SFT
-            try:
-                task_prompts(self.task, split)
-            except (ValueError, OSError, ImportError) as e:
-                raise ConfigError(f"task ({cfg.task.name}) {split} prompts: {e}") from None
+        # its data read and checked once, before the SFT
+        self.task = checked_task(task, cfg.task.name, ("train", "test") if cfg.train.eval_every else ("train",))
         length_of = (forced_lengths(cfg.train.length_trace, cfg.train.length_scale, cfg.train.max_tokens)
                      if cfg.train.length_trace else None)
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
@@ -334,35 +331,12 @@ def _stop_workers(ranks: list[int], code: int, quiet: bool | None = None) -> Non
             pass
 
 
-def whitening_note(cfg) -> str | None:
-    """The one-line notice for PPO with whitened advantages (verl's default) in a mode that
-    streams samples into the trainer: training then waits for each iteration's last sample."""
-    if cfg.trainer.whiten and MODES[cfg.pipeline.mode].release != "all":
-        return (f"pipeline.mode {cfg.pipeline.mode} with ppo: trainer.whiten_advantages (on, as verl) needs every "
-                "sample's advantage, so PPO's forward/backward run at the end of each iteration, not while samples "
-                "stream in; set trainer.whiten_advantages: false to train on samples as they arrive")
-    return None
-
-
-def off_policy_note(cfg) -> str | None:
-    """The one-line notice for an async mode whose PPO old log-probs are the trainer's (top-k /
-    top-p sampling makes them so): the ratio is then 1 on the one-step-stale samples."""
-    t = cfg.trainer
-    if MODES[cfg.pipeline.mode].lag > 0 and t.recomputes_old_logprobs and t.tis_cap == 0:
-        return (f"pipeline.mode {cfg.pipeline.mode} trains samples of the previous weights, and the PPO old "
-                "log-probs are the trainer's own (trainer.recompute_old_logprobs, on with train.top_k / top_p): "
-                "the ratio starts at 1, so nothing corrects for the staleness (as verl's one-step off-policy); "
-                "trainer.tis_cap (e.g. 2) weights each token by the trainer/sampler probability ratio")
-    return None
-
-
 def run_controller(cfg, args, world_size: int) -> int:
     """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
     static = list(range(1, world_size))
     session = None
-    for note in (whitening_note(cfg), off_policy_note(cfg)):
-        if note:
-            print(f"[controller] {note}", file=sys.stderr, flush=True)
+    for note in config_notes(cfg):
+        print(f"[controller] {note}", file=sys.stderr, flush=True)
     try:
         session = Session(cfg, args, world_size)
         summary = session.run()

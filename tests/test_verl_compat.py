@@ -237,7 +237,7 @@ def test_streaming_modes_note_that_whitened_ppo_trains_at_step():
     """The controller says once, at start, that whitened PPO gives up training while samples
     stream in (and how to get it back); nothing for GRPO, for batch modes or with it off."""
     from controller.config import from_dict
-    from controller.runner import whitening_note
+    from controller.config_notes import whitening_note
 
     ppo = {"algorithm": "ppo"}
     note = whitening_note(from_dict({"trainer": ppo, "pipeline": {"mode": "stream"}}))
@@ -252,7 +252,7 @@ def test_async_modes_note_that_recomputed_old_logprobs_leave_staleness_uncorrect
     then starts at 1 on stale samples (RL correctness audit, session 18): said once, with the fix."""
     from controller.config import from_dict
     from controller.config import ConfigError
-    from controller.runner import off_policy_note
+    from controller.config_notes import off_policy_note
 
     top_p = {"top_p": 0.9}
     note = off_policy_note(from_dict({"train": top_p, "pipeline": {"mode": "async_stream"}}))

@@ -1,0 +1,32 @@
+"""One-line notices, said at start, about a valid config that does not do what a verl user
+would expect of it (the run goes on; each says which key changes it)."""
+from __future__ import annotations
+
+from controller.modes import MODES
+
+
+def config_notes(cfg) -> list[str]:
+    """The notices that apply to ``cfg``."""
+    return [note for note in (whitening_note(cfg), off_policy_note(cfg)) if note]
+
+
+def whitening_note(cfg) -> str | None:
+    """The one-line notice for PPO with whitened advantages (verl's default) in a mode that
+    streams samples into the trainer: training then waits for each iteration's last sample."""
+    if cfg.trainer.whiten and MODES[cfg.pipeline.mode].release != "all":
+        return (f"pipeline.mode {cfg.pipeline.mode} with ppo: trainer.whiten_advantages (on, as verl) needs every "
+                "sample's advantage, so PPO's forward/backward run at the end of each iteration, not while samples "
+                "stream in; set trainer.whiten_advantages: false to train on samples as they arrive")
+    return None
+
+
+def off_policy_note(cfg) -> str | None:
+    """The one-line notice for an async mode whose PPO old log-probs are the trainer's (top-k /
+    top-p sampling makes them so): the ratio is then 1 on the one-step-stale samples."""
+    t = cfg.trainer
+    if MODES[cfg.pipeline.mode].lag > 0 and t.recomputes_old_logprobs and t.tis_cap == 0:
+        return (f"pipeline.mode {cfg.pipeline.mode} trains samples of the previous weights, and the PPO old "
+                "log-probs are the trainer's own (trainer.recompute_old_logprobs, on with train.top_k / top_p): "
+                "the ratio starts at 1, so nothing corrects for the staleness (as verl's one-step off-policy); "
+                "trainer.tis_cap (e.g. 2) weights each token by the trainer/sampler probability ratio")
+    return None
