@@ -81,6 +81,7 @@ def serve(gone: Callable[[], str | None] | None = None, every_s: float = 5.0,
             why = gone()
         if why is not None:
             LOCAL.left_because = why
+            LOCAL.quiet_exit = False  # leaving alone: nobody else takes the lock-step exit
             print(f"{who or f'[rank {LOCAL.rank}]'} exits (code 1): {why}", file=sys.stderr, flush=True)
             return 1
     return LOCAL.exit_code
@@ -166,13 +167,14 @@ def close_roles() -> None:
 def stop_processes(code: int) -> int:
     """Leave the RPC group and the process group; a failed run exits at once (``os._exit``).
 
-    Success or a refusal before any work (the controller's ``request_exit(code, quiet=True)``:
-    no worker was lost and none joined, so every RRef's owner is alive and inside the
-    barriers): every static rank takes the
-    same quiet path (``_quiet_rpc_exit``). Otherwise, or if a barrier fails: local
+    When the controller ended the job with every static rank alive and no other rank in it
+    (``request_exit(code, quiet=True)``: success, a refusal before any work, or a run the
+    controller stopped itself, e.g. every sample skipped), every RRef's owner is alive and
+    inside the barriers: every static rank takes the same quiet path (``_quiet_rpc_exit``).
+    Otherwise (a rank leaving on its own, a worker lost), or if a barrier fails: local
     (non-graceful) shutdown that waits for nobody."""
     close_roles()
-    if LOCAL.quiet_exit and code in (0, 2):  # success, or a refusal before any work (config error)
+    if LOCAL.quiet_exit:
         try:
             _quiet_rpc_exit()
         except Exception:  # noqa: BLE001 - a peer is gone; leave anyway (non-graceful below)

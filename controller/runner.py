@@ -335,6 +335,7 @@ def run_controller(cfg, args, world_size: int) -> int:
     """Returns the process exit code (0 ok, 1 a worker or the controller failed)."""
     static = list(range(1, world_size))
     session = None
+    alive = True  # every worker still answers (the run ended by the controller's own decision)
     for note in config_notes(cfg):
         print(f"[controller] {note}", file=sys.stderr, flush=True)
     try:
@@ -354,9 +355,10 @@ def run_controller(cfg, args, world_size: int) -> int:
         print(f"[controller] run stopped: {_error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr,
               flush=True)
         code = 1
+        alive = isinstance(e, (RunStopped, OSError))  # the controller's decision, not a lost worker
     except Exception:  # noqa: BLE001 - the controller itself failed
         print(f"[controller] run stopped by a controller error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code = 1
+        code, alive = 1, False  # it may have failed in the middle of a call to a worker
     finally:  # also on Ctrl-C / SIGTERM, which pass through: the timeline of every span logged
         if session is not None:
             try:
@@ -375,5 +377,5 @@ def run_controller(cfg, args, world_size: int) -> int:
     for r in waiting:  # registered, never added: say so on the joiner's own terminal
         dismiss_joiner(r, code, "the job ended before the scale-out policy added it")
     _stop_workers(static + [r for r in joined if r not in gone], code,
-                  quiet=code in (0, 2) and not joined and not waiting and not lost)
+                  quiet=alive and not joined and not waiting and not lost)
     return code

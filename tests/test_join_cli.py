@@ -73,6 +73,7 @@ def test_serving_ends_when_the_job_is_gone(monkeypatch, capsys):
     monkeypatch.setattr(processes.LOCAL, "rank", 3)
     monkeypatch.setattr(processes.LOCAL, "exit_event", type(processes.LOCAL.exit_event)())
     monkeypatch.setattr(processes.LOCAL, "left_because", "")
+    monkeypatch.setattr(processes.LOCAL, "quiet_exit", True)
     calls = []
 
     def gone():
@@ -82,6 +83,7 @@ def test_serving_ends_when_the_job_is_gone(monkeypatch, capsys):
     assert processes.serve(gone, every_s=1.0, who="[join] rank 3") == 1
     assert len(calls) == 2
     assert processes.LOCAL.left_because.startswith("the job at h:1 is gone")
+    assert not processes.LOCAL.quiet_exit  # leaving alone: no lock-step barrier that would wait for the gone job
     assert capsys.readouterr().err == ("[join] rank 3 exits (code 1): the job at h:1 is gone (ConnectionRefusedError: "
                                        "its store does not answer)\n")
 

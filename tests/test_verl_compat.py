@@ -185,6 +185,8 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
                               logging__logdir=str(tmp_path / "broken")))
     assert r.returncode != 0
     assert "[controller] run stopped: iteration 0: all 8 samples were skipped" in r.stderr, r.stderr[-3000:]
+    # every rank is alive: the controller's own stop leaves RPC in lock-step, with no RRef-leak/pipe-closed lines
+    assert "Leaking RRef" not in r.stderr and "tensorpipe_agent" not in r.stderr, r.stderr[-3000:]
     r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=2, train__eval_every=0,
                               task__kwargs={"files": str(data)}, logging__logdir=str(tmp_path / "nofield")))
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
