@@ -37,8 +37,20 @@ def withdraw_joiner(rank: int, why: str) -> bool:
 
 
 def still_waiting(ranks: list[int]) -> list[int]:
-    """``ranks`` without those that withdrew."""
-    return [r for r in ranks if r not in _WITHDRAWN]
+    """``ranks`` without those that withdrew or whose process the keepalive found gone (killed
+    while waiting: it could not withdraw; adding it would meet its closed pipe)."""
+    kept = []
+    for r in ranks:
+        if r in _WITHDRAWN:
+            continue
+        why = keepalive.lost(r)
+        if why is None:
+            kept.append(r)
+            continue
+        _WITHDRAWN.add(r)
+        print(f"[controller] rank {r} was lost before it was added (its process is gone: {why})",
+              file=sys.stderr, flush=True)
+    return kept
 
 
 def announced(timeout_s: float | None = None) -> list[int]:
@@ -90,9 +102,10 @@ def admit(session, i: int) -> None:
     placement = session.cfg.placement
     session.waiting = still_waiting(session.waiting) + announced()
     forced = 0 <= placement.force_scale_out_at <= i
-    if forced and i == placement.force_scale_out_at and not session.waiting:
+    if forced and i == placement.force_scale_out_at and not session.waiting and not _WITHDRAWN:
         # forced (tests, demos): wait for the joiner instead of racing its start-up, which
-        # takes minutes on a loaded machine (importing torch, joining the RPC group)
+        # takes minutes on a loaded machine (importing torch, joining the RPC group); one that
+        # came and left (withdrew, or its process is gone) is not waited for again
         wait_s = max(placement.rpc_timeout_s, 600.0)
         session.waiting += announced(timeout_s=wait_s)
         if not session.waiting:

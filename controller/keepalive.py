@@ -33,6 +33,7 @@ def period(timeout_s: float) -> float:
 
 
 _WATCHED: set[int] = set()  # worker ranks the controller pings (static ranks, then joiners)
+_LOST: dict[int, str] = {}  # rank -> the transport error of the ping that found its process gone
 _LOCK = threading.Lock()
 
 
@@ -40,6 +41,8 @@ def watch(*ranks: int) -> None:
     """Ping these workers from now on (static ranks at start, a joiner once it registers)."""
     with _LOCK:
         _WATCHED.update(ranks)
+        for r in ranks:
+            _LOST.pop(r, None)
 
 
 def unwatch(rank: int) -> None:
@@ -52,10 +55,23 @@ def watched() -> list[int]:
         return sorted(_WATCHED)
 
 
+def lost(rank: int) -> str | None:
+    """Why a ping found ``rank``'s process gone (its transport error's first line), or None."""
+    with _LOCK:
+        return _LOST.get(rank)
+
+
+def _mark_lost(rank: int, err: BaseException) -> None:
+    with _LOCK:
+        _WATCHED.discard(rank)
+        _LOST[rank] = str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 class Keepalive:
     """The controller's pinging thread: ``start()`` after joining RPC, ``stop()`` before
     leaving it. A worker whose peer is gone is dropped from the list (the run's own calls say
-    it is lost); any other failure (a slow answer) is retried at the next round."""
+    it is lost; ``lost(rank)`` says why: a joiner still waiting is not added then); any other
+    failure (a slow answer) is retried at the next round."""
 
     def __init__(self, every_s: float = KEEPALIVE_S):
         self.every_s = every_s
@@ -87,7 +103,7 @@ class Keepalive:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - a failed ping is only ever a reason to stop pinging
             if is_peer_lost(e) and not is_timeout(str(e)):  # gone, not slow (a stopped worker resumes)
-                unwatch(rank)
+                _mark_lost(rank, e)
 
 
 class Watchdog:

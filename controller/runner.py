@@ -21,7 +21,7 @@ from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.config_notes import config_notes
 from controller.evaluation import evaluate, measure_lengths
-from controller.joiners import admit, announced, dismiss_joiner, pending
+from controller.joiners import admit, announced, dismiss_joiner, pending, still_waiting
 from controller.metrics import Metrics
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
@@ -370,7 +370,7 @@ def run_controller(cfg, args, world_size: int) -> int:
     # said: a stop signal from here on (torchrun stops every rank once one has died) does not
     # turn a lost worker's exit 1 into "stopped by SIGTERM", exit 130 (controller.main._interrupted)
     LOCAL.outcome = code
-    waiting = (list(session.waiting) if session else []) + announced()
+    waiting = (still_waiting(session.waiting) if session else []) + announced()
     joined = session.joined if session else []
     lost = bool(session and session.world.sgs.removed)
     gone = set(session.departed) if session else set()  # exited already: nothing to tell them

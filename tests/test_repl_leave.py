@@ -219,3 +219,54 @@ def test_a_dismissed_joiner_is_no_longer_pinged():
     keepalive.watch(7)
     joiners.dismiss_joiner(7, 0, "left the job")  # no RPC group here: the call fails, as to a gone process
     assert 7 not in keepalive.watched()
+
+
+@pytest.mark.slow  # ~25 s on 2 cores (a job, a joiner): the CI's slow tier runs it
+def test_a_waiting_joiner_killed_is_found_gone_and_never_added(tmp_path, tiny_model):  # noqa: F811
+    # SIGKILL leaves no chance to withdraw: it stayed listed as waiting, the forced add met its
+    # closed pipe (a C++ stack from the RRef's confirmation), the forced wait then waited 600 s,
+    # and the job's exit printed RRef leaks (it counted as joined)
+    import signal
+    import time
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=8, train__eval_every=0,
+                       placement__force_scale_out_at=1)
+    with _job_and_joiner(cfg) as (main, joiner):
+        for line in joiner.stderr:  # until it has registered with the controller
+            if line.startswith("[join] rank 3 registered"):
+                break
+        joiner.send_signal(signal.SIGKILL)
+        joiner.wait(timeout=60)
+        answers = []
+        for line in main.stdout:  # `status` until the controller's keepalive has found it gone
+            if line.startswith(">>> "):
+                answers.append(json.loads(line[4:]))
+                if answers[-1].get("waiting") == [] or len(answers) > 60:
+                    break
+            time.sleep(1)
+            main.stdin.write("status\n")
+            main.stdin.flush()
+        out, err = _last_commands(main, "run 2\nstatus\nquit\n")
+    assert answers[-1]["waiting"] == [], answers
+    assert main.returncode == 0, err[-4000:]
+    lost = [ln for ln in err.splitlines() if "rank 3 was lost before it was added" in ln]
+    assert len(lost) == 1 and "its process is gone" in lost[0], err[-4000:]
+    assert "frame #" not in err and "Leaking RRef" not in err and "added generation instance" not in err, err[-4000:]
+    run2, status = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")]
+    assert run2["ran"] == 2 and status["instances"] == 1 and status["waiting"] == []
+    assert [r["num_samples"] for r in iterations(tmp_path / "run")] == [8, 8]
+
+
+def test_a_waiting_joiner_the_keepalive_found_gone_is_dropped_once(capsys):
+    from controller import joiners, keepalive
+
+    keepalive.watch(9, 10)
+    keepalive.Keepalive._answered(SimpleNamespace(wait=lambda: (_ for _ in ()).throw(
+        RuntimeError("EOF: end of file (this error originated at tensorpipe)"))), 9)
+    keepalive.Keepalive._answered(SimpleNamespace(wait=lambda: (_ for _ in ()).throw(
+        RuntimeError("RPC ran for more than set timeout (1000 ms) and will now be marked with an error"))), 10)
+    assert keepalive.lost(9).startswith("EOF") and keepalive.lost(10) is None  # slow is not gone
+    assert joiners.still_waiting([9, 10]) == [10] and joiners.still_waiting([9, 10]) == [10]
+    assert capsys.readouterr().err.count("rank 9 was lost before it was added (its process is gone: EOF") == 1
+    assert keepalive.watched().count(9) == 0 and 10 in keepalive.watched()
+    keepalive.unwatch(10)
