@@ -31,7 +31,7 @@ from controller.sgs import NoInstancesLeft
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.ranker_setup import run_ranker, saved_ranker
-from controller.world import build_world, check_engine_device
+from controller.world import build_world, check_engine
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
 from workers.types import Ranker
@@ -82,7 +82,7 @@ class Session:
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
         saved = saved_ranker(cfg)  # loaded now: a damaged one fails before the bootstrap
         check_model_folder(Path(cfg.model.path), cfg.model.init)
-        check_engine_device(cfg.engine.device, cfg.placement.generation, cfg.placement.rpc_timeout_s)
+        check_engine(cfg.engine, cfg.placement.generation, cfg.placement.rpc_timeout_s)
         boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
                             args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
                                   cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,

@@ -108,34 +108,22 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     return world
 
 
-def cuda_devices() -> int:
-    """RPC target: how many CUDA devices this process's torch sees (0: none, or a CPU build)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def check_engine_device(device: str, ranks, timeout: float) -> None:
-    """``engine.device`` cuda[:N] needs CUDA on every generation rank: asked of the ranks
-    themselves (their hosts may differ from the controller's) before any engine is built, so a
-    CPU-only torch is one config error, not a traceback from each instance."""
+def check_engine(engine, ranks, timeout: float) -> None:
+    """Asks each generation rank whether it can run ``engine`` (workers.generation.support: CUDA
+    for ``engine.device: cuda``, vLLM for ``backend: vllm``, triton for ``attention_backend:
+    triton``) before any engine is built; their hosts may differ from the controller's. The
+    first problem is one ConfigError, not a traceback from each instance."""
     import torch.distributed.rpc as rpc
 
     from controller.config import ConfigError
+    from workers.generation.support import engine_problem
 
-    if not device.startswith("cuda"):
-        return
-    tail = device.partition(":")[2]
-    if tail and not tail.isdigit():
-        raise ConfigError(f"engine.device: {device!r} is not 'cuda' or 'cuda:N'")
-    index = int(tail or 0)
-    for r in sorted(ranks):
-        n = rpc.rpc_sync(f"worker{r}", cuda_devices, timeout=timeout)
-        if n == 0:
-            raise ConfigError(f"engine.device: {device!r}, but CUDA is not available on rank {r} (generation); "
-                              "set engine.device: cpu, or \"\" to use CUDA when there is a GPU")
-        if index >= n:
-            raise ConfigError(f"engine.device: {device!r}, but rank {r} (generation) has {n} CUDA device(s)")
+    futs = {r: rpc.rpc_async(f"worker{r}", engine_problem, args=(engine, f"rank {r} (generation)"),
+                             timeout=timeout) for r in sorted(ranks)}
+    for r, fut in futs.items():
+        problem = fut.wait()
+        if problem:
+            raise ConfigError(problem)
 
 
 def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int) -> WorkerHandle | None:

@@ -292,23 +292,62 @@ def test_prompt_template_is_formatted_at_load(template, message):
 
 
 def test_a_cuda_engine_without_cuda_on_its_rank_is_a_config_error(monkeypatch):
+    from types import SimpleNamespace
+
     import torch.distributed.rpc as rpc
 
-    from controller.world import check_engine_device
+    from controller.world import check_engine
+    from workers.generation import support
+    from workers.generation.config import EngineConfig
 
     devices = {1: 0, 2: 1}
-    monkeypatch.setattr(rpc, "rpc_sync", lambda to, fn, timeout: devices[int(to.removeprefix("worker"))])
-    check_engine_device("cpu", [1], 5.0)
-    check_engine_device("", [1], 5.0)
-    check_engine_device("cuda", [2], 5.0)
+
+    def ask(to, fn, args, timeout):  # each rank answers for its own torch (hosts may differ)
+        monkeypatch.setattr(support, "cuda_devices", lambda: devices[int(to.removeprefix("worker"))])
+        return SimpleNamespace(wait=lambda answer=fn(*args): answer)
+
+    monkeypatch.setattr(rpc, "rpc_async", ask)
+    check_engine(EngineConfig(device="cpu"), [1], 5.0)
+    check_engine(EngineConfig(device=""), [1], 5.0)
+    check_engine(EngineConfig(device="cuda", attention_backend="torch"), [2], 5.0)
     with pytest.raises(ConfigError, match=r"^engine.device: 'cuda', but CUDA is not available on rank 1 "
                                           r"\(generation\); set engine.device: cpu, or \"\" to use CUDA when there "
                                           r"is a GPU$"):
-        check_engine_device("cuda", [2, 1], 5.0)
+        check_engine(EngineConfig(device="cuda"), [2, 1], 5.0)
     with pytest.raises(ConfigError, match=r"^engine.device: 'cuda:1', but rank 2 \(generation\) has 1 CUDA device"):
-        check_engine_device("cuda:1", [2], 5.0)
-    with pytest.raises(ConfigError, match=r"^engine.device: 'cuda:x' is not 'cuda' or 'cuda:N'"):
-        check_engine_device("cuda:x", [2], 5.0)
+        check_engine(EngineConfig(device="cuda:1"), [2], 5.0)
+    with pytest.raises(ValueError, match=r"^engine.device: must be '', 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"):
+        EngineConfig(device="cuda:x")
+
+
+def test_an_engine_its_rank_cannot_build_is_named_by_its_key(monkeypatch):
+    # each was a ~200-line traceback from the instance's constructor (a user-journey review)
+    import importlib.util
+
+    from workers.generation import support
+    from workers.generation.config import EngineConfig
+
+    monkeypatch.setattr(support, "cuda_devices", lambda: 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter would run it, slowly)
+    problem = support.engine_problem(EngineConfig(attention_backend="triton"), "rank 1 (generation)")
+    assert problem.startswith("engine.attention_backend: 'triton' cannot run on rank 1 (generation), whose engine "
+                              "device is cpu: it needs triton"), problem
+    problem = support.engine_problem(EngineConfig(device="cuda", attention_backend="cpu"), "rank 1 (generation)")
+    assert problem.startswith("engine.device: 'cuda', but CUDA is not available"), problem
+    monkeypatch.setattr(support, "cuda_devices", lambda: 1)
+    problem = support.engine_problem(EngineConfig(device="cuda", attention_backend="cpu"), "rank 1 (generation)")
+    assert problem == ("engine.attention_backend: 'cpu' is the CPU kernel, but the engine on rank 1 (generation) "
+                       "runs on cuda; use 'auto'")
+    monkeypatch.setattr(support, "cuda_devices", lambda: 0)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    problem = support.engine_problem(EngineConfig(backend="vllm"), "rank 3 (generation)")
+    assert problem.startswith("engine.backend: 'vllm', but on rank 3 (generation): vLLM is not installed: "), problem
+    for ok in (EngineConfig(), EngineConfig(attention_backend="cpu"), EngineConfig(attention_backend="torch")):
+        assert support.engine_problem(ok, "rank 1 (generation)") is None
+    with pytest.raises(ValueError, match=r"^engine.backend_options: is read by the vllm backend only"):
+        EngineConfig(backend_options={"gpu_memory_utilization": 0.9})
+    assert EngineConfig(backend="vllm", backend_options={"gpu_memory_utilization": 0.9}).backend_options
 
 
 def test_ranker_options_and_saved_kind_checked_at_load(tmp_path):

@@ -104,8 +104,12 @@ class EngineConfig:
             bad(key, f"must give at least two blocks of {self.block_size} tokens")
         if self.max_model_len > self.kv_len:  # as vLLM, which refuses to start: not a silent cut
             raise ValueError(context_too_long(self.max_model_len, self.total_blocks, self.block_size, self.kv_len))
-        if self.device and self.device.split(":")[0] not in ("cpu", "cuda"):
+        kind, _, index = self.device.partition(":")
+        if self.device and (kind not in ("cpu", "cuda") or _ and not index.isdigit()):
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
+        if self.backend == "native" and self.backend_options:
+            bad("backend_options", "is read by the vllm backend only (vLLM's own EngineArgs); the native "
+                                   "engine's settings are engine.* keys (docs/engine.md)")
         if self.eos_ids is not None:
             if not isinstance(self.eos_ids, tuple) or not all(
                     is_int(e) and e >= 0 for e in self.eos_ids):
