@@ -197,3 +197,12 @@ def test_an_engine_over_a_callers_model_leaves_its_training_flags_alone():
     [s] = generate_all(eng, [req])
     assert s.output_ids.tolist() == recompute_greedy(model, PS[2], 5)[0]
     assert all(p.requires_grad for p in model.parameters()) and model.training
+
+
+def test_the_engine_line_points_a_cpu_run_at_the_faster_attention_backend():
+    # a user-journey review: runs on "auto" took the torch path on CPUs without a word
+    hint = "attention torch (engine.attention_backend: cpu is faster on CPUs, docs/config.md)"
+    assert hint in repr(NativeEngine(EngineConfig(block_size=4, kv_cache_tokens=64, device="cpu"), model=MODEL))
+    chosen = repr(NativeEngine(EngineConfig(block_size=4, kv_cache_tokens=64, device="cpu",
+                                            attention_backend="torch"), model=MODEL))
+    assert "attention torch, " in chosen and "faster" not in chosen  # set on purpose: no advice

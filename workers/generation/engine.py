@@ -97,8 +97,11 @@ class NativeEngine:
         p = next(self.model.parameters())
         graphs = self.runner.graphs
         decode = f"CUDA-graph decode up to batch {graphs.max_batch}" if graphs else "eager decode"
+        attention = self.attention_backend
+        if attention == "torch" and p.device.type == "cpu" and self.cfg.attention_backend == "auto":
+            attention += " (engine.attention_backend: cpu is faster on CPUs, docs/config.md)"
         return (f"NativeEngine({p.device.type} {str(p.dtype).removeprefix('torch.')}, attention "
-                f"{self.attention_backend}, {decode}, KV {self.bm.num_blocks} x {self.bm.block_size} "
+                f"{attention}, {decode}, KV {self.bm.num_blocks} x {self.bm.block_size} "
                 f"tokens, max batch {self.scheduler.max_batch_size})")
 
     # ---- requests ------------------------------------------------------------------------
