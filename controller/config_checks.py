@@ -89,6 +89,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_registries(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
+    listed = {*p.generation, *p.trainer}
+    idle = [r for r in range(1, cfg.world_ranks) if r not in listed]
+    if idle:  # launched (the world holds every listed rank) and given nothing to do
+        raise ConfigError(f"placement: ranks {idle[:8]}{' ...' if len(idle) > 8 else ''} are in neither "
+                          f"placement.generation {p.generation} nor placement.trainer {p.trainer}, below its "
+                          f"highest rank {cfg.world_ranks - 1}, and would sit idle (holding their devices); list them "
+                          "in one of the two, or renumber the placement")
     if world_size is not None and world_size > cfg.world_ranks:
         idle = list(range(cfg.world_ranks, world_size))
         raise ConfigError(f"world size {world_size}: ranks {idle[:8]}{' ...' if len(idle) > 8 else ''} are in neither "

@@ -93,7 +93,7 @@ def test_weight_sync_section_takes_the_run_topology():
 def test_more_ranks_than_world_is_an_error():
     with pytest.raises(ConfigError, match=r"placement.trainer\[0\]: rank 5 >= world size 3"):
         from_dict(_cfg(placement={"generation": [1], "trainer": [5]}), world_size=3)
-    from_dict(_cfg(placement={"generation": [1], "trainer": [5]}))  # world unknown: fine
+    from_dict(_cfg(placement={"generation": [1, 2, 3, 4], "trainer": [5]}))  # world unknown: fine
 
 
 def test_engine_eos_ids_is_refused_in_a_run_config():

@@ -16,7 +16,8 @@ import pytest
 
 from controller import checkpoint as ckpt
 from controller import lifecycle, preflight
-from controller.config import ConfigError, from_dict
+from controller.config import ConfigError, from_dict, load_config
+from runtime_helpers import ROOT
 
 
 def test_a_second_job_in_a_running_jobs_folder_is_refused(tmp_path):
@@ -78,6 +79,11 @@ def test_ranks_no_role_would_use_are_refused():
     with pytest.raises(ConfigError, match=r"world size 5: ranks \[3, 4\] are in neither placement.generation \[1\] "
                                           r"nor placement.trainer \[2\] and would sit idle"):
         from_dict(d, 5)
+    # a hole in the placement: configs/cluster_h20_h800.yaml left ranks 17-23 of its 32 idle, and loaded
+    with pytest.raises(ConfigError, match=r"^placement: ranks \[2, 3\] are in neither placement.generation \[1\] "
+                                          r"nor placement.trainer \[4\], below its highest rank 4, and would sit idle"):
+        from_dict({"placement": {"generation": [1], "trainer": [4]}})
+    assert load_config(ROOT / "configs" / "cluster_h20_h800.yaml", 32).world_ranks == 32
 
 
 def test_configs_that_differ_are_named_by_key():
