@@ -77,6 +77,18 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
     return " ".join(blamed)
 
 
+def set_behind(texts: typing.Sequence[str] | None, error: str) -> str:
+    """For a config error found after load (the controller's checks with the processes up: the
+    task's data, the model folder, the engine on its rank): the ``--set`` behind the key it
+    names, as typed (its own key or a section above it), or ''."""
+    try:
+        overrides, typed = parse_overrides(list(texts or ()))
+    except ConfigError:
+        return ""
+    named = [typed[k] for k in overrides if error.startswith((f"{k}:", f"{k} ", f"{k}[", f"{k}."))]
+    return named[-1] if named else ""
+
+
 def apply_override(d: dict, dotted: str, value: Any) -> None:
     """Set ``d["a"]["b"] = value`` for ``dotted == "a.b"`` (creating the section)."""
     *parents, leaf = dotted.split(".")

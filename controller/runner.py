@@ -20,6 +20,7 @@ from controller import lifecycle
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.config_notes import config_notes
+from controller.config_overrides import set_behind
 from controller.evaluation import evaluate, measure_lengths
 from controller.joiners import admit, announced, dismiss_joiner, pending, still_waiting
 from controller.metrics import Metrics
@@ -344,7 +345,8 @@ def run_controller(cfg, args, world_size: int) -> int:
         print(json.dumps(summary), flush=True)
         code = 0
     except ConfigError as e:  # found by the controller before any work (e.g. the logdir)
-        print(f"config error: {e}", file=sys.stderr, flush=True)
+        behind = set_behind(getattr(args, "set", None), str(e))  # named as typed, as at load
+        print(f"config error: {behind + ': ' if behind else ''}{e}", file=sys.stderr, flush=True)
         code = 2
     except (WorkerFailed, RunStopped, NoInstancesLeft, OSError) as e:  # OSError: the run folder (full, gone)
         sig = lifecycle.stop_signal()

@@ -130,3 +130,28 @@ def test_main_says_a_bad_set_in_one_line(tmp_path, monkeypatch, capsys):
     assert main(["--config", str(p), '--set=tokenizer.prompt_template=Reply as JSON {"answer": N}. Q: {prompt}']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: --set tokenizer.prompt_template=Reply"), err
+
+
+def test_a_config_error_found_after_load_names_the_set_behind_it(monkeypatch, capsys):
+    # the task's data, the model folder, the engine on its rank are checked with the processes up:
+    # their errors did not name the --set, as errors at load do (a user-journey review)
+    from types import SimpleNamespace
+
+    from controller import runner
+    from controller.config_overrides import set_behind
+
+    typed = "task.kwargs.files={train:a.jsonl,test:b.jsonl}"
+    error = "task.kwargs.files: one path, or split -> one path"
+    assert set_behind([typed, "train.iterations=3"], error) == f"--set {typed}"
+    assert set_behind(["task.kwargs={files: x}"], error) == "--set task.kwargs={files: x}"  # a section above
+    assert set_behind(["task.kwargs.filesx=1", "train.iterations=3"], error) == ""
+    assert set_behind(None, error) == ""
+
+    def refuse(cfg, args, world_size):
+        raise ConfigError(error)
+
+    monkeypatch.setattr(runner, "Session", refuse)
+    monkeypatch.setattr(runner, "config_notes", lambda cfg: [])
+    args = SimpleNamespace(set=[typed], resume="")
+    assert runner.run_controller(None, args, 1) == 2
+    assert f"config error: --set {typed}: {error}\n" in capsys.readouterr().err
