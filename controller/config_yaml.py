@@ -25,12 +25,14 @@ def read_config_file(path: Path) -> Any:
         raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"config file {path}: cannot read it ({e.strerror or e})") from None
+    utf16 = raw.startswith((b"\xff\xfe", b"\xfe\xff"))  # a BOM: YAML allows UTF-16 (Windows editors write it)
     try:
-        text = raw.decode("utf-8-sig")
+        text = raw.decode("utf-16" if utf16 else "utf-8-sig")
     except UnicodeDecodeError as e:
         line = e.object.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x}); save the file as UTF-8, "
-                          "e.g. iconv -f latin1 -t utf-8") from None
+        raise ConfigError(f"{path}:{line}: not {'UTF-16' if utf16 else 'UTF-8'} (byte 0x{e.object[e.start]:02x}); "
+                          "save the file as UTF-8, e.g. iconv -f <its encoding> -t utf-8 (latin1 for Western "
+                          "European text)") from None
     try:
         return load_checked(text, "", str(path))
     except yaml.YAMLError as e:

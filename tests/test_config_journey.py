@@ -92,6 +92,8 @@ def test_a_folder_or_a_non_utf8_file_as_config_is_a_config_error(tmp_path):
         load_config(p, 3)
     p.write_bytes(b"\xef\xbb\xbf" + PLACEMENT.encode())  # a BOM (Windows editors) is fine
     assert load_config(p, 3).placement.trainer == [2]
+    p.write_bytes((PLACEMENT + "train: {iterations: 3}  # café\n").encode("utf-16"))  # YAML allows UTF-16 with a BOM
+    assert load_config(p, 3).train.iterations == 3  # (it was told to convert from latin1)
 
 
 def test_a_mistyped_ranker_kind_is_named_before_its_path():

@@ -112,12 +112,20 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
             pass
     if base is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: expected a finite number, got {value}")
+    if value is None:  # `key:` or `--set key=` with nothing after it: YAML's null
+        raise ConfigError(f"{key}: is empty (YAML null: nothing after the ':' or '='); expected "
+                          f"{_a(getattr(base, '__name__', str(base)))}")
     if base is int and isinstance(value, bool) or not isinstance(value, base):
         quote = (" (YAML read the value as a mapping or a list: ': ', '{', '[' in it; put it in YAML quotes, '...')"
                  if isinstance(value, (dict, list)) and base is str else "")
         raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
                           f"{type(value).__name__} {value!r}{quote}")
     return value
+
+
+def _a(name: str) -> str:
+    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+            "dict": "a mapping", "list": "a list", "tuple": "a list"}.get(name, name)
 
 
 def near_miss(key: str, known) -> str:
