@@ -46,6 +46,8 @@ VERL_KEYS = {
     "nnodes": "placement.generation / placement.trainer with torchrun's --nnodes",
     "do_sample": "train.temperature (0: greedy)", "resume_mode": "the --resume DIR flag",
     "filter_overlong_prompts": "train.overlong_prompts: skip (default error)",
+    "critic": "trainer (trainer.algorithm: ppo trains a critic initialised from the policy's model: "
+              "trainer.critic_lr, value_clip, value_coef, gamma, gae_lambda)",
 }
 
 # verl keys with no key here, and what to do instead
@@ -55,6 +57,14 @@ VERL_NOTES = {
     "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
     "val_before_train": "the first evaluation comes after train.eval_every iterations",
     "logger": "every run logs to TensorBoard (<logdir>/tb) and <logdir>/iterations.jsonl",
+    "reward_model": "no model-based reward model; rewards come from task.kwargs.verifier (a rule, or a function "
+                    "of yours, which may call a reward model itself)",
+    "lora_rank": "no LoRA: the trainer updates every parameter", "lora_alpha": "no LoRA: the trainer updates "
+                                                                               "every parameter",
+    "ulysses_sequence_parallel_size": "no sequence parallelism: each sample is on one trainer rank",
+    "param_offload": "no CPU offload of parameters or optimizer state",
+    "optimizer_offload": "no CPU offload of parameters or optimizer state",
+    "multi_turn": "single-turn rollouts only (one prompt, one response)",
 }
 
 
