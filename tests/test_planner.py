@@ -247,3 +247,18 @@ def test_report_alg1_is_no_slower_than_even_for_every_model(capsys):
         assert r["alloc_vs_even_throughput"] >= 1.0, r
     tps = {r["model"]: r["planned_h800"]["gen_tp"] for r in rows}
     assert (tps["qwen2.5-7b"], tps["qwen2.5-72b"]) == (4, 8)  # the sizes the fast test fixes
+
+
+def test_a_recommendation_faster_than_its_stage_means_says_why():
+    # the plan printed iteration_s 251.19 under gen_s 258.8 for max(gen, train) with no word (a docs review)
+    from types import SimpleNamespace
+
+    from controller.planner import planner
+
+    alloc = SimpleNamespace(gen_gpus=64, gen_instances=8, train_gpus=40, released_gen=0, released_train=24,
+                            gen_time_s=258.8, train_time_s=50.63)
+    plan = SimpleNamespace(allocation=alloc, tp=8, gen_gpu="H20", train_gpu="H800", colocated=False,
+                           price_per_s=124.8 / 3600, modes={"async_stream": {"iteration_s": 251.19}})
+    assert "warm-up iterations left out" in planner.describe_mode(plan, "async_stream")["note"]
+    plan.modes["async_stream"]["iteration_s"] = 260.0
+    assert "note" not in planner.describe_mode(plan, "async_stream")

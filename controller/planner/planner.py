@@ -289,4 +289,9 @@ def describe(p: Plan) -> dict:
 def describe_mode(p: Plan, mode: str) -> dict:
     """One mode's recommendation: what it minimises, its allocation, its simulated numbers."""
     d = describe(p)
-    return {"objective": OBJECTIVES[mode], **{k: v for k, v in d.items() if k != "modes"}, **d["modes"][mode]}
+    out = {"objective": OBJECTIVES[mode], **{k: v for k, v in d.items() if k != "modes"}, **d["modes"][mode]}
+    if out["iteration_s"] < max(out.get("gen_s", 0.0), out.get("train_s", 0.0)):
+        out["note"] = ("gen_s and train_s are the allocation model's mean stage times over every batch; "
+                       "iteration_s is the simulator's steady state (warm-up iterations left out, stages "
+                       "overlapping), so it can be below them")
+    return out
