@@ -60,7 +60,7 @@ def _interrupted(rank: int, signame: str) -> None:
     tells the controller, which stops listing it; an added instance is found lost, and its
     requests go to the others."""
     from controller.joiners import withdraw_joiner
-    from controller.lifecycle import end_children
+    from controller.lifecycle import leave_now
 
     added = "generation" in LOCAL.roles
     if not added:
@@ -71,10 +71,7 @@ def _interrupted(rank: int, signame: str) -> None:
     print(f"[join] rank {rank} stopped by {signame}: it leaves the job" +
           ("; the controller re-dispatches its requests" if added else " (it was waiting to be added)"),
           file=sys.stderr, flush=True)
-    end_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
+    leave_now(130)
 
 
 def join_main(args) -> int:
@@ -134,9 +131,9 @@ def _serve(args, host: str, port: str, store, attempt: str, rank: int, job_timeo
     code = serve(gone, watchdog=Watchdog(job_timeout_s), who=f"[join] rank {rank}")
     close_roles()
     if LOCAL.left_because:  # its job or controller is gone: nobody left to leave the RPC group with
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        from controller.lifecycle import leave_now
+
+        leave_now(1)
     if not LOCAL.exit_reason:  # the controller named no other reason: the job itself ended
         print(f"[join] rank {rank} exits (code {code}): the job ended "
               f"({'finished' if code == 0 else 'stopped: see the controller'})", file=sys.stderr, flush=True)

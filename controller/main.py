@@ -154,13 +154,10 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
     atomically, so the last complete one is intact whatever was running. On the controller,
     after the run's end was said (``LOCAL.outcome``: a lost worker, a success), the signal is
     torchrun stopping the job's ranks: the exit code said stands, with no second line."""
-    from controller.lifecycle import end_children
+    from controller.lifecycle import leave_now
 
-    end_children()  # an engine's own process (vLLM's engine core) would outlive os._exit
     if LOCAL.outcome is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(LOCAL.outcome)
+        leave_now(LOCAL.outcome)
     if os.environ.get("RANK") == "0":
         from controller.checkpoint import resume_hint
         from controller.preflight import run_logdir
@@ -168,9 +165,7 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
         folder = LOCAL.run_folder or run_logdir(Path(logdir), resume)  # resolved by the session once it began
         print(f"[controller] {'stopped by ' + signame if signame else 'interrupted'}; {resume_hint(folder, resume)}",
               file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
+    leave_now(130)  # an engine's own process (vLLM's engine core) is stopped first
 
 
 if __name__ == "__main__":

@@ -185,10 +185,9 @@ def stop_processes(code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if code != 0:
-        from controller.lifecycle import end_children
+        from controller.lifecycle import leave_now
 
-        end_children()  # what close_roles could not close (a role that raised)
-        os._exit(code)  # threads blocked in collectives with a dead peer must not keep us alive
+        leave_now(code)  # children close_roles could not close (a role that raised) stopped first
     return code
 
 
