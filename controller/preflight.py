@@ -41,7 +41,7 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
                           "folder: config.json, *.safetensors, tokenizer.json; or model.init to build a tiny "
                           "model there)")
     try:
-        ModelConfig.from_hf(json.loads(cfg.read_text()))
+        model_cfg = ModelConfig.from_hf(json.loads(cfg.read_text()))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model.path: {cfg}: {e}") from None
     tok = path / "tokenizer.json"
@@ -49,7 +49,7 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
         raise ConfigError(f"model.path: {path} has no tokenizer.json (a model folder carries its tokenizer, "
                           "as on the Hugging Face hub)")
     try:  # the weights' headers (no tensor read) and the tokenizer, as the workers will load them
-        check_weights(path)
+        check_weights(path, model_cfg)
         from tokenizers import Tokenizer
 
         Tokenizer.from_file(str(tok))

@@ -46,18 +46,20 @@ def header_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
-def check_weights(folder: str | Path) -> None:
-    """The folder's tensors against the model its config.json describes (the names and shapes
-    ``load_pretrained`` takes: rotary buffers ignored, ``lm_head`` optional when tied); a
-    ValueError names the first few tensors missing, unexpected or of another shape."""
+def check_weights(folder: str | Path, cfg=None) -> None:
+    """The folder's tensors against the model its config.json describes (``cfg``: that
+    ModelConfig when the caller has read it already; the names and shapes ``load_pretrained``
+    takes: rotary buffers ignored, ``lm_head`` optional when tied); a ValueError names the
+    first few tensors missing, unexpected or of another shape."""
     import torch
 
     from workers.model import CausalLM
     from workers.model_config import ModelConfig
 
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
+    if cfg is None:
+        cfg_path = folder / "config.json"
+        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in CausalLM(cfg).state_dict().items() if "rotary_emb" not in k}
     got = {k: v for k, v in header_shapes(folder).items() if "rotary_emb" not in k}
