@@ -87,7 +87,7 @@ def test_microbatch_gradients_equal_without_checkpointing(model_dir, data, algor
         assert len(items) == 9
         actor_calls = layer_calls(w.actor)
         critic_calls = layer_calls(w.critic) if w.critic is not None else []
-        assert w._accumulate(items, log_stats=False) is not None
+        assert w.accumulate(items, log_stats=False) is not None
         result[ckpt] = grads(w), actor_calls, critic_calls
     (off, actor_off, critic_off), (on, actor_on, critic_on) = result[False], result[True]
     assert len(actor_on) == 2 * len(actor_off) == 2  # recomputed in backward

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import re
 import threading
 from dataclasses import dataclass
@@ -38,14 +37,13 @@ from workers.model import default_device, load_pretrained, stop_ids
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
 from workers.trainer.advantages import whiten
-from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches, mini_batch_shares
+from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
-from workers.trainer.grads import all_reduce_sum, clip_norm
-from workers.trainer.losses import loss_divisor
 from workers.trainer.critic import ValueModel
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, train_terms
+from workers.trainer.updates import mini_batch_updates, streamed_updates
 from workers.types import Sample, Task, TaskPrompt
 
 log = logging.getLogger("streamrl.trainer")
@@ -111,7 +109,7 @@ class TrainerWorker:
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
         self._trained_any = False
-        self._trained: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
+        self.trained_batches: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
         self._lock = threading.RLock()
 
     # ---- public API --------------------------------------------------------------------------
@@ -187,7 +185,7 @@ class TrainerWorker:
         self.buffer.clear()
         self.stats.reset()
         self._trained_any = False
-        self._trained = []
+        self.trained_batches = []
         for p in self._params():
             p.grad = None
 
@@ -279,15 +277,15 @@ class TrainerWorker:
             if not items:
                 return
             if self.cfg.mini_batches > 1:  # trained at step(), one update per mini-batch
-                self._trained.append(items)
+                self.trained_batches.append(items)
                 self._trained_any = True
                 continue
-            if self._accumulate(items, log_stats=True) is not None:
+            if self.accumulate(items, log_stats=True) is not None:
                 self._trained_any = True
                 if self.cfg.ppo_epochs > 1:
-                    self._trained.append(items)
+                    self.trained_batches.append(items)
 
-    def _accumulate(self, items: list, log_stats: bool) -> dict[str, torch.Tensor] | None:
+    def accumulate(self, items: list, log_stats: bool) -> dict[str, torch.Tensor] | None:
         """Forward + backward of one micro-batch (gradient SUMS accumulate); its counts, or None
         when its loss is not finite (skipped: one host sync per micro-batch, not per token).
         ``log_stats``: add its statistics to the iteration's metrics (first pass only)."""
@@ -308,7 +306,7 @@ class TrainerWorker:
         params = self._params()
         lr = float(self.scheduler.get_last_lr()[0])
         if self.cfg.mini_batches > 1:  # trains here (first pass: the logged statistics)
-            applied, norms = self._mini_batch_updates(params)
+            applied, norms = mini_batch_updates(self, params)
         totals, extremes = self.stats.packed(), self.stats.packed_extremes()
         if self.world_size > 1:
             dist.all_reduce(totals, group=self.group)
@@ -317,7 +315,7 @@ class TrainerWorker:
                                      critic=self.critic is not None, tis=self.cfg.tis_cap > 0)
         divisor = metrics.pop("_divisor")
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
-            applied, norms = self._streamed_updates(params, divisor)
+            applied, norms = streamed_updates(self, params, divisor)
         metrics.update(norms or {}, lr=lr)
         if applied:
             self.scheduler.step()
@@ -333,75 +331,6 @@ class TrainerWorker:
         self._skip_kinds = {}
         self.buffer.clear()
         self.stats.reset()
-        self._trained = []
+        self.trained_batches = []
         self._trained_any = False
         return result
-
-    def _update(self, params: list[torch.nn.Parameter], divisor: float) -> dict[str, float] | None:
-        """All-reduce the gradient sums, divide, clip, check, step. None: skipped (not finite)."""
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.world_size > 1:
-            all_reduce_sum([p.grad for p in params], self.group)
-        for p in params:
-            p.grad.div_(divisor)
-        norms = {"grad_norm": float(clip_norm(list(self.actor.parameters()), self.cfg.grad_clip))}
-        if self.critic is not None:
-            norms["critic_grad_norm"] = float(clip_norm(list(self.critic.parameters()), self.cfg.grad_clip))
-        ok = all(math.isfinite(v) for v in norms.values())
-        if ok:
-            self.optimizer.step()
-        else:
-            log.warning("trainer rank %d: non-finite gradient norm at iteration %d; update skipped, "
-                        "weights kept", self.rank, self.iteration)
-        self.optimizer.zero_grad(set_to_none=True)
-        return norms if ok else None
-
-    def _streamed_updates(self, params: list[torch.nn.Parameter], divisor: float
-                          ) -> tuple[int, dict[str, float] | None]:
-        """``ppo_epochs`` updates on the whole iteration: the first from the gradients accumulated
-        while samples streamed in, each further one re-running its micro-batches at the current
-        weights. -> (updates applied, the first's norms)."""
-        applied, first = 0, None
-        if divisor <= 0:
-            return applied, first
-        for epoch in range(self.cfg.ppo_epochs):
-            if epoch > 0:
-                for items in self._trained:
-                    self._accumulate(items, log_stats=False)
-            norms = self._update(params, divisor)
-            if norms is None:
-                break
-            applied, first = applied + 1, first or norms
-        return applied, first
-
-    def _mini_batch_updates(self, params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
-        """``mini_batches`` updates per epoch: each rank splits its samples (whole prompt groups in a
-        seeded random order, ``shuffle``; else in arrival order) into that many shares, each
-        re-packed into micro-batches (every rank runs the same number of all-reduces; a share
-        with no sample on any rank makes no update).
-        Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
-        items = [p for mb in self._trained for p in mb]  # samples in arrival order
-        seed = self.cfg.seed * 1_000_003 + self._version if self.cfg.shuffle else None  # a new order every step
-        shares = [microbatches(share, self.cfg.max_tokens_per_microbatch)
-                  for share in mini_batch_shares(items, self.cfg.mini_batches, seed)]
-        applied, first = 0, None
-        for epoch in range(self.cfg.ppo_epochs):
-            for share in shares:
-                units = torch.zeros(2, dtype=torch.float64, device=self.device)  # tokens, sequences
-                for items in share:
-                    counts = self._accumulate(items, log_stats=epoch == 0)
-                    if counts is not None:
-                        units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(self.device)
-                if self.world_size > 1:
-                    dist.all_reduce(units, group=self.group)
-                divisor = loss_divisor(float(units[0]), float(units[1]), self.cfg.loss_agg,
-                                       self.cfg.loss_scale_factor)
-                if divisor <= 0:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    continue
-                norms = self._update(params, divisor)
-                if norms is not None:
-                    applied, first = applied + 1, first or norms
-        return applied, first

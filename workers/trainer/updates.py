@@ -1,0 +1,93 @@
+"""The optimizer updates of one trainer step: all-reduce the gradient sums over the data-parallel
+group, divide, clip, check finiteness, step; ``ppo_epochs`` passes over the iteration's
+micro-batches, or ``mini_batches`` updates per pass. Functions of the ``TrainerWorker`` whose
+gradients they apply (``workers/trainer/worker.py``: it accumulates them as samples stream in)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from workers.trainer.buffer import microbatches, mini_batch_shares
+from workers.trainer.grads import all_reduce_sum, clip_norm
+from workers.trainer.losses import loss_divisor
+
+if TYPE_CHECKING:
+    from workers.trainer.worker import TrainerWorker
+
+log = logging.getLogger("streamrl.trainer")
+
+
+def update(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float) -> dict[str, float] | None:
+    """All-reduce the gradient sums, divide, clip, check, step. None: skipped (not finite)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if w.world_size > 1:
+        all_reduce_sum([p.grad for p in params], w.group)
+    for p in params:
+        p.grad.div_(divisor)
+    norms = {"grad_norm": float(clip_norm(list(w.actor.parameters()), w.cfg.grad_clip))}
+    if w.critic is not None:
+        norms["critic_grad_norm"] = float(clip_norm(list(w.critic.parameters()), w.cfg.grad_clip))
+    ok = all(math.isfinite(v) for v in norms.values())
+    if ok:
+        w.optimizer.step()
+    else:
+        log.warning("trainer rank %d: non-finite gradient norm at iteration %d; update skipped, "
+                    "weights kept", w.rank, w.iteration)
+    w.optimizer.zero_grad(set_to_none=True)
+    return norms if ok else None
+
+
+def streamed_updates(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float
+                     ) -> tuple[int, dict[str, float] | None]:
+    """``ppo_epochs`` updates on the whole iteration: the first from the gradients accumulated
+    while samples streamed in, each further one re-running its micro-batches at the current
+    weights. -> (updates applied, the first's norms)."""
+    applied, first = 0, None
+    if divisor <= 0:
+        return applied, first
+    for epoch in range(w.cfg.ppo_epochs):
+        if epoch > 0:
+            for items in w.trained_batches:
+                w.accumulate(items, log_stats=False)
+        norms = update(w, params, divisor)
+        if norms is None:
+            break
+        applied, first = applied + 1, first or norms
+    return applied, first
+
+
+def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
+    """``mini_batches`` updates per epoch: each rank splits its samples (whole prompt groups in a
+    seeded random order, ``shuffle``; else in arrival order) into that many shares, each
+    re-packed into micro-batches (every rank runs the same number of all-reduces; a share
+    with no sample on any rank makes no update).
+    Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
+    items = [p for mb in w.trained_batches for p in mb]  # samples in arrival order
+    seed = w.cfg.seed * 1_000_003 + w.version if w.cfg.shuffle else None  # a new order every step
+    shares = [microbatches(share, w.cfg.max_tokens_per_microbatch)
+              for share in mini_batch_shares(items, w.cfg.mini_batches, seed)]
+    applied, first = 0, None
+    for epoch in range(w.cfg.ppo_epochs):
+        for share in shares:
+            units = torch.zeros(2, dtype=torch.float64, device=w.device)  # tokens, sequences
+            for items in share:
+                counts = w.accumulate(items, log_stats=epoch == 0)
+                if counts is not None:
+                    units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(w.device)
+            if w.world_size > 1:
+                dist.all_reduce(units, group=w.group)
+            divisor = loss_divisor(float(units[0]), float(units[1]), w.cfg.loss_agg,
+                                   w.cfg.loss_scale_factor)
+            if divisor <= 0:
+                w.optimizer.zero_grad(set_to_none=True)
+                continue
+            norms = update(w, params, divisor)
+            if norms is not None:
+                applied, first = applied + 1, first or norms
+    return applied, first
