@@ -141,7 +141,7 @@ def evaluate(program, n: int) -> EvalResult:
 def _score(task, item, completion: str, j: int, whys: dict[str, dict[int, int]]) -> float:
     """The task's score, NaN (left out, counted) when it fails, as for training samples; a
     failure is kept in ``whys`` (why -> prompt index -> samples), said once per kind."""
-    score, why = safe_score(task, item, completion)
+    score, why = safe_score(task, item, completion, f"eval prompt {j}")
     if why:
         per = whys.setdefault(why, {})
         per[j] = per.get(j, 0) + 1

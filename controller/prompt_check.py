@@ -73,12 +73,14 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
     were tracebacks or silent)."""
     try:
         got = task.prompts(split)
+        if got is None:
+            raise ValueError(f"prompts({split!r}) returned None; it must return a list of workers.types.TaskPrompt")
         items = list(got)
     except (ValueError, OSError, ImportError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's prompts(): one line naming it, not a traceback
         raise ValueError(f"prompts({split!r}) raised {type(e).__name__}: {e}") from e
-    if isinstance(got, (str, bytes, dict)):
+    if isinstance(got, (str, bytes, dict)) or hasattr(got, "columns"):  # a DataFrame iterates its column names
         raise ValueError(f"prompts({split!r}) returned a {type(got).__name__}; it must return a list of "
                          "workers.types.TaskPrompt")
     for i, item in enumerate(items):
@@ -91,7 +93,46 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
         if not isinstance(item.answer, str):
             raise ValueError(f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...): answer must be a string "
                              f"(raw_answer holds any other form), got {type(item.answer).__name__}")
+        if not isinstance(item.task, str) or not item.task.strip():
+            raise ValueError(f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...): task must be a non-empty "
+                             f"string (the eval group, eval/<task>), got {item.task!r:.40}")
+    _check_picklable(items, split)
     return items
+
+
+def _check_picklable(items: list[TaskPrompt], split: str) -> None:
+    """Prompts travel to the trainer ranks by RPC (pickled): a lambda or an open file in
+    ``meta`` failed there, after the model bootstrap, with the RPC layer's traceback."""
+    import pickle
+
+    try:
+        pickle.dumps(items)
+    except Exception:  # noqa: BLE001 - PicklingError, TypeError, AttributeError: which item says
+        for i, item in enumerate(items):
+            try:
+                pickle.dumps(item)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...) cannot be pickled, which "
+                                 f"sending it to the trainer ranks needs (TaskPrompt.meta holds data, not functions "
+                                 f"or open files): {type(e).__name__}: {e}") from None
+
+
+def check_score_signature(task, item: TaskPrompt, task_name: str) -> None:
+    """``task.score`` must take ``(prompt, completion)``: a wrong signature raised on every sample,
+    after the bootstrap and the first generation."""
+    import inspect
+
+    try:
+        sig = inspect.signature(task.score)
+    except (TypeError, ValueError, AttributeError):  # a builtin, or no score (the task's own check says so)
+        return
+    try:
+        sig.bind(item, "")
+    except TypeError:
+        from controller.config_types import ConfigError
+
+        raise ConfigError(f"task ({task_name}): score takes ({', '.join(sig.parameters)}); it is called as "
+                          "score(prompt: TaskPrompt, completion: str) -> float") from None
 
 
 def checked_task(task, task_name: str, splits: Sequence[str]) -> "FittingTask":
@@ -107,6 +148,8 @@ def checked_task(task, task_name: str, splits: Sequence[str]) -> "FittingTask":
             checked[split] = task_prompts(task, split)
         except (ValueError, OSError, ImportError) as e:
             raise ConfigError(f"task ({task_name}) {split} prompts: {e}") from None
+    if checked.get(splits[0]):
+        check_score_signature(task, checked[splits[0]][0], task_name)
     return FittingTask(task, checked)
 
 

@@ -148,6 +148,12 @@ def test_a_user_task_trains_end_to_end(tmp_path, tiny_model, user_file):  # noqa
                                                             r"with some text, got ' '"),
     ("return [TaskPrompt(prompt='a', answer=1, task='t')]", r"task.prompts\('train'\)\[0\] \('a'...\): answer must be a "
                                                           r"string \(raw_answer holds any other form\), got int"),
+    # a plugin-author review: these passed, or were misread, or failed on the trainer rank after the bootstrap
+    ("return None", r"prompts\('train'\) returned None; it must return a list of workers.types.TaskPrompt"),
+    ("return [TaskPrompt(prompt='a', answer='1', task=None)]", r"task.prompts\('train'\)\[0\] \('a'...\): task must be "
+                                                             r"a non-empty string \(the eval group"),
+    ("return [TaskPrompt(prompt='a', answer='1', task='t', meta={'check': lambda c: True})]",
+     r"task.prompts\('train'\)\[0\] \('a'...\) cannot be pickled, which sending it to the trainer ranks needs"),
 ])
 def test_what_a_user_tasks_prompts_returns_is_checked(body, said):
     # each was a traceback in the controller (or, for an empty prompt, nothing at all)
@@ -167,3 +173,22 @@ def test_a_generator_of_prompts_is_taken_once_as_a_list():
             return (TaskPrompt(prompt=f"double {i}", answer=str(2 * i), task="d") for i in range(3))
 
     assert [i.answer for i in task_prompts(Gen(), "train")] == ["0", "2", "4"]
+
+
+def test_a_task_score_of_another_signature_is_refused_when_the_task_is_built():
+    # it raised on every sample, after the bootstrap and the first generation
+    from controller.config_types import ConfigError
+    from controller.prompt_check import checked_task
+
+    class OneArg:
+        def prompts(self, split):
+            return [TaskPrompt(prompt="double 1", answer="2", task="d")]
+
+        def score(self, completion):
+            return 1.0
+
+    with pytest.raises(ConfigError, match=r"^task \(mine\): score takes \(completion\); it is called as "
+                                          r"score\(prompt: TaskPrompt, completion: str\) -> float$"):
+        checked_task(OneArg(), "mine", ("train",))
+    OneArg.score = lambda self, prompt, completion: 1.0
+    assert checked_task(OneArg(), "mine", ("train",))

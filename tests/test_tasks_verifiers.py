@@ -211,3 +211,60 @@ def test_a_verifier_per_data_source_as_the_docs_show(tmp_path):
     gsm, mth = t.prompts("train")
     assert t.score(gsm, "#### 72") == 1.0 and t.score(gsm, "\\boxed{72}") == 0.0
     assert t.score(mth, "\\boxed{\\dfrac12}") == 1.0 and t.score(mth, "#### 0.5") == 0.0
+
+
+def test_an_async_reward_keeps_its_client_between_calls():
+    # each call ran on a new loop (asyncio.run): a client made on the first call failed every later one
+    # ("attached to a different loop"), so all samples but one were skipped (a plugin-author review)
+    import asyncio
+    import threading
+
+    from workers.types import TaskPrompt
+
+    class Task:
+        loop = None
+
+        async def score(self, prompt, completion):
+            if self.loop is None:  # a client made on the first call is bound to that call's loop
+                self.loop = asyncio.get_running_loop()
+            reply = self.loop.create_future()  # its requests' futures live on that loop
+            self.loop.call_soon(reply.set_result, completion)
+            return float(await reply == prompt.answer)
+
+    task, p = Task(), TaskPrompt(prompt="1+1", answer="2", task="add")
+    out = []
+    threads = [threading.Thread(target=lambda c=c: out.append(safe_score(task, p, c))) for c in ("2", "3", "2")]
+    for t in threads:
+        t.start()
+        t.join()
+    assert sorted(out) == [(0.0, ""), (1.0, ""), (1.0, "")]
+
+
+def test_a_task_score_follows_the_verifier_rule_for_what_it_returns():
+    from workers.types import TaskPrompt
+
+    class Task:
+        def __init__(self, out):
+            self.out = out
+
+        def score(self, prompt, completion):
+            return self.out
+
+    p = TaskPrompt(prompt="1+1", answer="2", task="add")
+    assert safe_score(Task({"score": 0.5, "acc": 1}), p, "2") == (0.5, "")  # verl's dict (was a TypeError)
+    score, why = safe_score(Task("1.0"), p, "2")  # a string was read as a number, silently
+    assert why == "the task's score raised ValueError(\"the reward returned str '1.0', not a number\")", why
+    assert safe_score(Task(True), p, "2") == (1.0, "")
+
+
+def test_a_score_running_long_is_said_once(monkeypatch):
+    from workers.tasks import scoring
+
+    w = scoring._Watch()
+    key = w.enter("sample 7 (trainer rank 0, iteration 2)")
+    now = w.running[key][0]
+    assert w.overdue(now + 30) == []
+    assert w.overdue(now + 61) == ["the task's score of sample 7 (trainer rank 0, iteration 2) has run for 61 s"]
+    assert w.overdue(now + 120) == []  # said once
+    w.leave(key)
+    assert w.running == {}

@@ -142,6 +142,13 @@ def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypa
     with pytest.raises(ValueError, match=r"task.kwargs.verifier: .* takes \(completion\); a verifier is fn\(prompt, "
                                          r"completion\) -> float, or verl's compute_score"):
         make_task("jsonl", files=str(data), verifier=f"{bad}:score")
+    # verl's prime_math names: called as fn(prompt, completion), ground_truth got the completion and scored
+    # '2' or 'What' 1.0 for the answer 11, silently (a plugin-author review)
+    prime = tmp_path / "prime.py"
+    prime.write_text("def compute_score(model_output, ground_truth):\n    return float(ground_truth in model_output)\n")
+    with pytest.raises(ValueError, match=r"takes \(model_output, ground_truth\): \['ground_truth'\] are verl's names, "
+                                         r"but the completion's, solution_str, is not among them"):
+        make_task("jsonl", files=str(data), verifier=f"{prime}:compute_score")
     with pytest.raises(ValueError, match="task.kwargs.verifier: '/no/such/reward.py' is not one of"):
         make_task("jsonl", files=str(data), verifier="/no/such/reward.py")
     with pytest.raises(ValueError, match="several files per split: concatenate them"):

@@ -3,37 +3,133 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from workers.types import Task, TaskPrompt
 
+log = logging.getLogger("streamrl.trainer")
+
+
+class _Loop:
+    """One event loop for the process's ``async def`` rewards, in a daemon thread: a client a
+    reward makes once and keeps (``httpx.AsyncClient``, ``openai.AsyncOpenAI``, an aiohttp
+    session) stays bound to the loop it was made on, so every call must run there (a loop per
+    call, ``asyncio.run``, failed every call after the first: "attached to a different loop")."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, name="streamrl-reward-loop", daemon=True).start()
+            return self.loop
+
+
+_LOOP = _Loop()
+
 
 def resolve(out):
-    """``out``, or what it gives when awaited (an ``async def`` reward). Scoring threads run no
-    event loop, so each call gets its own (``asyncio.run``); called from inside a running loop,
-    the awaitable runs on a fresh loop in a helper thread instead (``asyncio.run`` refuses a
-    nested loop)."""
+    """``out``, or what it gives when awaited (an ``async def`` reward), run on the process's
+    reward loop (``_Loop``) from whatever thread scores. Awaited from inside that loop itself
+    (a reward that scores through a sync helper), it runs on a fresh loop in a helper thread
+    instead, which cannot deadlock."""
     if not inspect.isawaitable(out):
         return out
 
     async def wait():
         return await out
 
+    loop = _LOOP.get()
     try:
-        asyncio.get_running_loop()
+        running = asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(wait())
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, wait()).result()
+        running = None
+    if running is loop:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, wait()).result()
+    return asyncio.run_coroutine_threadsafe(wait(), loop).result()
 
 
-def safe_score(task: Task, prompt: TaskPrompt, completion: str) -> tuple[float, str]:
-    """-> (the task's score, "") or (NaN, why): it raised, or gave no finite number."""
+def as_score(out) -> float:
+    """A number, or verl's {"score": number, ...}; an awaitable is awaited first; anything else
+    is a ValueError saying what it was (the trainer skips that sample and logs it). One rule for
+    a task's ``score`` and a verifier function alike."""
+    out = resolve(out)
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError(f"the reward returned a dict without 'score' (keys {sorted(map(str, out))})")
+        out = out["score"]
+    if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
+        raise ValueError(f"the reward returned {type(out).__name__} {out!r:.60}, not a number")
+    return float(out)
+
+
+class _Watch:
+    """Scores running now (thread id -> (start, what)); a daemon thread says once per call when
+    one has run past ``LONG_S``: a reward that hangs (a stuck request, an endless loop) held the
+    trainer with no word, since its rank still answered the heartbeat. Rewards run on worker
+    threads, where ``signal.alarm`` timeouts cannot be set: the line says so."""
+
+    LONG_S = 60.0
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: dict[int, tuple[float, str]] = {}
+        self.thread: threading.Thread | None = None
+
+    def enter(self, what: str) -> int:
+        key = threading.get_ident()
+        with self.lock:
+            self.running[key] = (time.monotonic(), what)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, name="streamrl-score-watch", daemon=True)
+                self.thread.start()
+        return key
+
+    def leave(self, key: int) -> None:
+        with self.lock:
+            self.running.pop(key, None)
+
+    def overdue(self, now: float) -> list[str]:
+        """The calls past LONG_S not said yet (each is said once)."""
+        late = []
+        with self.lock:
+            for key, (start, what) in list(self.running.items()):
+                if what and now - start > self.LONG_S:
+                    late.append(f"the task's score of {what} has run for {now - start:.0f} s")
+                    self.running[key] = (start, "")  # said
+        return late
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(10.0, self.LONG_S / 4))
+            for line in self.overdue(time.monotonic()):
+                log.warning("%s: a reward that hangs holds the trainer (rewards run on worker threads, so "
+                            "signal.alarm timeouts do not work there: time out inside the reward, e.g. a "
+                            "request's own timeout)", line)
+
+
+WATCH = _Watch()
+
+
+def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a sample") -> tuple[float, str]:
+    """-> (the task's score, "") or (NaN, why): it raised, or gave no finite number (a number,
+    verl's {"score": ...}, an awaitable of either: ``as_score``). ``what`` names the call in the
+    line said when it runs past ``_Watch.LONG_S``."""
+    key = WATCH.enter(what)
     try:
-        score = float(resolve(task.score(prompt, completion)))
+        score = as_score(task.score(prompt, completion))
     except Exception as e:  # noqa: BLE001 - a user's verifier: anything can happen
         return float("nan"), f"the task's score raised {e!r}"
+    finally:
+        WATCH.leave(key)
     if not math.isfinite(score):
         return float("nan"), f"the task's score is {score}"
     return score, ""

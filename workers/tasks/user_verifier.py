@@ -1,7 +1,9 @@
 """The user's reward function (``task.kwargs.verifier: file.py:fn``) as a verifier.
 
-Two signatures, told apart by parameter names and checked when the config loads (a mismatch
-used to raise on every sample, so every sample was skipped, silently):
+Two signatures, told apart by parameter names and checked when the task is built (a mismatch
+used to raise on every sample, so every sample was skipped, silently; a function with some of
+verl's names but not ``solution_str`` is refused: called as ``fn(prompt, completion)`` its
+``ground_truth`` would get the completion):
 
 * StreamRL's ``fn(prompt: TaskPrompt, completion: str) -> float``;
 * verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, any subset
@@ -20,7 +22,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from workers.tasks.scoring import resolve
+from workers.tasks.scoring import as_score
 from workers.types import TaskPrompt
 
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -48,6 +50,13 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
                       "extra_info": prompt.meta.get("extra_info")}
             return as_score(fn(**{n: values[n] for n in wanted}, **options))
         return verl_style
+    verl_named = [n for n in VERL_ARGS if n in params]
+    if verl_named:  # verl's names without solution_str (e.g. prime_math's (model_output, ground_truth)):
+        # called as fn(prompt, completion), its ground_truth would get the completion, silently
+        raise ValueError(f"task.kwargs.verifier: {spec!r} takes ({', '.join(params)}): {verl_named} are verl's "
+                         "names, but the completion's, solution_str, is not among them; name the completion "
+                         "parameter solution_str (verl's compute_score(data_source, solution_str, ground_truth, "
+                         "extra_info=None), any subset), or write fn(prompt, completion)")
     positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     _check_options(sig, options, spec, tuple(positional))
     try:
@@ -72,16 +81,3 @@ def _check_options(sig: inspect.Signature, options: dict, spec: str, given: tupl
     if unknown:
         raise ValueError(f"task.kwargs.verifier_kwargs: {spec!r} takes no keyword argument {unknown} "
                          f"(it takes {', '.join(params)})")
-
-
-def as_score(out) -> float:
-    """A number, or verl's {"score": number, ...}; an awaitable is awaited first; anything else
-    is a ValueError saying what it was (the trainer skips that sample and logs it)."""
-    out = resolve(out)
-    if isinstance(out, dict):
-        if "score" not in out:
-            raise ValueError(f"the reward returned a dict without 'score' (keys {sorted(map(str, out))})")
-        out = out["score"]
-    if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
-        raise ValueError(f"the reward returned {type(out).__name__} {out!r:.60}, not a number")
-    return float(out)

@@ -91,7 +91,8 @@ def _score(w: "TrainerWorker", s: "Sample") -> tuple[float, str]:
     """The sample's reward, or (NaN, why) when the task's score fails: the sample is skipped
     (said once per kind of failure: every sample may fail the same way), or with
     ``on_bad_sample: error`` refused with that reason (``TrainerWorker._reject``)."""
-    score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids))
+    score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
+                            f"sample {s.sample_id} (trainer rank {w.rank}, iteration {w.iteration})")
     if why and w.cfg.on_bad_sample == "skip" and why not in w.score_failures:
         w.score_failures.add(why)
         logging.getLogger("streamrl.trainer").warning(

@@ -195,7 +195,9 @@ class TrainerWorker:
         reason was already logged (a failing reward is logged once per kind, not per sample)."""
         if self.cfg.on_bad_sample == "error":
             raise ValueError(reason)
-        kind = re.sub(r"\d+", "N", reason.split(": ", 1)[-1])  # "sample 12: 9 + 60 tokens ..." -> "N + N tokens ..."
+        kind = reason.split(": ", 1)[-1]
+        if not reason.startswith("the task's score"):  # the user's own message keeps its numbers
+            kind = re.sub(r"\d+", "N", kind)  # "sample 12: 9 + 60 tokens ..." -> "N + N tokens ..."
         if not logged and kind not in self._skip_kinds:  # once per kind and iteration, then counted
             log.warning("trainer rank %d skips %s (more samples skipped for this reason are counted, not "
                         "listed)", self.rank, reason)
