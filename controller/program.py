@@ -26,7 +26,7 @@ from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
-from workers.types import Request, SamplingParams, TaskPrompt
+from workers.types import Request, SamplingParams, TaskPrompt, prompt_text
 
 SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
 
@@ -122,7 +122,7 @@ class Program:
         t = self.cfg.train
         self._stream_at[iteration] = self.stream.state_dict()
         items = self.stream.next(t.batch_prompts)
-        texts = [it.prompt for it in items]
+        texts = [prompt_text(it) for it in items]
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs = []
         for j, item in enumerate(items):

@@ -35,7 +35,7 @@ from controller.ranker_setup import run_ranker, saved_ranker
 from controller.world import build_world, check_engine
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
-from workers.types import Ranker
+from workers.types import Ranker, prompt_text
 
 class RunStopped(RuntimeError):
     """The run cannot usefully go on (e.g. an iteration trained nothing); the message says why."""
@@ -112,7 +112,7 @@ class Session:
             self.program.length_of = length_of
         self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from,
                                                 lambda ps: measure_lengths(self.program, ps),
-                                                [it.prompt for it in self.task.prompts("train")],
+                                                [prompt_text(it) for it in self.task.prompts("train")],
                                                 span=lambda: self.program.spans.span("ranker", self.program.iteration))
         self.program.ranker = self.ranker
         if state:

@@ -192,3 +192,15 @@ def test_a_task_score_of_another_signature_is_refused_when_the_task_is_built():
         checked_task(OneArg(), "mine", ("train",))
     OneArg.score = lambda self, prompt, completion: 1.0
     assert checked_task(OneArg(), "mine", ("train",))
+
+
+def test_a_chat_prompt_left_empty_reaches_the_ranker_as_its_last_user_turn():
+    # TaskPrompt(prompt="", messages=...) passed the prompt check, then the ranker's bootstrap died with
+    # "ValueError: prompt 0 is empty" as a controller traceback (a plugin-author review)
+    from workers.types import prompt_text
+
+    chat = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": None})
+    assert prompt_text(TaskPrompt(prompt="", answer="4", task="t", messages=chat)) == "2+2?"
+    assert prompt_text(TaskPrompt(prompt="", answer="4", task="t", messages=chat[:1])) == "Be brief."
+    assert prompt_text(TaskPrompt(prompt="what?", answer="4", task="t", messages=chat)) == "what?"

@@ -175,6 +175,17 @@ class TaskPrompt:
     raw_answer: object = field(default=None, hash=False, compare=False)
 
 
+def prompt_text(item: TaskPrompt) -> str:
+    """The item's text as a ranker reads it: ``prompt``, or when a chat item leaves it empty, its
+    last user turn (else every turn's text, joined)."""
+    if item.prompt.strip() or not item.messages:
+        return item.prompt
+    texts = [m.get("content") for m in item.messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    users = [m.get("content") for m in item.messages
+             if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)]
+    return users[-1] if users and users[-1].strip() else "\n\n".join(texts)
+
+
 @runtime_checkable
 class Task(Protocol):
     def prompts(self, split: str) -> Sequence[TaskPrompt]: ...
