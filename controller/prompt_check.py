@@ -117,6 +117,28 @@ def _check_picklable(items: list[TaskPrompt], split: str) -> None:
                                  f"or open files): {type(e).__name__}: {e}") from None
 
 
+def check_demonstrations(task, task_name: str) -> None:
+    """A task's own SFT demonstrations (``demonstrations(split) -> [(TaskPrompt, completion)]``,
+    used when ``model.init`` builds the model), checked on the controller before the trainer rank
+    trains on them: a wrong type was that rank's traceback, printed twice."""
+    from controller.config_types import ConfigError
+
+    if not callable(getattr(task, "demonstrations", None)):
+        return
+    try:
+        pairs = list(task.demonstrations("train"))
+    except Exception as e:  # noqa: BLE001 - the user's code: one line naming it
+        raise ConfigError(f"task ({task_name}): demonstrations('train') raised {type(e).__name__}: {e}") from None
+    if not pairs:
+        raise ConfigError(f"task ({task_name}): demonstrations('train') is empty: nothing for model.init's SFT")
+    for i, pair in enumerate(pairs):
+        ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], TaskPrompt) and \
+            isinstance(pair[1], str)
+        if not ok:
+            raise ConfigError(f"task ({task_name}): demonstrations('train')[{i}] must be a (TaskPrompt, completion "
+                              f"text) pair, got {pair!r:.80}")
+
+
 def check_score_signature(task, item: TaskPrompt, task_name: str) -> None:
     """``task.score`` must take ``(prompt, completion)``: a wrong signature raised on every sample,
     after the bootstrap and the first generation."""

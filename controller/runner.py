@@ -43,7 +43,7 @@ class RunStopped(RuntimeError):
 
 class Session:
     def __init__(self, cfg, args, world_size: int):
-        from controller.prompt_check import checked_task
+        from controller.prompt_check import check_demonstrations, checked_task
         from controller.scheduling import make_dispatcher
         from workers.tasks.registry import make_task
         from workers.tokenizer import Tokenizer
@@ -78,6 +78,8 @@ class Session:
             raise ConfigError(str(e)) from None
         # its data read and checked once, before the SFT
         self.task = checked_task(task, cfg.task.name, ("train", "test") if cfg.train.eval_every else ("train",))
+        if cfg.model.init and not (Path(cfg.model.path) / "config.json").exists():  # the bootstrap's SFT will run
+            check_demonstrations(task, cfg.task.name)
         length_of = (forced_lengths(cfg.train.length_trace, cfg.train.length_scale, cfg.train.max_tokens)
                      if cfg.train.length_trace else None)
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))

@@ -204,3 +204,28 @@ def test_a_chat_prompt_left_empty_reaches_the_ranker_as_its_last_user_turn():
     assert prompt_text(TaskPrompt(prompt="", answer="4", task="t", messages=chat)) == "2+2?"
     assert prompt_text(TaskPrompt(prompt="", answer="4", task="t", messages=chat[:1])) == "Be brief."
     assert prompt_text(TaskPrompt(prompt="what?", answer="4", task="t", messages=chat)) == "what?"
+
+
+def test_a_tasks_own_sft_demonstrations_are_checked_on_the_controller():
+    # (str, str) pairs or an int completion were the trainer rank's traceback, printed twice
+    from controller.config_types import ConfigError
+    from controller.prompt_check import check_demonstrations
+
+    item = TaskPrompt(prompt="double 1", answer="2", task="d")
+
+    class Demo:
+        def __init__(self, pairs):
+            self.pairs = pairs
+
+        def demonstrations(self, split):
+            return self.pairs
+
+    check_demonstrations(Demo([(item, "2")]), "mine")
+    check_demonstrations(object(), "mine")  # none of its own: the SFT imitates the answers
+    with pytest.raises(ConfigError, match=r"^task \(mine\): demonstrations\('train'\)\[0\] must be a \(TaskPrompt, "
+                                          r"completion text\) pair, got \('double 1', '2'\)"):
+        check_demonstrations(Demo([("double 1", "2")]), "mine")
+    with pytest.raises(ConfigError, match=r"\[1\] must be a \(TaskPrompt, completion text\) pair"):
+        check_demonstrations(Demo([(item, "2"), (item, 2)]), "mine")
+    with pytest.raises(ConfigError, match=r"demonstrations\('train'\) is empty"):
+        check_demonstrations(Demo([]), "mine")
