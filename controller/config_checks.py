@@ -128,12 +128,16 @@ def _check_registries(cfg: Config) -> None:
         task_factory(cfg.task.name)  # a plugin is imported here: its errors at load, on every rank
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.dispatch.name not in DISPATCHERS:
-        raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}")
+    from workers.tasks.plugins import is_plugin
+
+    own = cfg.dispatch.name not in DISPATCHERS and is_plugin(cfg.dispatch.name)
+    if cfg.dispatch.name not in DISPATCHERS and not own:
+        raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}, nor "
+                          "module:Name / file.py:Name of your own dispatcher")
     try:
         dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"dispatch.options: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith("dispatch.name") else f"dispatch.options: {e}") from None
     try:
         runnable(dispatcher)
     except ValueError as e:
