@@ -49,8 +49,8 @@ class PromptStream:
         now = digest(self.items)
         if self.state.digest and self.state.digest != now:
             print(f"[controller] the train prompts differ from those the checkpoint's position counts in "
-                  f"({self.state.items} then, {len(self.items)} now: an edited data file, or another "
-                  "train.max_prompt_tokens / max_model_len dropping others): its position (epoch "
+                  f"({self.state.items} then, {len(self.items)} now: another task.name or task.kwargs, an edited "
+                  "data file, or another train.max_prompt_tokens / max_model_len dropping others): its position (epoch "
                   f"{self.state.epoch}, prompt {self.state.pos}) now falls in another shuffle, so prompts of this "
                   "epoch may repeat or be skipped", file=sys.stderr, flush=True)
         self.state.items, self.state.digest = len(self.items), now
