@@ -7,7 +7,7 @@ import pytest
 import yaml
 from test_config import _cfg, _load_with
 
-from controller.config import ConfigError, from_dict, load_config
+from controller.config import ConfigError, from_dict
 from controller.config_overrides import parse_override
 from controller.modes import MODES
 from workers.config_schema import field_range
