@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -91,8 +92,10 @@ def _score(w: "TrainerWorker", s: "Sample") -> tuple[float, str]:
     """The sample's reward, or (NaN, why) when the task's score fails: the sample is skipped
     (said once per kind of failure: every sample may fail the same way), or with
     ``on_bad_sample: error`` refused with that reason (``TrainerWorker._reject``)."""
+    t0 = time.perf_counter()
     score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
                             f"sample {s.sample_id} (trainer rank {w.rank}, iteration {w.iteration})")
+    w.stats.add("score_s", time.perf_counter() - t0)  # the reward's own time (verl's timing_s/reward)
     if why and w.cfg.on_bad_sample == "skip" and why not in w.score_failures:
         w.score_failures.add(why)
         logging.getLogger("streamrl.trainer").warning(
@@ -174,7 +177,7 @@ class StatSums:
     KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
-            "returns_sum", "vpred_sum", "tis_weight")
+            "returns_sum", "vpred_sum", "tis_weight", "score_s")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -247,7 +250,7 @@ class StatSums:
         m = {"reward_mean": mean, "reward_std": max(t["score_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
              "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n}
         for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
-                  "incomplete_groups", "duplicates"):
+                  "incomplete_groups", "duplicates", "score_s"):
             m[k] = t[k]
         for k in self.PER_UNIT:
             d = frac_divisor if k in self.FRACTIONS else divisor
