@@ -130,8 +130,7 @@ def _check_registries(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     from workers.tasks.plugins import is_plugin
 
-    own = cfg.dispatch.name not in DISPATCHERS and is_plugin(cfg.dispatch.name)
-    if cfg.dispatch.name not in DISPATCHERS and not own:
+    if cfg.dispatch.name not in DISPATCHERS and not is_plugin(cfg.dispatch.name):
         raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}, nor "
                           "module:Name / file.py:Name of your own dispatcher")
     try:

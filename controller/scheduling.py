@@ -367,19 +367,12 @@ def make_dispatcher(name: str, **kwargs) -> Dispatcher:
     dispatcher and the options it takes. ``name`` may also be the user's own class or factory,
     ``package.module:Name`` / ``path/to/file.py:Name`` (as ``task.name``), whose ``plan`` is
     checked on every call (``checked_plan``)."""
-    from workers.tasks.plugins import is_plugin, load_plugin
+    from workers.tasks.plugins import is_plugin
 
     if name not in DISPATCHERS and is_plugin(name):
-        factory = load_plugin(name, "dispatch.name")
-        try:
-            d = factory(**kwargs)
-        except TypeError as e:  # options it does not take, or required ones missing
-            raise ValueError(f"dispatcher {name!r}: {e}") from None
-        if not callable(getattr(d, "plan", None)):
-            raise ValueError(f"dispatcher {name!r} built a {type(d).__name__} with no plan() method (the "
-                             "Dispatcher Protocol: plan(est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) "
-                             "-> DispatchPlan)")
-        return _Checked(d, name)
+        from controller.own_dispatcher import own_dispatcher
+
+        return own_dispatcher(name, **kwargs)
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher {name!r} is not one of {sorted(DISPATCHERS)}, nor module:Name of your own")
     takes = DISPATCHER_OPTIONS.get(name)
@@ -391,47 +384,6 @@ def make_dispatcher(name: str, **kwargs) -> Dispatcher:
         raise ValueError(f"dispatcher {name!r} takes {_options_text(takes)}, got {unknown}"
                          + (f"; did you mean {near[0]!r}?" if near else ""))
     return DISPATCHERS[name](**kwargs)
-
-
-class _Checked:
-    """A user's dispatcher whose plans are checked (``checked_plan``) before the SGS acts on them."""
-
-    def __init__(self, inner, name: str):
-        self.inner, self.name = inner, name
-
-    def __getattr__(self, attr):
-        return getattr(self.inner, attr)
-
-    def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) -> DispatchPlan:
-        out = self.inner.plan(est_lens, profiles, true_lens=true_lens, seed=seed, prompt_lens=prompt_lens)
-        return checked_plan(out, len(est_lens), len(profiles), self.name)
-
-
-def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan:
-    """``plan`` if it is one the SGS can run: a DispatchPlan with one request list and one batch
-    cap (an int >= 1) per instance, every request index exactly once. Otherwise a ValueError
-    naming the dispatcher and what is wrong (a lost or doubled request would hang or skew the
-    iteration, not fail it)."""
-    if not isinstance(plan, DispatchPlan):
-        raise ValueError(f"dispatcher {name!r}: plan() returned a {type(plan).__name__}, not a "
-                         "controller.scheduling.DispatchPlan")
-    if len(plan.per_instance) != instances or len(plan.batch_caps) != instances:
-        raise ValueError(f"dispatcher {name!r}: the plan has {len(plan.per_instance)} request lists and "
-                         f"{len(plan.batch_caps)} batch caps for {instances} instances")
-    bad_caps = [c for c in plan.batch_caps if isinstance(c, bool) or not isinstance(c, int) or c < 1]
-    if bad_caps:
-        raise ValueError(f"dispatcher {name!r}: batch caps must be ints >= 1, got {bad_caps[:4]}")
-    seen = sorted(i for idx in plan.per_instance for i in idx)
-    if seen != list(range(requests)):
-        counts: dict = {}
-        for i in seen:
-            counts[i] = counts.get(i, 0) + 1
-        missing = sorted(set(range(requests)) - set(counts))
-        twice = sorted(i for i, n in counts.items() if n > 1)
-        other = sorted(i for i in counts if not (isinstance(i, int) and 0 <= i < requests))
-        raise ValueError(f"dispatcher {name!r}: the plan must place each of the {requests} requests once; "
-                         f"missing {missing[:6]}, twice {twice[:6]}, not a request index {other[:6]}")
-    return plan
 
 
 def _options_text(takes: tuple[str, ...]) -> str:

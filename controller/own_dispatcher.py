@@ -1,0 +1,63 @@
+"""A dispatcher of the user's own, named in the config (``dispatch.name: module:Name`` or
+``file.py:Name``, as ``task.name``): built with ``dispatch.options`` as its keyword arguments,
+and each plan it makes checked before the SGS acts on it (``checked_plan``)."""
+from __future__ import annotations
+
+import collections
+
+from controller.scheduling import DispatchPlan, Dispatcher
+
+
+def own_dispatcher(name: str, **kwargs) -> Dispatcher:
+    """The user's dispatcher ``name`` built with ``kwargs``, its plans checked; a ValueError
+    naming it when it cannot be built or has no ``plan``."""
+    from workers.tasks.plugins import load_plugin
+
+    factory = load_plugin(name, "dispatch.name")
+    try:
+        d = factory(**kwargs)
+    except TypeError as e:  # options it does not take, or required ones missing
+        raise ValueError(f"dispatcher {name!r}: {e}") from None
+    if not callable(getattr(d, "plan", None)):
+        raise ValueError(f"dispatcher {name!r} built a {type(d).__name__} with no plan() method (the "
+                         "Dispatcher Protocol: plan(est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) "
+                         "-> DispatchPlan)")
+    return _Checked(d, name)
+
+
+class _Checked:
+    """A user's dispatcher whose plans are checked (``checked_plan``) before the SGS acts on them."""
+
+    def __init__(self, inner, name: str):
+        self.inner, self.name = inner, name
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) -> DispatchPlan:
+        out = self.inner.plan(est_lens, profiles, true_lens=true_lens, seed=seed, prompt_lens=prompt_lens)
+        return checked_plan(out, len(est_lens), len(profiles), self.name)
+
+
+def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan:
+    """``plan`` if it is one the SGS can run: a DispatchPlan with one request list and one batch
+    cap (an int >= 1) per instance, every request index exactly once. Otherwise a ValueError
+    naming the dispatcher and what is wrong (a lost or doubled request would hang or skew the
+    iteration, not fail it)."""
+    if not isinstance(plan, DispatchPlan):
+        raise ValueError(f"dispatcher {name!r}: plan() returned a {type(plan).__name__}, not a "
+                         "controller.scheduling.DispatchPlan")
+    if len(plan.per_instance) != instances or len(plan.batch_caps) != instances:
+        raise ValueError(f"dispatcher {name!r}: the plan has {len(plan.per_instance)} request lists and "
+                         f"{len(plan.batch_caps)} batch caps for {instances} instances")
+    bad_caps = [c for c in plan.batch_caps if isinstance(c, bool) or not isinstance(c, int) or c < 1]
+    if bad_caps:
+        raise ValueError(f"dispatcher {name!r}: batch caps must be ints >= 1, got {bad_caps[:4]}")
+    counts = collections.Counter(i for idx in plan.per_instance for i in idx)
+    if sorted(counts.elements()) != list(range(requests)):
+        missing = sorted(set(range(requests)) - set(counts))
+        twice = sorted(i for i, n in counts.items() if n > 1)
+        other = sorted(i for i in counts if not (isinstance(i, int) and 0 <= i < requests))
+        raise ValueError(f"dispatcher {name!r}: the plan must place each of the {requests} requests once; "
+                         f"missing {missing[:6]}, twice {twice[:6]}, not a request index {other[:6]}")
+    return plan
