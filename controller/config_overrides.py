@@ -63,7 +63,7 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
     """The ``--set`` overrides the config error ``error`` comes from (as typed): the one whose
     key it names, else (a rule over several keys) those without which the config does not fail
     with it; '' when the file's own values do."""
-    named = [typed[k] for k in overrides if error.startswith((f"{k}:", f"{k} ", f"{k}["))]
+    named = _naming(error, overrides, typed)
     if named:
         return named[0]
     blamed = []
@@ -85,8 +85,15 @@ def set_behind(texts: typing.Sequence[str] | None, error: str) -> str:
         overrides, typed = parse_overrides(list(texts or ()))
     except ConfigError:
         return ""
-    named = [typed[k] for k in overrides if error.startswith((f"{k}:", f"{k} ", f"{k}[", f"{k}."))]
+    named = _naming(error, overrides, typed, sections=True)
     return named[-1] if named else ""
+
+
+def _naming(error: str, overrides: dict, typed: dict, sections: bool = False) -> list[str]:
+    """The ``--set`` texts whose key ``error`` starts by naming (``sections``: also a section
+    above the key it names, ``task.kwargs`` for ``task.kwargs.files: ...``)."""
+    return [typed[k] for k in overrides
+            if error.startswith((f"{k}:", f"{k} ", f"{k}[") + ((f"{k}.",) if sections else ()))]
 
 
 def apply_override(d: dict, dotted: str, value: Any) -> None:
