@@ -5,6 +5,7 @@ ones loaded first) when no round is in flight, else with the weights each holds 
 evaluate while the next round generates); an evaluation names the versions it ran with."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -12,7 +13,8 @@ import uuid
 from dataclasses import dataclass
 
 from controller.rpc import Completions
-from workers.tasks.scoring import safe_score
+from workers.tasks.registry import make_task
+from workers.tasks.reward_pool import RewardPool, Scored
 from workers.types import Request
 
 log = logging.getLogger("streamrl.controller")
@@ -118,8 +120,11 @@ def evaluate(program, n: int) -> EvalResult:
     per: dict[str, list[float]] = {}
     best: list[float] = []
     unscored, whys = 0, {}
+    pool = eval_rewards(program)
+    pending = [[pool.submit(it, texts.get(-1 - (j * k + s), ""), f"eval prompt {j}") for s in range(k)]
+               for j, it in enumerate(items)]  # every score in flight at once (trainer.reward_workers)
     for j, it in enumerate(items):
-        scores = [_score(program.task, it, texts.get(-1 - (j * k + s), ""), j, whys) for s in range(k)]
+        scores = [_score(pool.result(p), j, whys) for p in pending[j]]
         ok = [x for x in scores if math.isfinite(x)]
         unscored += k - len(ok)
         per.setdefault(it.task, []).extend(ok)
@@ -138,11 +143,21 @@ def evaluate(program, n: int) -> EvalResult:
     return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions)
 
 
-def _score(task, item, completion: str, j: int, whys: dict[str, dict[int, int]]) -> float:
+def eval_rewards(program) -> RewardPool:
+    """The controller's reward pool for eval, made at the first eval: the trainer's settings
+    (``trainer.reward_workers``, ``reward_pool``, ``reward_timeout_s``), so a reward that needs
+    processes (``signal.alarm``, CPU-bound) scores the same way in eval as in training."""
+    if program.eval_pool is None:
+        tr, task = program.cfg.trainer, program.cfg.task
+        program.eval_pool = RewardPool(program.task, tr.reward_workers, tr.reward_pool, tr.reward_timeout_s,
+                                       functools.partial(make_task, task.name, **dict(task.kwargs)))
+    return program.eval_pool
+
+
+def _score(scored: Scored, j: int, whys: dict[str, dict[int, int]]) -> float:
     """The task's score, NaN (left out, counted) when it fails, as for training samples; a
     failure is kept in ``whys`` (why -> prompt index -> samples), said once per kind."""
-    score, why = safe_score(task, item, completion, f"eval prompt {j}")
-    if why:
-        per = whys.setdefault(why, {})
+    if scored.why:
+        per = whys.setdefault(scored.why, {})
         per[j] = per.get(j, 0) + 1
-    return score
+    return scored.score

@@ -116,6 +116,7 @@ class Program:
         self.before_iteration = None  # hook(iteration) -> None (scale-out decisions)
         self.spans = SpanRecorder("controller")  # what the controller waits on, for the timeline
         self._stream_at: dict[int, dict] = {}  # iteration -> prompt-stream state before its batch
+        self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
 
     # ---- requests ------------------------------------------------------------------------
     def make_batch(self, iteration: int) -> _Batch:

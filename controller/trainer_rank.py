@@ -23,6 +23,7 @@ seen twice is dropped (re-dispatch after an instance loss never trains a sample 
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -173,7 +174,8 @@ class TrainerRank:
         group = subgroup(self.dp_ranks, collective_timeout_s)
         self.worker = TrainerWorker(trainer_cfg, model_dir, make_task(task_name, **task_kwargs),
                                     rank=self.dp_ranks.index(rank), world_size=len(self.dp_ranks),
-                                    group=group, device=LOCAL.device)
+                                    group=group, device=LOCAL.device,
+                                    build_task=functools.partial(make_task, task_name, **task_kwargs))
         self.spans = SpanRecorder(f"train{rank}")
         self._iters: dict[int, _Iteration] = {}
         self._owner: dict[int, int] = {}  # sample_id -> iteration
@@ -381,6 +383,7 @@ class TrainerRank:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self.worker.rewards.close()
         if LOCAL.roles.get("trainer") is self:
             del LOCAL.roles["trainer"]
         return True

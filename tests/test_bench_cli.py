@@ -28,6 +28,7 @@ REFUSED = [
     ("cpu_gemm", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
     ("kernels", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ("weight_sync", ["--reps", "0"], "--reps must be >= 1, got 0"),
+    ("reward_pool", ["--samples", "0"], "argument --samples: must be an integer >= 1, got '0'"),
 ]
 
 
@@ -87,6 +88,7 @@ def test_bad_argument_is_refused_before_any_work(refused_runs, script, argv, sai
     ("planner_accuracy", ["--measured", "no/such/measured.jsonl"], "argument --measured: no such file:"),
     ("trainer_throughput", ["--threads", "-1"], "argument --threads: must be an integer >= 1, got '-1'"),
     ("cpu_gemm", ["--threads", "two"], "argument --threads: must be an integer >= 1, got 'two'"),
+    ("reward_pool", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
 ])
 def test_bad_values_name_the_flag(script, argv, said, monkeypatch, capsys):
     bench = load_bench(script, monkeypatch)

@@ -16,14 +16,18 @@ from workers.types import TaskPrompt
 class DoubleTask:
     """Prompts "double N"; the reward is 1 when the completion contains 2N."""
 
-    def __init__(self, n: int = 8, bonus: float = 1.0, floor: float = 0.0, raise_for: str = ""):
+    def __init__(self, n: int = 8, bonus: float = 1.0, floor: float = 0.0, raise_for: str = "", where: str = ""):
         self.items = [TaskPrompt(prompt=f"double {i}", answer=str(2 * i), task="double") for i in range(n)]
-        self.bonus, self.floor, self.raise_for = bonus, floor, raise_for
+        self.bonus, self.floor, self.raise_for, self.where = bonus, floor, raise_for, where
 
     def prompts(self, split):
         return self.items
 
     def score(self, prompt, completion):
+        if self.where:  # the kind of process that scores: a spawned reward process, or a rank itself
+            import multiprocessing
+            with open(self.where, "a") as f:
+                f.write("spawned\\n" if multiprocessing.parent_process() is not None else "rank\\n")
         if prompt.prompt == self.raise_for:
             raise ValueError("a bug in my reward")
         return self.bonus if prompt.answer in completion else self.floor
@@ -136,15 +140,23 @@ def test_config_load_refuses_a_bad_plugin_before_any_work(tmp_path, user_file):
 def test_a_user_task_trains_end_to_end(tmp_path, tiny_model, user_file):  # noqa: F811
     """Controller and trainer rank each import the user's file (real torchrun, 3 processes):
     the run completes and its rewards are the user's (every completion scores 0.25 here). The
-    score raises on one prompt: its samples are skipped in training and left out of eval."""
+    score raises on one prompt: its samples are skipped in training and left out of eval.
+    Scored in reward processes (``reward_pool: processes``, spawned by the trainer rank and by
+    the controller for eval): each builds the task from the file itself, which a pickle of it
+    could not (a class loaded by path is not importable by name)."""
     plans = tmp_path / "plans.txt"  # and a dispatcher of the user's own, from the same file
+    where = tmp_path / "where.txt"
     cfg = write_config(tmp_path, tiny_model, task__name=f"{user_file}:DoubleTask",
-                       task__kwargs={"n": 8, "bonus": 0.25, "floor": 0.25, "raise_for": "double 3"},
+                       task__kwargs={"n": 8, "bonus": 0.25, "floor": 0.25, "raise_for": "double 3",
+                                     "where": str(where)},
                        train__iterations=2, train__eval_every=1, train__eval_prompts=8,
+                       trainer__reward_pool="processes", trainer__reward_workers=2,
                        dispatch__name=f"{user_file}:LogDispatch", dispatch__options={"log": str(plans), "cap": 4})
     r = torchrun(cfg)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert plans.read_text().split() == ["8", "8"]  # each iteration's 4 prompts x group_size 2
+    # 2 x 8 training samples and 2 x 8 eval samples, every one scored in a reward process
+    assert where.read_text().split() == ["spawned"] * 32
     assert last_json(r.stdout)["iterations"] == 2
     rows = iterations(tmp_path / "run")
     assert len(rows) == 2

@@ -231,10 +231,14 @@ def test_the_time_in_the_reward_is_reported(model_dir, monkeypatch):
     # score_s is verl's timing_s/reward. A fake clock (each reading 0.5 s after the last): no wall-clock here
     from types import SimpleNamespace
 
-    from workers.trainer import step_math
+    import time
+
+    from workers.tasks import reward_pool
 
     samples, prompts, sizes = build(model_dir, GRPO_GROUPS)
-    ticks = iter(range(1000))
-    monkeypatch.setattr(step_math, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    ticks = iter(range(1000))  # read by the one reward thread only (reward_workers: 1)
+    monkeypatch.setattr(reward_pool, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks),
+                                                             monotonic=time.monotonic))
     m = train(model_dir, TrainerConfig(algorithm="grpo"), samples, prompts, sizes)
     assert m["score_s"] == pytest.approx(0.5 * len(samples))  # one score call per sample, each 0.5 s
+    assert m["score_wait_s"] >= 0.0  # the trainer's wait for scores past its forwards (a real clock)

@@ -12,6 +12,7 @@ Background workloads are module-level functions so a spawned process can import 
 """
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -85,7 +86,8 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
     from workers.trainer.worker import TrainerWorker
 
     task = make_task(task_name, **task_kwargs)
-    worker = TrainerWorker(trainer_cfg, model_dir, task, rank=rank, world_size=world_size)
+    worker = TrainerWorker(trainer_cfg, model_dir, task, rank=rank, world_size=world_size,
+                           build_task=functools.partial(make_task, task_name, **task_kwargs))
     items = list(task.prompts("train"))
     state = {"n": 100}
     vocab = min(300, worker.actor.config.vocab_size)  # random token ids the model can embed

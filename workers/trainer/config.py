@@ -6,6 +6,7 @@ import typing
 from dataclasses import dataclass, fields
 
 from workers.config_schema import SEEDS, Range, ranged
+from workers.tasks.reward_pool import REWARD_POOLS
 
 ALGORITHMS = ("ppo", "grpo", "rloo")
 # knobs only some algorithms read: set to anything but their default under another, refused
@@ -111,6 +112,11 @@ class TrainerConfig:
     shuffle: bool = True  # mini_batches > 1: shares of whole groups in a seeded random order (else arrival order)
     precision: str = "auto"  # auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU
     activation_checkpointing: bool = False  # recompute each layer in backward (actor and critic)
+    # the task's score of each sample (workers/tasks/reward_pool.py): this many at once per trainer
+    # rank, on threads or in spawned processes (CPU-bound rewards), each past reward_timeout_s skipped
+    reward_workers: int = ranged(1, Range(1, 256))
+    reward_pool: str = "threads"
+    reward_timeout_s: float | None = None  # null: no deadline (a score past 60 s is said once)
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
@@ -134,6 +140,10 @@ class TrainerConfig:
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         _one_of("precision", self.precision, PRECISIONS)
+        _one_of("reward_pool", self.reward_pool, REWARD_POOLS)
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            raise ValueError(f"trainer.reward_timeout_s must be > 0 seconds (or null: no deadline), "
+                             f"got {self.reward_timeout_s}")
         hints = typing.get_type_hints(type(self))  # resolved types (the annotations are strings)
         for f in fields(self):  # "false" or 0 given to a switch would be read as truthy / falsy
             value, nullable = getattr(self, f.name), hints[f.name] == typing.Optional[bool]

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from workers.tasks.scoring import safe_score
 from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
@@ -30,10 +29,20 @@ if TYPE_CHECKING:
     from workers.types import Sample
 
 
+def submit_scores(w: "TrainerWorker", samples: list["Sample"]) -> dict:
+    """Sample id -> the task's score of it, in flight on ``w.rewards`` (the trainer's reward pool)."""
+    return {s.sample_id: w.rewards.submit(w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
+                                          f"sample {s.sample_id} (trainer rank {w.rank}, iteration {w.iteration})")
+            for s in samples}
+
+
 @torch.no_grad()
-def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared | str]:
+def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | None = None) -> list[Prepared | str]:
     """Reward, reference log-probs, values (and GAE) for each sample; where the task's score
-    failed (raised, or no finite number), why, naming the sample."""
+    failed (raised, no finite number, past ``reward_timeout_s``), why, naming the sample.
+    ``scores``: ``submit_scores`` of these samples (or more), in flight while the forwards run
+    (None: submitted here)."""
+    scores = submit_scores(w, samples) if scores is None else scores
     cfg = w.cfg
     batch = pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], w.device,
                  [s.min_tokens for s in samples])
@@ -51,7 +60,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"]) -> list[Prepared 
     penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
     out: list[Prepared | str] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
-        score, why = _score(w, s)
+        score, why = _score(w, s, scores[s.sample_id])
         if why:
             out.append(f"sample {s.sample_id}: {why}")
             continue
@@ -88,14 +97,15 @@ def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Te
     return logits
 
 
-def _score(w: "TrainerWorker", s: "Sample") -> tuple[float, str]:
+def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str]:
     """The sample's reward, or (NaN, why) when the task's score fails: the sample is skipped
     (said once per kind of failure: every sample may fail the same way), or with
     ``on_bad_sample: error`` refused with that reason (``TrainerWorker._reject``)."""
     t0 = time.perf_counter()
-    score, why = safe_score(w.task, w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
-                            f"sample {s.sample_id} (trainer rank {w.rank}, iteration {w.iteration})")
-    w.stats.add("score_s", time.perf_counter() - t0)  # the reward's own time (verl's timing_s/reward)
+    scored = w.rewards.result(pending)
+    w.stats.add("score_wait_s", time.perf_counter() - t0)  # what the trainer waited, past its forwards
+    w.stats.add("score_s", scored.seconds)  # the reward's own time (verl's timing_s/reward)
+    score, why = scored.score, scored.why
     if why and w.cfg.on_bad_sample == "skip" and why not in w.score_failures:
         w.score_failures.add(why)
         logging.getLogger("streamrl.trainer").warning(
@@ -177,7 +187,7 @@ class StatSums:
     KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
-            "returns_sum", "vpred_sum", "tis_weight", "score_s")
+            "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -250,7 +260,7 @@ class StatSums:
         m = {"reward_mean": mean, "reward_std": max(t["score_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
              "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n}
         for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
-                  "incomplete_groups", "duplicates", "score_s"):
+                  "incomplete_groups", "duplicates", "score_s", "score_wait_s"):
             m[k] = t[k]
         for k in self.PER_UNIT:
             d = frac_divisor if k in self.FRACTIONS else divisor

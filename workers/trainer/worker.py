@@ -28,12 +28,13 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from workers.model import default_device, load_pretrained, stop_ids
+from workers.tasks.reward_pool import RewardPool
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
 from workers.trainer.advantages import whiten
@@ -42,7 +43,7 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
 from workers.trainer.schedule import lr_lambda
-from workers.trainer.step_math import StatSums, prepare_batch, train_terms
+from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
 from workers.trainer.updates import mini_batch_updates, streamed_updates
 from workers.types import Sample, Task, TaskPrompt
 
@@ -74,7 +75,9 @@ def _locked(method):
 
 class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, model_dir: str, task: Task, rank: int = 0, world_size: int = 1,
-                 group=None, device=None):
+                 group=None, device=None, build_task: Callable[[], Task] | None = None):
+        """``build_task``: how a ``reward_pool: processes`` process builds the task (a picklable
+        callable, e.g. ``functools.partial(make_task, name, **kwargs)``; default: ``task`` pickled)."""
         self.cfg, self.task, self.model_dir = cfg, task, str(model_dir)
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device) if device is not None else default_device()
@@ -111,6 +114,7 @@ class TrainerWorker:
         self._trained_any = False
         self.trained_batches: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
         self._lock = threading.RLock()
+        self.rewards = RewardPool(task, cfg.reward_workers, cfg.reward_pool, cfg.reward_timeout_s, build_task)
 
     # ---- public API --------------------------------------------------------------------------
     @property
@@ -147,10 +151,12 @@ class TrainerWorker:
         if self.cfg.grouped:
             check_group_counts(samples, self._seen, self._group_seen, self._group_sizes, self.iteration)
         accepted = [s for s in samples if self._accept(s)]
+        # every score in flight first: the rewards run beside the forwards below
+        scores = submit_scores(self, accepted)
         # by prompt + output tokens, so receive-time forwards stay bounded
         for chunk in microbatches(accepted, self.cfg.max_tokens_per_microbatch,
                                   lambda s: s.prompt_ids.numel() + s.output_ids.numel()):
-            items = prepare_batch(self, chunk)
+            items = prepare_batch(self, chunk, scores)
             ok = []
             for s, p in zip(chunk, items):
                 if isinstance(p, str):  # the task's score failed (said by the scorer when skipped)

@@ -1,0 +1,139 @@
+"""The trainer's reward pool (``trainer.reward_workers`` / ``reward_pool``): the task's score of
+a batch of samples, one call after another (the trainer before session 38) against the pool's
+threads and processes, same completions, run side by side.
+
+    python bench/reward_pool.py [--quick] [--samples 64]
+
+Rewards: ``wait`` (each call waits 20 ms, the way a request to a judge model or a code sandbox
+does: threads overlap the waits), ``sympy`` (each call checks that two expressions are equal
+with sympy's ``simplify``, math-verify's kind of work: pure Python, so the GIL serialises
+threads and only processes run calls at once) and ``rule`` (the built-in ``math`` verifier,
+microseconds a call: what the pool costs a cheap reward). Prints one JSON line per competitor
+and reward, and a summary line with each reward's best pool over one-at-a-time
+(``wait_speedup``, ``sympy_speedup``, ``rule_speedup``). Process start-up (spawn, imports) is
+timed apart (``start_s``), before the measured batch."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from jsonline import json_line  # bench/ is the script's folder
+from argcheck import positive_int
+
+from workers.tasks.reward_pool import RewardPool
+from workers.tasks.scoring import safe_score
+from workers.tasks.verifiers import math_boxed
+from workers.types import TaskPrompt
+
+EXPRS = ["(y + 1)**2", "sin(y)**2 + cos(y)**2", "(y**2 - 1)/(y - 1)", "exp(2*log(y))", "(y + 2)*(y - 3)",
+         "tan(y)*cos(y)", "(y**3 - 8)/(y - 2)", "2*sin(y)*cos(y)"]
+EQUAL = ["y**2 + 2*y + 1", "1", "y + 1", "y**2", "y**2 - y - 6", "sin(y)", "y**2 + 2*y + 4", "sin(2*y)"]
+
+
+class Wait:
+    def prompts(self, split):
+        return []
+
+    def score(self, prompt, completion):
+        time.sleep(0.02)
+        return math_boxed(prompt, completion)
+
+
+class Sympy:
+    def prompts(self, split):
+        return []
+
+    def score(self, prompt, completion):
+        import sympy
+
+        return float(sympy.simplify(sympy.sympify(completion) - sympy.sympify(prompt.answer)) == 0)
+
+
+class Rule:
+    def prompts(self, split):
+        return []
+
+    def score(self, prompt, completion):
+        return math_boxed(prompt, completion)
+
+
+TASKS = {"wait": Wait, "sympy": Sympy, "rule": Rule}
+
+
+def batch(kind: str, n: int, offset: int = 0) -> list[tuple[TaskPrompt, str]]:
+    """``n`` samples whose rewards are all 1.0. sympy's: each its own expression (y shifted by
+    the sample's index), so no call is a hit of sympy's cache; ``offset`` gives each competitor
+    and warm-up samples of its own (a cache warmed by one would speed up the next)."""
+    out = []
+    for i in range(offset, offset + n):
+        j = i % len(EXPRS)
+        if kind == "sympy":
+            shift = f"(y + {i})"
+            out.append((TaskPrompt(prompt="simplify", answer=EQUAL[j].replace("y", shift), task="s"),
+                        EXPRS[j].replace("y", shift)))
+        else:
+            out.append((TaskPrompt(prompt="q", answer=str(i % 7), task="r"), f"the answer is \\boxed{{{i % 7}}}"))
+    return out
+
+
+def one_at_a_time(task, items) -> tuple[list[float], float]:
+    t = time.perf_counter()
+    scores = [safe_score(task, p, c)[0] for p, c in items]
+    return scores, time.perf_counter() - t
+
+
+def pooled(task, items, warm_items, workers: int, pool: str) -> tuple[list[float], float, float]:
+    t = time.perf_counter()
+    rp = RewardPool(task, workers=workers, pool=pool)
+    warm = [rp.submit(p, c, "warm-up") for p, c in warm_items[:workers]]  # start every process
+    [rp.result(j) for j in warm]
+    start_s = time.perf_counter() - t
+    t = time.perf_counter()
+    jobs = [rp.submit(p, c, f"sample {i}") for i, (p, c) in enumerate(items)]
+    scores = [rp.result(j).score for j in jobs]
+    took = time.perf_counter() - t
+    rp.close()
+    return scores, took, start_s
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="32 samples a reward (else --samples)")
+    ap.add_argument("--samples", type=positive_int, default=64, help="samples scored per reward and competitor")
+    ap.add_argument("--threads", type=positive_int, default=8, help="reward_workers of the threads pool")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    n = 32 if a.quick else a.samples
+    procs = max(1, min(os.cpu_count() or 1, 8))
+    summary = {"summary": True, "samples": n, "cpus": os.cpu_count()}
+    for kind, make in TASKS.items():
+        task = make()
+        safe_score(task, *batch(kind, 1, offset=10**6)[0])  # imports and first-call set-up, unmeasured
+        ref, base = one_at_a_time(task, batch(kind, n))
+        assert ref == [1.0] * n, f"{kind}: one at a time scored {ref}"
+        rates = {}
+        print(json_line({"bench": "reward_pool", "reward": kind, "competitor": "one_at_a_time",
+                          "samples_per_s": round(n / base, 1)}), flush=True)
+        for c, (name, workers, pool) in enumerate((("threads_1", 1, "threads"),
+                                                   (f"threads_{a.threads}", a.threads, "threads"),
+                                                   (f"processes_{procs}", procs, "processes")), start=1):
+            items, warm = batch(kind, n, offset=2 * c * n), batch(kind, workers, offset=(2 * c + 1) * n)
+            scores, took, start_s = pooled(task, items, warm, workers, pool)
+            assert scores == [1.0] * n, f"{name} scored {kind} as {scores}"  # the same rewards, whatever the pool
+            rates[name] = n / took
+            print(json_line({"bench": "reward_pool", "reward": kind, "competitor": name,
+                              "samples_per_s": round(n / took, 1), "over_one_at_a_time": round(base / took, 2),
+                              "start_s": round(start_s, 2)}), flush=True)
+        best = max(rates, key=rates.get)
+        summary[f"{kind}_best"] = best
+        summary[f"{kind}_speedup"] = round(rates[best] * base / n, 2)
+    print(json_line(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
