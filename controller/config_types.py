@@ -58,7 +58,8 @@ VERL_NOTES = {
     "val_before_train": "the first evaluation comes after train.eval_every iterations",
     "logger": "every run logs to TensorBoard (<logdir>/tb) and <logdir>/iterations.jsonl",
     "reward_model": "no model-based reward model; rewards come from task.kwargs.verifier (a rule, or a function "
-                    "of yours, which may call a reward model itself)",
+                    "of yours, which may call a reward model itself); verl's reward_manager prime (a process pool "
+                    "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s",
     "lora_rank": "no LoRA: the trainer updates every parameter", "lora_alpha": "no LoRA: the trainer updates "
                                                                                "every parameter",
     "ulysses_sequence_parallel_size": "no sequence parallelism: each sample is on one trainer rank",
