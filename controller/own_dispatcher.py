@@ -4,8 +4,11 @@ and each plan it makes checked before the SGS acts on it (``checked_plan``)."""
 from __future__ import annotations
 
 import collections
+import os
+import traceback
 
 from controller.scheduling import DispatchPlan, Dispatcher
+from controller.stops import RunStopped
 
 
 def own_dispatcher(name: str, **kwargs) -> Dispatcher:
@@ -26,7 +29,10 @@ def own_dispatcher(name: str, **kwargs) -> Dispatcher:
 
 
 class _Checked:
-    """A user's dispatcher whose plans are checked (``checked_plan``) before the SGS acts on them."""
+    """A user's dispatcher whose plans are checked (``checked_plan``) before the SGS acts on them.
+    A plan() that raises, or a plan the SGS cannot run, stops the run with one line naming the
+    dispatcher (``RunStopped``: every worker is fine, so the job leaves quietly and a REPL
+    session stays), not with the controller's traceback."""
 
     def __init__(self, inner, name: str):
         self.inner, self.name = inner, name
@@ -35,8 +41,26 @@ class _Checked:
         return getattr(self.inner, attr)
 
     def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None) -> DispatchPlan:
-        out = self.inner.plan(est_lens, profiles, true_lens=true_lens, seed=seed, prompt_lens=prompt_lens)
-        return checked_plan(out, len(est_lens), len(profiles), self.name)
+        try:
+            out = self.inner.plan(est_lens, profiles, true_lens=true_lens, seed=seed, prompt_lens=prompt_lens)
+        except Exception as e:  # noqa: BLE001 - the user's code: one line naming it
+            raise RunStopped(f"dispatcher {self.name!r}: plan() raised {type(e).__name__}: "
+                             f"{' '.join(str(e).split())}{_where(e)}") from e
+        try:
+            return checked_plan(out, len(est_lens), len(profiles), self.name)
+        except ValueError as e:
+            raise RunStopped(str(e)) from None
+
+
+def _where(e: BaseException) -> str:
+    """`` (at my_rl/dispatch.py:12 in plan)``: where it was raised (relative to the working
+    directory when under it)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    f = frames[-1]
+    rel = os.path.relpath(f.filename)
+    return f" (at {f.filename if rel.startswith('..') else rel}:{f.lineno} in {f.name})"
 
 
 def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan:

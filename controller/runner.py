@@ -29,6 +29,7 @@ from controller.program import Program
 from controller.run_record import save_run_config
 from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, request_exit, worker_name
 from controller.sgs import NoInstancesLeft
+from controller.stops import RunStopped
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.ranker_setup import run_ranker, saved_ranker
@@ -36,10 +37,6 @@ from controller.world import build_world, check_engine
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
 from workers.types import Ranker, prompt_text
-
-class RunStopped(RuntimeError):
-    """The run cannot usefully go on (e.g. an iteration trained nothing); the message says why."""
-
 
 class Session:
     def __init__(self, cfg, args, world_size: int):

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from controller.config import ConfigError, load_config
+from controller.stops import RunStopped
 from tests.runtime_helpers import iterations, last_json, tiny_model, torchrun, write_config  # noqa: F401
 from workers.tasks.plugins import is_plugin
 from workers.tasks.registry import make_task
@@ -271,8 +272,13 @@ def test_a_dispatcher_of_your_own_is_built_and_its_plans_checked(user_file, tmp_
     plan = d.plan([30.0, 10.0, 20.0], [default_profile(), default_profile()])
     assert plan.per_instance == [[1, 0], [2]] and plan.batch_caps == [4, 4]
     bad = make_dispatcher(f"{user_file}:LogDispatch", log=str(log), drop=True)
-    with pytest.raises(ValueError, match=r"LogDispatch': the plan must place each of the 3 requests once; missing \[1\]"):
+    # a stop of the run (quiet, one line; a REPL stays), not the controller's traceback
+    with pytest.raises(RunStopped, match=r"LogDispatch': the plan must place each of the 3 requests once; missing \[1\]"):
         bad.plan([30.0, 10.0, 20.0], [default_profile(), default_profile()])
+    broken = make_dispatcher(f"{user_file}:LogDispatch", log=str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(RunStopped, match=r"LogDispatch': plan\(\) raised FileNotFoundError: .*No such file or "
+                                         r"directory: .* \(at .*my_tasks.py:\d+ in plan\)$"):
+        broken.plan([30.0], [default_profile()])
     with pytest.raises(ValueError, match=r"LogDispatch': .*unexpected keyword argument 'alpha'"):
         make_dispatcher(f"{user_file}:LogDispatch", log=str(log), alpha=1)
     p = tmp_path / "c.yaml"
