@@ -7,7 +7,8 @@ per iteration.
     result = w.step()         # -> StepResult(version, metrics, num_samples, num_tokens)
 
 ``receive`` does the per-sample work at once (reward from the task's verifier on the decoded
-completion, reference log-probs, critic values) and trains a packed micro-batch (forward +
+completion, in the reward pool beside the forwards: ``workers/tasks/reward_pool.py``; reference
+log-probs, critic values) and trains a packed micro-batch (forward +
 backward, gradients accumulated as SUMS) whenever samples whose advantages are known fill
 ``max_tokens_per_microbatch``. ``step`` trains the rest, all-reduces gradient sums and counts
 over the data-parallel group, divides by the iteration's total tokens (or sequences), clips,
