@@ -8,9 +8,12 @@ Rewards: ``wait`` (each call waits 20 ms, the way a request to a judge model or 
 does: threads overlap the waits), ``sympy`` (each call checks that two expressions are equal
 with sympy's ``simplify``, math-verify's kind of work: pure Python, so the GIL serialises
 threads and only processes run calls at once) and ``rule`` (the built-in ``math`` verifier,
-microseconds a call: what the pool costs a cheap reward). Prints one JSON line per competitor
+microseconds a call: what the pool costs a cheap reward) and ``judge`` (a reward server that takes
+batches: a request waits 20 ms plus 1 ms a sample; its task has ``score_batch``, and the extra
+competitor ``batched`` hands the pool arrivals of ``--arrival`` samples, each one request, as the
+trainer does: ``RewardPool.submit_many``). Prints one JSON line per competitor
 and reward, and a summary line with each reward's best pool over one-at-a-time
-(``wait_speedup``, ``sympy_speedup``, ``rule_speedup``). Process start-up (spawn, imports) is
+(``wait_speedup``, ``sympy_speedup``, ``rule_speedup``, ``judge_speedup``). Process start-up (spawn, imports) is
 timed apart (``start_s``), before the measured batch."""
 from __future__ import annotations
 
@@ -58,7 +61,21 @@ class Rule:
         return math_boxed(prompt, completion)
 
 
-TASKS = {"wait": Wait, "sympy": Sympy, "rule": Rule}
+class Judge:
+    """A reward server that batches: each request waits 20 ms + 1 ms a sample."""
+
+    def prompts(self, split):
+        return []
+
+    def score(self, prompt, completion):
+        return self.score_batch([prompt], [completion])[0]
+
+    def score_batch(self, prompts, completions):
+        time.sleep(0.02 + 0.001 * len(completions))
+        return [math_boxed(p, c) for p, c in zip(prompts, completions)]
+
+
+TASKS = {"wait": Wait, "sympy": Sympy, "rule": Rule, "judge": Judge}
 
 
 def batch(kind: str, n: int, offset: int = 0) -> list[tuple[TaskPrompt, str]]:
@@ -83,14 +100,20 @@ def one_at_a_time(task, items) -> tuple[list[float], float]:
     return scores, time.perf_counter() - t
 
 
-def pooled(task, items, warm_items, workers: int, pool: str) -> tuple[list[float], float, float]:
+def pooled(task, items, warm_items, workers: int, pool: str, arrival: int = 0) -> tuple[list[float], float, float]:
+    """``arrival`` > 0: the samples handed over ``arrival`` at a time (``submit_many``: one
+    ``score_batch`` call each); 0: one ``submit`` each."""
     t = time.perf_counter()
     rp = RewardPool(task, workers=workers, pool=pool)
     warm = [rp.submit(p, c, "warm-up") for p, c in warm_items[:workers]]  # start every process
     [rp.result(j) for j in warm]
     start_s = time.perf_counter() - t
     t = time.perf_counter()
-    jobs = [rp.submit(p, c, f"sample {i}") for i, (p, c) in enumerate(items)]
+    if arrival:
+        jobs = [j for k in range(0, len(items), arrival)
+                for j in rp.submit_many([(p, c, f"sample {k + i}") for i, (p, c) in enumerate(items[k:k + arrival])])]
+    else:
+        jobs = [rp.submit(p, c, f"sample {i}") for i, (p, c) in enumerate(items)]
     scores = [rp.result(j).score for j in jobs]
     took = time.perf_counter() - t
     rp.close()
@@ -103,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="32 samples a reward (else --samples)")
     ap.add_argument("--samples", type=positive_int, default=64, help="samples scored per reward and competitor")
     ap.add_argument("--threads", type=positive_int, default=8, help="reward_workers of the threads pool")
+    ap.add_argument("--arrival", type=positive_int, default=8,
+                    help="judge's batched competitor: samples per submit_many (one score_batch call)")
     return ap.parse_args(argv)
 
 
@@ -119,11 +144,13 @@ def main(argv=None) -> None:
         rates = {}
         print(json_line({"bench": "reward_pool", "reward": kind, "competitor": "one_at_a_time",
                           "samples_per_s": round(n / base, 1)}), flush=True)
-        for c, (name, workers, pool) in enumerate((("threads_1", 1, "threads"),
-                                                   (f"threads_{a.threads}", a.threads, "threads"),
-                                                   (f"processes_{procs}", procs, "processes")), start=1):
+        competitors = [("threads_1", 1, "threads", 0), (f"threads_{a.threads}", a.threads, "threads", 0),
+                       (f"processes_{procs}", procs, "processes", 0)]
+        if hasattr(task, "score_batch"):
+            competitors.append((f"threads_{a.threads}_batched_{a.arrival}", a.threads, "threads", a.arrival))
+        for c, (name, workers, pool, arrival) in enumerate(competitors, start=1):
             items, warm = batch(kind, n, offset=2 * c * n), batch(kind, workers, offset=(2 * c + 1) * n)
-            scores, took, start_s = pooled(task, items, warm, workers, pool)
+            scores, took, start_s = pooled(task, items, warm, workers, pool, arrival)
             assert scores == [1.0] * n, f"{name} scored {kind} as {scores}"  # the same rewards, whatever the pool
             rates[name] = n / took
             print(json_line({"bench": "reward_pool", "reward": kind, "competitor": name,

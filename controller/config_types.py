@@ -59,7 +59,9 @@ VERL_NOTES = {
     "logger": "every run logs to TensorBoard (<logdir>/tb) and <logdir>/iterations.jsonl",
     "reward_model": "no model-based reward model; rewards come from task.kwargs.verifier (a rule, or a function "
                     "of yours, which may call a reward model itself); verl's reward_manager prime (a process pool "
-                    "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s",
+                    "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s; reward_manager "
+                    "batch is a verifier with verl's batch names (compute_score(data_sources, solution_strs, "
+                    "ground_truths, extra_infos))",
     "lora_rank": "no LoRA: the trainer updates every parameter", "lora_alpha": "no LoRA: the trainer updates "
                                                                                "every parameter",
     "ulysses_sequence_parallel_size": "no sequence parallelism: each sample is on one trainer rank",

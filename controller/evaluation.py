@@ -121,10 +121,11 @@ def evaluate(program, n: int) -> EvalResult:
     best: list[float] = []
     unscored, whys = 0, {}
     pool = eval_rewards(program)
-    pending = [[pool.submit(it, texts.get(-1 - (j * k + s), ""), f"eval prompt {j}") for s in range(k)]
-               for j, it in enumerate(items)]  # every score in flight at once (trainer.reward_workers)
+    # every score in flight at once (trainer.reward_workers; one score_batch call where the task has one)
+    flat = pool.submit_many([(it, texts.get(-1 - (j * k + s), ""), f"eval prompt {j}")
+                             for j, it in enumerate(items) for s in range(k)])
     for j, it in enumerate(items):
-        scores = [_score(pool.result(p), j, whys) for p in pending[j]]
+        scores = [_score(pool.result(p), j, whys) for p in flat[j * k:(j + 1) * k]]
         ok = [x for x in scores if math.isfinite(x)]
         unscored += k - len(ok)
         per.setdefault(it.task, []).extend(ok)

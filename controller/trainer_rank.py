@@ -57,6 +57,7 @@ class _Iteration:
     duplicates: int = 0
     staleness_max: int = 0
     generated: bool = False  # the controller called step(): generation of the iteration has ended
+    scores: dict = field(default_factory=dict)  # sample_id -> its score, in flight since it arrived
 
     @property
     def expected(self) -> int:
@@ -209,6 +210,7 @@ class TrainerRank:
     def receive(self, samples: list[Sample]) -> int:
         """The sample stream (called by generation instances). Returns how many were new."""
         new = 0
+        arrived: dict[int, list[Sample]] = {}
         with self._cond:
             for s in samples:
                 it = self._owner.get(s.sample_id)
@@ -222,7 +224,15 @@ class TrainerRank:
                 rec.by_instance[s.instance] = rec.by_instance.get(s.instance, 0) + 1
                 rec.pending.append(s)
                 rec.pending_tokens += _tokens(s)
+                arrived.setdefault(it, []).append(s)
                 new += 1
+            # each reward in flight as its sample arrives (trainer.reward_workers at once): it
+            # runs while earlier samples train and generation goes on, not when the consumer
+            # reaches the sample (a streamed iteration's many small hand-overs each waited out
+            # their rewards in turn)
+            for it, group in arrived.items():
+                rec = self._iters[it]
+                rec.scores.update(self.worker.score_ahead(group, rec.prompts, it))
             self._cond.notify_all()
         return new
 
@@ -316,8 +326,10 @@ class TrainerRank:
                                    f"weight version {s.weight_version}, trainer is at {version}: staleness "
                                    f"{stale} outside [0, {rec.max_staleness}]")
             rec.staleness_max = max(rec.staleness_max, stale)
+        with self._cond:
+            scores = {s.sample_id: rec.scores.pop(s.sample_id) for s in batch if s.sample_id in rec.scores}
         with self.spans.span("train", rec.iteration):
-            self.worker.receive(batch)
+            self.worker.receive(batch, scores)
         with self._cond:
             rec.consumed += len(batch)
             if rec.consumed == rec.expected:

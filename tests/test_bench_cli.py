@@ -89,6 +89,7 @@ def test_bad_argument_is_refused_before_any_work(refused_runs, script, argv, sai
     ("trainer_throughput", ["--threads", "-1"], "argument --threads: must be an integer >= 1, got '-1'"),
     ("cpu_gemm", ["--threads", "two"], "argument --threads: must be an integer >= 1, got 'two'"),
     ("reward_pool", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    ("reward_pool", ["--arrival", "x"], "argument --arrival: must be an integer >= 1, got 'x'"),
 ])
 def test_bad_values_name_the_flag(script, argv, said, monkeypatch, capsys):
     bench = load_bench(script, monkeypatch)

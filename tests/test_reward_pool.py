@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from runtime_helpers import tiny_model  # noqa: F401  (session-wide tiny model folder)
 from workers.tasks.reward_pool import RewardPool
 from workers.trainer.config import TrainerConfig
 from workers.types import TaskPrompt
@@ -49,6 +50,23 @@ class Meet(Rule):
     def score(self, prompt, completion):
         self.barrier.wait()  # BrokenBarrierError (a failed score) unless `parties` calls are in flight
         return 1.0
+
+
+class Many(Rule):
+    """A batch reward (a reward model, verl's batch manager): ``score_batch`` takes many samples;
+    ``parties`` calls must be in flight at once to pass its barrier; "hang" in a batch hangs it."""
+
+    def __init__(self, parties: int = 1):
+        self.barrier = threading.Barrier(parties, timeout=30) if parties > 1 else None  # (locks do not pickle)
+        self.sizes = []
+
+    def score_batch(self, prompts, completions):
+        self.sizes.append(len(completions))
+        if "hang" in completions:
+            FOREVER.wait()
+        if self.barrier is not None:
+            self.barrier.wait()
+        return [float(c == p.answer) if c != "pid" else float(os.getpid()) for p, c in zip(prompts, completions)]
 
 
 def _all(pool, completions):
@@ -136,3 +154,122 @@ def test_run_config_range_of_reward_workers(tmp_path):
     p.write_text("trainer:\n  reward_workers: 8\n  reward_pool: processes\n  reward_timeout_s: 30\n")
     t = load_config(p).trainer
     assert (t.reward_workers, t.reward_pool, t.reward_timeout_s) == (8, "processes", 30)
+
+
+def _many(pool, completions):
+    return pool.submit_many([(P, c, f"sample {i}") for i, c in enumerate(completions)])
+
+
+def test_a_batch_reward_gets_each_submit_many_in_one_call_and_calls_run_at_once():
+    task = Many(parties=2)
+    pool = RewardPool(task, workers=2)
+    first, second = _many(pool, ["5", "4", "5"]), _many(pool, ["5", "1"])  # two calls meet at the barrier
+    assert [pool.result(p).score for p in first + second] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert sorted(task.sizes) == [2, 3]
+    assert [pool.result(p).why for p in _many(pool, [])] == []
+    pool.close()
+
+
+def test_a_batch_past_its_deadline_costs_its_samples_only():
+    task = Many()
+    pool = RewardPool(task, workers=1, timeout_s=0.3)
+    hung, fine = _many(pool, ["5", "hang"]), _many(pool, ["5", "4"])
+    out = [pool.result(p) for p in hung]
+    assert all(math.isnan(s.score) and "ran past trainer.reward_timeout_s (0.3 s)" in s.why for s in out)
+    assert [s.seconds for s in out] == [0.15, 0.15]  # the call's time, shared by its samples
+    assert [pool.result(p).score for p in fine] == [1.0, 0.0]  # a fresh thread took over
+    pool.close()
+
+
+def test_a_batch_reward_in_processes_runs_there_in_one_call():
+    pool = RewardPool(Many(), workers=1, pool="processes")
+    try:
+        out = [pool.result(p) for p in _many(pool, ["pid", "5", "4"])]
+        assert out[0].score != float(os.getpid()) and [s.score for s in out[1:]] == [1.0, 0.0]
+        assert len({s.seconds for s in out}) == 1  # one call, its time shared
+    finally:
+        pool.close()
+
+
+GATE_TASK = '''
+import threading
+
+from workers.tasks.registry import make_task
+
+
+class Gate:
+    """Scores 1.0 once the test opens the gate; says which completions it was handed."""
+
+    def __init__(self, **kwargs):
+        self.base, self.entered, self.open = make_task("synthetic", **kwargs), [], threading.Event()
+
+    def prompts(self, split):
+        return self.base.prompts(split)
+
+    def score(self, prompt, completion):
+        self.entered.append(completion)
+        assert self.open.wait(60)
+        return 1.0
+'''
+
+
+def test_the_trainer_rank_scores_each_sample_as_it_arrives(tiny_model, tmp_path):  # noqa: F811
+    # the rewards of a streamed iteration used to start only when the consumer reached the
+    # samples, each small hand-over waiting out its own rewards; now each is in flight from the
+    # receive RPC on. `batch` mode holds every sample until step(): the scores run before it
+    import time
+
+    from controller.trainer_rank import TrainerRank
+    from runtime_helpers import TASK
+    from workers.trainer.rollout import rollout
+
+    (tmp_path / "gate.py").write_text(GATE_TASK)
+    cfg = TrainerConfig(algorithm="grpo", reward_workers=4)
+    rank = TrainerRank(0, [0], cfg, tiny_model, f"{tmp_path}/gate.py:Gate", TASK)
+    try:
+        task = rank.worker.task
+        samples, prompts, groups = rollout(rank.worker.actor, rank.worker.tokenizer, task.prompts("train")[:4], 2, 6)
+        rank.begin_iteration(0, prompts, groups, "batch", 0)
+        assert rank.receive(samples) == 8
+        for _ in range(600):  # four rewards in flight (the pool's four threads) before any train call
+            if len(task.entered) == 4:
+                break
+            time.sleep(0.05)
+        assert len(task.entered) == 4 and rank.worker.stats.sums["num_samples"] == 0.0
+        task.open.set()
+        report = rank.step(0)
+        assert report.num_samples == 8 and report.metrics["reward_mean"] == 1.0
+        assert len(task.entered) == 8  # each sample scored once: receive used the scores in flight
+    finally:
+        task.open.set()
+        rank.close()
+
+
+BATCH_TASK = GATE_TASK + '''
+
+class Batched(Gate):
+    def score_batch(self, prompts, completions):
+        self.entered.append(len(completions))
+        return [1.0] * len(completions)
+'''
+
+
+def test_a_batch_reward_is_handed_each_arrival_at_once(tiny_model, tmp_path):  # noqa: F811
+    # a task with score_batch gets the samples of each receive RPC in one call (verl's batch manager
+    # scored the whole batch; here each arrival is scored as it comes)
+    from controller.trainer_rank import TrainerRank
+    from runtime_helpers import TASK
+    from workers.trainer.rollout import rollout
+
+    (tmp_path / "batched.py").write_text(BATCH_TASK)
+    rank = TrainerRank(0, [0], TrainerConfig(algorithm="grpo"), tiny_model, f"{tmp_path}/batched.py:Batched", TASK)
+    try:
+        task = rank.worker.task
+        samples, prompts, groups = rollout(rank.worker.actor, rank.worker.tokenizer, task.prompts("train")[:4], 2, 6)
+        rank.begin_iteration(0, prompts, groups, "stream", 0)
+        assert rank.receive(samples[:6]) + rank.receive(samples[6:]) == 8
+        report = rank.step(0)
+        assert report.num_samples == 8 and report.metrics["reward_mean"] == 1.0
+        assert task.entered == [6, 2]
+    finally:
+        rank.close()

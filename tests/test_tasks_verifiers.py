@@ -3,6 +3,7 @@ answer a completion gives, how it is compared with the reference, and the option
 (``task.kwargs.verifier_kwargs``) each takes."""
 import asyncio
 import json
+import math
 
 import pytest
 
@@ -268,3 +269,51 @@ def test_a_score_running_long_is_said_once(monkeypatch):
     assert w.overdue(now + 120) == []  # said once
     w.leave(key)
     assert w.running == {}
+
+
+BATCH_REWARDS = '''
+CALLS = []
+
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):
+    CALLS.append(len(solution_strs))
+    return [{"score": scale * (s == g), "source": d} if e.get("dict") else scale * (s == g)
+            for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+
+def no_completion(data_sources, ground_truths):
+    return [0.0] * len(ground_truths)
+
+def wrong_length(solution_strs):
+    return [1.0]
+
+def one_bad(solution_strs):
+    return [1.0 if s != "bad" else "n/a" for s in solution_strs]
+'''
+
+
+def test_verls_batch_compute_score_scores_many_samples_in_one_call(tmp_path):
+    # verl's `reward_manager: batch`: compute_score(data_sources, solution_strs, ground_truths,
+    # extra_infos) -> one score (or {"score": ...}) per sample; it was refused (a verifier is fn(prompt, completion))
+    from workers.tasks.scoring import safe_score_batch
+
+    rows = [{"prompt": f"q{i}", "answer": str(i), "data_source": "src", "extra_info": {"dict": i % 2 == 0}}
+            for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    f = tmp_path / "batch.py"
+    f.write_text(BATCH_REWARDS)
+    t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score", verifier_kwargs={"scale": 2.0})
+    qs = t.prompts("train")
+    assert safe_score_batch(t, qs, ["0", "x", "2", "3"]) == [(2.0, ""), (0.0, ""), (2.0, ""), (2.0, "")]
+    assert t.score(qs[1], "1") == 2.0  # one sample: a batch of one
+    calls = __import__("sys").modules[t.verify.fn.__module__].CALLS
+    assert calls == [4, 1]
+    for fn, why in (("wrong_length", "returned 1 scores for 2 samples"),):
+        bad = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
+        assert [w for _, w in safe_score_batch(bad, qs[:2], ["0", "1"])] == [f"the task's score_batch {why}"] * 2
+    bad = make_task("jsonl", files=str(data), verifier=f"{f}:one_bad")
+    out = safe_score_batch(bad, qs[:3], ["a", "bad", "c"])
+    assert out[0] == (1.0, "") and out[2] == (1.0, "") and math.isnan(out[1][0])
+    assert out[1][1] == "the task's score_batch: the reward returned str 'n/a', not a number"
+    with pytest.raises(ValueError, match=r"the completion's, solution_strs, is not among them; name the completion "
+                                         r"parameter solution_strs \(verl's compute_score\(data_sources, "):
+        make_task("jsonl", files=str(data), verifier=f"{f}:no_completion")

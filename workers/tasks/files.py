@@ -126,6 +126,8 @@ class FileTask:
         if not isinstance(verifier_kwargs or {}, dict) or not all(isinstance(k, str) for k in verifier_kwargs or {}):
             raise ValueError(f"task.kwargs.verifier_kwargs: a mapping of keyword -> value, got {verifier_kwargs!r}")
         self.verify = make_verifier(verifier, verifier_kwargs)
+        if callable(getattr(self.verify, "batch", None)):  # verl's batch compute_score: many samples a call
+            self.score_batch = self._score_batch
         self.text_answers = is_builtin(verifier)
         for key, value, what in (("prompt_key", prompt_key, "a row's field, dotted for a nested one"),
                                  ("answer_key", answer_key, "a row's field, dotted for a nested one"),
@@ -148,3 +150,6 @@ class FileTask:
 
     def score(self, prompt: TaskPrompt, completion: str) -> float:
         return self.verify(prompt, completion)
+
+    def _score_batch(self, prompts: list[TaskPrompt], completions: list[str]):
+        return self.verify.batch(prompts, completions)

@@ -12,6 +12,10 @@
   with ``signal.alarm`` (they run in a process's main thread there). A score past its deadline
   has its process killed and replaced.
 
+A task with ``score_batch(prompts, completions)`` (a reward model, a judge that takes many
+samples per request; verl's ``batch`` reward manager) is handed each ``submit_many`` call's
+samples in one call; a pool of ``workers`` then has that many such calls in flight.
+
 A pool never raises for a sample: every failure (the score raised, gave no finite number, ran
 past the deadline, killed its process) is ``Scored(nan, why)``, and the trainer skips the sample
 (``on_bad_sample``).
@@ -28,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
 
-from workers.tasks.scoring import safe_score
+from workers.tasks.scoring import safe_score, safe_score_batch, score_batch_of
 from workers.types import Task, TaskPrompt
 
 REWARD_POOLS = ("threads", "processes")
@@ -50,17 +54,27 @@ def timed_score(task: Task, prompt: TaskPrompt, completion: str, what: str) -> S
     return Scored(score, why, time.perf_counter() - t0)
 
 
+def timed_batch(task: Task, items: list[tuple[TaskPrompt, str, str]]) -> list[Scored]:
+    """One ``score_batch`` call for ``items`` ((prompt, completion, what) each); each sample is
+    charged an equal share of the call's seconds."""
+    t0 = time.perf_counter()
+    what = items[0][2] + (f" and {len(items) - 1} more" if len(items) > 1 else "")
+    out = safe_score_batch(task, [p for p, _, _ in items], [c for _, c, _ in items], what)
+    share = (time.perf_counter() - t0) / len(items)
+    return [Scored(score, why, share) for score, why in out]
+
+
 def _late(timeout_s: float, how: str) -> Scored:
     return Scored(math.nan, f"the task's score ran past trainer.reward_timeout_s ({timeout_s:g} s); {how}",
                   timeout_s)
 
 
 class _Job:
-    __slots__ = ("future", "args", "started", "thread_done", "abandoned")
+    __slots__ = ("future", "fn", "args", "started", "thread_done", "abandoned")
 
-    def __init__(self, args: tuple):
+    def __init__(self, fn: Callable, args: tuple):
         self.future: Future = Future()
-        self.args = args
+        self.fn, self.args = fn, args  # fn(task, *args): timed_score, or timed_batch
         self.started: float | None = None  # monotonic time a thread took it
         self.thread_done = False  # its thread finished it (a late result is dropped)
         self.abandoned = False  # past its deadline: its thread leaves once it returns
@@ -88,7 +102,7 @@ class _Threads:
             with self.lock:
                 job.started = time.monotonic()
                 self.running.add(job)
-            scored = timed_score(self.task, *job.args)
+            scored = job.fn(self.task, *job.args)
             with self.lock:
                 self.running.discard(job)
                 job.thread_done = True
@@ -99,11 +113,16 @@ class _Threads:
                     return
 
     def submit(self, args: tuple) -> _Job:
-        job = _Job(args)
+        job = _Job(timed_score, args)
         self.jobs.put(job)
         return job
 
-    def result(self, job: _Job) -> Scored:
+    def submit_batch(self, items: list[tuple]) -> _Job:
+        job = _Job(timed_batch, (items,))
+        self.jobs.put(job)
+        return job
+
+    def result(self, job: _Job) -> Scored | list[Scored]:
         if self.timeout_s is None:
             return job.future.result()
         while True:
@@ -165,6 +184,12 @@ def _child_score(prompt: TaskPrompt, completion: str, what: str) -> Scored:
     return timed_score(_CHILD["task"], prompt, completion, what)
 
 
+def _child_score_batch(items: list[tuple[TaskPrompt, str, str]]) -> list[Scored]:
+    if "error" in _CHILD:
+        return [Scored(math.nan, _CHILD["error"], 0.0)] * len(items)
+    return timed_batch(_CHILD["task"], items)
+
+
 class _Processes:
     def __init__(self, build_task: Callable[[], Task], workers: int, timeout_s: float | None):
         from pebble import ProcessPool
@@ -177,7 +202,10 @@ class _Processes:
     def submit(self, args: tuple) -> Future:
         return self.pool.schedule(_child_score, args=args, timeout=self.timeout_s)
 
-    def result(self, future: Future) -> Scored:
+    def submit_batch(self, items: list[tuple]) -> Future:
+        return self.pool.schedule(_child_score_batch, args=(items,), timeout=self.timeout_s)
+
+    def result(self, future: Future) -> Scored | list[Scored]:
         from pebble import ProcessExpired
 
         try:
@@ -196,9 +224,10 @@ class _Processes:
 
 
 class RewardPool:
-    """``submit`` each sample's score, then ``result`` each (in any order). ``build_task``
-    (``processes`` only) builds the task in each process; by default the task itself is
-    pickled there (the built-in tasks pickle; a task loaded from a ``file.py`` does not)."""
+    """``submit`` each sample's score (or ``submit_many`` several), then ``result`` each (in any
+    order). ``build_task`` (``processes`` only) builds the task in each process; by default the
+    task itself is pickled there (the built-in tasks pickle; a task loaded from a ``file.py``
+    does not)."""
 
     def __init__(self, task: Task, workers: int = 1, pool: str = "threads", timeout_s: float | None = None,
                  build_task: Callable[[], Task] | None = None):
@@ -208,15 +237,38 @@ class RewardPool:
             self._impl = _Processes(build_task or _Given(task), workers, timeout_s)
         else:
             self._impl = _Threads(task, workers, timeout_s)
+        self.batched = score_batch_of(task) is not None
 
     def submit(self, prompt: TaskPrompt, completion: str, what: str):
         return self._impl.submit((prompt, completion, what))
 
+    def submit_many(self, items: list[tuple[TaskPrompt, str, str]]) -> list:
+        """(prompt, completion, what) each -> what ``result`` takes, in order: one
+        ``score_batch`` call for them all when the task has one, else one call each."""
+        if not self.batched or not items:
+            return [self._impl.submit(item) for item in items]
+        pending = self._impl.submit_batch(list(items))
+        return [_Part(pending, i, len(items)) for i in range(len(items))]
+
     def result(self, pending) -> Scored:
-        return self._impl.result(pending)
+        if not isinstance(pending, _Part):
+            return self._impl.result(pending)
+        out = self._impl.result(pending.pending)
+        if isinstance(out, list):
+            return out[pending.index]
+        return Scored(out.score, out.why, out.seconds / pending.size)  # the call failed whole (late, died)
 
     def close(self) -> None:
         self._impl.close()
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Sample ``index`` of a ``score_batch`` call of ``size`` samples in flight as ``pending``."""
+
+    pending: object
+    index: int
+    size: int
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A task's reward where a bug in it must cost one sample, not the run (trainer and eval)."""
+"""A task's reward where a bug in it must cost one sample, not the run (trainer and eval):
+``safe_score`` one sample, ``safe_score_batch`` many in one call of the task's ``score_batch``."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,8 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from typing import Sequence
 
 from workers.types import Task, TaskPrompt
 
@@ -133,3 +136,41 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a s
     if not math.isfinite(score):
         return float("nan"), f"the task's score is {score}"
     return score, ""
+
+
+def score_batch_of(task: Task):
+    """The task's ``score_batch(prompts, completions) -> sequence of scores``, or None when it
+    has none (it is scored one sample per call). A reward model or a judge that takes many
+    samples per request defines it (verl's ``batch`` reward manager)."""
+    fn = getattr(task, "score_batch", None)
+    return fn if callable(fn) else None
+
+
+def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Sequence[str],
+                     what: str = "a batch") -> list[tuple[float, str]]:
+    """``safe_score`` of each sample, from one ``score_batch`` call: it raising, or not giving
+    one result per sample, costs every sample of the call; a result that is no finite number
+    (``as_score``'s rule) costs its own sample."""
+    n = len(prompts)
+    key = WATCH.enter(what)
+    try:
+        out = resolve(score_batch_of(task)(list(prompts), list(completions)))
+        if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+            return [(math.nan, f"the task's score_batch returned {type(out).__name__} {out!r:.60}, not a "
+                               "list of scores")] * n
+        out = list(out)
+        if len(out) != n:
+            return [(math.nan, f"the task's score_batch returned {len(out)} scores for {n} samples")] * n
+        scored = []
+        for x in out:
+            try:
+                score = as_score(x)
+            except Exception as e:  # noqa: BLE001 - the user's value: this sample only
+                scored.append((math.nan, f"the task's score_batch: {e}"))
+                continue
+            scored.append((score, "") if math.isfinite(score) else (math.nan, f"the task's score is {score}"))
+        return scored
+    except Exception as e:  # noqa: BLE001 - a user's reward: anything can happen
+        return [(math.nan, f"the task's score_batch raised {e!r}")] * n
+    finally:
+        WATCH.leave(key)

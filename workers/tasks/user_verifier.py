@@ -1,6 +1,6 @@
 """The user's reward function (``task.kwargs.verifier: file.py:fn``) as a verifier.
 
-Two signatures, told apart by parameter names and checked when the task is built (a mismatch
+Three signatures, told apart by parameter names and checked when the task is built (a mismatch
 used to raise on every sample, so every sample was skipped, silently; a function with some of
 verl's names but not ``solution_str`` is refused: called as ``fn(prompt, completion)`` its
 ``ground_truth`` would get the completion):
@@ -9,7 +9,11 @@ verl's names but not ``solution_str`` is refused: called as ``fn(prompt, complet
 * verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, any subset
   of those names (verl's own gsm8k / math scorers lack ``data_source``); ``data_source`` and
   ``extra_info`` are the row's fields of those names, ``ground_truth`` the answer as the data
-  gives it (``prompt.raw_answer``).
+  gives it (``prompt.raw_answer``);
+* verl's batch reward manager's ``compute_score(data_sources, solution_strs, ground_truths,
+  extra_infos)`` (the plural names, any subset with ``solution_strs``): lists in, one score per
+  sample out. The verifier then has ``batch(prompts, completions)``, and its task a
+  ``score_batch``: the reward pool hands it many samples per call (``reward_pool.py``).
 
 ``options`` (``task.kwargs.verifier_kwargs``, verl's ``custom_reward_function.reward_kwargs``)
 are passed to every call as keyword arguments; each must be a parameter of the function (or it
@@ -22,10 +26,11 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from workers.tasks.scoring import as_score
+from workers.tasks.scoring import as_score, resolve
 from workers.types import TaskPrompt
 
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+VERL_BATCH_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 STREAMRL_ARGS = ("prompt", "completion")
 
 
@@ -35,28 +40,26 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
     except (TypeError, ValueError):  # a builtin or C function: trust it
         return lambda prompt, completion: as_score(fn(prompt, completion, **options))
     params = sig.parameters
+    if "solution_strs" in params:  # verl's batch reward manager's names
+        return BatchVerifier(fn, _verl_wanted(sig, options, spec, VERL_BATCH_ARGS), options)
     if "solution_str" in params:  # verl's names
-        _check_options(sig, options, spec, VERL_ARGS)
-        required = [n for n, p in params.items() if p.default is p.empty and n not in options
-                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in VERL_ARGS]
-        if required:
-            raise ValueError(f"task.kwargs.verifier: {spec!r} needs {required}, which a verl-style scorer is not "
-                             f"given (it gets {list(VERL_ARGS)}; others can be set in task.kwargs.verifier_kwargs)")
-        wanted = [n for n in VERL_ARGS if n in params]
+        wanted = _verl_wanted(sig, options, spec, VERL_ARGS)
 
         def verl_style(prompt: TaskPrompt, completion: str) -> float:
-            values = {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
-                      "ground_truth": prompt.answer if prompt.raw_answer is None else prompt.raw_answer,
-                      "extra_info": prompt.meta.get("extra_info")}
+            values = _verl_values(prompt, completion)
             return as_score(fn(**{n: values[n] for n in wanted}, **options))
         return verl_style
-    verl_named = [n for n in VERL_ARGS if n in params]
+    verl_named = [n for n in VERL_ARGS + VERL_BATCH_ARGS if n in params]
     if verl_named:  # verl's names without solution_str (e.g. prime_math's (model_output, ground_truth)):
         # called as fn(prompt, completion), its ground_truth would get the completion, silently
+        batch = any(n in VERL_BATCH_ARGS for n in verl_named)
+        one = "solution_strs" if batch else "solution_str"
+        sig_text = ("compute_score(data_sources, solution_strs, ground_truths, extra_infos), any subset, for a "
+                    "batch" if batch else "compute_score(data_source, solution_str, ground_truth, extra_info=None), "
+                    "any subset")
         raise ValueError(f"task.kwargs.verifier: {spec!r} takes ({', '.join(params)}): {verl_named} are verl's "
-                         "names, but the completion's, solution_str, is not among them; name the completion "
-                         "parameter solution_str (verl's compute_score(data_source, solution_str, ground_truth, "
-                         "extra_info=None), any subset), or write fn(prompt, completion)")
+                         f"names, but the completion's, {one}, is not among them; name the completion "
+                         f"parameter {one} (verl's {sig_text}), or write fn(prompt, completion)")
     positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     _check_options(sig, options, spec, tuple(positional))
     try:
@@ -66,6 +69,43 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
                          "fn(prompt, completion) -> float, or verl's compute_score(data_source, solution_str, "
                          "ground_truth, extra_info=None)") from None
     return lambda prompt, completion: as_score(fn(prompt, completion, **options))
+
+
+def _verl_wanted(sig: inspect.Signature, options: dict, spec: str, names: tuple[str, ...]) -> list[str]:
+    """Which of verl's ``names`` the function takes; a ValueError when it needs others."""
+    params = sig.parameters
+    _check_options(sig, options, spec, names)
+    required = [n for n, p in params.items() if p.default is p.empty and n not in options
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names]
+    if required:
+        raise ValueError(f"task.kwargs.verifier: {spec!r} needs {required}, which a verl-style scorer is not "
+                         f"given (it gets {list(names)}; others can be set in task.kwargs.verifier_kwargs)")
+    return [n for n in names if n in params]
+
+
+def _verl_values(prompt: TaskPrompt, completion: str) -> dict:
+    return {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
+            "ground_truth": prompt.answer if prompt.raw_answer is None else prompt.raw_answer,
+            "extra_info": prompt.meta.get("extra_info")}
+
+
+class BatchVerifier:
+    """verl's batch ``compute_score(data_sources, solution_strs, ground_truths, extra_infos)``:
+    ``batch`` calls it once for many samples (its results are checked per sample by the caller,
+    ``scoring.safe_score_batch``); called for one sample, it is a batch of one."""
+
+    def __init__(self, fn: Callable, wanted: list[str], options: dict):
+        self.fn, self.wanted, self.options = fn, wanted, options
+
+    def batch(self, prompts: list[TaskPrompt], completions: list[str]):
+        rows = [_verl_values(p, c) for p, c in zip(prompts, completions)]
+        return self.fn(**{n: [r[n[:-1]] for r in rows] for n in self.wanted}, **self.options)
+
+    def __call__(self, prompt: TaskPrompt, completion: str) -> float:
+        out = list(resolve(self.batch([prompt], [completion])))
+        if len(out) != 1:
+            raise ValueError(f"the batch reward returned {len(out)} scores for 1 sample")
+        return as_score(out[0])
 
 
 def _check_options(sig: inspect.Signature, options: dict, spec: str, given: tuple[str, ...]) -> None:

@@ -29,11 +29,17 @@ if TYPE_CHECKING:
     from workers.types import Sample
 
 
-def submit_scores(w: "TrainerWorker", samples: list["Sample"]) -> dict:
-    """Sample id -> the task's score of it, in flight on ``w.rewards`` (the trainer's reward pool)."""
-    return {s.sample_id: w.rewards.submit(w._prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
-                                          f"sample {s.sample_id} (trainer rank {w.rank}, iteration {w.iteration})")
-            for s in samples}
+def submit_scores(w: "TrainerWorker", samples: list["Sample"], prompts: dict | None = None,
+                  iteration: int | None = None) -> dict:
+    """Sample id -> the task's score of it, in flight on ``w.rewards`` (the trainer's reward pool).
+    ``prompts`` / ``iteration``: those of the samples' iteration (default: the worker's current one;
+    the trainer rank scores samples as they arrive, an async mode's next iteration too)."""
+    prompts = w._prompts if prompts is None else prompts
+    it = w.iteration if iteration is None else iteration
+    pending = w.rewards.submit_many([(prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
+                                      f"sample {s.sample_id} (trainer rank {w.rank}, iteration {it})")
+                                     for s in samples])
+    return {s.sample_id: p for s, p in zip(samples, pending)}
 
 
 @torch.no_grad()

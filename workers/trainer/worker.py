@@ -145,15 +145,27 @@ class TrainerWorker:
         self.buffer.clear()
         self.stats.reset()
 
+    def score_ahead(self, samples: Sequence[Sample], prompts: dict[int, TaskPrompt], iteration: int) -> dict:
+        """Put the task's score of each of ``samples`` (of ``iteration``, whose prompts are
+        ``prompts``) in flight now, without the worker's lock: the trainer rank calls it as samples
+        arrive, so rewards run while earlier samples train and generation goes on. Hand the result
+        to ``receive(..., scores=)``."""
+        # staleness is judged when it trains (the sample's own version here); a sample bad
+        # otherwise is refused by receive, unscored
+        good = [s for s in samples if bad_sample_reason(s, s.weight_version, self.cfg, self.actor.config) is None]
+        return submit_scores(self, good, prompts, iteration)
+
     @_locked
-    def receive(self, samples: Sequence[Sample]) -> None:
+    def receive(self, samples: Sequence[Sample], scores: dict | None = None) -> None:
+        """``scores``: ``score_ahead`` of (some of) these samples; the rest are scored here."""
         for s in samples:  # caller bugs raise before any sample of this call is consumed
             check_caller(s, self._prompts, self._group_sizes, self._version, self.cfg, self.iteration)
         if self.cfg.grouped:
             check_group_counts(samples, self._seen, self._group_seen, self._group_sizes, self.iteration)
         accepted = [s for s in samples if self._accept(s)]
         # every score in flight first: the rewards run beside the forwards below
-        scores = submit_scores(self, accepted)
+        scores = dict(scores or {})
+        scores.update(submit_scores(self, [s for s in accepted if s.sample_id not in scores]))
         # by prompt + output tokens, so receive-time forwards stay bounded
         for chunk in microbatches(accepted, self.cfg.max_tokens_per_microbatch,
                                   lambda s: s.prompt_ids.numel() + s.output_ids.numel()):
