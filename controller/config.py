@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from controller import trackers
 from controller.config_checks import validate
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.config_yaml import read_config_file
@@ -184,9 +185,18 @@ class LoggingSection:
     logdir: str = "runs/quickstart"
     timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations
     progress: bool = True
+    # trackers beside TensorBoard (verl's trainer.logger): controller/trackers.py
+    trackers: tuple[Literal["tensorboard", "console", "wandb"], ...] = ()
+    project: str = "streamrl"  # verl's trainer.project_name
+    experiment: str = ""  # verl's trainer.experiment_name; "": the run folder's name
 
     def __post_init__(self):
         _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
+        why = trackers.missing(self.trackers)
+        if why:
+            raise ConfigError(f"logging.trackers: {why}")
+        if "wandb" in self.trackers and not self.project.strip():
+            raise ConfigError("logging.project: empty; wandb needs a project name (default: streamrl)")
 
 
 def _path_key(section, name: str, key: str, required: str = "") -> None:

@@ -27,6 +27,8 @@ VERL_KEYS = {
     "loss_agg_mode": "trainer.loss_agg (" + ", ".join(f"{v}: {o}" for v, o in VERL_LOSS_AGGS.items()) + ")",
     "clip_ratio": "trainer.clip_low and trainer.clip_high", "clip_ratio_c": "trainer.dual_clip",
     "n": "train.group_size", "default_local_dir": "logging.logdir",
+    "logger": "logging.trackers ([wandb]; TensorBoard and the console are always on)",
+    "project_name": "logging.project", "experiment_name": "logging.experiment",
     "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
     "val_kwargs": "train.eval_samples and train.eval_temperature",
     "tis_imp_ratio_cap": "trainer.tis_cap (0: off, where verl says -1)",
@@ -56,7 +58,6 @@ VERL_NOTES = {
                     "LR schedule's length, not the run's)",
     "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
     "val_before_train": "the first evaluation comes after train.eval_every iterations",
-    "logger": "every run logs to TensorBoard (<logdir>/tb) and <logdir>/iterations.jsonl",
     "reward_model": "no model-based reward model; rewards come from task.kwargs.verifier (a rule, or a function "
                     "of yours, which may call a reward model itself); verl's reward_manager prime (a process pool "
                     "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s; reward_manager "

@@ -20,6 +20,7 @@ from torch.utils.tensorboard import SummaryWriter  # at set-up: imported at the 
 
 from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fractions, gantt_figure, iteration_windows,
                                  merge_intervals, pyplot, write_chrome_trace)
+from controller.trackers import Fanout
 from workers.atomic import atomic_file, write_text
 
 SPANS = "spans.jsonl"  # every span of every attempt, one JSON object a line, appended per iteration
@@ -44,8 +45,10 @@ class Metrics:
     appears twice. The writer is opened at that first write, when N is known. The spans of
     earlier attempts (``spans.jsonl``) stay in the trace, as processes of their own."""
 
-    def __init__(self, logdir: str | Path, timeline_every: int = 5):
+    def __init__(self, logdir: str | Path, timeline_every: int = 5, trackers: list | None = None):
+        """``trackers``: ``controller.trackers`` (wandb) that get every scalar TensorBoard gets."""
         self.logdir = Path(logdir)
+        self.trackers = Fanout(trackers or [])
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = None
         self.timeline_every = timeline_every
@@ -106,8 +109,7 @@ class Metrics:
         it_spans = self._batch_spans.get(step, [])
         for i in [i for i in self._batch_spans if i <= step]:
             del self._batch_spans[i]
-        for k, v in res.metrics.items():
-            w.add_scalar(f"train/{k}", float(v), step)
+        scalars = {f"train/{k}": float(v) for k, v in res.metrics.items()}
         reward = float(res.metrics.get("reward_mean", 0.0))
         self.rewards.append(reward)
         self.samples += res.num_samples
@@ -146,8 +148,10 @@ class Metrics:
         if window is not None:
             for device, frac in bubble_fractions(recent, window, per_device=True).items():
                 derived[f"idle/{device}"] = frac
-        for k, v in derived.items():
+        scalars.update(derived)
+        for k, v in scalars.items():
             w.add_scalar(k, v, step)
+        self.trackers.log(scalars, step)
         row = {k: v for k, v in vars(res).items() if k != "out_lens"}
         _append_line(self.logdir / "iterations.jsonl", json.dumps({**row, **derived}))
         if self.timeline_every and (step + 1) % self.timeline_every == 0:
@@ -159,6 +163,7 @@ class Metrics:
         w = self._open(step)
         for k, v in scalars.items():
             w.add_scalar(k, float(v), step)
+        self.trackers.log({k: float(v) for k, v in scalars.items()}, step)
         w.flush()
 
     def log_eval(self, ev, step: int, repl: bool = False) -> dict:
@@ -264,6 +269,7 @@ class Metrics:
                 print(f"[controller] timeline files not written: {e!r}", file=sys.stderr, flush=True)
         if self._writer is not None:
             self._writer.close()
+        self.trackers.close()
 
 
 def _load_spans(path: Path) -> list[Span]:

@@ -26,10 +26,11 @@ from controller.joiners import admit, announced, dismiss_joiner, pending, still_
 from controller.metrics import Metrics
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
-from controller.run_record import save_run_config
+from controller.run_record import plain, save_run_config
 from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, request_exit, worker_name
 from controller.sgs import NoInstancesLeft
 from controller.stops import RunStopped
+from controller.trackers import make_trackers
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.ranker_setup import run_ranker, saved_ranker
@@ -98,7 +99,9 @@ class Session:
         self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.task = self._fitting_task(self.task)
-        self.metrics = Metrics(self.logdir, cfg.logging.timeline_every)
+        lg = cfg.logging
+        self.metrics = Metrics(self.logdir, lg.timeline_every,
+                               make_trackers(lg.trackers, self.logdir, lg.project, lg.experiment, plain(cfg)))
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
         self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
