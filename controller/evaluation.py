@@ -146,12 +146,13 @@ def evaluate(program, n: int) -> EvalResult:
 
 def eval_rewards(program) -> RewardPool:
     """The controller's reward pool for eval, made at the first eval: the trainer's settings
-    (``trainer.reward_workers``, ``reward_pool``, ``reward_timeout_s``), so a reward that needs
+    (``trainer.reward_workers``, ``reward_pool``, ``reward_timeout_s``, ``reward_batch_size``), so a reward that needs
     processes (``signal.alarm``, CPU-bound) scores the same way in eval as in training."""
     if program.eval_pool is None:
         tr, task = program.cfg.trainer, program.cfg.task
         program.eval_pool = RewardPool(program.task, tr.reward_workers, tr.reward_pool, tr.reward_timeout_s,
-                                       functools.partial(make_task, task.name, **dict(task.kwargs)))
+                                       functools.partial(make_task, task.name, **dict(task.kwargs)),
+                                       batch_size=tr.reward_batch_size)
     return program.eval_pool
 
 

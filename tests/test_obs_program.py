@@ -93,7 +93,7 @@ def _program(monkeypatch, mode: str, clock: Clock) -> Program:
     cfg = SimpleNamespace(pipeline=SimpleNamespace(mode=mode, minibatch_size=0, stream_window_s=0.02), train=train,
                           ranker=SimpleNamespace(update_every=0), task=SimpleNamespace(name="synthetic", kwargs={}),
                           trainer=SimpleNamespace(max_staleness=1, reward_workers=1, reward_pool="threads",
-                                                  reward_timeout_s=None))
+                                                  reward_timeout_s=None, reward_batch_size=None))
     prompts = {"train": TRAIN,
                "test": [TaskPrompt(f"{i} + 1 =", str(i + 1), "sum") for i in range(3)]}
     task = SimpleNamespace(prompts=lambda split: prompts[split], score=lambda item, text: 1.0)

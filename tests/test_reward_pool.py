@@ -168,6 +168,26 @@ def test_a_batch_reward_gets_each_submit_many_in_one_call_and_calls_run_at_once(
     assert sorted(task.sizes) == [2, 3]
     assert [pool.result(p).why for p in _many(pool, [])] == []
     pool.close()
+    capped = Many()
+    pool = RewardPool(capped, workers=1, batch_size=2)  # trainer.reward_batch_size
+    assert [pool.result(p).score for p in _many(pool, ["5", "4", "5", "5", "1"])] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert capped.sizes == [2, 2, 1]
+    pool.close()
+
+
+def test_a_reward_that_calls_sys_exit_costs_its_sample_not_the_pool():
+    # SystemExit ended the reward thread: the score never came and the trainer waited forever
+    class Exits(Rule):
+        def score(self, prompt, completion):
+            if completion == "exit":
+                raise SystemExit(2)
+            return super().score(prompt, completion)
+
+    pool = RewardPool(Exits(), workers=1)
+    out = _all(pool, ["exit", "5", "exit", "5"])
+    assert [s.score for s in out if not s.why] == [1.0, 1.0]
+    assert [s.why for s in out if s.why] == ["the task's score raised SystemExit(2)"] * 2
+    pool.close()
 
 
 def test_a_batch_past_its_deadline_costs_its_samples_only():

@@ -285,6 +285,15 @@ def no_completion(data_sources, ground_truths):
 def wrong_length(solution_strs):
     return [1.0]
 
+def takes_kwargs(solution_strs, **kwargs):  # verl passes all four names
+    return [float(d == "src" and e is not None) for d, e in zip(kwargs["data_sources"], kwargs["extra_infos"])]
+
+def masks(data_sources, solution_strs):  # verl's data_sources is a numpy object array: == is a mask
+    return list((data_sources == "src").astype(float))
+
+def mine(prompt, completion, ground_truths=None):  # StreamRL's signature, whatever its other names
+    return 1.0
+
 def one_bad(solution_strs):
     return [1.0 if s != "bad" else "n/a" for s in solution_strs]
 '''
@@ -307,9 +316,13 @@ def test_verls_batch_compute_score_scores_many_samples_in_one_call(tmp_path):
     assert t.score(qs[1], "1") == 2.0  # one sample: a batch of one
     calls = __import__("sys").modules[t.verify.fn.__module__].CALLS
     assert calls == [4, 1]
-    for fn, why in (("wrong_length", "returned 1 scores for 2 samples"),):
-        bad = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
-        assert [w for _, w in safe_score_batch(bad, qs[:2], ["0", "1"])] == [f"the task's score_batch {why}"] * 2
+    bad = make_task("jsonl", files=str(data), verifier=f"{f}:wrong_length")
+    assert [w for _, w in safe_score_batch(bad, qs[:2], ["0", "1"])] == \
+        ["the task's score_batch did not return one score per sample"] * 2
+    for fn in ("takes_kwargs", "masks"):
+        t = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
+        assert safe_score_batch(t, qs[:2], ["0", "1"]) == [(1.0, ""), (1.0, "")]
+    assert make_task("jsonl", files=str(data), verifier=f"{f}:mine").score(qs[0], "x") == 1.0
     bad = make_task("jsonl", files=str(data), verifier=f"{f}:one_bad")
     out = safe_score_batch(bad, qs[:3], ["a", "bad", "c"])
     assert out[0] == (1.0, "") and out[2] == (1.0, "") and math.isnan(out[1][0])

@@ -14,7 +14,8 @@
 
 A task with ``score_batch(prompts, completions)`` (a reward model, a judge that takes many
 samples per request; verl's ``batch`` reward manager) is handed each ``submit_many`` call's
-samples in one call; a pool of ``workers`` then has that many such calls in flight.
+samples in one call, or in calls of at most ``batch_size``; a pool of ``workers`` has that many
+such calls in flight, each under the deadline as a whole.
 
 A pool never raises for a sample: every failure (the score raised, gave no finite number, ran
 past the deadline, killed its process) is ``Scored(nan, why)``, and the trainer skips the sample
@@ -230,25 +231,29 @@ class RewardPool:
     does not)."""
 
     def __init__(self, task: Task, workers: int = 1, pool: str = "threads", timeout_s: float | None = None,
-                 build_task: Callable[[], Task] | None = None):
+                 build_task: Callable[[], Task] | None = None, batch_size: int | None = None):
         if pool not in REWARD_POOLS:
             raise ValueError(f"trainer.reward_pool: {pool!r} is not one of {REWARD_POOLS}")
         if pool == "processes":
             self._impl = _Processes(build_task or _Given(task), workers, timeout_s)
         else:
             self._impl = _Threads(task, workers, timeout_s)
-        self.batched = score_batch_of(task) is not None
+        self.batched, self.batch_size = score_batch_of(task) is not None, batch_size
 
     def submit(self, prompt: TaskPrompt, completion: str, what: str):
         return self._impl.submit((prompt, completion, what))
 
     def submit_many(self, items: list[tuple[TaskPrompt, str, str]]) -> list:
-        """(prompt, completion, what) each -> what ``result`` takes, in order: one
-        ``score_batch`` call for them all when the task has one, else one call each."""
-        if not self.batched or not items:
+        """(prompt, completion, what) each -> what ``result`` takes, in order: when the task has
+        ``score_batch``, one call for them all (or calls of ``batch_size``), else one call each."""
+        if not self.batched:
             return [self._impl.submit(item) for item in items]
-        pending = self._impl.submit_batch(list(items))
-        return [_Part(pending, i, len(items)) for i in range(len(items))]
+        size, out = self.batch_size or max(len(items), 1), []
+        for k in range(0, len(items), size):
+            chunk = list(items[k:k + size])
+            pending = self._impl.submit_batch(chunk)
+            out += [_Part(pending, i, len(chunk)) for i in range(len(chunk))]
+        return out
 
     def result(self, pending) -> Scored:
         if not isinstance(pending, _Part):

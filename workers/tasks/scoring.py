@@ -129,7 +129,8 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a s
     key = WATCH.enter(what)
     try:
         score = as_score(task.score(prompt, completion))
-    except Exception as e:  # noqa: BLE001 - a user's verifier: anything can happen
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit too: on a
+        # reward thread it ended the thread, its score never came and the trainer waited forever)
         return float("nan"), f"the task's score raised {e!r}"
     finally:
         WATCH.leave(key)
@@ -160,7 +161,8 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
                                "list of scores")] * n
         out = list(out)
         if len(out) != n:
-            return [(math.nan, f"the task's score_batch returned {len(out)} scores for {n} samples")] * n
+            # no counts in it: the trainer says each different reason once, and batch sizes vary
+            return [(math.nan, "the task's score_batch did not return one score per sample")] * n
         scored = []
         for x in out:
             try:
@@ -170,7 +172,7 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
                 continue
             scored.append((score, "") if math.isfinite(score) else (math.nan, f"the task's score is {score}"))
         return scored
-    except Exception as e:  # noqa: BLE001 - a user's reward: anything can happen
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
         return [(math.nan, f"the task's score_batch raised {e!r}")] * n
     finally:
         WATCH.leave(key)

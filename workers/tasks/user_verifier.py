@@ -40,9 +40,10 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
     except (TypeError, ValueError):  # a builtin or C function: trust it
         return lambda prompt, completion: as_score(fn(prompt, completion, **options))
     params = sig.parameters
-    if "solution_strs" in params:  # verl's batch reward manager's names
+    streamrl = list(params)[:2] == list(STREAMRL_ARGS)  # fn(prompt, completion, ...): whatever else it takes
+    if "solution_strs" in params and not streamrl:  # verl's batch reward manager's names
         return BatchVerifier(fn, _verl_wanted(sig, options, spec, VERL_BATCH_ARGS), options)
-    if "solution_str" in params:  # verl's names
+    if "solution_str" in params and not streamrl:  # verl's names
         wanted = _verl_wanted(sig, options, spec, VERL_ARGS)
 
         def verl_style(prompt: TaskPrompt, completion: str) -> float:
@@ -50,7 +51,7 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
             return as_score(fn(**{n: values[n] for n in wanted}, **options))
         return verl_style
     verl_named = [n for n in VERL_ARGS + VERL_BATCH_ARGS if n in params]
-    if verl_named:  # verl's names without solution_str (e.g. prime_math's (model_output, ground_truth)):
+    if verl_named and not streamrl:  # verl's names without solution_str (e.g. prime_math's (model_output, ground_truth)):
         # called as fn(prompt, completion), its ground_truth would get the completion, silently
         batch = any(n in VERL_BATCH_ARGS for n in verl_named)
         one = "solution_strs" if batch else "solution_str"
@@ -72,7 +73,8 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
 
 
 def _verl_wanted(sig: inspect.Signature, options: dict, spec: str, names: tuple[str, ...]) -> list[str]:
-    """Which of verl's ``names`` the function takes; a ValueError when it needs others."""
+    """Which of verl's ``names`` the function is given: those it names, or all of them when it
+    takes ``**kwargs`` (verl passes all four by keyword); a ValueError when it needs others."""
     params = sig.parameters
     _check_options(sig, options, spec, names)
     required = [n for n, p in params.items() if p.default is p.empty and n not in options
@@ -80,6 +82,8 @@ def _verl_wanted(sig: inspect.Signature, options: dict, spec: str, names: tuple[
     if required:
         raise ValueError(f"task.kwargs.verifier: {spec!r} needs {required}, which a verl-style scorer is not "
                          f"given (it gets {list(names)}; others can be set in task.kwargs.verifier_kwargs)")
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return list(names)
     return [n for n in names if n in params]
 
 
@@ -98,8 +102,16 @@ class BatchVerifier:
         self.fn, self.wanted, self.options = fn, wanted, options
 
     def batch(self, prompts: list[TaskPrompt], completions: list[str]):
+        import numpy as np
+
         rows = [_verl_values(p, c) for p, c in zip(prompts, completions)]
-        return self.fn(**{n: [r[n[:-1]] for r in rows] for n in self.wanted}, **self.options)
+        given = {n: [r[n[:-1]] for r in rows] for n in self.wanted}
+        for n in ("data_sources", "extra_infos"):  # verl's come from non_tensor_batch: numpy object arrays
+            if n in given:  # (so `data_sources == "gsm8k"` is a mask there, and here)
+                arr = np.empty(len(rows), dtype=object)
+                arr[:] = given[n]
+                given[n] = arr
+        return self.fn(**given, **self.options)
 
     def __call__(self, prompt: TaskPrompt, completion: str) -> float:
         out = list(resolve(self.batch([prompt], [completion])))

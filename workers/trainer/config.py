@@ -117,6 +117,8 @@ class TrainerConfig:
     reward_workers: int = ranged(1, Range(1, 256))
     reward_pool: str = "threads"
     reward_timeout_s: float | None = None  # null: no deadline (a score past 60 s is said once)
+    # a task with score_batch: at most this many samples a call (the deadline is a call's)
+    reward_batch_size: int | None = ranged(None, Range(1, note="null: each arrival, or an evaluation, in one call"))
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):

@@ -115,7 +115,8 @@ class TrainerWorker:
         self._trained_any = False
         self.trained_batches: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
         self._lock = threading.RLock()
-        self.rewards = RewardPool(task, cfg.reward_workers, cfg.reward_pool, cfg.reward_timeout_s, build_task)
+        self.rewards = RewardPool(task, cfg.reward_workers, cfg.reward_pool, cfg.reward_timeout_s, build_task,
+                                  batch_size=cfg.reward_batch_size)
 
     # ---- public API --------------------------------------------------------------------------
     @property
