@@ -44,6 +44,11 @@ def test_quickstart_loads_into_owner_classes():
     ({"train": {"group_size": 1}, "trainer": {"algorithm": "rloo"}}, "train.group_size: rloo needs"),
     ({"task": {"name": "gsm8k"}}, "task.name: 'gsm8k' is not one of"),
     ({"dispatch": {"name": "lpt"}}, "dispatch.name: 'lpt' is not one of"),
+    ({"engine": {"admission": "sjf"}}, "engine.admission: must be one of ('fcfs', 'lpt'), or module:fn"),
+    ({"engine": {"admission": "no/such/keys.py:fn"}}, "engine.admission: no/such/keys.py (from 'no/such/keys.py:fn') "
+                                                      "is not a file"),
+    ({"engine": {"admission": "math:pi"}}, "engine.admission: 'math:pi' is a float, not a class or function"),
+    ({"engine": {"admission": "os:getcwd"}}, "engine.admission 'os:getcwd' raised TypeError"),
     ({"dispatch": {"name": "skew", "options": {"alphas": [1.5]}}}, "dispatch.options: skew dispatcher: every alpha"),
     ({"dispatch": {"name": "random", "options": {"order": "sjf"}}}, "dispatch.options: dispatcher order 'sjf'"),
     ({"dispatch": {"name": "random", "options": {"bogus": 1}}}, "dispatch.options: "),

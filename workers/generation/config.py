@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.generation.admission import ADMISSION_POLICIES, valid_name
 from workers.generation.request_check import is_int
 
 BACKEND_NAMES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
-ADMISSION_POLICIES = ("fcfs", "lpt")
 DTYPES = ("", "float32", "bfloat16", "float16")
 CPU_HALF_COMPUTE = ("auto", "native", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")  # vLLM's kv_cache_dtype names (no fp8 here)
@@ -75,8 +75,8 @@ class EngineConfig:
             bad("backend", f"must be one of {BACKEND_NAMES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
-        if self.admission not in ADMISSION_POLICIES:
-            bad("admission", f"must be one of {ADMISSION_POLICIES}")
+        if not valid_name(self.admission):
+            bad("admission", f"must be one of {ADMISSION_POLICIES}, or module:fn / file.py:fn of your own")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
         if self.cpu_half_compute not in CPU_HALF_COMPUTE:

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Mapping, Sequence as Seq
 import torch
 
 from workers.generation import kernels_package
+from workers.generation.admission import admission_key
 from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
@@ -74,7 +75,8 @@ class NativeEngine:
                                  mc.max_position_embeddings, cfg.kv_len)
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
         self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
-                                   cfg.max_prefill_tokens, cfg.admission, cfg.enable_chunked_prefill)
+                                   cfg.max_prefill_tokens, cfg.enable_chunked_prefill)
+        self.admission = admission_key(cfg.admission)
         kv_dtype = None if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         compute = next(self.model.parameters()).dtype
         if kv_dtype not in (None, compute) and compute != torch.float32:
@@ -123,11 +125,16 @@ class NativeEngine:
         refused = []
         for i, req in enumerate(requests):
             why = self._refusal(req)
+            if why is None:
+                try:
+                    key = self.admission(req)
+                except ValueError as e:  # your admission key failed for it: this request is refused
+                    why = str(e)
             if why is not None:
                 refused.append(error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}",
                                             self.weight_version))
                 continue
-            seq = Sequence.from_request(req, next(self._arrival))
+            seq = Sequence.from_request(req, next(self._arrival), key)
             self._live[req.sample_id] = seq
             if req.group_id >= 0:
                 self._group_live[req.group_id] += 1

@@ -1,6 +1,7 @@
 """Scheduler: continuous batching over the paged KV cache.
 
-Each step is either a *prefill* (admit waiting sequences, in the admission policy's order,
+Each step is either a *prefill* (admit waiting sequences, in the order of their admission keys
+(``admission.py``, computed by the engine when a request is added),
 while the batch cap, the prefill token budget and free blocks allow) or a *decode* (one
 token for every running sequence, all in one forward). When a decode step lacks blocks,
 idle prefix pins are dropped first, then the most recently admitted sequences are preempted
@@ -14,19 +15,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
-
 from workers.generation.block_manager import BlockManager
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.sequence import Sequence, Status
-
-# Admission policies: a sort key per sequence, smallest admitted first.
-AdmissionPolicy = Callable[[Sequence], tuple]
-ADMISSION_POLICIES: dict[str, AdmissionPolicy] = {
-    "fcfs": lambda s: (s.arrival,),
-    "lpt": lambda s: (-s.request.est_len, s.arrival),  # longest processing time first
-}
-
 
 @dataclass
 class ScheduledBatch:
@@ -50,14 +41,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, prefix: PrefixCache | None, max_batch_size: int,
-                 max_prefill_tokens: int, admission: str = "fcfs", chunked_prefill: bool = True):
-        if admission not in ADMISSION_POLICIES:
-            raise ValueError(f"engine.admission: {admission!r} is not one of {sorted(ADMISSION_POLICIES)}")
+                 max_prefill_tokens: int, chunked_prefill: bool = True):
         self.bm, self.prefix = blocks, prefix
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.chunked_prefill = chunked_prefill
         self._after_chunk = False  # the last step left a prefill unfinished: decode next
-        self.policy = ADMISSION_POLICIES[admission]
         self.waiting: list[Sequence] = []  # sorted by _key
         self._keys: list[tuple] = []
         self.running: list[Sequence] = []  # in admission order (last = first preempted)
@@ -67,7 +55,7 @@ class Scheduler:
 
     # ---- queue -------------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
-        return (0 if seq.preempted else 1, *self.policy(seq), next(self._tie))
+        return (0 if seq.preempted else 1, seq.admission, seq.arrival, next(self._tie))
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING

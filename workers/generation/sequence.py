@@ -21,7 +21,8 @@ class Sequence:
     """``tokens`` = prompt followed by the output so far (Python ints: one append per step).
     ``num_cached`` tokens have their K/V in the paged cache (blocks ``block_table``); after
     every step ``num_cached == len(tokens) - 1`` for a running sequence (the last sampled
-    token is fed to the next step). ``arrival`` orders FCFS; ``preempted`` puts it first."""
+    token is fed to the next step). Waiting sequences are admitted by ``admission`` (the
+    policy's key, ``admission.py``), then ``arrival``; ``preempted`` puts one first."""
 
     request: Request
     arrival: int
@@ -34,12 +35,13 @@ class Sequence:
     preempted: bool = False
     generator: torch.Generator | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    admission: float = 0.0
 
     @classmethod
-    def from_request(cls, req: Request, arrival: int) -> "Sequence":
+    def from_request(cls, req: Request, arrival: int, admission: float = 0.0) -> "Sequence":
         ids = req.prompt_ids.tolist()
         return cls(request=req, arrival=arrival, tokens=ids, prompt_len=len(ids),
-                   timings={"queued": time.time()})
+                   timings={"queued": time.time()}, admission=admission)
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from workers.env import env_var
 from workers.generation import vllm_args
+from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
 from workers.generation.engine import TokenRate
 from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
@@ -148,6 +149,7 @@ class VLLMEngine:
         if not cfg_path.exists():
             raise FileNotFoundError(f"{cfg_path} not found: a model folder needs config.json")
         self.cfg = cfg
+        self._admission = admission_key(cfg.admission)  # the queue order of requests not yet in vLLM
         self.model_config = mc = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
@@ -207,10 +209,14 @@ class VLLMEngine:
         refused, now = [], time.time()
         for i, req in enumerate(requests):
             why = refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
+            if why is None:
+                try:
+                    first = self._admission(req)
+                except ValueError as e:  # your admission key failed for it: this request is refused
+                    why = str(e)
             if why is not None:
                 refused.append(self._error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}"))
                 continue
-            first = -float(req.est_len) if self.cfg.admission == "lpt" else 0.0
             heapq.heappush(self._queue, _Queued((first, next(self._arrival)), req, now))
             self._sample_ids.add(req.sample_id)
         self._admit()

@@ -1,0 +1,75 @@
+"""The order in which an engine admits waiting requests (``engine.admission``): a key per
+request, the smallest admitted first, ties in arrival order (a preempted sequence always goes
+back first, whatever its key).
+
+* ``fcfs``: every key 0, so arrival order;
+* ``lpt``: ``-est_len``, the longest estimated output first (the paper's LPT, with the
+  ranker's estimates);
+* your own, ``module:fn`` or ``file.py:fn`` (as ``task.name``): ``fn(request: Request) ->
+  number``, e.g. the shortest prompt first, ``lambda r: r.prompt_ids.numel()``. Loaded and tried
+  on a probe request when the config loads (each error one ``config error`` naming the key);
+  a key that raises, or is no finite number, for a request refuses that request (an error
+  sample naming it), not the engine.
+
+The vLLM backend queues requests by the same key before handing them to vLLM (as many as its
+batch cap), so the order is the same there.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from workers.types import Request
+
+ADMISSION_POLICIES = ("fcfs", "lpt")
+AdmissionKey = Callable[[Request], float]
+
+_BUILTIN: dict[str, AdmissionKey] = {
+    "fcfs": lambda r: 0.0,
+    "lpt": lambda r: -float(r.est_len),
+}
+
+
+def valid_name(name: str) -> bool:
+    """A built-in policy, or the form of your own (``module:fn`` / ``file.py:fn``)."""
+    from workers.tasks.plugins import is_plugin
+
+    return name in _BUILTIN or (isinstance(name, str) and is_plugin(name))
+
+
+def admission_key(name: str) -> AdmissionKey:
+    """The key of ``name``; for your own, loaded (a ValueError naming ``engine.admission``)."""
+    if name in _BUILTIN:
+        return _BUILTIN[name]
+    from workers.tasks.plugins import load_plugin
+
+    fn = load_plugin(name, "engine.admission")
+    return _Checked(fn, name)
+
+
+class _Checked:
+    """Your key, its value checked: a finite real number (a bool or a string would sort, wrongly
+    or not at all, against the others)."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+
+    def __call__(self, req: Request) -> float:
+        try:
+            out = self.fn(req)
+        except Exception as e:  # noqa: BLE001 - your code: it costs this request, said
+            raise ValueError(f"engine.admission {self.name!r} raised {type(e).__name__}: {e}") from None
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            out = out.item()
+        if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
+            raise ValueError(f"engine.admission {self.name!r} returned {out!r:.60}, not a finite number "
+                             "(smaller is admitted first)")
+        return float(out)
+
+
+def check_admission(name: str) -> None:
+    """Load ``name`` and try it on a probe request: a ValueError naming ``engine.admission``."""
+    key = admission_key(name)
+    key(Request(sample_id=0, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=8, est_len=8.0, group_id=0))
