@@ -246,3 +246,28 @@ def test_type_leniency_refused(backend, model_dir):
     assert eng.stats().max_batch_size == 4
     out = generate_all(eng, [Request(sample_id=0, prompt_ids=torch.tensor([True, False]), max_tokens=2)])
     assert out[0].finish_reason == "error" and "1-D integer tensor" in out[0].error
+
+
+ADMIT = '''
+def reverse(request):
+    return -request.sample_id
+
+def picky(request):
+    if request.sample_id == 1:
+        raise KeyError("no key")
+    return 0
+'''
+
+
+def test_your_own_admission_key(backend, model_dir, tmp_path):
+    # engine.admission: file.py:fn orders both backends the same way (vLLM: the backend's queue);
+    # a key that fails for a request refuses that request only
+    (tmp_path / "admit.py").write_text(ADMIT)
+    eng = make(backend, model_dir, max_batch_size=1, admission=f"{tmp_path}/admit.py:reverse")
+    order = []
+    generate_all(eng, reqs(4, new=2), on_sample=lambda s: order.append(s.sample_id))
+    assert order == [3, 2, 1, 0]
+    eng = make(backend, model_dir, admission=f"{tmp_path}/admit.py:picky")
+    out = {s.sample_id: s for s in generate_all(eng, reqs(3, new=2))}
+    assert out[1].finish_reason == "error" and "engine.admission" in out[1].error and "KeyError" in out[1].error
+    assert out[0].finish_reason == out[2].finish_reason == "length"
