@@ -185,13 +185,15 @@ class LoggingSection:
     logdir: str = "runs/quickstart"
     timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations
     progress: bool = True
-    # trackers beside TensorBoard (verl's trainer.logger): controller/trackers.py
-    trackers: tuple[Literal["tensorboard", "console", "wandb"], ...] = ()
+    # trackers beside TensorBoard (verl's trainer.logger; one name or a list): controller/trackers.py
+    trackers: tuple[Literal["tensorboard", "console", "wandb"], ...] | Literal["tensorboard", "console", "wandb"] = ()
     project: str = "streamrl"  # verl's trainer.project_name
     experiment: str = ""  # verl's trainer.experiment_name; "": the run folder's name
 
     def __post_init__(self):
         _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
+        if isinstance(self.trackers, str):  # `logger: wandb`, as verl takes it
+            object.__setattr__(self, "trackers", (self.trackers,))
         why = trackers.missing(self.trackers)
         if why:
             raise ConfigError(f"logging.trackers: {why}")

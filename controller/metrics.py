@@ -257,7 +257,7 @@ class Metrics:
                 "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
                 "skipped_samples": self.skipped}
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         """Finish: wait for a timeline write in progress, write the timeline files once more
         when spans came since the last write (the end of a run, or a crash or Ctrl-C when the
         runner calls this on its way out), close TensorBoard. Safe to call twice."""
@@ -269,7 +269,7 @@ class Metrics:
                 print(f"[controller] timeline files not written: {e!r}", file=sys.stderr, flush=True)
         if self._writer is not None:
             self._writer.close()
-        self.trackers.close()
+        self.trackers.close(exit_code)
 
 
 def _load_spans(path: Path) -> list[Span]:

@@ -365,8 +365,8 @@ def run_controller(cfg, args, world_size: int) -> int:
         code, alive = 1, False  # it may have failed in the middle of a call to a worker
     finally:  # also on Ctrl-C / SIGTERM, which pass through: the timeline of every span logged
         if session is not None:
-            try:
-                session.metrics.close()
+            try:  # a tracker's run (wandb) ends failed unless the run succeeded (then run() closed it)
+                session.metrics.close(exit_code=1 if sys.exc_info()[0] is not None or code != 0 else 0)
             except OSError as e:  # the run folder went bad (full, read-only): said once already
                 print(f"[controller] closing the logs: {e}", file=sys.stderr, flush=True)
     if code == 1 and session is not None:

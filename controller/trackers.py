@@ -7,9 +7,11 @@ goes to each tracker too, at the same step (the iteration).
   the resolved config as the run's config. Its id is kept in ``<logdir>/wandb_run_id``, so a
   ``--resume`` (or a torchrun restart) continues the same run; steps logged again after a restart
   from an older checkpoint are dropped by wandb (its steps only increase), where TensorBoard
-  replaces them. wandb's files go under ``<logdir>/wandb``. ``WANDB_MODE=offline`` keeps the run
-  on disk (``wandb sync`` uploads it later): clusters without internet. ``pip install wandb``
-  (the ``wandb`` extra).
+  replaces them. A run that stops on an error ends failed (exit code 1). wandb's files go under
+  ``<logdir>/wandb``. ``WANDB_MODE=offline`` keeps the run on disk: clusters without internet;
+  each attempt writes an ``offline-run-*`` folder of its own with the same id, and one ``wandb
+  sync <logdir>/wandb/offline-run-*`` uploads them as one run, in order of start time.
+  ``pip install wandb`` (the ``wandb`` extra).
 
 ``tensorboard`` and ``console`` are accepted as verl spells them: TensorBoard and the console
 lines are always on. A tracker that fails while the run goes on is said once and dropped.
@@ -32,7 +34,7 @@ RUN_ID_FILE = "wandb_run_id"
 class Tracker(Protocol):
     def log(self, scalars: dict[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, exit_code: int = 0) -> None: ...
 
 
 def missing(names) -> str | None:
@@ -55,14 +57,14 @@ class WandbTracker:
                                   settings=wandb.Settings(console="off"))
         except Exception as e:  # noqa: BLE001 - no API key, no network, a bad project name: one line
             raise ConfigError(f"logging.trackers: wandb could not start a run ({type(e).__name__}: {e}); "
-                              "`wandb login` first, or set WANDB_MODE=offline to keep the run on disk "
-                              "(`wandb sync` uploads it later)") from None
+                              "`wandb login` first (or check that this machine reaches the wandb server), or set "
+                              "WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)") from None
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)  # non-zero: the run shows as failed, not finished
 
 
 def make_trackers(names, logdir: Path, project: str, experiment: str, config: dict) -> list[Tracker]:
@@ -84,10 +86,10 @@ class Fanout:
                 print(f"[controller] {type(t).__name__} failed ({e!r}); it logs nothing more, the run goes on",
                       file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         for t in self.trackers:
             try:
-                t.close()
+                t.close(exit_code)
             except Exception as e:  # noqa: BLE001 - on the way out: say it, keep the run's own exit
                 print(f"[controller] {type(t).__name__} did not close: {e!r}", file=sys.stderr, flush=True)
         self.trackers = []

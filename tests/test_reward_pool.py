@@ -293,3 +293,12 @@ def test_a_batch_reward_is_handed_each_arrival_at_once(tiny_model, tmp_path):  #
         assert task.entered == [6, 2]
     finally:
         rank.close()
+
+
+def test_a_batch_size_for_a_reward_that_takes_one_sample_is_said(caplog):
+    with caplog.at_level("WARNING", logger="streamrl.trainer"):
+        RewardPool(Rule(), batch_size=4).close()
+        RewardPool(Many(), batch_size=4).close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("trainer.reward_batch_size 4 does nothing here: the task scores "
+                                                 "one sample a call")

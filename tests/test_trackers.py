@@ -2,6 +2,7 @@
 offline mode (no account, no network: the run stays on disk, as on a cluster without internet),
 read back from its ``.wandb`` file; the config keys; a tracker that fails mid-run."""
 import json
+import re
 import struct
 
 import pytest
@@ -45,6 +46,20 @@ def _records(path):
     return out
 
 
+def _exits(logdir, runs: int) -> list[int]:
+    """The exit codes of the folder's ``runs`` offline runs, in start order. wandb-core (a process
+    of its own) may write a run's last records just after ``finish()`` returns: waited for."""
+    import time
+
+    for _ in range(600):
+        exits = [r.exit.exit_code for f in sorted((logdir / "wandb").glob("offline-run-*/run-*.wandb"))
+                 for r in _records(f) if r.WhichOneof("record_type") == "exit"]
+        if len(exits) >= runs:
+            return exits
+        time.sleep(0.1)
+    return exits
+
+
 def _history(logdir):
     """step -> the scalars logged at it, over every offline run of the folder."""
     steps = {}
@@ -67,6 +82,7 @@ def test_every_scalar_reaches_a_wandb_run_and_a_resume_continues_it(tmp_path, mo
                           samples=1, seconds=0.2, started=0.0), 0)
     m.log_iteration(_res(1, 0.75), [])
     m.close()
+    assert _exits(tmp_path, 1) == [0]
     run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
     steps = _history(tmp_path)
     assert steps[0]["train/reward_mean"] == 0.25 and steps[1]["train/reward_mean"] == 0.75
@@ -76,10 +92,16 @@ def test_every_scalar_reaches_a_wandb_run_and_a_resume_continues_it(tmp_path, mo
                if r.WhichOneof("record_type") == "run")
     assert (run.run_id, run.project, run.display_name) == (run_id, "streamrl-test", tmp_path.name)
     assert json.loads({u.key: u.value_json for u in run.config.update}["trainer"]) == {"lr": 0.0003}
-    # --resume: the same run id, its steps go on
+    # --resume: the same run id, its steps go on; this attempt stops on an error: the run ends failed.
+    # (wandb names an offline folder by the second it started and the id: a second attempt in the
+    # same second would write into the first's folder; a resume takes longer than that)
+    import time
+
+    time.sleep(1.1)
     m = Metrics(tmp_path, timeline_every=0, trackers=make_trackers(("wandb",), tmp_path, "streamrl-test", "", config))
     m.log_iteration(_res(2, 1.0), [])
-    m.close()
+    m.close(exit_code=1)
+    assert _exits(tmp_path, 2) == [0, 1]
     assert (tmp_path / RUN_ID_FILE).read_text().strip() == run_id
     assert all(f.name == f"run-{run_id}.wandb" for f in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert _history(tmp_path)[2]["train/reward_mean"] == 1.0
@@ -94,7 +116,7 @@ def test_a_tracker_that_fails_is_said_once_and_dropped(capsys):
             self.calls += 1
             raise OSError("disk full")
 
-        def close(self):
+        def close(self, exit_code=0):
             raise AssertionError("a dropped tracker is not closed")
 
     broken, kept = Broken(), []
@@ -103,14 +125,14 @@ def test_a_tracker_that_fails_is_said_once_and_dropped(capsys):
         def log(self, scalars, step):
             kept.append((step, scalars))
 
-        def close(self):
-            kept.append("closed")
+        def close(self, exit_code=0):
+            kept.append(("closed", exit_code))
 
     fan = Fanout([broken, Kept()])
     fan.log({"a": 1.0}, 0)
     fan.log({"a": 2.0}, 1)
-    fan.close()
-    assert broken.calls == 1 and kept == [(0, {"a": 1.0}), (1, {"a": 2.0}), "closed"]
+    fan.close(exit_code=1)
+    assert broken.calls == 1 and kept == [(0, {"a": 1.0}), (1, {"a": 2.0}), ("closed", 1)]
     assert capsys.readouterr().err.count("Broken failed (OSError('disk full'))") == 1
 
 
@@ -142,4 +164,22 @@ def test_a_wandb_run_that_cannot_start_is_one_config_error(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "ConfigError: logging.trackers: wandb could not start a run (UsageError: No API key configured" in out.stderr
-    assert "`wandb login` first, or set WANDB_MODE=offline" in out.stderr
+    assert "`wandb login` first (or check that this machine reaches the wandb server), or set WANDB_MODE=offline" \
+        in out.stderr
+
+
+@pytest.mark.parametrize("value, said", [
+    ("wandb", ("wandb",)), (["console", "wandb"], ("console", "wandb")),
+    ("mlflow", "logging.trackers: 'mlflow' is not one of ('tensorboard', 'console', 'wandb')"),
+    (["mlflow"], "logging.trackers[0]: 'mlflow' is not one of"),
+    (3, "logging.trackers: expected a list or one of ('tensorboard', 'console', 'wandb'), got int 3"),
+])
+def test_trackers_take_one_name_or_a_list(value, said):
+    # verl's trainer.logger takes either; a wrong name is said as the choice it is, not as a type
+    from controller.config import ConfigError, from_dict
+
+    if isinstance(said, tuple):
+        assert from_dict({"logging": {"trackers": value}}, world_size=3).logging.trackers == said
+    else:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            from_dict({"logging": {"trackers": value}}, world_size=3)

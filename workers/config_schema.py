@@ -80,12 +80,16 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
         kinds = [a for a in args if a is not type(None)]
         if len(kinds) == 1:
             return check_type(key, value, kinds[0])
+        errors = []
         for a in kinds:  # X | Y: the first that takes the value
             try:
                 return check_type(key, value, a)
-            except ConfigError:
-                pass
-        names = " or ".join(getattr(a, "__name__", str(a)) for a in kinds)
+            except ConfigError as e:
+                errors.append((a, e))
+        shaped = [e for a, e in errors if isinstance(value, _takes(a))]
+        if len(shaped) == 1:  # the one alternative of the value's kind says what is wrong inside it
+            raise shaped[0]
+        names = " or ".join(_described(a) for a in kinds)
         raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
     if hint is Any:
         return value
@@ -121,6 +125,26 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
         raise ConfigError(f"{key}: expected {getattr(base, '__name__', base)}, got "
                           f"{type(value).__name__} {value!r}{quote}")
     return value
+
+
+def _takes(hint: Any) -> tuple[type, ...]:
+    """The Python types of the values ``hint`` is about (a list for a tuple, a choice's own)."""
+    origin = typing.get_origin(hint) or hint
+    if origin is typing.Literal:
+        return tuple({type(v) for v in typing.get_args(hint)})
+    if origin is tuple:
+        return (tuple, list)
+    return (origin,) if isinstance(origin, type) else ()
+
+
+def _described(hint: Any) -> str:
+    """``int``, ``one of ('a', 'b')``, ``a list``: an alternative of a union as a message names it."""
+    origin = typing.get_origin(hint) or hint
+    if origin is typing.Literal:
+        return f"one of {typing.get_args(hint)}"
+    if origin is tuple:
+        return "a list"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _a(name: str) -> str:

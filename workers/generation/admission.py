@@ -8,20 +8,23 @@ back first, whatever its key).
 * your own, ``module:fn`` or ``file.py:fn`` (as ``task.name``): ``fn(request: Request) ->
   number``, e.g. the shortest prompt first, ``lambda r: r.prompt_ids.numel()``. Loaded and tried
   on a probe request when the config loads (each error one ``config error`` naming the key);
-  a key that raises, or is no finite number, for a request refuses that request (an error
-  sample naming it), not the engine.
+  a key that raises, or is no finite number, for a request admits that request last (the
+  order is a policy: a sample is not lost to it), said once per engine.
 
 The vLLM backend queues requests by the same key before handing them to vLLM (as many as its
 batch cap), so the order is the same there.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
 import torch
 
 from workers.types import Request
+
+log = logging.getLogger("streamrl.engine")
 
 ADMISSION_POLICIES = ("fcfs", "lpt")
 AdmissionKey = Callable[[Request], float]
@@ -40,13 +43,17 @@ def valid_name(name: str) -> bool:
 
 
 def admission_key(name: str) -> AdmissionKey:
-    """The key of ``name``; for your own, loaded (a ValueError naming ``engine.admission``)."""
+    """The key of ``name`` as an engine uses it: for your own, loaded (a ValueError naming
+    ``engine.admission``), and a request it fails for goes last (``_Lenient``)."""
     if name in _BUILTIN:
         return _BUILTIN[name]
+    return _Lenient(_checked(name))
+
+
+def _checked(name: str) -> "_Checked":
     from workers.tasks.plugins import load_plugin
 
-    fn = load_plugin(name, "engine.admission")
-    return _Checked(fn, name)
+    return _Checked(load_plugin(name, "engine.admission"), name)
 
 
 class _Checked:
@@ -69,7 +76,24 @@ class _Checked:
         return float(out)
 
 
+class _Lenient:
+    """Your key; where it fails for a request, that request is admitted last, said once."""
+
+    def __init__(self, key: _Checked):
+        self.key, self.said = key, False
+
+    def __call__(self, req: Request) -> float:
+        try:
+            return self.key(req)
+        except ValueError as e:
+            if not self.said:
+                self.said = True
+                log.warning("%s for sample %d; it and any other request the key fails for are admitted last "
+                            "(said once)", e, req.sample_id)
+            return math.inf
+
+
 def check_admission(name: str) -> None:
     """Load ``name`` and try it on a probe request: a ValueError naming ``engine.admission``."""
-    key = admission_key(name)
+    key = _checked(name) if name not in _BUILTIN else _BUILTIN[name]
     key(Request(sample_id=0, prompt_ids=torch.tensor([1, 2, 3]), max_tokens=8, est_len=8.0, group_id=0))

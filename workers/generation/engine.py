@@ -125,16 +125,11 @@ class NativeEngine:
         refused = []
         for i, req in enumerate(requests):
             why = self._refusal(req)
-            if why is None:
-                try:
-                    key = self.admission(req)
-                except ValueError as e:  # your admission key failed for it: this request is refused
-                    why = str(e)
             if why is not None:
                 refused.append(error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}",
                                             self.weight_version))
                 continue
-            seq = Sequence.from_request(req, next(self._arrival), key)
+            seq = Sequence.from_request(req, next(self._arrival), self.admission(req))
             self._live[req.sample_id] = seq
             if req.group_id >= 0:
                 self._group_live[req.group_id] += 1

@@ -209,15 +209,10 @@ class VLLMEngine:
         refused, now = [], time.time()
         for i, req in enumerate(requests):
             why = refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
-            if why is None:
-                try:
-                    first = self._admission(req)
-                except ValueError as e:  # your admission key failed for it: this request is refused
-                    why = str(e)
             if why is not None:
                 refused.append(self._error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}"))
                 continue
-            heapq.heappush(self._queue, _Queued((first, next(self._arrival)), req, now))
+            heapq.heappush(self._queue, _Queued((self._admission(req), next(self._arrival)), req, now))
             self._sample_ids.add(req.sample_id)
         self._admit()
         return refused

@@ -23,6 +23,7 @@ past the deadline, killed its process) is ``Scored(nan, why)``, and the trainer 
 """
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import queue
@@ -154,8 +155,8 @@ class _Threads:
             for job in late:
                 self.running.discard(job)
                 job.abandoned = True
-                job.future.set_result(_late(self.timeout_s, "the sample is skipped (its thread cannot be "
-                                                            "stopped and finishes on its own)"))
+                job.future.set_result(_late(self.timeout_s, "its thread cannot be stopped and finishes on "
+                                                            "its own"))
                 self._start_thread()
 
     def close(self) -> None:
@@ -212,7 +213,7 @@ class _Processes:
         try:
             return future.result()
         except FutureTimeout:
-            return _late(self.timeout_s, "its process was stopped and the sample is skipped")
+            return _late(self.timeout_s, "its process was stopped")
         except ProcessExpired as e:
             return Scored(math.nan, f"the reward process running the task's score died (exit code {e.exitcode})",
                           0.0)
@@ -239,6 +240,11 @@ class RewardPool:
         else:
             self._impl = _Threads(task, workers, timeout_s)
         self.batched, self.batch_size = score_batch_of(task) is not None, batch_size
+        if batch_size is not None and not self.batched:
+            logging.getLogger("streamrl.trainer").warning(
+                "trainer.reward_batch_size %d does nothing here: the task scores one sample a call (it has no "
+                "score_batch; a verifier gets one with verl's batch names, compute_score(data_sources, "
+                "solution_strs, ...))", batch_size)
 
     def submit(self, prompt: TaskPrompt, completion: str, what: str):
         return self._impl.submit((prompt, completion, what))

@@ -216,7 +216,7 @@ class TrainerWorker:
         if self.cfg.on_bad_sample == "error":
             raise ValueError(reason)
         kind = reason.split(": ", 1)[-1]
-        if not reason.startswith("the task's score"):  # the user's own message keeps its numbers
+        if not kind.startswith("the task's score"):  # the user's own message keeps its numbers
             kind = re.sub(r"\d+", "N", kind)  # "sample 12: 9 + 60 tokens ..." -> "N + N tokens ..."
         if not logged and kind not in self._skip_kinds:  # once per kind and iteration, then counted
             log.warning("trainer rank %d skips %s (more samples skipped for this reason are counted, not "
