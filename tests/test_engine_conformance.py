@@ -263,11 +263,13 @@ def test_your_own_admission_key(backend, model_dir, tmp_path):
     # engine.admission: file.py:fn orders both backends the same way (vLLM: the backend's queue);
     # a request the key fails for is admitted last, not lost
     (tmp_path / "admit.py").write_text(ADMIT)
-    eng = make(backend, model_dir, max_batch_size=1, admission=f"{tmp_path}/admit.py:reverse")
+    # both engines stay alive to the end: a vLLM engine collected while another is built tears
+    # down the process's vLLM groups under it ("pipeline model parallel group is not initialized")
+    first = make(backend, model_dir, max_batch_size=1, admission=f"{tmp_path}/admit.py:reverse")
     order = []
-    generate_all(eng, reqs(4, new=2), on_sample=lambda s: order.append(s.sample_id))
+    generate_all(first, reqs(4, new=2), on_sample=lambda s: order.append(s.sample_id))
     assert order == [3, 2, 1, 0]
-    eng = make(backend, model_dir, max_batch_size=1, admission=f"{tmp_path}/admit.py:picky")
+    second = make(backend, model_dir, max_batch_size=1, admission=f"{tmp_path}/admit.py:picky")
     order = []
-    out = generate_all(eng, reqs(3, new=2), on_sample=lambda s: order.append(s.sample_id))
+    out = generate_all(second, reqs(3, new=2), on_sample=lambda s: order.append(s.sample_id))
     assert order == [0, 2, 1] and all(s.finish_reason == "length" for s in out)
