@@ -186,7 +186,7 @@ class LoggingSection:
     timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations
     progress: bool = True
     # trackers beside TensorBoard (verl's trainer.logger; one name or a list): controller/trackers.py
-    trackers: tuple[Literal["tensorboard", "console", "wandb"], ...] | Literal["tensorboard", "console", "wandb"] = ()
+    trackers: tuple[trackers.TrackerName, ...] | trackers.TrackerName = ()
     project: str = "streamrl"  # verl's trainer.project_name
     experiment: str = ""  # verl's trainer.experiment_name; "": the run folder's name
 

@@ -128,14 +128,13 @@ def _check_registries(cfg: Config) -> None:
         task_factory(cfg.task.name)  # a plugin is imported here: its errors at load, on every rank
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from workers.generation.admission import ADMISSION_POLICIES, check_admission
+    from workers.generation.admission import check_admission
     from workers.tasks.plugins import is_plugin
 
-    if cfg.engine.admission not in ADMISSION_POLICIES:  # your own key: loaded and tried on a probe request
-        try:
-            check_admission(cfg.engine.admission)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    try:  # your own key: loaded and tried on a probe request
+        check_admission(cfg.engine.admission)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.dispatch.name not in DISPATCHERS and not is_plugin(cfg.dispatch.name):
         raise ConfigError(f"dispatch.name: {cfg.dispatch.name!r} is not one of {sorted(DISPATCHERS)}, nor "
                           "module:Name / file.py:Name of your own dispatcher")

@@ -178,8 +178,8 @@ class GenerationInstance:
     def connect(self, trainers: list) -> bool:
         """``trainers``: RRefs (or ``TrainerAddress``es) of the TrainerRank objects, in DP order.
         Kept as addresses: samples and weight pulls go over plain RPC, no RRef (see
-        controller/trainer_rank.py, ``TrainerAddress``)."""
-        from controller.trainer_rank import TrainerAddress
+        controller/trainer_address.py)."""
+        from controller.trainer_address import TrainerAddress
 
         self.trainers = [TrainerAddress.of(t) for t in trainers]
         return True

@@ -22,12 +22,12 @@ import importlib.util
 import secrets
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from workers.atomic import write_text
 from workers.config_schema import ConfigError
 
-TRACKERS = ("tensorboard", "console", "wandb")
+TrackerName = Literal["tensorboard", "console", "wandb"]  # logging.trackers' names
 RUN_ID_FILE = "wandb_run_id"
 
 

@@ -6,7 +6,7 @@ rank that owns the sample's group (``group_id % 2``: half to its own process, ha
 other). ``measure_colocated_generation`` runs exactly that path -- three local processes (a
 driver in the controller's place and two workers), torch RPC over the runtime's options, a
 ``controller.instance.GenerationInstance`` per worker whose Outbox sends to a sample sink
-registered as the process's trainer role (``controller.trainer_rank.receive_samples``) -- on
+registered as the process's trainer role (``controller.trainer_address.receive_samples``) -- on
 synthetic iterations of a workload's shapes (random prompt ids, forced lengths), each split
 round-robin over the two instances as the bench's dispatcher does.
 
@@ -120,7 +120,7 @@ def _rank(rank: int, world_size: int, engine_cfg, model_dir: str, batches, windo
     from controller.instance import GenerationInstance
     from controller.processes import rpc_options
     from controller.rpc import LOCAL, worker_name
-    from controller.trainer_rank import TrainerAddress
+    from controller.trainer_address import TrainerAddress
     from workers.weight_sync.localrun import free_port
 
     torch.set_num_threads(1)

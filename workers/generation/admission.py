@@ -26,13 +26,13 @@ from workers.types import Request
 
 log = logging.getLogger("streamrl.engine")
 
-ADMISSION_POLICIES = ("fcfs", "lpt")
 AdmissionKey = Callable[[Request], float]
 
 _BUILTIN: dict[str, AdmissionKey] = {
     "fcfs": lambda r: 0.0,
     "lpt": lambda r: -float(r.est_len),
 }
+ADMISSION_POLICIES = tuple(_BUILTIN)
 
 
 def valid_name(name: str) -> bool:

@@ -9,7 +9,6 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
 from typing import Sequence
 
 from workers.types import Task, TaskPrompt
@@ -134,9 +133,12 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a s
         return float("nan"), f"the task's score raised {e!r}"
     finally:
         WATCH.leave(key)
-    if not math.isfinite(score):
-        return float("nan"), f"the task's score is {score}"
-    return score, ""
+    return _finite(score)
+
+
+def _finite(score: float) -> tuple[float, str]:
+    """``(score, "")``, or ``(nan, why)`` for an inf or NaN score (it would poison the advantages)."""
+    return (score, "") if math.isfinite(score) else (math.nan, f"the task's score is {score}")
 
 
 def score_batch_of(task: Task):
@@ -170,7 +172,7 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
             except Exception as e:  # noqa: BLE001 - the user's value: this sample only
                 scored.append((math.nan, f"the task's score_batch: {e}"))
                 continue
-            scored.append((score, "") if math.isfinite(score) else (math.nan, f"the task's score is {score}"))
+            scored.append(_finite(score))
         return scored
     except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
         return [(math.nan, f"the task's score_batch raised {e!r}")] * n
