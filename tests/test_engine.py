@@ -386,38 +386,3 @@ def test_an_engine_needs_two_blocks():
         EngineConfig(device="cpu", block_size=16, kv_cache_tokens=31)
     EngineConfig(device="cpu", block_size=16, kv_cache_tokens=32)
 
-
-ADMISSION_KEYS = '''
-def shortest_prompt(request):
-    return request.prompt_ids.numel()
-
-def picky(request):
-    if request.sample_id == 2:
-        raise KeyError("no key for 2")
-    return "late" if request.sample_id == 3 else -request.sample_id
-'''
-
-
-def test_your_own_admission_key(tmp_path, caplog):
-    # engine.admission: file.py:fn (as task.name): the smallest key first, ties in arrival order;
-    # a request the key raises for or gives no number is admitted last (said once), not lost
-    (tmp_path / "keys.py").write_text(ADMISSION_KEYS)
-    lens = [9, 3, 6, 3, 12]
-    reqs = [Request(sample_id=i, prompt_ids=torch.arange(1, n + 1), max_tokens=2, sampling=GREEDY)
-            for i, n in enumerate(lens)]
-    order = []
-    generate_all(engine(max_batch_size=1, admission=f"{tmp_path}/keys.py:shortest_prompt"), reqs,
-                 on_sample=lambda s: order.append(s.sample_id))
-    assert order == [1, 3, 2, 0, 4]
-    eng = engine(max_batch_size=1, admission=f"{tmp_path}/keys.py:picky")
-    with caplog.at_level("WARNING", logger="streamrl.engine"):
-        assert eng.add(reqs) == []
-        served = []
-        while eng.has_work():
-            served += [s.sample_id for s in eng.step()]
-    assert served == [4, 1, 0, 2, 3]
-    said = [r.getMessage() for r in caplog.records if "engine.admission" in r.getMessage()]
-    assert len(said) == 1 and "raised KeyError: 'no key for 2' for sample 2; it and any other request the key " \
-        "fails for are admitted last (said once)" in said[0]
-    with pytest.raises(ValueError, match=r"engine.admission: must be one of \('fcfs', 'lpt'\), or module:fn"):
-        engine(admission="sjf")

@@ -395,22 +395,3 @@ def test_bootstrap_says_when_the_bpe_learns_fewer_tokens_than_asked(tmp_path, ca
     assert (f"[bootstrap] the BPE learned {vocab} tokens of the 300 asked (model.init's vocab_size)"
             in capsys.readouterr().err)
 
-
-def test_the_skip_summary_keeps_a_rewards_own_numbers(model_dir, task, caplog):
-    # the reason was matched with its "sample N: " prefix, so a reward's own message had its
-    # numbers turned to N ("ran past trainer.reward_timeout_s (N s)"); StreamRL's own reasons are
-    # still counted as one kind whatever their numbers
-    class Raises(CharTask):
-        def score(self, prompt, completion):
-            raise TypeError("compute_score() takes 2 positional arguments but 3 were given")
-
-    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=3)
-    w = TrainerWorker(TrainerConfig(), model_dir, Raises(task.base), device="cpu")
-    w.begin_iteration(0, prompts, groups)
-    with caplog.at_level(logging.WARNING, logger="streamrl.trainer"):
-        w.receive(samples)
-        w.step()
-    summary = [r.getMessage() for r in caplog.records if "iteration 0: skipped" in r.getMessage()]
-    assert len(summary) == 1
-    assert "6 x the task's score raised TypeError('compute_score() takes 2 positional arguments but 3 were given')" \
-        in summary[0]

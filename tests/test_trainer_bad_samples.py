@@ -327,3 +327,23 @@ def test_many_samples_skipped_for_one_reason_are_one_line_and_a_count(model_dir,
     assert len([m for m in msgs if " skips " in m]) == 1
     assert "trainer rank 0, iteration 0: skipped 5 x non-finite sampler logprobs" in msgs
     assert res.metrics["skipped_samples"] == 5
+
+
+def test_the_skip_summary_keeps_a_rewards_own_numbers(model_dir, base, rollouts, caplog):
+    # the reason was matched with its "sample N: " prefix, so a reward's own message had its
+    # numbers turned to N ("ran past trainer.reward_timeout_s (N s)"); StreamRL's own reasons are
+    # still counted as one kind whatever their numbers
+    class Raises(ScoreTask):
+        def score(self, prompt, completion):
+            raise TypeError("compute_score() takes 2 positional arguments but 3 were given")
+
+    samples, prompts, groups = rollouts
+    w = TrainerWorker(TrainerConfig(), model_dir, Raises(base), device="cpu")
+    w.begin_iteration(0, prompts, groups)
+    with caplog.at_level(logging.WARNING, logger="streamrl.trainer"):
+        w.receive(samples)
+        w.step()
+    summary = [r.getMessage() for r in caplog.records if "iteration 0: skipped" in r.getMessage()]
+    assert len(summary) == 1
+    said = "the task's score raised TypeError('compute_score() takes 2 positional arguments but 3 were given')"
+    assert f"{GROUPS * N} x {said}" in summary[0]
