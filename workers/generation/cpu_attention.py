@@ -163,6 +163,99 @@ static inline void values_avx(const float* sc, const C* vb, int64_t rs, int64_t 
 }
 #endif
 
+#if defined(STREAMRL_AVX2) && defined(__AVX512F__)
+#define STREAMRL_AVX512 1
+// An fp32 cache on an AVX-512 CPU: 16 floats a register, a pair of query heads at a time held
+// in registers for the whole block (the AVX2 loops reload q for every 4 rows, and read V once
+// per query head; here once per pair).
+static inline __m256 fold512(__m512 x) {
+  return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+// Scores of rows [0, nr): for each KV head, its query heads two at a time (a lone last head
+// is computed twice and stored once), 4 rows x 2 heads = 8 accumulators per step.
+template <int DH>
+static inline void scores_512(const float* qf, const float* kb, int64_t rs, int64_t nr, int64_t nkv,
+                              int64_t G, int64_t bs, float* sc, NextBlock& next) {
+  constexpr int V = DH / 16;
+  for (int64_t g = 0; g < nkv; ++g) {
+    for (int64_t j = 0; j < G; j += 2) {
+      const bool two = j + 1 < G;
+      const float* qa = qf + (g * G + j) * DH;
+      const float* qb = two ? qa + DH : qa;
+      __m512 va[V], vb[V];
+      for (int u = 0; u < V; ++u) va[u] = _mm512_loadu_ps(qa + 16 * u), vb[u] = _mm512_loadu_ps(qb + 16 * u);
+      float* sa = sc + (g * G + j) * bs;
+      float* sb = sa + bs;
+      const float* kg = kb + g * DH;
+      int64_t r = 0;
+      for (; r + 4 <= nr; r += 4) {
+        if (j == 0) next.step(kPrefetchPerScoreQuad);
+        const float* k0 = kg + r * rs;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int u = 0; u < V; ++u) {
+          const __m512 x0 = _mm512_loadu_ps(k0 + 16 * u), x1 = _mm512_loadu_ps(k0 + rs + 16 * u),
+                       x2 = _mm512_loadu_ps(k0 + 2 * rs + 16 * u), x3 = _mm512_loadu_ps(k0 + 3 * rs + 16 * u);
+          a0 = _mm512_fmadd_ps(va[u], x0, a0); a1 = _mm512_fmadd_ps(va[u], x1, a1);
+          a2 = _mm512_fmadd_ps(va[u], x2, a2); a3 = _mm512_fmadd_ps(va[u], x3, a3);
+          b0 = _mm512_fmadd_ps(vb[u], x0, b0); b1 = _mm512_fmadd_ps(vb[u], x1, b1);
+          b2 = _mm512_fmadd_ps(vb[u], x2, b2); b3 = _mm512_fmadd_ps(vb[u], x3, b3);
+        }
+        _mm_storeu_ps(sa + r, hsum4(fold512(a0), fold512(a1), fold512(a2), fold512(a3)));
+        if (two) _mm_storeu_ps(sb + r, hsum4(fold512(b0), fold512(b1), fold512(b2), fold512(b3)));
+      }
+      for (; r < nr; ++r) {
+        const float* kr = kg + r * rs;
+        __m512 a = _mm512_setzero_ps(), b = a;
+        for (int u = 0; u < V; ++u) {
+          const __m512 x = _mm512_loadu_ps(kr + 16 * u);
+          a = _mm512_fmadd_ps(va[u], x, a); b = _mm512_fmadd_ps(vb[u], x, b);
+        }
+        sa[r] = hsum(fold512(a));
+        if (two) sb[r] = hsum(fold512(b));
+      }
+    }
+  }
+}
+
+// acc_h += sum_r p_h[r] * v_r over rows [0, nr), query heads two at a time: each V row is
+// loaded once for both.
+template <int DH>
+static inline void values_512(const float* sc, const float* vb, int64_t rs, int64_t nr, int64_t nkv,
+                              int64_t G, int64_t bs, float* acc, NextBlock& next) {
+  constexpr int V = DH / 16;
+  for (int64_t g = 0; g < nkv; ++g) {
+    for (int64_t j = 0; j < G; j += 2) {
+      const bool two = j + 1 < G;
+      const float* pa = sc + (g * G + j) * bs;
+      const float* pb = two ? pa + bs : pa;
+      float* aa = acc + (g * G + j) * DH;
+      float* ab = aa + DH;
+      __m512 xa[V], xb[V];
+      for (int u = 0; u < V; ++u) {
+        xa[u] = _mm512_loadu_ps(aa + 16 * u);
+        xb[u] = two ? _mm512_loadu_ps(ab + 16 * u) : _mm512_setzero_ps();
+      }
+      const float* v0 = vb + g * DH;
+      for (int64_t r = 0; r < nr; ++r) {
+        if (j == 0 && (r & 3) == 0) next.step(kPrefetchPerValueQuad * G);
+        const __m512 ra = _mm512_set1_ps(pa[r]), rb = _mm512_set1_ps(pb[r]);
+        const float* vp = v0 + r * rs;
+        for (int u = 0; u < V; ++u) {
+          const __m512 v = _mm512_loadu_ps(vp + 16 * u);
+          xa[u] = _mm512_fmadd_ps(ra, v, xa[u]);
+          xb[u] = _mm512_fmadd_ps(rb, v, xb[u]);
+        }
+      }
+      for (int u = 0; u < V; ++u) {
+        _mm512_storeu_ps(aa + 16 * u, xa[u]);
+        if (two) _mm512_storeu_ps(ab + 16 * u, xb[u]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename C>
 static inline void scores_generic(const float* qf, const C* kb, int64_t rs, int64_t nr, int64_t nkv,
                                   int64_t G, int64_t Dh, int64_t bs, float* sc) {
@@ -232,8 +325,10 @@ static inline void touch(const C* p, int64_t rows, int64_t stride, int64_t bytes
 // software prefetch ahead of the loops was dropped because the CPU lets prefetches go when
 // its miss buffers are full (slower than the copy once DRAM bounds). Since session 29 the
 // next block is prefetched into L2 a few lines at a time through the arithmetic on the
-// current one (NextBlock), so the touch finds it there: memory and arithmetic overlap.
-// DH > 0 fixes the head size at compile time (64, 128: AVX2 paths where the CPU has them);
+// current one (NextBlock): memory and arithmetic overlap, and (since session 40) only the
+// blocks nothing prefetched are touched.
+// DH > 0 fixes the head size at compile time (64, 128: AVX2 paths where the CPU has them,
+// AVX-512 ones for an fp32 cache where it has those);
 // DH == 0 is generic.
 // T: q/out dtype; C: cache dtype.
 
@@ -258,12 +353,14 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       // A token whose neighbours in the batch belong to its sequence (a prefill chunk) reads
-      // blocks its neighbours just read (cache-resident). A lone token (decode) touches each
-      // block's rows before reading them (see above). When whole rows are read (split == 1, a
-      // decode batch of at least 2 tokens per thread), the block after the current one (the
-      // token's next, or the first of the thread's next token) is also prefetched during the
-      // current one's arithmetic (NextBlock): the touch then finds it in L2, and a token's
-      // first block, prefetched by the token before it, is not touched at all.
+      // blocks its neighbours just read (cache-resident). A lone token (decode) touches a
+      // block's rows before reading them (see above) when nothing prefetched it. When whole
+      // rows are read (split == 1, a decode batch of at least 2 tokens per thread), the block
+      // after the current one (the token's next, or the first of the thread's next token) is
+      // prefetched during the current one's arithmetic (NextBlock), and only a thread's first
+      // block is touched: touching the prefetched ones too (until session 40) cost as much as
+      // their arithmetic, measured on an Intel Sapphire Rapids VM (L3- and DRAM-resident K/V
+      // alike: 1.09-1.19x faster without).
       const bool lone = !((i > 0 && seq_of[i - 1] == seq_of[i]) || (i + 1 < ntok && seq_of[i + 1] == seq_of[i]));
       const bool first_prefetched = primed;
       primed = false;
@@ -272,7 +369,7 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
         const C* kp = kc + off;
         const C* vp = vc + off;
         NextBlock next;
-        if (lone && !(b == 0 && first_prefetched)) {
+        if (lone && (split > 1 || (b == 0 && !first_prefetched))) {  // not prefetched by NextBlock
           touch(kp, nr, row, rs * sizeof(C));
           touch(vp, nr, row, rs * sizeof(C));
         }
@@ -286,6 +383,15 @@ static void attend(const T* q, int64_t q_stride, const C* kc, const C* vc, const
             next.set(kc + off2, vc + off2, std::min(bs, n2 - b2 * bs) * row * static_cast<int64_t>(sizeof(C)));
           }
         }
+#ifdef STREAMRL_AVX512
+        if constexpr (DH > 0 && std::is_same_v<C, float>) {
+          scores_512<DH>(qf.data(), kp, row, nr, nkv, G, bs, sc.data(), next);
+          softmax_update(sc.data(), nr, nh, bs, Dh, m.data(), l.data(), acc.data());
+          values_512<DH>(sc.data(), vp, row, nr, nkv, G, bs, acc.data(), next);
+          next.rest();
+          continue;
+        }
+#endif
 #ifdef STREAMRL_AVX2
         if constexpr (DH > 0 && kVec<C>) {
           scores_avx<C, DH>(qf.data(), kp, row, nr, nkv, G, bs, sc.data(), next);
@@ -359,7 +465,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v10", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu_v11", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
