@@ -118,9 +118,10 @@ def check_staleness(mode: str, max_staleness: int | None) -> None:
 
 
 def _check_registries(cfg: Config) -> None:
-    """Names that select a registered implementation (task, dispatcher, ranker kind), the
-    dispatcher's options (building one is cheap and pure) and its profile file; a task's
-    kwargs are checked when the controller builds it, before any other work."""
+    """Names that select a registered implementation (task, engine backend and admission key,
+    dispatcher, ranker kind), the dispatcher's options (building one is cheap and pure) and its
+    profile file; a task's kwargs are checked when the controller builds it, before any other
+    work."""
     from controller.scheduling import DISPATCHERS, PTLProfile, make_dispatcher, runnable
     from workers.tasks.registry import task_factory
 
@@ -131,8 +132,11 @@ def _check_registries(cfg: Config) -> None:
     from workers.generation.admission import check_admission
     from workers.tasks.plugins import is_plugin
 
-    try:  # your own key: loaded and tried on a probe request
+    from workers.generation.factory import check_backend
+
+    try:  # your own key: loaded and tried on a probe request; your own engine: loaded, not built
         check_admission(cfg.engine.admission)
+        check_backend(cfg.engine.backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.dispatch.name not in DISPATCHERS and not is_plugin(cfg.dispatch.name):

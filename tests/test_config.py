@@ -49,6 +49,8 @@ def test_quickstart_loads_into_owner_classes():
                                                       "is not a file"),
     ({"engine": {"admission": "math:pi"}}, "engine.admission: 'math:pi' is a float, not a class or function"),
     ({"engine": {"admission": "os:getcwd"}}, "engine.admission 'os:getcwd' raised TypeError"),
+    ({"engine": {"backend": "sglang"}}, "engine.backend: must be one of ('native', 'vllm'), or module:Name"),
+    ({"engine": {"backend": "math:pi"}}, "engine.backend: 'math:pi' is a float, not a class or function"),
     ({"dispatch": {"name": "skew", "options": {"alphas": [1.5]}}}, "dispatch.options: skew dispatcher: every alpha"),
     ({"dispatch": {"name": "random", "options": {"order": "sjf"}}}, "dispatch.options: dispatcher order 'sjf'"),
     ({"dispatch": {"name": "random", "options": {"bogus": 1}}}, "dispatch.options: "),

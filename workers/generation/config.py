@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from workers.generation.admission import ADMISSION_POLICIES, valid_name
 from workers.generation.request_check import is_int
+from workers.tasks.plugins import is_plugin
 
 BACKEND_NAMES = ("native", "vllm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -42,8 +43,9 @@ class EngineConfig:
     layout (``panel_gemm.py``), other dtypes in oneDNN's; "auto" where the CPU has AVX-512 and
     the packer runs for the compute dtype; true forces it (refused at start where it
     cannot run); false keeps the plain GEMMs (less memory: o, down and lm_head are not held
-    twice). ``backend_options`` holds
-    backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``).
+    twice). ``backend``: "native", "vllm", or your own engine (``module:Name`` / ``file.py:Name``,
+    ``factory.py``). ``backend_options`` holds backend-specific settings (e.g. vLLM's
+    ``gpu_memory_utilization``; your engine's own).
     """
 
     backend: str = "native"
@@ -71,8 +73,8 @@ class EngineConfig:
         def bad(key: str, why: str):
             raise ValueError(f"engine.{key}: {why}, got {getattr(self, key)!r}")
 
-        if self.backend not in BACKEND_NAMES:
-            bad("backend", f"must be one of {BACKEND_NAMES}")
+        if self.backend not in BACKEND_NAMES and not (isinstance(self.backend, str) and is_plugin(self.backend)):
+            bad("backend", f"must be one of {BACKEND_NAMES}, or module:Name / file.py:Name of your own engine")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if not valid_name(self.admission):

@@ -1,12 +1,22 @@
 """make_engine: build a generation backend by name from an EngineConfig.
 
-``BACKENDS`` maps ``cfg.backend`` to a constructor ``(cfg, model_dir) -> Engine``. Optional
-backends import their dependencies inside the constructor, so ``import`` of this module never
-needs vLLM.
+``engine.backend`` names the constructor ``(cfg, model_dir) -> Engine``:
+
+* ``native``: this project's engine (``engine.py``);
+* ``vllm``: vLLM (``vllm_engine.py``; imported inside its constructor, so ``import`` of this
+  module never needs vLLM);
+* your own, ``module:Name`` or ``file.py:Name`` (as ``task.name``): a class (or function) called
+  with the ``EngineConfig`` and the HF model folder, whose result has the ``Engine`` Protocol's
+  methods (``workers/types.py``: ``add``, ``step``, ``has_work``, ``abort``, ``load_weights``,
+  ``set_max_batch_size``, ``stats``, ``close``, and a ``max_model_len``). Its settings go in
+  ``engine.backend_options``. Loaded, and a class's methods checked, when the config loads
+  (``check_backend``: one config error naming the key); what it builds is checked again.
+  ``tests/test_engine_conformance.py`` is the behaviour an engine owes the runtime.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable
 
 from workers.generation.config import EngineConfig
@@ -20,21 +30,52 @@ def _native(cfg: EngineConfig, model_dir: str) -> Engine:
 
 
 def _vllm(cfg: EngineConfig, model_dir: str) -> Engine:
-    # workers/generation/vllm_engine.py (engineer H) provides VLLMEngine(cfg, model_dir)
     from workers.generation.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, model_dir)
 
 
 BACKENDS: dict[str, Callable[[EngineConfig, str], Engine]] = {"native": _native, "vllm": _vllm}
+# what the runtime calls on an engine (the Engine Protocol's methods)
+ENGINE_METHODS = ("add", "step", "has_work", "abort", "load_weights", "set_max_batch_size", "stats", "close")
+
+
+def _missing(obj) -> list[str]:
+    return [m for m in ENGINE_METHODS if not callable(getattr(obj, m, None))]
+
+
+def engine_factory(name: str) -> Callable[[EngineConfig, str], Engine]:
+    """The constructor ``engine.backend: name`` selects: a built-in one, or your own loaded
+    (a ValueError naming ``engine.backend``; a class missing an Engine method is one too)."""
+    if name in BACKENDS:
+        return BACKENDS[name]
+    from workers.tasks.plugins import is_plugin, load_plugin
+
+    if not is_plugin(name):
+        raise ValueError(f"engine.backend: {name!r} is not one of {sorted(BACKENDS)}, nor module:Name / "
+                         "file.py:Name of your own engine")
+    factory = load_plugin(name, "engine.backend")
+    if inspect.isclass(factory) and (missing := _missing(factory)):
+        raise ValueError(f"engine.backend: {name!r} is a class without {', '.join(missing)}: an engine needs the "
+                         f"Engine Protocol's methods ({', '.join(ENGINE_METHODS)}; workers/types.py)")
+    return factory
+
+
+def check_backend(name: str) -> None:
+    """``engine.backend`` loads (your own: imported, a class's methods checked); nothing is built."""
+    engine_factory(name)
 
 
 def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None) -> Engine:
     """Engine of backend ``cfg.backend`` over the HF model folder ``model_dir``.
     ``eos_ids`` (int or ints) overrides ``cfg.eos_ids`` and the model config's EOS."""
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"engine.backend: {cfg.backend!r} is not one of {sorted(BACKENDS)}")
+    factory = engine_factory(cfg.backend)
     if eos_ids is not None:
         eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
         cfg = dataclasses.replace(cfg, eos_ids=eos)
-    return BACKENDS[cfg.backend](cfg, model_dir)
+    engine = factory(cfg, model_dir)
+    missing = _missing(engine) + ([] if isinstance(getattr(engine, "max_model_len", None), int) else ["max_model_len"])
+    if missing:
+        raise TypeError(f"engine.backend: {cfg.backend!r} built a {type(engine).__name__}, which has no "
+                        f"{', '.join(missing)} (the Engine Protocol, workers/types.py)")
+    return engine

@@ -1,6 +1,6 @@
 """Whether this rank can run the configured engine, asked by the controller before any engine
 is built (``controller.world.check_engine``): a CPU-only torch under ``engine.device: cuda``,
-vLLM missing under ``engine.backend: vllm``, or ``attention_backend: triton`` on a CPU is one
+vLLM missing under ``engine.backend: vllm``, your own engine not loading there, or ``attention_backend: triton`` on a CPU is one
 config error naming the key, not a traceback from every instance's constructor."""
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def engine_problem(cfg: EngineConfig, where: str) -> str | None:
 
             return f"engine.backend: 'vllm', but on {where}: {INSTALL_HINT}"
         return None  # vLLM picks its own attention
+    if cfg.backend != "native":  # your own engine: it loads here (its device and attention are its own)
+        from workers.generation.factory import engine_factory
+
+        try:
+            engine_factory(cfg.backend)
+        except ValueError as e:
+            return f"{e} (on {where})"
+        return None
     if cfg.attention_backend == "cpu" and device.type != "cpu":
         return (f"engine.attention_backend: 'cpu' is the CPU kernel, but the engine on {where} runs on "
                 f"{device}; use 'auto'")
