@@ -174,10 +174,10 @@ def _check_ranker(r: RankerSection) -> None:
     ranker already saved at ``path`` is of that kind (it is what the run loads)."""
     from ranker.store import build
 
-    try:  # (the kind itself is checked first, by RankerSection)
+    try:  # (the kind's name is checked first, by RankerSection; your own class loads here)
         model = build(r.kind, **dict(r.options))
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"ranker.options: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith("ranker.kind") else f"ranker.options: {e}") from None
     if r.bootstrap_prompts < model.min_rows and not (Path(r.path) / "meta.json").exists():
         raise ConfigError(f"ranker.bootstrap_prompts: {r.bootstrap_prompts}, but a {r.kind} ranker with these "
                           f"options fits on at least {model.min_rows} prompts (raise it, or lower "

@@ -39,18 +39,48 @@ def _ensemble():
 
 # kind -> ranker class (imported lazily so the LightGBM path never imports torch).
 KINDS: dict[str, Callable[[], type]] = {"lgbm": _lgbm, "lm": _lm, "ensemble": _ensemble}
+# what the run, save and load call on a ranker of your own (``ranker.base.LogLengthRanker``
+# gives ``predict`` and ``save``; ``load_files`` is a classmethod)
+RANKER_MEMBERS = ("fit", "update", "predict", "min_rows", "fitted", "save_files", "load_files", "meta")
+
+
+def is_kind(kind) -> bool:
+    """A built-in kind, or the form of your own (``module:Name`` / ``file.py:Name``)."""
+    from workers.tasks.plugins import is_plugin
+
+    return kind in KINDS or (isinstance(kind, str) and is_plugin(kind))
 
 
 def _cls(kind: str) -> type:
+    if kind in KINDS:
+        return KINDS[kind]()
+    from workers.tasks.plugins import is_plugin, load_plugin
+
+    if not isinstance(kind, str) or not is_plugin(kind):
+        raise ValueError(f"unknown ranker kind {kind!r}: expected one of {sorted(KINDS)}, or module:Name / "
+                         "file.py:Name of your own")
+    cls = load_plugin(kind, "ranker.kind")
+    missing = [m for m in RANKER_MEMBERS if not hasattr(cls, m)] if isinstance(cls, type) else None
+    if missing is None or missing:
+        what = f"a class without {', '.join(missing)}" if missing else "not a class"
+        raise ValueError(f"ranker.kind: {kind!r} is {what}: a ranker of your own is a class with "
+                         f"{', '.join(RANKER_MEMBERS)} (subclass ranker.base.LogLengthRanker; docs/ranker.md)")
+    return cls
+
+
+def _named(model, kind: str):
+    """``model`` with ``kind`` set to the name it was built or loaded by (your own class's
+    ``module:Name``: what its saved folder's meta.json records, and the run compares)."""
     if kind not in KINDS:
-        raise ValueError(f"unknown ranker kind {kind!r}: expected one of {sorted(KINDS)}")
-    return KINDS[kind]()
+        model.kind = kind
+    return model
 
 
 def build(kind: str = "lgbm", **kw):
     """A fresh, unfitted ranker: ``build("lgbm", rounds=200)``; keyword arguments are the
-    kind's config fields (``LgbmConfig``, ``LmConfig``, ``EnsembleConfig``)."""
-    return _cls(kind)(**kw)
+    kind's config fields (``LgbmConfig``, ``LmConfig``, ``EnsembleConfig``; your own class's
+    constructor arguments)."""
+    return _named(_cls(kind)(**kw), kind)
 
 
 def save(ranker, path: str | Path) -> Path:
@@ -180,8 +210,9 @@ def _read_meta(path: Path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format_version {meta.get('format_version')!r}, this code reads "
                          f"{FORMAT_VERSION}; retrain with `python -m ranker train`")
-    if meta.get("kind") not in KINDS:
-        raise ValueError(f"{meta_path}: unknown ranker kind {meta.get('kind')!r}: expected one of {sorted(KINDS)}")
+    if not is_kind(meta.get("kind")):
+        raise ValueError(f"{meta_path}: unknown ranker kind {meta.get('kind')!r}: expected one of {sorted(KINDS)}, "
+                         "or module:Name / file.py:Name of your own")
     return meta
 
 
@@ -194,8 +225,9 @@ def load(path: str | Path):
     path = Path(path)
     meta = _read_meta(path)
     _verify(path, meta.get("files"))
+    cls = _cls(meta["kind"])  # your own class that no longer loads: its ValueError names it
     try:
-        return _cls(meta["kind"]).load_files(path, meta)
+        return _named(cls.load_files(path, meta), meta["kind"])
     except FeatureMismatchError:
         raise
     except Exception as e:  # any parse failure of a damaged/hand-edited folder: name the folder
