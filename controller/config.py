@@ -155,6 +155,9 @@ class TrainSection:
     top_k: int = ranged(0, Range(-1, note="0 or -1: off"))
     top_p: float = ranged(1.0, Range(0, 1, open_lo=True, note="1: off"))
     eval_every: int = ranged(0, Range(0, note="0: never"))
+    # an evaluation of the starting weights before a fresh run's first iteration (verl's
+    # val_before_train), logged at step -1: the one after iteration i is at step i
+    eval_before_train: bool = False
     eval_prompts: int = ranged(32, Range(0, note="0: the whole test split"))
     eval_samples: int = ranged(1, Range(1))  # generations per eval prompt (verl's val_kwargs.n)
     # 0: greedy (verl's val_kwargs.temperature / do_sample)
@@ -178,6 +181,11 @@ class TrainSection:
 
     def __post_init__(self):
         _path_key(self, "train", "length_trace")
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates on its own (the test split is checked at start)."""
+        return bool(self.eval_every or self.eval_before_train)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ VERL_KEYS = {
     "val_files": "task.kwargs.files", "train_batch_size": "train.batch_prompts",
     "max_response_length": "train.max_tokens", "total_training_steps": "train.iterations",
     "save_freq": "train.ckpt_every", "test_freq": "train.eval_every", "adv_estimator": "trainer.algorithm",
+    "val_before_train": "train.eval_before_train",
     "max_actor_ckpt_to_keep": "train.ckpt_keep",
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
@@ -57,7 +58,6 @@ VERL_NOTES = {
     "total_epochs": "set train.iterations = epochs x rows / train.batch_prompts (trainer.total_steps is the "
                     "LR schedule's length, not the run's)",
     "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
-    "val_before_train": "the first evaluation comes after train.eval_every iterations",
     "reward_model": "no model-based reward model; rewards come from task.kwargs.verifier (a rule, or a function "
                     "of yours, which may call a reward model itself); verl's reward_manager prime (a process pool "
                     "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s; reward_manager "

@@ -257,8 +257,8 @@ def chat_without_template_note(prompts: Sequence[TaskPrompt], has_chat_template:
 
 def check_task(task, train, task_name: str, context: int, encode: Callable[[TaskPrompt], Sequence[int]],
                vocab_size: int = 0) -> tuple[FittingTask, ContextNeed]:
-    """The run's start check: ``task``'s train split (and test split, when ``train.eval_every``
-    evaluates; a REPL ``eval`` of a run without it reads it then) against the engines' smallest
+    """The run's start check: ``task``'s train split (and test split, when ``train.eval_every`` or
+    ``eval_before_train`` evaluates; a REPL ``eval`` of a run without it reads it then) against the engines' smallest
     ``context``, under ``train``'s ``overlong_prompts`` / ``max_prompt_tokens``. Returns the task
     seen through the kept prompts and what a joining instance must hold; an over-long prompt
     (``error``), a split left empty, the task's data (a file, a line, a field) raise
@@ -267,7 +267,7 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
 
     need = ContextNeed(context, train.max_tokens)
     kept = {}
-    for split in ("train", "test") if train.eval_every else ("train",):
+    for split in ("train", "test") if train.evaluates else ("train",):
         try:
             kept[split], dropped = fitting_prompts(task_prompts(task, split), encode, context, split, train.overlong_prompts,
                                                    train.max_prompt_tokens, need, vocab_size)
@@ -281,9 +281,10 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
                   f"or with no room for an output token in max_model_len {context} "
                   f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})", file=sys.stderr, flush=True)
         if not kept[split]:
+            key = "eval_every" if train.eval_every else "eval_before_train"
             raise ConfigError(f"train.overlong_prompts skip: every {split} prompt is over-long (longer than "
                               f"train.max_prompt_tokens, or no room for an output token in the engines' "
-                              f"context of {context} tokens)" + (": train.eval_every would evaluate nothing"
+                              f"context of {context} tokens)" + (f": train.{key} would evaluate nothing"
                                                                  if split == "test" else ""))
     if need.longest + need.max_tokens > context:  # vLLM refuses to start here; verl asks prompt + response
         print(f"[controller] the engines' context (max_model_len) is {context} tokens: the longest kept prompt, "

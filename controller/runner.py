@@ -75,7 +75,7 @@ class Session:
         except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
             raise ConfigError(str(e)) from None
         # its data read and checked once, before the SFT
-        self.task = checked_task(task, cfg.task.name, ("train", "test") if cfg.train.eval_every else ("train",))
+        self.task = checked_task(task, cfg.task.name, ("train", "test") if cfg.train.evaluates else ("train",))
         if cfg.model.init and not (Path(cfg.model.path) / "config.json").exists():  # the bootstrap's SFT will run
             check_demonstrations(task, cfg.task.name)
         length_of = (forced_lengths(cfg.train.length_trace, cfg.train.length_scale, cfg.train.max_tokens)
@@ -216,6 +216,14 @@ class Session:
                   f"reward {res.metrics.get('reward_mean', 0):.3f}, {int(res.metrics.get('num_samples', 0))} "
                   f"samples, {derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
+    def _eval_before_train(self) -> None:
+        """``train.eval_before_train``: the starting weights' scores, at step -1."""
+        logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts), -1)
+        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()
+                           if k.startswith("eval/"))
+        print(f"[controller] evaluation before training (weight version {logged.get('weight_version', 0)}, "
+              f"{logged['prompts']} prompts): {scores}", file=sys.stderr, flush=True)
+
     def save_checkpoint(self, next_iteration: int) -> Path:
         state = ckpt.ControllerState(next_iteration, self.program.version,
                                      self.program.stream_state_at(next_iteration),
@@ -260,6 +268,8 @@ class Session:
 
             Repl(self).loop(sys.stdin, sys.stdout)
         elif remaining > 0:
+            if c.train.eval_before_train and self.program.iteration == 0:  # a resumed run has its evaluations
+                self._eval_before_train()
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

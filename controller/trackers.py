@@ -7,7 +7,9 @@ goes to each tracker too, at the same step (the iteration).
   the resolved config as the run's config. Its id is kept in ``<logdir>/wandb_run_id``, so a
   ``--resume`` (or a torchrun restart) continues the same run; steps logged again after a restart
   from an older checkpoint are dropped by wandb (its steps only increase), where TensorBoard
-  replaces them. A run that stops on an error ends failed (exit code 1). wandb's files go under
+  replaces them; ``train.eval_before_train``'s evaluation (TensorBoard's step -1) is in step 0's
+  row, where the one after iteration 0 (``train.eval_every: 1``) replaces it. A run that stops on
+  an error ends failed (exit code 1). wandb's files go under
   ``<logdir>/wandb``. ``WANDB_MODE=offline`` keeps the run on disk: clusters without internet;
   each attempt writes an ``offline-run-*`` folder of its own with the same id, and one ``wandb
   sync <logdir>/wandb/offline-run-*`` uploads them as one run, in order of start time.
@@ -61,7 +63,8 @@ class WandbTracker:
                               "WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)") from None
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log(scalars, step=step)
+        # wandb's steps start at 0: train.eval_before_train's step -1 goes in step 0's row
+        self.run.log(scalars, step=max(step, 0))
 
     def close(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)  # non-zero: the run shows as failed, not finished

@@ -136,9 +136,10 @@ def _start_check(eval_every: int, policy: str, context: int, splits: dict):
     """``check_task`` as the runner calls it; the tokenizer a word counter."""
     from types import SimpleNamespace
 
+    from controller.config import TrainSection
     from controller.prompt_check import check_task
 
-    train = SimpleNamespace(eval_every=eval_every, overlong_prompts=policy, max_prompt_tokens=0, max_tokens=8)
+    train = TrainSection(eval_every=eval_every, overlong_prompts=policy, max_tokens=8)
     return check_task(SimpleNamespace(prompts=lambda split: splits[split]), train, "t", context,
                       lambda item: [0] * len(item.prompt.split()))
 
