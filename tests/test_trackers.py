@@ -77,6 +77,10 @@ def test_every_scalar_reaches_a_wandb_run_and_a_resume_continues_it(tmp_path, mo
     config = {"trainer": {"lr": 0.0003}, "logging": {"trackers": ["wandb"]}}
     m = Metrics(tmp_path, timeline_every=0,
                 trackers=make_trackers(("wandb",), tmp_path, "streamrl-test", "", config))
+    # train.eval_before_train's evaluation (step -1) goes in step 0's row (wandb's first);
+    # the one after iteration 0 replaces what both have (eval/mean), not what it lacks (best@2)
+    m.log_eval(EvalResult({"eval/mean": 0.1, "eval/best@2": 0.3}, prompts=4, requested=4, split=16,
+                          samples=2, seconds=0.1, started=0.0), -1)
     m.log_iteration(_res(0, 0.25), [])
     m.log_eval(EvalResult({"eval/mean": 0.5, "eval/sum": 0.5}, prompts=4, requested=4, split=16,
                           samples=1, seconds=0.2, started=0.0), 0)
@@ -87,6 +91,7 @@ def test_every_scalar_reaches_a_wandb_run_and_a_resume_continues_it(tmp_path, mo
     steps = _history(tmp_path)
     assert steps[0]["train/reward_mean"] == 0.25 and steps[1]["train/reward_mean"] == 0.75
     assert steps[0]["eval/mean"] == 0.5 and steps[0]["time/eval_s"] == 0.2  # the eval, merged into its step
+    assert steps[0]["eval/best@2"] == 0.3 and -1 not in steps
     assert steps[1]["perf/samples_per_s"] == 8.0  # the derived scalars too, as TensorBoard's
     run = next(r.run for f in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb") for r in _records(f)
                if r.WhichOneof("record_type") == "run")
