@@ -1,7 +1,9 @@
 """Every Engine backend behaves the same through make_engine: streaming finished samples,
 forced lengths, refusals, in-place weights with versions, batch cap, stats, abort.
-The "vllm" case skips (with the reason) when vLLM is not importable."""
+The "vllm" case skips (with the reason) when vLLM is not importable. Your own engine
+(``engine.backend: module:Name``) runs the same tests with ``STREAMRL_TEST_ENGINE=module:Name``."""
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -31,7 +33,9 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture(params=["native", "vllm"])
+# your own engine, checked against the same behaviour: STREAMRL_TEST_ENGINE=my_pkg.mod:MyEngine
+# (or path/engine.py:MyEngine) python -m pytest tests/test_engine_conformance.py
+@pytest.fixture(params=["native", "vllm", *filter(None, [os.environ.get("STREAMRL_TEST_ENGINE")])])
 def backend(request):
     if request.param == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (bash scripts/install_vllm.sh): the vLLM backend is optional")

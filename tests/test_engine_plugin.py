@@ -78,6 +78,21 @@ class NoAbort:
 
 def not_an_engine(cfg, model_dir):
     return object()
+
+
+class Forwarding:
+    """Methods reached through __getattr__ (a proxy): only the built object can be checked."""
+
+    def __init__(self, cfg, model_dir):
+        self._inner = Recording(cfg, model_dir)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class DictStats(Recording):
+    def stats(self):
+        return vars(self.inner.stats())
 '''
 
 
@@ -109,6 +124,33 @@ def test_your_own_engine_is_built_with_the_config_and_generates(tmp_path, plugin
     mine.close()
     assert [c["call"] for c in _calls(log)] == ["built", "add", "close"]
     assert _calls(log)[0] == {"call": "built", "model_dir": str(folder), "max_batch_size": 8}
+
+
+def test_a_forwarding_engine_is_checked_once_built(tmp_path, plugin):
+    from test_engine import MODEL
+
+    folder = tmp_path / "model"
+    save_pretrained(MODEL, folder)
+    cfg = dict(block_size=4, kv_cache_tokens=4096, device="cpu", dtype="float32",
+               backend_options={"log": str(tmp_path / "calls.jsonl")})
+    check_backend(f"{plugin}:Forwarding")  # no class-level methods: not refused at load
+    eng = make_engine(EngineConfig(backend=f"{plugin}:Forwarding", **cfg), str(folder))
+    out = generate_all(eng, [Request(sample_id=0, prompt_ids=torch.arange(1, 5), max_tokens=3,
+                                     sampling=SamplingParams(temperature=0.0))])
+    assert len(out[0].output_ids) == 3
+    with pytest.raises(TypeError, match=r"engine.backend: '.*:DictStats': stats\(\) returned a dict, not a "
+                                        r"workers.types.EngineStats"):
+        make_engine(EngineConfig(backend=f"{plugin}:DictStats", **cfg), str(folder))
+
+
+def test_a_generation_rank_that_cannot_load_your_engine_says_so(plugin):
+    from workers.generation.support import engine_problem
+
+    said = engine_problem(EngineConfig(backend="no_such_pkg:Engine"), "rank 1 (generation)")
+    assert said.startswith("engine.backend: cannot import 'no_such_pkg'") and said.endswith("(on rank 1 (generation))")
+    # the native engine's attention and device checks are not your engine's
+    assert engine_problem(EngineConfig(backend=f"{plugin}:Recording", device="cpu", attention_backend="triton"),
+                          "rank 1 (generation)") is None
 
 
 def test_an_engine_that_is_not_one_is_refused_naming_the_key(plugin):

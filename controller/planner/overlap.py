@@ -22,13 +22,13 @@ def generate_timer(engine_cfg, model_dir: str, out_lens: list[int], prompt_lens:
     """A callable: seconds of one ``GenerationInstance.generate`` over requests of these shapes
     (forced lengths, random prompt ids in [3, vocab)), samples pickled as the RPC would."""
     from controller.instance import GenerationInstance
-    from controller.planner.host import PickleReceiver, synthetic_requests
+    from controller.planner.host import PickleReceiver, model_vocab, synthetic_requests
 
     if not out_lens or len(out_lens) != len(prompt_lens):
         raise ValueError(f"generate_timer: {len(out_lens)} out_lens, {len(prompt_lens)} prompt_lens")
     gen = torch.Generator().manual_seed(seed)
     inst = GenerationInstance(0, engine_cfg, model_dir, stream_window_s=window_s)
-    vocab = min(vocab, inst.engine.vocab_size)  # an in-process BPE may hold fewer tokens
+    vocab = min(vocab, model_vocab(model_dir))  # an in-process BPE may hold fewer tokens
     sink = PickleReceiver()
     inst.trainers = [sink]
     next_id = [90_000_000]

@@ -110,8 +110,8 @@ class EngineConfig:
         if self.device and (kind not in ("cpu", "cuda") or _ and not index.isdigit()):
             bad("device", "must be '', 'cpu', 'cuda' or 'cuda:N'")
         if self.backend == "native" and self.backend_options:
-            bad("backend_options", "is read by the vllm backend only (vLLM's own EngineArgs); the native "
-                                   "engine's settings are engine.* keys (docs/engine.md)")
+            bad("backend_options", "is read by the vllm backend (vLLM's own EngineArgs) and by your own engine; "
+                                   "the native engine's settings are engine.* keys (docs/engine.md)")
         if self.eos_ids is not None:
             if not isinstance(self.eos_ids, tuple) or not all(
                     is_int(e) and e >= 0 for e in self.eos_ids):

@@ -8,9 +8,10 @@
 * your own, ``module:Name`` or ``file.py:Name`` (as ``task.name``): a class (or function) called
   with the ``EngineConfig`` and the HF model folder, whose result has the ``Engine`` Protocol's
   methods (``workers/types.py``: ``add``, ``step``, ``has_work``, ``abort``, ``load_weights``,
-  ``set_max_batch_size``, ``stats``, ``close``, and a ``max_model_len``). Its settings go in
-  ``engine.backend_options``. Loaded, and a class's methods checked, when the config loads
-  (``check_backend``: one config error naming the key); what it builds is checked again.
+  ``set_max_batch_size``, ``stats`` returning an ``EngineStats``, ``close``, and a
+  ``max_model_len``). Its settings go in ``engine.backend_options``. Loaded, and a class's
+  methods checked, when the config loads (``check_backend``: one config error naming the key);
+  what it builds is checked again (``_check_built``).
   ``tests/test_engine_conformance.py`` is the behaviour an engine owes the runtime.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import inspect
 from typing import Callable
 
 from workers.generation.config import EngineConfig
-from workers.types import Engine
+from workers.types import Engine, EngineStats
 
 
 def _native(cfg: EngineConfig, model_dir: str) -> Engine:
@@ -55,9 +56,11 @@ def engine_factory(name: str) -> Callable[[EngineConfig, str], Engine]:
         raise ValueError(f"engine.backend: {name!r} is not one of {sorted(BACKENDS)}, nor module:Name / "
                          "file.py:Name of your own engine")
     factory = load_plugin(name, "engine.backend")
-    if inspect.isclass(factory) and (missing := _missing(factory)):
+    # (a class that forwards with __getattr__ has its methods on each object only: checked once built)
+    if inspect.isclass(factory) and not hasattr(factory, "__getattr__") and (missing := _missing(factory)):
         raise ValueError(f"engine.backend: {name!r} is a class without {', '.join(missing)}: an engine needs the "
-                         f"Engine Protocol's methods ({', '.join(ENGINE_METHODS)}; workers/types.py)")
+                         f"Engine Protocol's methods ({', '.join(ENGINE_METHODS)}; workers/types.py; methods set "
+                         "on each object in __init__: name a function that builds it)")
     return factory
 
 
@@ -74,8 +77,20 @@ def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None) -> Engine:
         eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
         cfg = dataclasses.replace(cfg, eos_ids=eos)
     engine = factory(cfg, model_dir)
+    if cfg.backend not in BACKENDS:
+        _check_built(engine, cfg.backend)
+    return engine
+
+
+def _check_built(engine, name: str) -> None:
+    """What your own engine built has the Protocol's methods and ``max_model_len``, and its
+    ``stats()`` is an ``EngineStats`` (the runtime reads its fields): else a TypeError naming it."""
     missing = _missing(engine) + ([] if isinstance(getattr(engine, "max_model_len", None), int) else ["max_model_len"])
     if missing:
-        raise TypeError(f"engine.backend: {cfg.backend!r} built a {type(engine).__name__}, which has no "
+        raise TypeError(f"engine.backend: {name!r} built a {type(engine).__name__}, which has no "
                         f"{', '.join(missing)} (the Engine Protocol, workers/types.py)")
-    return engine
+    stats = engine.stats()
+    if not isinstance(stats, EngineStats):
+        raise TypeError(f"engine.backend: {name!r}: stats() returned a {type(stats).__name__}, not a "
+                        "workers.types.EngineStats (the runtime reads its running, waiting, KV block and "
+                        "preemption counts)")

@@ -18,7 +18,8 @@ def cuda_devices() -> int:
 
 def engine_problem(cfg: EngineConfig, where: str) -> str | None:
     """What keeps this rank from building ``cfg``'s engine, as a config error naming the key
-    (``where``: e.g. "rank 1 (generation)"), or None. Nothing is built or loaded."""
+    (``where``: e.g. "rank 1 (generation)"), or None. Nothing is built or loaded, but your own
+    engine's module (``engine.backend: module:Name``) is imported."""
     n = cuda_devices()
     if cfg.device.startswith("cuda"):
         index = int(cfg.device.partition(":")[2] or 0)
