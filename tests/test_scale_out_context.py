@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from controller.config import TrainSection
 from controller.prompt_check import ContextNeed, ContextTooSmall, fitting_prompts
 from controller.rpc import WorkerFailed, WorkerHandle
 from controller.scheduling import make_dispatcher
@@ -96,8 +97,7 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
     sgs = _sgs()
     sgs.add(_instance(1, 1024, tiny_model, sink))
     s = runner.Session.__new__(runner.Session)
-    s.cfg = SimpleNamespace(train=SimpleNamespace(eval_every=0, overlong_prompts="skip", max_prompt_tokens=0,
-                                                  max_tokens=8),
+    s.cfg = SimpleNamespace(train=TrainSection(overlong_prompts="skip", max_tokens=8),
                             placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0),
                             task=SimpleNamespace(name="t"))
     s.world = SimpleNamespace(sgs=sgs)
