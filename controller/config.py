@@ -110,11 +110,13 @@ class RankerSection:
     options: dict = field(default_factory=dict)  # the bootstrapped ranker's config (ranker.build)
 
     def __post_init__(self):
-        from ranker.store import KINDS, is_kind  # (a registry of names: imports no model code)
+        from ranker.store import KINDS, canonical_kind, is_kind  # (a registry of names: imports no model code)
 
         if self.kind != "none" and not is_kind(self.kind):  # before the path: a typo here is what is wrong
             raise ConfigError(f"ranker.kind: {self.kind!r} is not one of {['none', *sorted(KINDS)]}, nor "
                               f"module:Name / file.py:Name of your own{key_hint(self.kind, KINDS)}")
+        if self.kind != "none":  # your own file.py:Name with its absolute path, as saved folders record it
+            object.__setattr__(self, "kind", canonical_kind(self.kind))
         _path_key(self, "ranker", "path")
         if self.kind != "none" and not self.path:
             raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "

@@ -166,21 +166,27 @@ def _check_registries(cfg: Config) -> None:
         # long-tail class (~2x round_robin's makespan in a simulation of a lognormal batch)
         raise ConfigError(f"dispatch.name: {cfg.dispatch.name} dispatches on output-length estimates, and "
                           "ranker.kind: none gives every request the same one (max_tokens); set ranker.kind "
-                          "(lgbm, lm, ensemble) or use round_robin")
+                          "(lgbm, lm, ensemble, or your own class) or use round_robin")
 
 
 def _check_ranker(r: RankerSection) -> None:
     """The kind is registered, its options build a ranker (cheap: a config, no model), and a
     ranker already saved at ``path`` is of that kind (it is what the run loads)."""
-    from ranker.store import build
+    from ranker.store import KINDS, build
 
     try:  # (the kind's name is checked first, by RankerSection; your own class loads here)
         model = build(r.kind, **dict(r.options))
+        min_rows = model.min_rows
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e) if str(e).startswith("ranker.kind") else f"ranker.options: {e}") from None
-    if r.bootstrap_prompts < model.min_rows and not (Path(r.path) / "meta.json").exists():
+    except Exception as e:  # noqa: BLE001 - your own class's constructor: one line, not a traceback per rank
+        if r.kind in KINDS:
+            raise
+        raise ConfigError(f"ranker.kind: {r.kind!r}: building it with ranker.options {dict(r.options)} failed "
+                          f"({type(e).__name__}: {e})") from None
+    if r.bootstrap_prompts < min_rows and not (Path(r.path) / "meta.json").exists():
         raise ConfigError(f"ranker.bootstrap_prompts: {r.bootstrap_prompts}, but a {r.kind} ranker with these "
-                          f"options fits on at least {model.min_rows} prompts (raise it, or lower "
+                          f"options fits on at least {min_rows} prompts (raise it, or lower "
                           "min_child_samples in ranker.options for lgbm)")
     try:  # a damaged folder is reported by the ranker's own load, naming the file
         saved = json.loads((Path(r.path) / "meta.json").read_text(encoding="utf-8")).get("kind")

@@ -63,7 +63,8 @@ def _holds_run(logdir: Path) -> bool:
     if logdir.is_file():  # (ckpt.find would say it as a --resume problem)
         raise ConfigError(f"logging.logdir: {logdir} is a file; a run writes its logs and checkpoints into a "
                           "folder: give a folder's path (it is created if missing)")
-    return ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
+    # (eval.jsonl alone: train.eval_before_train's row of a run that stopped in its first iteration)
+    return ckpt.find(logdir) is not None or any((logdir / f).exists() for f in ("iterations.jsonl", "eval.jsonl"))
 
 
 def _other_run(logdir: Path, resume: str) -> Path | None:
@@ -117,7 +118,7 @@ def refuse_previous_run(logdir: Path, why: str = "") -> None:
     if not _holds_run(logdir):
         return
     found = ckpt.find(logdir)
-    what = f"checkpoints up to {found.name}" if found else "iterations.jsonl"
+    what = f"checkpoints up to {found.name}" if found else "rows in iterations.jsonl / eval.jsonl"
     if is_restart():  # torchrun --max-restarts restarted the job: the folder is this job's own
         raise ConfigError(f"{why}logging.logdir: {logdir} already holds a run ({what}) and this is torchrun's "
                           f"restart of the job, launched without --resume: launch with --resume {logdir} "

@@ -45,7 +45,10 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
     path = Path(r.path)
     resumed = resumed_from / "ranker" if resumed_from else None
     if resumed is not None and (resumed / "meta.json").exists():  # updated online (update_every)
-        kept = ranker.load(resumed)
+        try:
+            kept = ranker.load(resumed)
+        except (OSError, ValueError) as e:  # a damaged folder, your own class no longer importable
+            raise ConfigError(f"ranker: the checkpoint resumed from holds a ranker that does not load ({e})") from None
         if kept.kind != r.kind:
             raise ConfigError(f"ranker.kind: {r.kind!r}, but the checkpoint resumed from holds a {kept.kind!r} "
                               f"ranker ({resumed}); set ranker.kind: {kept.kind} to resume")
@@ -60,7 +63,7 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
     with span():
         try:
             model = ranker.bootstrap(measure_lengths, prompts, n=r.bootstrap_prompts, kind=r.kind,
-                                     sample_seed=cfg.train.seed, **dict(r.options))
+                                     sample_seed=cfg.train.seed, options=dict(r.options))
         except TooFewRows as e:  # fewer train prompts than the kind fits on (before any generation)
             raise ConfigError(f"ranker.bootstrap_prompts: {e}") from None
         ranker.save(model, path)

@@ -220,7 +220,9 @@ class Session:
         """``train.eval_before_train``: the starting weights' scores, at step -1."""
         logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts), -1)
         scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()
-                           if k.startswith("eval/"))
+                           if k.startswith("eval/") and k != "eval/unscored")
+        if logged.get("eval/unscored"):
+            scores += f"{', ' if scores else ''}{int(logged['eval/unscored'])} samples unscored"
         print(f"[controller] evaluation before training (weight version {logged.get('weight_version', 0)}, "
               f"{logged['prompts']} prompts): {scores}", file=sys.stderr, flush=True)
 

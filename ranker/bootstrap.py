@@ -43,9 +43,11 @@ def measure(generate: GenerateFn, prompts: Sequence[str], chunk: int = 64) -> li
 
 
 def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: str = "lgbm",
-              sample_seed: int = 0, chunk: int = 64, **kw):
+              sample_seed: int = 0, chunk: int = 64, options: dict | None = None, **kw):
     """Sample ``n`` prompts (drawn with ``sample_seed``), measure them with ``generate``, fit a
-    ``kind`` ranker (config keywords ``kw``, its own ``seed`` among them) and return it (fitted)."""
+    ``kind`` ranker (config keywords ``options`` and ``kw``, its own ``seed`` among them; in
+    ``options`` a keyword may share a name with this function's: ``n``, ``chunk``, ...) and
+    return it (fitted)."""
     from ranker.store import build
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 2:
@@ -53,7 +55,7 @@ def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: 
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"bootstrap chunk must be an int >= 1, got {chunk!r}")
     prompts = as_prompts(prompts)
-    model = build(kind, **kw)  # a bad config fails here, before anything is generated
+    model = build(kind, **{**(options or {}), **kw})  # a bad config fails here, before anything is generated
     picked = sample_prompts(prompts, n, sample_seed)
     model._need_rows(len(picked), f"{len(prompts)} prompts given, n = {n}")
     lengths = measure(generate, picked, chunk)

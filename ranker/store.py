@@ -39,9 +39,9 @@ def _ensemble():
 
 # kind -> ranker class (imported lazily so the LightGBM path never imports torch).
 KINDS: dict[str, Callable[[], type]] = {"lgbm": _lgbm, "lm": _lm, "ensemble": _ensemble}
-# what the run, save and load call on a ranker of your own (``ranker.base.LogLengthRanker``
-# gives ``predict`` and ``save``; ``load_files`` is a classmethod)
-RANKER_MEMBERS = ("fit", "update", "predict", "min_rows", "fitted", "save_files", "load_files", "meta")
+# what a ranker of your own defines beside what ``ranker.base.LogLengthRanker`` (its base)
+# gives (``predict``, ``save``, the ``_need_*`` checks); ``load_files`` is a classmethod
+RANKER_MEMBERS = ("fit", "update", "predict_log", "fitted", "min_rows", "save_files", "load_files", "meta")
 
 
 def is_kind(kind) -> bool:
@@ -59,20 +59,39 @@ def _cls(kind: str) -> type:
     if not isinstance(kind, str) or not is_plugin(kind):
         raise ValueError(f"unknown ranker kind {kind!r}: expected one of {sorted(KINDS)}, or module:Name / "
                          "file.py:Name of your own")
+    from ranker.base import LogLengthRanker
+
     cls = load_plugin(kind, "ranker.kind")
-    missing = [m for m in RANKER_MEMBERS if not hasattr(cls, m)] if isinstance(cls, type) else None
-    if missing is None or missing:
-        what = f"a class without {', '.join(missing)}" if missing else "not a class"
-        raise ValueError(f"ranker.kind: {kind!r} is {what}: a ranker of your own is a class with "
-                         f"{', '.join(RANKER_MEMBERS)} (subclass ranker.base.LogLengthRanker; docs/ranker.md)")
+    if not (isinstance(cls, type) and issubclass(cls, LogLengthRanker)):
+        raise ValueError(f"ranker.kind: {kind!r} is not a subclass of ranker.base.LogLengthRanker "
+                         "(docs/ranker.md, 'Your own ranker')")
+    missing = [m for m in RANKER_MEMBERS if getattr(cls, m, None) is getattr(LogLengthRanker, m, None)]
+    if missing:
+        raise ValueError(f"ranker.kind: {kind!r} does not define {', '.join(missing)}: a ranker of your own "
+                         f"defines {', '.join(RANKER_MEMBERS)} (docs/ranker.md, 'Your own ranker')")
     return cls
+
+
+def canonical_kind(kind: str) -> str:
+    """``kind`` as a saved folder records it and the run compares it: your own ``file.py:Name``
+    with the file's absolute path (the same class from any working directory)."""
+    from workers.tasks.plugins import is_plugin
+
+    if kind in KINDS or not is_plugin(kind):
+        return kind
+    module, _, attr = kind.rpartition(":")
+    return f"{Path(module).expanduser().resolve()}:{attr}" if module.endswith(".py") else kind
 
 
 def _named(model, kind: str):
     """``model`` with ``kind`` set to the name it was built or loaded by (your own class's
     ``module:Name``: what its saved folder's meta.json records, and the run compares)."""
     if kind not in KINDS:
-        model.kind = kind
+        try:
+            model.kind = canonical_kind(kind)
+        except AttributeError as e:  # a read-only property of the user's class
+            raise ValueError(f"ranker.kind: {kind!r}: its 'kind' cannot be set ({e}); the store sets it to the "
+                             "name the ranker was built by: leave kind out of your class") from None
     return model
 
 
@@ -98,8 +117,8 @@ def save(ranker, path: str | Path) -> Path:
     try:
         with atomic_dir(path) as tmp:  # removed when anything in it fails, also Ctrl-C
             ranker.save_files(tmp)
-            meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": ranker.kind,
-                    "target": TARGET, **ranker.meta(), "files": folder_digests(tmp, "sha256")}
+            meta = {**ranker.meta(), "format": FORMAT, "format_version": FORMAT_VERSION, "kind": ranker.kind,
+                    "target": TARGET, "files": folder_digests(tmp, "sha256")}  # the store's keys win
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     except Exception as e:  # OSError, or a writer's own I/O error (safetensors raises SafetensorError)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -225,7 +244,10 @@ def load(path: str | Path):
     path = Path(path)
     meta = _read_meta(path)
     _verify(path, meta.get("files"))
-    cls = _cls(meta["kind"])  # your own class that no longer loads: its ValueError names it
+    try:
+        cls = _cls(meta["kind"])  # your own class, imported by the name the folder records
+    except ValueError as e:
+        raise ValueError(f"{path}/meta.json: ranker kind {meta['kind']!r} does not load: {e}") from None
     try:
         return _named(cls.load_files(path, meta), meta["kind"])
     except FeatureMismatchError:

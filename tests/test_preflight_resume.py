@@ -112,3 +112,9 @@ def test_a_folder_with_rows_and_no_checkpoint_is_not_told_to_resume(tmp_path):
     with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints up to iter_000002\); continue it "
                                           r"with --resume"):
         refuse_previous_run(_run(tmp_path / "s", 2, rows=2))
+    # train.eval_before_train's row alone (a run that stopped in its first iteration) is a run too
+    only_eval = tmp_path / "e"
+    only_eval.mkdir()
+    (only_eval / "eval.jsonl").write_text('{"iteration": -1, "eval/mean": 0.5}\n')
+    with pytest.raises(ConfigError, match=r"already holds a run that saved no checkpoint \(1 row in"):
+        refuse_previous_run(only_eval)

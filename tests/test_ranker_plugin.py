@@ -67,10 +67,33 @@ class PromptLength(LogLengthRanker):
         return r
 
 
-class NoSave:
+class Forgetful(LogLengthRanker):
+    """Inherits the base's fitted and min_rows, which only raise: not a ranker yet."""
+
     def fit(self, prompts, lengths): ...
     def update(self, prompts, lengths): ...
-    def predict(self, prompts): ...
+    def predict_log(self, prompts): ...
+    def save_files(self, folder): ...
+    @classmethod
+    def load_files(cls, folder, meta): ...
+    def meta(self): return {}
+
+
+class NotARanker:
+    pass
+
+
+class NeedsAGpu(PromptLength):
+    def __init__(self, **kw):
+        raise RuntimeError("no GPU here")
+
+
+class Chunked(PromptLength):
+    """Options named as ranker.bootstrap's own arguments (n, chunk) reach the class."""
+
+    def __init__(self, n=1, chunk=1, **kw):
+        super().__init__(**kw)
+        self.n, self.chunk = n, chunk
 '''
 
 
@@ -98,10 +121,21 @@ def test_a_ranker_that_is_not_one_is_refused_naming_the_key(tmp_path, plugin):
     from controller.config import ConfigError, from_dict
 
     base = {"placement": {"generation": [1], "trainer": [2]}}
-    nosave = plugin.replace(":PromptLength", ":NoSave")
-    with pytest.raises(ConfigError, match=r"ranker.kind: '.*:NoSave' is a class without min_rows, fitted, save_files, "
-                                          r"load_files, meta: a ranker of your own is a class with"):
-        from_dict({**base, "ranker": {"kind": nosave, "path": str(tmp_path / "r")}}, world_size=3)
+
+    def load(name, **kw):
+        return from_dict({**base, "ranker": {"kind": plugin.replace(":PromptLength", f":{name}"),
+                                             "path": str(tmp_path / "r"), **kw}}, world_size=3)
+
+    with pytest.raises(ConfigError, match=r"ranker.kind: '.*:Forgetful' does not define fitted, min_rows: a ranker "
+                                          r"of your own defines fit, update, predict_log, fitted, min_rows"):
+        load("Forgetful")
+    with pytest.raises(ConfigError, match=r"ranker.kind: '.*:NotARanker' is not a subclass of "
+                                          r"ranker.base.LogLengthRanker"):
+        load("NotARanker")
+    with pytest.raises(ConfigError, match=r"ranker.kind: '.*:NeedsAGpu': building it with ranker.options \{\} "
+                                          r"failed \(RuntimeError: no GPU here\)"):
+        load("NeedsAGpu")
+    assert load("Chunked", options={"n": 3, "chunk": 2}).ranker.options == {"n": 3, "chunk": 2}
     with pytest.raises(ConfigError, match=r"ranker.options: .*unexpected keyword argument 'depth'"):
         from_dict({**base, "ranker": {"kind": plugin, "path": str(tmp_path / "r"), "options": {"depth": 3}}},
                   world_size=3)
@@ -109,6 +143,27 @@ def test_a_ranker_that_is_not_one_is_refused_naming_the_key(tmp_path, plugin):
                                           r"'lm'\], nor module:Name / file.py:Name of your own"):
         from_dict({**base, "ranker": {"kind": "xgboost", "path": str(tmp_path / "r")}}, world_size=3)
     from_dict({**base, "ranker": {"kind": plugin, "path": str(tmp_path / "r")}}, world_size=3)  # loads
+
+
+def test_a_relative_spec_is_recorded_with_its_absolute_path(tmp_path, plugin, monkeypatch):
+    from controller.config import from_dict
+
+    monkeypatch.chdir(tmp_path)
+    cfg = from_dict({"placement": {"generation": [1], "trainer": [2]},
+                     "ranker": {"kind": "./my_ranker.py:PromptLength", "path": "r"}}, world_size=3)
+    assert cfg.ranker.kind == plugin  # the same class, named the same from any folder
+    r = ranker.build("my_ranker.py:PromptLength", ridge=0.01).fit(["a", "bb", "ccc 1"], [1.0, 2.0, 3.0])
+    r.save(tmp_path / "r")
+    monkeypatch.chdir(tmp_path.parent)
+    assert ranker.load(tmp_path / "r").kind == plugin
+    # options named as bootstrap's own arguments go to the class
+    got = ranker.bootstrap(lambda batch: [float(len(p)) for p in batch], ["a", "bb", "ccc", "dddd"], n=4,
+                           kind=plugin.replace(":PromptLength", ":Chunked"), chunk=2, options={"n": 7, "chunk": 5, "ridge": 0.01})
+    assert (got.n, got.chunk) == (7, 5) and got.fitted
+    (tmp_path / "my_ranker.py").unlink()
+    with pytest.raises(ValueError, match=r"r/meta.json: ranker kind '.*my_ranker.py:PromptLength' does not load: "
+                                         r"ranker.kind: .*my_ranker.py .* is not a file"):
+        ranker.load(tmp_path / "r")
 
 
 def test_a_run_bootstraps_your_ranker_saves_it_and_updates_it(tmp_path, tiny_model, plugin):  # noqa: F811
