@@ -111,8 +111,9 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
 def check_engine(engine, ranks, timeout: float) -> None:
     """Asks each generation rank whether it can run ``engine`` (workers.generation.support: CUDA
     for ``engine.device: cuda``, vLLM for ``backend: vllm``, your own engine's module for
-    ``backend: module:Name``, triton for ``attention_backend: triton``) before any engine is built; their hosts may differ from the controller's. The
-    first problem is one ConfigError, not a traceback from each instance."""
+    ``backend: module:Name``, triton for ``attention_backend: triton``) before any engine is
+    built; their hosts may differ from the controller's. The first problem is one ConfigError,
+    not a traceback from each instance."""
     import torch.distributed.rpc as rpc
 
     from controller.config import ConfigError

@@ -54,9 +54,9 @@ def is_kind(kind) -> bool:
 def _cls(kind: str) -> type:
     if kind in KINDS:
         return KINDS[kind]()
-    from workers.tasks.plugins import is_plugin, load_plugin
+    from workers.tasks.plugins import load_plugin
 
-    if not isinstance(kind, str) or not is_plugin(kind):
+    if not is_kind(kind):
         raise ValueError(f"unknown ranker kind {kind!r}: expected one of {sorted(KINDS)}, or module:Name / "
                          "file.py:Name of your own")
     from ranker.base import LogLengthRanker

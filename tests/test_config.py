@@ -352,7 +352,8 @@ def test_an_engine_its_rank_cannot_build_is_named_by_its_key(monkeypatch):
     assert problem.startswith("engine.backend: 'vllm', but on rank 3 (generation): vLLM is not installed: "), problem
     for ok in (EngineConfig(), EngineConfig(attention_backend="cpu"), EngineConfig(attention_backend="torch")):
         assert support.engine_problem(ok, "rank 1 (generation)") is None
-    with pytest.raises(ValueError, match=r"^engine.backend_options: is read by the vllm backend \(vLLM.s own EngineArgs\) and by your own engine"):
+    with pytest.raises(ValueError, match=r"^engine.backend_options: is read by the vllm backend "
+                                         r"\(vLLM.s own EngineArgs\) and by your own engine"):
         EngineConfig(backend_options={"gpu_memory_utilization": 0.9})
     assert EngineConfig(backend="vllm", backend_options={"gpu_memory_utilization": 0.9}).backend_options
 

@@ -158,7 +158,8 @@ def test_a_relative_spec_is_recorded_with_its_absolute_path(tmp_path, plugin, mo
     assert ranker.load(tmp_path / "r").kind == plugin
     # options named as bootstrap's own arguments go to the class
     got = ranker.bootstrap(lambda batch: [float(len(p)) for p in batch], ["a", "bb", "ccc", "dddd"], n=4,
-                           kind=plugin.replace(":PromptLength", ":Chunked"), chunk=2, options={"n": 7, "chunk": 5, "ridge": 0.01})
+                           kind=plugin.replace(":PromptLength", ":Chunked"), chunk=2,
+                           options={"n": 7, "chunk": 5, "ridge": 0.01})
     assert (got.n, got.chunk) == (7, 5) and got.fitted
     (tmp_path / "my_ranker.py").unlink()
     with pytest.raises(ValueError, match=r"r/meta.json: ranker kind '.*my_ranker.py:PromptLength' does not load: "

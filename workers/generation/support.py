@@ -1,7 +1,8 @@
 """Whether this rank can run the configured engine, asked by the controller before any engine
 is built (``controller.world.check_engine``): a CPU-only torch under ``engine.device: cuda``,
-vLLM missing under ``engine.backend: vllm``, your own engine not loading there, or ``attention_backend: triton`` on a CPU is one
-config error naming the key, not a traceback from every instance's constructor."""
+vLLM missing under ``engine.backend: vllm``, your own engine not loading there, or
+``attention_backend: triton`` on a CPU is one config error naming the key, not a traceback
+from every instance's constructor."""
 from __future__ import annotations
 
 import importlib.util
