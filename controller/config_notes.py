@@ -7,7 +7,7 @@ from controller.modes import MODES
 
 def config_notes(cfg) -> list[str]:
     """The notices that apply to ``cfg``."""
-    return [note for note in (whitening_note(cfg), off_policy_note(cfg)) if note]
+    return [note for note in (whitening_note(cfg), off_policy_note(cfg), shard_note(cfg)) if note]
 
 
 def whitening_note(cfg) -> str | None:
@@ -29,4 +29,12 @@ def off_policy_note(cfg) -> str | None:
                 "log-probs are the trainer's own (trainer.recompute_old_logprobs, on with train.top_k / top_p): "
                 "the ratio starts at 1, so nothing corrects for the staleness (as verl's one-step off-policy); "
                 "trainer.tis_cap (e.g. 2) weights each token by the trainer/sampler probability ratio")
+    return None
+
+
+def shard_note(cfg) -> str | None:
+    """The one-line notice for ``trainer.shard_optimizer`` with one trainer rank: nothing to shard."""
+    if cfg.trainer.shard_optimizer and len(cfg.placement.trainer) == 1:
+        return ("trainer.shard_optimizer shards the AdamW state over the data-parallel trainer ranks, and "
+                "placement.trainer has one: it keeps all of it (list more ranks there to share it)")
     return None

@@ -67,7 +67,8 @@ VERL_NOTES = {
                                                                                "every parameter",
     "ulysses_sequence_parallel_size": "no sequence parallelism: each sample is on one trainer rank",
     "param_offload": "no CPU offload of parameters or optimizer state",
-    "optimizer_offload": "no CPU offload of parameters or optimizer state",
+    "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
+                         "AdamW state over the trainer ranks (ZeRO-1)",
     "multi_turn": "single-turn rollouts only (one prompt, one response)",
 }
 

@@ -27,7 +27,7 @@ from controller.metrics import Metrics
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
 from controller.run_record import plain, save_run_config
-from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, request_exit, worker_name
+from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, request_exit, wait_all, worker_name
 from controller.sgs import NoInstancesLeft
 from controller.stops import RunStopped
 from controller.trackers import make_trackers
@@ -128,8 +128,6 @@ class Session:
         """The task with its prompts checked against the engines' smallest context
         (``prompt_check.check_task``); the SGS keeps what a joiner must hold."""
         from controller.prompt_check import chat_without_template_note, check_task
-        from controller.rpc import wait_all
-
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         fitting, self.world.sgs.need = check_task(
             task, self.cfg.train, self.cfg.task.name, min(st.max_model_len for st in stats),
@@ -151,7 +149,6 @@ class Session:
             print(f"[controller] --resume {self.args.resume}: the path {where} yet; starting fresh",
                   file=sys.stderr, flush=True)
             return None
-        from controller.rpc import wait_all
         from workers.trainer.checkpoint import check
 
         try:  # a damaged file or another model / algorithm: one line, before the trainers load it
@@ -231,11 +228,14 @@ class Session:
                                      self.program.stream_state_at(next_iteration),
                                      self.program.mode.name, list(self.metrics.rewards), {},
                                      list(self.program.ranker_rows))
-        trainer0 = self.world.trainers[0]
+
+        def save_trainer(folder: str) -> str:  # rank 0 writes; a sharded optimizer's shares reach it
+            return wait_all([t.call("save_checkpoint", folder) for t in self.world.trainers])[0]
+
         root = self.logdir / "checkpoints"
         try:
             with self.metrics.timed("save", next_iteration - 1):
-                saved = ckpt.save(root, state, lambda folder: trainer0.call("save_checkpoint", folder).wait(),
+                saved = ckpt.save(root, state, save_trainer,
                                   self.ranker if self.cfg.ranker.update_every else None)
         except (OSError, ValueError, WorkerFailed) as e:  # a full disk, an unwritable folder (here or on the trainer)
             if isinstance(e, WorkerFailed) and e.lost:

@@ -29,6 +29,7 @@ REFUSED = [
     ("kernels", ["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ("weight_sync", ["--reps", "0"], "--reps must be >= 1, got 0"),
     ("reward_pool", ["--samples", "0"], "argument --samples: must be an integer >= 1, got '0'"),
+    ("trainer_memory", ["--ranks", "1"], "argument --ranks: must be an integer >= 2, got '1'"),
 ]
 
 
@@ -90,6 +91,7 @@ def test_bad_argument_is_refused_before_any_work(refused_runs, script, argv, sai
     ("cpu_gemm", ["--threads", "two"], "argument --threads: must be an integer >= 1, got 'two'"),
     ("reward_pool", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
     ("reward_pool", ["--arrival", "x"], "argument --arrival: must be an integer >= 1, got 'x'"),
+    ("trainer_memory", ["--iterations", "1"], "argument --iterations: must be an integer >= 2, got '1'"),
 ])
 def test_bad_values_name_the_flag(script, argv, said, monkeypatch, capsys):
     bench = load_bench(script, monkeypatch)

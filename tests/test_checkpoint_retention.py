@@ -10,6 +10,7 @@ import stat
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from controller import checkpoint as ckpt
 from controller.config import ConfigError, from_dict
@@ -60,10 +61,13 @@ def test_verls_keep_keys_name_ckpt_keep(key):
 # ---- the runner's save (Session.save_checkpoint, no processes) ----------------------------------------
 
 
-class _Trainer:  # a trainer handle: ``call("save_checkpoint", folder).wait()`` writes the folder
+class _Trainer:  # a trainer handle: ``call("save_checkpoint", folder)`` is a call whose wait writes the folder
     def call(self, name, folder):
         assert name == "save_checkpoint"
-        return SimpleNamespace(wait=lambda: _trainer_save(folder))
+        done = torch.futures.Future()
+        done.set_result(None)
+        return SimpleNamespace(wait=lambda cancelled=None: _trainer_save(folder), future=done, method=name,
+                               handle=SimpleNamespace(rank=2, role="trainer", name="trainer2"))
 
 
 def _session(tmp_path, keep, resumed_from=None):

@@ -37,7 +37,9 @@ SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", 
               "tie_word_embeddings")
 
 
-def save(w: "TrainerWorker", path: str) -> Path:
+def save(w: "TrainerWorker", path: str, optimizer_state: dict | None = None) -> Path:
+    """``optimizer_state``: the whole optimizer state (``optimizer.full_state_dict``; default:
+    ``w.optimizer.state_dict()``, which a sharded optimizer has only after consolidating)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -47,7 +49,7 @@ def save(w: "TrainerWorker", path: str) -> Path:
             save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
                        if "rotary_emb" not in k}, str(tmp / "critic.safetensors"))
         state = {
-            "optimizer": w.optimizer.state_dict(),
+            "optimizer": optimizer_state if optimizer_state is not None else w.optimizer.state_dict(),
             "scheduler": w.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,

@@ -69,6 +69,10 @@ class TrainerConfig:
     critic's training forwards keep only each decoder layer's input and recompute the layer in
     backward (the same update; one more forward of every layer per micro-batch). Off by default:
     a tiny CPU model has activation memory to spare, while a 7B policy on long responses needs it.
+    ``shard_optimizer`` (ZeRO-1): with several data-parallel ranks, each keeps the AdamW moments
+    of its share of the parameters only, steps that share and broadcasts it (the same update;
+    ``workers/trainer/optimizer.py``). It is the only trainer state this shards: the weights and
+    the gradients accumulated while samples stream in stay whole on every rank.
     """
 
     algorithm: str = "grpo"
@@ -76,6 +80,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = ranged((0.9, 0.999), Range(0, 1, open_hi=True))
     adam_eps: float = 1e-8
+    # ZeRO-1: each data-parallel rank keeps the AdamW state (m, v) of its share of the parameters
+    # (torch's ZeroRedundancyOptimizer); weights and gradients stay whole on every rank
+    shard_optimizer: bool = False
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None

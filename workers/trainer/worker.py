@@ -43,6 +43,7 @@ from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatc
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
+from workers.trainer import optimizer
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
 from workers.trainer.updates import mini_batch_updates, streamed_updates
@@ -100,8 +101,7 @@ class TrainerWorker:
         groups = [{"params": list(self.actor.parameters()), "lr": cfg.lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = optimizer.build(cfg, groups, world_size, group)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self._version = 0
         self.iteration = -1
@@ -195,9 +195,11 @@ class TrainerWorker:
 
     @_locked
     def save_checkpoint(self, path: str) -> None:
-        """Rank 0 writes (all ranks hold the same state); other ranks return at once."""
+        """Every data-parallel rank calls this: rank 0 writes, the others return (at once, or after
+        sending their share of a sharded optimizer's state to rank 0)."""
+        state = optimizer.full_state_dict(self.optimizer, self.rank)
         if self.rank == 0:
-            checkpoint.save(self, path)
+            checkpoint.save(self, path, state)
 
     @_locked
     def load_checkpoint(self, path: str) -> None:
