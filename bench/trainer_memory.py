@@ -1,12 +1,13 @@
-"""Trainer memory and step time with the AdamW state whole on every data-parallel rank ("plain")
-or sharded over the ranks (ZeRO-1, ``trainer.shard_optimizer``), run side by side: the same model,
+"""Trainer memory and step time with the AdamW state whole on every data-parallel rank ("plain"),
+sharded over the ranks (ZeRO-1, ``trainer.shard_optimizer``: "zero"), or with LoRA adapters of
+rank 8 on every linear layer ("lora", ``trainer.lora_rank``), run side by side: the same model,
 samples and ranks (gloo, local processes), GRPO, a few iterations each.
 
     python bench/trainer_memory.py [--quick] [--ranks 2] [--repeats 2]
 
 Prints one JSON line per competitor and repeat (the largest rank's figures) and a summary line
-with ``state_mb_plain``, ``state_mb_zero``, ``zero_over_plain_state``, ``rss_mb_plain``,
-``rss_mb_zero``, ``step_s_plain``, ``step_s_zero``, ``zero_over_plain_step``."""
+with ``state_mb_<name>``, ``rss_mb_<name>``, ``step_s_<name>`` for each competitor and
+``zero_over_plain_state``, ``zero_over_plain_step``, ``lora_over_plain_rss``."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,8 @@ from workers.weight_sync.localrun import run_local
 from jsonline import json_line  # bench/ is the script's folder
 from argcheck import fill_defaults, int_at_least, positive_int
 
-COMPETITORS = ("plain", "zero")
+COMPETITORS = ("plain", "zero", "lora")
+LORA_RANK = 8
 
 
 def _task():
@@ -46,12 +48,13 @@ class _VariedReward:  # rewards that differ inside a group: the update is not ze
         return (len(completion) % 5) / 4
 
 
-def _rank(rank: int, world: int, model_dir: str, data, shard: bool, iterations: int) -> dict:
+def _rank(rank: int, world: int, model_dir: str, data, name: str, iterations: int) -> dict:
     samples, prompts, groups = data
-    cfg = TrainerConfig(algorithm="grpo", lr=1e-4, shard_optimizer=shard, max_tokens_per_microbatch=512,
+    cfg = TrainerConfig(algorithm="grpo", lr=1e-4, shard_optimizer=name == "zero", max_tokens_per_microbatch=512,
+                        lora_rank=LORA_RANK if name == "lora" else 0,
                         max_staleness=1000)  # the same samples each iteration
     w = TrainerWorker(cfg, model_dir, _VariedReward(), rank=rank, world_size=world, device="cpu")
-    assert sharded(w.optimizer) is (shard and world > 1)
+    assert sharded(w.optimizer) is (name == "zero")
     steps = []
     for it in range(iterations):
         w.begin_iteration(it, prompts, groups)
@@ -91,7 +94,7 @@ def main(argv=None) -> None:
         del ref
         for repeat in range(a.repeats):
             for name in COMPETITORS:
-                ranks = run_local(a.ranks, _rank, model_dir, data, name == "zero", a.iterations)
+                ranks = run_local(a.ranks, _rank, model_dir, data, name, a.iterations)
                 row = {k: max(r[k] for r in ranks) for k in ("state_mb", "rss_mb", "step_s")}
                 row["state_mb_total"] = sum(r["state_mb"] for r in ranks)
                 print(json_line({"bench": "trainer_memory", "competitor": name, "repeat": repeat, "ranks": a.ranks,
@@ -99,13 +102,15 @@ def main(argv=None) -> None:
                       flush=True)
                 prev = best.get(name)
                 best[name] = {k: min(row[k], prev[k]) if prev else row[k] for k in row}
-    p, z = best["plain"], best["zero"]
-    print(json_line({"summary": True, "ranks": a.ranks, "layers": a.layers,
-                     "state_mb_plain": round(p["state_mb"], 1), "state_mb_zero": round(z["state_mb"], 1),
-                     "zero_over_plain_state": round(z["state_mb"] / p["state_mb"], 3),
-                     "rss_mb_plain": round(p["rss_mb"], 1), "rss_mb_zero": round(z["rss_mb"], 1),
-                     "step_s_plain": round(p["step_s"], 4), "step_s_zero": round(z["step_s"], 4),
-                     "zero_over_plain_step": round(z["step_s"] / p["step_s"], 3)}), flush=True)
+    p, z, lo = best["plain"], best["zero"], best["lora"]
+    summary = {"summary": True, "ranks": a.ranks, "layers": a.layers}
+    for name, b in best.items():
+        summary.update({f"state_mb_{name}": round(b["state_mb"], 2), f"rss_mb_{name}": round(b["rss_mb"], 1),
+                        f"step_s_{name}": round(b["step_s"], 4)})
+    summary.update(zero_over_plain_state=round(z["state_mb"] / p["state_mb"], 3),
+                   zero_over_plain_step=round(z["step_s"] / p["step_s"], 3),
+                   lora_over_plain_rss=round(lo["rss_mb"] / p["rss_mb"], 3))
+    print(json_line(summary), flush=True)
 
 
 if __name__ == "__main__":

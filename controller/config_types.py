@@ -41,6 +41,8 @@ VERL_KEYS = {
     "kl_penalty": "trainer.kl_estimator", "norm_adv_by_std_in_grpo": "trainer.grpo_std_normalize",
     "clip_ratio_low": "trainer.clip_low", "clip_ratio_high": "trainer.clip_high",
     "max_num_seqs": "engine.max_batch_size",
+    "lora_rank": "trainer.lora_rank", "lora_alpha": "trainer.lora_alpha",
+    "target_modules": "trainer.lora_target_modules",
     "gpu_memory_utilization": "engine.kv_cache_tokens (the KV cache is sized in tokens)",
     "ppo_max_token_len_per_gpu": "trainer.max_tokens_per_microbatch",
     "ppo_micro_batch_size_per_gpu": "trainer.max_tokens_per_microbatch (micro-batches are packed by tokens)",
@@ -63,8 +65,6 @@ VERL_NOTES = {
                     "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s; reward_manager "
                     "batch is a verifier with verl's batch names (compute_score(data_sources, solution_strs, "
                     "ground_truths, extra_infos))",
-    "lora_rank": "no LoRA: the trainer updates every parameter", "lora_alpha": "no LoRA: the trainer updates "
-                                                                               "every parameter",
     "ulysses_sequence_parallel_size": "no sequence parallelism: each sample is on one trainer rank",
     "param_offload": "no CPU offload of parameters or optimizer state",
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "

@@ -153,7 +153,8 @@ class Session:
 
         try:  # a damaged file or another model / algorithm: one line, before the trainers load it
             state = ckpt.load_state(found)
-            check(found / "trainer", self.model_dir, self.cfg.trainer.algorithm, self.cfg.trainer.use_critic)
+            check(found / "trainer", self.model_dir, self.cfg.trainer.algorithm, self.cfg.trainer.use_critic,
+                  self.cfg.trainer.lora_rank)
         except (OSError, ValueError) as e:
             older = ckpt.previous(found)
             raise ConfigError(f"--resume {self.args.resume}: {e}"

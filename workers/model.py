@@ -302,14 +302,16 @@ def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None
 
 
 def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes: int = 0,
-                    extra_files: Iterable[str | os.PathLike] = ()) -> Path:
+                    extra_files: Iterable[str | os.PathLike] = (),
+                    state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``config.json`` + safetensors (sharded with an index when ``max_shard_bytes``) and
     copies of ``extra_files`` (files, or folders copied whole) under their names, atomically: into
-    a temp dir beside ``folder``, then renamed over it."""
+    a temp dir beside ``folder``, then renamed over it. ``state``: the HF-named tensors to write
+    (default ``model.hf_state_dict()``; a trainer's LoRA-merged weights)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else model.hf_state_dict()).items()}
     with atomic_dir(folder) as tmp:  # a failed save (a full disk, a clashing extra file) leaves no temp dir
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))

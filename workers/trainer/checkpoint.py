@@ -30,6 +30,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 CARRIED_DIRS = ("additional_chat_templates",)  # transformers' named chat templates
 STATE_FILE = "trainer_state.pt"
 META_FILE = "trainer.json"
+ADAPTER_DIR = "adapter"  # LoRA runs: the PEFT adapter folder
 SUMS_FILE = "checksums.json"  # each file's CRC-32 at save, checked by check()
 # the ModelConfig fields that decide the tensors' names and shapes
 SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -44,7 +45,10 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict | None = None) -> 
 
     path = Path(path)
     with atomic_dir(path) as tmp:  # a full disk, an unwritable folder: no half-written copy left taking space
-        save_pretrained(w.actor, tmp / "model", extra_files=carried_files(w.model_dir))
+        # the merged weights (LoRA folded in): model/ is a whole model, for the engines or an export
+        save_pretrained(w.actor, tmp / "model", extra_files=carried_files(w.model_dir), state=dict(w.named_weights()))
+        if w.lora is not None:  # the adapters alone, as PEFT writes them: what a resume trains on
+            w.lora.save(tmp / ADAPTER_DIR, base_model=str(Path(w.model_dir).resolve()))
         if w.critic is not None:
             save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
                        if "rotary_emb" not in k}, str(tmp / "critic.safetensors"))
@@ -59,7 +63,7 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict | None = None) -> 
         }
         torch.save(state, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({"algorithm": w.cfg.algorithm, "critic": w.critic is not None,
-                                                 "version": w.version}))
+                                                 "version": w.version, "lora_rank": w.cfg.lora_rank}))
         (tmp / SUMS_FILE).write_text(json.dumps(folder_digests(tmp, "crc32"), indent=0))
     return path
 
@@ -84,7 +88,7 @@ def carried_files(model_dir: str | Path) -> list[Path]:
     return out
 
 
-def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool) -> None:
+def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool, lora_rank: int = 0) -> None:
     """What can be checked of a trainer checkpoint without loading its tensors: every file is
     there and whole (a safetensors header that covers its file, a zip with its directory, the
     JSON files parse), its model has the tensors of ``model_dir``'s (config.json: the fields
@@ -122,6 +126,15 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool)
         raise ValueError(f"{path}: checkpoint was trained {'with' if meta['critic'] else 'without'} a critic, "
                          f"this run's trainer {'has' if critic else 'has none'}")
 
+    saved_rank = meta.get("lora_rank", 0)
+    if saved_rank != lora_rank:
+        said = {0: "without LoRA"}
+        raise ValueError(f"{path}: checkpoint was trained {said.get(saved_rank, f'with LoRA of rank {saved_rank}')}, "
+                         f"this run's trainer.lora_rank is {lora_rank}"
+                         + (" (its model/ holds the merged weights: use it as model.path to train it anew)"
+                            if saved_rank and not lora_rank else ""))
+    if lora_rank and not (path / ADAPTER_DIR / "adapter_model.safetensors").is_file():
+        raise FileNotFoundError(f"{path / ADAPTER_DIR}: the LoRA adapters are missing")
     mine, saved = model_config(Path(model_dir) / "config.json"), model_config(path / "model" / "config.json")
     diff = [f"{k} {getattr(saved, k)} (this run: {getattr(mine, k)})" for k in SHAPE_KEYS
             if getattr(saved, k) != getattr(mine, k)]
@@ -130,6 +143,8 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool)
     tensors = sorted((path / "model").glob("*.safetensors"))
     if not tensors:
         raise FileNotFoundError(f"{path}/model: no *.safetensors files")
+    if lora_rank:
+        tensors.append(path / ADAPTER_DIR / "adapter_model.safetensors")
     if critic:
         tensors.append(path / "critic.safetensors")
         if not tensors[-1].exists():
@@ -160,20 +175,23 @@ def load(w: "TrainerWorker", path: str) -> None:
     from safetensors.torch import load_file
 
     path = Path(path)
-    check(path, w.model_dir, w.cfg.algorithm, w.critic is not None)
+    check(path, w.model_dir, w.cfg.algorithm, w.critic is not None, w.cfg.lora_rank)
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a damaged file, whatever torch's error
         raise ValueError(f"{path / STATE_FILE}: unreadable, the checkpoint is damaged ({e})") from None
     if state["algorithm"] != w.cfg.algorithm:
         raise ValueError(f"{path}: checkpoint is for algorithm {state['algorithm']!r}, trainer runs {w.cfg.algorithm!r}")
-    weights = {k: v for k, v in load_state(path / "model").items() if "rotary_emb" not in k}
-    missing, unexpected = w.actor.load_state_dict(weights, strict=False)
-    missing = [m for m in missing if "rotary_emb" not in m and not (
-        w.actor.config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{path}/model does not match the trainer's model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    if w.lora is not None:  # the base stays model_dir's (frozen); model/ is it merged with these
+        w.lora.load(path / ADAPTER_DIR)
+    else:
+        weights = {k: v for k, v in load_state(path / "model").items() if "rotary_emb" not in k}
+        missing, unexpected = w.actor.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if "rotary_emb" not in m and not (
+            w.actor.config.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"{path}/model does not match the trainer's model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
     if w.critic is not None:
         critic_file = path / "critic.safetensors"
         if not critic_file.exists():

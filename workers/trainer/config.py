@@ -73,6 +73,11 @@ class TrainerConfig:
     of its share of the parameters only, steps that share and broadcasts it (the same update;
     ``workers/trainer/optimizer.py``). It is the only trainer state this shards: the weights and
     the gradients accumulated while samples stream in stay whole on every rank.
+    ``lora_rank`` > 0 (verl's ``lora_rank``): the actor's base weights are frozen and low-rank
+    adapters of that rank train on ``lora_target_modules`` (``all-linear``: q, k, v, o, gate, up,
+    down), scaled by ``lora_alpha / lora_rank``; the reference policy is the actor with its adapters
+    off, and the engines get the merged weights (``workers/trainer/lora.py``). A PPO critic still
+    trains every parameter of its own copy.
     """
 
     algorithm: str = "grpo"
@@ -83,6 +88,10 @@ class TrainerConfig:
     # ZeRO-1: each data-parallel rank keeps the AdamW state (m, v) of its share of the parameters
     # (torch's ZeroRedundancyOptimizer); weights and gradients stay whole on every rank
     shard_optimizer: bool = False
+    # LoRA (verl's lora_rank, lora_alpha, target_modules): 0 trains every parameter
+    lora_rank: int = ranged(0, Range(0, note="0: off, every parameter trains"))
+    lora_alpha: float = ranged(16.0, Range(0, open_lo=True))
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -190,6 +199,22 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used by algorithm "
                                  f"{' / '.join(map(repr, users))}, not {self.algorithm!r}; leave it out "
                                  f"(it would have no effect)")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"trainer.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"trainer.lora_alpha must be > 0, got {self.lora_alpha}")
+        targets = self.lora_target_modules
+        if targets != "all-linear":
+            from workers.trainer.lora import TARGETS
+
+            if isinstance(targets, str) or not targets or any(t not in TARGETS for t in targets):
+                raise ValueError(f"trainer.lora_target_modules: {targets!r}: 'all-linear' or a list of names "
+                                 f"from {list(TARGETS)}")
+        if self.lora_rank == 0:
+            for name in ("lora_alpha", "lora_target_modules"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.lora_rank "
+                                     "> 0 (LoRA); leave it out or set lora_rank")
         if self.algorithm != "ppo" and self.whiten_advantages:
             raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm 'ppo' (GAE), not "
                              f"{self.algorithm!r} (its advantages are normalised within each group)")

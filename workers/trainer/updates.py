@@ -30,7 +30,7 @@ def update(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float)
         all_reduce_sum([p.grad for p in params], w.group)
     for p in params:
         p.grad.div_(divisor)
-    norms = {"grad_norm": float(clip_norm(list(w.actor.parameters()), w.cfg.grad_clip))}
+    norms = {"grad_norm": float(clip_norm(w.policy_parameters(), w.cfg.grad_clip))}
     if w.critic is not None:
         norms["critic_grad_norm"] = float(clip_norm(list(w.critic.parameters()), w.cfg.grad_clip))
     ok = all(math.isfinite(v) for v in norms.values())

@@ -44,6 +44,7 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
 from workers.trainer import optimizer
+from workers.trainer.lora import LoRA, Reference, target_names
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
 from workers.trainer.updates import mini_batch_updates, streamed_updates
@@ -92,13 +93,18 @@ class TrainerWorker:
         self.actor = load_pretrained(model_dir, self.device, dtype=torch.float32)  # fp32 master weights
         self.actor.train()
         self.actor.model.checkpoint_layers = cfg.activation_checkpointing
-        ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
-        self.ref.requires_grad_(False)
-        self.critic = ValueModel(self.actor) if cfg.use_critic else None
+        self.critic = ValueModel(self.actor) if cfg.use_critic else None  # a full copy, LoRA or not
         if self.critic is not None:
             self.critic.model.checkpoint_layers = cfg.activation_checkpointing
-        groups = [{"params": list(self.actor.parameters()), "lr": cfg.lr}]
+        self.lora = (LoRA(self.actor, cfg.lora_rank, cfg.lora_alpha, target_names(cfg.lora_target_modules))
+                     if cfg.lora_rank else None)
+        if self.lora is not None:  # the base model, i.e. the actor with its adapters off
+            self.ref = Reference(self.actor, self.lora)
+        else:
+            ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
+            self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
+            self.ref.requires_grad_(False)
+        groups = [{"params": self.policy_parameters(), "lr": cfg.lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
         self.optimizer = optimizer.build(cfg, groups, world_size, group)
@@ -190,8 +196,14 @@ class TrainerWorker:
         return self._optimizer_step()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The actor's tensors with Hugging Face names (fp32 masters; tied lm_head omitted)."""
-        yield from self.actor.hf_state_dict().items()
+        """The actor's tensors with Hugging Face names (fp32 masters; tied lm_head omitted), its
+        LoRA adapters merged in."""
+        for name, t in self.actor.hf_state_dict().items():
+            yield name, (self.lora.merged(name, t) if self.lora is not None else t)
+
+    def policy_parameters(self) -> list[torch.nn.Parameter]:
+        """What the policy's update trains: every actor parameter, or only its LoRA adapters."""
+        return list((self.lora if self.lora is not None else self.actor).parameters())
 
     @_locked
     def save_checkpoint(self, path: str) -> None:

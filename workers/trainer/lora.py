@@ -1,0 +1,138 @@
+"""LoRA adapters on the actor (``TrainerConfig.lora_rank``; verl's ``lora_rank`` / ``lora_alpha`` /
+``target_modules``): the base weights are frozen, and each target linear layer's output gains
+``scale * B(A(x))`` with ``A`` [r, in], ``B`` [out, r], ``scale = alpha / r``. Only A and B train.
+
+The adapters live here, not in the model: a forward hook on each target ``nn.Linear`` adds the
+delta, so the actor's own names, state dict and HF export stay the base model's. With the
+adapters off (``disabled()``) the actor is the base model, which is the reference policy: a LoRA
+trainer holds no second copy of the model. The engines get merged weights (``merged``: W +
+scale * B A, same names and shapes), so generation and weight sync do not know about LoRA.
+
+Saved as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, PEFT's
+key names), which ``peft.PeftModel.from_pretrained`` and vLLM's LoRA loading read."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the decoder's linear layers, by the last part of their names (Qwen2 / Llama, as PEFT names them)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def target_names(spec: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``all-linear`` (verl's and PEFT's word for every linear layer but the head) or names from
+    ``TARGETS``."""
+    return TARGETS if spec == "all-linear" else tuple(spec)
+
+
+class LoRA(nn.Module):
+    def __init__(self, model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS):
+        super().__init__()
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.targets = targets
+        self.enabled = True
+        self.layers: dict[str, nn.Linear] = {n: m for n, m in model.named_modules()
+                                             if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets}
+        if not self.layers:
+            raise ValueError(f"trainer.lora_target_modules {list(targets)}: no linear layer of the model has "
+                             f"those names (its linear layers end in {list(TARGETS)})")
+        self.lora_a, self.lora_b = nn.ParameterDict(), nn.ParameterDict()
+        for name, lin in self.layers.items():
+            key = name.replace(".", "__")  # a ParameterDict key holds no dot
+            w = lin.weight
+            a = torch.empty(rank, lin.in_features, device=w.device, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default init: B = 0, so the delta starts at 0
+            self.lora_a[key] = nn.Parameter(a)
+            self.lora_b[key] = nn.Parameter(torch.zeros(lin.out_features, rank, device=w.device, dtype=torch.float32))
+            lin.register_forward_hook(self._hook(key))
+        model.requires_grad_(False)
+
+    def _hook(self, key: str):
+        def add_delta(_module, inputs, out):
+            if not self.enabled:
+                return out
+            return out + self.scale * F.linear(F.linear(inputs[0], self.lora_a[key]), self.lora_b[key])
+        return add_delta
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model for the duration (the reference policy)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def merged(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (the HF tensor ``name``) with its layer's adapter folded in, else as given."""
+        module = name.removesuffix(".weight")
+        if module not in self.layers or not name.endswith(".weight"):
+            return weight
+        key = module.replace(".", "__")
+        with torch.no_grad():
+            return weight + self.scale * (self.lora_b[key] @ self.lora_a[key]).to(weight.dtype)
+
+    # ---- PEFT adapter folder -----------------------------------------------------------------
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in self.layers:
+            key = name.replace(".", "__")
+            out[f"base_model.model.{name}.lora_A.weight"] = self.lora_a[key].detach().contiguous().cpu()
+            out[f"base_model.model.{name}.lora_B.weight"] = self.lora_b[key].detach().contiguous().cpu()
+        return out
+
+    def save(self, folder: Path, base_model: str) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(self.peft_state_dict(), str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        (folder / CONFIG_FILE).write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+            "target_modules": sorted({n.rsplit(".", 1)[-1] for n in self.layers}), "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+            "inference_mode": True, "base_model_name_or_path": base_model}, indent=2))
+
+    def load(self, folder: Path) -> None:
+        """Adapters saved by ``save``: rank and layers must match (raises ValueError naming them)."""
+        from safetensors.torch import load_file
+
+        conf = json.loads((folder / CONFIG_FILE).read_text())
+        if conf.get("r") != self.rank or float(conf.get("lora_alpha", -1)) != float(self.alpha):
+            raise ValueError(f"{folder / CONFIG_FILE}: adapters of rank {conf.get('r')}, alpha {conf.get('lora_alpha')}; "
+                             f"this trainer's are trainer.lora_rank {self.rank}, trainer.lora_alpha {self.alpha}")
+        saved = load_file(str(folder / WEIGHTS_FILE))
+        mine = self.peft_state_dict()
+        if saved.keys() != mine.keys():
+            extra, missing = sorted(saved.keys() - mine.keys()), sorted(mine.keys() - saved.keys())
+            raise ValueError(f"{folder / WEIGHTS_FILE}: other layers than trainer.lora_target_modules "
+                             f"(missing {missing[:3]}, not targeted here {extra[:3]})")
+        with torch.no_grad():
+            for name in self.layers:
+                key = name.replace(".", "__")
+                self.lora_a[key].copy_(saved[f"base_model.model.{name}.lora_A.weight"])
+                self.lora_b[key].copy_(saved[f"base_model.model.{name}.lora_B.weight"])
+
+
+class Reference(nn.Module):
+    """The reference policy of a LoRA trainer: the actor with its adapters off (no grad)."""
+
+    def __init__(self, actor: nn.Module, lora: LoRA):
+        super().__init__()
+        # in lists: not registered as submodules (the actor owns them; requires_grad_ here must not reach them)
+        self._actor, self._lora = [actor], [lora]
+
+    def forward(self, *args, **kwargs):
+        with self._lora[0].disabled():
+            return self._actor[0](*args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._actor[0].logits(hidden)  # the head is never adapted
