@@ -264,7 +264,15 @@ class Program:
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
     def _push(self, version: int) -> "_Push":
-        return _Push(self.world.push_weights(version))
+        self._last_push = _Push(self.world.push_weights(version))
+        return self._last_push
+
+    def settle_push(self) -> None:
+        """Wait for the last weight push (in the lag-1 modes still in flight when an iteration is
+        recorded): a sharded optimizer's checkpoint gathers over the trainers' process group,
+        which must not run beside the push's sends (NCCL: two communicators from two threads)."""
+        if getattr(self, "_last_push", None) is not None:
+            self._last_push.wait(self)
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, k: int) -> list[IterationResult]:

@@ -74,7 +74,8 @@ def _session(tmp_path, keep, resumed_from=None):
     from controller import runner
 
     s = runner.Session.__new__(runner.Session)
-    s.cfg = SimpleNamespace(train=SimpleNamespace(ckpt_keep=keep), ranker=SimpleNamespace(update_every=0))
+    s.cfg = SimpleNamespace(train=SimpleNamespace(ckpt_keep=keep), ranker=SimpleNamespace(update_every=0),
+                            trainer=SimpleNamespace(shard_optimizer=False))
     s.logdir, s.resumed_from, s.ranker = tmp_path / "run", resumed_from, None
     s.metrics = SimpleNamespace(rewards=[], timed=lambda name, step: contextlib.nullcontext())
     s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"pos": i}, mode=SimpleNamespace(name="stream"),

@@ -54,12 +54,16 @@ def _ranks(rank, world, model_dir, data, ckpt_dir):
             r = _iterate(w, rank, world, data, 2)
             res[shard] = (_weights(w), r.version, local_state_elements(w.optimizer))
             w.save_checkpoint(f"{ckpt_dir}/{name}_{'zero' if shard else 'plain'}")  # every rank calls it
+            if shard:  # rank 0 keeps no gathered copy of the others' shares
+                res["kept_after_save"] = len(w.optimizer._all_state_dicts)
             if shard:  # a third iteration from here, to compare with the resumed workers below
                 _iterate(w, rank, world, data, 1)
                 res["third"] = _weights(w)
         # resume sharded from the unsharded checkpoint: the same third iteration
         w = TrainerWorker(_cfg(True, **kw), model_dir, _task(), rank=rank, world_size=world, device="cpu")
         w.load_checkpoint(f"{ckpt_dir}/{name}_plain")
+        # this rank's share only, in the inner AdamW (torch's wrapper kept a second copy)
+        res["after_load"] = (len(w.optimizer.state), local_state_elements(w.optimizer))
         _iterate(w, rank, world, data, 1)
         res["resumed_sharded"] = _weights(w)
         out[name] = res
@@ -116,6 +120,9 @@ def test_sharded_checkpoint_is_plain_adamw_state(ran, algo):
 def test_sharded_rank_resumes_from_an_unsharded_checkpoint(ran, algo):
     ranks = ran[3]
     for r in (0, 1):
+        assert ranks[r][algo]["kept_after_save"] == 0
+        wrapper, share = ranks[r][algo]["after_load"]
+        assert wrapper == 0 and share == ranks[r][algo][True][2] > 0
         resumed, third = ranks[r][algo]["resumed_sharded"], ranks[r][algo]["third"]
         for k in third:
             assert torch.equal(resumed[k], third[k]), (r, k)

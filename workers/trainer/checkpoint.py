@@ -17,6 +17,7 @@ import torch
 
 from workers.atomic import atomic_dir, file_digest, folder_digests
 from workers.model import load_state, save_pretrained
+from workers.trainer import optimizer
 from workers.trainer.schedule import lr_lambda
 
 if TYPE_CHECKING:
@@ -38,9 +39,9 @@ SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", 
               "tie_word_embeddings")
 
 
-def save(w: "TrainerWorker", path: str, optimizer_state: dict | None = None) -> Path:
-    """``optimizer_state``: the whole optimizer state (``optimizer.full_state_dict``; default:
-    ``w.optimizer.state_dict()``, which a sharded optimizer has only after consolidating)."""
+def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
+    """``optimizer_state``: the whole optimizer state (``optimizer.full_state_dict``: a sharded
+    optimizer's own ``state_dict()`` is whatever its last consolidation gathered)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -53,7 +54,7 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict | None = None) -> 
             save_file({k: v.detach().contiguous().cpu() for k, v in w.critic.state_dict().items()
                        if "rotary_emb" not in k}, str(tmp / "critic.safetensors"))
         state = {
-            "optimizer": optimizer_state if optimizer_state is not None else w.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": w.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -201,7 +202,7 @@ def load(w: "TrainerWorker", path: str) -> None:
     # resumed with another trainer.lr / critic_lr / betas / weight_decay / adam_eps uses them
     hyper = [{"initial_lr": g["initial_lr"], **{k: g[k] for k in ("betas", "eps", "weight_decay")}}
              for g in w.optimizer.param_groups]
-    w.optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(w.optimizer, state["optimizer"])
     w.scheduler.load_state_dict(state["scheduler"])
     for group, h in zip(w.optimizer.param_groups, hyper):
         group.update(h)

@@ -29,9 +29,24 @@ def sharded(opt: torch.optim.Optimizer) -> bool:
 def full_state_dict(opt: torch.optim.Optimizer, rank: int) -> dict | None:
     """The whole optimizer state on data-parallel rank 0, None on the others. Sharded, this is a
     collective (each rank sends its share to rank 0): every rank must call it."""
+    if not sharded(opt):
+        return opt.state_dict() if rank == 0 else None
+    opt.consolidate_state_dict(to=0)  # the process group's rank 0
+    state = opt.state_dict() if rank == 0 else None
+    # torch keeps the gathered shares (a private list) until the next consolidation: on rank 0
+    # that is the whole state, held for the rest of the run, the memory sharding was to save
+    opt._all_state_dicts = []
+    return state
+
+
+def load_state_dict(opt: torch.optim.Optimizer, state: dict) -> None:
+    """Load a whole (plain AdamW layout) state; sharded, each rank keeps its share only."""
+    opt.load_state_dict(state)
     if sharded(opt):
-        opt.consolidate_state_dict(to=0)  # the process group's rank 0
-    return opt.state_dict() if rank == 0 else None
+        # torch also copies this rank's share into the wrapper's own ``state``, which its
+        # steps never read (on a GPU a second copy of the share); its state_dict() rebuilds
+        # from the gathered shares, not from it
+        opt.state.clear()
 
 
 def local_state_elements(opt: torch.optim.Optimizer) -> int:
