@@ -150,11 +150,13 @@ class Session:
                   file=sys.stderr, flush=True)
             return None
         from workers.trainer.checkpoint import check
+        from workers.trainer.lora import target_names
 
         try:  # a damaged file or another model / algorithm: one line, before the trainers load it
             state = ckpt.load_state(found)
-            check(found / "trainer", self.model_dir, self.cfg.trainer.algorithm, self.cfg.trainer.use_critic,
-                  self.cfg.trainer.lora_rank)
+            t = self.cfg.trainer
+            check(found / "trainer", self.model_dir, t.algorithm, t.use_critic, t.lora_rank, t.lora_alpha,
+                  target_names(t.lora_target_modules))
         except (OSError, ValueError) as e:
             older = ckpt.previous(found)
             raise ConfigError(f"--resume {self.args.resume}: {e}"

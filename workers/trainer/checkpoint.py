@@ -18,6 +18,7 @@ import torch
 from workers.atomic import atomic_dir, file_digest, folder_digests
 from workers.model import load_state, save_pretrained
 from workers.trainer import optimizer
+from workers.trainer.lora import check_adapter, target_names
 from workers.trainer.schedule import lr_lambda
 
 if TYPE_CHECKING:
@@ -47,7 +48,9 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
     path = Path(path)
     with atomic_dir(path) as tmp:  # a full disk, an unwritable folder: no half-written copy left taking space
         # the merged weights (LoRA folded in): model/ is a whole model, for the engines or an export
-        save_pretrained(w.actor, tmp / "model", extra_files=carried_files(w.model_dir), state=dict(w.named_weights()))
+        # each tensor to the CPU as it is merged: no second copy of the model on the device
+        save_pretrained(w.actor, tmp / "model", extra_files=carried_files(w.model_dir),
+                        state={k: v.detach().cpu() for k, v in w.named_weights()})
         if w.lora is not None:  # the adapters alone, as PEFT writes them: what a resume trains on
             w.lora.save(tmp / ADAPTER_DIR, base_model=str(Path(w.model_dir).resolve()))
         if w.critic is not None:
@@ -89,7 +92,8 @@ def carried_files(model_dir: str | Path) -> list[Path]:
     return out
 
 
-def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool, lora_rank: int = 0) -> None:
+def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool, lora_rank: int = 0,
+          lora_alpha: float = 16.0, lora_targets: tuple[str, ...] = ()) -> None:
     """What can be checked of a trainer checkpoint without loading its tensors: every file is
     there and whole (a safetensors header that covers its file, a zip with its directory, the
     JSON files parse), its model has the tensors of ``model_dir``'s (config.json: the fields
@@ -171,12 +175,15 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool,
         got = file_digest(f, "crc32")
         if got != want:
             raise damaged(f, ValueError(f"CRC-32 {got}, written as {want}: its bytes changed since the save"))
+    if lora_rank:
+        check_adapter(path / ADAPTER_DIR, path / "model", Path(model_dir), lora_rank, lora_alpha, lora_targets)
 
 def load(w: "TrainerWorker", path: str) -> None:
     from safetensors.torch import load_file
 
     path = Path(path)
-    check(path, w.model_dir, w.cfg.algorithm, w.critic is not None, w.cfg.lora_rank)
+    check(path, w.model_dir, w.cfg.algorithm, w.critic is not None, w.cfg.lora_rank, w.cfg.lora_alpha,
+          target_names(w.cfg.lora_target_modules))
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a damaged file, whatever torch's error

@@ -65,7 +65,9 @@ class LoRA(nn.Module):
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
-        """The base model for the duration (the reference policy)."""
+        """The base model for the duration (the reference policy). A flag of the module, not of
+        the thread: every forward of the actor runs under the ``TrainerWorker``'s lock (what
+        runs beside it, weight pushes, reads A and B and calls no forward)."""
         self.enabled = False
         try:
             yield
@@ -102,13 +104,10 @@ class LoRA(nn.Module):
             "inference_mode": True, "base_model_name_or_path": base_model}, indent=2))
 
     def load(self, folder: Path) -> None:
-        """Adapters saved by ``save``: rank and layers must match (raises ValueError naming them)."""
+        """Adapters saved by ``save`` (``check_adapter`` has checked their settings and base):
+        the layers must match (raises ValueError naming them)."""
         from safetensors.torch import load_file
 
-        conf = json.loads((folder / CONFIG_FILE).read_text())
-        if conf.get("r") != self.rank or float(conf.get("lora_alpha", -1)) != float(self.alpha):
-            raise ValueError(f"{folder / CONFIG_FILE}: adapters of rank {conf.get('r')}, alpha {conf.get('lora_alpha')}; "
-                             f"this trainer's are trainer.lora_rank {self.rank}, trainer.lora_alpha {self.alpha}")
         saved = load_file(str(folder / WEIGHTS_FILE))
         mine = self.peft_state_dict()
         if saved.keys() != mine.keys():
@@ -120,6 +119,46 @@ class LoRA(nn.Module):
                 key = name.replace(".", "__")
                 self.lora_a[key].copy_(saved[f"base_model.model.{name}.lora_A.weight"])
                 self.lora_b[key].copy_(saved[f"base_model.model.{name}.lora_B.weight"])
+
+
+def read_tensor(folder: Path, name: str) -> torch.Tensor:
+    """One tensor of an HF model folder (single file or sharded with an index), read alone."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    file = folder / (json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors")
+    with safe_open(str(file), "pt") as f:
+        return f.get_tensor(name)
+
+
+def check_adapter(adapter: Path, merged: Path, base: Path, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
+    """Before a resume: the adapter folder has this run's rank, alpha and target layers, and was
+    trained on ``base`` (this run's ``model.path``): its first adapted layer, merged onto
+    ``base``'s tensor, is what the checkpoint's merged model ``merged`` holds. Another base of the
+    same shapes, or the checkpoint's own merged model as the base (the adapters would then count
+    twice), is refused. Raises ValueError naming the folders."""
+    from safetensors import safe_open
+
+    conf = json.loads((adapter / CONFIG_FILE).read_text())
+    saved = (conf.get("r"), float(conf.get("lora_alpha", -1)), sorted(conf.get("target_modules") or ()))
+    mine = (rank, float(alpha), sorted(targets))
+    if saved != mine:
+        raise ValueError(f"{adapter / CONFIG_FILE}: adapters of rank {saved[0]}, alpha {saved[1]:g} on {saved[2]}; "
+                         f"this run's trainer.lora_rank {rank}, lora_alpha {alpha:g}, lora_target_modules {mine[2]}")
+    with safe_open(str(adapter / WEIGHTS_FILE), "pt") as f:
+        key = min(k for k in f.keys() if k.endswith(".lora_A.weight"))
+        a, b = f.get_tensor(key).double(), f.get_tensor(key.replace(".lora_A.", ".lora_B.")).double()
+    name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+    w, got = read_tensor(base, name).double(), read_tensor(merged, name).double()
+    delta = alpha / rank * (b @ a)
+    off = float((got - (w + delta)).abs().max())
+    # the sum's rounding (fp32 on the trainer, or its bf16 base) and the product's order: far
+    # below the whole delta, which a wrong base or a merged one counted twice is off by
+    if off > 1e-2 * float(delta.abs().max()) + 4 * float(torch.finfo(torch.float32).eps) * float(w.abs().max()):
+        raise ValueError(f"{adapter}: the adapters were not trained on this run's model.path {base}: {name} of "
+                         f"{merged} is not that model's plus the adapters (off by {off:.3g}; the adapters change it by "
+                         f"{float(delta.abs().max()):.3g}); resume with the model.path they were trained on (a "
+                         f"checkpoint's model/ holds base and adapters merged: it is not their base)")
 
 
 class Reference(nn.Module):
