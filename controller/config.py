@@ -293,7 +293,8 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     try:
         trainer = build_section(TrainerConfig, "trainer", _norm_follows(d.get("trainer"), train))
     except ConfigError as e:
-        if "total_steps" not in str(e) or "total_steps" in explicit:
+        said = str(e).split(" (known: ", 1)[0]  # an unknown key's list of the known ones names it too
+        if "total_steps" not in said or "total_steps" in explicit:
             raise
         raise ConfigError(f"{e} (trainer.total_steps follows train.iterations = {train.iterations} "
                           "unless set)") from None

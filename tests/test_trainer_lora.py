@@ -234,3 +234,13 @@ def test_the_adapters_gradient_is_the_full_gradient_through_them(setup, tmp_path
         assert float(b.detach().abs().max()) > 0
         torch.testing.assert_close(b.grad, s * g @ a.detach().T, rtol=1e-3, atol=1e-6, msg=name)
         torch.testing.assert_close(a.grad, s * b.detach().T @ g, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_verls_target_modules_is_named_without_the_schedule_note():
+    from controller.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"trainer": {"target_modules": ["q_proj"]}})
+    assert "verl's 'target_modules' is trainer.lora_target_modules" in str(e.value)
+    # the note on total_steps is for errors about it, not for every unknown key (its list names it)
+    assert "follows train.iterations" not in str(e.value)
