@@ -244,3 +244,35 @@ def test_verls_target_modules_is_named_without_the_schedule_note():
     assert "verl's 'target_modules' is trainer.lora_target_modules" in str(e.value)
     # the note on total_steps is for errors about it, not for every unknown key (its list names it)
     assert "follows train.iterations" not in str(e.value)
+
+
+def test_a_bf16_trainer_keeps_its_frozen_base_in_bf16_with_the_same_results(setup):
+    """precision bf16 (a GPU's default): the base's linear layers are stored in bf16, half the
+    bytes, and every forward and update is bit for bit what fp32 storage under the same
+    autocast gives (autocast casts those weights to bf16 for the matmul anyway)."""
+    model_dir, data = setup
+    half = TrainerWorker(_cfg(precision="bf16"), model_dir, _task(), device="cpu")
+    wide = TrainerWorker(_cfg(precision="bf16"), model_dir, _task(), device="cpu")
+    for m in wide.actor.modules():  # back to fp32 storage: what the trainer kept before
+        if isinstance(m, torch.nn.Linear):
+            m.weight.data = m.weight.data.float()
+            if m.bias is not None:
+                m.bias.data = m.bias.data.float()
+    lin = half.actor.model.layers[0].mlp.down_proj
+    assert lin.weight.dtype == torch.bfloat16 and half.actor.model.embed_tokens.weight.dtype == torch.float32
+    size = {w: sum(p.numel() * p.element_size() for p in w.actor.parameters()) for w in (half, wide)}
+    assert size[half] < 0.75 * size[wide]
+    for w in (half, wide):
+        _iterate(w, data, 2)
+    for (k, a), (_, b) in zip(half.named_weights(), wide.named_weights()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), k
+    with half.autocast(), wide.autocast():
+        assert torch.equal(_logits(half.actor, data)[0], _logits(wide.actor, data)[0])
+    # and a checkpoint of it resumes (its merged model/ is bf16(W) + delta, not W + delta)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        half.save_checkpoint(d)
+        r = TrainerWorker(_cfg(precision="bf16"), model_dir, _task(), device="cpu")
+        r.load_checkpoint(d)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(r.named_weights(), half.named_weights()))

@@ -74,14 +74,28 @@ class LoRA(nn.Module):
         finally:
             self.enabled = True
 
+    def store_base(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """Keep the frozen base's linear layers (not a head tied to the embedding) in ``dtype``.
+        Under autocast to that dtype their matmuls cast the weights to it anyway, so the forward
+        is the same, bit for bit, at half the bytes for bf16; embeddings and norms stay fp32."""
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                tied = any(m.weight is e.weight for e in model.modules() if isinstance(e, nn.Embedding))
+                if not tied:
+                    m.weight.data = m.weight.data.to(dtype)
+                    if m.bias is not None:
+                        m.bias.data = m.bias.data.to(dtype)
+
     def merged(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` (the HF tensor ``name``) with its layer's adapter folded in, else as given."""
+        """``weight`` (the HF tensor ``name``) in fp32 with its layer's adapter folded in, if it
+        has one (a base kept in bf16 is widened first: the sum is taken in fp32)."""
+        weight = weight.float()
         module = name.removesuffix(".weight")
         if module not in self.layers or not name.endswith(".weight"):
             return weight
         key = module.replace(".", "__")
         with torch.no_grad():
-            return weight + self.scale * (self.lora_b[key] @ self.lora_a[key]).to(weight.dtype)
+            return weight + self.scale * (self.lora_b[key] @ self.lora_a[key])
 
     # ---- PEFT adapter folder -----------------------------------------------------------------
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
@@ -149,9 +163,11 @@ def check_adapter(adapter: Path, merged: Path, base: Path, rank: int, alpha: flo
         key = min(k for k in f.keys() if k.endswith(".lora_A.weight"))
         a, b = f.get_tensor(key).double(), f.get_tensor(key.replace(".lora_A.", ".lora_B.")).double()
     name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-    w, got = read_tensor(base, name).double(), read_tensor(merged, name).double()
+    w, got = read_tensor(base, name), read_tensor(merged, name).double()
     delta = alpha / rank * (b @ a)
-    off = float((got - (w + delta)).abs().max())
+    # the trainer may have kept its base in bf16 (LoRA.store_base)
+    off = min(float((got - (v.double() + delta)).abs().max()) for v in (w, w.bfloat16()))
+    w = w.double()
     # the sum's rounding (fp32 on the trainer, or its bf16 base) and the product's order: far
     # below the whole delta, which a wrong base or a merged one counted twice is off by
     if off > 1e-2 * float(delta.abs().max()) + 4 * float(torch.finfo(torch.float32).eps) * float(w.abs().max()):

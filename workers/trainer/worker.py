@@ -100,6 +100,8 @@ class TrainerWorker:
                      if cfg.lora_rank else None)
         if self.lora is not None:  # the base model, i.e. the actor with its adapters off
             self.ref = Reference(self.actor, self.lora)
+            if self.bf16:  # frozen: no fp32 master needed; the autocast forward is the same
+                self.lora.store_base(self.actor, torch.bfloat16)
         else:
             ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
             self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
