@@ -60,8 +60,9 @@ VERL_NOTES = {
     "total_epochs": "set train.iterations = epochs x rows / train.batch_prompts (trainer.total_steps is the "
                     "LR schedule's length, not the run's)",
     "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
-    "reward_model": "no model-based reward model; rewards come from task.kwargs.verifier (a rule, or a function "
-                    "of yours, which may call a reward model itself); verl's reward_manager prime (a process pool "
+    "reward_model": "rewards come from task.kwargs.verifier: a model-based reward model (verl's reward_model.enable, "
+                    "model.path) is verifier: reward_model with verifier_kwargs: {path: RM_FOLDER} (a "
+                    "Qwen2/Llama ForSequenceClassification), a rule, or a function of yours; verl's reward_manager prime (a process pool "
                     "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s; reward_manager "
                     "batch is a verifier with verl's batch names (compute_score(data_sources, solution_strs, "
                     "ground_truths, extra_infos))",

@@ -277,7 +277,8 @@ def test_async_modes_note_that_recomputed_old_logprobs_leave_staleness_uncorrect
 
 @pytest.mark.parametrize("d, said", [
     ({"critic": {"optim": {"lr": 1e-5}}}, "verl's 'critic' is trainer (trainer.algorithm: ppo trains a critic"),
-    ({"reward_model": {"enable": True}}, "verl's 'reward_model' has no key here: no model-based reward model"),
+    ({"reward_model": {"enable": True}}, "verl's 'reward_model' has no key here: rewards come from "
+                                         "task.kwargs.verifier: a model-based reward model"),
     ({"model": {"lora_rank": 8}}, "verl's 'lora_rank' is trainer.lora_rank here"),
     ({"trainer": {"param_offload": True}}, "verl's 'param_offload' has no key here: no CPU offload"),
 ])

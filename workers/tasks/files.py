@@ -25,7 +25,8 @@ def _decode(path: Path) -> str:
                          "bytes); convert the file, e.g. iconv -f latin1 -t utf-8") from None
 
 
-def read_json(path: Path, prompt_key: str, answer_key: str, task: str, text_answers: bool) -> list[TaskPrompt]:
+def read_json(path: Path, prompt_key: str, answer_key: str, task: str, text_answers: bool,
+              answer_optional: bool = False) -> list[TaskPrompt]:
     """JSON Lines (one object per line, blank lines skipped), or one JSON array of objects
     (HF ``datasets``' json loader reads both, whatever the suffix)."""
     text = _decode(path)
@@ -34,7 +35,8 @@ def read_json(path: Path, prompt_key: str, answer_key: str, task: str, text_answ
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: malformed JSON array ({e.msg} at column {e.colno})") from None
-        return [row_item(r, f"{path}[{i}]", prompt_key, answer_key, task, text_answers) for i, r in enumerate(rows)]
+        return [row_item(r, f"{path}[{i}]", prompt_key, answer_key, task, text_answers, answer_optional)
+                for i, r in enumerate(rows)]
     items = []
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a string
         if not line.strip():
@@ -43,17 +45,19 @@ def read_json(path: Path, prompt_key: str, answer_key: str, task: str, text_answ
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-        items.append(row_item(row, f"{path}:{lineno}", prompt_key, answer_key, task, text_answers))
+        items.append(row_item(row, f"{path}:{lineno}", prompt_key, answer_key, task, text_answers, answer_optional))
     return items
 
 
-def read_parquet(path: Path, prompt_key: str, answer_key: str, task: str, text_answers: bool) -> list[TaskPrompt]:
+def read_parquet(path: Path, prompt_key: str, answer_key: str, task: str, text_answers: bool,
+                 answer_optional: bool = False) -> list[TaskPrompt]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
     rows = pq.read_table(path).to_pylist()
-    return [row_item(r, f"{path}:row {i}", prompt_key, answer_key, task, text_answers) for i, r in enumerate(rows)]
+    return [row_item(r, f"{path}:row {i}", prompt_key, answer_key, task, text_answers, answer_optional)
+            for i, r in enumerate(rows)]
 
 
 READERS = {".jsonl": read_json, ".json": read_json, ".parquet": read_parquet}
@@ -129,6 +133,7 @@ class FileTask:
         if callable(getattr(self.verify, "batch", None)):  # verl's batch compute_score: many samples a call
             self.score_batch = self._score_batch
         self.text_answers = is_builtin(verifier)
+        self.answer_optional = verifier == "reward_model"  # it scores the completion: rows may have no answer
         for key, value, what in (("prompt_key", prompt_key, "a row's field, dotted for a nested one"),
                                  ("answer_key", answer_key, "a row's field, dotted for a nested one"),
                                  ("name", name, "the eval group of rows without task or data_source")):
@@ -142,7 +147,8 @@ class FileTask:
             raise ValueError(f"task.kwargs.files: no {split!r} file (have {sorted(self.files)})")
         if split not in self._cache:
             p = Path(self.files[split])
-            items = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name, self.text_answers)
+            items = READERS[p.suffix](p, self.prompt_key, self.answer_key, self.name, self.text_answers,
+                                      self.answer_optional)
             if not items:  # said here, where the file is known (the start check's error could not name it)
                 raise ValueError(f"{p}: no rows (task.kwargs.files.{split})")
             self._cache[split] = items

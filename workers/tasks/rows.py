@@ -60,15 +60,23 @@ def _answer_text(answer, where: str, key: str, text_answers: bool) -> str:
     return str(answer)
 
 
-def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_answers: bool = True) -> TaskPrompt:
+def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_answers: bool = True,
+             answer_optional: bool = False) -> TaskPrompt:
     """One row. The prompt is a string with some non-space text, or a chat (verl's format): a
     list of ``{"role", "content"}`` messages, seen by the policy through the chat template (its
     last user turn is ``prompt``). ``meta``: the row's other fields, and ``source`` (``where``)
     unless the row has a field of that name. ``text_answers``: the verifier compares the answer
-    as text or a number (a built-in one)."""
+    as text or a number (a built-in one). ``answer_optional``: a row without the answer field has
+    the answer "" (a reward model scores the completion alone)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    prompt, answer = _field(row, prompt_key, where, "prompt_key"), _field(row, answer_key, where, "answer_key")
+    prompt = _field(row, prompt_key, where, "prompt_key")
+    try:
+        answer = _field(row, answer_key, where, "answer_key")
+    except ValueError:
+        if not answer_optional:
+            raise
+        answer = ""
     messages: tuple = ()
     if isinstance(prompt, (list, tuple)):
         if not prompt:

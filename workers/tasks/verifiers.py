@@ -17,8 +17,11 @@ Built in (``VERIFIERS``; their options come from ``task.kwargs.verifier_kwargs``
 * ``math``: verl's MATH rule: the content of the last ``\\boxed{}`` / ``\\fbox{}`` equals the
   reference after ``latex.normalise`` (or has its exact value); 0 without one.
 * ``reasoning_gym:<dataset>``: reasoning-gym's own ``score_answer``.
+* ``reward_model(path, max_length, batch_size)``: a sequence-classification reward model's
+  logit (``reward_model.py``); it scores the completion, not an answer, and raises on a text it
+  cannot score (that sample is skipped, named).
 
-A built-in verifier never raises: a malformed completion scores 0.
+The rule-based verifiers never raise: a malformed completion scores 0.
 """
 from __future__ import annotations
 
@@ -149,12 +152,19 @@ VERIFIERS: dict[str, Callable[..., Verifier]] = {
     "numeric": _numeric_verifier,
     "gsm8k": _gsm8k_verifier,
     "math": lambda: _never_raises(math_boxed),
+    "reward_model": lambda path, max_length=None, batch_size=16: _reward_model(path, max_length, batch_size),
 }
 
 
+def _reward_model(path: str, max_length: int | None, batch_size: int) -> Verifier:
+    from workers.tasks.reward_model import RewardModelVerifier
+
+    return RewardModelVerifier(path, max_length, batch_size)
+
+
 def is_builtin(spec: str) -> bool:
-    """Whether ``spec`` names a built-in verifier (they compare the answer as text or a number)."""
-    return spec in VERIFIERS or spec.startswith("reasoning_gym:")
+    """Whether ``spec`` names a built-in verifier that compares the answer as text or a number."""
+    return (spec in VERIFIERS and spec != "reward_model") or spec.startswith("reasoning_gym:")
 
 
 def make_verifier(spec: str, options: dict | None = None) -> Verifier:

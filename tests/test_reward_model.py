@@ -1,0 +1,122 @@
+"""``verifier: reward_model`` (``workers/tasks/reward_model.py``): a sequence-classification reward
+model's scores equal transformers' ``Qwen2ForSequenceClassification`` / ``LlamaForSequenceClassification``
+on the same weights and tokens; a JSONL task scores with it (rows need no answer), a batch in one
+call; bad folders and over-long texts are refused naming them; a real run trains on its rewards."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
+from workers.tasks import make_task
+from workers.tasks.reward_model import RewardModelVerifier, load_scorer
+from workers.types import TaskPrompt
+
+transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference")
+
+
+def _rm_folder(tmp_path, model_dir, arch="Qwen2", chat_template=None):
+    """A random tiny reward model with the tiny policy's tokenizer, written by transformers."""
+    base = json.loads((Path(model_dir) / "config.json").read_text())
+    cls = {"Qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+           "Llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification)}[arch]
+    cfg = cls[0](vocab_size=base["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0,
+                 max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = cls[1](cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    folder = tmp_path / f"rm_{arch}"
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(model_dir) / f).exists():
+            shutil.copy(Path(model_dir) / f, folder / f)
+    if chat_template:
+        (folder / "chat_template.jinja").write_text(chat_template)
+    return folder, model
+
+
+ITEMS = [(TaskPrompt(prompt="What is 2 + 3?", answer="5", task="math"), " 5"),
+         (TaskPrompt(prompt="Add 4 and 4.", answer="8", task="math"), " it is 8, I think"),
+         (TaskPrompt(prompt="1 + 1", answer="2", task="math"), " 3")]
+
+
+@pytest.mark.parametrize("arch", ["Qwen2", "Llama"])
+def test_scores_equal_transformers(tmp_path, tiny_model, arch):  # noqa: F811
+    folder, hf = _rm_folder(tmp_path, tiny_model, arch)
+    rm = RewardModelVerifier(str(folder))
+    got = rm.batch([p for p, _ in ITEMS], [c for _, c in ITEMS])
+    tok = rm._tok
+    for (p, c), score in zip(ITEMS, got):
+        ids = torch.tensor([tok.encode(p.prompt + c, add_special_tokens=True)])
+        with torch.no_grad():
+            want = float(hf(ids).logits[0, 0])
+        assert score == pytest.approx(want, abs=1e-4)
+    assert len(set(round(x, 4) for x in got)) == 3  # the scores differ
+    assert rm(*ITEMS[1]) == pytest.approx(got[1], abs=1e-5)  # one sample: a batch of one
+    # a batch split in forwards of 2 gives the same scores
+    assert RewardModelVerifier(str(folder), batch_size=2).batch([p for p, _ in ITEMS], [c for _, c in ITEMS]) \
+        == pytest.approx(got, abs=1e-5)
+
+
+def test_the_reward_models_chat_template_frames_the_text(tmp_path, tiny_model):  # noqa: F811
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    folder, _ = _rm_folder(tmp_path, tiny_model, chat_template=template)
+    rm = RewardModelVerifier(str(folder))
+    assert rm.text(*ITEMS[0]) == "<user>What is 2 + 3?</user><assistant> 5</assistant>"
+    chat = TaskPrompt(prompt="hi", answer="", task="t",
+                      messages=({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}))
+    assert rm.text(chat, "yo") == "<system>be brief</system><user>hi</user><assistant>yo</assistant>"
+
+
+def test_a_jsonl_task_scores_with_it_in_batches_and_rows_need_no_answer(tmp_path, tiny_model):  # noqa: F811
+    folder, _ = _rm_folder(tmp_path, tiny_model)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p.prompt}) + "\n" for p, _ in ITEMS))
+    task = make_task("jsonl", files=str(data), verifier="reward_model", verifier_kwargs={"path": str(folder)})
+    items = task.prompts("train")
+    assert [i.answer for i in items] == ["", "", ""]
+    batch = task.score_batch(items, [c for _, c in ITEMS])
+    assert batch == pytest.approx([task.score(i, c) for i, (_, c) in zip(items, ITEMS)], abs=1e-5)
+    # a rule verifier still needs the answer field
+    with pytest.raises(ValueError, match="missing field 'answer'"):
+        make_task("jsonl", files=str(data), verifier="exact").prompts("train")
+
+
+def test_bad_folders_and_long_texts_are_named(tmp_path, tiny_model):  # noqa: F811
+    with pytest.raises(ValueError, match="verifier_kwargs.path: .* holds no config.json"):
+        RewardModelVerifier(str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="architecture 'Qwen2ForCausalLM' is not a reward model"):
+        RewardModelVerifier(tiny_model)
+    folder, _ = _rm_folder(tmp_path, tiny_model)
+    with pytest.raises(ValueError, match="verifier_kwargs.batch_size: an integer >= 1, got 0"):
+        RewardModelVerifier(str(folder), batch_size=0)
+    with pytest.raises(ValueError, match="sample 0 of the batch: .* tokens, over the reward model's max_length 4"):
+        RewardModelVerifier(str(folder), max_length=4)(*ITEMS[1])
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match=r"verifier_kwargs: \['pth'\] are not options of the verifier 'reward_model'"):
+        make_task("jsonl", files=str(data), verifier="reward_model", verifier_kwargs={"pth": "x"})
+    assert load_scorer(folder).score.weight.shape == (1, 32)
+
+
+def test_a_run_trains_on_the_reward_models_scores(tmp_path, tiny_model):  # noqa: F811
+    folder, _ = _rm_folder(tmp_path, tiny_model)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?"}) + "\n" for i in range(16)))
+    cfg = write_config(tmp_path, tiny_model, task__name="jsonl",
+                       task__kwargs={"files": str(data), "verifier": "reward_model",
+                                     "verifier_kwargs": {"path": str(folder)}},
+                       train__iterations=2, train__eval_every=0, pipeline__mode="stream")
+    p = torchrun(cfg, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = iterations(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(r["metrics"]["skipped_samples"] == 0 for r in rows)
+    assert any(r["metrics"]["reward_std"] > 0 for r in rows)  # the reward model's scores, not a constant
+    assert all(r["metrics"]["grad_norm"] > 0 for r in rows)
