@@ -348,6 +348,7 @@ def _norm_follows(trainer: Any, train: TrainSection) -> Any:
     follow = {"total_steps": max(train.iterations, 1)}  # < 1: validate() says so
     if trainer.get("loss_agg") == "seq_mean_token_sum_norm":
         follow["loss_scale_factor"] = max(train.max_tokens, 1)
+    follow["max_response_tokens"] = max(train.max_tokens, 1)  # the overlong penalty counts from it
     return {**{k: v for k, v in follow.items() if k not in trainer}, **trainer}
 
 

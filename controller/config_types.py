@@ -42,6 +42,7 @@ VERL_KEYS = {
     "clip_ratio_low": "trainer.clip_low", "clip_ratio_high": "trainer.clip_high",
     "max_num_seqs": "engine.max_batch_size",
     "lora_rank": "trainer.lora_rank", "lora_alpha": "trainer.lora_alpha",
+    "penalty_factor": "trainer.overlong_penalty (with trainer.overlong_buffer: verl's overlong_buffer.len)",
     "target_modules": "trainer.lora_target_modules",
     "gpu_memory_utilization": "engine.kv_cache_tokens (the KV cache is sized in tokens)",
     "ppo_max_token_len_per_gpu": "trainer.max_tokens_per_microbatch",

@@ -24,7 +24,7 @@ class Prepared:
     old_logp: torch.Tensor
     ref_logp: torch.Tensor
     score: float  # the task's reward
-    reward: float  # score minus the KL penalty in kl_mode "reward" (grouped algorithms)
+    reward: float  # score plus the overlong penalty, minus the KL penalty in kl_mode "reward" (grouped algorithms)
     token_rewards: torch.Tensor | None = None  # [L] for GAE
     values: torch.Tensor | None = None
     adv: torch.Tensor | None = None
@@ -32,6 +32,7 @@ class Prepared:
     weight_version: int = 0
     min_tokens: int = 0  # EOS was not allowed before this many outputs (Sample.min_tokens)
     tis_weight: torch.Tensor | None = None  # [L] min(pi_old / pi_sampler, tis_cap) (TrainerConfig.tis_cap)
+    overlong: float = 0.0  # the overlong penalty added to the reward (<= 0; TrainerConfig.overlong_buffer)
 
     @property
     def num_tokens(self) -> int:

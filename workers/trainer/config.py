@@ -73,6 +73,11 @@ class TrainerConfig:
     of its share of the parameters only, steps that share and broadcasts it (the same update;
     ``workers/trainer/optimizer.py``). It is the only trainer state this shards: the weights and
     the gradients accumulated while samples stream in stay whole on every rank.
+    ``overlong_buffer`` (DAPO, verl's ``reward_model.overlong_buffer.len``; 0: off): a response
+    longer than ``max_response_tokens - overlong_buffer`` tokens gets
+    ``-(length - (max_response_tokens - overlong_buffer)) / overlong_buffer * overlong_penalty``
+    added to its reward (down to ``-overlong_penalty`` at the cap); the logged ``reward_*`` stay
+    the task's scores, ``overlong_penalty_mean`` says the penalty.
     ``lora_rank`` > 0 (verl's ``lora_rank``): the actor's base weights are frozen and low-rank
     adapters of that rank train on ``lora_target_modules`` (``all-linear``: q, k, v, o, gate, up,
     down), scaled by ``lora_alpha / lora_rank``; the reference policy is the actor with its adapters
@@ -88,6 +93,10 @@ class TrainerConfig:
     # ZeRO-1: each data-parallel rank keeps the AdamW state (m, v) of its share of the parameters
     # (torch's ZeroRedundancyOptimizer); weights and gradients stay whole on every rank
     shard_optimizer: bool = False
+    # DAPO's soft overlong punishment (verl's reward_model.overlong_buffer.len / penalty_factor): 0: off
+    overlong_buffer: int = ranged(0, Range(0, note="0: off"))
+    overlong_penalty: float = ranged(1.0, Range(0, open_lo=True))
+    max_response_tokens: int | None = None  # the response cap it counts from; a run config: train.max_tokens
     # LoRA (verl's lora_rank, lora_alpha, target_modules): 0 trains every parameter
     lora_rank: int = ranged(0, Range(0, note="0: off, every parameter trains"))
     lora_alpha: float = ranged(16.0, Range(0, open_lo=True))
@@ -199,6 +208,18 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used by algorithm "
                                  f"{' / '.join(map(repr, users))}, not {self.algorithm!r}; leave it out "
                                  f"(it would have no effect)")
+        if self.overlong_buffer:
+            if self.max_response_tokens is None:
+                raise ValueError("trainer.overlong_buffer counts from the longest response, "
+                                 "trainer.max_response_tokens: set it (a run config takes train.max_tokens)")
+            if not 0 < self.overlong_buffer <= self.max_response_tokens:
+                raise ValueError(f"trainer.overlong_buffer must be in [0, max_response_tokens "
+                                 f"{self.max_response_tokens}] (train.max_tokens), got {self.overlong_buffer}")
+            if not self.overlong_penalty > 0:
+                raise ValueError(f"trainer.overlong_penalty must be > 0, got {self.overlong_penalty}")
+        elif self.overlong_penalty != 1.0:
+            raise ValueError(f"trainer.overlong_penalty ({self.overlong_penalty!r}) is only used with "
+                             "trainer.overlong_buffer > 0; leave it out or set overlong_buffer")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"trainer.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
         if not self.lora_alpha > 0:

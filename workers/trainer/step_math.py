@@ -64,25 +64,37 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
     kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
     sampler_of = sampler.split(lens) if sampler is not None else None
     penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
+    overlong = [overlong_penalty(len(s.output_ids), cfg) for s in samples]
     out: list[Prepared | str] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
         score, why = _score(w, s, scores[s.sample_id])
         if why:
             out.append(f"sample {s.sample_id}: {why}")
             continue
+        shaped = score + overlong[i]
         p = Prepared(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids.cpu(),
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
-                     reward=score - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
-                     weight_version=s.weight_version, min_tokens=s.min_tokens)
+                     reward=shaped - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
+                     weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i])
         if cfg.tis_cap > 0:  # log-ratio capped before exp: the weight is finite whatever the gap
             p.tis_weight = torch.exp((old_i - sampler_of[i]).clamp(max=math.log(cfg.tis_cap)))
         if values is not None:
             p.values = values.split(lens)[i]
             p.token_rewards = -cfg.kl_coef * kl_i if penalise else torch.zeros_like(kl_i)
-            p.token_rewards[-1] += score
+            p.token_rewards[-1] += shaped
             p.adv, p.returns = gae(p.token_rewards, p.values, cfg.gamma, cfg.gae_lambda)
         out.append(p)
     return out
+
+
+def overlong_penalty(length: int, cfg: TrainerConfig) -> float:
+    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``): 0 up to
+    ``max_response_tokens - overlong_buffer`` tokens, then falling linearly to
+    ``-overlong_penalty`` at ``max_response_tokens``; 0 when ``overlong_buffer`` is 0."""
+    if not cfg.overlong_buffer:
+        return 0.0
+    over = length - (cfg.max_response_tokens - cfg.overlong_buffer)
+    return min(-over / cfg.overlong_buffer * cfg.overlong_penalty, 0.0)
 
 
 def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Tensor:
@@ -193,7 +205,7 @@ class StatSums:
     KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
-            "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s")
+            "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -230,6 +242,7 @@ class StatSums:
         self.add("num_samples", 1.0)
         self.add("score_sum", p.score)
         self.add("score_sq_sum", p.score * p.score)
+        self.add("overlong_sum", p.overlong)
         self.add("resp_len_sum", float(p.num_tokens))
         self.add("staleness_sum", float(version - p.weight_version))
         for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
@@ -254,10 +267,12 @@ class StatSums:
                             for k in self.EXTREMES])
 
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
-                extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False) -> dict[str, float]:
+                extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False,
+                overlong: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
-        report the critic's statistics; ``tis``: the mean truncated importance weight. A maximum or minimum over nothing is 0.0, as the means."""
+        report the critic's statistics; ``tis``: the mean truncated importance weight; ``overlong``:
+        the mean overlong penalty. A maximum or minimum over nothing is 0.0, as the means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
@@ -281,5 +296,7 @@ class StatSums:
                 del m[k]
         if not tis:  # reported only with trainer.tis_cap
             del m["tis_weight"]
+        if overlong:  # reported only with trainer.overlong_buffer (the reward_* metrics are the task's scores)
+            m["overlong_penalty_mean"] = t["overlong_sum"] / n
         m["_divisor"] = divisor
         return m

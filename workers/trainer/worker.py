@@ -350,7 +350,8 @@ class TrainerWorker:
             dist.all_reduce(totals, group=self.group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
-                                     critic=self.critic is not None, tis=self.cfg.tis_cap > 0)
+                                     critic=self.critic is not None, tis=self.cfg.tis_cap > 0,
+                                     overlong=self.cfg.overlong_buffer > 0)
         divisor = metrics.pop("_divisor")
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = streamed_updates(self, params, divisor)
