@@ -85,3 +85,16 @@ def test_a_stopped_job_leaves_no_vllm_engine_core_behind(tmp_path, vllm_model):
     while ours & _engine_cores() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not ours & _engine_cores(), "the vLLM engine core outlived its generation rank"
+
+
+@pytest.mark.timeout(900)
+def test_lora_merged_weights_reach_vllm(tmp_path, vllm_model):
+    """trainer.lora_rank: the engine gets the merged weights (W + scale B A) under the base's names
+    and shapes, as a full-parameter trainer's; vLLM loads each version."""
+    cfg = write_config(tmp_path, vllm_model, engine__backend="vllm", engine__block_size=32, trainer__lora_rank=4,
+                       train__iterations=3, train__eval_every=0, pipeline__mode="stream")
+    p = torchrun(cfg, timeout=800)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = iterations(tmp_path / "run")
+    assert [(r["version"], r["gen_version"]) for r in rows] == [(1, 0), (2, 1), (3, 2)]
+    assert (tmp_path / "run" / "checkpoints" / "iter_000003" / "trainer" / "adapter" / "adapter_config.json").is_file()
