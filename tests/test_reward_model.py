@@ -75,14 +75,29 @@ def test_the_reward_models_chat_template_frames_the_text(tmp_path, tiny_model): 
 
 
 def test_a_jsonl_task_scores_with_it_in_batches_and_rows_need_no_answer(tmp_path, tiny_model):  # noqa: F811
+    import pickle
+
+    from workers.tasks.scoring import safe_score_batch
+
     folder, _ = _rm_folder(tmp_path, tiny_model)
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p.prompt}) + "\n" for p, _ in ITEMS))
+    data.write_text("".join(json.dumps({"prompt": p.prompt, **({"answer": None} if i else {})}) + "\n"
+                            for i, (p, _) in enumerate(ITEMS)))  # no answer field, or a null one
     task = make_task("jsonl", files=str(data), verifier="reward_model", verifier_kwargs={"path": str(folder)})
     items = task.prompts("train")
     assert [i.answer for i in items] == ["", "", ""]
     batch = task.score_batch(items, [c for _, c in ITEMS])
     assert batch == pytest.approx([task.score(i, c) for i, (_, c) in zip(items, ITEMS)], abs=1e-5)
+    # the task pickles (a reward process rebuilds it) and scores the same after
+    again = pickle.loads(pickle.dumps(task))
+    assert again.score_batch(items, [c for _, c in ITEMS]) == pytest.approx(batch, abs=1e-6)
+    # an over-long sample skips itself only: the others of its call are scored
+    short = make_task("jsonl", files=str(data), verifier="reward_model",
+                      verifier_kwargs={"path": str(folder), "max_length": 20})
+    scored = safe_score_batch(short, items, [c for _, c in ITEMS])
+    assert [why == "" for _, why in scored] == [True, False, True]
+    assert "over the reward model's max_length 20" in scored[1][1]
+    assert [x for x, _ in scored[::2]] == pytest.approx(batch[::2], abs=1e-5)
     # a rule verifier still needs the answer field
     with pytest.raises(ValueError, match="missing field 'answer'"):
         make_task("jsonl", files=str(data), verifier="exact").prompts("train")
@@ -96,8 +111,20 @@ def test_bad_folders_and_long_texts_are_named(tmp_path, tiny_model):  # noqa: F8
     folder, _ = _rm_folder(tmp_path, tiny_model)
     with pytest.raises(ValueError, match="verifier_kwargs.batch_size: an integer >= 1, got 0"):
         RewardModelVerifier(str(folder), batch_size=0)
-    with pytest.raises(ValueError, match="sample 0 of the batch: .* tokens, over the reward model's max_length 4"):
+    with pytest.raises(ValueError, match="27 tokens, over the reward model's max_length 4"):
         RewardModelVerifier(str(folder), max_length=4)(*ITEMS[1])
+    # a folder that cannot score is refused when the task is built, not skipped sample by sample
+    broken = tmp_path / "no_tokenizer"
+    shutil.copytree(folder, broken)
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="verifier_kwargs.path: .*tokenizer"):
+        RewardModelVerifier(str(broken))
+    wrong = tmp_path / "wrong_shapes"
+    shutil.copytree(folder, wrong)
+    conf = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**conf, "hidden_size": 64}))
+    with pytest.raises(ValueError, match="the weights do not match a Qwen2ForSequenceClassification of config.json"):
+        RewardModelVerifier(str(wrong))
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a"}\n')
     with pytest.raises(ValueError, match=r"verifier_kwargs: \['pth'\] are not options of the verifier 'reward_model'"):
@@ -120,3 +147,33 @@ def test_a_run_trains_on_the_reward_models_scores(tmp_path, tiny_model):  # noqa
     assert all(r["metrics"]["skipped_samples"] == 0 for r in rows)
     assert any(r["metrics"]["reward_std"] > 0 for r in rows)  # the reward model's scores, not a constant
     assert all(r["metrics"]["grad_norm"] > 0 for r in rows)
+
+
+def test_pooling_skips_trailing_pad_tokens_as_transformers_does(tmp_path, tiny_model):  # noqa: F811
+    """A text ending in the pad token (pad = EOS, a chat template ending in it): transformers
+    scores the rightmost token that is not pad; so does this."""
+    folder, hf = _rm_folder(tmp_path, tiny_model)
+    rm = RewardModelVerifier(str(folder))
+    model, tok = rm._load()
+    seqs = [torch.tensor(tok.encode("What is 2 + 3? 5")), torch.tensor(tok.encode("1 + 1 is 2"))]
+    padded = [torch.cat([seqs[0], torch.tensor([0, 0])]), seqs[1]]  # pad_token_id 0 at the end
+    got = model(padded, pad_id=0)[:, 0]
+    for s, score in zip(padded, got.tolist()):
+        with torch.no_grad():
+            want = float(hf(s[None]).logits[0, 0])
+        assert score == pytest.approx(want, abs=1e-4)
+    assert got[0] == pytest.approx(float(model([seqs[0]], pad_id=0)[0, 0]), abs=1e-5)
+
+
+def test_rope_frequencies_stay_fp32_in_a_bf16_model(tmp_path, tiny_model):  # noqa: F811
+    """transformers keeps inv_freq fp32 in a bf16 model; a bf16 one is off by up to ~1 in cos/sin
+    at positions in the thousands (rope_theta 1e6)."""
+    from workers.model import load_pretrained
+
+    folder, _ = _rm_folder(tmp_path, tiny_model)
+    scorer = load_scorer(folder, "cpu", torch.bfloat16)
+    assert scorer.score.weight.dtype == torch.bfloat16
+    assert scorer.model.rotary_emb.inv_freq.dtype == torch.float32
+    policy = load_pretrained(tiny_model, "cpu", torch.bfloat16)
+    assert policy.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert policy.model.embed_tokens.weight.dtype == torch.bfloat16

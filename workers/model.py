@@ -297,8 +297,11 @@ def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None
                          f"unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(dtype)
+    # after the dtype: RoPE's frequencies stay fp32 in a bf16 model, as transformers keeps them
+    # (bf16 ones put cos/sin off by up to ~1 at positions in the thousands at rope_theta 1e6)
     model.model.rotary_emb = RotaryEmbedding(cfg).to(device)
-    return model.to(dtype)
+    return model
 
 
 def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes: int = 0,

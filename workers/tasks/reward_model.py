@@ -12,6 +12,7 @@ controller) loads nothing."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -35,18 +36,40 @@ class SequenceScorer(nn.Module):
         self.model = Backbone(cfg)
         self.score = nn.Linear(cfg.hidden_size, labels, bias=False)
 
-    def forward(self, seqs: list[torch.Tensor]) -> torch.Tensor:
-        """Token id sequences -> their last token's logits [B, labels] (float32)."""
+    def forward(self, seqs: list[torch.Tensor], pad_id: int | None = None) -> torch.Tensor:
+        """Token id sequences -> the logits [B, labels] (float32) at each one's rightmost token
+        that is not ``pad_id`` (its last token when it has none), as transformers pools."""
+        from workers.trainer.packing import PaddedCausalAttention
+
         ids = torch.cat(seqs)
         pos = torch.cat([torch.arange(len(s), device=ids.device) for s in seqs])
-        ends = torch.tensor([len(s) for s in seqs], device=ids.device).cumsum(0)
-        hidden = self.model(ids, pos, CausalAttention([0, *ends.tolist()]))
-        return self.score(hidden[ends - 1]).float()
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + len(s))
+        longest = max(len(s) for s in seqs)
+        # one packed T x T attention, or per sequence when cheaper (many texts: T^2 >> B * S^2)
+        attn = (PaddedCausalAttention(cu, ids.device) if len(seqs) > 1 and len(seqs) * longest ** 2 < cu[-1] ** 2
+                else CausalAttention(cu))
+        hidden = self.model(ids, pos, attn)
+        picks = [start + _pooled(s, pad_id) for start, s in zip(cu, seqs)]
+        return self.score(hidden[torch.tensor(picks, device=ids.device)]).float()
 
 
-def load_scorer(folder: str | Path, device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None) -> SequenceScorer:
-    folder = Path(folder)
+def _pooled(seq: torch.Tensor, pad_id: int | None) -> int:
+    """The index transformers' ``...ForSequenceClassification`` reads: the rightmost non-pad token."""
+    if pad_id is not None:
+        keep = (seq != pad_id).nonzero()
+        if len(keep):
+            return int(keep[-1])
+    return len(seq) - 1
+
+
+def scorer_config(folder: Path) -> tuple[ModelConfig, int | None]:
+    """The backbone's config and the pad id of a reward model folder; checks its architecture,
+    its one label and its tensors' names and shapes (read from the headers, no weights loaded).
+    Raises ValueError / FileNotFoundError naming the file."""
+    from workers.model_check import header_shapes
+
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{cfg_path} not found: a reward model folder needs config.json")
@@ -59,19 +82,39 @@ def load_scorer(folder: str | Path, device: torch.device | str | None = None,
     if labels != 1:
         raise ValueError(f"{cfg_path}: {labels} labels; a reward model has one (its logit is the reward)")
     cfg = ModelConfig.from_hf({**d, "architectures": [ARCHITECTURES[arch]]}, cfg_path)
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in SequenceScorer(cfg, 1).state_dict().items() if "rotary_emb" not in k}
+    got = {k: v[0] for k, v in header_shapes(folder).items() if "rotary_emb" not in k}
+    wrong = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
+    if wrong:
+        raise ValueError(f"{folder}: the weights do not match a {arch} of config.json: "
+                         + ", ".join(f"{k} {list(got[k]) if k in got else 'missing'} (config.json: "
+                                     f"{list(want[k]) if k in want else 'none'})" for k in wrong[:4]))
+    pad = d.get("pad_token_id")
+    return cfg, (int(pad) if isinstance(pad, int) and not isinstance(pad, bool) else None)
+
+
+def load_scorer(folder: str | Path, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> SequenceScorer:
+    folder = Path(folder)
+    cfg, _ = scorer_config(folder)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
-        model = SequenceScorer(cfg, labels)
+        model = SequenceScorer(cfg, 1).to(dtype)  # materialised in its dtype: no transient fp32 copy
     model = model.to_empty(device=device)
-    state = {k: v for k, v in load_state(folder).items() if "rotary_emb" not in k}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if "rotary_emb" not in m]
-    if missing or unexpected:
-        raise ValueError(f"{folder}: the weights do not match a {arch} of config.json: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    model.load_state_dict({k: v for k, v in load_state(folder).items() if "rotary_emb" not in k}, strict=False)
+    # after the dtype: RoPE's frequencies stay fp32 (transformers keeps inv_freq fp32 in a bf16 model)
     model.model.rotary_emb = RotaryEmbedding(cfg).to(device)
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def rank_device() -> torch.device:
+    """This process's GPU as the launcher gave it (``LOCAL_RANK``, as the controller picks it),
+    not the calling thread's current device: a reward pool thread starts on GPU 0."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 class RewardModelVerifier:
@@ -85,19 +128,28 @@ class RewardModelVerifier:
         if not (folder / "config.json").is_file():
             raise ValueError(f"task.kwargs.verifier_kwargs.path: {folder} holds no config.json (a reward model "
                              "folder: config.json, *.safetensors, tokenizer.json)")
-        d = json.loads((folder / "config.json").read_text())
-        arch = (d.get("architectures") or [None])[0]
-        if arch not in ARCHITECTURES:  # said when the config loads, not at the first score
-            raise ValueError(f"task.kwargs.verifier_kwargs.path: {folder / 'config.json'}: architecture {arch!r} "
-                             f"is not a reward model this project runs ({sorted(ARCHITECTURES)})")
         for key, value in (("max_length", max_length), ("batch_size", batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"task.kwargs.verifier_kwargs.{key}: an integer >= 1, got {value!r}")
+        # said when the config loads, not at the first score (each sample would be skipped)
+        from workers.tokenizer import Tokenizer
+
+        try:
+            cfg, self.pad_id = scorer_config(folder)
+            Tokenizer.load(folder)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"task.kwargs.verifier_kwargs.path: {e}") from None
         self.folder, self.batch_size = folder, batch_size
-        self.max_length = max_length or int(d.get("max_position_embeddings") or 32768)
+        self.max_length = max_length or cfg.max_position_embeddings
         self._model: SequenceScorer | None = None
         self._tok = None
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # a task pickles (a reward process rebuilds it): not the model
+        return {k: v for k, v in self.__dict__.items() if k not in ("_model", "_tok", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _model=None, _tok=None, _lock=threading.Lock())
 
     def _load(self):
         with self._lock:
@@ -105,7 +157,7 @@ class RewardModelVerifier:
                 from workers.tokenizer import Tokenizer
 
                 self._tok = Tokenizer.load(self.folder)
-                self._model = load_scorer(self.folder)
+                self._model = load_scorer(self.folder, rank_device())
         return self._model, self._tok
 
     def text(self, prompt: TaskPrompt, completion: str) -> str:
@@ -116,25 +168,33 @@ class RewardModelVerifier:
                                            add_generation_prompt=False)
         return prompt.prompt + completion
 
-    def batch(self, prompts: list[TaskPrompt], completions: list[str]) -> list[float]:
+    def batch(self, prompts: list[TaskPrompt], completions: list[str]) -> list[float | ValueError]:
+        """One score per sample; a sample that cannot be scored (an empty or over-long text) gets
+        a ValueError in its place, which skips it alone (``scoring.safe_score_batch``)."""
         model, tok = self._load()
-        ids = []
+        out: list[float | ValueError] = []
+        ids: dict[int, torch.Tensor] = {}
         for i, (p, c) in enumerate(zip(prompts, completions)):
-            text = self.text(p, c)
-            seq = tok.encode(text, add_special_tokens=not tok.chat_template)
+            seq = tok.encode(self.text(p, c), add_special_tokens=not tok.chat_template)
             if not seq:
-                raise ValueError(f"sample {i} of the batch: an empty text to score")
-            if len(seq) > self.max_length:
-                raise ValueError(f"sample {i} of the batch: {len(seq)} tokens, over the reward model's max_length "
-                                 f"{self.max_length} (task.kwargs.verifier_kwargs.max_length)")
-            ids.append(torch.tensor(seq, dtype=torch.long))
+                out.append(ValueError("an empty text to score"))
+            elif len(seq) > self.max_length:
+                out.append(ValueError(f"{len(seq)} tokens, over the reward model's max_length {self.max_length} "
+                                      "(task.kwargs.verifier_kwargs.max_length)"))
+            else:
+                ids[i] = torch.tensor(seq, dtype=torch.long)
+                out.append(0.0)
         device = next(model.parameters()).device
-        out: list[float] = []
+        todo = list(ids)
         with torch.no_grad():
-            for start in range(0, len(ids), self.batch_size):
-                chunk = [s.to(device) for s in ids[start:start + self.batch_size]]
-                out += model(chunk)[:, 0].tolist()
+            for start in range(0, len(todo), self.batch_size):
+                part = todo[start:start + self.batch_size]
+                for i, score in zip(part, model([ids[i].to(device) for i in part], self.pad_id)[:, 0].tolist()):
+                    out[i] = score
         return out
 
     def __call__(self, prompt: TaskPrompt, completion: str) -> float:
-        return self.batch([prompt], [completion])[0]
+        score = self.batch([prompt], [completion])[0]
+        if isinstance(score, ValueError):
+            raise score
+        return score

@@ -77,6 +77,8 @@ def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_
         if not answer_optional:
             raise
         answer = ""
+    if answer is None and answer_optional:  # a Parquet column null in this row
+        answer = ""
     messages: tuple = ()
     if isinstance(prompt, (list, tuple)):
         if not prompt:

@@ -153,7 +153,7 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
                      what: str = "a batch") -> list[tuple[float, str]]:
     """``safe_score`` of each sample, from one ``score_batch`` call: it raising, or not giving
     one result per sample, costs every sample of the call; a result that is no finite number
-    (``as_score``'s rule) costs its own sample."""
+    (``as_score``'s rule), or an exception in a sample's place, costs its own sample."""
     n = len(prompts)
     key = WATCH.enter(what)
     try:
@@ -167,6 +167,9 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
             return [(math.nan, "the task's score_batch did not return one score per sample")] * n
         scored = []
         for x in out:
+            if isinstance(x, BaseException):  # the batch scorer's word that this sample cannot be scored
+                scored.append((math.nan, f"the task's score_batch: {x}"))
+                continue
             try:
                 score = as_score(x)
             except Exception as e:  # noqa: BLE001 - the user's value: this sample only
