@@ -63,7 +63,8 @@ VERL_NOTES = {
     "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
     "reward_model": "rewards come from task.kwargs.verifier: a model-based reward model (verl's reward_model.enable, "
                     "model.path) is verifier: reward_model with verifier_kwargs: {path: RM_FOLDER} (a "
-                    "Qwen2/Llama ForSequenceClassification), a rule, or a function of yours; verl's reward_manager prime (a process pool "
+                    "Qwen2/Llama ForSequenceClassification), a rule, or a function of yours; verl's reward_manager "
+                    "prime (a process pool "
                     "with a timeout) is trainer.reward_pool: processes, reward_workers, reward_timeout_s; reward_manager "
                     "batch is a verifier with verl's batch names (compute_score(data_sources, solution_strs, "
                     "ground_truths, extra_infos))",

@@ -13,7 +13,8 @@ from workers.weight_sync.localrun import run_local
 from tests.runtime_helpers import TASK, iterations, tiny_model, torchrun, write_config  # noqa: F401
 from tests.trainer_helpers import LengthRewardTask, tiny_config
 
-ALGOS = [dict(algorithm="grpo", kl_coef=0.05, mini_batches=2), dict(algorithm="ppo", ppo_epochs=2)]  # several updates a step
+# several updates a step
+ALGOS = [dict(algorithm="grpo", kl_coef=0.05, mini_batches=2), dict(algorithm="ppo", ppo_epochs=2)]
 
 
 def _task():

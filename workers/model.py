@@ -314,7 +314,8 @@ def save_pretrained(model: CausalLM, folder: str | os.PathLike, max_shard_bytes:
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else model.hf_state_dict()).items()}
+    state = {k: v.detach().contiguous().cpu()
+             for k, v in (state if state is not None else model.hf_state_dict()).items()}
     with atomic_dir(folder) as tmp:  # a failed save (a full disk, a clashing extra file) leaves no temp dir
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
