@@ -271,8 +271,9 @@ class Program:
         """Wait for the last weight push (in the lag-1 modes still in flight when an iteration is
         recorded): a sharded optimizer's checkpoint gathers over the trainers' process group,
         which must not run beside the push's sends (NCCL: two communicators from two threads)."""
-        if getattr(self, "_last_push", None) is not None:
-            self._last_push.wait(self)
+        push = getattr(self, "_last_push", None)
+        if push is not None and not push.waiting.cancelled.is_set():  # a push waited for (or failed) is done
+            push.wait(self)
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, k: int) -> list[IterationResult]:

@@ -173,3 +173,23 @@ def test_verls_optimizer_offload_points_to_shard_optimizer():
 
     with pytest.raises(ConfigError, match="trainer.shard_optimizer: true shards the AdamW state"):
         from_dict({"trainer": {"optimizer_offload": True}})
+
+
+def test_a_save_waits_for_a_push_in_flight_only():
+    """``Program.settle_push``: a push still in flight is waited for before a sharded save; one
+    already waited for (or failed, as a REPL's earlier run may leave it) is not waited again."""
+    import threading
+    from types import SimpleNamespace
+
+    from controller.program import Program
+
+    p = Program.__new__(Program)
+    p.settle_push()  # no push yet
+    waited = []
+    push = SimpleNamespace(waiting=SimpleNamespace(cancelled=threading.Event()), wait=lambda prog: waited.append(1))
+    p._last_push = push
+    p.settle_push()
+    assert waited == [1]
+    push.waiting.cancelled.set()  # what _wait_push leaves behind, done or failed
+    p.settle_push()
+    assert waited == [1]
