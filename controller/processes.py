@@ -24,6 +24,7 @@ from controller import keepalive
 from controller.attempt import ATTEMPT_KEY, store_key
 from controller.keepalive import Watchdog
 from controller.rpc import LOCAL, worker_name
+from workers.model import rank_device
 
 # The RPC group gets its own store (hosted by rank 0, one per torchrun restart attempt: a
 # restarted job must not see the names of the previous attempt); its address and what joiners
@@ -88,10 +89,10 @@ def serve(gone: Callable[[], str | None] | None = None, every_s: float = 5.0,
 
 
 def pick_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    device = rank_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def data_plane_backend(device: torch.device, local_world_size: int, gpus: int) -> str:

@@ -154,7 +154,7 @@ def test_pooling_skips_trailing_pad_tokens_as_transformers_does(tmp_path, tiny_m
     scores the rightmost token that is not pad; so does this."""
     folder, hf = _rm_folder(tmp_path, tiny_model)
     rm = RewardModelVerifier(str(folder))
-    model, tok = rm._load()
+    model, tok = rm._load(), rm._tok
     seqs = [torch.tensor(tok.encode("What is 2 + 3? 5")), torch.tensor(tok.encode("1 + 1 is 2"))]
     padded = [torch.cat([seqs[0], torch.tensor([0, 0])]), seqs[1]]  # pad_token_id 0 at the end
     got = model(padded, pad_id=0)[:, 0]

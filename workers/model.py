@@ -236,6 +236,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def rank_device(local_rank: int | None = None) -> torch.device:
+    """This process's device: GPU ``local_rank`` (default ``LOCAL_RANK``, as the launcher gave it)
+    modulo the GPUs there, or the CPU. Not the calling thread's current device: a thread the
+    process starts (a reward pool's) begins on GPU 0."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

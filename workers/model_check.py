@@ -46,11 +46,13 @@ def header_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
-def check_weights(folder: str | Path, cfg=None) -> None:
+def check_weights(folder: str | Path, cfg=None, build=None, what: str = "config.json") -> None:
     """The folder's tensors against the model its config.json describes (``cfg``: that
     ModelConfig when the caller has read it already; the names and shapes ``load_pretrained``
     takes: rotary buffers ignored, ``lm_head`` optional when tied); a ValueError names the
-    first few tensors missing, unexpected or of another shape."""
+    first few tensors missing, unexpected or of another shape. ``build``: the module the
+    tensors are for, made from ``cfg`` (default ``CausalLM``; a reward model's scorer), ``what``
+    said in the error."""
     import torch
 
     from workers.model import CausalLM
@@ -61,9 +63,9 @@ def check_weights(folder: str | Path, cfg=None) -> None:
         cfg_path = folder / "config.json"
         cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in CausalLM(cfg).state_dict().items() if "rotary_emb" not in k}
+        want = {k: tuple(v.shape) for k, v in (build or CausalLM)(cfg).state_dict().items() if "rotary_emb" not in k}
     got = {k: v for k, v in header_shapes(folder).items() if "rotary_emb" not in k}
-    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings and "lm_head.weight" in want else set()
     missing = [k for k in want if k not in got and k not in optional]
     unexpected = [k for k in got if k not in want]
     wrong = [f"{k} {list(got[k][0])} in {got[k][1]}, config.json gives {list(want[k])}"
@@ -72,4 +74,4 @@ def check_weights(folder: str | Path, cfg=None) -> None:
                ([f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"] if unexpected else []) + \
                ([f"shapes: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}"] if wrong else [])
     if problems:
-        raise ValueError(f"{folder}: the weights do not match config.json: {', '.join(problems)}")
+        raise ValueError(f"{folder}: the weights do not match {what}: {', '.join(problems)}")

@@ -11,15 +11,15 @@ device (bf16 on a GPU, fp32 on the CPU): building the task where it only lists p
 controller) loads nothing."""
 from __future__ import annotations
 
+import itertools
 import json
-import os
 import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from workers.model import Backbone, CausalAttention, RotaryEmbedding, default_device, default_dtype, load_state
+from workers.model import Backbone, RotaryEmbedding, default_device, default_dtype, load_state, rank_device
 from workers.model_config import ModelConfig
 from workers.types import TaskPrompt
 
@@ -39,18 +39,13 @@ class SequenceScorer(nn.Module):
     def forward(self, seqs: list[torch.Tensor], pad_id: int | None = None) -> torch.Tensor:
         """Token id sequences -> the logits [B, labels] (float32) at each one's rightmost token
         that is not ``pad_id`` (its last token when it has none), as transformers pools."""
-        from workers.trainer.packing import PaddedCausalAttention
+        from workers.trainer.packing import attention_over
 
         ids = torch.cat(seqs)
         pos = torch.cat([torch.arange(len(s), device=ids.device) for s in seqs])
-        cu = [0]
-        for s in seqs:
-            cu.append(cu[-1] + len(s))
-        longest = max(len(s) for s in seqs)
+        cu = [0, *itertools.accumulate(len(s) for s in seqs)]
         # one packed T x T attention, or per sequence when cheaper (many texts: T^2 >> B * S^2)
-        attn = (PaddedCausalAttention(cu, ids.device) if len(seqs) > 1 and len(seqs) * longest ** 2 < cu[-1] ** 2
-                else CausalAttention(cu))
-        hidden = self.model(ids, pos, attn)
+        hidden = self.model(ids, pos, attention_over(cu, ids.device))
         picks = [start + _pooled(s, pad_id) for start, s in zip(cu, seqs)]
         return self.score(hidden[torch.tensor(picks, device=ids.device)]).float()
 
@@ -68,7 +63,7 @@ def scorer_config(folder: Path) -> tuple[ModelConfig, int | None]:
     """The backbone's config and the pad id of a reward model folder; checks its architecture,
     its one label and its tensors' names and shapes (read from the headers, no weights loaded).
     Raises ValueError / FileNotFoundError naming the file."""
-    from workers.model_check import header_shapes
+    from workers.model_check import check_weights
 
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
@@ -82,14 +77,7 @@ def scorer_config(folder: Path) -> tuple[ModelConfig, int | None]:
     if labels != 1:
         raise ValueError(f"{cfg_path}: {labels} labels; a reward model has one (its logit is the reward)")
     cfg = ModelConfig.from_hf({**d, "architectures": [ARCHITECTURES[arch]]}, cfg_path)
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in SequenceScorer(cfg, 1).state_dict().items() if "rotary_emb" not in k}
-    got = {k: v[0] for k, v in header_shapes(folder).items() if "rotary_emb" not in k}
-    wrong = sorted(k for k in want if got.get(k) != want[k]) + sorted(k for k in got if k not in want)
-    if wrong:
-        raise ValueError(f"{folder}: the weights do not match a {arch} of config.json: "
-                         + ", ".join(f"{k} {list(got[k]) if k in got else 'missing'} (config.json: "
-                                     f"{list(want[k]) if k in want else 'none'})" for k in wrong[:4]))
+    check_weights(folder, cfg, build=lambda c: SequenceScorer(c, 1), what=f"a {arch} of config.json")
     pad = d.get("pad_token_id")
     return cfg, (int(pad) if isinstance(pad, int) and not isinstance(pad, bool) else None)
 
@@ -107,14 +95,6 @@ def load_scorer(folder: str | Path, device: torch.device | str | None = None,
     # after the dtype: RoPE's frequencies stay fp32 (transformers keeps inv_freq fp32 in a bf16 model)
     model.model.rotary_emb = RotaryEmbedding(cfg).to(device)
     return model.eval().requires_grad_(False)
-
-
-def rank_device() -> torch.device:
-    """This process's GPU as the launcher gave it (``LOCAL_RANK``, as the controller picks it),
-    not the calling thread's current device: a reward pool thread starts on GPU 0."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 class RewardModelVerifier:
@@ -136,32 +116,28 @@ class RewardModelVerifier:
 
         try:
             cfg, self.pad_id = scorer_config(folder)
-            Tokenizer.load(folder)
+            self._tok = Tokenizer.load(folder)
         except (OSError, ValueError) as e:
             raise ValueError(f"task.kwargs.verifier_kwargs.path: {e}") from None
         self.folder, self.batch_size = folder, batch_size
         self.max_length = max_length or cfg.max_position_embeddings
         self._model: SequenceScorer | None = None
-        self._tok = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:  # a task pickles (a reward process rebuilds it): not the model
-        return {k: v for k, v in self.__dict__.items() if k not in ("_model", "_tok", "_lock")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_model", "_lock")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _model=None, _tok=None, _lock=threading.Lock())
+        self.__dict__.update(state, _model=None, _lock=threading.Lock())
 
-    def _load(self):
+    def _load(self) -> SequenceScorer:
         with self._lock:
             if self._model is None:
-                from workers.tokenizer import Tokenizer
-
-                self._tok = Tokenizer.load(self.folder)
                 self._model = load_scorer(self.folder, rank_device())
-        return self._model, self._tok
+        return self._model
 
     def text(self, prompt: TaskPrompt, completion: str) -> str:
-        _, tok = self._load()
+        tok = self._tok
         if tok.chat_template:
             chat = list(prompt.messages) or [{"role": "user", "content": prompt.prompt}]
             return tok.apply_chat_template(chat + [{"role": "assistant", "content": completion}],
@@ -171,7 +147,7 @@ class RewardModelVerifier:
     def batch(self, prompts: list[TaskPrompt], completions: list[str]) -> list[float | ValueError]:
         """One score per sample; a sample that cannot be scored (an empty or over-long text) gets
         a ValueError in its place, which skips it alone (``scoring.safe_score_batch``)."""
-        model, tok = self._load()
+        model, tok = self._load(), self._tok
         out: list[float | ValueError] = []
         ids: dict[int, torch.Tensor] = {}
         for i, (p, c) in enumerate(zip(prompts, completions)):

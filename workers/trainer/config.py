@@ -13,6 +13,8 @@ ALGORITHMS = ("ppo", "grpo", "rloo")
 _CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gamma", "gae_lambda")  # GAE / value loss
 _GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
 UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS, "rloo": _CRITIC_KNOBS + _GRPO_KNOBS}
+# knobs a switch turns on: set to anything but their default while it is 0, refused
+SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules")}
 KL_ESTIMATORS = ("k1", "k3")
 KL_MODES = ("loss", "reward")
 LOSS_AGGS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -178,8 +180,7 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if nullable else ''}, "
                                  f"got {value!r}")
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
-                     "mini_batches",
-                     "temperature"):
+                     "mini_batches", "temperature", "lora_alpha", "overlong_penalty"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "grad_clip",
@@ -215,15 +216,8 @@ class TrainerConfig:
             if not 0 < self.overlong_buffer <= self.max_response_tokens:
                 raise ValueError(f"trainer.overlong_buffer must be in [0, max_response_tokens "
                                  f"{self.max_response_tokens}] (train.max_tokens), got {self.overlong_buffer}")
-            if not self.overlong_penalty > 0:
-                raise ValueError(f"trainer.overlong_penalty must be > 0, got {self.overlong_penalty}")
-        elif self.overlong_penalty != 1.0:
-            raise ValueError(f"trainer.overlong_penalty ({self.overlong_penalty!r}) is only used with "
-                             "trainer.overlong_buffer > 0; leave it out or set overlong_buffer")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"trainer.lora_rank must be an integer >= 0 (0: no LoRA), got {self.lora_rank!r}")
-        if not self.lora_alpha > 0:
-            raise ValueError(f"trainer.lora_alpha must be > 0, got {self.lora_alpha}")
         targets = self.lora_target_modules
         if targets != "all-linear":
             from workers.trainer.lora import TARGETS
@@ -231,11 +225,12 @@ class TrainerConfig:
             if isinstance(targets, str) or not targets or any(t not in TARGETS for t in targets):
                 raise ValueError(f"trainer.lora_target_modules: {targets!r}: 'all-linear' or a list of names "
                                  f"from {list(TARGETS)}")
-        if self.lora_rank == 0:
-            for name in ("lora_alpha", "lora_target_modules"):
-                if getattr(self, name) != defaults[name]:
-                    raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.lora_rank "
-                                     "> 0 (LoRA); leave it out or set lora_rank")
+        for switch, knobs in SWITCHED_KNOBS.items():
+            if not getattr(self, switch):
+                for name in knobs:
+                    if getattr(self, name) != defaults[name]:
+                        raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch} "
+                                         f"> 0; leave it out or set {switch}")
         if self.algorithm != "ppo" and self.whiten_advantages:
             raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm 'ppo' (GAE), not "
                              f"{self.algorithm!r} (its advantages are normalised within each group)")

@@ -86,10 +86,15 @@ class PaddedCausalAttention:
 
 def attention_for(batch: Packed):
     """Padded per-sequence attention when it is cheaper than one packed T x T attention."""
-    lens = torch.tensor(batch.cu).diff()
-    if len(lens) > 1 and len(lens) * int(lens.max()) ** 2 < batch.cu[-1] ** 2:
-        return PaddedCausalAttention(batch.cu, batch.ids.device)
-    return CausalAttention(batch.cu)
+    return attention_over(batch.cu, batch.ids.device)
+
+
+def attention_over(cu: list[int], device: torch.device):
+    """``attention_for`` of packed sequences with offsets ``cu`` (``[0, len0, len0 + len1, ...]``)."""
+    lens = torch.tensor(cu).diff()
+    if len(lens) > 1 and len(lens) * int(lens.max()) ** 2 < cu[-1] ** 2:
+        return PaddedCausalAttention(cu, device)
+    return CausalAttention(cu)
 
 
 def response_logits(model: CausalLM, batch: Packed) -> torch.Tensor:
