@@ -146,7 +146,12 @@ class PlacementSection:
 
 @dataclass(frozen=True)
 class TrainSection:
-    iterations: int = ranged(20, Range(1))
+    # the run's length: null (the default) is 20, unless train.epochs sets it
+    iterations: int | None = ranged(None, Range(1, note="null: 20, or derived from train.epochs"))
+    # verl's total_epochs: the iterations are derived at start, once the prompt check has kept
+    # the train prompts: epochs x (prompts // batch_prompts), as verl's drop_last dataloader
+    # counts them (controller/epochs.py)
+    epochs: int | None = ranged(None, Range(1, note="null: train.iterations sets the length"))
     batch_prompts: int = ranged(16, Range(1))
     group_size: int = ranged(4, Range(1))
     max_tokens: int = ranged(16, Range(1))
@@ -176,13 +181,29 @@ class TrainSection:
     length_trace: str = ""
     length_scale: float = ranged(1.0, Range(0, open_lo=True))
     # a prompt with no room for an output token in the engines' context: "error" at start
-    # (naming it), or "skip" it (controller/prompt_check.py)
-    overlong_prompts: Literal["error", "skip"] = "error"
+    # (naming it), or "skip" it (controller/prompt_check.py); truncate_*: a prompt longer than
+    # max_prompt_tokens is cut to it (verl's data.truncation: left keeps its end, right its
+    # start, middle both ends)
+    overlong_prompts: Literal["error", "skip", "truncate_left", "truncate_right", "truncate_middle"] = "error"
     # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
     max_prompt_tokens: int = ranged(0, Range(0, note="0: the engines' context"))
 
     def __post_init__(self):
         _path_key(self, "train", "length_trace")
+        if self.iterations is not None and self.epochs is not None:
+            raise ConfigError(f"train.iterations ({self.iterations}) and train.epochs ({self.epochs}) both set the "
+                              "run's length; set one (train.epochs derives the iterations from the train prompts; "
+                              "--set train.iterations=null unsets a file's)")
+        if self.iterations is None and self.epochs is None:
+            object.__setattr__(self, "iterations", 20)
+        if self.truncates and not self.max_prompt_tokens:
+            raise ConfigError(f"train.overlong_prompts: {self.overlong_prompts} cuts prompts to "
+                              "train.max_prompt_tokens, which is 0 (no limit); set it (verl's max_prompt_length)")
+
+    @property
+    def truncates(self) -> bool:
+        """Prompts over ``max_prompt_tokens`` are cut to it (``overlong_prompts: truncate_*``)."""
+        return isinstance(self.overlong_prompts, str) and self.overlong_prompts.startswith("truncate_")
 
     @property
     def evaluates(self) -> bool:
@@ -243,6 +264,9 @@ class Config:
     weight_sync: Any = None  # its topology: the one above
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    # not a section: the trainer keys the loader filled from the train section because the file
+    # did not set them; a run length derived at start (train.epochs) carries over to these
+    follows: tuple[str, ...] = field(default=(), metadata={"derived": True})
 
     @property
     def world_ranks(self) -> int:
@@ -251,6 +275,11 @@ class Config:
 
     def replace(self, **sections) -> "Config":
         return dataclasses.replace(self, **sections)
+
+
+def config_sections() -> set[str]:
+    """The top-level keys of a run config (``Config``'s fields but the derived ones)."""
+    return {f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
 
 
 # sections owned by another component: (module, class) of their config dataclass
@@ -281,7 +310,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     """Build and validate a Config; ``world_size`` (when known) checks the placement."""
     if not isinstance(d, dict):
         raise ConfigError(f"config: expected a mapping at top level, got {type(d).__name__}")
-    sections = {f.name for f in dataclasses.fields(Config)}
+    sections = config_sections()
     for k in d:
         if k not in sections:
             planner = " (a planner cluster file: python -m controller.planner plan --cluster FILE, docs/planner.md)" \
@@ -296,6 +325,9 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         said = str(e).split(" (known: ", 1)[0]  # an unknown key's list of the known ones names it too
         if "total_steps" not in said or "total_steps" in explicit:
             raise
+        if train.iterations is None:  # (the placeholder: warmup_steps, or 1)
+            raise ConfigError(f"{e} (with train.epochs, trainer.total_steps follows the iterations derived at "
+                              "start unless set)") from None
         raise ConfigError(f"{e} (trainer.total_steps follows train.iterations = {train.iterations} "
                           "unless set)") from None
     trainer = _trainer_from_train(trainer, train, explicit)
@@ -313,6 +345,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         weight_sync=_weight_sync(d.get("weight_sync"), topology),
         train=train,
         logging=build_section(LoggingSection, "logging", d.get("logging")),
+        follows=() if "total_steps" in explicit else ("total_steps",),
     )
     validate(cfg, world_size)
     return cfg
@@ -340,12 +373,16 @@ def _norm_follows(trainer: Any, train: TrainSection) -> Any:
     ``train.max_tokens`` (verl divides by the padded response length, max_response_length),
     and ``trainer.total_steps`` follows ``train.iterations`` (``warmup_steps`` is checked
     against it; against the default 1,000 a 3,000-iteration run with 1,500 warmup steps was
-    refused)."""
+    refused). With ``train.epochs`` the iterations are known at start only: until then
+    ``total_steps`` is ``warmup_steps`` (or 1), and ``controller.epochs`` checks them again."""
     if trainer is None:
         trainer = {}
     if not isinstance(trainer, dict):
         return trainer  # build_section says what is wrong with it
-    follow = {"total_steps": max(train.iterations, 1)}  # < 1: validate() says so
+    warmup = trainer.get("warmup_steps")
+    placeholder = warmup if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup > 1 else 1
+    # < 1: validate() says so
+    follow = {"total_steps": max(train.iterations, 1) if train.iterations is not None else placeholder}
     if trainer.get("loss_agg") == "seq_mean_token_sum_norm":
         follow["loss_scale_factor"] = max(train.max_tokens, 1)
     follow["max_response_tokens"] = max(train.max_tokens, 1)  # the overlong penalty counts from it

@@ -76,16 +76,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "e.g. data/length_traces/llama33_70b_rg_easy.val.jsonl.gz)")
     check_staleness(cfg.pipeline.mode, getattr(cfg.trainer, "max_staleness", None))
     algorithm = getattr(cfg.trainer, "algorithm", None)
-    if algorithm in ("grpo", "rloo") and t.temperature < GREEDY_BELOW:
+    grouped = getattr(cfg.trainer, "grouped", False)
+    if grouped and t.temperature < GREEDY_BELOW:
         raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
                           "sample group_size times, so every group's advantages are 0 and nothing trains; "
                           "sample at a temperature > 0")
     if t.eval_samples > 1 and t.eval_temperature < GREEDY_BELOW:
         raise ConfigError(f"train.eval_samples: {t.eval_samples} greedy samples of a prompt are all the same; "
                           "set train.eval_temperature > 0")
-    if algorithm in ("grpo", "rloo") and t.group_size < 2:
+    if grouped and t.group_size < 2:
         raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
                           f"compare a sample with its group's others), got {t.group_size}")
+    _check_kl_horizon(cfg)
     _check_registries(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
@@ -102,6 +104,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"placement.generation {p.generation} nor placement.trainer {p.trainer} and would sit idle "
                           f"(holding their devices); launch {cfg.world_ranks} processes (--nproc-per-node/--nnodes), or "
                           "list them in the placement (processes that come later join with --join)")
+
+
+def _check_kl_horizon(cfg: Config) -> None:
+    """An adaptive KL coefficient (trainer.kl_target) must stay positive: an iteration below the
+    target multiplies it by 1 - 0.2 x samples / kl_horizon."""
+    from workers.trainer.kl_control import MAX_ERROR
+
+    t = cfg.trainer
+    if getattr(t, "kl_target", 0) > 0:
+        n = cfg.train.batch_prompts * cfg.train.group_size
+        if MAX_ERROR * n >= t.kl_horizon:
+            raise ConfigError(f"trainer.kl_horizon ({t.kl_horizon}) must be > {MAX_ERROR} x the samples of an "
+                              f"iteration ({n} = train.batch_prompts x train.group_size): below the target, one "
+                              f"update multiplies the KL coefficient by 1 - {MAX_ERROR} x {n} / {t.kl_horizon} = "
+                              f"{1 - MAX_ERROR * n / t.kl_horizon:.3g}, turning the penalty off or into a bonus "
+                              f"(verl's default horizon is 10000)")
 
 
 def check_staleness(mode: str, max_staleness: int | None) -> None:

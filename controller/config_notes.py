@@ -11,12 +11,13 @@ def config_notes(cfg) -> list[str]:
 
 
 def whitening_note(cfg) -> str | None:
-    """The one-line notice for PPO with whitened advantages (verl's default) in a mode that
-    streams samples into the trainer: training then waits for each iteration's last sample."""
+    """The one-line notice for whitened advantages (verl's default for PPO and REINFORCE++) in a
+    mode that streams samples into the trainer: training then waits for each iteration's last sample."""
     if cfg.trainer.whiten and MODES[cfg.pipeline.mode].release != "all":
-        return (f"pipeline.mode {cfg.pipeline.mode} with ppo: trainer.whiten_advantages (on, as verl) needs every "
-                "sample's advantage, so PPO's forward/backward run at the end of each iteration, not while samples "
-                "stream in; set trainer.whiten_advantages: false to train on samples as they arrive")
+        return (f"pipeline.mode {cfg.pipeline.mode} with {cfg.trainer.algorithm}: trainer.whiten_advantages (on, "
+                "as verl) needs every sample's advantage, so the trainer's forward/backward run at the end of each "
+                "iteration, not while samples stream in; set trainer.whiten_advantages: false to train on samples "
+                "as they arrive")
     return None
 
 

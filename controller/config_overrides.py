@@ -141,7 +141,7 @@ def key_type(dotted: str) -> Any:
     import importlib
 
     section, *rest = dotted.split(".")
-    sections = {f.name: f for f in dataclasses.fields(Config)}
+    sections = {f.name: f for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
     if section not in sections:
         if not rest:
             return _FREE

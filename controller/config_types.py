@@ -23,6 +23,7 @@ VERL_KEYS = {
     "max_actor_ckpt_to_keep": "train.ckpt_keep",
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
+    "loss_mode": "trainer.policy_loss (vanilla: ppo; gspo: gspo, with trainer.loss_agg: seq_mean)",
     "entropy_coeff": "trainer.entropy_coef",
     "enable_gradient_checkpointing": "trainer.activation_checkpointing (actor and critic)",
     "loss_agg_mode": "trainer.loss_agg (" + ", ".join(f"{v}: {o}" for v, o in VERL_LOSS_AGGS.items()) + ")",
@@ -34,10 +35,14 @@ VERL_KEYS = {
     "val_kwargs": "train.eval_samples and train.eval_temperature",
     "tis_imp_ratio_cap": "trainer.tis_cap (0: off, where verl says -1)",
     "warmup_style": "trainer.lr_schedule", "lr_scheduler_type": "trainer.lr_schedule",
-    "lr_warmup_steps": "trainer.warmup_steps",
+    "lr_warmup_steps": "trainer.warmup_steps", "lr_warmup_steps_ratio": "trainer.warmup_ratio",
+    "total_epochs": "train.epochs",
+    "truncation": "train.overlong_prompts: truncate_left / truncate_right / truncate_middle (verl's left / right / "
+                  "middle; its error is overlong_prompts' default) with train.max_prompt_tokens",
     "use_kl_loss": "trainer.kl_mode: loss (with trainer.kl_coef)",
     "use_kl_in_reward": "trainer.kl_mode: reward (with trainer.kl_coef)",
-    "kl_ctrl": "trainer.kl_coef with trainer.kl_mode: reward (a fixed coefficient)",
+    "kl_ctrl": "trainer.kl_coef with trainer.kl_mode: reward (type adaptive: trainer.kl_target, kl_horizon)",
+    "target_kl": "trainer.kl_target (with trainer.kl_mode: reward)", "horizon": "trainer.kl_horizon",
     "kl_penalty": "trainer.kl_estimator", "norm_adv_by_std_in_grpo": "trainer.grpo_std_normalize",
     "clip_ratio_low": "trainer.clip_low", "clip_ratio_high": "trainer.clip_high",
     "max_num_seqs": "engine.max_batch_size",
@@ -58,8 +63,6 @@ VERL_KEYS = {
 
 # verl keys with no key here, and what to do instead
 VERL_NOTES = {
-    "total_epochs": "set train.iterations = epochs x rows / train.batch_prompts (trainer.total_steps is the "
-                    "LR schedule's length, not the run's)",
     "use_dynamic_bsz": "micro-batches are always packed up to trainer.max_tokens_per_microbatch tokens",
     "reward_model": "rewards come from task.kwargs.verifier: a model-based reward model (verl's reward_model.enable, "
                     "model.path) is verifier: reward_model with verifier_kwargs: {path: RM_FOLDER} (a "

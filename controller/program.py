@@ -22,6 +22,7 @@ import torch
 
 from controller.data import PromptStream
 from controller.modes import PipelineMode, get_mode
+from controller.prompt_check import fit_prompt_ids
 from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
@@ -375,10 +376,13 @@ class Program:
 
     def prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy
-        sees it (chat template or prompt template), tokenized."""
-        if isinstance(item, str):
-            return torch.tensor(self.tok.encode_prompt(item), dtype=torch.long)
-        return torch.tensor(self.tok.encode_prompt(item.prompt, item.messages), dtype=torch.long)
+        sees it (chat template or prompt template), tokenized, and cut to ``train.max_prompt_tokens``
+        under ``train.overlong_prompts: truncate_*``. The one place prompts are encoded for the
+        engines: the samples carry these ids to the trainer, which trains on them."""
+        ids = self.tok.encode_prompt(item) if isinstance(item, str) else \
+            self.tok.encode_prompt(item.prompt, item.messages)
+        t = self.cfg.train
+        return torch.tensor(list(fit_prompt_ids(ids, t.overlong_prompts, t.max_prompt_tokens)), dtype=torch.long)
 
     def sampling(self, temperature: float, seed: int) -> SamplingParams:
         """The rollout's sampling (``train.top_k`` / ``top_p``; a top_k of -1 is off, as 0)."""

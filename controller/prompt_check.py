@@ -4,7 +4,9 @@ A prompt whose tokens (after the chat or prompt template) leave no room for one 
 in the engines' context (``max_model_len``) is refused by every engine. Found mid-run, that
 is a crash in iteration N after hours of work; found here it is one error naming the split and
 the prompt's index (``train.overlong_prompts: error``, the default), or the prompt is dropped
-with a count (``skip``, as verl's ``filter_overlong_prompts``).
+with a count (``skip``, as verl's ``filter_overlong_prompts``). ``truncate_left`` / ``_right`` /
+``_middle`` (verl's ``data.truncation``) cut a prompt longer than ``train.max_prompt_tokens`` to
+it instead (``fit_prompt_ids``, applied where the controller encodes every prompt).
 
 The check also records what a generation instance joining later (scale-out) must hold
 (``ContextNeed``): the SGS refuses a joiner with less context instead of letting it refuse
@@ -22,6 +24,26 @@ from workers.types import TaskPrompt
 
 class PromptTooLong(ValueError):
     pass
+
+
+# ``train.overlong_prompts: truncate_*`` (verl's data.truncation left / right / middle): a prompt's
+# token ids (with the template) cut to n, as verl's RLHFDataset cuts its raw_prompt_ids
+TRUNCATIONS: dict[str, Callable[[Sequence[int], int], Sequence[int]]] = {
+    "truncate_left": lambda ids, n: ids[len(ids) - n:],  # the end: the question, the template's answer cue
+    "truncate_right": lambda ids, n: ids[:n],  # the start
+    "truncate_middle": lambda ids, n: [*ids[:n // 2], *ids[len(ids) - (n - n // 2):]],  # both ends
+}
+KEPT = {"truncate_left": "last", "truncate_right": "first", "truncate_middle": "first and last"}
+
+
+def fit_prompt_ids(ids: Sequence[int], policy: str, max_prompt_tokens: int) -> Sequence[int]:
+    """A prompt's token ids as the engines generate from them and the trainer trains on (the
+    controller encodes every prompt: ``Program.prompt_ids``): cut to ``max_prompt_tokens`` when
+    ``policy`` truncates and they are longer, else as they are."""
+    cut = TRUNCATIONS.get(policy)
+    if cut is None or len(ids) <= max_prompt_tokens:
+        return ids
+    return cut(ids, max_prompt_tokens)
 
 
 class ContextTooSmall(ValueError):
@@ -177,13 +199,16 @@ def checked_task(task, task_name: str, splits: Sequence[str]) -> "FittingTask":
 
 def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], Sequence[int]], context_len: int,
                     split: str, policy: str, max_prompt_tokens: int = 0,
-                    need: ContextNeed | None = None, vocab_size: int = 0) -> tuple[list[TaskPrompt], list[int]]:
+                    need: ContextNeed | None = None, vocab_size: int = 0,
+                    truncated: list[int] | None = None) -> tuple[list[TaskPrompt], list[int]]:
     """The prompts of ``split`` that leave room for an output token (and are at most
     ``max_prompt_tokens`` long, when > 0), and the indices dropped (``policy`` "skip"); "error"
-    raises ``PromptTooLong`` at the first one that does not. ``encode``: a prompt's token ids
-    with its template; a prompt it cannot render (a chat template raising on its turns) or with
-    an id outside ``vocab_size`` (when > 0: a tokenizer that does not match the model) raises
-    ValueError naming it, whatever the policy. ``need``: updated with the longest kept prompt.
+    raises ``PromptTooLong`` at the first one that does not. A ``truncate_*`` policy keeps a prompt
+    over ``max_prompt_tokens`` as cut to it (its index appended to ``truncated``); one that still
+    leaves no room for an output token (``max_prompt_tokens`` >= the context) raises as "error".
+    ``encode``: a prompt's token ids with its template; a prompt it cannot render (a chat template
+    raising on its turns) or with an id outside ``vocab_size`` (when > 0: a tokenizer that does not
+    match the model) raises ValueError naming it, whatever the policy. ``need``: updated with the longest kept prompt.
     A split with no prompts at all raises ValueError (an empty data file: without this it read
     as "every prompt is over-long")."""
     if not len(items):
@@ -204,10 +229,22 @@ def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], 
                              f"(vocab_size {vocab_size}): the tokenizer does not match the model (a token added "
                              "to the tokenizer, e.g. by a chat template's special tokens, needs the model's "
                              "embeddings resized)")
+        cut = policy in TRUNCATIONS and n > max_prompt_tokens > 0
+        if cut and max_prompt_tokens < context_len:
+            n = max_prompt_tokens
+            if truncated is not None:
+                truncated.append(i)
         if n <= limit:
             kept.append(item)
             if need is not None and n > need.longest:
                 need.longest, need.where = n, where(item, split, i)
+        elif policy in TRUNCATIONS:  # only the max_prompt_tokens limit truncates: not the context
+            cut_to = f", cut to train.max_prompt_tokens {max_prompt_tokens} ({policy})," if cut else ""
+            raise PromptTooLong(
+                f"{where(item, split, i)} is {n} tokens with the template{cut_to} which leaves no room for an output "
+                f"token in the engines' context (max_model_len) of {context_len}. Lower train.max_prompt_tokens "
+                f"below {context_len}, or raise engine.max_model_len / engine.kv_cache_tokens (within the model's "
+                "max_position_embeddings)")
         elif policy == "error":
             whys = ([f"the engines' context (max_model_len) is {context_len}, which leaves no room for an output "
                      "token"] if n + 1 > context_len else [])
@@ -268,9 +305,11 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
     need = ContextNeed(context, train.max_tokens)
     kept = {}
     for split in ("train", "test") if train.evaluates else ("train",):
+        truncated: list[int] = []
         try:
-            kept[split], dropped = fitting_prompts(task_prompts(task, split), encode, context, split, train.overlong_prompts,
-                                                   train.max_prompt_tokens, need, vocab_size)
+            kept[split], dropped = fitting_prompts(task_prompts(task, split), encode, context, split,
+                                                   train.overlong_prompts, train.max_prompt_tokens, need, vocab_size,
+                                                   truncated)
         except PromptTooLong as e:
             raise ConfigError(str(e)) from None
         except (ValueError, OSError, ImportError) as e:
@@ -280,6 +319,11 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
                   f"{len(dropped) + len(kept[split])} {split} prompts longer than train.max_prompt_tokens "
                   f"or with no room for an output token in max_model_len {context} "
                   f"(indices {dropped[:10]}{' ...' if len(dropped) > 10 else ''})", file=sys.stderr, flush=True)
+        if truncated:
+            print(f"[controller] train.overlong_prompts {train.overlong_prompts}: cut {len(truncated)} of "
+                  f"{len(kept[split])} {split} prompts longer than train.max_prompt_tokens {train.max_prompt_tokens} "
+                  f"to their {KEPT[train.overlong_prompts]} {train.max_prompt_tokens} tokens (indices "
+                  f"{truncated[:10]}{' ...' if len(truncated) > 10 else ''})", file=sys.stderr, flush=True)
         if not kept[split]:
             key = "eval_every" if train.eval_every else "eval_before_train"
             raise ConfigError(f"train.overlong_prompts skip: every {split} prompt is over-long (longer than "

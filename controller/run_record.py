@@ -29,14 +29,16 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def save_run_config(logdir: Path, cfg, args) -> Path:
-    """Write this attempt's record into ``logdir``; returns its path."""
-    name = "config.yaml"
-    if args.resume:
-        n = 1
-        while (logdir / f"config.resume{n}.yaml").exists():
-            n += 1
-        name = f"config.resume{n}.yaml"
+def save_run_config(logdir: Path, cfg, args, name: str = "") -> Path:
+    """Write this attempt's record into ``logdir``; returns its path. ``name``: the record to
+    write again (the config resolved further at start: ``train.epochs``' derived length)."""
+    if not name:
+        name = "config.yaml"
+        if args.resume:
+            n = 1
+            while (logdir / f"config.resume{n}.yaml").exists():
+                n += 1
+            name = f"config.resume{n}.yaml"
     record = {"command": shlex.join(sys.argv), "config_file": args.config, "overrides": list(args.set),
               "resume": args.resume or None, "config": plain(cfg)}
     return write_text(logdir / name, "# how this attempt was started (controller/run_record.py)\n"

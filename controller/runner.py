@@ -61,7 +61,7 @@ class Session:
             refuse_fresh_start_over_a_run(self.logdir, args.resume)
         check_writable(self.logdir)
         self._lock = lock_run_folder(self.logdir)
-        save_run_config(self.logdir, cfg, args)
+        self._record = save_run_config(self.logdir, cfg, args)
         if cfg.placement.elastic:  # after the checks: a run refused at start has no address to join
             host = os.environ.get("MASTER_ADDR", "")
             local = ("; this host only: from another host, use this node's address with the same port"
@@ -99,6 +99,7 @@ class Session:
         self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
         self.task = self._fitting_task(self.task)
+        cfg = self.cfg  # train.epochs: with the iterations derived from the kept prompts
         lg = cfg.logging
         self.metrics = Metrics(self.logdir, lg.timeline_every,
                                make_trackers(lg.trackers, self.logdir, lg.project, lg.experiment, plain(cfg)))
@@ -135,7 +136,22 @@ class Session:
         note = chat_without_template_note(fitting.prompts("train"), bool(self.tok.chat_template))
         if note:
             print(f"[controller] {note}", file=sys.stderr, flush=True)
+        self._derive_length(len(fitting.prompts("train")), len(task.prompts("train")))
         return fitting
+
+    def _derive_length(self, kept: int, total: int) -> None:
+        """``train.epochs``: the run's iterations (and the LR schedule's length, on every trainer
+        rank) from the ``kept`` train prompts, before anything trains or a checkpoint is loaded."""
+        from controller.epochs import with_epochs
+
+        cfg, line = with_epochs(self.cfg, kept, total - kept)
+        if line is None:
+            return
+        if cfg.trainer.total_steps != self.cfg.trainer.total_steps:
+            wait_all([t.call("set_total_steps", cfg.trainer.total_steps) for t in self.world.trainers])
+        self.cfg = cfg
+        save_run_config(self.logdir, cfg, self.args, self._record.name)  # with the derived length
+        print(f"[controller] {line}", file=sys.stderr, flush=True)
 
     def _scale_policy(self):
         if not self.cfg.placement.elastic:
@@ -176,9 +192,10 @@ class Session:
         print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
               file=sys.stderr, flush=True)
         if state.iteration >= self.cfg.train.iterations:
+            key = "train.epochs" if self.cfg.train.epochs is not None else "train.iterations"
             print(f"[controller] that run is complete (iteration {state.iteration} of train.iterations "
-                  f"{self.cfg.train.iterations}): nothing to train; raise train.iterations "
-                  f"(--set train.iterations=N) to continue it", file=sys.stderr, flush=True)
+                  f"{self.cfg.train.iterations}): nothing to train; raise {key} "
+                  f"(--set {key}=N) to continue it", file=sys.stderr, flush=True)
         return state
 
     # ---- per-iteration hooks ---------------------------------------------------------------

@@ -142,6 +142,14 @@ class TrainerRank:
         LOCAL.roles["trainer"] = self
 
     # ---- control -------------------------------------------------------------------------
+    def set_total_steps(self, total_steps: int) -> None:
+        """The LR schedule's length (``trainer.total_steps``) derived at start from ``train.epochs``,
+        before any iteration (and before a resumed run's checkpoint is loaded)."""
+        from workers.trainer.schedule import set_total_steps
+
+        with self._cond:
+            set_total_steps(self.worker, total_steps)
+
     def begin_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int],
                         mode: str, minibatch: int) -> bool:
         """Register an iteration's samples, released to the trainer as pipeline ``mode``

@@ -42,6 +42,8 @@ def test_quickstart_loads_into_owner_classes():
     ({"train": {"batch_prompts": 0}}, "train.batch_prompts"),
     ({"train": {"group_size": 1}}, "train.group_size: grpo needs >= 2 samples per prompt"),
     ({"train": {"group_size": 1}, "trainer": {"algorithm": "rloo"}}, "train.group_size: rloo needs"),
+    ({"train": {"group_size": 1}, "trainer": {"algorithm": "reinforce_plus_plus_baseline"}},
+     "train.group_size: reinforce_plus_plus_baseline needs"),
     ({"task": {"name": "gsm8k"}}, "task.name: 'gsm8k' is not one of"),
     ({"dispatch": {"name": "lpt"}}, "dispatch.name: 'lpt' is not one of"),
     ({"engine": {"admission": "sjf"}}, "engine.admission: must be one of ('fcfs', 'lpt'), or module:fn"),
@@ -192,12 +194,14 @@ def test_trainer_takes_log_probs_at_the_rollout_temperature():
     ({"trainer": {"zzz": 1}}, r"trainer.zzz: unknown key \(known:"),
     # near misses that pointed elsewhere (new-user audit, session 18): total_epochs -> total_steps
     # (the LR schedule's length), warmup_style -> warmup_steps
-    ({"trainer": {"total_epochs": 3}}, "trainer.total_epochs: unknown key; verl's 'total_epochs' has no key here: "
-                                       "set train.iterations = epochs x rows / train.batch_prompts"),
+    ({"trainer": {"total_epochs": 3}}, "trainer.total_epochs: unknown key; verl's 'total_epochs' is train.epochs here"),
+    ({"trainer": {"lr_warmup_steps_ratio": 0.1}}, "verl's 'lr_warmup_steps_ratio' is trainer.warmup_ratio here"),
+    ({"train": {"truncation": "left"}}, "verl's 'truncation' is train.overlong_prompts: truncate_left / truncate_right"),
     ({"trainer": {"warmup_style": "cosine"}}, "verl's 'warmup_style' is trainer.lr_schedule here"),
     ({"trainer": {"clip_ratio_high": 0.28}}, "verl's 'clip_ratio_high' is trainer.clip_high here"),
     ({"train": {"filter_overlong_prompts": True}}, "verl's 'filter_overlong_prompts' is train.overlong_prompts: skip"),
-    ({"train": {"overlong_prompts": True}}, r"train.overlong_prompts: True is not one of \('error', 'skip'\)"),
+    ({"train": {"overlong_prompts": True}}, r"train.overlong_prompts: True is not one of \('error', 'skip', "
+                                            r"'truncate_left', 'truncate_right', 'truncate_middle'\)"),
 ])
 def test_unknown_keys_suggest_the_name(d, message):
     from controller.config import from_dict
@@ -218,6 +222,33 @@ def test_lr_schedule_length_follows_the_run():
     # following train.iterations (a 3,000-iteration run with 1,500 warmup steps was refused)
     long = from_dict({"train": {"iterations": 3000}, "trainer": {"warmup_steps": 1500}}).trainer
     assert (long.total_steps, long.warmup_steps) == (3000, 1500)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.epochs=2", "train.iterations=5"],
+     "train.iterations (5) and train.epochs (2) both set the run's length; set one"),
+    (["train.epochs=0"], "--set train.epochs=0: train.epochs must be an int >= 1 (null: train.iterations sets the "
+                         "length), got 0"),
+    (["trainer.warmup_ratio=0.1", "trainer.warmup_steps=2"],
+     "trainer.warmup_steps (2) and trainer.warmup_ratio (0.1) both set the LR warmup; set one"),
+    (["trainer.warmup_ratio=1"], "--set trainer.warmup_ratio=1: trainer.warmup_ratio must be in [0, 1) (0: "
+                                 "warmup_steps says), got 1.0"),
+    (["train.overlong_prompts=truncate_middle"], "--set train.overlong_prompts=truncate_middle: "
+     "train.overlong_prompts: truncate_middle cuts prompts to train.max_prompt_tokens, which is 0 (no limit); set it"),
+])
+def test_verls_epochs_warmup_ratio_and_truncation_are_refused_with_what_conflicts(tmp_path, sets, message):
+    with pytest.raises(ConfigError) as e:
+        _load_with(tmp_path, *sets)
+    assert message in str(e.value), str(e.value)
+
+
+def test_warmup_ratio_follows_the_schedules_length():
+    from controller.config import from_dict
+
+    t = from_dict({"train": {"iterations": 40}, "trainer": {"warmup_ratio": 0.1}}).trainer
+    assert (t.total_steps, t.warmup, t.warmup_steps) == (40, 4, 0)
+    t = from_dict({"train": {"iterations": 40}, "trainer": {"warmup_ratio": 0.1, "total_steps": 95}}).trainer
+    assert t.warmup == 9  # int(9.5): verl rounds down
 
 
 def test_rollout_filters_make_the_trainer_recompute_old_log_probs():
@@ -399,3 +430,10 @@ def test_skew_dispatch_needs_a_ranker():
     for name in ("skew", "skew_paper"):
         with pytest.raises(ConfigError, match=f"dispatch.name: {name} dispatches on output-length estimates"):
             from_dict(_cfg(dispatch={"name": name}), 3)
+
+
+def test_reinforce_plus_plus_samples_one_per_prompt():
+    """REINFORCE++ compares each sample with the whole batch (whitening), not with its group:
+    one sample a prompt is its usual setting."""
+    cfg = from_dict({"train": {"group_size": 1}, "trainer": {"algorithm": "reinforce_plus_plus"}})
+    assert cfg.train.group_size == 1 and cfg.trainer.whiten and not cfg.trainer.grouped

@@ -224,7 +224,8 @@ def test_main_echoes_the_set_as_typed(tmp_path, monkeypatch, capsys):
 
 # ---- 13: a --set value that is not YAML: quoting advice only for a string key -------------------
 @pytest.mark.parametrize("text, advice", [
-    ("train.iterations=[1", "; train.iterations takes an int (e.g. 3)"),
+    ("train.batch_prompts=[1", "; train.batch_prompts takes an int (e.g. 3)"),
+    ("train.iterations=[1", "; train.iterations takes an int or null"),  # null: 20, or train.epochs derives it
     ("train.temperature={0.5", "; train.temperature takes a number (e.g. 0.5)"),
     ("placement.colocated=[x", "; placement.colocated takes true or false"),
     ("placement.generation=[1, 2", "; placement.generation takes a list (e.g. [1, 2])"),

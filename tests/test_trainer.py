@@ -59,6 +59,8 @@ CONFIGS = {
     "ppo": dict(algorithm="ppo", kl_coef=0.02, kl_mode="reward", dual_clip=3.0, clip_high=0.28),
     "grpo_recompute": dict(algorithm="grpo", recompute_old_logprobs=True, kl_coef=0.05, kl_estimator="k1"),
     "ppo_3_epochs": dict(algorithm="ppo", ppo_epochs=3, clip_low=0.1, clip_high=0.1),
+    "rfpp": dict(algorithm="reinforce_plus_plus", gamma=0.95, kl_coef=0.05, kl_mode="reward"),
+    "rfpp_baseline": dict(algorithm="reinforce_plus_plus_baseline", kl_coef=0.05),
 }
 
 

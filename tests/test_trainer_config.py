@@ -10,7 +10,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="algorithm"):
         TrainerConfig(algorithm="dpo")
     with pytest.raises(ValueError, match="kl_estimator"):
-        TrainerConfig(kl_estimator="k2")
+        TrainerConfig(kl_estimator="k4")
     with pytest.raises(ValueError, match="dual_clip"):
         TrainerConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="critic"):
@@ -23,7 +23,9 @@ def test_config_validation():
 @pytest.mark.parametrize("algorithm, key, value", [
     ("grpo", "gamma", 0.9), ("grpo", "gae_lambda", 0.5), ("grpo", "critic_lr", 1.0), ("grpo", "value_coef", 2.0),
     ("rloo", "value_clip", 0.5), ("rloo", "grpo_std_normalize", False), ("rloo", "adv_eps", 5.0),
-    ("ppo", "grpo_std_normalize", False), ("ppo", "adv_eps", 1e-3)])
+    ("ppo", "grpo_std_normalize", False), ("ppo", "adv_eps", 1e-3), ("reinforce_plus_plus", "gae_lambda", 0.5),
+    ("reinforce_plus_plus", "grpo_std_normalize", False), ("reinforce_plus_plus", "value_coef", 2.0),
+    ("reinforce_plus_plus_baseline", "gamma", 0.9), ("reinforce_plus_plus_baseline", "adv_eps", 5.0)])
 def test_a_knob_the_algorithm_does_not_read_is_refused(algorithm, key, value):
     """Used to be accepted and do nothing (as whiten_advantages under grpo is refused)."""
     with pytest.raises(ValueError, match=f"trainer.{key} .* only used by algorithm .*not '{algorithm}'"):
@@ -34,6 +36,7 @@ def test_a_knob_the_algorithm_does_not_read_is_refused(algorithm, key, value):
 def test_the_knobs_of_the_algorithm_are_taken():
     assert TrainerConfig(algorithm="ppo", gamma=0.9, gae_lambda=0.5, value_coef=1.0).gamma == 0.9
     assert not TrainerConfig(algorithm="grpo", grpo_std_normalize=False, adv_eps=0.0).grpo_std_normalize
+    assert TrainerConfig(algorithm="reinforce_plus_plus", gamma=0.9).gamma == 0.9  # its returns' discount
 
 
 def test_lr_schedule():

@@ -21,7 +21,10 @@ def _task():
 
 
 CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),
-           dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01, ppo_epochs=2)]
+           dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01, ppo_epochs=2),
+           # whitened over both ranks' tokens; an adaptive KL coefficient every rank updates alike
+           dict(algorithm="reinforce_plus_plus_baseline", kl_coef=0.05, kl_mode="reward", kl_target=0.001,
+                kl_horizon=20)]
 
 
 def _run(rank, world, model_dir, data):
@@ -37,6 +40,7 @@ def _run(rank, world, model_dir, data):
         for s in mine:  # streamed one by one
             w.receive([s])
         res = w.step()
+        out.setdefault("kl_coef", []).append(w.kl.value)
         if rank == 0:
             out["configs"].append(({k: v.clone() for k, v in w.named_weights()}, res))
     # mini-batches: each rank splits its own micro-batches into 3 shares (some empty); every
@@ -82,6 +86,8 @@ def test_two_ranks_equal_one_rank(tmp_path):
         assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-4)
         for k in w1:
             assert torch.allclose(w1[k], w2[k], atol=1e-6, rtol=1e-5), (cfg_kw, k)
+        assert ranks[0]["kl_coef"][i] == ranks[1]["kl_coef"][i] == pytest.approx(one.kl.value, rel=1e-6)
+    assert ranks[0]["kl_coef"][-1] != 0.05  # adapted
 
 
 def _late_peer(rank, world, late_s, rpc_timeout_s, collective_timeout_s):

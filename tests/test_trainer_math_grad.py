@@ -98,7 +98,7 @@ def group_adv(cfg, rewards):
         return [0.0] * g if g < 2 else [r - (sum(rewards) - r) / (g - 1) for r in rewards]
     if g < 2:
         return [0.0]
-    if not cfg.grpo_std_normalize:  # Dr. GRPO: centred only
+    if cfg.algorithm == "reinforce_plus_plus_baseline" or not cfg.grpo_std_normalize:  # centred only (Dr. GRPO)
         return [r - mean for r in rewards]
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (g - 1))
     return [(r - mean) / (std + cfg.adv_eps) for r in rewards]
@@ -125,16 +125,16 @@ def reference_grads(model_dir, task, tok, samples, prompts, cfg):
     in_reward = cfg.kl_mode == "reward" and cfg.kl_coef > 0
     # advantages
     adv = [None] * len(samples)
-    if cfg.algorithm == "ppo":
+    if cfg.algorithm in ("ppo", "reinforce_plus_plus"):
         old_v = []
         for i, s in enumerate(samples):
             with torch.no_grad():
-                v = seq_values(critic, s).tolist()
+                v = seq_values(critic, s).tolist() if critic is not None else [0.0] * len(s.output_ids)
             r = [0.0] * len(v)
             if in_reward:
                 r = [-cfg.kl_coef * kl_fn(o, q) for o, q in zip(s.logprobs.tolist(), ref_lp[i].tolist())]
             r[-1] += scores[i]
-            a = loop_gae(r, v, cfg.gamma, cfg.gae_lambda)
+            a = loop_gae(r, v, cfg.gamma, cfg.gae_lambda if critic is not None else 1.0)  # REINFORCE++: returns
             adv[i] = a
             old_v.append((torch.tensor(v), torch.tensor([x + y for x, y in zip(a, v)])))  # returns: not whitened
         if cfg.whiten_advantages is not False:
@@ -146,6 +146,8 @@ def reference_grads(model_dir, task, tok, samples, prompts, cfg):
             members = [i for i, s in enumerate(samples) if s.group_id == gid]
             for i, a in zip(members, group_adv(cfg, [rewards[i] for i in members])):
                 adv[i] = [a] * len(samples[i].output_ids)
+        if cfg.algorithm == "reinforce_plus_plus_baseline" and cfg.whiten_advantages is not False:
+            adv = loop_whiten(adv)
     # one loss over the whole batch
     per_seq = []  # (sum of token terms, number of tokens) per sample
     for i, s in enumerate(samples):
@@ -219,6 +221,12 @@ CONFIGS = {
     # Dr. GRPO: no group std division (rewards' std is ~0.4: dividing changes the gradient)
     "grpo_dr_no_std_normalize": dict(algorithm="grpo", grpo_std_normalize=False, loss_agg="seq_mean_token_sum_norm",
                                      loss_scale_factor=12, kl_coef=0.1),
+    # REINFORCE++: discounted per-token returns (KL in the reward), whitened over the batch
+    "rfpp_gamma_kl_reward": dict(algorithm="reinforce_plus_plus", gamma=0.9, kl_coef=0.05, kl_mode="reward",
+                                 kl_estimator="k1"),
+    "rfpp_baseline_kl_loss": dict(algorithm="reinforce_plus_plus_baseline", kl_coef=0.1, clip_high=0.28),
+    "rfpp_baseline_no_whiten": dict(algorithm="reinforce_plus_plus_baseline", whiten_advantages=False,
+                                    kl_coef=0.05, kl_mode="reward"),
     # an adv_eps comparable to the groups' reward std, so it must reach the advantages
     "grpo_adv_eps": dict(algorithm="grpo", adv_eps=0.5, kl_coef=0.1, kl_estimator="k1"),
 }
@@ -276,8 +284,11 @@ def test_whitening_defers_all_training_to_step(model_dir, task):
         assert w.step().metrics["updates"] == 1.0
 
 
-def test_whitening_is_for_gae_only():
+def test_whitening_is_for_gae_and_reinforce_plus_plus_only():
     assert TrainerConfig(algorithm="ppo").whiten and not TrainerConfig(algorithm="grpo").whiten
+    assert TrainerConfig(algorithm="reinforce_plus_plus").whiten  # verl whitens both REINFORCE++ estimators
+    assert TrainerConfig(algorithm="reinforce_plus_plus_baseline").whiten
+    assert not TrainerConfig(algorithm="reinforce_plus_plus", whiten_advantages=False).whiten
     with pytest.raises(ValueError, match="trainer.whiten_advantages: true is only used by algorithm 'ppo'"):
         TrainerConfig(algorithm="rloo", whiten_advantages=True)
 

@@ -33,6 +33,7 @@ class Prepared:
     min_tokens: int = 0  # EOS was not allowed before this many outputs (Sample.min_tokens)
     tis_weight: torch.Tensor | None = None  # [L] min(pi_old / pi_sampler, tis_cap) (TrainerConfig.tis_cap)
     overlong: float = 0.0  # the overlong penalty added to the reward (<= 0; TrainerConfig.overlong_buffer)
+    reward_kl: float = 0.0  # mean per-token KL(old || ref) of the sample, what kl_mode reward penalises
 
     @property
     def num_tokens(self) -> int:

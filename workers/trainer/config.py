@@ -8,14 +8,24 @@ from dataclasses import dataclass, fields
 from workers.config_schema import SEEDS, Range, ranged
 from workers.tasks.reward_pool import REWARD_POOLS
 
-ALGORITHMS = ("ppo", "grpo", "rloo")
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages compare a group's samples
+WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
 # knobs only some algorithms read: set to anything but their default under another, refused
-_CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gamma", "gae_lambda")  # GAE / value loss
+_CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
 _GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
-UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS, "rloo": _CRITIC_KNOBS + _GRPO_KNOBS}
+UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",), "rloo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
+                "reinforce_plus_plus": _CRITIC_KNOBS + _GRPO_KNOBS,  # gamma: its returns' discount
+                "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
 # knobs a switch turns on: set to anything but their default while it is 0, refused
-SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules")}
-KL_ESTIMATORS = ("k1", "k3")
+SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
+                  "kl_target": ("kl_horizon",)}
+# workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
+# verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)
+VERL_KL_ESTIMATORS = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "mse+": "k2", "low_var_kl+": "k3+"}
+POLICY_LOSSES = ("ppo", "gspo")  # workers/trainer/losses.py POLICY_LOSSES
+VERL_POLICY_LOSSES = {"vanilla": "ppo"}  # verl's actor.policy_loss.loss_mode -> ours
 KL_MODES = ("loss", "reward")
 LOSS_AGGS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # verl's loss_agg_mode values -> ours (refused with the name to use, not taken silently)
@@ -31,16 +41,26 @@ class TrainerConfig:
     """Trainer hyper-parameters.
 
     algorithm: ``ppo`` (GAE with a critic), ``grpo`` (group-normalised scores), ``rloo``
-    (leave-one-out baseline). ``clip_low`` / ``clip_high``: ratio clipped to
+    (leave-one-out baseline), ``reinforce_plus_plus`` (REINFORCE++: each token's discounted return
+    of the reward, ``gamma``, whitened over the batch), ``reinforce_plus_plus_baseline`` (the score
+    minus its group's mean, whitened over the batch). ``clip_low`` / ``clip_high``: ratio clipped to
     [1 - clip_low, 1 + clip_high] (clip-higher when high > low). ``dual_clip``: c > 1 bounds the
-    loss of negative-advantage tokens by ``c * |A|`` (None: off). ``kl_mode`` ``loss`` adds
-    ``kl_coef * KL`` to the loss, ``reward`` subtracts it from the reward. ``loss_agg`` (verl's
+    loss of negative-advantage tokens by ``c * |A|`` (None: off). ``policy_loss`` (verl's
+    ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token) or ``gspo``
+    (GSPO: one ratio per sequence, the geometric mean of its tokens'; needs ``loss_agg: seq_mean``,
+    as verl's gspo forces seq-mean-token-mean, and no ``dual_clip``; its clip ranges are tiny, the
+    paper's 3e-4 / 4e-4). ``kl_estimator``: ``k1``, ``k2`` (verl's mse), ``k3`` (verl's
+    low_var_kl), ``abs``, or ``k1+`` / ``k3+`` / ``abs+`` (the value of that estimator, the
+    gradient of k2). ``kl_mode`` ``loss`` adds
+    ``kl_coef * KL`` to the loss, ``reward`` subtracts it from the reward; there ``kl_target`` > 0
+    adapts the coefficient after each iteration towards that mean KL (``KLCoefficient``, horizon
+    ``kl_horizon`` samples), starting from ``kl_coef``. ``loss_agg`` (verl's
     ``loss_agg_mode``): ``token_mean`` (sum over tokens / total tokens of the update),
     ``seq_mean`` (mean over a sequence's tokens, summed / total sequences; verl's
     seq-mean-token-mean), ``seq_mean_token_sum`` (a sequence's token sum, summed / total
     sequences) or ``seq_mean_token_sum_norm`` (the same / ``loss_scale_factor``, a constant:
     Dr. GRPO; verl divides by the padded response length, max_response_length, and the run config
-    fills it from ``train.max_tokens``). ``whiten_advantages`` (None: on for ppo, as verl's GAE):
+    fills it from ``train.max_tokens``). ``whiten_advantages`` (None: on for ppo and REINFORCE++, as verl):
     the GAE advantages of the iteration (every rank's) are whitened over their tokens, verl's
     ``masked_whiten``; that needs every sample, so with it on ``receive`` only prepares samples
     and all the training compute runs at ``step()``. ``max_staleness``: samples generated by a
@@ -106,9 +126,14 @@ class TrainerConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
+    # ppo: a ratio per token; gspo: one per sequence (verl's actor.policy_loss.loss_mode vanilla / gspo)
+    policy_loss: str = "ppo"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_mode: str = "loss"
+    # adaptive beta for kl_mode reward (verl's algorithm.kl_ctrl type adaptive, target_kl, horizon)
+    kl_target: float = ranged(0.0, Range(0, note="0: kl_coef stays fixed"))
+    kl_horizon: int = ranged(10000, Range(1))
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"
     loss_scale_factor: int | None = None  # seq_mean_token_sum_norm's constant divisor (verl's name)
@@ -117,6 +142,8 @@ class TrainerConfig:
     on_bad_sample: str = "skip"
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    # verl's lr_warmup_steps_ratio: int(warmup_ratio * total_steps) warmup steps (``warmup``)
+    warmup_ratio: float = ranged(0.0, Range(0, 1, open_hi=True, note="0: warmup_steps says"))
     lr_schedule: str = "constant"
     total_steps: int = 1000
     min_lr_ratio: float = ranged(0.0, Range(0, 1, note="the fraction of lr the schedule decays to"))
@@ -128,7 +155,7 @@ class TrainerConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     # group baselines (grpo / rloo)
-    whiten_advantages: bool | None = None  # None: on for ppo (verl whitens GAE), off otherwise
+    whiten_advantages: bool | None = None  # None: on for WHITENED (as verl), off otherwise
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
@@ -150,12 +177,20 @@ class TrainerConfig:
 
     def __post_init__(self):
         _one_of("algorithm", self.algorithm, ALGORITHMS)
-        _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
         _one_of("kl_mode", self.kl_mode, KL_MODES)
         if self.loss_agg in VERL_LOSS_AGGS:
             raise ValueError(f"trainer.loss_agg: {self.loss_agg!r} is verl's name; here it is "
                              f"{VERL_LOSS_AGGS[self.loss_agg]!r} (one of {LOSS_AGGS})")
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS)
+        _one_of("policy_loss", self.policy_loss, POLICY_LOSSES, VERL_POLICY_LOSSES)
+        if self.policy_loss == "gspo" and self.loss_agg != "seq_mean":
+            raise ValueError(f"trainer.loss_agg: policy_loss 'gspo' averages each sequence's token losses, then the "
+                             f"sequences (verl's gspo forces seq-mean-token-mean whatever loss_agg_mode says); set "
+                             f"loss_agg: seq_mean, not {self.loss_agg!r}")
+        if self.policy_loss == "gspo" and self.dual_clip is not None:
+            raise ValueError(f"trainer.dual_clip ({self.dual_clip}): policy_loss 'gspo' has no dual clip (verl's gspo "
+                             f"ignores clip_ratio_c); leave it out")
         if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_scale_factor is None:
             raise ValueError("trainer.loss_scale_factor: loss_agg 'seq_mean_token_sum_norm' divides each sequence's "
                              "token sum by this constant (verl: the padded response length, max_response_length); "
@@ -191,6 +226,11 @@ class TrainerConfig:
         if self.warmup_steps > self.total_steps:
             raise ValueError(f"trainer.warmup_steps ({self.warmup_steps}) must be <= trainer.total_steps "
                              f"({self.total_steps}): the schedule would end before the warmup does")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"trainer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_ratio and self.warmup_steps:
+            raise ValueError(f"trainer.warmup_steps ({self.warmup_steps}) and trainer.warmup_ratio "
+                             f"({self.warmup_ratio}) both set the LR warmup; set one")
         if self.clip_low >= 1:
             raise ValueError(f"trainer.clip_low must be < 1, got {self.clip_low}")
         if self.dual_clip is not None and self.dual_clip <= 1:
@@ -199,7 +239,7 @@ class TrainerConfig:
             raise ValueError("trainer.gamma and trainer.gae_lambda must be in [0, 1]")
         if self.algorithm == "ppo" and self.critic is False:
             raise ValueError("trainer.algorithm 'ppo' uses GAE and needs critic: true "
-                             "(use grpo or rloo for critic-free training)")
+                             "(use grpo, rloo or reinforce_plus_plus(_baseline) for critic-free training)")
         if self.algorithm != "ppo" and self.critic:
             raise ValueError(f"trainer.critic: true is only used by algorithm 'ppo', not {self.algorithm!r}")
         defaults = {f.name: f.default for f in fields(self)}
@@ -231,9 +271,30 @@ class TrainerConfig:
                     if getattr(self, name) != defaults[name]:
                         raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch} "
                                          f"> 0; leave it out or set {switch}")
-        if self.algorithm != "ppo" and self.whiten_advantages:
-            raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm 'ppo' (GAE), not "
-                             f"{self.algorithm!r} (its advantages are normalised within each group)")
+        if self.kl_target > 0 and not self.kl_in_reward:
+            raise ValueError(f"trainer.kl_target ({self.kl_target}) adapts the KL penalty in the reward: it needs "
+                             f"trainer.kl_mode: reward (got {self.kl_mode!r}) and trainer.kl_coef > 0 (got "
+                             f"{self.kl_coef}), its starting value")
+        if self.algorithm not in WHITENED and self.whiten_advantages:
+            raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm "
+                             f"{' / '.join(map(repr, WHITENED))}, not {self.algorithm!r} (its advantages are "
+                             f"normalised within each group)")
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """The KL to the reference is a penalty in the reward (its beta: ``KLCoefficient``)."""
+        return self.kl_mode == "reward" and self.kl_coef > 0
+
+    @property
+    def warmup(self) -> int:
+        """The LR schedule's warmup steps: ``warmup_steps``, or ``int(warmup_ratio * total_steps)``
+        (verl's rounding, down), following ``total_steps``."""
+        return self.warmup_steps or int(self.warmup_ratio * self.total_steps)
+
+    @property
+    def token_returns(self) -> bool:
+        """Advantages are each token's discounted return, no critic (REINFORCE++)."""
+        return self.algorithm == "reinforce_plus_plus"
 
     @property
     def use_critic(self) -> bool:
@@ -241,13 +302,13 @@ class TrainerConfig:
 
     @property
     def whiten(self) -> bool:
-        """GAE advantages whitened over the iteration's tokens (at ``step()``)."""
-        return self.algorithm == "ppo" and self.whiten_advantages is not False
+        """Advantages (GAE's, REINFORCE++'s) whitened over the iteration's tokens (at ``step()``)."""
+        return self.algorithm in WHITENED and self.whiten_advantages is not False
 
     @property
     def grouped(self) -> bool:
-        """Advantages need every sample of a group (grpo, rloo)."""
-        return self.algorithm in ("grpo", "rloo")
+        """Advantages need every sample of a group (grpo, rloo, reinforce_plus_plus_baseline)."""
+        return self.algorithm in GROUPED
 
     @property
     def recomputes_old_logprobs(self) -> bool:
@@ -260,6 +321,9 @@ class TrainerConfig:
         return not self.recomputes_old_logprobs or self.tis_cap > 0
 
 
-def _one_of(name: str, value, allowed) -> None:
+def _one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
+    if verl_names and value in verl_names:
+        raise ValueError(f"trainer.{name}: {value!r} is verl's name; here it is {verl_names[value]!r} "
+                         f"(one of {allowed})")
     if value not in allowed:
         raise ValueError(f"trainer.{name}: {value!r} is not one of {allowed}")

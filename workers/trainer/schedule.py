@@ -1,6 +1,7 @@
 """Learning-rate schedules: linear warmup, then constant / cosine / linear decay."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -23,13 +24,29 @@ DECAYS: dict[str, Callable[[float, float], float]] = {"constant": _constant, "co
 
 
 def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
-    """step -> multiplier of the base lr (for ``torch.optim.lr_scheduler.LambdaLR``)."""
+    """step -> multiplier of the base lr (for ``torch.optim.lr_scheduler.LambdaLR``). The warmup
+    is ``cfg.warmup``: ``warmup_steps``, or ``warmup_ratio`` of ``total_steps``."""
     decay = DECAYS[cfg.lr_schedule]
+    warmup = cfg.warmup
 
     def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
         return decay(progress, cfg.min_lr_ratio)
 
     return f
+
+
+def set_total_steps(worker, total_steps: int) -> None:
+    """Give a trainer (``TrainerWorker``) a schedule ``total_steps`` long before its first step:
+    ``train.epochs`` derives the run's length only once the controller has checked the prompts,
+    after the trainers were built. Its config, and so a ``warmup_ratio``'s warmup, follow."""
+    s = worker.scheduler
+    if s.last_epoch > 0:
+        raise RuntimeError(f"trainer.total_steps set to {total_steps} after {s.last_epoch} scheduler steps")
+    worker.cfg = dataclasses.replace(worker.cfg, total_steps=total_steps)
+    s.lr_lambdas = [lr_lambda(worker.cfg) for _ in worker.optimizer.param_groups]
+    for group, base, lam in zip(worker.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+        group["lr"] = base * lam(s.last_epoch)
+    s._last_lr = [g["lr"] for g in worker.optimizer.param_groups]

@@ -20,8 +20,8 @@ from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
-from workers.trainer.losses import (aggregate_sum, clipped_value_loss, entropy_from_logits, fraction_agg,
-                                    loss_divisor, policy_loss)
+from workers.trainer.losses import (POLICY_LOSSES, aggregate_sum, clipped_value_loss, entropy_from_logits,
+                                    fraction_agg, loss_divisor)
 from workers.trainer.packing import pack, response_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
         values = w.critic(batch).float().cpu() if w.critic is not None else None
     kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
     sampler_of = sampler.split(lens) if sampler is not None else None
-    penalise = cfg.kl_mode == "reward" and cfg.kl_coef > 0
+    penalise = cfg.kl_in_reward
+    beta = w.kl.value  # this iteration's coefficient (adapted after each step with trainer.kl_target)
     overlong = [overlong_penalty(len(s.output_ids), cfg) for s in samples]
     out: list[Prepared | str] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
@@ -74,15 +75,19 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
         shaped = score + overlong[i]
         p = Prepared(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids.cpu(),
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
-                     reward=shaped - (cfg.kl_coef * float(kl_i.sum()) if penalise else 0.0),
-                     weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i])
+                     reward=shaped - (beta * float(kl_i.sum()) if penalise else 0.0),
+                     weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i],
+                     reward_kl=float(kl_i.mean()) if kl_i.numel() else 0.0)
         if cfg.tis_cap > 0:  # log-ratio capped before exp: the weight is finite whatever the gap
             p.tis_weight = torch.exp((old_i - sampler_of[i]).clamp(max=math.log(cfg.tis_cap)))
+        if values is not None or cfg.token_returns:  # per-token rewards: GAE, or REINFORCE++'s returns
+            p.token_rewards = -beta * kl_i if penalise else torch.zeros_like(kl_i)
+            p.token_rewards[-1] += shaped
         if values is not None:
             p.values = values.split(lens)[i]
-            p.token_rewards = -cfg.kl_coef * kl_i if penalise else torch.zeros_like(kl_i)
-            p.token_rewards[-1] += shaped
             p.adv, p.returns = gae(p.token_rewards, p.values, cfg.gamma, cfg.gae_lambda)
+        elif cfg.token_returns:  # sum_k gamma^k r_{t+k}: GAE with no values and lambda 1
+            p.adv = gae(p.token_rewards, torch.zeros_like(kl_i), cfg.gamma, 1.0)[0]
         out.append(p)
     return out
 
@@ -135,6 +140,7 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str]:
 GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, TrainerConfig], torch.Tensor]] = {
     "grpo": lambda r, cfg: grpo(r, cfg.adv_eps, cfg.grpo_std_normalize),
     "rloo": lambda r, cfg: rloo(r),
+    "reinforce_plus_plus_baseline": lambda r, cfg: grpo(r, std_normalize=False),  # r - group mean
 }
 
 
@@ -161,7 +167,8 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
 
     frac = fraction_agg(cfg.loss_agg)
 
-    pg, clipped = policy_loss(logp, old, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)  # [N]
+    pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens, cfg.clip_low,
+                                                        cfg.clip_high, cfg.dual_clip)  # [N] each
     tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.tis_cap > 0 else None
     if tis is not None:
         pg = pg * tis  # truncated importance sampling: sampler -> trainer's old policy (constant weights)
@@ -180,7 +187,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     ppo_kl = (old - logp.detach()).clamp(-20.0, 20.0)
     stats = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
              "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
-             "clipfrac": agg(clipped, frac), "ratio": agg(torch.exp((logp - old).clamp(-20.0, 20.0)), frac).detach(),
+             "clipfrac": agg(clipped, frac), "ratio": agg(ratio, frac),
              "ppo_kl": agg(ppo_kl, frac), "advantage_sum": adv.sum(), "advantage_max": adv.max(),
              "advantage_min": adv.min()}
     if tis is not None:
@@ -205,7 +212,8 @@ class StatSums:
     KEYS = ("num_samples", "score_sum", "score_sq_sum", "resp_len_sum", "staleness_sum", "skipped_samples",
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
-            "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum")
+            "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
+            "reward_kl_sum")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -243,6 +251,7 @@ class StatSums:
         self.add("score_sum", p.score)
         self.add("score_sq_sum", p.score * p.score)
         self.add("overlong_sum", p.overlong)
+        self.add("reward_kl_sum", p.reward_kl)
         self.add("resp_len_sum", float(p.num_tokens))
         self.add("staleness_sum", float(version - p.weight_version))
         for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
@@ -268,11 +277,12 @@ class StatSums:
 
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
                 extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False,
-                overlong: bool = False) -> dict[str, float]:
+                overlong: bool = False, reward_kl: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
         report the critic's statistics; ``tis``: the mean truncated importance weight; ``overlong``:
-        the mean overlong penalty. A maximum or minimum over nothing is 0.0, as the means."""
+        the mean overlong penalty; ``reward_kl``: the mean over samples of each one's mean per-token
+        KL(old || ref) (``kl_mode: reward``). A maximum or minimum over nothing is 0.0, as the means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
@@ -298,5 +308,7 @@ class StatSums:
             del m["tis_weight"]
         if overlong:  # reported only with trainer.overlong_buffer (the reward_* metrics are the task's scores)
             m["overlong_penalty_mean"] = t["overlong_sum"] / n
+        if reward_kl:  # verl's actor/reward_kl_penalty
+            m["reward_kl"] = t["reward_kl_sum"] / n
         m["_divisor"] = divisor
         return m

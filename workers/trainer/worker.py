@@ -42,6 +42,7 @@ from workers.trainer.advantages import whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
+from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
 from workers.trainer import optimizer
 from workers.trainer.lora import LoRA, Reference, target_names
@@ -113,6 +114,8 @@ class TrainerWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self._version = 0
         self.iteration = -1
+        # beta of trainer.kl_mode reward: fixed, or adapted after each step (trainer.kl_target)
+        self.kl = KLCoefficient(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self._prompts: dict[int, TaskPrompt] = {}
         self._group_sizes: dict[int, int] = {}
         self._seen: set[int] = set()  # sample ids received this iteration (duplicates dropped)
@@ -351,8 +354,11 @@ class TrainerWorker:
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
                                      critic=self.critic is not None, tis=self.cfg.tis_cap > 0,
-                                     overlong=self.cfg.overlong_buffer > 0)
+                                     overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward)
         divisor = metrics.pop("_divisor")
+        if self.cfg.kl_in_reward:  # the beta these samples' rewards used, then the next iteration's
+            metrics["kl_coef"] = self.kl.value
+            self.kl.update(metrics["reward_kl"], metrics["num_samples"])
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = streamed_updates(self, params, divisor)
         metrics.update(norms or {}, lr=lr)
