@@ -76,6 +76,9 @@ VERL_NOTES = {
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
     "multi_turn": "single-turn rollouts only (one prompt, one response)",
+    "filter_groups": "no dynamic sampling (DAPO's filter_groups): a group whose samples all scored the same trains "
+                     "with advantage 0 under grpo (its KL and entropy terms still count); nothing is re-generated "
+                     "to replace it",
 }
 
 

@@ -26,13 +26,16 @@ def test_the_update_rule():
     assert beta.update(0.045, 10) == pytest.approx(0.1 * (1 - 0.1 * 0.1))
     assert KLCoefficient(0.1).update(5.0, 50) == 0.1  # no target: fixed
     assert KLCoefficient(0.1, target=0.05).update(5.0, 0) == 0.1  # no samples: unchanged
+    # a non-finite KL (one sample's) is not folded in: a NaN beta would make every later reward NaN
+    assert KLCoefficient(0.1, target=0.05).update(float("nan"), 50) == 0.1
+    assert KLCoefficient(0.1, target=0.05).update(float("inf"), 50) == 0.1
 
 
 def _worker(tmp_path, **kw):
     torch.set_num_threads(1)
     task = LengthRewardTask(make_task("synthetic", max_terms=3, num_train=64, num_test=16))
     model_dir = str(build_model_dir(tmp_path / "m", task.base, tiny_config(), seed=0)[0])
-    cfg = TrainerConfig(algorithm="grpo", kl_mode="reward", kl_coef=0.1, lr=1e-3, **kw)
+    cfg = TrainerConfig(**{"algorithm": "grpo", "kl_mode": "reward", "kl_coef": 0.1, "lr": 1e-3, **kw})
     w = TrainerWorker(cfg, model_dir, task, device="cpu")
     with torch.no_grad():  # the policy away from the reference: a KL to penalise from the start
         gen = torch.Generator().manual_seed(1)
@@ -98,6 +101,32 @@ def test_the_adapted_beta_is_checkpointed(tmp_path):
                           device="cpu")
     fixed.load_checkpoint(str(tmp_path / "ck"))
     assert fixed.kl.value == 0.2
+
+
+def test_an_adaptive_resume_of_a_fixed_run_starts_from_its_own_kl_coef(tmp_path):
+    """A checkpoint of a run with a fixed beta (or the KL in the loss) carries no adapted beta:
+    a resume that turns kl_target on starts from its own trainer.kl_coef, not the old run's."""
+    w, task, model_dir = _worker(tmp_path)  # fixed beta 0.1
+    _iteration(w, task, 0)
+    w.step()
+    w.save_checkpoint(str(tmp_path / "ck"))
+    adaptive = TrainerWorker(TrainerConfig(algorithm="grpo", kl_mode="reward", kl_coef=0.3, kl_target=0.01),
+                             model_dir, task, device="cpu")
+    adaptive.load_checkpoint(str(tmp_path / "ck"))
+    assert adaptive.kl.value == 0.3
+
+
+def test_per_token_rewards_use_the_adapted_beta(tmp_path):
+    """REINFORCE++'s per-token rewards (as GAE's) take -beta * KL with the current beta, not kl_coef."""
+    w, task, _ = _worker(tmp_path, algorithm="reinforce_plus_plus", kl_target=0.01, whiten_advantages=False)
+    w.kl.value = 0.37  # as if adapted
+    samples, items = _iteration(w, task, 0)
+    for s in samples:
+        p = items[s.sample_id]
+        want = -0.37 * KL_ESTIMATORS["k3"](p.old_logp, p.ref_logp)  # [L]
+        want[-1] += p.score
+        assert torch.allclose(p.token_rewards, want, rtol=1e-5, atol=1e-7)
+        assert p.reward == pytest.approx(float(want.sum()), rel=1e-5, abs=1e-6)  # score - beta * sum KL
 
 
 def test_config():

@@ -242,3 +242,20 @@ def test_the_time_in_the_reward_is_reported(model_dir, monkeypatch):
     m = train(model_dir, TrainerConfig(algorithm="grpo"), samples, prompts, sizes)
     assert m["score_s"] == pytest.approx(0.5 * len(samples))  # one score call per sample, each 0.5 s
     assert m["score_wait_s"] >= 0.0  # the trainer's wait for scores past its forwards (a real clock)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_uniform_group_fraction(model_dir, algorithm):
+    """The share of groups whose samples all scored the same (advantage 0 under grpo: what DAPO's
+    dynamic sampling would drop); a group of one counts as a group, not as uniform. Reported for
+    the grouped algorithms only."""
+    groups = [[(1.0, 3), (1.0, 4), (1.0, 2)], [(0.0, 3), (0.5, 3)], [(0.0, 2), (0.0, 5)], [(0.3, 4)]]
+    samples, prompts, sizes = build(model_dir, groups)
+    w = TrainerWorker(TrainerConfig(algorithm=algorithm), model_dir, KnownRewardTask(), device="cpu")
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(samples)
+    m = w.step().metrics
+    if algorithm == "grpo":
+        assert m["uniform_group_frac"] == pytest.approx(2 / 4)
+    else:
+        assert "uniform_group_frac" not in m

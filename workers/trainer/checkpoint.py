@@ -3,9 +3,9 @@
 Layout: ``model/`` (HF format: config.json, model.safetensors, and the source model folder's other
 files: tokenizer, chat template, generation_config.json; ``carried_files``),
 ``critic.safetensors`` (when a critic is used), ``checksums.json`` (every file's CRC-32), ``trainer_state.pt`` (optimizer, scheduler,
-RNG states, weight version, iteration, the reward KL coefficient), ``trainer.json`` (algorithm, critic: what ``check``
-reads without loading tensors). The reference model is not saved: it is the ``model_dir`` the
-worker was built from."""
+RNG states, weight version, iteration, the reward KL coefficient as adapted: trainer.kl_target),
+``trainer.json`` (algorithm, critic: what ``check`` reads without loading tensors). The reference
+model is not saved: it is the ``model_dir`` the worker was built from."""
 from __future__ import annotations
 
 import json
@@ -64,7 +64,9 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
             "version": w.version,
             "iteration": w.iteration,
             "algorithm": w.cfg.algorithm,
-            "kl_coef": w.kl.value,  # beta of kl_mode reward, as adapted so far (trainer.kl_target)
+            # beta of kl_mode reward as adapted so far (trainer.kl_target); None when fixed: a
+            # resume that turns kl_target on starts from its own kl_coef
+            "kl_coef": w.kl.value if w.cfg.kl_target > 0 else None,
         }
         torch.save(state, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({"algorithm": w.cfg.algorithm, "critic": w.critic is not None,
@@ -227,5 +229,5 @@ def load(w: "TrainerWorker", path: str) -> None:
         torch.cuda.set_rng_state_all(state["rng_cuda"])
     w._version = int(state["version"])
     w.iteration = int(state["iteration"])
-    if w.cfg.kl_target > 0 and "kl_coef" in state:  # an adaptive beta goes on from where it was;
+    if w.cfg.kl_target > 0 and state.get("kl_coef") is not None:  # an adapted beta goes on from where it was;
         w.kl.value = float(state["kl_coef"])  # a fixed one is this run's trainer.kl_coef

@@ -13,13 +13,14 @@ backward, gradients accumulated as SUMS) whenever samples whose advantages are k
 ``max_tokens_per_microbatch``. ``step`` trains the rest, all-reduces gradient sums and counts
 over the data-parallel group, divides by the iteration's total tokens (or sequences), clips,
 checks finiteness and steps. Data parallel: each rank receives a disjoint share of the
-samples; for GRPO/RLOO every sample of a group must go to the same rank.
+samples; for the grouped algorithms (GRPO, RLOO, REINFORCE++-baseline) every sample of a group
+must go to the same rank.
 
-PPO with ``whiten_advantages`` (its default, as verl) whitens the GAE advantages over every
-token of the iteration, all ranks together: no advantage is final before the last sample
-arrives, and the clipped loss is not linear in it, so ``receive`` then only prepares samples
-and every forward + backward runs at ``step()``, after the whitening (exact, whatever the
-pipeline mode: every mode calls ``step()`` once the iteration's samples are in).
+PPO and REINFORCE++ with ``whiten_advantages`` (their default, as verl) whiten the advantages
+over every token of the iteration, all ranks together: no advantage is final before the last
+sample arrives, and the clipped loss is not linear in it, so ``receive`` then only prepares
+samples and every forward + backward runs at ``step()``, after the whitening (exact, whatever
+the pipeline mode: every mode calls ``step()`` once the iteration's samples are in).
 """
 from __future__ import annotations
 
@@ -285,6 +286,9 @@ class TrainerWorker:
             return
         del self.buffer.groups[group_id]
         if g.members:
+            self.stats.add("groups", 1.0)
+            if len(g.members) > 1 and len({p.score for p in g.members}) == 1:  # nothing to compare: advantage 0
+                self.stats.add("uniform_groups", 1.0)
             group_advantages(self.cfg, g.members)
             self.buffer.push_ready(g.members)
 
@@ -297,8 +301,8 @@ class TrainerWorker:
             self._maybe_complete(gid, force=True)
 
     def _whiten_advantages(self) -> None:
-        """Whiten the GAE advantages of every sample received this iteration, over all ranks
-        (each rank calls this once per step, with or without samples). Nothing has trained yet
+        """Whiten the advantages (GAE's, REINFORCE++'s) of every sample received this iteration,
+        over all ranks (each rank calls this once per step, with or without samples). Nothing has trained yet
         (``receive`` defers it), so every forward uses the whitened values. A sample with a
         non-finite advantage stays out of the statistics (its micro-batch's loss is not finite
         and is skipped). Returns (= GAE advantages + values) are not whitened, as in verl."""
@@ -354,7 +358,8 @@ class TrainerWorker:
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
                                      critic=self.critic is not None, tis=self.cfg.tis_cap > 0,
-                                     overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward)
+                                     overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward,
+                                     grouped=self.cfg.grouped)
         divisor = metrics.pop("_divisor")
         if self.cfg.kl_in_reward:  # the beta these samples' rewards used, then the next iteration's
             metrics["kl_coef"] = self.kl.value
