@@ -193,7 +193,7 @@ class TrainSection:
         if self.iterations is not None and self.epochs is not None:
             raise ConfigError(f"train.iterations ({self.iterations}) and train.epochs ({self.epochs}) both set the "
                               "run's length; set one (train.epochs derives the iterations from the train prompts; "
-                              "--set train.iterations=null unsets a file's)")
+                              "--set train.iterations=null or train.epochs=null unsets a file's)")
         if self.iterations is None and self.epochs is None:
             object.__setattr__(self, "iterations", 20)
         if self.truncates and not self.max_prompt_tokens:

@@ -89,9 +89,10 @@ def side_generate(program, reqs: list[Request], stage: str = "eval") -> tuple[di
     return outputs, tuple(sorted(versions))
 
 
-def measure_lengths(program, prompts: list[str]) -> list[float]:
-    """Each prompt's mean output length (tokens) over ``train.group_size`` samples at the
-    training temperature and ``max_tokens``: what the policy does now (ranker bootstrap)."""
+def measure_lengths(program, prompts: list) -> list[float]:
+    """Each prompt's (a ``TaskPrompt``, formatted as training formats it, or a text) mean output
+    length (tokens) over ``train.group_size`` samples at the training temperature and
+    ``max_tokens``: what the policy does now (ranker bootstrap)."""
     t = program.cfg.train
     reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), t.max_tokens, 0, 0.0, group_id=-1,
                     sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))

@@ -113,9 +113,15 @@ class Session:
                                version=state.version if state else 0)
         if length_of is not None:
             self.program.length_of = length_of
-        self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from,
-                                                lambda ps: measure_lengths(self.program, ps),
-                                                [prompt_text(it) for it in self.task.prompts("train")],
+        # the ranker reads prompt texts; its bootstrap measures each as the run prompts it (a chat
+        # with its system turn, truncated as train.overlong_prompts says), not as a bare text
+        texts = [prompt_text(it) for it in self.task.prompts("train")]
+        item_of = dict(zip(texts, self.task.prompts("train")))
+
+        def measure(ps: list[str]) -> list[float]:
+            return measure_lengths(self.program, [item_of.get(t, t) for t in ps])
+
+        self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from, measure, texts,
                                                 span=lambda: self.program.spans.span("ranker", self.program.iteration))
         self.program.ranker = self.ranker
         if state:

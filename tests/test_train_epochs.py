@@ -145,3 +145,15 @@ def test_the_loaded_config_holds_the_epochs_and_no_length_yet():
     cfg = from_dict({"train": {"epochs": 2}})
     assert dataclasses.asdict(cfg.train)["iterations"] is None  # derived at start (the run folder's config.yaml
     assert cfg.trainer.total_steps == 1  # is written again then); a placeholder until then (warmup_steps, or 1)
+
+
+def test_the_both_set_error_names_the_key_to_unset_either_way(tmp_path):
+    """A file with train.epochs continued with ``--set train.iterations=N`` (the natural way to
+    lengthen a run) was told to unset train.iterations, the key it had just set."""
+    from controller.config import load_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"--set train.iterations=null or train.epochs=null unsets a file's"):
+        load_config(p, None, ["train.iterations=10"])
+    assert load_config(p, None, ["train.iterations=10", "train.epochs=null"]).train.iterations == 10
