@@ -16,8 +16,8 @@ from workers.model import load_pretrained
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer import config as trainer_config
 from workers.trainer.losses import POLICY_LOSSES, aggregate_sum, gspo_terms, ppo_terms
-from tests.test_trainer_math_grad import TINY, draw, group_adv, seq_logits
-from tests.trainer_helpers import LengthRewardTask, synthetic_task, tiny_model_dir
+# the whole-batch reference's helpers and its tiny model / task fixtures
+from tests.test_trainer_math_grad import draw, group_adv, model_dir, seq_logits, task  # noqa: F401
 
 torch.set_num_threads(1)
 LENS = [4, 1, 7, 3, 2, 5]
@@ -170,16 +170,6 @@ def test_config_takes_gspo_with_seq_mean_and_refuses_the_rest():
 
 
 # ---- the TrainerWorker: gradient against a whole-batch reference, and not PPO's -----------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory, TINY)
-
-
-@pytest.fixture(scope="module")
-def task():
-    return LengthRewardTask(synthetic_task())
-
-
 def reference(model_dir, task, tok, samples, prompts, cfg):
     """GRPO advantages, the sequence-level GSPO objective with s_i differentiated whole, plus
     kl_coef * the sequence's mean of k2 (k3+'s gradient), averaged over sequences; -> (grads,
