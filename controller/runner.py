@@ -21,6 +21,7 @@ from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.config_notes import config_notes
 from controller.config_overrides import set_behind
+from controller.epochs import with_epochs
 from controller.evaluation import evaluate, measure_lengths
 from controller.joiners import admit, announced, dismiss_joiner, pending, still_waiting
 from controller.metrics import Metrics
@@ -76,6 +77,9 @@ class Session:
             raise ConfigError(str(e)) from None
         # its data read and checked once, before the SFT
         self.task = checked_task(task, cfg.task.name, ("train", "test") if cfg.train.evaluates else ("train",))
+        # train.epochs: a length that no prompt check can make right (fewer prompts than a batch, a
+        # warmup past the schedule) is said now, before the SFT and the engines; derived at start
+        with_epochs(cfg, len(self.task.prompts("train")))
         if cfg.model.init and not (Path(cfg.model.path) / "config.json").exists():  # the bootstrap's SFT will run
             check_demonstrations(task, cfg.task.name)
         length_of = (forced_lengths(cfg.train.length_trace, cfg.train.length_scale, cfg.train.max_tokens)
@@ -148,8 +152,6 @@ class Session:
     def _derive_length(self, kept: int, total: int) -> None:
         """``train.epochs``: the run's iterations (and the LR schedule's length, on every trainer
         rank) from the ``kept`` train prompts, before anything trains or a checkpoint is loaded."""
-        from controller.epochs import with_epochs
-
         cfg, line = with_epochs(self.cfg, kept, total - kept)
         if line is None:
             return

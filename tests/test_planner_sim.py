@@ -53,6 +53,10 @@ def test_planner_whitens_ppo_by_default():
     assert Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo").whiten is False
     with pytest.raises(ValueError, match="whiten: advantage whitening is PPO's"):
         Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo", whiten=True)
+    # REINFORCE++ whitens as PPO does, and trains what grpo trains (no critic)
+    rfpp = Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="reinforce_plus_plus")
+    assert rfpp.whiten is True
+    assert rfpp.train_min == Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo").train_min
 
 
 def test_async_generation_waits_for_weights_two_versions_back():

@@ -157,3 +157,17 @@ def test_the_both_set_error_names_the_key_to_unset_either_way(tmp_path):
     with pytest.raises(ConfigError, match=r"--set train.iterations=null or train.epochs=null unsets a file's"):
         load_config(p, None, ["train.iterations=10"])
     assert load_config(p, None, ["train.iterations=10", "train.epochs=null"]).train.iterations == 10
+
+
+def test_too_few_prompts_for_a_batch_are_said_before_the_engines_start(tmp_path, tiny_model):  # noqa: F811
+    """Real torchrun: 3 train prompts and batch_prompts 5 cannot make one iteration whatever the
+    prompt check keeps; the run stops with the config error before any worker builds an engine."""
+    cfg = write_config(tmp_path, tiny_model, task__kwargs={**TASK, "num_train": 3}, train__iterations=None,
+                       train__epochs=2, train__batch_prompts=5, train__eval_every=0)
+    p = torchrun(cfg)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("config error: ")]
+    assert p.returncode != 0 and errors == [
+        "config error: train.epochs: the train split has 3 prompts, fewer than one batch of train.batch_prompts 5: "
+        "an epoch would be no iteration (verl drops the last partial batch); lower train.batch_prompts, or set "
+        "train.iterations instead"], p.stderr[-3000:]
+    assert "[generation" not in p.stderr, p.stderr[-3000:]

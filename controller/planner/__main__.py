@@ -26,7 +26,7 @@ import sys
 from controller.planner.cluster import MAX_GPUS, Cluster, Datacenter, load_cluster, load_model
 from controller.planner.planner import Planner, describe, describe_mode
 from controller.planner.workloads import load_trace, sample_workloads
-from controller.planner.hardware import MODELS
+from controller.planner.hardware import MODELS, PASSES
 from controller.planner.simulator import MODES
 
 
@@ -136,10 +136,10 @@ def main(argv=None) -> None:
         s.add_argument("--max-len", type=_number(int), default=20000, help="output length cap (tokens)")
         s.add_argument("--len-scale", type=_number(float, hi=MAX_LEN_SCALE), default=1.0,
                        help=f"multiply the trace's lengths (<= {MAX_LEN_SCALE:g})")
-        s.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo"], help="trainer.algorithm simulated")
+        s.add_argument("--algorithm", default="ppo", choices=sorted(PASSES), help="trainer.algorithm simulated")
         s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
-                       help="PPO's trainer.whiten_advantages (auto: on for ppo, as the trainer and verl): with it "
-                            "on, every mode trains after the iteration's last sample")
+                       help="trainer.whiten_advantages (auto: on for ppo and REINFORCE++, as the trainer and verl): "
+                            "with it on, every mode trains after the iteration's last sample")
         s.add_argument("--dispatcher", default="skew_paper", help="controller.scheduling dispatcher name")
         s.add_argument("--seed", type=_number(int, strict=False), default=0, help="workload draw seed (>= 0)")
         if name == "plan":

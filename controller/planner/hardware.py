@@ -196,6 +196,9 @@ PASSES = {
     "grpo": 3 + 1 + 1,  # actor trained; reference, old log-probs forward
 }
 TRAINED_MODELS = {"ppo": 2, "grpo": 1}
+# the critic-free algorithms cost what grpo does (their advantages are arithmetic on the rewards)
+for _name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+    PASSES[_name], TRAINED_MODELS[_name] = PASSES["grpo"], TRAINED_MODELS["grpo"]
 
 
 def generation_tp(model: ModelSpec, g: GPUSpec, a: CostAssumptions = DEFAULT_ASSUMPTIONS) -> int:

@@ -15,6 +15,7 @@ from controller.planner.hardware import (ModelSpec, analytic_ptl_profile, analyt
 from controller.planner.simulator import MODES, SimConfig, simulate, sync_time_s
 from controller.planner.workloads import Workloads
 from controller.scheduling import PTLProfile
+from workers.trainer.config import WHITENED
 
 PROGRESS_MIN = 128  # instance counts x batches from which planning shows progress on stderr (~30 s)
 
@@ -75,15 +76,16 @@ class Planner:
     workloads: Workloads
     algorithm: str = "ppo"
     dispatcher: str = "skew_paper"
-    # PPO's whitened advantages (trainer.whiten_advantages; None: on for ppo, as the trainer's
-    # default and verl's) make every mode train at the end of its iteration (SimConfig.train_at_end)
+    # whitened advantages (trainer.whiten_advantages; None: on for ppo and REINFORCE++, as the
+    # trainer's default and verl's) make every mode train at the end of its iteration (SimConfig.train_at_end)
     whiten: bool | None = None
 
     def __post_init__(self):
         if self.whiten is None:
-            self.whiten = self.algorithm == "ppo"
-        elif self.whiten and self.algorithm != "ppo":
-            raise ValueError(f"whiten: advantage whitening is PPO's (GAE); {self.algorithm} normalises per group")
+            self.whiten = self.algorithm in WHITENED
+        elif self.whiten and self.algorithm not in WHITENED:
+            raise ValueError(f"whiten: advantage whitening is PPO's (GAE) and REINFORCE++'s; {self.algorithm} "
+                             "normalises per group")
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
         unit = self.cluster.trainer_unit
