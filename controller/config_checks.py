@@ -88,6 +88,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
                           f"compare a sample with its group's others), got {t.group_size}")
     _check_kl_horizon(cfg)
+    _check_group_filter(cfg)
     _check_registries(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
@@ -120,6 +121,20 @@ def _check_kl_horizon(cfg: Config) -> None:
                               f"update multiplies the KL coefficient by 1 - {MAX_ERROR} x {n} / {t.kl_horizon} = "
                               f"{1 - MAX_ERROR * n / t.kl_horizon:.3g}, turning the penalty off or into a bonus "
                               f"(verl's default horizon is 10000)")
+
+
+def _check_group_filter(cfg: Config) -> None:
+    """trainer.filter_groups compares a prompt's samples and keeps at most the generated groups."""
+    t, tr = cfg.train, cfg.trainer
+    if not getattr(tr, "filter_groups", False):
+        return
+    if t.group_size < 2:
+        raise ConfigError(f"trainer.filter_groups drops groups whose samples all scored the same; train.group_size "
+                          f"{t.group_size} leaves nothing to compare: set it >= 2")
+    if tr.train_groups > t.batch_prompts:
+        raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts "
+                          f"({t.batch_prompts}), the groups generated an iteration (verl's gen_batch_size): "
+                          "nothing is generated to refill a filtered batch")
 
 
 def check_staleness(mode: str, max_staleness: int | None) -> None:

@@ -11,13 +11,21 @@ def config_notes(cfg) -> list[str]:
 
 
 def whitening_note(cfg) -> str | None:
-    """The one-line notice for whitened advantages (verl's default for PPO and REINFORCE++) in a
-    mode that streams samples into the trainer: training then waits for each iteration's last sample."""
-    if cfg.trainer.whiten and MODES[cfg.pipeline.mode].release != "all":
-        return (f"pipeline.mode {cfg.pipeline.mode} with {cfg.trainer.algorithm}: trainer.whiten_advantages (on, "
+    """The one-line notice for whitened advantages (verl's default for PPO and REINFORCE++) or the
+    group filter in a mode that streams samples into the trainer: training then waits for each
+    iteration's last sample."""
+    t = cfg.trainer
+    if MODES[cfg.pipeline.mode].release == "all":
+        return None
+    if t.whiten:
+        return (f"pipeline.mode {cfg.pipeline.mode} with {t.algorithm}: trainer.whiten_advantages (on, "
                 "as verl) needs every sample's advantage, so the trainer's forward/backward run at the end of each "
                 "iteration, not while samples stream in; set trainer.whiten_advantages: false to train on samples "
                 "as they arrive")
+    if t.filter_groups:
+        return (f"pipeline.mode {cfg.pipeline.mode} with trainer.filter_groups: the filter picks the groups to train "
+                "from all of the iteration's, so the trainer's forward/backward run at the end of each iteration, "
+                "not while samples stream in")
     return None
 
 

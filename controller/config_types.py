@@ -57,6 +57,10 @@ VERL_KEYS = {
     "nnodes": "placement.generation / placement.trainer with torchrun's --nnodes",
     "do_sample": "train.temperature (0: greedy)", "resume_mode": "the --resume DIR flag",
     "filter_overlong_prompts": "train.overlong_prompts: skip (default error)",
+    "filter_groups": "trainer.filter_groups: true (with trainer.train_groups, verl's train_batch_size; "
+                     "train.batch_prompts is verl's gen_batch_size)",
+    "gen_batch_size": "train.batch_prompts (with trainer.filter_groups; trainer.train_groups is verl's "
+                      "train_batch_size)",
     "critic": "trainer (trainer.algorithm: ppo trains a critic initialised from the policy's model: "
               "trainer.critic_lr, value_clip, value_coef, gamma, gae_lambda)",
 }
@@ -76,9 +80,8 @@ VERL_NOTES = {
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
     "multi_turn": "single-turn rollouts only (one prompt, one response)",
-    "filter_groups": "no dynamic sampling (DAPO's filter_groups): a group whose samples all scored the same trains "
-                     "with advantage 0 under grpo (its KL and entropy terms still count); nothing is re-generated "
-                     "to replace it",
+    "max_num_gen_batches": "no refill: trainer.filter_groups trains what is left of the train.batch_prompts "
+                           "groups generated (verl's gen_batch_size); raise it so that trainer.train_groups survive",
 }
 
 

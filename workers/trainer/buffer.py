@@ -97,6 +97,11 @@ class SampleBuffer:
         self.ready_tokens -= tokens
         return out
 
+    def keep_ready(self, items: list[Prepared]) -> None:
+        """Replace the ready queue with ``items`` (a subset of it, in its order)."""
+        self.ready = deque(items)
+        self.ready_tokens = sum(p.packed_tokens for p in items)
+
     def clear(self) -> None:
         self.groups.clear()
         self.ready.clear()

@@ -14,12 +14,13 @@ WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # adv
 # knobs only some algorithms read: set to anything but their default under another, refused
 _CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
 _GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
-UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",), "rloo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
+UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
+                "rloo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "reinforce_plus_plus": _CRITIC_KNOBS + _GRPO_KNOBS,  # gamma: its returns' discount
                 "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
-                  "kl_target": ("kl_horizon",)}
+                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups",)}
 # workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 # verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)
@@ -156,6 +157,11 @@ class TrainerConfig:
     gae_lambda: float = 0.95
     # group baselines (grpo / rloo)
     whiten_advantages: bool | None = None  # None: on for WHITENED (as verl), off otherwise
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups): at step(), a group whose samples all
+    # got the same task score is dropped, and of the rest the first train_groups (prompt order, over
+    # all ranks; 0: all) train. Not refilled: train.batch_prompts is verl's gen_batch_size
+    filter_groups: bool = False
+    train_groups: int = ranged(0, Range(0, note="0: every group left after the filter"))
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
@@ -269,8 +275,9 @@ class TrainerConfig:
             if not getattr(self, switch):
                 for name in knobs:
                     if getattr(self, name) != defaults[name]:
-                        raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch} "
-                                         f"> 0; leave it out or set {switch}")
+                        on = ": true" if isinstance(defaults[switch], bool) else " > 0"
+                        raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch}"
+                                         f"{on}; leave it out or set {switch}")
         if self.kl_target > 0 and not self.kl_in_reward:
             raise ValueError(f"trainer.kl_target ({self.kl_target}) adapts the KL penalty in the reward: it needs "
                              f"trainer.kl_mode: reward (got {self.kl_mode!r}) and trainer.kl_coef > 0 (got "
@@ -304,6 +311,12 @@ class TrainerConfig:
     def whiten(self) -> bool:
         """Advantages (GAE's, REINFORCE++'s) whitened over the iteration's tokens (at ``step()``)."""
         return self.algorithm in WHITENED and self.whiten_advantages is not False
+
+    @property
+    def trains_at_step(self) -> bool:
+        """Training waits for the iteration's last sample: whitening and the group filter need
+        them all (``receive`` only prepares samples)."""
+        return self.whiten or self.filter_groups
 
     @property
     def grouped(self) -> bool:

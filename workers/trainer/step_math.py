@@ -213,7 +213,7 @@ class StatSums:
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
-            "reward_kl_sum", "groups", "uniform_groups")
+            "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups")
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -277,14 +277,16 @@ class StatSums:
 
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
                 extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False,
-                overlong: bool = False, reward_kl: bool = False, grouped: bool = False) -> dict[str, float]:
+                overlong: bool = False, reward_kl: bool = False, grouped: bool = False,
+                filtered: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
         report the critic's statistics; ``tis``: the mean truncated importance weight; ``overlong``:
         the mean overlong penalty; ``reward_kl``: the mean over samples of each one's mean per-token
         KL(old || ref) (``kl_mode: reward``); ``grouped``: the share of the groups whose samples all
-        scored the same (advantage 0 under grpo / rloo). A maximum or minimum over nothing is 0.0, as
-        the means."""
+        scored the same (advantage 0 under grpo / rloo); ``filtered``: the groups the group filter
+        dropped (uniform) and left over (past ``train_groups``). A maximum or minimum over nothing
+        is 0.0, as the means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
@@ -312,7 +314,9 @@ class StatSums:
             m["overlong_penalty_mean"] = t["overlong_sum"] / n
         if reward_kl:  # verl's actor/reward_kl_penalty
             m["reward_kl"] = t["reward_kl_sum"] / n
-        if grouped:  # DAPO's dynamic sampling would drop these (not done here: docs/migrating_from_verl.md)
+        if grouped:  # what trainer.filter_groups drops (DAPO's dynamic sampling)
             m["uniform_group_frac"] = t["uniform_groups"] / t["groups"] if t["groups"] > 0 else 0.0
+        if filtered:  # trainer.filter_groups
+            m["filtered_groups"], m["surplus_groups"] = t["filtered_groups"], t["surplus_groups"]
         m["_divisor"] = divisor
         return m

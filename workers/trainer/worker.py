@@ -43,6 +43,7 @@ from workers.trainer.advantages import whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
+from workers.trainer.group_filter import filter_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
 from workers.trainer import optimizer
@@ -190,12 +191,14 @@ class TrainerWorker:
                 else:
                     ok.append(p)
             self._route(ok)
-        if not self.cfg.whiten:  # whitened advantages are only known at step()
+        if not self.cfg.trains_at_step:  # whitened advantages, the group filter: known at step()
             self._train_ready(flush=False)
 
     @_locked
     def step(self) -> StepResult:
         self._flush_incomplete_groups()
+        if self.cfg.filter_groups:
+            self._filter_groups()
         if self.cfg.whiten:
             self._whiten_advantages()
         self._train_ready(flush=True)
@@ -287,7 +290,7 @@ class TrainerWorker:
         del self.buffer.groups[group_id]
         if g.members:
             self.stats.add("groups", 1.0)
-            if len(g.members) > 1 and len({p.score for p in g.members}) == 1:  # nothing to compare: advantage 0
+            if uniform(g.members):  # nothing to compare: advantage 0
                 self.stats.add("uniform_groups", 1.0)
             group_advantages(self.cfg, g.members)
             self.buffer.push_ready(g.members)
@@ -299,6 +302,23 @@ class TrainerWorker:
                         self.rank, gid, len(g.members) + g.dropped, g.expected)
             self.stats.add("incomplete_groups", 1.0)
             self._maybe_complete(gid, force=True)
+
+    def _filter_groups(self) -> None:
+        """DAPO's dynamic sampling filter over the iteration's groups on all ranks (each rank calls
+        this once per step, with or without samples), before anything trains."""
+        assert not self._trained_any, "filtering after training started"
+
+        def gather(ids: list[int]) -> list[int]:
+            if self.world_size == 1:
+                return ids
+            every: list = [None] * self.world_size
+            dist.all_gather_object(every, ids, group=self.group)
+            return [g for rank_ids in every for g in rank_ids]
+
+        kept, counts = filter_groups(list(self.buffer.ready), self.cfg.train_groups, gather)
+        self.buffer.keep_ready(kept)
+        for k, v in counts.items():
+            self.stats.add(k, v)
 
     def _whiten_advantages(self) -> None:
         """Whiten the advantages (GAE's, REINFORCE++'s) of every sample received this iteration,
@@ -359,7 +379,7 @@ class TrainerWorker:
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
                                      critic=self.critic is not None, tis=self.cfg.tis_cap > 0,
                                      overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward,
-                                     grouped=self.cfg.grouped)
+                                     grouped=self.cfg.grouped, filtered=self.cfg.filter_groups)
         divisor = metrics.pop("_divisor")
         if self.cfg.kl_in_reward:  # the beta these samples' rewards used, then the next iteration's
             metrics["kl_coef"] = self.kl.value

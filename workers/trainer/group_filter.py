@@ -1,0 +1,41 @@
+"""DAPO's dynamic sampling filter (Yu et al. 2025; verl's ``algorithm.filter_groups``), applied
+at ``step()`` to an iteration's prepared samples on every data-parallel rank.
+
+A group whose samples all got the same task score has nothing to compare (advantage 0 under
+grpo): it is dropped. A group of one sample (the others skipped) is kept, as verl keeps it. Of
+the groups left, the first ``train_groups`` in prompt order (group id) over all ranks train:
+verl concatenates its filtered generation batches in prompt order and keeps the first
+``train_batch_size`` groups. Nothing is generated to replace a dropped group (verl generates
+up to ``max_num_gen_batches`` more batches): ``train.batch_prompts`` is the generation batch,
+verl's ``gen_batch_size``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")  # a prepared sample: has .group_id and .score
+
+GatherIds = Callable[[list[int]], list[int]]  # this rank's kept group ids -> every rank's
+
+
+def uniform(members: Sequence[T]) -> bool:
+    """Every sample of the group (two or more) got the same task score."""
+    return len(members) > 1 and len({m.score for m in members}) == 1
+
+
+def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lambda ids: ids
+                  ) -> tuple[list[T], dict[str, float]]:
+    """``items``: this rank's prepared samples of the iteration (whole groups). ``gather``: every
+    rank's kept group ids from this rank's (an all-gather; every rank calls it once per step,
+    with or without samples). -> (the samples that train, counts of this rank's groups:
+    ``filtered_groups`` dropped as uniform, ``surplus_groups`` kept but past ``train_groups``)."""
+    groups: dict[int, list[T]] = {}
+    for p in items:
+        groups.setdefault(p.group_id, []).append(p)
+    kept = sorted(g for g, members in groups.items() if not uniform(members))
+    chosen = set(kept)
+    if train_groups > 0:
+        first = sorted(gather(kept))[:train_groups]  # over all ranks, in prompt order
+        chosen &= set(first)
+    counts = {"filtered_groups": float(len(groups) - len(kept)), "surplus_groups": float(len(kept) - len(chosen))}
+    return [p for p in items if p.group_id in chosen], counts
