@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling filter (``trainer.filter_groups`` / ``train_groups``; verl's
 ``algorithm.filter_groups``): which groups train, on one rank and over two, what the metrics
 count, and the config. Samples are built by hand with known scores (``tests/test_trainer_stats``)."""
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,8 @@ from workers.weight_sync.localrun import run_local
 from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
 
 torch.set_num_threads(1)
-# group id -> its samples' scores: 0 and 3 uniform (dropped), 4 a group of one (kept, as verl)
+# group id -> its samples' scores: 0 and 3 uniform (dropped), 4 a group of one (kept, as verl, unless
+# the algorithm compares a sample with its group: then its advantage is 0 and it is dropped too)
 GROUPS = [[(1.0, 3), (1.0, 4), (1.0, 2)], [(0.0, 3), (0.5, 3)], [(0.2, 2), (0.7, 5)], [(0.0, 2), (0.0, 3)],
           [(0.3, 4)], [(1.0, 2), (0.0, 3), (0.5, 2)]]
 
@@ -35,6 +37,8 @@ def test_uniform_groups_are_dropped_and_the_first_train_groups_kept_in_prompt_or
     mine = [p for p in items if p.group_id in (1, 5)]
     kept, counts = filter_groups(mine, 2, gather=lambda ids: ids + [2, 4])
     assert {p.group_id for p in kept} == {1} and counts == {"filtered_groups": 0.0, "surplus_groups": 1.0}
+    kept, counts = filter_groups(items, 0, drop_single=True)  # grpo / rloo: a group of one has advantage 0
+    assert sorted({p.group_id for p in kept}) == [1, 2, 5] and counts["filtered_groups"] == 3.0
 
 
 def _step(w, samples, prompts, sizes):
@@ -51,10 +55,13 @@ def test_the_trainer_trains_the_chosen_groups_only(model_dir, algorithm):  # noq
     w = TrainerWorker(TrainerConfig(algorithm=algorithm, filter_groups=True, train_groups=3), model_dir,
                       KnownRewardTask(), device="cpu")
     m = _step(w, samples, prompts, sizes)
-    chosen = [1, 2, 4]  # 0 and 3 uniform, 5 past train_groups
+    if algorithm == "ppo":
+        chosen, counts = [1, 2, 4], (2.0, 1.0)  # 0 and 3 uniform, 5 past train_groups
+    else:  # grpo: the group of one (4) has advantage 0 and is dropped too
+        chosen, counts = [1, 2, 5], (3.0, 0.0)
     assert m["num_seqs"] == sum(len(GROUPS[g]) for g in chosen)
     assert m["num_tokens"] == sum(n for g in chosen for _, n in GROUPS[g])
-    assert (m["filtered_groups"], m["surplus_groups"]) == (2.0, 1.0)
+    assert (m["filtered_groups"], m["surplus_groups"]) == counts
     assert m["num_samples"] == len(samples)  # the task's scores: of every sample received, as without it
     # the update equals training the chosen groups alone
     keep = {s.sample_id for s in samples if s.group_id in chosen}
@@ -77,13 +84,13 @@ def _two_ranks(rank, world, model_dir, data):  # noqa: F811
 
 def test_two_ranks_choose_the_same_groups_as_one(model_dir):  # noqa: F811
     """Rank 0 holds groups 0, 2, 4 and rank 1 holds 1, 3, 5: the first three kept overall are 1, 2,
-    4, two of them on rank 0; the update equals one rank's."""
+    5 (grpo drops the group of one, 4), one of them on rank 0; the update equals one rank's."""
     data = build(model_dir, GROUPS)
     (m0, w0), (m1, w1) = run_local(2, _two_ranks, model_dir, data)
     one = TrainerWorker(TrainerConfig(filter_groups=True, train_groups=3), model_dir, KnownRewardTask(), device="cpu")
     m = _step(one, *data)
-    assert m0["num_seqs"] == m1["num_seqs"] == m["num_seqs"] == 5.0
-    assert m0["filtered_groups"] == m["filtered_groups"] == 2.0 and m0["surplus_groups"] == 1.0
+    assert m0["num_seqs"] == m1["num_seqs"] == m["num_seqs"] == 7.0
+    assert m0["filtered_groups"] == m["filtered_groups"] == 3.0 and m0["surplus_groups"] == 0.0
     for k in w0:
         assert torch.equal(w0[k], w1[k]) and torch.allclose(w0[k], dict(one.named_weights())[k], atol=1e-6), k
 
@@ -99,3 +106,41 @@ def test_config():
         from_dict({"trainer": {"algorithm": "ppo", "filter_groups": True}, "train": {"group_size": 1}})
     with pytest.raises(ConfigError, match="verl's 'gen_batch_size' is train.batch_prompts"):
         from_dict({"trainer": {"gen_batch_size": 48}})
+
+
+def test_the_gather_stages_its_bytes_on_the_rank_s_own_gpu(model_dir, monkeypatch):  # noqa: F811
+    """Under NCCL ``all_gather_object`` moves the pickled ids to the calling thread's current
+    GPU; ``step()`` runs on an RPC thread, which starts on GPU 0 on every rank
+    (``workers.model.rank_device``), so the ranks of a node would all use GPU 0. The gather
+    runs with the rank's own device current."""
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(filter_groups=True, train_groups=3), model_dir, KnownRewardTask(), device="cpu")
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(samples)
+    w.world_size, w.device = 2, torch.device("cuda", 1)  # after the CPU work: what the gather sees
+    current, seen = [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(torch.device(d))
+        yield
+        current.pop()
+
+    def all_gather_object(out, obj, group=None):
+        seen.append(current[-1] if current else None)
+        out[:] = [obj, []]
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    w._filter_groups()
+    assert seen == [torch.device("cuda", 1)]
+
+
+def test_the_filter_needs_the_group_of_every_sample(model_dir):  # noqa: F811
+    """ppo needs no groups, the filter does: a sample of a group with no size (``Sample.group_id``
+    left at -1) would be one group with every other such sample."""
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(algorithm="ppo", filter_groups=True), model_dir, KnownRewardTask(), device="cpu")
+    w.begin_iteration(0, prompts, {})
+    with pytest.raises(ValueError, match="group_id 0 has no size in begin_iteration .*trainer.filter_groups"):
+        w.receive(samples)

@@ -2,7 +2,9 @@
 at ``step()`` to an iteration's prepared samples on every data-parallel rank.
 
 A group whose samples all got the same task score has nothing to compare (advantage 0 under
-grpo): it is dropped. A group of one sample (the others skipped) is kept, as verl keeps it. Of
+grpo): it is dropped. A group of one sample (the others skipped) is kept, as verl keeps it,
+except under the grouped algorithms (grpo, rloo, reinforce_plus_plus_baseline), which give it
+advantage 0 here (verl's grpo gives it its raw score): there it is dropped as well. Of
 the groups left, the first ``train_groups`` in prompt order (group id) over all ranks train:
 verl concatenates its filtered generation batches in prompt order and keeps the first
 ``train_batch_size`` groups. Nothing is generated to replace a dropped group (verl generates
@@ -23,16 +25,18 @@ def uniform(members: Sequence[T]) -> bool:
     return len(members) > 1 and len({m.score for m in members}) == 1
 
 
-def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lambda ids: ids
-                  ) -> tuple[list[T], dict[str, float]]:
+def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lambda ids: ids,
+                  drop_single: bool = False) -> tuple[list[T], dict[str, float]]:
     """``items``: this rank's prepared samples of the iteration (whole groups). ``gather``: every
     rank's kept group ids from this rank's (an all-gather; every rank calls it once per step,
-    with or without samples). -> (the samples that train, counts of this rank's groups:
-    ``filtered_groups`` dropped as uniform, ``surplus_groups`` kept but past ``train_groups``)."""
+    with or without samples). ``drop_single``: a group of one is dropped too (its advantage is 0).
+    -> (the samples that train, counts of this rank's groups: ``filtered_groups`` dropped,
+    ``surplus_groups`` kept but past ``train_groups``)."""
     groups: dict[int, list[T]] = {}
     for p in items:
         groups.setdefault(p.group_id, []).append(p)
-    kept = sorted(g for g, members in groups.items() if not uniform(members))
+    kept = sorted(g for g, members in groups.items()
+                  if not (uniform(members) or (drop_single and len(members) == 1)))
     chosen = set(kept)
     if train_groups > 0:
         first = sorted(gather(kept))[:train_groups]  # over all ranks, in prompt order

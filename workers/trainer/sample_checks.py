@@ -23,15 +23,17 @@ LOGPROB_SLACK = 1e-3
 def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version: int, cfg: TrainerConfig,
                  iteration: int) -> None:
     """Raise on a caller bug: ``s`` has no prompt registered for ``iteration``, comes from
-    weights newer than ``version``, or (grouped algorithms) names a group with no size."""
+    weights newer than ``version``, or (grouped algorithms, the group filter) names a group
+    with no size."""
     sid = s.sample_id
     if sid not in prompts:
         raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({iteration})")
     if s.weight_version > version:
         raise ValueError(f"sample {sid}: weight_version {s.weight_version} is newer than the trainer's {version}")
-    if cfg.grouped and s.group_id not in group_sizes:
+    if (cfg.grouped or cfg.filter_groups) and s.group_id not in group_sizes:
+        needs = f"algorithm {cfg.algorithm!r}" if cfg.grouped else "trainer.filter_groups"
         raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
-                         f"(algorithm {cfg.algorithm!r} needs groups)")
+                         f"({needs} needs groups)")
 
 
 def check_group_counts(samples: Sequence[Sample], seen: set[int], group_seen: dict[int, int],

@@ -312,10 +312,14 @@ class TrainerWorker:
             if self.world_size == 1:
                 return ids
             every: list = [None] * self.world_size
-            dist.all_gather_object(every, ids, group=self.group)
+            # NCCL stages the pickled ids on the calling thread's current GPU: GPU 0 on the RPC
+            # thread step() runs on (workers.model.rank_device), the same for every rank of a node
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                dist.all_gather_object(every, ids, group=self.group)
             return [g for rank_ids in every for g in rank_ids]
 
-        kept, counts = filter_groups(list(self.buffer.ready), self.cfg.train_groups, gather)
+        kept, counts = filter_groups(list(self.buffer.ready), self.cfg.train_groups, gather,
+                                     drop_single=self.cfg.grouped)
         self.buffer.keep_ready(kept)
         for k, v in counts.items():
             self.stats.add(k, v)
