@@ -100,6 +100,7 @@ def _kept_prompts(model_dir: str, task: dict, max_prompt_tokens: int) -> tuple[i
     return sum(len(tok.encode_prompt(p.prompt, p.messages)) <= max_prompt_tokens for p in items), len(items)
 
 
+@pytest.mark.slow  # a real run (~20 s); the default tier keeps the unit tests of the same derivation
 def test_a_run_stops_after_the_iterations_its_epochs_derive_from_the_kept_prompts(tmp_path, tiny_model):  # noqa: F811
     """Real torchrun: 11 train prompts, of which train.max_prompt_tokens 6 with skip keeps 9:
     3 epochs of 9 // 5 = 1 batch are 3 iterations (11 // 5 would be 6), the linear schedule is 3
