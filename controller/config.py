@@ -22,7 +22,7 @@ from controller.config_types import ConfigError, build_section, key_hint
 from controller.config_yaml import read_config_file
 from controller.modes import MODES
 from controller.rpc import COLLECTIVE_TIMEOUT_S, RPC_TIMEOUT_S
-from workers.config_schema import SEEDS, Range, ranged
+from workers.config_schema import DERIVED, SEEDS, Range, key_fields, ranged
 from workers.generation.config import EngineConfig
 from workers.trainer.config import TrainerConfig
 from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
@@ -266,7 +266,7 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
     # not a section: the trainer keys the loader filled from the train section because the file
     # did not set them; a run length derived at start (train.epochs) carries over to these
-    follows: tuple[str, ...] = field(default=(), metadata={"derived": True})
+    follows: tuple[str, ...] = field(default=(), metadata={DERIVED: True})
 
     @property
     def world_ranks(self) -> int:
@@ -275,11 +275,6 @@ class Config:
 
     def replace(self, **sections) -> "Config":
         return dataclasses.replace(self, **sections)
-
-
-def config_sections() -> set[str]:
-    """The top-level keys of a run config (``Config``'s fields but the derived ones)."""
-    return {f.name for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
 
 
 # sections owned by another component: (module, class) of their config dataclass
@@ -310,7 +305,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
     """Build and validate a Config; ``world_size`` (when known) checks the placement."""
     if not isinstance(d, dict):
         raise ConfigError(f"config: expected a mapping at top level, got {type(d).__name__}")
-    sections = config_sections()
+    sections = key_fields(Config)
     for k in d:
         if k not in sections:
             planner = " (a planner cluster file: python -m controller.planner plan --cluster FILE, docs/planner.md)" \

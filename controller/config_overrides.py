@@ -15,6 +15,7 @@ import yaml
 from controller.config import OWNED_SECTIONS, Config, ConfigError, from_dict
 from controller.config_types import key_hint
 from controller.config_yaml import load_checked
+from workers.config_schema import key_fields
 
 
 def parse_overrides(overrides: dict | typing.Sequence[str] | None) -> tuple[dict, dict]:
@@ -141,7 +142,7 @@ def key_type(dotted: str) -> Any:
     import importlib
 
     section, *rest = dotted.split(".")
-    sections = {f.name: f for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+    sections = key_fields(Config)
     if section not in sections:
         if not rest:
             return _FREE

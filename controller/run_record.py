@@ -13,14 +13,14 @@ from typing import Any
 import yaml
 
 from workers.atomic import write_text
+from workers.config_schema import key_fields
 
 
 def plain(value: Any) -> Any:
     """``value`` as YAML-safe data: dataclasses as mappings, tuples as lists, anything else
     that YAML cannot hold as its ``str``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # derived fields are no config key
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if not f.metadata.get("derived")}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: plain(getattr(value, name)) for name in key_fields(value)}
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 RANGE = "range"  # the dataclass field metadata key of a Range
+DERIVED = "derived"  # the field metadata key of a field filled by the loader, not a config key
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,12 @@ def ranged(default: Any, rng: Range) -> Any:
     """A dataclass field with ``default`` whose values must lie in ``rng`` (checked by
     ``build_section``, after the type; a tuple's range applies to each value)."""
     return dataclasses.field(default=default, metadata={RANGE: rng})
+
+
+def key_fields(cls) -> dict[str, dataclasses.Field]:
+    """The fields of config dataclass ``cls`` (a class or an instance) that are keys a file may
+    set, by name: every field but those marked ``DERIVED``."""
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get(DERIVED)}
 
 
 def field_range(cls, name: str) -> Range | None:

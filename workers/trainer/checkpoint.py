@@ -19,7 +19,7 @@ from workers.atomic import atomic_dir, file_digest, folder_digests
 from workers.model import load_state, save_pretrained
 from workers.trainer import optimizer
 from workers.trainer.lora import check_adapter, target_names
-from workers.trainer.schedule import lr_lambda
+from workers.trainer.schedule import apply_schedule
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -220,10 +220,7 @@ def load(w: "TrainerWorker", path: str) -> None:
     # the lr of the step it resumes at, under this run's schedule: a run continued with more
     # iterations has a longer schedule (total_steps follows them), and the saved lr was the old
     # schedule's (its last step: 0 for cosine / linear)
-    lam = lr_lambda(w.cfg)
-    for group, base in zip(w.optimizer.param_groups, w.scheduler.base_lrs):
-        group["lr"] = base * lam(w.scheduler.last_epoch)
-    w.scheduler._last_lr = [g["lr"] for g in w.optimizer.param_groups]
+    apply_schedule(w)
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])

@@ -185,10 +185,7 @@ class TrainerConfig:
         _one_of("algorithm", self.algorithm, ALGORITHMS)
         _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
         _one_of("kl_mode", self.kl_mode, KL_MODES)
-        if self.loss_agg in VERL_LOSS_AGGS:
-            raise ValueError(f"trainer.loss_agg: {self.loss_agg!r} is verl's name; here it is "
-                             f"{VERL_LOSS_AGGS[self.loss_agg]!r} (one of {LOSS_AGGS})")
-        _one_of("loss_agg", self.loss_agg, LOSS_AGGS)
+        _one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
         _one_of("policy_loss", self.policy_loss, POLICY_LOSSES, VERL_POLICY_LOSSES)
         if self.policy_loss == "gspo" and self.loss_agg != "seq_mean":
             raise ValueError(f"trainer.loss_agg: policy_loss 'gspo' averages each sequence's token losses, then the "

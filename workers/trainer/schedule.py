@@ -42,10 +42,18 @@ def set_total_steps(worker, total_steps: int) -> None:
     """Give a trainer (``TrainerWorker``) a schedule ``total_steps`` long before its first step:
     ``train.epochs`` derives the run's length only once the controller has checked the prompts,
     after the trainers were built. Its config, and so a ``warmup_ratio``'s warmup, follow."""
-    s = worker.scheduler
-    if s.last_epoch > 0:
-        raise RuntimeError(f"trainer.total_steps set to {total_steps} after {s.last_epoch} scheduler steps")
+    if worker.scheduler.last_epoch > 0:
+        raise RuntimeError(f"trainer.total_steps set to {total_steps} after {worker.scheduler.last_epoch} "
+                           "scheduler steps")
     worker.cfg = dataclasses.replace(worker.cfg, total_steps=total_steps)
+    apply_schedule(worker)
+
+
+def apply_schedule(worker) -> None:
+    """Put ``worker.cfg``'s schedule on its scheduler and each parameter group's lr at the
+    scheduler's current step under it: after a new ``total_steps``, or a resume (whose saved lr
+    was the saved run's schedule's)."""
+    s = worker.scheduler
     s.lr_lambdas = [lr_lambda(worker.cfg) for _ in worker.optimizer.param_groups]
     for group, base, lam in zip(worker.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
         group["lr"] = base * lam(s.last_epoch)
