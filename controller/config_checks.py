@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from controller.config_types import ConfigError
 from controller.modes import MODES
-from workers.types import GREEDY_BELOW, SERVED_TEMPERATURES, temperature_served
+from workers.types import GREEDY_BELOW, SAMPLE_STRIDE, SERVED_TEMPERATURES, temperature_served
 
 if TYPE_CHECKING:
     from controller.config import Config, RankerSection
@@ -131,10 +131,19 @@ def _check_group_filter(cfg: Config) -> None:
     if t.group_size < 2:
         raise ConfigError(f"trainer.filter_groups drops groups whose samples all scored the same; train.group_size "
                           f"{t.group_size} leaves nothing to compare: set it >= 2")
-    if tr.train_groups > t.batch_prompts:
-        raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts "
-                          f"({t.batch_prompts}), the groups generated an iteration (verl's gen_batch_size): "
-                          "nothing is generated to refill a filtered batch")
+    if tr.train_groups == 0 and tr.max_gen_batches != 10:  # TrainerConfig's default
+        raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) bounds the refills towards "
+                          "trainer.train_groups; with train_groups 0 every group the filter leaves trains and "
+                          "nothing is refilled: set trainer.train_groups (verl's train_batch_size) or leave it out")
+    most = t.batch_prompts * tr.max_gen_batches
+    if tr.max_gen_batches and tr.train_groups > most:
+        raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts x "
+                          f"trainer.max_gen_batches ({t.batch_prompts} x {tr.max_gen_batches} = {most}), the most "
+                          "groups an iteration generates (verl's gen_batch_size x max_num_gen_batches)")
+    per_batch = t.batch_prompts * t.group_size
+    if per_batch * max(tr.max_gen_batches, 1) >= SAMPLE_STRIDE:
+        raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size "
+                          f"({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
 
 
 def check_staleness(mode: str, max_staleness: int | None) -> None:

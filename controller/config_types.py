@@ -61,6 +61,8 @@ VERL_KEYS = {
                      "train.batch_prompts is verl's gen_batch_size)",
     "gen_batch_size": "train.batch_prompts (with trainer.filter_groups; trainer.train_groups is verl's "
                       "train_batch_size)",
+    "max_num_gen_batches": "trainer.max_gen_batches (with trainer.filter_groups and trainer.train_groups; "
+                           "0: no limit, as verl's)",
     "critic": "trainer (trainer.algorithm: ppo trains a critic initialised from the policy's model: "
               "trainer.critic_lr, value_clip, value_coef, gamma, gae_lambda)",
 }
@@ -80,8 +82,6 @@ VERL_NOTES = {
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
     "multi_turn": "single-turn rollouts only (one prompt, one response)",
-    "max_num_gen_batches": "no refill: trainer.filter_groups trains what is left of the train.batch_prompts "
-                           "groups generated (verl's gen_batch_size); raise it so that trainer.train_groups survive",
 }
 
 

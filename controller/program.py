@@ -15,6 +15,7 @@ dispatcher between calls.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -27,9 +28,8 @@ from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
-from workers.types import Request, SamplingParams, TaskPrompt, prompt_text
+from workers.types import SAMPLE_STRIDE, Request, SamplingParams, TaskPrompt, prompt_text
 
-SAMPLE_STRIDE = 1_000_000  # sample_id = iteration * SAMPLE_STRIDE + index
 
 
 @dataclass
@@ -70,13 +70,29 @@ class IterationResult:
 
 @dataclass
 class _Batch:
+    """An iteration's prompts and requests, and its generation rounds: the first, then the
+    refills of a batch the group filter left short (``Program._refill``)."""
+
     iteration: int
     items: list[TaskPrompt]
     requests: list[Request]
     started: float
-    round: Round | None = None
+    round: Round | None = None  # the round in flight, or the last one
+    rounds: list[Round] = field(default_factory=list)
     dispatched: float = 0.0
     gen_done: float = 0.0
+
+    @property
+    def reports(self) -> list:
+        return [rep for r in self.rounds for rep in r.reports]
+
+    @property
+    def redispatched(self) -> int:
+        return sum(len(r.redispatched) for r in self.rounds)
+
+    @property
+    def lost(self) -> list[int]:
+        return [rank for r in self.rounds for rank in r.lost]
 
 
 class _Push:
@@ -124,38 +140,50 @@ class Program:
         t = self.cfg.train
         self._stream_at[iteration] = self.stream.state_dict()
         items = self.stream.next(t.batch_prompts)
+        return _Batch(iteration, items, self._requests(iteration, items, 0), time.time())
+
+    def _requests(self, iteration: int, items: list[TaskPrompt], first: int) -> list[Request]:
+        """The ``train.group_size`` requests of each of ``items``, the ``first``-th prompt of the
+        iteration onwards (their sample and group ids follow from it)."""
+        t = self.cfg.train
         texts = [prompt_text(it) for it in items]
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs = []
-        for j, item in enumerate(items):
+        for j, item in enumerate(items, start=first):
             ids = self.prompt_ids(item)
             max_tokens, min_tokens = t.max_tokens, t.min_tokens
             if self.length_of is not None:
                 max_tokens = min_tokens = max(1, int(self.length_of(item)))
             for k in range(t.group_size):
                 sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
-                reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j]),
+                reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j - first]),
                                     group_id=iteration * SAMPLE_STRIDE + j,
                                     sampling=self.sampling(t.temperature, t.seed * 7919 + sid)))
-        return _Batch(iteration, items, reqs, time.time())
+        return reqs
 
-    def _begin(self, b: _Batch) -> None:
-        """Tell each trainer DP rank which samples (and groups) of ``b`` it will receive."""
+    def _register(self, b: _Batch, requests: list[Request], method: str, *extra) -> None:
+        """Tell each trainer DP rank which of ``requests`` (samples and groups of ``b``) it will
+        receive: ``begin_iteration`` or, for a refill, ``extend_iteration``."""
         n = len(self.world.trainers)
         g = self.cfg.train.group_size
         per: list[tuple[dict, dict]] = [({}, {}) for _ in range(n)]
-        for r in b.requests:
+        for r in requests:
             prompts, groups = per[r.group_id % n]
             prompts[r.sample_id] = b.items[(r.group_id - b.iteration * SAMPLE_STRIDE)]
             groups[r.group_id] = g
-        wait_all([t.call("begin_iteration", b.iteration, prompts, groups, self.mode.name, self.minibatch)
+        wait_all([t.call(method, b.iteration, prompts, groups, *extra)
                   for t, (prompts, groups) in zip(self.world.trainers, per)])
 
     def _generate(self, b: _Batch, version: int) -> None:
         b.dispatched = time.time()
         with self.spans.span("dispatch", b.iteration):
-            self._begin(b)
-            b.round = self.in_flight = self.world.sgs.generate(b.iteration, b.requests, version)
+            self._register(b, b.requests, "begin_iteration", self.mode.name, self.minibatch)
+            self._launch(b, b.requests, version)
+
+    def _launch(self, b: _Batch, requests: list[Request], version: int) -> None:
+        b.round = self.in_flight = self.world.sgs.generate(b.iteration, requests, version)
+        b.rounds.append(b.round)
+        b.gen_done = 0.0
 
     def _finish_generation(self, b: _Batch) -> None:
         """Wait for ``b``'s generation. It ended when the last instance's report arrived, noted
@@ -167,6 +195,35 @@ class Program:
             b.gen_done = b.round.ended_at
             if self.in_flight is b.round:
                 self.in_flight = None
+
+    def _refill(self, b: _Batch, version: int) -> None:
+        """DAPO's refill (verl's ``max_num_gen_batches``): with ``trainer.filter_groups`` and
+        ``train_groups`` > 0, once ``b``'s generation ended, generate another ``train.batch_prompts``
+        prompts for the same iteration (weights ``version``) while fewer than ``train_groups`` of its
+        groups pass the filter, at most ``trainer.max_gen_batches`` batches in all. Short after the
+        last, the iteration trains what passed (said)."""
+        tr, t = self.cfg.trainer, self.cfg.train
+        if not (getattr(tr, "filter_groups", False) and tr.train_groups):
+            return
+        most = tr.max_gen_batches or (SAMPLE_STRIDE - 1) // (t.batch_prompts * t.group_size)
+        while True:
+            with self.spans.span("wait_filter", b.iteration):
+                kept = sum(wait_all([r.call("kept_groups", b.iteration) for r in self.world.trainers]))
+            if kept >= tr.train_groups:
+                return
+            if len(b.rounds) >= most:
+                print(f"[controller] iteration {b.iteration}: {kept} of trainer.train_groups {tr.train_groups} groups "
+                      f"passed the filter after {len(b.rounds)} generation batches (trainer.max_gen_batches "
+                      f"{tr.max_gen_batches}); training on those", file=sys.stderr, flush=True)
+                return
+            items = self.stream.next(t.batch_prompts)
+            reqs = self._requests(b.iteration, items, len(b.items))
+            b.items += items
+            b.requests += reqs
+            with self.spans.span("dispatch", b.iteration):
+                self._register(b, reqs, "extend_iteration")
+                self._launch(b, reqs, version)
+            self._finish_generation(b)
 
     def drain_spans(self) -> list:
         """Every worker's spans plus the controller's own."""
@@ -187,7 +244,7 @@ class Program:
                               int(metrics["num_samples"]), int(metrics["num_tokens"]),
                               b.gen_done - b.dispatched, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
-                              len(b.round.redispatched) if b.round else 0, list(b.round.lost) if b.round else [])
+                              b.redispatched, b.lost)
         lengths = {sid: n for r in reports for sid, n in r.lengths.items()}  # each DP rank its own groups
         res.out_lens = [lengths[sid] for sid in sorted(lengths)]
         for r in reports:
@@ -195,9 +252,11 @@ class Program:
                 res.per_instance[rank] = res.per_instance.get(rank, 0) + n
         # the instances the batch was dispatched to (one added later, while an async step
         # waited, served the next batch)
-        res.instances = b.round.instances if b.round else len(self.world.sgs.slots)
+        res.instances = b.rounds[0].instances if b.rounds else len(self.world.sgs.slots)
         res.batch = self._batch_stats(b, res.out_lens)
-        res.engine = self._engine_stats(b.round.reports if b.round else [])
+        if getattr(self.cfg.trainer, "filter_groups", False):
+            res.metrics["gen_batches"] = float(len(b.rounds))  # verl's train/num_gen_batches
+        res.engine = self._engine_stats(b.reports)
         if self.ranker is not None and b.round is not None:
             res.ranker_quality = self._ranker_quality(b, lengths)
         every = self.cfg.ranker.update_every
@@ -233,7 +292,7 @@ class Program:
     def _ranker_quality(b: _Batch, lengths: dict[int, int]) -> dict[str, float | None]:
         from ranker.metrics import ranking_report
 
-        reqs = b.round.requests  # sample_id -> Request
+        reqs = {r.sample_id: r for r in b.requests}
         pairs = [(reqs[sid].est_len, lengths[sid]) for sid in sorted(lengths)]
         if len(pairs) < 2:
             return {}
@@ -309,6 +368,7 @@ class Program:
             if lag == 0:
                 self._generate(b, self.version)
                 self._finish_generation(b)
+                self._refill(b, self.version)
                 res = self._step(b, self.version, 0.0)
                 self.iteration += 1  # before the push: its weights are the next iteration's (as lag 1)
                 res.weight_sync_seconds = self._push(res.version).wait(self)
@@ -319,6 +379,8 @@ class Program:
                     self._finish_generation(prev)
                 if push is not None:
                     sync_s, push = push.wait(self), None
+                if prev is not None:  # on the weights just staged, before the next batch's generation
+                    self._refill(prev, self.version)
                 gen_version = self.version
                 self._generate(b, gen_version)
                 if prev is not None:
@@ -332,6 +394,7 @@ class Program:
             self._finish_generation(prev)
             if push is not None:
                 sync_s = push.wait(self)
+            self._refill(prev, self.version)
             res = self._step(prev, prev_gen_version, sync_s)
             self._drained_sync_s = self._push(res.version).wait(self)
             self.version = res.version

@@ -167,6 +167,42 @@ class TrainerRank:
             self._cond.notify_all()
         return True
 
+    def extend_iteration(self, iteration: int, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int]) -> bool:
+        """More samples for a registered iteration not yet stepped (the controller's refill of a
+        batch the group filter left short): its release waits for them, and for the end of
+        their generation (``kept_groups``) where the mode releases all at once."""
+        with self._cond:
+            self._raise_if_failed()
+            rec = self._iters.get(iteration)
+            if rec is None:
+                raise RuntimeError(f"train{self.rank}: iteration {iteration} extended but not begun (or stepped)")
+            clash = (prompts.keys() & rec.prompts.keys()) or (group_sizes.keys() & rec.group_sizes.keys())
+            if clash:
+                raise ValueError(f"train{self.rank}: extend_iteration({iteration}): ids already registered: "
+                                 f"{sorted(clash)[:5]}")
+            if self._current == iteration:
+                self.worker.extend_iteration(prompts, group_sizes)
+            rec.prompts.update(prompts)
+            rec.group_sizes.update(group_sizes)
+            rec.generated = False
+            for sid in prompts:
+                self._owner[sid] = iteration
+            if prompts:
+                self._ready.discard(iteration)
+            self._cond.notify_all()
+        return True
+
+    def kept_groups(self, iteration: int) -> int:
+        """Once every sample registered for ``iteration`` has been received (its generation has
+        ended: the ``all`` release may go), how many of this rank's groups the filter keeps."""
+        with self._cond:
+            self._iters[iteration].generated = True
+            self._cond.notify_all()
+            while iteration not in self._ready and self._error is None:
+                self._cond.wait(timeout=1.0)
+            self._raise_if_failed()
+        return self.worker.kept_groups()
+
     def receive(self, samples: list[Sample]) -> int:
         """The sample stream (called by generation instances). Returns how many were new."""
         new = 0

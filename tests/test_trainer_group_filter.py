@@ -11,6 +11,7 @@ from controller.config import ConfigError, from_dict
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.group_filter import filter_groups, uniform
 from workers.weight_sync.localrun import run_local
+from runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
 
 torch.set_num_threads(1)
@@ -100,8 +101,21 @@ def test_config():
     assert cfg.trainer.trains_at_step and cfg.trainer.train_groups == 8
     with pytest.raises(ConfigError, match="trainer.train_groups .* is only used with trainer.filter_groups: true"):
         from_dict({"trainer": {"train_groups": 8}})
-    with pytest.raises(ConfigError, match=r"trainer.train_groups \(20\) must be <= train.batch_prompts \(16\)"):
-        from_dict({"trainer": {"filter_groups": True, "train_groups": 20}})
+    # refills: up to max_gen_batches batches of batch_prompts (16) an iteration
+    assert from_dict({"trainer": {"filter_groups": True, "train_groups": 20}}).trainer.max_gen_batches == 10
+    with pytest.raises(ConfigError, match=r"trainer.train_groups \(40\) must be <= train.batch_prompts x "
+                                          r"trainer.max_gen_batches \(16 x 2 = 32\)"):
+        from_dict({"trainer": {"filter_groups": True, "train_groups": 40, "max_gen_batches": 2}})
+    assert from_dict({"trainer": {"filter_groups": True, "train_groups": 400, "max_gen_batches": 0}})  # no limit
+    with pytest.raises(ConfigError, match="trainer.max_gen_batches .* is only used with trainer.filter_groups: true"):
+        from_dict({"trainer": {"max_gen_batches": 3}})
+    with pytest.raises(ConfigError, match=r"trainer.max_gen_batches \(3\) bounds the refills .* with train_groups 0"):
+        from_dict({"trainer": {"filter_groups": True, "max_gen_batches": 3}})
+    with pytest.raises(ConfigError, match="must stay below 1000000 samples an iteration"):
+        from_dict({"trainer": {"filter_groups": True, "train_groups": 8, "max_gen_batches": 1000},
+                   "train": {"batch_prompts": 100, "group_size": 16}})
+    with pytest.raises(ConfigError, match="verl's 'max_num_gen_batches' is trainer.max_gen_batches"):
+        from_dict({"trainer": {"max_num_gen_batches": 4}})
     with pytest.raises(ConfigError, match="train.group_size 1 leaves nothing to compare"):
         from_dict({"trainer": {"algorithm": "ppo", "filter_groups": True}, "train": {"group_size": 1}})
     with pytest.raises(ConfigError, match="verl's 'gen_batch_size' is train.batch_prompts"):
@@ -144,3 +158,104 @@ def test_the_filter_needs_the_group_of_every_sample(model_dir):  # noqa: F811
     w.begin_iteration(0, prompts, {})
     with pytest.raises(ValueError, match="group_id 0 has no size in begin_iteration .*trainer.filter_groups"):
         w.receive(samples)
+
+
+_HALF_UNIFORM = '''
+import zlib
+
+from workers.types import TaskPrompt
+
+
+class HalfUniform:
+    """8 train prompts; those with an even answer score 0.5 whatever the completion (a uniform
+    group: dropped), the others a hash of the completion (distinct completions, distinct scores)."""
+
+    def __init__(self):
+        self.items = [TaskPrompt(prompt=f"twice {i}", answer=str(2 * i + (i % 2)), task="half") for i in range(8)]
+
+    def prompts(self, split):
+        return self.items
+
+    def score(self, prompt, completion):
+        return 0.5 if int(prompt.answer) % 2 == 0 else zlib.crc32(completion.encode()) / 2 ** 32
+'''
+
+
+def _refill_run(tmp_path, tiny_model, mode, train_groups, max_gen_batches):  # noqa: F811
+    task = tmp_path / "half_uniform.py"
+    task.write_text(_HALF_UNIFORM)
+    cfg = write_config(tmp_path, tiny_model, task__name=f"{task}:HalfUniform", task__kwargs={},
+                       pipeline__mode=mode, train__iterations=3, train__eval_every=0, train__min_tokens=8,
+                       trainer__filter_groups=True, trainer__train_groups=train_groups,
+                       trainer__max_gen_batches=max_gen_batches)
+    p = torchrun(cfg)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p, iterations(tmp_path / "run")
+
+
+def _groups(row) -> tuple[int, int, int]:
+    """(generated, passed the filter, trained) groups of an iteration row (group_size 2)."""
+    m = row["metrics"]
+    gen = int(m["gen_batches"]) * 4  # train.batch_prompts
+    assert m["num_samples"] == 2 * gen  # every sample generated was received
+    return gen, gen - int(m["filtered_groups"]), int(m["num_seqs"]) // 2
+
+
+def test_a_batch_the_filter_leaves_short_is_refilled_until_train_groups_pass(tmp_path, tiny_model):  # noqa: F811
+    """Real torchrun, lag 0 (stream): half of the 8 prompts are uniform, a batch is 4 prompts.
+    Each iteration generates more batches of 4 until 4 groups pass (verl's max_num_gen_batches
+    loop): its trained groups are exactly 4, the surplus of its last batch unused."""
+    _, rows = _refill_run(tmp_path, tiny_model, "stream", train_groups=4, max_gen_batches=5)
+    assert len(rows) == 3
+    for row in rows:
+        gen, passed, trained = _groups(row)
+        assert trained == 4 and passed >= 4, row
+        assert row["metrics"]["surplus_groups"] == passed - 4
+    assert max(r["metrics"]["gen_batches"] for r in rows) >= 2  # a batch of 4 holds 2 passing groups on average
+
+
+@pytest.mark.slow
+def test_a_refill_that_stays_short_trains_what_passed_and_says_so(tmp_path, tiny_model):  # noqa: F811
+    """Real torchrun, lag 1 (async_stream: the refill generates on the weights staged for the next
+    batch, after that batch drew its prompts): 2 batches of 4 prompts, 8 groups asked for; a
+    batch holds 2 uniform groups on average, so iterations end short and train what passed."""
+    p, rows = _refill_run(tmp_path, tiny_model, "async_stream", train_groups=8, max_gen_batches=2)
+    assert len(rows) == 3
+    short = 0
+    for row in rows:
+        gen, passed, trained = _groups(row)
+        assert gen == 8 and trained == passed and row["metrics"]["surplus_groups"] == 0, row
+        assert row["staleness_max"] <= 1
+        if passed < 8:
+            short += 1
+            assert (f"[controller] iteration {row['iteration']}: {passed} of trainer.train_groups 8 groups passed "
+                    "the filter after 2 generation batches (trainer.max_gen_batches 2); training on those") in p.stderr
+    assert short
+
+
+def test_a_trainer_rank_that_began_empty_takes_a_refill_and_counts_what_passes(tiny_model, tmp_path):  # noqa: F811
+    """``TrainerRank.extend_iteration`` / ``kept_groups``, in-process, ``batch`` release (all at once
+    after generation): a rank given no group of the first batch (ready at once) gets refill groups,
+    waits for them, and counts the groups the filter keeps; the step trains those."""
+    from controller.trainer_rank import TrainerRank
+    from workers.trainer.rollout import rollout
+
+    (tmp_path / "half_uniform.py").write_text(_HALF_UNIFORM)
+    cfg = TrainerConfig(algorithm="grpo", filter_groups=True, train_groups=2)
+    rank = TrainerRank(0, [0], cfg, tiny_model, f"{tmp_path}/half_uniform.py:HalfUniform", {})
+    try:
+        items = rank.worker.task.prompts("train")[:4]  # answers 0, 3, 4, 7: two uniform, two passing
+        samples, prompts, groups = rollout(rank.worker.actor, rank.worker.tokenizer, items, 2, 6, first_id=8)
+        rank.begin_iteration(0, {}, {}, "batch", 0)
+        assert rank.kept_groups(0) == 0
+        with pytest.raises(ValueError, match="ids already registered"):
+            rank.extend_iteration(0, prompts, groups)
+            rank.extend_iteration(0, prompts, groups)
+        assert rank.receive(samples[:5]) == 5
+        assert rank.stats().consumed == {0: 0}  # batch release: nothing before generation ends
+        assert rank.receive(samples[5:]) == 3
+        assert rank.kept_groups(0) == 2
+        report = rank.step(0)
+        assert report.metrics["filtered_groups"] == 2 and report.metrics["num_seqs"] == 4
+    finally:
+        rank.close()

@@ -20,7 +20,7 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
-                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups",)}
+                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches")}
 # workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 # verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)
@@ -159,9 +159,12 @@ class TrainerConfig:
     whiten_advantages: bool | None = None  # None: on for WHITENED (as verl), off otherwise
     # DAPO's dynamic sampling (verl's algorithm.filter_groups): at step(), a group whose samples all
     # got the same task score is dropped, and of the rest the first train_groups (prompt order, over
-    # all ranks; 0: all) train. Not refilled: train.batch_prompts is verl's gen_batch_size
+    # all ranks; 0: all) train. With train_groups > 0 the controller generates more batches of
+    # train.batch_prompts (verl's gen_batch_size) until train_groups survive, at most max_gen_batches
+    # an iteration (verl's max_num_gen_batches; 0: no limit); short after the last, what is left trains
     filter_groups: bool = False
     train_groups: int = ranged(0, Range(0, note="0: every group left after the filter"))
+    max_gen_batches: int = ranged(10, Range(0, note="0: no limit"))
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False

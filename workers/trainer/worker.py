@@ -159,6 +159,27 @@ class TrainerWorker:
         self.buffer.clear()
         self.stats.reset()
 
+    @_locked
+    def extend_iteration(self, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int]) -> None:
+        """More samples (and groups) for the current iteration: the controller's refill of a batch
+        that ``filter_groups`` left short (``trainer.max_gen_batches``)."""
+        if self._trained_any:
+            raise RuntimeError(f"extend_iteration: iteration {self.iteration} has trained already")
+        clash = (prompts.keys() & self._prompts.keys()) or (group_sizes.keys() & self._group_sizes.keys())
+        if clash:
+            raise ValueError(f"extend_iteration({self.iteration}): ids already registered: {sorted(clash)[:5]}")
+        self._prompts.update(prompts)
+        self._group_sizes.update(group_sizes)
+
+    @_locked
+    def kept_groups(self) -> int:
+        """How many of this rank's groups received so far the filter would keep (before
+        ``train_groups``): call once every registered sample was received. A group with skipped
+        samples counts with those it has (as ``step()`` will take it)."""
+        self._flush_incomplete_groups()
+        kept, _ = filter_groups(list(self.buffer.ready), 0, drop_single=self.cfg.grouped)
+        return len({p.group_id for p in kept})
+
     def score_ahead(self, samples: Sequence[Sample], prompts: dict[int, TaskPrompt], iteration: int) -> dict:
         """Put the task's score of each of ``samples`` (of ``iteration``, whose prompts are
         ``prompts``) in flight now, without the worker's lock: the trainer rank calls it as samples
