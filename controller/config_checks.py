@@ -141,7 +141,7 @@ def _check_group_filter(cfg: Config) -> None:
                           f"trainer.max_gen_batches ({t.batch_prompts} x {tr.max_gen_batches} = {most}), the most "
                           "groups an iteration generates (verl's gen_batch_size x max_num_gen_batches)")
     per_batch = t.batch_prompts * t.group_size
-    if per_batch * max(tr.max_gen_batches, 1) >= SAMPLE_STRIDE:
+    if tr.train_groups and per_batch * max(tr.max_gen_batches, 1) >= SAMPLE_STRIDE:  # 0: no refill
         raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size "
                           f"({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
 

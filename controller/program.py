@@ -40,7 +40,7 @@ class IterationResult:
     metrics: dict[str, float]
     num_samples: int
     num_tokens: int
-    gen_seconds: float  # from the batch's dispatch to its last instance report's arrival
+    gen_seconds: float  # from the batch's dispatch to its last instance report's arrival (each refill's added)
     train_seconds: float  # the controller's wait for the step
     iter_seconds: float  # from the batch's dispatch to the end of its step
     staleness_max: int
@@ -81,6 +81,8 @@ class _Batch:
     rounds: list[Round] = field(default_factory=list)
     dispatched: float = 0.0
     gen_done: float = 0.0
+    launched: float = 0.0  # the round in flight's dispatch
+    gen_s: float = 0.0  # the ended rounds' generation: each from its dispatch to its last report
 
     @property
     def reports(self) -> list:
@@ -175,7 +177,7 @@ class Program:
                   for t, (prompts, groups) in zip(self.world.trainers, per)])
 
     def _generate(self, b: _Batch, version: int) -> None:
-        b.dispatched = time.time()
+        b.dispatched = b.launched = time.time()
         with self.spans.span("dispatch", b.iteration):
             self._register(b, b.requests, "begin_iteration", self.mode.name, self.minibatch)
             self._launch(b, b.requests, version)
@@ -193,6 +195,7 @@ class Program:
             with self.spans.span("wait_generate", b.iteration):
                 b.round.wait()
             b.gen_done = b.round.ended_at
+            b.gen_s += b.gen_done - b.launched
             if self.in_flight is b.round:
                 self.in_flight = None
 
@@ -203,7 +206,7 @@ class Program:
         groups pass the filter, at most ``trainer.max_gen_batches`` batches in all. Short after the
         last, the iteration trains what passed (said)."""
         tr, t = self.cfg.trainer, self.cfg.train
-        if not (getattr(tr, "filter_groups", False) and tr.train_groups):
+        if not self._refills():
             return
         most = tr.max_gen_batches or (SAMPLE_STRIDE - 1) // (t.batch_prompts * t.group_size)
         while True:
@@ -220,10 +223,16 @@ class Program:
             reqs = self._requests(b.iteration, items, len(b.items))
             b.items += items
             b.requests += reqs
+            b.launched = time.time()
             with self.spans.span("dispatch", b.iteration):
                 self._register(b, reqs, "extend_iteration")
                 self._launch(b, reqs, version)
             self._finish_generation(b)
+
+    def _refills(self) -> bool:
+        """``_refill`` may generate more prompts for an iteration (filter_groups and train_groups)."""
+        tr = self.cfg.trainer
+        return bool(getattr(tr, "filter_groups", False) and getattr(tr, "train_groups", 0))
 
     def drain_spans(self) -> list:
         """Every worker's spans plus the controller's own."""
@@ -242,7 +251,7 @@ class Program:
         metrics["duplicates"] = metrics.get("duplicates", 0.0) + float(sum(r.duplicates for r in reports))
         res = IterationResult(b.iteration, version, gen_version, metrics,
                               int(metrics["num_samples"]), int(metrics["num_tokens"]),
-                              b.gen_done - b.dispatched, t1 - t0, t1 - b.dispatched,
+                              b.gen_s, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
                               b.redispatched, b.lost)
         lengths = {sid: n for r in reports for sid, n in r.lengths.items()}  # each DP rank its own groups
@@ -364,7 +373,9 @@ class Program:
             i = self.iteration
             if self.before_iteration is not None:
                 self.before_iteration(i)
-            b = self.make_batch(i)
+            # lag 1 with refills: the batch is drawn after the previous one's refill, so the prompt
+            # stream runs iteration after iteration (a checkpoint's stream_state_at resumes it)
+            b = self.make_batch(i) if lag == 0 or not self._refills() else None
             if lag == 0:
                 self._generate(b, self.version)
                 self._finish_generation(b)
@@ -381,6 +392,8 @@ class Program:
                     sync_s, push = push.wait(self), None
                 if prev is not None:  # on the weights just staged, before the next batch's generation
                     self._refill(prev, self.version)
+                if b is None:
+                    b = self.make_batch(i)
                 gen_version = self.version
                 self._generate(b, gen_version)
                 if prev is not None:

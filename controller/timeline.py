@@ -7,7 +7,8 @@ rank's receive-time forwards and micro-batches, and its optimizer step), "weight
 instance keeping received weights for the next iteration boundary; the weight version), "eval"
 and "save" (evaluation, a checkpoint), "ranker" (an instance's generations for the ranker's
 bootstrap), "idle" (a trainer waiting for samples). The controller's own row holds what it
-waits on ("dispatch", "wait_generate", "wait_step", "wait_push"), its evaluations and
+waits on ("dispatch", "wait_generate", "wait_step", "wait_push", and "wait_filter": the trainers
+counting the groups that pass ``trainer.filter_groups`` before a refill), its evaluations and
 checkpoint saves ("eval", "save") and the ranker's bootstrap at start ("ranker":
 generating, fitting, saving). A worker is named
 ``<role><rank>`` (``gen1``, ``train2``). The controller gathers the spans and writes a
@@ -36,14 +37,14 @@ MAIN_STAGES = ("generate", "train")  # a worker's own work: its trace row's firs
 # a weight version; wait_push and idle the iteration that comes next, the one that waits for
 # those weights or samples; eval and save the last iteration trained): they delimit an
 # iteration's window
-BATCH_STAGES = ("generate", "train", "dispatch", "wait_generate", "wait_step")
+BATCH_STAGES = ("generate", "train", "dispatch", "wait_generate", "wait_step", "wait_filter")
 _COLORS = {"idle": "lightgrey",  # drawn first: busy spans paint over it
            "generate": "tab:blue", "train": "tab:green",
            "weight_sync": "tab:purple", "weight_stage": "tab:pink", "eval": "tab:orange", "save": "tab:brown",
            "ranker": "tab:olive",
            # the controller's own row: what it is waiting on
            "dispatch": "tab:red", "wait_generate": "lightsteelblue", "wait_step": "palegreen",
-           "wait_push": "plum"}
+           "wait_push": "plum", "wait_filter": "khaki"}
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 
+SAMPLE_STRIDE = 1_000_000  # the controller's ids: sample_id = iteration * SAMPLE_STRIDE + index in it
 # below this a temperature is greedy (argmax; vLLM's _SAMPLING_EPS): logits / 1e-45 overflow
 # to inf in fp32 and the draw returns NaN log-probs
-SAMPLE_STRIDE = 1_000_000  # the controller's ids: sample_id = iteration * SAMPLE_STRIDE + index in it
 GREEDY_BELOW = 1e-5
 # Sampling temperatures both backends serve: T < GREEDY_BELOW is greedy (vLLM reads it as 0);
 # otherwise MIN_SAMPLED_TEMPERATURE <= T <= MAX_TEMPERATURE. vLLM (0.32) refuses T > 2 and

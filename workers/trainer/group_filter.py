@@ -7,9 +7,10 @@ except under the grouped algorithms (grpo, rloo, reinforce_plus_plus_baseline), 
 advantage 0 here (verl's grpo gives it its raw score): there it is dropped as well. Of
 the groups left, the first ``train_groups`` in prompt order (group id) over all ranks train:
 verl concatenates its filtered generation batches in prompt order and keeps the first
-``train_batch_size`` groups. Nothing is generated to replace a dropped group (verl generates
-up to ``max_num_gen_batches`` more batches): ``train.batch_prompts`` is the generation batch,
-verl's ``gen_batch_size``.
+``train_batch_size`` groups. While fewer than ``train_groups`` pass, the controller generates
+more batches of ``train.batch_prompts`` (verl's ``gen_batch_size``) for the iteration, at most
+``trainer.max_gen_batches`` (verl's ``max_num_gen_batches``): ``controller/program.py``
+``_refill``, which counts the groups that pass on each rank (``TrainerRank.kept_groups``).
 """
 from __future__ import annotations
 
