@@ -7,7 +7,8 @@ step the trainers (new weight version), push weights to the instances.
 * lag 0 (colocated, batch, minibatch, stream): G(i) uses the version after step(i-1); the
   push completes before G(i+1). Staleness 0.
 * lag 1 (async_batch, async_stream): G(i) starts as soon as G(i-1) finished and the weights
-  of step(i-2) are staged; step(i-1) and the push of its weights overlap G(i). Staleness <= 1.
+  of step(i-2) are staged (and, with trainer.train_groups, G(i-1)'s refills have ended:
+  ``_refill``); step(i-1) and the push of its weights overlap G(i). Staleness <= 1.
 
 ``run(k)`` runs k iterations and drains the pipeline, so the REPL can change the mode or the
 dispatcher between calls.
@@ -215,9 +216,11 @@ class Program:
             if kept >= tr.train_groups:
                 return
             if len(b.rounds) >= most:
+                bound = (f"trainer.max_gen_batches {tr.max_gen_batches}" if tr.max_gen_batches else
+                         f"trainer.max_gen_batches 0: no limit but the {SAMPLE_STRIDE} sample ids of an iteration")
                 print(f"[controller] iteration {b.iteration}: {kept} of trainer.train_groups {tr.train_groups} groups "
-                      f"passed the filter after {len(b.rounds)} generation batches (trainer.max_gen_batches "
-                      f"{tr.max_gen_batches}); training on those", file=sys.stderr, flush=True)
+                      f"passed the filter after {len(b.rounds)} generation batches ({bound}); training on those",
+                      file=sys.stderr, flush=True)
                 return
             items = self.stream.next(t.batch_prompts)
             reqs = self._requests(b.iteration, items, len(b.items))
