@@ -1,7 +1,6 @@
 """The controller's refill (``trainer.max_gen_batches``, ``Program._refill``) on the real Program
 and SGS with the stand-in instance and clock of ``tests/test_obs_program.py`` and a trainer
 whose filter keeps half of the groups registered: every iteration generates two batches."""
-from types import SimpleNamespace
 
 import pytest
 
