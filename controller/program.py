@@ -18,99 +18,19 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from controller.data import PromptStream
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
+from controller.batch import Batch, IterationResult, Push
 from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
 from workers.types import SAMPLE_STRIDE, Request, SamplingParams, TaskPrompt, prompt_text
 
-
-
-@dataclass
-class IterationResult:
-    iteration: int
-    version: int
-    gen_version: int
-    metrics: dict[str, float]
-    num_samples: int
-    num_tokens: int
-    gen_seconds: float  # from the batch's dispatch to its last instance report's arrival (each refill's added)
-    train_seconds: float  # the controller's wait for the step
-    iter_seconds: float  # from the batch's dispatch to the end of its step
-    staleness_max: int
-    weight_sync_seconds: float = 0.0
-    redispatched: int = 0
-    lost: list[int] = field(default_factory=list)
-    # the samples trained on (the trainer ranks' reports: one copy of a re-generated request):
-    # the output length of each, in sample id order, and generation rank -> samples it gave
-    out_lens: list[int] = field(default_factory=list)
-    per_instance: dict[int, int] = field(default_factory=dict)
-    # the engines in this batch's generation (``Program._engine_stats``): preemptions (sum over
-    # the instances), kv_peak_frac (the fullest instance's peak share of its KV blocks)
-    engine: dict[str, float] = field(default_factory=dict)
-    instances: int = 0
-    ranker_rows: int = 0  # rows of the ranker's online update after this iteration (0: none)
-    # with a ranker: how its estimates (est_len) ranked this batch's true output lengths
-    # (ranker.metrics.ranking_report: recall@10/20/30, kendall_tau, spearman) and their means
-    ranker_quality: dict[str, float | None] = field(default_factory=dict)
-    # the batch's lengths in tokens (``Program._batch_stats``: response_len_max/min,
-    # response_clip_ratio, prompt_len_mean/max) and the prompt stream's epoch
-    batch: dict[str, float] = field(default_factory=dict)
-    # time since the previous iteration was recorded (the first of a ``run`` call: since that
-    # call began): the pipeline's throughput interval. The intervals add up to the run's time;
-    # ``iter_seconds`` (the batch's dispatch to its step's end) overlap in the async modes.
-    interval_s: float = 0.0
-
-
-@dataclass
-class _Batch:
-    """An iteration's prompts and requests, and its generation rounds: the first, then the
-    refills of a batch the group filter left short (``Program._refill``)."""
-
-    iteration: int
-    items: list[TaskPrompt]
-    requests: list[Request]
-    started: float
-    round: Round | None = None  # the round in flight, or the last one
-    rounds: list[Round] = field(default_factory=list)
-    dispatched: float = 0.0
-    gen_done: float = 0.0
-    launched: float = 0.0  # the round in flight's dispatch
-    gen_s: float = 0.0  # the ended rounds' generation: each from its dispatch to its last report
-
-    @property
-    def reports(self) -> list:
-        return [rep for r in self.rounds for rep in r.reports]
-
-    @property
-    def redispatched(self) -> int:
-        return sum(len(r.redispatched) for r in self.rounds)
-
-    @property
-    def lost(self) -> list[int]:
-        return [rank for r in self.rounds for rank in r.lost]
-
-
-class _Push:
-    """A weight push in flight: its calls, waited for from the start (``rpc.Completions``), so
-    its duration is the transfer's, however late the controller takes it."""
-
-    def __init__(self, calls: list):
-        self.t0, self.waiting = time.time(), Completions()
-        for c in calls:
-            self.waiting.add(c)
-
-    def wait(self, program: "Program") -> float:
-        """Wait for it (``Program._wait_push``: instances lost meanwhile leave the SGS); -> seconds."""
-        program._wait_push(self.waiting)
-        return self.waiting.last_end() - self.t0 if self.waiting.added else 0.0
 
 
 class Program:
@@ -139,11 +59,11 @@ class Program:
         self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
 
     # ---- requests ------------------------------------------------------------------------
-    def make_batch(self, iteration: int) -> _Batch:
+    def make_batch(self, iteration: int) -> Batch:
         t = self.cfg.train
         self._stream_at[iteration] = self.stream.state_dict()
         items = self.stream.next(t.batch_prompts)
-        return _Batch(iteration, items, self._requests(iteration, items, 0), time.time())
+        return Batch(iteration, items, self._requests(iteration, items, 0), time.time())
 
     def _requests(self, iteration: int, items: list[TaskPrompt], first: int) -> list[Request]:
         """The ``train.group_size`` requests of each of ``items``, the ``first``-th prompt of the
@@ -164,7 +84,7 @@ class Program:
                                     sampling=self.sampling(t.temperature, t.seed * 7919 + sid)))
         return reqs
 
-    def _register(self, b: _Batch, requests: list[Request], method: str, *extra) -> None:
+    def _register(self, b: Batch, requests: list[Request], method: str, *extra) -> None:
         """Tell each trainer DP rank which of ``requests`` (samples and groups of ``b``) it will
         receive: ``begin_iteration`` or, for a refill, ``extend_iteration``."""
         n = len(self.world.trainers)
@@ -177,18 +97,18 @@ class Program:
         wait_all([t.call(method, b.iteration, prompts, groups, *extra)
                   for t, (prompts, groups) in zip(self.world.trainers, per)])
 
-    def _generate(self, b: _Batch, version: int) -> None:
+    def _generate(self, b: Batch, version: int) -> None:
         b.dispatched = b.launched = time.time()
         with self.spans.span("dispatch", b.iteration):
             self._register(b, b.requests, "begin_iteration", self.mode.name, self.minibatch)
             self._launch(b, b.requests, version)
 
-    def _launch(self, b: _Batch, requests: list[Request], version: int) -> None:
+    def _launch(self, b: Batch, requests: list[Request], version: int) -> None:
         b.round = self.in_flight = self.world.sgs.generate(b.iteration, requests, version)
         b.rounds.append(b.round)
         b.gen_done = 0.0
 
-    def _finish_generation(self, b: _Batch) -> None:
+    def _finish_generation(self, b: Batch) -> None:
         """Wait for ``b``'s generation. It ended when the last instance's report arrived, noted
         by the round as it arrived (in the lag-1 modes the controller waits only after the
         previous step), re-dispatched requests' reports included."""
@@ -200,7 +120,7 @@ class Program:
             if self.in_flight is b.round:
                 self.in_flight = None
 
-    def _refill(self, b: _Batch, version: int) -> None:
+    def _refill(self, b: Batch, version: int) -> None:
         """DAPO's refill (verl's ``max_num_gen_batches``): with ``trainer.filter_groups`` and
         ``train_groups`` > 0, once ``b``'s generation ended, generate another ``train.batch_prompts``
         prompts for the same iteration (weights ``version``) while fewer than ``train_groups`` of its
@@ -241,7 +161,7 @@ class Program:
         """Every worker's spans plus the controller's own."""
         return self.world.drain_spans() + self.spans.drain()
 
-    def _step(self, b: _Batch, gen_version: int, sync_s: float) -> IterationResult:
+    def _step(self, b: Batch, gen_version: int, sync_s: float) -> IterationResult:
         t0 = time.time()
         reports = wait_all([t.call("step", b.iteration) for t in self.world.trainers])
         t1 = time.time()
@@ -280,7 +200,7 @@ class Program:
                 res.ranker_rows, self.ranker_rows = len(texts), []
         return res
 
-    def _batch_stats(self, b: _Batch, out_lens: list[int]) -> dict[str, float]:
+    def _batch_stats(self, b: Batch, out_lens: list[int]) -> dict[str, float]:
         """The batch's lengths in tokens (verl's response_length/*, prompt_length/*): output
         max / min, the share of samples cut at ``train.max_tokens`` (verl's clip_ratio), prompt
         mean / max (with the template, per sample); and the prompt stream's epoch."""
@@ -301,7 +221,7 @@ class Program:
                 "kv_peak_frac": max(r.kv_blocks_peak / max(r.kv_blocks_total, 1) for r in reports)}
 
     @staticmethod
-    def _ranker_quality(b: _Batch, lengths: dict[int, int]) -> dict[str, float | None]:
+    def _ranker_quality(b: Batch, lengths: dict[int, int]) -> dict[str, float | None]:
         from ranker.metrics import ranking_report
 
         reqs = {r.sample_id: r for r in b.requests}
@@ -312,7 +232,7 @@ class Program:
         out = {**ranking_report(pred, true), "est_mean": sum(pred) / len(pred), "true_mean": sum(true) / len(true)}
         return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}  # NaN: constant lengths
 
-    def _true_lengths(self, b: _Batch, lengths: dict[int, int]) -> list[tuple[str, float]]:
+    def _true_lengths(self, b: Batch, lengths: dict[int, int]) -> list[tuple[str, float]]:
         """(prompt text, generated length) of every sample of this iteration (``lengths``, as
         the trainers took them): the ranker's online-update rows."""
         g = self.cfg.train.group_size
@@ -335,8 +255,8 @@ class Program:
             waiting.cancel()
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
-    def _push(self, version: int) -> "_Push":
-        self._last_push = _Push(self.world.push_weights(version))
+    def _push(self, version: int) -> "Push":
+        self._last_push = Push(self.world.push_weights(version))
         return self._last_push
 
     def settle_push(self) -> None:
@@ -363,14 +283,14 @@ class Program:
         out: list[IterationResult] = []
         self._recorded_at = time.time()  # pauses between calls (the REPL's prompt) are nobody's time
         lag = self.mode.lag
-        prev: _Batch | None = None
+        prev: Batch | None = None
         prev_gen_version = self.version
         # weight_sync_seconds of a row: the last push that completed before it was recorded,
         # timed from its start to its last call's completion (the transfer, not the waits
         # around it). lag 0: the push of the row's own weights. lag 1: the push of the
         # previous row's weights (the weights the next generation uses); a run's last push
         # (drained) is reported by the next run's first row if that run is lag-1 too.
-        push: _Push | None = None
+        push: Push | None = None
         sync_s, self._drained_sync_s = self._drained_sync_s, 0.0
         for _ in range(k):
             i = self.iteration

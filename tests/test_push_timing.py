@@ -5,19 +5,19 @@ from types import SimpleNamespace
 
 import torch
 
-from controller import program
+from controller import batch
 from controller.rpc import Call
 
 
 def test_a_push_is_timed_to_its_last_completion_not_to_the_wait(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(program.time, "time", lambda: now[0])
+    monkeypatch.setattr(batch.time, "time", lambda: now[0])
     futs = [torch.futures.Future(), torch.futures.Future()]
     calls = [Call(SimpleNamespace(rank=r, role="generation", name=f"worker{r}"), "receive_weights", f)
              for r, f in ((1, futs[0]), (2, futs[1]))]
     waited = []
     prog = SimpleNamespace(_wait_push=lambda w: waited.append(sorted(w.next()[2] for _ in range(w.pending))))
-    push = program._Push(calls)  # started at 100.0
+    push = batch.Push(calls)  # started at 100.0
     now[0] = 100.02
     futs[0].set_result(1)
     now[0] = 100.05
@@ -29,4 +29,4 @@ def test_a_push_is_timed_to_its_last_completion_not_to_the_wait(monkeypatch):
 
 def test_no_push_takes_no_time():
     prog = SimpleNamespace(_wait_push=lambda cs: None)
-    assert program._Push([]).wait(prog) == 0.0
+    assert batch.Push([]).wait(prog) == 0.0
