@@ -131,10 +131,6 @@ def _check_group_filter(cfg: Config) -> None:
     if t.group_size < 2:
         raise ConfigError(f"trainer.filter_groups drops groups whose samples all scored the same; train.group_size "
                           f"{t.group_size} leaves nothing to compare: set it >= 2")
-    if tr.train_groups == 0 and tr.max_gen_batches != 10:  # TrainerConfig's default
-        raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) bounds the refills towards "
-                          "trainer.train_groups; with train_groups 0 every group the filter leaves trains and "
-                          "nothing is refilled: set trainer.train_groups (verl's train_batch_size) or leave it out")
     most = t.batch_prompts * tr.max_gen_batches
     if tr.max_gen_batches and tr.train_groups > most:
         raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts x "

@@ -38,6 +38,7 @@ from controller.modes import get_mode
 from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from workers import heap
+from workers.trainer.sample_checks import check_new_ids
 from workers.types import Sample, TaskPrompt
 
 
@@ -176,10 +177,8 @@ class TrainerRank:
             rec = self._iters.get(iteration)
             if rec is None:
                 raise RuntimeError(f"train{self.rank}: iteration {iteration} extended but not begun (or stepped)")
-            clash = (prompts.keys() & rec.prompts.keys()) or (group_sizes.keys() & rec.group_sizes.keys())
-            if clash:
-                raise ValueError(f"train{self.rank}: extend_iteration({iteration}): ids already registered: "
-                                 f"{sorted(clash)[:5]}")
+            check_new_ids(f"train{self.rank}: extend_iteration({iteration})", prompts, group_sizes, rec.prompts,
+                          rec.group_sizes)
             if self._current == iteration:
                 self.worker.extend_iteration(prompts, group_sizes)
             rec.prompts.update(prompts)

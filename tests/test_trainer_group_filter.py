@@ -109,7 +109,7 @@ def test_config():
     assert from_dict({"trainer": {"filter_groups": True, "train_groups": 400, "max_gen_batches": 0}})  # no limit
     with pytest.raises(ConfigError, match="trainer.max_gen_batches .* is only used with trainer.filter_groups: true"):
         from_dict({"trainer": {"max_gen_batches": 3}})
-    with pytest.raises(ConfigError, match=r"trainer.max_gen_batches \(3\) bounds the refills .* with train_groups 0"):
+    with pytest.raises(ConfigError, match=r"trainer.max_gen_batches \(3\) is only used with trainer.train_groups > 0; leave it out or set train_groups"):
         from_dict({"trainer": {"filter_groups": True, "max_gen_batches": 3}})
     with pytest.raises(ConfigError, match="must stay below 1000000 samples an iteration"):
         from_dict({"trainer": {"filter_groups": True, "train_groups": 8, "max_gen_batches": 1000},

@@ -20,7 +20,8 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
-                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches")}
+                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),
+                  "train_groups": ("max_gen_batches",)}  # refills (max_gen_batches) aim at train_groups
 # workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 # verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)

@@ -36,6 +36,13 @@ def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version:
                          f"({needs} needs groups)")
 
 
+def check_new_ids(where: str, prompts: dict, group_sizes: dict, known_prompts: dict, known_groups: dict) -> None:
+    """An iteration's extension (``extend_iteration``) registers sample and group ids it does not hold yet."""
+    clash = (prompts.keys() & known_prompts.keys()) or (group_sizes.keys() & known_groups.keys())
+    if clash:
+        raise ValueError(f"{where}: ids already registered: {sorted(clash)[:5]}")
+
+
 def check_group_counts(samples: Sequence[Sample], seen: set[int], group_seen: dict[int, int],
                        group_sizes: dict[int, int], iteration: int) -> None:
     """More distinct samples of a group than begin_iteration declared is a caller bug: the

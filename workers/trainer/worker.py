@@ -45,7 +45,7 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
 from workers.trainer.group_filter import filter_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
-from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts
+from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer
 from workers.trainer.lora import LoRA, Reference, target_names
 from workers.trainer.schedule import lr_lambda
@@ -165,9 +165,7 @@ class TrainerWorker:
         that ``filter_groups`` left short (``trainer.max_gen_batches``)."""
         if self._trained_any:
             raise RuntimeError(f"extend_iteration: iteration {self.iteration} has trained already")
-        clash = (prompts.keys() & self._prompts.keys()) or (group_sizes.keys() & self._group_sizes.keys())
-        if clash:
-            raise ValueError(f"extend_iteration({self.iteration}): ids already registered: {sorted(clash)[:5]}")
+        check_new_ids(f"extend_iteration({self.iteration})", prompts, group_sizes, self._prompts, self._group_sizes)
         self._prompts.update(prompts)
         self._group_sizes.update(group_sizes)
 
