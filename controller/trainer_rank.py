@@ -60,6 +60,9 @@ class _Iteration:
     staleness_max: int = 0
     generated: bool = False  # the controller called step(): generation of the iteration has ended
     scores: dict = field(default_factory=dict)  # sample_id -> its score, in flight since it arrived
+    # group id -> its members' scores in flight (kept after the consumer takes them): the group
+    # filter's count (kept_groups) reads them without waiting for the trainer to take the samples
+    group_scores: dict = field(default_factory=dict)
 
     @property
     def expected(self) -> int:
@@ -193,14 +196,19 @@ class TrainerRank:
 
     def kept_groups(self, iteration: int) -> int:
         """Once every sample registered for ``iteration`` has been received (its generation has
-        ended: the ``all`` release may go), how many of this rank's groups the filter keeps."""
+        ended: the ``all`` release may go), how many of this rank's groups the filter keeps, from
+        their task scores: it waits for the rewards, not for the trainer to take the samples
+        (reference log-probs, values), which in the lag-1 modes may still be busy with the
+        previous iteration."""
         with self._cond:
-            self._iters[iteration].generated = True
+            rec = self._iters[iteration]
+            rec.generated = True
             self._cond.notify_all()
-            while iteration not in self._ready and self._error is None:
+            while len(rec.lengths) < rec.expected and iteration not in self._ready and self._error is None:
                 self._cond.wait(timeout=1.0)
             self._raise_if_failed()
-        return self.worker.kept_groups()
+            pending = {g: list(members) for g, members in rec.group_scores.items()}
+        return self.worker.passing_groups(pending)
 
     def receive(self, samples: list[Sample]) -> int:
         """The sample stream (called by generation instances). Returns how many were new."""
@@ -227,7 +235,11 @@ class TrainerRank:
             # their rewards in turn)
             for it, group in arrived.items():
                 rec = self._iters[it]
-                rec.scores.update(self.worker.score_ahead(group, rec.prompts, it))
+                scored = self.worker.score_ahead(group, rec.prompts, it)
+                rec.scores.update(scored)
+                for s in group:
+                    if s.sample_id in scored:
+                        rec.group_scores.setdefault(s.group_id, []).append(scored[s.sample_id])
             self._cond.notify_all()
         return new
 

@@ -9,7 +9,7 @@ import torch
 
 from controller.config import ConfigError, from_dict
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer.group_filter import filter_groups, uniform
+from workers.trainer.group_filter import filter_groups, passing_groups, uniform
 from workers.weight_sync.localrun import run_local
 from runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
@@ -40,6 +40,10 @@ def test_uniform_groups_are_dropped_and_the_first_train_groups_kept_in_prompt_or
     assert {p.group_id for p in kept} == {1} and counts == {"filtered_groups": 0.0, "surplus_groups": 1.0}
     kept, counts = filter_groups(items, 0, drop_single=True)  # grpo / rloo: a group of one has advantage 0
     assert sorted({p.group_id for p in kept}) == [1, 2, 5] and counts["filtered_groups"] == 3.0
+    # the refill's count from the scores alone (TrainerRank.kept_groups) agrees with the filter
+    scores = {g: [s for s, _ in members] for g, members in enumerate(GROUPS)}
+    assert passing_groups(scores) == 4 and passing_groups(scores, drop_single=True) == 3
+    assert passing_groups({**scores, 6: []}) == 4  # a group whose every sample was skipped: nothing
 
 
 def _step(w, samples, prompts, sizes):
@@ -256,6 +260,43 @@ def test_a_trainer_rank_that_began_empty_takes_a_refill_and_counts_what_passes(t
         assert rank.receive(samples[5:]) == 3
         assert rank.kept_groups(0) == 2
         report = rank.step(0)
+        assert report.metrics["filtered_groups"] == 2 and report.metrics["num_seqs"] == 4
+    finally:
+        rank.close()
+
+
+def test_the_count_of_a_lag_one_iteration_does_not_wait_for_the_trainer_to_take_its_samples(tiny_model,  # noqa: F811
+                                                                                            tmp_path):
+    """In the lag-1 modes the trainer may still be on iteration i while iteration i+1's generation
+    ends: ``kept_groups(i+1)`` counts from the task scores of i+1's samples as they arrived, not
+    after the trainer took them (reference log-probs), so the refill decision overlaps the step
+    of i. Here iteration 0 never completes before the count: a count that waited for the
+    trainer would never return."""
+    import threading
+
+    from controller.trainer_rank import TrainerRank
+    from workers.trainer.rollout import rollout
+
+    (tmp_path / "half_uniform.py").write_text(_HALF_UNIFORM)
+    cfg = TrainerConfig(algorithm="grpo", filter_groups=True, train_groups=2)
+    rank = TrainerRank(0, [0], cfg, tiny_model, f"{tmp_path}/half_uniform.py:HalfUniform", {})
+    try:
+        items = rank.worker.task.prompts("train")[:4]  # answers 0, 3, 4, 7: two uniform, two passing
+        s0, p0, g0 = rollout(rank.worker.actor, rank.worker.tokenizer, items, 2, 6, first_id=0)
+        s1, p1, g1 = rollout(rank.worker.actor, rank.worker.tokenizer, items, 2, 6, first_id=100)
+        rank.begin_iteration(0, p0, g0, "async_batch", 0)
+        rank.begin_iteration(1, p1, g1, "async_batch", 0)
+        assert rank.receive(s1) == len(s1)
+        counted: list[int] = []
+        t = threading.Thread(target=lambda: counted.append(rank.kept_groups(1)), daemon=True)
+        t.start()
+        t.join(timeout=120)  # a hang guard, not a timing assertion: it returns, or it waits for iteration 0
+        assert counted == [2]
+        stats = rank.stats()
+        assert stats.current_iteration == 0 and stats.consumed.get(1, 0) == 0  # the trainer never took them
+        assert rank.receive(s0) == len(s0)
+        assert rank.step(0).metrics["filtered_groups"] == 2
+        report = rank.step(1)
         assert report.metrics["filtered_groups"] == 2 and report.metrics["num_seqs"] == 4
     finally:
         rank.close()

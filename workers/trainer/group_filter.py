@@ -10,7 +10,9 @@ verl concatenates its filtered generation batches in prompt order and keeps the 
 ``train_batch_size`` groups. While fewer than ``train_groups`` pass, the controller generates
 more batches of ``train.batch_prompts`` (verl's ``gen_batch_size``) for the iteration, at most
 ``trainer.max_gen_batches`` (verl's ``max_num_gen_batches``): ``controller/program.py``
-``_refill``, which counts the groups that pass on each rank (``TrainerRank.kept_groups``).
+``_refill``, which counts the groups that pass on each rank (``TrainerRank.kept_groups``) from
+the task scores as they come back from the reward pool (``passing_groups``): the count does not
+wait for the trainer to take the samples (reference log-probs, values).
 """
 from __future__ import annotations
 
@@ -26,6 +28,17 @@ def uniform(members: Sequence[T]) -> bool:
     return len(members) > 1 and len({m.score for m in members}) == 1
 
 
+def passes(scores: Sequence[float], drop_single: bool = False) -> bool:
+    """A group whose members (those not skipped) got ``scores`` is kept by the filter."""
+    return not ((len(scores) > 1 and len(set(scores)) == 1) or (drop_single and len(scores) == 1))
+
+
+def passing_groups(scores: dict[int, Sequence[float]], drop_single: bool = False) -> int:
+    """group id -> its members' task scores: how many groups the filter keeps (before
+    ``train_groups``)."""
+    return sum(1 for group in scores.values() if group and passes(group, drop_single))
+
+
 def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lambda ids: ids,
                   drop_single: bool = False) -> tuple[list[T], dict[str, float]]:
     """``items``: this rank's prepared samples of the iteration (whole groups). ``gather``: every
@@ -36,8 +49,7 @@ def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lam
     groups: dict[int, list[T]] = {}
     for p in items:
         groups.setdefault(p.group_id, []).append(p)
-    kept = sorted(g for g, members in groups.items()
-                  if not (uniform(members) or (drop_single and len(members) == 1)))
+    kept = sorted(g for g, members in groups.items() if passes([m.score for m in members], drop_single))
     chosen = set(kept)
     if train_groups > 0:
         first = sorted(gather(kept))[:train_groups]  # over all ranks, in prompt order

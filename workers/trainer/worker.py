@@ -43,7 +43,7 @@ from workers.trainer.advantages import whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
-from workers.trainer.group_filter import filter_groups, uniform
+from workers.trainer.group_filter import filter_groups, passing_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer
@@ -169,14 +169,13 @@ class TrainerWorker:
         self._prompts.update(prompts)
         self._group_sizes.update(group_sizes)
 
-    @_locked
-    def kept_groups(self) -> int:
-        """How many of this rank's groups received so far the filter would keep (before
-        ``train_groups``): call once every registered sample was received. A group with skipped
-        samples counts with those it has (as ``step()`` will take it)."""
-        self._flush_incomplete_groups()
-        kept, _ = filter_groups(list(self.buffer.ready), 0, drop_single=self.cfg.grouped)
-        return len({p.group_id for p in kept})
+    def passing_groups(self, pending: dict[int, list]) -> int:
+        """group id -> its members' scores in flight (``score_ahead``'s, those of samples not
+        refused): how many groups the filter would keep (before ``train_groups``). A sample whose
+        score fails is skipped, as ``receive`` skips it; a group counts with the members left."""
+        scores = {g: [r.score for r in map(self.rewards.result, members) if not r.why]
+                  for g, members in pending.items()}
+        return passing_groups(scores, drop_single=self.cfg.grouped)
 
     def score_ahead(self, samples: Sequence[Sample], prompts: dict[int, TaskPrompt], iteration: int) -> dict:
         """Put the task's score of each of ``samples`` (of ``iteration``, whose prompts are
