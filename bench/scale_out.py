@@ -9,7 +9,7 @@ which must not hold a run already (refused up front; nothing there is written).
 Starts its own processes: torchrun with 3 ranks (controller, 1 generation instance, 1 trainer
 rank) and one spare process ``controller/main.py --join ADDR --role generation`` that
 registers with the controller and waits. The run is the real controller session
-(``controller/runner.Session``: its ``ScaleOutPolicy``, TensorBoard metrics and join path);
+(``controller/session.Session``: its ``ScaleOutPolicy``, TensorBoard metrics and join path);
 only the output lengths are forced, through ``Program.length_of``: every sample of iteration
 i gets ``start + (end - start) * i / (grow - 1)`` tokens (then stays at ``end``). Generation
 time grows with the lengths; the policy adds the spare instance at the first iteration
@@ -145,7 +145,7 @@ def read_tb(logdir: Path) -> dict:
 def controller(a) -> int:
     import torch.distributed.rpc as rpc
 
-    from controller import joiners, runner
+    from controller import joiners, runner, session as session_mod
     from controller.bootstrap import ensure_model
 
     logdir = Path(a.logdir)
@@ -163,7 +163,7 @@ def controller(a) -> int:
     print(json_line({"profile": {"batch_sizes": prof.batch_sizes, "ptl_ms": [round(x * 1e3, 3) for x in prof.ptl_s]}}),
           flush=True)
     cfg = bench_config(a, str(logdir / "ptl_profile.json"))
-    session = runner.Session(cfg, argparse.Namespace(config=None, repl=False, resume="", set=[]), 3)
+    session = session_mod.Session(cfg, argparse.Namespace(config=None, repl=False, resume="", set=[]), 3)
     prog = session.program
     current = {"it": 0}
     make_batch = prog.make_batch

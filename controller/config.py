@@ -4,247 +4,39 @@ Every key is checked here, before any process does work: an unknown key, a wrong
 impossible placement raises ``ConfigError`` naming the key (``placement.trainer[1]: rank 5 >=
 world size 3``). Sections owned by other components are converted into their own config
 classes (``engine`` -> ``EngineConfig``, ``trainer`` -> ``TrainerConfig``, ``topology`` ->
-``Topology``) so their validation runs at load too. Each key's own checks (type, range, name)
-are ``config_types``; the checks across keys (placement, modes, registries) ``config_checks``.
+``Topology``) so their validation runs at load too. The run's own sections (``model`` ..
+``logging``) are ``config_sections``; each key's own checks (type, range, name) are
+``config_types``; the checks across keys (placement, modes, registries) ``config_checks``.
+This module holds the whole ``Config``, its loading (``load_config``, ``from_dict``) and the
+trainer keys that follow the train section unless set.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from controller import trackers
 from controller.config_checks import validate
+from controller.config_sections import (PIPELINE_MODES, TEMPERATURES, DispatchSection, LoggingSection, ModelSection,
+                                        PipelineSection, PlacementSection, RankerSection, TaskSection, TokenizerSection,
+                                        TrainSection)
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.config_yaml import read_config_file
-from controller.modes import MODES
-from controller.rpc import COLLECTIVE_TIMEOUT_S, RPC_TIMEOUT_S
-from workers.config_schema import DERIVED, SEEDS, Range, key_fields, ranged
+from workers.config_schema import DERIVED, SEEDS, key_fields
 from workers.generation.config import EngineConfig
 from workers.trainer.config import TrainerConfig
-from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
+from workers.types import GREEDY_BELOW
 from workers.weight_sync import Topology, WeightSyncConfig
 
-PIPELINE_MODES = tuple(MODES)
-# Every int / float key of a run section declares its valid values next to it (``ranged``),
-# checked at load after the types (every float must also be finite: no .nan/.inf); a tuple's
-# range applies to each value. docs/config.md lists the same.
-TEMPERATURES = f"below {GREEDY_BELOW:g}: greedy; sampled from {MIN_SAMPLED_TEMPERATURE:g}, as both engines serve"
+# the names other modules import from here (the sections are defined in config_sections)
+__all__ = ["Config", "ConfigError", "DispatchSection", "LoggingSection", "ModelSection", "OWNED_RANGES",
+           "OWNED_SECTIONS", "PIPELINE_MODES", "PipelineSection", "PlacementSection", "RankerSection",
+           "TEMPERATURES", "TaskSection", "TokenizerSection", "TrainSection", "from_dict", "load_config"]
+
 # the ranges of an owned section whose class declares none itself
 OWNED_RANGES = {"engine": {"seed": SEEDS}}
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    """``path``: HF folder of the policy. ``init``: when set and ``path`` has no model yet, a
-    fresh model with these ``workers.model_config.ModelConfig`` fields is built there (quickstart)."""
-
-    path: str = "runs/quickstart/model"
-    init: dict | None = None
-
-    def __post_init__(self):
-        _path_key(self, "model", "path", "the Hugging Face model folder of the policy (config.json, "
-                  "*.safetensors, tokenizer.json), or where model.init builds one")
-
-
-@dataclass(frozen=True)
-class TokenizerSection:
-    """The tokenizer is the model folder's (``tokenizer.json``, as Hugging Face). Prompts are
-    formatted by the folder's chat template, else by ``prompt_template`` (``str.format`` with
-    ``{prompt}``): set here, it overrides the folder's and is saved into a model built by
-    ``model.init`` (its SFT warm start uses it too)."""
-
-    prompt_template: str = ""
-
-    def __post_init__(self):
-        from workers.tokenizer import check_prompt_template
-
-        if self.prompt_template:
-            try:  # here, not when the first prompt is formatted on a worker
-                check_prompt_template(self.prompt_template)
-            except ValueError as e:
-                raise ConfigError(f"tokenizer.prompt_template: {e}") from None
-
-
-@dataclass(frozen=True)
-class TaskSection:
-    name: str = "synthetic"
-    kwargs: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        _path_key(self, "task", "name")  # ~/my_rl/tasks.py:Name
-
-
-@dataclass(frozen=True)
-class PipelineSection:
-    mode: str = "async_stream"
-    minibatch_size: int = ranged(8, Range(1))  # samples per hand-over in ``minibatch`` mode
-    # instance -> trainer sample stream: samples finishing within this window share one RPC
-    stream_window_s: float = ranged(0.02, Range(0, 10, note="seconds"))
-
-    def __post_init__(self):
-        if self.mode not in PIPELINE_MODES:
-            raise ConfigError(f"pipeline.mode: {self.mode!r} is not one of {PIPELINE_MODES}")
-
-
-@dataclass(frozen=True)
-class DispatchSection:
-    name: str = "round_robin"  # controller.scheduling.make_dispatcher name
-    options: dict = field(default_factory=dict)  # its constructor kwargs (e.g. alphas, order)
-    profile: str = ""  # PTLProfile JSON; empty: a flat default profile per instance
-
-    def __post_init__(self):
-        _path_key(self, "dispatch", "profile")
-
-
-@dataclass(frozen=True)
-class RankerSection:
-    kind: str = "none"  # "none": est_len = max_tokens; otherwise load (or bootstrap) the ranker at path
-    path: str = ""
-    # K > 0: online update with the last K iterations' lengths, every K
-    update_every: int = ranged(0, Range(0, note="0: never"))
-    bootstrap_prompts: int = ranged(256, Range(2))  # no ranker at path yet: measure the policy on this many prompts
-    options: dict = field(default_factory=dict)  # the bootstrapped ranker's config (ranker.build)
-
-    def __post_init__(self):
-        from ranker.store import KINDS, canonical_kind, is_kind  # (a registry of names: imports no model code)
-
-        if self.kind != "none" and not is_kind(self.kind):  # before the path: a typo here is what is wrong
-            raise ConfigError(f"ranker.kind: {self.kind!r} is not one of {['none', *sorted(KINDS)]}, nor "
-                              f"module:Name / file.py:Name of your own{key_hint(self.kind, KINDS)}")
-        if self.kind != "none":  # your own file.py:Name with its absolute path, as saved folders record it
-            object.__setattr__(self, "kind", canonical_kind(self.kind))
-        _path_key(self, "ranker", "path")
-        if self.kind != "none" and not self.path:
-            raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
-                              "(python -m ranker train ... --out DIR); path is empty")
-        if self.kind == "none" and isinstance(self.update_every, int) and self.update_every > 0:
-            raise ConfigError(f"ranker.update_every: {self.update_every} updates a ranker online, but ranker.kind is "
-                              "'none' (no ranker); set ranker.kind and ranker.path, or update_every: 0")
-
-
-@dataclass(frozen=True)
-class PlacementSection:
-    """Global ranks per role; rank 0 is always the controller. ``colocated``: the generation
-    and trainer lists must be equal (time-multiplexed). ``elastic``: generation instances may
-    join (``--join``) and leave at run time."""
-
-    generation: list = field(default_factory=lambda: [1])
-    trainer: list = field(default_factory=lambda: [2])
-    colocated: bool = False
-    elastic: bool = True
-    rpc_timeout_s: float = ranged(RPC_TIMEOUT_S, Range(0, open_lo=True))
-    # how long a trainer rank's collectives (the gradient all-reduce) wait for a peer that is
-    # alive but behind (a slower reward, more tokens); a lost peer is the heartbeat's to find
-    collective_timeout_s: float = ranged(COLLECTIVE_TIMEOUT_S, Range(0, open_lo=True))
-    # test hook: add a waiting joiner at this iteration
-    force_scale_out_at: int = ranged(-1, Range(-1, note="-1: never"))
-
-
-@dataclass(frozen=True)
-class TrainSection:
-    # the run's length: null (the default) is 20, unless train.epochs sets it
-    iterations: int | None = ranged(None, Range(1, note="null: 20, or derived from train.epochs"))
-    # verl's total_epochs: the iterations are derived at start, once the prompt check has kept
-    # the train prompts: epochs x (prompts // batch_prompts), as verl's drop_last dataloader
-    # counts them (controller/epochs.py)
-    epochs: int | None = ranged(None, Range(1, note="null: train.iterations sets the length"))
-    batch_prompts: int = ranged(16, Range(1))
-    group_size: int = ranged(4, Range(1))
-    max_tokens: int = ranged(16, Range(1))
-    min_tokens: int = ranged(0, Range(0))
-    temperature: float = ranged(1.0, Range(0, MAX_TEMPERATURE, note=TEMPERATURES))
-    # rollout filters (as vLLM's): top_k 0 and top_p 1 are off; with either on, the trainer
-    # recomputes the old log-probs on the full distribution (recompute_old_logprobs), as verl
-    top_k: int = ranged(0, Range(-1, note="0 or -1: off"))
-    top_p: float = ranged(1.0, Range(0, 1, open_lo=True, note="1: off"))
-    eval_every: int = ranged(0, Range(0, note="0: never"))
-    # an evaluation of the starting weights before a fresh run's first iteration (verl's
-    # val_before_train), logged at step -1: the one after iteration i is at step i
-    eval_before_train: bool = False
-    eval_prompts: int = ranged(32, Range(0, note="0: the whole test split"))
-    eval_samples: int = ranged(1, Range(1))  # generations per eval prompt (verl's val_kwargs.n)
-    # 0: greedy (verl's val_kwargs.temperature / do_sample)
-    eval_temperature: float = ranged(0.0, Range(0, MAX_TEMPERATURE, note=TEMPERATURES))
-    ckpt_every: int = ranged(0, Range(0, note="0: only at the end"))
-    # keep the newest N checkpoints (as verl's max_actor_ckpt_to_keep)
-    ckpt_keep: int | None = ranged(None, Range(1, note="null: keep every checkpoint, as verl's 0 or null"))
-    sft_steps: int = ranged(0, Range(0))
-    sft_lr: float = ranged(3e-3, Range(0, open_lo=True))
-    seed: int = ranged(0, SEEDS)
-    # length-forced runs (the paper's benchmarks): each training prompt generates exactly the
-    # length of one trace row's first answer (words x 1.3 tokens x length_scale, within
-    # [1, max_tokens]); the row is fixed per prompt (hash of its text)
-    length_trace: str = ""
-    length_scale: float = ranged(1.0, Range(0, open_lo=True))
-    # a prompt with no room for an output token in the engines' context: "error" at start
-    # (naming it), or "skip" it (controller/prompt_check.py); truncate_*: a prompt longer than
-    # max_prompt_tokens is cut to it (verl's data.truncation: left keeps its end, right its
-    # start, middle both ends)
-    overlong_prompts: Literal["error", "skip", "truncate_left", "truncate_right", "truncate_middle"] = "error"
-    # > 0: prompts longer than this are over-long too (verl's max_prompt_length)
-    max_prompt_tokens: int = ranged(0, Range(0, note="0: the engines' context"))
-
-    def __post_init__(self):
-        _path_key(self, "train", "length_trace")
-        if self.iterations is not None and self.epochs is not None:
-            raise ConfigError(f"train.iterations ({self.iterations}) and train.epochs ({self.epochs}) both set the "
-                              "run's length; set one (train.epochs derives the iterations from the train prompts; "
-                              "--set train.iterations=null or train.epochs=null unsets a file's)")
-        if self.iterations is None and self.epochs is None:
-            object.__setattr__(self, "iterations", 20)
-        if self.truncates and not self.max_prompt_tokens:
-            raise ConfigError(f"train.overlong_prompts: {self.overlong_prompts} cuts prompts to "
-                              "train.max_prompt_tokens, which is 0 (no limit); set it (verl's max_prompt_length)")
-
-    @property
-    def truncates(self) -> bool:
-        """Prompts over ``max_prompt_tokens`` are cut to it (``overlong_prompts: truncate_*``)."""
-        return isinstance(self.overlong_prompts, str) and self.overlong_prompts.startswith("truncate_")
-
-    @property
-    def evaluates(self) -> bool:
-        """Whether the run evaluates on its own (the test split is checked at start)."""
-        return bool(self.eval_every or self.eval_before_train)
-
-
-@dataclass(frozen=True)
-class LoggingSection:
-    logdir: str = "runs/quickstart"
-    timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations
-    progress: bool = True
-    # trackers beside TensorBoard (verl's trainer.logger; one name or a list): controller/trackers.py
-    trackers: tuple[trackers.TrackerName, ...] | trackers.TrackerName = ()
-    project: str = "streamrl"  # verl's trainer.project_name
-    experiment: str = ""  # verl's trainer.experiment_name; "": the run folder's name
-
-    def __post_init__(self):
-        _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
-        if isinstance(self.trackers, str):  # `logger: wandb`, as verl takes it
-            object.__setattr__(self, "trackers", (self.trackers,))
-        why = trackers.missing(self.trackers)
-        if why:
-            raise ConfigError(f"logging.trackers: {why}")
-        if "wandb" in self.trackers and not self.project.strip():
-            raise ConfigError("logging.project: empty; wandb needs a project name (default: streamrl)")
-
-
-def _path_key(section, name: str, key: str, required: str = "") -> None:
-    """A path key of a section: ``~`` is the user's home (a YAML value is no shell word, so
-    nothing else expands it: ``~/runs`` made a folder named ``~``); ``required``: what the key
-    names, when it may not be empty (an empty one failed later, in the bootstrap)."""
-    value = getattr(section, key)
-    if not isinstance(value, str):
-        return  # build_section names a wrong type
-    if required and not value.strip():
-        default = next(f.default for f in dataclasses.fields(section) if f.name == key)
-        raise ConfigError(f"{name}.{key}: empty{f' ({value!r})' if value else ''}; give {required} (or leave the "
-                          f"key out for its default, {default})")
-    if value.startswith("~"):
-        object.__setattr__(section, key, os.path.expanduser(value))
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,9 @@ class _Trainer:  # a trainer handle: ``call("save_checkpoint", folder)`` is a ca
 
 
 def _session(tmp_path, keep, resumed_from=None):
-    from controller import runner
+    from controller import session
 
-    s = runner.Session.__new__(runner.Session)
+    s = session.Session.__new__(session.Session)
     s.cfg = SimpleNamespace(train=SimpleNamespace(ckpt_keep=keep), ranker=SimpleNamespace(update_every=0),
                             trainer=SimpleNamespace(shard_optimizer=False))
     s.logdir, s.resumed_from, s.ranker = tmp_path / "run", resumed_from, None

@@ -327,7 +327,7 @@ def test_an_evaluate_call_stops_when_cancelled(tiny_model):  # noqa: F811
 def test_a_length_trace_with_other_fields_is_a_config_error(tmp_path):
     # a file with the wrong fields passed the load check (it exists) and was a TraceError traceback
     from controller.config import ConfigError
-    from controller.runner import forced_lengths
+    from controller.length_trace import forced_lengths
 
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"q": "x", "lens": [3]}\n')

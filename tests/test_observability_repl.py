@@ -8,7 +8,7 @@ import pytest
 
 from controller.repl import Repl
 from controller.rpc import WorkerFailed
-from controller.runner import RunStopped
+from controller.stops import RunStopped
 from controller.sgs import NoInstancesLeft
 from controller.timeline import Span
 

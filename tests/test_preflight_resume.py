@@ -30,7 +30,7 @@ def _run(folder, *its, rows=0):
 
 
 def _resume(logdir, resume):
-    """What the session does first with ``--resume`` (controller/runner.py)."""
+    """What the session does first with ``--resume`` (controller/session.py)."""
     out = resumed_logdir(logdir, str(resume))
     refuse_fresh_start_over_a_run(out, str(resume))
     return out

@@ -1,4 +1,4 @@
-"""A run's ranker.path is checked before any work (controller.ranker_setup.saved_ranker, first thing in controller.runner.Session): a saved ranker
+"""A run's ranker.path is checked before any work (controller.ranker_setup.saved_ranker, first thing in controller.session.Session): a saved ranker
 is loaded then, so a damaged one is one config error instead of a traceback after the model
 bootstrap; a path that cannot take the ranker a run bootstraps is refused before the
 bootstrap's generations and fit (they were lost at its save). Plus the config's own checks."""

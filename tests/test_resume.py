@@ -1,6 +1,6 @@
 """Checkpoints and ``--resume``: what was saved is never lost or written over, and a bad
 checkpoint or path is refused with one line naming it (controller/checkpoint.py,
-workers/trainer/checkpoint.py, the resume parts of controller/runner.py)."""
+workers/trainer/checkpoint.py, the resume parts of controller/session.py)."""
 import errno
 import json
 import os

@@ -91,12 +91,12 @@ def test_a_joiner_with_less_context_than_the_kept_prompts_need_is_refused(tiny_m
 
 def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_model, monkeypatch,  # noqa: F811
                                                                            capsys):
-    from controller import joiners, runner
+    from controller import joiners, session
 
     sink = SinkTrainer()
     sgs = _sgs()
     sgs.add(_instance(1, 1024, tiny_model, sink))
-    s = runner.Session.__new__(runner.Session)
+    s = session.Session.__new__(session.Session)
     s.cfg = SimpleNamespace(train=TrainSection(overlong_prompts="skip", max_tokens=8),
                             placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0),
                             task=SimpleNamespace(name="t"))

@@ -1,6 +1,6 @@
 """Dynamic adjustment of the generation service (paper section 4.2), as pure decisions.
 
-The controller (``controller/runner.Session``) calls ``ScaleOutPolicy.observe`` once
+The controller (``controller/session.Session``) calls ``ScaleOutPolicy.observe`` once
 per iteration with the measured stage times and the iteration's workload; the policy says
 whether to add one generation instance. delta = gen_time - train_time; delta' = the
 generation time one more instance would save, predicted from the PTL profile and the

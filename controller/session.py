@@ -1,0 +1,333 @@
+"""The controller's session on rank 0: one run's state and the calls that drive it.
+
+``Session(cfg, args, world_size)`` sets the run up (run folder checks, task, model bootstrap,
+worker groups, prompt check, resume, ranker); ``run()`` runs the program (or the REPL) and
+returns the summary the run prints as its JSON line. Its per-iteration hook logs, evaluates,
+checkpoints and feeds the scale-out policy. Ending the run and stopping the workers is
+``controller.runner``'s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch.distributed.rpc as rpc
+
+from controller import checkpoint as ckpt
+from controller.bootstrap import ensure_model
+from controller.config import ConfigError
+from controller.epochs import with_epochs
+from controller.evaluation import evaluate, measure_lengths
+from controller.joiners import admit, pending
+from controller.length_trace import forced_lengths
+from controller.metrics import Metrics
+from controller.planner.adjust import ScaleOutPolicy
+from controller.program import Program
+from controller.run_record import plain, save_run_config
+from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, wait_all, worker_name
+from controller.stops import RunStopped
+from controller.trackers import make_trackers
+from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
+                                  refuse_previous_run, resumed_logdir)
+from controller.ranker_setup import run_ranker, saved_ranker
+from controller.world import build_world, check_engine
+from workers.model import stop_ids
+from workers.model_config import ModelConfig
+from workers.types import Ranker, prompt_text
+
+
+class Session:
+    def __init__(self, cfg, args, world_size: int):
+        from controller.prompt_check import check_demonstrations, checked_task
+        from controller.scheduling import make_dispatcher
+        from workers.tasks.registry import make_task
+        from workers.tokenizer import Tokenizer
+
+        self.cfg, self.args = cfg, args
+        self.logdir = resumed_logdir(Path(cfg.logging.logdir), args.resume) if args.resume else \
+            Path(cfg.logging.logdir)
+        LOCAL.run_folder = str(self.logdir)
+        self.static_ranks = set(range(1, world_size))
+        self.joined: list[int] = []
+        self.waiting: list[int] = []
+        self.departed: list[int] = []  # joined processes told to exit during the run (refused, or ``leave``)
+        self.want_add = False
+        if not args.resume:
+            refuse_previous_run(self.logdir)
+        else:
+            refuse_fresh_start_over_a_run(self.logdir, args.resume)
+        check_writable(self.logdir)
+        self._lock = lock_run_folder(self.logdir)
+        self._record = save_run_config(self.logdir, cfg, args)
+        if cfg.placement.elastic:  # after the checks: a run refused at start has no address to join
+            host = os.environ.get("MASTER_ADDR", "")
+            local = ("; this host only: from another host, use this node's address with the same port"
+                     if host in ("localhost", "127.0.0.1", "::1") else "")
+            print(f"[controller] join address {host}:{os.environ.get('MASTER_PORT')} "
+                  f"(python controller/main.py --join ADDR --role generation{local})", file=sys.stderr, flush=True)
+        # the task and the dispatcher first: a bad task.kwargs or dispatch.options fails in
+        # a second, before the model bootstrap (SFT) spends minutes
+        try:
+            task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        except (ValueError, OSError, ImportError) as e:  # a bad verifier, kwargs, data path
+            raise ConfigError(str(e)) from None
+        # its data read and checked once, before the SFT
+        self.task = checked_task(task, cfg.task.name, ("train", "test") if cfg.train.evaluates else ("train",))
+        # train.epochs: a length that no prompt check can make right (fewer prompts than a batch, a
+        # warmup past the schedule) is said now, before the SFT and the engines; derived at start
+        with_epochs(cfg, len(self.task.prompts("train")))
+        if cfg.model.init and not (Path(cfg.model.path) / "config.json").exists():  # the bootstrap's SFT will run
+            check_demonstrations(task, cfg.task.name)
+        length_of = (forced_lengths(cfg.train.length_trace, cfg.train.length_scale, cfg.train.max_tokens)
+                     if cfg.train.length_trace else None)
+        dispatcher = make_dispatcher(cfg.dispatch.name, **dict(cfg.dispatch.options))
+        saved = saved_ranker(cfg)  # loaded now: a damaged one fails before the bootstrap
+        check_model_folder(Path(cfg.model.path), cfg.model.init)
+        check_engine(cfg.engine, cfg.placement.generation, cfg.placement.rpc_timeout_s)
+        boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
+                            args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
+                                  cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
+                                  cfg.tokenizer.prompt_template or None),
+                            timeout=cfg.placement.rpc_timeout_s * SETUP_FACTOR)
+        self.boot = boot
+        self.model_dir = boot["path"]
+        try:  # a model folder's own chat template / prompt template
+            self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None)
+        except ValueError as e:
+            raise ConfigError(f"model.path {self.model_dir}: tokenizer: {e}") from None
+        self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
+        self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
+        self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
+        self.task = self._fitting_task(self.task)
+        cfg = self.cfg  # train.epochs: with the iterations derived from the kept prompts
+        lg = cfg.logging
+        self.metrics = Metrics(self.logdir, lg.timeline_every,
+                               make_trackers(lg.trackers, self.logdir, lg.project, lg.experiment, plain(cfg)))
+        self.policy = self._scale_policy()
+        self.resumed_from = None  # the checkpoint folder resumed from
+        self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
+        state = self._resume() if args.resume else None
+        self.program = Program(cfg, self.world, self.tok, self.task, None, self._on_iteration,
+                               stream_state=state.stream if state else None,
+                               start_iteration=state.iteration if state else 0,
+                               version=state.version if state else 0)
+        if length_of is not None:
+            self.program.length_of = length_of
+        # the ranker reads prompt texts; its bootstrap measures each as the run prompts it (a chat
+        # with its system turn, truncated as train.overlong_prompts says), not as a bare text
+        texts = [prompt_text(it) for it in self.task.prompts("train")]
+        item_of = dict(zip(texts, self.task.prompts("train")))
+
+        def measure(ps: list[str]) -> list[float]:
+            return measure_lengths(self.program, [item_of.get(t, t) for t in ps])
+
+        self.ranker: Ranker | None = run_ranker(cfg, saved, self.resumed_from, measure, texts,
+                                                span=lambda: self.program.spans.span("ranker", self.program.iteration))
+        self.program.ranker = self.ranker
+        if state:
+            self.metrics.rewards = list(state.rewards)
+            self.program.ranker_rows = list(state.ranker_rows)
+        self.program.before_iteration = lambda i: admit(self, i)
+        self.progress = None
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    def _fitting_task(self, task):
+        """The task with its prompts checked against the engines' smallest context
+        (``prompt_check.check_task``); the SGS keeps what a joiner must hold."""
+        from controller.prompt_check import chat_without_template_note, check_task
+        stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
+        fitting, self.world.sgs.need = check_task(
+            task, self.cfg.train, self.cfg.task.name, min(st.max_model_len for st in stats),
+            lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
+        note = chat_without_template_note(fitting.prompts("train"), bool(self.tok.chat_template))
+        if note:
+            print(f"[controller] {note}", file=sys.stderr, flush=True)
+        self._derive_length(len(fitting.prompts("train")), len(task.prompts("train")))
+        return fitting
+
+    def _derive_length(self, kept: int, total: int) -> None:
+        """``train.epochs``: the run's iterations (and the LR schedule's length, on every trainer
+        rank) from the ``kept`` train prompts, before anything trains or a checkpoint is loaded."""
+        cfg, line = with_epochs(self.cfg, kept, total - kept)
+        if line is None:
+            return
+        if cfg.trainer.total_steps != self.cfg.trainer.total_steps:
+            wait_all([t.call("set_total_steps", cfg.trainer.total_steps) for t in self.world.trainers])
+        self.cfg = cfg
+        save_run_config(self.logdir, cfg, self.args, self._record.name)  # with the derived length
+        print(f"[controller] {line}", file=sys.stderr, flush=True)
+
+    def _scale_policy(self):
+        if not self.cfg.placement.elastic:
+            return None
+        return ScaleOutPolicy(self.world.sgs.slots[0].profile)
+
+    def _resume(self):
+        found = ckpt.find(self.args.resume, say_newer=True)
+        if found is None:  # the first start of a torchrun --max-restarts job has none yet
+            where = "does not exist" if not Path(self.args.resume).exists() else "holds no checkpoint"
+            print(f"[controller] --resume {self.args.resume}: the path {where} yet; starting fresh",
+                  file=sys.stderr, flush=True)
+            return None
+        from workers.trainer.checkpoint import check
+        from workers.trainer.lora import target_names
+
+        try:  # a damaged file or another model / algorithm: one line, before the trainers load it
+            state = ckpt.load_state(found)
+            t = self.cfg.trainer
+            check(found / "trainer", self.model_dir, t.algorithm, t.use_critic, t.lora_rank, t.lora_alpha,
+                  target_names(t.lora_target_modules))
+        except (OSError, ValueError) as e:
+            older = ckpt.previous(found)
+            raise ConfigError(f"--resume {self.args.resume}: {e}"
+                              + (f"; the previous checkpoint, {older}, is complete: --resume {older}" if older else "")
+                              ) from None
+        versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
+        self.resumed_from = found
+        if found.parent.resolve() == (self.logdir / "checkpoints").resolve():
+            ckpt.point_latest(found)  # this folder's lineage continues from here
+        self._saved = (state.iteration, found)
+        if state.mode != self.cfg.pipeline.mode:  # a REPL `mode` before that save; the config rules
+            print(f"[controller] the checkpoint was saved in pipeline.mode {state.mode!r}; this run uses its "
+                  f"config's {self.cfg.pipeline.mode!r} (--set pipeline.mode={state.mode} to keep that one)",
+                  file=sys.stderr, flush=True)
+        wait_all(self.world.push_weights(versions[0]))
+        state.version = versions[0]
+        print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
+              file=sys.stderr, flush=True)
+        if state.iteration >= self.cfg.train.iterations:
+            key = "train.epochs" if self.cfg.train.epochs is not None else "train.iterations"
+            print(f"[controller] that run is complete (iteration {state.iteration} of train.iterations "
+                  f"{self.cfg.train.iterations}): nothing to train; raise {key} "
+                  f"(--set {key}=N) to continue it", file=sys.stderr, flush=True)
+        return state
+
+    # ---- per-iteration hooks ---------------------------------------------------------------
+    def _on_iteration(self, res) -> None:
+        spans = self.program.drain_spans()
+        derived = self.metrics.log_iteration(res, spans)
+        skipped = int(res.metrics.get("skipped_samples", 0))
+        if skipped and not res.metrics.get("num_samples", 0):
+            raise RunStopped(f"iteration {res.iteration}: all {skipped} samples were skipped, so nothing was "
+                             "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
+                             "finite number ('the task's score raised ...'), samples refused as bad input, or "
+                             "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
+        c = self.cfg
+        if self.policy is not None:
+            lens = res.out_lens
+            if lens:
+                spare = len(self.waiting) + pending()  # processes waiting to join
+                d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
+                                        derived["time/train_busy_s"], lens, len(self.world.sgs.slots), spare=spare)
+                # the latest decision: a joiner arriving later is added at the next decision that still wants one
+                self.want_add = d.add
+                self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
+        if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
+            self.metrics.log_eval(evaluate(self.program, c.train.eval_prompts), res.iteration)
+        if c.train.ckpt_every and (res.iteration + 1) % c.train.ckpt_every == 0:
+            self.save_checkpoint(res.iteration + 1)
+        if self.progress is not None:
+            self.progress.update(self.task_id, advance=1,
+                                 description=f"RL {c.pipeline.mode} reward (last iteration) "
+                                             f"{res.metrics.get('reward_mean', 0):.3f}")
+        if c.logging.progress and (self.progress is None or not self.progress.console.is_terminal):
+            # a log file, a pipe or the REPL: rich draws its bar only at the end there
+            of = f"/{c.train.iterations}" if res.iteration < c.train.iterations else ""  # a REPL `run` may go on
+            print(f"[controller] iteration {res.iteration + 1}{of} ({self.program.mode.name}): "
+                  f"reward {res.metrics.get('reward_mean', 0):.3f}, {int(res.metrics.get('num_samples', 0))} "
+                  f"samples, {derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
+
+    def _eval_before_train(self) -> None:
+        """``train.eval_before_train``: the starting weights' scores, at step -1."""
+        logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts), -1)
+        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()
+                           if k.startswith("eval/") and k != "eval/unscored")
+        if logged.get("eval/unscored"):
+            scores += f"{', ' if scores else ''}{int(logged['eval/unscored'])} samples unscored"
+        print(f"[controller] evaluation before training (weight version {logged.get('weight_version', 0)}, "
+              f"{logged['prompts']} prompts): {scores}", file=sys.stderr, flush=True)
+
+    def save_checkpoint(self, next_iteration: int) -> Path:
+        state = ckpt.ControllerState(next_iteration, self.program.version,
+                                     self.program.stream_state_at(next_iteration),
+                                     self.program.mode.name, list(self.metrics.rewards), {},
+                                     list(self.program.ranker_rows))
+
+        def save_trainer(folder: str) -> str:  # rank 0 writes; a sharded optimizer's shares reach it
+            if self.cfg.trainer.shard_optimizer:
+                self.program.settle_push()
+            return wait_all([t.call("save_checkpoint", folder) for t in self.world.trainers])[0]
+
+        root = self.logdir / "checkpoints"
+        try:
+            with self.metrics.timed("save", next_iteration - 1):
+                saved = ckpt.save(root, state, save_trainer,
+                                  self.ranker if self.cfg.ranker.update_every else None)
+        except (OSError, ValueError, WorkerFailed) as e:  # a full disk, an unwritable folder (here or on the trainer)
+            if isinstance(e, WorkerFailed) and e.lost:
+                raise
+            kept = ckpt.find(root) if root.is_dir() else None
+            free = shutil.disk_usage(root if root.is_dir() else self.logdir).free if self.logdir.is_dir() else None
+            raise RunStopped(f"the checkpoint of iteration {next_iteration} could not be written under {root}"
+                             + (f" ({free / 2**20:.0f} MiB free there)" if free is not None else "")
+                             + f": {error_line(e)}; " + (f"the last checkpoint, {kept}, is intact" if kept else
+                                                          "no checkpoint was written before")) from None
+        if self.cfg.train.ckpt_keep is not None:  # the checkpoint resumed from stays, for another try from it
+            ckpt.prune(root, self.cfg.train.ckpt_keep,
+                       protect=[saved, self.resumed_from] if self.resumed_from else [saved])
+        self._saved = (next_iteration, saved)
+        return saved
+
+    def final_checkpoint(self) -> Path:
+        """The run's last checkpoint: the one already written for this iteration (by
+        ``train.ckpt_every``, or the one resumed from when nothing was trained) when it is in
+        this run folder, else a new one (a checkpoint is model + optimizer: not written twice)."""
+        it, folder = self._saved or (None, None)  # (the mode it records is not read on resume)
+        if it == self.program.iteration and folder.resolve().parent == (self.logdir / "checkpoints").resolve():
+            return folder
+        return self.save_checkpoint(self.program.iteration)
+
+    # ---- run ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.cfg
+        remaining = c.train.iterations - self.program.iteration
+        if self.args.repl:
+            from controller.repl import Repl
+
+            Repl(self).loop(sys.stdin, sys.stdout)
+        elif remaining > 0:
+            if c.train.eval_before_train and self.program.iteration == 0:  # a resumed run has its evaluations
+                self._eval_before_train()
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=Console(file=sys.stderr), disable=not c.logging.progress) as progress:
+                self.progress = progress
+                self.task_id = progress.add_task(f"RL {c.pipeline.mode}", total=remaining)
+                self.program.run(remaining)
+                self.progress = None
+        final = self.final_checkpoint()
+        if self.metrics.spans:
+            self.metrics.write_timeline(self.program.iteration)
+        summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
+        summary.update(logdir=str(self.logdir), checkpoint=str(final), mode=self.program.mode.name,
+                       rl_seconds=self.metrics.seconds,
+                       bootstrap_seconds=self.boot["seconds"], bootstrap_sft=self.boot["sft"],
+                       instances=len(self.world.sgs.slots))
+        self.metrics.close()
+        return summary
+
+
+def error_line(e: BaseException) -> str:
+    """The exception's own line (``OSError: [Errno 28] No space left on device``): for a worker's
+    error, the last line of its remote traceback that names one."""
+    if not isinstance(e, WorkerFailed):
+        return f"{type(e).__name__}: {e}"
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    named = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    return named[-1] if named else lines[0]
