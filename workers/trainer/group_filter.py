@@ -16,11 +16,32 @@ wait for the trainer to take the samples (reference log-probs, values).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
 
 T = TypeVar("T")  # a prepared sample: has .group_id and .score
 
 GatherIds = Callable[[list[int]], list[int]]  # this rank's kept group ids -> every rank's
+
+
+def gather_over(group, world_size: int, device: torch.device) -> GatherIds:
+    """The all-gather of kept group ids over the data-parallel ``group`` of ``world_size`` ranks
+    (every rank calls it once per step, with or without samples)."""
+    if world_size == 1:
+        return lambda ids: ids
+
+    def gather(ids: list[int]) -> list[int]:
+        every: list = [None] * world_size
+        # NCCL stages the pickled ids on the calling thread's current GPU: GPU 0 on the RPC
+        # thread step() runs on (workers.model.rank_device), the same for every rank of a node
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            dist.all_gather_object(every, ids, group=group)
+        return [g for rank_ids in every for g in rank_ids]
+
+    return gather
 
 
 def uniform(members: Sequence[T]) -> bool:

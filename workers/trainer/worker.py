@@ -43,7 +43,7 @@ from workers.trainer.advantages import whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
-from workers.trainer.group_filter import filter_groups, passing_groups, uniform
+from workers.trainer.group_filter import filter_groups, gather_over, passing_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer
@@ -325,18 +325,8 @@ class TrainerWorker:
         """DAPO's dynamic sampling filter over the iteration's groups on all ranks (each rank calls
         this once per step, with or without samples), before anything trains."""
         assert not self._trained_any, "filtering after training started"
-
-        def gather(ids: list[int]) -> list[int]:
-            if self.world_size == 1:
-                return ids
-            every: list = [None] * self.world_size
-            # NCCL stages the pickled ids on the calling thread's current GPU: GPU 0 on the RPC
-            # thread step() runs on (workers.model.rank_device), the same for every rank of a node
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-                dist.all_gather_object(every, ids, group=self.group)
-            return [g for rank_ids in every for g in rank_ids]
-
-        kept, counts = filter_groups(list(self.buffer.ready), self.cfg.train_groups, gather,
+        kept, counts = filter_groups(list(self.buffer.ready), self.cfg.train_groups,
+                                     gather_over(self.group, self.world_size, self.device),
                                      drop_single=self.cfg.grouped)
         self.buffer.keep_ready(kept)
         for k, v in counts.items():
