@@ -10,7 +10,7 @@ from typing import Any
 
 from workers import config_schema
 from workers.config_schema import ConfigError, Range  # noqa: F401  (ConfigError: the run config's error)
-from workers.trainer.config import VERL_LOSS_AGGS
+from workers.trainer.config import VERL_LOSS_AGGS, VERL_POLICY_LOSS_KEYS
 
 # verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
 VERL_KEYS = {
@@ -23,7 +23,9 @@ VERL_KEYS = {
     "max_actor_ckpt_to_keep": "train.ckpt_keep",
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
-    "loss_mode": "trainer.policy_loss (vanilla: ppo; gspo: gspo, with trainer.loss_agg: seq_mean)",
+    "loss_mode": "trainer.policy_loss (vanilla: ppo; gspo, sapo, geo_mean with trainer.loss_agg: seq_mean; cispo, "
+                 "gpg, clip_cov, kl_cov)",
+    **VERL_POLICY_LOSS_KEYS,
     "entropy_coeff": "trainer.entropy_coef",
     "enable_gradient_checkpointing": "trainer.activation_checkpointing (actor and critic)",
     "loss_agg_mode": "trainer.loss_agg (" + ", ".join(f"{v}: {o}" for v, o in VERL_LOSS_AGGS.items()) + ")",

@@ -161,8 +161,9 @@ def test_config_takes_gspo_with_seq_mean_and_refuses_the_rest():
         TrainerConfig(policy_loss="gspo", loss_agg="seq_mean", dual_clip=3.0)
     with pytest.raises(ValueError, match=r"^trainer.policy_loss: 'vanilla' is verl's name; here it is 'ppo'"):
         TrainerConfig(policy_loss="vanilla")
-    with pytest.raises(ValueError, match=re.escape("trainer.policy_loss: 'sapo' is not one of ('ppo', 'gspo')")):
-        TrainerConfig(policy_loss="sapo")
+    with pytest.raises(ValueError, match=re.escape("trainer.policy_loss: 'bypass_mode' is not one of ('ppo', 'gspo', "
+                                                   "'cispo', 'geo_mean', 'sapo', 'gpg', 'clip_cov', 'kl_cov')")):
+        TrainerConfig(policy_loss="bypass_mode")
     # a run config: the same message, as a config error
     with pytest.raises(ConfigError, match=r"trainer.loss_agg: policy_loss 'gspo'"):
         from_dict({"trainer": {"policy_loss": "gspo"}})

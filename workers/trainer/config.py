@@ -26,8 +26,25 @@ SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 # verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)
 VERL_KL_ESTIMATORS = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "mse+": "k2", "low_var_kl+": "k3+"}
-POLICY_LOSSES = ("ppo", "gspo")  # workers/trainer/losses.py POLICY_LOSSES
-VERL_POLICY_LOSSES = {"vanilla": "ppo"}  # verl's actor.policy_loss.loss_mode -> ours
+# trainer.policy_loss (workers/trainer/losses.py POLICY_LOSSES, same order) -> the knobs it reads; a knob
+# of this table set to anything but its default under a policy_loss that does not read it is refused
+POLICY_LOSS_KNOBS = {"ppo": ("clip_low", "clip_high", "dual_clip"), "gspo": ("clip_low", "clip_high"),
+                     "cispo": ("clip_low", "clip_high"), "geo_mean": ("clip_low", "clip_high"),
+                     "sapo": ("sapo_tau_pos", "sapo_tau_neg"), "gpg": (),
+                     "clip_cov": ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+                     "kl_cov": ("kl_cov_ratio", "kl_cov_coef")}
+POLICY_LOSSES = tuple(POLICY_LOSS_KNOBS)
+# verl's actor.policy_loss.loss_mode -> ours (verl's docs spell clip-cov / kl-cov; its registry does not)
+VERL_POLICY_LOSSES = {"vanilla": "ppo", "clip-cov": "clip_cov", "kl-cov": "kl_cov"}
+# verl's keys of these knobs -> ours (for the run config's unknown-key hint, controller/config_types.py)
+VERL_POLICY_LOSS_KEYS = {"tau_pos": "trainer.sapo_tau_pos", "tau_neg": "trainer.sapo_tau_neg",
+                         "ppo_kl_coef": "trainer.kl_cov_coef (kl_cov's coefficient)"}
+# verl aggregates these losses seq-mean-token-mean whatever loss_agg_mode says: loss_agg seq_mean is required
+SEQ_MEAN_POLICY_LOSSES = {"gspo": "verl's gspo forces seq-mean-token-mean whatever loss_agg_mode says",
+                          "sapo": "verl's sapo forces seq-mean-token-mean whatever loss_agg_mode says",
+                          "geo_mean": "one loss per sequence; verl's geo_mean averages them over the sequences "
+                                      "whatever loss_agg_mode says"}
+NO_CLIP_FLOOR = ("cispo", "geo_mean")  # clip_low >= 1 is meaningful: no lower clip / a log-space bound
 KL_MODES = ("loss", "reward")
 LOSS_AGGS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # verl's loss_agg_mode values -> ours (refused with the name to use, not taken silently)
@@ -48,10 +65,15 @@ class TrainerConfig:
     minus its group's mean, whitened over the batch). ``clip_low`` / ``clip_high``: ratio clipped to
     [1 - clip_low, 1 + clip_high] (clip-higher when high > low). ``dual_clip``: c > 1 bounds the
     loss of negative-advantage tokens by ``c * |A|`` (None: off). ``policy_loss`` (verl's
-    ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token) or ``gspo``
-    (GSPO: one ratio per sequence, the geometric mean of its tokens'; needs ``loss_agg: seq_mean``,
-    as verl's gspo forces seq-mean-token-mean, and no ``dual_clip``; its clip ranges are tiny, the
-    paper's 3e-4 / 4e-4). ``kl_estimator``: ``k1``, ``k2`` (verl's mse), ``k3`` (verl's
+    ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token), ``gspo``
+    (GSPO: one ratio per sequence, the geometric mean of its tokens'; its clip ranges are tiny, the
+    paper's 3e-4 / 4e-4), ``cispo`` (clipped IS weight, constant, times logp), ``geo_mean`` (GMPO:
+    the geometric mean of the tokens' clipped ratios; clip_low / clip_high bound log r),
+    ``sapo`` (a sigmoid gate, ``sapo_tau_pos`` / ``sapo_tau_neg``), ``gpg`` (-A logp),
+    ``clip_cov`` / ``kl_cov`` (tokens picked by their covariance of A and logp within a
+    micro-batch: ``clip_cov_*``, ``kl_cov_*``); gspo, sapo and geo_mean need ``loss_agg:
+    seq_mean`` (verl forces it), and only ppo takes ``dual_clip`` (``workers/trainer/losses.py``).
+    ``kl_estimator``: ``k1``, ``k2`` (verl's mse), ``k3`` (verl's
     low_var_kl), ``abs``, or ``k1+`` / ``k3+`` / ``abs+`` (the value of that estimator, the
     gradient of k2). ``kl_mode`` ``loss`` adds
     ``kl_coef * KL`` to the loss, ``reward`` subtracts it from the reward; there ``kl_target`` > 0
@@ -128,8 +150,18 @@ class TrainerConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    # ppo: a ratio per token; gspo: one per sequence (verl's actor.policy_loss.loss_mode vanilla / gspo)
+    # verl's actor.policy_loss.loss_mode (vanilla: ppo): POLICY_LOSS_KNOBS, docs/trainer.md
     policy_loss: str = "ppo"
+    # policy_loss sapo's gate temperatures where A > 0 / A <= 0 (verl's actor.tau_pos / tau_neg)
+    sapo_tau_pos: float = ranged(1.0, Range(0, open_lo=True))
+    sapo_tau_neg: float = ranged(1.05, Range(0, open_lo=True))
+    # policy_loss clip_cov / kl_cov (verl's actor.policy_loss.*): the share of a micro-batch's tokens
+    # detached / penalised, clip_cov's covariance range, kl_cov's coefficient (verl's ppo_kl_coef)
+    clip_cov_ratio: float = ranged(2e-4, Range(0, 1, open_lo=True))
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = ranged(2e-4, Range(0, 1, open_lo=True))
+    kl_cov_coef: float = ranged(0.1, Range(0, open_lo=True))
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_mode: str = "loss"
@@ -191,13 +223,7 @@ class TrainerConfig:
         _one_of("kl_mode", self.kl_mode, KL_MODES)
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
         _one_of("policy_loss", self.policy_loss, POLICY_LOSSES, VERL_POLICY_LOSSES)
-        if self.policy_loss == "gspo" and self.loss_agg != "seq_mean":
-            raise ValueError(f"trainer.loss_agg: policy_loss 'gspo' averages each sequence's token losses, then the "
-                             f"sequences (verl's gspo forces seq-mean-token-mean whatever loss_agg_mode says); set "
-                             f"loss_agg: seq_mean, not {self.loss_agg!r}")
-        if self.policy_loss == "gspo" and self.dual_clip is not None:
-            raise ValueError(f"trainer.dual_clip ({self.dual_clip}): policy_loss 'gspo' has no dual clip (verl's gspo "
-                             f"ignores clip_ratio_c); leave it out")
+        self._check_policy_loss()
         if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_scale_factor is None:
             raise ValueError("trainer.loss_scale_factor: loss_agg 'seq_mean_token_sum_norm' divides each sequence's "
                              "token sum by this constant (verl: the padded response length, max_response_length); "
@@ -238,8 +264,9 @@ class TrainerConfig:
         if self.warmup_ratio and self.warmup_steps:
             raise ValueError(f"trainer.warmup_steps ({self.warmup_steps}) and trainer.warmup_ratio "
                              f"({self.warmup_ratio}) both set the LR warmup; set one")
-        if self.clip_low >= 1:
-            raise ValueError(f"trainer.clip_low must be < 1, got {self.clip_low}")
+        if self.clip_low >= 1 and self.policy_loss not in NO_CLIP_FLOOR:
+            raise ValueError(f"trainer.clip_low must be < 1, got {self.clip_low} (policy_loss cispo or geo_mean "
+                             f"take more)")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"trainer.dual_clip must be > 1 (or null), got {self.dual_clip}")
         if not (0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1):
@@ -287,6 +314,36 @@ class TrainerConfig:
             raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm "
                              f"{' / '.join(map(repr, WHITENED))}, not {self.algorithm!r} (its advantages are "
                              f"normalised within each group)")
+
+    def _check_policy_loss(self) -> None:
+        """``policy_loss``'s aggregation and knobs: what verl forces, what it reads, their values."""
+        mode = self.policy_loss
+        if mode in SEQ_MEAN_POLICY_LOSSES and self.loss_agg != "seq_mean":
+            raise ValueError(f"trainer.loss_agg: policy_loss {mode!r} averages each sequence's token losses, then the "
+                             f"sequences ({SEQ_MEAN_POLICY_LOSSES[mode]}); set loss_agg: seq_mean, not "
+                             f"{self.loss_agg!r}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in dict.fromkeys(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs):
+            if name not in POLICY_LOSS_KNOBS[mode] and getattr(self, name) != defaults[name]:
+                users = " / ".join(repr(m) for m, knobs in POLICY_LOSS_KNOBS.items() if name in knobs)
+                what = f"no dual clip (verl's {mode} ignores clip_ratio_c)" if name == "dual_clip" else "no use for it"
+                raise ValueError(f"trainer.{name} ({getattr(self, name)!r}): policy_loss {mode!r} has {what}; only "
+                                 f"{users} read it; leave it out")
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "kl_cov_coef"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):  # a share of the micro-batch's tokens (at least one)
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"trainer.{name} must be in (0, 1], got {getattr(self, name)}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"trainer.clip_cov_lb ({self.clip_cov_lb}) must be < trainer.clip_cov_ub "
+                             f"({self.clip_cov_ub}): clip_cov draws tokens whose covariance lies between them")
+
+    @property
+    def tis_per_sequence(self) -> bool:
+        """``tis_cap``'s weights enter as each sequence's geometric mean (geo_mean's loss is one per
+        sequence; verl's)."""
+        return self.policy_loss == "geo_mean"
 
     @property
     def kl_in_reward(self) -> bool:

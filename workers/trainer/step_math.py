@@ -8,6 +8,7 @@ whitening of GAE advantages over the batch is the worker's, at ``step()``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -20,8 +21,8 @@ from workers.trainer.advantages import gae, grpo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
-from workers.trainer.losses import (POLICY_LOSSES, aggregate_sum, clipped_value_loss, entropy_from_logits,
-                                    fraction_agg, loss_divisor)
+from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, clipped_value_loss,
+                                    entropy_from_logits, fraction_agg, loss_divisor, sequence_geometric_mean)
 from workers.trainer.packing import pack, response_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -168,9 +169,11 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     frac = fraction_agg(cfg.loss_agg)
 
     pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens, cfg.clip_low,
-                                                        cfg.clip_high, cfg.dual_clip)  # [N] each
+                                                        cfg.clip_high, cfg.dual_clip, policy_knobs(cfg))  # [N] each
     tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.tis_cap > 0 else None
     if tis is not None:
+        if cfg.tis_per_sequence:  # geo_mean: one loss per sequence, weighted by the geometric mean (verl's)
+            tis = sequence_geometric_mean(tis, batch.seq_index, batch.seq_lens)
         pg = pg * tis  # truncated importance sampling: sampler -> trainer's old policy (constant weights)
     kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref)  # [N]
     terms = pg
@@ -202,6 +205,11 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         stats.update(value_loss=vl.detach(), vf_clipfrac=agg(v_clipped, frac), values_sum=old_v.sum(),
                      returns_sum=ret.sum(), vpred_sum=values.detach().sum())
     return loss, stats
+
+
+def policy_knobs(cfg: TrainerConfig) -> PolicyKnobs:
+    """The ``trainer.*`` keys only some policy losses read (``PolicyKnobs``' fields, same names)."""
+    return PolicyKnobs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PolicyKnobs)})
 
 
 class StatSums:
