@@ -1,5 +1,5 @@
-"""Advantage estimators: GAE (with a critic), GRPO group-normalised, RLOO leave-one-out; the
-batch whitening verl applies to GAE advantages."""
+"""Advantage estimators: GAE (with a critic), GRPO group-normalised, RLOO leave-one-out, OPO's
+length-weighted baseline, GRPO pass@k; the batch whitening verl applies to GAE advantages."""
 from __future__ import annotations
 
 from typing import Callable
@@ -77,3 +77,28 @@ def rloo(scores: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(scores)
     s = (scores - scores[:1]).double()  # shift-invariant; equal scores -> exact zeros (as grpo)
     return (s - (s.sum() - s) / (g - 1)).to(scores.dtype)
+
+
+def opo(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"; verl's ``opo``).
+    scores, lengths: [G] of one group (lengths: response tokens) -> [G]: r_i - b with the
+    length-weighted baseline b = sum_j l_j r_j / sum_j l_j (0 for G = 1)."""
+    if scores.numel() < 2:
+        return torch.zeros_like(scores)
+    s, w = (scores - scores[:1]).double(), lengths.double()  # shift-invariant, as grpo
+    return (s - (w * s).sum() / w.sum()).to(scores.dtype)
+
+
+def grpo_passk(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
+    """Pass@k training (Chen et al. 2025, arXiv 2503.19595; verl's ``grpo_passk``). scores: [G] ->
+    [G]: zero except the best sample's (the first of equal bests, as ``torch.topk``), which gets
+    r_max - r_second, divided by (std + eps) with ``std_normalize`` (std unbiased). 0 for G = 1."""
+    adv = torch.zeros_like(scores)
+    if scores.numel() < 2:
+        return adv
+    top = torch.topk(scores.double(), 2)
+    a = top.values[0] - top.values[1]
+    if std_normalize:
+        a = a / (scores.double().std() + eps)
+    adv[top.indices[0]] = a.to(scores.dtype)
+    return adv

@@ -8,8 +8,9 @@ from dataclasses import dataclass, fields
 from workers.config_schema import SEEDS, Range, ranged
 from workers.tasks.reward_pool import REWARD_POOLS
 
-ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages compare a group's samples
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
+# advantages compare a group's samples (step_math.GROUP_ADVANTAGES)
+GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
 WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
 # knobs only some algorithms read: set to anything but their default under another, refused
 _CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
@@ -17,7 +18,9 @@ _GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
 UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "rloo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "reinforce_plus_plus": _CRITIC_KNOBS + _GRPO_KNOBS,  # gamma: its returns' discount
-                "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
+                "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
+                "opo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
+                "grpo_passk": _CRITIC_KNOBS + ("gamma",)}
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),
@@ -62,7 +65,9 @@ class TrainerConfig:
     algorithm: ``ppo`` (GAE with a critic), ``grpo`` (group-normalised scores), ``rloo``
     (leave-one-out baseline), ``reinforce_plus_plus`` (REINFORCE++: each token's discounted return
     of the reward, ``gamma``, whitened over the batch), ``reinforce_plus_plus_baseline`` (the score
-    minus its group's mean, whitened over the batch). ``clip_low`` / ``clip_high``: ratio clipped to
+    minus its group's mean, whitened over the batch), ``opo`` (the score minus the group's
+    length-weighted mean score), ``grpo_passk`` (pass@k: only a group's best sample learns, from
+    its lead over the second best, std-normalised as grpo). ``clip_low`` / ``clip_high``: ratio clipped to
     [1 - clip_low, 1 + clip_high] (clip-higher when high > low). ``dual_clip``: c > 1 bounds the
     loss of negative-advantage tokens by ``c * |A|`` (None: off). ``policy_loss`` (verl's
     ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token), ``gspo``
@@ -378,7 +383,7 @@ class TrainerConfig:
 
     @property
     def grouped(self) -> bool:
-        """Advantages need every sample of a group (grpo, rloo, reinforce_plus_plus_baseline)."""
+        """Advantages need every sample of a group (``GROUPED``)."""
         return self.algorithm in GROUPED
 
     @property

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from workers.trainer.advantages import gae, grpo, rloo
+from workers.trainer.advantages import gae, grpo, grpo_passk, opo, rloo
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
@@ -138,17 +138,21 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str]:
     return score, why
 
 
-GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, TrainerConfig], torch.Tensor]] = {
-    "grpo": lambda r, cfg: grpo(r, cfg.adv_eps, cfg.grpo_std_normalize),
-    "rloo": lambda r, cfg: rloo(r),
-    "reinforce_plus_plus_baseline": lambda r, cfg: grpo(r, std_normalize=False),  # r - group mean
+# trainer.algorithm -> (the group's rewards [G], their response lengths [G], config) -> advantages [G]
+GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor, TrainerConfig], torch.Tensor]] = {
+    "grpo": lambda r, n, cfg: grpo(r, cfg.adv_eps, cfg.grpo_std_normalize),
+    "rloo": lambda r, n, cfg: rloo(r),
+    "reinforce_plus_plus_baseline": lambda r, n, cfg: grpo(r, std_normalize=False),  # r - group mean
+    "opo": lambda r, n, cfg: opo(r, n),
+    "grpo_passk": lambda r, n, cfg: grpo_passk(r, cfg.adv_eps, cfg.grpo_std_normalize),
 }
 
 
 def group_advantages(cfg: TrainerConfig, members: list[Prepared]) -> None:
     """Fill ``adv`` [L] of every member from the group's sequence rewards."""
     rewards = torch.tensor([p.reward for p in members], dtype=torch.float32)  # [G]
-    adv = GROUP_ADVANTAGES[cfg.algorithm](rewards, cfg)  # [G]
+    lengths = torch.tensor([p.num_tokens for p in members], dtype=torch.float32)  # [G]
+    adv = GROUP_ADVANTAGES[cfg.algorithm](rewards, lengths, cfg)  # [G]
     for p, a in zip(members, adv):
         p.adv = a.expand(p.num_tokens).clone()
 
