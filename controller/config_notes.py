@@ -11,9 +11,9 @@ def config_notes(cfg) -> list[str]:
 
 
 def whitening_note(cfg) -> str | None:
-    """The one-line notice for whitened advantages (verl's default for PPO and REINFORCE++) or the
-    group filter in a mode that streams samples into the trainer: training then waits for each
-    iteration's last sample."""
+    """The one-line notice for whitened advantages (verl's default for PPO and REINFORCE++), the
+    group filter or the importance weights' batch normalisation in a mode that streams samples
+    into the trainer: training then waits for each iteration's last sample."""
     t = cfg.trainer
     if MODES[cfg.pipeline.mode].release == "all":
         return None
@@ -26,6 +26,10 @@ def whitening_note(cfg) -> str | None:
         return (f"pipeline.mode {cfg.pipeline.mode} with trainer.filter_groups: the filter picks the groups to train "
                 "from all of the iteration's, so the trainer's forward/backward run at the end of each iteration, "
                 "not while samples stream in")
+    if t.rollout_is_batch_normalize:
+        return (f"pipeline.mode {cfg.pipeline.mode} with trainer.rollout_is_batch_normalize: the importance weights "
+                "are divided by their mean over all of the iteration's samples (verl's batch), so the trainer's "
+                "forward/backward run at the end of each iteration, not while samples stream in")
     return None
 
 
@@ -33,11 +37,12 @@ def off_policy_note(cfg) -> str | None:
     """The one-line notice for an async mode whose PPO old log-probs are the trainer's (top-k /
     top-p sampling makes them so): the ratio is then 1 on the one-step-stale samples."""
     t = cfg.trainer
-    if MODES[cfg.pipeline.mode].lag > 0 and t.recomputes_old_logprobs and t.tis_cap == 0:
+    if MODES[cfg.pipeline.mode].lag > 0 and t.recomputes_old_logprobs and t.is_level is None:
         return (f"pipeline.mode {cfg.pipeline.mode} trains samples of the previous weights, and the PPO old "
                 "log-probs are the trainer's own (trainer.recompute_old_logprobs, on with train.top_k / top_p): "
-                "the ratio starts at 1, so nothing corrects for the staleness (as verl's one-step off-policy); "
-                "trainer.tis_cap (e.g. 2) weights each token by the trainer/sampler probability ratio")
+                "the ratio starts at 1, so nothing weights for the staleness (as verl's one-step off-policy); "
+                "trainer.rollout_is: token (or sequence; verl's rollout_correction, trainer.tis_cap e.g. 2 is "
+                "its token form) weights each token by the trainer/sampler probability ratio")
     return None
 
 

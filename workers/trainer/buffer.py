@@ -31,7 +31,10 @@ class Prepared:
     returns: torch.Tensor | None = None
     weight_version: int = 0
     min_tokens: int = 0  # EOS was not allowed before this many outputs (Sample.min_tokens)
-    tis_weight: torch.Tensor | None = None  # [L] min(pi_old / pi_sampler, tis_cap) (TrainerConfig.tis_cap)
+    # rollout correction (workers/trainer/rollout_correction.py; TrainerConfig.rollout_is / tis_cap, rollout_rs):
+    tis_weight: torch.Tensor | None = None  # [L] truncated importance weight of pi_old / pi_sampler (normalised)
+    keep: torch.Tensor | None = None  # [L] bool: the tokens rejection sampling keeps (None: all)
+    correction: dict[str, float] = field(default_factory=dict)  # its rollout_corr/* metric terms
     overlong: float = 0.0  # the overlong penalty added to the reward (<= 0; TrainerConfig.overlong_buffer)
     reward_kl: float = 0.0  # mean per-token KL(old || ref) of the sample, what kl_mode reward penalises
 

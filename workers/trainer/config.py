@@ -24,7 +24,9 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),
-                  "train_groups": ("max_gen_batches",)}  # refills (max_gen_batches) aim at train_groups
+                  "train_groups": ("max_gen_batches",),  # refills (max_gen_batches) aim at train_groups
+                  "rollout_is": ("rollout_is_threshold", "rollout_is_batch_normalize"),
+                  "rollout_rs": ("rollout_rs_threshold",)}
 # workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 # verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)
@@ -101,7 +103,20 @@ class TrainerConfig:
     policy loss is weighted by ``min(pi_old / pi_sampler, tis_cap)``, the sampler's being the
     distribution the token was drawn from: one-step-stale weights in the async modes, top-k /
     top-p filtering, engine-vs-trainer numerics. Without it, recomputed old log-probs make the
-    PPO ratio 1 on stale samples (verl's one-step-off-policy does the same).
+    PPO ratio 1 on stale samples (verl's one-step-off-policy does the same). It is
+    ``rollout_is: token`` with ``rollout_is_threshold: tis_cap`` (setting both is refused).
+    Rollout correction (verl's ``algorithm.rollout_correction``, its decoupled mode;
+    ``workers/trainer/rollout_correction.py``): ``rollout_is`` (None: off) ``token`` weights each
+    token's policy loss by min(pi_old / pi_sampler, ``rollout_is_threshold``), ``sequence`` by
+    min(prod_t pi_old / pi_sampler, threshold) on every token of the sequence (the threshold's
+    default, None, is verl's 2.0); ``rollout_is_batch_normalize`` divides the weights by their
+    mean over the iteration's tokens (token) or sequences (sequence), all ranks, at ``step()``,
+    so with it training waits for the iteration's last sample, as with whitening.
+    ``rollout_rs`` (None: off): rejection sampling, verl's comma-separated options (token_k1..3,
+    seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3) with ``rollout_rs_threshold`` (one per
+    option or one for all; k1: ``lower_upper`` ratio bounds, or an upper one whose reciprocal is
+    the lower); a rejected token (or sequence) is dropped from every loss term and from the
+    token / sequence counts the loss is divided by. Either turns the trainer's old log-probs on.
     ``temperature``: the sampling temperature the samples were drawn at; every log-prob the
     trainer takes (policy, old, reference; entropy) is of ``softmax(logits / temperature)``,
     the distribution the sampler's log-probs are of (as verl divides the logits by the rollout
@@ -207,6 +222,12 @@ class TrainerConfig:
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
     tis_cap: float = 0.0  # truncated importance sampling cap (verl's actor.tis_imp_ratio_cap); 0: off
+    # rollout correction (verl's algorithm.rollout_correction, decoupled): pi_old / pi_sampler per sample
+    rollout_is: str | None = None  # importance weights: token / sequence (None: off)
+    rollout_is_threshold: float | None = None  # their truncation (None: 2.0, verl's default)
+    rollout_is_batch_normalize: bool = False  # weights / their iteration mean (training waits for step())
+    rollout_rs: str | None = None  # rejection sampling: comma-separated options (rollout_correction.RS_OPTIONS)
+    rollout_rs_threshold: str | float | None = None  # one per option, or one for all (k1: "lower_upper")
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
     ppo_epochs: int = 1  # passes over the iteration's samples
     mini_batches: int = 1  # optimizer updates per pass (verl: train_batch_size / ppo_mini_batch_size)
@@ -229,6 +250,7 @@ class TrainerConfig:
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
         _one_of("policy_loss", self.policy_loss, POLICY_LOSSES, VERL_POLICY_LOSSES)
         self._check_policy_loss()
+        self._check_rollout_correction()
         if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_scale_factor is None:
             raise ValueError("trainer.loss_scale_factor: loss_agg 'seq_mean_token_sum_norm' divides each sequence's "
                              "token sum by this constant (verl: the padded response length, max_response_length); "
@@ -308,7 +330,8 @@ class TrainerConfig:
             if not getattr(self, switch):
                 for name in knobs:
                     if getattr(self, name) != defaults[name]:
-                        on = ": true" if isinstance(defaults[switch], bool) else " > 0"
+                        on = (": true" if isinstance(defaults[switch], bool) else
+                              " set" if defaults[switch] is None else " > 0")
                         raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch}"
                                          f"{on}; leave it out or set {switch}")
         if self.kl_target > 0 and not self.kl_in_reward:
@@ -344,10 +367,59 @@ class TrainerConfig:
             raise ValueError(f"trainer.clip_cov_lb ({self.clip_cov_lb}) must be < trainer.clip_cov_ub "
                              f"({self.clip_cov_ub}): clip_cov draws tokens whose covariance lies between them")
 
+    def _check_rollout_correction(self) -> None:
+        """trainer.rollout_is / rollout_rs: their values, tis_cap beside them, the policy losses
+        whose sequence statistics a token-level rejection would change."""
+        from workers.trainer.rollout_correction import IS_WEIGHTS, parse_rejection
+
+        if self.rollout_is is not None and self.rollout_is not in IS_WEIGHTS:
+            raise ValueError(f"trainer.rollout_is: {self.rollout_is!r} is not one of {tuple(IS_WEIGHTS)} (or null: off)")
+        if self.rollout_is_threshold is not None and not self.rollout_is_threshold > 0:
+            raise ValueError(f"trainer.rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
+        if self.tis_cap > 0 and self.rollout_is is not None:
+            raise ValueError(f"trainer.tis_cap ({self.tis_cap}) is trainer.rollout_is: token with rollout_is_threshold: "
+                             f"{self.tis_cap} (verl's older actor.tis_imp_ratio_cap); set one, not both")
+        if self.rollout_rs is None:
+            return
+        checks = parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
+        if self.policy_loss in ("clip_cov", "kl_cov"):
+            raise ValueError(f"trainer.rollout_rs: policy_loss {self.policy_loss!r} picks its tokens by statistics of "
+                             f"the micro-batch's tokens, and here those would include rejected ones (verl's exclude "
+                             f"them); rejection sampling is not available with it")
+        token_level = [c.option for c in checks if c.level == "token"]
+        if token_level and self.policy_loss in ("gspo", "geo_mean"):
+            raise ValueError(f"trainer.rollout_rs: {', '.join(token_level)} rejects single tokens, and policy_loss "
+                             f"{self.policy_loss!r} averages each sequence's tokens over all of them here (verl: over "
+                             f"the kept ones); use a sequence-level option (seq_sum_*, seq_mean_*, seq_max_*)")
+
+    @property
+    def is_level(self) -> str | None:
+        """The importance weights' level: ``rollout_is``, or ``token`` under ``tis_cap`` (None: none)."""
+        return "token" if self.tis_cap > 0 else self.rollout_is
+
+    @property
+    def is_threshold(self) -> float:
+        """Their truncation: ``tis_cap``, or ``rollout_is_threshold`` (verl's 2.0 unless set)."""
+        if self.tis_cap > 0:
+            return self.tis_cap
+        return 2.0 if self.rollout_is_threshold is None else self.rollout_is_threshold
+
+    @property
+    def rejection_checks(self) -> tuple:
+        """``rollout_rs`` parsed: ``rollout_correction.RejectionCheck`` each (empty: no rejection)."""
+        from workers.trainer.rollout_correction import parse_rejection
+
+        return parse_rejection(self.rollout_rs, self.rollout_rs_threshold) if self.rollout_rs is not None else ()
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Importance weights or rejection from the sampler's to the trainer's old log-probs."""
+        return self.is_level is not None or self.rollout_rs is not None
+
     @property
     def tis_per_sequence(self) -> bool:
-        """``tis_cap``'s weights enter as each sequence's geometric mean (geo_mean's loss is one per
-        sequence; verl's)."""
+        """The importance weights (``tis_cap``, ``rollout_is``) enter as each sequence's geometric
+        mean (geo_mean's loss is one per sequence; verl's)."""
         return self.policy_loss == "geo_mean"
 
     @property
@@ -377,9 +449,9 @@ class TrainerConfig:
 
     @property
     def trains_at_step(self) -> bool:
-        """Training waits for the iteration's last sample: whitening and the group filter need
-        them all (``receive`` only prepares samples)."""
-        return self.whiten or self.filter_groups
+        """Training waits for the iteration's last sample: whitening, the group filter and the
+        importance weights' batch normalisation need them all (``receive`` only prepares samples)."""
+        return self.whiten or self.filter_groups or self.rollout_is_batch_normalize
 
     @property
     def grouped(self) -> bool:
@@ -388,13 +460,15 @@ class TrainerConfig:
 
     @property
     def recomputes_old_logprobs(self) -> bool:
-        """The PPO "old" log-probs are the trainer's own at receive time (``tis_cap`` needs them)."""
-        return self.recompute_old_logprobs or self.tis_cap > 0
+        """The PPO "old" log-probs are the trainer's own at receive time (rollout correction,
+        ``tis_cap`` included, needs them)."""
+        return self.recompute_old_logprobs or self.corrects_rollout
 
     @property
     def uses_sampler_logprobs(self) -> bool:
-        """The samples' own log-probs are read: as the PPO old policy, or as TIS's denominator."""
-        return not self.recomputes_old_logprobs or self.tis_cap > 0
+        """The samples' own log-probs are read: as the PPO old policy, or as rollout correction's
+        pi_sampler."""
+        return not self.recomputes_old_logprobs or self.corrects_rollout
 
 
 def _one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:

@@ -24,6 +24,7 @@ from workers.trainer.kl import KL_ESTIMATORS
 from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, clipped_value_loss,
                                     entropy_from_logits, fraction_agg, loss_divisor, sequence_geometric_mean)
 from workers.trainer.packing import pack, response_logits, token_logprobs
+from workers.trainer import rollout_correction as rc
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -67,6 +68,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
     penalise = cfg.kl_in_reward
     beta = w.kl.value  # this iteration's coefficient (adapted after each step with trainer.kl_target)
     overlong = [overlong_penalty(len(s.output_ids), cfg) for s in samples]
+    checks = cfg.rejection_checks
     out: list[Prepared | str] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
         score, why = _score(w, s, scores[s.sample_id])
@@ -79,8 +81,8 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
                      reward=shaped - (beta * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i],
                      reward_kl=float(kl_i.mean()) if kl_i.numel() else 0.0)
-        if cfg.tis_cap > 0:  # log-ratio capped before exp: the weight is finite whatever the gap
-            p.tis_weight = torch.exp((old_i - sampler_of[i]).clamp(max=math.log(cfg.tis_cap)))
+        if cfg.corrects_rollout:  # pi_old / pi_sampler: importance weights, rejection, their metrics
+            correct_sample(p, sampler_of[i], cfg, checks)
         if values is not None or cfg.token_returns:  # per-token rewards: GAE, or REINFORCE++'s returns
             p.token_rewards = -beta * kl_i if penalise else torch.zeros_like(kl_i)
             p.token_rewards[-1] += shaped
@@ -91,6 +93,19 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
             p.adv = gae(p.token_rewards, torch.zeros_like(kl_i), cfg.gamma, 1.0)[0]
         out.append(p)
     return out
+
+
+def correct_sample(p: Prepared, sampler: torch.Tensor, cfg: TrainerConfig, checks: tuple) -> None:
+    """Fill ``p.tis_weight`` [L] (with ``rollout_is`` / ``tis_cap``), ``p.keep`` [L] (with
+    ``rollout_rs``: ``checks``, its parse) and ``p.correction`` from ``p.old_logp`` (the trainer's)
+    and ``sampler`` [L] (the sample's own log-probs)."""
+    log_r = p.old_logp - sampler  # [L]
+    raw = None
+    if cfg.is_level is not None:
+        p.tis_weight, raw = rc.is_weights(log_r, cfg.is_level, cfg.is_threshold)
+    if checks:
+        p.keep = rc.keep_mask(log_r, checks)
+    p.correction = rc.sample_stats(p.old_logp, sampler, cfg.is_level, cfg.is_threshold, raw, p.keep)
 
 
 def overlong_penalty(length: int, cfg: TrainerConfig) -> float:
@@ -166,19 +181,28 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     old = torch.cat([p.old_logp for p in items]).to(dev)
     ref = torch.cat([p.ref_logp for p in items]).to(dev)
     adv = torch.cat([p.adv for p in items]).to(dev)
+    # rollout_rs: rejected tokens leave every term, and the token / sequence counts (verl's response_mask)
+    keep = torch.cat([p.keep for p in items]).to(dev) if cfg.rollout_rs is not None else None  # [N] bool
+    lens = batch.seq_lens if keep is None else (  # [B] the tokens of each sequence that count
+        torch.zeros_like(batch.seq_lens).index_add_(0, batch.seq_index, keep.long()))
 
     def agg(x: torch.Tensor, mode: str = cfg.loss_agg) -> torch.Tensor:
-        return aggregate_sum(x, batch.seq_index, batch.seq_lens, mode)
+        if keep is not None:  # where, not *: a rejected token's NaN or inf stays out
+            x = torch.where(keep, x, torch.zeros_like(x))
+        return aggregate_sum(x, batch.seq_index, lens.clamp(min=1), mode)
+
+    def kept_sum(x: torch.Tensor) -> torch.Tensor:
+        return x.sum() if keep is None else torch.where(keep, x, torch.zeros_like(x)).sum()
 
     frac = fraction_agg(cfg.loss_agg)
 
     pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens, cfg.clip_low,
                                                         cfg.clip_high, cfg.dual_clip, policy_knobs(cfg))  # [N] each
-    tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.tis_cap > 0 else None
+    tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.is_level is not None else None
     if tis is not None:
         if cfg.tis_per_sequence:  # geo_mean: one loss per sequence, weighted by the geometric mean (verl's)
             tis = sequence_geometric_mean(tis, batch.seq_index, batch.seq_lens)
-        pg = pg * tis  # truncated importance sampling: sampler -> trainer's old policy (constant weights)
+        pg = pg * tis  # rollout_is / tis_cap: sampler -> trainer's old policy (constant weights)
     kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref)  # [N]
     terms = pg
     if cfg.kl_mode == "loss" and cfg.kl_coef > 0:
@@ -192,11 +216,16 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     loss = agg(terms)
     # verl's ppo_kl: old - new log-prob, the approximate KL(old || new), clamped as its ratio is
     ppo_kl = (old - logp.detach()).clamp(-20.0, 20.0)
-    stats = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
-             "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
+    if keep is None:
+        counts = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
+                  "advantage_max": adv.max(), "advantage_min": adv.min()}
+    else:  # over the kept tokens (none kept: -inf / +inf, a maximum / minimum over nothing)
+        counts = {"num_tokens": keep.sum().float(), "num_seqs": (lens > 0).sum().float(),
+                  "advantage_max": adv.masked_fill(~keep, -math.inf).max(),
+                  "advantage_min": adv.masked_fill(~keep, math.inf).min()}
+    stats = {**counts, "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
              "clipfrac": agg(clipped, frac), "ratio": agg(ratio, frac),
-             "ppo_kl": agg(ppo_kl, frac), "advantage_sum": adv.sum(), "advantage_max": adv.max(),
-             "advantage_min": adv.min()}
+             "ppo_kl": agg(ppo_kl, frac), "advantage_sum": kept_sum(adv)}
     if tis is not None:
         stats["tis_weight"] = agg(tis, frac)
     if w.critic is not None:
@@ -206,8 +235,8 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         vl_tokens, v_clipped = clipped_value_loss(values, old_v, ret, cfg.value_clip)
         vl = agg(vl_tokens)
         loss = loss + cfg.value_coef * vl
-        stats.update(value_loss=vl.detach(), vf_clipfrac=agg(v_clipped, frac), values_sum=old_v.sum(),
-                     returns_sum=ret.sum(), vpred_sum=values.detach().sum())
+        stats.update(value_loss=vl.detach(), vf_clipfrac=agg(v_clipped, frac), values_sum=kept_sum(old_v),
+                     returns_sum=kept_sum(ret), vpred_sum=kept_sum(values.detach()))
     return loss, stats
 
 
@@ -225,15 +254,15 @@ class StatSums:
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
-            "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups")
+            "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups") + rc.SUMS
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
     TOKEN_MEANS = {"advantage_mean": "advantage_sum", "values_mean": "values_sum", "returns_mean": "returns_sum",
                    "vpred_mean": "vpred_sum"}
     CRITIC = ("values_mean", "returns_mean", "vf_clipfrac", "vpred_mean")  # reported only with a critic
-    MAXIMA = ("reward_max", "response_len_max", "advantage_max")
-    MINIMA = ("reward_min", "response_len_min", "advantage_min")
+    MAXIMA = ("reward_max", "response_len_max", "advantage_max") + rc.MAXIMA
+    MINIMA = ("reward_min", "response_len_min", "advantage_min") + rc.MINIMA
     EXTREMES = MAXIMA + MINIMA
 
     def __init__(self, device: torch.device):
@@ -269,6 +298,11 @@ class StatSums:
         for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
             self.add_extreme(f"{k}_max", v)
             self.add_extreme(f"{k}_min", v)
+        for k, v in p.correction.items():  # rollout correction's metric terms (rollout_corr/*)
+            if k in self.EXTREMES:
+                self.add_extreme(k, v)
+            else:
+                self.add(k, v)
 
     def add_counts(self, counts: dict[str, torch.Tensor]) -> None:
         for k, v in counts.items():
@@ -315,8 +349,11 @@ class StatSums:
         for k, s in self.TOKEN_MEANS.items():
             m[k] = t[s] / t["num_tokens"] if t["num_tokens"] > 0 else 0.0
         ext = self.packed_extremes() if extremes is None else extremes
-        for k, v in zip(self.EXTREMES, ext.tolist()):
-            m[k] = (-v if k in self.MINIMA else v) if math.isfinite(v) else 0.0
+        signed = {k: -v if k in self.MINIMA else v for k, v in zip(self.EXTREMES, ext.tolist())}  # +-inf: none
+        for k in self.EXTREMES:
+            if k not in rc.MAXIMA + rc.MINIMA:
+                m[k] = signed[k] if math.isfinite(signed[k]) else 0.0
+        m.update(rc.metrics(t, signed))  # verl's rollout_corr/*, when samples were corrected
         if not critic:
             for k in self.CRITIC:
                 del m[k]

@@ -48,6 +48,7 @@ from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer
 from workers.trainer.lora import LoRA, Reference, target_names
+from workers.trainer.rollout_correction import batch_normalize
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
 from workers.trainer.updates import mini_batch_updates, streamed_updates
@@ -219,6 +220,7 @@ class TrainerWorker:
             self._filter_groups()
         if self.cfg.whiten:
             self._whiten_advantages()
+        batch_normalize(self)  # trainer.rollout_is_batch_normalize (a no-op without it)
         self._train_ready(flush=True)
         return self._optimizer_step()
 
