@@ -10,7 +10,7 @@ from typing import Any
 
 from workers import config_schema
 from workers.config_schema import ConfigError, Range  # noqa: F401  (ConfigError: the run config's error)
-from workers.trainer.config import VERL_LOSS_AGGS, VERL_POLICY_LOSS_KEYS
+from workers.trainer.config_names import VERL_LOSS_AGGS, VERL_POLICY_LOSS_KEYS
 
 # verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
 VERL_KEYS = {

@@ -10,7 +10,7 @@ import torch
 
 from workers.config_schema import build_section
 from workers.trainer import TrainerConfig
-from workers.trainer import config as trainer_config
+from workers.trainer import config_names as trainer_config
 from workers.trainer.kl import KL_ESTIMATORS
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 
 from controller.config import ConfigError, from_dict
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer import config as trainer_config
+from workers.trainer import config_names as trainer_config
 from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, clip_cov_terms, loss_divisor,
                                     ppo_terms, sequence_geometric_mean)
 from workers.trainer.step_math import policy_knobs

@@ -14,7 +14,7 @@ import torch
 from controller.config import ConfigError, from_dict
 from workers.model import load_pretrained
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer import config as trainer_config
+from workers.trainer import config_names as trainer_config
 from workers.trainer.losses import POLICY_LOSSES, aggregate_sum, gspo_terms, ppo_terms
 # the whole-batch reference's helpers and its tiny model / task fixtures
 from tests.test_trainer_math_grad import draw, group_adv, model_dir, seq_logits, task  # noqa: F401

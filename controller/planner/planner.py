@@ -15,7 +15,7 @@ from controller.planner.hardware import (ModelSpec, analytic_ptl_profile, analyt
 from controller.planner.simulator import MODES, SimConfig, simulate, sync_time_s
 from controller.planner.workloads import Workloads
 from controller.scheduling import PTLProfile
-from workers.trainer.config import WHITENED
+from workers.trainer.config_names import WHITENED
 
 PROGRESS_MIN = 128  # instance counts x batches from which planning shows progress on stderr (~30 s)
 

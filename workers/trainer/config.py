@@ -7,57 +7,11 @@ from dataclasses import dataclass, fields
 
 from workers.config_schema import SEEDS, Range, ranged
 from workers.tasks.reward_pool import REWARD_POOLS
-
-ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
-# advantages compare a group's samples (step_math.GROUP_ADVANTAGES)
-GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
-WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
-# knobs only some algorithms read: set to anything but their default under another, refused
-_CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
-_GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
-UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
-                "rloo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
-                "reinforce_plus_plus": _CRITIC_KNOBS + _GRPO_KNOBS,  # gamma: its returns' discount
-                "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
-                "opo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
-                "grpo_passk": _CRITIC_KNOBS + ("gamma",)}
-# knobs a switch turns on: set to anything but their default while it is 0, refused
-SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
-                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),
-                  "train_groups": ("max_gen_batches",),  # refills (max_gen_batches) aim at train_groups
-                  "rollout_is": ("rollout_is_threshold", "rollout_is_batch_normalize"),
-                  "rollout_rs": ("rollout_rs_threshold",)}
-# workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
-# verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)
-VERL_KL_ESTIMATORS = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "mse+": "k2", "low_var_kl+": "k3+"}
-# trainer.policy_loss (workers/trainer/losses.py POLICY_LOSSES, same order) -> the knobs it reads; a knob
-# of this table set to anything but its default under a policy_loss that does not read it is refused
-POLICY_LOSS_KNOBS = {"ppo": ("clip_low", "clip_high", "dual_clip"), "gspo": ("clip_low", "clip_high"),
-                     "cispo": ("clip_low", "clip_high"), "geo_mean": ("clip_low", "clip_high"),
-                     "sapo": ("sapo_tau_pos", "sapo_tau_neg"), "gpg": (),
-                     "clip_cov": ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-                     "kl_cov": ("kl_cov_ratio", "kl_cov_coef")}
-POLICY_LOSSES = tuple(POLICY_LOSS_KNOBS)
-# verl's actor.policy_loss.loss_mode -> ours (verl's docs spell clip-cov / kl-cov; its registry does not)
-VERL_POLICY_LOSSES = {"vanilla": "ppo", "clip-cov": "clip_cov", "kl-cov": "kl_cov"}
-# verl's keys of these knobs -> ours (for the run config's unknown-key hint, controller/config_types.py)
-VERL_POLICY_LOSS_KEYS = {"tau_pos": "trainer.sapo_tau_pos", "tau_neg": "trainer.sapo_tau_neg",
-                         "ppo_kl_coef": "trainer.kl_cov_coef (kl_cov's coefficient)"}
-# verl aggregates these losses seq-mean-token-mean whatever loss_agg_mode says: loss_agg seq_mean is required
-SEQ_MEAN_POLICY_LOSSES = {"gspo": "verl's gspo forces seq-mean-token-mean whatever loss_agg_mode says",
-                          "sapo": "verl's sapo forces seq-mean-token-mean whatever loss_agg_mode says",
-                          "geo_mean": "one loss per sequence; verl's geo_mean averages them over the sequences "
-                                      "whatever loss_agg_mode says"}
-NO_CLIP_FLOOR = ("cispo", "geo_mean")  # clip_low >= 1 is meaningful: no lower clip / a log-space bound
-KL_MODES = ("loss", "reward")
-LOSS_AGGS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-# verl's loss_agg_mode values -> ours (refused with the name to use, not taken silently)
-VERL_LOSS_AGGS = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean",
-                  "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
-LR_SCHEDULES = ("constant", "cosine", "linear")
-BAD_SAMPLE_POLICIES = ("skip", "error")
-PRECISIONS = ("auto", "bf16", "fp32")
+from workers.trainer.config_checks import check_policy_loss, check_rollout_correction, one_of
+from workers.trainer.config_names import (ALGORITHMS, BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
+                                          LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
+                                          UNUSED_KNOBS, VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES,
+                                          WHITENED)
 
 
 @dataclass(frozen=True)
@@ -244,13 +198,13 @@ class TrainerConfig:
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
-        _one_of("algorithm", self.algorithm, ALGORITHMS)
-        _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
-        _one_of("kl_mode", self.kl_mode, KL_MODES)
-        _one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
-        _one_of("policy_loss", self.policy_loss, POLICY_LOSSES, VERL_POLICY_LOSSES)
-        self._check_policy_loss()
-        self._check_rollout_correction()
+        one_of("algorithm", self.algorithm, ALGORITHMS)
+        one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
+        one_of("kl_mode", self.kl_mode, KL_MODES)
+        one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
+        one_of("policy_loss", self.policy_loss, POLICY_LOSSES, VERL_POLICY_LOSSES)
+        check_policy_loss(self)
+        check_rollout_correction(self)
         if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_scale_factor is None:
             raise ValueError("trainer.loss_scale_factor: loss_agg 'seq_mean_token_sum_norm' divides each sequence's "
                              "token sum by this constant (verl: the padded response length, max_response_length); "
@@ -261,10 +215,10 @@ class TrainerConfig:
                                  f"not {self.loss_agg!r}")
             if not self.loss_scale_factor > 0:
                 raise ValueError(f"trainer.loss_scale_factor must be > 0, got {self.loss_scale_factor}")
-        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
-        _one_of("precision", self.precision, PRECISIONS)
-        _one_of("reward_pool", self.reward_pool, REWARD_POOLS)
+        one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
+        one_of("precision", self.precision, PRECISIONS)
+        one_of("reward_pool", self.reward_pool, REWARD_POOLS)
         if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
             raise ValueError(f"trainer.reward_timeout_s must be > 0 seconds (or null: no deadline), "
                              f"got {self.reward_timeout_s}")
@@ -342,55 +296,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm "
                              f"{' / '.join(map(repr, WHITENED))}, not {self.algorithm!r} (its advantages are "
                              f"normalised within each group)")
-
-    def _check_policy_loss(self) -> None:
-        """``policy_loss``'s aggregation and knobs: what verl forces, what it reads, their values."""
-        mode = self.policy_loss
-        if mode in SEQ_MEAN_POLICY_LOSSES and self.loss_agg != "seq_mean":
-            raise ValueError(f"trainer.loss_agg: policy_loss {mode!r} averages each sequence's token losses, then the "
-                             f"sequences ({SEQ_MEAN_POLICY_LOSSES[mode]}); set loss_agg: seq_mean, not "
-                             f"{self.loss_agg!r}")
-        defaults = {f.name: f.default for f in fields(self)}
-        for name in dict.fromkeys(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs):
-            if name not in POLICY_LOSS_KNOBS[mode] and getattr(self, name) != defaults[name]:
-                users = " / ".join(repr(m) for m, knobs in POLICY_LOSS_KNOBS.items() if name in knobs)
-                what = f"no dual clip (verl's {mode} ignores clip_ratio_c)" if name == "dual_clip" else "no use for it"
-                raise ValueError(f"trainer.{name} ({getattr(self, name)!r}): policy_loss {mode!r} has {what}; only "
-                                 f"{users} read it; leave it out")
-        for name in ("sapo_tau_pos", "sapo_tau_neg", "kl_cov_coef"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("clip_cov_ratio", "kl_cov_ratio"):  # a share of the micro-batch's tokens (at least one)
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"trainer.{name} must be in (0, 1], got {getattr(self, name)}")
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"trainer.clip_cov_lb ({self.clip_cov_lb}) must be < trainer.clip_cov_ub "
-                             f"({self.clip_cov_ub}): clip_cov draws tokens whose covariance lies between them")
-
-    def _check_rollout_correction(self) -> None:
-        """trainer.rollout_is / rollout_rs: their values, tis_cap beside them, the policy losses
-        whose sequence statistics a token-level rejection would change."""
-        from workers.trainer.rollout_correction import IS_WEIGHTS, parse_rejection
-
-        if self.rollout_is is not None and self.rollout_is not in IS_WEIGHTS:
-            raise ValueError(f"trainer.rollout_is: {self.rollout_is!r} is not one of {tuple(IS_WEIGHTS)} (or null: off)")
-        if self.rollout_is_threshold is not None and not self.rollout_is_threshold > 0:
-            raise ValueError(f"trainer.rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
-        if self.tis_cap > 0 and self.rollout_is is not None:
-            raise ValueError(f"trainer.tis_cap ({self.tis_cap}) is trainer.rollout_is: token with rollout_is_threshold: "
-                             f"{self.tis_cap} (verl's older actor.tis_imp_ratio_cap); set one, not both")
-        if self.rollout_rs is None:
-            return
-        checks = parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
-        if self.policy_loss in ("clip_cov", "kl_cov"):
-            raise ValueError(f"trainer.rollout_rs: policy_loss {self.policy_loss!r} picks its tokens by statistics of "
-                             f"the micro-batch's tokens, and here those would include rejected ones (verl's exclude "
-                             f"them); rejection sampling is not available with it")
-        token_level = [c.option for c in checks if c.level == "token"]
-        if token_level and self.policy_loss in ("gspo", "geo_mean"):
-            raise ValueError(f"trainer.rollout_rs: {', '.join(token_level)} rejects single tokens, and policy_loss "
-                             f"{self.policy_loss!r} averages each sequence's tokens over all of them here (verl: over "
-                             f"the kept ones); use a sequence-level option (seq_sum_*, seq_mean_*, seq_max_*)")
 
     @property
     def is_level(self) -> str | None:
@@ -470,10 +375,3 @@ class TrainerConfig:
         pi_sampler."""
         return not self.recomputes_old_logprobs or self.corrects_rollout
 
-
-def _one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
-    if verl_names and value in verl_names:
-        raise ValueError(f"trainer.{name}: {value!r} is verl's name; here it is {verl_names[value]!r} "
-                         f"(one of {allowed})")
-    if value not in allowed:
-        raise ValueError(f"trainer.{name}: {value!r} is not one of {allowed}")

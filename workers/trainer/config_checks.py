@@ -1,0 +1,71 @@
+"""``TrainerConfig``'s checks across keys that grew past a line or two: a policy loss against its
+aggregation and knobs, rollout correction against the rest. Called from ``__post_init__``; each
+error names the key."""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+from workers.trainer.config_names import POLICY_LOSS_KNOBS, SEQ_MEAN_POLICY_LOSSES
+
+if TYPE_CHECKING:
+    from workers.trainer.config import TrainerConfig
+
+
+def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
+    if verl_names and value in verl_names:
+        raise ValueError(f"trainer.{name}: {value!r} is verl's name; here it is {verl_names[value]!r} "
+                         f"(one of {allowed})")
+    if value not in allowed:
+        raise ValueError(f"trainer.{name}: {value!r} is not one of {allowed}")
+
+
+def check_policy_loss(cfg: "TrainerConfig") -> None:
+    """``policy_loss``'s aggregation and knobs: what verl forces, what it reads, their values."""
+    mode = cfg.policy_loss
+    if mode in SEQ_MEAN_POLICY_LOSSES and cfg.loss_agg != "seq_mean":
+        raise ValueError(f"trainer.loss_agg: policy_loss {mode!r} averages each sequence's token losses, then the "
+                         f"sequences ({SEQ_MEAN_POLICY_LOSSES[mode]}); set loss_agg: seq_mean, not "
+                         f"{cfg.loss_agg!r}")
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name in dict.fromkeys(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs):
+        if name not in POLICY_LOSS_KNOBS[mode] and getattr(cfg, name) != defaults[name]:
+            users = " / ".join(repr(m) for m, knobs in POLICY_LOSS_KNOBS.items() if name in knobs)
+            what = f"no dual clip (verl's {mode} ignores clip_ratio_c)" if name == "dual_clip" else "no use for it"
+            raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): policy_loss {mode!r} has {what}; only "
+                             f"{users} read it; leave it out")
+    for name in ("sapo_tau_pos", "sapo_tau_neg", "kl_cov_coef"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"trainer.{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):  # a share of the micro-batch's tokens (at least one)
+        if not 0 < getattr(cfg, name) <= 1:
+            raise ValueError(f"trainer.{name} must be in (0, 1], got {getattr(cfg, name)}")
+    if not cfg.clip_cov_lb < cfg.clip_cov_ub:
+        raise ValueError(f"trainer.clip_cov_lb ({cfg.clip_cov_lb}) must be < trainer.clip_cov_ub "
+                         f"({cfg.clip_cov_ub}): clip_cov draws tokens whose covariance lies between them")
+
+
+def check_rollout_correction(cfg: "TrainerConfig") -> None:
+    """trainer.rollout_is / rollout_rs: their values, tis_cap beside them, the policy losses
+    whose sequence statistics a token-level rejection would change."""
+    from workers.trainer.rollout_correction import IS_WEIGHTS, parse_rejection
+
+    if cfg.rollout_is is not None and cfg.rollout_is not in IS_WEIGHTS:
+        raise ValueError(f"trainer.rollout_is: {cfg.rollout_is!r} is not one of {tuple(IS_WEIGHTS)} (or null: off)")
+    if cfg.rollout_is_threshold is not None and not cfg.rollout_is_threshold > 0:
+        raise ValueError(f"trainer.rollout_is_threshold must be > 0, got {cfg.rollout_is_threshold}")
+    if cfg.tis_cap > 0 and cfg.rollout_is is not None:
+        raise ValueError(f"trainer.tis_cap ({cfg.tis_cap}) is trainer.rollout_is: token with rollout_is_threshold: "
+                         f"{cfg.tis_cap} (verl's older actor.tis_imp_ratio_cap); set one, not both")
+    if cfg.rollout_rs is None:
+        return
+    checks = parse_rejection(cfg.rollout_rs, cfg.rollout_rs_threshold)
+    if cfg.policy_loss in ("clip_cov", "kl_cov"):
+        raise ValueError(f"trainer.rollout_rs: policy_loss {cfg.policy_loss!r} picks its tokens by statistics of "
+                         f"the micro-batch's tokens, and here those would include rejected ones (verl's exclude "
+                         f"them); rejection sampling is not available with it")
+    token_level = [c.option for c in checks if c.level == "token"]
+    if token_level and cfg.policy_loss in ("gspo", "geo_mean"):
+        raise ValueError(f"trainer.rollout_rs: {', '.join(token_level)} rejects single tokens, and policy_loss "
+                         f"{cfg.policy_loss!r} averages each sequence's tokens over all of them here (verl: over "
+                         f"the kept ones); use a sequence-level option (seq_sum_*, seq_mean_*, seq_max_*)")
