@@ -58,7 +58,19 @@ def _scenario(rank: int, world: int, rpc_port: int):
     out = None
     if rank == 0:
         slow, doomed = (crpc.create(r, "trainer", Busy, timeout=TIMEOUT_S) for r in (1, 2))
-        out = {"long": slow.call("work", 3 * TIMEOUT_S).wait()}
+        # the long call is waited (heartbeats and all) on a thread of its own while the calls
+        # below run, as they ran after it: its 3 timeouts overlap their sleeps
+        long = {}
+
+        def wait_long():
+            try:
+                long["result"] = slow.call("work", 3 * TIMEOUT_S).wait()
+            except Exception as e:  # noqa: BLE001 - asserted by the test as the result
+                long["result"] = f"raised: {e!r}"
+
+        waiter = threading.Thread(target=wait_long)
+        waiter.start()
+        out = {}
         out["slow_start"] = crpc.create(1, "trainer", SlowStart, 2 * TIMEOUT_S, timeout=TIMEOUT_S).call("work", 0.0).wait()
         try:
             slow.call("work", 3 * TIMEOUT_S, timeout=TIMEOUT_S).wait()  # an explicit deadline holds
@@ -72,6 +84,8 @@ def _scenario(rank: int, world: int, rpc_port: int):
             doomed.call("die", 0.5).wait()
         except crpc.WorkerFailed as e:
             out["died"] = (e.lost, e.rank)
+        waiter.join()
+        out["long"] = long["result"]
         # alive but answering nothing (SIGSTOPped: its connections stay open, so the call's own
         # future never fails): only the heartbeat can tell
         frozen = crpc.create(3, "generation", Busy, timeout=TIMEOUT_S)
