@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.stats import rankdata
 
 
 def _finite(where: str, **values: Sequence[float]) -> dict[str, np.ndarray]:
@@ -39,6 +38,8 @@ def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> 
     m = len(a["est_lens"])
     if not m:
         return []
+    from scipy.stats import rankdata  # here: importing scipy.stats takes ~1 s of every rank's start
+
     ranks = rankdata(a["est_lens"], method="average") - 1  # 0-based
     qs = (ranks + 0.5) / m
     return [float(x) for x in np.quantile(a["reference"], qs)]

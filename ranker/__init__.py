@@ -19,10 +19,19 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ranker.bootstrap import bootstrap  # noqa: E402
-from ranker.data import TraceError, read_traces
-from ranker.features import FeatureMismatchError
-from ranker.metrics import ranking_report, recall_at
-from ranker.store import KINDS, build, load, save
+from ranker.data import TraceError, read_traces  # noqa: E402
+from ranker.store import KINDS, build, load, save  # noqa: E402
 
 __all__ = ["build", "load", "save", "bootstrap", "KINDS", "read_traces", "TraceError",
            "FeatureMismatchError", "ranking_report", "recall_at"]
+# these load on first use (PEP 562): ``ranker.store``'s registry is read by every rank's config
+# check, which should not pay for sklearn and scipy.stats (~1.5 s a process)
+_LAZY = {"FeatureMismatchError": "ranker.features", "ranking_report": "ranker.metrics", "recall_at": "ranker.metrics"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ranker' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
