@@ -36,19 +36,22 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float,
 
 
 def whiten(advs: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], None] = lambda t: None,
-           device: torch.device | str = "cpu") -> list[torch.Tensor]:
+           device: torch.device | str = "cpu", masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """verl's ``masked_whiten`` over every token of ``advs`` ([L_i] each) and of the other
     data-parallel ranks' (``all_reduce``: an in-place SUM over them, of tensors on ``device``;
     every rank must call this, with or without samples) -> the whitened [L_i] each, float32:
     ``(A - mean) * rsqrt(var + 1e-8)``, ``var`` unbiased, in float64 (two passes: no
     cancellation). verl's means divide by ``n + 1e-8``; here by ``n``, so a batch of equal
-    advantages gives ~0 rather than ``A * 1e-4 / n``. One token (verl raises): var 0, so 0."""
-    sums = torch.tensor([sum(float(a.double().sum()) for a in advs), float(sum(a.numel() for a in advs))],
+    advantages gives ~0 rather than ``A * 1e-4 / n``. One token (verl raises): var 0, so 0.
+    ``masks``: [L_i] bool each (None: every token), the tokens the mean and variance are of
+    (verl's response mask after rollout_rs rejection); every token is whitened with them."""
+    counted = advs if masks is None else [a if m is None else a[m] for a, m in zip(advs, masks)]
+    sums = torch.tensor([sum(float(a.double().sum()) for a in counted), float(sum(a.numel() for a in counted))],
                         dtype=torch.float64, device=device)  # [sum, n]
     all_reduce(sums)
     total, n = sums.tolist()
     mean = total / max(n, 1.0)
-    sq = torch.tensor([sum(float(((a.double() - mean) ** 2).sum()) for a in advs)], dtype=torch.float64,
+    sq = torch.tensor([sum(float(((a.double() - mean) ** 2).sum()) for a in counted)], dtype=torch.float64,
                       device=device)
     all_reduce(sq)
     var = float(sq) / (n - 1) if n > 1 else 0.0
@@ -81,9 +84,10 @@ def rloo(scores: torch.Tensor) -> torch.Tensor:
 
 def opo(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"; verl's ``opo``).
-    scores, lengths: [G] of one group (lengths: response tokens) -> [G]: r_i - b with the
-    length-weighted baseline b = sum_j l_j r_j / sum_j l_j (0 for G = 1)."""
-    if scores.numel() < 2:
+    scores, lengths: [G] of one group (lengths: response tokens, those rollout_rs keeps) -> [G]:
+    r_i - b with the length-weighted baseline b = sum_j l_j r_j / sum_j l_j (0 for G = 1, or
+    when no length is > 0)."""
+    if scores.numel() < 2 or not bool((lengths > 0).any()):  # nothing to weigh (verl: 0 / 0)
         return torch.zeros_like(scores)
     s, w = (scores - scores[:1]).double(), lengths.double()  # shift-invariant, as grpo
     return (s - (w * s).sum() / w.sum()).to(scores.dtype)

@@ -166,7 +166,9 @@ GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor, TrainerConfig]
 def group_advantages(cfg: TrainerConfig, members: list[Prepared]) -> None:
     """Fill ``adv`` [L] of every member from the group's sequence rewards."""
     rewards = torch.tensor([p.reward for p in members], dtype=torch.float32)  # [G]
-    lengths = torch.tensor([p.num_tokens for p in members], dtype=torch.float32)  # [G]
+    # [G] tokens of each (those rollout_rs keeps: verl rejects before its advantages, so opo's weights are those)
+    lengths = torch.tensor([p.num_tokens if p.keep is None else int(p.keep.sum()) for p in members],
+                           dtype=torch.float32)
     adv = GROUP_ADVANTAGES[cfg.algorithm](rewards, lengths, cfg)  # [G]
     for p, a in zip(members, adv):
         p.adv = a.expand(p.num_tokens).clone()

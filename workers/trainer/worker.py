@@ -339,11 +339,12 @@ class TrainerWorker:
         over all ranks (each rank calls this once per step, with or without samples). Nothing has trained yet
         (``receive`` defers it), so every forward uses the whitened values. A sample with a
         non-finite advantage stays out of the statistics (its micro-batch's loss is not finite
-        and is skipped). Returns (= GAE advantages + values) are not whitened, as in verl."""
+        and is skipped). Returns (= GAE advantages + values) are not whitened, as in verl. The
+        mean and variance are of the tokens rollout_rs keeps (verl rejects before its advantages)."""
         assert not self._trained_any, "whitening after training started"
         items = [p for p in self.buffer.ready if bool(torch.isfinite(p.adv).all())]
         reduce = (lambda t: dist.all_reduce(t, group=self.group)) if self.world_size > 1 else (lambda t: None)
-        for p, a in zip(items, whiten([p.adv for p in items], reduce, self.device)):
+        for p, a in zip(items, whiten([p.adv for p in items], reduce, self.device, [p.keep for p in items])):
             p.adv = a
 
     # ---- training ----------------------------------------------------------------------------
