@@ -3,19 +3,7 @@
 Generation instances call ``receive(samples)`` directly (the sample stream, by plain RPC:
 ``controller/trainer_address.py``); the rank keeps a
 per-iteration inbox and a consumer thread that hands samples to ``TrainerWorker.receive`` as
-the pipeline mode's release (``controller.modes``: ``PipelineMode.release``) allows:
-
-* ``all``       -- the whole iteration at once, once its generation has ended on every
-  instance (colocated, batch, async_batch): the controller's ``step(i)`` says so, as it is
-  only called after generation of i ended. This rank's own share being complete is not
-  enough: colocated, the instance in this process would still be generating the other
-  ranks' samples while this one trains (generate all, then train all, in turn)
-* ``minibatch`` -- fixed-size hand-overs of ``minibatch`` samples (strawman 1)
-* ``stream``    -- as samples arrive, in chunks of at least one trainer micro-batch
-  (``max_tokens_per_microbatch`` tokens), and the rest as soon as the iteration is complete
-  (stream, async_stream). The trainer trains a micro-batch as soon as one has
-  arrived; handing it single samples would only split its receive-time forwards (reward,
-  reference log-probs) into many small ones (measured: up to 2x the trainer's CPU).
+the pipeline mode's release (``controller/trainer_inbox.py``) lets go.
 
 Iterations are consumed strictly in order: samples of iteration i+1 (async modes) wait in
 their inbox until ``step(i)`` has produced the new version. Every sample's staleness
@@ -37,56 +25,10 @@ import torch
 from controller.modes import get_mode
 from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
+from controller.trainer_inbox import IterationInbox, sample_tokens
 from workers import heap
 from workers.trainer.sample_checks import check_new_ids
 from workers.types import Sample, TaskPrompt
-
-
-@dataclass
-class _Iteration:
-    iteration: int
-    prompts: dict[int, TaskPrompt]
-    group_sizes: dict[int, int]
-    policy: str
-    minibatch: int
-    max_staleness: int
-    stream_tokens: int = 0  # ``stream``: release once this many tokens are pending (0: at once)
-    pending: list[Sample] = field(default_factory=list)
-    pending_tokens: int = 0
-    lengths: dict[int, int] = field(default_factory=dict)  # sample_id -> output length, as first received
-    by_instance: dict[int, int] = field(default_factory=dict)  # generation rank -> samples taken from it
-    consumed: int = 0
-    duplicates: int = 0
-    staleness_max: int = 0
-    generated: bool = False  # the controller called step(): generation of the iteration has ended
-    scores: dict = field(default_factory=dict)  # sample_id -> its score, in flight since it arrived
-    # group id -> its members' scores in flight (kept after the consumer takes them): the group
-    # filter's count (kept_groups) reads them without waiting for the trainer to take the samples
-    group_scores: dict = field(default_factory=dict)
-
-    @property
-    def expected(self) -> int:
-        return len(self.prompts)
-
-    def release(self) -> list[Sample]:
-        """Samples the policy lets go now (empty: keep waiting)."""
-        n = len(self.pending)
-        complete = self.consumed + n == self.expected
-        if self.policy == "stream" and n and (complete or self.pending_tokens >= self.stream_tokens):
-            k = n
-        elif self.policy == "minibatch" and (n >= self.minibatch or (complete and n)):
-            k = min(n, self.minibatch)
-        elif self.policy == "all" and complete and n and self.generated:
-            k = n
-        else:
-            return []
-        out, self.pending = self.pending[:k], self.pending[k:]
-        self.pending_tokens -= sum(_tokens(s) for s in out)
-        return out
-
-
-def _tokens(s: Sample) -> int:
-    return int(s.prompt_ids.numel() + s.output_ids.numel())
 
 
 @dataclass
@@ -134,7 +76,7 @@ class TrainerRank:
                                     group=group, device=LOCAL.device,
                                     build_task=functools.partial(make_task, task_name, **task_kwargs))
         self.spans = SpanRecorder(f"train{rank}")
-        self._iters: dict[int, _Iteration] = {}
+        self._iters: dict[int, IterationInbox] = {}
         self._owner: dict[int, int] = {}  # sample_id -> iteration
         self._current: int | None = None  # iteration the worker is in (begin_iteration called)
         self._ready: set[int] = set()  # iterations fully consumed, waiting for step()
@@ -164,7 +106,7 @@ class TrainerRank:
             self._raise_if_failed()
             if iteration in self._iters:
                 raise RuntimeError(f"train{self.rank}: iteration {iteration} begun twice")
-            self._iters[iteration] = _Iteration(iteration, dict(prompts), dict(group_sizes), m.release, minibatch,
+            self._iters[iteration] = IterationInbox(iteration, dict(prompts), dict(group_sizes), m.release, minibatch,
                                                 m.max_staleness, self.worker.cfg.max_tokens_per_microbatch)
             for sid in prompts:
                 self._owner[sid] = iteration
@@ -226,7 +168,7 @@ class TrainerRank:
                 rec.lengths[s.sample_id] = int(s.output_ids.numel())
                 rec.by_instance[s.instance] = rec.by_instance.get(s.instance, 0) + 1
                 rec.pending.append(s)
-                rec.pending_tokens += _tokens(s)
+                rec.pending_tokens += sample_tokens(s)
                 arrived.setdefault(it, []).append(s)
                 new += 1
             # each reward in flight as its sample arrives (trainer.reward_workers at once): it
@@ -293,7 +235,7 @@ class TrainerRank:
                 self._error = traceback.format_exc()
                 self._cond.notify_all()
 
-    def _next_batch(self) -> tuple[list[Sample], _Iteration | None]:
+    def _next_batch(self) -> tuple[list[Sample], IterationInbox | None]:
         """Under the lock: wait for the next releasable batch of the current iteration. Time
         spent waiting (for samples, or for the next iteration) is recorded as "idle"; time
         while ``step()`` runs is not."""
@@ -324,7 +266,7 @@ class TrainerRank:
             self._cond.wait(timeout=0.5)
         return [], None
 
-    def _train(self, rec: _Iteration, batch: list[Sample]) -> None:
+    def _train(self, rec: IterationInbox, batch: list[Sample]) -> None:
         version = self.worker.version
         for s in batch:
             stale = version - s.weight_version

@@ -71,9 +71,9 @@ def test_an_outbox_whose_send_fails_says_so_and_loses_nothing_quietly():
 
 
 def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
-    from controller.trainer_rank import _Iteration
+    from controller.trainer_inbox import IterationInbox
 
-    rec = _Iteration(0, {i: None for i in range(5)}, {}, "stream", 1, 0, stream_tokens=15)
+    rec = IterationInbox(0, {i: None for i in range(5)}, {}, "stream", 1, 0, stream_tokens=15)
 
     def arrive(sid):  # 3 prompt + 3 output tokens each
         s = _sample(sid, sid)
@@ -89,7 +89,7 @@ def test_stream_release_waits_for_a_chunk_of_tokens_or_the_end():
     arrive(3)
     arrive(4)
     assert [s.sample_id for s in rec.release()] == [3, 4]  # the iteration is complete: no waiting
-    single = _Iteration(1, {9: None, 10: None}, {}, "stream", 1, 0, stream_tokens=0)
+    single = IterationInbox(1, {9: None, 10: None}, {}, "stream", 1, 0, stream_tokens=0)
     single.pending.append(_sample(9, 9))
     assert len(single.release()) == 1  # 0: every sample at once
 
@@ -98,9 +98,9 @@ def test_all_release_waits_for_the_end_of_generation_not_only_this_ranks_share()
     """colocated / batch / async_batch: generate all, then train all. A rank whose own groups
     are complete waits for step() (called once generation ended on every instance): colocated,
     the instance in its process is still generating the other ranks' samples."""
-    from controller.trainer_rank import _Iteration
+    from controller.trainer_inbox import IterationInbox
 
-    rec = _Iteration(0, {0: None, 1: None}, {}, "all", 1, 0)
+    rec = IterationInbox(0, {0: None, 1: None}, {}, "all", 1, 0)
     rec.pending += [_sample(0, 0), _sample(1, 1)]
     assert rec.release() == []  # this rank's share is complete, generation is not over
     rec.generated = True
