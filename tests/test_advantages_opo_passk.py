@@ -1,5 +1,5 @@
-"""verl's ``opo`` and ``grpo_passk`` advantage estimators (``trainer.algorithm``): the numbers of
-verl's ``compute_opo_outcome_advantage`` / ``compute_grpo_passk_outcome_advantage`` (core_algos,
+"""verl's ``opo``, ``grpo_passk`` and ``gpg`` advantage estimators (``trainer.algorithm``): the numbers of
+verl's ``compute_opo_outcome_advantage`` / ``compute_grpo_passk_outcome_advantage`` / ``compute_gpg_outcome_advantage`` (core_algos,
 b178a3c), transcribed here independently of workers/trainer/advantages.py, then one real
 TrainerWorker step each. Difference from verl, as for grpo / rloo here: a group of one sample
 gets advantage 0 (verl's opo gives it its raw score; its grpo_passk raises)."""
@@ -77,3 +77,24 @@ def test_a_trainer_step_uses_the_estimator(model_dir, algorithm):  # noqa: F811
     assert m["advantage_max"] == pytest.approx(max(expect), abs=1e-5)
     assert m["advantage_min"] == pytest.approx(min(expect), abs=1e-5)
     assert m["uniform_group_frac"] == pytest.approx(1 / 3) and m["grad_norm"] > 0
+
+
+def verl_gpg(groups: list[list[float]]) -> list[float]:
+    """verl's compute_gpg_outcome_advantage (f_norm 1): alpha * (r - group mean), alpha = B / M
+    over the whole batch (M: nonzero scores), a group of one's mean 0 (here: advantage 0)."""
+    flat = [r for g in groups for r in g]
+    alpha = len(flat) / max(sum(r != 0 for r in flat), 1)
+    return [alpha * (r - sum(g) / len(g)) if len(g) > 1 else 0.0 for g in groups for r in g]
+
+
+def test_gpg_scales_by_the_whole_step_over_its_nonzero_rewards(model_dir):  # noqa: F811
+    """gpg's alpha counts every sample of the step (all groups, both ranks' in DP): the
+    advantages are known at step(), so training waits for it."""
+    cfg = TrainerConfig(algorithm="gpg", lr=1e-3)
+    assert cfg.trains_at_step and cfg.grouped
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    expect = verl_gpg([[r for r, _ in members] for members in GROUPS])  # alpha = 8 / 5
+    m = train(model_dir, cfg, samples, prompts, sizes, one_by_one=True)
+    assert m["advantage_max"] == pytest.approx(max(expect), abs=1e-5)
+    assert m["advantage_min"] == pytest.approx(min(expect), abs=1e-5)
+    assert m["grad_norm"] > 0

@@ -24,7 +24,8 @@ CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),
            dict(algorithm="ppo", loss_agg="seq_mean", entropy_coef=0.01, ppo_epochs=2),
            # whitened over both ranks' tokens; an adaptive KL coefficient every rank updates alike
            dict(algorithm="reinforce_plus_plus_baseline", kl_coef=0.05, kl_mode="reward", kl_target=0.001,
-                kl_horizon=20)]
+                kl_horizon=20),
+           dict(algorithm="gpg")]  # its scale counts both ranks' samples
 
 
 def _run(rank, world, model_dir, data):

@@ -197,7 +197,7 @@ PASSES = {
 }
 TRAINED_MODELS = {"ppo": 2, "grpo": 1}
 # the critic-free algorithms cost what grpo does (their advantages are arithmetic on the rewards)
-for _name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk"):
+for _name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg"):
     PASSES[_name], TRAINED_MODELS[_name] = PASSES["grpo"], TRAINED_MODELS["grpo"]
 
 

@@ -106,3 +106,12 @@ def grpo_passk(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = Tr
         a = a / (scores.double().std() + eps)
     adv[top.indices[0]] = a.to(scores.dtype)
     return adv
+
+
+def gpg_alpha(counts: torch.Tensor) -> float:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong RL Baseline"; verl's ``gpg`` estimator):
+    its advantages ``alpha * (r - group mean)`` are scaled by ``alpha = B / M`` over the step's
+    whole batch, B samples of which M have a nonzero reward. ``counts``: [2] (B, M), summed over
+    the data-parallel ranks -> alpha (B when M is 0, as verl's ``clamp(min=1)``)."""
+    b, m = counts.tolist()
+    return b / max(m, 1.0)

@@ -23,7 +23,8 @@ class TrainerConfig:
     of the reward, ``gamma``, whitened over the batch), ``reinforce_plus_plus_baseline`` (the score
     minus its group's mean, whitened over the batch), ``opo`` (the score minus the group's
     length-weighted mean score), ``grpo_passk`` (pass@k: only a group's best sample learns, from
-    its lead over the second best, std-normalised as grpo). ``clip_low`` / ``clip_high``: ratio clipped to
+    its lead over the second best, std-normalised as grpo), ``gpg`` (the score minus its group's
+    mean, times the step's samples over those with a nonzero reward). ``clip_low`` / ``clip_high``: ratio clipped to
     [1 - clip_low, 1 + clip_high] (clip-higher when high > low). ``dual_clip``: c > 1 bounds the
     loss of negative-advantage tokens by ``c * |A|`` (None: off). ``policy_loss`` (verl's
     ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token), ``gspo``
@@ -354,9 +355,10 @@ class TrainerConfig:
 
     @property
     def trains_at_step(self) -> bool:
-        """Training waits for the iteration's last sample: whitening, the group filter and the
-        importance weights' batch normalisation need them all (``receive`` only prepares samples)."""
-        return self.whiten or self.filter_groups or self.rollout_is_batch_normalize
+        """Training waits for the iteration's last sample: whitening, the group filter, the
+        importance weights' batch normalisation and gpg's scale need them all (``receive`` only
+        prepares samples)."""
+        return self.whiten or self.filter_groups or self.rollout_is_batch_normalize or self.algorithm == "gpg"
 
     @property
     def grouped(self) -> bool:

@@ -2,9 +2,10 @@
 algorithms and policy losses exist, which knobs each reads, the spellings refused naming ours."""
 from __future__ import annotations
 
-ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
+              "gpg")
 # advantages compare a group's samples (step_math.GROUP_ADVANTAGES)
-GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
+GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
 WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
 # knobs only some algorithms read: set to anything but their default under another, refused
 _CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
@@ -14,7 +15,8 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "reinforce_plus_plus": _CRITIC_KNOBS + _GRPO_KNOBS,  # gamma: its returns' discount
                 "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "opo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
-                "grpo_passk": _CRITIC_KNOBS + ("gamma",)}
+                "grpo_passk": _CRITIC_KNOBS + ("gamma",),
+                "gpg": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),

@@ -160,6 +160,7 @@ GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor, TrainerConfig]
     "reinforce_plus_plus_baseline": lambda r, n, cfg: grpo(r, std_normalize=False),  # r - group mean
     "opo": lambda r, n, cfg: opo(r, n),
     "grpo_passk": lambda r, n, cfg: grpo_passk(r, cfg.adv_eps, cfg.grpo_std_normalize),
+    "gpg": lambda r, n, cfg: grpo(r, std_normalize=False),  # r - group mean; x alpha at step() (gpg_alpha)
 }
 
 

@@ -39,7 +39,7 @@ from workers.model import default_device, load_pretrained, stop_ids
 from workers.tasks.reward_pool import RewardPool
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
-from workers.trainer.advantages import whiten
+from workers.trainer.advantages import gpg_alpha, whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
@@ -220,6 +220,8 @@ class TrainerWorker:
             self._filter_groups()
         if self.cfg.whiten:
             self._whiten_advantages()
+        if self.cfg.algorithm == "gpg":
+            self._scale_gpg()
         batch_normalize(self)  # trainer.rollout_is_batch_normalize (a no-op without it)
         self._train_ready(flush=True)
         return self._optimizer_step()
@@ -346,6 +348,19 @@ class TrainerWorker:
         reduce = (lambda t: dist.all_reduce(t, group=self.group)) if self.world_size > 1 else (lambda t: None)
         for p, a in zip(items, whiten([p.adv for p in items], reduce, self.device, [p.keep for p in items])):
             p.adv = a
+
+    def _scale_gpg(self) -> None:
+        """gpg's ``alpha`` over the step's samples on all ranks (each rank calls this once per
+        step, with or without samples), after the group filter, before anything trains."""
+        assert not self._trained_any, "scaling after training started"
+        items = list(self.buffer.ready)
+        counts = torch.tensor([len(items), sum(p.reward != 0 for p in items)], dtype=torch.float64,
+                              device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(counts, group=self.group)
+        alpha = gpg_alpha(counts)
+        for p in items:
+            p.adv = p.adv * alpha
 
     # ---- training ----------------------------------------------------------------------------
     def _params(self) -> list[torch.nn.Parameter]:
