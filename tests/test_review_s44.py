@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import torch
 
-from workers.trainer import TrainerConfig, TrainerWorker
+from workers.trainer import TrainerConfig
 from workers.trainer.buffer import Prepared, SampleBuffer
 from workers.trainer.step_math import group_advantages
+from workers.trainer.step_passes import whiten_pass
 
 torch.set_num_threads(1)
 
@@ -41,7 +42,7 @@ def test_whitening_takes_its_statistics_over_the_kept_tokens_only():
     buffer = SampleBuffer()
     buffer.push_ready([_prepared(i, a.clone(), k) for i, (a, k) in enumerate(zip(advs, keeps))])
     w = SimpleNamespace(_trained_any=False, buffer=buffer, world_size=1, group=None, device=torch.device("cpu"))
-    TrainerWorker._whiten_advantages(w)
+    whiten_pass(w)
     T = max(lens)
     vals, mask = torch.zeros(len(lens), T), torch.zeros(len(lens), T)
     for b, (a, k) in enumerate(zip(advs, keeps)):

@@ -10,6 +10,7 @@ import torch
 from controller.config import ConfigError, from_dict
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.group_filter import filter_groups, passing_groups, uniform
+from workers.trainer.step_passes import filter_groups_pass
 from workers.weight_sync.localrun import run_local
 from runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
@@ -150,7 +151,7 @@ def test_the_gather_stages_its_bytes_on_the_rank_s_own_gpu(model_dir, monkeypatc
 
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
-    w._filter_groups()
+    filter_groups_pass(w)
     assert seen == [torch.device("cuda", 1)]
 
 

@@ -39,18 +39,17 @@ from workers.model import default_device, load_pretrained, stop_ids
 from workers.tasks.reward_pool import RewardPool
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
-from workers.trainer.advantages import gpg_alpha, whiten
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
-from workers.trainer.group_filter import filter_groups, gather_over, passing_groups, uniform
+from workers.trainer.group_filter import passing_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer
 from workers.trainer.lora import LoRA, Reference, target_names
-from workers.trainer.rollout_correction import batch_normalize
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
+from workers.trainer.step_passes import iteration_passes
 from workers.trainer.updates import mini_batch_updates, streamed_updates
 from workers.types import Sample, Task, TaskPrompt
 
@@ -216,13 +215,7 @@ class TrainerWorker:
     @_locked
     def step(self) -> StepResult:
         self._flush_incomplete_groups()
-        if self.cfg.filter_groups:
-            self._filter_groups()
-        if self.cfg.whiten:
-            self._whiten_advantages()
-        if self.cfg.algorithm == "gpg":
-            self._scale_gpg()
-        batch_normalize(self)  # trainer.rollout_is_batch_normalize (a no-op without it)
+        iteration_passes(self)  # the group filter, whitening, gpg's scale, the IS batch normalisation
         self._train_ready(flush=True)
         return self._optimizer_step()
 
@@ -324,43 +317,6 @@ class TrainerWorker:
                         self.rank, gid, len(g.members) + g.dropped, g.expected)
             self.stats.add("incomplete_groups", 1.0)
             self._maybe_complete(gid, force=True)
-
-    def _filter_groups(self) -> None:
-        """DAPO's dynamic sampling filter over the iteration's groups on all ranks (each rank calls
-        this once per step, with or without samples), before anything trains."""
-        assert not self._trained_any, "filtering after training started"
-        kept, counts = filter_groups(list(self.buffer.ready), self.cfg.train_groups,
-                                     gather_over(self.group, self.world_size, self.device),
-                                     drop_single=self.cfg.grouped)
-        self.buffer.keep_ready(kept)
-        for k, v in counts.items():
-            self.stats.add(k, v)
-
-    def _whiten_advantages(self) -> None:
-        """Whiten the advantages (GAE's, REINFORCE++'s) of every sample received this iteration,
-        over all ranks (each rank calls this once per step, with or without samples). Nothing has trained yet
-        (``receive`` defers it), so every forward uses the whitened values. A sample with a
-        non-finite advantage stays out of the statistics (its micro-batch's loss is not finite
-        and is skipped). Returns (= GAE advantages + values) are not whitened, as in verl. The
-        mean and variance are of the tokens rollout_rs keeps (verl rejects before its advantages)."""
-        assert not self._trained_any, "whitening after training started"
-        items = [p for p in self.buffer.ready if bool(torch.isfinite(p.adv).all())]
-        reduce = (lambda t: dist.all_reduce(t, group=self.group)) if self.world_size > 1 else (lambda t: None)
-        for p, a in zip(items, whiten([p.adv for p in items], reduce, self.device, [p.keep for p in items])):
-            p.adv = a
-
-    def _scale_gpg(self) -> None:
-        """gpg's ``alpha`` over the step's samples on all ranks (each rank calls this once per
-        step, with or without samples), after the group filter, before anything trains."""
-        assert not self._trained_any, "scaling after training started"
-        items = list(self.buffer.ready)
-        counts = torch.tensor([len(items), sum(p.reward != 0 for p in items)], dtype=torch.float64,
-                              device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(counts, group=self.group)
-        alpha = gpg_alpha(counts)
-        for p in items:
-            p.adv = p.adv * alpha
 
     # ---- training ----------------------------------------------------------------------------
     def _params(self) -> list[torch.nn.Parameter]:
