@@ -29,9 +29,10 @@ def test_async_stream_run_logs_everything(tmp_path, tiny_model):  # noqa: F811
     ea = EventAccumulator(str(tmp_path / "run" / "tb"))
     ea.Reload()
     tags = ea.Tags()
-    for t in ("train/reward_mean", "train/kl", "perf/samples_per_s", "idle/gen1", "idle/train2",
+    for t in ("train/reward_mean", "train/entropy", "perf/samples_per_s", "idle/gen1", "idle/train2",
               "staleness/max", "time/weight_sync_s", "balance/delta_s", "eval/mean"):
         assert t in tags["scalars"], t
+    assert "train/kl" not in tags["scalars"]  # kl_coef 0: no reference policy, no KL to it
     assert len(ea.Scalars("train/reward_mean")) == 3
     assert "timeline/gantt" in tags["images"]
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())

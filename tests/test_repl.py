@@ -98,7 +98,8 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     ea = EventAccumulator(str(tmp_path / "run" / "tb"))
     ea.Reload()
     tags = ea.Tags()
-    for t in ("train/reward_mean", "train/kl", "train/entropy", "perf/samples_per_s", "perf/tokens_per_s",
+    assert "train/kl" not in tags["scalars"]  # kl_coef 0: no reference policy, no KL to it
+    for t in ("train/reward_mean", "train/entropy", "perf/samples_per_s", "perf/tokens_per_s",
               "idle/gen1", "idle/train2", "staleness/max", "time/weight_sync_s", "balance/delta_s"):
         assert t in tags["scalars"], t
     assert [e.step for e in ea.Scalars("train/reward_mean")] == [0, 1, 2]

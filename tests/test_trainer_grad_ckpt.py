@@ -140,7 +140,8 @@ def test_training_forward_keeps_a_fraction_of_the_bytes(model_dir, data, algorit
 def test_no_grad_forwards_never_recompute(model_dir, data):
     """Receive-time forwards (reference and old log-probs, critic values) run under no_grad: with
     checkpointing on they keep nothing and run each layer once; the reference never checkpoints."""
-    w = worker(model_dir, algorithm="ppo", activation_checkpointing=True, recompute_old_logprobs=True)
+    w = worker(model_dir, algorithm="ppo", activation_checkpointing=True, recompute_old_logprobs=True,
+               kl_coef=0.1)  # a KL coefficient: there is a reference
     assert w.actor.model.checkpoint_layers and w.critic.model.checkpoint_layers
     assert not w.ref.model.checkpoint_layers
     calls = {name: layer_calls(m) for name, m in (("actor", w.actor), ("critic", w.critic), ("ref", w.ref))}

@@ -299,7 +299,8 @@ def test_temperature_makes_on_policy_ratio_one(model_dir, task):
     Taking them at T = 1 instead made every ratio pi_1 / pi_T (what verl avoids by dividing
     the logits by the rollout temperature)."""
     samples, prompts, groups, _ = draw(model_dir, task, temperature=0.5, noise=0.0)
-    w = TrainerWorker(TrainerConfig(temperature=0.5, recompute_old_logprobs=True), model_dir, task, device="cpu")
+    w = TrainerWorker(TrainerConfig(temperature=0.5, recompute_old_logprobs=True, kl_coef=0.1), model_dir, task,
+                      device="cpu")
     w._prompts = prompts
     for p, s in zip(prepare_batch(w, samples), samples):
         assert torch.allclose(p.old_logp, s.logprobs, atol=2e-5), (p.old_logp - s.logprobs).abs().max()

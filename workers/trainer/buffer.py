@@ -22,7 +22,7 @@ class Prepared:
     prompt_ids: torch.Tensor
     output_ids: torch.Tensor
     old_logp: torch.Tensor
-    ref_logp: torch.Tensor
+    ref_logp: torch.Tensor | None  # None: no reference (trainer.kl_coef 0)
     score: float  # the task's reward
     reward: float  # score plus the overlong penalty, minus the KL penalty in kl_mode "reward" (grouped algorithms)
     token_rewards: torch.Tensor | None = None  # [L] for GAE

@@ -329,6 +329,13 @@ class TrainerConfig:
         return self.policy_loss == "geo_mean"
 
     @property
+    def uses_reference(self) -> bool:
+        """A KL to the reference policy is in the loss or the reward (``kl_coef`` > 0): without
+        one the reference is neither loaded nor run, as verl creates no reference worker unless
+        ``use_kl_loss`` or ``use_kl_in_reward``."""
+        return self.kl_coef > 0
+
+    @property
     def kl_in_reward(self) -> bool:
         """The KL to the reference is a penalty in the reward (its beta: ``KLCoefficient``)."""
         return self.kl_mode == "reward" and self.kl_coef > 0

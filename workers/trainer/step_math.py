@@ -56,21 +56,24 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
                  [s.min_tokens for s in samples])
     lens = batch.seq_lens.tolist()
     with w.autocast():
-        ref = token_logprobs(_logits(w.ref, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()  # [N]
+        ref = (token_logprobs(_logits(w.ref, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()  # [N]
+               if w.ref is not None else None)
         sampler = torch.cat([s.logprobs.float().cpu() for s in samples]) if cfg.uses_sampler_logprobs else None
         if cfg.recomputes_old_logprobs:
             old = token_logprobs(_logits(w.actor, batch, cfg, w.eos_ids), batch.resp_ids).float().cpu()
         else:
             old = sampler
         values = w.critic(batch).float().cpu() if w.critic is not None else None
-    kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref)  # [N], behaviour policy vs reference
+    # [N], behaviour policy vs reference (none without a KL coefficient: nothing reads it then)
+    kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref) if ref is not None else torch.zeros_like(old)
+    ref_of = ref.split(lens) if ref is not None else [None] * len(samples)
     sampler_of = sampler.split(lens) if sampler is not None else None
     penalise = cfg.kl_in_reward
     beta = w.kl.value  # this iteration's coefficient (adapted after each step with trainer.kl_target)
     overlong = [overlong_penalty(len(s.output_ids), cfg) for s in samples]
     checks = cfg.rejection_checks
     out: list[Prepared | str] = []
-    for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref.split(lens), kl.split(lens))):
+    for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref_of, kl.split(lens))):
         score, why = _score(w, s, scores[s.sample_id])
         if why:
             out.append(f"sample {s.sample_id}: {why}")
@@ -182,7 +185,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     logits = _logits(w.actor, batch, cfg, w.eos_ids)  # [N, V] at the rollout temperature
     logp = token_logprobs(logits, batch.resp_ids)  # [N]
     old = torch.cat([p.old_logp for p in items]).to(dev)
-    ref = torch.cat([p.ref_logp for p in items]).to(dev)
+    ref = torch.cat([p.ref_logp for p in items]).to(dev) if w.ref is not None else None
     adv = torch.cat([p.adv for p in items]).to(dev)
     # rollout_rs: rejected tokens leave every term, and the token / sequence counts (verl's response_mask)
     keep = torch.cat([p.keep for p in items]).to(dev) if cfg.rollout_rs is not None else None  # [N] bool
@@ -206,9 +209,9 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         if cfg.tis_per_sequence:  # geo_mean: one loss per sequence, weighted by the geometric mean (verl's)
             tis = sequence_geometric_mean(tis, batch.seq_index, batch.seq_lens)
         pg = pg * tis  # rollout_is / tis_cap: sampler -> trainer's old policy (constant weights)
-    kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref)  # [N]
+    kl = KL_ESTIMATORS[cfg.kl_estimator](logp, ref) if ref is not None else None  # [N]
     terms = pg
-    if cfg.kl_mode == "loss" and cfg.kl_coef > 0:
+    if cfg.kl_mode == "loss" and kl is not None:
         terms = terms + cfg.kl_coef * kl
     if cfg.entropy_coef > 0:
         ent = entropy_from_logits(logits)
@@ -226,9 +229,11 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         counts = {"num_tokens": keep.sum().float(), "num_seqs": (lens > 0).sum().float(),
                   "advantage_max": adv.masked_fill(~keep, -math.inf).max(),
                   "advantage_min": adv.masked_fill(~keep, math.inf).min()}
-    stats = {**counts, "pg_loss": agg(pg).detach(), "kl": agg(kl).detach(), "entropy": agg(ent).detach(),
+    stats = {**counts, "pg_loss": agg(pg).detach(), "entropy": agg(ent).detach(),
              "clipfrac": agg(clipped, frac), "ratio": agg(ratio, frac),
              "ppo_kl": agg(ppo_kl, frac), "advantage_sum": kept_sum(adv)}
+    if kl is not None:
+        stats["kl"] = agg(kl).detach()
     if tis is not None:
         stats["tis_weight"] = agg(tis, frac)
     if w.critic is not None:
@@ -325,12 +330,13 @@ class StatSums:
                             for k in self.EXTREMES])
 
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
-                extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False,
+                extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False, kl: bool = True,
                 overlong: bool = False, reward_kl: bool = False, grouped: bool = False,
                 filtered: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
-        report the critic's statistics; ``tis``: the mean truncated importance weight; ``overlong``:
+        report the critic's statistics; ``tis``: the mean truncated importance weight; ``kl``: the
+        KL to the reference (there is one: ``kl_coef`` > 0); ``overlong``:
         the mean overlong penalty; ``reward_kl``: the mean over samples of each one's mean per-token
         KL(old || ref) (``kl_mode: reward``); ``grouped``: the share of the groups whose samples all
         scored the same (advantage 0 under grpo / rloo); ``filtered``: the groups the group filter
@@ -362,6 +368,8 @@ class StatSums:
                 del m[k]
         if not tis:  # reported only with trainer.tis_cap
             del m["tis_weight"]
+        if not kl:  # no reference without a KL coefficient (verl's actor/kl_loss: only with use_kl_loss)
+            del m["kl"]
         if overlong:  # reported only with trainer.overlong_buffer (the reward_* metrics are the task's scores)
             m["overlong_penalty_mean"] = t["overlong_sum"] / n
         if reward_kl:  # verl's actor/reward_kl_penalty

@@ -101,11 +101,13 @@ class TrainerWorker:
             self.critic.model.checkpoint_layers = cfg.activation_checkpointing
         self.lora = (LoRA(self.actor, cfg.lora_rank, cfg.lora_alpha, target_names(cfg.lora_target_modules))
                      if cfg.lora_rank else None)
+        self.ref = None  # no KL to the reference (kl_coef 0): no reference, no forward of it (as verl)
         if self.lora is not None:  # the base model, i.e. the actor with its adapters off
-            self.ref = Reference(self.actor, self.lora)
+            if cfg.uses_reference:
+                self.ref = Reference(self.actor, self.lora)
             if self.bf16:  # frozen: no fp32 master needed; the autocast forward is the same
                 self.lora.store_base(self.actor, torch.bfloat16)
-        else:
+        elif cfg.uses_reference:
             ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
             self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
             self.ref.requires_grad_(False)
@@ -363,7 +365,7 @@ class TrainerWorker:
             dist.all_reduce(totals, group=self.group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
-                                     critic=self.critic is not None, tis=self.cfg.tis_cap > 0,
+                                     critic=self.critic is not None, tis=self.cfg.tis_cap > 0, kl=self.ref is not None,
                                      overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward,
                                      grouped=self.cfg.grouped, filtered=self.cfg.filter_groups)
         divisor = metrics.pop("_divisor")
