@@ -17,8 +17,8 @@ from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, c
                                     ppo_terms, sequence_geometric_mean)
 from workers.trainer.step_math import policy_knobs
 # a drawn, perturbed (off-policy) batch of samples from the tiny model
-from tests.test_trainer_math_grad import TINY, draw
-from tests.trainer_helpers import LengthRewardTask, synthetic_task, tiny_model_dir
+from tests.test_trainer_gspo import packed as gspo_packed
+from tests.test_trainer_math_grad import draw, model_dir, task  # noqa: F401
 
 torch.set_num_threads(1)
 LENS = [4, 1, 7, 3, 2, 5]
@@ -26,20 +26,14 @@ NEW_MODES = ("cispo", "geo_mean", "sapo", "gpg", "clip_cov", "kl_cov")
 
 
 def packed(lens, seed, noise=0.3, per_token_adv=False, zero_adv=False):
-    """-> logp (leaf, float64) [N], old [N], adv [N], seq_index [N], seq_lens [B]; ``noise``: the
-    spread of the log-ratios (0.3: many tokens past a 0.2 clip, both sides)."""
-    g = torch.Generator().manual_seed(seed)
-    n, b = sum(lens), len(lens)
-    seq_index = torch.repeat_interleave(torch.arange(b), torch.tensor(lens))
-    old = -1.0 - torch.rand(n, generator=g, dtype=torch.float64)
-    logp = (old + noise * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_()
-    adv = torch.randn(n if per_token_adv else b, generator=g, dtype=torch.float64)
-    adv = adv if per_token_adv else adv[seq_index]
-    if zero_adv:  # some tokens (and one whole sequence) with A = 0 exactly
+    """tests/test_trainer_gspo's packed batch (``noise`` 0.3: many tokens past a 0.2 clip, both
+    sides); ``zero_adv``: some tokens (and one whole sequence) with A = 0 exactly."""
+    logp, old, adv, seq_index, seq_lens = gspo_packed(lens, seed, noise, per_token_adv)
+    if zero_adv:
         adv = torch.where(seq_index == 1, 0.0, adv)
         adv[::5] = 0.0
     assert (adv < 0).any() and (adv > 0).any()
-    return logp, old, adv, seq_index, torch.tensor(lens)
+    return logp, old, adv, seq_index, seq_lens
 
 
 def padded(x, seq_index, lens):
@@ -349,16 +343,6 @@ def test_run_config_refuses_bad_values_and_verls_key_names():
 
 
 # ---- a TrainerWorker step with each -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory, TINY)
-
-
-@pytest.fixture(scope="module")
-def task():
-    return LengthRewardTask(synthetic_task())
-
-
 @pytest.fixture(scope="module")
 def drawn(model_dir, task):
     return draw(model_dir, task)[:3]

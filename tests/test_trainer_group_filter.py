@@ -238,16 +238,23 @@ def test_a_refill_that_stays_short_trains_what_passed_and_says_so(tmp_path, tiny
     assert short
 
 
+def _half_uniform_rank(tiny_model, tmp_path):  # noqa: F811
+    """An in-process TrainerRank (grpo, filter, train_groups 2) whose task scores half its prompts
+    the same whatever the completion (``_HALF_UNIFORM``)."""
+    from controller.trainer_rank import TrainerRank
+
+    (tmp_path / "half_uniform.py").write_text(_HALF_UNIFORM)
+    cfg = TrainerConfig(algorithm="grpo", filter_groups=True, train_groups=2)
+    return TrainerRank(0, [0], cfg, tiny_model, f"{tmp_path}/half_uniform.py:HalfUniform", {})
+
+
 def test_a_trainer_rank_that_began_empty_takes_a_refill_and_counts_what_passes(tiny_model, tmp_path):  # noqa: F811
     """``TrainerRank.extend_iteration`` / ``kept_groups``, in-process, ``batch`` release (all at once
     after generation): a rank given no group of the first batch (ready at once) gets refill groups,
     waits for them, and counts the groups the filter keeps; the step trains those."""
-    from controller.trainer_rank import TrainerRank
     from workers.trainer.rollout import rollout
 
-    (tmp_path / "half_uniform.py").write_text(_HALF_UNIFORM)
-    cfg = TrainerConfig(algorithm="grpo", filter_groups=True, train_groups=2)
-    rank = TrainerRank(0, [0], cfg, tiny_model, f"{tmp_path}/half_uniform.py:HalfUniform", {})
+    rank = _half_uniform_rank(tiny_model, tmp_path)
     try:
         items = rank.worker.task.prompts("train")[:4]  # answers 0, 3, 4, 7: two uniform, two passing
         samples, prompts, groups = rollout(rank.worker.actor, rank.worker.tokenizer, items, 2, 6, first_id=8)
@@ -275,12 +282,9 @@ def test_the_count_of_a_lag_one_iteration_does_not_wait_for_the_trainer_to_take_
     trainer would never return."""
     import threading
 
-    from controller.trainer_rank import TrainerRank
     from workers.trainer.rollout import rollout
 
-    (tmp_path / "half_uniform.py").write_text(_HALF_UNIFORM)
-    cfg = TrainerConfig(algorithm="grpo", filter_groups=True, train_groups=2)
-    rank = TrainerRank(0, [0], cfg, tiny_model, f"{tmp_path}/half_uniform.py:HalfUniform", {})
+    rank = _half_uniform_rank(tiny_model, tmp_path)
     try:
         items = rank.worker.task.prompts("train")[:4]  # answers 0, 3, 4, 7: two uniform, two passing
         s0, p0, g0 = rollout(rank.worker.actor, rank.worker.tokenizer, items, 2, 6, first_id=0)
