@@ -175,3 +175,16 @@ def test_doc_trainer_size_is_what_the_code_computes():
     assert trainer_min_gpus(MODELS["qwen2.5-72b"], gpu("H800"), "ppo") == 39
     doc = (Path(__file__).parent.parent / "docs" / "planner.md").read_text()
     assert "64 GB = 39 GPUs, so 40)" in doc and "72B PPO on H800: 48" not in doc
+
+
+def test_without_a_reference_the_trainer_holds_and_runs_one_model_less():
+    """``--no-reference`` (trainer.kl_coef 0: the trainer neither loads nor runs a reference
+    model): one bf16 model less in the trainer's memory, one forward a token fewer."""
+    from controller.planner.hardware import PASSES, analytic_train_profile
+
+    m, g = MODELS["qwen2.5-72b"], gpu("H800")
+    with_ref, without = trainer_min_gpus(m, g, "grpo"), trainer_min_gpus(m, g, "grpo", reference=False)
+    assert without < with_ref
+    t_ref = analytic_train_profile(m, g, 8, "grpo").time(1e6)
+    t_none = analytic_train_profile(m, g, 8, "grpo", reference=False).time(1e6)
+    assert t_none / t_ref == pytest.approx((PASSES["grpo"] - 1) / PASSES["grpo"])

@@ -277,18 +277,21 @@ def analytic_ptl_profile(model: ModelSpec, g: GPUSpec, tp: int | None = None,
 
 
 def trainer_min_gpus(model: ModelSpec, g: GPUSpec, algorithm: str = "ppo",
-                     a: CostAssumptions = DEFAULT_ASSUMPTIONS) -> int:
-    """GPUs needed to hold the trained models' states (ZeRO-3 style sharding) and the frozen ones."""
+                     a: CostAssumptions = DEFAULT_ASSUMPTIONS, reference: bool = True) -> int:
+    """GPUs needed to hold the trained models' states (ZeRO-3 style sharding) and the frozen ones
+    (``reference``: the reference model, bf16; none without a KL coefficient)."""
     trained = TRAINED_MODELS[algorithm]
-    frozen = 1  # reference model, bf16
+    frozen = 1 if reference else 0
     need = model.params * (trained * a.train_state_bytes_per_param + frozen * model.dtype_bytes)
     return max(1, math.ceil(need / (g.hbm_gb * 1e9 * a.train_memory_fraction)))
 
 
 def analytic_train_profile(model: ModelSpec, g: GPUSpec, gpus: int, algorithm: str = "ppo",
-                           a: CostAssumptions = DEFAULT_ASSUMPTIONS) -> TrainProfile:
-    """Roofline trainer: seconds per token = passes * 2 * params / (gpus * peak * MFU)."""
+                           a: CostAssumptions = DEFAULT_ASSUMPTIONS, reference: bool = True) -> TrainProfile:
+    """Roofline trainer: seconds per token = passes * 2 * params / (gpus * peak * MFU); without a
+    ``reference`` (no KL coefficient) one forward a token fewer."""
     if algorithm not in PASSES:
         raise ValueError(f"algorithm {algorithm!r} is not one of {sorted(PASSES)}")
-    s = PASSES[algorithm] * 2 * model.params / (gpus * g.bf16_tflops * 1e12 * a.train_mfu)
+    passes = PASSES[algorithm] - (0 if reference else 1)
+    s = passes * 2 * model.params / (gpus * g.bf16_tflops * 1e12 * a.train_mfu)
     return TrainProfile(s, 0.0, gpus, "analytic")

@@ -79,6 +79,9 @@ class Planner:
     # whitened advantages (trainer.whiten_advantages; None: on for ppo and REINFORCE++, as the
     # trainer's default and verl's) make every mode train at the end of its iteration (SimConfig.train_at_end)
     whiten: bool | None = None
+    # a reference model to hold and run (trainer.kl_coef > 0); without one, verl's and the
+    # trainer's runs neither load nor run it (docs/trainer.md)
+    reference: bool = True
 
     def __post_init__(self):
         if self.whiten is None:
@@ -89,13 +92,18 @@ class Planner:
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
         unit = self.cluster.trainer_unit
-        self.train_min = math.ceil(trainer_min_gpus(self.model, self.g_train, self.algorithm) / unit) * unit
+        self.train_min = math.ceil(trainer_min_gpus(self.model, self.g_train, self.algorithm,
+                                                        reference=self.reference) / unit) * unit
         self.tp_options = [self._option(tp) for tp in self._tps()]
         ok = [o for o in self.tp_options if o.allocation is not None]
         if not ok:
             raise ValueError(self._none_fits())
         best = min(ok, key=TPOption.key)
         self.tp, self.gen_profile, self.stage_model = best.tp, best.profile, best.stage_model
+
+    def _train_profile(self, gpus: int):
+        """The trainer's roofline profile on ``gpus`` training GPUs (``analytic_train_profile``)."""
+        return analytic_train_profile(self.model, self.g_train, gpus, self.algorithm, reference=self.reference)
 
     @property
     def tp_fixed(self) -> bool:
@@ -148,7 +156,7 @@ class Planner:
                                               self.dispatcher)
         tokens = self.workloads.tokens  # training is affine in tokens: its mean time is its time on the mean
         sm = StageModel(
-            gen_time, lambda y: analytic_train_profile(self.model, self.g_train, y, self.algorithm).time(tokens),
+            gen_time, lambda y: self._train_profile(y).time(tokens),
             gen_unit=math.lcm(tp, self.cluster.gen_unit),  # whole instances per unit
             train_unit=self.cluster.trainer_unit, train_min=self.train_min, gpus_per_instance=tp)
         self._precompute(sm, tp)
@@ -262,10 +270,9 @@ class Planner:
                 continue
             if mode == "colocated":  # every GPU does both stages, one after the other
                 n = a.gen_gpus + a.train_gpus
-                k, trainer, sync = n // tp, analytic_train_profile(self.model, self.g_train, n, self.algorithm), 0.0
+                k, trainer, sync = n // tp, self._train_profile(n), 0.0
             else:
-                k, trainer, sync = a.gen_instances, analytic_train_profile(self.model, self.g_train, a.train_gpus,
-                                                                           self.algorithm), self.sync_s()
+                k, trainer, sync = a.gen_instances, self._train_profile(a.train_gpus), self.sync_s()
             cfg = SimConfig(mode, k, profile, trainer, sync_s=sync, dispatcher=self.dispatcher,
                             minibatch_size=max(1, batch // 8), microbatch_tokens=0, train_at_end=self.whiten)
             r = simulate(cfg, self.workloads.iterations)
