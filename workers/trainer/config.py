@@ -230,7 +230,8 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if nullable else ''}, "
                                  f"got {value!r}")
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
-                     "mini_batches", "temperature", "lora_alpha", "overlong_penalty"):
+                     "mini_batches", "temperature", "lora_alpha", "overlong_penalty", "sapo_tau_pos", "sapo_tau_neg",
+                     "kl_cov_coef"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "grad_clip",

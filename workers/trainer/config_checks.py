@@ -34,9 +34,6 @@ def check_policy_loss(cfg: "TrainerConfig") -> None:
             what = f"no dual clip (verl's {mode} ignores clip_ratio_c)" if name == "dual_clip" else "no use for it"
             raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): policy_loss {mode!r} has {what}; only "
                              f"{users} read it; leave it out")
-    for name in ("sapo_tau_pos", "sapo_tau_neg", "kl_cov_coef"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"trainer.{name} must be > 0, got {getattr(cfg, name)}")
     for name in ("clip_cov_ratio", "kl_cov_ratio"):  # a share of the micro-batch's tokens (at least one)
         if not 0 < getattr(cfg, name) <= 1:
             raise ValueError(f"trainer.{name} must be in (0, 1], got {getattr(cfg, name)}")

@@ -22,6 +22,17 @@ class PolicyTerms(NamedTuple):
     ratio: torch.Tensor
 
 
+def _ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """-> pi / pi_old [N], log clamped to [-20, 20] (verl's clamp: exp stays finite)."""
+    return torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+
+
+def _seq_mean(x: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """x: [N] -> [B] the mean of each sequence's tokens (differentiable)."""
+    sums = torch.zeros(seq_lens.shape[0], dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+    return sums / seq_lens.clamp(min=1).to(x.dtype)
+
+
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float,
                        clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """ratio, adv: [N] -> (max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) [N], clipped [N] 0/1)."""
@@ -37,7 +48,7 @@ def ppo_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cli
     ratio clipped to [1 - clip_low, 1 + clip_high]; with ``dual_clip`` c, the loss of tokens
     with A < 0 is at most ``-c * A`` (bounded when the ratio explodes). As verl, log(ratio) is
     clamped to [-20, 20] before ``exp`` (no gradient beyond: such a token is clipped anyway)."""
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # [N]; verl's clamp: exp stays finite
+    ratio = _ratio(logp, old_logp)  # [N]
     loss, was_clipped = _clipped_surrogate(ratio, adv, clip_low, clip_high)  # [N], [N]
     if dual_clip is not None:
         bound = -adv * dual_clip
@@ -69,9 +80,7 @@ def gspo_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, se
     gradient. No ``dual_clip`` (verl's gspo has none; ``TrainerConfig`` refuses it)."""
     if dual_clip is not None:
         raise ValueError("gspo has no dual clip (verl's gspo ignores clip_ratio_c)")
-    log_r = (logp - old_logp).detach()  # [N]
-    seq_sum = torch.zeros(seq_lens.shape[0], dtype=log_r.dtype, device=log_r.device).index_add_(0, seq_index, log_r)
-    seq_log_s = seq_sum / seq_lens.clamp(min=1).to(log_r.dtype)  # [B], mean log-ratio of each sequence
+    seq_log_s = _seq_mean((logp - old_logp).detach(), seq_index, seq_lens)  # [B], mean log-ratio of each sequence
     log_s = (logp - logp.detach() + seq_log_s[seq_index]).clamp(max=10.0)  # [N]: value log s_i, grad of logp
     ratio = torch.exp(log_s)  # [N]
     loss, was_clipped = _clipped_surrogate(ratio, adv, clip_low, clip_high)
@@ -95,11 +104,6 @@ class PolicyKnobs:
 KNOBS = PolicyKnobs()
 
 
-def _ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """-> pi / pi_old [N], log clamped to [-20, 20] (verl's clamp: exp stays finite)."""
-    return torch.exp((logp - old_logp).clamp(-20.0, 20.0))
-
-
 def cispo_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                 clip_high: float) -> PolicyTerms:
     """CISPO (MiniMax-M1, Chen et al. 2025; verl's ``loss_mode: cispo``). logp, old_logp, adv: [N].
@@ -111,12 +115,6 @@ def cispo_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, c
     ratio = _ratio(logp, old_logp)  # [N]
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()  # [N]
     return PolicyTerms(-weight * adv * logp, (ratio != weight).float(), ratio.detach())
-
-
-def _seq_mean(x: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """x: [N] -> [B] the mean of each sequence's tokens (differentiable)."""
-    sums = torch.zeros(seq_lens.shape[0], dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
-    return sums / seq_lens.clamp(min=1).to(x.dtype)
 
 
 def geo_mean_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, seq_index: torch.Tensor,

@@ -232,17 +232,14 @@ def batch_normalize(w: "TrainerWorker") -> None:
     by their mean over all ranks: over tokens for ``token`` weights, over sequences for
     ``sequence`` ones (verl's, whose batch is the step's whole training batch). A mean <= 1e-8
     leaves them (factor 1, as verl). Logged as ``rollout_corr/rollout_is_batch_norm_factor``."""
-    cfg = w.cfg
-    if not cfg.rollout_is_batch_normalize:
-        return
     assert not w._trained_any, "normalising importance weights after training started"
     items = list(w.buffer.ready)
-    per_sequence = cfg.is_level == "sequence"
-    sums = torch.zeros(2, dtype=torch.float64, device=w.device)  # weight sum, units
+    per_sequence = w.cfg.is_level == "sequence"
+    total, units = 0.0, 0  # this rank's weight sum and its units (tokens, or sequences)
     for p in items:
         weights = p.tis_weight[:1] if per_sequence else p.tis_weight  # a sequence weight is on each token
-        sums += torch.tensor([float(weights.double().sum()), float(weights.numel())], dtype=torch.float64,
-                             device=w.device)
+        total, units = total + float(weights.double().sum()), units + weights.numel()
+    sums = torch.tensor([total, float(units)], dtype=torch.float64, device=w.device)
     if w.world_size > 1:
         dist.all_reduce(sums, group=w.group)
     mean = float(sums[0] / sums[1]) if float(sums[1]) > 0 else 0.0

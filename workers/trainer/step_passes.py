@@ -27,7 +27,8 @@ def iteration_passes(w: "TrainerWorker") -> None:
         whiten_pass(w)
     if w.cfg.algorithm == "gpg":
         gpg_pass(w)
-    batch_normalize(w)  # trainer.rollout_is_batch_normalize (a no-op without it)
+    if w.cfg.rollout_is_batch_normalize:
+        batch_normalize(w)
 
 
 def filter_groups_pass(w: "TrainerWorker") -> None:
