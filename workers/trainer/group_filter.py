@@ -44,14 +44,19 @@ def gather_over(group, world_size: int, device: torch.device) -> GatherIds:
     return gather
 
 
+def same_scores(scores: Sequence[float]) -> bool:
+    """Two or more scores, all equal: a group with nothing to compare."""
+    return len(scores) > 1 and len(set(scores)) == 1
+
+
 def uniform(members: Sequence[T]) -> bool:
     """Every sample of the group (two or more) got the same task score."""
-    return len(members) > 1 and len({m.score for m in members}) == 1
+    return same_scores([m.score for m in members])
 
 
 def passes(scores: Sequence[float], drop_single: bool = False) -> bool:
     """A group whose members (those not skipped) got ``scores`` is kept by the filter."""
-    return not ((len(scores) > 1 and len(set(scores)) == 1) or (drop_single and len(scores) == 1))
+    return not (same_scores(scores) or (drop_single and len(scores) == 1))
 
 
 def passing_groups(scores: dict[int, Sequence[float]], drop_single: bool = False) -> int:
