@@ -190,6 +190,11 @@ def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: s
     follow = {"temperature": rollout}
     if train.top_k > 0 or train.top_p < 1.0:
         # the sampler's log-probs are of the filtered distribution; the trainer's are not
+        if trainer.rollout_bypass:
+            raise ConfigError("trainer.rollout_bypass: takes the samples' log-probs as the old policy, and with "
+                              "train.top_k / train.top_p they are of the filtered distribution, the trainer's of the "
+                              "full one (the ratio would not be 1 on-policy); leave rollout_bypass out (the decoupled "
+                              "mode recomputes the old log-probs) or the rollout filters")
         if "recompute_old_logprobs" in explicit and not trainer.recompute_old_logprobs:
             raise ConfigError("trainer.recompute_old_logprobs: must be true with train.top_k / train.top_p "
                               "(the samples' log-probs are of the filtered distribution, the trainer's of the "

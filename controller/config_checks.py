@@ -79,12 +79,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     grouped = getattr(cfg.trainer, "grouped", False)
     if grouped and t.temperature < GREEDY_BELOW:
         raise ConfigError(f"train.temperature: {algorithm} with greedy sampling ({t.temperature}) draws the same "
-                          "sample group_size times, so every group's advantages are 0 and nothing trains; "
-                          "sample at a temperature > 0")
+                          f"sample {'as the greedy baseline' if algorithm == 'remax' else 'group_size times'}, so "
+                          "every group's advantages are 0 and nothing trains; sample at a temperature > 0")
     if t.eval_samples > 1 and t.eval_temperature < GREEDY_BELOW:
         raise ConfigError(f"train.eval_samples: {t.eval_samples} greedy samples of a prompt are all the same; "
                           "set train.eval_temperature > 0")
-    if grouped and t.group_size < 2:
+    if grouped and algorithm != "remax" and t.group_size < 2:  # remax compares with its greedy baseline
         raise ConfigError(f"train.group_size: {algorithm} needs >= 2 samples per prompt (its advantages "
                           f"compare a sample with its group's others), got {t.group_size}")
     _check_kl_horizon(cfg)

@@ -38,11 +38,11 @@ VERL_KEYS = {
     "tis_imp_ratio_cap": "trainer.tis_cap (0: off, where verl says -1; = trainer.rollout_is: token with "
                          "rollout_is_threshold)",
     "rollout_correction": "trainer.rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, "
-                          "rollout_rs_threshold (verl's names, flat under trainer; bypass_mode: true is "
-                          "trainer.recompute_old_logprobs: false, the default, with none of them)",
-    "bypass_mode": "trainer.recompute_old_logprobs: false (the default: the PPO ratio is to the sampler's "
-                   "log-probs, verl's bypass with loss_type ppo_clip); trainer.rollout_is / rollout_rs are verl's "
-                   "decoupled mode (bypass_mode: false) and recompute the old log-probs",
+                          "rollout_rs_threshold (verl's names, flat under trainer), rollout_bypass (its bypass_mode) "
+                          "and rollout_loss_type (its loss_type)",
+    "bypass_mode": "trainer.rollout_bypass (true: the sampler's log-probs are the old ones; trainer.rollout_is / "
+                   "rollout_rs then weigh the current policy against them, with trainer.rollout_loss_type)",
+    "loss_type": "trainer.rollout_loss_type (ppo_clip or reinforce, with trainer.rollout_bypass: true)",
     "warmup_style": "trainer.lr_schedule", "lr_scheduler_type": "trainer.lr_schedule",
     "lr_warmup_steps": "trainer.warmup_steps", "lr_warmup_steps_ratio": "trainer.warmup_ratio",
     "total_epochs": "train.epochs",
@@ -91,9 +91,6 @@ VERL_NOTES = {
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
     "multi_turn": "single-turn rollouts only (one prompt, one response)",
-    "loss_type": "verl's rollout_correction.loss_type is of its bypass mode: ppo_clip is trainer.policy_loss: ppo with "
-                 "trainer.recompute_old_logprobs: false (the default); reinforce (-w A logp, w truncated pi_theta / "
-                 "pi_rollout of each micro-batch) is not here (trainer.policy_loss: gpg is -A logp, unweighted)",
 }
 
 

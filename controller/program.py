@@ -57,6 +57,8 @@ class Program:
         self.spans = SpanRecorder("controller")  # what the controller waits on, for the timeline
         self._stream_at: dict[int, dict] = {}  # iteration -> prompt-stream state before its batch
         self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
+        # requests per prompt: train.group_size samples, and remax's greedy baseline (verl's gen_max)
+        self.per_prompt = cfg.train.group_size + (getattr(cfg.trainer, "algorithm", "") == "remax")
 
     # ---- requests ------------------------------------------------------------------------
     def make_batch(self, iteration: int) -> Batch:
@@ -66,29 +68,31 @@ class Program:
         return Batch(iteration, items, self._requests(iteration, items, 0), time.time())
 
     def _requests(self, iteration: int, items: list[TaskPrompt], first: int) -> list[Request]:
-        """The ``train.group_size`` requests of each of ``items``, the ``first``-th prompt of the
-        iteration onwards (their sample and group ids follow from it)."""
+        """The ``train.group_size`` requests of each of ``items`` (remax: and a greedy one, the
+        group's baseline), the ``first``-th prompt of the iteration onwards (their sample and group
+        ids follow from it)."""
         t = self.cfg.train
         texts = [prompt_text(it) for it in items]
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
-        reqs = []
+        reqs, per = [], self.per_prompt
         for j, item in enumerate(items, start=first):
             ids = self.prompt_ids(item)
             max_tokens, min_tokens = t.max_tokens, t.min_tokens
             if self.length_of is not None:
                 max_tokens = min_tokens = max(1, int(self.length_of(item)))
-            for k in range(t.group_size):
-                sid = iteration * SAMPLE_STRIDE + j * t.group_size + k
+            for k in range(per):
+                sid = iteration * SAMPLE_STRIDE + j * per + k
+                greedy = k == t.group_size  # remax: the group's greedy baseline, after its samples
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j - first]),
-                                    group_id=iteration * SAMPLE_STRIDE + j,
-                                    sampling=self.sampling(t.temperature, t.seed * 7919 + sid)))
+                                    group_id=iteration * SAMPLE_STRIDE + j, baseline=greedy,
+                                    sampling=self.sampling(0.0 if greedy else t.temperature, t.seed * 7919 + sid)))
         return reqs
 
     def _register(self, b: Batch, requests: list[Request], method: str, *extra) -> None:
         """Tell each trainer DP rank which of ``requests`` (samples and groups of ``b``) it will
         receive: ``begin_iteration`` or, for a refill, ``extend_iteration``."""
         n = len(self.world.trainers)
-        g = self.cfg.train.group_size
+        g = self.per_prompt
         per: list[tuple[dict, dict]] = [({}, {}) for _ in range(n)]
         for r in requests:
             prompts, groups = per[r.group_id % n]
@@ -129,7 +133,7 @@ class Program:
         tr, t = self.cfg.trainer, self.cfg.train
         if not self._refills():
             return
-        most = tr.max_gen_batches or (SAMPLE_STRIDE - 1) // (t.batch_prompts * t.group_size)
+        most = tr.max_gen_batches or (SAMPLE_STRIDE - 1) // (t.batch_prompts * self.per_prompt)
         while True:
             with self.spans.span("wait_filter", b.iteration):
                 kept = sum(wait_all([r.call("kept_groups", b.iteration) for r in self.world.trainers]))
@@ -177,7 +181,9 @@ class Program:
                               b.gen_s, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
                               b.redispatched, b.lost)
-        lengths = {sid: n for r in reports for sid, n in r.lengths.items()}  # each DP rank its own groups
+        baselines = {r.sample_id for r in b.requests if r.baseline}  # remax's greedy samples: not trained
+        # each DP rank its own groups
+        lengths = {sid: n for r in reports for sid, n in r.lengths.items() if sid not in baselines}
         res.out_lens = [lengths[sid] for sid in sorted(lengths)]
         for r in reports:
             for rank, n in r.per_instance.items():
@@ -235,7 +241,7 @@ class Program:
     def _true_lengths(self, b: Batch, lengths: dict[int, int]) -> list[tuple[str, float]]:
         """(prompt text, generated length) of every sample of this iteration (``lengths``, as
         the trainers took them): the ranker's online-update rows."""
-        g = self.cfg.train.group_size
+        g = self.per_prompt
         return [(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt, float(lengths[sid]))
                 for sid in sorted(lengths)]
 

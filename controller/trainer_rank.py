@@ -180,7 +180,7 @@ class TrainerRank:
                 scored = self.worker.score_ahead(group, rec.prompts, it)
                 rec.scores.update(scored)
                 for s in group:
-                    if s.sample_id in scored:
+                    if s.sample_id in scored and not s.baseline:  # the filter reads the sampled members
                         rec.group_scores.setdefault(s.group_id, []).append(scored[s.sample_id])
             self._cond.notify_all()
         return new

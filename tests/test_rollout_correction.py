@@ -285,9 +285,9 @@ def test_run_config_names_verls_section_and_keys():
                      ).trainer.rollout_rs_threshold == "0.999_1.001"  # not read as a float
     with pytest.raises(ConfigError, match="verl's 'rollout_correction' is trainer.rollout_is, rollout_is_threshold"):
         from_dict({"trainer": {"rollout_correction": {"rollout_is": "token"}}})
-    with pytest.raises(ConfigError, match="verl's 'bypass_mode' is trainer.recompute_old_logprobs: false"):
+    with pytest.raises(ConfigError, match="verl's 'bypass_mode' is trainer.rollout_bypass"):
         from_dict({"trainer": {"bypass_mode": True}})
-    with pytest.raises(ConfigError, match="verl's 'loss_type' has no key here"):
+    with pytest.raises(ConfigError, match="verl's 'loss_type' is trainer.rollout_loss_type"):
         from_dict({"trainer": {"loss_type": "reinforce"}})
     with pytest.raises(ConfigError, match="trainer.rollout_is_threshold"):
         from_dict({"trainer": {"rollout_is_threshold": 3}})

@@ -60,6 +60,7 @@ class Request:
     est_len: float = 0.0
     group_id: int = -1
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    baseline: bool = False  # ReMax's greedy sample of the group: scored for the baseline, not trained
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
     min_tokens: int = 0
     instance: int = -1  # the generation instance (its global rank) that streamed it; -1: none
+    baseline: bool = False  # the request's (Request.baseline): ReMax's greedy baseline, not trained
 
 
 @dataclass

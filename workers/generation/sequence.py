@@ -68,7 +68,8 @@ class Sequence:
                       output_ids=torch.tensor(self.tokens[self.prompt_len:], dtype=torch.int64),
                       logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
                       weight_version=weight_version, finish_reason=finish_reason,
-                      group_id=r.group_id, timings=dict(self.timings), min_tokens=int(r.min_tokens))
+                      group_id=r.group_id, timings=dict(self.timings), min_tokens=int(r.min_tokens),
+                      baseline=r.baseline)
 
 
 def error_sample(req: Request, why: str, weight_version: int) -> Sample:
@@ -78,4 +79,4 @@ def error_sample(req: Request, why: str, weight_version: int) -> Sample:
                   output_ids=torch.empty(0, dtype=torch.int64),
                   logprobs=torch.empty(0, dtype=torch.float32), weight_version=weight_version,
                   finish_reason="error", group_id=req.group_id, error=why,
-                  timings={"queued": time.time(), "finished": time.time()})
+                  timings={"queued": time.time(), "finished": time.time()}, baseline=req.baseline)

@@ -297,7 +297,7 @@ class VLLMEngine:
                       logprobs=torch.tensor(lps, dtype=torch.float32),
                       weight_version=self.weight_version, finish_reason=reason, group_id=r.group_id,
                       error="" if reason != "error" else f"vLLM finish_reason {c.finish_reason!r}",
-                      timings=timings, min_tokens=int(r.min_tokens))
+                      timings=timings, min_tokens=int(r.min_tokens), baseline=r.baseline)
 
     def _error_sample(self, req: Request, why: str) -> Sample:
         prompt = req.prompt_ids if isinstance(req.prompt_ids, torch.Tensor) else torch.empty(0, dtype=torch.int64)
@@ -305,7 +305,7 @@ class VLLMEngine:
         return Sample(sample_id=req.sample_id, prompt_ids=prompt, output_ids=torch.empty(0, dtype=torch.int64),
                       logprobs=torch.empty(0, dtype=torch.float32), weight_version=self.weight_version,
                       finish_reason="error", group_id=req.group_id, error=why,
-                      timings={"queued": now, "finished": now})
+                      timings={"queued": now, "finished": now}, baseline=req.baseline)
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:

@@ -69,10 +69,11 @@ class GroupState:
     expected: int
     members: list[Prepared] = field(default_factory=list)
     dropped: int = 0
+    baseline: float | None = None  # remax: the reward of the group's greedy sample, once scored
 
     @property
     def complete(self) -> bool:
-        return len(self.members) + self.dropped >= self.expected
+        return len(self.members) + self.dropped + (self.baseline is not None) >= self.expected
 
 
 class SampleBuffer:

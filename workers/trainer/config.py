@@ -24,7 +24,9 @@ class TrainerConfig:
     minus its group's mean, whitened over the batch), ``opo`` (the score minus the group's
     length-weighted mean score), ``grpo_passk`` (pass@k: only a group's best sample learns, from
     its lead over the second best, std-normalised as grpo), ``gpg`` (the score minus its group's
-    mean, times the step's samples over those with a nonzero reward). ``clip_low`` / ``clip_high``: ratio clipped to
+    mean, times the step's samples over those with a nonzero reward), ``remax`` (ReMax: each
+    token's return minus the reward of a greedy sample of the same prompt, which the controller
+    adds to every group and does not train). ``clip_low`` / ``clip_high``: ratio clipped to
     [1 - clip_low, 1 + clip_high] (clip-higher when high > low). ``dual_clip``: c > 1 bounds the
     loss of negative-advantage tokens by ``c * |A|`` (None: off). ``policy_loss`` (verl's
     ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token), ``gspo``
@@ -71,7 +73,9 @@ class TrainerConfig:
     seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3) with ``rollout_rs_threshold`` (one per
     option or one for all; k1: ``lower_upper`` ratio bounds, or an upper one whose reciprocal is
     the lower); a rejected token (or sequence) is dropped from every loss term and from the
-    token / sequence counts the loss is divided by. Either turns the trainer's old log-probs on.
+    token / sequence counts the loss is divided by. Either turns the trainer's old log-probs on,
+    except with ``rollout_bypass`` (verl's bypass mode, ``workers/trainer/rollout_bypass.py``): the
+    sampler's are the old ones, ``rollout_loss_type`` ppo_clip or reinforce, weights of the current policy.
     ``temperature``: the sampling temperature the samples were drawn at; every log-prob the
     trainer takes (policy, old, reference; entropy) is of ``softmax(logits / temperature)``,
     the distribution the sampler's log-probs are of (as verl divides the logits by the rollout
@@ -183,6 +187,9 @@ class TrainerConfig:
     rollout_is_batch_normalize: bool = False  # weights / their iteration mean (training waits for step())
     rollout_rs: str | None = None  # rejection sampling: comma-separated options (rollout_correction.RS_OPTIONS)
     rollout_rs_threshold: str | float | None = None  # one per option, or one for all (k1: "lower_upper")
+    # verl's bypass_mode: old log-probs = the sampler's; rollout_is / rollout_rs of the current policy, per forward
+    rollout_bypass: bool = False
+    rollout_loss_type: str = "ppo_clip"  # with rollout_bypass: ppo_clip | reinforce (verl's loss_type)
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are taken at it
     ppo_epochs: int = 1  # passes over the iteration's samples
     mini_batches: int = 1  # optimizer updates per pass (verl: train_batch_size / ppo_mini_batch_size)
@@ -320,8 +327,9 @@ class TrainerConfig:
 
     @property
     def corrects_rollout(self) -> bool:
-        """Importance weights or rejection from the sampler's to the trainer's old log-probs."""
-        return self.is_level is not None or self.rollout_rs is not None
+        """Importance weights or rejection from the sampler's to the trainer's old log-probs, at
+        receive time (not in bypass mode: there they are the current policy's, in each forward)."""
+        return (self.is_level is not None or self.rollout_rs is not None) and not self.rollout_bypass
 
     @property
     def tis_per_sequence(self) -> bool:
@@ -349,8 +357,9 @@ class TrainerConfig:
 
     @property
     def token_returns(self) -> bool:
-        """Advantages are each token's discounted return, no critic (REINFORCE++)."""
-        return self.algorithm == "reinforce_plus_plus"
+        """Advantages start from each token's discounted return, no critic (REINFORCE++; remax,
+        undiscounted, then minus its group's greedy baseline)."""
+        return self.algorithm in ("reinforce_plus_plus", "remax")
 
     @property
     def use_critic(self) -> bool:

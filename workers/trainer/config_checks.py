@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from workers.trainer.config_names import POLICY_LOSS_KNOBS, SEQ_MEAN_POLICY_LOSSES
+from workers.trainer.config_names import BYPASS_LOSS_TYPES, POLICY_LOSS_KNOBS, SEQ_MEAN_POLICY_LOSSES
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
@@ -47,6 +47,7 @@ def check_rollout_correction(cfg: "TrainerConfig") -> None:
     whose sequence statistics a token-level rejection would change."""
     from workers.trainer.rollout_correction import IS_WEIGHTS, parse_rejection
 
+    check_bypass(cfg)
     if cfg.rollout_is is not None and cfg.rollout_is not in IS_WEIGHTS:
         raise ValueError(f"trainer.rollout_is: {cfg.rollout_is!r} is not one of {tuple(IS_WEIGHTS)} (or null: off)")
     if cfg.rollout_is_threshold is not None and not cfg.rollout_is_threshold > 0:
@@ -66,3 +67,38 @@ def check_rollout_correction(cfg: "TrainerConfig") -> None:
         raise ValueError(f"trainer.rollout_rs: {', '.join(token_level)} rejects single tokens, and policy_loss "
                          f"{cfg.policy_loss!r} averages each sequence's tokens over all of them here (verl: over "
                          f"the kept ones); use a sequence-level option (seq_sum_*, seq_mean_*, seq_max_*)")
+
+
+def check_bypass(cfg: "TrainerConfig") -> None:
+    """trainer.rollout_bypass (verl's bypass_mode) and rollout_loss_type (its loss_type): what
+    bypass mode replaces (the old log-probs' recomputation, the policy loss) and what it cannot take."""
+    one_of("rollout_loss_type", cfg.rollout_loss_type, BYPASS_LOSS_TYPES)
+    if not cfg.rollout_bypass:
+        return  # rollout_loss_type without it: refused as a switched knob
+    if cfg.recompute_old_logprobs:
+        raise ValueError("trainer.recompute_old_logprobs: true recomputes the old log-probs, and "
+                         "trainer.rollout_bypass: true takes the sampler's as the old ones instead (verl's bypass_mode "
+                         "skips that forward); set one")
+    if cfg.tis_cap > 0:
+        raise ValueError(f"trainer.tis_cap ({cfg.tis_cap}) weights by pi_old / pi_sampler with recomputed old "
+                         f"log-probs, which trainer.rollout_bypass has none of; with it, set trainer.rollout_is: "
+                         f"token, rollout_is_threshold: {cfg.tis_cap} and rollout_loss_type: reinforce")
+    if cfg.policy_loss != "ppo":
+        raise ValueError(f"trainer.policy_loss ({cfg.policy_loss!r}): with trainer.rollout_bypass the policy loss is "
+                         f"trainer.rollout_loss_type's (ppo_clip: ppo's clipped surrogate, or reinforce), as verl's "
+                         f"bypass mode replaces loss_mode; leave policy_loss out")
+    if cfg.rollout_is_batch_normalize:
+        raise ValueError("trainer.rollout_is_batch_normalize: with trainer.rollout_bypass the weights are the current "
+                         "policy's, taken in each training forward, and verl normalises them over one micro-batch of "
+                         "all ranks at once; not available here (leave it out)")
+    if cfg.rollout_loss_type == "ppo_clip" and cfg.rollout_is is not None:
+        raise ValueError(f"trainer.rollout_is ({cfg.rollout_is!r}) with trainer.rollout_bypass and rollout_loss_type "
+                         f"'ppo_clip': the PPO ratio pi / pi_rollout is the importance ratio already, and verl's "
+                         f"ppo_clip applies no weights (it takes them for its metrics only); set rollout_loss_type: "
+                         f"reinforce, or leave rollout_is out")
+    if cfg.rollout_loss_type == "reinforce":
+        defaults = {f.name: f.default for f in fields(cfg)}
+        for name in ("clip_low", "clip_high", "dual_clip"):
+            if getattr(cfg, name) != defaults[name]:
+                raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): trainer.rollout_loss_type 'reinforce' has "
+                                 f"no clip (verl's REINFORCE loss, -w A log pi); leave it out")

@@ -3,9 +3,9 @@ algorithms and policy losses exist, which knobs each reads, the spellings refuse
 from __future__ import annotations
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-              "gpg")
-# advantages compare a group's samples (step_math.GROUP_ADVANTAGES)
-GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
+              "gpg", "remax")
+# advantages compare a group's samples (step_math.GROUP_ADVANTAGES; remax: with the group's greedy baseline)
+GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg", "remax")
 WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
 # knobs only some algorithms read: set to anything but their default under another, refused
 _CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
@@ -16,13 +16,16 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "reinforce_plus_plus_baseline": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "opo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "grpo_passk": _CRITIC_KNOBS + ("gamma",),
-                "gpg": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}
+                "gpg": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
+                "remax": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}  # verl's remax returns are undiscounted
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),
                   "train_groups": ("max_gen_batches",),  # refills (max_gen_batches) aim at train_groups
                   "rollout_is": ("rollout_is_threshold", "rollout_is_batch_normalize"),
-                  "rollout_rs": ("rollout_rs_threshold",)}
+                  "rollout_rs": ("rollout_rs_threshold",), "rollout_bypass": ("rollout_loss_type",)}
+# trainer.rollout_loss_type: the policy loss of rollout correction's bypass mode (verl's loss_type)
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 # workers/trainer/kl.py; "+": the named estimator's value with k2's gradient (verl's straight-through)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 # verl's kl_loss_type / kl_penalty values -> ours (refused with the name to use; mse+ is k2 itself)

@@ -22,12 +22,15 @@ LOGPROB_SLACK = 1e-3
 
 def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version: int, cfg: TrainerConfig,
                  iteration: int) -> None:
-    """Raise on a caller bug: ``s`` has no prompt registered for ``iteration``, comes from
-    weights newer than ``version``, or (grouped algorithms, the group filter) names a group
+    """Raise on a caller bug: ``s`` has no prompt registered for ``iteration``, is a greedy
+    baseline but the algorithm is not remax, comes from weights newer than ``version``, or (grouped algorithms, the group filter) names a group
     with no size."""
     sid = s.sample_id
     if sid not in prompts:
         raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({iteration})")
+    if s.baseline and cfg.algorithm != "remax":
+        raise ValueError(f"sample {sid}: a greedy baseline sample (Request.baseline) for trainer.algorithm "
+                         f"{cfg.algorithm!r}; only remax has one")
     if s.weight_version > version:
         raise ValueError(f"sample {sid}: weight_version {s.weight_version} is newer than the trainer's {version}")
     if (cfg.grouped or cfg.filter_groups) and s.group_id not in group_sizes:

@@ -24,7 +24,7 @@ from workers.trainer.kl import KL_ESTIMATORS
 from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, clipped_value_loss,
                                     entropy_from_logits, fraction_agg, loss_divisor, sequence_geometric_mean)
 from workers.trainer.packing import pack, response_logits, token_logprobs
-from workers.trainer import rollout_correction as rc
+from workers.trainer import remax, rollout_bypass, rollout_correction as rc
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -167,8 +167,11 @@ GROUP_ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor, TrainerConfig]
 }
 
 
-def group_advantages(cfg: TrainerConfig, members: list[Prepared]) -> None:
-    """Fill ``adv`` [L] of every member from the group's sequence rewards."""
+def group_advantages(cfg: TrainerConfig, members: list[Prepared], baseline: float | None = None) -> None:
+    """Fill ``adv`` [L] of every member from the group's sequence rewards (remax: from their
+    returns and the group's greedy ``baseline``)."""
+    if cfg.algorithm == "remax":
+        return remax.advantages(members, baseline)
     rewards = torch.tensor([p.reward for p in members], dtype=torch.float32)  # [G]
     # [G] tokens of each (those rollout_rs keeps: verl rejects before its advantages, so opo's weights are those)
     lengths = torch.tensor([p.num_tokens if p.keep is None else int(p.keep.sum()) for p in members],
@@ -188,7 +191,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     ref = torch.cat([p.ref_logp for p in items]).to(dev) if w.ref is not None else None
     adv = torch.cat([p.adv for p in items]).to(dev)
     # rollout_rs: rejected tokens leave every term, and the token / sequence counts (verl's response_mask)
-    keep = torch.cat([p.keep for p in items]).to(dev) if cfg.rollout_rs is not None else None  # [N] bool
+    keep = torch.cat([p.keep for p in items]).to(dev) if cfg.rollout_rs and cfg.corrects_rollout else None  # [N] bool
     lens = batch.seq_lens if keep is None else (  # [B] the tokens of each sequence that count
         torch.zeros_like(batch.seq_lens).index_add_(0, batch.seq_index, keep.long()))
 
@@ -202,9 +205,14 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
 
     frac = fraction_agg(cfg.loss_agg)
 
-    pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens, cfg.clip_low,
-                                                        cfg.clip_high, cfg.dual_clip, policy_knobs(cfg))  # [N] each
-    tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.is_level is not None else None
+    bypassed = {}  # rollout_bypass: old is the sampler's; rollout_is / rollout_rs of this forward (rollout_corr/*)
+    if cfg.rollout_bypass:
+        (pg, clipped, ratio), bypassed = rollout_bypass.policy_terms(cfg, logp, old, adv, batch.seq_index,
+                                                                     batch.seq_lens)
+    else:
+        pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens, cfg.clip_low,
+                                                            cfg.clip_high, cfg.dual_clip, policy_knobs(cfg))  # [N] each
+    tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.is_level and cfg.corrects_rollout else None
     if tis is not None:
         if cfg.tis_per_sequence:  # geo_mean: one loss per sequence, weighted by the geometric mean (verl's)
             tis = sequence_geometric_mean(tis, batch.seq_index, batch.seq_lens)
@@ -229,7 +237,7 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         counts = {"num_tokens": keep.sum().float(), "num_seqs": (lens > 0).sum().float(),
                   "advantage_max": adv.masked_fill(~keep, -math.inf).max(),
                   "advantage_min": adv.masked_fill(~keep, math.inf).min()}
-    stats = {**counts, "pg_loss": agg(pg).detach(), "entropy": agg(ent).detach(),
+    stats = {**counts, **bypassed, "pg_loss": agg(pg).detach(), "entropy": agg(ent).detach(),
              "clipfrac": agg(clipped, frac), "ratio": agg(ratio, frac),
              "ppo_kl": agg(ppo_kl, frac), "advantage_sum": kept_sum(adv)}
     if kl is not None:
@@ -262,7 +270,8 @@ class StatSums:
             "skipped_microbatches", "incomplete_groups", "duplicates", "num_tokens", "num_seqs", "pg_loss", "kl",
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
-            "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups") + rc.SUMS
+            "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups", "baselines",
+            "baseline_sum", "unbased_groups") + rc.SUMS
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -332,7 +341,7 @@ class StatSums:
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
                 extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False, kl: bool = True,
                 overlong: bool = False, reward_kl: bool = False, grouped: bool = False,
-                filtered: bool = False) -> dict[str, float]:
+                filtered: bool = False, baselines: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
         report the critic's statistics; ``tis``: the mean truncated importance weight; ``kl``: the
@@ -340,7 +349,8 @@ class StatSums:
         the mean overlong penalty; ``reward_kl``: the mean over samples of each one's mean per-token
         KL(old || ref) (``kl_mode: reward``); ``grouped``: the share of the groups whose samples all
         scored the same (advantage 0 under grpo / rloo); ``filtered``: the groups the group filter
-        dropped (uniform) and left over (past ``train_groups``). A maximum or minimum over nothing
+        dropped (uniform) and left over (past ``train_groups``); ``baselines``: remax's mean greedy
+        reward and the groups skipped without one. A maximum or minimum over nothing
         is 0.0, as the means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
@@ -378,5 +388,8 @@ class StatSums:
             m["uniform_group_frac"] = t["uniform_groups"] / t["groups"] if t["groups"] > 0 else 0.0
         if filtered:  # trainer.filter_groups
             m["filtered_groups"], m["surplus_groups"] = t["filtered_groups"], t["surplus_groups"]
+        if baselines:
+            m["baseline_reward_mean"] = t["baseline_sum"] / t["baselines"] if t["baselines"] > 0 else 0.0
+            m["groups_without_baseline"] = t["unbased_groups"]
         m["_divisor"] = divisor
         return m

@@ -45,7 +45,7 @@ from workers.trainer.critic import ValueModel
 from workers.trainer.group_filter import passing_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
-from workers.trainer import optimizer
+from workers.trainer import optimizer, remax
 from workers.trainer.lora import LoRA, Reference, target_names
 from workers.trainer.schedule import lr_lambda
 from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
@@ -200,6 +200,10 @@ class TrainerWorker:
         # every score in flight first: the rewards run beside the forwards below
         scores = dict(scores or {})
         scores.update(submit_scores(self, [s for s in accepted if s.sample_id not in scores]))
+        for s in accepted:  # remax's greedy samples: their group's baseline, no forward, not trained
+            if s.baseline:
+                remax.take_baseline(self, s, scores[s.sample_id])
+        accepted = [s for s in accepted if not s.baseline]
         # by prompt + output tokens, so receive-time forwards stay bounded
         for chunk in microbatches(accepted, self.cfg.max_tokens_per_microbatch,
                                   lambda s: s.prompt_ids.numel() + s.output_ids.numel()):
@@ -305,11 +309,13 @@ class TrainerWorker:
         if g is None or not (g.complete or force):
             return
         del self.buffer.groups[group_id]
-        if g.members:
+        if g.members and self.cfg.algorithm == "remax" and g.baseline is None:
+            remax.drop_unbased(self, group_id, g.members)
+        elif g.members:
             self.stats.add("groups", 1.0)
             if uniform(g.members):  # nothing to compare: advantage 0
                 self.stats.add("uniform_groups", 1.0)
-            group_advantages(self.cfg, g.members)
+            group_advantages(self.cfg, g.members, g.baseline)
             self.buffer.push_ready(g.members)
 
     def _flush_incomplete_groups(self) -> None:
@@ -367,7 +373,8 @@ class TrainerWorker:
         metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
                                      critic=self.critic is not None, tis=self.cfg.tis_cap > 0, kl=self.ref is not None,
                                      overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward,
-                                     grouped=self.cfg.grouped, filtered=self.cfg.filter_groups)
+                                     grouped=self.cfg.grouped, filtered=self.cfg.filter_groups,
+                                     baselines=self.cfg.algorithm == "remax")
         divisor = metrics.pop("_divisor")
         if self.cfg.kl_in_reward:  # the beta these samples' rewards used, then the next iteration's
             metrics["kl_coef"] = self.kl.value
