@@ -30,6 +30,10 @@ def whitening_note(cfg) -> str | None:
         return (f"pipeline.mode {cfg.pipeline.mode} with trainer.algorithm gpg: its advantages are scaled by the "
                 "iteration's samples over those with a nonzero reward, so the trainer's forward/backward run at the "
                 "end of each iteration, not while samples stream in")
+    if getattr(t, "custom_advantage", False):
+        return (f"pipeline.mode {cfg.pipeline.mode} with trainer.algorithm {t.algorithm}: a verl estimator sees the "
+                "iteration's samples at once, so the trainer's forward/backward run at the end of each iteration, not "
+                "while samples stream in")
     if t.rollout_is_batch_normalize:
         return (f"pipeline.mode {cfg.pipeline.mode} with trainer.rollout_is_batch_normalize: the importance weights "
                 "are divided by their mean over all of the iteration's samples (verl's batch), so the trainer's "

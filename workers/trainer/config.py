@@ -6,12 +6,12 @@ import typing
 from dataclasses import dataclass, fields
 
 from workers.config_schema import SEEDS, Range, ranged
+from workers.tasks.plugins import is_plugin
 from workers.tasks.reward_pool import REWARD_POOLS
-from workers.trainer.config_checks import check_policy_loss, check_rollout_correction, one_of
-from workers.trainer.config_names import (ALGORITHMS, BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
+from workers.trainer.config_checks import check_algorithm, check_policy_loss, check_rollout_correction, one_of
+from workers.trainer.config_names import (BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
                                           LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
-                                          UNUSED_KNOBS, VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES,
-                                          WHITENED)
+                                          VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES, WHITENED)
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class TrainerConfig:
     its lead over the second best, std-normalised as grpo), ``gpg`` (the score minus its group's
     mean, times the step's samples over those with a nonzero reward), ``remax`` (ReMax: each
     token's return minus the reward of a greedy sample of the same prompt, which the controller
-    adds to every group and does not train). ``clip_low`` / ``clip_high``: ratio clipped to
+    adds to every group and does not train), or ``"path/to/file.py:fn"`` / ``"package.module:fn"``, a
+    user's advantage estimator written for verl (``workers/trainer/custom_advantage.py``). ``clip_low`` / ``clip_high``: ratio clipped to
     [1 - clip_low, 1 + clip_high] (clip-higher when high > low). ``dual_clip``: c > 1 bounds the
     loss of negative-advantage tokens by ``c * |A|`` (None: off). ``policy_loss`` (verl's
     ``actor.policy_loss.loss_mode``): ``ppo`` (verl's vanilla: a ratio per token), ``gspo``
@@ -206,7 +207,7 @@ class TrainerConfig:
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
-        one_of("algorithm", self.algorithm, ALGORITHMS)
+        check_algorithm(self)
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
         one_of("kl_mode", self.kl_mode, KL_MODES)
         one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
@@ -261,18 +262,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.dual_clip must be > 1 (or null), got {self.dual_clip}")
         if not (0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1):
             raise ValueError("trainer.gamma and trainer.gae_lambda must be in [0, 1]")
-        if self.algorithm == "ppo" and self.critic is False:
-            raise ValueError("trainer.algorithm 'ppo' uses GAE and needs critic: true "
-                             "(use grpo, rloo or reinforce_plus_plus(_baseline) for critic-free training)")
-        if self.algorithm != "ppo" and self.critic:
-            raise ValueError(f"trainer.critic: true is only used by algorithm 'ppo', not {self.algorithm!r}")
-        defaults = {f.name: f.default for f in fields(self)}
-        for name in UNUSED_KNOBS[self.algorithm]:
-            if getattr(self, name) != defaults[name]:
-                users = [a for a in ALGORITHMS if name not in UNUSED_KNOBS[a]]
-                raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used by algorithm "
-                                 f"{' / '.join(map(repr, users))}, not {self.algorithm!r}; leave it out "
-                                 f"(it would have no effect)")
         if self.overlong_buffer:
             if self.max_response_tokens is None:
                 raise ValueError("trainer.overlong_buffer counts from the longest response, "
@@ -289,6 +278,7 @@ class TrainerConfig:
             if isinstance(targets, str) or not targets or any(t not in TARGETS for t in targets):
                 raise ValueError(f"trainer.lora_target_modules: {targets!r}: 'all-linear' or a list of names "
                                  f"from {list(TARGETS)}")
+        defaults = {f.name: f.default for f in fields(self)}
         for switch, knobs in SWITCHED_KNOBS.items():
             if not getattr(self, switch):
                 for name in knobs:
@@ -375,7 +365,13 @@ class TrainerConfig:
         """Training waits for the iteration's last sample: whitening, the group filter, the
         importance weights' batch normalisation and gpg's scale need them all (``receive`` only
         prepares samples)."""
-        return self.whiten or self.filter_groups or self.rollout_is_batch_normalize or self.algorithm == "gpg"
+        return (self.whiten or self.filter_groups or self.rollout_is_batch_normalize or self.algorithm == "gpg"
+                or self.custom_advantage)
+
+    @property
+    def custom_advantage(self) -> bool:
+        """``algorithm`` names a user's verl estimator (``workers/trainer/custom_advantage.py``)."""
+        return is_plugin(self.algorithm)
 
     @property
     def grouped(self) -> bool:

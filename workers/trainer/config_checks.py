@@ -1,12 +1,13 @@
-"""``TrainerConfig``'s checks across keys that grew past a line or two: a policy loss against its
-aggregation and knobs, rollout correction against the rest. Called from ``__post_init__``; each
+"""``TrainerConfig``'s checks across keys that grew past a line or two: the algorithm and its
+knobs, a policy loss against its aggregation and knobs, rollout correction against the rest. Called from ``__post_init__``; each
 error names the key."""
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from workers.trainer.config_names import BYPASS_LOSS_TYPES, POLICY_LOSS_KNOBS, SEQ_MEAN_POLICY_LOSSES
+from workers.trainer.config_names import (ALGORITHMS, BYPASS_LOSS_TYPES, CUSTOM_UNUSED_KNOBS, POLICY_LOSS_KNOBS,
+                                          SEQ_MEAN_POLICY_LOSSES, UNUSED_KNOBS)
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
@@ -18,6 +19,33 @@ def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
                          f"(one of {allowed})")
     if value not in allowed:
         raise ValueError(f"trainer.{name}: {value!r} is not one of {allowed}")
+
+
+def check_algorithm(cfg: "TrainerConfig") -> None:
+    """``algorithm``: one of ours or a user's verl estimator (loaded, its parameters checked); the
+    critic only with ppo; a knob the algorithm does not read, set, is refused."""
+    custom = cfg.custom_advantage
+    if custom:
+        from workers.trainer.custom_advantage import load_estimator
+
+        load_estimator(cfg.algorithm)
+    else:
+        try:
+            one_of("algorithm", cfg.algorithm, ALGORITHMS)
+        except ValueError as e:
+            raise ValueError(f"{e}, or a verl estimator of yours: \"path/to/file.py:function\"") from None
+    if cfg.algorithm == "ppo" and cfg.critic is False:
+        raise ValueError("trainer.algorithm 'ppo' uses GAE and needs critic: true "
+                         "(use grpo, rloo or reinforce_plus_plus(_baseline) for critic-free training)")
+    if cfg.algorithm != "ppo" and cfg.critic:
+        raise ValueError(f"trainer.critic: true is only used by algorithm 'ppo', not {cfg.algorithm!r}")
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name in CUSTOM_UNUSED_KNOBS if custom else UNUSED_KNOBS[cfg.algorithm]:
+        if getattr(cfg, name) != defaults[name]:
+            users = [a for a in ALGORITHMS if name not in UNUSED_KNOBS[a]]
+            raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}) is only used by algorithm "
+                             f"{' / '.join(map(repr, users))}, not {cfg.algorithm!r}; leave it out "
+                             f"(it would have no effect)")
 
 
 def check_policy_loss(cfg: "TrainerConfig") -> None:

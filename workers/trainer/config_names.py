@@ -18,6 +18,9 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "grpo_passk": _CRITIC_KNOBS + ("gamma",),
                 "gpg": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "remax": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}  # verl's remax returns are undiscounted
+# a user's verl estimator (trainer.algorithm "file.py:fn") reads gamma, gae_lambda (lam) and
+# grpo_std_normalize from its config argument, as verl's algorithm config; never a critic's knobs
+CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef")
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),

@@ -86,7 +86,8 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
                      reward_kl=float(kl_i.mean()) if kl_i.numel() else 0.0)
         if cfg.corrects_rollout:  # pi_old / pi_sampler: importance weights, rejection, their metrics
             correct_sample(p, sampler_of[i], cfg, checks)
-        if values is not None or cfg.token_returns:  # per-token rewards: GAE, or REINFORCE++'s returns
+        # per-token rewards: GAE, REINFORCE++'s / remax's returns, a user's estimator's input
+        if values is not None or cfg.token_returns or cfg.custom_advantage:
             p.token_rewards = -beta * kl_i if penalise else torch.zeros_like(kl_i)
             p.token_rewards[-1] += shaped
         if values is not None:

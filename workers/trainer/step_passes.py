@@ -2,7 +2,7 @@
 needs every sample of the step on every data-parallel rank (each rank runs each pass once per
 step, with or without samples: their all-reduces / all-gathers stay in lock-step), which is
 why training waits for ``step()`` when one is on (``TrainerConfig.trains_at_step``). In order:
-DAPO's group filter, the whitening of GAE / REINFORCE++ advantages, gpg's scale, the
+DAPO's group filter, a user's verl estimator, the whitening of GAE / REINFORCE++ advantages, gpg's scale, the
 importance weights' batch normalisation (``rollout_correction.batch_normalize``)."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from workers.trainer.advantages import gpg_alpha, whiten
+from workers.trainer.custom_advantage import custom_pass
 from workers.trainer.group_filter import filter_groups, gather_over
 from workers.trainer.rollout_correction import batch_normalize
 
@@ -23,6 +24,8 @@ def iteration_passes(w: "TrainerWorker") -> None:
     """Every pass the config turns on, in order."""
     if w.cfg.filter_groups:
         filter_groups_pass(w)
+    if w.cfg.custom_advantage:  # a user's verl estimator, over the samples the filter kept
+        custom_pass(w)
     if w.cfg.whiten:
         whiten_pass(w)
     if w.cfg.algorithm == "gpg":

@@ -42,6 +42,7 @@ from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatches
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
+from workers.trainer.custom_advantage import load_estimator
 from workers.trainer.group_filter import passing_groups, uniform
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
@@ -120,6 +121,7 @@ class TrainerWorker:
         self.iteration = -1
         # beta of trainer.kl_mode reward: fixed, or adapted after each step (trainer.kl_target)
         self.kl = KLCoefficient(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.advantage_fn = load_estimator(cfg.algorithm) if cfg.custom_advantage else None  # a user's verl estimator
         self._prompts: dict[int, TaskPrompt] = {}
         self._group_sizes: dict[int, int] = {}
         self._seen: set[int] = set()  # sample ids received this iteration (duplicates dropped)

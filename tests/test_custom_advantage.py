@@ -1,0 +1,164 @@
+"""A user's verl advantage estimator (``trainer.algorithm: "file.py:fn"``): called as verl's
+``compute_advantage`` calls a registered one, and a transcription of verl's GRPO estimator
+(core_algos, b178a3c) written as such a plugin trains exactly as ``algorithm: grpo``; bad
+plugins are refused naming the key; and a real run (torchrun) loads it on the trainer rank."""
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from controller.config import ConfigError, load_config
+from controller.config_notes import config_notes
+from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
+from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
+from workers.tasks.plugins import load_plugin
+from workers.trainer import TrainerConfig, TrainerWorker
+from workers.trainer.custom_advantage import AlgoConfig
+
+torch.set_num_threads(1)
+
+VERL_GRPO = '''
+from collections import defaultdict
+
+import torch
+
+CALLS = []
+
+
+def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
+                                   norm_adv_by_std_in_grpo=True, config=None):
+    """verl's, transcribed: the sum of token rewards, minus its uid's mean, over its std."""
+    CALLS.append({"rewards": token_level_rewards.clone(), "mask": response_mask.clone(), "index": list(index),
+                  "config": config})
+    if config is not None:
+        norm_adv_by_std_in_grpo = config.get("norm_adv_by_std_in_grpo", True)
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean, id2std = defaultdict(list), {}, {}
+    with torch.no_grad():
+        for i in range(scores.shape[0]):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx], id2std[idx] = torch.tensor(0.0), torch.tensor(1.0)
+            else:
+                t = torch.stack(id2score[idx])
+                id2mean[idx], id2std[idx] = torch.mean(t), torch.std(t)
+        for i in range(scores.shape[0]):
+            if norm_adv_by_std_in_grpo:
+                scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+            else:
+                scores[i] = scores[i] - id2mean[index[i]]
+        scores = scores.unsqueeze(-1) * response_mask
+    return scores, scores
+
+
+def advantages_only(token_level_rewards, response_mask, **kwargs):
+    return token_level_rewards.flip(-1).cumsum(-1).flip(-1) * response_mask
+
+
+def wrong_shape(token_level_rewards, response_mask, index, config):
+    return token_level_rewards[:, :1]
+
+
+def too_few(token_level_rewards, response_mask):
+    return token_level_rewards
+'''
+
+# per group: (reward, response length) of each sample
+GROUPS = [[(1.0, 3), (0.0, 5), (1.0, 2), (0.5, 4)], [(0.2, 2), (0.7, 6)], [(0.0, 2), (0.0, 3)]]
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plugin") / "my_estimators.py"
+    path.write_text(textwrap.dedent(VERL_GRPO))
+    return path
+
+
+def _step(model_dir, algorithm, **kw):  # noqa: F811
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(algorithm=algorithm, lr=1e-2, **kw), model_dir, KnownRewardTask(), device="cpu")
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(samples)
+    m = w.step().metrics
+    return m, {k: v.detach().clone() for k, v in w.actor.state_dict().items()}
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_verl_s_grpo_as_a_plugin_trains_as_our_grpo(model_dir, plugin, normalize):  # noqa: F811
+    m0, w0 = _step(model_dir, "grpo", grpo_std_normalize=normalize)
+    m1, w1 = _step(model_dir, f"{plugin}:compute_grpo_outcome_advantage", grpo_std_normalize=normalize)
+    for k in ("advantage_max", "advantage_min", "advantage_mean", "pg_loss", "grad_norm", "num_tokens"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), k
+    assert all(torch.allclose(w0[k], w1[k], atol=1e-5) for k in w0)  # Adam divides ~1e-9 gradients: 2e-6 apart
+    assert m0["grad_norm"] > 0 and any(not torch.equal(w1[k], w1[k] * 0) for k in w1)
+
+
+def test_it_gets_verl_s_inputs(model_dir, plugin):  # noqa: F811
+    fn = load_plugin(f"{plugin}:compute_grpo_outcome_advantage", "test")  # the module loaded once
+    _step(model_dir, f"{plugin}:compute_grpo_outcome_advantage", gamma=0.9)
+    call = fn.__globals__["CALLS"][-1]
+    lengths = [n for group in GROUPS for _, n in group]
+    rewards, mask = call["rewards"], call["mask"]
+    assert rewards.shape == (8, 6) and mask.dtype == torch.int64
+    assert mask.sum(1).tolist() == lengths  # right-padded to the longest response
+    # the score at each sample's last token, nothing elsewhere (no KL in the reward)
+    assert rewards.sum(1).tolist() == pytest.approx([r for group in GROUPS for r, _ in group])
+    assert all(rewards[i, n - 1] == rewards[i].sum() for i, n in enumerate(lengths))
+    assert call["index"] == ["0"] * 4 + ["1"] * 2 + ["2"] * 2  # verl's uid: one per prompt
+    cfg = call["config"]
+    assert isinstance(cfg, AlgoConfig) and cfg.gamma == 0.9 and cfg["lam"] == TrainerConfig().gae_lambda and cfg.get("nope", 3) == 3
+    assert cfg.adv_estimator.endswith(":compute_grpo_outcome_advantage") and not cfg.use_kl_in_reward
+
+
+def test_advantages_alone_and_per_token(model_dir, plugin):  # noqa: F811
+    m, _ = _step(model_dir, f"{plugin}:advantages_only")
+    # each token's return: the score on every token of its sample (no KL): extremes 1.0 and 0.0
+    assert (m["advantage_max"], m["advantage_min"]) == (1.0, 0.0)
+
+
+def test_a_wrong_shape_is_said(model_dir, plugin):  # noqa: F811
+    with pytest.raises(ValueError, match=r"trainer.algorithm: .*wrong_shape.* shape \(8, 1\), expected \(8, 6\)"):
+        _step(model_dir, f"{plugin}:wrong_shape")
+
+
+def test_bad_plugins_are_refused_naming_the_key(plugin, tmp_path):
+    with pytest.raises(ValueError, match="trainer.algorithm: .*must take verl's estimator keywords"):
+        TrainerConfig(algorithm=f"{plugin}:too_few")
+    with pytest.raises(ValueError, match="trainer.algorithm: .*has no attribute 'nope'"):
+        TrainerConfig(algorithm=f"{plugin}:nope")
+    with pytest.raises(ValueError, match="trainer.algorithm: .*is not a file"):
+        TrainerConfig(algorithm=f"{tmp_path}/missing.py:fn")
+    with pytest.raises(ValueError, match="trainer.algorithm"):
+        TrainerConfig(algorithm="grpoo")
+    with pytest.raises(ValueError, match="trainer.critic_lr"):  # no critic
+        TrainerConfig(algorithm=f"{plugin}:advantages_only", critic_lr=1e-3)
+    cfg = TrainerConfig(algorithm=f"{plugin}:advantages_only", gamma=0.9, gae_lambda=0.8)  # passed in config
+    assert cfg.trains_at_step and not cfg.grouped and not cfg.whiten and not cfg.use_critic
+
+
+def test_a_run_loads_the_plugin_on_the_trainer_rank(tmp_path, tiny_model, plugin):  # noqa: F811
+    cfg = write_config(tmp_path, tiny_model, trainer__algorithm=f"{plugin}:compute_grpo_outcome_advantage",
+                       train__iterations=2, train__eval_every=0, pipeline__mode="stream")
+    loaded = load_config(str(cfg), 3)
+    assert loaded.trainer.algorithm.endswith(":compute_grpo_outcome_advantage")
+    assert any("a verl estimator sees the iteration's samples at once" in n for n in config_notes(loaded))
+    p = torchrun(cfg, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = iterations(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1] and all(r["num_samples"] == 8 for r in rows)
+    bad = write_config(tmp_path, tiny_model, trainer__algorithm=f"{plugin}:too_few")
+    with pytest.raises(ConfigError, match="trainer.algorithm"):
+        load_config(str(bad), 3)
+
+
+def test_index_is_an_object_array(model_dir, plugin):  # noqa: F811
+    from workers.trainer.custom_advantage import batch_inputs
+    from workers.trainer.step_math import prepare_batch
+
+    samples, prompts, _ = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(algorithm=f"{plugin}:advantages_only"), model_dir, KnownRewardTask(), device="cpu")
+    w._prompts = prompts
+    _, _, index = batch_inputs(prepare_batch(w, samples))
+    assert isinstance(index, np.ndarray) and index.dtype == object and index[0] == "0"
