@@ -29,6 +29,7 @@ REFUSED = [
     ("weight_sync", ["--reps", "0"], "--reps must be >= 1, got 0"),
     ("reward_pool", ["--samples", "0"], "argument --samples: must be an integer >= 1, got '0'"),
     ("trainer_memory", ["--ranks", "1"], "argument --ranks: must be an integer >= 2, got '1'"),
+    ("remax_baseline", ["--group-size", "0"], "argument --group-size: must be an integer >= 1, got '0'"),
 ]
 
 

@@ -169,3 +169,14 @@ def test_a_remax_run_streams_and_trains_the_sampled_responses(tmp_path, tiny_mod
         assert r["metrics"]["groups_without_baseline"] == 0
         assert 0.0 <= r["metrics"]["baseline_reward_mean"] <= 1.0
         assert sum(r["per_instance"].values()) == 4 * 3  # the engine generated the greedy ones too
+
+
+def test_the_bench_generates_the_same_work_both_ways(capsys, monkeypatch):
+    """bench/remax_baseline.py: beside and second_pass force the same tokens, one greedy response
+    a prompt (its run() asserts both), and the summary compares them."""
+    from tests.bench_loading import load_bench
+
+    out = load_bench("remax_baseline", monkeypatch).main(["--quick", "--prompts", "2", "--cap", "16", "--threads", "1"])
+    assert out["summary"] and out["beside_s"] > 0 and out["second_pass_s"] > 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if '"run"' in line]
+    assert len(runs) == 2 and all('"tokens": ' in r for r in runs)
