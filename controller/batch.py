@@ -33,6 +33,7 @@ class IterationResult:
     # the samples trained on (the trainer ranks' reports: one copy of a re-generated request):
     # the output length of each, in sample id order, and generation rank -> samples it gave
     out_lens: list[int] = field(default_factory=list)
+    gen_lens: list[int] = field(default_factory=list)  # every generated sample's (remax's greedy ones too)
     per_instance: dict[int, int] = field(default_factory=dict)
     # the engines in this batch's generation (``Program._engine_stats``): preemptions (sum over
     # the instances), kv_peak_frac (the fullest instance's peak share of its KV blocks)

@@ -128,6 +128,9 @@ def _check_group_filter(cfg: Config) -> None:
     t, tr = cfg.train, cfg.trainer
     if not getattr(tr, "filter_groups", False):
         return
+    if tr.algorithm == "remax":
+        raise ConfigError("trainer.filter_groups drops groups whose samples all scored the same, but under remax such "
+                          "a group still learns from its greedy baseline's reward; leave filter_groups off with remax")
     if t.group_size < 2:
         raise ConfigError(f"trainer.filter_groups drops groups whose samples all scored the same; train.group_size "
                           f"{t.group_size} leaves nothing to compare: set it >= 2")
@@ -136,10 +139,17 @@ def _check_group_filter(cfg: Config) -> None:
         raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts x "
                           f"trainer.max_gen_batches ({t.batch_prompts} x {tr.max_gen_batches} = {most}), the most "
                           "groups an iteration generates (verl's gen_batch_size x max_num_gen_batches)")
-    per_batch = t.batch_prompts * t.group_size
+    per_batch = t.batch_prompts * requests_per_prompt(cfg)
     if tr.train_groups and per_batch * max(tr.max_gen_batches, 1) >= SAMPLE_STRIDE:  # 0: no refill
-        raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size "
-                          f"({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
+        plus = " (+ 1: remax's greedy response)" if requests_per_prompt(cfg) > t.group_size else ""
+        raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size"
+                          f"{plus} ({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
+
+
+def requests_per_prompt(cfg) -> int:
+    """The generation requests of one prompt: ``train.group_size`` samples, and under remax its
+    greedy baseline response (controller/program.py)."""
+    return cfg.train.group_size + (getattr(cfg.trainer, "algorithm", "") == "remax")
 
 
 def check_staleness(mode: str, max_staleness: int | None) -> None:

@@ -152,7 +152,7 @@ class Metrics:
         for k, v in scalars.items():
             w.add_scalar(k, v, step)
         self.trackers.log(scalars, step)
-        row = {k: v for k, v in vars(res).items() if k != "out_lens"}
+        row = {k: v for k, v in vars(res).items() if k not in ("out_lens", "gen_lens")}
         _append_line(self.logdir / "iterations.jsonl", json.dumps({**row, **derived}))
         if self.timeline_every and (step + 1) % self.timeline_every == 0:
             self._write_timeline_soon(step + 1)

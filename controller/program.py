@@ -25,6 +25,7 @@ from controller.data import PromptStream
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
 from controller.batch import Batch, IterationResult, Push
+from controller.config_checks import requests_per_prompt
 from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
@@ -58,7 +59,7 @@ class Program:
         self._stream_at: dict[int, dict] = {}  # iteration -> prompt-stream state before its batch
         self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
         # requests per prompt: train.group_size samples, and remax's greedy baseline (verl's gen_max)
-        self.per_prompt = cfg.train.group_size + (getattr(cfg.trainer, "algorithm", "") == "remax")
+        self.per_prompt = requests_per_prompt(cfg)
 
     # ---- requests ------------------------------------------------------------------------
     def make_batch(self, iteration: int) -> Batch:
@@ -181,10 +182,11 @@ class Program:
                               b.gen_s, t1 - t0, t1 - b.dispatched,
                               max(r.staleness_max for r in reports), sync_s,
                               b.redispatched, b.lost)
+        generated = {sid: n for r in reports for sid, n in r.lengths.items()}  # each DP rank its own groups
         baselines = {r.sample_id for r in b.requests if r.baseline}  # remax's greedy samples: not trained
-        # each DP rank its own groups
-        lengths = {sid: n for r in reports for sid, n in r.lengths.items() if sid not in baselines}
+        lengths = {sid: n for sid, n in generated.items() if sid not in baselines}
         res.out_lens = [lengths[sid] for sid in sorted(lengths)]
+        res.gen_lens = [generated[sid] for sid in sorted(generated)]  # what generation's time was spent on
         for r in reports:
             for rank, n in r.per_instance.items():
                 res.per_instance[rank] = res.per_instance.get(rank, 0) + n

@@ -216,9 +216,14 @@ class Session:
                              "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
                              "finite number ('the task's score raised ...'), samples refused as bad input, or "
                              "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
+        unbased = int(res.metrics.get("groups_without_baseline", 0))
+        if unbased and not res.metrics.get("num_seqs", 0):
+            raise RunStopped(f"iteration {res.iteration}: nothing was trained, and {unbased} groups got no greedy "
+                             "baseline response (remax), so their samples could not train; the trainer ranks' "
+                             "warnings say why")
         c = self.cfg
         if self.policy is not None:
-            lens = res.out_lens
+            lens = res.gen_lens  # remax's greedy responses take generation time too
             if lens:
                 spare = len(self.waiting) + pending()  # processes waiting to join
                 d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],

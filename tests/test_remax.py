@@ -50,15 +50,18 @@ def test_advantages_equal_verl_s_with_the_kl_in_the_reward(model_dir):  # noqa: 
     samples, prompts, _ = _samples(model_dir)
     w = _worker(model_dir, kl_coef=0.3, kl_mode="reward", recompute_old_logprobs=True)
     w._prompts = prompts
+    with torch.no_grad():  # the reference is the initial actor: move the actor off it, so KL(old || ref) > 0
+        for t in w.actor.parameters():
+            t.add_(0.05 * torch.randn_like(t))
     members = [p for p, s in zip(prepare_batch(w, samples), samples) if not s.baseline][:3]  # group 0
-    # the reference is the initial actor, so KL is 0: make it nonzero the way verl's penalty would
-    for p in members:
-        p.token_rewards = p.token_rewards - 0.3 * torch.linspace(0.1, 0.9, p.num_tokens)
-        p.adv = p.token_rewards.flip(0).cumsum(0).flip(0)  # what prepare_batch leaves: the returns
+    scores = [r for r, _ in GROUPS[0][0]]
+    for p, score in zip(members, scores):
+        assert p.token_rewards[:-1].abs().min() > 0  # -beta x KL on every token
+        assert p.token_rewards.sum() == pytest.approx(p.reward, abs=1e-5) and p.reward < score
     group_advantages(w.cfg, members, 0.5)
     for p in members:
         want = verl_remax(p.token_rewards[None], torch.tensor([0.5]), torch.ones(1, p.num_tokens))[0]
-        assert torch.allclose(p.adv, want, atol=1e-6)
+        assert torch.allclose(p.adv, want, atol=1e-5)
         assert not torch.allclose(p.adv, p.adv[-1].expand_as(p.adv))  # per token: the KL makes them differ
 
 
@@ -180,3 +183,41 @@ def test_the_bench_generates_the_same_work_both_ways(capsys, monkeypatch):
     assert out["summary"] and out["beside_s"] > 0 and out["second_pass_s"] > 0
     runs = [line for line in capsys.readouterr().out.splitlines() if '"run"' in line]
     assert len(runs) == 2 and all('"tokens": ' in r for r in runs)
+
+
+def test_uniform_means_the_members_scored_as_the_greedy_response(model_dir):  # noqa: F811
+    """A group whose samples all score 1 learns from a greedy 0 (advantage +1 each): not uniform;
+    one whose samples and greedy response all score 0.7 is."""
+    groups = [([(1.0, 3), (1.0, 2)], (0.0, 2)), ([(0.7, 2), (0.7, 3)], (0.7, 4))]
+    samples, prompts, sizes = _samples(model_dir, groups)
+    w = _worker(model_dir)
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(samples)
+    m = w.step().metrics
+    assert m["uniform_group_frac"] == 0.5 and m["advantage_max"] == pytest.approx(1.0)
+
+
+def test_filter_groups_is_refused_with_remax(tmp_path, tiny_model):  # noqa: F811
+    with pytest.raises(ConfigError, match="trainer.filter_groups .* remax"):
+        load_config(str(_run_cfg(tmp_path, tiny_model, trainer__filter_groups=True)), 3)
+
+
+def test_requests_per_prompt_counts_the_greedy_response(tmp_path, tiny_model):  # noqa: F811
+    """What Program's sample ids and the id limit's check (controller/config_checks.py) both use."""
+    from controller.config_checks import requests_per_prompt
+
+    assert requests_per_prompt(load_config(str(_run_cfg(tmp_path, tiny_model)), 3)) == 2 + 1
+    assert requests_per_prompt(load_config(str(_run_cfg(tmp_path, tiny_model, trainer__algorithm="grpo")), 3)) == 2
+
+
+def test_an_iteration_with_no_baseline_at_all_stops_the_run():
+    """Every group lost its greedy response: nothing trained, and the run says why."""
+    from controller.batch import IterationResult
+    from controller.session import RunStopped, Session
+
+    res = IterationResult(3, 3, 3, {"num_samples": 8.0, "num_seqs": 0.0, "groups_without_baseline": 4.0,
+                                    "skipped_samples": 4.0}, 8, 0, 1.0, 1.0, 2.0, 0, 0.0)
+    fake = SimpleNamespace(program=SimpleNamespace(drain_spans=lambda: []),
+                           metrics=SimpleNamespace(log_iteration=lambda res, spans: {}))
+    with pytest.raises(RunStopped, match="iteration 3: nothing was trained, and 4 groups got no greedy baseline"):
+        Session._on_iteration(fake, res)

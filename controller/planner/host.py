@@ -12,6 +12,7 @@ Background workloads are module-level functions so a spawned process can import 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import multiprocessing as mp
@@ -85,6 +86,8 @@ def make_train_tokens(trainer_cfg, model_dir: str, task_name: str, task_kwargs: 
     from workers.tasks.registry import make_task
     from workers.trainer.worker import TrainerWorker
 
+    if trainer_cfg.algorithm == "remax":  # the samples here have no greedy baseline; what trains costs as grpo's
+        trainer_cfg = dataclasses.replace(trainer_cfg, algorithm="grpo")
     task = make_task(task_name, **task_kwargs)
     worker = TrainerWorker(trainer_cfg, model_dir, task, rank=rank, world_size=world_size,
                            build_task=functools.partial(make_task, task_name, **task_kwargs))

@@ -70,6 +70,7 @@ class GroupState:
     members: list[Prepared] = field(default_factory=list)
     dropped: int = 0
     baseline: float | None = None  # remax: the reward of the group's greedy sample, once scored
+    baseline_score: float | None = None  # its task score (the reward less the overlong penalty)
 
     @property
     def complete(self) -> bool:

@@ -294,7 +294,8 @@ class TrainerConfig:
         if self.algorithm not in WHITENED and self.whiten_advantages:
             raise ValueError(f"trainer.whiten_advantages: true is only used by algorithm "
                              f"{' / '.join(map(repr, WHITENED))}, not {self.algorithm!r} (its advantages are "
-                             f"normalised within each group)")
+                             + ("used as its function returns them)" if self.custom_advantage else
+                                "taken within each group)"))
 
     @property
     def is_level(self) -> str | None:

@@ -1,6 +1,6 @@
 """``TrainerConfig``'s checks across keys that grew past a line or two: the algorithm and its
-knobs, a policy loss against its aggregation and knobs, rollout correction against the rest. Called from ``__post_init__``; each
-error names the key."""
+knobs, a policy loss against its aggregation and knobs, rollout correction against the rest.
+Called from ``__post_init__``; each error names the key."""
 from __future__ import annotations
 
 from dataclasses import fields

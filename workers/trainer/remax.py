@@ -10,8 +10,9 @@ never trains it. Each sampled token's advantage is its undiscounted return (the 
 at the last token, minus beta x KL per token with ``kl_mode: reward``) minus the baseline, as
 verl's ``compute_remax_outcome_advantage``: not whitened, no std, no ``gamma``.
 
-A group whose greedy sample was refused (bad input, its score failed: counted in
-``skipped_samples``) has no baseline: its sampled members do not train (counted in
+A group registers ``train.group_size + 1`` samples, one of them flagged ``Sample.baseline``. A
+group whose greedy sample was refused (bad input, its score failed: counted in
+``skipped_samples``) or never arrived has no baseline: its sampled members do not train (counted in
 ``groups_without_baseline``; they stay in ``num_samples``, the population of ``reward_mean``,
 as a skipped micro-batch's do), where verl would stop the run.
 """
@@ -41,7 +42,7 @@ def take_baseline(w: "TrainerWorker", s: "Sample", pending) -> None:
     g = w.buffer.groups.get(s.group_id)
     if g is None:
         g = w.buffer.groups[s.group_id] = GroupState(w._group_sizes[s.group_id])
-    g.baseline = score + overlong_penalty(len(s.output_ids), w.cfg)
+    g.baseline_score, g.baseline = score, score + overlong_penalty(len(s.output_ids), w.cfg)
     w.stats.add("baselines", 1.0)
     w.stats.add("baseline_sum", g.baseline)
     w._maybe_complete(s.group_id)
@@ -56,8 +57,9 @@ def advantages(members: list[Prepared], baseline: float) -> None:
 def drop_unbased(w: "TrainerWorker", group_id: int, members: list[Prepared]) -> None:
     """A group complete without its baseline: its members do not train (said once an iteration)."""
     if "no baseline" not in w._skip_kinds:
-        log.warning("trainer rank %d: group %d's greedy baseline sample was refused; its %d samples do not train "
-                    "(remax has no advantage without it; more such groups are counted, not listed)",
+        log.warning("trainer rank %d: group %d has no greedy baseline sample (refused, lost, or never sent: a remax "
+                    "group registers group_size + 1 samples, one with Sample.baseline); its %d samples do not train "
+                    "(more such groups are counted in groups_without_baseline, not listed)",
                     w.rank, group_id, len(members))
     w._skip_kinds["no baseline"] = w._skip_kinds.get("no baseline", 0) + 1
     w.stats.add("unbased_groups", 1.0)

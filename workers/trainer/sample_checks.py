@@ -23,8 +23,8 @@ LOGPROB_SLACK = 1e-3
 def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version: int, cfg: TrainerConfig,
                  iteration: int) -> None:
     """Raise on a caller bug: ``s`` has no prompt registered for ``iteration``, is a greedy
-    baseline but the algorithm is not remax, comes from weights newer than ``version``, or (grouped algorithms, the group filter) names a group
-    with no size."""
+    baseline but the algorithm is not remax, comes from weights newer than ``version``, or
+    (grouped algorithms, the group filter) names a group with no size."""
     sid = s.sample_id
     if sid not in prompts:
         raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({iteration})")

@@ -211,8 +211,9 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         (pg, clipped, ratio), bypassed = rollout_bypass.policy_terms(cfg, logp, old, adv, batch.seq_index,
                                                                      batch.seq_lens)
     else:
-        pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens, cfg.clip_low,
-                                                            cfg.clip_high, cfg.dual_clip, policy_knobs(cfg))  # [N] each
+        pg, clipped, ratio = POLICY_LOSSES[cfg.policy_loss](logp, old, adv, batch.seq_index, batch.seq_lens,
+                                                            cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                                            policy_knobs(cfg))  # [N] each
     tis = torch.cat([p.tis_weight for p in items]).to(dev) if cfg.is_level and cfg.corrects_rollout else None
     if tis is not None:
         if cfg.tis_per_sequence:  # geo_mean: one loss per sequence, weighted by the geometric mean (verl's)

@@ -2,8 +2,8 @@
 needs every sample of the step on every data-parallel rank (each rank runs each pass once per
 step, with or without samples: their all-reduces / all-gathers stay in lock-step), which is
 why training waits for ``step()`` when one is on (``TrainerConfig.trains_at_step``). In order:
-DAPO's group filter, a user's verl estimator, the whitening of GAE / REINFORCE++ advantages, gpg's scale, the
-importance weights' batch normalisation (``rollout_correction.batch_normalize``)."""
+DAPO's group filter, a user's verl estimator, the whitening of GAE / REINFORCE++ advantages,
+gpg's scale, the importance weights' batch normalisation (``rollout_correction.batch_normalize``)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

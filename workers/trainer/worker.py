@@ -43,7 +43,7 @@ from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatc
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
 from workers.trainer.custom_advantage import load_estimator
-from workers.trainer.group_filter import passing_groups, uniform
+from workers.trainer.group_filter import passing_groups, same_scores
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer, remax
@@ -202,9 +202,7 @@ class TrainerWorker:
         # every score in flight first: the rewards run beside the forwards below
         scores = dict(scores or {})
         scores.update(submit_scores(self, [s for s in accepted if s.sample_id not in scores]))
-        for s in accepted:  # remax's greedy samples: their group's baseline, no forward, not trained
-            if s.baseline:
-                remax.take_baseline(self, s, scores[s.sample_id])
+        baselines = [s for s in accepted if s.baseline]  # remax's greedy samples: no forward, not trained
         accepted = [s for s in accepted if not s.baseline]
         # by prompt + output tokens, so receive-time forwards stay bounded
         for chunk in microbatches(accepted, self.cfg.max_tokens_per_microbatch,
@@ -217,6 +215,8 @@ class TrainerWorker:
                 else:
                     ok.append(p)
             self._route(ok)
+        for s in baselines:  # after the forwards: their scores ran beside them
+            remax.take_baseline(self, s, scores[s.sample_id])
         if not self.cfg.trains_at_step:  # whitened advantages, the group filter: known at step()
             self._train_ready(flush=False)
 
@@ -315,7 +315,8 @@ class TrainerWorker:
             remax.drop_unbased(self, group_id, g.members)
         elif g.members:
             self.stats.add("groups", 1.0)
-            if uniform(g.members):  # nothing to compare: advantage 0
+            # nothing to compare, advantage 0 (remax: the members scored as the greedy response)
+            if same_scores([m.score for m in g.members] + ([] if g.baseline is None else [g.baseline_score])):
                 self.stats.add("uniform_groups", 1.0)
             group_advantages(self.cfg, g.members, g.baseline)
             self.buffer.push_ready(g.members)
@@ -324,7 +325,7 @@ class TrainerWorker:
         for gid in list(self.buffer.groups):
             g = self.buffer.groups[gid]
             log.warning("trainer rank %d: group %d has %d of %d samples at step(); using those",
-                        self.rank, gid, len(g.members) + g.dropped, g.expected)
+                        self.rank, gid, len(g.members) + g.dropped + (g.baseline is not None), g.expected)
             self.stats.add("incomplete_groups", 1.0)
             self._maybe_complete(gid, force=True)
 
