@@ -13,14 +13,11 @@ backward, gradients accumulated as SUMS) whenever samples whose advantages are k
 ``max_tokens_per_microbatch``. ``step`` trains the rest, all-reduces gradient sums and counts
 over the data-parallel group, divides by the iteration's total tokens (or sequences), clips,
 checks finiteness and steps. Data parallel: each rank receives a disjoint share of the
-samples; for the grouped algorithms (GRPO, RLOO, REINFORCE++-baseline) every sample of a group
-must go to the same rank.
+samples; under the grouped algorithms every sample of a group goes to the same rank.
 
-PPO and REINFORCE++ with ``whiten_advantages`` (their default, as verl) whiten the advantages
-over every token of the iteration, all ranks together: no advantage is final before the last
-sample arrives, and the clipped loss is not linear in it, so ``receive`` then only prepares
-samples and every forward + backward runs at ``step()``, after the whitening (exact, whatever
-the pipeline mode: every mode calls ``step()`` once the iteration's samples are in).
+Where no advantage is final before the iteration's last sample (whitening, the group filter,
+gpg's scale, a user's verl estimator: ``TrainerConfig.trains_at_step``), ``receive`` only
+prepares samples and every forward + backward runs at ``step()`` (``step_passes.py``).
 """
 from __future__ import annotations
 
