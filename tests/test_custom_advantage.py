@@ -130,8 +130,11 @@ def test_bad_plugins_are_refused_naming_the_key(plugin, tmp_path):
         TrainerConfig(algorithm=f"{plugin}:nope")
     with pytest.raises(ValueError, match="trainer.algorithm: .*is not a file"):
         TrainerConfig(algorithm=f"{tmp_path}/missing.py:fn")
-    with pytest.raises(ValueError, match="trainer.algorithm"):
+    with pytest.raises(ValueError, match="trainer.algorithm: 'grpoo' is not one of .* or a verl estimator of yours"):
         TrainerConfig(algorithm="grpoo")
+    for verl, ours in (("gae", "ppo"), ("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")):
+        with pytest.raises(ValueError, match=f"trainer.algorithm: '{verl}' is verl's name; here it is '{ours}'"):
+            TrainerConfig(algorithm=verl)
     with pytest.raises(ValueError, match="trainer.critic_lr"):  # no critic
         TrainerConfig(algorithm=f"{plugin}:advantages_only", critic_lr=1e-3)
     cfg = TrainerConfig(algorithm=f"{plugin}:advantages_only", gamma=0.9, gae_lambda=0.8)  # passed in config

@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from workers.trainer.config_names import (ALGORITHMS, BYPASS_LOSS_TYPES, CUSTOM_UNUSED_KNOBS, POLICY_LOSS_KNOBS,
-                                          SEQ_MEAN_POLICY_LOSSES, UNUSED_KNOBS)
+                                          SEQ_MEAN_POLICY_LOSSES, UNUSED_KNOBS, VERL_ALGORITHMS)
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
@@ -31,8 +31,10 @@ def check_algorithm(cfg: "TrainerConfig") -> None:
         load_estimator(cfg.algorithm)
     else:
         try:
-            one_of("algorithm", cfg.algorithm, ALGORITHMS)
+            one_of("algorithm", cfg.algorithm, ALGORITHMS, VERL_ALGORITHMS)
         except ValueError as e:
+            if cfg.algorithm in VERL_ALGORITHMS:
+                raise
             raise ValueError(f"{e}, or a verl estimator of yours: \"path/to/file.py:function\"") from None
     if cfg.algorithm == "ppo" and cfg.critic is False:
         raise ValueError("trainer.algorithm 'ppo' uses GAE and needs critic: true "

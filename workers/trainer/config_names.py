@@ -18,6 +18,9 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "grpo_passk": _CRITIC_KNOBS + ("gamma",),
                 "gpg": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
                 "remax": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS}  # verl's remax returns are undiscounted
+# verl's adv_estimator values that are ours under another name (refused naming ours; the
+# vectorized ones compute grpo's / rloo's numbers)
+VERL_ALGORITHMS = {"gae": "ppo", "grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 # a user's verl estimator (trainer.algorithm "file.py:fn") reads gamma, gae_lambda (lam) and
 # grpo_std_normalize from its config argument, as verl's algorithm config; never a critic's knobs
 CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef")
