@@ -3,6 +3,7 @@
 (core_algos, b178a3c) written as such a plugin trains exactly as ``algorithm: grpo``; bad
 plugins are refused naming the key; and a real run (torchrun) loads it on the trainer rank."""
 import textwrap
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -63,6 +64,15 @@ def wrong_shape(token_level_rewards, response_mask, index, config):
 
 def too_few(token_level_rewards, response_mask):
     return token_level_rewards
+
+
+def zero_std(token_level_rewards, response_mask, index, config):
+    scores = token_level_rewards.sum(-1)
+    return (scores / 0.0).unsqueeze(-1) * response_mask  # 0 / 0 and x / 0: NaN and inf
+
+
+def raises(token_level_rewards, response_mask, index, config):
+    raise KeyError("uid")
 '''
 
 # per group: (reward, response length) of each sample
@@ -119,8 +129,42 @@ def test_advantages_alone_and_per_token(model_dir, plugin):  # noqa: F811
 
 
 def test_a_wrong_shape_is_said(model_dir, plugin):  # noqa: F811
-    with pytest.raises(ValueError, match=r"trainer.algorithm: .*wrong_shape.* shape \(8, 1\), expected \(8, 6\)"):
+    with pytest.raises(ValueError, match=r"trainer.algorithm: .*wrong_shape.* shape \(8, 1\), expected a tensor of shape \(8, 6\)"):
         _step(model_dir, f"{plugin}:wrong_shape")
+
+
+def test_non_finite_advantages_and_errors_name_the_key(model_dir, plugin):  # noqa: F811
+    with pytest.raises(ValueError, match=r"trainer.algorithm: .*zero_std.* non-finite advantages in iteration 0 "
+                                         r"on 27 response tokens, groups \[0, 1, 2\]"):
+        _step(model_dir, f"{plugin}:zero_std")
+    with pytest.raises(RuntimeError, match=r"trainer.algorithm: .*raises.* raised in iteration 0: KeyError: 'uid'"):
+        _step(model_dir, f"{plugin}:raises")
+
+
+def test_the_kl_penalty_and_rejection_reach_the_estimator(model_dir, plugin):  # noqa: F811
+    """kl_mode reward: each row sums to the sample's reward (score - beta x its KL), every token
+    carrying its -beta x KL; rollout_rs: the rejected tokens are 0 in response_mask."""
+    from workers.trainer.custom_advantage import batch_inputs
+    from workers.trainer.step_math import prepare_batch
+
+    samples, prompts, _ = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(algorithm=f"{plugin}:advantages_only", kl_coef=0.5, kl_mode="reward",
+                                    rollout_rs="token_k1", rollout_rs_threshold="0.6_1.5"),
+                      model_dir, KnownRewardTask(), device="cpu")
+    w._prompts = prompts
+    with torch.no_grad():  # the reference off the actor: KL(old || ref) > 0
+        for t in w.ref.parameters():
+            t.add_(0.05 * torch.randn_like(t))
+    # the sampler 0.8 below the trainer on every other token: a ratio of e^0.8 (or e^-0.8), outside [0.6, 1.5]
+    shifted = [replace(s, logprobs=s.logprobs - 0.8 * (torch.arange(len(s.logprobs)) % 2 == 0)) for s in samples]
+    items = prepare_batch(w, shifted)
+    rewards, mask, _ = batch_inputs(items)
+    for i, p in enumerate(items):
+        n = p.num_tokens
+        assert rewards[i, :n].sum() == pytest.approx(p.reward, abs=1e-5) and p.reward < p.score
+        assert (rewards[i, :n - 1] < 0).all()  # -beta x KL, KL(old || ref) > 0 here
+        assert mask[i, :n].tolist() == p.keep.long().tolist() and mask[i, n:].sum() == 0
+    assert mask.sum() == sum(n // 2 for n in (p.num_tokens for p in items))  # the odd tokens kept
 
 
 def test_bad_plugins_are_refused_naming_the_key(plugin, tmp_path):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 from workers.config_schema import SEEDS, Range, ranged
 from workers.tasks.plugins import is_plugin
 from workers.tasks.reward_pool import REWARD_POOLS
-from workers.trainer.config_checks import check_algorithm, check_policy_loss, check_rollout_correction, one_of
+from workers.trainer.config_checks import (check_algorithm, check_algorithm_knobs, check_policy_loss,
+                                           check_rollout_correction, one_of)
 from workers.trainer.config_names import (BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
                                           LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
                                           VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES, WHITENED)
@@ -207,7 +208,7 @@ class TrainerConfig:
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
-        check_algorithm(self)
+        check_algorithm(self)  # its name (or a plugin's, loaded); its knobs after the types, below
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
         one_of("kl_mode", self.kl_mode, KL_MODES)
         one_of("loss_agg", self.loss_agg, LOSS_AGGS, VERL_LOSS_AGGS)
@@ -262,6 +263,7 @@ class TrainerConfig:
             raise ValueError(f"trainer.dual_clip must be > 1 (or null), got {self.dual_clip}")
         if not (0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1):
             raise ValueError("trainer.gamma and trainer.gae_lambda must be in [0, 1]")
+        check_algorithm_knobs(self)
         if self.overlong_buffer:
             if self.max_response_tokens is None:
                 raise ValueError("trainer.overlong_buffer counts from the longest response, "

@@ -22,10 +22,10 @@ def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
 
 
 def check_algorithm(cfg: "TrainerConfig") -> None:
-    """``algorithm``: one of ours or a user's verl estimator (loaded, its parameters checked); the
-    critic only with ppo; a knob the algorithm does not read, set, is refused."""
-    custom = cfg.custom_advantage
-    if custom:
+    """``algorithm``: one of ours or a user's verl estimator (loaded, its parameters checked)."""
+    if not isinstance(cfg.algorithm, str):
+        raise ValueError(f"trainer.algorithm must be a name, got {cfg.algorithm!r}")
+    if cfg.custom_advantage:
         from workers.trainer.custom_advantage import load_estimator
 
         load_estimator(cfg.algorithm)
@@ -36,6 +36,12 @@ def check_algorithm(cfg: "TrainerConfig") -> None:
             if cfg.algorithm in VERL_ALGORITHMS:
                 raise
             raise ValueError(f"{e}, or a verl estimator of yours: \"path/to/file.py:function\"") from None
+
+
+def check_algorithm_knobs(cfg: "TrainerConfig") -> None:
+    """The critic only with ppo; a knob the algorithm does not read, set, is refused (after the
+    switches' types are checked: ``critic: "false"`` is said as a type error)."""
+    custom = cfg.custom_advantage
     if cfg.algorithm == "ppo" and cfg.critic is False:
         raise ValueError("trainer.algorithm 'ppo' uses GAE and needs critic: true "
                          "(use grpo, rloo or reinforce_plus_plus(_baseline) for critic-free training)")

@@ -22,8 +22,9 @@ UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
 # vectorized ones compute grpo's / rloo's numbers)
 VERL_ALGORITHMS = {"gae": "ppo", "grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 # a user's verl estimator (trainer.algorithm "file.py:fn") reads gamma, gae_lambda (lam) and
-# grpo_std_normalize from its config argument, as verl's algorithm config; never a critic's knobs
-CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef")
+# grpo_std_normalize from its config argument, as verl's algorithm config; never a critic's knobs,
+# nor adv_eps (verl's estimators take epsilon as their own default)
+CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef", "adv_eps")
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),

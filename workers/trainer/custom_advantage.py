@@ -19,7 +19,8 @@ rank (after ``trainer.filter_groups``), with:
   ``config["gamma"]`` or ``config.get("gamma")`` as verl's config is.
 
 It returns ``(advantages, returns)`` or the advantages alone, [B, T]; each sample trains with
-the advantages on its own tokens. Training therefore waits for ``step()`` (as whitening's).
+the advantages on its own tokens. A wrong shape, a non-finite advantage on a response token, or
+the function raising stops the step with an error naming ``trainer.algorithm``. Training therefore waits for ``step()`` (as whitening's).
 With several trainer ranks each calls it on its share (whole groups), where verl calls it once
 over the batch: a batch-wide statistic (a whitening) is then per rank. The function is loaded
 and its parameters checked when the config loads.
@@ -113,13 +114,22 @@ def custom_pass(w: "TrainerWorker") -> None:
         return
     assert not w._trained_any, "advantages after training started"
     rewards, mask, index = batch_inputs(items)
-    out = w.advantage_fn(token_level_rewards=rewards, response_mask=mask, config=algo_config(w.cfg), index=index)
-    adv = out[0] if isinstance(out, (tuple, list)) else out
     name = w.cfg.algorithm
+    try:
+        out = w.advantage_fn(token_level_rewards=rewards, response_mask=mask, config=algo_config(w.cfg), index=index)
+    except Exception as e:
+        raise RuntimeError(f"{KEY}: {name!r} raised in iteration {w.iteration}: {type(e).__name__}: {e}") from e
+    adv = out[0] if isinstance(out, (tuple, list)) else out
     if not torch.is_tensor(adv) or tuple(adv.shape) != tuple(rewards.shape):
-        got = tuple(adv.shape) if torch.is_tensor(adv) else type(adv).__name__
-        raise ValueError(f"{KEY}: {name!r} returned advantages of shape {got}, expected {tuple(rewards.shape)} "
-                         "(the iteration's samples x the longest response)")
+        got = f"shape {tuple(adv.shape)}" if torch.is_tensor(adv) else f"a {type(adv).__name__}"
+        raise ValueError(f"{KEY}: {name!r} returned advantages of {got}, expected a tensor of shape "
+                         f"{tuple(rewards.shape)} (the iteration's samples x the longest response)")
     adv = adv.detach().float().cpu()
+    bad = ~torch.isfinite(adv) & mask.bool()  # [B, T]: what would train
+    if bad.any():
+        groups = sorted({items[i].group_id for i in bad.any(1).nonzero().flatten().tolist()})
+        raise ValueError(f"{KEY}: {name!r} returned non-finite advantages in iteration {w.iteration} on "
+                         f"{int(bad.sum())} response tokens, groups {groups[:5]}{' ...' if len(groups) > 5 else ''} "
+                         "(a division by a group's zero std?)")
     for i, p in enumerate(items):
         p.adv = adv[i, :p.num_tokens].clone()
