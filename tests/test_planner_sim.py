@@ -57,6 +57,10 @@ def test_planner_whitens_ppo_by_default():
     rfpp = Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="reinforce_plus_plus")
     assert rfpp.whiten is True
     assert rfpp.train_min == Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo").train_min
+    # gpg's scale counts the whole step: it trains at the iteration's end, unwhitened
+    gpg = Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="gpg")
+    assert (gpg.whiten, gpg.train_at_end) == (False, True)
+    assert Planner(cluster, MODELS["qwen2.5-7b"], wl, algorithm="grpo").train_at_end is False
 
 
 def test_async_generation_waits_for_weights_two_versions_back():

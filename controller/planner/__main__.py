@@ -65,7 +65,7 @@ def _planner(cluster: Cluster, model, args) -> Planner:
 def cmd_plan(args) -> dict:
     p = _planner(load_cluster(args.cluster), load_model(args.model), args)
     out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp, "algorithm": p.algorithm, "whiten": p.whiten,
-           "reference": p.reference,
+           "train_at_end": p.train_at_end, "reference": p.reference,
            "tp_from": "gen_tp (cluster file)" if p.tp_fixed else "searched",
            "tp_tried": [o.summary() for o in p.tp_options],
            "recommended": {mode: describe_mode(plan, mode) for mode, plan in p.recommend().items()}}
@@ -93,6 +93,7 @@ def cmd_report(args) -> dict:
         het = q.recommend([mode])[mode]
         per_dollar = het.modes[mode]["samples_per_dollar"], best.modes[mode]["samples_per_dollar"]
         row = {"model": name, "mode": mode, "algorithm": p.algorithm, "whiten": p.whiten,
+               "train_at_end": p.train_at_end,
                "planned_h800": describe_mode(best, mode), "even_h800": describe(even),
                "h20_h800": describe_mode(het, mode),
                "alloc_vs_even_throughput": round(best.modes[mode]["samples_per_s"] / even.modes[mode]["samples_per_s"], 3),

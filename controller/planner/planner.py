@@ -89,6 +89,9 @@ class Planner:
         elif self.whiten and self.algorithm not in WHITENED:
             raise ValueError(f"whiten: advantage whitening is PPO's (GAE) and REINFORCE++'s; {self.algorithm} "
                              "normalises per group")
+        # the trainer's forward/backward wait for the iteration's last sample: whitening's, or gpg's
+        # scale (the step's samples over those with a nonzero reward), whatever whiten says
+        self.train_at_end = self.whiten or self.algorithm == "gpg"
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
         unit = self.cluster.trainer_unit
@@ -274,7 +277,7 @@ class Planner:
             else:
                 k, trainer, sync = a.gen_instances, self._train_profile(a.train_gpus), self.sync_s()
             cfg = SimConfig(mode, k, profile, trainer, sync_s=sync, dispatcher=self.dispatcher,
-                            minibatch_size=max(1, batch // 8), microbatch_tokens=0, train_at_end=self.whiten)
+                            minibatch_size=max(1, batch // 8), microbatch_tokens=0, train_at_end=self.train_at_end)
             r = simulate(cfg, self.workloads.iterations)
             it = r.steady_iteration_s()
             per_dollar = round(batch / (it * plan.price_per_s), 2) if plan.price_per_s > 0 else None  # free GPUs
