@@ -9,7 +9,7 @@ import torch
 
 from controller.config import ConfigError, from_dict
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer.group_filter import filter_groups, passing_groups, uniform
+from workers.trainer.group_filter import filter_groups, passing_groups, same_scores
 from workers.trainer.step_passes import filter_groups_pass
 from workers.weight_sync.localrun import run_local
 from runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
@@ -28,8 +28,7 @@ def _items(scores_of: dict[int, list[float]]):
 
 def test_uniform_groups_are_dropped_and_the_first_train_groups_kept_in_prompt_order():
     items = _items({g: [s for s, _ in members] for g, members in enumerate(GROUPS)})
-    assert [uniform([SimpleNamespace(score=s) for s, _ in m]) for m in GROUPS] == [True, False, False, True,
-                                                                                    False, False]
+    assert [same_scores([s for s, _ in m]) for m in GROUPS] == [True, False, False, True, False, False]
     kept, counts = filter_groups(items, 0)
     assert sorted({p.group_id for p in kept}) == [1, 2, 4, 5] and len(kept) == 2 + 2 + 1 + 3
     assert counts == {"filtered_groups": 2.0, "surplus_groups": 0.0}

@@ -49,11 +49,6 @@ def same_scores(scores: Sequence[float]) -> bool:
     return len(scores) > 1 and len(set(scores)) == 1
 
 
-def uniform(members: Sequence[T]) -> bool:
-    """Every sample of the group (two or more) got the same task score."""
-    return same_scores([m.score for m in members])
-
-
 def passes(scores: Sequence[float], drop_single: bool = False) -> bool:
     """A group whose members (those not skipped) got ``scores`` is kept by the filter."""
     return not (same_scores(scores) or (drop_single and len(scores) == 1))
