@@ -15,8 +15,8 @@ over the data-parallel group, divides by the iteration's total tokens (or sequen
 checks finiteness and steps. Data parallel: each rank receives a disjoint share of the
 samples; under the grouped algorithms every sample of a group goes to the same rank.
 
-Where no advantage is final before the iteration's last sample (whitening, the group filter,
-gpg's scale, a user's verl estimator: ``TrainerConfig.trains_at_step``), ``receive`` only
+Where training needs the iteration's last sample (whitening, the group filter, gpg's scale, a
+user's verl estimator, the IS batch normalisation: ``TrainerConfig.trains_at_step``), ``receive`` only
 prepares samples and every forward + backward runs at ``step()`` (``step_passes.py``).
 """
 from __future__ import annotations
