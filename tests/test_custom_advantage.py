@@ -129,7 +129,8 @@ def test_advantages_alone_and_per_token(model_dir, plugin):  # noqa: F811
 
 
 def test_a_wrong_shape_is_said(model_dir, plugin):  # noqa: F811
-    with pytest.raises(ValueError, match=r"trainer.algorithm: .*wrong_shape.* shape \(8, 1\), expected a tensor of shape \(8, 6\)"):
+    with pytest.raises(ValueError, match=r"trainer.algorithm: .*wrong_shape.* shape \(8, 1\) in iteration 0, expected a tensor of shape "
+                                         r"\(8, 6\)"):
         _step(model_dir, f"{plugin}:wrong_shape")
 
 
@@ -209,3 +210,30 @@ def test_index_is_an_object_array(model_dir, plugin):  # noqa: F811
     w._prompts = prompts
     _, _, index = batch_inputs(prepare_batch(w, samples))
     assert isinstance(index, np.ndarray) and index.dtype == object and index[0] == "0"
+
+
+def test_a_checkpoint_resumes_under_another_spelling_and_says_when_the_file_changed(model_dir, plugin, tmp_path,
+                                                                                    monkeypatch, caplog):  # noqa: F811
+    """``./file.py:fn`` and ``/abs/file.py:fn`` are the same estimator; an edited file is said."""
+    import shutil
+
+    own = tmp_path / "est.py"
+    shutil.copy(plugin, own)
+    monkeypatch.chdir(tmp_path)
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(algorithm=f"{own}:advantages_only"), model_dir, KnownRewardTask(), device="cpu")
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(samples)
+    w.step()
+    w.save_checkpoint(str(tmp_path / "ckpt"))
+    again = TrainerWorker(TrainerConfig(algorithm="./est.py:advantages_only"), model_dir, KnownRewardTask(),
+                          device="cpu")
+    again.load_checkpoint(str(tmp_path / "ckpt"))  # the same file, spelled relative
+    assert again.version == w.version and "has changed" not in caplog.text
+    own.write_text(own.read_text() + "\n# edited\n")
+    again.load_checkpoint(str(tmp_path / "ckpt"))
+    assert "has changed since this checkpoint was saved" in caplog.text
+    other = TrainerWorker(TrainerConfig(algorithm="./est.py:compute_grpo_outcome_advantage"), model_dir,
+                          KnownRewardTask(), device="cpu")
+    with pytest.raises(ValueError, match="checkpoint is for trainer.algorithm .*est.py:advantages_only"):
+        other.load_checkpoint(str(tmp_path / "ckpt"))

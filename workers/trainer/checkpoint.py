@@ -9,6 +9,7 @@ model is not saved: it is the ``model_dir`` the worker was built from."""
 from __future__ import annotations
 
 import json
+import logging
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,12 +19,14 @@ import torch
 from workers.atomic import atomic_dir, file_digest, folder_digests
 from workers.model import load_state, save_pretrained
 from workers.trainer import optimizer
+from workers.trainer.custom_advantage import identity
 from workers.trainer.lora import check_adapter, target_names
 from workers.trainer.schedule import apply_schedule
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
 
+log = logging.getLogger("streamrl.trainer")
 # what of the source model folder is not carried into a checkpoint's model/: config.json and the
 # weights are written anew; other weight formats and hidden files are left out
 NOT_CARRIED = ("config.json",)
@@ -63,14 +66,16 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "version": w.version,
             "iteration": w.iteration,
-            "algorithm": w.cfg.algorithm,
+            "algorithm": identity(w.cfg.algorithm)[0],
             # beta of kl_mode reward as adapted so far (trainer.kl_target); None when fixed: a
             # resume that turns kl_target on starts from its own kl_coef
             "kl_coef": w.kl.value if w.cfg.kl_target > 0 else None,
         }
         torch.save(state, tmp / STATE_FILE)
-        (tmp / META_FILE).write_text(json.dumps({"algorithm": w.cfg.algorithm, "critic": w.critic is not None,
-                                                 "version": w.version, "lora_rank": w.cfg.lora_rank}))
+        spec, digest = identity(w.cfg.algorithm)
+        (tmp / META_FILE).write_text(json.dumps({"algorithm": spec, "algorithm_sha1": digest,
+                                                 "critic": w.critic is not None, "version": w.version,
+                                                 "lora_rank": w.cfg.lora_rank}))
         (tmp / SUMS_FILE).write_text(json.dumps(folder_digests(tmp, "crc32"), indent=0))
     return path
 
@@ -127,9 +132,13 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool,
             raise damaged(f, e) from None
 
     meta = read_json(path / META_FILE) if (path / META_FILE).exists() else {}  # older checkpoints have none
-    if meta.get("algorithm", algorithm) != algorithm:
+    spec, digest = identity(algorithm)
+    if identity(meta.get("algorithm", algorithm))[0] != spec:
         raise ValueError(f"{path}: checkpoint is for trainer.algorithm {meta['algorithm']!r}, this run's is "
                          f"{algorithm!r}")
+    if meta.get("algorithm_sha1") and digest and meta["algorithm_sha1"] != digest:
+        log.warning("%s: trainer.algorithm %s has changed since this checkpoint was saved (its file's SHA-1 "
+                    "differs); resuming with the file as it is now", path, spec)
     if meta.get("critic", critic) != critic:
         raise ValueError(f"{path}: checkpoint was trained {'with' if meta['critic'] else 'without'} a critic, "
                          f"this run's trainer {'has' if critic else 'has none'}")
@@ -191,7 +200,7 @@ def load(w: "TrainerWorker", path: str) -> None:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a damaged file, whatever torch's error
         raise ValueError(f"{path / STATE_FILE}: unreadable, the checkpoint is damaged ({e})") from None
-    if state["algorithm"] != w.cfg.algorithm:
+    if identity(state["algorithm"])[0] != identity(w.cfg.algorithm)[0]:
         raise ValueError(f"{path}: checkpoint is for algorithm {state['algorithm']!r}, trainer runs {w.cfg.algorithm!r}")
     if w.lora is not None:  # the base stays model_dir's (frozen); model/ is it merged with these
         w.lora.load(path / ADAPTER_DIR)

@@ -27,8 +27,10 @@ and its parameters checked when the config loads.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -89,6 +91,20 @@ def load_estimator(spec: str) -> Callable:
     return fn
 
 
+def identity(algorithm: str) -> tuple[str, str | None]:
+    """``algorithm`` as a checkpoint records it: a file plugin's spec with its path resolved
+    (``./est.py:fn`` and ``/abs/est.py:fn`` are the same estimator), and a SHA-1 of that file's
+    contents (None for our algorithms and module plugins): a resume says when the file changed."""
+    if not is_custom(algorithm):
+        return algorithm, None
+    module, _, attr = algorithm.rpartition(":")
+    if not module.endswith(".py"):
+        return algorithm, None
+    path = Path(module).expanduser().resolve()
+    digest = hashlib.sha1(path.read_bytes()).hexdigest() if path.is_file() else None
+    return f"{path}:{attr}", digest
+
+
 def algo_config(cfg: "TrainerConfig") -> AlgoConfig:
     return AlgoConfig(adv_estimator=cfg.algorithm, gamma=cfg.gamma, lam=cfg.gae_lambda,
                       norm_adv_by_std_in_grpo=cfg.grpo_std_normalize, use_kl_in_reward=cfg.kl_in_reward)
@@ -122,8 +138,8 @@ def custom_pass(w: "TrainerWorker") -> None:
     adv = out[0] if isinstance(out, (tuple, list)) else out
     if not torch.is_tensor(adv) or tuple(adv.shape) != tuple(rewards.shape):
         got = f"shape {tuple(adv.shape)}" if torch.is_tensor(adv) else f"a {type(adv).__name__}"
-        raise ValueError(f"{KEY}: {name!r} returned advantages of {got}, expected a tensor of shape "
-                         f"{tuple(rewards.shape)} (the iteration's samples x the longest response)")
+        raise ValueError(f"{KEY}: {name!r} returned advantages of {got} in iteration {w.iteration}, expected a "
+                         f"tensor of shape {tuple(rewards.shape)} (the iteration's samples x the longest response)")
     adv = adv.detach().float().cpu()
     bad = ~torch.isfinite(adv) & mask.bool()  # [B, T]: what would train
     if bad.any():
