@@ -1,5 +1,7 @@
 """Data parallel: 2 trainer ranks (gloo, local processes, samples split by group) produce the
 same update as 1 rank on all the samples (ranks started by ``run_local``)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -25,7 +27,17 @@ CONFIGS = [dict(algorithm="grpo", kl_coef=0.05, loss_agg="token_mean"),
            # whitened over both ranks' tokens; an adaptive KL coefficient every rank updates alike
            dict(algorithm="reinforce_plus_plus_baseline", kl_coef=0.05, kl_mode="reward", kl_target=0.001,
                 kl_horizon=20),
-           dict(algorithm="gpg")]  # its scale counts both ranks' samples
+           dict(algorithm="gpg"),  # its scale counts both ranks' samples
+           dict(algorithm="remax", kl_coef=0.05, kl_mode="reward")]  # a group's baseline on its members' rank
+
+
+def _for(cfg_kw, samples):
+    """The samples as ``cfg_kw``'s algorithm takes them: under remax the last of each group is its
+    baseline (a sampled one standing in for the greedy response: the trainer reads its score only)."""
+    if cfg_kw["algorithm"] != "remax":
+        return samples
+    last = {s.group_id: s.sample_id for s in sorted(samples, key=lambda s: s.sample_id)}
+    return [replace(s, baseline=last[s.group_id] == s.sample_id) for s in samples]
 
 
 def _run(rank, world, model_dir, data):
@@ -36,7 +48,7 @@ def _run(rank, world, model_dir, data):
     for cfg_kw in CONFIGS:
         w = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), rank=rank, world_size=world,
                           device="cpu")
-        mine = [s for s in samples if s.group_id % world == rank]  # whole groups per rank
+        mine = [s for s in _for(cfg_kw, samples) if s.group_id % world == rank]  # whole groups per rank
         w.begin_iteration(0, prompts, groups)
         for s in mine:  # streamed one by one
             w.receive([s])
@@ -77,18 +89,20 @@ def test_two_ranks_equal_one_rank(tmp_path):
     for i, cfg_kw in enumerate(CONFIGS):
         one = TrainerWorker(TrainerConfig(**_common(cfg_kw)), model_dir, _task(), device="cpu")
         one.begin_iteration(0, prompts, groups)
-        one.receive(samples)
+        one.receive(_for(cfg_kw, samples))
         r1 = one.step()
         w1 = {k: v.clone() for k, v in one.named_weights()}
         w2, r2 = ranks[0]["configs"][i]
         assert r2.version == r1.version == 1
-        assert r2.num_samples == r1.num_samples == len(samples) and r2.num_tokens == r1.num_tokens
+        trained = len(samples) - (len(groups) if cfg_kw["algorithm"] == "remax" else 0)
+        assert r2.num_samples == r1.num_samples == trained and r2.num_tokens == r1.num_tokens
         assert r2.metrics["reward_mean"] == pytest.approx(r1.metrics["reward_mean"])
         assert r2.metrics["grad_norm"] == pytest.approx(r1.metrics["grad_norm"], rel=1e-4)
         for k in w1:
             assert torch.allclose(w1[k], w2[k], atol=1e-6, rtol=1e-5), (cfg_kw, k)
         assert ranks[0]["kl_coef"][i] == ranks[1]["kl_coef"][i] == pytest.approx(one.kl.value, rel=1e-6)
-    assert ranks[0]["kl_coef"][-1] != 0.05  # adapted
+    adaptive = next(i for i, c in enumerate(CONFIGS) if c.get("kl_target"))
+    assert ranks[0]["kl_coef"][adaptive] != 0.05  # adapted (was [-1]: vacuous once gpg, kl_coef 0, came last)
 
 
 def _late_peer(rank, world, late_s, rpc_timeout_s, collective_timeout_s):
