@@ -9,7 +9,7 @@ from workers.config_schema import SEEDS, Range, ranged
 from workers.tasks.plugins import is_plugin
 from workers.tasks.reward_pool import REWARD_POOLS
 from workers.trainer.config_checks import (check_algorithm, check_algorithm_knobs, check_policy_loss,
-                                           check_rollout_correction, one_of)
+                                           check_rollout_correction, first_set, one_of)
 from workers.trainer.config_names import (BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
                                           LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
                                           VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES, WHITENED)
@@ -280,15 +280,13 @@ class TrainerConfig:
             if isinstance(targets, str) or not targets or any(t not in TARGETS for t in targets):
                 raise ValueError(f"trainer.lora_target_modules: {targets!r}: 'all-linear' or a list of names "
                                  f"from {list(TARGETS)}")
-        defaults = {f.name: f.default for f in fields(self)}
         for switch, knobs in SWITCHED_KNOBS.items():
-            if not getattr(self, switch):
-                for name in knobs:
-                    if getattr(self, name) != defaults[name]:
-                        on = (": true" if isinstance(defaults[switch], bool) else
-                              " set" if defaults[switch] is None else " > 0")
-                        raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch}"
-                                         f"{on}; leave it out or set {switch}")
+            name = None if getattr(self, switch) else first_set(self, knobs)
+            if name:
+                off = self.__dataclass_fields__[switch].default
+                on = ": true" if isinstance(off, bool) else " set" if off is None else " > 0"
+                raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch}"
+                                 f"{on}; leave it out or set {switch}")
         if self.kl_target > 0 and not self.kl_in_reward:
             raise ValueError(f"trainer.kl_target ({self.kl_target}) adapts the KL penalty in the reward: it needs "
                              f"trainer.kl_mode: reward (got {self.kl_mode!r}) and trainer.kl_coef > 0 (got "

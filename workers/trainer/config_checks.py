@@ -21,6 +21,13 @@ def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
         raise ValueError(f"trainer.{name}: {value!r} is not one of {allowed}")
 
 
+def first_set(cfg: "TrainerConfig", names) -> str | None:
+    """The first of ``names`` set to other than its default: a knob the run does not read, set,
+    is refused naming it (each caller says who reads it)."""
+    defaults = {f.name: f.default for f in fields(cfg)}
+    return next((n for n in names if getattr(cfg, n) != defaults[n]), None)
+
+
 def check_algorithm(cfg: "TrainerConfig") -> None:
     """``algorithm``: one of ours or a user's verl estimator (loaded, its parameters checked)."""
     if not isinstance(cfg.algorithm, str):
@@ -47,13 +54,12 @@ def check_algorithm_knobs(cfg: "TrainerConfig") -> None:
                          "(use grpo, rloo or reinforce_plus_plus(_baseline) for critic-free training)")
     if cfg.algorithm != "ppo" and cfg.critic:
         raise ValueError(f"trainer.critic: true is only used by algorithm 'ppo', not {cfg.algorithm!r}")
-    defaults = {f.name: f.default for f in fields(cfg)}
-    for name in CUSTOM_UNUSED_KNOBS if custom else UNUSED_KNOBS[cfg.algorithm]:
-        if getattr(cfg, name) != defaults[name]:
-            users = [a for a in ALGORITHMS if name not in UNUSED_KNOBS[a]]
-            raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}) is only used by algorithm "
-                             f"{' / '.join(map(repr, users))}, not {cfg.algorithm!r}; leave it out "
-                             f"(it would have no effect)")
+    name = first_set(cfg, CUSTOM_UNUSED_KNOBS if custom else UNUSED_KNOBS[cfg.algorithm])
+    if name:
+        users = [a for a in ALGORITHMS if name not in UNUSED_KNOBS[a]]
+        raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}) is only used by algorithm "
+                         f"{' / '.join(map(repr, users))}, not {cfg.algorithm!r}; leave it out "
+                         f"(it would have no effect)")
 
 
 def check_policy_loss(cfg: "TrainerConfig") -> None:
@@ -63,13 +69,13 @@ def check_policy_loss(cfg: "TrainerConfig") -> None:
         raise ValueError(f"trainer.loss_agg: policy_loss {mode!r} averages each sequence's token losses, then the "
                          f"sequences ({SEQ_MEAN_POLICY_LOSSES[mode]}); set loss_agg: seq_mean, not "
                          f"{cfg.loss_agg!r}")
-    defaults = {f.name: f.default for f in fields(cfg)}
-    for name in dict.fromkeys(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs):
-        if name not in POLICY_LOSS_KNOBS[mode] and getattr(cfg, name) != defaults[name]:
-            users = " / ".join(repr(m) for m, knobs in POLICY_LOSS_KNOBS.items() if name in knobs)
-            what = f"no dual clip (verl's {mode} ignores clip_ratio_c)" if name == "dual_clip" else "no use for it"
-            raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): policy_loss {mode!r} has {what}; only "
-                             f"{users} read it; leave it out")
+    name = first_set(cfg, [k for k in dict.fromkeys(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs)
+                           if k not in POLICY_LOSS_KNOBS[mode]])
+    if name:
+        users = " / ".join(repr(m) for m, knobs in POLICY_LOSS_KNOBS.items() if name in knobs)
+        what = f"no dual clip (verl's {mode} ignores clip_ratio_c)" if name == "dual_clip" else "no use for it"
+        raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): policy_loss {mode!r} has {what}; only "
+                         f"{users} read it; leave it out")
     for name in ("clip_cov_ratio", "kl_cov_ratio"):  # a share of the micro-batch's tokens (at least one)
         if not 0 < getattr(cfg, name) <= 1:
             raise ValueError(f"trainer.{name} must be in (0, 1], got {getattr(cfg, name)}")
@@ -132,9 +138,7 @@ def check_bypass(cfg: "TrainerConfig") -> None:
                          f"'ppo_clip': the PPO ratio pi / pi_rollout is the importance ratio already, and verl's "
                          f"ppo_clip applies no weights (it takes them for its metrics only); set rollout_loss_type: "
                          f"reinforce, or leave rollout_is out")
-    if cfg.rollout_loss_type == "reinforce":
-        defaults = {f.name: f.default for f in fields(cfg)}
-        for name in ("clip_low", "clip_high", "dual_clip"):
-            if getattr(cfg, name) != defaults[name]:
-                raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): trainer.rollout_loss_type 'reinforce' has "
-                                 f"no clip (verl's REINFORCE loss, -w A log pi); leave it out")
+    name = first_set(cfg, ("clip_low", "clip_high", "dual_clip")) if cfg.rollout_loss_type == "reinforce" else None
+    if name:
+        raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}): trainer.rollout_loss_type 'reinforce' has "
+                         f"no clip (verl's REINFORCE loss, -w A log pi); leave it out")
