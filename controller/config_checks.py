@@ -139,9 +139,10 @@ def _check_group_filter(cfg: Config) -> None:
         raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts x "
                           f"trainer.max_gen_batches ({t.batch_prompts} x {tr.max_gen_batches} = {most}), the most "
                           "groups an iteration generates (verl's gen_batch_size x max_num_gen_batches)")
-    per_batch = t.batch_prompts * requests_per_prompt(cfg)
+    per_prompt = requests_per_prompt(cfg)
+    per_batch = t.batch_prompts * per_prompt
     if tr.train_groups and per_batch * max(tr.max_gen_batches, 1) >= SAMPLE_STRIDE:  # 0: no refill
-        plus = " (+ 1: remax's greedy response)" if requests_per_prompt(cfg) > t.group_size else ""
+        plus = " (+ 1: remax's greedy response)" if per_prompt > t.group_size else ""
         raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size"
                           f"{plus} ({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
 

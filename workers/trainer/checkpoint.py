@@ -19,7 +19,7 @@ import torch
 from workers.atomic import atomic_dir, file_digest, folder_digests
 from workers.model import load_state, save_pretrained
 from workers.trainer import optimizer
-from workers.trainer.custom_advantage import identity
+from workers.trainer.custom_advantage import canonical, identity
 from workers.trainer.lora import check_adapter, target_names
 from workers.trainer.schedule import apply_schedule
 
@@ -66,7 +66,7 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "version": w.version,
             "iteration": w.iteration,
-            "algorithm": identity(w.cfg.algorithm)[0],
+            "algorithm": canonical(w.cfg.algorithm),
             # beta of kl_mode reward as adapted so far (trainer.kl_target); None when fixed: a
             # resume that turns kl_target on starts from its own kl_coef
             "kl_coef": w.kl.value if w.cfg.kl_target > 0 else None,
@@ -133,7 +133,7 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool,
 
     meta = read_json(path / META_FILE) if (path / META_FILE).exists() else {}  # older checkpoints have none
     spec, digest = identity(algorithm)
-    if identity(meta.get("algorithm", algorithm))[0] != spec:
+    if canonical(meta.get("algorithm", algorithm)) != spec:
         raise ValueError(f"{path}: checkpoint is for trainer.algorithm {meta['algorithm']!r}, this run's is "
                          f"{algorithm!r}")
     if meta.get("algorithm_sha1") and digest and meta["algorithm_sha1"] != digest:
@@ -200,7 +200,7 @@ def load(w: "TrainerWorker", path: str) -> None:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a damaged file, whatever torch's error
         raise ValueError(f"{path / STATE_FILE}: unreadable, the checkpoint is damaged ({e})") from None
-    if identity(state["algorithm"])[0] != identity(w.cfg.algorithm)[0]:
+    if canonical(state["algorithm"]) != canonical(w.cfg.algorithm):
         raise ValueError(f"{path}: checkpoint is for algorithm {state['algorithm']!r}, trainer runs {w.cfg.algorithm!r}")
     if w.lora is not None:  # the base stays model_dir's (frozen); model/ is it merged with these
         w.lora.load(path / ADAPTER_DIR)

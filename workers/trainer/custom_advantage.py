@@ -27,7 +27,6 @@ and its parameters checked when the config loads.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from workers.atomic import file_digest
 from workers.tasks.plugins import is_plugin, load_plugin
 
 if TYPE_CHECKING:
@@ -91,18 +91,25 @@ def load_estimator(spec: str) -> Callable:
     return fn
 
 
-def identity(algorithm: str) -> tuple[str, str | None]:
-    """``algorithm`` as a checkpoint records it: a file plugin's spec with its path resolved
-    (``./est.py:fn`` and ``/abs/est.py:fn`` are the same estimator), and a SHA-1 of that file's
-    contents (None for our algorithms and module plugins): a resume says when the file changed."""
-    if not is_custom(algorithm):
-        return algorithm, None
+def _plugin_file(algorithm: str) -> tuple[Path, str] | None:
+    """A file plugin's (resolved path, function name); None for our algorithms and module plugins."""
     module, _, attr = algorithm.rpartition(":")
-    if not module.endswith(".py"):
-        return algorithm, None
-    path = Path(module).expanduser().resolve()
-    digest = hashlib.sha1(path.read_bytes()).hexdigest() if path.is_file() else None
-    return f"{path}:{attr}", digest
+    return (Path(module).expanduser().resolve(), attr) if is_custom(algorithm) and module.endswith(".py") else None
+
+
+def canonical(algorithm: str) -> str:
+    """``algorithm`` as a checkpoint records it: a file plugin's spec with its path resolved
+    (``./est.py:fn`` and ``/abs/est.py:fn`` are the same estimator)."""
+    f = _plugin_file(algorithm)
+    return algorithm if f is None else f"{f[0]}:{f[1]}"
+
+
+def identity(algorithm: str) -> tuple[str, str | None]:
+    """(``canonical(algorithm)``, a SHA-1 of a file plugin's contents, or None): a resume says
+    when the file changed since the save."""
+    f = _plugin_file(algorithm)
+    digest = file_digest(f[0], "sha1") if f is not None and f[0].is_file() else None
+    return canonical(algorithm), digest
 
 
 def algo_config(cfg: "TrainerConfig") -> AlgoConfig:

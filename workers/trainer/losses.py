@@ -27,10 +27,14 @@ def _ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp((logp - old_logp).clamp(-20.0, 20.0))
 
 
+def seq_sum(x: torch.Tensor, seq_index: torch.Tensor, b: int) -> torch.Tensor:
+    """x: [N] of a packed batch of ``b`` sequences -> [B] each sequence's sum (differentiable)."""
+    return torch.zeros(b, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+
+
 def _seq_mean(x: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """x: [N] -> [B] the mean of each sequence's tokens (differentiable)."""
-    sums = torch.zeros(seq_lens.shape[0], dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
-    return sums / seq_lens.clamp(min=1).to(x.dtype)
+    return seq_sum(x, seq_index, seq_lens.shape[0]) / seq_lens.clamp(min=1).to(x.dtype)
 
 
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float,

@@ -24,16 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.trainer.losses import PolicyTerms, ppo_terms
-from workers.trainer.rollout_correction import IS_LEVELS, RS_ESTIMATORS, SAFETY_BOUND, RejectionCheck
+from workers.trainer.losses import PolicyTerms, ppo_terms, seq_sum
+from workers.trainer.rollout_correction import IS_LEVELS, SAFETY_BOUND, RejectionCheck
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
-
-
-def _seg_sum(x: torch.Tensor, seq_index: torch.Tensor, b: int) -> torch.Tensor:
-    """x: [N] -> [B] each sequence's sum."""
-    return torch.zeros(b, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
 
 
 def is_weights(log_r: torch.Tensor, level: str, seq_index: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -42,7 +37,7 @@ def is_weights(log_r: torch.Tensor, level: str, seq_index: torch.Tensor, seq_len
     assert level in IS_LEVELS, level
     if level == "token":
         return torch.exp(log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    seq = _seg_sum(log_r, seq_index, seq_lens.numel())  # [B]
+    seq = seq_sum(log_r, seq_index, seq_lens.numel())  # [B]
     return torch.exp(seq.clamp(-SAFETY_BOUND, SAFETY_BOUND))[seq_index]
 
 
@@ -50,19 +45,9 @@ def keep_mask(log_r: torch.Tensor, checks: tuple[RejectionCheck, ...], seq_index
               seq_lens: torch.Tensor) -> torch.Tensor:
     """log r: [N] of a packed batch -> [N] bool, the tokens every check keeps
     (``rollout_correction.keep_mask`` of each sequence)."""
-    b = seq_lens.numel()
     keep = torch.ones_like(log_r, dtype=torch.bool)
     for c in checks:
-        stat = RS_ESTIMATORS[c.estimator](log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # [N]
-        if c.level == "seq_sum":
-            stat = _seg_sum(stat, seq_index, b)[seq_index]
-        elif c.level == "seq_mean":
-            stat = (_seg_sum(stat, seq_index, b) / seq_lens.to(stat.dtype))[seq_index]
-        elif c.level == "seq_max":
-            stat = torch.full((b,), -math.inf, dtype=stat.dtype, device=stat.device).scatter_reduce(
-                0, seq_index, stat, "amax")[seq_index]
-        ok = stat <= c.upper
-        keep &= (ok & (stat >= c.lower)) if c.lower is not None else ok
+        keep &= c.keep(log_r, seq_index, seq_lens)
     return keep
 
 
@@ -86,7 +71,7 @@ def policy_terms(cfg: "TrainerConfig", logp: torch.Tensor, sampler: torch.Tensor
         loss = torch.where(keep, loss, torch.zeros_like(loss))
         clipped = clipped * keep  # a rejected token's loss took no clipped term
         if cfg.loss_agg == "seq_mean":  # each sequence's mean over its kept tokens, not all of them
-            kept = _seg_sum(keep.to(loss.dtype), seq_index, seq_lens.numel())  # [B]
+            kept = seq_sum(keep.to(loss.dtype), seq_index, seq_lens.numel())  # [B]
             loss = loss * (seq_lens.to(loss.dtype) / kept.clamp(min=1))[seq_index]
     stats = batch_stats(logp.detach(), sampler, seq_index, seq_lens, cfg.rollout_is, cfg.is_threshold, raw, keep)
     return PolicyTerms(loss, clipped, terms.ratio), stats
@@ -103,7 +88,7 @@ def batch_stats(old: torch.Tensor, sampler: torch.Tensor, seq_index: torch.Tenso
     old, sampler = old.double(), sampler.double()
     b, n = seq_lens.numel(), old.numel()
     lens = seq_lens.to(old.device, torch.float64)
-    seg = lambda x: _seg_sum(x, seq_index, b)  # noqa: E731
+    seg = lambda x: seq_sum(x, seq_index, b)  # noqa: E731
     count = lambda x: x.sum().double()  # noqa: E731  (a bool count as a float64 tensor)
     log_r = old - sampler  # [N]
     mean_old, mean_sampler = seg(old) / lens, seg(sampler) / lens  # [B]

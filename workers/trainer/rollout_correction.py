@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
+from workers.trainer.losses import seq_sum
+
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
 
@@ -60,12 +62,23 @@ class RejectionCheck:
     lower: float | None
     upper: float
 
-    def keep(self, log_r: torch.Tensor) -> torch.Tensor:
-        """log r: [L] (one sample) -> [L] bool, the tokens this check keeps."""
+    def keep(self, log_r: torch.Tensor, seq_index: torch.Tensor | None = None,
+             seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """log r: [L] of one sample, or [N] of a packed batch with its ``seq_index`` [N] and
+        ``seq_lens`` [B] (bypass mode's, in each forward) -> the same shape, bool: the tokens this
+        check keeps."""
         stat = RS_ESTIMATORS[self.estimator](log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # [L]
         reduce = RS_LEVELS[self.level]
-        if reduce is not None:
+        if reduce is not None and seq_index is None:
             stat = reduce(stat).expand_as(log_r)  # the sequence's value on each token
+        elif reduce is not None:  # each sequence's value on each of its tokens
+            b = seq_lens.numel()
+            if self.level == "seq_max":
+                stat = torch.full((b,), -math.inf, dtype=stat.dtype, device=stat.device).scatter_reduce(
+                    0, seq_index, stat, "amax")[seq_index]
+            else:
+                sums = seq_sum(stat, seq_index, b)
+                stat = (sums if self.level == "seq_sum" else sums / seq_lens.to(stat.dtype))[seq_index]
         ok = stat <= self.upper
         return ok & (stat >= self.lower) if self.lower is not None else ok
 
