@@ -20,8 +20,8 @@ from typing import Any
 
 from controller.config_checks import validate
 from controller.config_sections import (PIPELINE_MODES, TEMPERATURES, DispatchSection, LoggingSection, ModelSection,
-                                        PipelineSection, PlacementSection, RankerSection, TaskSection, TokenizerSection,
-                                        TrainSection)
+                                        MultiTurnSection, PipelineSection, PlacementSection, RankerSection, TaskSection,
+                                        TokenizerSection, TrainSection)
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.config_yaml import read_config_file
 from workers.config_schema import DERIVED, SEEDS, key_fields
@@ -31,7 +31,8 @@ from workers.types import GREEDY_BELOW
 from workers.weight_sync import Topology, WeightSyncConfig
 
 # the names other modules import from here (the sections are defined in config_sections)
-__all__ = ["Config", "ConfigError", "DispatchSection", "LoggingSection", "ModelSection", "OWNED_RANGES",
+__all__ = ["Config", "ConfigError", "DispatchSection", "LoggingSection", "ModelSection", "MultiTurnSection",
+           "OWNED_RANGES",
            "OWNED_SECTIONS", "PIPELINE_MODES", "PipelineSection", "PlacementSection", "RankerSection",
            "TEMPERATURES", "TaskSection", "TokenizerSection", "TrainSection", "from_dict", "load_config"]
 
@@ -55,6 +56,7 @@ class Config:
     topology: Any = None
     weight_sync: Any = None  # its topology: the one above
     train: TrainSection = field(default_factory=TrainSection)
+    multi_turn: MultiTurnSection = field(default_factory=MultiTurnSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     # not a section: the trainer keys the loader filled from the train section because the file
     # did not set them; a run length derived at start (train.epochs) carries over to these
@@ -131,6 +133,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         topology=topology,
         weight_sync=_weight_sync(d.get("weight_sync"), topology),
         train=train,
+        multi_turn=build_section(MultiTurnSection, "multi_turn", d.get("multi_turn")),
         logging=build_section(LoggingSection, "logging", d.get("logging")),
         follows=() if "total_steps" in explicit else ("total_steps",),
     )

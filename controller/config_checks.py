@@ -90,6 +90,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_kl_horizon(cfg)
     _check_group_filter(cfg)
     _check_registries(cfg)
+    _check_multi_turn(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
     listed = {*p.generation, *p.trainer}
@@ -145,6 +146,39 @@ def _check_group_filter(cfg: Config) -> None:
         plus = " (+ 1: remax's greedy response)" if per_prompt > t.group_size else ""
         raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size"
                           f"{plus} ({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
+
+
+def _check_multi_turn(cfg: Config) -> None:
+    """``multi_turn.env`` loads (a built-in name, or your own function, imported here), and what
+    a multi-turn run cannot do: a forced length (turns end in EOS), per-sequence policy losses
+    and the rollout bypass (the sampler's log-probs; observation tokens have none)."""
+    mt, t, tr = cfg.multi_turn, cfg.train, cfg.trainer
+    if not mt.env:
+        return
+    from workers.tasks.envs import load_env
+    from workers.trainer.multi_turn import UNMASKED_POLICY_LOSSES, masked_policy_losses
+
+    try:
+        load_env(mt.env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    on = f"multi_turn.env ({mt.env!r})"
+    if t.min_tokens > 0:
+        raise ConfigError(f"train.min_tokens: {t.min_tokens} cannot be used with {on}: a turn goes to the environment "
+                          "when it ends in EOS, and min_tokens ignores EOS over the whole response; set "
+                          "train.min_tokens: 0, or leave multi_turn.env out")
+    if t.length_trace:
+        raise ConfigError(f"train.length_trace forces each response's length, which cannot be used with {on} (turns "
+                          "end in EOS, observations add tokens); leave train.length_trace or multi_turn.env out")
+    if getattr(tr, "policy_loss", "ppo") in UNMASKED_POLICY_LOSSES:
+        raise ConfigError(f"trainer.policy_loss: {tr.policy_loss} takes statistics over a sequence's or a "
+                          "micro-batch's tokens (a sequence ratio or gate, a covariance) that would count the "
+                          f"environment's observation tokens, so it cannot be used with {on}; use one of "
+                          f"{', '.join(masked_policy_losses())}, or leave multi_turn.env out")
+    if getattr(tr, "rollout_bypass", False):
+        raise ConfigError(f"trainer.rollout_bypass: true takes the sampler's log-probs as the old policy, which "
+                          f"cannot be used with {on} (observation tokens were not sampled); leave "
+                          "trainer.rollout_bypass out, or multi_turn.env")
 
 
 def requests_per_prompt(cfg) -> int:

@@ -201,6 +201,26 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class MultiTurnSection:
+    """Multi-turn rollouts (verl's ``rollout.multi_turn``; docs/multi_turn.md): each assistant turn
+    that ends in EOS goes to the environment ``env`` ("": single-turn; a built-in name of
+    ``workers/tasks/envs``, or ``module:fn`` / ``file.py:fn``), whose observation is spliced into
+    the response; ``train.max_tokens`` covers every turn and observation."""
+
+    env: str = ""
+    max_turns: int = ranged(4, Range(1))  # assistant turns (verl's max_assistant_turns)
+    max_observation_tokens: int = ranged(256, Range(1))  # an observation's start (verl's max_tool_response_length)
+    workers: int = ranged(4, Range(1))  # environment calls at once per generation instance
+
+    def __post_init__(self):
+        _path_key(self, "multi_turn", "env")  # ~/envs.py:fn
+
+    @property
+    def on(self) -> bool:
+        return bool(self.env)
+
+
+@dataclass(frozen=True)
 class LoggingSection:
     logdir: str = "runs/quickstart"
     timeline_every: int = ranged(5, Range(0, note="0: never"))  # Gantt figure to TensorBoard every K iterations

@@ -14,6 +14,8 @@ from workers.trainer.config_names import VERL_LOSS_AGGS, VERL_POLICY_LOSS_KEYS
 
 # verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
 VERL_KEYS = {
+    "multi_turn": "the multi_turn section (multi_turn.env, max_turns, max_observation_tokens, workers)",
+    "max_assistant_turns": "multi_turn.max_turns", "max_tool_response_length": "multi_turn.max_observation_tokens",
     "data": "task (the dataset) and train (batch, lengths)", "actor_rollout_ref": "trainer, engine and train",
     "algorithm": "trainer", "custom_reward_function": "task.kwargs.verifier", "train_files": "task.kwargs.files",
     "val_files": "task.kwargs.files", "train_batch_size": "train.batch_prompts",
@@ -90,7 +92,6 @@ VERL_NOTES = {
     "param_offload": "no CPU offload of parameters or optimizer state",
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
-    "multi_turn": "single-turn rollouts only (one prompt, one response)",
 }
 
 

@@ -94,8 +94,10 @@ def measure_lengths(program, prompts: list) -> list[float]:
     length (tokens) over ``train.group_size`` samples at the training temperature and
     ``max_tokens``: what the policy does now (ranker bootstrap)."""
     t = program.cfg.train
+    multi_turn = program.cfg.multi_turn.on
     reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), t.max_tokens, 0, 0.0, group_id=-1,
-                    sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k))
+                    sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k),
+                    task=p if multi_turn and not isinstance(p, str) else None)
             for j, p in enumerate(prompts) for k in range(t.group_size)]
     out, _ = side_generate(program, reqs, stage="ranker")
     return [sum(len(out[r.sample_id]) for r in reqs[j * t.group_size:(j + 1) * t.group_size]) / t.group_size
@@ -113,8 +115,10 @@ def evaluate(program, n: int) -> EvalResult:
     split = list(program.task.prompts("test"))
     items = split[:n] if n > 0 else split
     k = t.eval_samples
+    multi_turn = program.cfg.multi_turn.on  # the environment is handed the item (single-turn: not sent)
     reqs = [Request(-1 - (j * k + s), program.prompt_ids(it), t.max_tokens, 0, 0.0, group_id=-1,
-                    sampling=program.sampling(t.eval_temperature, t.seed * 7919 + j * k + s))
+                    sampling=program.sampling(t.eval_temperature, t.seed * 7919 + j * k + s),
+                    task=it if multi_turn else None)
             for j, it in enumerate(items) for s in range(k)]
     outputs, versions = side_generate(program, reqs)
     texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}

@@ -95,6 +95,8 @@ class Outbox:
         if sample.output_ids.is_cuda:  # RPC moves CPU tensors without device maps
             sample.prompt_ids, sample.output_ids = sample.prompt_ids.cpu(), sample.output_ids.cpu()
             sample.logprobs = sample.logprobs.cpu()
+        if sample.loss_mask is not None and sample.loss_mask.is_cuda:
+            sample.loss_mask = sample.loss_mask.cpu()
         self.q.put(sample)
 
     def _run(self) -> None:
@@ -155,11 +157,13 @@ class GenerationInstance:
     """Engine + weight staging + sample streaming, on one rank."""
 
     def __init__(self, rank: int, engine_cfg, model_dir: str, eos_ids: list[int] | None = None,
-                 stream_window_s: float = PipelineSection.stream_window_s):
+                 multi_turn=None, stream_window_s: float = PipelineSection.stream_window_s):
+        """``multi_turn``: the run's ``multi_turn`` section (with an ``env``, the engine runs
+        multi-turn rollouts: ``workers/generation/multi_turn.py``)."""
         from workers.generation.factory import make_engine
 
         self.rank = rank
-        self.engine = make_engine(engine_cfg, model_dir, eos_ids)
+        self.engine = make_engine(engine_cfg, model_dir, eos_ids, multi_turn)
         print(f"[generation {rank}] {self.engine!r}", file=sys.stderr, flush=True)
         self.version = 0
         self.trainers: list = []

@@ -76,6 +76,7 @@ class Program:
         texts = [prompt_text(it) for it in items]
         est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs, per = [], self.per_prompt
+        multi_turn = self.cfg.multi_turn.on  # the environment is handed the item (single-turn: not sent)
         for j, item in enumerate(items, start=first):
             ids = self.prompt_ids(item)
             max_tokens, min_tokens = t.max_tokens, t.min_tokens
@@ -86,7 +87,8 @@ class Program:
                 greedy = k == t.group_size  # remax: the group's greedy baseline, after its samples
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j - first]),
                                     group_id=iteration * SAMPLE_STRIDE + j, baseline=greedy,
-                                    sampling=self.sampling(0.0 if greedy else t.temperature, t.seed * 7919 + sid)))
+                                    sampling=self.sampling(0.0 if greedy else t.temperature, t.seed * 7919 + sid),
+                                    task=item if multi_turn else None))
         return reqs
 
     def _register(self, b: Batch, requests: list[Request], method: str, *extra) -> None:

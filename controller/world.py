@@ -96,7 +96,7 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
                                        dict(cfg.task.kwargs), p.collective_timeout_s), timeout)
             for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
-    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids), timeout)
+    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids, cfg.multi_turn), timeout)
                 for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
     world = World(trainers, None, colocated, set(static_ranks), cfg.weight_sync,  # type: ignore[arg-type]
@@ -135,7 +135,7 @@ def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version:
 
     try:
         h = create(rank, "generation", GenerationInstance, rank, cfg.engine, model_dir, eos_ids,
-                   timeout=cfg.placement.rpc_timeout_s)
+                   cfg.multi_turn, timeout=cfg.placement.rpc_timeout_s)
         h.call("connect", [t.rref for t in world.trainers]).wait()
         wait_all(world.push_weights(version, only=[h]))
     except WorkerFailed as e:

@@ -24,7 +24,7 @@ def _file(tmp_path, **sections):
 
 # ---- 3: a string key whose default is empty takes YAML null as that empty string --------------
 OPTIONAL_STR = [("dispatch", "profile"), ("ranker", "path"), ("train", "length_trace"),
-                ("tokenizer", "prompt_template"), ("engine", "device"), ("engine", "dtype")]
+                ("tokenizer", "prompt_template"), ("engine", "device"), ("engine", "dtype"), ("multi_turn", "env")]
 
 
 @pytest.mark.parametrize("section, key", OPTIONAL_STR)

@@ -61,6 +61,8 @@ class Request:
     group_id: int = -1
     sampling: SamplingParams = field(default_factory=SamplingParams)
     baseline: bool = False  # ReMax's greedy sample of the group: scored for the baseline, not trained
+    # the dataset item (multi-turn runs only): what the environment (``multi_turn.env``) is handed
+    task: "TaskPrompt | None" = None
 
 
 @dataclass
@@ -87,6 +89,11 @@ class Sample:
     min_tokens: int = 0
     instance: int = -1  # the generation instance (its global rank) that streamed it; -1: none
     baseline: bool = False  # the request's (Request.baseline): ReMax's greedy baseline, not trained
+    # multi-turn (workers/generation/multi_turn.py): bool [L], True where the policy sampled the
+    # token, False on the environment's observation tokens (logprobs 0 there), which the trainer
+    # leaves out of every loss term and count (verl's response_mask); None: all sampled
+    loss_mask: torch.Tensor | None = None
+    turns: int = 1  # assistant turns in ``output_ids``
 
 
 @dataclass

@@ -69,9 +69,11 @@ def check_backend(name: str) -> None:
     engine_factory(name)
 
 
-def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None) -> Engine:
+def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None, multi_turn=None) -> Engine:
     """Engine of backend ``cfg.backend`` over the HF model folder ``model_dir``.
-    ``eos_ids`` (int or ints) overrides ``cfg.eos_ids`` and the model config's EOS."""
+    ``eos_ids`` (int or ints) overrides ``cfg.eos_ids`` and the model config's EOS.
+    ``multi_turn`` (the run's ``multi_turn`` section): with an ``env``, the engine is wrapped in a
+    ``MultiTurnEngine`` (``multi_turn.py``) with the folder's tokenizer."""
     factory = engine_factory(cfg.backend)
     if eos_ids is not None:
         eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
@@ -79,7 +81,19 @@ def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None) -> Engine:
     engine = factory(cfg, model_dir)
     if cfg.backend not in BACKENDS:
         _check_built(engine, cfg.backend)
+    if multi_turn is not None and multi_turn.env:
+        engine = _multi_turn(engine, model_dir, multi_turn)
     return engine
+
+
+def _multi_turn(engine: Engine, model_dir: str, section) -> Engine:
+    from workers.generation.multi_turn import MultiTurnEngine
+    from workers.tasks.envs import load_env
+    from workers.tokenizer import Tokenizer
+
+    return MultiTurnEngine(engine, Tokenizer.load(model_dir), load_env(section.env), section.env,
+                           max_turns=section.max_turns, max_observation_tokens=section.max_observation_tokens,
+                           workers=section.workers)
 
 
 def _check_built(engine, name: str) -> None:

@@ -35,6 +35,20 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float,
     return adv.float(), (adv + values).float()
 
 
+def sampled_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float,
+                sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gae`` over the policy's own tokens of a multi-turn sample: ``sampled`` [L] bool (None:
+    every token, ``gae`` itself) -> (advantages [L], returns [L]), 0 on the other (observation)
+    tokens. As verl's GAE, which skips the values and TD errors of tokens outside its
+    response_mask: the next state of a sampled token is the next sampled token's, and gamma / lam
+    discount once per sampled token. ``rewards`` off ``sampled`` must be 0 (they are dropped)."""
+    if sampled is None:
+        return gae(rewards, values, gamma, lam)
+    adv, ret = torch.zeros_like(rewards, dtype=torch.float32), torch.zeros_like(rewards, dtype=torch.float32)
+    adv[sampled], ret[sampled] = gae(rewards[sampled], values[sampled], gamma, lam)
+    return adv, ret
+
+
 def whiten(advs: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], None] = lambda t: None,
            device: torch.device | str = "cpu", masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """verl's ``masked_whiten`` over every token of ``advs`` ([L_i] each) and of the other

@@ -33,14 +33,25 @@ class Prepared:
     min_tokens: int = 0  # EOS was not allowed before this many outputs (Sample.min_tokens)
     # rollout correction (workers/trainer/rollout_correction.py; TrainerConfig.rollout_is / tis_cap, rollout_rs):
     tis_weight: torch.Tensor | None = None  # [L] truncated importance weight of pi_old / pi_sampler (normalised)
-    keep: torch.Tensor | None = None  # [L] bool: the tokens rejection sampling keeps (None: all)
+    # [L] bool: the tokens every loss term and count is over (None: all): the policy's own tokens
+    # (``sampled``) less those rollout_rs rejects (verl's response_mask after rejection)
+    keep: torch.Tensor | None = None
+    # multi-turn (Sample.loss_mask): [L] bool, True where the policy sampled the token, False on the
+    # environment's observation tokens (None: all sampled, every single-turn sample)
+    sampled: torch.Tensor | None = None
+    turns: int = 1  # assistant turns in output_ids (Sample.turns)
     correction: dict[str, float] = field(default_factory=dict)  # its rollout_corr/* metric terms
     overlong: float = 0.0  # the overlong penalty added to the reward (<= 0; TrainerConfig.overlong_buffer)
-    reward_kl: float = 0.0  # mean per-token KL(old || ref) of the sample, what kl_mode reward penalises
+    reward_kl: float = 0.0  # mean per-token KL(old || ref) over its sampled tokens, what kl_mode reward penalises
 
     @property
     def num_tokens(self) -> int:
         return int(self.output_ids.numel())
+
+    @property
+    def observation_tokens(self) -> int:
+        """Output tokens the environment wrote (multi-turn), not the policy."""
+        return 0 if self.sampled is None else int((~self.sampled).sum())
 
     @property
     def packed_tokens(self) -> int:

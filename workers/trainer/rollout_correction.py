@@ -242,7 +242,7 @@ def metrics(t: dict[str, float], ext: dict[str, float]) -> dict[str, float]:
 def batch_normalize(w: "TrainerWorker") -> None:
     """With ``trainer.rollout_is_batch_normalize``, divide the truncated weights of every sample
     ready to train (the iteration's, after the group filter; every rank calls this once per step)
-    by their mean over all ranks: over tokens for ``token`` weights, over sequences for
+    by their mean over all ranks: over (sampled) tokens for ``token`` weights, over sequences for
     ``sequence`` ones (verl's, whose batch is the step's whole training batch). A mean <= 1e-8
     leaves them (factor 1, as verl). Logged as ``rollout_corr/rollout_is_batch_norm_factor``."""
     assert not w._trained_any, "normalising importance weights after training started"
@@ -250,7 +250,8 @@ def batch_normalize(w: "TrainerWorker") -> None:
     per_sequence = w.cfg.is_level == "sequence"
     total, units = 0.0, 0  # this rank's weight sum and its units (tokens, or sequences)
     for p in items:
-        weights = p.tis_weight[:1] if per_sequence else p.tis_weight  # a sequence weight is on each token
+        weights = p.tis_weight if p.sampled is None else p.tis_weight[p.sampled]  # not observation tokens'
+        weights = weights[:1] if per_sequence else weights  # a sequence weight is on each token
         total, units = total + float(weights.double().sum()), units + weights.numel()
     sums = torch.tensor([total, float(units)], dtype=torch.float64, device=w.device)
     if w.world_size > 1:

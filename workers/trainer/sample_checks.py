@@ -4,8 +4,8 @@
   prompt, from newer weights than the trainer's, of a group with no size, or more distinct
   samples of a group than its size), whatever ``on_bad_sample`` says.
 * ``bad_sample_reason`` says why a sample is bad input (stale, failed, empty, too long, a token
-  outside the vocabulary, unusable sampler log-probs), or None: the worker skips it (counted)
-  or raises, as ``on_bad_sample`` says.
+  outside the vocabulary, an unusable multi-turn ``loss_mask``, unusable sampler log-probs), or
+  None: the worker skips it (counted) or raises, as ``on_bad_sample`` says.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from workers.trainer.config import TrainerConfig
+from workers.trainer.multi_turn import check_supported, mask_reason
 from workers.types import Sample
 
 # a log-probability is <= 0; float rounding of one near 0 stays far below this
@@ -24,7 +25,8 @@ def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version:
                  iteration: int) -> None:
     """Raise on a caller bug: ``s`` has no prompt registered for ``iteration``, is a greedy
     baseline but the algorithm is not remax, comes from weights newer than ``version``, or
-    (grouped algorithms, the group filter) names a group with no size."""
+    (grouped algorithms, the group filter) names a group with no size, or is a multi-turn sample
+    under a loss that cannot mask its observation tokens (``multi_turn.check_supported``)."""
     sid = s.sample_id
     if sid not in prompts:
         raise KeyError(f"sample {sid}: no prompt registered for it in begin_iteration({iteration})")
@@ -37,6 +39,7 @@ def check_caller(s: Sample, prompts: dict, group_sizes: dict[int, int], version:
         needs = f"algorithm {cfg.algorithm!r}" if cfg.grouped else "trainer.filter_groups"
         raise ValueError(f"sample {sid}: group_id {s.group_id} has no size in begin_iteration "
                          f"({needs} needs groups)")
+    check_supported(s, cfg)
 
 
 def check_new_ids(where: str, prompts: dict, group_sizes: dict, known_prompts: dict, known_groups: dict) -> None:
@@ -80,6 +83,9 @@ def bad_sample_reason(s: Sample, version: int, cfg: TrainerConfig, model_config)
                 f"max_position_embeddings {model_config.max_position_embeddings}")
     if bool(((prompt < 0) | (prompt >= vocab)).any() or ((output < 0) | (output >= vocab)).any()):
         return f"sample {sid}: a token id outside the model's vocabulary [0, {vocab})"
+    why = mask_reason(s)  # multi-turn: not bool, not the output's length, or no sampled token
+    if why is not None:
+        return why
     if not cfg.uses_sampler_logprobs:
         return None
     if s.logprobs.numel() != output.numel():

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from workers.trainer.advantages import gae, grpo, grpo_passk, opo, rloo
+from workers.trainer.advantages import grpo, grpo_passk, opo, rloo, sampled_gae
 from workers.trainer.buffer import Prepared
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import KL_ESTIMATORS
@@ -25,6 +25,7 @@ from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, c
                                     entropy_from_logits, fraction_agg, loss_divisor, sequence_geometric_mean)
 from workers.trainer.packing import pack, response_logits, token_logprobs
 from workers.trainer import remax, rollout_bypass, rollout_correction as rc
+from workers.trainer.multi_turn import item_mask, last_sampled, mean_over, sampled_mask, spread
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -79,37 +80,47 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
             out.append(f"sample {s.sample_id}: {why}")
             continue
         shaped = score + overlong[i]
+        sampled = sampled_mask(s)  # [L] bool, or None: every token the policy's
+        if sampled is not None:  # no KL on observation tokens (their log-probs are not the policy's)
+            kl_i = torch.where(sampled, kl_i, torch.zeros_like(kl_i))
         p = Prepared(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids.cpu(),
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
                      reward=shaped - (beta * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i],
-                     reward_kl=float(kl_i.mean()) if kl_i.numel() else 0.0)
+                     reward_kl=mean_over(kl_i, sampled), keep=sampled, sampled=sampled, turns=s.turns)
         if cfg.corrects_rollout:  # pi_old / pi_sampler: importance weights, rejection, their metrics
             correct_sample(p, sampler_of[i], cfg, checks)
-        # per-token rewards: GAE, REINFORCE++'s / remax's returns, a user's estimator's input
+        # per-token rewards: GAE, REINFORCE++'s / remax's returns, a user's estimator's input; the
+        # score on the policy's last token (an observation token's reward would be dropped by the GAE)
         if values is not None or cfg.token_returns or cfg.custom_advantage:
             p.token_rewards = -beta * kl_i if penalise else torch.zeros_like(kl_i)
-            p.token_rewards[-1] += shaped
+            p.token_rewards[last_sampled(sampled)] += shaped
         if values is not None:
             p.values = values.split(lens)[i]
-            p.adv, p.returns = gae(p.token_rewards, p.values, cfg.gamma, cfg.gae_lambda)
+            p.adv, p.returns = sampled_gae(p.token_rewards, p.values, cfg.gamma, cfg.gae_lambda, sampled)
         elif cfg.token_returns:  # sum_k gamma^k r_{t+k}: GAE with no values and lambda 1
-            p.adv = gae(p.token_rewards, torch.zeros_like(kl_i), cfg.gamma, 1.0)[0]
+            p.adv = sampled_gae(p.token_rewards, torch.zeros_like(kl_i), cfg.gamma, 1.0, sampled)[0]
         out.append(p)
     return out
 
 
 def correct_sample(p: Prepared, sampler: torch.Tensor, cfg: TrainerConfig, checks: tuple) -> None:
     """Fill ``p.tis_weight`` [L] (with ``rollout_is`` / ``tis_cap``), ``p.keep`` [L] (with
-    ``rollout_rs``: ``checks``, its parse) and ``p.correction`` from ``p.old_logp`` (the trainer's)
-    and ``sampler`` [L] (the sample's own log-probs)."""
-    log_r = p.old_logp - sampler  # [L]
-    raw = None
+    ``rollout_rs``: ``checks``, its parse; ANDed into ``p.sampled``) and ``p.correction`` from
+    ``p.old_logp`` (the trainer's) and ``sampler`` [L] (the sample's own log-probs). Over the
+    policy's own tokens (``p.sampled``) only: an observation token's log-probs are no policy's, so
+    it has weight 1, is neither rejected nor counted, and leaves the sequence-level weights and
+    rejection statistics alone (verl's response_mask)."""
+    old, sampler = (p.old_logp, sampler) if p.sampled is None else (p.old_logp[p.sampled], sampler[p.sampled])
+    log_r = old - sampler  # [S], the S sampled tokens
+    raw, keep = None, None
     if cfg.is_level is not None:
-        p.tis_weight, raw = rc.is_weights(log_r, cfg.is_level, cfg.is_threshold)
+        weights, raw = rc.is_weights(log_r, cfg.is_level, cfg.is_threshold)
+        p.tis_weight = spread(weights, p.sampled, 1.0)
     if checks:
-        p.keep = rc.keep_mask(log_r, checks)
-    p.correction = rc.sample_stats(p.old_logp, sampler, cfg.is_level, cfg.is_threshold, raw, p.keep)
+        keep = rc.keep_mask(log_r, checks)
+        p.keep = spread(keep, p.sampled, False)
+    p.correction = rc.sample_stats(old, sampler, cfg.is_level, cfg.is_threshold, raw, keep)
 
 
 def overlong_penalty(length: int, cfg: TrainerConfig) -> float:
@@ -191,8 +202,9 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     old = torch.cat([p.old_logp for p in items]).to(dev)
     ref = torch.cat([p.ref_logp for p in items]).to(dev) if w.ref is not None else None
     adv = torch.cat([p.adv for p in items]).to(dev)
-    # rollout_rs: rejected tokens leave every term, and the token / sequence counts (verl's response_mask)
-    keep = torch.cat([p.keep for p in items]).to(dev) if cfg.rollout_rs and cfg.corrects_rollout else None  # [N] bool
+    # observation tokens (multi-turn) and rollout_rs's rejected ones leave every term, and the token /
+    # sequence counts (verl's response_mask); they stay in the forward's context
+    keep = item_mask(items, dev)  # [N] bool, or None: every token counts
     lens = batch.seq_lens if keep is None else (  # [B] the tokens of each sequence that count
         torch.zeros_like(batch.seq_lens).index_add_(0, batch.seq_index, keep.long()))
 
@@ -273,7 +285,7 @@ class StatSums:
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
             "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups", "baselines",
-            "baseline_sum", "unbased_groups") + rc.SUMS
+            "baseline_sum", "unbased_groups", "turns_sum", "observation_tokens_sum") + rc.SUMS
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -312,7 +324,7 @@ class StatSums:
         self.add("score_sq_sum", p.score * p.score)
         self.add("overlong_sum", p.overlong)
         self.add("reward_kl_sum", p.reward_kl)
-        self.add("resp_len_sum", float(p.num_tokens))
+        self.add("resp_len_sum", float(p.num_tokens))  # observation tokens included (verl's response_length)
         self.add("staleness_sum", float(version - p.weight_version))
         for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
             self.add_extreme(f"{k}_max", v)
@@ -322,6 +334,11 @@ class StatSums:
                 self.add_extreme(k, v)
             else:
                 self.add(k, v)
+
+    def add_turns(self, p: Prepared) -> None:
+        """A sample's assistant turns and observation tokens (multi-turn; of the samples ``add_sample`` counts)."""
+        self.add("turns_sum", float(p.turns))
+        self.add("observation_tokens_sum", float(p.observation_tokens))
 
     def add_counts(self, counts: dict[str, torch.Tensor]) -> None:
         for k, v in counts.items():
@@ -360,7 +377,10 @@ class StatSums:
         frac_divisor = loss_divisor(t["num_tokens"], t["num_seqs"], fraction_agg(loss_agg))
         mean = t["score_sum"] / n
         m = {"reward_mean": mean, "reward_std": max(t["score_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
-             "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n}
+             "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n,
+             # multi-turn: per sample, of the population of reward_mean (single-turn: 1 and 0)
+             "turns_mean": t["turns_sum"] / n,
+             "observation_tokens_mean": t["observation_tokens_sum"] / n}
         for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
                   "incomplete_groups", "duplicates", "score_s", "score_wait_s"):
             m[k] = t[k]

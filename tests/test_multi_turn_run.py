@@ -1,0 +1,46 @@
+"""A multi-turn run end to end (torchrun: controller, native engine, trainer ranks): the
+environment's observations are spliced into the responses on the generation instance, and the
+trainer trains the policy's turns only.
+
+The tiny model is random, so its turns would almost never end in EOS (which is what hands a turn
+to the environment): its folder's generation_config.json lists half the vocabulary as EOS ids,
+so every turn ends within a few tokens."""
+import json
+import shutil
+
+from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
+
+ENV = '''
+def env(task, messages):
+    assert messages[0]["role"] == "user" and task.prompt in messages[0]["content"]
+    turns = sum(m["role"] == "assistant" for m in messages)
+    return "result: 7" if turns == 1 else None
+'''
+
+
+def _stops_often(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos + list(range(10, 160))}))
+    return str(dst)
+
+
+def test_a_multi_turn_run_trains_on_two_turn_responses(tmp_path, tiny_model):  # noqa: F811
+    model = _stops_often(tiny_model, tmp_path / "model")
+    (tmp_path / "env.py").write_text(ENV)
+    cfg = write_config(tmp_path, model, train__iterations=2, train__max_tokens=16, train__eval_every=2,
+                       multi_turn__env=f"{tmp_path / 'env.py'}:env", multi_turn__max_turns=3)
+    p = torchrun(cfg, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = iterations(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for r in rows:
+        m = r["metrics"]
+        assert r["num_samples"] == 4 * 2
+        # every first turn ends in EOS (p ~ 1 - 2^-16), the environment answers it, and ends the
+        # conversation after the second
+        assert m["turns_mean"] == 2.0
+        assert m["observation_tokens_mean"] > 0
+    evals = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert evals, "the evaluation runs the same turn loop"

@@ -1,0 +1,291 @@
+"""MultiTurnEngine: multi-turn rollouts (verl's ``rollout.multi_turn``: tool calls, agent loops)
+around any engine (native or vLLM), with the ``Engine`` Protocol's methods.
+
+A trajectory is one request's conversation. Each assistant turn is a request of the inner
+engine; a turn that ends in EOS (``"stop"``) with turns and output budget left is handed to the
+environment (``multi_turn.env``, ``workers/tasks/envs``) on a thread pool, and its observation,
+tokenised as the chat template renders it (``observation_ids``), is spliced in: the next turn is
+a continuation request of the same ``sample_id`` whose prompt is the original prompt, every turn
+and observation so far. What comes out is ONE Sample per trajectory: ``output_ids`` is every
+turn and observation concatenated, ``loss_mask`` is False on the observation tokens (their
+logprobs 0.0), ``turns`` counts the assistant turns. ``max_tokens`` (``train.max_tokens``, as
+verl's ``response_length``) covers all turns and observations.
+
+Every continuation re-prefills its whole context (group_id -1: no prefix sharing between
+turns); weights loaded mid-trajectory restart it from the original request (a sample never
+mixes weight versions)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from workers.generation.sequence import error_sample
+from workers.types import EngineStats, Request, Sample, TaskPrompt
+
+# an environment: (the dataset item, the conversation so far in OpenAI format) -> the observation
+# (a str: a tool message; a {"role", "content"} dict as is; None: the trajectory is done)
+Env = Callable[[TaskPrompt | None, list[dict]], "str | dict | None"]
+WAIT_S = 0.05  # the longest step() waits for an environment call when the engine is idle
+_SYSTEM = {"role": "system", "content": ""}
+
+
+def observation_message(out) -> dict | None:
+    """The environment's answer as a chat message (None: done); anything else is a TypeError."""
+    if out is None:
+        return None
+    if isinstance(out, str):
+        return {"role": "tool", "content": out}
+    if isinstance(out, dict) and isinstance(out.get("role"), str) and "content" in out:
+        return out
+    raise TypeError(f"returned a {type(out).__name__} ({str(out)[:80]!r}); an environment returns a str (a tool "
+                    "message), a dict with 'role' and 'content', or None (done)")
+
+
+def observation_ids(tokenizer, message: dict) -> list[int]:
+    """Token ids of an observation as the chat template renders it after an assistant turn, ending
+    with the next assistant turn's generation prompt (the text the template adds for ``message``
+    after a conversation, taken past an empty system turn); without a template, its content as is."""
+    if not tokenizer.chat_template:
+        return tokenizer.encode(str(message.get("content") or ""), add_special_tokens=False)
+    before = tokenizer.apply_chat_template([_SYSTEM], add_generation_prompt=False)
+    after = tokenizer.apply_chat_template([_SYSTEM, message], add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError(f"the tokenizer's chat template renders [system] as {before[-80:]!r}, which is not the "
+                         f"start of its rendering of [system, {message.get('role')}] ({after[:120]!r}): the "
+                         "observation's tokens cannot be taken from it")
+    return tokenizer.encode(after[len(before):], add_special_tokens=False)
+
+
+@dataclass
+class Trajectory:
+    """One request's conversation so far: ``output`` is every turn and observation after the
+    original prompt, ``mask`` True on the policy's tokens."""
+
+    request: Request  # the original
+    messages: list[dict]  # the prompt's chat, then the turns and observations (OpenAI format)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    turns: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    weight_version: int = 0
+    env_call: cf.Future | None = None  # the environment's answer being computed
+
+    def absorb(self, s: Sample) -> None:
+        """A finished turn: its tokens (the policy's) go on the output."""
+        self.output += s.output_ids.tolist()
+        self.logprobs += s.logprobs.tolist()
+        self.mask += [True] * len(s.output_ids)
+        self.turns += 1
+        self.weight_version = s.weight_version
+        if self.turns == 1:
+            self.timings = {k: v for k, v in s.timings.items() if k in ("queued", "admitted", "first_token")}
+        self.timings["finished"] = s.timings.get("finished", 0.0)
+
+    def sample(self, finish_reason: str) -> Sample:
+        r = self.request
+        return Sample(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
+                      output_ids=torch.tensor(self.output, dtype=torch.int64),
+                      logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
+                      weight_version=self.weight_version, finish_reason=finish_reason, group_id=r.group_id,
+                      timings=dict(self.timings), min_tokens=int(r.min_tokens), baseline=r.baseline,
+                      loss_mask=torch.tensor(self.mask, dtype=torch.bool), turns=self.turns)
+
+
+@dataclass
+class _Observation:
+    """What an environment call gave: a message and its tokens, None (done), or an error."""
+
+    message: dict | None = None
+    ids: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+class MultiTurnEngine:
+    """``MultiTurnEngine(inner, tokenizer, env, spec)``: ``inner`` any Engine; ``env`` the
+    environment callable (``spec``: its ``multi_turn.env`` name, for errors); ``max_turns``
+    assistant turns; observations cut to ``max_observation_tokens``; ``workers`` environment
+    calls at once."""
+
+    def __init__(self, inner, tokenizer, env: Env, spec: str = "", max_turns: int = 4,
+                 max_observation_tokens: int = 256, workers: int = 4):
+        self.inner, self.tokenizer, self.env, self.spec = inner, tokenizer, env, spec
+        self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+        self.pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="multi_turn_env")
+        self._traj: dict[int, Trajectory] = {}  # sample_id -> its trajectory (in the engine or the env)
+        self._waiting: dict[int, Trajectory] = {}  # those waiting on an environment call, in call order
+        self._ready: list[Sample] = []  # finished between steps (restarts refused), returned by the next
+
+    def __repr__(self) -> str:
+        return f"MultiTurnEngine({self.inner!r}, env {self.spec!r}, max_turns {self.max_turns})"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, requests: Sequence[Request]) -> list[Sample]:
+        """Start a trajectory per request (its first turn queued in the inner engine); refusals
+        are the inner engine's error samples (an id whose trajectory is live: ours)."""
+        refused, accepted = [], []
+        for r in requests:
+            if r.sample_id in self._traj:  # (waiting on the environment, the inner engine does not know it)
+                refused.append(error_sample(r, f"sample_id {r.sample_id} is already queued or running",
+                                            self.inner.stats().weight_version))
+                continue
+            self._traj[r.sample_id] = Trajectory(r, self._prompt_messages(r))
+            accepted.append(r)
+        for s in self.inner.add(accepted):
+            self._traj.pop(s.sample_id, None)
+            refused.append(s)
+        return refused
+
+    def _prompt_messages(self, r: Request) -> list[dict]:
+        task = r.task
+        if task is not None and task.messages:
+            return [dict(m) for m in task.messages]
+        text = task.prompt if task is not None else self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True)
+        return [{"role": "user", "content": text}]
+
+    def has_work(self) -> bool:
+        return bool(self._ready) or bool(self._waiting) or self.inner.has_work()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[Sample]:
+        out, self._ready = self._ready, []
+        out += self._collect()
+        if not self.inner.has_work() and self._waiting and not out:  # idle: wait, no busy spin
+            cf.wait([t.env_call for t in self._waiting.values()], timeout=WAIT_S, return_when=cf.FIRST_COMPLETED)
+            out += self._collect()
+        if not self.inner.has_work():
+            return out
+        for s in self.inner.step():
+            t = self._traj.get(s.sample_id)
+            if t is None:  # (not ours: passed through)
+                out.append(s)
+                continue
+            if s.finish_reason == "error":
+                del self._traj[s.sample_id]
+                out.append(s)
+                continue
+            t.absorb(s)
+            if s.finish_reason == "stop" and t.turns < self.max_turns and self._room(t) > 0:
+                self._call_env(t, s.output_ids)
+            else:
+                del self._traj[s.sample_id]
+                out.append(t.sample(s.finish_reason))
+        return out
+
+    def _room(self, t: Trajectory) -> int:
+        """Output tokens left to ``t``: its budget, and the engine's context."""
+        r = t.request
+        return min(r.max_tokens, self.inner.max_model_len - len(r.prompt_ids)) - len(t.output)
+
+    def _call_env(self, t: Trajectory, turn_ids: torch.Tensor) -> None:
+        t.messages.append({"role": "assistant",
+                           "content": self.tokenizer.decode(turn_ids, skip_special_tokens=True)})
+        t.env_call = self.pool.submit(self._observe, t.request.task, [dict(m) for m in t.messages],
+                                      t.request.sample_id, t.turns)
+        self._waiting[t.request.sample_id] = t
+
+    def _observe(self, task: TaskPrompt | None, messages: list[dict], sample_id: int, turn: int) -> _Observation:
+        """The environment's answer to a conversation, tokenised (on a pool thread)."""
+        try:
+            message = observation_message(self.env(task, messages))
+        except Exception as e:  # noqa: BLE001 - your environment's failure: the sample's error
+            return _Observation(error=f"multi_turn.env: {self.spec!r} failed on sample {sample_id} after turn "
+                                      f"{turn} ({type(e).__name__}: {e})")
+        if message is None:
+            return _Observation()
+        try:
+            return _Observation(message, observation_ids(self.tokenizer, message))
+        except Exception as e:  # noqa: BLE001 - a template that cannot render it
+            return _Observation(error=f"multi_turn.env: {self.spec!r}: the observation of sample {sample_id} after "
+                                      f"turn {turn} could not be tokenised ({type(e).__name__}: {e})")
+
+    def _collect(self) -> list[Sample]:
+        """Take the environment answers that are in: each ends its trajectory or becomes the
+        next turn's request (added to the inner engine in one call)."""
+        out, continuations = [], []
+        for sid, t in list(self._waiting.items()):
+            if not t.env_call.done():
+                continue
+            del self._waiting[sid]
+            obs, t.env_call = t.env_call.result(), None
+            if obs.error:
+                del self._traj[sid]
+                out.append(error_sample(t.request, obs.error, t.weight_version))
+                continue
+            if obs.message is None:  # done: the last turn ended in EOS
+                del self._traj[sid]
+                out.append(t.sample("stop"))
+                continue
+            room, ids = self._room(t), obs.ids[:self.max_observation_tokens]  # its start
+            if len(ids) >= room:  # cut to leave one generated token after it; none left: done
+                if room <= 1:
+                    del self._traj[sid]
+                    out.append(t.sample("length"))
+                    continue
+                ids = ids[:room - 1]
+            t.messages.append(obs.message)
+            t.output += ids
+            t.logprobs += [0.0] * len(ids)
+            t.mask += [False] * len(ids)
+            continuations.append(self._continuation(t))
+        if continuations:
+            for s in self.inner.add(continuations):
+                self._traj.pop(s.sample_id, None)
+                out.append(s)
+        return out
+
+    def _continuation(self, t: Trajectory) -> Request:
+        r = t.request
+        prompt = torch.cat([r.prompt_ids.cpu(), torch.tensor(t.output, dtype=r.prompt_ids.dtype)])
+        return dataclasses.replace(r, prompt_ids=prompt, max_tokens=r.max_tokens - len(t.output), min_tokens=0,
+                                   group_id=-1)
+
+    # ---- control -------------------------------------------------------------------------
+    def abort(self, sample_ids: Iterable[int]) -> list[int]:
+        """Drop the trajectories (an environment call's answer is ignored when it comes) and
+        their turns in the inner engine; the ids aborted, in the order given."""
+        aborted, in_engine = [], []
+        for sid in sample_ids:
+            t = self._traj.pop(sid, None)
+            if t is None:
+                continue
+            aborted.append(sid)
+            if self._waiting.pop(sid, None) is not None:
+                t.env_call.cancel()  # (one already running finishes; nothing reads it)
+            else:
+                in_engine.append(sid)
+        self.inner.abort(in_engine)
+        return aborted
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     version: int) -> None:
+        """The inner engine's (its turns in flight restart); trajectories past their first turn
+        restart from the original request, their turns so far being of the old weights."""
+        self.inner.load_weights(named_tensors, version)
+        restart = [t for t in self._traj.values() if t.turns > 0]
+        self.inner.abort([t.request.sample_id for t in restart if t.env_call is None])
+        for t in restart:
+            if self._waiting.pop(t.request.sample_id, None) is not None:
+                t.env_call.cancel()
+            self._traj[t.request.sample_id] = Trajectory(t.request, self._prompt_messages(t.request))
+        for s in self.inner.add([t.request for t in restart]):
+            self._traj.pop(s.sample_id, None)
+            self._ready.append(s)
+
+    def set_max_batch_size(self, n: int) -> None:
+        self.inner.set_max_batch_size(n)
+
+    def stats(self) -> EngineStats:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.inner.close()
