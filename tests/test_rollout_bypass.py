@@ -17,7 +17,8 @@ from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer import rollout_bypass as rb
 from workers.trainer import rollout_correction as rc
 from workers.trainer.losses import aggregate_sum, loss_divisor
-from workers.trainer.step_math import StatSums, prepare_batch
+from workers.trainer.stat_sums import StatSums
+from workers.trainer.step_math import prepare_batch
 from tests.test_policy_losses_verl import padded
 from tests.test_rollout_correction import RS_SPECS, masked_mean, random_batch, verl_mask, verl_metrics, verl_weights
 from tests.test_trainer_math_grad import draw, group_adv, model_dir, seq_logits, task, worker_grads  # noqa: F401

@@ -15,7 +15,8 @@ from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer import rollout_correction as rc
 from workers.trainer.buffer import Prepared, SampleBuffer
 from workers.trainer.rollout import rollout
-from workers.trainer.step_math import StatSums, prepare_batch, train_terms
+from workers.trainer.stat_sums import StatSums
+from workers.trainer.step_math import prepare_batch, train_terms
 from tests.trainer_helpers import LengthRewardTask, synthetic_task, tiny_config, tiny_model_dir
 
 torch.set_num_threads(1)

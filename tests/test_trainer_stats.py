@@ -13,7 +13,8 @@ import torch
 
 from workers.trainer import TrainerConfig, TrainerWorker
 from workers.trainer.packing import pack
-from workers.trainer.step_math import StatSums, prepare_batch
+from workers.trainer.stat_sums import StatSums
+from workers.trainer.step_math import prepare_batch
 from workers.types import Sample, TaskPrompt
 from workers.weight_sync.localrun import run_local
 from tests.trainer_helpers import tiny_model_dir
@@ -217,7 +218,7 @@ def test_extremes_are_global_over_data_parallel_ranks(model_dir):
 def test_reward_std_from_summed_stats():
     from types import SimpleNamespace
 
-    from workers.trainer.step_math import StatSums
+    from workers.trainer.stat_sums import StatSums
 
     stats = StatSums(torch.device("cpu"))
     for score in (0.0, 1.0, 1.0, 0.0):

@@ -46,7 +46,8 @@ from workers.trainer.sample_checks import bad_sample_reason, check_caller, check
 from workers.trainer import optimizer, remax
 from workers.trainer.lora import LoRA, Reference, target_names
 from workers.trainer.schedule import lr_lambda
-from workers.trainer.step_math import StatSums, prepare_batch, submit_scores, train_terms
+from workers.trainer.stat_sums import StatSums
+from workers.trainer.step_math import prepare_batch, submit_scores, train_terms
 from workers.trainer.step_passes import iteration_passes
 from workers.trainer.updates import mini_batch_updates, streamed_updates
 from workers.types import Sample, Task, TaskPrompt
