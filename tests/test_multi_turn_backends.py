@@ -1,0 +1,83 @@
+"""Multi-turn rollouts through ``make_engine`` on every backend (native; vLLM when installed: the
+CI's vLLM tier runs this file): a trajectory is turn, observation, turn, and each turn is what
+the same backend generates greedily from the whole context so far."""
+import importlib.util
+
+import pytest
+import torch
+
+from controller.config_sections import MultiTurnSection
+from workers.generation.config import EngineConfig
+from workers.generation.engine import generate_all
+from workers.generation.factory import make_engine
+from workers.generation.multi_turn import MultiTurnEngine
+from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
+from workers.tokenizer import train_bpe
+from workers.types import Request, SamplingParams
+
+torch.set_num_threads(1)
+TEXTS = ["what is the answer to the question", "result: 7 and the tool said so", "the answer is 42"] * 30
+TOK = train_bpe(TEXTS, vocab_size=300)
+V = TOK.vocab_size
+GREEDY = SamplingParams(temperature=0.0)
+OBS = "result: 7"
+ENV = f'''
+def env(task, messages):
+    turns = sum(m["role"] == "assistant" for m in messages)
+    return {OBS!r} if turns == 1 else None
+'''
+
+
+@pytest.fixture(params=["native", "vllm"])
+def backend(request):
+    if request.param == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (bash scripts/install_vllm.sh): the vLLM backend is optional")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ...
+    cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      eos_token_id=TOK.eos_id)
+    d = tmp_path_factory.mktemp("mt") / "model"
+    save_pretrained(init_weights(CausalLM(cfg), seed=0, std=0.2), d)
+    TOK.save(d)
+    return str(d)
+
+
+def _cfg(backend: str, eos) -> EngineConfig:
+    return EngineConfig(backend=backend, max_batch_size=4, block_size=16, kv_cache_tokens=4096, device="cpu",
+                        dtype="float32", eos_ids=tuple(eos))
+
+
+def _greedy(backend, model_dir, prompt: list[int], max_tokens: int, eos) -> list[int]:
+    eng = make_engine(_cfg(backend, eos), model_dir)
+    try:
+        [s] = generate_all(eng, [Request(0, torch.tensor(prompt), max_tokens, sampling=GREEDY)])
+    finally:
+        eng.close()
+    return s.output_ids.tolist()
+
+
+def test_turn_observation_turn_on_every_backend(backend, model_dir, tmp_path):
+    (tmp_path / "env.py").write_text(ENV)
+    prompt = TOK.encode("what is the answer")
+    # the EOS ids: half the vocabulary, so the random model's turns end within a few tokens
+    eos = tuple(range(V // 2, V))
+    turn1 = _greedy(backend, model_dir, prompt, 30, eos)
+    obs = TOK.encode(OBS)
+    turn2 = _greedy(backend, model_dir, prompt + turn1 + obs, 30 - len(turn1) - len(obs), eos)
+    assert turn1[-1] in eos and turn2[-1] in eos  # both turns end in EOS
+    eng = make_engine(_cfg(backend, eos), model_dir, multi_turn=MultiTurnSection(env=f"{tmp_path}/env.py:env"))
+    try:
+        assert isinstance(eng, MultiTurnEngine)
+        [s] = generate_all(eng, [Request(5, torch.tensor(prompt), 30, sampling=GREEDY, group_id=3)])
+    finally:
+        eng.close()
+    assert s.finish_reason == "stop" and s.turns == 2 and s.sample_id == 5
+    assert s.output_ids.tolist() == turn1 + obs + turn2
+    assert s.loss_mask.tolist() == [True] * len(turn1) + [False] * len(obs) + [True] * len(turn2)
+    assert s.logprobs[len(turn1):len(turn1) + len(obs)].tolist() == [0.0] * len(obs)
+    assert bool((s.logprobs[s.loss_mask] <= 0).all())
