@@ -14,9 +14,9 @@ of them finished, the greedy ones (verl: ``generate_sequences`` on the batch, th
 greedy batch). Decode work is the same; what differs is how full the batches stay. Prints one
 JSON line per run, then a summary: ``beside_s``, ``second_pass_s`` (best of the repeats),
 ``second_pass_over_beside`` (> 1: beside is faster), the median of the repeats' own ratios
-(``_paired``) and each (``_per_repeat``). The second pass prefills its prompts again (their
-groups' shared blocks were freed); an engine with a cross-request prefix cache (vLLM's) would
-not, which this slightly favours ``beside``.
+(``_paired``) and each (``_per_repeat``). The second pass finds its prompts' full KV blocks in
+the engine's prefix cache (``engine.prefix_caching``, on by default since session 46) unless they
+were evicted; it prefills the last partial block again (blocks of 128 tokens).
 """
 from __future__ import annotations
 

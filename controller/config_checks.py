@@ -149,17 +149,23 @@ def _check_group_filter(cfg: Config) -> None:
 
 
 def _check_multi_turn(cfg: Config) -> None:
-    """``multi_turn.env`` loads (a built-in name, or your own function, imported here), and what
-    a multi-turn run cannot do: a forced length (turns end in EOS), per-sequence policy losses
-    and the rollout bypass (the sampler's log-probs; observation tokens have none)."""
+    """``multi_turn.env`` loads (a built-in name, or your own function or class, imported here)
+    and the tool schemas read (``multi_turn.tools``, or the env's ``TOOLS``), and what a
+    multi-turn run cannot do: a forced length (turns end in EOS), per-sequence policy losses and
+    the rollout bypass (the sampler's log-probs; observation tokens have none)."""
     mt, t, tr = cfg.multi_turn, cfg.train, cfg.trainer
+    if mt.tools and not mt.env:
+        raise ConfigError(f"multi_turn.tools: {mt.tools!r} is given without multi_turn.env; the tools' calls need an "
+                          "environment to answer them (as verl's tool_config_path needs multi_turn.enable)")
     if not mt.env:
         return
     from workers.tasks.envs import load_env
+    from workers.tasks.envs.tools import run_tools
     from workers.trainer.multi_turn import UNMASKED_POLICY_LOSSES, masked_policy_losses
 
     try:
         load_env(mt.env)
+        run_tools(mt)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     on = f"multi_turn.env ({mt.env!r})"

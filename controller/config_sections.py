@@ -205,15 +205,19 @@ class MultiTurnSection:
     """Multi-turn rollouts (verl's ``rollout.multi_turn``; docs/multi_turn.md): each assistant turn
     that ends in EOS goes to the environment ``env`` ("": single-turn; a built-in name of
     ``workers/tasks/envs``, or ``module:fn`` / ``file.py:fn``), whose observation is spliced into
-    the response; ``train.max_tokens`` covers every turn and observation."""
+    the response; ``train.max_tokens`` covers every turn and observation. ``tools``: a JSON / YAML
+    file of OpenAI tool schemas the prompts show through the chat template ("": the env's
+    ``TOOLS``, if any; ``workers/tasks/envs/tools.py``)."""
 
     env: str = ""
+    tools: str = ""  # verl's tool_config_path (its tool_schema entries), or a list of schemas
     max_turns: int = ranged(4, Range(1))  # assistant turns (verl's max_assistant_turns)
     max_observation_tokens: int = ranged(256, Range(1))  # an observation's start (verl's max_tool_response_length)
     workers: int = ranged(4, Range(1))  # environment calls at once per generation instance
 
     def __post_init__(self):
         _path_key(self, "multi_turn", "env")  # ~/envs.py:fn
+        _path_key(self, "multi_turn", "tools")
 
     @property
     def on(self) -> bool:

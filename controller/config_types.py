@@ -14,7 +14,8 @@ from workers.trainer.config_names import VERL_LOSS_AGGS, VERL_POLICY_LOSS_KEYS
 
 # verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
 VERL_KEYS = {
-    "multi_turn": "the multi_turn section (multi_turn.env, max_turns, max_observation_tokens, workers)",
+    "multi_turn": "the multi_turn section (multi_turn.env, tools, max_turns, max_observation_tokens, workers)",
+    "tool_config_path": "multi_turn.tools (its tool_schema entries; multi_turn.env answers the calls)",
     "max_assistant_turns": "multi_turn.max_turns", "max_tool_response_length": "multi_turn.max_observation_tokens",
     "data": "task (the dataset) and train (batch, lengths)", "actor_rollout_ref": "trainer, engine and train",
     "algorithm": "trainer", "custom_reward_function": "task.kwargs.verifier", "train_files": "task.kwargs.files",

@@ -292,6 +292,18 @@ def chat_without_template_note(prompts: Sequence[TaskPrompt], has_chat_template:
             "to keep the roles")
 
 
+def tools_without_template_note(tools: Sequence[dict], has_chat_template: bool) -> str | None:
+    """The one-line notice for tool schemas (``multi_turn.tools``, or the env's ``TOOLS``) on a
+    tokenizer with no chat template: only a chat template renders them into the prompt."""
+    if has_chat_template or not tools:
+        return None
+    names = ", ".join(str(t["function"]["name"]) for t in tools[:8]) + (" ..." if len(tools) > 8 else "")
+    return (f"multi_turn.tools: the model folder's tokenizer has no chat template (tokenizer_config.json "
+            f"chat_template), so the {len(tools)} tool schema(s) ({names}) cannot be shown to the model; the run "
+            "goes on without them: describe the tools in the prompts, or give the folder a chat template that "
+            "renders tools")
+
+
 def check_task(task, train, task_name: str, context: int, encode: Callable[[TaskPrompt], Sequence[int]],
                vocab_size: int = 0) -> tuple[FittingTask, ContextNeed]:
     """The run's start check: ``task``'s train split (and test split, when ``train.eval_every`` or

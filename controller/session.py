@@ -44,6 +44,7 @@ class Session:
     def __init__(self, cfg, args, world_size: int):
         from controller.prompt_check import check_demonstrations, checked_task
         from controller.scheduling import make_dispatcher
+        from workers.tasks.envs.tools import run_tools
         from workers.tasks.registry import make_task
         from workers.tokenizer import Tokenizer
 
@@ -95,8 +96,12 @@ class Session:
                             timeout=cfg.placement.rpc_timeout_s * SETUP_FACTOR)
         self.boot = boot
         self.model_dir = boot["path"]
+        try:  # multi_turn.tools (checked at load; read again here: what every prompt shows)
+            tools = run_tools(cfg.multi_turn)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:  # a model folder's own chat template / prompt template
-            self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None)
+            self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None, tools=tools)
         except ValueError as e:
             raise ConfigError(f"model.path {self.model_dir}: tokenizer: {e}") from None
         self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
@@ -138,14 +143,15 @@ class Session:
     def _fitting_task(self, task):
         """The task with its prompts checked against the engines' smallest context
         (``prompt_check.check_task``); the SGS keeps what a joiner must hold."""
-        from controller.prompt_check import chat_without_template_note, check_task
+        from controller.prompt_check import chat_without_template_note, check_task, tools_without_template_note
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         fitting, self.world.sgs.need = check_task(
             task, self.cfg.train, self.cfg.task.name, min(st.max_model_len for st in stats),
             lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
-        note = chat_without_template_note(fitting.prompts("train"), bool(self.tok.chat_template))
-        if note:
-            print(f"[controller] {note}", file=sys.stderr, flush=True)
+        for note in (chat_without_template_note(fitting.prompts("train"), bool(self.tok.chat_template)),
+                     tools_without_template_note(self.tok.tools, bool(self.tok.chat_template))):
+            if note:
+                print(f"[controller] {note}", file=sys.stderr, flush=True)
         self._derive_length(len(fitting.prompts("train")), len(task.prompts("train")))
         return fitting
 

@@ -30,6 +30,7 @@ REFUSED = [
     ("reward_pool", ["--samples", "0"], "argument --samples: must be an integer >= 1, got '0'"),
     ("trainer_memory", ["--ranks", "1"], "argument --ranks: must be an integer >= 2, got '1'"),
     ("remax_baseline", ["--group-size", "0"], "argument --group-size: must be an integer >= 1, got '0'"),
+    ("multi_turn_prefix", ["--turns", "0"], "argument --turns: must be an integer >= 1, got '0'"),
 ]
 
 

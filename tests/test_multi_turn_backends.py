@@ -2,6 +2,7 @@
 CI's vLLM tier runs this file): a trajectory is turn, observation, turn, and each turn is what
 the same backend generates greedily from the whole context so far."""
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -81,3 +82,18 @@ def test_turn_observation_turn_on_every_backend(backend, model_dir, tmp_path):
     assert s.loss_mask.tolist() == [True] * len(turn1) + [False] * len(obs) + [True] * len(turn2)
     assert s.logprobs[len(turn1):len(turn1) + len(obs)].tolist() == [0.0] * len(obs)
     assert bool((s.logprobs[s.loss_mask] <= 0).all())
+
+
+def test_the_prefix_bench_does_the_same_turns_and_caching_computes_less(capsys, monkeypatch):
+    """bench/multi_turn_prefix.py: both runs submit the same turns; with caching each continuation
+    computes its observation and at most one partial block of what came before."""
+    from tests.bench_loading import load_bench
+
+    out = load_bench("multi_turn_prefix", monkeypatch).main(["--quick", "--prompts", "4", "--threads", "1"])
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"run"' in line]
+    on, off = (next(r for r in runs if r["run"] == name) for name in ("caching_on", "caching_off"))
+    assert on["submitted_tokens"] == off["submitted_tokens"] and on["turns_mean"] == off["turns_mean"] == 3
+    assert off["hit_tokens"] == 0 and off["computed_tokens"] == off["submitted_tokens"]
+    # per trajectory: the prompt, then each continuation's observation (64), its own turn and < one block (16)
+    assert on["computed_tokens"] <= 4 * (64 + 2 * (64 + 16 + 8))
+    assert out["computed_tokens_on"] == on["computed_tokens"] and out["off_over_on"] > 0

@@ -125,3 +125,16 @@ def test_the_calculator_answers_the_last_turns_tool_call():
     for bad in ("x + 1", "abs(-1)", "[1]", "'a' * 3", "True + 1"):
         with pytest.raises(ValueError):
             evaluate(bad)
+
+
+def test_a_class_env_is_checked_at_load_and_built_once_per_engine(tiny_model, tmp_path):  # noqa: F811
+    (tmp_path / "envs.py").write_text("class Env:\n    def __call__(self, task, messages):\n        return None\n\n\n"
+                                      "class Bare:\n    pass\n")
+    assert from_dict({"multi_turn": {"env": f"{tmp_path / 'envs.py'}:Env"}}).multi_turn.on
+    assert "is a class without __call__" in _error({"multi_turn": {"env": f"{tmp_path / 'envs.py'}:Bare"}})
+    cfg = EngineConfig(device="cpu", kv_cache_tokens=256)
+    section = MultiTurnSection(env=f"{tmp_path / 'envs.py'}:Env")
+    a, b = (make_engine(cfg, tiny_model, multi_turn=section) for _ in range(2))
+    assert type(a.env).__name__ == "Env" and a.env is not b.env  # one instance per generation instance
+    a.close()
+    b.close()

@@ -1,6 +1,7 @@
 """MultiTurnEngine (workers/generation/multi_turn.py) over the native engine and a tiny random
 model: the environment's observations are spliced between the policy's turns, masked out, and
 each continuation is exactly what a fresh engine generates from the whole context so far."""
+import asyncio
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
 from workers.generation.multi_turn import MultiTurnEngine, observation_ids
 from workers.model import CausalLM, ModelConfig, init_weights
+from workers.tasks.envs import make_env
 from workers.tokenizer import Tokenizer, train_bpe
 from workers.types import Request, SamplingParams, TaskPrompt
 
@@ -262,3 +264,62 @@ def test_a_live_id_is_refused_and_an_engine_refusal_passes_through():
     assert dup.finish_reason == "error" and "already" in dup.error
     [bad] = eng.add([req(2, max_tokens=0)])
     assert bad.finish_reason == "error" and bad.sample_id == 2 and 2 not in eng._traj
+
+
+def test_an_async_environment_is_run_to_its_end_on_one_event_loop():
+    eos, turn1 = two_stops()
+    [ref] = run(wrap(eos, Script(OBS, None)), [req()])
+    loops, calls = set(), []
+
+    async def env(task, messages):  # as verl's tools: async def
+        await asyncio.sleep(0.01)
+        loops.add(asyncio.get_running_loop())
+        calls.append(messages)
+        return OBS if len(calls) == 1 else None
+
+    [s] = run(wrap(eos, env), [req()])
+    assert torch.equal(s.output_ids, ref.output_ids) and torch.equal(s.loss_mask, ref.loss_mask)
+    assert s.turns == ref.turns == 2 and len(calls) == 2
+    # every call on the one loop: a client the env made once (bound to its loop) keeps working
+    assert len(loops) == 1
+
+    async def failing(task, messages):
+        raise RuntimeError("tool crashed")
+
+    [s] = run(wrap(HALF, failing), [req()])
+    assert s.finish_reason == "error" and "multi_turn.env: 'script'" in s.error
+    assert "RuntimeError: tool crashed" in s.error
+
+
+def test_a_class_environment_is_built_once_and_its_instance_called(tmp_path):
+    (tmp_path / "envs.py").write_text(
+        "import asyncio\n\n\n"
+        "class Env:\n"
+        "    built = 0\n\n"
+        "    def __init__(self):\n"
+        "        Env.built += 1\n"
+        "        self.calls = []\n\n"
+        "    def __call__(self, task, messages):\n"
+        "        self.calls.append(messages)\n"
+        f"        return {OBS!r} if len(messages) == 2 else None\n\n\n"
+        "class AsyncEnv(Env):\n"
+        "    async def __call__(self, task, messages):\n"
+        "        await asyncio.sleep(0)\n"
+        "        return Env.__call__(self, task, messages)\n\n\n"
+        "class NotCallable:\n"
+        "    pass\n")
+    eos, _ = two_stops()
+    [ref] = run(wrap(eos, Script(OBS, None)), [req()])
+    for name in ("Env", "AsyncEnv"):
+        env = make_env(f"{tmp_path / 'envs.py'}:{name}")
+        assert type(env).__name__ == name and type(env).built == (1 if name == "Env" else 2)
+        reqs = [req(1), req(2, group=8)]
+        out = run(wrap(eos, env), reqs)
+        assert len(out) == 2 and all(torch.equal(s.output_ids, ref.output_ids) and s.turns == 2 for s in out)
+        assert len(env.calls) == 4 and type(env).built == (1 if name == "Env" else 2)  # one instance, 4 calls
+    with pytest.raises(ValueError, match="multi_turn.env: .* is a class without __call__"):
+        make_env(f"{tmp_path / 'envs.py'}:NotCallable")
+    (tmp_path / "needs.py").write_text("class Env:\n    def __init__(self, url):\n        pass\n\n"
+                                       "    def __call__(self, task, messages):\n        return None\n")
+    with pytest.raises(ValueError, match=r"multi_turn.env: building .* failed \(TypeError"):
+        make_env(f"{tmp_path / 'needs.py'}:Env")

@@ -68,11 +68,14 @@ def check_prompt_template(template: str) -> None:
 class Tokenizer:
     """``encode(str) -> list[int]``, ``decode(ids) -> str``, ``format_prompt(text) -> str``.
 
-    ``chat_template`` (jinja2) wins over ``prompt_template`` (``str.format`` with ``{prompt}``)."""
+    ``chat_template`` (jinja2) wins over ``prompt_template`` (``str.format`` with ``{prompt}``).
+    ``tools`` (OpenAI function schemas, ``multi_turn.tools``) are what a chat template renders
+    into every prompt (its ``tools`` variable); without a template they are not shown."""
 
     def __init__(self, tok: _HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str | None = PAD_TOKEN,
                  bos_token: str | None = None, chat_template: str | None = None,
-                 prompt_template: str | None = None, special_tokens: dict[str, str] | None = None):
+                 prompt_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 tools: Sequence[dict] = ()):
         self.tok = tok
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         # other named special tokens (unk_token, sep_token, ...): a chat template sees them as
@@ -80,6 +83,7 @@ class Tokenizer:
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items()
                                if v is not None and k not in ("eos_token", "pad_token", "bos_token")}
         self.chat_template = chat_template
+        self.tools = list(tools)
         self.prompt_template = prompt_template or DEFAULT_PROMPT_TEMPLATE
         try:
             check_prompt_template(self.prompt_template)
@@ -111,11 +115,13 @@ class Tokenizer:
 
     def format_prompt(self, text: str, messages: Sequence[dict] = ()) -> str:
         """The text a model sees for a user prompt (or a whole chat, ``messages``), ending where
-        the answer starts. Without a chat template a chat is its turns' contents, blank-line
-        separated, in the prompt template."""
+        the answer starts, with the ``tools`` the chat template renders (none: ``tools=None``, as
+        before). Without a chat template a chat is its turns' contents, blank-line separated, in
+        the prompt template."""
         if self.chat_template:
+            tools = {"tools": self.tools} if self.tools else {}
             return self.apply_chat_template(list(messages) or [{"role": "user", "content": text}],
-                                            add_generation_prompt=True)
+                                            add_generation_prompt=True, **tools)
         if messages:
             text = "\n\n".join(str(m.get("content") or "") for m in messages)
         return self.prompt_template.format(prompt=text)
@@ -158,13 +164,14 @@ class Tokenizer:
 
     @classmethod
     def load(cls, folder: str | os.PathLike, prompt_template: str | None = None,
-             as_transformers: bool = True) -> "Tokenizer":
+             as_transformers: bool = True, tools: Sequence[dict] = ()) -> "Tokenizer":
         """A model folder's tokenizer, as transformers 5's ``AutoTokenizer`` reads it: the named
         special tokens from tokenizer_config.json and special_tokens_map.json
         (``folder_special_tokens``), and, where transformers loads the folder as its
         ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``), Qwen2's pipeline over tokenizer.json's.
         ``as_transformers=False``: tokenizer.json's own pipeline, as saved (a folder this
-        project wrote and reads back itself, e.g. the LM ranker's GPT-2-split tokenizer)."""
+        project wrote and reads back itself, e.g. the LM ranker's GPT-2-split tokenizer).
+        ``tools``: the schemas its prompts show (``Tokenizer.tools``)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
@@ -181,7 +188,7 @@ class Tokenizer:
                    bos_token=tokens.get("bos_token"),
                    chat_template=find_chat_template(folder, cfg),
                    prompt_template=prompt_template or cfg.get("prompt_template"),
-                   special_tokens=tokens)
+                   special_tokens=tokens, tools=tools)
 
 
 def _read_json(path: Path) -> dict:

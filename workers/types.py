@@ -109,6 +109,9 @@ class EngineStats:
     # the most KV blocks in use at once since the engine last became busy (an ``add`` to an
     # idle engine starts a new busy period): how close a round came to preempting
     kv_blocks_peak: int = 0
+    # prompt tokens (and a preempted sequence's tokens) found in the prefix cache by hash and
+    # not computed again, since the engine started (native engine's prefix caching)
+    prefix_cache_hit_tokens: int = 0
 
 
 @runtime_checkable

@@ -5,28 +5,51 @@ a block table (list of block ids); token ``i`` lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``. Blocks are reference-counted
 so the samples of one prompt can share its blocks (see ``PrefixCache``); a shared block is
 copied before it is written (copy-on-write). Pure Python: the tensors live in ``KVCache``.
+
+Automatic prefix caching (``caching``, vLLM's ``enable_prefix_caching``): a full block whose
+K/V is written is registered under a chained hash of its tokens (``block_hashes``: the
+block's token ids and the previous block's hash, so its position too). A freed block with a
+hash keeps its contents and goes to an LRU set of evictable blocks (counted as free) instead
+of the plain free list; ``match`` shares the longest run of a sequence's leading full blocks
+found by hash; allocation takes plain free blocks first, then evicts the least recently
+freed cached block (dropping its hash). A full block is never written again, so a block
+shared by hash is read-only and needs no copy-on-write.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from workers.generation.sequence import Sequence
 
 
+def block_hashes(seq: Sequence, n: int, block_size: int) -> list[int]:
+    """The chained hashes of ``seq``'s first ``n`` full blocks of tokens (kept on ``seq``:
+    each block is hashed once per sequence)."""
+    hs, toks, bs = seq.block_hashes, seq.tokens, block_size
+    prev = hs[-1] if hs else -1
+    for i in range(len(hs), n):
+        prev = hash((prev, *toks[i * bs:(i + 1) * bs]))
+        hs.append(prev)
+    return hs
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False):
+        self.num_blocks, self.block_size, self.caching = num_blocks, block_size, caching
         self.ref = [0] * num_blocks
         self._free = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; oldest first
+        self._hash_of: dict[int, int] = {}  # block -> hash
+        self._block_of: dict[int, int] = {}  # hash -> block
         self.peak = 0  # most blocks in use at once since ``reset_peak``
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def reset_peak(self) -> None:
         self.peak = self.num_used
@@ -35,22 +58,32 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _take(self) -> int:
-        b = self._free.popleft()
+        if self._free:
+            b = self._free.popleft()
+        else:  # evict the least recently freed cached block
+            b, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(b)]
         self.ref[b] = 1
-        self.peak = max(self.peak, self.num_blocks - len(self._free))
+        self.peak = max(self.peak, self.num_used)
         return b
 
     def decref(self, blocks: list[int]) -> None:
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
             elif self.ref[b] < 0:
                 raise RuntimeError(f"block {b} freed twice")
 
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:
+            if self.ref[b] == 0:  # a cached block reused: no longer evictable
+                del self._evictable[b]
             self.ref[b] += 1
+        self.peak = max(self.peak, self.num_used)
 
     def new_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to allocate (growth + copy-on-write) so ``seq`` can write tokens
@@ -85,7 +118,52 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self.decref(seq.block_table)
         seq.block_table = []
-        seq.num_cached = 0
+        seq.num_cached = seq.num_hashed = 0
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    # ---- prefix caching ------------------------------------------------------------------
+    def match(self, seq: Sequence) -> int:
+        """Start ``seq`` (no blocks yet) on the longest run of its leading full blocks found by
+        hash, never all its tokens (the last one is computed: its logits give the next
+        token). Returns the tokens found; ``seq.num_cached`` is set to them (``free`` undoes
+        it)."""
+        assert not seq.block_table
+        n = (seq.num_tokens - 1) // self.block_size
+        if not self.caching or n == 0 or not self._block_of:
+            return 0
+        blocks = []
+        for h in block_hashes(seq, n, self.block_size):
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        if blocks:
+            self.share(seq, blocks)
+            seq.num_cached = len(blocks) * self.block_size
+            seq.num_hashed = len(blocks)
+        return seq.num_cached
+
+    def register(self, seq: Sequence) -> None:
+        """After a step that completed: hash ``seq``'s blocks that are full of written K/V
+        (``num_cached`` tokens) and not hashed yet. A hash already held by another block keeps
+        that block (this one stays unhashed, a plain block when freed)."""
+        n = seq.num_cached // self.block_size
+        if n <= seq.num_hashed:
+            return
+        hs = block_hashes(seq, n, self.block_size)
+        table, hash_of, block_of = seq.block_table, self._hash_of, self._block_of
+        for i in range(seq.num_hashed, n):
+            b, h = table[i], hs[i]
+            if b not in hash_of and h not in block_of:
+                hash_of[b], block_of[h] = h, b
+        seq.num_hashed = n
+
+    def drop_hashes(self) -> None:
+        """Forget every hash (new weights: the cached K/V is of the old ones); evictable
+        blocks become plain free blocks."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()

@@ -44,7 +44,12 @@ class EngineConfig:
     the packer runs for the compute dtype; true forces it (refused at start where it
     cannot run); false keeps the plain GEMMs (less memory: o, down and lm_head are not held
     twice). ``backend``: "native", "vllm", or your own engine (``module:Name`` / ``file.py:Name``,
-    ``factory.py``). ``backend_options`` holds backend-specific settings (e.g. vLLM's
+    ``factory.py``). ``prefix_sharing``: the samples of a GRPO group share their prompt's
+    blocks (``PrefixCache``). ``prefix_caching`` (vLLM's ``enable_prefix_caching``): every full
+    KV block is kept by a hash of its tokens, for any request, and reused by any later one
+    with the same leading tokens until its memory is needed (a multi-turn conversation's next
+    turn computes only its new tokens); the vLLM backend has one mechanism for both and turns
+    it on when either is true. ``backend_options`` holds backend-specific settings (e.g. vLLM's
     ``gpu_memory_utilization``; your engine's own).
     """
 
@@ -59,6 +64,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     admission: str = "fcfs"
     prefix_sharing: bool = True
+    prefix_caching: bool = True
     device: str = ""
     dtype: str = ""
     seed: int = 0
@@ -94,7 +100,7 @@ class EngineConfig:
         for key in ("kv_cache_tokens", "num_blocks", "max_model_len"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 bad(key, "must be an int >= 0")
-        for key in ("enable_chunked_prefill", "prefix_sharing", "enforce_eager"):
+        for key in ("enable_chunked_prefill", "prefix_sharing", "prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, key), bool):  # "false" is truthy: it would switch it on
                 bad(key, "must be true or false")
         if self.cpu_prepack != "auto" and not isinstance(self.cpu_prepack, bool):

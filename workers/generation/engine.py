@@ -1,7 +1,8 @@
 """NativeEngine: the project's own generation engine (Engine Protocol), and ``generate_all``.
 
 Continuous batching over a paged KV cache (``Scheduler``, ``BlockManager``), prefix sharing
-for GRPO groups (``PrefixCache``), per-request sampling (``Sampler``), streaming of finished
+for GRPO groups (``PrefixCache``), automatic prefix caching of full blocks by hash
+(``BlockManager``), per-request sampling (``Sampler``), streaming of finished
 samples from ``step()``, weights replaced in place with a version label.
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ class NativeEngine:
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
         check_eos_ids(self.eos_ids, self.vocab_size)
-        self.bm = BlockManager(cfg.total_blocks, cfg.block_size)
+        self.bm = BlockManager(cfg.total_blocks, cfg.block_size, cfg.prefix_caching)
         # a lone sequence must always fit (EngineConfig refuses a max_model_len that does not)
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, cfg.kv_len)
@@ -177,6 +178,11 @@ class NativeEngine:
                 done.append((seq, "length"))
         if self.prefix is not None and batch.is_prefill:
             self.prefix.mark_ready()
+        if self.bm.caching:  # only now is the K/V of the blocks this step filled all written
+            bs, register = self.bm.block_size, self.bm.register
+            for seq in batch.seqs:
+                if seq.num_cached // bs > seq.num_hashed:
+                    register(seq)
         self._count_tokens(now, len(tokens), started)
         return [self._finish(seq, reason, now) for seq, reason in done]
 
@@ -262,6 +268,7 @@ class NativeEngine:
                 seq.reset_output()
         if self.prefix is not None:
             self.prefix.release_all()
+        self.bm.drop_hashes()  # their K/V is of the old weights
 
     def close(self) -> None:
         """Nothing to stop: the model and the KV cache live in this process and go with the
@@ -273,7 +280,8 @@ class NativeEngine:
                            kv_blocks_used=self.bm.num_used, kv_blocks_free=self.bm.num_free,
                            tokens_per_s=tps, max_batch_size=self.scheduler.max_batch_size,
                            weight_version=self.weight_version,
-                           preemptions=self.scheduler.preemptions, kv_blocks_peak=self.bm.peak)
+                           preemptions=self.scheduler.preemptions, kv_blocks_peak=self.bm.peak,
+                           prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens)
 
 
 class TokenRate:

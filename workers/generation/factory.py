@@ -88,10 +88,10 @@ def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None, multi_turn=None
 
 def _multi_turn(engine: Engine, model_dir: str, section) -> Engine:
     from workers.generation.multi_turn import MultiTurnEngine
-    from workers.tasks.envs import load_env
+    from workers.tasks.envs import make_env
     from workers.tokenizer import Tokenizer
 
-    return MultiTurnEngine(engine, Tokenizer.load(model_dir), load_env(section.env), section.env,
+    return MultiTurnEngine(engine, Tokenizer.load(model_dir), make_env(section.env), section.env,
                            max_turns=section.max_turns, max_observation_tokens=section.max_observation_tokens,
                            workers=section.workers)
 

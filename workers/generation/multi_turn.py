@@ -24,10 +24,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from workers.generation.sequence import error_sample
+from workers.tasks.scoring import resolve
 from workers.types import EngineStats, Request, Sample, TaskPrompt
 
 # an environment: (the dataset item, the conversation so far in OpenAI format) -> the observation
-# (a str: a tool message; a {"role", "content"} dict as is; None: the trajectory is done)
+# (a str: a tool message; a {"role", "content"} dict as is; None: the trajectory is done), or an
+# awaitable of one (an ``async def`` environment: awaited on the pool thread)
 Env = Callable[[TaskPrompt | None, list[dict]], "str | dict | None"]
 WAIT_S = 0.05  # the longest step() waits for an environment call when the engine is idle
 _SYSTEM = {"role": "system", "content": ""}
@@ -107,9 +109,9 @@ class _Observation:
 
 class MultiTurnEngine:
     """``MultiTurnEngine(inner, tokenizer, env, spec)``: ``inner`` any Engine; ``env`` the
-    environment callable (``spec``: its ``multi_turn.env`` name, for errors); ``max_turns``
-    assistant turns; observations cut to ``max_observation_tokens``; ``workers`` environment
-    calls at once."""
+    environment callable, sync or ``async def`` (``spec``: its ``multi_turn.env`` name, for
+    errors); ``max_turns`` assistant turns; observations cut to ``max_observation_tokens``;
+    ``workers`` environment calls at once."""
 
     def __init__(self, inner, tokenizer, env: Env, spec: str = "", max_turns: int = 4,
                  max_observation_tokens: int = 256, workers: int = 4):
@@ -195,7 +197,9 @@ class MultiTurnEngine:
     def _observe(self, task: TaskPrompt | None, messages: list[dict], sample_id: int, turn: int) -> _Observation:
         """The environment's answer to a conversation, tokenised (on a pool thread)."""
         try:
-            message = observation_message(self.env(task, messages))
+            # an async env's coroutine runs to its end on the process's one event loop (as async
+            # rewards do): a client it keeps stays bound to that loop
+            message = observation_message(resolve(self.env(task, messages)))
         except Exception as e:  # noqa: BLE001 - your environment's failure: the sample's error
             return _Observation(error=f"multi_turn.env: {self.spec!r} failed on sample {sample_id} after turn "
                                       f"{turn} ({type(e).__name__}: {e})")

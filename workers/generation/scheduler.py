@@ -7,6 +7,8 @@ token for every running sequence, all in one forward). When a decode step lacks 
 idle prefix pins are dropped first, then the most recently admitted sequences are preempted
 (their blocks freed; they are recomputed later from their tokens) - never another
 sequence's blocks are touched. Sequences that were preempted go back to the queue's front.
+With prefix caching, an admitted sequence not on its group's prefix starts on the leading
+full blocks of its tokens found in the cache by hash (``BlockManager.match``).
 ``abort`` takes a sequence out wherever it is (waiting, preempted or running) and frees its
 blocks.
 """
@@ -50,6 +52,7 @@ class Scheduler:
         self._keys: list[tuple] = []
         self.running: list[Sequence] = []  # in admission order (last = first preempted)
         self.preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens admitted from the prefix cache (by hash)
         self.watermark = max(1, blocks.num_blocks // 100)
         self._tie = itertools.count()
 
@@ -153,8 +156,11 @@ class Scheduler:
             if g is not None and not g.ready:
                 i += 1  # its group's prompt is being computed in this very step: next step
                 continue
+            hit = 0
             if g is not None:
                 self.prefix.attach(seq, g)
+            else:  # prefix caching: the leading full blocks already in the cache, by hash
+                hit = self.bm.match(seq)
             new_tokens = seq.num_tokens - seq.num_cached
             need = self.bm.new_blocks_needed(seq, seq.num_tokens)
             if need + self.watermark > self.bm.num_free and self.prefix is not None:
@@ -165,14 +171,15 @@ class Scheduler:
             # immediately cause preemptions in the next decode steps
             reserve = self.watermark if (self.running or admitted) else 0
             if (admitted and new_tokens > budget and not self.chunked_prefill) or need + reserve > self.bm.num_free:
-                if g is not None:
-                    self.bm.free(seq)  # undo attach
+                if seq.block_table:
+                    self.bm.free(seq)  # undo attach / match
                 break
             copy = self.bm.prepare_write(seq, seq.num_tokens)
             if copy is not None:
                 copies.append(copy)
-            if g is None and self.prefix is not None and seq.num_cached == 0:
+            if g is None and self.prefix is not None:
                 self.prefix.pin(seq)
+            self.prefix_hit_tokens += hit
             n = min(new_tokens, budget) if self.chunked_prefill else new_tokens
             budget -= n
             del self.waiting[i], self._keys[i]

@@ -21,8 +21,11 @@ class Sequence:
     """``tokens`` = prompt followed by the output so far (Python ints: one append per step).
     ``num_cached`` tokens have their K/V in the paged cache (blocks ``block_table``); after
     every step ``num_cached == len(tokens) - 1`` for a running sequence (the last sampled
-    token is fed to the next step). Waiting sequences are admitted by ``admission`` (the
-    policy's key, ``admission.py``), then ``arrival``; ``preempted`` puts one first."""
+    token is fed to the next step). ``block_hashes``: the chained hashes of its full blocks
+    of tokens computed so far (prefix caching, ``block_manager.block_hashes``); its first
+    ``num_hashed`` blocks are registered in the cache by hash (or were found there). Waiting
+    sequences are admitted by ``admission`` (the policy's key, ``admission.py``), then
+    ``arrival``; ``preempted`` puts one first."""
 
     request: Request
     arrival: int
@@ -36,6 +39,8 @@ class Sequence:
     generator: torch.Generator | None = None
     timings: dict[str, float] = field(default_factory=dict)
     admission: float = 0.0
+    block_hashes: list[int] = field(default_factory=list)
+    num_hashed: int = 0
 
     @classmethod
     def from_request(cls, req: Request, arrival: int, admission: float = 0.0) -> "Sequence":
@@ -58,6 +63,7 @@ class Sequence:
     def reset_output(self) -> None:
         """Forget every generated token (new weights: the sample restarts from the prompt)."""
         del self.tokens[self.prompt_len:]
+        self.block_hashes.clear()  # those of output blocks would be stale
         self.logprobs.clear()
         self.generator = None
         self.timings.pop("first_token", None)

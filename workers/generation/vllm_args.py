@@ -91,7 +91,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         block_size=block,
         num_gpu_blocks_override=num_blocks,
         kv_cache_memory_bytes=num_blocks * block * bytes_per_token,
-        enable_prefix_caching=cfg.prefix_sharing,
+        enable_prefix_caching=cfg.prefix_sharing or cfg.prefix_caching,  # vLLM's APC serves both
         scheduling_policy="priority" if cfg.admission == "lpt" else "fcfs",
         logprobs_mode="processed_logprobs",  # same as the native sampler: after T, top-k, top-p
         gpu_memory_utilization=0.1 if device == "cpu" else 0.9,

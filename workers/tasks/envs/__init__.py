@@ -1,16 +1,21 @@
 """Environments of multi-turn rollouts (``multi_turn.env``; workers/generation/multi_turn.py).
 
-An environment is a callable ``env(task, messages) -> str | dict | None``: ``task`` the dataset
-item (a ``TaskPrompt``), ``messages`` the conversation so far in OpenAI format (the prompt's chat,
-then the assistant turns and the earlier observations). It returns the next observation: a str
+An environment is a callable ``env(task, messages) -> str | dict | None``, or an ``async def``
+one (awaited on its pool thread: ``scoring.resolve``): ``task`` the dataset item (a
+``TaskPrompt``), ``messages`` the conversation so far in OpenAI format (the prompt's chat, then
+the assistant turns and the earlier observations). It returns the next observation: a str
 is a ``{"role": "tool", "content": str}`` message, a dict with ``role`` and ``content`` is used as
 is (``role: user`` for a user simulator), None ends the trajectory. It runs on a thread pool
 (``multi_turn.workers`` calls at once per generation instance): it must be thread-safe.
 
-``multi_turn.env`` names a built-in one (``ENVS``) or your own, ``module:fn`` / ``file.py:fn``.
+``multi_turn.env`` names a built-in one (``ENVS``) or your own, ``module:fn`` / ``file.py:fn``;
+a class is built once per generation instance (no arguments) and its instances are called
+(``make_env``). A ``TOOLS`` attribute (a list of OpenAI tool schemas) is what the policy's
+prompts show when ``multi_turn.tools`` is empty (``tools.py``).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from workers.tasks.envs.calculator import calculator_env
@@ -26,4 +31,21 @@ def load_env(spec: str) -> Callable:
     if not is_plugin(spec):
         raise ValueError(f"multi_turn.env: {spec!r} is not one of {sorted(ENVS)}, nor module:fn / file.py:fn of "
                          "your own environment")
-    return load_plugin(spec, "multi_turn.env")
+    env = load_plugin(spec, "multi_turn.env")
+    if inspect.isclass(env) and not any("__call__" in vars(k) for k in env.__mro__[:-1]):
+        raise ValueError(f"multi_turn.env: {spec!r} is a class without __call__; an environment class's instances "
+                         "are called as env(task, messages)")
+    return env
+
+
+def make_env(spec: str) -> Callable:
+    """The environment to call: ``load_env(spec)``, a class instantiated (no arguments; one per
+    generation instance, so it may hold a client or a cache its calls share, thread-safely)."""
+    env = load_env(spec)
+    if not inspect.isclass(env):
+        return env
+    try:
+        return env()
+    except Exception as e:  # noqa: BLE001 - your class's constructor: named, with the key
+        raise ValueError(f"multi_turn.env: building {spec!r} (a class, called with no arguments) failed "
+                         f"({type(e).__name__}: {e})") from e

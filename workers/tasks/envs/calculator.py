@@ -4,7 +4,8 @@ The last assistant turn's ``<tool_call>{"name": "calculator", "arguments": {"exp
 "3*(4+5)"}}</tool_call>`` gets a tool message with the value; a bad call (JSON, tool name,
 expression) gets an ``"Error: ..."`` tool message, as verl's tools answer; a turn with no tool
 call ends the trajectory (None). Expressions are numbers, ``+ - * / ** // %`` and parentheses,
-evaluated from their ``ast`` (never ``eval``)."""
+evaluated from their ``ast`` (never ``eval``). ``TOOLS`` is its OpenAI schema, which the policy's
+prompts show through a chat template's ``tools`` (``envs/tools.py``)."""
 from __future__ import annotations
 
 import ast
@@ -19,6 +20,11 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_POWER_BITS = 10_000  # a power's result at most this many bits: 9**9**9 would run for minutes
 MAX_LENGTH = 1000  # characters of an expression
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression: numbers, + - * / ** // % and parentheses.",
+    "parameters": {"type": "object", "required": ["expression"], "properties": {
+        "expression": {"type": "string", "description": "the expression, e.g. 3*(4+5)"}}}}}]
 
 
 def evaluate(expression: str) -> float | int:
@@ -80,3 +86,6 @@ def calculator_env(task, messages: list[dict]) -> str | None:
         return _format(evaluate(expression))
     except ValueError as e:
         return f"Error: {e}"
+
+
+calculator_env.TOOLS = TOOLS
