@@ -5,6 +5,8 @@ for a shared system prefix, a multi-turn continuation, preemption, chunked prefi
 prefix sharing at the same time, new weights, abort and a failed step; the hits are the blocks
 expected; under memory pressure the least recently freed cached blocks are evicted and never
 found by hash again."""
+import copy
+
 import torch
 from test_engine import MODEL, check_against_recompute, engine, greedy_requests, prompts, recompute_greedy, tiny_model
 from test_engine_step_failure import MODEL as FAIL_MODEL
@@ -233,3 +235,21 @@ def test_config_key_and_the_vllm_mapping():
         cfg = EngineConfig(backend="vllm", device="cpu", prefix_sharing=sharing, prefix_caching=caching)
         assert vllm_args.engine_args(cfg, "/m", mc)["enable_prefix_caching"] is (sharing or caching)
     assert not engine(prefix_caching=False).bm.caching and engine().bm.caching  # on by default
+
+
+def test_weights_written_in_place_drop_the_cached_blocks():
+    """A colocated engine shares its trainer's model: an optimizer step writes the weights in place,
+    not through load_weights. The next request must not find K/V of the old values by hash: its
+    output equals a fresh engine's on the new weights."""
+    model = tiny_model(seed=3)
+    eng = engine(model)
+    prompt = torch.arange(3, 24)
+    req = lambda sid: Request(sid, prompt, 6, sampling=SamplingParams(temperature=0.0))  # noqa: E731
+    generate_all(eng, [req(0)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    [again] = generate_all(eng, [req(1)])
+    [ref] = generate_all(engine(copy.deepcopy(model), prefix_caching=False), [req(2)])
+    assert again.output_ids.tolist() == ref.output_ids.tolist()
+    assert eng.stats().prefix_cache_hit_tokens == 0  # the only earlier blocks were of the old weights

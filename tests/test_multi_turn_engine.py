@@ -323,3 +323,49 @@ def test_a_class_environment_is_built_once_and_its_instance_called(tmp_path):
                                        "    def __call__(self, task, messages):\n        return None\n")
     with pytest.raises(ValueError, match=r"multi_turn.env: building .* failed \(TypeError"):
         make_env(f"{tmp_path / 'needs.py'}:Env")
+
+
+def test_each_turn_draws_with_its_own_seed():
+    from workers.generation.multi_turn import turn_sampling
+
+    s = SamplingParams(temperature=1.0, seed=5)
+    seeds = [turn_sampling(s, k).seed for k in (1, 2, 3)]
+    assert len(set(seeds + [5])) == 4 and all(0 <= x < 1 << 63 for x in seeds)
+    assert [turn_sampling(s, k).seed for k in (1, 2, 3)] == seeds  # reproducible
+    assert turn_sampling(SamplingParams(seed=6), 1).seed not in seeds  # other requests' seeds differ
+    assert turn_sampling(SamplingParams(), 2).seed is None  # unseeded stays unseeded
+
+
+def test_a_failing_inner_step_keeps_the_trajectories_already_done():
+    """A trajectory the environment ended comes out of the step that collects its answer; if the
+    inner engine's step raises in that same call, it comes out of the next one, not lost."""
+    import concurrent.futures as cf
+
+    eng = wrap(HALF, Script(None))
+    assert eng.add([req(1)]) == []
+    while not eng._waiting:
+        assert eng.step() == []
+    cf.wait([t.env_call for t in eng._waiting.values()])  # its answer (done) is in
+    assert eng.add([req(2)]) == []  # the inner engine has work, so step() steps it
+    real, calls = eng.inner.step, []
+
+    def boom():
+        calls.append(1)
+        raise RuntimeError("forward failed")
+
+    eng.inner.step = boom
+    with pytest.raises(RuntimeError, match="forward failed"):
+        eng.step()
+    eng.inner.step = real
+    assert calls and eng.has_work()
+    out = run_on(eng)
+    assert sorted(s.sample_id for s in out) == [1, 2] and all(s.finish_reason != "error" for s in out)
+
+
+def run_on(eng: MultiTurnEngine, max_steps: int = 2000) -> list:
+    out = []
+    for _ in range(max_steps):
+        if not eng.has_work():
+            return out
+        out += eng.step()
+    raise AssertionError("still has work")

@@ -88,6 +88,7 @@ class NativeEngine:
                                   self.max_model_len, kv_dtype,
                                   cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size,
                                   prepack=None if cfg.cpu_prepack == "auto" else cfg.cpu_prepack)
+        self._hashed_at = self.runner.forward.refreshes  # the weights the cached hashes are of
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
@@ -144,6 +145,8 @@ class NativeEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
+        if self.bm.caching:
+            self._drop_stale_hashes()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -185,6 +188,16 @@ class NativeEngine:
                     register(seq)
         self._count_tokens(now, len(tokens), started)
         return [self._finish(seq, reason, now) for seq, reason in done]
+
+    def _drop_stale_hashes(self) -> None:
+        """Weights written in place outside ``load_weights`` (a colocated trainer's optimizer step on
+        the model this engine was given): cached blocks hold K/V of the old values, so no request
+        may find them by hash. ``sync`` refreshes the fused copies when a parameter changed."""
+        fwd = self.runner.forward
+        fwd.sync()
+        if fwd.refreshes != self._hashed_at:
+            self.bm.drop_hashes()
+            self._hashed_at = fwd.refreshes
 
     def _requeue(self, batch) -> None:
         """A step that raised (an engine error, a Ctrl-C in an interactive session) left its batch

@@ -99,6 +99,7 @@ class FusedForward:
         self.layers: list[tuple] = []
         self.rope: torch.Tensor | None = None
         self.epoch = -1  # bumped whenever refresh() replaces tensors (0 after the first build)
+        self.refreshes = -1  # bumped by every refresh(): the weights' values may have changed
         self.sync()
 
     @property
@@ -166,6 +167,7 @@ class FusedForward:
                 self.rope = rope
                 self.epoch += 1
         self._stamp = stamp
+        self.refreshes += 1
 
     def _pack(self, layers: list[tuple], rope: torch.Tensor) -> None:
         """Prepacked weights only: each fused q/k/v and gate/up weight is packed straight from

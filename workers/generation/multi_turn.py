@@ -11,13 +11,16 @@ turn and observation concatenated, ``loss_mask`` is False on the observation tok
 logprobs 0.0), ``turns`` counts the assistant turns. ``max_tokens`` (``train.max_tokens``, as
 verl's ``response_length``) covers all turns and observations.
 
-Every continuation re-prefills its whole context (group_id -1: no prefix sharing between
-turns); weights loaded mid-trajectory restart it from the original request (a sample never
-mixes weight versions)."""
+A continuation is a new request over the whole context (group_id -1); the engine's prefix
+cache (``engine.prefix_caching``) finds its full blocks, so a turn computes its new tokens and
+one partial block. Each turn's seed is the request's mixed with the turn (``turn_sampling``).
+Weights loaded mid-trajectory restart it from the original request (a sample never mixes weight
+versions)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -25,7 +28,7 @@ import torch
 
 from workers.generation.sequence import error_sample
 from workers.tasks.scoring import resolve
-from workers.types import EngineStats, Request, Sample, TaskPrompt
+from workers.types import EngineStats, Request, Sample, SamplingParams, TaskPrompt
 
 # an environment: (the dataset item, the conversation so far in OpenAI format) -> the observation
 # (a str: a tool message; a {"role", "content"} dict as is; None: the trajectory is done), or an
@@ -60,6 +63,16 @@ def observation_ids(tokenizer, message: dict) -> list[int]:
                          f"start of its rendering of [system, {message.get('role')}] ({after[:120]!r}): the "
                          "observation's tokens cannot be taken from it")
     return tokenizer.encode(after[len(before):], add_special_tokens=False)
+
+
+def turn_sampling(sampling: SamplingParams, turn: int) -> SamplingParams:
+    """The sampling of the turn after ``turn`` (>= 1) turns: a request's seed, if any, mixed with
+    the turn, so each turn draws fresh noise (the same seed would replay the first turn's
+    draws), reproducibly."""
+    if sampling.seed is None:
+        return sampling
+    mixed = int.from_bytes(hashlib.blake2b(f"{sampling.seed}:{turn}".encode(), digest_size=8).digest(), "little")
+    return dataclasses.replace(sampling, seed=mixed >> 1)  # in [0, 2**63)
 
 
 @dataclass
@@ -165,7 +178,12 @@ class MultiTurnEngine:
             out += self._collect()
         if not self.inner.has_work():
             return out
-        for s in self.inner.step():
+        try:
+            finished = self.inner.step()
+        except BaseException:  # the trajectories already done come out of the next step
+            self._ready = out + self._ready
+            raise
+        for s in finished:
             t = self._traj.get(s.sample_id)
             if t is None:  # (not ours: passed through)
                 out.append(s)
@@ -219,6 +237,9 @@ class MultiTurnEngine:
             if not t.env_call.done():
                 continue
             del self._waiting[sid]
+            if t.env_call.cancelled():  # close() cancelled it: the trajectory is gone
+                del self._traj[sid]
+                continue
             obs, t.env_call = t.env_call.result(), None
             if obs.error:
                 del self._traj[sid]
@@ -250,7 +271,7 @@ class MultiTurnEngine:
         r = t.request
         prompt = torch.cat([r.prompt_ids.cpu(), torch.tensor(t.output, dtype=r.prompt_ids.dtype)])
         return dataclasses.replace(r, prompt_ids=prompt, max_tokens=r.max_tokens - len(t.output), min_tokens=0,
-                                   group_id=-1)
+                                   group_id=-1, sampling=turn_sampling(r.sampling, t.turns))
 
     # ---- control -------------------------------------------------------------------------
     def abort(self, sample_ids: Iterable[int]) -> list[int]:
