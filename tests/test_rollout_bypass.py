@@ -180,7 +180,7 @@ def test_packed_weights_masks_and_stats_are_the_per_sample_ones(big):
     for level in (None, *rc.IS_LEVELS):
         raw = rb.is_weights(log_r, level, seq_index, seq_lens) if level else None
         keep = rb.keep_mask(log_r, checks, seq_index, seq_lens)
-        got = rb.batch_stats(torch.cat(old), torch.cat(roll), seq_index, seq_lens, level, 1.8, raw, keep)
+        got = rc.batch_stats(torch.cat(old), torch.cat(roll), seq_index, seq_lens, level, 1.8, raw, keep)
         per = [rc.sample_stats(o, r, level, 1.8, rc.is_weights(o - r, level, 1.8)[1] if level else None,
                                rc.keep_mask(o - r, checks)) for o, r in zip(old, roll)]
         assert set(got) == set(per[0])

@@ -15,17 +15,15 @@ and entropy keep the response mask), and the loss is divided by ALL the update's
 sequences), as verl's engine workers' global counts (``batch_num_tokens``, ``global_batch_size``)
 taken before the loss rejects anything; under ``loss_agg: seq_mean`` a sequence's policy loss is
 the mean over its kept tokens (verl's ``agg_loss`` with the rejection mask). The ``rollout_corr/*``
-metrics are of the same forward (``batch_stats``: ``sample_stats``' terms for a packed batch, on
-the device, no host sync)."""
+metrics are of the same forward (``rollout_correction.batch_stats``, on the device, no host sync)."""
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from workers.trainer.losses import PolicyTerms, ppo_terms, seq_sum
-from workers.trainer.rollout_correction import IS_LEVELS, SAFETY_BOUND, RejectionCheck
+from workers.trainer.rollout_correction import IS_LEVELS, SAFETY_BOUND, RejectionCheck, batch_stats
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
@@ -56,7 +54,7 @@ def policy_terms(cfg: "TrainerConfig", logp: torch.Tensor, sampler: torch.Tensor
                  ) -> tuple[PolicyTerms, dict[str, torch.Tensor]]:
     """One packed micro-batch's policy loss in bypass mode. logp (with grad), sampler, adv,
     seq_index: [N]; seq_lens: [B] -> (``PolicyTerms`` [N] each, to be aggregated over every token
-    with the full sequence lengths; the ``rollout_corr/*`` terms of ``batch_stats``)."""
+    with the full sequence lengths; the ``rollout_corr/*`` terms of ``rollout_correction.batch_stats``)."""
     log_r = logp.detach() - sampler  # [N] log pi_theta / pi_rollout: weights and masks are constants
     raw = is_weights(log_r, cfg.rollout_is, seq_index, seq_lens) if cfg.rollout_is is not None else None
     checks = cfg.rejection_checks
@@ -76,53 +74,3 @@ def policy_terms(cfg: "TrainerConfig", logp: torch.Tensor, sampler: torch.Tensor
     stats = batch_stats(logp.detach(), sampler, seq_index, seq_lens, cfg.rollout_is, cfg.is_threshold, raw, keep)
     return PolicyTerms(loss, clipped, terms.ratio), stats
 
-
-def batch_stats(old: torch.Tensor, sampler: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor,
-                level: str | None, threshold: float, raw: torch.Tensor | None,
-                keep: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """``rollout_correction.sample_stats`` summed over the sequences of a packed batch (its sums
-    summed, its extremes the batch's), as 0-dim float64 tensors (on the device, but the counts known
-    on the host: no host sync). old: the policy's
-    log-probs [N] (here the current one's), sampler [N]; ``raw``: the untruncated weights [N]
-    (with ``level``); ``keep``: the rejection mask [N] (None: no rejection)."""
-    old, sampler = old.double(), sampler.double()
-    b, n = seq_lens.numel(), old.numel()
-    lens = seq_lens.to(old.device, torch.float64)
-    seg = lambda x: seq_sum(x, seq_index, b)  # noqa: E731
-    count = lambda x: x.sum().double()  # noqa: E731  (a bool count as a float64 tensor)
-    log_r = old - sampler  # [N]
-    mean_old, mean_sampler = seg(old) / lens, seg(sampler) / lens  # [B]
-    diff = mean_sampler - mean_old  # [B] log(training ppl / rollout ppl)
-    log_seq = seg(log_r)  # [B]
-    const = lambda v: torch.tensor(float(v), dtype=torch.float64)  # noqa: E731  (a count known on the host)
-    s = {"rc_tokens": const(n), "rc_seqs": const(b), "rc_kl": (sampler - old).sum(),
-         "rc_k3_kl": (torch.exp(log_r) - log_r - 1).sum(),
-         "rc_training_ppl": torch.exp((-mean_old).clamp(max=700.0)).sum(), "rc_training_log_ppl": (-mean_old).sum(),
-         "rc_rollout_ppl": torch.exp((-mean_sampler).clamp(max=700.0)).sum(),
-         "rc_rollout_log_ppl": (-mean_sampler).sum(), "rc_log_ppl_diff": diff.sum(),
-         "rc_log_ppl_abs_diff": diff.abs().sum(), "rc_ppl_ratio": torch.exp(diff.clamp(max=700.0)).sum(),
-         "rc_log_ppl_diff_max": diff.max(), "rc_log_ppl_diff_min": diff.min(),
-         "rc_rho_sq": torch.exp(2.0 * log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sum(),
-         "rc_rho_seq_sq": torch.exp(2.0 * log_seq.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sum()}
-    if level is not None:
-        raw = raw.double()
-        low = 1.0 / threshold
-        wc = raw.clamp(low, threshold)  # what verl's std and ESS are of
-        seq_w = seg(raw) / lens  # [B]
-        s.update(rc_is_tokens=const(n), rc_is_w=raw.sum(), rc_is_wc=wc.sum(), rc_is_wc_sq=(wc ** 2).sum(),
-                 rc_is_seq_w=seq_w.sum(), rc_is_seq_w_sq=(seq_w ** 2).sum(), rc_is_seq_high=count(seq_w > threshold),
-                 rc_is_seq_low=count(seq_w < low), rc_is_seq_max=seq_w.max(), rc_is_seq_min=seq_w.min(),
-                 rc_is_seq_max_deviation=(seq_w - 1.0).abs().max())
-        if level == "sequence":  # per sequence, in log space: unclamped below, as verl's
-            s.update(rc_is_units=const(b), rc_is_high=count(log_seq > math.log(threshold)),
-                     rc_is_low=count(log_seq < math.log(low)),
-                     rc_is_max=torch.exp(log_seq.max().clamp(max=SAFETY_BOUND)),
-                     rc_is_min=torch.exp(log_seq.min().clamp(max=700.0)))
-        else:
-            s.update(rc_is_units=const(n), rc_is_high=count(raw > threshold), rc_is_low=count(raw < low),
-                     rc_is_max=raw.max(), rc_is_min=raw.min())
-    if keep is not None:
-        rejected = (~keep).double()
-        s.update(rc_rs_tokens=const(n), rc_rs_seqs=const(b), rc_rs_rejected=rejected.sum(),
-                 rc_rs_rejected_seqs=count(seg(rejected) > 0))
-    return s

@@ -7,7 +7,7 @@ recomputed at receive time), per sample, with log r = log pi_old - log pi_rollou
 * ``RejectionCheck``: rejection sampling (``trainer.rollout_rs``, ``rollout_rs_threshold``), a
   token / sequence mask that drops tokens from every loss term and count;
 * ``batch_normalize``: the weights divided by their mean over the iteration, at ``step()``;
-* ``sample_stats`` / ``metrics``: verl's ``rollout_corr/*`` metrics as sums over the iteration.
+* ``batch_stats`` / ``sample_stats`` / ``metrics``: verl's ``rollout_corr/*`` metrics as sums over the iteration.
 
 The numbers are verl's (``verl/trainer/ppo/rollout_corr_helper.py``): log-ratios clamped to
 +-``SAFETY_BOUND`` before ``exp``, the truncation after it, k1 bounds on ratios.
@@ -152,49 +152,67 @@ MAXIMA = ("rc_log_ppl_diff_max", "rc_is_max", "rc_is_seq_max", "rc_is_seq_max_de
 MINIMA = ("rc_log_ppl_diff_min", "rc_is_min", "rc_is_seq_min")
 
 
+def batch_stats(old: torch.Tensor, sampler: torch.Tensor, seq_index: torch.Tensor, seq_lens: torch.Tensor,
+                level: str | None, threshold: float, raw: torch.Tensor | None,
+                keep: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The terms of ``metrics`` (keys of SUMS, MAXIMA, MINIMA) of a packed batch of sequences
+    (``seq_index`` [N], ``seq_lens`` [B]): sums over its sequences, extremes of them, as 0-dim
+    float64 tensors (on the device, the counts known on the host: no host sync). old: the
+    policy's log-probs [N] (bypass mode: the current one's), sampler [N]; ``level`` /
+    ``threshold``: trainer.rollout_is's (None: no weights); ``raw``: the untruncated weights [N];
+    ``keep``: the rejection mask [N] (None: no rejection)."""
+    old, sampler = old.double(), sampler.double()
+    b, n = seq_lens.numel(), old.numel()
+    lens = seq_lens.to(old.device, torch.float64)
+    seg = lambda x: seq_sum(x, seq_index, b)  # noqa: E731
+    count = lambda x: x.sum().double()  # noqa: E731  (a bool count as a float64 tensor)
+    log_r = old - sampler  # [N]
+    mean_old, mean_sampler = seg(old) / lens, seg(sampler) / lens  # [B]
+    diff = mean_sampler - mean_old  # [B] log(training ppl / rollout ppl)
+    log_seq = seg(log_r)  # [B]
+    const = lambda v: torch.tensor(float(v), dtype=torch.float64)  # noqa: E731  (a count known on the host)
+    s = {"rc_tokens": const(n), "rc_seqs": const(b), "rc_kl": (sampler - old).sum(),
+         "rc_k3_kl": (torch.exp(log_r) - log_r - 1).sum(),
+         "rc_training_ppl": torch.exp((-mean_old).clamp(max=700.0)).sum(), "rc_training_log_ppl": (-mean_old).sum(),
+         "rc_rollout_ppl": torch.exp((-mean_sampler).clamp(max=700.0)).sum(),
+         "rc_rollout_log_ppl": (-mean_sampler).sum(), "rc_log_ppl_diff": diff.sum(),
+         "rc_log_ppl_abs_diff": diff.abs().sum(), "rc_ppl_ratio": torch.exp(diff.clamp(max=700.0)).sum(),
+         "rc_log_ppl_diff_max": diff.max(), "rc_log_ppl_diff_min": diff.min(),
+         "rc_rho_sq": torch.exp(2.0 * log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sum(),
+         "rc_rho_seq_sq": torch.exp(2.0 * log_seq.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sum()}
+    if level is not None:
+        raw = raw.double()
+        low = 1.0 / threshold
+        wc = raw.clamp(low, threshold)  # what verl's std and ESS are of
+        seq_w = seg(raw) / lens  # [B]
+        s.update(rc_is_tokens=const(n), rc_is_w=raw.sum(), rc_is_wc=wc.sum(), rc_is_wc_sq=(wc ** 2).sum(),
+                 rc_is_seq_w=seq_w.sum(), rc_is_seq_w_sq=(seq_w ** 2).sum(), rc_is_seq_high=count(seq_w > threshold),
+                 rc_is_seq_low=count(seq_w < low), rc_is_seq_max=seq_w.max(), rc_is_seq_min=seq_w.min(),
+                 rc_is_seq_max_deviation=(seq_w - 1.0).abs().max())
+        if level == "sequence":  # per sequence, in log space: unclamped below, as verl's
+            s.update(rc_is_units=const(b), rc_is_high=count(log_seq > math.log(threshold)),
+                     rc_is_low=count(log_seq < math.log(low)),
+                     rc_is_max=torch.exp(log_seq.max().clamp(max=SAFETY_BOUND)),
+                     rc_is_min=torch.exp(log_seq.min().clamp(max=700.0)))
+        else:
+            s.update(rc_is_units=const(n), rc_is_high=count(raw > threshold), rc_is_low=count(raw < low),
+                     rc_is_max=raw.max(), rc_is_min=raw.min())
+    if keep is not None:
+        rejected = (~keep).double()
+        s.update(rc_rs_tokens=const(n), rc_rs_seqs=const(b), rc_rs_rejected=rejected.sum(),
+                 rc_rs_rejected_seqs=count(seg(rejected) > 0))
+    return s
+
+
 def sample_stats(old: torch.Tensor, sampler: torch.Tensor, level: str | None, threshold: float,
                  raw: torch.Tensor | None, keep: torch.Tensor | None) -> dict[str, float]:
-    """One sample's terms of ``metrics`` (keys of SUMS, MAXIMA, MINIMA). old, sampler: [L] log-probs;
-    ``level`` / ``threshold``: trainer.rollout_is's (None: no weights); ``raw``: the untruncated
-    weights [L]; ``keep``: the rejection mask [L] (None: no rejection)."""
-    log_r = old - sampler  # [L]
-    n = float(log_r.numel())
-    mean_old, mean_sampler = float(old.mean()), float(sampler.mean())
-    diff = mean_sampler - mean_old  # log(training ppl / rollout ppl)
-    rho = torch.exp(log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # chi2's ratio is bounded, k3_kl's is not (verl's)
-    s = {"rc_tokens": n, "rc_seqs": 1.0, "rc_kl": float((sampler - old).sum()),
-         "rc_k3_kl": float((torch.exp(log_r.double()) - log_r - 1).sum()),
-         "rc_training_ppl": _exp(-mean_old), "rc_training_log_ppl": -mean_old,
-         "rc_rollout_ppl": _exp(-mean_sampler), "rc_rollout_log_ppl": -mean_sampler, "rc_log_ppl_diff": diff,
-         "rc_log_ppl_abs_diff": abs(diff), "rc_ppl_ratio": _exp(diff), "rc_log_ppl_diff_max": diff,
-         "rc_log_ppl_diff_min": diff, "rc_rho_sq": float((rho ** 2).sum()),
-         "rc_rho_seq_sq": math.exp(2.0 * min(max(float(log_r.sum()), -SAFETY_BOUND), SAFETY_BOUND))}
-    if level is not None:
-        s.update(_is_stats(log_r, level, threshold, raw))
-    if keep is not None:
-        rejected = float((~keep).sum())
-        s.update(rc_rs_tokens=n, rc_rs_seqs=1.0, rc_rs_rejected=rejected, rc_rs_rejected_seqs=float(rejected > 0))
-    return s
-
-
-def _is_stats(log_r: torch.Tensor, level: str, threshold: float, raw: torch.Tensor) -> dict[str, float]:
-    """verl's ``compute_is_metrics`` terms of one sample, of the untruncated weights ``raw`` [L]."""
-    low = 1.0 / threshold
-    wc = raw.clamp(low, threshold)  # what verl's std and ESS are of
-    seq_w = float(raw.mean())
-    s = {"rc_is_tokens": float(raw.numel()), "rc_is_w": float(raw.sum()), "rc_is_wc": float(wc.sum()),
-         "rc_is_wc_sq": float((wc ** 2).sum()), "rc_is_seq_w": seq_w, "rc_is_seq_w_sq": seq_w ** 2,
-         "rc_is_seq_high": float(seq_w > threshold), "rc_is_seq_low": float(seq_w < low),
-         "rc_is_seq_max": seq_w, "rc_is_seq_min": seq_w, "rc_is_seq_max_deviation": abs(seq_w - 1.0)}
-    if level == "sequence":  # per sequence, in log space: unclamped below, as verl's
-        log_seq = float(log_r.sum())
-        s.update(rc_is_units=1.0, rc_is_high=float(log_seq > math.log(threshold)),
-                 rc_is_low=float(log_seq < math.log(low)), rc_is_max=math.exp(min(log_seq, SAFETY_BOUND)),
-                 rc_is_min=_exp(log_seq))
-    else:
-        s.update(rc_is_units=float(raw.numel()), rc_is_high=float((raw > threshold).sum()),
-                 rc_is_low=float((raw < low).sum()), rc_is_max=float(raw.max()), rc_is_min=float(raw.min()))
-    return s
+    """One sample's terms of ``metrics``: ``batch_stats`` of a batch of one sequence, as floats.
+    old, sampler: [L] log-probs; ``raw``: the untruncated weights [L] (with ``level``); ``keep``:
+    the rejection mask [L] (None: no rejection)."""
+    n = old.numel()
+    one = batch_stats(old, sampler, torch.zeros(n, dtype=torch.long, device=old.device),
+                      torch.tensor([n], device=old.device), level, threshold, raw, keep)
+    return {k: float(v) for k, v in one.items()}
 
 
 def _exp(x: float) -> float:
