@@ -97,3 +97,25 @@ def test_the_prefix_bench_does_the_same_turns_and_caching_computes_less(capsys, 
     # per trajectory: the prompt, then each continuation's observation (64), its own turn and < one block (16)
     assert on["computed_tokens"] <= 4 * (64 + 2 * (64 + 16 + 8))
     assert out["computed_tokens_on"] == on["computed_tokens"] and out["off_over_on"] > 0
+
+
+def test_the_trainers_log_probs_of_a_multi_turn_sample_are_the_samplers(model_dir, tmp_path):
+    """What the trainer recomputes over prompt + every turn and observation (one packed forward,
+    as it trains) equals what the sampler returned at each of the policy's tokens: the turns and
+    the observations sit where the engine put them."""
+    from workers.model import load_pretrained
+    from workers.trainer.packing import pack, response_logits, token_logprobs
+
+    (tmp_path / "env.py").write_text(ENV)
+    eos = tuple(range(V // 2, V))
+    eng = make_engine(_cfg("native", eos), model_dir, multi_turn=MultiTurnSection(env=f"{tmp_path}/env.py:env"))
+    prompt = torch.tensor(TOK.encode("what is the answer"))
+    out = generate_all(eng, [Request(i, prompt, 30, sampling=SamplingParams(temperature=1.0, seed=i))
+                             for i in range(6)])
+    assert all(s.turns == 2 for s in out)
+    model = load_pretrained(model_dir).eval()
+    batch = pack([s.prompt_ids for s in out], [s.output_ids for s in out], torch.device("cpu"), [0] * len(out))
+    with torch.no_grad():
+        lp = token_logprobs(response_logits(model, batch), batch.resp_ids)
+    mask = torch.cat([s.loss_mask for s in out])
+    torch.testing.assert_close(lp[mask], torch.cat([s.logprobs for s in out])[mask], atol=1e-4, rtol=0)
