@@ -87,12 +87,7 @@ def wrap(eos, env, tok=TOK, **kw) -> MultiTurnEngine:
 def run(eng: MultiTurnEngine, requests, max_steps: int = 2000) -> list:
     refused = eng.add(requests)
     assert not refused, refused[0].error
-    out = []
-    for _ in range(max_steps):
-        if not eng.has_work():
-            return out
-        out += eng.step()
-    raise AssertionError("still has work")
+    return run_on(eng, max_steps)
 
 
 def test_two_turns_are_turn_observation_turn_and_the_continuation_is_a_fresh_engines():
