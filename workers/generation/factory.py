@@ -48,14 +48,9 @@ def _missing(obj) -> list[str]:
 def engine_factory(name: str) -> Callable[[EngineConfig, str], Engine]:
     """The constructor ``engine.backend: name`` selects: a built-in one, or your own loaded
     (a ValueError naming ``engine.backend``; a class missing an Engine method is one too)."""
-    if name in BACKENDS:
-        return BACKENDS[name]
-    from workers.tasks.plugins import is_plugin, load_plugin
+    from workers.tasks.plugins import builtin_or_plugin
 
-    if not is_plugin(name):
-        raise ValueError(f"engine.backend: {name!r} is not one of {sorted(BACKENDS)}, nor module:Name / "
-                         "file.py:Name of your own engine")
-    factory = load_plugin(name, "engine.backend")
+    factory = builtin_or_plugin(name, BACKENDS, "engine.backend", ", nor module:Name / file.py:Name of your own engine")
     # (a class that forwards with __getattr__ has its methods on each object only: checked once built)
     if inspect.isclass(factory) and not hasattr(factory, "__getattr__") and (missing := _missing(factory)):
         raise ValueError(f"engine.backend: {name!r} is a class without {', '.join(missing)}: an engine needs the "

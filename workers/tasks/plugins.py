@@ -14,13 +14,23 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 
 def is_plugin(spec: str) -> bool:
     """Whether ``spec`` names user code (``module:attr``) rather than a registered name."""
     module, sep, attr = spec.rpartition(":")
     return bool(sep and attr) and (module.endswith(".py") or module.replace(".", "_").isidentifier())
+
+
+def builtin_or_plugin(spec: str, builtins: Mapping[str, Any], key: str, otherwise: str) -> Any:
+    """``builtins[spec]``, or the user code ``spec`` names (``load_plugin``); anything else is one
+    ValueError, ``{key}: {spec!r} is not one of [the built-in names]{otherwise}``."""
+    if spec in builtins:
+        return builtins[spec]
+    if not is_plugin(spec):
+        raise ValueError(f"{key}: {spec!r} is not one of {sorted(builtins)}{otherwise}")
+    return load_plugin(spec, key)
 
 
 def load_plugin(spec: str, key: str) -> Any:

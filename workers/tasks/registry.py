@@ -8,7 +8,7 @@ import os
 import traceback
 from typing import Callable
 
-from workers.tasks.plugins import is_plugin, load_plugin
+from workers.tasks.plugins import builtin_or_plugin
 from workers.types import Task
 
 
@@ -47,11 +47,7 @@ TASKS: dict[str, Callable[..., Task]] = {
 
 def task_factory(name: str) -> Callable[..., Task]:
     """The builder ``task.name`` selects: a registered name or a plugin spec."""
-    if name in TASKS:
-        return TASKS[name]
-    if is_plugin(name):
-        return load_plugin(name, "task.name")
-    raise ValueError(f"task.name: {name!r} is not one of {sorted(TASKS)} or 'package.module:Name' / 'file.py:Name'")
+    return builtin_or_plugin(name, TASKS, "task.name", " or 'package.module:Name' / 'file.py:Name'")
 
 
 def make_task(name: str, /, **kwargs) -> Task:

@@ -19,19 +19,14 @@ import inspect
 from typing import Callable
 
 from workers.tasks.envs.calculator import calculator_env
-from workers.tasks.plugins import is_plugin, load_plugin
+from workers.tasks.plugins import builtin_or_plugin
 
 ENVS: dict[str, Callable] = {"calculator": calculator_env}
 
 
 def load_env(spec: str) -> Callable:
     """The environment ``multi_turn.env: spec`` names (a ValueError naming the key)."""
-    if spec in ENVS:
-        return ENVS[spec]
-    if not is_plugin(spec):
-        raise ValueError(f"multi_turn.env: {spec!r} is not one of {sorted(ENVS)}, nor module:fn / file.py:fn of "
-                         "your own environment")
-    env = load_plugin(spec, "multi_turn.env")
+    env = builtin_or_plugin(spec, ENVS, "multi_turn.env", ", nor module:fn / file.py:fn of your own environment")
     if inspect.isclass(env) and not any("__call__" in vars(k) for k in env.__mro__[:-1]):
         raise ValueError(f"multi_turn.env: {spec!r} is a class without __call__; an environment class's instances "
                          "are called as env(task, messages)")
