@@ -145,7 +145,7 @@ class NativeEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
-        if self.bm.caching:
+        if self.bm.caching and self.scheduler.waiting:  # only an admission reads the hashes
             self._drop_stale_hashes()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -192,7 +192,10 @@ class NativeEngine:
     def _drop_stale_hashes(self) -> None:
         """Weights written in place outside ``load_weights`` (a colocated trainer's optimizer step on
         the model this engine was given): cached blocks hold K/V of the old values, so no request
-        may find them by hash. ``sync`` refreshes the fused copies when a parameter changed."""
+        may find them by hash. ``sync`` refreshes the fused copies when a parameter changed (the
+        forward's own ``sync`` may have done it in an earlier step: ``refreshes`` counts both).
+        Called before steps that may admit: a decode-only step reads no hash, and the forward syncs
+        anyway."""
         fwd = self.runner.forward
         fwd.sync()
         if fwd.refreshes != self._hashed_at:
