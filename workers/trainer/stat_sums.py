@@ -63,6 +63,8 @@ class StatSums:
         self.add("reward_kl_sum", p.reward_kl)
         self.add("resp_len_sum", float(p.num_tokens))  # observation tokens included (verl's response_length)
         self.add("staleness_sum", float(version - p.weight_version))
+        self.add("turns_sum", float(p.turns))  # multi-turn: assistant turns, and the environment's tokens
+        self.add("observation_tokens_sum", float(p.observation_tokens))
         for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
             self.add_extreme(f"{k}_max", v)
             self.add_extreme(f"{k}_min", v)
@@ -71,11 +73,6 @@ class StatSums:
                 self.add_extreme(k, v)
             else:
                 self.add(k, v)
-
-    def add_turns(self, p: Prepared) -> None:
-        """A sample's assistant turns and observation tokens (multi-turn; of the samples ``add_sample`` counts)."""
-        self.add("turns_sum", float(p.turns))
-        self.add("observation_tokens_sum", float(p.observation_tokens))
 
     def add_counts(self, counts: dict[str, torch.Tensor]) -> None:
         for k, v in counts.items():

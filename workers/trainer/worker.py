@@ -292,7 +292,6 @@ class TrainerWorker:
     def _route(self, items: list[Prepared]) -> None:
         for p in items:
             self.stats.add_sample(p, self._version)
-            self.stats.add_turns(p)
         if not self.cfg.grouped:
             self.buffer.push_ready(items)
             return
