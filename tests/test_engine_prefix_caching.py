@@ -253,3 +253,15 @@ def test_weights_written_in_place_drop_the_cached_blocks():
     [ref] = generate_all(engine(copy.deepcopy(model), prefix_caching=False), [req(2)])
     assert again.output_ids.tolist() == ref.output_ids.tolist()
     assert eng.stats().prefix_cache_hit_tokens == 0  # the only earlier blocks were of the old weights
+
+
+def test_block_hashes_are_chained_sha256_of_the_token_ids():
+    import hashlib
+    import struct
+    toks = [7, 300, 7, 300, 7, 300, 7, 300, 5]  # blocks 0 and 1 hold the same tokens
+    seq = Sequence.from_request(Request(sample_id=0, prompt_ids=torch.tensor(toks), max_tokens=1), 0)
+    hs = block_hashes(seq, 2, BS)
+    h0 = hashlib.sha256(struct.pack("<4q", *toks[:4])).digest()
+    assert hs == [h0, hashlib.sha256(h0 + struct.pack("<4q", *toks[4:8])).digest()]
+    assert hs[0] != hs[1]  # the same tokens at another position are another block
+    assert block_hashes(seq, 2, BS) is seq.block_hashes and len(seq.block_hashes) == 2  # kept, not recomputed

@@ -8,7 +8,10 @@ copied before it is written (copy-on-write). Pure Python: the tensors live in ``
 
 Automatic prefix caching (``caching``, vLLM's ``enable_prefix_caching``): a full block whose
 K/V is written is registered under a chained hash of its tokens (``block_hashes``: the
-block's token ids and the previous block's hash, so its position too). A freed block with a
+block's token ids and the previous block's hash, so its position too; SHA-256, as vLLM's default
+``prefix_caching_hash_algo``: a collision would hand a sequence another prefix's K/V silently,
+and Python's 64-bit ``hash`` makes one likely enough over a long run's millions of blocks to
+matter). A freed block with a
 hash keeps its contents and goes to an LRU set of evictable blocks (counted as free) instead
 of the plain free list; ``match`` shares the longest run of a sequence's leading full blocks
 found by hash; allocation takes plain free blocks first, then evicts the least recently
@@ -17,18 +20,21 @@ shared by hash is read-only and needs no copy-on-write.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from workers.generation.sequence import Sequence
 
 
-def block_hashes(seq: Sequence, n: int, block_size: int) -> list[int]:
+def block_hashes(seq: Sequence, n: int, block_size: int) -> list[bytes]:
     """The chained hashes of ``seq``'s first ``n`` full blocks of tokens (kept on ``seq``:
-    each block is hashed once per sequence)."""
+    each block is hashed once per sequence): SHA-256 of the previous block's digest and the
+    block's token ids as int64."""
     hs, toks, bs = seq.block_hashes, seq.tokens, block_size
-    prev = hs[-1] if hs else -1
+    prev = hs[-1] if hs else b""
     for i in range(len(hs), n):
-        prev = hash((prev, *toks[i * bs:(i + 1) * bs]))
+        prev = hashlib.sha256(prev + array("q", toks[i * bs:(i + 1) * bs]).tobytes()).digest()
         hs.append(prev)
     return hs
 
@@ -39,8 +45,8 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self._free = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; oldest first
-        self._hash_of: dict[int, int] = {}  # block -> hash
-        self._block_of: dict[int, int] = {}  # hash -> block
+        self._hash_of: dict[int, bytes] = {}  # block -> hash
+        self._block_of: dict[bytes, int] = {}  # hash -> block
         self.peak = 0  # most blocks in use at once since ``reset_peak``
 
     @property

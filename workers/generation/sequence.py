@@ -39,7 +39,7 @@ class Sequence:
     generator: torch.Generator | None = None
     timings: dict[str, float] = field(default_factory=dict)
     admission: float = 0.0
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_hashed: int = 0
 
     @classmethod
