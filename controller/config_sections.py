@@ -212,7 +212,9 @@ class MultiTurnSection:
     env: str = ""
     tools: str = ""  # verl's tool_config_path (its tool_schema entries), or a list of schemas
     max_turns: int = ranged(4, Range(1))  # assistant turns (verl's max_assistant_turns)
-    max_observation_tokens: int = ranged(256, Range(1))  # an observation's start (verl's max_tool_response_length)
+    max_observation_tokens: int = ranged(256, Range(1))  # an observation's content, in tokens (verl's max_tool_response_length)
+    # what of a longer one is kept (verl's tool_response_truncate_side): left its start, right its end, middle both
+    observation_truncate_side: Literal["left", "middle", "right"] = "middle"
     workers: int = ranged(4, Range(1))  # environment calls at once per generation instance
 
     def __post_init__(self):

@@ -17,6 +17,7 @@ VERL_KEYS = {
     "multi_turn": "the multi_turn section (multi_turn.env, tools, max_turns, max_observation_tokens, workers)",
     "tool_config_path": "multi_turn.tools (its tool_schema entries; multi_turn.env answers the calls)",
     "max_assistant_turns": "multi_turn.max_turns", "max_tool_response_length": "multi_turn.max_observation_tokens",
+    "tool_response_truncate_side": "multi_turn.observation_truncate_side",
     "data": "task (the dataset) and train (batch, lengths)", "actor_rollout_ref": "trainer, engine and train",
     "algorithm": "trainer", "custom_reward_function": "task.kwargs.verifier", "train_files": "task.kwargs.files",
     "val_files": "task.kwargs.files", "train_batch_size": "train.batch_prompts",

@@ -31,6 +31,11 @@ def test_single_turn_is_the_default_and_the_section_reads_its_keys():
     assert not cfg.multi_turn.on
     cfg = from_dict({"multi_turn": {"env": "calculator", "max_turns": 2, "max_observation_tokens": 8, "workers": 1}})
     assert cfg.multi_turn.on and cfg.multi_turn.max_turns == 2 and cfg.multi_turn.max_observation_tokens == 8
+    assert cfg.multi_turn.observation_truncate_side == "middle"  # verl's default
+    cfg = from_dict({"multi_turn": {"env": "calculator", "observation_truncate_side": "left"}})
+    assert cfg.multi_turn.observation_truncate_side == "left"
+    assert "multi_turn.observation_truncate_side" in _error({"multi_turn": {"observation_truncate_side": "top"}})
+    assert "multi_turn.observation_truncate_side" in _error({"tool_response_truncate_side": "left"})  # verl's name
 
 
 @pytest.mark.parametrize("key", ["max_turns", "max_observation_tokens", "workers"])

@@ -9,7 +9,7 @@ import torch
 
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
-from workers.generation.multi_turn import MultiTurnEngine, observation_ids
+from workers.generation.multi_turn import MultiTurnEngine, cut_observation, observation_ids
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.tasks.envs import make_env
 from workers.tokenizer import Tokenizer, train_bpe
@@ -129,19 +129,48 @@ def test_the_task_and_its_chat_are_what_the_environment_sees():
 
 def test_the_budget_covers_every_turn_and_observation():
     eos, turn1 = first_stop()
-    long_obs = "obs one result: 7 and the tool said so " * 3
-    ids = TOK.encode(long_obs)
-    # room for 2 observation tokens and 1 generated token: the observation's start is kept
-    [s] = run(wrap(eos, Script(long_obs, None)), [req(max_tokens=len(turn1) + 3)])
-    assert len(s.output_ids) == len(turn1) + 3 and s.finish_reason == "length" and s.turns == 2
-    assert s.output_ids[len(turn1):len(turn1) + 2].tolist() == ids[:2]
-    assert s.loss_mask.tolist() == [True] * len(turn1) + [False, False, True]
-    # no room for an observation token and a generated one: the trajectory ends at it
-    [s] = run(wrap(eos, Script(long_obs, None)), [req(max_tokens=len(turn1) + 1)])
+    obs = "obs one result: 7"
+    ids = TOK.encode(obs)
+    # room for the observation and one generated token: both go in, and the budget ends it
+    [s] = run(wrap(eos, Script(obs, None)), [req(max_tokens=len(turn1) + len(ids) + 1)])
+    assert len(s.output_ids) == len(turn1) + len(ids) + 1 and s.finish_reason == "length" and s.turns == 2
+    assert s.output_ids[len(turn1):-1].tolist() == ids
+    assert s.loss_mask.tolist() == [True] * len(turn1) + [False] * len(ids) + [True]
+    # no room for a generated token after it: the trajectory ends before it, as verl's agent loop
+    # does (an observation cut to fit would lose the template's next generation prompt)
+    [s] = run(wrap(eos, Script(obs, None)), [req(max_tokens=len(turn1) + len(ids))])
     assert s.output_ids.tolist() == turn1 and s.finish_reason == "length" and s.turns == 1
-    # max_observation_tokens cuts it too
-    [s] = run(wrap(eos, Script(long_obs, None), max_observation_tokens=3), [req(max_tokens=60)])
-    assert s.output_ids[len(turn1):len(turn1) + 3].tolist() == ids[:3] and s.loss_mask[len(turn1) + 3]
+
+
+LONG = "obs one result: 7 and the tool said so the answer is 42"
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+def test_a_long_observation_is_cut_as_verl_cuts_a_tool_response(side):
+    ids = TOK.encode(LONG, add_special_tokens=False)
+    text = cut_observation(TOK, LONG, 4, side)
+    marker = {"left": "...(truncated)", "right": "(truncated)...", "middle": "...(truncated)..."}[side]
+    kept = {"left": (ids[:4], []), "right": ([], ids[-4:]), "middle": (ids[:2], ids[-2:])}[side]
+    assert text == TOK.decode(kept[0], skip_special_tokens=False) + marker + TOK.decode(kept[1], skip_special_tokens=False)
+    assert cut_observation(TOK, LONG, len(ids), side) == LONG  # it fits: as is
+    eos, turn1 = first_stop()
+    [s] = run(wrap(eos, Script(LONG, None), max_observation_tokens=4, truncate_side=side), [req(max_tokens=80)])
+    assert s.output_ids[len(turn1):len(turn1) + len(TOK.encode(text))].tolist() == TOK.encode(text)
+
+
+def test_the_cut_is_on_the_content_so_the_generation_prompt_stays():
+    eos, turn1 = first_stop()
+    env = Script(LONG, None)
+    [s] = run(wrap(eos, env, tok=CHAT_TOK, max_observation_tokens=3), [req(max_tokens=120)])
+    obs = observation_ids(CHAT_TOK, {"role": "tool", "content": cut_observation(TOK, LONG, 3, "middle")})
+    assert s.output_ids[len(turn1):len(turn1) + len(obs)].tolist() == obs
+    assert TOK.decode(obs, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert s.turns == 2 and env.calls[0][1][-1]["role"] == "assistant"
+
+
+def test_an_unknown_truncate_side_is_refused():
+    with pytest.raises(ValueError, match="truncate side 'top'"):
+        cut_observation(TOK, LONG, 2, "top")
 
 
 def test_max_turns_stops_the_conversation():

@@ -88,6 +88,7 @@ def _multi_turn(engine: Engine, model_dir: str, section) -> Engine:
 
     return MultiTurnEngine(engine, Tokenizer.load(model_dir), make_env(section.env), section.env,
                            max_turns=section.max_turns, max_observation_tokens=section.max_observation_tokens,
+                           truncate_side=section.observation_truncate_side,
                            workers=section.workers)
 
 

@@ -50,6 +50,29 @@ def observation_message(out) -> dict | None:
                     "message), a dict with 'role' and 'content', or None (done)")
 
 
+def cut_observation(tokenizer, content: str, limit: int, side: str = "middle") -> str:
+    """``content`` cut to ``limit`` of its tokens, as verl cuts a tool response
+    (``tool_response_truncate_side``): "left" keeps its start (+ "...(truncated)"), "right" its
+    end ("(truncated)..." +), "middle" both ends (half each, "...(truncated)..." between);
+    as is when it fits. The cut is on the content, before the chat template wraps it, so the
+    next assistant turn's generation prompt is never cut off."""
+    ids = tokenizer.encode(content, add_special_tokens=False)
+    if len(ids) <= limit:
+        return content
+
+    def text(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False)
+
+    if side == "left":
+        return text(ids[:limit]) + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text(ids[-limit:])
+    if side != "middle":
+        raise ValueError(f"truncate side {side!r}: one of left, middle, right")
+    head = limit // 2
+    return text(ids[:head]) + "...(truncated)..." + text(ids[len(ids) - (limit - head):])
+
+
 def observation_ids(tokenizer, message: dict) -> list[int]:
     """Token ids of an observation as the chat template renders it after an assistant turn, ending
     with the next assistant turn's generation prompt (the text the template adds for ``message``
@@ -123,13 +146,15 @@ class _Observation:
 class MultiTurnEngine:
     """``MultiTurnEngine(inner, tokenizer, env, spec)``: ``inner`` any Engine; ``env`` the
     environment callable, sync or ``async def`` (``spec``: its ``multi_turn.env`` name, for
-    errors); ``max_turns`` assistant turns; observations cut to ``max_observation_tokens``;
-    ``workers`` environment calls at once."""
+    errors); ``max_turns`` assistant turns; an observation's content cut to
+    ``max_observation_tokens`` on ``truncate_side`` (``cut_observation``); ``workers``
+    environment calls at once."""
 
     def __init__(self, inner, tokenizer, env: Env, spec: str = "", max_turns: int = 4,
-                 max_observation_tokens: int = 256, workers: int = 4):
+                 max_observation_tokens: int = 256, workers: int = 4, truncate_side: str = "middle"):
         self.inner, self.tokenizer, self.env, self.spec = inner, tokenizer, env, spec
         self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+        self.truncate_side = truncate_side
         self.pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="multi_turn_env")
         self._traj: dict[int, Trajectory] = {}  # sample_id -> its trajectory (in the engine or the env)
         self._waiting: dict[int, Trajectory] = {}  # those waiting on an environment call, in call order
@@ -224,6 +249,9 @@ class MultiTurnEngine:
         if message is None:
             return _Observation()
         try:
+            if isinstance(message["content"], str):
+                message = {**message, "content": cut_observation(self.tokenizer, message["content"],
+                                                                 self.max_observation_tokens, self.truncate_side)}
             return _Observation(message, observation_ids(self.tokenizer, message))
         except Exception as e:  # noqa: BLE001 - a template that cannot render it
             return _Observation(error=f"multi_turn.env: {self.spec!r}: the observation of sample {sample_id} after "
@@ -249,13 +277,11 @@ class MultiTurnEngine:
                 del self._traj[sid]
                 out.append(t.sample("stop"))
                 continue
-            room, ids = self._room(t), obs.ids[:self.max_observation_tokens]  # its start
-            if len(ids) >= room:  # cut to leave one generated token after it; none left: done
-                if room <= 1:
-                    del self._traj[sid]
-                    out.append(t.sample("length"))
-                    continue
-                ids = ids[:room - 1]
+            ids = obs.ids
+            if len(ids) >= self._room(t):  # no room for it and a generated token: done (as verl)
+                del self._traj[sid]
+                out.append(t.sample("length"))
+                continue
             t.messages.append(obs.message)
             t.output += ids
             t.logprobs += [0.0] * len(ids)
