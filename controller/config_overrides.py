@@ -117,7 +117,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     k, v = text.split("=", 1)
     k = k.strip()
     try:
-        return k, load_checked(v, k, f"--set {text}")  # 010 read as octal 8, 1:30 as 90: refused
+        value = load_checked(v, k, f"--set {text}")  # 010 read as octal 8, 1:30 as 90: refused
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or str(e).splitlines()[0]
         mark = getattr(e, "problem_mark", None)
@@ -127,6 +127,21 @@ def parse_override(text: str) -> tuple[str, Any]:
         except ConfigError as unknown:  # no such key: that is the error, not the value
             raise ConfigError(f"--set {text}: {unknown}") from None
         raise ConfigError(f"--set {text}: the value is not valid YAML ({why}{at}); {advice}") from None
+    if v.count("#") > _hashes(value):  # YAML took " #..." for a comment and dropped it
+        raise ConfigError(f"--set {text}: YAML reads ' #' and what follows as a comment, so the value would be "
+                          f"{_yaml_text(value)}; quote it to keep the '#': --set '{k}=\"{v.strip()}\"'")
+    return k, value
+
+
+def _hashes(value: Any) -> int:
+    """The '#' characters in the strings (keys too) of a parsed value."""
+    if isinstance(value, str):
+        return value.count("#")
+    if isinstance(value, (list, tuple)):
+        return sum(map(_hashes, value))
+    if isinstance(value, dict):
+        return sum(_hashes(k) + _hashes(x) for k, x in value.items())
+    return 0
 
 
 # ---- what type a dotted key takes (for the advice on a --set value that is not YAML) -----------

@@ -219,7 +219,13 @@ class Program:
         return {"response_len_max": max(out_lens, default=0), "response_len_min": min(out_lens, default=0),
                 "response_clip_ratio": sum(n >= cap for n in out_lens) / max(len(out_lens), 1),
                 "prompt_len_mean": sum(prompts) / max(len(prompts), 1), "prompt_len_max": max(prompts, default=0),
-                "epoch": self._stream_at.get(b.iteration, self.stream.state_dict())["epoch"]}
+                "epoch": self._batch_epoch(b.iteration)}
+
+    def _batch_epoch(self, iteration: int) -> int:
+        """The epoch of the iteration's first prompt: the stream's before its batch, or the next
+        one when that had ended at the epoch's last prompt (the stream turns over when drawn)."""
+        st = self._stream_at.get(iteration, self.stream.state_dict())
+        return st["epoch"] + (st["pos"] >= st["items"])
 
     @staticmethod
     def _engine_stats(reports: list) -> dict[str, float]:

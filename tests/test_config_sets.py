@@ -105,6 +105,16 @@ def test_a_set_value_that_is_not_yaml_is_one_line():
     assert "\n" not in msg
 
 
+def test_a_set_value_whose_hash_yaml_would_drop_is_refused():
+    # YAML reads " #..." as a comment: the run would get "ablation", not what was typed
+    with pytest.raises(ConfigError, match=r"--set logging.experiment=ablation #2: .* comment, so the value would "
+                                          r"be ablation; quote it"):
+        parse_override("logging.experiment=ablation #2")
+    assert parse_override('logging.experiment="ablation #2"') == ("logging.experiment", "ablation #2")
+    assert parse_override("logging.experiment=a#2") == ("logging.experiment", "a#2")  # no space: not a comment
+    assert parse_override("task.kwargs.files=[a, '#b']") == ("task.kwargs.files", ["a", "#b"])
+
+
 def test_an_error_of_a_rule_over_several_keys_names_the_set_that_caused_it(tmp_path):
     with pytest.raises(ConfigError) as e:  # the file's placement is fine for its own mode
         _load_with(tmp_path, "pipeline.mode=colocated", "train.iterations=3")

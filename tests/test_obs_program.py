@@ -141,6 +141,23 @@ def test_batch_lengths(monkeypatch):
     assert res.batch["epoch"] == 0
 
 
+def test_batch_epoch_is_that_of_the_batch_first_prompt():
+    # a batch drawn right after an epoch's last prompt belongs to the next epoch (the stream
+    # turns over as it is drawn, so its state before the batch still said the old one)
+    from types import SimpleNamespace
+
+    from controller.config import from_dict
+    items = [TaskPrompt(f"p{i}", str(i), "t") for i in range(4)]
+    p = Program(from_dict({"train": {"batch_prompts": 4, "group_size": 2}}),
+                SimpleNamespace(sgs=SimpleNamespace(stream_window_s=0.0)),
+                SimpleNamespace(encode_prompt=lambda text, messages=(): [1, 2]), SimpleNamespace(prompts=lambda split: items))
+    assert [p._batch_stats(p.make_batch(i), [1])["epoch"] for i in range(3)] == [0, 1, 2]
+    p = Program(from_dict({"train": {"batch_prompts": 3, "group_size": 2}}),
+                SimpleNamespace(sgs=SimpleNamespace(stream_window_s=0.0)),
+                SimpleNamespace(encode_prompt=lambda text, messages=(): [1, 2]), SimpleNamespace(prompts=lambda split: items))
+    assert [p._batch_stats(p.make_batch(i), [1])["epoch"] for i in range(4)] == [0, 0, 1, 2]  # 0-2, 3+0, 1-3, 0-2
+
+
 def test_evaluate_reports_its_prompts_and_time(monkeypatch):
     clock = Clock()
     p = _program(monkeypatch, "batch", clock)
