@@ -89,6 +89,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"compare a sample with its group's others), got {t.group_size}")
     _check_kl_horizon(cfg)
     _check_group_filter(cfg)
+    _check_sample_ids(cfg)
     _check_registries(cfg)
     _check_multi_turn(cfg)
     if world_size is not None and world_size < 2:
@@ -140,12 +141,20 @@ def _check_group_filter(cfg: Config) -> None:
         raise ConfigError(f"trainer.train_groups ({tr.train_groups}) must be <= train.batch_prompts x "
                           f"trainer.max_gen_batches ({t.batch_prompts} x {tr.max_gen_batches} = {most}), the most "
                           "groups an iteration generates (verl's gen_batch_size x max_num_gen_batches)")
+
+
+def _check_sample_ids(cfg: Config) -> None:
+    """An iteration's sample ids (``iteration x SAMPLE_STRIDE`` + its index) stay below the next
+    iteration's: every request of its batches, refills included."""
+    t, tr = cfg.train, cfg.trainer
     per_prompt = requests_per_prompt(cfg)
     per_batch = t.batch_prompts * per_prompt
-    if tr.train_groups and per_batch * max(tr.max_gen_batches, 1) >= SAMPLE_STRIDE:  # 0: no refill
+    batches = max(tr.max_gen_batches, 1) if getattr(tr, "train_groups", 0) else 1  # 0: no refill
+    if per_batch * batches >= SAMPLE_STRIDE:
         plus = " (+ 1: remax's greedy response)" if per_prompt > t.group_size else ""
-        raise ConfigError(f"trainer.max_gen_batches ({tr.max_gen_batches}) x train.batch_prompts x train.group_size"
-                          f"{plus} ({per_batch} samples a batch) must stay below {SAMPLE_STRIDE} samples an iteration")
+        refills = f"trainer.max_gen_batches ({tr.max_gen_batches}) x " if batches > 1 else ""
+        raise ConfigError(f"{refills}train.batch_prompts x train.group_size{plus} ({per_batch} samples a batch) "
+                          f"must stay below {SAMPLE_STRIDE} samples an iteration")
 
 
 def _check_multi_turn(cfg: Config) -> None:

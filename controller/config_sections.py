@@ -65,6 +65,7 @@ class TaskSection:
 
     def __post_init__(self):
         _path_key(self, "task", "name")  # ~/my_rl/tasks.py:Name
+        _keyword_keys(self, "task", "kwargs")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class DispatchSection:
 
     def __post_init__(self):
         _path_key(self, "dispatch", "profile")
+        _keyword_keys(self, "dispatch", "options")
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class RankerSection:
         if self.kind != "none":  # your own file.py:Name with its absolute path, as saved folders record it
             object.__setattr__(self, "kind", canonical_kind(self.kind))
         _path_key(self, "ranker", "path")
+        _keyword_keys(self, "ranker", "options")
         if self.kind != "none" and not self.path:
             raise ConfigError(f"ranker.path: kind {self.kind!r} loads a trained ranker folder "
                               "(python -m ranker train ... --out DIR); path is empty")
@@ -245,6 +248,16 @@ class LoggingSection:
             raise ConfigError(f"logging.trackers: {why}")
         if "wandb" in self.trackers and not self.project.strip():
             raise ConfigError("logging.project: empty; wandb needs a project name (default: streamrl)")
+
+
+def _keyword_keys(section, name: str, key: str) -> None:
+    """A mapping passed on as keyword arguments has string keys: YAML 1.1 reads a bare ``on``,
+    ``off``, ``yes``, ``no`` or a number as another type (a TypeError deep in the start before)."""
+    value = getattr(section, key)
+    bad = [k for k in value if not isinstance(k, str)] if isinstance(value, dict) else []
+    if bad:
+        raise ConfigError(f"{name}.{key}: key {bad[0]!r} ({type(bad[0]).__name__}) is not a name (YAML reads a bare "
+                          "on / off / yes / no as a bool, digits as a number); quote it, e.g. 'on': ...")
 
 
 def _path_key(section, name: str, key: str, required: str = "") -> None:

@@ -224,24 +224,28 @@ class Metrics:
     def write_timeline(self, upto: int) -> Path:
         """The timeline files of the iterations before ``upto`` (as ``range``): the Gantt figure
         of this attempt's last 400 spans (``timeline.png``; TensorBoard ``timeline/gantt`` at
-        step ``upto - 1`` when this attempt logged it, once per step) and the Chrome trace of
-        every attempt's spans (``timeline.json``); both files are replaced atomically."""
+        step ``upto - 1`` when this attempt logged it, once per step; none with
+        ``timeline_every`` 0) and the Chrome trace of every attempt's spans (``timeline.json``);
+        both files are replaced atomically."""
         return self._write(upto, len(self.spans))
 
     def _write(self, upto: int, n: int, last: int = 400) -> Path:
         with self._write_lock:
             spans = self.spans[:n]
-            fig = gantt_figure(spans[-last:], f"timeline up to iteration {upto - 1}")
-            step = upto - 1
-            if step in self._steps and ("timeline/gantt", step) not in self._tb_once:
-                self._open(step).add_figure("timeline/gantt", fig, step, close=False)
-                self._open(step).flush()
-                self._tb_once.add(("timeline/gantt", step))
-            with atomic_file(self.logdir / "timeline.png") as tmp:
-                fig.savefig(tmp, dpi=100, format="png")
+            if self.timeline_every:  # 0: no figure at all (the Chrome trace is still written)
+                self._figure(spans[-last:], upto - 1)
             out = write_chrome_trace(self.earlier + spans, self.logdir / "timeline.json")
             self._written = n
             return out
+
+    def _figure(self, spans: list[Span], step: int) -> None:
+        fig = gantt_figure(spans, f"timeline up to iteration {step}")
+        if step in self._steps and ("timeline/gantt", step) not in self._tb_once:
+            self._open(step).add_figure("timeline/gantt", fig, step, close=False)
+            self._open(step).flush()
+            self._tb_once.add(("timeline/gantt", step))
+        with atomic_file(self.logdir / "timeline.png") as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
 
     def summary(self) -> dict:
         """The final JSON's metrics. The whole run (every attempt): ``iterations``,

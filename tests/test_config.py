@@ -64,6 +64,9 @@ def test_quickstart_loads_into_owner_classes():
     ({"tokenizer": {"path": "x"}}, "tokenizer.path: unknown key"),
     ({"ranker": {"bootstrap_prompts": 1}}, "ranker.bootstrap_prompts must be an int >= 2"),
     ({"ranker": {"options": [1]}}, "ranker.options: expected dict"),
+    ({"task": {"kwargs": {True: 3}}}, "task.kwargs: key True (bool) is not a name"),  # YAML's bare `on:`
+    ({"dispatch": {"options": {1: 2}}}, "dispatch.options: key 1 (int) is not a name"),
+    ({"ranker": {"options": {False: 2}}}, "ranker.options: key False (bool)"),
     ({"ranker": {"kind": "lgbm"}}, "ranker.path: kind 'lgbm' loads a trained ranker folder"),
     ({"weight_sync": {"bucket_mb": 0}}, "weight_sync.bucket_mb"),
     ({"weight_sync": {"tree_shape": "ring"}}, "weight_sync.tree_shape"),

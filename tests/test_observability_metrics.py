@@ -147,11 +147,11 @@ def test_timeline_files_are_replaced_atomically(tmp_path, monkeypatch):
 def test_plain_resume_keeps_the_final_gantt(tmp_path):
     # the run's end logs the Gantt figure at its last iteration's step (the runner passes the
     # next iteration, as range's end); a resume from there must not purge it
-    m = Metrics(tmp_path, timeline_every=0)
+    m = Metrics(tmp_path, timeline_every=5)
     m.log_iteration(_res(0), [Span("gen1", "generate", 0.0, 0.5, 0)])
     m.write_timeline(1)
     m.close()
-    m = Metrics(tmp_path, timeline_every=0)
+    m = Metrics(tmp_path, timeline_every=5)
     m.log_iteration(_res(1), [Span("gen1", "generate", 1.0, 1.5, 1)])
     m.close()  # writes the timeline of iteration 1: spans came since the last write
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -160,6 +160,22 @@ def test_plain_resume_keeps_the_final_gantt(tmp_path):
     ea.Reload()
     assert [e.step for e in ea.Images("timeline/gantt")] == [0, 1]
     assert [s for s, _ in _scalars(tmp_path, "train/reward_mean")] == [0, 1]
+
+
+def test_timeline_every_0_draws_no_figure_but_keeps_the_trace(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)  # "0: never" (docs/config.md)
+    for i in range(3):
+        m.log_iteration(_res(i), [Span("gen1", "generate", i, i + 0.5, i)])
+    m.write_timeline(3)  # what the run's end does
+    m.log_iteration(_res(3), [Span("gen1", "generate", 3.0, 3.5, 3)])
+    m.close()  # and the way out, spans having come since
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    assert "timeline/gantt" not in ea.Tags()["images"] and not (tmp_path / "timeline.png").exists()
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    assert sorted(e["args"]["iteration"] for e in trace["traceEvents"] if e["ph"] == "X") == [0, 1, 2, 3]
 
 
 def test_matplotlib_is_imported_at_set_up_not_mid_run(tmp_path):

@@ -92,3 +92,7 @@ def test_the_sample_stride_bounds_only_the_batches_an_iteration_may_generate():
     with pytest.raises(ConfigError, match="must stay below 1000000 samples an iteration"):
         from_dict({"trainer": {"filter_groups": True, "train_groups": 8}, "train": big})
     assert program_mod.SAMPLE_STRIDE == 1_000_000
+    # one batch past it, refills or not, would share ids with the next iteration
+    with pytest.raises(ConfigError, match=r"^train.batch_prompts x train.group_size \(1000008 samples a batch\) must "
+                                          "stay below 1000000 samples an iteration"):
+        from_dict({"train": {"batch_prompts": 125001, "group_size": 8}})
