@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controller.config import ConfigError
-from workers.atomic import atomic_dir, remove_stale_temps, write_text
+from workers.atomic import atomic_dir, remove_stale_temps, restore_moved_aside, write_text
 
 
 class CheckpointError(ConfigError):
@@ -55,6 +55,7 @@ def save(ckpt_root: str | Path, state: ControllerState, trainer_save, ranker=Non
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(root, r"\.iter_.*\.tmp.*")  # a save killed before it could clean up (kill -9), a failed prune
+    restore_moved_aside(root)  # a save killed between the renames of a replacement (no atomic exchange)
     final = root / f"iter_{state.iteration:06d}"
     with atomic_dir(final) as tmp:  # a full disk, a trainer lost mid-save: the temp folder is removed
         trainer_save(str(tmp / "trainer"))
@@ -102,6 +103,7 @@ def find(path: str | Path, say_newer: bool = False) -> Path | None:
     if (p / "controller.json").exists():
         return p
     for root in (p, p / "checkpoints"):
+        restore_moved_aside(root)  # a checkpoint a killed replacement had moved aside is found again
         latest, done = root / "latest", complete(root)
         if latest.exists():
             c = root / latest.read_text().strip()

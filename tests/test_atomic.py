@@ -35,6 +35,37 @@ def test_replace_dir_fallback_and_fresh_target(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # old copy removed
 
 
+def test_a_replacement_killed_between_its_renames_is_finished_on_the_next_look(tmp_path, monkeypatch):
+    from controller import checkpoint
+
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # the two-rename path
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    for it, text in ((1, "one"), (2, "two")):
+        _folder(root / f"iter_{it:06d}", text)
+        (root / f"iter_{it:06d}" / "controller.json").write_text("{}")
+    atomic.write_text(root / "latest", "iter_000002")
+    renames = []
+
+    def killed_after_one(a, b):  # kill -9 after moving the old copy aside
+        if renames:
+            raise KeyboardInterrupt
+        renames.append((a, b))
+        os.replace(a, b)
+
+    monkeypatch.setattr(os, "rename", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.replace_dir(_folder(root / ".iter_000002.tmpX", "new"), root / "iter_000002")
+    monkeypatch.undo()
+    assert not (root / "iter_000002").exists()  # only the copy moved aside holds it now
+    assert checkpoint.find(tmp_path) == root / "iter_000002"  # put back, found
+    assert (root / "iter_000002" / "f").read_text() == "two" and not list(root.glob(".iter_000002.old*"))
+    # and one left beside a replacement that did land is deleted
+    aside = _folder(root / ".iter_000001.old123", "stale")
+    atomic.restore_moved_aside(root)
+    assert not aside.exists() and (root / "iter_000001" / "f").read_text() == "one"
+
+
 def test_write_text_replaces_a_file(tmp_path):
     p = atomic.write_text(tmp_path / "d" / "x.txt", "one")
     atomic.write_text(p, "two")

@@ -6,7 +6,8 @@ could leave the renamed folder holding zero-length files.
 
 ``atomic_dir`` / ``atomic_file`` give a temp folder / file beside the target to write into and
 put it in place (``replace_dir`` / a rename) when the block ends, or remove it when the block
-raises; ``remove_stale_temps`` sweeps the temp folders of saves that were killed. ``file_digest``
+raises; ``remove_stale_temps`` sweeps the temp folders of saves that were killed, and
+``restore_moved_aside`` what a killed two-rename replacement left. ``file_digest``
 and ``folder_digests`` are the checksums saved folders record."""
 from __future__ import annotations
 
@@ -183,6 +184,28 @@ def remove_stale_temps(folder: str | os.PathLike, name: str | re.Pattern) -> Non
         else:
             with contextlib.suppress(OSError):
                 p.unlink()
+
+
+def restore_moved_aside(folder: str | os.PathLike) -> None:
+    """Finish what a ``replace_dir`` killed on its two-rename path (no atomic exchange) left in
+    ``folder``: an old copy moved aside (``.NAME.old<pid>``) is deleted when ``NAME`` is in
+    place, and put back as ``NAME`` when the new one never got there (it is the last complete
+    copy). Errors are ignored (the next call tries again)."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = re.fullmatch(r"\.(.+)\.old\d+", p.name)
+        if m is None or not p.is_dir() or p.is_symlink():
+            continue
+        target = p.with_name(m.group(1))
+        with contextlib.suppress(OSError):
+            if target.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.rename(p, target)
+                fsync_path(p.parent)
 
 
 def file_digest(path: str | os.PathLike, algo: str) -> str:
