@@ -7,6 +7,7 @@ expected; under memory pressure the least recently freed cached blocks are evict
 found by hash again."""
 import copy
 
+import pytest
 import torch
 from test_engine import MODEL, check_against_recompute, engine, greedy_requests, prompts, recompute_greedy, tiny_model
 from test_engine_step_failure import MODEL as FAIL_MODEL
@@ -253,6 +254,58 @@ def test_weights_written_in_place_drop_the_cached_blocks():
     [ref] = generate_all(engine(copy.deepcopy(model), prefix_caching=False), [req(2)])
     assert again.output_ids.tolist() == ref.output_ids.tolist()
     assert eng.stats().prefix_cache_hit_tokens == 0  # the only earlier blocks were of the old weights
+
+
+def _scale_in_place(model):
+    with torch.no_grad():  # a colocated trainer's optimizer step on the engine's model
+        for p in model.parameters():
+            p.mul_(1.3)
+
+
+def _fresh(model, req):
+    return generate_all(engine(copy.deepcopy(model), prefix_caching=False, prefix_sharing=False), [req])[0]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_weights_written_in_place_drop_the_group_prompt_pins(caching):
+    """A group sibling still waiting when the weights change in place must not start on its
+    group's pinned prompt (K/V of the old values), nor, with caching, file those blocks under
+    their hashes again for later requests to find (review, session 47)."""
+    model = tiny_model(seed=3)
+    eng = engine(model, max_batch_size=1, prefix_caching=caching)
+    prompt = torch.arange(3, 24)
+    req = lambda sid, group=-1: Request(sid, prompt, 6, 6, sampling=SamplingParams(temperature=0.0),  # noqa: E731
+                                        group_id=group)
+    eng.add([req(0, 7), req(1, 7)])
+    done = []
+    while not done:
+        done += eng.step()  # sample 0 computed (and pinned) the group's prompt; sample 1 waits
+    assert [s.sample_id for s in done] == [0] and eng.prefix.groups
+    _scale_in_place(model)
+    [sibling] = generate_all(eng, [])
+    [later] = generate_all(eng, [req(2)])
+    want = _fresh(model, req(2)).output_ids.tolist()
+    assert sibling.output_ids.tolist() == want and later.output_ids.tolist() == want
+
+
+def test_a_sequence_running_across_an_in_place_change_registers_no_more_blocks():
+    """Its blocks filled after the change hold K/V computed over its old-weight prefix: filed by
+    hash, a later request that found fresh leading blocks would go on into them."""
+    model = tiny_model(seed=3)
+    eng = engine(model, prefix_sharing=False)
+    greedy = SamplingParams(temperature=0.0)
+    p = torch.arange(3, 11)  # 2 full blocks
+    eng.add([Request(0, p, 14, 14, sampling=greedy)])
+    eng.step(), eng.step()  # its prefill (2 blocks hashed) and a decode
+    _scale_in_place(model)
+    eng.add([Request(1, torch.tensor([90, 91]), 1, 1, sampling=greedy)])  # waiting: the next step checks
+    out = run(eng, [])
+    prompt = torch.cat([p, next(s for s in out if s.sample_id == 0).output_ids])[:21]
+    generate_all(eng, [Request(2, prompt, 4, 4, sampling=greedy)])  # fresh K/V for the leading blocks
+    [d] = generate_all(eng, [Request(3, prompt, 4, 4, sampling=greedy)])
+    ref = _fresh(model, Request(3, prompt, 4, 4, sampling=greedy))
+    assert d.output_ids.tolist() == ref.output_ids.tolist()
+    torch.testing.assert_close(d.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4)
 
 
 def test_block_hashes_are_chained_sha256_of_the_token_ids():

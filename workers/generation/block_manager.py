@@ -27,6 +27,11 @@ from collections import OrderedDict, deque
 from workers.generation.sequence import Sequence
 
 
+# ``seq.num_hashed`` of a sequence whose K/V is of weights changed in place since: it registers no
+# more blocks (until ``free`` resets it, when it is recomputed)
+NEVER_REGISTER = 1 << 62
+
+
 def block_hashes(seq: Sequence, n: int, block_size: int) -> list[bytes]:
     """The chained hashes of ``seq``'s first ``n`` full blocks of tokens (kept on ``seq``:
     each block is hashed once per sequence): SHA-256 of the previous block's digest and the

@@ -16,7 +16,7 @@ import torch
 
 from workers.generation import kernels_package
 from workers.generation.admission import admission_key
-from workers.generation.block_manager import BlockManager
+from workers.generation.block_manager import NEVER_REGISTER, BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
@@ -75,15 +75,16 @@ class NativeEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, cfg.kv_len)
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
-        self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size,
-                                   cfg.max_prefill_tokens, cfg.enable_chunked_prefill)
+        self.attention_backend = resolve_attention_backend(cfg, next(self.model.parameters()).device)
+        # the "cpu" kernel takes any mix of tokens: admissions and chunks ride on decode steps
+        self.scheduler = Scheduler(self.bm, self.prefix, cfg.max_batch_size, cfg.max_prefill_tokens,
+                                   cfg.enable_chunked_prefill, mixed=self.attention_backend == "cpu")
         self.admission = admission_key(cfg.admission)
         kv_dtype = None if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         compute = next(self.model.parameters()).dtype
         if kv_dtype not in (None, compute) and compute != torch.float32:
             raise ValueError(f"engine.kv_cache_dtype: {cfg.kv_cache_dtype!r} needs an fp32 model "
                              f"(or 'auto'); this engine computes in {compute}")
-        self.attention_backend = resolve_attention_backend(cfg, next(self.model.parameters()).device)
         self.runner = ModelRunner(self.model, self.bm, self.attention_backend, self.eos_ids, cfg.seed,
                                   self.max_model_len, kv_dtype,
                                   cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size,
@@ -145,8 +146,8 @@ class NativeEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
-        if self.bm.caching and self.scheduler.waiting:  # only an admission reads the hashes
-            self._drop_stale_hashes()
+        if (self.bm.caching or self.prefix is not None) and self.scheduler.waiting:  # only admissions read them
+            self._drop_stale_prefixes()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -189,18 +190,25 @@ class NativeEngine:
         self._count_tokens(now, len(tokens), started)
         return [self._finish(seq, reason, now) for seq, reason in done]
 
-    def _drop_stale_hashes(self) -> None:
+    def _drop_stale_prefixes(self) -> None:
         """Weights written in place outside ``load_weights`` (a colocated trainer's optimizer step on
         the model this engine was given): cached blocks hold K/V of the old values, so no request
-        may find them by hash. ``sync`` refreshes the fused copies when a parameter changed (the
-        forward's own ``sync`` may have done it in an earlier step: ``refreshes`` counts both).
-        Called before steps that may admit: a decode-only step reads no hash, and the forward syncs
+        may start on them: every hash and every group's pinned prompt is dropped, and the running
+        sequences (their K/V so far is of the old values too) register no more blocks. ``sync``
+        refreshes the fused copies when a parameter changed (the forward's own ``sync`` may have
+        done it in an earlier step: ``refreshes`` counts both). Called before steps that may
+        admit: a step that admits nothing starts nobody on a cached block, and the forward syncs
         anyway."""
         fwd = self.runner.forward
         fwd.sync()
-        if fwd.refreshes != self._hashed_at:
-            self.bm.drop_hashes()
-            self._hashed_at = fwd.refreshes
+        if fwd.refreshes == self._hashed_at:
+            return
+        self._hashed_at = fwd.refreshes
+        self.bm.drop_hashes()
+        if self.prefix is not None:
+            self.prefix.release_all()
+        for seq in self.scheduler.running:  # (``free`` resets it: recomputed, a sequence registers again)
+            seq.num_hashed = NEVER_REGISTER
 
     def _requeue(self, batch) -> None:
         """A step that raised (an engine error, a Ctrl-C in an interactive session) left its batch
