@@ -3,7 +3,10 @@
 Each step is either a *prefill* (admit waiting sequences, in the order of their admission keys
 (``admission.py``, computed by the engine when a request is added),
 while the batch cap, the prefill token budget and free blocks allow) or a *decode* (one
-token for every running sequence, all in one forward). When a decode step lacks blocks,
+token for every running sequence, all in one forward). With ``mixed`` (vLLM V1's steps; the
+engine sets it where the attention takes ragged batches, the "cpu" kernel) one step does both:
+every running sequence's next token, and the next prefill chunk and new admissions within the
+budget, so an admission never stalls the running batch for a step of its own. When a decode step lacks blocks,
 idle prefix pins are dropped first, then the most recently admitted sequences are preempted
 (their blocks freed; they are recomputed later from their tokens) - never another
 sequence's blocks are touched. Sequences that were preempted go back to the queue's front.
@@ -43,10 +46,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, prefix: PrefixCache | None, max_batch_size: int,
-                 max_prefill_tokens: int, chunked_prefill: bool = True):
+                 max_prefill_tokens: int, chunked_prefill: bool = True, mixed: bool = False):
         self.bm, self.prefix = blocks, prefix
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
-        self.chunked_prefill = chunked_prefill
+        self.chunked_prefill, self.mixed = chunked_prefill, mixed
         self._after_chunk = False  # the last step left a prefill unfinished: decode next
         self.waiting: list[Sequence] = []  # sorted by _key
         self._keys: list[tuple] = []
@@ -123,7 +126,9 @@ class Scheduler:
         """A prefill when something can be admitted or a prefill is unfinished, else a decode.
         After a prefill chunk that leaves a prompt unfinished the next step decodes (when any
         sequence can): a long prompt delays the running batch by one chunk at a time, not by
-        its whole prefill."""
+        its whole prefill. ``mixed``: both in one step (``_mixed``)."""
+        if self.mixed:
+            return self._mixed()
         if self._after_chunk and self._decodable():
             self._after_chunk = False
             return self._decode()
@@ -132,6 +137,20 @@ class Scheduler:
             self._after_chunk = len(batch.sampling) < len(batch.seqs)
             return batch
         return self._decode() if self._decodable() else None
+
+    def _mixed(self) -> ScheduledBatch | None:
+        """The running batch's decode (its blocks first), then, unless it had to preempt (memory
+        is short), the prefill work the budget allows, in one batch: the decoding sequences
+        compute their last token as a one-token prefill would."""
+        preemptions = self.preemptions
+        decode = self._decode() if self._decodable() else None
+        if decode is not None and self.preemptions != preemptions:
+            return decode
+        admit = self._admit()
+        if admit is None or decode is None:
+            return admit or decode
+        return ScheduledBatch(decode.seqs + admit.seqs, True, decode.copies + admit.copies,
+                              decode.ends + admit.ends)
 
     def _running_groups(self) -> set[int]:
         return {s.group_id for s in self.running}
