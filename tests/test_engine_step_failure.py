@@ -149,3 +149,38 @@ def test_an_interrupt_mid_step_leaves_the_engine_consistent():
     out, failed = step_through(eng, attn, {0})  # the first prefill
     assert out == reference() and failed == 1
     assert_all_free(eng)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_seeded_samples_are_unchanged_by_a_step_that_failed_after_its_draws(backend):
+    # a Ctrl-C while a GPU step waits in its one device->host copy comes after the sampler drew:
+    # re-run, a seeded request must draw the same uniform again, not the next one (review, s47)
+    def reqs():
+        return [Request(i, torch.arange(5 + i, 12 + i), 8, 8, sampling=SamplingParams(temperature=1.0, seed=100 + i))
+                for i in range(3)] + [Request(9, torch.arange(3, 9), 8, 8, sampling=GREEDY)]
+
+    clean = {s.sample_id: s.output_ids.tolist() for s in generate_all(engine(backend), reqs())}
+    eng = engine(backend)
+    draw = eng.runner.sampler.__class__.__call__
+    fail_at = {0, 3, 4}  # the prefill, two decodes in a row
+
+    class AfterDraw(eng.runner.sampler.__class__):
+        calls = 0
+
+        def __call__(self, logits, seqs):
+            out = draw(self, logits, seqs)
+            AfterDraw.calls += 1
+            if AfterDraw.calls - 1 in fail_at:
+                raise KeyboardInterrupt
+            return out
+
+    eng.runner.sampler.__class__ = AfterDraw
+    eng.add(reqs())
+    got, failed = {}, 0
+    while eng.has_work():
+        try:
+            got.update({s.sample_id: s.output_ids.tolist() for s in eng.step()})
+        except KeyboardInterrupt:
+            failed += 1
+    assert failed == 3 and got == clean
+    assert_all_free(eng)

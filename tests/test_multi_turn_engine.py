@@ -173,6 +173,14 @@ def test_an_unknown_truncate_side_is_refused():
         cut_observation(TOK, LONG, 2, "top")
 
 
+def test_a_narrow_integer_prompt_takes_any_ids_after_it():
+    # the engines take uint8 .. int64 prompts; a continuation holds generated and observation ids
+    # past a uint8's range (it was built in the prompt's dtype: an overflow error mid-step)
+    prompt = torch.tensor([5, 17, 42, 99, 120, 7], dtype=torch.uint8)
+    [s] = run(wrap(HALF, Script(OBS, None)), [req(prompt=prompt)])
+    assert s.turns == 2 and s.output_ids.max() >= 256 and s.prompt_ids.dtype == torch.uint8
+
+
 def test_max_turns_stops_the_conversation():
     env = Script(OBS, OBS, OBS, OBS)
     [s] = run(wrap(HALF, env, max_turns=2), [req(max_tokens=200)])

@@ -219,6 +219,8 @@ class NativeEngine:
         for seq in batch.seqs:
             if seq.status is Status.RUNNING:
                 self.scheduler.preempt(seq, count=False)
+        for seq in batch.sampling:  # the step may have drawn for them: their seeds replay as if it had not run
+            self.runner.sampler.rewind(seq)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> Sample:
         self.scheduler.finish(seq)

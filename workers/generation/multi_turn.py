@@ -295,7 +295,8 @@ class MultiTurnEngine:
 
     def _continuation(self, t: Trajectory) -> Request:
         r = t.request
-        prompt = torch.cat([r.prompt_ids.cpu(), torch.tensor(t.output, dtype=r.prompt_ids.dtype)])
+        # int64: a prompt may come in a narrower integer dtype than the ids generated after it
+        prompt = torch.cat([r.prompt_ids.cpu().long(), torch.tensor(t.output, dtype=torch.int64)])
         return dataclasses.replace(r, prompt_ids=prompt, max_tokens=r.max_tokens - len(t.output), min_tokens=0,
                                    group_id=-1, sampling=turn_sampling(r.sampling, t.turns))
 

@@ -79,6 +79,18 @@ class Sampler:
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq.generator
 
+    def rewind(self, seq: Sequence) -> None:
+        """Put ``seq``'s own generator back where its tokens so far left it (a step that failed
+        may have drawn for it): re-seeded and advanced by one draw per sampled token, as
+        ``_uniforms`` draws them (greedy rows draw none). Only on a failed step: O(tokens)."""
+        seed, t = seq.request.sampling.seed, seq.request.sampling.temperature
+        seq.generator = None
+        if seed is None or t < GREEDY_BELOW:
+            return
+        g = self._generator(seq)
+        for _ in range(seq.num_output):
+            torch.rand(1, dtype=torch.float64, device=self.device, generator=g)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [B, V] -> (token ids int64 [B], log-probs float32 [B])."""
         # rows whose EOS is masked (fewer outputs than min_tokens)
