@@ -272,3 +272,30 @@ def test_bootstrap_says_when_the_bpe_learns_fewer_tokens_than_asked(tmp_path, ca
     assert (f"[bootstrap] the BPE learned {vocab} tokens of the 300 asked (model.init's vocab_size)"
             in capsys.readouterr().err)
 
+
+
+def test_a_later_epoch_divides_by_the_micro_batches_it_kept(model_dir, task, monkeypatch):
+    """ppo_epochs re-runs the iteration's micro-batches; one whose loss is not finite in a later
+    epoch is skipped, and that epoch's update divides by what it kept, not by the first's counts."""
+    from workers.trainer import updates
+
+    samples, prompts, groups = make_samples(model_dir, task)
+    w = TrainerWorker(TrainerConfig(algorithm="grpo", ppo_epochs=2, max_tokens_per_microbatch=40), model_dir, task,
+                      device="cpu")
+    divisors, real = [], updates.update
+    monkeypatch.setattr(updates, "update", lambda w, params, d: divisors.append(d) or real(w, params, d))
+    accumulate, dropped = w.accumulate, []
+
+    def second_epoch_drops_the_first(items, log_stats):
+        if not log_stats and not dropped:
+            dropped.append(sum(len(p.output_ids) for p in items))
+            return None  # as a non-finite loss: no backward, no counts
+        return accumulate(items, log_stats)
+
+    monkeypatch.setattr(w, "accumulate", second_epoch_drops_the_first)
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    res = w.step()
+    tokens = sum(len(s.output_ids) for s in samples)
+    assert res.metrics["updates"] == 2 and len(w.trained_batches) == 0 and dropped
+    assert divisors == [tokens, tokens - dropped[0]]  # token_mean: the tokens each epoch trained on

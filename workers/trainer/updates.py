@@ -43,18 +43,32 @@ def update(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float)
     return norms if ok else None
 
 
+def accumulate_all(w: "TrainerWorker", batches: list[list], log_stats: bool) -> float:
+    """Forward + backward of every micro-batch of ``batches`` (gradient sums); the loss divisor of
+    those kept (a non-finite loss is skipped), over all ranks (one all-reduce, on every rank)."""
+    units = torch.zeros(2, dtype=torch.float64, device=w.device)  # tokens, sequences
+    for items in batches:
+        counts = w.accumulate(items, log_stats=log_stats)
+        if counts is not None:
+            units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(w.device)
+    if w.world_size > 1:
+        dist.all_reduce(units, group=w.group)
+    return loss_divisor(float(units[0]), float(units[1]), w.cfg.loss_agg, w.cfg.loss_scale_factor)
+
+
 def streamed_updates(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float
                      ) -> tuple[int, dict[str, float] | None]:
     """``ppo_epochs`` updates on the whole iteration: the first from the gradients accumulated
-    while samples streamed in, each further one re-running its micro-batches at the current
-    weights. -> (updates applied, the first's norms)."""
+    while samples streamed in (``divisor``: their kept micro-batches'), each further one
+    re-running its micro-batches at the current weights, divided by what that pass kept.
+    -> (updates applied, the first's norms)."""
     applied, first = 0, None
-    if divisor <= 0:
-        return applied, first
     for epoch in range(w.cfg.ppo_epochs):
-        if epoch > 0:
-            for items in w.trained_batches:
-                w.accumulate(items, log_stats=False)
+        if epoch > 0:  # the micro-batches this pass keeps (one whose loss is not finite now is not)
+            divisor = accumulate_all(w, w.trained_batches, log_stats=False)
+        if divisor <= 0:
+            w.optimizer.zero_grad(set_to_none=True)
+            break
         norms = update(w, params, divisor)
         if norms is None:
             break
@@ -75,15 +89,7 @@ def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> 
     applied, first = 0, None
     for epoch in range(w.cfg.ppo_epochs):
         for share in shares:
-            units = torch.zeros(2, dtype=torch.float64, device=w.device)  # tokens, sequences
-            for items in share:
-                counts = w.accumulate(items, log_stats=epoch == 0)
-                if counts is not None:
-                    units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(w.device)
-            if w.world_size > 1:
-                dist.all_reduce(units, group=w.group)
-            divisor = loss_divisor(float(units[0]), float(units[1]), w.cfg.loss_agg,
-                                   w.cfg.loss_scale_factor)
+            divisor = accumulate_all(w, share, log_stats=epoch == 0)
             if divisor <= 0:
                 w.optimizer.zero_grad(set_to_none=True)
                 continue
