@@ -237,7 +237,8 @@ class Session:
                 # the latest decision: a joiner arriving later is added at the next decision that still wants one
                 self.want_add = d.add
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
-        if c.train.eval_every and (res.iteration + 1) % c.train.eval_every == 0:
+        last = res.iteration + 1 == c.train.iterations  # evaluated too, as verl's is_last_step
+        if c.train.eval_every and ((res.iteration + 1) % c.train.eval_every == 0 or last):
             self.metrics.log_eval(evaluate(self.program, c.train.eval_prompts), res.iteration)
         if c.train.ckpt_every and (res.iteration + 1) % c.train.ckpt_every == 0:
             self.save_checkpoint(res.iteration + 1)

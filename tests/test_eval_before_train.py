@@ -26,9 +26,10 @@ def test_the_starting_weights_are_evaluated_at_step_minus_one(tmp_path, tiny_mod
     ev.Reload()
     assert [(s.step, round(s.value, 6)) for s in ev.Scalars("eval/mean")] == \
         [(r["iteration"], round(r["eval/mean"], 6)) for r in rows]
-    # a resumed run has its evaluations: none before its first iteration
-    p = torchrun(write_config(tmp_path, tiny_model, train__eval_before_train=True, train__iterations=4),
+    # a resumed run has its evaluations: none before its first iteration; after its last one too,
+    # which eval_every 2 does not divide (verl's is_last_step)
+    p = torchrun(write_config(tmp_path, tiny_model, train__eval_before_train=True, train__iterations=5),
                  extra=["--resume", str(logdir)], timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert [r["iteration"] for r in _eval_rows(logdir)] == [-1, 1, 3]
+    assert [r["iteration"] for r in _eval_rows(logdir)] == [-1, 1, 3, 4]
     assert "evaluation before training" not in p.stderr
