@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controller.config import ConfigError
+from controller.data import StreamState
 from workers.atomic import atomic_dir, remove_stale_temps, restore_moved_aside, write_text
 
 
@@ -153,6 +154,7 @@ def load_state(ckpt: Path) -> ControllerState:
     try:
         state = ControllerState(**json.loads(f.read_text()))
         state.ranker_rows = [(str(t), float(n)) for t, n in state.ranker_rows]  # JSON gives lists
+        StreamState(**state.stream)  # the prompt stream's position: its keys, read when the stream is built
         return state
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{f}: unreadable, the checkpoint is damaged ({e})") from None

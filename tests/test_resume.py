@@ -64,6 +64,11 @@ def test_damaged_controller_json_is_named(tmp_path):
     (root / "iter_000002" / "controller.json").write_text('{"iteration": ')
     with pytest.raises(ConfigError, match=r"iter_000002/controller.json: unreadable"):
         ckpt.load_state(root / "iter_000002")
+    state = {"iteration": 2, "version": 2, "stream": {"seed": 0, "epoch": 0, "posx": 2}, "mode": "stream",
+             "rewards": [], "rng": {}}
+    (root / "iter_000002" / "controller.json").write_text(json.dumps(state))  # the stream's keys: named too
+    with pytest.raises(ConfigError, match=r"iter_000002/controller.json: unreadable.*posx"):
+        ckpt.load_state(root / "iter_000002")
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_partial_copy(tmp_path):
