@@ -401,3 +401,117 @@ def run_on(eng: MultiTurnEngine, max_steps: int = 2000) -> list:
             return out
         out += eng.step()
     raise AssertionError("still has work")
+
+
+class Sandbox:
+    """A stateful environment (verl's BaseTool create / release): ``start`` before a trajectory's
+    first call, ``end`` once it is over; each call gets its trajectory's id."""
+
+    def __init__(self, answers=(OBS, None), gate=None, fail_start=False):
+        self.answers, self.gate, self.fail_start = answers, gate, fail_start
+        self.events, self.open, self.lock = [], {}, threading.Lock()
+        self.ended = threading.Event()
+
+    def start(self, trajectory, task):
+        if self.fail_start:
+            raise RuntimeError("no sandbox left")
+        with self.lock:
+            assert trajectory not in self.open
+            self.open[trajectory] = 0
+            self.events.append(("start", trajectory))
+
+    def __call__(self, task, messages, trajectory):
+        with self.lock:
+            assert trajectory in self.open, trajectory  # started, not ended
+            self.open[trajectory] += 1
+            self.events.append(("call", trajectory))
+            k = self.open[trajectory]
+        if self.gate is not None:
+            self.gate.wait(10)
+        return self.answers[k - 1] if k <= len(self.answers) else None
+
+    def end(self, trajectory):
+        with self.lock:
+            assert self.open.pop(trajectory) >= 1  # only a started one ends, once
+            self.events.append(("end", trajectory))
+        self.ended.set()
+
+
+def _wait_ends(env, n):
+    for _ in range(200):
+        if sum(e[0] == "end" for e in env.events) >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(env.events)
+
+
+def test_an_environment_with_start_and_end_sees_each_trajectory_open_and_close():
+    eos, _ = two_stops()
+    env = Sandbox()
+    reqs = [req(sid, prompt=torch.tensor(TOK.encode(t)), group=sid) for sid, t in
+            enumerate(["what is the answer", "the answer", "obs one"])]
+    out = run(wrap(eos, env, workers=2), reqs)
+    assert sorted(s.sample_id for s in out) == [0, 1, 2]
+    started = sum(e[0] == "start" for e in env.events)
+    assert started >= 2  # (a trajectory whose first turn ran out of budget never called it)
+    _wait_ends(env, started)
+    assert not env.open  # every trajectory the environment saw was ended
+    for tid in {e[1] for e in env.events}:
+        kinds = [k for k, t in env.events if t == tid]
+        assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("start") == kinds.count("end") == 1
+        assert tid.endswith("-0") and int(tid.split("-")[0]) in (0, 1, 2)
+
+
+def test_abort_and_new_weights_end_what_the_environment_started():
+    eos, _ = first_stop()
+    gate = threading.Event()
+    env = Sandbox(gate=gate)
+    eng = wrap(eos, env)
+    eng.add([req(1)])
+    for _ in range(200):
+        if env.events:
+            break
+        eng.step()
+    assert env.events == [("start", "1-0"), ("call", "1-0")]  # its call is running (held at the gate)
+    assert eng.abort([1]) == [1]
+    threading.Event().wait(0.05)
+    assert ("end", "1-0") not in env.events  # not while its call runs: the two never overlap
+    gate.set()
+    _wait_ends(env, 1)
+    assert env.events[-1] == ("end", "1-0") and not env.open
+    # new weights restart a trajectory past its first turn: the old attempt ends, the new one starts
+    env = Sandbox()
+    eng = wrap(eos, env)
+    eng.add([req(1)])
+    for _ in range(200):
+        t = eng._traj.get(1)
+        if t is not None and t.turns == 1 and t.env_call is None:
+            break
+        eng.step()
+    eng.load_weights(MODEL.hf_state_dict().items(), version=1)
+    run_on(eng)
+    _wait_ends(env, 2)
+    assert [e for e in env.events if e[0] != "call"] == [("start", "1-0"), ("end", "1-0"), ("start", "1-1"),
+                                                         ("end", "1-1")]
+
+
+def test_a_start_that_fails_is_the_samples_error_and_nothing_ends():
+    eos, _ = first_stop()
+    env = Sandbox(fail_start=True)
+    [s] = run(wrap(eos, env), [req(5)])
+    assert s.finish_reason == "error" and not env.events
+    assert "multi_turn.env: 'script' start() failed on sample 5 after turn 1 (RuntimeError: no sandbox left)" in s.error
+
+
+def test_close_ends_the_trajectories_in_flight():
+    eos, _ = first_stop()
+    env = Sandbox(answers=(OBS, OBS, OBS))
+    eng = wrap(eos, env)
+    eng.add([req(3)])
+    for _ in range(200):
+        if env.events:
+            break
+        eng.step()
+    eng.close()
+    _wait_ends(env, 1)
+    assert ("end", "3-0") in env.events and not env.open

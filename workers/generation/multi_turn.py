@@ -21,6 +21,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import hashlib
+import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -34,8 +36,19 @@ from workers.types import EngineStats, Request, Sample, SamplingParams, TaskProm
 # (a str: a tool message; a {"role", "content"} dict as is; None: the trajectory is done), or an
 # awaitable of one (an ``async def`` environment: awaited on the pool thread)
 Env = Callable[[TaskPrompt | None, list[dict]], "str | dict | None"]
+log = logging.getLogger("streamrl.multi_turn")
 WAIT_S = 0.05  # the longest step() waits for an environment call when the engine is idle
 _SYSTEM = {"role": "system", "content": ""}
+
+
+def takes_trajectory(env) -> bool:
+    """Whether ``env`` (a function, or an object's ``__call__``) takes a ``trajectory`` keyword:
+    then each call gets the trajectory's id, as its ``start`` and ``end`` do."""
+    try:
+        params = inspect.signature(env).parameters
+    except (TypeError, ValueError):
+        return False
+    return "trajectory" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def observation_message(out) -> dict | None:
@@ -112,6 +125,13 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     weight_version: int = 0
     env_call: cf.Future | None = None  # the environment's answer being computed
+    attempt: int = 0  # restarts after new weights (each attempt is a trajectory of its own)
+    started: bool = False  # the environment's ``start`` was asked for (before its first call)
+
+    @property
+    def tid(self) -> str:
+        """The id the environment sees: the sample id and the attempt ("12000003-0")."""
+        return f"{self.request.sample_id}-{self.attempt}"
 
     def absorb(self, s: Sample) -> None:
         """A finished turn: its tokens (the policy's) go on the output."""
@@ -156,6 +176,8 @@ class MultiTurnEngine:
         self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
         self.truncate_side = truncate_side
         self.pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="multi_turn_env")
+        self._start, self._end = getattr(env, "start", None), getattr(env, "end", None)  # per-trajectory hooks
+        self._takes_id = takes_trajectory(env)
         self._traj: dict[int, Trajectory] = {}  # sample_id -> its trajectory (in the engine or the env)
         self._waiting: dict[int, Trajectory] = {}  # those waiting on an environment call, in call order
         self._ready: list[Sample] = []  # finished between steps (restarts refused), returned by the next
@@ -180,7 +202,7 @@ class MultiTurnEngine:
             self._traj[r.sample_id] = Trajectory(r, self._prompt_messages(r))
             accepted.append(r)
         for s in self.inner.add(accepted):
-            self._traj.pop(s.sample_id, None)
+            self._retire(s.sample_id)
             refused.append(s)
         return refused
 
@@ -214,14 +236,14 @@ class MultiTurnEngine:
                 out.append(s)
                 continue
             if s.finish_reason == "error":
-                del self._traj[s.sample_id]
+                self._retire(s.sample_id)
                 out.append(s)
                 continue
             t.absorb(s)
             if s.finish_reason == "stop" and t.turns < self.max_turns and self._room(t) > 0:
                 self._call_env(t, s.output_ids)
             else:
-                del self._traj[s.sample_id]
+                self._retire(s.sample_id)
                 out.append(t.sample(s.finish_reason))
         return out
 
@@ -233,18 +255,26 @@ class MultiTurnEngine:
     def _call_env(self, t: Trajectory, turn_ids: torch.Tensor) -> None:
         t.messages.append({"role": "assistant",
                            "content": self.tokenizer.decode(turn_ids, skip_special_tokens=True)})
+        first, t.started = not t.started, True
         t.env_call = self.pool.submit(self._observe, t.request.task, [dict(m) for m in t.messages],
-                                      t.request.sample_id, t.turns)
+                                      t.request.sample_id, t.turns, t.tid, first)
         self._waiting[t.request.sample_id] = t
 
-    def _observe(self, task: TaskPrompt | None, messages: list[dict], sample_id: int, turn: int) -> _Observation:
-        """The environment's answer to a conversation, tokenised (on a pool thread)."""
+    def _observe(self, task: TaskPrompt | None, messages: list[dict], sample_id: int, turn: int, tid: str,
+                 first: bool) -> _Observation:
+        """The environment's answer to a conversation, tokenised (on a pool thread); before the
+        trajectory's first call, the environment's ``start``."""
+        what = "start() failed"
         try:
             # an async env's coroutine runs to its end on the process's one event loop (as async
             # rewards do): a client it keeps stays bound to that loop
-            message = observation_message(resolve(self.env(task, messages)))
+            if first and self._start is not None:
+                resolve(self._start(tid, task))
+            what = "failed"
+            kw = {"trajectory": tid} if self._takes_id else {}
+            message = observation_message(resolve(self.env(task, messages, **kw)))
         except Exception as e:  # noqa: BLE001 - your environment's failure: the sample's error
-            return _Observation(error=f"multi_turn.env: {self.spec!r} failed on sample {sample_id} after turn "
+            return _Observation(error=f"multi_turn.env: {self.spec!r} {what} on sample {sample_id} after turn "
                                       f"{turn} ({type(e).__name__}: {e})")
         if message is None:
             return _Observation()
@@ -266,20 +296,20 @@ class MultiTurnEngine:
                 continue
             del self._waiting[sid]
             if t.env_call.cancelled():  # close() cancelled it: the trajectory is gone
-                del self._traj[sid]
+                self._retire(sid)
                 continue
             obs, t.env_call = t.env_call.result(), None
             if obs.error:
-                del self._traj[sid]
+                self._retire(sid)
                 out.append(error_sample(t.request, obs.error, t.weight_version))
                 continue
             if obs.message is None:  # done: the last turn ended in EOS
-                del self._traj[sid]
+                self._retire(sid)
                 out.append(t.sample("stop"))
                 continue
             ids = obs.ids
             if len(ids) >= self._room(t):  # no room for it and a generated token: done (as verl)
-                del self._traj[sid]
+                self._retire(sid)
                 out.append(t.sample("length"))
                 continue
             t.messages.append(obs.message)
@@ -289,9 +319,33 @@ class MultiTurnEngine:
             continuations.append(self._continuation(t))
         if continuations:
             for s in self.inner.add(continuations):
-                self._traj.pop(s.sample_id, None)
+                self._retire(s.sample_id)
                 out.append(s)
         return out
+
+    def _retire(self, sid: int) -> None:
+        """``sid``'s trajectory is over (out, refused, aborted, restarted): forgotten, and the
+        environment's ``end`` asked for on the pool when its ``start`` was (after the call in
+        flight, if any: the two never overlap)."""
+        t = self._traj.pop(sid, None)
+        if t is None or not t.started or self._end is None:
+            return
+        if t.env_call is not None and not t.env_call.done():
+            t.env_call.add_done_callback(lambda _: self._submit_end(t.tid))
+        else:
+            self._submit_end(t.tid)
+
+    def _submit_end(self, tid: str) -> None:
+        try:
+            self.pool.submit(self._run_end, tid)
+        except RuntimeError:  # the pool is shut down (close): end it here
+            self._run_end(tid)
+
+    def _run_end(self, tid: str) -> None:
+        try:
+            resolve(self._end(tid))
+        except Exception as e:  # noqa: BLE001 - the sample is out already: said, not raised
+            log.warning("multi_turn.env: %r end(%r) failed (%s: %s)", self.spec, tid, type(e).__name__, e)
 
     def _continuation(self, t: Trajectory) -> Request:
         r = t.request
@@ -306,7 +360,7 @@ class MultiTurnEngine:
         their turns in the inner engine; the ids aborted, in the order given."""
         aborted, in_engine = [], []
         for sid in sample_ids:
-            t = self._traj.pop(sid, None)
+            t = self._traj.get(sid)
             if t is None:
                 continue
             aborted.append(sid)
@@ -314,6 +368,7 @@ class MultiTurnEngine:
                 t.env_call.cancel()  # (one already running finishes; nothing reads it)
             else:
                 in_engine.append(sid)
+            self._retire(sid)
         self.inner.abort(in_engine)
         return aborted
 
@@ -325,11 +380,13 @@ class MultiTurnEngine:
         restart = [t for t in self._traj.values() if t.turns > 0]
         self.inner.abort([t.request.sample_id for t in restart if t.env_call is None])
         for t in restart:
-            if self._waiting.pop(t.request.sample_id, None) is not None:
+            sid = t.request.sample_id
+            if self._waiting.pop(sid, None) is not None:
                 t.env_call.cancel()
-            self._traj[t.request.sample_id] = Trajectory(t.request, self._prompt_messages(t.request))
+            self._retire(sid)
+            self._traj[sid] = Trajectory(t.request, self._prompt_messages(t.request), attempt=t.attempt + 1)
         for s in self.inner.add([t.request for t in restart]):
-            self._traj.pop(s.sample_id, None)
+            self._retire(s.sample_id)
             self._ready.append(s)
 
     def set_max_batch_size(self, n: int) -> None:
@@ -339,5 +396,9 @@ class MultiTurnEngine:
         return self.inner.stats()
 
     def close(self) -> None:
+        """Pending environment calls are cancelled; the trajectories the environment started get
+        their ``end`` (here, after the pool: a running call may still be finishing)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for sid in list(self._traj):
+            self._retire(sid)
         self.inner.close()

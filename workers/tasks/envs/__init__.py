@@ -10,7 +10,9 @@ is (``role: user`` for a user simulator), None ends the trajectory. It runs on a
 
 ``multi_turn.env`` names a built-in one (``ENVS``) or your own, ``module:fn`` / ``file.py:fn``;
 a class is built once per generation instance (no arguments) and its instances are called
-(``make_env``). A ``TOOLS`` attribute (a list of OpenAI tool schemas) is what the policy's
+(``make_env``). Per-trajectory state (verl's tool create / release): an environment object may
+have ``start(trajectory, task)`` and ``end(trajectory)``, and its call may take a ``trajectory``
+keyword (``MultiTurnEngine``; docs/multi_turn.md). A ``TOOLS`` attribute (a list of OpenAI tool schemas) is what the policy's
 prompts show when ``multi_turn.tools`` is empty (``tools.py``).
 """
 from __future__ import annotations
