@@ -342,7 +342,10 @@ class GenerationInstance:
                         if self._take_cancel(token):
                             self.engine.abort([r.sample_id for r in requests])
                             return EvalOutput(self.version, out, cancelled=True)
-                        out += [(s.sample_id, s.output_ids.tolist()) for s in self.engine.step()]
+                        for s in self.engine.step():
+                            if s.finish_reason == "error":  # (scored as an empty answer before)
+                                raise RuntimeError(f"gen{self.rank}: {stage} sample {s.sample_id} failed: {s.error}")
+                            out.append((s.sample_id, s.output_ids.tolist()))
                 except BaseException:
                     # the accepted requests of this call must not stay queued and run inside the
                     # next generate() as training samples

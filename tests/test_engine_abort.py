@@ -362,3 +362,23 @@ def test_an_eval_failing_mid_way_leaves_nothing_queued(tiny_model):  # noqa: F81
     inst.engine.step = step
     assert not inst.engine.has_work() and inst.engine.stats().kv_blocks_used == 0
     assert inst.evaluate(ok) == want
+
+
+def test_an_eval_sample_that_failed_fails_the_call(tiny_model):  # noqa: F811
+    # an error sample (a multi-turn environment that raised, a request vLLM refused when admitting
+    # it) came back as an empty output, scored as a wrong answer; generate() raises for it
+    from dataclasses import replace
+
+    inst = _instance(1, tiny_model, SinkTrainer(), max_batch_size=2)
+    ok = [Request(i, torch.tensor([1, 2, 3 + i]), 6, 6, sampling=GREEDY) for i in range(4)]
+    step = inst.engine.step
+
+    def one_fails():
+        return [replace(s, finish_reason="error", error="multi_turn.env: boom") if s.sample_id == 2 else s
+                for s in step()]
+
+    inst.engine.step = one_fails
+    with pytest.raises(RuntimeError, match="gen1: eval sample 2 failed: multi_turn.env: boom"):
+        inst.evaluate(ok)
+    inst.engine.step = step
+    assert not inst.engine.has_work() and inst.engine.stats().kv_blocks_used == 0
