@@ -23,6 +23,16 @@ def test_engine_args_cpu():
     assert a["scheduling_policy"] == "priority" and a["enable_prefix_caching"]
     assert a["skip_tokenizer_init"] and a["logprobs_mode"] == "processed_logprobs"
     assert a["max_model_len"] == 512 and a["kv_cache_dtype"] == "auto"
+    assert a["enable_chunked_prefill"] is True
+
+
+def test_chunked_prefill_off_reaches_vllm_with_a_budget_that_holds_a_whole_prompt():
+    # engine.enable_chunked_prefill: false was dropped (vLLM chunked anyway); vLLM without chunks
+    # refuses a step budget below max_model_len, so the budget grows to it (review, session 47)
+    cfg = EngineConfig(backend="vllm", max_batch_size=8, kv_cache_tokens=4096, device="cpu", max_prefill_tokens=100,
+                       enable_chunked_prefill=False)
+    a = vllm_args.engine_args(cfg, "/m", MC)
+    assert a["enable_chunked_prefill"] is False and a["max_num_batched_tokens"] == a["max_model_len"] == 512
 
 
 def test_max_model_len_capped_so_one_sequence_fits_the_cache():

@@ -87,7 +87,11 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         seed=cfg.seed,
         max_model_len=max_model_len(cfg, mc),
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(cfg.max_prefill_tokens, max_num_seqs),
+        # vLLM without chunking never splits a prompt, so its step budget must hold the longest
+        # (it refuses a smaller one); the native engine admits such a prompt alone, whole
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        max_num_batched_tokens=max(cfg.max_prefill_tokens, max_num_seqs,
+                                   0 if cfg.enable_chunked_prefill else max_model_len(cfg, mc)),
         block_size=block,
         num_gpu_blocks_override=num_blocks,
         kv_cache_memory_bytes=num_blocks * block * bytes_per_token,
