@@ -76,6 +76,18 @@ def test_greedy_parity_with_native(setup):
         torch.testing.assert_close(g.logprobs, w.logprobs, atol=2e-4, rtol=0)
 
 
+def test_chunked_prefill_off_reaches_vllm(setup):
+    # engine.enable_chunked_prefill: false (vLLM's own key) with a budget below the prompts: vLLM
+    # takes it (its step budget grown to max_model_len) and the outputs are the native engine's
+    eng = make_engine(_cfg("vllm", enable_chunked_prefill=False, max_prefill_tokens=16), setup["dir"])
+    try:
+        reqs = _greedy(_prompts([40, 5, 64]), 8, first_id=100)
+        got, want = generate_all(eng, reqs), generate_all(setup["native"], reqs)
+        assert [g.output_ids.tolist() for g in got] == [w.output_ids.tolist() for w in want]
+    finally:
+        eng.close()
+
+
 def test_eos_stops_unless_length_forced(setup):
     p = _prompts([5])
     free = generate_all(setup["vllm"], _greedy(p, 6, min_new=0))[0]
