@@ -190,6 +190,39 @@ def test_a_reward_that_calls_sys_exit_costs_its_sample_not_the_pool():
     pool.close()
 
 
+def test_a_reward_that_raises_cancelled_error_costs_its_sample_not_the_pool():
+    # asyncio.CancelledError is a BaseException too (asyncio.run over a gather whose task was
+    # cancelled): it ended the reward thread, and the sample waited forever (review, session 47)
+    import asyncio
+
+    class Cancels(Rule):
+        def score(self, prompt, completion):
+            if completion == "cancel":
+                async def main():
+                    t = asyncio.ensure_future(asyncio.sleep(10))
+                    await asyncio.sleep(0)
+                    t.cancel()
+                    await asyncio.gather(t)
+                return asyncio.run(main())
+            return super().score(prompt, completion)
+
+        def score_batch(self, prompts, completions):  # the batch path catches the same
+            if "cancel" in completions:
+                raise asyncio.CancelledError()
+            return [self.score(p, c) for p, c in zip(prompts, completions)]
+
+    pool = RewardPool(Cancels(), workers=1)
+    out = [pool.result(p) for p in _many(pool, ["cancel", "5"])]  # one score_batch call
+    assert [s.why for s in out] == ["the task's score_batch raised CancelledError()"] * 2
+    pool.close()
+    del Cancels.score_batch
+    pool = RewardPool(Cancels(), workers=1)
+    out = _all(pool, ["cancel", "5"])
+    assert [(s.score, s.why) for s in out][1] == (1.0, "")
+    assert out[0].why == "the task's score raised CancelledError()"
+    pool.close()
+
+
 def test_a_batch_past_its_deadline_costs_its_samples_only():
     task = Many()
     pool = RewardPool(task, workers=1, timeout_s=0.3)

@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
 
-from workers.tasks.scoring import safe_score, safe_score_batch, score_batch_of
+from workers.tasks.scoring import USER_ERRORS, safe_score, safe_score_batch, score_batch_of
 from workers.types import Task, TaskPrompt
 
 REWARD_POOLS = ("threads", "processes")
@@ -217,7 +217,7 @@ class _Processes:
         except ProcessExpired as e:
             return Scored(math.nan, f"the reward process running the task's score died (exit code {e.exitcode})",
                           0.0)
-        except Exception as e:  # noqa: BLE001 - e.g. a result that does not pickle
+        except USER_ERRORS as e:  # noqa: BLE001 - e.g. a result that does not pickle
             return Scored(math.nan, f"the reward process failed: {type(e).__name__}: {e}", 0.0)
 
     def close(self) -> None:

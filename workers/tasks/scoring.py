@@ -121,6 +121,12 @@ class _Watch:
 WATCH = _Watch()
 
 
+# what a user's score may raise that costs only its sample: besides Exception, SystemExit
+# (sys.exit) and asyncio.CancelledError (asyncio.run over a cancelled task), BaseExceptions that
+# ended a reward thread without an answer (its sample waited forever); Ctrl-C is not among them
+USER_ERRORS = (Exception, SystemExit, asyncio.CancelledError)
+
+
 def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a sample") -> tuple[float, str]:
     """-> (the task's score, "") or (NaN, why): it raised, or gave no finite number (a number,
     verl's {"score": ...}, an awaitable of either: ``as_score``). ``what`` names the call in the
@@ -128,8 +134,8 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a s
     key = WATCH.enter(what)
     try:
         score = as_score(task.score(prompt, completion))
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit too: on a
-        # reward thread it ended the thread, its score never came and the trainer waited forever)
+    except USER_ERRORS as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit too: on a reward
+        # thread it ended the thread, its score never came and the trainer waited forever)
         return float("nan"), f"the task's score raised {e!r}"
     finally:
         WATCH.leave(key)
@@ -177,7 +183,7 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
                 continue
             scored.append(_finite(score))
         return scored
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
+    except USER_ERRORS as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
         return [(math.nan, f"the task's score_batch raised {e!r}")] * n
     finally:
         WATCH.leave(key)
