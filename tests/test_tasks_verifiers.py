@@ -52,6 +52,16 @@ def test_numeric_reads_the_marked_answer(reference, completion):
     assert numeric(item(reference), completion) == 1.0
 
 
+def test_numeric_integers_are_equal_or_not_and_a_unicode_minus_is_a_sign():
+    # the default relative tolerance (1e-6) made different large integers one answer (review, s47)
+    assert numeric(item("1234567"), "#### 1234568") == 0.0 and numeric(item("1234567"), "#### 1234567.0") == 1.0
+    assert numeric(item("2000000"), "answer: 2000001") == 0.0
+    assert numeric(item("0.3333333"), "answer: 1/3") == 1.0  # not both integers: the tolerance
+    assert make_verifier("numeric", {"rel_tol": 1e-6})(item("2000000"), "answer: 2000001") == 1.0  # asked for
+    assert numeric(item("5"), "answer: \u22125") == 0.0 and numeric(item("-5"), "answer: \u22125") == 1.0
+    assert numeric(item("-3/4"), "so \u22123/4") == 1.0
+
+
 def test_numeric_tolerances_are_options():
     assert make_verifier("numeric", {"rel_tol": 0.1})(item("100"), "answer=95") == 1.0
     assert make_verifier("numeric")(item("100"), "answer=95") == 0.0

@@ -23,6 +23,7 @@ _SIGNED = rf"[-+]?{_DECIMAL}"
 _FRAC = rf"\\[dt]?frac\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))"
 _VALUE = re.compile(rf"([-+]?)\s*{_FRAC}|({_SIGNED})(?:\s*/\s*({_SIGNED}))?")
 MAX_EXPONENT = 400  # "1e999999999" is text, not a value worth building
+MINUS = "\u2212"  # the Unicode minus sign (typeset math, some models' output): read as "-"
 
 
 def last_boxed(text: str) -> tuple[int, int, str] | None:
@@ -93,7 +94,7 @@ def _from_match(m: re.Match) -> Fraction | None:
 def value(text: str) -> Fraction | None:
     """The exact value of ``text`` when all of it is one number (``72``, ``-1,000.5``, ``1e3``,
     ``3/4``, ``\\frac{3}{4}``, ``\\dfrac34``; surrounding ``$`` and a final period allowed), else None."""
-    text = text.strip().strip("$").strip()
+    text = text.replace(MINUS, "-").strip().strip("$").strip()
     text = text[:-1] if text.endswith(".") and not text.endswith("..") else text
     m = _VALUE.fullmatch(text)
     return _from_match(m) if m else None
@@ -101,7 +102,7 @@ def value(text: str) -> Fraction | None:
 
 def numbers_in(text: str) -> list[Fraction]:
     """Every number written in ``text``, in order (the forms ``value`` reads)."""
-    found = (_from_match(m) for m in _VALUE.finditer(text))
+    found = (_from_match(m) for m in _VALUE.finditer(text.replace(MINUS, "-")))
     return [v for v in found if v is not None]
 
 

@@ -8,7 +8,9 @@ Built in (``VERIFIERS``; their options come from ``task.kwargs.verifier_kwargs``
 * ``numeric(rel_tol, abs_tol)``: a reference that is one number (``72``, ``1,000``, ``3/4``,
   ``\\frac{1}{2}``) is compared by value with the answer: all of the answer when it is one
   number, else the first number after the tag or mark (the one it marks), else the
-  completion's last number. Any other reference (a ratio ``2:30``, a tuple, an equation) must
+  completion's last number; within ``rel_tol`` (default 1e-6) / ``abs_tol`` (1e-9), except
+  that without either option two integers must be equal (``2000001`` is not ``2000000``); a
+  Unicode minus (U+2212) is a sign. Any other reference (a ratio ``2:30``, a tuple, an equation) must
   equal the answer's text, spaces and surrounding ``$`` aside.
 * ``gsm8k(method, format_score, score)``: verl's GSM8K rule. ``strict``: the number after the
   last ``#### ``; ``flexible``: the completion's last number. Commas and ``$`` are removed;
@@ -71,7 +73,10 @@ def exact(prompt: TaskPrompt, completion: str) -> float:
         return 0.0
 
 
-def numeric(prompt: TaskPrompt, completion: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
+REL_TOL, ABS_TOL = 1e-6, 1e-9  # numeric's tolerances when not given (not between two integers)
+
+
+def numeric(prompt: TaskPrompt, completion: str, rel_tol: float | None = None, abs_tol: float | None = None) -> float:
     try:
         span, marked = answer_span(completion)
         want = value(prompt.answer)
@@ -81,7 +86,11 @@ def numeric(prompt: TaskPrompt, completion: str, rel_tol: float = 1e-6, abs_tol:
         if got is None:
             found = numbers_in(span)
             got = (found[0] if marked else found[-1]) if found else None
-        return float(got is not None and close(got, want, rel_tol, abs_tol))
+        if got is None:
+            return 0.0
+        if rel_tol is None and abs_tol is None and got.denominator == want.denominator == 1:
+            return float(got == want)  # a default relative tolerance made 2000000 and 2000001 one answer
+        return float(close(got, want, REL_TOL if rel_tol is None else rel_tol, ABS_TOL if abs_tol is None else abs_tol))
     except Exception:  # noqa: BLE001
         return 0.0
 
@@ -114,8 +123,9 @@ def _option(name: str, x, low: float = -math.inf) -> float:
     return float(x)
 
 
-def _numeric_verifier(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> Verifier:
-    return partial(numeric, rel_tol=_option("rel_tol", rel_tol, 0), abs_tol=_option("abs_tol", abs_tol, 0))
+def _numeric_verifier(rel_tol: float | None = None, abs_tol: float | None = None) -> Verifier:
+    return partial(numeric, rel_tol=None if rel_tol is None else _option("rel_tol", rel_tol, 0),
+                   abs_tol=None if abs_tol is None else _option("abs_tol", abs_tol, 0))
 
 
 def _gsm8k_verifier(method: str = "strict", format_score: float = 0.0, score: float = 1.0) -> Verifier:
