@@ -249,11 +249,14 @@ class Program:
         return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}  # NaN: constant lengths
 
     def _true_lengths(self, b: Batch, lengths: dict[int, int]) -> list[tuple[str, float]]:
-        """(prompt text, generated length) of every sample of this iteration (``lengths``, as
-        the trainers took them): the ranker's online-update rows."""
-        g = self.per_prompt
-        return [(b.items[(sid - b.iteration * SAMPLE_STRIDE) // g].prompt, float(lengths[sid]))
-                for sid in sorted(lengths)]
+        """(prompt text, the mean length of its samples) of each prompt of this iteration
+        (``lengths``, as the trainers took them): the ranker's online-update rows, with the
+        target its bootstrap fits (``measure_lengths``: a prompt's mean over its samples; rows
+        per sample made an l1 ranker learn their median instead)."""
+        g, per = self.per_prompt, {}
+        for sid, n in lengths.items():
+            per.setdefault((sid - b.iteration * SAMPLE_STRIDE) // g, []).append(n)
+        return [(b.items[i].prompt, sum(ns) / len(ns)) for i, ns in sorted(per.items())]
 
     def _wait_push(self, waiting: Completions) -> None:
         """Wait for a weight push's calls, in the order they end (a receiver's error is said at

@@ -83,7 +83,7 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert [r["num_tokens"] for r in rows] == [8 * 6] * 3  # every sample forced to the trace's 6 tokens
     assert [r["gen_version"] for r in rows] == [0, 0, 2]  # async lag 1, then a sync iteration
     assert [r["staleness_max"] for r in rows] == [0, 1, 0]
-    assert [r["ranker_rows"] for r in rows] == [0, 16, 0]  # iterations 0-1's samples, after iteration 1
+    assert [r["ranker_rows"] for r in rows] == [0, 8, 0]  # iterations 0-1's prompts (their samples' mean), after 1
     assert [r["batch"]["response_len_max"] for r in rows] == [6] * 3 and rows[0]["batch"]["response_clip_ratio"] == 0
     summary = last_json(p.stdout)
     assert summary["iterations"] == 3 and summary["mode"] == "stream"
