@@ -99,6 +99,7 @@ def test_weight_sync_section_takes_the_run_topology():
     assert plan.kind == "tree" and plan.senders == (2,)
     default = from_dict(_cfg(), 3).weight_sync
     assert default.bucket_bytes == 4_000_000 and default.tree_shape == "chain" and not default.naive
+    assert from_dict(_cfg(weight_sync={"bucket_mb": 4.1}), 3).weight_sync.bucket_bytes == 4_100_000  # not 4,099,999
 
 
 def test_more_ranks_than_world_is_an_error():

@@ -62,7 +62,7 @@ class WeightSyncConfig:
         """Validate the ``weight_sync`` section (None -> defaults; ``ConfigError`` naming the key).
         ``topology``: the run's (None: one datacenter)."""
         sec = build_section(WeightSyncSection, "weight_sync", dict(cfg) if isinstance(cfg, Mapping) else cfg)
-        return cls(bucket_bytes=max(1, int(sec.bucket_mb * 1e6)), tree_shape=sec.tree_shape, naive=sec.naive,
+        return cls(bucket_bytes=max(1, round(sec.bucket_mb * 1e6)), tree_shape=sec.tree_shape, naive=sec.naive,
                    topology=Topology() if topology is None else topology)
 
     def plan(self, senders: Sequence[int], receivers: Sequence[int],
