@@ -4,7 +4,7 @@ allows (new admissions, the next chunk of a long prompt). The outputs equal reco
 separate steps' do; the running batch is never left out of a step while something is admitted."""
 import pytest
 import torch
-from test_engine import MODEL, check_against_recompute, engine, greedy_requests, prompts
+from test_engine import check_against_recompute, engine, greedy_requests, prompts
 from test_engine import _cpu_kernel_or_skip as cpu_kernel_or_skip
 
 from workers.generation.engine import generate_all
