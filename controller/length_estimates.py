@@ -79,6 +79,8 @@ class BinnedPosterior:
     bins: int = 10
 
     def __post_init__(self):
+        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 1:
+            raise ValueError(f"BinnedPosterior: bins must be an int >= 1, got {self.bins!r}")
         if len(self.ref_est) != len(self.ref_true) or len(self.ref_est) < self.bins:
             raise ValueError(f"BinnedPosterior: need >= {self.bins} held-out (estimate, true) pairs, "
                              f"got {len(self.ref_est)} / {len(self.ref_true)}")

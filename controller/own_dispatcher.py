@@ -4,6 +4,7 @@ and each plan it makes checked before the SGS acts on it (``checked_plan``)."""
 from __future__ import annotations
 
 import collections
+import numbers
 import os
 import traceback
 
@@ -64,8 +65,8 @@ def _where(e: BaseException) -> str:
 
 
 def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan:
-    """``plan`` if it is one the SGS can run: a DispatchPlan with one request list and one batch
-    cap (an int >= 1) per instance, every request index exactly once. Otherwise a ValueError
+    """``plan`` if it is one the SGS can run: a DispatchPlan with one request list (a list of
+    int indices) and one batch cap (an int >= 1) per instance, every request index exactly once. Otherwise a ValueError
     naming the dispatcher and what is wrong (a lost or doubled request would hang or skew the
     iteration, not fail it)."""
     if not isinstance(plan, DispatchPlan):
@@ -77,11 +78,20 @@ def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan
     bad_caps = [c for c in plan.batch_caps if isinstance(c, bool) or not isinstance(c, int) or c < 1]
     if bad_caps:
         raise ValueError(f"dispatcher {name!r}: batch caps must be ints >= 1, got {bad_caps[:4]}")
+    for j, idx in enumerate(plan.per_instance):
+        # checked here, as the count below would take 1.0 for 1 and the SGS indexes with them
+        if not isinstance(idx, (list, tuple)):
+            raise ValueError(f"dispatcher {name!r}: the plan's request list for instance {j} is a "
+                             f"{type(idx).__name__}, not a list of request indices")
+        bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+        if bad:
+            raise ValueError(f"dispatcher {name!r}: request indices must be ints; instance {j}'s list "
+                             f"has {', '.join(f'{i!r} ({type(i).__name__})' for i in bad[:4])}")
     counts = collections.Counter(i for idx in plan.per_instance for i in idx)
     if sorted(counts.elements()) != list(range(requests)):
         missing = sorted(set(range(requests)) - set(counts))
         twice = sorted(i for i, n in counts.items() if n > 1)
-        other = sorted(i for i in counts if not (isinstance(i, int) and 0 <= i < requests))
+        other = sorted(i for i in counts if not 0 <= i < requests)
         raise ValueError(f"dispatcher {name!r}: the plan must place each of the {requests} requests once; "
                          f"missing {missing[:6]}, twice {twice[:6]}, not a request index {other[:6]}")
     return plan

@@ -274,7 +274,9 @@ class SkewDispatcher:
         arr = np.asarray(lens, dtype=float)
         out = {}
         for alpha in (self.alphas[:1] if n == 1 else self.alphas):
-            n_long = min(m, max(1, math.ceil(alpha * m))) if m else 0
+            # rounded before the ceil: in floats 0.07 * 100 is 7.000000000000001 (a class of 8); the
+            # float error, ~1e-16 of alpha * m, stays far below the 1e-9 rounding for m up to ~1e6
+            n_long = min(m, max(1, math.ceil(round(alpha * m, 9)))) if m else 0
             long_idx, reg_idx = order[:n_long], order[n_long:]
 
             def l_avg(idx: list[int], q: float) -> float:

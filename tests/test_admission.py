@@ -1,6 +1,7 @@
 """``engine.admission``: your own admission key (workers/generation/admission.py) on the native
 engine: the smallest key first, ties in arrival order; a request the key fails for is admitted
 last, said once. Both backends: test_engine_conformance.py; load-time checks: test_config.py."""
+import numpy as np
 import pytest
 import torch
 
@@ -45,3 +46,24 @@ def test_your_own_admission_key(tmp_path, caplog):
         "fails for are admitted last (said once)" in said[0]
     with pytest.raises(ValueError, match=r"engine.admission: must be one of \('fcfs', 'lpt'\), or module:fn"):
         engine(admission="sjf")
+
+
+@pytest.mark.parametrize("out, said", [(np.int64(7), None), (np.float32(2.5), None), (7, None),
+                                       (10 ** 400, r"returned 10{56}\.\.\."),
+                                       (10 ** 5000, "returned an int too long to print"),
+                                       (float("nan"), "returned nan"), (True, "returned True"),
+                                       ("3", "returned '3'"), (torch.tensor(1.5), None)],
+                         ids=["int64", "float32", "int", "1e400", "1e5000", "nan", "bool", "str", "tensor"])
+def test_an_admission_key_is_any_finite_real_number(out, said):
+    # numpy's scalars were refused as "not a finite number"; an int past float's range raised
+    # an OverflowError that escaped the lenient key (it admits only a ValueError's request last)
+    from workers.generation.admission import _Checked, _Lenient
+
+    req = Request(sample_id=5, prompt_ids=torch.tensor([1, 2]), max_tokens=2)
+    key = _Checked(lambda r: out, "mine")
+    if said is None:
+        assert key(req) == float(out) and type(key(req)) is float
+        return
+    with pytest.raises(ValueError, match=rf"engine.admission 'mine' {said}, not a finite number"):
+        key(req)
+    assert _Lenient(key)(req) == float("inf")  # admitted last, not an error out of the engine

@@ -123,6 +123,13 @@ def test_even_split_is_no_better_than_algorithm1():
     assert even_split(model, 16).gen_gpus == 8
 
 
+def test_even_split_reports_the_gpus_its_rounding_leaves_over():
+    # 100 GPUs in units of 8: 48 + 48, and the 4 left over were in neither nor released (a review)
+    model = StageModel(lambda k: 10.0 / k, lambda y: 10.0 / y, gen_unit=8, train_unit=8, train_min=8)
+    a = even_split(model, 100)
+    assert (a.gen_gpus, a.train_gpus, a.released_gen, a.released_train) == (48, 48, 0, 4)
+
+
 def test_lower_convex_hull():
     assert lower_convex_hull([10, 6, 5.5, 3, 2.9]) == pytest.approx([10, 6, 4.5, 3, 2.9])
     assert lower_convex_hull([4.0]) == [4.0]

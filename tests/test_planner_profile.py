@@ -3,6 +3,7 @@
 Wall-clock numbers are never asserted: the measuring logic is checked with a step-counting
 clock (each engine step "costs" 10 ms + 1 ms per running sequence), so the recovered PTL(BS)
 must equal that law exactly; the real clock is only checked for shape."""
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,19 @@ def test_profile_trainer_fits_a_line():
     with pytest.raises(ValueError, match="at least 2 distinct token_counts"):
         profile_trainer(train, token_counts=(5, 5))
     assert TrainProfile(1e-3).source == "measured"
+
+
+@pytest.mark.parametrize("kw, said", [({"s_per_token": float("nan")}, r"\{'s_per_token': nan\} must be finite"),
+                                      ({"s_per_token": 1e-3, "fixed_s": float("inf")}, r"\{'fixed_s': inf\}"),
+                                      ({"s_per_token": -1.0}, r"\{'s_per_token': -1.0\}"),
+                                      ({"s_per_token": "1e-3"}, r"\{'s_per_token': '1e-3'\}"),
+                                      ({"s_per_token": 1e-3, "ranks": 2.5}, r"ranks must be an int >= 1, got 2.5"),
+                                      ({"s_per_token": 1e-3, "ranks": 0}, r"ranks must be an int >= 1, got 0")])
+def test_a_train_profile_is_finite_numbers(kw, said):
+    # NaN/inf (a JSON file may hold NaN) passed and made every planner time NaN/inf; PTLProfile refuses them
+    with pytest.raises(ValueError, match="TrainProfile: " + said):
+        TrainProfile(**kw)
+    assert TrainProfile(0.0, 0.0, np.int64(2)).ranks == 2  # free training and numpy ints are fine
 
 
 def test_profile_trainer_takes_the_median_pass():

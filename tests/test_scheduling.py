@@ -179,6 +179,15 @@ def test_figure6_paper_alpha_keeps_long_tail_together():
             < max(r.makespan_s for r in simulate_plan(mixed, lens, profs)))
 
 
+@pytest.mark.parametrize("alpha, m, size", [(0.07, 100, 7), (0.07, 101, 8), (2 / 66, 66, 2), (0.2, 66, 14),
+                                             (0.1, 30, 3), (0.3, 10, 3), (0.02, 50, 1), (0.05, 7, 1)])
+def test_the_long_tail_class_is_ceil_alpha_m_exactly(alpha, m, size):
+    # math.ceil(0.07 * 100) is 8 in floats (7.000000000000001): one sample too many in the class
+    est = [float(m - i) for i in range(m)]
+    costs = make_dispatcher("skew_paper", alphas=(alpha,)).split_costs(est, [linear_profile(1.0, 0.0)] * 2)
+    assert costs[(alpha, 1)][1][0] == list(range(size))  # the longest `size` on the long-tail instance
+
+
 def test_instance_latency_formula():
     prof = linear_profile(1.0, 0.0, kv_tokens=1000, block_size=10)
     t, bs = instance_latency(prof, m=25, l_avg=95, prompt_len=5)  # 100 tokens -> BS 10
@@ -212,6 +221,9 @@ def test_calibrate_by_bins_and_posterior():
     assert list(draws) == [10.0, 100.0]
     with pytest.raises(ValueError, match="need >= 4 held-out"):
         BinnedPosterior([1.0], [2.0], bins=4)
+    for bins in (0, -1, 2.5, True):  # bins 0 was taken, then every draw raised an IndexError
+        with pytest.raises(ValueError, match="bins must be an int >= 1"):
+            BinnedPosterior(ref_est, ref_true, bins=bins)
 
 
 def test_calibrate_by_bins_with_a_large_tie_group():

@@ -75,6 +75,18 @@ def test_measured_prefill_yields_the_first_token():
     assert simulate_instance([1], measured, 1, [4]).makespan_s == pytest.approx(0.5)  # done in its prefill
 
 
+@pytest.mark.parametrize("alloc", ["lazy", "reserve"])
+def test_a_slot_freed_in_the_prefill_is_refilled_before_decoding(alloc):
+    # the engine's scheduler admits whenever it can: a 1-token request finishes in its
+    # prefill step and the next request takes its slot before the next decode step
+    prof = PTLProfile([1, 4, 16], [1.0, 1.3, 2.5], kv_tokens=10**7, block_size=16, prefill_step_s=0.7)
+    run = simulate_instance([3, 1, 1], prof, 2, [0, 0, 0], alloc=alloc)
+    # prefill {0, 1} (1 done) 0.7, prefill {2} (2 done) 1.4, two decode steps of 0 alone
+    assert run.finish_s == pytest.approx([3.4, 0.7, 1.4])
+    run = simulate_instance([5, 1, 5], prof, 2, [0, 0, 0], alloc=alloc)
+    assert run.makespan_s == pytest.approx(0.7 + 0.7 + 4 * prof.ptl(2))
+
+
 def test_simulated_cost_picks_the_cap_its_model_says_is_faster():
     lens = [120.0] * 24
     # recomputation is expensive: preempting costs more than a smaller batch

@@ -288,3 +288,28 @@ def test_a_dispatcher_of_your_own_is_built_and_its_plans_checked(user_file, tmp_
     p.write_text("placement: {generation: [1], trainer: [2]}\ndispatch: {name: shortest}\n")
     with pytest.raises(ConfigError, match=r"dispatch.name: 'shortest' is not one of \[.*\], nor module:Name"):
         load_config(p, 3)
+
+
+@pytest.mark.parametrize("per, said", [
+    ([[0.0, 1.0]], r"request indices must be ints; instance 0's list has 0.0 \(float\), 1.0 \(float\)"),
+    ([[0], 1], r"the plan's request list for instance 1 is a int, not a list of request indices"),
+    ([[0], ["1"]], r"instance 1's list has '1' \(str\)"),
+    ([[0, None], []], r"instance 0's list has None \(NoneType\)"),
+    ([[0], [True]], r"instance 1's list has True \(bool\)"),
+])
+def test_a_plan_of_request_indices_that_are_not_ints_is_a_one_line_stop(per, said):
+    # 1.0 == 1 passed the count and the SGS then indexed the requests with it; a str or a
+    # non-list raised a TypeError, the controller's traceback (a review of checked_plan)
+    import numpy as np
+
+    from controller.own_dispatcher import _Checked, checked_plan
+    from controller.scheduling import DispatchPlan
+
+    class Mine:
+        def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None):
+            return DispatchPlan(per, [1] * len(per), "mine")
+
+    with pytest.raises(RunStopped, match=r"dispatcher 'mine': .*" + said):
+        _Checked(Mine(), "mine").plan([1.0, 2.0], [None] * len(per))
+    ok = DispatchPlan([[np.int64(1)], (0,)], [1, 1], "mine")  # numpy ints and tuples index fine
+    assert checked_plan(ok, 2, 2, "mine") is ok

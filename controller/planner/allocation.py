@@ -176,12 +176,13 @@ def most_trainer_splits(model: StageModel, n: int, m: int | None = None) -> list
 
 
 def even_split(model: StageModel, n: int) -> Allocation:
-    """The baseline: half the GPUs to each stage (rounded to the stages' units)."""
+    """The baseline: half the GPUs to each stage (rounded to the stages' units); what the
+    rounding leaves over is released (as Algorithm 1 reports it)."""
     x = max(model.gen_unit, (n // 2) // model.gen_unit * model.gen_unit)
     ys = _ys(model, n - x)
     if not ys:
         raise ValueError(f"even split: {n - x} GPUs cannot hold the trainer (>= {model.train_min})")
-    return _alloc(model, x, ys[-1])
+    return _alloc(model, x, ys[-1], released_train=n - x - ys[-1])
 
 
 def generation_time_model(profile: PTLProfile, out_lens: Sequence[int], prompt_lens: Sequence[int] | None = None,

@@ -86,8 +86,11 @@ def _reserve(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Ins
         if nxt_before != nxt:
             t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
             prefills, prefilled = prefills + 1, prefilled + admitted
+            in_batch = len(running)
             complete()
-            if not running:
+            # a 1-token request finishes in its prefill step; the engine refills its slot
+            # (admits first whenever it can) before the next decode step
+            if not running or (len(running) < in_batch and nxt < m):
                 continue
         bs = len(running)
         peak = max(peak, bs)
@@ -139,8 +142,10 @@ def _lazy(out_lens, prompts, profile: PTLProfile, cap: int, t0: float) -> Instan
         if n_admitted:
             t += profile.prefill_step_s + profile.prefill_s_per_token * admitted
             prefills, prefilled = prefills + 1, prefilled + admitted
+            in_batch = len(running)
             used -= _complete(heap, epoch, step, t, finish, running, cached, since, half)
-            if not running:
+            # as in _reserve: a slot freed by a 1-token request is refilled before decoding
+            if not running or (len(running) < in_batch and waiting):
                 continue
         bs = len(running)
         peak = max(peak, bs)

@@ -10,6 +10,8 @@ JSON (``StageProfiles``) and reused by the planner and the dispatcher.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -146,9 +148,15 @@ class TrainProfile:
     source: str = "measured"
 
     def __post_init__(self):
-        if self.s_per_token < 0 or self.fixed_s < 0 or self.ranks < 1:
-            raise ValueError(f"TrainProfile: s_per_token ({self.s_per_token}) and fixed_s ({self.fixed_s}) "
-                             f"must be >= 0, ranks ({self.ranks}) >= 1")
+        # as PTLProfile: a NaN or inf (JSON takes NaN) would reach every planner time unseen
+        costs = {"s_per_token": self.s_per_token, "fixed_s": self.fixed_s}
+        bad = {k: v for k, v in costs.items()
+               if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf}
+        if bad:
+            raise ValueError(f"TrainProfile: {bad} must be finite numbers >= 0")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, numbers.Integral) or self.ranks < 1:
+            raise ValueError(f"TrainProfile: ranks must be an int >= 1, got {self.ranks!r}")
+        self.s_per_token, self.fixed_s, self.ranks = float(self.s_per_token), float(self.fixed_s), int(self.ranks)
 
     def time(self, tokens: float, ranks: int | None = None) -> float:
         """Seconds to train ``tokens`` on ``ranks`` ranks (ideal DP scaling from the profile)."""

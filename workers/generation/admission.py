@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import Callable
 
 import torch
@@ -70,10 +71,26 @@ class _Checked:
             raise ValueError(f"engine.admission {self.name!r} raised {type(e).__name__}: {e}") from None
         if isinstance(out, torch.Tensor) and out.numel() == 1:
             out = out.item()
-        if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
-            raise ValueError(f"engine.admission {self.name!r} returned {out!r:.60}, not a finite number "
+        # numbers.Real takes numpy's scalars too; float() overflows past ~1e308 (an int 10**400)
+        value = math.nan
+        if isinstance(out, numbers.Real) and not isinstance(out, bool):
+            try:
+                value = float(out)
+            except (OverflowError, TypeError, ValueError):
+                pass
+        if not math.isfinite(value):
+            raise ValueError(f"engine.admission {self.name!r} returned {_short(out)}, not a finite number "
                              "(smaller is admitted first)")
-        return float(out)
+        return value
+
+
+def _short(x) -> str:
+    """``repr(x)``, cut to 60 characters (marked)."""
+    try:
+        text = repr(x)
+    except ValueError:  # an int past Python's 4,300-digit limit on str()
+        return f"an {type(x).__name__} too long to print"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _Lenient:
