@@ -135,3 +135,26 @@ def test_a_damaged_safetensors_file_is_named(tmp_path):
     f.write_bytes(f.read_bytes()[:1000])  # a truncated copy
     with pytest.raises(ValueError, match=r"model.safetensors: unreadable safetensors file \(SafetensorError"):
         load_pretrained(tmp_path / "m", device="cpu")
+
+
+@pytest.mark.parametrize("rope", [
+    # both a top-level rope_theta and rope_parameters' (a v5 config edited by hand): rope_parameters' wins
+    dict(rope_theta=1e6, rope_parameters={"rope_theta": 1e4, "rope_type": "default"}),
+    dict(rope_theta=1e6, rope_parameters={"rope_theta": 2e4, "rope_type": "linear", "factor": 2.0}),
+    # a rope_scaling replaces rope_parameters altogether (its theta, its type)
+    dict(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0},
+         rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}),
+    dict(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 3e4},
+         rope_parameters={"rope_theta": 5e5, "rope_type": "default"}),
+    dict(rope_scaling={}, rope_parameters={"rope_theta": 5e5, "rope_type": "linear", "factor": 3.0}),
+])
+def test_rope_theta_and_scaling_are_read_as_transformers_reads_them(rope):
+    d = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **rope)
+    hf = transformers.LlamaConfig.from_dict(json.loads(json.dumps(d))).rope_parameters
+    ours = ModelConfig.from_hf(json.loads(json.dumps(d)))
+    assert ours.rope_theta == hf["rope_theta"]
+    kind = "default" if ours.rope_scaling is None else ours.rope_scaling.get("rope_type")
+    assert kind == hf["rope_type"]
+    if ours.rope_scaling is not None:
+        assert ours.rope_scaling["factor"] == hf["factor"]

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from controller.config import ConfigError
 from controller.preflight import check_model_folder
@@ -87,3 +88,24 @@ def test_a_broken_tokenizer_json(folder, tmp_path):
 
 def test_untied_weights_need_lm_head(folder, tmp_path):
     assert "missing ['lm_head.weight']" in broken(folder, tmp_path, edit_config(tie_word_embeddings=False))
+
+
+def test_model_safetensors_wins_over_other_files_and_an_index(folder, tmp_path):
+    """transformers loads model.safetensors alone (a Mistral consolidated.safetensors or an adapter
+    beside it is not the model's) and prefers it over an index; so do check_weights and load_pretrained."""
+    from safetensors.torch import save_file
+
+    single = save_pretrained(init_weights(CausalLM(CFG)), tmp_path / "single")
+    train_bpe(["1 + 2 = 3", "4 + 5 = 9"] * 10, vocab_size=300).save(single)
+    assert (single / "model.safetensors").is_file()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(single / "consolidated.safetensors"))
+    check_weights(single)
+    check_model_folder(single)
+    assert load_pretrained(single, "cpu").config.hidden_size == 32
+    # model.safetensors beside a sharded index: the single file is read, the index ignored
+    both = tmp_path / "both"
+    shutil.copytree(folder, both)
+    shutil.copy(single / "model.safetensors", both / "model.safetensors")
+    sorted(both.glob("model-*.safetensors"))[0].unlink()
+    check_weights(both)
+    assert load_pretrained(both, "cpu").config.hidden_size == 32

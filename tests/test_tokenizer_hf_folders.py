@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HFTok
 from tokenizers import models, pre_tokenizers
 
-from workers.tokenizer import Tokenizer, train_bpe, uses_qwen2_tokenizer
+from workers.tokenizer import Tokenizer, train_bpe, uses_llama_tokenizer, uses_qwen2_tokenizer
 
 TEXTS = ["sum 12345 678 2", "3+5=8; 8+2=10; answer=10", "hello world 2024", "count 9 by 3"] * 20
 SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<s>")
@@ -139,3 +139,188 @@ def test_qwen2_folder_with_a_non_bpe_tokenizer_is_refused(tmp_path):
     make_folder(Tokenizer(tok, pad_token=None), tmp_path / "m", model_type="qwen2")
     with pytest.raises(ValueError, match=r"tokenizer\.json: a WordLevel model.*Qwen2Tokenizer"):
         Tokenizer.load(tmp_path / "m")
+
+
+# ---- folders transformers loads as LlamaTokenizer (SentencePiece-style tokenizer.json) -------------
+LLAMA_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA_SAMPLES = SAMPLES + [" hello", "hello world", "x</s> y", "<|im_start|>user\nhi there<|im_end|>\n",
+                           "a<s>  b <unk>c", "héllo\tthere"]
+
+
+def spm_bpe(byte_level=False):
+    """A Llama-2 / TinyLlama style tokenizer.json: a byte-fallback BPE over "▁"-marked text, with
+    the Prepend / Replace normalizer SentencePiece conversions write (or a byte-level one)."""
+    from tokenizers import decoders, normalizers, processors, trainers
+
+    tok = HFTok(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    if byte_level:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=420, show_progress=False,
+                                  special_tokens=LLAMA_SPECIALS + [f"<0x{i:02X}>" for i in range(256)])
+    tok.train_from_iterator(TEXTS + ["hello world how are you there", "user assistant hi there friend"] * 20,
+                            trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def llama_folder(path, byte_level=False, model_type="llama", config_extra=None, drop=(), **cfg):
+    path.mkdir(parents=True)
+    spm_bpe(byte_level).save(str(path / "tokenizer.json"))
+    base = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+            "unk_token": "<unk>", "chat_template": CHATML}
+    base = {k: v for k, v in {**base, **cfg}.items() if k not in drop}
+    (path / "tokenizer_config.json").write_text(json.dumps(base))
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["LlamaForCausalLM"],
+                                                  **(config_extra or {})}))
+    return path
+
+
+def assert_tokenizes_as_transformers(folder, expect_class="LlamaTokenizer"):
+    ours, hf = Tokenizer.load(folder), auto_tokenizer(folder)
+    assert type(hf).__name__ == expect_class
+    for text in LLAMA_SAMPLES:
+        for special in (False, True):
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special), \
+                (text, special)
+        ids = hf.encode(text, add_special_tokens=True)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (text, skip)
+    msgs = [{"role": "user", "content": "hi there"}]
+    assert ours.encode_prompt("hi there") == hf.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                     tokenize=True, return_dict=False)
+    chat = [{"role": "system", "content": " be brief"}, *msgs, {"role": "assistant", "content": "hello world"}]
+    assert ours.encode(ours.apply_chat_template(chat, add_generation_prompt=False)) == hf.apply_chat_template(
+        chat, add_generation_prompt=False, tokenize=True, return_dict=False)
+    return ours
+
+
+@pytest.mark.parametrize("cfg", [
+    {}, {"legacy": False}, {"legacy": True}, {"legacy": None}, {"add_prefix_space": False},
+    {"add_prefix_space": True, "legacy": True}, {"add_prefix_space": False, "legacy": True},
+    {"add_bos_token": True}, {"add_bos_token": False}, {"add_eos_token": True},
+    {"add_bos_token": True, "add_eos_token": True}, {"tokenizer_class": "LlamaTokenizer"}])
+def test_llama_folder_tokenizes_as_transformers(tmp_path, cfg):
+    """transformers 5 loads a tokenizer_class LlamaTokenizer(Fast) folder as LlamaTokenizer, which
+    drops tokenizer.json's Prepend / Replace normalizer for a Metaspace pre-tokenizer ("▁" only at
+    the start of the text unless ``legacy``): we prepended "▁" after every special token
+    ("<|im_start|>user" took "▁user") and to text starting with a space."""
+    assert_tokenizes_as_transformers(llama_folder(tmp_path / "m", **cfg))
+
+
+def test_llama_tokenizer_class_in_config_json_and_no_model_type(tmp_path):
+    folder = llama_folder(tmp_path / "m", drop=("tokenizer_class",),
+                          config_extra={"tokenizer_class": "LlamaTokenizerFast"})
+    assert uses_llama_tokenizer(folder)
+    assert_tokenizes_as_transformers(folder)
+
+
+@pytest.mark.parametrize("kw,expected_class", [
+    # a byte-level tokenizer.json (Llama 3 style) that names LlamaTokenizer: read as it is
+    (dict(byte_level=True), "TokenizersBackend"),
+    # Mistral's folders name LlamaTokenizer, but transformers reads their tokenizer.json as it is
+    (dict(model_type="mistral"), "TokenizersBackend"),
+    (dict(tokenizer_class="PreTrainedTokenizerFast"), "TokenizersBackend"),
+])
+def test_which_folders_load_as_llama_tokenizer(tmp_path, kw, expected_class):
+    folder = llama_folder(tmp_path / "m", **kw)
+    assert uses_llama_tokenizer(folder) is False
+    assert_tokenizes_as_transformers(folder, expected_class)
+
+
+def test_llama_folder_with_a_non_bpe_tokenizer_is_refused(tmp_path):
+    """LlamaTokenizer rebuilds a Unigram tokenizer.json as a BPE without merges (nothing like the
+    model's tokenization): refused, naming the file."""
+    folder = llama_folder(tmp_path / "m")
+    tok = HFTok(models.Unigram([("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("▁a", -1.0), ("a", -2.0)], 0))
+    tok.save(str(folder / "tokenizer.json"))
+    assert type(auto_tokenizer(folder)).__name__ == "LlamaTokenizer"
+    with pytest.raises(ValueError, match=r"tokenizer\.json: a Unigram model.*LlamaTokenizer"):
+        Tokenizer.load(folder)
+
+
+TOKEN_VARS = ("{% for n in ['bos_token', 'eos_token', 'unk_token', 'pad_token'] %}{{ n }}="
+              "{{ (bos_token if n == 'bos_token' else eos_token if n == 'eos_token' else unk_token "
+              "if n == 'unk_token' else pad_token) if (n == 'bos_token' and bos_token is defined) or "
+              "(n == 'eos_token' and eos_token is defined) or (n == 'unk_token' and unk_token is defined) or "
+              "(n == 'pad_token' and pad_token is defined) else '-' }};{% endfor %}{{ messages[0].content }}")
+
+
+def test_llama_folder_naming_no_bos_or_unk_takes_llama_tokenizer_defaults(tmp_path):
+    """LlamaTokenizer's defaults (bos <s>, unk <unk>, eos </s>) fill the names the folder lacks,
+    as a chat template sees them and as the BOS the tokenizer adds."""
+    folder = llama_folder(tmp_path / "m", drop=("bos_token", "unk_token", "eos_token"), chat_template=TOKEN_VARS,
+                          add_bos_token=True)
+    ours, hf = Tokenizer.load(folder), auto_tokenizer(folder)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
+    assert ours.encode("hi", add_special_tokens=True) == hf.encode("hi")
+
+
+def test_qwen2_folder_naming_no_unk_or_pad_takes_qwen2_tokenizer_defaults(bpe, tmp_path):
+    """Qwen2Tokenizer's defaults (unk, pad: <|endoftext|>) for the names tokenizer_config.json
+    lacks: a chat template saw no unk_token where transformers hands it <|endoftext|>; a name
+    set to null stays unset."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for drop, extra in [(("pad_token",), {}), ((), {"pad_token": None}), (("pad_token",), {"unk_token": "<|pad|>"})]:
+        folder = make_folder(bpe, tmp_path / f"m{len(list(tmp_path.iterdir()))}", model_type="qwen2", drop=drop,
+                             chat_template=TOKEN_VARS, **extra)
+        ours, hf = Tokenizer.load(folder), auto_tokenizer(folder)
+        assert type(hf).__name__ == "Qwen2Tokenizer"
+        assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                        tokenize=False), (drop, extra)
+        assert ours.pad_id == (hf.pad_token_id if hf.pad_token_id is not None else ours.eos_id)
+
+
+def test_a_named_special_token_that_is_no_added_token_becomes_one(bpe, tmp_path):
+    """transformers makes each named special token that tokenizer.json does not list as an added
+    token a special one (split out of text, skipped in decoding; a new id if not in the vocabulary)."""
+    assert bpe.tok.token_to_id("hello") is not None and "hello" not in {
+        t.content for t in bpe.tok.get_added_tokens_decoder().values()}
+    folder = make_folder(bpe, tmp_path / "m", model_type="llama", tokenizer_class="PreTrainedTokenizerFast",
+                         eos_token="hello", unk_token="<never-seen>")
+    ours, hf = Tokenizer.load(folder), auto_tokenizer(folder)
+    for text in ["say hello world", "xhello <never-seen>y", "hello"]:
+        ids = hf.encode(text)
+        assert ours.encode(text, add_special_tokens=True) == ids, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+# ---- named chat templates: "tool_use" when the prompts show tools --------------------------------
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+NAMED = [{"name": "default", "template": "DEFAULT{% for m in messages %}[{{ m.content }}]{% endfor %}"},
+         {"name": "tool_use", "template": "TOOLS {{ tools | tojson }}{% for m in messages %}[{{ m.content }}]"
+                                          "{% endfor %}"}]
+
+
+def test_named_tool_use_template_is_used_when_tools_are_given(bpe, tmp_path):
+    """transformers' get_chat_template picks the "tool_use" template of several named ones when
+    apply_chat_template gets tools (Hermes-2-Pro's folders): Tokenizer(tools=...) used "default"."""
+    msgs = [{"role": "user", "content": "sum 3 5"}]
+    listed = make_folder(bpe, tmp_path / "list", chat_template=NAMED)
+    files = make_folder(bpe, tmp_path / "files")
+    (files / "chat_template.jinja").write_text(NAMED[0]["template"])
+    (files / "additional_chat_templates").mkdir()
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text(NAMED[1]["template"])
+    for folder in (listed, files):
+        hf = auto_tokenizer(folder)
+        with_tools = Tokenizer.load(folder, tools=TOOLS).format_prompt("sum 3 5")
+        assert with_tools == hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        assert with_tools.startswith("TOOLS ")
+        without = Tokenizer.load(folder).format_prompt("sum 3 5")
+        assert without == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == "DEFAULT[sum 3 5]"
+    # a "tool_use" without a "default": fine with tools (as transformers), refused without
+    only = make_folder(bpe, tmp_path / "only", chat_template=NAMED[1:])
+    assert Tokenizer.load(only, tools=TOOLS).format_prompt("sum 3 5") == auto_tokenizer(only).apply_chat_template(
+        msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="none named 'default'"):
+        Tokenizer.load(only)

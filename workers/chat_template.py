@@ -1,7 +1,8 @@
 """Chat templates, as transformers 5 finds and renders them.
 
 * ``find(folder, tokenizer_config)``: a model folder's template (``chat_template.jinja``,
-  ``additional_chat_templates/<name>.jinja``, else tokenizer_config.json's ``chat_template``).
+  ``additional_chat_templates/<name>.jinja``, else tokenizer_config.json's ``chat_template``;
+  of named ones "tool_use" when ``tools`` are given, else "default").
 * ``render(template, messages, add_generation_prompt, context)``: the text of
   ``apply_chat_template(..., tokenize=False)``, in transformers' jinja2 sandbox.
 """
@@ -115,13 +116,14 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
-def find(folder: str | os.PathLike, tokenizer_config: dict) -> str | None:
+def find(folder: str | os.PathLike, tokenizer_config: dict, tools: Sequence[dict] = ()) -> str | None:
     """A model folder's chat template, found as transformers 5 finds it: the files
     ``chat_template.jinja`` (named "default") and ``additional_chat_templates/<name>.jinja``, when
     there are any, win over tokenizer_config.json's ``chat_template`` (a string, or a list of
-    ``{"name", "template"}``). Of several named templates the "default" one is used (this project
-    passes no tools, so transformers' "tool_use" choice does not arise); several without a
-    "default" are refused, as transformers' ``apply_chat_template`` refuses them."""
+    ``{"name", "template"}``). Of several named templates, as transformers' ``get_chat_template``
+    picks for ``apply_chat_template(..., tools=tools)``: "tool_use" when ``tools`` are given (the
+    prompts show tool schemas) and there is one, else "default"; none of those is refused, as
+    transformers' ``apply_chat_template`` refuses it."""
     folder, cfg = Path(folder), tokenizer_config
     named: dict[str, str] = {}
     if (folder / CHAT_TEMPLATE_FILE).is_file():
@@ -139,7 +141,10 @@ def find(folder: str | os.PathLike, tokenizer_config: dict) -> str | None:
             raise ValueError(f"{where}: expected a template string or a list of "
                              f'{{"name": ..., "template": ...}}, got {type(t).__name__}')
         named = {d["name"]: d["template"] for d in t}
+    if tools and "tool_use" in named:
+        return named["tool_use"]
     if "default" not in named:
         raise ValueError(f"{where}: the chat templates {sorted(named)} include none named 'default' (the one "
-                         "transformers' apply_chat_template uses when given no name); name one 'default'")
+                         "transformers' apply_chat_template uses when given no name"
+                         f"{'' if tools else ' and no tools'}); name one 'default'")
     return named["default"]

@@ -11,10 +11,15 @@ from pathlib import Path
 
 
 def safetensors_files(folder: Path) -> list[str]:
-    """The folder's weight files: the index's shards (``model.safetensors.index.json``), else
-    every ``*.safetensors``; FileNotFoundError when there are none."""
+    """The folder's weight files, as transformers' ``from_pretrained`` picks them:
+    ``model.safetensors`` alone when it is there (other ``*.safetensors`` beside it, e.g.
+    Mistral's ``consolidated.safetensors`` or an adapter, are not the model's, and it wins over
+    an index too), else the index's shards (``model.safetensors.index.json``), else every
+    ``*.safetensors``; FileNotFoundError when there are none."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
+    if (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif index.exists():
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:

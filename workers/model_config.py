@@ -158,9 +158,11 @@ class ModelConfig:
                 refuse("use_sliding_window", f"sliding-window attention (sliding_window {window} < "
                        f"max_position_embeddings {max_pos}, on layers {sliding}) is not implemented")
         # transformers >= 5 writes RoPE as "rope_parameters" {rope_theta, rope_type, ...} and
-        # no top-level rope_theta / rope_scaling (older folders, e.g. Qwen2.5's, have those)
-        rope = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling")
+        # no top-level rope_theta / rope_scaling (older folders, e.g. Qwen2.5's, have those). As its
+        # convert_rope_params_to_dict reads them: a (non-empty) rope_scaling replaces
+        # rope_parameters altogether, and the rope_theta in the one used wins over a top-level one
+        scaling = d.get("rope_scaling") or None
+        rope = scaling if scaling is not None else (d.get("rope_parameters") or {})
         key = "rope_scaling"
         if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
             scaling, key = {k: v for k, v in rope.items() if k != "rope_theta"}, "rope_parameters"
@@ -182,7 +184,7 @@ class ModelConfig:
                 head_dim=d.get("head_dim") or 0,
                 max_position_embeddings=max_pos,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+                rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
                 rope_scaling=scaling,
                 # transformers' Qwen2 has q/k/v biases and no others whatever the file says
                 qkv_bias=True if qwen else attn_bias, o_bias=False if qwen else attn_bias,

@@ -4,16 +4,22 @@ Files in a model folder, as Hugging Face lays them out:
 * ``tokenizer.json`` — the fast tokenizer (any model the ``tokenizers`` library reads). A folder
   that transformers 5 loads as ``Qwen2Tokenizer`` (config.json's ``model_type: qwen2``, ...: see
   ``uses_qwen2_tokenizer``) is tokenized with Qwen2's NFC normalizer and split pre-tokenizer, as
-  transformers imposes them whatever tokenizer.json says.
+  transformers imposes them whatever tokenizer.json says; one it loads as ``LlamaTokenizer``
+  (``tokenizer_class`` LlamaTokenizer(Fast) over a SentencePiece-style tokenizer.json: see
+  ``uses_llama_tokenizer``) with LlamaTokenizer's Metaspace pipeline (``legacy``,
+  ``add_prefix_space``) in place of tokenizer.json's normalizer.
 * ``tokenizer_config.json`` — ``eos_token``, ``pad_token``, ``bos_token`` and optionally
   ``chat_template`` (jinja2, rendered as ``transformers.apply_chat_template`` does) or our own
   ``prompt_template`` (a ``str.format`` template with ``{prompt}``).
 * ``special_tokens_map.json`` — older folders' named special tokens: as in transformers, its
-  entries win over tokenizer_config.json's when that has no ``added_tokens_decoder``. A folder
-  naming no ``eos_token`` in either is refused.
+  entries win over tokenizer_config.json's when that has no ``added_tokens_decoder``. Names
+  neither file has take the Qwen2Tokenizer / LlamaTokenizer defaults where transformers loads the
+  folder as one; named special tokens that are no added token of tokenizer.json become special
+  added tokens, as in transformers. A folder left with no ``eos_token`` is refused.
 * ``chat_template.jinja`` (and ``additional_chat_templates/<name>.jinja``) — where transformers 5's
   ``save_pretrained`` writes the chat template; as in transformers, these files win over
-  tokenizer_config.json's ``chat_template``, and of several named templates "default" is used.
+  tokenizer_config.json's ``chat_template``, and of several named templates "tool_use" is used
+  when the prompts show tools (``Tokenizer.load(tools=...)``) and there is one, else "default".
 
 ``train_bpe`` builds a tiny byte-level BPE in-process (tests and the quickstart: no hub).
 """
@@ -24,6 +30,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -39,6 +46,13 @@ SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # older folders' named spec
 # config.json model types that transformers 5 loads as Qwen2Tokenizer when tokenizer_config.json
 # names no tokenizer_class ("qwen2" whatever it names)
 QWEN2_TOKENIZER_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
+# the special tokens Qwen2Tokenizer / LlamaTokenizer take when the folder names none (the key absent
+# from tokenizer_config.json and special_tokens_map.json; a key set to null stays unset)
+QWEN2_DEFAULT_TOKENS = {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+LLAMA_DEFAULT_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+# config.json model types whose folders transformers 5 loads as LlamaTokenizer when
+# tokenizer_class names it (None: no model_type; no class is registered for "llama")
+LLAMA_TOKENIZER_MODEL_TYPES = (None, "llama")
 # the named special tokens transformers hands a chat template (those that are set)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -167,26 +181,38 @@ class Tokenizer:
              as_transformers: bool = True, tools: Sequence[dict] = ()) -> "Tokenizer":
         """A model folder's tokenizer, as transformers 5's ``AutoTokenizer`` reads it: the named
         special tokens from tokenizer_config.json and special_tokens_map.json
-        (``folder_special_tokens``), and, where transformers loads the folder as its
-        ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``), Qwen2's pipeline over tokenizer.json's.
+        (``folder_special_tokens``, with the class's defaults), and, where transformers loads the
+        folder as its ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``) or ``LlamaTokenizer``
+        (``uses_llama_tokenizer``), that class's pipeline over tokenizer.json's.
         ``as_transformers=False``: tokenizer.json's own pipeline, as saved (a folder this
         project wrote and reads back itself, e.g. the LM ranker's GPT-2-split tokenizer).
-        ``tools``: the schemas its prompts show (``Tokenizer.tools``)."""
+        ``tools``: the schemas its prompts show (``Tokenizer.tools``); they also pick a folder's
+        named "tool_use" chat template over "default", as transformers' ``apply_chat_template(tools=...)``."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: a model folder needs tokenizer.json")
         cfg = _read_json(folder / "tokenizer_config.json")
-        tokens = folder_special_tokens(folder, cfg)
+        qwen2 = as_transformers and uses_qwen2_tokenizer(folder, cfg)
+        llama = as_transformers and not qwen2 and uses_llama_tokenizer(folder, cfg)
+        defaults = QWEN2_DEFAULT_TOKENS if qwen2 else LLAMA_DEFAULT_TOKENS if llama else None
+        tokens = folder_special_tokens(folder, cfg, defaults=defaults)
         if not tokens.get("eos_token"):
             raise ValueError(f"{folder}: no eos_token in {folder / 'tokenizer_config.json'} or "
                              f"{folder / SPECIAL_TOKENS_MAP_FILE}; name the model's end-of-sequence token there")
         tok = _HFTokenizer.from_file(str(path))
-        if as_transformers and uses_qwen2_tokenizer(folder, cfg):
+        if qwen2:
             _impose_qwen2_pipeline(tok, path, add_prefix_space=bool(cfg.get("add_prefix_space")))
+        elif llama:
+            _impose_llama_pipeline(tok, path, add_prefix_space=cfg.get("add_prefix_space"),
+                                   legacy=cfg.get("legacy", False))
+        if as_transformers:
+            # (tokenizer.json's post-processor is kept: with a tokenizer.json, transformers drops
+            # tokenizer_config.json's add_bos_token / add_eos_token)
+            _add_named_special_tokens(tok, tokens)
         return cls(tok, eos_token=tokens["eos_token"], pad_token=tokens.get("pad_token"),
                    bos_token=tokens.get("bos_token"),
-                   chat_template=find_chat_template(folder, cfg),
+                   chat_template=find_chat_template(folder, cfg, tools),
                    prompt_template=prompt_template or cfg.get("prompt_template"),
                    special_tokens=tokens, tools=tools)
 
@@ -204,17 +230,25 @@ def _read_json(path: Path) -> dict:
     return d
 
 
-def folder_special_tokens(folder: str | os.PathLike, cfg: dict | None = None) -> dict[str, str | None]:
+def folder_special_tokens(folder: str | os.PathLike, cfg: dict | None = None,
+                          defaults: dict[str, str] | None = None) -> dict[str, str | None]:
     """The named special tokens (``SPECIAL_TOKEN_NAMES``) of a model folder, as transformers reads
     them: tokenizer_config.json's, and, when it has no ``added_tokens_decoder`` (older folders),
-    special_tokens_map.json's entries win over them (a string or an ``{"content": ...}`` dict)."""
+    special_tokens_map.json's entries win over them (a string or an ``{"content": ...}`` dict).
+    ``defaults``: the tokenizer class's own (``QWEN2_DEFAULT_TOKENS``, ``LLAMA_DEFAULT_TOKENS``),
+    for the names neither file has (a name given as null stays None, as transformers passes it)."""
     folder = Path(folder)
     if cfg is None:
         cfg = _read_json(folder / "tokenizer_config.json")
     tokens = {k: _token_str(cfg.get(k)) for k in SPECIAL_TOKEN_NAMES}
+    named = {k for k in SPECIAL_TOKEN_NAMES if k in cfg}
     if "added_tokens_decoder" not in cfg:
         legacy = _read_json(folder / SPECIAL_TOKENS_MAP_FILE)
         tokens.update({k: _token_str(legacy[k]) for k in SPECIAL_TOKEN_NAMES if k in legacy})
+        named |= {k for k in SPECIAL_TOKEN_NAMES if k in legacy}
+    for k, v in (defaults or {}).items():
+        if k not in named:
+            tokens[k] = v
     return tokens
 
 
@@ -238,6 +272,66 @@ def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> 
     if model_type == "qwen2" or tokenizer_class in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         return True
     return tokenizer_class is None and model_type in QWEN2_TOKENIZER_MODEL_TYPES
+
+
+def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
+    """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``LlamaTokenizer`` (which
+    imposes its own pipeline, ``_impose_llama_pipeline``): ``tokenizer_class`` (tokenizer_config.json's,
+    else config.json's) LlamaTokenizer(Fast), a config.json ``model_type`` of llama or none (other
+    model types go by transformers' registry: Mistral's, e.g., read tokenizer.json as it is), and a
+    tokenizer.json with no ``"ByteLevel"`` in it (Llama 3 style folders that still name
+    LlamaTokenizer are read as tokenizer.json says). Qwen2 folders (``uses_qwen2_tokenizer``) are not."""
+    folder = Path(folder)
+    if cfg is None:
+        cfg = _read_json(folder / "tokenizer_config.json")
+    if uses_qwen2_tokenizer(folder, cfg):
+        return False
+    config = _read_json(folder / "config.json")
+    declared = cfg.get("tokenizer_class") or config.get("tokenizer_class")
+    if not isinstance(declared, str) or declared.removesuffix("Fast") != "LlamaTokenizer":
+        return False
+    if config.get("model_type") not in LLAMA_TOKENIZER_MODEL_TYPES:
+        return False
+    path = folder / "tokenizer.json"
+    return not (path.is_file() and '"ByteLevel"' in path.read_text(encoding="utf-8"))
+
+
+def _impose_llama_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space=None, legacy=False) -> None:
+    """LlamaTokenizer's pipeline over tokenizer.json's (its vocab, merges, added tokens and
+    post-processor are kept), as transformers 5 builds it: no normalizer (a SentencePiece-style
+    Prepend/Replace one is dropped), a Metaspace pre-tokenizer ("▁" for spaces, split=False) that
+    prepends "▁" to the first piece of text only (``legacy`` false, the default) or to each piece
+    between special tokens (``legacy`` true), or never (``add_prefix_space`` false; None is true),
+    a byte-fallback BPE (fuse_unk; no dropout, unknown token, affixes or ignore_merges), and the
+    decoder undoing it (the leading space stripped when a prefix is added)."""
+    model = tok.model
+    if not isinstance(model, models.BPE):
+        raise ValueError(f"{path}: a {type(model).__name__} model, but transformers 5 loads this folder as "
+                         "LlamaTokenizer (tokenizer_class), which rebuilds it as a BPE from its vocabulary "
+                         "without merges and tokenizes differently from the model's training; refused")
+    add_prefix_space = True if add_prefix_space is None else add_prefix_space
+    model.dropout, model.unk_token = None, None
+    model.continuing_subword_prefix, model.end_of_word_suffix = None, None
+    model.fuse_unk, model.byte_fallback, model.ignore_merges = True, True, False
+    tok.normalizer = None
+    scheme = ("always" if legacy else "first") if add_prefix_space else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+
+
+def _add_named_special_tokens(tok: _HFTokenizer, tokens: dict[str, str | None]) -> None:
+    """As transformers' TokenizersBackend does on loading: each named special token that is not
+    one of tokenizer.json's added tokens becomes a special added token (split out of any text
+    and skipped in decoding; a new id when it is not in the vocabulary either)."""
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    for name in SPECIAL_TOKEN_NAMES:
+        t = tokens.get(name)
+        if t and t not in added:
+            tok.add_special_tokens([AddedToken(t, special=True)])
+            added.add(t)
 
 
 def _impose_qwen2_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space: bool = False) -> None:
