@@ -78,7 +78,7 @@ def _session(tmp_path, keep, resumed_from=None):
                             trainer=SimpleNamespace(shard_optimizer=False))
     s.logdir, s.resumed_from, s.ranker = tmp_path / "run", resumed_from, None
     s.metrics = SimpleNamespace(rewards=[], timed=lambda name, step: contextlib.nullcontext())
-    s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"pos": i}, mode=SimpleNamespace(name="stream"),
+    s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"seed": 0, "pos": i}, mode=SimpleNamespace(name="stream"),
                                 ranker_rows=[])
     s.world = SimpleNamespace(trainers=[_Trainer()])
     return s
