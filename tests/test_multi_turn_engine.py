@@ -13,7 +13,7 @@ from workers.generation.multi_turn import MultiTurnEngine, cut_observation, obse
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.tasks.envs import make_env
 from workers.tokenizer import Tokenizer, train_bpe
-from workers.types import Request, SamplingParams, TaskPrompt
+from workers.types import EngineStats, Request, Sample, SamplingParams, TaskPrompt
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(temperature=0.0)
@@ -432,8 +432,8 @@ class Sandbox:
 
     def end(self, trajectory):
         with self.lock:
+            self.events.append(("end", trajectory))  # (recorded first: an assert below is only logged)
             assert self.open.pop(trajectory) >= 1  # only a started one ends, once
-            self.events.append(("end", trajectory))
         self.ended.set()
 
 
@@ -515,3 +515,99 @@ def test_close_ends_the_trajectories_in_flight():
     eng.close()
     _wait_ends(env, 1)
     assert ("end", "3-0") in env.events and not env.open
+
+
+class OneStepTurns:
+    """A stand-in inner engine whose every turn ends in EOS at the next step: the lifecycle tests
+    below are about the wrapper's thread pool, and this makes the order of its calls exact."""
+
+    max_model_len = 4096
+
+    def __init__(self):
+        self.queue = []
+
+    def add(self, reqs):
+        self.queue += list(reqs)
+        return []
+
+    def has_work(self):
+        return bool(self.queue)
+
+    def step(self):
+        out = [Sample(sample_id=r.sample_id, prompt_ids=r.prompt_ids, output_ids=torch.tensor([5, 6]),
+                      logprobs=torch.zeros(2), weight_version=0, finish_reason="stop", group_id=r.group_id)
+               for r in self.queue]
+        self.queue = []
+        return out
+
+    def abort(self, ids):
+        self.queue = [r for r in self.queue if r.sample_id not in ids]
+        return list(ids)
+
+    def stats(self):
+        return EngineStats(0, 0, 0, 0, 0.0, 8, 0)
+
+    def close(self):
+        pass
+
+
+class Gated(Sandbox):
+    """A Sandbox whose calls for the ids in ``held`` wait at ``gate``; one call each, then done."""
+
+    def __init__(self, held=()):
+        super().__init__(answers=(None,), gate=threading.Event())
+        self.held = set(held)
+
+    def __call__(self, task, messages, trajectory):
+        with self.lock:
+            self.open[trajectory] += 1
+            self.events.append(("call", trajectory))
+        if trajectory in self.held:
+            self.gate.wait(10)
+        return None
+
+
+def _until(cond):
+    for _ in range(500):
+        if cond():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("timed out")
+
+
+def test_an_end_queued_behind_a_running_call_still_runs_at_close():
+    env = Gated(held={"2-0"})
+    eng = MultiTurnEngine(OneStepTurns(), TOK, env, "gated", workers=1)
+    eng.add([req(1), req(2, group=8)])
+    out = eng.step()  # both first turns out: 1's call, then 2's (held) on the one worker
+    _until(lambda: ("call", "2-0") in env.events)
+    out += eng.step()  # 1 is done: its end is queued behind 2's running call
+    assert [s.sample_id for s in out] == [1]
+    eng.close()  # cancels what is queued; the end must still run
+    env.gate.set()
+    _wait_ends(env, 2)
+    assert sorted(e for e in env.events if e[0] == "end") == [("end", "1-0"), ("end", "2-0")] and not env.open
+
+
+def test_a_call_cancelled_before_it_ran_started_nothing_and_ends_nothing():
+    env = Gated(held={"1-0"})
+    eng = MultiTurnEngine(OneStepTurns(), TOK, env, "gated", workers=1)
+    eng.add([req(1), req(2, group=8)])
+    eng.step()
+    _until(lambda: ("call", "1-0") in env.events)  # 2's first call waits in the queue
+    assert eng.abort([2]) == [2]
+    env.gate.set()
+    run_on(eng)
+    _wait_ends(env, 1)
+    threading.Event().wait(0.05)
+    assert [e for e in env.events if e[1] == "2-0"] == []  # neither start nor end
+
+
+def test_a_start_that_raised_gets_no_end():
+    env = Sandbox(fail_start=True)
+    ends = []
+    env.end = ends.append  # (any end would be recorded)
+    eos, _ = first_stop()
+    [s] = run(wrap(eos, env), [req(5)])
+    threading.Event().wait(0.05)
+    assert s.finish_reason == "error" and ends == []

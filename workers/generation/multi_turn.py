@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import inspect
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -126,7 +127,8 @@ class Trajectory:
     weight_version: int = 0
     env_call: cf.Future | None = None  # the environment's answer being computed
     attempt: int = 0  # restarts after new weights (each attempt is a trajectory of its own)
-    started: bool = False  # the environment's ``start`` was asked for (before its first call)
+    started: bool = False  # its first environment call was submitted (it runs ``start`` first)
+    opened: bool = False  # the environment's ``start`` returned (set on the pool thread): it gets ``end``
 
     @property
     def tid(self) -> str:
@@ -177,6 +179,8 @@ class MultiTurnEngine:
         self.truncate_side = truncate_side
         self.pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="multi_turn_env")
         self._start, self._end = getattr(env, "start", None), getattr(env, "end", None)  # per-trajectory hooks
+        self._ends: list[tuple[cf.Future, str]] = []  # ``end`` calls not done (close runs the queued ones)
+        self._ends_lock = threading.Lock()  # (submitted from the engine's thread and the pool's callbacks)
         self._takes_id = takes_trajectory(env)
         self._traj: dict[int, Trajectory] = {}  # sample_id -> its trajectory (in the engine or the env)
         self._waiting: dict[int, Trajectory] = {}  # those waiting on an environment call, in call order
@@ -256,20 +260,20 @@ class MultiTurnEngine:
         t.messages.append({"role": "assistant",
                            "content": self.tokenizer.decode(turn_ids, skip_special_tokens=True)})
         first, t.started = not t.started, True
-        t.env_call = self.pool.submit(self._observe, t.request.task, [dict(m) for m in t.messages],
-                                      t.request.sample_id, t.turns, t.tid, first)
+        t.env_call = self.pool.submit(self._observe, t, [dict(m) for m in t.messages], t.turns, first)
         self._waiting[t.request.sample_id] = t
 
-    def _observe(self, task: TaskPrompt | None, messages: list[dict], sample_id: int, turn: int, tid: str,
-                 first: bool) -> _Observation:
+    def _observe(self, t: Trajectory, messages: list[dict], turn: int, first: bool) -> _Observation:
         """The environment's answer to a conversation, tokenised (on a pool thread); before the
-        trajectory's first call, the environment's ``start``."""
+        trajectory's first call, the environment's ``start`` (``t.opened`` once it returned)."""
+        task, sample_id, tid = t.request.task, t.request.sample_id, t.tid
         what = "start() failed"
         try:
             # an async env's coroutine runs to its end on the process's one event loop (as async
             # rewards do): a client it keeps stays bound to that loop
             if first and self._start is not None:
                 resolve(self._start(tid, task))
+                t.opened = True
             what = "failed"
             kw = {"trajectory": tid} if self._takes_id else {}
             message = observation_message(resolve(self.env(task, messages, **kw)))
@@ -325,21 +329,27 @@ class MultiTurnEngine:
 
     def _retire(self, sid: int) -> None:
         """``sid``'s trajectory is over (out, refused, aborted, restarted): forgotten, and the
-        environment's ``end`` asked for on the pool when its ``start`` was (after the call in
-        flight, if any: the two never overlap)."""
+        environment's ``end`` asked for on the pool when its ``start`` returned; with a call in
+        flight, decided once that call is over (the two never overlap; a call cancelled before
+        it ran never started the trajectory)."""
         t = self._traj.pop(sid, None)
         if t is None or not t.started or self._end is None:
             return
         if t.env_call is not None and not t.env_call.done():
-            t.env_call.add_done_callback(lambda _: self._submit_end(t.tid))
+            t.env_call.add_done_callback(lambda _: self._submit_end(t))
         else:
-            self._submit_end(t.tid)
+            self._submit_end(t)
 
-    def _submit_end(self, tid: str) -> None:
+    def _submit_end(self, t: Trajectory) -> None:
+        if not t.opened:  # its start never ran, or raised
+            return
         try:
-            self.pool.submit(self._run_end, tid)
+            f = self.pool.submit(self._run_end, t.tid)
         except RuntimeError:  # the pool is shut down (close): end it here
-            self._run_end(tid)
+            self._run_end(t.tid)
+            return
+        with self._ends_lock:
+            self._ends = [e for e in self._ends if not e[0].done()] + [(f, t.tid)]
 
     def _run_end(self, tid: str) -> None:
         try:
@@ -401,4 +411,9 @@ class MultiTurnEngine:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for sid in list(self._traj):
             self._retire(sid)
+        with self._ends_lock:
+            ends, self._ends = self._ends, []
+        for f, tid in ends:  # queued behind other calls, cancelled with them: run here
+            if f.cancelled():
+                self._run_end(tid)
         self.inner.close()
