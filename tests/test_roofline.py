@@ -48,8 +48,11 @@ def test_counts_match_the_rows_the_engines_attention_reads(roofline, monkeypatch
     real = cpu_attention.paged_attention
 
     def counting(q, k_cache, v_cache, block_tables, seq_of, positions, scale):
-        decode = len(set(seq_of.tolist())) == len(seq_of)  # prompts of >= 2 tokens: a prefill repeats
-        calls.append((decode, int((positions + 1).sum())))
+        # a decode token is its sequence's only one in the call (prompts of >= 2 tokens: a prefill
+        # repeats its sequence); a mixed step (decodes and an admission in one call) has both
+        seqs = seq_of.tolist()
+        lone = torch.tensor([seqs.count(x) == 1 for x in seqs])
+        calls.append((bool(lone.any()), int((positions[lone] + 1).sum())))
         return real(q, k_cache, v_cache, block_tables, seq_of, positions, scale)
 
     monkeypatch.setattr(cpu_attention, "paged_attention", counting)
