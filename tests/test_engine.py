@@ -319,13 +319,20 @@ def _cpu_kernel_or_skip():
     extension_or_skip(cpu_attention, "C++ CPU attention kernel")
 
 
-def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():
-    _cpu_kernel_or_skip()
+def groups_and_solos(solos) -> list[Request]:
+    """Four GRPO-like groups of 3 (prompts of 7, 8, 13 and 1 tokens), then ``solos`` alone; 10
+    greedy tokens each, ids in order."""
     ps = prompts([7, 8, 13, 1])
     group_of = [i // 3 for i in range(12)]
-    reqs = greedy_requests([ps[g] for g in group_of], 10, group_of) + greedy_requests(PS[:4], 10)
+    reqs = greedy_requests([ps[g] for g in group_of], 10, group_of) + greedy_requests(solos, 10)
     for i, r in enumerate(reqs):
         r.sample_id = i
+    return reqs
+
+
+def test_cpu_kernel_backend_equals_recompute_with_sharing_and_preemption():
+    _cpu_kernel_or_skip()
+    reqs = groups_and_solos(PS[:4])
     eng = engine(attention_backend="cpu", kv_cache_tokens=96, max_batch_size=12)
     out = generate_all(eng, reqs)
     assert eng.stats().preemptions > 0

@@ -4,7 +4,7 @@ allows (new admissions, the next chunk of a long prompt). The outputs equal reco
 separate steps' do; the running batch is never left out of a step while something is admitted."""
 import pytest
 import torch
-from test_engine import check_against_recompute, engine, greedy_requests, prompts
+from test_engine import check_against_recompute, engine, greedy_requests, groups_and_solos, prompts
 from test_engine import _cpu_kernel_or_skip as cpu_kernel_or_skip
 
 from workers.generation.engine import generate_all
@@ -72,11 +72,7 @@ def test_a_long_prompt_is_chunked_beside_the_running_batch():
 
 
 def test_with_preemption_group_sharing_and_prefix_caching():
-    ps = prompts([7, 8, 13, 1])
-    group_of = [i // 3 for i in range(12)]
-    reqs = greedy_requests([ps[g] for g in group_of], 10, group_of) + greedy_requests(PS[:6], 10)
-    for i, r in enumerate(reqs):
-        r.sample_id = i
+    reqs = groups_and_solos(PS[:6])
     eng = engine(attention_backend="cpu", kv_cache_tokens=96, max_batch_size=6)
     steps = traced(eng)
     out = generate_all(eng, reqs)

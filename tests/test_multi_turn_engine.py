@@ -258,11 +258,7 @@ def test_abort_mid_trajectory_leaves_nothing_behind():
     # a continuation in the engine: aborted there
     eng = wrap(eos, Script(OBS, None))
     eng.add([req(1)])
-    for _ in range(200):
-        t = eng._traj.get(1)
-        if t is not None and t.turns == 1 and t.env_call is None:
-            break
-        eng.step()
+    _past_first_turn(eng, 1)
     assert eng.inner.has_work() and eng.abort([1]) == [1]
     assert not eng.has_work() and not eng.inner.has_work() and eng.inner.stats().kv_blocks_used == 0
     eng.close()
@@ -274,11 +270,7 @@ def test_load_weights_restarts_trajectories_past_their_first_turn():
     env = Script(OBS, None)
     eng = wrap(eos, env)
     eng.add([req()])
-    for _ in range(200):
-        t = eng._traj.get(1)
-        if t is not None and t.turns == 1 and t.env_call is None:
-            break
-        eng.step()
+    _past_first_turn(eng, 1)
     eng.load_weights(MODEL.hf_state_dict().items(), version=1)  # the same weights: the same outputs
     assert eng._traj[1].turns == 0 and not eng._traj[1].output
     out = []
@@ -394,6 +386,16 @@ def test_a_failing_inner_step_keeps_the_trajectories_already_done():
     assert sorted(s.sample_id for s in out) == [1, 2] and all(s.finish_reason != "error" for s in out)
 
 
+def _past_first_turn(eng: MultiTurnEngine, sid: int) -> None:
+    """Step until ``sid``'s second turn is in the inner engine (its first answered)."""
+    for _ in range(200):
+        t = eng._traj.get(sid)
+        if t is not None and t.turns == 1 and t.env_call is None:
+            return
+        eng.step()
+    raise AssertionError(f"sample {sid} never got past its first turn")
+
+
 def run_on(eng: MultiTurnEngine, max_steps: int = 2000) -> list:
     out = []
     for _ in range(max_steps):
@@ -445,6 +447,18 @@ def _wait_ends(env, n):
     raise AssertionError(env.events)
 
 
+def _calling(env, sid: int) -> MultiTurnEngine:
+    """An engine stepped until request ``sid``'s first turn reached ``env``."""
+    eos, _ = first_stop()
+    eng = wrap(eos, env)
+    eng.add([req(sid)])
+    for _ in range(200):
+        if env.events:
+            return eng
+        eng.step()
+    raise AssertionError("the environment was never called")
+
+
 def test_an_environment_with_start_and_end_sees_each_trajectory_open_and_close():
     eos, _ = two_stops()
     env = Sandbox()
@@ -463,15 +477,9 @@ def test_an_environment_with_start_and_end_sees_each_trajectory_open_and_close()
 
 
 def test_abort_and_new_weights_end_what_the_environment_started():
-    eos, _ = first_stop()
     gate = threading.Event()
     env = Sandbox(gate=gate)
-    eng = wrap(eos, env)
-    eng.add([req(1)])
-    for _ in range(200):
-        if env.events:
-            break
-        eng.step()
+    eng = _calling(env, 1)
     assert env.events == [("start", "1-0"), ("call", "1-0")]  # its call is running (held at the gate)
     assert eng.abort([1]) == [1]
     threading.Event().wait(0.05)
@@ -481,13 +489,9 @@ def test_abort_and_new_weights_end_what_the_environment_started():
     assert env.events[-1] == ("end", "1-0") and not env.open
     # new weights restart a trajectory past its first turn: the old attempt ends, the new one starts
     env = Sandbox()
-    eng = wrap(eos, env)
+    eng = wrap(first_stop()[0], env)
     eng.add([req(1)])
-    for _ in range(200):
-        t = eng._traj.get(1)
-        if t is not None and t.turns == 1 and t.env_call is None:
-            break
-        eng.step()
+    _past_first_turn(eng, 1)
     eng.load_weights(MODEL.hf_state_dict().items(), version=1)
     run_on(eng)
     _wait_ends(env, 2)
@@ -504,14 +508,8 @@ def test_a_start_that_fails_is_the_samples_error_and_nothing_ends():
 
 
 def test_close_ends_the_trajectories_in_flight():
-    eos, _ = first_stop()
     env = Sandbox(answers=(OBS, OBS, OBS))
-    eng = wrap(eos, env)
-    eng.add([req(3)])
-    for _ in range(200):
-        if env.events:
-            break
-        eng.step()
+    eng = _calling(env, 3)
     eng.close()
     _wait_ends(env, 1)
     assert ("end", "3-0") in env.events and not env.open
