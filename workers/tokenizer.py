@@ -277,10 +277,12 @@ def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> 
 def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
     """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``LlamaTokenizer`` (which
     imposes its own pipeline, ``_impose_llama_pipeline``): ``tokenizer_class`` (tokenizer_config.json's,
-    else config.json's) LlamaTokenizer(Fast), a config.json ``model_type`` of llama or none (other
-    model types go by transformers' registry: Mistral's, e.g., read tokenizer.json as it is), and a
+    else config.json's) LlamaTokenizer(Fast), a config.json ``model_type`` of llama or none, and a
     tokenizer.json with no ``"ByteLevel"`` in it (Llama 3 style folders that still name
-    LlamaTokenizer are read as tokenizer.json says). Qwen2 folders (``uses_qwen2_tokenizer``) are not."""
+    LlamaTokenizer are read as tokenizer.json says). Qwen2 folders (``uses_qwen2_tokenizer``) are not.
+    Not covered: transformers also loads LlamaTokenizer for model types it registers no tokenizer
+    for (yi, deepseek, internlm, baichuan, ...) when the folder names it; without its registry
+    those folders are read as tokenizer.json says (a leading "▁" can differ)."""
     folder = Path(folder)
     if cfg is None:
         cfg = _read_json(folder / "tokenizer_config.json")
