@@ -135,6 +135,12 @@ class PlacementSection:
     # test hook: add a waiting joiner at this iteration
     force_scale_out_at: int = ranged(-1, Range(-1, note="-1: never"))
 
+    def __post_init__(self):
+        if self.force_scale_out_at >= 0 and not self.elastic:  # it waited 10 minutes for a joiner it refuses
+            raise ConfigError(f"placement.force_scale_out_at: {self.force_scale_out_at} adds a joining generation "
+                              "instance, but placement.elastic is false (a colocated run's default): no process "
+                              "may join; leave force_scale_out_at out or set elastic: true")
+
 
 @dataclass(frozen=True)
 class TrainSection:

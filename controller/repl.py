@@ -58,6 +58,8 @@ class Repl:
 
     def loop(self, stdin, stdout) -> None:
         self.stdout = stdout
+        if hasattr(stdin, "reconfigure"):  # a stray byte (a Latin-1 paste) must not end the run: read as U+FFFD
+            stdin.reconfigure(errors="replace")
         prompt = PROMPT if stdin.isatty() else ""
         print(">>> " + json.dumps({"ready": True, "commands": sorted(self.commands) + ["quit"]}), file=stdout, flush=True)
         while True:

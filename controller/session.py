@@ -233,7 +233,7 @@ class Session:
             if lens:
                 spare = len(self.waiting) + pending()  # processes waiting to join
                 d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
-                                        derived["time/train_busy_s"], lens, len(self.world.sgs.slots), spare=spare)
+                                        derived["time/train_busy_s"], lens, res.instances, spare=spare)
                 # the latest decision: a joiner arriving later is added at the next decision that still wants one
                 self.want_add = d.add
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)

@@ -112,7 +112,8 @@ class Round:
                 (slot, ids), _call, rep, err = self._waiting.next()
                 if err is not None:
                     self.sgs.remove_lost(err)
-                    self.lost.append(slot.handle.rank)
+                    if slot.handle.rank not in self.lost:  # (it may hold two calls: its share and a re-dispatch)
+                        self.lost.append(slot.handle.rank)
                     self._redispatch(ids)
                     continue
                 self.reports.append(rep)
@@ -225,6 +226,9 @@ class SGS:
                slots: list[InstanceSlot] | None = None) -> list[tuple[InstanceSlot, Call, list[int]]]:
         """Dispatch ``requests`` over ``slots`` (default: every live instance)."""
         slots = list(self.slots) if slots is None else slots
+        if not slots:  # the last one was lost between rounds (during a weight push)
+            raise NoInstancesLeft(f"iteration {iteration}: every generation instance is gone ("
+                                  + ", ".join(f"rank {r}: {why}" for r, why in self.removed) + ")")
         est = dispatch_estimates(requests)
         plan = self.dispatcher.plan(est, [s.profile for s in slots], seed=self.seed + iteration,
                                     prompt_lens=[len(r.prompt_ids) for r in requests])

@@ -67,6 +67,8 @@ def test_quickstart_loads_into_owner_classes():
     ({"task": {"kwargs": {True: 3}}}, "task.kwargs: key True (bool) is not a name"),  # YAML's bare `on:`
     ({"dispatch": {"options": {1: 2}}}, "dispatch.options: key 1 (int) is not a name"),
     ({"ranker": {"options": {False: 2}}}, "ranker.options: key False (bool)"),
+    ({"placement": {"elastic": False, "force_scale_out_at": 2}},
+     "placement.force_scale_out_at: 2 adds a joining generation instance, but placement.elastic is false"),
     ({"ranker": {"kind": "lgbm"}}, "ranker.path: kind 'lgbm' loads a trained ranker folder"),
     ({"weight_sync": {"bucket_mb": 0}}, "weight_sync.bucket_mb"),
     ({"weight_sync": {"tree_shape": "ring"}}, "weight_sync.tree_shape"),

@@ -207,3 +207,55 @@ def test_a_verifier_that_raises_in_an_evaluation_is_said_once(monkeypatch, caplo
     assert said == ["eval: 3 samples of 3 prompts (first: prompt 0) left out of eval/mean: the task's score "
                     "raised KeyError('no such field')"]
     assert ev.scores == {"eval/unscored": 3.0}
+
+
+def test_the_last_instance_lost_in_a_weight_push_stops_the_run_with_no_instances_left(monkeypatch):
+    # the push dropped it quietly; the next round's dispatcher then failed over zero instances with
+    # a bare ValueError, a traceback instead of the run's one-line stop (review, session 47)
+    from controller.sgs import NoInstancesLeft
+
+    p = _program(monkeypatch, "batch", Clock())
+    inst = p.world.sgs.slots[0].handle.rref.obj
+
+    def receive_weights(version):
+        raise RuntimeError("Connection reset by peer")  # the transport's word: its process is gone
+
+    inst.receive_weights = receive_weights
+    with pytest.raises(NoInstancesLeft, match="iteration 1: every generation instance is gone"):
+        p.run(2)
+
+
+def test_the_scale_out_policy_is_told_the_instances_that_generated_the_batch(monkeypatch):
+    # async: a joiner added before iteration i did not generate batch i - 1 (already in flight),
+    # but the policy was told the instances of now (review, session 47)
+    from controller.session import Session
+
+    clock = Clock()
+    p = _program(monkeypatch, "async_stream", clock)
+    seen, results = [], {}
+
+    class Policy:
+        def observe(self, iteration, gen, train, lens, instances, spare=None):
+            seen.append((iteration, instances))
+            return SimpleNamespace(add=False, delta_prime_s=0.0)
+
+    session = SimpleNamespace(
+        program=SimpleNamespace(drain_spans=lambda: [], mode=p.mode),
+        metrics=SimpleNamespace(log_iteration=lambda res, spans: {"time/generate_busy_s": 1.0, "time/train_busy_s": 1.0},
+                                log_scalars=lambda *a: None),
+        policy=Policy(), waiting=[], world=p.world, progress=None, want_add=False,
+        cfg=SimpleNamespace(train=SimpleNamespace(iterations=10, eval_every=0, ckpt_every=0),
+                            logging=SimpleNamespace(progress=False), pipeline=SimpleNamespace(mode="async_stream")))
+
+    def on_iteration(res):
+        results[res.iteration] = res
+        Session._on_iteration(session, res)
+
+    def before(i):
+        if i == 2:  # a joiner at iteration 2's boundary, G(1) in flight
+            p.world.sgs.add(WorkerHandle(3, "generation", LocalRRef(Instance(clock))))
+
+    p.on_iteration, p.before_iteration = on_iteration, before
+    p.run(3)
+    assert seen and all(n == results[it].instances for it, n in seen), (seen, {i: r.instances for i, r in results.items()})
+    assert [n for _, n in seen] == [1, 1, 2]

@@ -174,3 +174,15 @@ def test_eval_answers_its_prompt_count_and_says_when_n_exceeds_the_split(tmp_pat
     rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [(r["source"], r["prompts"], r["iteration"]) for r in rows] == [("repl", 4, 8), ("repl", 16, 8),
                                                                           ("repl", 4, 8), ("repl", 16, 8)]
+
+
+def test_a_line_that_is_not_utf8_is_answered_and_the_session_goes_on():
+    # a stray byte (a Latin-1 paste) on a strictly decoded stdin (a UTF-8 locale) raised out of the
+    # loop and stopped the run: "the run is never stopped by what is typed" (review, session 47)
+    raw = io.BufferedReader(io.BytesIO(b"status\n\xe9t\xe9\nstatus\n"), buffer_size=1)
+    stdin = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
+    out = io.StringIO()
+    Repl(_session()).loop(stdin, out)
+    answers = [json.loads(ln[4:]) for ln in out.getvalue().splitlines()]
+    assert "unknown command" in answers[2]["error"] and "\ufffd" in answers[2]["error"]
+    assert answers[1].get("iteration") == answers[3].get("iteration") == 0

@@ -338,3 +338,43 @@ def test_dispatch_plans_with_the_estimates_and_a_zero_estimate_is_the_shortest()
 
     assert dispatch_estimates([req(0, 12.0), req(1, 0.0), req(2, 3.5)]) == [12.0, 0.0, 3.5]
     assert dispatch_estimates([req(0), req(1)]) == [64.0, 64.0]  # no estimates: the caps
+
+
+def test_an_instance_lost_holding_two_calls_of_a_round_is_listed_once():
+    """Its own share and a re-dispatched one fail together when its process dies: the round's
+    ``lost`` (iterations.jsonl) listed it twice (review, session 47)."""
+    import torch
+
+    from controller.instance import GenerateReport
+    from controller.rpc import Call
+    from controller.scheduling import make_dispatcher
+    from controller.sgs import SGS, InstanceSlot, Round, default_profile
+    from workers.types import Request
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank, self.role, self.name, self.alive, self.futures = rank, "generation", f"worker{rank}", True, []
+
+        def call(self, method, *args):
+            ids = [r.sample_id for r in args[1]]
+            fut = torch.futures.Future()
+            self.futures.append(fut)
+            if self.rank == 1:  # gone at once: its share goes to ranks 2 and 3
+                fut.set_exception(RuntimeError("Connection reset by peer"))
+            elif self.rank == 2 and len(self.futures) == 2:  # dies holding its share and the re-dispatch
+                for f in self.futures:
+                    f.set_exception(RuntimeError("Connection reset by peer"))
+            elif self.rank == 3:
+                fut.set_result(GenerateReport(3, 0, ids, 4 * len(ids), 0.1, 0, [4] * len(ids)))
+            return Call(self, method, fut)
+
+    handles = [Handle(r) for r in (1, 2, 3)]
+    sgs = SGS(make_dispatcher("round_robin"), received=lambda it: set())
+    sgs.slots = [InstanceSlot(h, default_profile()) for h in handles]
+    reqs = [Request(i, torch.tensor([1, 2]), 4) for i in range(6)]
+    rnd = Round(sgs, iteration=0, version=0, requests={r.sample_id: r for r in reqs})
+    rnd.launch(reqs)
+    reports = rnd.wait()
+    assert len(handles[1].futures) == 2  # (the case: rank 2 held two calls)
+    assert sorted(i for rep in reports for i in rep.sample_ids) == list(range(6))
+    assert rnd.lost == [1, 2]
