@@ -79,7 +79,10 @@ def test_greedy_parity_with_native(setup):
 def test_chunked_prefill_off_reaches_vllm(setup):
     # engine.enable_chunked_prefill: false (vLLM's own key) with a budget below the prompts: vLLM
     # takes it (its step budget grown to max_model_len) and the outputs are the native engine's
-    eng = make_engine(_cfg("vllm", enable_chunked_prefill=False, max_prefill_tokens=16), setup["dir"])
+    # (its engine core in a child: a second in-process vLLM engine, closed, tears down the state
+    # the module's shared one runs on)
+    eng = make_engine(_cfg("vllm", enable_chunked_prefill=False, max_prefill_tokens=16,
+                           backend_options={"multiprocess": True}), setup["dir"])
     try:
         reqs = _greedy(_prompts([40, 5, 64]), 8, first_id=100)
         got, want = generate_all(eng, reqs), generate_all(setup["native"], reqs)
