@@ -147,8 +147,12 @@ def merge_rounds(rows: list[dict]) -> dict:
             "iterations": sum(r["iterations"] for r in rows),
             "bubble": {w: round(sum(r["bubble"].get(w, 0.0) * r["seconds"] for r in rows) / secs, 3) for w in workers},
             "staleness_max": max(r["staleness_max"] for r in rows),
-            "busy_s": {w: round(sum(r["busy_s"].get(w, 0.0) for r in rows), 3) for w in workers},
-            "cpu_s": {p: {"total": round(sum(r["cpu_s"][p]["total"] for r in rows), 2)} for p in rows[0]["cpu_s"]},
+            # (busy seconds are per span worker, gen1 / train1; bubbles per device: colocated's rank1)
+            "busy_s": {w: round(sum(r["busy_s"].get(w, 0.0) for r in rows), 3)
+                       for w in sorted({w for r in rows for w in r["busy_s"]})},
+            "cpu_s": {p: {k: round(sum(r["cpu_s"].get(p, {}).get(k, 0.0) for r in rows), 2)
+                          for k in sorted({k for r in rows for k in r["cpu_s"].get(p, {})})}
+                      for p in sorted({p for r in rows for p in r["cpu_s"]})},
             "rounds": [round(r["samples_per_s"], 1) for r in rows]}
 
 

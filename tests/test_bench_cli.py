@@ -183,3 +183,18 @@ def test_kernels_summary_keys_are_documented():
     section = doc.split("## bench/kernels.py", 1)[1].split("\n## ", 1)[0]
     words = set(section.replace("`", " ").replace(",", " ").split())
     assert keys <= words, sorted(keys - words)
+
+
+def test_pipeline_modes_merges_rounds_by_their_own_keys(monkeypatch):
+    # colocated: bubbles are per device (rank1), busy seconds per span worker (gen1, train1); the
+    # merge took the bubble keys for both and wrote 0.0 busy seconds, and kept only CPU totals
+    merge_rounds = load_bench("pipeline_modes", monkeypatch).merge_rounds
+
+    def row(busy, cpu):
+        return {"mode": "colocated", "samples_per_s": 1.0, "seconds": 2.0, "samples": 2, "tokens": 10, "iterations": 1,
+                "bubble": {"rank1": 0.5}, "staleness_max": 0, "busy_s": busy, "cpu_s": cpu}
+
+    m = merge_rounds([row({"gen1": 0.5, "train1": 0.25}, {"worker1": {"total": 1.0, "MainThread": 0.5}}),
+                      row({"gen1": 0.25, "train1": 0.5}, {"worker1": {"total": 2.0, "rpc": 0.75}})])
+    assert m["busy_s"] == {"gen1": 0.75, "train1": 0.75} and m["bubble"] == {"rank1": 0.5}
+    assert m["cpu_s"] == {"worker1": {"MainThread": 0.5, "rpc": 0.75, "total": 3.0}}

@@ -66,6 +66,16 @@ def test_profile_recovers_the_step_law_and_leaves_the_engine_idle():
     assert prof.max_batch_for_len(10) == 16  # bound by the engine's max_batch_size
 
 
+def test_the_prefill_probes_compute_their_prompts_not_the_prefix_cache():
+    # every probe drew the same prompt ids (one seed), so with prefix caching on (the default) the
+    # long prefill probe found the short one's blocks and timed a few tokens (review, session 47)
+    torch.set_num_threads(1)
+    eng = StepClock(tiny_engine(), p=1e-4)
+    prof = profile_engine(eng, batch_sizes=(1, 2), prompt_len=40, decode_steps=2, warmup_steps=1, clock=eng.clock)
+    assert eng.engine.stats().prefix_cache_hit_tokens == 0
+    assert prof.prefill_s_per_token == pytest.approx(1e-4) and prof.prefill_step_s == pytest.approx(0.01)
+
+
 def test_profile_recovers_the_cost_per_cached_token():
     torch.set_num_threads(1)
     eng = StepClock(tiny_engine(kv_tokens=4096), c=1e-5)

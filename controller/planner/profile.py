@@ -32,9 +32,12 @@ def _drain(engine: Engine) -> None:
 
 
 def _requests(n: int, prompt_len: int, out_len: int, vocab: int, first_id: int, seed: int) -> list[Request]:
-    g = torch.Generator().manual_seed(seed)
+    """``n`` random prompts, new ones for every ``first_id``: the same ones again would be found in
+    the engine's prefix cache, and a prefill probe would time a few tokens, not ``prompt_len``."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + first_id)
     return [Request(sample_id=first_id + i, prompt_ids=torch.randint(3, vocab, (prompt_len,), generator=g),
-                    max_tokens=out_len, min_tokens=out_len, sampling=SamplingParams(temperature=1.0, seed=seed + i))
+                    max_tokens=out_len, min_tokens=out_len,
+                    sampling=SamplingParams(temperature=1.0, seed=seed + first_id + i))
             for i in range(n)]
 
 
