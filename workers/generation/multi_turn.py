@@ -127,7 +127,6 @@ class Trajectory:
     weight_version: int = 0
     env_call: cf.Future | None = None  # the environment's answer being computed
     attempt: int = 0  # restarts after new weights (each attempt is a trajectory of its own)
-    started: bool = False  # its first environment call was submitted (it runs ``start`` first)
     opened: bool = False  # the environment's ``start`` returned (set on the pool thread): it gets ``end``
 
     @property
@@ -259,19 +258,19 @@ class MultiTurnEngine:
     def _call_env(self, t: Trajectory, turn_ids: torch.Tensor) -> None:
         t.messages.append({"role": "assistant",
                            "content": self.tokenizer.decode(turn_ids, skip_special_tokens=True)})
-        first, t.started = not t.started, True
-        t.env_call = self.pool.submit(self._observe, t, [dict(m) for m in t.messages], t.turns, first)
+        t.env_call = self.pool.submit(self._observe, t, [dict(m) for m in t.messages], t.turns)
         self._waiting[t.request.sample_id] = t
 
-    def _observe(self, t: Trajectory, messages: list[dict], turn: int, first: bool) -> _Observation:
+    def _observe(self, t: Trajectory, messages: list[dict], turn: int) -> _Observation:
         """The environment's answer to a conversation, tokenised (on a pool thread); before the
-        trajectory's first call, the environment's ``start`` (``t.opened`` once it returned)."""
+        trajectory's first call (after its first turn), the environment's ``start`` (``t.opened``
+        once it returned)."""
         task, sample_id, tid = t.request.task, t.request.sample_id, t.tid
         what = "start() failed"
         try:
             # an async env's coroutine runs to its end on the process's one event loop (as async
             # rewards do): a client it keeps stays bound to that loop
-            if first and self._start is not None:
+            if turn == 1 and self._start is not None:
                 resolve(self._start(tid, task))
                 t.opened = True
             what = "failed"
@@ -333,7 +332,7 @@ class MultiTurnEngine:
         flight, decided once that call is over (the two never overlap; a call cancelled before
         it ran never started the trajectory)."""
         t = self._traj.pop(sid, None)
-        if t is None or not t.started or self._end is None:
+        if t is None or self._end is None:
             return
         if t.env_call is not None and not t.env_call.done():
             t.env_call.add_done_callback(lambda _: self._submit_end(t))
@@ -341,7 +340,7 @@ class MultiTurnEngine:
             self._submit_end(t)
 
     def _submit_end(self, t: Trajectory) -> None:
-        if not t.opened:  # its start never ran, or raised
+        if not t.opened:  # it never called the environment, or its start was cancelled or raised
             return
         try:
             f = self.pool.submit(self._run_end, t.tid)
