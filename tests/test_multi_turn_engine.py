@@ -9,7 +9,8 @@ import torch
 
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
-from workers.generation.multi_turn import MultiTurnEngine, cut_observation, observation_ids
+from workers.generation.multi_turn import MultiTurnEngine
+from workers.generation.observations import cut_observation, observation_ids
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.tasks.envs import make_env
 from workers.tokenizer import Tokenizer, train_bpe
