@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer as HFTok
 from tokenizers import models, pre_tokenizers
 
-from workers.tokenizer import Tokenizer, train_bpe, uses_llama_tokenizer, uses_qwen2_tokenizer
+from workers.tokenizer import Tokenizer, train_bpe
+from workers.tokenizer_folders import uses_llama_tokenizer, uses_qwen2_tokenizer
 
 TEXTS = ["sum 12345 678 2", "3+5=8; 8+2=10; answer=10", "hello world 2024", "count 9 by 3"] * 20
 SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<s>")

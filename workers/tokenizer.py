@@ -1,6 +1,7 @@
 """Tokenizer: a ``tokenizer.json`` (``tokenizers`` library) plus prompt formatting.
 
-Files in a model folder, as Hugging Face lays them out:
+Files in a model folder, as Hugging Face lays them out (read as transformers 5 reads them by
+``workers/tokenizer_folders.py``):
 * ``tokenizer.json`` — the fast tokenizer (any model the ``tokenizers`` library reads). A folder
   that transformers 5 loads as ``Qwen2Tokenizer`` (config.json's ``model_type: qwen2``, ...: see
   ``uses_qwen2_tokenizer``) is tokenized with Qwen2's NFC normalizer and split pre-tokenizer, as
@@ -30,31 +31,18 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from workers.chat_template import find as find_chat_template
 from workers.chat_template import render as render_chat_template
+from workers.tokenizer_folders import qwen2_pre_tokenizer, read_folder
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 DEFAULT_PROMPT_TEMPLATE = "{prompt}\n"
 
 
-SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # older folders' named special tokens
-# config.json model types that transformers 5 loads as Qwen2Tokenizer when tokenizer_config.json
-# names no tokenizer_class ("qwen2" whatever it names)
-QWEN2_TOKENIZER_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
-# the special tokens Qwen2Tokenizer / LlamaTokenizer take when the folder names none (the key absent
-# from tokenizer_config.json and special_tokens_map.json; a key set to null stays unset)
-QWEN2_DEFAULT_TOKENS = {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
-LLAMA_DEFAULT_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-# config.json model types whose folders transformers 5 loads as LlamaTokenizer when
-# tokenizer_class names it (None: no model_type; no class is registered for "llama")
-LLAMA_TOKENIZER_MODEL_TYPES = (None, "llama")
-# the named special tokens transformers hands a chat template (those that are set)
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def check_prompt_template(template: str) -> None:
@@ -183,186 +171,18 @@ class Tokenizer:
         special tokens from tokenizer_config.json and special_tokens_map.json
         (``folder_special_tokens``, with the class's defaults), and, where transformers loads the
         folder as its ``Qwen2Tokenizer`` (``uses_qwen2_tokenizer``) or ``LlamaTokenizer``
-        (``uses_llama_tokenizer``), that class's pipeline over tokenizer.json's.
+        (``uses_llama_tokenizer``), that class's pipeline over tokenizer.json's
+        (``workers/tokenizer_folders.py``: ``read_folder``).
         ``as_transformers=False``: tokenizer.json's own pipeline, as saved (a folder this
         project wrote and reads back itself, e.g. the LM ranker's GPT-2-split tokenizer).
         ``tools``: the schemas its prompts show (``Tokenizer.tools``); they also pick a folder's
         named "tool_use" chat template over "default", as transformers' ``apply_chat_template(tools=...)``."""
-        folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} not found: a model folder needs tokenizer.json")
-        cfg = _read_json(folder / "tokenizer_config.json")
-        qwen2 = as_transformers and uses_qwen2_tokenizer(folder, cfg)
-        llama = as_transformers and not qwen2 and uses_llama_tokenizer(folder, cfg)
-        defaults = QWEN2_DEFAULT_TOKENS if qwen2 else LLAMA_DEFAULT_TOKENS if llama else None
-        tokens = folder_special_tokens(folder, cfg, defaults=defaults)
-        if not tokens.get("eos_token"):
-            raise ValueError(f"{folder}: no eos_token in {folder / 'tokenizer_config.json'} or "
-                             f"{folder / SPECIAL_TOKENS_MAP_FILE}; name the model's end-of-sequence token there")
-        tok = _HFTokenizer.from_file(str(path))
-        if qwen2:
-            _impose_qwen2_pipeline(tok, path, add_prefix_space=bool(cfg.get("add_prefix_space")))
-        elif llama:
-            _impose_llama_pipeline(tok, path, add_prefix_space=cfg.get("add_prefix_space"),
-                                   legacy=cfg.get("legacy", False))
-        if as_transformers:
-            # (tokenizer.json's post-processor is kept: with a tokenizer.json, transformers drops
-            # tokenizer_config.json's add_bos_token / add_eos_token)
-            _add_named_special_tokens(tok, tokens)
+        tok, tokens, cfg = read_folder(Path(folder), as_transformers)
         return cls(tok, eos_token=tokens["eos_token"], pad_token=tokens.get("pad_token"),
                    bos_token=tokens.get("bos_token"),
-                   chat_template=find_chat_template(folder, cfg, tools),
+                   chat_template=find_chat_template(Path(folder), cfg, tools),
                    prompt_template=prompt_template or cfg.get("prompt_template"),
                    special_tokens=tokens, tools=tools)
-
-
-def _read_json(path: Path) -> dict:
-    """A folder's optional JSON file ({} when absent); a file that is not a JSON object is refused."""
-    if not path.exists():
-        return {}
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
-
-
-def folder_special_tokens(folder: str | os.PathLike, cfg: dict | None = None,
-                          defaults: dict[str, str] | None = None) -> dict[str, str | None]:
-    """The named special tokens (``SPECIAL_TOKEN_NAMES``) of a model folder, as transformers reads
-    them: tokenizer_config.json's, and, when it has no ``added_tokens_decoder`` (older folders),
-    special_tokens_map.json's entries win over them (a string or an ``{"content": ...}`` dict).
-    ``defaults``: the tokenizer class's own (``QWEN2_DEFAULT_TOKENS``, ``LLAMA_DEFAULT_TOKENS``),
-    for the names neither file has (a name given as null stays None, as transformers passes it)."""
-    folder = Path(folder)
-    if cfg is None:
-        cfg = _read_json(folder / "tokenizer_config.json")
-    tokens = {k: _token_str(cfg.get(k)) for k in SPECIAL_TOKEN_NAMES}
-    named = {k for k in SPECIAL_TOKEN_NAMES if k in cfg}
-    if "added_tokens_decoder" not in cfg:
-        legacy = _read_json(folder / SPECIAL_TOKENS_MAP_FILE)
-        tokens.update({k: _token_str(legacy[k]) for k in SPECIAL_TOKEN_NAMES if k in legacy})
-        named |= {k for k in SPECIAL_TOKEN_NAMES if k in legacy}
-    for k, v in (defaults or {}).items():
-        if k not in named:
-            tokens[k] = v
-    return tokens
-
-
-def _token_str(t) -> str | None:
-    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
-    if isinstance(t, dict):
-        return t.get("content")
-    return t
-
-
-def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
-    """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``Qwen2Tokenizer``: always
-    for config.json's ``model_type: qwen2`` (whatever ``tokenizer_class`` says), for a
-    ``tokenizer_class`` Qwen2Tokenizer(Fast), and for the other Qwen model types that name no
-    ``tokenizer_class``."""
-    folder = Path(folder)
-    if cfg is None:
-        cfg = _read_json(folder / "tokenizer_config.json")
-    model_type = _read_json(folder / "config.json").get("model_type")
-    tokenizer_class = cfg.get("tokenizer_class")
-    if model_type == "qwen2" or tokenizer_class in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
-        return True
-    return tokenizer_class is None and model_type in QWEN2_TOKENIZER_MODEL_TYPES
-
-
-def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
-    """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``LlamaTokenizer`` (which
-    imposes its own pipeline, ``_impose_llama_pipeline``): ``tokenizer_class`` (tokenizer_config.json's,
-    else config.json's) LlamaTokenizer(Fast), a config.json ``model_type`` of llama or none, and a
-    tokenizer.json with no ``"ByteLevel"`` in it (Llama 3 style folders that still name
-    LlamaTokenizer are read as tokenizer.json says). Qwen2 folders (``uses_qwen2_tokenizer``) are not.
-    Not covered: transformers also loads LlamaTokenizer for model types it registers no tokenizer
-    for (yi, deepseek, internlm, baichuan, ...) when the folder names it; without its registry
-    those folders are read as tokenizer.json says (a leading "▁" can differ)."""
-    folder = Path(folder)
-    if cfg is None:
-        cfg = _read_json(folder / "tokenizer_config.json")
-    if uses_qwen2_tokenizer(folder, cfg):
-        return False
-    config = _read_json(folder / "config.json")
-    declared = cfg.get("tokenizer_class") or config.get("tokenizer_class")
-    if not isinstance(declared, str) or declared.removesuffix("Fast") != "LlamaTokenizer":
-        return False
-    if config.get("model_type") not in LLAMA_TOKENIZER_MODEL_TYPES:
-        return False
-    path = folder / "tokenizer.json"
-    return not (path.is_file() and '"ByteLevel"' in path.read_text(encoding="utf-8"))
-
-
-def _impose_llama_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space=None, legacy=False) -> None:
-    """LlamaTokenizer's pipeline over tokenizer.json's (its vocab, merges, added tokens and
-    post-processor are kept), as transformers 5 builds it: no normalizer (a SentencePiece-style
-    Prepend/Replace one is dropped), a Metaspace pre-tokenizer ("▁" for spaces, split=False) that
-    prepends "▁" to the first piece of text only (``legacy`` false, the default) or to each piece
-    between special tokens (``legacy`` true), or never (``add_prefix_space`` false; None is true),
-    a byte-fallback BPE (fuse_unk; no dropout, unknown token, affixes or ignore_merges), and the
-    decoder undoing it (the leading space stripped when a prefix is added)."""
-    model = tok.model
-    if not isinstance(model, models.BPE):
-        raise ValueError(f"{path}: a {type(model).__name__} model, but transformers 5 loads this folder as "
-                         "LlamaTokenizer (tokenizer_class), which rebuilds it as a BPE from its vocabulary "
-                         "without merges and tokenizes differently from the model's training; refused")
-    add_prefix_space = True if add_prefix_space is None else add_prefix_space
-    model.dropout, model.unk_token = None, None
-    model.continuing_subword_prefix, model.end_of_word_suffix = None, None
-    model.fuse_unk, model.byte_fallback, model.ignore_merges = True, True, False
-    tok.normalizer = None
-    scheme = ("always" if legacy else "first") if add_prefix_space else "never"
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix_space:
-        steps.append(decoders.Strip(" ", 1, 0))
-    tok.decoder = decoders.Sequence(steps)
-
-
-def _add_named_special_tokens(tok: _HFTokenizer, tokens: dict[str, str | None]) -> None:
-    """As transformers' TokenizersBackend does on loading: each named special token that is not
-    one of tokenizer.json's added tokens becomes a special added token (split out of any text
-    and skipped in decoding; a new id when it is not in the vocabulary either)."""
-    added = {t.content for t in tok.get_added_tokens_decoder().values()}
-    for name in SPECIAL_TOKEN_NAMES:
-        t = tokens.get(name)
-        if t and t not in added:
-            tok.add_special_tokens([AddedToken(t, special=True)])
-            added.add(t)
-
-
-def _impose_qwen2_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space: bool = False) -> None:
-    """Qwen2Tokenizer's pipeline over tokenizer.json's (its vocab, merges, added tokens and
-    post-processor are kept): NFC, the ``QWEN2_SPLIT`` pre-tokenizer then bytes, a byte-level
-    decoder, and a plain BPE (no dropout, unknown token, affixes, byte fallback or ignore_merges)."""
-    model = tok.model
-    if not isinstance(model, models.BPE):
-        raise ValueError(f"{path}: a {type(model).__name__} model, but transformers loads this folder as "
-                         "Qwen2Tokenizer, which needs a BPE tokenizer.json")
-    model.dropout, model.unk_token = None, None
-    model.continuing_subword_prefix, model.end_of_word_suffix = None, None
-    model.fuse_unk, model.byte_fallback, model.ignore_merges = False, False, False
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = _qwen2_pre_tokenizer(add_prefix_space)
-    tok.decoder = decoders.ByteLevel()
-
-
-# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer, Qwen2.5's tokenizer.json): digits one
-# by one, letters in runs with one leading non-letter, punctuation runs, newlines, spaces.
-QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-
-
-def _qwen2_pre_tokenizer(add_prefix_space: bool = False):
-    """Qwen2Tokenizer's pre-tokenizer: the ``QWEN2_SPLIT`` pieces, then their bytes."""
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
 
 
 def min_bpe_vocab(special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN)) -> int:
@@ -390,7 +210,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 512, special_tokens: Seque
     tok = _HFTokenizer(models.BPE())
     if split == "qwen2":
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = _qwen2_pre_tokenizer()
+        tok.pre_tokenizer = qwen2_pre_tokenizer()
     elif split == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
