@@ -94,6 +94,9 @@ class Sample:
     # leaves out of every loss term and count (verl's response_mask); None: all sampled
     loss_mask: torch.Tensor | None = None
     turns: int = 1  # assistant turns in ``output_ids``
+    # multi-turn: the reward the environment gave with each answer that carried one (verl's tool
+    # rewards), in call order; the trainer adds their sum to the task's score of the sample
+    env_rewards: tuple[float, ...] = ()
 
 
 @dataclass

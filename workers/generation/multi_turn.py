@@ -8,7 +8,9 @@ tokenised as the chat template renders it (``observation_ids``), is spliced in: 
 a continuation request of the same ``sample_id`` whose prompt is the original prompt, every turn
 and observation so far. What comes out is ONE Sample per trajectory: ``output_ids`` is every
 turn and observation concatenated, ``loss_mask`` is False on the observation tokens (their
-logprobs 0.0), ``turns`` counts the assistant turns. ``max_tokens`` (``train.max_tokens``, as
+logprobs 0.0), ``turns`` counts the assistant turns, ``env_rewards`` the rewards the
+environment gave (a dict answer's ``reward``: the trainer adds their sum to the task's score).
+``max_tokens`` (``train.max_tokens``, as
 verl's ``response_length``) covers all turns and observations.
 
 A continuation is a new request over the whole context (group_id -1); the engine's prefix
@@ -35,8 +37,9 @@ from workers.tasks.scoring import resolve
 from workers.types import EngineStats, Request, Sample, SamplingParams, TaskPrompt
 
 # an environment: (the dataset item, the conversation so far in OpenAI format) -> the observation
-# (a str: a tool message; a {"role", "content"} dict as is; None: the trajectory is done), or an
-# awaitable of one (an ``async def`` environment: awaited on the pool thread)
+# (a str: a tool message; a {"role", "content"} dict, whose optional "reward" is the turn's and
+# "done": true ends the trajectory; None: done), or an awaitable of one (an ``async def``
+# environment: awaited on the pool thread)
 Env = Callable[[TaskPrompt | None, list[dict]], "str | dict | None"]
 log = logging.getLogger("streamrl.multi_turn")
 WAIT_S = 0.05  # the longest step() waits for an environment call when the engine is idle
@@ -78,6 +81,7 @@ class Trajectory:
     env_call: cf.Future | None = None  # the environment's answer being computed
     attempt: int = 0  # restarts after new weights (each attempt is a trajectory of its own)
     opened: bool = False  # the environment's ``start`` returned (set on the pool thread): it gets ``end``
+    env_rewards: list[float] = field(default_factory=list)  # the rewards the environment gave, in call order
 
     @property
     def tid(self) -> str:
@@ -102,16 +106,19 @@ class Trajectory:
                       logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
                       weight_version=self.weight_version, finish_reason=finish_reason, group_id=r.group_id,
                       timings=dict(self.timings), min_tokens=int(r.min_tokens), baseline=r.baseline,
-                      loss_mask=torch.tensor(self.mask, dtype=torch.bool), turns=self.turns)
+                      loss_mask=torch.tensor(self.mask, dtype=torch.bool), turns=self.turns,
+                      env_rewards=tuple(self.env_rewards))
 
 
 @dataclass
 class _Observation:
-    """What an environment call gave: a message and its tokens, None (done), or an error."""
+    """What an environment call gave: a message and its tokens, None (done), or an error; and
+    the reward of the turn, if it gave one."""
 
     message: dict | None = None
     ids: list[int] = field(default_factory=list)
     error: str = ""
+    reward: float | None = None
 
 
 class MultiTurnEngine:
@@ -225,17 +232,17 @@ class MultiTurnEngine:
                 t.opened = True
             what = "failed"
             kw = {"trajectory": tid} if self._takes_id else {}
-            message = observation_message(resolve(self.env(task, messages, **kw)))
+            message, reward = observation_message(resolve(self.env(task, messages, **kw)))
         except Exception as e:  # noqa: BLE001 - your environment's failure: the sample's error
             return _Observation(error=f"multi_turn.env: {self.spec!r} {what} on sample {sample_id} after turn "
                                       f"{turn} ({type(e).__name__}: {e})")
         if message is None:
-            return _Observation()
+            return _Observation(reward=reward)
         try:
             if isinstance(message["content"], str):
                 message = {**message, "content": cut_observation(self.tokenizer, message["content"],
                                                                  self.max_observation_tokens, self.truncate_side)}
-            return _Observation(message, observation_ids(self.tokenizer, message))
+            return _Observation(message, observation_ids(self.tokenizer, message), reward=reward)
         except Exception as e:  # noqa: BLE001 - a template that cannot render it
             return _Observation(error=f"multi_turn.env: {self.spec!r}: the observation of sample {sample_id} after "
                                       f"turn {turn} could not be tokenised ({type(e).__name__}: {e})")
@@ -256,6 +263,8 @@ class MultiTurnEngine:
                 self._retire(sid)
                 out.append(error_sample(t.request, obs.error, t.weight_version))
                 continue
+            if obs.reward is not None:  # (the turn's, also when the trajectory ends here)
+                t.env_rewards.append(obs.reward)
             if obs.message is None:  # done: the last turn ended in EOS
                 self._retire(sid)
                 out.append(t.sample("stop"))

@@ -4,19 +4,39 @@ cut as verl cuts a tool response, and the tokens the chat template renders for i
 assistant turn, up to the next assistant turn's generation prompt."""
 from __future__ import annotations
 
+import math
+import numbers
+
 _SYSTEM = {"role": "system", "content": ""}
 
 
-def observation_message(out) -> dict | None:
-    """The environment's answer as a chat message (None: done); anything else is a TypeError."""
+def observation_message(out) -> tuple[dict | None, float | None]:
+    """The environment's answer -> (the observation as a chat message, or None: done; the turn's
+    reward, or None: none given). A str is a tool message; a dict is a message (``role``,
+    ``content``) and may carry ``reward`` (a finite number: the reward of the turn just taken,
+    verl's tool reward) and ``done`` (true: the trajectory ends here, no message appended);
+    anything else is a TypeError (a bad reward a ValueError) saying what it was."""
     if out is None:
-        return None
+        return None, None
     if isinstance(out, str):
-        return {"role": "tool", "content": out}
-    if isinstance(out, dict) and isinstance(out.get("role"), str) and "content" in out:
-        return out
-    raise TypeError(f"returned a {type(out).__name__} ({str(out)[:80]!r}); an environment returns a str (a tool "
-                    "message), a dict with 'role' and 'content', or None (done)")
+        return {"role": "tool", "content": out}, None
+    if not isinstance(out, dict):
+        raise TypeError(f"returned a {type(out).__name__} ({str(out)[:80]!r}); an environment returns a str (a tool "
+                        "message), a dict with 'role' and 'content' (and optionally 'reward', 'done'), or None (done)")
+    reward = out.get("reward")
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise ValueError(f"returned reward {reward!r:.60}: a turn's reward is a finite number")
+        reward = float(reward)
+    done = out.get("done", False)
+    if not isinstance(done, bool):
+        raise TypeError(f"returned done {done!r:.60}: 'done' is true or false")
+    if done:
+        return None, reward
+    if not (isinstance(out.get("role"), str) and "content" in out):
+        raise TypeError(f"returned a dict without 'role' and 'content' (keys {sorted(map(str, out))}) and without "
+                        "'done': true; an observation is a message, or the trajectory is done")
+    return {k: v for k, v in out.items() if k not in ("reward", "done")}, reward
 
 
 def cut_observation(tokenizer, content: str, limit: int, side: str = "middle") -> str:

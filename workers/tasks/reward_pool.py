@@ -261,7 +261,16 @@ class RewardPool:
             out += [_Part(pending, i, len(chunk)) for i in range(len(chunk))]
         return out
 
+    @staticmethod
+    def plus(pending, extra: float):
+        """``pending`` whose score, once in, has ``extra`` added (a multi-turn sample's environment
+        rewards, ``Sample.env_rewards``); a failed score stays failed."""
+        return _Plus(pending, float(extra)) if extra else pending
+
     def result(self, pending) -> Scored:
+        if isinstance(pending, _Plus):
+            r = self.result(pending.pending)
+            return r if r.why else Scored(r.score + pending.extra, "", r.seconds)
         if not isinstance(pending, _Part):
             return self._impl.result(pending)
         out = self._impl.result(pending.pending)
@@ -271,6 +280,14 @@ class RewardPool:
 
     def close(self) -> None:
         self._impl.close()
+
+
+@dataclass(frozen=True)
+class _Plus:
+    """A score in flight and what is added to it (``RewardPool.plus``)."""
+
+    pending: object
+    extra: float
 
 
 @dataclass(frozen=True)

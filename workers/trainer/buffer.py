@@ -23,7 +23,7 @@ class Prepared:
     output_ids: torch.Tensor
     old_logp: torch.Tensor
     ref_logp: torch.Tensor | None  # None: no reference (trainer.kl_coef 0)
-    score: float  # the task's reward
+    score: float  # the task's reward (multi-turn: plus the environment's rewards, ``env_reward``)
     reward: float  # score plus the overlong penalty, minus the KL penalty in kl_mode "reward" (grouped algorithms)
     token_rewards: torch.Tensor | None = None  # [L] for GAE
     values: torch.Tensor | None = None
@@ -40,6 +40,7 @@ class Prepared:
     # environment's observation tokens (None: all sampled, every single-turn sample)
     sampled: torch.Tensor | None = None
     turns: int = 1  # assistant turns in output_ids (Sample.turns)
+    env_reward: float = 0.0  # the sum of the environment's rewards (Sample.env_rewards), in ``score``
     correction: dict[str, float] = field(default_factory=dict)  # its rollout_corr/* metric terms
     overlong: float = 0.0  # the overlong penalty added to the reward (<= 0; TrainerConfig.overlong_buffer)
     reward_kl: float = 0.0  # mean per-token KL(old || ref) over its sampled tokens, what kl_mode reward penalises

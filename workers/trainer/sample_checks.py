@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -65,6 +67,15 @@ def check_group_counts(samples: Sequence[Sample], seen: set[int], group_seen: di
                              f"but begin_iteration gave it size {size}")
 
 
+def env_rewards_reason(s: Sample) -> str | None:
+    """Why ``s.env_rewards`` cannot be added to its reward (not finite numbers), or None."""
+    rewards = s.env_rewards
+    if not isinstance(rewards, (tuple, list)) or not all(
+            isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
+        return f"sample {s.sample_id}: env_rewards {str(rewards)[:80]} are not finite numbers"
+    return None
+
+
 def bad_sample_reason(s: Sample, version: int, cfg: TrainerConfig, model_config) -> str | None:
     """Why ``s`` cannot be trained on by a trainer at weight ``version`` (a message naming the
     sample), or None. ``model_config``: the actor's (vocab_size, max_position_embeddings)."""
@@ -83,7 +94,7 @@ def bad_sample_reason(s: Sample, version: int, cfg: TrainerConfig, model_config)
                 f"max_position_embeddings {model_config.max_position_embeddings}")
     if bool(((prompt < 0) | (prompt >= vocab)).any() or ((output < 0) | (output >= vocab)).any()):
         return f"sample {sid}: a token id outside the model's vocabulary [0, {vocab})"
-    why = mask_reason(s)  # multi-turn: not bool, not the output's length, or no sampled token
+    why = mask_reason(s) or env_rewards_reason(s)  # multi-turn: the mask, the environment's rewards
     if why is not None:
         return why
     if not cfg.uses_sampler_logprobs:

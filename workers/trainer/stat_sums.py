@@ -22,7 +22,8 @@ class StatSums:
             "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "advantage_sum", "values_sum",
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
             "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups", "baselines",
-            "baseline_sum", "unbased_groups", "turns_sum", "observation_tokens_sum") + rc.SUMS
+            "baseline_sum", "unbased_groups", "turns_sum", "observation_tokens_sum",
+            "env_reward_sum") + rc.SUMS
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -65,6 +66,7 @@ class StatSums:
         self.add("staleness_sum", float(version - p.weight_version))
         self.add("turns_sum", float(p.turns))  # multi-turn: assistant turns, and the environment's tokens
         self.add("observation_tokens_sum", float(p.observation_tokens))
+        self.add("env_reward_sum", p.env_reward)
         for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
             self.add_extreme(f"{k}_max", v)
             self.add_extreme(f"{k}_min", v)
@@ -114,7 +116,8 @@ class StatSums:
              "response_len_mean": t["resp_len_sum"] / n, "staleness_mean": t["staleness_sum"] / n,
              # multi-turn: per sample, of the population of reward_mean (single-turn: 1 and 0)
              "turns_mean": t["turns_sum"] / n,
-             "observation_tokens_mean": t["observation_tokens_sum"] / n}
+             "observation_tokens_mean": t["observation_tokens_sum"] / n,
+             "env_reward_mean": t["env_reward_sum"] / n}  # the part of reward_mean the environment gave
         for k in ("num_samples", "num_tokens", "num_seqs", "skipped_samples", "skipped_microbatches",
                   "incomplete_groups", "duplicates", "score_s", "score_wait_s"):
             m[k] = t[k]

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 def submit_scores(w: "TrainerWorker", samples: list["Sample"], prompts: dict | None = None,
                   iteration: int | None = None) -> dict:
-    """Sample id -> the task's score of it, in flight on ``w.rewards`` (the trainer's reward pool).
+    """Sample id -> the task's score of it (plus its environment rewards, ``Sample.env_rewards``),
+    in flight on ``w.rewards`` (the trainer's reward pool).
     ``prompts`` / ``iteration``: those of the samples' iteration (default: the worker's current one;
     the trainer rank scores samples as they arrive, an async mode's next iteration too)."""
     prompts = w._prompts if prompts is None else prompts
@@ -41,7 +42,8 @@ def submit_scores(w: "TrainerWorker", samples: list["Sample"], prompts: dict | N
     pending = w.rewards.submit_many([(prompts[s.sample_id], w.tokenizer.decode(s.output_ids),
                                       f"sample {s.sample_id} (trainer rank {w.rank}, iteration {it})")
                                      for s in samples])
-    return {s.sample_id: p for s, p in zip(samples, pending)}
+    # a multi-turn sample's reward is the task's score plus the rewards its environment gave
+    return {s.sample_id: w.rewards.plus(p, sum(s.env_rewards)) for s, p in zip(samples, pending)}
 
 
 @torch.no_grad()
@@ -86,7 +88,8 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
                      output_ids=s.output_ids.cpu(), old_logp=old_i, ref_logp=ref_i, score=score,
                      reward=shaped - (beta * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i],
-                     reward_kl=mean_over(kl_i, sampled), keep=sampled, sampled=sampled, turns=s.turns)
+                     reward_kl=mean_over(kl_i, sampled), keep=sampled, sampled=sampled, turns=s.turns,
+                     env_reward=float(sum(s.env_rewards)))
         if cfg.corrects_rollout:  # pi_old / pi_sampler: importance weights, rejection, their metrics
             correct_sample(p, sampler_of[i], cfg, checks)
         # per-token rewards: GAE, REINFORCE++'s / remax's returns, a user's estimator's input; the
