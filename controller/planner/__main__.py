@@ -57,7 +57,13 @@ def _number(kind, strict: bool = True, lo: float = 0, hi: float | None = None, w
 
 def _planner(cluster: Cluster, model, args) -> Planner:
     trace = load_trace(args.trace, args.max_len, args.len_scale)
-    wl = sample_workloads(trace, args.batch, args.iterations, args.seed)
+    if args.group_size is not None and args.algorithm != "remax":
+        raise ValueError(f"--group-size is remax's (its greedy response per prompt); --algorithm {args.algorithm} "
+                         "generates and trains the same samples")
+    if args.algorithm == "remax" and args.group_size is None:
+        raise ValueError("--algorithm remax needs --group-size N (samples per prompt, train.group_size): "
+                         "remax generates one greedy response per prompt besides them, which trains nothing")
+    wl = sample_workloads(trace, args.batch, args.iterations, args.seed, greedy_group=args.group_size or 0)
     whiten = {"auto": None, "on": True, "off": False}[args.whiten]
     return Planner(cluster, model, wl, args.algorithm, args.dispatcher, whiten, args.reference)
 
@@ -139,6 +145,9 @@ def main(argv=None) -> None:
         s.add_argument("--len-scale", type=_number(float, hi=MAX_LEN_SCALE), default=1.0,
                        help=f"multiply the trace's lengths (<= {MAX_LEN_SCALE:g})")
         s.add_argument("--algorithm", default="ppo", choices=sorted(PASSES), help="trainer.algorithm simulated")
+        s.add_argument("--group-size", type=_number(int), default=None,
+                       help="remax only (required there): samples per prompt; each prompt also generates one greedy "
+                            "response (generation work that trains nothing)")
         s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
                        help="trainer.whiten_advantages (auto: on for ppo and REINFORCE++, as the trainer and verl): "
                             "with it on, every mode trains after the iteration's last sample")

@@ -197,7 +197,7 @@ PASSES = {
 }
 TRAINED_MODELS = {"ppo": 2, "grpo": 1}
 # the critic-free algorithms cost what grpo does (their advantages are arithmetic on the rewards;
-# remax's greedy sample is generation work the planner's workloads do not hold: docs/planner.md)
+# remax's greedy sample is generation work only: sample_workloads' greedy_group, docs/planner.md)
 for _name in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg", "remax"):
     PASSES[_name], TRAINED_MODELS[_name] = PASSES["grpo"], TRAINED_MODELS["grpo"]
 

@@ -267,7 +267,7 @@ class Planner:
         ``option``'s, one of ``tp_options``)."""
         tp, profile = (option.tp, option.profile) if option is not None else (self.tp, self.gen_profile)
         plan = Plan(a, self.g_gen.name, self.g_train.name, self.price_per_s(a), tp=tp)
-        batch = len(self.workloads.iterations[0].out_lens)
+        batch = sum(self.workloads.iterations[0].trains)  # the samples that train (not remax's greedy ones)
         for mode in modes:
             if mode == "colocated" and self.cluster.cross_dc:
                 continue

@@ -57,6 +57,13 @@ class Workload:
     prompt_lens: list[int]
     est_lens: list[float] | None = None
     groups: list[int] | None = None  # GRPO group id per request (None: each request its own group)
+    # per request: whether it trains (None: all do); False: generation work only (remax's greedy
+    # baseline response of each prompt)
+    trained: list[bool] | None = None
+
+    @property
+    def trains(self) -> list[bool]:
+        return self.trained if self.trained is not None else [True] * len(self.out_lens)
 
 
 @dataclass
@@ -264,8 +271,9 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
     gen_start, gen_end, train_end, sync_start, sync_end = [], [], [], [], []
     trainer_free = 0.0
     for i, w in enumerate(workloads):
-        if len(w.prompt_lens) != len(w.out_lens):
-            raise ValueError(f"simulator: workload {i} has {len(w.out_lens)} out_lens, {len(w.prompt_lens)} prompt_lens")
+        if len(w.prompt_lens) != len(w.out_lens) or len(w.trains) != len(w.out_lens):
+            raise ValueError(f"simulator: workload {i} has {len(w.out_lens)} out_lens, {len(w.prompt_lens)} "
+                             f"prompt_lens, {len(w.trains)} trained flags")
         # --- when generation of iteration i may start
         if mode.lag:
             t0 = max(gen_end[i - 1] if i >= 1 else 0.0, sync_end[i - 2] if i >= 2 else 0.0)
@@ -288,7 +296,8 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
         gen_start.append(t0)
         gen_end.append(max(finish, default=t0))
         # --- training of iteration i
-        arrivals = [(arrive[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish))]
+        trains = w.trains  # (a generation-only request is no training work)
+        arrivals = [(arrive[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish)) if trains[r]]
         t = max(trainer_free, t0 if mode.colocated else 0.0)
         if mode.colocated and cfg.colocated_dp and cfg.train_ranks > 1:
             t = _colocated_dp_train(cfg, w, arrivals, t, train_scale[i], i, spans)
@@ -321,7 +330,8 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
 def _colocated_dp_train(cfg: SimConfig, w: Workload, arrivals: list[tuple[float, int]], t: float, scale: float,
                         i: int, spans: list[Span]) -> float:
     """Colocated DP training of one iteration (``SimConfig.colocated_dp``); returns its end."""
-    groups = w.groups if w.groups is not None else list(range(len(arrivals)))
+    groups = w.groups if w.groups is not None else list(range(len(w.out_lens)))
+    groups = [g for g, t in zip(groups, w.trains) if t]  # those of ``arrivals``
     ends = []
     for k in range(cfg.train_ranks):
         mine = [a for a, g in zip(arrivals, groups) if g % cfg.train_ranks == k]

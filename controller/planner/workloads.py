@@ -61,8 +61,10 @@ class Workloads:
 
     @property
     def tokens_per_iteration(self) -> list[float]:
-        """Prompt + output tokens of each iteration's batch (what the trainer trains)."""
-        return [float(sum(w.out_lens) + sum(w.prompt_lens)) for w in self.iterations]
+        """Prompt + output tokens of each iteration's batch (what the trainer trains: not the
+        generation-only requests)."""
+        return [float(sum(o + q for o, q, t in zip(w.out_lens, w.prompt_lens, w.trains) if t))
+                for w in self.iterations]
 
     @property
     def tokens(self) -> float:
@@ -71,10 +73,17 @@ class Workloads:
         return sum(t) / len(t)
 
 
-def sample_workloads(trace: Trace, batch: int, iterations: int, seed: int = 0) -> Workloads:
-    rng = np.random.default_rng(seed)
+def sample_workloads(trace: Trace, batch: int, iterations: int, seed: int = 0, greedy_group: int = 0) -> Workloads:
+    """``iterations`` batches of ``batch`` samples drawn from ``trace``. ``greedy_group`` n > 0
+    (remax): each batch also generates one greedy response per n samples (a prompt's group),
+    generation work that does not train; its length is drawn from the trace too (the batch's
+    samples are the same draws as without it)."""
+    rng, greedy_rng = np.random.default_rng(seed), np.random.default_rng([seed, 1])  # (apart: the same samples)
     out = []
     for _ in range(iterations):
-        idx = rng.integers(0, len(trace.out_lens), size=batch)
-        out.append(Workload([trace.out_lens[i] for i in idx], [trace.prompt_lens[i] for i in idx]))
+        idx = list(rng.integers(0, len(trace.out_lens), size=batch))
+        extra = -(-batch // greedy_group) if greedy_group else 0
+        idx += list(greedy_rng.integers(0, len(trace.out_lens), size=extra)) if extra else []
+        out.append(Workload([trace.out_lens[i] for i in idx], [trace.prompt_lens[i] for i in idx],
+                            trained=[True] * batch + [False] * extra if extra else None))
     return Workloads(out)
