@@ -25,8 +25,9 @@ def triton_available() -> bool:
 
 
 def interpreting() -> bool:
-    """True when triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """True when triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; the values
+    triton's own knob reads as true)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
 def triton_usable(device: torch.device | str) -> bool:

@@ -42,6 +42,13 @@ def _check_float(op: str, **tensors: torch.Tensor) -> None:
                              f"{', '.join(str(d) for d in DTYPES)}")
 
 
+def _same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    """A ValueError naming each tensor's device when they are not all on one."""
+    devs = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        raise ValueError(f"{op}: inputs on several devices: " + ", ".join(f"{k} on {v}" for k, v in devs.items()))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """Triton version of ``rms_norm_ref`` (same signature and results)."""
@@ -55,6 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                  or residual.dtype != x.dtype):
         raise ValueError(f"rms_norm: residual must match x ({tuple(x.shape)} {x.dtype}, contiguous last dim), got "
                          f"{tuple(residual.shape)} {residual.dtype} stride {residual.stride()}")
+    _same_device("rms_norm", x=x, weight=weight, residual=residual)
     _require_triton(x, "rms_norm")
     from kernels import _norm_rope_triton
 
@@ -79,6 +87,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         if tuple(t.shape) != want or t.stride(-1) != 1 or t.dtype != x.dtype:
             raise ValueError(f"rotary: {name} must be [T, Dh] = {list(want)} in x's dtype {x.dtype} with a "
                              f"contiguous last dim, got {tuple(t.shape)} {t.dtype} stride {t.stride()}")
+    _same_device("rotary", x=x, cos=cos, sin=sin)
     _require_triton(x, "rotary")
     from kernels import _norm_rope_triton
 

@@ -86,3 +86,27 @@ def test_kernel_arguments_are_checked_before_triton_is_needed():
         rms_norm(ints.float(), torch.ones(4, dtype=torch.int32), 1e-6)
     with pytest.raises(ValueError, match="rotary: x has dtype torch.int64"):
         rotary(torch.ones(1, 1, 4, dtype=torch.int64), torch.ones(1, 4), torch.ones(1, 4))
+
+
+def test_inputs_on_several_devices_are_named():
+    """(The meta device stands in for a CPU weight beside a CUDA x: the check runs before any
+    kernel, on any machine.)"""
+    from kernels.norm_rope import rms_norm, rotary
+
+    x, meta = torch.zeros(3, 8), torch.zeros(8, device="meta")
+    with pytest.raises(ValueError, match="rms_norm: inputs on several devices: x on cpu, weight on meta"):
+        rms_norm(x, meta, 1e-6)
+    with pytest.raises(ValueError, match="residual on meta"):
+        rms_norm(x, torch.ones(8), 1e-6, residual=torch.zeros(3, 8, device="meta"))
+    xr = torch.zeros(3, 2, 8)
+    with pytest.raises(ValueError, match="rotary: inputs on several devices: x on cpu, cos on cpu, sin on meta"):
+        rotary(xr, torch.zeros(3, 8), torch.zeros(3, 8, device="meta"))
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("y", True), ("Y", True), ("yes", True), ("TRUE", True),
+                                       ("on", True), ("0", False), ("no", False), ("", False)])
+def test_interpreting_reads_triton_interpret_as_triton_does(monkeypatch, value, on):
+    import kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert kernels.interpreting() is on
