@@ -3,6 +3,7 @@ the base model; the engines get merged weights that compute what the trainer's a
 computes; checkpoints hold a PEFT adapter folder that PEFT itself loads to the same logits, and
 resume to the same next update; 2 data-parallel ranks (sharded optimizer too) give 1 rank's."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +280,42 @@ def test_a_bf16_trainer_keeps_its_frozen_base_in_bf16_with_the_same_results(setu
         r = TrainerWorker(_cfg(precision="bf16"), model_dir, _task(), device="cpu")
         r.load_checkpoint(d)
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(r.named_weights(), half.named_weights()))
+
+
+def test_a_resume_onto_a_base_that_differs_in_any_tensor_is_refused(setup, tmp_path):
+    """Every shared tensor is compared (was: the first adapted one alone): a base whose q / v
+    projections differ (an SFT model that merged PEFT's default adapter), or whose final norm does
+    (a layer the adapters never touch), is not the base the adapters were trained on."""
+    from safetensors.torch import load_file, save_file
+
+    from workers.trainer.checkpoint import check
+
+    model_dir, data = setup
+    w = TrainerWorker(_cfg(), model_dir, _task(), device="cpu")
+    _iterate(w, data, 2)
+    w.save_checkpoint(str(tmp_path / "ck"))
+    spec = (4, 8.0, TARGETS)
+    original = load_file(f"{model_dir}/model.safetensors")
+    for changed, said in ((("q_proj.weight", "v_proj.weight"), "is not that model's plus the adapters"),
+                          (("model.norm.weight",), r"model.norm.weight of .* is not that model's \(off by .*; the adapters do not touch it")):
+        other = tmp_path / f"other_{changed[0]}"
+        other.mkdir()
+        for f in Path(model_dir).iterdir():
+            if f.name != "model.safetensors":
+                (other / f.name).write_bytes(f.read_bytes())
+        sd = {k: v + 0.05 if k.endswith(changed) else v for k, v in original.items()}
+        save_file(sd, str(other / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"not trained on this run's model.path.*{said}"):
+            check(tmp_path / "ck", other, "grpo", False, *spec)
+    check(tmp_path / "ck", model_dir, "grpo", False, *spec)
+
+
+def test_a_target_named_twice_is_one_target_and_resumes(setup, tmp_path):
+    model_dir, data = setup
+    cfg = _cfg(lora_target_modules=("q_proj", "v_proj", "q_proj"))
+    w = TrainerWorker(cfg, model_dir, _task(), device="cpu")
+    _iterate(w, data)
+    w.save_checkpoint(str(tmp_path / "ck"))
+    r = TrainerWorker(cfg, model_dir, _task(), device="cpu")
+    r.load_checkpoint(str(tmp_path / "ck"))
+    assert r.version == 1 and len(r.lora.layers) == len(w.lora.layers) == 2 * 2  # 2 layers x (q, v)

@@ -31,7 +31,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 def target_names(spec: str | tuple[str, ...]) -> tuple[str, ...]:
     """``all-linear`` (verl's and PEFT's word for every linear layer but the head) or names from
     ``TARGETS``."""
-    return TARGETS if spec == "all-linear" else tuple(spec)
+    return TARGETS if spec == "all-linear" else tuple(dict.fromkeys(spec))  # (a name given twice: once)
 
 
 class LoRA(nn.Module):
@@ -145,36 +145,62 @@ def read_tensor(folder: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """The tensor names of an HF model folder (``read_tensor``'s files)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def _amax(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def check_adapter(adapter: Path, merged: Path, base: Path, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
     """Before a resume: the adapter folder has this run's rank, alpha and target layers, and was
-    trained on ``base`` (this run's ``model.path``): its first adapted layer, merged onto
-    ``base``'s tensor, is what the checkpoint's merged model ``merged`` holds. Another base of the
-    same shapes, or the checkpoint's own merged model as the base (the adapters would then count
-    twice), is refused. Raises ValueError naming the folders."""
+    trained on ``base`` (this run's ``model.path``): every tensor of the checkpoint's merged model
+    ``merged`` is ``base``'s, plus the adapters' product where they adapt it (to the rounding of
+    the trainer's sum, or of a base it kept in bf16). Another base of the same shapes (anywhere:
+    one adapted layer or a norm), or the checkpoint's own merged model as the base (the adapters
+    would then count twice), is refused. It reads both models' shared tensors once. Raises
+    ValueError naming the folders and the first tensor that differs."""
     from safetensors import safe_open
 
     conf = json.loads((adapter / CONFIG_FILE).read_text())
-    saved = (conf.get("r"), float(conf.get("lora_alpha", -1)), sorted(conf.get("target_modules") or ()))
-    mine = (rank, float(alpha), sorted(targets))
+    saved = (conf.get("r"), float(conf.get("lora_alpha", -1)), sorted(set(conf.get("target_modules") or ())))
+    mine = (rank, float(alpha), sorted(set(targets)))
     if saved != mine:
         raise ValueError(f"{adapter / CONFIG_FILE}: adapters of rank {saved[0]}, alpha {saved[1]:g} on {saved[2]}; "
                          f"this run's trainer.lora_rank {rank}, lora_alpha {alpha:g}, lora_target_modules {mine[2]}")
+    deltas = {}  # tensor name -> alpha / rank * B @ A
     with safe_open(str(adapter / WEIGHTS_FILE), "pt") as f:
-        key = min(k for k in f.keys() if k.endswith(".lora_A.weight"))
-        a, b = f.get_tensor(key).double(), f.get_tensor(key.replace(".lora_A.", ".lora_B.")).double()
-    name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-    w, got = read_tensor(base, name), read_tensor(merged, name).double()
-    delta = alpha / rank * (b @ a)
-    # the trainer may have kept its base in bf16 (LoRA.store_base)
-    off = min(float((got - (v.double() + delta)).abs().max()) for v in (w, w.bfloat16()))
-    w = w.double()
-    # the sum's rounding (fp32 on the trainer, or its bf16 base) and the product's order: far
-    # below the whole delta, which a wrong base or a merged one counted twice is off by
-    if off > 1e-2 * float(delta.abs().max()) + 4 * float(torch.finfo(torch.float32).eps) * float(w.abs().max()):
-        raise ValueError(f"{adapter}: the adapters were not trained on this run's model.path {base}: {name} of "
-                         f"{merged} is not that model's plus the adapters (off by {off:.3g}; the adapters change it by "
-                         f"{float(delta.abs().max()):.3g}); resume with the model.path they were trained on (a "
-                         f"checkpoint's model/ holds base and adapters merged: it is not their base)")
+        for key in f.keys():
+            if key.endswith(".lora_A.weight"):
+                a, b = f.get_tensor(key).double(), f.get_tensor(key.replace(".lora_A.", ".lora_B.")).double()
+                deltas[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")] = alpha / rank * (b @ a)
+    hint = (f"resume with the model.path they were trained on (a checkpoint's model/ holds base and adapters "
+            f"merged: it is not their base)")
+    for name in sorted(set(deltas) | (tensor_names(merged) & tensor_names(base))):
+        w, got = read_tensor(base, name), read_tensor(merged, name).double()
+        if w.shape != got.shape:
+            raise ValueError(f"{adapter}: the adapters were not trained on this run's model.path {base}: {name} is "
+                             f"{tuple(w.shape)} there, {tuple(got.shape)} in {merged}; {hint}")
+        delta = deltas.get(name)
+        plus = delta if delta is not None else 0.0
+        # the trainer may have kept its base in bf16 (LoRA.store_base)
+        off = min(_amax(got - (v.double() + plus)) for v in (w, w.bfloat16()))
+        change = _amax(delta) if delta is not None else 0.0
+        # the sum's rounding (fp32 on the trainer, or its bf16 base) and the product's order: far
+        # below the whole delta, which a wrong base or a merged one counted twice is off by
+        if off > 1e-2 * change + 4 * float(torch.finfo(torch.float32).eps) * _amax(w.double()):
+            what = (f"is not that model's plus the adapters (off by {off:.3g}; the adapters change it by {change:.3g})"
+                    if delta is not None else f"is not that model's (off by {off:.3g}; the adapters do not touch it)")
+            raise ValueError(f"{adapter}: the adapters were not trained on this run's model.path {base}: {name} of "
+                             f"{merged} {what}; {hint}")
 
 
 class Reference(nn.Module):
