@@ -34,10 +34,12 @@ class EvalResult:
     weight_versions: tuple[int, ...] = ()  # the weights the instances generated with (one, unless mixed)
 
 
-def side_generate(program, reqs: list[Request], stage: str = "eval") -> tuple[dict[int, list[int]], tuple[int, ...]]:
+def side_generate(program, reqs: list[Request], stage: str = "eval",
+                  step: int | None = None) -> tuple[dict[int, list[int]], tuple[int, ...]]:
     """Generate ``reqs`` on ``program``'s instances (spread evenly) outside the training
     stream -> (sample id -> output ids, the weight versions used); ``stage`` names the
-    instances' spans ("eval", "ranker"). With no round in flight the
+    instances' spans ("eval", "ranker"), ``step`` their iteration (the one the evaluation is
+    logged at; None: the weight version each holds). With no round in flight the
     instances load their staged weights first (after a push, after ``--resume``). An instance
     lost meanwhile leaves the SGS and its share goes to the others, as a round's does; any
     other failure, or no instance left, fails the evaluation, and the instances still on it
@@ -62,7 +64,7 @@ def side_generate(program, reqs: list[Request], stage: str = "eval") -> tuple[di
             if chunk := batch[i::len(handles)]:
                 token = f"{name}-{waiting.added}"
                 running[token] = h
-                waiting.add(h.call("evaluate", chunk, newest, token, stage), (chunk, token))
+                waiting.add(h.call("evaluate", chunk, newest, token, stage, step), (chunk, token))
 
     outputs: dict[int, list[int]] = {}
     versions: set[int] = set()
@@ -104,12 +106,13 @@ def measure_lengths(program, prompts: list) -> list[float]:
             for j in range(len(prompts))]
 
 
-def evaluate(program, n: int) -> EvalResult:
+def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     """``train.eval_samples`` generations of each of the first ``n`` test prompts (0, or more
     than the split holds: all), at ``train.eval_temperature`` (0: greedy). Scores:
     ``eval/<task>`` and ``eval/mean``, the mean over every sample (verl's mean@k), and with
     k > 1 ``eval/best@k``, the mean over prompts of their best sample's score. Its span (on the
-    controller's row) is recorded where it is logged (``Metrics.log_eval``)."""
+    controller's row) is recorded where it is logged (``Metrics.log_eval``); ``step``, that
+    iteration, labels the instances' spans."""
     t0 = time.time()
     t = program.cfg.train
     split = list(program.task.prompts("test"))
@@ -120,7 +123,7 @@ def evaluate(program, n: int) -> EvalResult:
                     sampling=program.sampling(t.eval_temperature, t.seed * 7919 + j * k + s),
                     task=it if multi_turn else None)
             for j, it in enumerate(items) for s in range(k)]
-    outputs, versions = side_generate(program, reqs)
+    outputs, versions = side_generate(program, reqs, step=step)
     texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}
     per: dict[str, list[float]] = {}
     best: list[float] = []
@@ -139,8 +142,8 @@ def evaluate(program, n: int) -> EvalResult:
     acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items() if v}
     if len(items) * k > unscored:  # nothing scored: no mean (a 0 would read as 0% accuracy)
         acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
-    if k > 1:
-        acc[f"eval/best@{k}"] = sum(best) / max(1, len(best))
+    if k > 1 and best:  # (nothing scored: no best@k either)
+        acc[f"eval/best@{k}"] = sum(best) / len(best)
     if unscored:
         acc["eval/unscored"] = float(unscored)
         for why, prompts in whys.items():  # one line per distinct failure, not one per prompt

@@ -317,7 +317,7 @@ class GenerationInstance:
             print(f"[generation {self.rank}] abort after an error failed: {e!r}", file=sys.stderr, flush=True)
 
     def evaluate(self, requests: list[Request], newest: bool = False, token: str | None = None,
-                 stage: str = "eval") -> EvalOutput:
+                 stage: str = "eval", step: int | None = None) -> EvalOutput:
         """Generate ``requests`` (their own sampling: greedy for evaluation, sampled for the
         ranker's bootstrap); outputs come back to the controller, not to the trainers. Its span
         on this instance's timeline row is ``stage``: "eval", or "ranker" for the bootstrap. With
@@ -325,13 +325,14 @@ class GenerationInstance:
         so an evaluation after a push runs on the weights it is logged under; otherwise on the
         weights held now. The answer names the version used. ``token``: the call's name for
         ``cancel`` (then it stops at its next step, or does not start, answering
-        ``cancelled``)."""
+        ``cancelled``). ``step``: the iteration the span is labelled with, the one the controller
+        logs the evaluation at (None: the weight version used)."""
         with self._lock:
             if self._take_cancel(token):
                 return EvalOutput(self.version, [], cancelled=True)
             if newest:
                 self._swap_to_newest()
-            with self.spans.span(stage, self.version):
+            with self.spans.span(stage, self.version if step is None else step):
                 out = []
                 refused = self.engine.add(requests)
                 try:

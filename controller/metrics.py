@@ -94,6 +94,10 @@ class Metrics:
         if spans:
             _append_line(self.logdir / SPANS, "\n".join(json.dumps(vars(s)) for s in spans))
 
+    def add_spans(self, spans: list[Span]) -> None:
+        """Spans drained outside an iteration's logging (the last ones, at the end): kept."""
+        self._keep(spans)
+
     def log_iteration(self, res, spans: list[Span]) -> dict[str, float]:
         """Write one iteration's scalars; returns the derived ones (delta, bubbles, rates).
         ``spans``: every span drained since the last call. In the async modes some of them
@@ -114,14 +118,15 @@ class Metrics:
         self.rewards.append(reward)
         self.samples += res.num_samples
         self.skipped += int(res.metrics.get("skipped_samples", 0))
-        self.tokens += res.num_tokens
+        out_tokens = sum(res.gen_lens)  # every output token generated (remax's greedy ones, filtered groups too)
+        self.tokens += out_tokens
         self.seconds += res.interval_s
         gen_busy, train_busy = stage_busy(it_spans, "generate"), stage_busy(it_spans, "train")
         derived = {
             # rates over the interval since the previous iteration (what the pipeline delivers):
             # iter_seconds overlap in the async modes, so rates over them were too low
             "perf/samples_per_s": res.num_samples / max(res.interval_s, 1e-9),
-            "perf/tokens_per_s": res.num_tokens / max(res.interval_s, 1e-9),
+            "perf/tokens_per_s": out_tokens / max(res.interval_s, 1e-9),
             "time/interval_s": res.interval_s,
             "time/iteration_s": res.iter_seconds,
             "time/generation_s": res.gen_seconds,
@@ -182,7 +187,9 @@ class Metrics:
         if ev.weight_versions:  # one, unless instances held different weights (async modes)
             v = ev.weight_versions
             row["weight_version"] = v[0] if len(v) == 1 else list(v)
-        self._open(step)  # first: a resumed run's first write drops the rows it runs again
+        # first: a resumed run's first write drops the rows it runs again (a REPL eval's, at the
+        # iteration just trained, drops from the next one, the first a resume would run again)
+        self._open(step + 1 if repl else step)
         _append_line(self.logdir / "eval.jsonl", json.dumps(row))
         self._keep([Span(CONTROLLER, "eval", ev.started, ev.started + ev.seconds, step)])
         if (group, step) in self._tb_once:
@@ -198,9 +205,11 @@ class Metrics:
         row and, when it completes after iteration ``step`` of this attempt, ``time/<stage>_s``
         at that step. The runner's checkpoint save: ``with metrics.timed("save", next_iteration - 1):``."""
         t0 = time.time()
-        yield
-        t1 = time.time()
-        self._keep([Span(CONTROLLER, stage, t0, t1, step)])
+        try:
+            yield
+        finally:  # a save that failed (a full disk) took its time too: the trace shows it
+            t1 = time.time()
+            self._keep([Span(CONTROLLER, stage, t0, t1, step)])
         if step in self._steps and (f"time/{stage}", step) not in self._tb_once:  # one point per step
             self._tb_once.add((f"time/{stage}", step))
             self.log_scalars({f"time/{stage}_s": t1 - t0}, step)

@@ -159,8 +159,11 @@ class Repl:
 
     def eval(self, n: str = "32") -> dict:
         want = 0 if n.strip() == "0" else _count("eval", n)  # 0: the whole split
-        ev = evaluate(self.s.program, want)
-        out = self.s.metrics.log_eval(ev, self.s.program.iteration, repl=True)  # apart from the periodic evals
+        # at the iteration just trained (-1 before any), as the periodic evals: a resume from a
+        # checkpoint saved after it replaces the steps from the next iteration on, not this row
+        step = self.s.program.iteration - 1
+        ev = evaluate(self.s.program, want, step)
+        out = self.s.metrics.log_eval(ev, step, repl=True)
         if want > ev.split:
             out["note"] = f"asked for {want} prompts; the test split has {ev.split}: evaluated all of them"
         return out

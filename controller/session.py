@@ -212,6 +212,16 @@ class Session:
                   f"(--set {key}=N) to continue it", file=sys.stderr, flush=True)
         return state
 
+    def _drain_last_spans(self) -> None:
+        """The workers' spans recorded after the last iteration was logged (the evaluation after
+        the last iteration, a REPL ``eval`` before ``quit``), into the trace; best effort: the
+        run's outcome is not this."""
+        try:
+            self.metrics.add_spans(self.program.drain_spans())
+        except Exception as e:  # noqa: BLE001 - a worker gone at the end costs its last spans only
+            print(f"[controller] the workers' last spans were not collected ({error_line(e)})", file=sys.stderr,
+                  flush=True)
+
     # ---- per-iteration hooks ---------------------------------------------------------------
     def _on_iteration(self, res) -> None:
         spans = self.program.drain_spans()
@@ -239,7 +249,7 @@ class Session:
                 self.metrics.log_scalars({"balance/delta_prime_s": d.delta_prime_s}, res.iteration)
         last = res.iteration + 1 == c.train.iterations  # evaluated too, as verl's is_last_step
         if c.train.eval_every and ((res.iteration + 1) % c.train.eval_every == 0 or last):
-            self.metrics.log_eval(evaluate(self.program, c.train.eval_prompts), res.iteration)
+            self.metrics.log_eval(evaluate(self.program, c.train.eval_prompts, res.iteration), res.iteration)
         if c.train.ckpt_every and (res.iteration + 1) % c.train.ckpt_every == 0:
             self.save_checkpoint(res.iteration + 1)
         if self.progress is not None:
@@ -255,7 +265,7 @@ class Session:
 
     def _eval_before_train(self) -> None:
         """``train.eval_before_train``: the starting weights' scores, at step -1."""
-        logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts), -1)
+        logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts, -1), -1)
         scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()
                            if k.startswith("eval/") and k != "eval/unscored")
         if logged.get("eval/unscored"):
@@ -324,6 +334,7 @@ class Session:
                 self.program.run(remaining)
                 self.progress = None
         final = self.final_checkpoint()
+        self._drain_last_spans()
         if self.metrics.spans:
             self.metrics.write_timeline(self.program.iteration)
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds

@@ -63,6 +63,18 @@ def config_kwargs(cls, d, name: str) -> dict:
     return dict(d)
 
 
+def make_config(cls, kwargs: dict, name: str, default: str):
+    """``cls(**kwargs)``; a ValueError of its own checks, which name the config by its ``default``
+    name ("features"), names the full key path ``name`` ("ensemble.lgbm.features") instead."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        if name != default and msg.startswith(f"{default} config"):
+            raise ValueError(name + msg[len(default):]) from None
+        raise
+
+
 def check_fields(cfg, name: str) -> None:
     """Refuse scalar fields of the wrong type (a bool is not a number, 2.5 is not an int), then
     values outside the ``Range`` declared on the field (``workers.config_schema.ranged``)."""

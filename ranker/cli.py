@@ -96,6 +96,9 @@ def cmd_train(a) -> int:
     except ValueError as e:
         raise ValueError(f"--out {e}") from e
     rows = read_traces(a.train)
+    if len(rows) < r.min_rows:  # said before --val is read, naming the file
+        raise ValueError(f"--train {a.train}: {len(rows)} rows; the {a.kind} ranker needs at least {r.min_rows} "
+                         f"(prompt, length) pairs to fit")
     val = read_traces(a.val) if a.val else None  # a bad --val line stops us before training
     t0, c0 = time.time(), time.process_time()
     r.fit([x.prompt for x in rows], [x.target for x in rows])
@@ -105,6 +108,7 @@ def cmd_train(a) -> int:
                "train_cpu_s": round(cpu, 1), "load_avg_1m": round(os.getloadavg()[0], 2), "out": a.out}
     if val:
         summary["val"] = ranking_report(r.predict([x.prompt for x in val]), [x.target for x in val])
+        summary["val_rows_in_train"] = _in_train(rows, val, f"--val {a.val}", f"--train {a.train}")
     print(_json_out(summary))
     return 0
 
@@ -146,13 +150,26 @@ def cmd_eval(a) -> int:
             what = "--baseline-train" if a.baseline_train else "the *.train.* sibling of --data,"
             raise ValueError(f"{what} {train_path}: cannot fit the TF-IDF baseline on it ({e})") from e
         results["tfidf_ridge"] = ranking_report(ridge.predict(prompts), true)
+        results["rows_in_baseline_train"] = _in_train(tr, rows, f"--data {a.data}", train_path)
     else:
         print(f"note: no TF-IDF ridge baseline: {a.data} has no *.train.* sibling (a file named like it with "
               f"'.val.' -> '.train.'); pass --baseline-train FILE to get it", file=sys.stderr)
     for name, rep in results.items():
-        print(_report_line(name, rep), file=sys.stderr)
+        if isinstance(rep, dict):
+            print(_report_line(name, rep), file=sys.stderr)
     print(_json_out({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results}))
     return 0
+
+
+def _in_train(train, held, held_name: str, train_name: str) -> int:
+    """How many ``held`` rows have a prompt that is also in ``train`` (said on stderr when any:
+    their scores flatter a ranker that saw them, its neighbour features find the row itself)."""
+    seen = {x.prompt for x in train}
+    n = sum(x.prompt in seen for x in held)
+    if n:
+        print(f"note: {n} of the {len(held)} rows of {held_name} have a prompt that is also in {train_name}: "
+              f"their scores flatter a ranker trained on it", file=sys.stderr)
+    return n
 
 
 def cmd_ceiling(a) -> int:

@@ -38,7 +38,7 @@ class EnsembleConfig:
         d = config_kwargs(cls, d, "ensemble")
         lg = LgbmConfig.from_dict(d.pop("lgbm", {}), "ensemble.lgbm")
         lm = LmConfig.from_dict(d.pop("lm", {}), "ensemble.lm")
-        return cls(lgbm=lg, lm=lm, **d)
+        return cls(lgbm=lg, lm=lm, **d)  # (its own checks name "ensemble": its full path)
 
 
 class EnsembleRanker(LogLengthRanker):

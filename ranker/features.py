@@ -19,7 +19,7 @@ import scipy.sparse as sp
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import KFold
 
-from ranker.base import check_fields, config_kwargs
+from ranker.base import check_fields, config_kwargs, make_config
 from ranker.textspace import SpaceConfig, TextSpace, one_blas_thread
 from ranker.textstats import STAT_NAMES, text_stats
 from workers.config_schema import Range, ranged
@@ -56,7 +56,7 @@ class FeatureConfig:
     def from_dict(cls, d: dict, name: str = "features") -> "FeatureConfig":
         d = config_kwargs(cls, d, name)
         space = SpaceConfig.from_dict(d.pop("space", {}), f"{name}.space")
-        return cls(space=space, **d)
+        return make_config(cls, {"space": space, **d}, name, "features")
 
 
 def _exact(z: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import lightgbm as lgb
 import numpy as np
 
 from ranker import progress
-from ranker.base import LogLengthRanker, check_fields, config_kwargs
+from ranker.base import LogLengthRanker, check_fields, config_kwargs, make_config
 from ranker.data import as_prompts, check_lengths
 from ranker.features import FeatureBuilder, FeatureConfig, FeatureMismatchError
 from workers.config_schema import Range, SEEDS, ranged
@@ -52,7 +52,7 @@ class LgbmConfig:
     def from_dict(cls, d: dict, name: str = "lgbm") -> "LgbmConfig":
         d = config_kwargs(cls, d, name)
         feats = FeatureConfig.from_dict(d.pop("features", {}), f"{name}.features")
-        return cls(features=feats, **d)
+        return make_config(cls, {"features": feats, **d}, name, "lgbm")
 
 
 def _regression(name: str) -> Callable[[np.ndarray], tuple[dict, np.ndarray, list[int] | None]]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ranker import progress
-from ranker.base import LogLengthRanker, check_fields, check_range, config_kwargs
+from ranker.base import LogLengthRanker, check_fields, check_range, config_kwargs, make_config
 from ranker.data import as_prompts, check_lengths
 from workers.config_schema import Range, SEEDS, ranged
 from workers.model import CausalLM, ModelConfig, init_weights, load_pretrained, save_pretrained
@@ -62,7 +62,7 @@ class LmConfig:
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "lm") -> "LmConfig":
-        return cls(**config_kwargs(cls, d, name))
+        return make_config(cls, config_kwargs(cls, d, name), name, "lm")
 
 
 class PaddedCausal:
@@ -164,7 +164,12 @@ class LmRanker(LogLengthRanker):
         c = self.cfg
         torch.manual_seed(c.seed)
         if c.model_dir:
-            self.tok = Tokenizer.load(c.model_dir)
+            # a saved ranker's own LM (``save_files``: its length head beside it) keeps the
+            # tokenizer it was trained with; read as transformers would (its config.json says
+            # qwen2), numbers would split otherwise than its embeddings learned
+            d = Path(c.model_dir)
+            own = (d.parent / f"{d.name}_length_head.safetensors").exists()
+            self.tok = Tokenizer.load(c.model_dir, as_transformers=not own)
             lm = load_pretrained(c.model_dir, device="cpu", dtype=torch.float32)
         else:
             self.tok = train_bpe(prompts, vocab_size=c.vocab_size, split="gpt2")  # numbers whole: sizes and counts
@@ -277,7 +282,10 @@ class LmRanker(LogLengthRanker):
     def embed(self, prompts: Sequence[str]) -> np.ndarray:
         """float32 [N, hidden + 1]: pooled hidden state and scaled log(#tokens)."""
         self._need_fitted()
-        return self._forward_all(list(prompts), self.net.embed).astype(np.float32)
+        prompts = list(prompts)
+        if not prompts:
+            return np.zeros((0, self.embed_dims), np.float32)
+        return self._forward_all(prompts, self.net.embed).astype(np.float32)
 
     def frozen_copy(self) -> "LmRanker":
         """An independent copy (e.g. the label-free embedder the ensemble gives LightGBM)."""

@@ -16,7 +16,7 @@ from sklearn.feature_extraction.text import HashingVectorizer
 from sklearn.preprocessing import normalize
 from threadpoolctl import threadpool_limits
 
-from ranker.base import check_fields, check_range, config_kwargs
+from ranker.base import check_fields, check_range, config_kwargs, make_config
 from workers.config_schema import Range, SEEDS, ranged
 
 
@@ -40,7 +40,7 @@ class SpaceConfig:
     @classmethod
     def from_dict(cls, d: dict, name: str = "space") -> "SpaceConfig":
         d = config_kwargs(cls, d, name)
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        return make_config(cls, {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}, name, "space")
 
 
 def one_blas_thread():

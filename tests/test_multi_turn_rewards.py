@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_multi_turn_engine import (MODEL, OBS, TOK, Script, _past_first_turn, first_stop, req, run, run_on,
+from test_multi_turn_engine import (MODEL, OBS, Script, _past_first_turn, first_stop, req, run, run_on,
                                     two_stops, wrap)
 
 from workers.generation.observations import observation_message

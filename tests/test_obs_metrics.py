@@ -17,7 +17,7 @@ from controller.timeline import Span
 def _res(i: int, reward: float = 0.5) -> IterationResult:
     return IterationResult(iteration=i, version=i + 1, gen_version=i, metrics={"reward_mean": reward},
                            num_samples=8, num_tokens=48, gen_seconds=1.0, train_seconds=1.0,
-                           iter_seconds=2.0, staleness_max=0, interval_s=1.0)
+                           iter_seconds=2.0, staleness_max=0, interval_s=1.0, gen_lens=[6] * 8)
 
 
 def _spans(i: int, t0: float = 0.0) -> list[Span]:
@@ -234,3 +234,47 @@ def test_the_summary_names_its_scopes(tmp_path, first):
     assert (s["iterations"], s["resumed_at"], s["attempt_iterations"]) == (first + 2, first, 2)
     assert s["reward_first"] == (0.1 if first else 0.9)
     assert s["samples_per_s"] == 8.0  # this attempt's 16 samples over its 2 s
+
+
+def test_a_repl_eval_before_a_save_survives_the_resume(tmp_path):
+    """A REPL eval is logged at the iteration just trained (4): a resume from the checkpoint saved
+    after it (next iteration 5) replaces steps from 5 on, not that row (logged at 5, the next
+    iteration to run, it was dropped and purged from TensorBoard)."""
+    m = Metrics(tmp_path, timeline_every=0)
+    for i in range(5):
+        m.log_iteration(_res(i), _spans(i))
+    m.log_eval(EvalResult({"eval/mean": 0.25}, 4, 4, 16, 1, 100.0, 1.0), 4, repl=True)
+    m.log_iteration(_res(5), _spans(5))  # trained after the save, lost in a crash
+    m.close()
+    m = Metrics(tmp_path, timeline_every=0)  # --resume --repl from the checkpoint at 5: `eval 4` first
+    m.log_eval(EvalResult({"eval/mean": 0.5}, 4, 4, 16, 1, 100.0, 1.0), 4, repl=True)
+    m.log_iteration(_res(5, reward=0.7), _spans(5, 1000.0))
+    m.close()
+    rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["source"], r["eval/mean"]) for r in rows] == [(4, "repl", 0.25), (4, "repl", 0.5)]
+    assert _scalars(tmp_path, "eval_repl/p4/mean") == [(4, 0.25), (4, 0.5)]  # (one point per step and attempt)
+    assert [json.loads(ln)["iteration"] for ln in (tmp_path / "iterations.jsonl").read_text().splitlines()] == [
+        0, 1, 2, 3, 4, 5]
+    assert _scalars(tmp_path, "train/reward_mean") == [(i, 0.5) for i in range(5)] + [(5, 0.7)]
+
+
+def test_a_failed_save_keeps_its_span_and_logs_no_timing(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    m.log_iteration(_res(0), _spans(0))
+    with pytest.raises(OSError, match="No space"):
+        with m.timed("save", 0):
+            raise OSError(28, "No space left on device")
+    m.close()
+    assert [(s.worker, s.stage, s.iteration) for s in m.spans if s.stage == "save"] == [("controller", "save", 0)]
+    assert "time/save_s" not in _events(tmp_path).Tags()["scalars"]
+
+
+def test_spans_drained_at_the_end_reach_the_trace(tmp_path):
+    m = Metrics(tmp_path, timeline_every=0)
+    m.log_iteration(_res(0), _spans(0))
+    m.add_spans([Span("gen1", "eval", 3.0, 4.0, 0)])  # the evaluation after the last iteration
+    m.write_timeline(1)
+    m.close()
+    lines = [json.loads(ln) for ln in (tmp_path / "spans.jsonl").read_text().splitlines()]
+    assert ("gen1", "eval", 0) in [(s["worker"], s["stage"], s["iteration"]) for s in lines]
+    assert "eval" in {e["name"] for e in _trace(tmp_path) if e["ph"] == "X"}

@@ -54,7 +54,7 @@ class Instance:
         self.staged = version
         return version
 
-    def evaluate(self, requests, newest=False, token=None, stage="eval"):
+    def evaluate(self, requests, newest=False, token=None, stage="eval", step=None):
         self.clock.t += EVAL_S
         self.newest.append(newest)
         if newest and self.staged is not None:
@@ -259,3 +259,18 @@ def test_the_scale_out_policy_is_told_the_instances_that_generated_the_batch(mon
     p.run(3)
     assert seen and all(n == results[it].instances for it, n in seen), (seen, {i: r.instances for i, r in results.items()})
     assert [n for _, n in seen] == [1, 1, 2]
+
+
+def test_best_at_k_is_left_out_when_nothing_was_scored(monkeypatch):
+    """(As eval/mean: a 0.0 would read as no prompt ever solved.)"""
+    p = _program(monkeypatch, "batch", Clock())
+    p.cfg.train.eval_samples = 2
+    p.run(1)
+
+    def score(prompt, completion):
+        raise KeyError("no such field")
+
+    monkeypatch.setattr(p.task, "score", score)
+    assert evaluation_mod.evaluate(p, 3).scores == {"eval/unscored": 6.0}
+    monkeypatch.setattr(p.task, "score", lambda prompt, completion: 0.5)
+    assert evaluation_mod.evaluate(p, 3).scores == {"eval/sum": 0.5, "eval/mean": 0.5, "eval/best@2": 0.5}

@@ -15,7 +15,7 @@ from controller.timeline import Span
 def _res(i: int, reward: float = 0.5) -> IterationResult:
     return IterationResult(iteration=i, version=i + 1, gen_version=i, metrics={"reward_mean": reward},
                            num_samples=8, num_tokens=48, gen_seconds=1.0, train_seconds=1.0,
-                           iter_seconds=2.0, staleness_max=0)
+                           iter_seconds=2.0, staleness_max=0, gen_lens=[6] * 8)
 
 
 def _scalars(logdir, tag: str) -> list[tuple[int, float]]:

@@ -37,7 +37,7 @@ class _Program:
 
 
 
-def _refused_eval(program, n):
+def _refused_eval(program, n, step=None):
     raise WorkerFailed(1, "generation", "evaluate", "ValueError: engine refused eval request")
 
 
@@ -161,8 +161,8 @@ def test_eval_answers_its_prompt_count_and_says_when_n_exceeds_the_split(tmp_pat
 
     s = _session()
     s.metrics = Metrics(tmp_path, timeline_every=0)
-    s.program.iteration = 8
-    monkeypatch.setattr(repl, "evaluate", lambda program, n: EvalResult({"eval/mean": 0.4}, min(n, 16) or 16, n, 16, 1,
+    s.program.iteration = 9  # the next to run: logged at 8, the iteration just trained
+    monkeypatch.setattr(repl, "evaluate", lambda program, n, step=None: EvalResult({"eval/mean": 0.4}, min(n, 16) or 16, n, 16, 1,
                                                                         100.0, 0.5))
     a = _drive(s, "eval 4\neval 100\neval 4\neval 0\n")[1:]
     s.metrics.close()

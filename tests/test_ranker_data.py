@@ -264,3 +264,41 @@ def test_every_cli_flag_has_help():
     for name, p in sub.choices.items():
         for action in p._actions:
             assert action.help, (name, action.option_strings)
+
+
+def test_cli_names_held_out_rows_whose_prompt_is_in_train(tmp_path, capsys):
+    """(The shipped llama33 traces share 8 val prompts with train: those rows flatter a ranker
+    whose neighbour features find the row itself.)"""
+    train = write_trace(tmp_path / "s.train.jsonl.gz", 300, seed=0)
+    with gzip.open(train, "rt") as f:
+        copied = f.readlines()[:25]
+    fresh = write_trace(tmp_path / "fresh.jsonl.gz", 40, seed=1)
+    with gzip.open(fresh, "rt") as f:
+        rest = f.readlines()
+    val = tmp_path / "s.val.jsonl.gz"
+    with gzip.open(val, "wt") as f:
+        f.writelines(copied + rest)
+    in_train = {json.loads(x)["question"] for x in copied} | ({json.loads(x)["question"] for x in rest}
+                                                              & {r.prompt for r in read_traces(train)})
+    want = sum(json.loads(x)["question"] in in_train for x in copied + rest)
+    assert want >= 25
+    assert main(["train", "--train", str(train), "--val", str(val), "--out", str(tmp_path / "m"), "--quick",
+                 "--config", json.dumps(SMALL_LGBM)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1])["val_rows_in_train"] == want
+    assert f"note: {want} of the 65 rows of --val {val} have a prompt that is also in --train {train}" in out.err
+    assert main(["eval", "--model", str(tmp_path / "m"), "--data", str(val)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows_in_baseline_train"] == want
+
+
+def test_cli_errors_name_the_file_and_the_full_key_path(tmp_path, capsys):
+    small = write_trace(tmp_path / "small.train.jsonl.gz", 5)
+    assert main(["train", "--train", str(small), "--out", str(tmp_path / "m")]) == 2
+    assert f"--train {small}: 5 rows; the lgbm ranker needs at least 20" in capsys.readouterr().err
+    big = write_trace(tmp_path / "big.train.jsonl.gz", 30)
+    for cfg, said in (({"lgbm": {"features": {"knn_k": 0}}}, "ensemble.lgbm.features config key 'knn_k'"),
+                      ({"lm": {"hidden": 30}}, "ensemble.lm config key 'hidden'"),
+                      ({"lgbm": {"features": {"space": {"svd_dims": 0}}}}, "ensemble.lgbm.features.space config")):
+        assert main(["train", "--kind", "ensemble", "--train", str(big), "--out", str(tmp_path / "m2"),
+                     "--config", json.dumps(cfg)]) == 2
+        assert said in capsys.readouterr().err, cfg

@@ -45,6 +45,11 @@ def test_lm_from_hf_folder_and_update(lm, tmp_path):
                               "epochs": 1})
     prompts, lengths = synth(40, seed=3)
     r.fit(prompts, lengths)
+    # a saved ranker's LM keeps the tokenizer it was trained with (read as transformers reads a
+    # qwen2 folder, numbers split otherwise than its embeddings learned)
+    text = "a hanoi puzzle with 5 disks and 12 moves"
+    assert r.tok.encode(text) == lm.tok.encode(text)
+    assert r.embed([]).shape == (0, r.embed_dims)  # (np.stack of nothing raised)
     before = r.predict(prompts[:20])
     r.update(prompts[:20], [ln * 10 for ln in lengths[:20]])
     after = r.predict(prompts[:20])

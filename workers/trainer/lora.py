@@ -182,8 +182,8 @@ def check_adapter(adapter: Path, merged: Path, base: Path, rank: int, alpha: flo
             if key.endswith(".lora_A.weight"):
                 a, b = f.get_tensor(key).double(), f.get_tensor(key.replace(".lora_A.", ".lora_B.")).double()
                 deltas[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")] = alpha / rank * (b @ a)
-    hint = (f"resume with the model.path they were trained on (a checkpoint's model/ holds base and adapters "
-            f"merged: it is not their base)")
+    hint = ("resume with the model.path they were trained on (a checkpoint's model/ holds base and adapters "
+            "merged: it is not their base)")
     for name in sorted(set(deltas) | (tensor_names(merged) & tensor_names(base))):
         w, got = read_tensor(base, name), read_tensor(merged, name).double()
         if w.shape != got.shape:
