@@ -236,6 +236,34 @@ def test_which_folders_load_as_llama_tokenizer(tmp_path, kw, expected_class):
     assert_tokenizes_as_transformers(folder, expected_class)
 
 
+@pytest.mark.parametrize("model_type,expected_class", [
+    # model types transformers registers no tokenizer for, or one of their own: the folder's
+    # LlamaTokenizer (they were read as tokenizer.json says: a "▁" after special tokens)
+    ("yi", "LlamaTokenizer"), ("deepseek", "LlamaTokenizer"), ("baichuan", "LlamaTokenizer"),
+    ("gemma", "LlamaTokenizer"),
+    # registered with a generic backend: tokenizer.json as it is
+    ("phi3", "TokenizersBackend"), ("internlm2", "TokenizersBackend"), ("mixtral", "TokenizersBackend"),
+])
+def test_a_model_type_loads_a_llama_folder_as_transformers_registry_says(tmp_path, model_type, expected_class):
+    folder = llama_folder(tmp_path / "m", model_type=model_type)
+    assert uses_llama_tokenizer(folder) is (expected_class == "LlamaTokenizer")
+    assert_tokenizes_as_transformers(folder, expected_class)
+
+
+def test_the_registry_snapshot_is_the_installed_transformers():
+    """workers/tokenizer_registry.py is a snapshot of transformers' registry: this says when the
+    transformers installed disagrees (re-take the snapshot, see its docstring)."""
+    from transformers.models.auto import tokenization_auto as auto
+
+    from workers.tokenizer_registry import GENERIC_BACKEND_MODEL_TYPES, OVERRIDDEN_HUB_CLASS_MODEL_TYPES
+
+    generic = {"TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast", "MistralCommonBackend"}
+    names = auto.TOKENIZER_MAPPING_NAMES
+    assert GENERIC_BACKEND_MODEL_TYPES == {k for k, v in names.items() if v and v.removesuffix("Fast") in generic}
+    assert OVERRIDDEN_HUB_CLASS_MODEL_TYPES == {k for k in auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+                                                if names.get(k) and names[k].removesuffix("Fast") not in generic}
+
+
 def test_llama_folder_with_a_non_bpe_tokenizer_is_refused(tmp_path):
     """LlamaTokenizer rebuilds a Unigram tokenizer.json as a BPE without merges (nothing like the
     model's tokenization): refused, naming the file."""

@@ -12,6 +12,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
+from workers.tokenizer_registry import GENERIC_BACKEND_MODEL_TYPES, OVERRIDDEN_HUB_CLASS_MODEL_TYPES
+
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # older folders' named special tokens
 # config.json model types that transformers 5 loads as Qwen2Tokenizer when tokenizer_config.json
 # names no tokenizer_class ("qwen2" whatever it names)
@@ -20,9 +22,6 @@ QWEN2_TOKENIZER_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen
 # from tokenizer_config.json and special_tokens_map.json; a key set to null stays unset)
 QWEN2_DEFAULT_TOKENS = {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 LLAMA_DEFAULT_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-# config.json model types whose folders transformers 5 loads as LlamaTokenizer when
-# tokenizer_class names it (None: no model_type; no class is registered for "llama")
-LLAMA_TOKENIZER_MODEL_TYPES = (None, "llama")
 # the named special tokens transformers hands a chat template (those that are set)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -115,12 +114,12 @@ def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> 
 def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
     """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``LlamaTokenizer`` (which
     imposes its own pipeline, ``_impose_llama_pipeline``): ``tokenizer_class`` (tokenizer_config.json's,
-    else config.json's) LlamaTokenizer(Fast), a config.json ``model_type`` of llama or none, and a
-    tokenizer.json with no ``"ByteLevel"`` in it (Llama 3 style folders that still name
-    LlamaTokenizer are read as tokenizer.json says). Qwen2 folders (``uses_qwen2_tokenizer``) are not.
-    Not covered: transformers also loads LlamaTokenizer for model types it registers no tokenizer
-    for (yi, deepseek, internlm, baichuan, ...) when the folder names it; without its registry
-    those folders are read as tokenizer.json says (a leading "▁" can differ)."""
+    else config.json's) LlamaTokenizer(Fast), a tokenizer.json with no ``"ByteLevel"`` in it (Llama 3
+    style folders that still name LlamaTokenizer are read as tokenizer.json says), and a config.json
+    ``model_type`` that transformers registers with no generic backend (llama, none, yi, deepseek,
+    gemma, ...: workers/tokenizer_registry.py; mistral, phi3, internlm2, ... are read as saved).
+    Qwen2 folders (``uses_qwen2_tokenizer``) are not; nor are the few other model types whose hub
+    class transformers overrides (qwen3_5: its own tokenizer class, read here as saved)."""
     folder = Path(folder)
     if cfg is None:
         cfg = _read_json(folder / "tokenizer_config.json")
@@ -130,7 +129,8 @@ def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> 
     declared = cfg.get("tokenizer_class") or config.get("tokenizer_class")
     if not isinstance(declared, str) or declared.removesuffix("Fast") != "LlamaTokenizer":
         return False
-    if config.get("model_type") not in LLAMA_TOKENIZER_MODEL_TYPES:
+    model_type = config.get("model_type")
+    if model_type in GENERIC_BACKEND_MODEL_TYPES or model_type in OVERRIDDEN_HUB_CLASS_MODEL_TYPES:
         return False
     path = folder / "tokenizer.json"
     return not (path.is_file() and '"ByteLevel"' in path.read_text(encoding="utf-8"))
