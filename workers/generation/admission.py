@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from typing import Callable
 
 import torch
 
+from workers.finite import finite_number
 from workers.types import Request
 
 log = logging.getLogger("streamrl.engine")
@@ -69,16 +69,8 @@ class _Checked:
             out = self.fn(req)
         except Exception as e:  # noqa: BLE001 - your code: it costs this request, said
             raise ValueError(f"engine.admission {self.name!r} raised {type(e).__name__}: {e}") from None
-        if isinstance(out, torch.Tensor) and out.numel() == 1:
-            out = out.item()
-        # numbers.Real takes numpy's scalars too; float() overflows past ~1e308 (an int 10**400)
-        value = math.nan
-        if isinstance(out, numbers.Real) and not isinstance(out, bool):
-            try:
-                value = float(out)
-            except (OverflowError, TypeError, ValueError):
-                pass
-        if not math.isfinite(value):
+        value = finite_number(out)  # numpy's scalars and one-element tensors too
+        if value is None:
             raise ValueError(f"engine.admission {self.name!r} returned {_short(out)}, not a finite number "
                              "(smaller is admitted first)")
         return value

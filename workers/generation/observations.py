@@ -4,8 +4,7 @@ cut as verl cuts a tool response, and the tokens the chat template renders for i
 assistant turn, up to the next assistant turn's generation prompt."""
 from __future__ import annotations
 
-import math
-import numbers
+from workers.finite import finite_number
 
 _SYSTEM = {"role": "system", "content": ""}
 
@@ -25,9 +24,10 @@ def observation_message(out) -> tuple[dict | None, float | None]:
                         "message), a dict with 'role' and 'content' (and optionally 'reward', 'done'), or None (done)")
     reward = out.get("reward")
     if reward is not None:
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        value = finite_number(reward)
+        if value is None:
             raise ValueError(f"returned reward {reward!r:.60}: a turn's reward is a finite number")
-        reward = float(reward)
+        reward = value
     done = out.get("done", False)
     if not isinstance(done, bool):
         raise TypeError(f"returned done {done!r:.60}: 'done' is true or false")

@@ -9,12 +9,11 @@
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Sequence
 
 import torch
 
+from workers.finite import finite_number
 from workers.trainer.config import TrainerConfig
 from workers.trainer.multi_turn import check_supported, mask_reason
 from workers.types import Sample
@@ -70,8 +69,7 @@ def check_group_counts(samples: Sequence[Sample], seen: set[int], group_seen: di
 def env_rewards_reason(s: Sample) -> str | None:
     """Why ``s.env_rewards`` cannot be added to its reward (not finite numbers), or None."""
     rewards = s.env_rewards
-    if not isinstance(rewards, (tuple, list)) or not all(
-            isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
+    if not isinstance(rewards, (tuple, list)) or any(finite_number(r) is None for r in rewards):
         return f"sample {s.sample_id}: env_rewards {str(rewards)[:80]} are not finite numbers"
     return None
 
