@@ -25,6 +25,8 @@ def recall_at(pred: Sequence[float], true: Sequence[float], frac: float) -> floa
     if pred.shape != true.shape or pred.ndim != 1 or len(pred) == 0:
         raise ValueError(f"pred {pred.shape} and true {true.shape} must be equal non-empty 1-D")
     k = max(1, int(round(frac * len(true))))
+    # a NaN (a diverged model's prediction) ranks lowest, as the sort put it before
+    pred, true = (np.where(np.isnan(x), -np.inf, x) for x in (pred, true))
     longest = true >= np.sort(true)[::-1][k - 1]
     return float(np.dot(longest, _top_share(pred, k))) / k
 

@@ -145,7 +145,7 @@ def test_reward_pool_plus_adds_to_a_score_and_leaves_a_failure():
     pool.close()
 
 
-@pytest.mark.parametrize("rewards", [(float("nan"),), (1.0, float("inf")), ("1",), [True], None])
+@pytest.mark.parametrize("rewards", [(float("nan"),), (1.0, float("inf")), ("1",), [True], None, (1e308, 1e308)])
 def test_environment_rewards_that_are_not_finite_numbers_are_refused(setup, rewards):
     s = setup[2][0]
     model = SimpleNamespace(vocab_size=300, max_position_embeddings=4096)

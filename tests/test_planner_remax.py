@@ -22,6 +22,7 @@ def test_greedy_responses_add_generation_not_training():
     for p, r in zip(plain.iterations, remax.iterations):
         assert r.out_lens[:12] == p.out_lens and r.prompt_lens[:12] == p.prompt_lens  # the same samples
         assert len(r.out_lens) == 12 + 3 and r.trained == [True] * 12 + [False] * 3  # ceil(12 / 5) prompts
+        assert r.groups == [0] * 5 + [1] * 5 + [2] * 2 + [0, 1, 2]  # each prompt's greedy response in its group
         assert p.trained is None and p.trains == [True] * 12
     assert remax.tokens_per_iteration == plain.tokens_per_iteration and remax.tokens == plain.tokens
 
@@ -43,6 +44,20 @@ def test_the_simulator_generates_greedy_requests_and_trains_only_the_samples(mod
     assert train(a) == pytest.approx(1e-3 * (sum(samples.out_lens) + 40) + 0.5)
     assert b.gen_end[1] - b.gen_start[1] > a.gen_end[1] - a.gen_start[1]  # the greedy ones generate
     assert b.steady_iteration_s() >= a.steady_iteration_s()
+
+
+@pytest.mark.parametrize("mode", ["batch", "stream", "colocated", "async_stream"])
+@pytest.mark.parametrize("groups", [None, [0, 0, 1, 1, 0, 1]])
+def test_a_group_trains_only_once_its_greedy_response_is_in(mode, groups):
+    """remax's advantages need the greedy reward: the trainer (and the step, and so the next
+    iteration in the modes without lag) waits for the greedy responses (were free work)."""
+    w = Workload([20, 20, 20, 20, 2000, 30], [10] * 6, groups=groups, trained=[True] * 4 + [False] * 2)
+    r = _sim(w, mode)
+    for i in range(3):
+        assert r.train_end[i] >= r.gen_end[i] > r.gen_start[i] + 1.0, (mode, i)
+    if groups is not None:  # group 1's samples (greedy response 30 tokens) train before group 0's
+        first = min(s.start for s in r.spans if s.stage == "train" and s.iteration == 0)
+        assert first < r.gen_end[0] or mode in ("batch", "colocated")
 
 
 def test_a_workload_whose_flags_do_not_match_is_refused():

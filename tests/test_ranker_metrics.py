@@ -41,3 +41,11 @@ def test_no_ties_is_plain_recall():
     k = 10
     want = len(np.intersect1d(np.argsort(-true)[:k], np.argsort(-pred)[:k])) / k
     assert recall_at(pred, true, 0.2) == want and recall_at(true, true, 0.2) == 1.0
+
+
+def test_a_nan_ranks_lowest():
+    """(A diverged model's NaN prediction: a ZeroDivisionError, or recall above the truth.)"""
+    pred = [np.nan, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    true = [float(x) for x in range(10)]
+    assert recall_at(pred, true, 0.1) == 1.0 and recall_at(pred, true, 0.3) == 1.0
+    assert recall_at([10.0] + pred[1:], [np.nan] + true[1:], 0.1) == 0.0  # the NaN truth is not the longest

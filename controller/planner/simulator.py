@@ -296,8 +296,8 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
         gen_start.append(t0)
         gen_end.append(max(finish, default=t0))
         # --- training of iteration i
-        trains = w.trains  # (a generation-only request is no training work)
-        arrivals = [(arrive[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish)) if trains[r]]
+        trains, ready = w.trains, _ready_times(w, arrive)  # (a generation-only request is no training work)
+        arrivals = [(ready[r], w.out_lens[r] + w.prompt_lens[r]) for r in range(len(finish)) if trains[r]]
         t = max(trainer_free, t0 if mode.colocated else 0.0)
         if mode.colocated and cfg.colocated_dp and cfg.train_ranks > 1:
             t = _colocated_dp_train(cfg, w, arrivals, t, train_scale[i], i, spans)
@@ -325,6 +325,23 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
             for g in range(cfg.gen_instances):
                 spans.append(Span(f"gen{g}", "weight_sync", a, b, j))
     return SimResult(spans, gen_start, gen_end, train_end, sync_end, lag=mode.lag)
+
+
+def _ready_times(w: Workload, arrive: list[float]) -> list[float]:
+    """When each request of ``w`` can train: when it reaches the trainer, and (remax) not before
+    its group's generation-only greedy response does (the group's advantages need it); without
+    groups, not before the iteration's last greedy response."""
+    trains = w.trains
+    if all(trains):
+        return arrive
+    if w.groups is None:
+        gate = max(a for a, t in zip(arrive, trains) if not t)
+        return [max(a, gate) for a in arrive]
+    greedy: dict[int, float] = {}
+    for a, g, t in zip(arrive, w.groups, trains):
+        if not t:
+            greedy[g] = max(greedy.get(g, 0.0), a)
+    return [max(a, greedy.get(g, 0.0)) for a, g in zip(arrive, w.groups)]
 
 
 def _colocated_dp_train(cfg: SimConfig, w: Workload, arrivals: list[tuple[float, int]], t: float, scale: float,

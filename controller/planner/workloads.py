@@ -84,6 +84,8 @@ def sample_workloads(trace: Trace, batch: int, iterations: int, seed: int = 0, g
         idx = list(rng.integers(0, len(trace.out_lens), size=batch))
         extra = -(-batch // greedy_group) if greedy_group else 0
         idx += list(greedy_rng.integers(0, len(trace.out_lens), size=extra)) if extra else []
-        out.append(Workload([trace.out_lens[i] for i in idx], [trace.prompt_lens[i] for i in idx],
+        # (remax) the samples in groups of greedy_group, the j-th greedy response group j's
+        groups = [k // greedy_group for k in range(batch)] + list(range(extra)) if extra else None
+        out.append(Workload([trace.out_lens[i] for i in idx], [trace.prompt_lens[i] for i in idx], groups=groups,
                             trained=[True] * batch + [False] * extra if extra else None))
     return Workloads(out)

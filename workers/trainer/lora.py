@@ -176,31 +176,49 @@ def check_adapter(adapter: Path, merged: Path, base: Path, rank: int, alpha: flo
     if saved != mine:
         raise ValueError(f"{adapter / CONFIG_FILE}: adapters of rank {saved[0]}, alpha {saved[1]:g} on {saved[2]}; "
                          f"this run's trainer.lora_rank {rank}, lora_alpha {alpha:g}, lora_target_modules {mine[2]}")
-    deltas = {}  # tensor name -> alpha / rank * B @ A
+    pairs = {}  # tensor name -> (A, B): its update is alpha / rank * B @ A
     with safe_open(str(adapter / WEIGHTS_FILE), "pt") as f:
         for key in f.keys():
             if key.endswith(".lora_A.weight"):
                 a, b = f.get_tensor(key).double(), f.get_tensor(key.replace(".lora_A.", ".lora_B.")).double()
-                deltas[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")] = alpha / rank * (b @ a)
+                pairs[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")] = (a, b)
     hint = ("resume with the model.path they were trained on (a checkpoint's model/ holds base and adapters "
             "merged: it is not their base)")
-    for name in sorted(set(deltas) | (tensor_names(merged) & tensor_names(base))):
-        w, got = read_tensor(base, name), read_tensor(merged, name).double()
+    for name in sorted(set(pairs) | (tensor_names(merged) & tensor_names(base))):
+        w, got = read_tensor(base, name), read_tensor(merged, name)
         if w.shape != got.shape:
             raise ValueError(f"{adapter}: the adapters were not trained on this run's model.path {base}: {name} is "
                              f"{tuple(w.shape)} there, {tuple(got.shape)} in {merged}; {hint}")
-        delta = deltas.get(name)
-        plus = delta if delta is not None else 0.0
-        # the trainer may have kept its base in bf16 (LoRA.store_base)
-        off = min(_amax(got - (v.double() + plus)) for v in (w, w.bfloat16()))
-        change = _amax(delta) if delta is not None else 0.0
+        off, change, w_max = _merged_off(w, got, pairs.get(name), alpha / rank)
         # the sum's rounding (fp32 on the trainer, or its bf16 base) and the product's order: far
         # below the whole delta, which a wrong base or a merged one counted twice is off by
-        if off > 1e-2 * change + 4 * float(torch.finfo(torch.float32).eps) * _amax(w.double()):
+        if off > 1e-2 * change + 4 * float(torch.finfo(torch.float32).eps) * w_max:
             what = (f"is not that model's plus the adapters (off by {off:.3g}; the adapters change it by {change:.3g})"
-                    if delta is not None else f"is not that model's (off by {off:.3g}; the adapters do not touch it)")
+                    if name in pairs else f"is not that model's (off by {off:.3g}; the adapters do not touch it)")
             raise ValueError(f"{adapter}: the adapters were not trained on this run's model.path {base}: {name} of "
                              f"{merged} {what}; {hint}")
+
+
+def _merged_off(w: torch.Tensor, got: torch.Tensor, pair, scale: float,
+                chunk: int = 1 << 22) -> tuple[float, float, float]:
+    """(how far ``got`` is from ``w`` plus ``scale * B @ A`` (``pair``; None: nothing added),
+    the base taken as is or rounded to bf16, whichever is nearer; the update's largest entry;
+    ``w``'s largest entry), in float64 over ``chunk`` elements of rows at a time (a whole 7B
+    embedding in float64, with its temporaries, was ~14 GB at once)."""
+    w2, got2 = w.reshape(w.shape[0], -1) if w.dim() else w.reshape(1, 1), got.reshape(w.shape[0] if w.dim() else 1, -1)
+    step = max(1, chunk // max(1, w2.shape[1]))
+    exact = rounded = change = w_max = 0.0
+    for i in range(0, w2.shape[0], step):
+        wi, gi = w2[i:i + step].double(), got2[i:i + step].double()
+        if pair is not None:
+            a, b = pair
+            delta = scale * (b[i:i + step] @ a)
+            change = max(change, _amax(delta))
+            gi -= delta
+        exact = max(exact, _amax(gi - wi))
+        rounded = max(rounded, _amax(gi - w2[i:i + step].bfloat16().double()))
+        w_max = max(w_max, _amax(wi))
+    return min(exact, rounded), change, w_max
 
 
 class Reference(nn.Module):

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -71,6 +72,8 @@ def env_rewards_reason(s: Sample) -> str | None:
     rewards = s.env_rewards
     if not isinstance(rewards, (tuple, list)) or any(finite_number(r) is None for r in rewards):
         return f"sample {s.sample_id}: env_rewards {str(rewards)[:80]} are not finite numbers"
+    if not math.isfinite(sum(finite_number(r) for r in rewards)):
+        return f"sample {s.sample_id}: env_rewards {str(rewards)[:80]} sum to an infinity"
     return None
 
 
