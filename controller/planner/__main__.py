@@ -115,10 +115,12 @@ def cmd_report(args) -> dict:
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` names each flag's default (docs/planner.md lists them in brackets), except
-    where there is none: a required flag, or one left unset."""
+    where there is none: a required flag, one left unset, or a switch (``--no-reference``'s
+    "default: True" read as if the switch were on by default)."""
 
     def _get_help_string(self, action):
-        return action.help if action.required or action.default is None else super()._get_help_string(action)
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        return action.help if action.required or action.default is None or switch else super()._get_help_string(action)
 
 
 def main(argv=None) -> None:
