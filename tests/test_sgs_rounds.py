@@ -170,7 +170,7 @@ def test_an_instance_lost_during_an_evaluation_leaves_its_share_to_the_others(ca
             self.rank, self.role, self.name, self.alive, self.dies, self.asked = rank, "generation", \
                 f"worker{rank}", True, dies, []
 
-        def call(self, method, chunk, newest, token, stage):
+        def call(self, method, chunk, newest, token, stage, step=None):
             self.asked.append(sorted(r.sample_id for r in chunk))
             fut = torch.futures.Future()
             if self.dies:
@@ -318,8 +318,8 @@ def test_a_failed_evaluation_tells_the_instances_still_on_it_to_stop():
     reqs = [Request(-1 - i, torch.tensor([1, 2]), 4) for i in range(4)]
     with pytest.raises(WorkerFailed, match="engine refused"):
         side_generate(program, reqs)
-    (m1, (chunk, newest, token, stage)), (m2, cancel_args) = busy.calls
-    assert stage == "eval"
+    (m1, (chunk, newest, token, stage, step)), (m2, cancel_args) = busy.calls
+    assert stage == "eval" and step is None
     assert (m1, m2) == ("evaluate", "cancel") and cancel_args == (token,)
     assert [m for m, _ in failing.calls] == ["evaluate"]  # the failed call is not cancelled
     assert [s.handle.rank for s in sgs.slots] == [1, 2]  # an error is not a loss: both stay
