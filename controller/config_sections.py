@@ -244,9 +244,17 @@ class LoggingSection:
     trackers: tuple[trackers.TrackerName, ...] | trackers.TrackerName = ()
     project: str = "streamrl"  # verl's trainer.project_name
     experiment: str = ""  # verl's trainer.experiment_name; "": the run folder's name
+    # verl's trainer.rollout_data_dir: each iteration's scored samples as JSON lines ("": none)
+    rollout_data_dir: str = ""
+    # verl's trainer.validation_data_dir: each evaluation's generations as JSON lines ("": none)
+    validation_data_dir: str = ""
+    # verl's trainer.log_val_generations: the first N generations of each evaluation to TensorBoard
+    log_val_generations: int = ranged(0, Range(0, note="0: none"))
 
     def __post_init__(self):
         _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
+        _path_key(self, "logging", "rollout_data_dir")
+        _path_key(self, "logging", "validation_data_dir")
         if isinstance(self.trackers, str):  # `logger: wandb`, as verl takes it
             object.__setattr__(self, "trackers", (self.trackers,))
         why = trackers.missing(self.trackers)

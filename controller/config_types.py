@@ -37,6 +37,8 @@ VERL_KEYS = {
     "n": "train.group_size", "default_local_dir": "logging.logdir",
     "logger": "logging.trackers ([wandb]; TensorBoard and the console are always on)",
     "project_name": "logging.project", "experiment_name": "logging.experiment",
+    "rollout_data_dir": "logging.rollout_data_dir", "validation_data_dir": "logging.validation_data_dir",
+    "log_val_generations": "logging.log_val_generations",
     "ppo_mini_batch_size": "trainer.mini_batches (= train_batch_size / ppo_mini_batch_size)",
     "val_kwargs": "train.eval_samples and train.eval_temperature",
     "tis_imp_ratio_cap": "trainer.tis_cap (0: off, where verl says -1; = trainer.rollout_is: token with "

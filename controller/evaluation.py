@@ -10,7 +10,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.rpc import Completions
 from workers.tasks.registry import make_task
@@ -32,6 +32,9 @@ class EvalResult:
     started: float  # epoch seconds
     seconds: float
     weight_versions: tuple[int, ...] = ()  # the weights the instances generated with (one, unless mixed)
+    # each generation ({"input", "output", "gts", "score", "task", "prompt"}), kept when the run logs
+    # them (logging.validation_data_dir, logging.log_val_generations; Metrics.log_eval)
+    generations: list[dict] = field(default_factory=list)
 
 
 def side_generate(program, reqs: list[Request], stage: str = "eval",
@@ -132,8 +135,16 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     # every score in flight at once (trainer.reward_workers; one score_batch call where the task has one)
     flat = pool.submit_many([(it, texts.get(-1 - (j * k + s), ""), f"eval prompt {j}")
                              for j, it in enumerate(items) for s in range(k)])
+    lg = program.cfg.logging
+    keep = bool(lg.validation_data_dir or lg.log_val_generations)
+    generations = []
     for j, it in enumerate(items):
         scores = [_score(pool.result(p), j, whys) for p in flat[j * k:(j + 1) * k]]
+        if keep:
+            shown = program.tok.decode(program.prompt_ids(it), skip_special_tokens=True)
+            generations += [{"prompt": j, "task": it.task, "input": shown,
+                             "output": texts.get(-1 - (j * k + s), ""), "gts": it.answer,
+                             "score": x if math.isfinite(x) else None} for s, x in enumerate(scores)]
         ok = [x for x in scores if math.isfinite(x)]
         unscored += k - len(ok)
         per.setdefault(it.task, []).extend(ok)
@@ -149,7 +160,7 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
         for why, prompts in whys.items():  # one line per distinct failure, not one per prompt
             log.warning("eval: %d samples of %d prompts (first: prompt %d) left out of eval/mean: %s",
                         sum(prompts.values()), len(prompts), next(iter(prompts)), why)
-    return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions)
+    return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions, generations)
 
 
 def eval_rewards(program) -> RewardPool:

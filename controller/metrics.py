@@ -22,6 +22,7 @@ from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fraction
                                  merge_intervals, pyplot, write_chrome_trace)
 from controller.trackers import Fanout
 from workers.atomic import atomic_file, write_text
+from workers.generation_dump import markdown, write_rows
 
 SPANS = "spans.jsonl"  # every span of every attempt, one JSON object a line, appended per iteration
 
@@ -45,9 +46,13 @@ class Metrics:
     appears twice. The writer is opened at that first write, when N is known. The spans of
     earlier attempts (``spans.jsonl``) stay in the trace, as processes of their own."""
 
-    def __init__(self, logdir: str | Path, timeline_every: int = 5, trackers: list | None = None):
-        """``trackers``: ``controller.trackers`` (wandb) that get every scalar TensorBoard gets."""
+    def __init__(self, logdir: str | Path, timeline_every: int = 5, trackers: list | None = None,
+                 validation_data_dir: str = "", log_val_generations: int = 0):
+        """``trackers``: ``controller.trackers`` (wandb) that get every scalar TensorBoard gets.
+        ``validation_data_dir`` / ``log_val_generations``: each evaluation's generations as JSON
+        lines there, and its first N as TensorBoard text (``log_eval``)."""
         self.logdir = Path(logdir)
+        self.validation_data_dir, self.log_val_generations = validation_data_dir, log_val_generations
         self.trackers = Fanout(trackers or [])
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = None
@@ -190,6 +195,10 @@ class Metrics:
         # first: a resumed run's first write drops the rows it runs again (a REPL eval's, at the
         # iteration just trained, drops from the next one, the first a resume would run again)
         self._open(step + 1 if repl else step)
+        if self.validation_data_dir and ev.generations:  # verl's validation_data_dir: <step>.jsonl
+            name = f"{step}.repl_p{ev.prompts}" if repl else str(step)
+            row["generations"] = str(write_rows(self.validation_data_dir, name,
+                                                [{**g, "step": step} for g in ev.generations]))
         _append_line(self.logdir / "eval.jsonl", json.dumps(row))
         self._keep([Span(CONTROLLER, "eval", ev.started, ev.started + ev.seconds, step)])
         if (group, step) in self._tb_once:
@@ -197,6 +206,9 @@ class Metrics:
         self._tb_once.add((group, step))
         self.log_scalars({**{group + k.removeprefix("eval/"): v for k, v in ev.scores.items()},
                           timing: ev.seconds}, step)
+        if self.log_val_generations and ev.generations:  # verl's log_val_generations
+            self._writer.add_text(group + "generations", markdown(ev.generations, self.log_val_generations), step)
+            self._writer.flush()
         return {**row, "tensorboard": f"{group}* at step {step}"}
 
     @contextmanager

@@ -111,7 +111,8 @@ class Session:
         cfg = self.cfg  # train.epochs: with the iterations derived from the kept prompts
         lg = cfg.logging
         self.metrics = Metrics(self.logdir, lg.timeline_every,
-                               make_trackers(lg.trackers, self.logdir, lg.project, lg.experiment, plain(cfg)))
+                               make_trackers(lg.trackers, self.logdir, lg.project, lg.experiment, plain(cfg)),
+                               lg.validation_data_dir, lg.log_val_generations)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
         self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint

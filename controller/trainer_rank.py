@@ -27,6 +27,8 @@ from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from controller.trainer_inbox import IterationInbox, sample_tokens
 from workers import heap
+from workers.generation_dump import write_rows
+from workers.trainer.rollout_dump import take_rows
 from workers.trainer.sample_checks import check_new_ids
 from workers.types import Sample, TaskPrompt
 
@@ -64,7 +66,7 @@ class TrainerStats:
 
 class TrainerRank:
     def __init__(self, rank: int, dp_ranks: list[int], trainer_cfg, model_dir: str, task_name: str,
-                 task_kwargs: dict, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S):
+                 task_kwargs: dict, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, rollout_data_dir: str = ""):
         from workers.tasks.registry import make_task
         from workers.trainer.worker import TrainerWorker
 
@@ -76,6 +78,9 @@ class TrainerRank:
                                     group=group, device=LOCAL.device,
                                     build_task=functools.partial(make_task, task_name, **task_kwargs))
         self.spans = SpanRecorder(f"train{rank}")
+        self.rollout_data_dir = rollout_data_dir  # logging.rollout_data_dir: each step's scored samples there
+        if rollout_data_dir:
+            self.worker.rollout_rows = []
         self._iters: dict[int, IterationInbox] = {}
         self._owner: dict[int, int] = {}  # sample_id -> iteration
         self._current: int | None = None  # iteration the worker is in (begin_iteration called)
@@ -207,6 +212,9 @@ class TrainerRank:
         t0 = time.time()
         result = self.worker.step()
         heap.trim()  # the step's freed activations back to the kernel (workers/heap.py)
+        if self.rollout_data_dir:  # verl's rollout_data_dir: <iteration>.jsonl (a rank's own with several)
+            name = str(iteration) if len(self.dp_ranks) == 1 else f"{iteration}.rank{self.dp_ranks.index(self.rank)}"
+            write_rows(self.rollout_data_dir, name, [{**r, "step": iteration} for r in take_rows(self.worker)])
         t1 = time.time()
         self.spans.add("train", t0, t1, iteration)
         with self._cond:

@@ -93,7 +93,8 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
     colocated = p.colocated or cfg.pipeline.mode == "colocated"
     timeout = p.rpc_timeout_s
     futs = [construct(r, TrainerRank, (r, list(p.trainer), cfg.trainer, model_dir, cfg.task.name,
-                                       dict(cfg.task.kwargs), p.collective_timeout_s), timeout)
+                                       dict(cfg.task.kwargs), p.collective_timeout_s,
+                                       cfg.logging.rollout_data_dir), timeout)
             for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
     gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids, cfg.multi_turn), timeout)

@@ -23,6 +23,7 @@ from workers.trainer.kl import KL_ESTIMATORS
 from workers.trainer.losses import (POLICY_LOSSES, PolicyKnobs, aggregate_sum, clipped_value_loss,
                                     entropy_from_logits, fraction_agg, sequence_geometric_mean)
 from workers.trainer.packing import pack, response_logits, token_logprobs
+from workers.trainer.rollout_dump import rollout_row
 from workers.trainer import remax, rollout_bypass, rollout_correction as rc
 from workers.trainer.multi_turn import item_mask, last_sampled, mean_over, sampled_mask, spread
 
@@ -103,6 +104,8 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
         elif cfg.token_returns:  # sum_k gamma^k r_{t+k}: GAE with no values and lambda 1
             p.adv = sampled_gae(p.token_rewards, torch.zeros_like(kl_i), cfg.gamma, 1.0, sampled)[0]
         out.append(p)
+        if w.rollout_rows is not None:  # logging.rollout_data_dir: decoded and written at the step
+            w.rollout_rows.append(rollout_row(w, s, score))
     return out
 
 

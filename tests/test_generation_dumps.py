@@ -1,0 +1,69 @@
+"""Generations written out for people to read (verl's ``trainer.rollout_data_dir``,
+``validation_data_dir``, ``log_val_generations``): a real 3-process run writes each iteration's
+scored samples (``<dir>/<iteration>.jsonl`` from the trainer rank) and each evaluation's
+generations (``<dir>/<step>.jsonl`` from the controller, named in its eval.jsonl row), the
+rewards in them being the task's own score of the text written; the first N go to
+TensorBoard's text panel. Resuming rewrites the iterations it runs again, whole."""
+import json
+
+from runtime_helpers import TASK, tiny_model, torchrun, write_config  # noqa: F401
+
+from controller.evaluation import EvalResult
+from controller.metrics import Metrics
+from workers.generation_dump import markdown, write_rows
+from workers.tasks import make_task
+
+
+def _rows(path):
+    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noqa: F811
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rollouts, evals = tmp_path / "rollouts", tmp_path / "evals"
+    cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_before_train=True,
+                       logging__rollout_data_dir=str(rollouts), logging__validation_data_dir=str(evals),
+                       logging__log_val_generations=2)
+    p = torchrun(cfg, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    task = make_task("synthetic", **TASK)
+    answers = {t.answer for t in task.prompts("train")}
+    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl"]
+    for it in (0, 1):
+        rows = _rows(rollouts / f"{it}.jsonl")
+        assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {it}  # batch_prompts x group_size
+        assert sorted(r["group_id"] for r in rows) == sorted(r["group_id"] for r in rows[:8])
+        for r in rows:
+            assert set(r) >= {"input", "output", "gts", "score", "sample_id", "weight_version", "finish_reason"}
+            assert r["gts"] in answers and 0.0 <= r["score"] <= 1.0 and r["env_reward"] == 0.0
+    # the controller's evaluations: before training (-1) and after iteration 1 (eval_every 2)
+    assert sorted(f.name for f in evals.iterdir()) == ["-1.jsonl", "1.jsonl"]
+    evals_logged = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    test = {t.prompt: t for t in task.prompts("test")}
+    for row in evals_logged:
+        gens = _rows(evals / f"{row['iteration']}.jsonl")
+        assert row["generations"] == str(evals / f"{row['iteration']}.jsonl") and len(gens) == 4
+        scored = [g["score"] for g in gens if g["score"] is not None]
+        assert abs(sum(scored) / len(scored) - row["eval/mean"]) < 1e-9  # the same scores as eval/mean
+        for g in gens:  # the score is the task's of the output written
+            item = next(t for q, t in test.items() if q in g["input"])
+            assert g["gts"] == item.answer and g["score"] == task.score(item, g["output"])
+    ea = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0})
+    ea.Reload()
+    assert "eval/generations/text_summary" in ea.Tags()["tensors"]  # (TensorBoard's name for add_text)
+
+
+def test_log_eval_writes_a_repl_evals_generations_apart_and_markdown_keeps_the_text(tmp_path):
+    gens = [{"prompt": 0, "task": "sum", "input": "1 + 1 =", "output": "2 ```x```", "gts": "2", "score": 1.0},
+            {"prompt": 1, "task": "sum", "input": "2 + 2 =", "output": "héllo", "gts": "4", "score": None}]
+    m = Metrics(tmp_path / "run", timeline_every=0, validation_data_dir=str(tmp_path / "v"), log_val_generations=1)
+    m.log_eval(EvalResult({"eval/mean": 1.0}, 2, 2, 2, 1, 100.0, 1.0, generations=gens), 3)
+    m.log_eval(EvalResult({"eval/mean": 1.0}, 2, 2, 2, 1, 100.0, 1.0, generations=gens), 3, repl=True)
+    m.close()
+    assert [r["output"] for r in _rows(tmp_path / "v" / "3.jsonl")] == ["2 ```x```", "héllo"]
+    assert [r["step"] for r in _rows(tmp_path / "v" / "3.repl_p2.jsonl")] == [3, 3]
+    text = markdown(gens, 1)
+    assert "1 + 1 =" in text and "2 '''x'''" in text and "2 + 2" not in text  # (a fence in the text cannot end the block)
+    write_rows(tmp_path / "v", "3", gens[:1])  # a resumed run's same step: replaced whole
+    assert len(_rows(tmp_path / "v" / "3.jsonl")) == 1

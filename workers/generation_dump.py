@@ -1,0 +1,31 @@
+"""Generations written out for people to read (verl's ``trainer.rollout_data_dir``,
+``validation_data_dir`` and ``log_val_generations``): a batch's rows as a JSON lines file in a
+folder, and the first few as TensorBoard markdown. The trainer ranks write their scored samples,
+the controller its evaluations' generations (docs/controller.md, "Generations")."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workers.atomic import atomic_file
+
+
+def write_rows(folder: str | Path, name: str, rows: list[dict]) -> Path:
+    """``rows`` as ``<folder>/<name>.jsonl``, one JSON object a line (UTF-8, as written), written
+    atomically: a run that resumes and writes the same name again replaces it whole."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    with atomic_file(path) as tmp:  # (UTF-8 whatever the locale)
+        tmp.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+    return path
+
+
+def markdown(rows: list[dict], n: int) -> str:
+    """The first ``n`` rows for TensorBoard's text panel: each its score and reference answer,
+    then its input and output in a code block (markdown would eat the model's own markup)."""
+    parts = []
+    for r in rows[:n]:
+        body = f"{r.get('input', '')}\n----\n{r.get('output', '')}".replace("```", "'''")
+        parts.append(f"**score** {r.get('score')} · **gts** {r.get('gts')!s:.200}\n\n```\n{body}\n```")
+    return "\n\n---\n\n".join(parts)
