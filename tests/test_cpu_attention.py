@@ -168,3 +168,18 @@ def test_decode_batch_with_next_block_prefetch(threads):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_sequence_and_position_indices_are_read_as_their_values():
+    """(The kernel reads seq_of / positions as contiguous: a column of a [T, 2] index tensor
+    was read as other values, wrong output or reads past the block table.)"""
+    attn = _kernel()
+    g = torch.Generator().manual_seed(7)
+    kc, vc = torch.randn(40, 4, 2, 16, generator=g), torch.randn(40, 4, 2, 16, generator=g)
+    tables = torch.randperm(40, generator=g)[:18].view(3, 6).int().contiguous()
+    index = torch.tensor([[0, 0], [1, 22], [2, 5], [2, 15]], dtype=torch.int64)
+    seq_of, positions = index[:, 0], index[:, 1]
+    assert not seq_of.is_contiguous() and not positions.is_contiguous()
+    q = torch.randn(4, 4, 16, generator=g)
+    torch.testing.assert_close(attn(q, kc, vc, tables, seq_of, positions, 0.25),
+                               reference(q, kc, vc, tables, seq_of, positions, 0.25), rtol=1e-5, atol=1e-5)

@@ -176,6 +176,27 @@ def test_fused_cpu_sampler_draws_what_the_torch_sampler_draws(dtype):
     assert calls == []
 
 
+def test_fused_cpu_sampler_never_draws_a_token_without_mass_at_the_top_of_the_draw():
+    """A draw u near 1 (legal: u in [0, 1)) fell past the running sum when the fp32 total the
+    target was scaled by rounded above the fp64 sum the scan takes, and took the last id whatever
+    its probability: a blocked EOS (id V - 1 here) with log-prob -1e30 in 9 of 20 rows of a
+    Qwen-sized vocabulary."""
+    ops = _fused("cpu")
+    V = 151936
+    eos = torch.tensor([V - 1])
+    for seed in range(20):
+        logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed)) * 2
+        for u in (1 - 2.0 ** -40, 0.9999999, 0.0):
+            ids, lp = ops.sample(logits, eos, torch.tensor([True]), torch.tensor([False]), torch.tensor([1.0]),
+                                 torch.tensor([u], dtype=torch.float64))
+            assert int(ids[0]) != V - 1 and float(lp[0]) > -1e3, (seed, u)
+    # u near 1 draws the last token with mass (V - 2: V - 1 is the blocked EOS)
+    logits = torch.zeros(1, V)
+    ids, _ = ops.sample(logits, eos, torch.tensor([True]), torch.tensor([False]), torch.tensor([1.0]),
+                        torch.tensor([1 - 2.0 ** -40], dtype=torch.float64))
+    assert int(ids[0]) == V - 2
+
+
 @pytest.mark.parametrize("kind", ["torch", "cpu"])
 def test_sampler_keeps_a_batchs_parameters_only_while_the_batch_is_the_same(kind):
     # the rows' parameters are kept between calls on the same sequences (a decode batch);

@@ -3,10 +3,13 @@ disk by torch and in memory here), with one clear error when a machine cannot bu
 
 They are compiled with ``-march=native``, so a build is only good on CPUs with the same
 instruction sets. torch's cache (``~/.cache/torch_extensions``, often on a home directory
-shared by a cluster's nodes) keys a build by its name, sources and flags, and the flag
-``-march=native`` reads the same everywhere: a build made on an AVX-512 node would be loaded
-on an AVX2 node and die there of SIGILL. The cache name therefore carries a tag of this CPU's
-instruction-set flags (``isa_tag``): each kind of CPU gets, and keeps, its own build.
+shared by a cluster's nodes) keeps one build per name (a changed source rebuilds it, but a
+process that waits on another's build of the same name loads that build, whatever its own
+source), and the flag ``-march=native`` reads the same everywhere: a build made on an AVX-512
+node would be loaded on an AVX2 node and die there of SIGILL. The cache name therefore carries
+a tag of this CPU's instruction-set flags (``isa_tag``) and a digest of the source and flags:
+each kind of CPU and each version of the code gets, and keeps, its own build (two checkouts run
+at once never load each other's).
 
 ``VEXP`` is C++ the extensions share (prepended to their sources): one ``exp``."""
 from __future__ import annotations
@@ -38,7 +41,7 @@ def isa_tag(flags: str | None = None) -> str:
 @cache
 def build(name: str, source: str, functions: tuple[str, ...], what: str):
     """Compile (or load the cached build of) ``source`` exposing ``functions``, cached under
-    ``name`` plus this CPU's ``isa_tag``; ``what`` names the extension in the error raised
+    ``name`` plus this CPU's ``isa_tag`` and a digest of the source and flags; ``what`` names the extension in the error raised
     when building fails (no compiler, headers, ...). Each function is bound with
     ``torch::wrap_pybind_function_no_gil``: like torch's own ops, it runs without the GIL, so
     the generation worker's other threads (the outbox streaming samples, the weight-sync lanes
@@ -46,10 +49,12 @@ def build(name: str, source: str, functions: tuple[str, ...], what: str):
     binds them holding it."""
     from torch.utils.cpp_extension import load_inline
 
+    cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]
+    sources = source + bindings(functions)
+    digest = hashlib.sha1("\0".join([sources, *cflags, *ldflags]).encode()).hexdigest()[:8]
     try:
-        return load_inline(name=f"{name}_{isa_tag()}", cpp_sources=source + bindings(functions),
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        return load_inline(name=f"{name}_{isa_tag()}_{digest}", cpp_sources=sources, extra_cflags=cflags,
+                           extra_ldflags=ldflags, verbose=False)
     except Exception as e:
         raise RuntimeError(f"{what}: building the C++ extension failed ({e}); "
                            "use attention_backend 'torch'") from e

@@ -465,7 +465,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_paged_attention_cpu_v11", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
+    return build("streamrl_paged_attention_cpu", _SOURCE, ("paged_attention",), "engine.attention_backend 'cpu'")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -477,4 +477,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     view (e.g. of a fused qkv projection): only each token's [H, Dh] must be contiguous."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
-    return load().paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, scale)
+    # (the kernel reads them as contiguous: a strided view, e.g. a column of a [T, 2] index, read
+    # other values)
+    return load().paged_attention(q, k_cache, v_cache, block_tables, seq_of.contiguous(), positions.contiguous(),
+                                  scale)

@@ -175,8 +175,18 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
         int64_t tok = 0;
         if (gp[r]) {
           while (tok < V - 1 && x[tok] != mx) ++tok;  // the first maximum (bounded: NaN logits)
-        } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * sum
-          const double target = up[r] * static_cast<double>(sum);
+        } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * total
+          // total: summed as the scan sums (the fp32 sum above can round past it: with u near 1
+          // no token reached the target and the draw fell on the last id, whatever its mass)
+          double total = 0.0;
+          int64_t j1 = 0;
+          for (; j1 + 16 <= V; j1 += 16) {
+            float c = 0.f;
+            for (int k = 0; k < 16; ++k) c += ex[j1 + k];
+            total += c;
+          }
+          for (; j1 < V; ++j1) total += ex[j1];
+          const double target = up[r] * total;
           double cum = 0.0;
           int64_t j0 = 0;
           for (; j0 + 16 <= V; j0 += 16) {
@@ -185,10 +195,14 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
             if (cum + c > target) break;
             cum += c;
           }
-          tok = V - 1;
+          tok = -1;
           for (int64_t j = j0; j < V; ++j) {
             cum += ex[j];
             if (cum > target) { tok = j; break; }
+          }
+          if (tok < 0) {  // (rounding: the draw is at the very end) the last token with any mass
+            tok = V - 1;
+            while (tok > 0 && !(ex[tok] > 0.f)) --tok;
           }
         }
         ip[r] = tok;
@@ -294,6 +308,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 def load():
     """The compiled extension (built on first call, then cached on disk and in memory)."""
-    return build("streamrl_fused_ops_cpu_v6", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear", "sample",
+    return build("streamrl_fused_ops_cpu", _SOURCE, ("rms_norm", "silu_mul", "rope_", "linear", "sample",
                                                         "write_kv"),
                  "engine: fused CPU ops")

@@ -127,8 +127,9 @@ class FusedForward:
 
     def sync(self) -> None:
         """Rebuild the fused weights (and RoPE table) when a source parameter changed (an
-        in-place write, new storage or dtype); a module given a new Parameter object is not
-        seen until ``refresh()``."""
+        in-place write, new storage or dtype); a module given a new Parameter object, or a write
+        through ``.data`` (which bumps no version counter), is not seen until ``refresh()``
+        (``load_weights`` calls it)."""
         stamp = tuple((p._version, p.data_ptr(), p.dtype) for p in self._src)
         if stamp != self._stamp or not self._src:
             self.refresh()

@@ -229,7 +229,7 @@ class Panels:
 
 
 def _load():
-    return build("streamrl_panel_gemm_v3", _SOURCE, ("pack", "linear", "swiglu"), "panel GEMM (engine.cpu_prepack)")
+    return build("streamrl_panel_gemm", _SOURCE, ("pack", "linear", "swiglu"), "panel GEMM (engine.cpu_prepack)")
 
 
 def available(dtype: torch.dtype) -> bool:
