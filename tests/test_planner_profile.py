@@ -189,3 +189,17 @@ def test_trainer_passes_pool_samples_taken_at_different_moments():
     assert all(len(v) == 3 for v in tp.passes.values())
     prof = tp.profile()  # the median per size is the normal-speed pass
     assert prof.s_per_token == pytest.approx(0.0001) and prof.fixed_s == pytest.approx(0.02)
+
+
+def test_profile_counts_kv_in_the_engines_own_blocks():
+    """An engine whose blocks are not its config's (vLLM's CPU blocks are 32 tokens whatever
+    block_size asks) says so with ``block_size``: its stats' blocks are counted in those (the
+    profile saw half the cache and refused sizes that fit). Here the native engine's 16-token
+    blocks, as the engine reports them, against a config saying 8."""
+    from dataclasses import replace
+
+    eng = StepClock(tiny_engine(kv_tokens=512))  # (a wrapper: the engine itself keeps its config)
+    eng.block_size = 16
+    eng.cfg = replace(eng.cfg, block_size=8)  # what a config asked; the engine's blocks are 16
+    prof = profile_engine(eng, batch_sizes=(1, 16), prompt_len=8, decode_steps=4, warmup_steps=2, clock=eng.clock)
+    assert prof.kv_tokens == 512 and prof.block_size == 16

@@ -280,3 +280,47 @@ def test_engine_core_child_computes_on_the_callers_threads(setup, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"child": [2], "env": "1"}  # the rank's own environment is left as it was
+
+
+def test_a_reload_that_fails_midway_stops_generation_until_one_succeeds(setup, monkeypatch):
+    """(The requests in flight were put back in the queue before the worker's reload; when it
+    raised, nothing admitted them again and step() returned [] for ever, with has_work() True.)
+    The weights may be half-written: step() refuses, naming why, until a reload succeeds; then
+    the queued requests run on the new weights."""
+    eng = setup["vllm"]
+    reqs = _greedy(_prompts([6, 11]), 8, first_id=400)
+    assert eng.add(reqs) == []
+    eng.step()
+    v = eng.stats().weight_version
+    real = eng.llm.collective_rpc
+
+    def fails(*a, **kw):
+        raise RuntimeError("worker lost the tensors")
+
+    monkeypatch.setattr(eng.llm, "collective_rpc", fails)
+    with pytest.raises(RuntimeError, match="worker lost the tensors"):
+        eng.load_weights(setup["model"].hf_state_dict().items(), version=v + 1)
+    with pytest.raises(RuntimeError, match=f"load_weights of version {v + 1} failed midway.*load the weights again"):
+        eng.step()
+    assert eng.has_work() and eng.stats().weight_version == v
+    monkeypatch.setattr(eng.llm, "collective_rpc", real)
+    eng.load_weights(setup["model"].hf_state_dict().items(), version=v + 2)
+    got = []
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        got += eng.step()
+    assert sorted(s.sample_id for s in got) == [400, 401] and all(s.weight_version == v + 2 for s in got)
+    assert [s.output_ids.tolist() for s in sorted(got, key=lambda s: s.sample_id)] == \
+        [s.output_ids.tolist() for s in generate_all(setup["native"], reqs)]
+
+
+def test_prefix_cache_hits_are_reported(setup):
+    """(stats().prefix_cache_hit_tokens read 0 on vLLM whatever its prefix cache found.)"""
+    eng = setup["vllm"]
+    before = eng.stats().prefix_cache_hit_tokens
+    prompt = _prompts([96], seed=5)
+    generate_all(eng, _greedy(prompt, 2, first_id=500))
+    generate_all(eng, _greedy(prompt, 2, first_id=501))
+    assert eng.stats().prefix_cache_hit_tokens - before >= 64  # the second request's two full 32-token blocks
+    assert eng.block_size == 32 and eng.num_blocks * eng.block_size >= 8192

@@ -54,7 +54,8 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
     Requests are forced to prompt_len + warmup_steps + decode_steps + 2 tokens so none finishes
     inside the timed window; the engine is drained between sizes and left empty. vocab bounds
     the random prompt ids (and is lowered to the engine's ``vocab_size``: an in-process BPE may
-    learn fewer tokens than asked). block_size defaults to ``engine.cfg.block_size`` (else 1)."""
+    learn fewer tokens than asked). block_size defaults to the engine's own ``block_size`` (vLLM's),
+    else ``engine.cfg.block_size`` (else 1)."""
     if engine.has_work():
         raise ValueError("profile_engine: the engine still has work; profile an idle engine")
     sizes = sorted({int(b) for b in batch_sizes})
@@ -62,7 +63,8 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
     if not sizes or sizes[0] < 1:
         raise ValueError(f"profile_engine: batch_sizes must be >= 1, got {list(batch_sizes)}")
     cfg = getattr(engine, "cfg", None)
-    block = block_size or int(getattr(cfg, "block_size", 1) or 1)
+    # the engine's own block (vLLM's CPU blocks are 32 tokens whatever cfg asks), else its config's
+    block = block_size or int(getattr(engine, "block_size", None) or getattr(cfg, "block_size", 1) or 1)
     st = engine.stats()
     old_cap = st.max_batch_size
     kv_tokens = (st.kv_blocks_used + st.kv_blocks_free) * block

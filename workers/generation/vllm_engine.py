@@ -58,12 +58,16 @@ class _StatsTap:
         self.kv_usage = 0.0
         self.kv_peak = 0.0  # the highest kv_usage since the engine last became busy
         self.generated = 0  # output tokens since start
+        self.prefix_hits = 0  # prompt (and preempted) tokens vLLM found in its prefix cache, since start
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if scheduler_stats is not None:
             self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
             self.kv_usage = scheduler_stats.kv_cache_usage
             self.kv_peak = max(self.kv_peak, self.kv_usage)
+            pc = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if pc is not None:
+                self.prefix_hits += pc.hits + pc.preempted_hits
         if iteration_stats is not None:
             self.generated += iteration_stats.num_generation_tokens
 
@@ -163,6 +167,8 @@ class VLLMEngine:
             json.dumps({"eos_token_id": list(self.eos_ids)} if self.eos_ids else {}))
         args.setdefault("generation_config", self._gen_dir.name)
         self.max_num_seqs, self.num_blocks = args["max_num_seqs"], args["num_gpu_blocks_override"]
+        self.block_size = args["block_size"]  # vLLM's tokens a block (stats() counts these blocks)
+        self._broken = ""  # why a load_weights failed midway (the weights may be half-written)
         self.enforce_eager = bool(args.get("enforce_eager"))  # what vLLM runs (always eager on CPU)
         self._weight_dtype = getattr(torch, vllm_args.resolve_device_dtype(cfg)[1])  # load_weights casts to it
         self.subprocess = _use_subprocess(cfg)
@@ -265,7 +271,10 @@ class VLLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
         """One vLLM engine step; returns the samples that finished in it."""
+        if self._broken:
+            raise RuntimeError(f"vLLM engine: {self._broken}; load the weights again before generating")
         done, self._late_errors = self._late_errors, []
+        self._admit()  # (anything queued while nothing ran)
         if not self._live:
             return done
         started = time.time()
@@ -349,15 +358,21 @@ class VLLMEngine:
             items = [(n, t) for n, t in items if n != "lm_head.weight"]
             if head and "model.embed_tokens.weight" not in {n for n, _ in items}:
                 items.append(("model.embed_tokens.weight", head[0]))
-        # one RPC to the worker; a partial (pickled whole in subprocess mode: vLLM's msgpack
-        # would turn tensors nested in plain kwargs into lists)
-        self.llm.collective_rpc(functools.partial(
-            _reload_on_worker, [(n, t.detach().cpu()) for n, t in items], tied))
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("load_weights: vLLM refused to reset its prefix cache")
+        self._restarts += 1  # (request ids of the restarted requests are new, whatever happens below)
+        try:
+            # one RPC to the worker; a partial (pickled whole in subprocess mode: vLLM's msgpack
+            # would turn tensors nested in plain kwargs into lists)
+            self.llm.collective_rpc(functools.partial(
+                _reload_on_worker, [(n, t.detach().cpu()) for n, t in items], tied))
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("load_weights: vLLM refused to reset its prefix cache")
+        except BaseException as e:  # the weights may be half-written: no step until a reload succeeds
+            self._broken = (f"load_weights of version {version} failed midway ({type(e).__name__}: {e}); its "
+                            f"weights may be half-written")
+            raise
+        self._broken = ""
         self.weight_version = version
         self.llm.set_weight_version(str(self.weight_version))
-        self._restarts += 1
         self._admit()
 
     def close(self) -> None:
@@ -380,4 +395,5 @@ class VLLMEngine:
                            kv_blocks_used=used, kv_blocks_free=self.num_blocks - used,
                            tokens_per_s=tps, max_batch_size=self.max_batch_size,
                            weight_version=self.weight_version, preemptions=self._preemptions,
-                           kv_blocks_peak=round(self._tap.kv_peak * self.num_blocks))
+                           kv_blocks_peak=round(self._tap.kv_peak * self.num_blocks),
+                           prefix_cache_hit_tokens=self._tap.prefix_hits)
