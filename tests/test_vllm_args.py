@@ -112,3 +112,20 @@ def test_fused_modules_must_be_whole():
     assert miss == {"model.layers.1.mlp.gate_up_proj": ["model.layers.1.mlp.gate_proj.weight"]}
     qkv = vllm_args.incomplete_modules({"model.layers.0.self_attn.q_proj.weight"}, names)
     assert "model.layers.0.self_attn.k_proj.bias" in qkv["model.layers.0.self_attn.qkv_proj"]
+
+
+def test_gpu_memory_utilization_is_the_share_free_now(monkeypatch):
+    """On a GPU the KV cache is sized by bytes, and vLLM's utilization only refuses a start with
+    less than that share free: 0.9 failed beside a colocated trainer holding over 10%. (No GPU
+    here: torch.cuda's is_available and mem_get_info are faked, which is what the rule reads.)"""
+    import torch
+
+    for free, want in ((40e9, 0.475), (79e9, 0.9), (8e9, 0.095)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, f=free: (f, 80e9))
+        assert vllm_args.gpu_memory_utilization("cuda:0") == want
+        cfg = EngineConfig(backend="vllm", kv_cache_tokens=4096, device="cuda", dtype="bfloat16")
+        assert vllm_args.engine_args(cfg, "/m", MC)["gpu_memory_utilization"] == want
+    cfg = EngineConfig(backend="vllm", kv_cache_tokens=4096, device="cuda", dtype="bfloat16",
+                       backend_options={"gpu_memory_utilization": 0.5})
+    assert vllm_args.engine_args(cfg, "/m", MC)["gpu_memory_utilization"] == 0.5

@@ -56,6 +56,18 @@ def vllm_block_size(cfg: EngineConfig, device: str) -> int:
     return cfg.block_size
 
 
+def gpu_memory_utilization(device: str, most: float = 0.9) -> float:
+    """vLLM's ``gpu_memory_utilization`` for a GPU whose KV cache is sized already
+    (``kv_cache_memory_bytes``): vLLM then uses it only to refuse to start when less than that
+    share of the GPU is free, so it is the share free now (95% of it), at most ``most``: a GPU
+    shared with a colocated trainer, or any other tenant, holding over 10% failed the start at
+    vLLM's 0.9. ``engine.backend_options.gpu_memory_utilization`` overrides it."""
+    if not torch.cuda.is_available():  # (args read where no GPU is: vLLM would not start there anyway)
+        return most
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return round(min(most, 0.95 * free / total), 4)
+
+
 def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
     """Keyword arguments of ``vllm.EngineArgs`` for one instance. ``cfg.backend_options`` may
     override any of them (e.g. ``gpu_memory_utilization``, ``max_num_seqs``, ``enforce_eager``).
@@ -98,7 +110,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         enable_prefix_caching=cfg.prefix_sharing or cfg.prefix_caching,  # vLLM's APC serves both
         scheduling_policy="priority" if cfg.admission == "lpt" else "fcfs",
         logprobs_mode="processed_logprobs",  # same as the native sampler: after T, top-k, top-p
-        gpu_memory_utilization=0.1 if device == "cpu" else 0.9,
+        gpu_memory_utilization=0.1 if device == "cpu" else gpu_memory_utilization(cfg.device or "cuda"),
         enforce_eager=device == "cpu" or cfg.enforce_eager,
         disable_log_stats=False,  # per-request timings and preemption counts
     )
