@@ -197,6 +197,11 @@ class Metrics:
         self._open(step + 1 if repl else step)
         if self.validation_data_dir and ev.generations:  # verl's validation_data_dir: <step>.jsonl
             name = f"{step}.repl_p{ev.prompts}" if repl else str(step)
+            if repl:  # another REPL eval of this step and count keeps its own file (.2, .3, ...)
+                k = 1
+                while (Path(self.validation_data_dir) / f"{name}{f'.{k}' if k > 1 else ''}.jsonl").exists():
+                    k += 1
+                name += f".{k}" if k > 1 else ""
             row["generations"] = str(write_rows(self.validation_data_dir, name,
                                                 [{**g, "step": step} for g in ev.generations]))
         _append_line(self.logdir / "eval.jsonl", json.dumps(row))

@@ -41,7 +41,7 @@ BATCH_STAGES = ("generate", "train", "dispatch", "wait_generate", "wait_step", "
 _COLORS = {"idle": "lightgrey",  # drawn first: busy spans paint over it
            "generate": "tab:blue", "train": "tab:green",
            "weight_sync": "tab:purple", "weight_stage": "tab:pink", "eval": "tab:orange", "save": "tab:brown",
-           "ranker": "tab:olive",
+           "ranker": "tab:olive", "rollout_dump": "tab:gray",
            # the controller's own row: what it is waiting on
            "dispatch": "tab:red", "wait_generate": "lightsteelblue", "wait_step": "palegreen",
            "wait_push": "plum", "wait_filter": "khaki"}

@@ -13,6 +13,7 @@ seen twice is dropped (re-dispatch after an instance loss never trains a sample 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import threading
@@ -212,11 +213,10 @@ class TrainerRank:
         t0 = time.time()
         result = self.worker.step()
         heap.trim()  # the step's freed activations back to the kernel (workers/heap.py)
-        if self.rollout_data_dir:  # verl's rollout_data_dir: <iteration>.jsonl (a rank's own with several)
-            name = str(iteration) if len(self.dp_ranks) == 1 else f"{iteration}.rank{self.dp_ranks.index(self.rank)}"
-            write_rows(self.rollout_data_dir, name, [{**r, "step": iteration} for r in take_rows(self.worker)])
         t1 = time.time()
         self.spans.add("train", t0, t1, iteration)
+        if self.rollout_data_dir:  # verl's rollout_data_dir (its own span: not the training's time)
+            self._dump_rollouts(iteration)
         with self._cond:
             self._ready.discard(iteration)
             del self._iters[iteration]
@@ -227,6 +227,18 @@ class TrainerRank:
         return StepReport(self.rank, iteration, result.version, dict(result.metrics), result.num_samples,
                           result.num_tokens, rec.staleness_max, rec.duplicates, heap.rss_mb(), dict(rec.lengths),
                           dict(rec.by_instance))
+
+    def _dump_rollouts(self, iteration: int) -> None:
+        """This iteration's scored samples as ``<rollout_data_dir>/<iteration>.jsonl`` (a rank's own
+        ``.rank<k>`` with several ranks); a failed write is said, not raised: the step is done."""
+        with self.spans.span("rollout_dump", iteration):
+            name = str(iteration) if len(self.dp_ranks) == 1 else f"{iteration}.rank{self.dp_ranks.index(self.rank)}"
+            rows = [{**r, "step": iteration} for r in take_rows(self.worker)]
+            try:
+                write_rows(self.rollout_data_dir, name, rows)
+            except OSError as e:
+                logging.getLogger("streamrl.trainer").warning(
+                    "logging.rollout_data_dir: iteration %d's samples not written (%s); training goes on", iteration, e)
 
     # ---- the consumer thread -------------------------------------------------------------
     def _consume_loop(self) -> None:

@@ -6,7 +6,10 @@ rewards in them being the task's own score of the text written; the first N go t
 TensorBoard's text panel. Resuming rewrites the iterations it runs again, whole."""
 import json
 
+from pathlib import Path
+
 from runtime_helpers import TASK, tiny_model, torchrun, write_config  # noqa: F401
+from test_trainer_stats import model_dir  # noqa: F401
 
 from controller.evaluation import EvalResult
 from controller.metrics import Metrics
@@ -67,3 +70,33 @@ def test_log_eval_writes_a_repl_evals_generations_apart_and_markdown_keeps_the_t
     assert "1 + 1 =" in text and "2 '''x'''" in text and "2 + 2" not in text  # (a fence in the text cannot end the block)
     write_rows(tmp_path / "v", "3", gens[:1])  # a resumed run's same step: replaced whole
     assert len(_rows(tmp_path / "v" / "3.jsonl")) == 1
+
+
+def test_each_repl_eval_keeps_its_own_generations_file(tmp_path):
+    """(Two REPL evals at one step with one prompt count wrote one file: the first's was lost and
+    its eval.jsonl row named the second's.)"""
+    m = Metrics(tmp_path / "run", timeline_every=0, validation_data_dir=str(tmp_path / "v"))
+    for out in ("first", "second"):
+        g = [{"prompt": 0, "task": "t", "input": "q", "output": out, "gts": "a", "score": 1.0}]
+        m.log_eval(EvalResult({"eval/mean": 1.0}, 1, 1, 1, 1, 100.0, 1.0, generations=g), 3, repl=True)
+    m.close()
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [r["generations"] for r in rows] == [str(tmp_path / "v" / "3.repl_p1.jsonl"),
+                                                str(tmp_path / "v" / "3.repl_p1.2.jsonl")]
+    assert [_rows(Path(r["generations"]))[0]["output"] for r in rows] == ["first", "second"]
+
+
+def test_remaxs_greedy_samples_are_kept_as_baselines(model_dir):  # noqa: F811
+    """(The greedy baselines never reached the rows: they are scored apart from prepare_batch.)"""
+    from test_remax import _samples, _worker
+
+    from workers.trainer.rollout_dump import take_rows
+
+    samples, prompts, sizes = _samples(model_dir)
+    w = _worker(model_dir)
+    w.rollout_rows = []
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(samples)
+    w.step()
+    rows = take_rows(w)
+    assert len(rows) == len(samples) and sum(r["baseline"] for r in rows) == sum(s.baseline for s in samples) == 3

@@ -65,7 +65,7 @@ def gpu_memory_utilization(device: str, most: float = 0.9) -> float:
     if not torch.cuda.is_available():  # (args read where no GPU is: vLLM would not start there anyway)
         return most
     free, total = torch.cuda.mem_get_info(torch.device(device))
-    return round(min(most, 0.95 * free / total), 4)
+    return max(0.01, round(min(most, 0.95 * free / total), 4))  # (0 is refused as a config error)
 
 
 def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
@@ -110,7 +110,8 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         enable_prefix_caching=cfg.prefix_sharing or cfg.prefix_caching,  # vLLM's APC serves both
         scheduling_policy="priority" if cfg.admission == "lpt" else "fcfs",
         logprobs_mode="processed_logprobs",  # same as the native sampler: after T, top-k, top-p
-        gpu_memory_utilization=0.1 if device == "cpu" else gpu_memory_utilization(cfg.device or "cuda"),
+        gpu_memory_utilization=0.1 if device == "cpu" else (opts.get("gpu_memory_utilization") or
+                                                            gpu_memory_utilization(cfg.device or "cuda")),
         enforce_eager=device == "cpu" or cfg.enforce_eager,
         disable_log_stats=False,  # per-request timings and preemption counts
     )

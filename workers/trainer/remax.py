@@ -43,6 +43,10 @@ def take_baseline(w: "TrainerWorker", s: "Sample", pending) -> None:
     if g is None:
         g = w.buffer.groups[s.group_id] = GroupState(w._group_sizes[s.group_id])
     g.baseline_score, g.baseline = score, score + overlong_penalty(len(s.output_ids), w.cfg)
+    if w.rollout_rows is not None:  # logging.rollout_data_dir: the greedy sample too (baseline: true)
+        from workers.trainer.rollout_dump import rollout_row
+
+        w.rollout_rows.append(rollout_row(w, s, score))
     w.stats.add("baselines", 1.0)
     w.stats.add("baseline_sum", g.baseline)
     w._maybe_complete(s.group_id)
