@@ -297,7 +297,9 @@ def test_the_count_of_a_lag_one_iteration_does_not_wait_for_the_trainer_to_take_
         t.join(timeout=120)  # a hang guard, not a timing assertion: it returns, or it waits for iteration 0
         assert counted == [2]
         stats = rank.stats()
-        assert stats.current_iteration == 0 and stats.consumed.get(1, 0) == 0  # the trainer never took them
+        # the trainer never took them: it is on iteration 0, or its consumer thread has not begun it
+        # yet (a thread on a loaded machine: None was seen in CI)
+        assert stats.current_iteration in (None, 0) and stats.consumed.get(1, 0) == 0
         assert rank.receive(s0) == len(s0)
         assert rank.step(0).metrics["filtered_groups"] == 2
         report = rank.step(1)
