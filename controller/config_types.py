@@ -71,6 +71,8 @@ VERL_KEYS = {
     "n_gpus_per_node": "placement.generation / placement.trainer with torchrun's --nproc-per-node",
     "nnodes": "placement.generation / placement.trainer with torchrun's --nnodes",
     "do_sample": "train.temperature (0: greedy)", "resume_mode": "the --resume DIR flag",
+    "resume_from_path": "the --resume DIR flag (a run folder, or one of its checkpoints)",
+    "del_local_ckpt_after_load": "train.ckpt_keep (the checkpoints kept; none is deleted on load)",
     "filter_overlong_prompts": "train.overlong_prompts: skip (default error)",
     "filter_groups": "trainer.filter_groups: true (with trainer.train_groups, verl's train_batch_size; "
                      "train.batch_prompts is verl's gen_batch_size)",
@@ -96,6 +98,11 @@ VERL_NOTES = {
     "param_offload": "no CPU offload of parameters or optimizer state",
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
+    "val_only": "no evaluation-only run: --repl, then `eval N` and `quit` (train.eval_before_train: true evaluates "
+                "before the first iteration)",
+    "critic_warmup": "no critic warm-up: the actor and the critic (ppo) train from the first iteration",
+    "balance_batch": "no token balancing across trainer ranks: each group streams to its rank as it is generated "
+                     "(group id mod the trainer ranks)",
 }
 
 

@@ -285,3 +285,17 @@ def test_launcher_flags_are_checked(argv, why, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, said", [
+    ("trainer.critic_warmup=1", "verl's 'critic_warmup' has no key here: no critic warm-up"),
+    ("train.val_only=true", "verl's 'val_only' has no key here: no evaluation-only run: --repl"),
+    ("trainer.balance_batch=true", "verl's 'balance_batch' has no key here: no token balancing"),
+    ("trainer.resume_from_path=x", "verl's 'resume_from_path' is the --resume DIR flag"),
+    ("trainer.del_local_ckpt_after_load=true", "verl's 'del_local_ckpt_after_load' is train.ckpt_keep"),
+    ("trainer.rollout_data_dir=x", "verl's 'rollout_data_dir' is logging.rollout_data_dir"),
+    ("train.log_val_generations=4", "verl's 'log_val_generations' is logging.log_val_generations"),
+])
+def test_verls_trainer_keys_are_named(key, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config("configs/quickstart.yaml", overrides=[key])
