@@ -11,6 +11,8 @@ one whose hub class transformers knows is wrong (then the registered class: Qwen
 Every other model type, registered with a class of its own or not registered at all (yi,
 deepseek, baichuan, ...), gets LlamaTokenizer."""
 
+SNAPSHOT_OF = "5.24"  # the transformers release (major.minor) these sets were read from
+
 # model types registered with a generic backend (TokenizersBackend, PythonBackend,
 # PreTrainedTokenizerFast, MistralCommonBackend): a folder naming LlamaTokenizer is read as saved
 GENERIC_BACKEND_MODEL_TYPES = frozenset({
