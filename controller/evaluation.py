@@ -141,7 +141,7 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     for j, it in enumerate(items):
         scores = [_score(pool.result(p), j, whys) for p in flat[j * k:(j + 1) * k]]
         if keep:
-            shown = program.tok.decode(program.prompt_ids(it), skip_special_tokens=True)
+            shown = program.tok.decode(reqs[j * k].prompt_ids, skip_special_tokens=True)  # (encoded once, above)
             generations += [{"prompt": j, "task": it.task, "input": shown,
                              "output": texts.get(-1 - (j * k + s), ""), "gts": it.answer,
                              "score": x if math.isfinite(x) else None} for s, x in enumerate(scores)]

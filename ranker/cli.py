@@ -142,6 +142,7 @@ def cmd_eval(a) -> int:
     results = {"model": ranking_report(ranker.load(a.model).predict(prompts), true),
                "prompt_length": ranking_report(prompt_length(prompts), true)}
     train_path = a.baseline_train or _default_train(a.data)
+    overlap = {}  # held-out rows whose prompt is in the baseline's training file (counted when there is one)
     if train_path:
         tr = read_traces(train_path)
         try:
@@ -150,14 +151,13 @@ def cmd_eval(a) -> int:
             what = "--baseline-train" if a.baseline_train else "the *.train.* sibling of --data,"
             raise ValueError(f"{what} {train_path}: cannot fit the TF-IDF baseline on it ({e})") from e
         results["tfidf_ridge"] = ranking_report(ridge.predict(prompts), true)
-        results["rows_in_baseline_train"] = _in_train(tr, rows, f"--data {a.data}", train_path)
+        overlap = {"rows_in_baseline_train": _in_train(tr, rows, f"--data {a.data}", train_path)}
     else:
         print(f"note: no TF-IDF ridge baseline: {a.data} has no *.train.* sibling (a file named like it with "
               f"'.val.' -> '.train.'); pass --baseline-train FILE to get it", file=sys.stderr)
     for name, rep in results.items():
-        if isinstance(rep, dict):
-            print(_report_line(name, rep), file=sys.stderr)
-    print(_json_out({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results}))
+        print(_report_line(name, rep), file=sys.stderr)
+    print(_json_out({"data": a.data, "rows": len(rows), "tfidf_ridge_train": train_path, **results, **overlap}))
     return 0
 
 

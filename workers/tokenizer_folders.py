@@ -34,8 +34,9 @@ def read_folder(folder: Path, as_transformers: bool = True) -> tuple[_HFTokenize
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: a model folder needs tokenizer.json")
     cfg = _read_json(folder / "tokenizer_config.json")
-    qwen2 = as_transformers and uses_qwen2_tokenizer(folder, cfg)
-    llama = as_transformers and not qwen2 and uses_llama_tokenizer(folder, cfg)
+    config = _read_json(folder / "config.json") if as_transformers else {}  # (read once, for both rules)
+    qwen2 = as_transformers and uses_qwen2_tokenizer(folder, cfg, config)
+    llama = as_transformers and not qwen2 and uses_llama_tokenizer(folder, cfg, config)
     defaults = QWEN2_DEFAULT_TOKENS if qwen2 else LLAMA_DEFAULT_TOKENS if llama else None
     tokens = folder_special_tokens(folder, cfg, defaults=defaults)
     if not tokens.get("eos_token"):
@@ -96,22 +97,25 @@ def _token_str(t) -> str | None:
     return t
 
 
-def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
+def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None, config: dict | None = None) -> bool:
     """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``Qwen2Tokenizer``: always
     for config.json's ``model_type: qwen2`` (whatever ``tokenizer_class`` says), for a
     ``tokenizer_class`` Qwen2Tokenizer(Fast), and for the other Qwen model types that name no
-    ``tokenizer_class``."""
+    ``tokenizer_class``. ``cfg`` / ``config``: tokenizer_config.json / config.json, when read
+    already."""
     folder = Path(folder)
     if cfg is None:
         cfg = _read_json(folder / "tokenizer_config.json")
-    model_type = _read_json(folder / "config.json").get("model_type")
+    if config is None:
+        config = _read_json(folder / "config.json")
+    model_type = config.get("model_type")
     tokenizer_class = cfg.get("tokenizer_class")
     if model_type == "qwen2" or tokenizer_class in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         return True
     return tokenizer_class is None and model_type in QWEN2_TOKENIZER_MODEL_TYPES
 
 
-def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> bool:
+def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None, config: dict | None = None) -> bool:
     """Whether transformers 5's ``AutoTokenizer`` loads the folder as ``LlamaTokenizer`` (which
     imposes its own pipeline, ``_impose_llama_pipeline``): ``tokenizer_class`` (tokenizer_config.json's,
     else config.json's) LlamaTokenizer(Fast), a tokenizer.json with no ``"ByteLevel"`` in it (Llama 3
@@ -123,9 +127,10 @@ def uses_llama_tokenizer(folder: str | os.PathLike, cfg: dict | None = None) -> 
     folder = Path(folder)
     if cfg is None:
         cfg = _read_json(folder / "tokenizer_config.json")
-    if uses_qwen2_tokenizer(folder, cfg):
+    if config is None:
+        config = _read_json(folder / "config.json")
+    if uses_qwen2_tokenizer(folder, cfg, config):
         return False
-    config = _read_json(folder / "config.json")
     declared = cfg.get("tokenizer_class") or config.get("tokenizer_class")
     if not isinstance(declared, str) or declared.removesuffix("Fast") != "LlamaTokenizer":
         return False

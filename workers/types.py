@@ -98,6 +98,11 @@ class Sample:
     # rewards), in call order; the trainer adds their sum to the task's score of the sample
     env_rewards: tuple[float, ...] = ()
 
+    @property
+    def env_reward(self) -> float:
+        """The sum of ``env_rewards``: what the trainer adds to the task's score."""
+        return float(sum(self.env_rewards))
+
 
 @dataclass
 class EngineStats:

@@ -41,12 +41,12 @@ def isa_tag(flags: str | None = None) -> str:
 @cache
 def build(name: str, source: str, functions: tuple[str, ...], what: str):
     """Compile (or load the cached build of) ``source`` exposing ``functions``, cached under
-    ``name`` plus this CPU's ``isa_tag`` and a digest of the source and flags; ``what`` names the extension in the error raised
-    when building fails (no compiler, headers, ...). Each function is bound with
-    ``torch::wrap_pybind_function_no_gil``: like torch's own ops, it runs without the GIL, so
-    the generation worker's other threads (the outbox streaming samples, the weight-sync lanes
-    receiving the next version) run while a step's kernels do; ``load_inline(functions=...)``
-    binds them holding it."""
+    ``name`` plus this CPU's ``isa_tag`` and a digest of the source and flags; ``what`` names
+    the extension in the error raised when building fails (no compiler, headers, ...). Each
+    function is bound with ``torch::wrap_pybind_function_no_gil``: like torch's own ops, it runs
+    without the GIL, so the generation worker's other threads (the outbox streaming samples, the
+    weight-sync lanes receiving the next version) run while a step's kernels do;
+    ``load_inline(functions=...)`` binds them holding it."""
     from torch.utils.cpp_extension import load_inline
 
     cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]

@@ -155,7 +155,7 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "sample", [&] {
     const scalar_t* lp = logits.data_ptr<scalar_t>();
     at::parallel_for(0, B, grain(V), [&](int64_t b, int64_t e) {
-      std::vector<float> x(V), ex(V);
+      std::vector<float> x(V), ex(V), cs(V / 16);
       for (int64_t r = b; r < e; ++r) {
         for (int64_t j = 0; j < V; ++j) x[j] = static_cast<float>(lp[r * V + j]);
         if (bp[r])
@@ -176,25 +176,23 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
         if (gp[r]) {
           while (tok < V - 1 && x[tok] != mx) ++tok;  // the first maximum (bounded: NaN logits)
         } else {  // the first token whose running sum (fp64, over chunks of 16 first) exceeds u * total
-          // total: summed as the scan sums (the fp32 sum above can round past it: with u near 1
-          // no token reached the target and the draw fell on the last id, whatever its mass)
+          // total: summed as the scan sums, from the same chunk sums cs (the fp32 sum above can
+          // round past it: with u near 1 no token reached the target and the draw fell on the
+          // last id, whatever its mass)
+          const int64_t nc = V / 16;
           double total = 0.0;
-          int64_t j1 = 0;
-          for (; j1 + 16 <= V; j1 += 16) {
-            float c = 0.f;
-            for (int k = 0; k < 16; ++k) c += ex[j1 + k];
-            total += c;
+          for (int64_t c = 0; c < nc; ++c) {
+            float s = 0.f;
+            for (int k = 0; k < 16; ++k) s += ex[c * 16 + k];
+            cs[c] = s;
+            total += s;
           }
-          for (; j1 < V; ++j1) total += ex[j1];
+          for (int64_t j = nc * 16; j < V; ++j) total += ex[j];
           const double target = up[r] * total;
           double cum = 0.0;
-          int64_t j0 = 0;
-          for (; j0 + 16 <= V; j0 += 16) {
-            float c = 0.f;
-            for (int k = 0; k < 16; ++k) c += ex[j0 + k];
-            if (cum + c > target) break;
-            cum += c;
-          }
+          int64_t c = 0;
+          for (; c < nc && cum + cs[c] <= target; ++c) cum += cs[c];
+          const int64_t j0 = c * 16;
           tok = -1;
           for (int64_t j = j0; j < V; ++j) {
             cum += ex[j];

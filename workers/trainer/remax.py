@@ -22,6 +22,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from workers.trainer.buffer import GroupState, Prepared
+from workers.trainer.rollout_dump import rollout_row
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -44,8 +45,6 @@ def take_baseline(w: "TrainerWorker", s: "Sample", pending) -> None:
         g = w.buffer.groups[s.group_id] = GroupState(w._group_sizes[s.group_id])
     g.baseline_score, g.baseline = score, score + overlong_penalty(len(s.output_ids), w.cfg)
     if w.rollout_rows is not None:  # logging.rollout_data_dir: the greedy sample too (baseline: true)
-        from workers.trainer.rollout_dump import rollout_row
-
         w.rollout_rows.append(rollout_row(w, s, score))
     w.stats.add("baselines", 1.0)
     w.stats.add("baseline_sum", g.baseline)

@@ -16,7 +16,7 @@ def rollout_row(w: "TrainerWorker", s: "Sample", score: float) -> dict:
     (verl's ``gts``), the reward (the task's score plus the environment's rewards) and the rest."""
     task = w._prompts.get(s.sample_id)
     return {"sample_id": s.sample_id, "group_id": s.group_id, "prompt_ids": s.prompt_ids, "output_ids": s.output_ids,
-            "gts": task.answer if task is not None else None, "score": score, "env_reward": float(sum(s.env_rewards)),
+            "gts": task.answer if task is not None else None, "score": score, "env_reward": s.env_reward,
             "weight_version": s.weight_version, "finish_reason": s.finish_reason, "turns": s.turns,
             "baseline": s.baseline}
 

@@ -70,9 +70,10 @@ def check_group_counts(samples: Sequence[Sample], seen: set[int], group_seen: di
 def env_rewards_reason(s: Sample) -> str | None:
     """Why ``s.env_rewards`` cannot be added to its reward (not finite numbers), or None."""
     rewards = s.env_rewards
-    if not isinstance(rewards, (tuple, list)) or any(finite_number(r) is None for r in rewards):
+    values = [finite_number(r) for r in rewards] if isinstance(rewards, (tuple, list)) else [None]
+    if None in values:
         return f"sample {s.sample_id}: env_rewards {str(rewards)[:80]} are not finite numbers"
-    if not math.isfinite(sum(finite_number(r) for r in rewards)):
+    if not math.isfinite(sum(values)):
         return f"sample {s.sample_id}: env_rewards {str(rewards)[:80]} sum to an infinity"
     return None
 

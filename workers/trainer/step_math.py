@@ -44,7 +44,7 @@ def submit_scores(w: "TrainerWorker", samples: list["Sample"], prompts: dict | N
                                       f"sample {s.sample_id} (trainer rank {w.rank}, iteration {it})")
                                      for s in samples])
     # a multi-turn sample's reward is the task's score plus the rewards its environment gave
-    return {s.sample_id: w.rewards.plus(p, sum(s.env_rewards)) for s, p in zip(samples, pending)}
+    return {s.sample_id: w.rewards.plus(p, s.env_reward) for s, p in zip(samples, pending)}
 
 
 @torch.no_grad()
@@ -90,7 +90,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
                      reward=shaped - (beta * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i],
                      reward_kl=mean_over(kl_i, sampled), keep=sampled, sampled=sampled, turns=s.turns,
-                     env_reward=float(sum(s.env_rewards)))
+                     env_reward=s.env_reward)
         if cfg.corrects_rollout:  # pi_old / pi_sampler: importance weights, rejection, their metrics
             correct_sample(p, sampler_of[i], cfg, checks)
         # per-token rewards: GAE, REINFORCE++'s / remax's returns, a user's estimator's input; the
