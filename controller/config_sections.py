@@ -163,6 +163,10 @@ class TrainSection:
     # an evaluation of the starting weights before a fresh run's first iteration (verl's
     # val_before_train), logged at step -1: the one after iteration i is at step i
     eval_before_train: bool = False
+    # verl's val_only: evaluate the starting weights (a fresh run's, after any train.sft_steps, or
+    # those of the checkpoint --resume names) on eval_prompts test prompts and stop: nothing
+    # trained, no checkpoint written; logged at the step it resumed after (-1 fresh)
+    eval_only: bool = False
     eval_prompts: int = ranged(32, Range(0, note="0: the whole test split"))
     eval_samples: int = ranged(1, Range(1))  # generations per eval prompt (verl's val_kwargs.n)
     # 0: greedy (verl's val_kwargs.temperature / do_sample)
@@ -206,7 +210,7 @@ class TrainSection:
     @property
     def evaluates(self) -> bool:
         """Whether the run evaluates on its own (the test split is checked at start)."""
-        return bool(self.eval_every or self.eval_before_train)
+        return bool(self.eval_every or self.eval_before_train or self.eval_only)
 
 
 @dataclass(frozen=True)

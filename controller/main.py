@@ -123,7 +123,11 @@ def main(argv=None) -> int:
     cfg, error = None, ""
     try:
         try:  # every rank validates, so a bad config stops all of them before any work
-            cfg = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
+            loaded = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
+            if args.repl and loaded.train.eval_only:
+                raise ConfigError("train.eval_only evaluates and stops, --repl opens a console: give one of them "
+                                  "(the console's `eval N` evaluates the weights it holds)")
+            cfg = loaded
         except ConfigError as e:
             error = str(e)
         error = lifecycle.agree_on_config(int(os.environ["RANK"]), world, None if cfg is None else plain(cfg),

@@ -24,6 +24,8 @@ from controller.trackers import Fanout
 from workers.atomic import atomic_file, write_text
 from workers.generation_dump import markdown, write_rows
 
+# evaluations asked for (not train.eval_every's): their TensorBoard group, per source
+ON_DEMAND = {"repl": "eval_repl", "eval_only": "eval_only"}
 SPANS = "spans.jsonl"  # every span of every attempt, one JSON object a line, appended per iteration
 
 
@@ -176,28 +178,33 @@ class Metrics:
         self.trackers.log({k: float(v) for k, v in scalars.items()}, step)
         w.flush()
 
-    def log_eval(self, ev, step: int, repl: bool = False) -> dict:
+    def log_eval(self, ev, step: int, source: str = "periodic") -> dict:
         """An evaluation (``program.EvalResult``) after iteration ``step``: an "eval" span of the
         controller's row, a row of ``eval.jsonl`` (its scores, ``prompts``, ``source``,
         ``seconds``), and TensorBoard:
-        ``eval/*`` and ``time/eval_s`` (``train.eval_every``), or, for a REPL ``eval``,
-        ``eval_repl/p<N>/*`` and ``time/eval_repl_p<N>_s`` (one curve per prompt count N, apart
-        from the periodic one). A tag gets one point per step: an evaluation repeated at the same
-        step is in eval.jsonl only. -> what was logged where."""
-        group, timing = ((f"eval_repl/p{ev.prompts}/", f"time/eval_repl_p{ev.prompts}_s") if repl
+        ``eval/*`` and ``time/eval_s`` (``source`` "periodic": ``train.eval_every``,
+        ``eval_before_train``), or, on demand (``source`` "repl": a REPL ``eval``; "eval_only":
+        ``train.eval_only``), ``eval_repl/p<N>/*`` and ``time/eval_repl_p<N>_s`` (``eval_only/...``
+        for the other: one curve per prompt count N, apart from the periodic one). A tag gets one
+        point per step: an evaluation repeated at the same step is in eval.jsonl only. -> what was
+        logged where."""
+        if source not in ON_DEMAND and source != "periodic":
+            raise ValueError(f"log_eval: source {source!r} is none of periodic, {', '.join(ON_DEMAND)}")
+        demand = ON_DEMAND.get(source)
+        group, timing = ((f"{demand}/p{ev.prompts}/", f"time/{demand}_p{ev.prompts}_s") if demand
                          else ("eval/", "time/eval_s"))
-        row = {"iteration": step, "source": "repl" if repl else "periodic", "prompts": ev.prompts,
+        row = {"iteration": step, "source": source, "prompts": ev.prompts,
                "requested": ev.requested, "split": ev.split, "samples_per_prompt": ev.samples,
                "seconds": round(ev.seconds, 4), **ev.scores}
         if ev.weight_versions:  # one, unless instances held different weights (async modes)
             v = ev.weight_versions
             row["weight_version"] = v[0] if len(v) == 1 else list(v)
-        # first: a resumed run's first write drops the rows it runs again (a REPL eval's, at the
-        # iteration just trained, drops from the next one, the first a resume would run again)
-        self._open(step + 1 if repl else step)
+        # first: a resumed run's first write drops the rows it runs again (an on-demand eval's,
+        # at the iteration just trained, drops from the next one, the first a resume would run again)
+        self._open(step + 1 if demand else step)
         if self.validation_data_dir and ev.generations:  # verl's validation_data_dir: <step>.jsonl
-            name = f"{step}.repl_p{ev.prompts}" if repl else str(step)
-            if repl:  # another REPL eval of this step and count keeps its own file (.2, .3, ...)
+            name = f"{step}.{source}_p{ev.prompts}" if demand else str(step)
+            if demand:  # another on-demand eval of this step and count keeps its own file (.2, .3, ...)
                 k = 1
                 while (Path(self.validation_data_dir) / f"{name}{f'.{k}' if k > 1 else ''}.jsonl").exists():
                     k += 1

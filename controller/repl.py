@@ -163,7 +163,7 @@ class Repl:
         # checkpoint saved after it replaces the steps from the next iteration on, not this row
         step = self.s.program.iteration - 1
         ev = evaluate(self.s.program, want, step)
-        out = self.s.metrics.log_eval(ev, step, repl=True)
+        out = self.s.metrics.log_eval(ev, step, source="repl")
         if want > ev.split:
             out["note"] = f"asked for {want} prompts; the test split has {ev.split}: evaluated all of them"
         return out

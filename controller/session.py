@@ -264,14 +264,16 @@ class Session:
                   f"reward {res.metrics.get('reward_mean', 0):.3f}, {int(res.metrics.get('num_samples', 0))} "
                   f"samples, {derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
-    def _eval_before_train(self) -> None:
-        """``train.eval_before_train``: the starting weights' scores, at step -1."""
-        logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts, -1), -1)
+    def _evaluate_and_say(self, step: int, source: str = "periodic") -> None:
+        """An evaluation of the weights the engines hold, logged at ``step`` and said on stderr:
+        ``train.eval_before_train``'s (step -1) and ``train.eval_only``'s."""
+        logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts, step), step, source)
         scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()
                            if k.startswith("eval/") and k != "eval/unscored")
         if logged.get("eval/unscored"):
             scores += f"{', ' if scores else ''}{int(logged['eval/unscored'])} samples unscored"
-        print(f"[controller] evaluation before training (weight version {logged.get('weight_version', 0)}, "
+        when = "before training" if step < 0 else f"after iteration {step}"
+        print(f"[controller] evaluation {when} (weight version {logged.get('weight_version', 0)}, "
               f"{logged['prompts']} prompts): {scores}", file=sys.stderr, flush=True)
 
     def save_checkpoint(self, next_iteration: int) -> Path:
@@ -322,9 +324,11 @@ class Session:
             from controller.repl import Repl
 
             Repl(self).loop(sys.stdin, sys.stdout)
+        elif c.train.eval_only:
+            self._evaluate_and_say(self.program.iteration - 1, "eval_only")
         elif remaining > 0:
             if c.train.eval_before_train and self.program.iteration == 0:  # a resumed run has its evaluations
-                self._eval_before_train()
+                self._evaluate_and_say(-1)
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -334,12 +338,14 @@ class Session:
                 self.task_id = progress.add_task(f"RL {c.pipeline.mode}", total=remaining)
                 self.program.run(remaining)
                 self.progress = None
-        final = self.final_checkpoint()
+        # an eval-only run's weights are those it started from: the checkpoint resumed from, or
+        # (fresh) nothing of this run's worth a copy
+        final = self.resumed_from if c.train.eval_only else self.final_checkpoint()
         self._drain_last_spans()
         if self.metrics.spans:
             self.metrics.write_timeline(self.program.iteration)
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
-        summary.update(logdir=str(self.logdir), checkpoint=str(final), mode=self.program.mode.name,
+        summary.update(logdir=str(self.logdir), checkpoint=str(final) if final else None, mode=self.program.mode.name,
                        rl_seconds=self.metrics.seconds,
                        bootstrap_seconds=self.boot["seconds"], bootstrap_sft=self.boot["sft"],
                        instances=len(self.world.sgs.slots))

@@ -63,3 +63,9 @@ def test_a_user_task_whose_prompts_are_not_task_prompts_and_mismatched_weights_a
     p = torchrun(write_config(tmp_path, str(folder), logging__logdir=str(tmp_path / "b")), timeout=120)
     assert _one_config_error(p).startswith(f"config error: model.path: {folder}: the weights do not match "
                                            "config.json: missing ['model.layers.")
+
+
+def test_eval_only_with_the_console_is_refused_naming_both(tmp_path, tiny_model):  # noqa: F811
+    p = torchrun(write_config(tmp_path, tiny_model, train__eval_only=True), extra=["--repl"], timeout=120, stdin="")
+    assert _one_config_error(p).startswith("config error: train.eval_only evaluates and stops, --repl opens a console")
+    assert not (tmp_path / "run").exists()

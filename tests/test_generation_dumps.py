@@ -62,7 +62,7 @@ def test_log_eval_writes_a_repl_evals_generations_apart_and_markdown_keeps_the_t
             {"prompt": 1, "task": "sum", "input": "2 + 2 =", "output": "héllo", "gts": "4", "score": None}]
     m = Metrics(tmp_path / "run", timeline_every=0, validation_data_dir=str(tmp_path / "v"), log_val_generations=1)
     m.log_eval(EvalResult({"eval/mean": 1.0}, 2, 2, 2, 1, 100.0, 1.0, generations=gens), 3)
-    m.log_eval(EvalResult({"eval/mean": 1.0}, 2, 2, 2, 1, 100.0, 1.0, generations=gens), 3, repl=True)
+    m.log_eval(EvalResult({"eval/mean": 1.0}, 2, 2, 2, 1, 100.0, 1.0, generations=gens), 3, source="repl")
     m.close()
     assert [r["output"] for r in _rows(tmp_path / "v" / "3.jsonl")] == ["2 ```x```", "héllo"]
     assert [r["step"] for r in _rows(tmp_path / "v" / "3.repl_p2.jsonl")] == [3, 3]
@@ -78,7 +78,7 @@ def test_each_repl_eval_keeps_its_own_generations_file(tmp_path):
     m = Metrics(tmp_path / "run", timeline_every=0, validation_data_dir=str(tmp_path / "v"))
     for out in ("first", "second"):
         g = [{"prompt": 0, "task": "t", "input": "q", "output": out, "gts": "a", "score": 1.0}]
-        m.log_eval(EvalResult({"eval/mean": 1.0}, 1, 1, 1, 1, 100.0, 1.0, generations=g), 3, repl=True)
+        m.log_eval(EvalResult({"eval/mean": 1.0}, 1, 1, 1, 1, 100.0, 1.0, generations=g), 3, source="repl")
     m.close()
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [r["generations"] for r in rows] == [str(tmp_path / "v" / "3.repl_p1.jsonl"),

@@ -179,7 +179,7 @@ def test_repl_evals_get_a_curve_per_prompt_count_and_one_point_per_step(tmp_path
     # of eval/mean, the 4-prompt one on the 32-prompt curve
     m = Metrics(tmp_path, timeline_every=0)
     m.log_eval(EvalResult({"eval/mean": 0.42}, 32, 32, 40, 1, 100.0, 1.0), 7)  # the periodic one
-    answers = [m.log_eval(EvalResult({"eval/mean": v}, n, n, 40, 1, 100.0, 1.0), 8, repl=True)
+    answers = [m.log_eval(EvalResult({"eval/mean": v}, n, n, 40, 1, 100.0, 1.0), 8, source="repl")
                for v, n in ((0.41, 32), (0.40, 40), (0.0, 4), (0.43, 32))]
     m.close()
     assert _scalars(tmp_path, "eval/mean") == [(7, 0.42)]
@@ -243,11 +243,11 @@ def test_a_repl_eval_before_a_save_survives_the_resume(tmp_path):
     m = Metrics(tmp_path, timeline_every=0)
     for i in range(5):
         m.log_iteration(_res(i), _spans(i))
-    m.log_eval(EvalResult({"eval/mean": 0.25}, 4, 4, 16, 1, 100.0, 1.0), 4, repl=True)
+    m.log_eval(EvalResult({"eval/mean": 0.25}, 4, 4, 16, 1, 100.0, 1.0), 4, source="repl")
     m.log_iteration(_res(5), _spans(5))  # trained after the save, lost in a crash
     m.close()
     m = Metrics(tmp_path, timeline_every=0)  # --resume --repl from the checkpoint at 5: `eval 4` first
-    m.log_eval(EvalResult({"eval/mean": 0.5}, 4, 4, 16, 1, 100.0, 1.0), 4, repl=True)
+    m.log_eval(EvalResult({"eval/mean": 0.5}, 4, 4, 16, 1, 100.0, 1.0), 4, source="repl")
     m.log_iteration(_res(5, reward=0.7), _spans(5, 1000.0))
     m.close()
     rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]

@@ -1,0 +1,67 @@
+"""``train.eval_only`` (verl's ``val_only``): a real 3-process run evaluates the weights it starts
+from and stops: nothing trained, no checkpoint written. Of a fresh run, the starting weights at
+step -1; of ``--resume DIR``, the checkpoint's weights at the step it was saved after, beside that
+run's own rows (its iterations, evaluations, generations and checkpoints are kept as they were)."""
+import json
+
+from runtime_helpers import last_json, tiny_model, torchrun, write_config  # noqa: F401
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def _scalars(logdir, tag) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(logdir / "tb"))
+    ev.Reload()
+    return [(s.step, round(s.value, 6)) for s in ev.Scalars(tag)] if tag in ev.Tags()["scalars"] else []
+
+
+def test_a_fresh_eval_only_run_scores_the_starting_weights_and_trains_nothing(tmp_path, tiny_model):  # noqa: F811
+    cfg = write_config(tmp_path, tiny_model, train__eval_only=True,
+                       logging__validation_data_dir=str(tmp_path / "gens"))
+    p = torchrun(cfg, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    logdir = tmp_path / "run"
+    [row] = _rows(logdir / "eval.jsonl")
+    assert (row["iteration"], row["source"], row["prompts"], row["weight_version"]) == (-1, "eval_only", 4, 0)
+    line = [ln for ln in p.stderr.splitlines() if "[controller] evaluation" in ln]
+    assert len(line) == 1 and "before training (weight version 0, 4 prompts)" in line[0], p.stderr[-2000:]
+    assert f"mean {row['eval/mean']:.3f}" in line[0]
+    assert not (logdir / "iterations.jsonl").exists() and not (logdir / "checkpoints").exists()
+    summary = last_json(p.stdout)
+    assert summary["checkpoint"] is None and summary["mode"]
+    gens = _rows(tmp_path / "gens" / "-1.eval_only_p4.jsonl")  # verl's validation_data_dir
+    assert len(gens) == 4 and row["generations"].endswith("-1.eval_only_p4.jsonl")
+    assert _scalars(logdir, "eval_only/p4/mean") == [(-1, round(row["eval/mean"], 6))]
+    assert _scalars(logdir, "eval/mean") == []
+
+
+def test_eval_only_of_a_checkpoint_keeps_the_run_it_resumes(tmp_path, tiny_model):  # noqa: F811
+    gens = tmp_path / "gens"
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=2, logging__validation_data_dir=str(gens)),
+                 timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    logdir = tmp_path / "run"
+    before = {f: (logdir / f).read_text() for f in ("iterations.jsonl", "eval.jsonl")}
+    periodic = (gens / "1.jsonl").read_text()
+    ckpts = sorted(x.name for x in (logdir / "checkpoints").iterdir())
+    trained = _scalars(logdir, "eval/mean")
+
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=2, train__eval_only=True,
+                              logging__validation_data_dir=str(gens)), extra=["--resume", str(logdir)], timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (logdir / "iterations.jsonl").read_text() == before["iterations.jsonl"]
+    rows = _rows(logdir / "eval.jsonl")
+    assert rows[:-1] == [json.loads(ln) for ln in before["eval.jsonl"].splitlines()]  # the periodic one after iteration 1 is kept
+    new = rows[-1]
+    # the checkpoint after 2 iterations: weights of version 2, logged after iteration 1
+    assert (new["iteration"], new["source"], new["weight_version"]) == (1, "eval_only", 2)
+    assert "after iteration 1 (weight version 2, 4 prompts)" in p.stderr
+    assert sorted(x.name for x in (logdir / "checkpoints").iterdir()) == ckpts  # none written
+    assert last_json(p.stdout)["checkpoint"] == str(logdir / "checkpoints" / "iter_000002")
+    assert (gens / "1.jsonl").read_text() == periodic and len(_rows(gens / "1.eval_only_p4.jsonl")) == 4
+    assert _scalars(logdir, "eval/mean") == trained
+    assert _scalars(logdir, "eval_only/p4/mean") == [(1, round(new["eval/mean"], 6))]
