@@ -24,7 +24,7 @@ VERL_KEYS = {
     "max_response_length": "train.max_tokens", "total_training_steps": "train.iterations",
     "save_freq": "train.ckpt_every", "test_freq": "train.eval_every", "adv_estimator": "trainer.algorithm",
     "val_before_train": "train.eval_before_train",
-    "val_only": "train.eval_only",
+    "val_only": "train.eval_only", "critic_warmup": "trainer.critic_warmup",
     "max_actor_ckpt_to_keep": "train.ckpt_keep",
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
@@ -99,7 +99,6 @@ VERL_NOTES = {
     "param_offload": "no CPU offload of parameters or optimizer state",
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
-    "critic_warmup": "no critic warm-up: the actor and the critic (ppo) train from the first iteration",
     "balance_batch": "no token balancing across trainer ranks: each group streams to its rank as it is generated "
                      "(group id mod the trainer ranks)",
 }

@@ -288,7 +288,7 @@ def test_launcher_flags_are_checked(argv, why, capsys):
 
 
 @pytest.mark.parametrize("key, said", [
-    ("trainer.critic_warmup=1", "verl's 'critic_warmup' has no key here: no critic warm-up"),
+    ("train.critic_warmup=1", "verl's 'critic_warmup' is trainer.critic_warmup"),
     ("train.val_only=true", "verl's 'val_only' is train.eval_only"),
     ("trainer.balance_batch=true", "verl's 'balance_batch' has no key here: no token balancing"),
     ("trainer.resume_from_path=x", "verl's 'resume_from_path' is the --resume DIR flag"),

@@ -169,6 +169,9 @@ class TrainerConfig:
     value_coef: float = 0.5
     gamma: float = 1.0
     gae_lambda: float = 0.95
+    # verl's trainer.critic_warmup: the actor trains from iteration N on, counted from 1 as verl's
+    # global steps; the N - 1 before it train only the critic (0 and 1: none)
+    critic_warmup: int = ranged(0, Range(0, note="0: none"))
     # group baselines (grpo / rloo)
     whiten_advantages: bool | None = None  # None: on for WHITENED (as verl), off otherwise
     # DAPO's dynamic sampling (verl's algorithm.filter_groups): at step(), a group whose samples all
@@ -351,6 +354,11 @@ class TrainerConfig:
         """Advantages start from each token's discounted return, no critic (REINFORCE++; remax,
         undiscounted, then minus its group's greedy baseline)."""
         return self.algorithm in ("reinforce_plus_plus", "remax")
+
+    @property
+    def critic_only_iterations(self) -> int:
+        """``critic_warmup``'s iterations that leave the actor as it is (verl's steps 1 .. N-1)."""
+        return max(0, self.critic_warmup - 1)
 
     @property
     def use_critic(self) -> bool:

@@ -8,7 +8,7 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus
 GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg", "remax")
 WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
 # knobs only some algorithms read: set to anything but their default under another, refused
-_CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda")  # GAE / value loss
+_CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda", "critic_warmup")  # GAE / value loss
 _GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
 UNUSED_KNOBS = {"ppo": _GRPO_KNOBS, "grpo": _CRITIC_KNOBS + ("gamma",),
                 "rloo": _CRITIC_KNOBS + ("gamma",) + _GRPO_KNOBS,
@@ -24,7 +24,7 @@ VERL_ALGORITHMS = {"gae": "ppo", "grpo_vectorized": "grpo", "rloo_vectorized": "
 # a user's verl estimator (trainer.algorithm "file.py:fn") reads gamma, gae_lambda (lam) and
 # grpo_std_normalize from its config argument, as verl's algorithm config; never a critic's knobs,
 # nor adv_eps (verl's estimators take epsilon as their own default)
-CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef", "adv_eps")
+CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef", "critic_warmup", "adv_eps")
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
                   "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),

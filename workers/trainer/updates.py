@@ -35,6 +35,9 @@ def update(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float)
         norms["critic_grad_norm"] = float(clip_norm(list(w.critic.parameters()), w.cfg.grad_clip))
     ok = all(math.isfinite(v) for v in norms.values())
     if ok:
+        if w.iteration < w.cfg.critic_only_iterations:  # trainer.critic_warmup: the actor as it is
+            for p in w.policy_parameters():
+                p.grad = None  # (AdamW leaves a parameter with no gradient alone: no decay, no moments)
         w.optimizer.step()
     else:
         log.warning("trainer rank %d: non-finite gradient norm at iteration %d; update skipped, "

@@ -45,7 +45,7 @@ from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer, remax
 from workers.trainer.lora import LoRA, Reference, target_names
-from workers.trainer.schedule import lr_lambda
+from workers.trainer.schedule import group_lambdas
 from workers.trainer.stat_sums import StatSums
 from workers.trainer.step_math import prepare_batch, submit_scores, train_terms
 from workers.trainer.step_passes import iteration_passes
@@ -114,7 +114,7 @@ class TrainerWorker:
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
         self.optimizer = optimizer.build(cfg, groups, world_size, group)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, group_lambdas(cfg, len(groups)))
         self._version = 0
         self.iteration = -1
         # beta of trainer.kl_mode reward: fixed, or adapted after each step (trainer.kl_target)
@@ -389,6 +389,8 @@ class TrainerWorker:
             self._version += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics["step_skipped"] = float(applied == 0)
+        if self.cfg.critic_warmup:  # 1: only the critic was updated (trainer.critic_warmup)
+            metrics["actor_frozen"] = float(self.iteration < self.cfg.critic_only_iterations)
         metrics["updates"] = float(applied)
         result = StepResult(version=self._version, metrics=metrics, num_samples=int(metrics["num_samples"]),
                             num_tokens=int(metrics["num_tokens"]))
