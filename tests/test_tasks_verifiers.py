@@ -103,6 +103,14 @@ def test_gsm8k_commas_scores_and_options():
     ("0.5", ".5"),
     ("5", "x = 5"),
     ("10", "10 \\text{ cm}"),
+    ("12", "12 \\text{ cm}^2"),  # a unit's power and a final period go with it, as verl's cut
+    ("20", "20\\text{ m}^3"),
+    ("12", "12\\text{ cm}."),
+    ("12\\text{ cm}^2", "12"),
+    ("20", "20\\mbox{m}^{3}"),
+    ("\\text{(B)}", "x = \\text{(B)}"),  # the answer's text, not a unit
+    ("\\text{Monday}", "k=\\text{Monday}"),
+    ("a", "a\\text{ units}"),
     ("\\left( 1, 2 \\right)", "(1,2)"),
     ("3", "3."),
     ("3", "$3$"),
@@ -123,6 +131,7 @@ def test_math_equivalent_forms(reference, boxed):
     ("42", "\\boxed{42} then \\boxed{41}"),  # the last box
     ("2", "\\boxed{\\frac{4}{2}"),  # its braces do not close
     ("x+1", "\\boxed{x-1}"),
+    ("5", "\\boxed{5 \\text{ and } 6}"),  # not a unit (verl's cut at "\\text{ " takes it for one)
 ])
 def test_math_wrong_or_unboxed(reference, completion):
     assert make_verifier("math")(item(reference), completion) == 0.0

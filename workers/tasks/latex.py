@@ -17,7 +17,10 @@ _REWRITES: tuple[tuple[str, str], ...] = (
     (r"\^\{?\\circ\}?", ""),                   # degrees
     (r"\\\$", ""),                             # an escaped dollar
     (r"^\s*\$+|\$+\s*$", ""),                  # math-mode dollars around the answer
-    (r"(?<=\S)\s*\\(?:text|mbox)\{[^{}]*\}\s*$", ""),  # a unit after the value: 5 \text{ cm}
+    # a unit at the end, with its power and a final period: after a value (a digit or a bracket:
+    # 5\text{cm}, 12\mbox{cm}^2.), or, as verl's remove_right_units, marked by a space ("a
+    # \text{ units}"); not x = \text{(B)} (the answer's text), nor 5 \text{ and } 6
+    (r"(?:(?<=[\d)\]}])\s*\\(?:text|mbox)\{|(?<=\S)\s*\\text\{ )[^{}]*\}(?:\^\{?\w+\}?)?\.?\s*$", ""),
     (r"\\(?:text|mbox)\{([^{}]*)\}", r"\1"),   # other text: its content
     (r"\\%", ""),
     (r"\.+\s*$", ""),                          # a final period
