@@ -164,6 +164,23 @@ def test_verl_reward_dict_keeps_score_and_ignores_the_rest(tmp_path):
     assert t.score(t.prompts("train")[0], "x") == 0.5
 
 
+def test_verl_scorers_get_a_dict_extra_info_of_their_own(tmp_path):
+    """verl's dataset gives a row without extra_info ``{}``: a scorer reading it (``len``, ``.get``)
+    raised on every sample here (None), and a scorer that writes to it changed the next call's."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n"
+                    + json.dumps({"prompt": "r", "answer": "1", "extra_info": {"index": 4}}) + "\n")
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    seen = len(extra_info)\n"
+                 "    extra_info['seen'] = True\n"
+                 "    return float(seen)\n")
+    t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score")
+    bare, indexed = t.prompts("train")
+    assert [t.score(bare, "x"), t.score(bare, "x"), t.score(indexed, "x"), t.score(indexed, "x")] == [0, 0, 1, 1]
+    assert indexed.meta["extra_info"] == {"index": 4}
+
+
 ASYNC_REWARDS = '''
 import asyncio
 

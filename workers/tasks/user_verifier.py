@@ -88,9 +88,12 @@ def _verl_wanted(sig: inspect.Signature, options: dict, spec: str, names: tuple[
 
 
 def _verl_values(prompt: TaskPrompt, completion: str) -> dict:
+    """verl's arguments for one sample. ``extra_info`` is the row's (a copy: a scorer that writes
+    to it changes no other sample's), or ``{}`` when it has none, as verl's dataset gives it."""
+    extra = prompt.meta.get("extra_info")
     return {"data_source": prompt.meta.get("data_source", prompt.task), "solution_str": completion,
             "ground_truth": prompt.answer if prompt.raw_answer is None else prompt.raw_answer,
-            "extra_info": prompt.meta.get("extra_info")}
+            "extra_info": {} if extra is None else dict(extra) if isinstance(extra, dict) else extra}
 
 
 class BatchVerifier:
