@@ -39,18 +39,31 @@ class ModelSection:
                   "*.safetensors, tokenizer.json), or where model.init builds one")
 
 
+# what a chat template is given by the run, not by tokenizer.chat_template_kwargs
+TEMPLATE_OWN = {"messages": "the prompt's chat", "add_generation_prompt": "true for a prompt",
+                "tools": "multi_turn.tools", "documents": "none"}
+
+
 @dataclass(frozen=True)
 class TokenizerSection:
     """The tokenizer is the model folder's (``tokenizer.json``, as Hugging Face). Prompts are
     formatted by the folder's chat template, else by ``prompt_template`` (``str.format`` with
     ``{prompt}``): set here, it overrides the folder's and is saved into a model built by
-    ``model.init`` (its SFT warm start uses it too)."""
+    ``model.init`` (its SFT warm start uses it too). ``chat_template_kwargs`` (verl's
+    ``data.apply_chat_template_kwargs``): variables the chat template sees wherever it renders
+    (prompts, multi-turn observations), e.g. ``{enable_thinking: false}`` for Qwen3."""
 
     prompt_template: str = ""
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
         from workers.tokenizer import check_prompt_template
 
+        _keyword_keys(self, "tokenizer", "chat_template_kwargs")
+        taken = [k for k in self.chat_template_kwargs if k in TEMPLATE_OWN]
+        if taken:
+            raise ConfigError(f"tokenizer.chat_template_kwargs: {taken[0]!r} is set by the run itself "
+                              f"({TEMPLATE_OWN[taken[0]]}); leave it out")
         if self.prompt_template:
             try:  # here, not when the first prompt is formatted on a worker
                 check_prompt_template(self.prompt_template)

@@ -24,7 +24,7 @@ VERL_KEYS = {
     "max_response_length": "train.max_tokens", "total_training_steps": "train.iterations",
     "save_freq": "train.ckpt_every", "test_freq": "train.eval_every", "adv_estimator": "trainer.algorithm",
     "val_before_train": "train.eval_before_train",
-    "val_only": "train.eval_only", "critic_warmup": "trainer.critic_warmup",
+    "val_only": "train.eval_only", "apply_chat_template_kwargs": "tokenizer.chat_template_kwargs", "critic_warmup": "trainer.critic_warmup",
     "max_actor_ckpt_to_keep": "train.ckpt_keep",
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",

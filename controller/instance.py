@@ -157,13 +157,14 @@ class GenerationInstance:
     """Engine + weight staging + sample streaming, on one rank."""
 
     def __init__(self, rank: int, engine_cfg, model_dir: str, eos_ids: list[int] | None = None,
-                 multi_turn=None, stream_window_s: float = PipelineSection.stream_window_s):
+                 multi_turn=None, tokenizer=None, stream_window_s: float = PipelineSection.stream_window_s):
         """``multi_turn``: the run's ``multi_turn`` section (with an ``env``, the engine runs
-        multi-turn rollouts: ``workers/generation/multi_turn.py``)."""
+        multi-turn rollouts: ``workers/generation/multi_turn.py``, rendering observations with
+        ``tokenizer``, the controller's; None: the folder's)."""
         from workers.generation.factory import make_engine
 
         self.rank = rank
-        self.engine = make_engine(engine_cfg, model_dir, eos_ids, multi_turn)
+        self.engine = make_engine(engine_cfg, model_dir, eos_ids, multi_turn, tokenizer)
         print(f"[generation {rank}] {self.engine!r}", file=sys.stderr, flush=True)
         self.version = 0
         self.trainers: list = []

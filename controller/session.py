@@ -101,12 +101,13 @@ class Session:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         try:  # a model folder's own chat template / prompt template
-            self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None, tools=tools)
+            self.tok = Tokenizer.load(self.model_dir, cfg.tokenizer.prompt_template or None, tools=tools,
+                                      template_kwargs=cfg.tokenizer.chat_template_kwargs)
         except ValueError as e:
             raise ConfigError(f"model.path {self.model_dir}: tokenizer: {e}") from None
         self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
         self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
-        self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher)
+        self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher, self.tok)
         self.task = self._fitting_task(self.task)
         cfg = self.cfg  # train.epochs: with the iterations derived from the kept prompts
         lg = cfg.logging

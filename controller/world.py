@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from controller.instance import GenerationInstance
 from controller.rpc import Call, WorkerHandle, construct, create, settle, wait_all
@@ -32,6 +33,8 @@ class World:
     static_ranks: set[int] = field(default_factory=set)  # ranks inside the gloo/NCCL world
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # default: one datacenter
     weight_timeout_s: float = 60.0  # a pull that takes longer: the instance counts as lost
+    # the prompts' tokenizer, which a multi-turn engine renders observations with (None: single-turn)
+    tokenizer: Any = None
     _spec: list | None = None
     _described: tuple = ()  # (senders, receivers) of the last plan described on stderr
 
@@ -87,8 +90,10 @@ class World:
 
 
 def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: set[int],
-                dispatcher) -> World:
-    """Create TrainerRank objects (DP group) and GenerationInstances on the placement's ranks."""
+                dispatcher, tokenizer=None) -> World:
+    """Create TrainerRank objects (DP group) and GenerationInstances on the placement's ranks.
+    ``tokenizer``: the one the controller encodes prompts with (its chat template, tools and
+    template variables); a multi-turn run's engines render observations with it."""
     p = cfg.placement
     colocated = p.colocated or cfg.pipeline.mode == "colocated"
     timeout = p.rpc_timeout_s
@@ -97,11 +102,12 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
                                        cfg.logging.rollout_data_dir), timeout)
             for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
-    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids, cfg.multi_turn), timeout)
+    tokenizer = tokenizer if cfg.multi_turn.env else None
+    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids, cfg.multi_turn, tokenizer), timeout)
                 for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
     world = World(trainers, None, colocated, set(static_ranks), cfg.weight_sync,  # type: ignore[arg-type]
-                  weight_timeout_s=float(timeout))
+                  weight_timeout_s=float(timeout), tokenizer=tokenizer)
     world.sgs = SGS(dispatcher, world.received, cfg.train.seed)
     wait_all([h.call("connect", [t.rref for t in trainers]) for h in instances])
     for h in instances:
@@ -136,7 +142,7 @@ def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version:
 
     try:
         h = create(rank, "generation", GenerationInstance, rank, cfg.engine, model_dir, eos_ids,
-                   cfg.multi_turn, timeout=cfg.placement.rpc_timeout_s)
+                   cfg.multi_turn, world.tokenizer, timeout=cfg.placement.rpc_timeout_s)
         h.call("connect", [t.rref for t in world.trainers]).wait()
         wait_all(world.push_weights(version, only=[h]))
     except WorkerFailed as e:

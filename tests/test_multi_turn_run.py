@@ -44,3 +44,30 @@ def test_a_multi_turn_run_trains_on_two_turn_responses(tmp_path, tiny_model):  #
         assert m["observation_tokens_mean"] > 0
     evals = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert evals, "the evaluation runs the same turn loop"
+
+
+# every turn in one line, each user or tool turn marked with the template variable ``tag``
+TAGGED = ("{% for m in messages %}{% if m['role'] in ['user', 'tool'] %}[{{ tag }}] {{ m['content'] }}\n"
+          "{% elif m['role'] == 'assistant' %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}A:{% endif %}")
+
+
+def test_the_engines_render_observations_with_the_prompts_template_and_its_variables(tmp_path, tiny_model):  # noqa: F811
+    """tokenizer.chat_template_kwargs (verl's apply_chat_template_kwargs) reach every rendering:
+    the controller's prompts and the generation instances' observations, which render with the
+    controller's tokenizer (the instances loaded the folder's own before, without the run's tools
+    or variables)."""
+    model = _stops_often(tiny_model, tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text(TAGGED)
+    (tmp_path / "env.py").write_text(ENV)
+    dumps = tmp_path / "rollouts"
+    cfg = write_config(tmp_path, model, train__iterations=1, train__max_tokens=48, train__eval_every=0,
+                       multi_turn__env=f"{tmp_path / 'env.py'}:env", multi_turn__max_turns=3,
+                       tokenizer__chat_template_kwargs={"tag": "ZQ"}, logging__rollout_data_dir=str(dumps))
+    p = torchrun(cfg, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [json.loads(ln) for ln in (dumps / "0.jsonl").read_text().splitlines()]
+    assert len(rows) == 8
+    for r in rows:
+        assert r["input"].startswith("[ZQ] ") and r["input"].endswith("\nA:"), r["input"]
+        assert "[ZQ] result: 7\nA:" in r["output"], r["output"]  # the observation, as the template renders it

@@ -72,12 +72,14 @@ class Tokenizer:
 
     ``chat_template`` (jinja2) wins over ``prompt_template`` (``str.format`` with ``{prompt}``).
     ``tools`` (OpenAI function schemas, ``multi_turn.tools``) are what a chat template renders
-    into every prompt (its ``tools`` variable); without a template they are not shown."""
+    into every prompt (its ``tools`` variable); without a template they are not shown.
+    ``template_kwargs`` (``tokenizer.chat_template_kwargs``, verl's ``apply_chat_template_kwargs``:
+    ``{enable_thinking: false}``) are variables every rendering of the chat template sees."""
 
     def __init__(self, tok: _HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str | None = PAD_TOKEN,
                  bos_token: str | None = None, chat_template: str | None = None,
                  prompt_template: str | None = None, special_tokens: dict[str, str] | None = None,
-                 tools: Sequence[dict] = ()):
+                 tools: Sequence[dict] = (), template_kwargs: dict | None = None):
         self.tok = tok
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         # other named special tokens (unk_token, sep_token, ...): a chat template sees them as
@@ -86,6 +88,7 @@ class Tokenizer:
                                if v is not None and k not in ("eos_token", "pad_token", "bos_token")}
         self.chat_template = chat_template
         self.tools = list(tools)
+        self.template_kwargs = dict(template_kwargs or {})
         self.prompt_template = prompt_template or DEFAULT_PROMPT_TEMPLATE
         try:
             check_prompt_template(self.prompt_template)
@@ -139,8 +142,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat rendered as ``transformers``' ``apply_chat_template(..., tokenize=False)``: the
         template sees ``messages``, ``tools`` and ``documents`` (None unless given),
-        ``add_generation_prompt``, the special tokens that are set (``bos_token``, ...) and
-        ``kwargs`` (which win over the tokens)."""
+        ``add_generation_prompt``, the special tokens that are set (``bos_token``, ...),
+        ``template_kwargs`` and ``kwargs`` (which win, in that order)."""
         if not self.chat_template:
             raise ValueError("tokenizer has no chat template (chat_template.jinja or tokenizer_config.json's "
                              "chat_template)")
@@ -148,6 +151,7 @@ class Tokenizer:
                   "pad_token": self.pad_token}
         context = {k: v for k, v in tokens.items() if v is not None}
         context.update(tools=None, documents=None)
+        context.update(self.template_kwargs)
         context.update(kwargs)
         return render_chat_template(self.chat_template, messages, add_generation_prompt, context)
 
@@ -166,7 +170,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, folder: str | os.PathLike, prompt_template: str | None = None,
-             as_transformers: bool = True, tools: Sequence[dict] = ()) -> "Tokenizer":
+             as_transformers: bool = True, tools: Sequence[dict] = (),
+             template_kwargs: dict | None = None, chat_template: bool = True) -> "Tokenizer":
         """A model folder's tokenizer, as transformers 5's ``AutoTokenizer`` reads it: the named
         special tokens from tokenizer_config.json and special_tokens_map.json
         (``folder_special_tokens``, with the class's defaults), and, where transformers loads the
@@ -176,13 +181,17 @@ class Tokenizer:
         ``as_transformers=False``: tokenizer.json's own pipeline, as saved (a folder this
         project wrote and reads back itself, e.g. the LM ranker's GPT-2-split tokenizer).
         ``tools``: the schemas its prompts show (``Tokenizer.tools``); they also pick a folder's
-        named "tool_use" chat template over "default", as transformers' ``apply_chat_template(tools=...)``."""
+        named "tool_use" chat template over "default", as transformers' ``apply_chat_template(tools=...)``.
+        ``template_kwargs``: variables every rendering sees (``Tokenizer.template_kwargs``).
+        ``chat_template=False``: the folder's chat templates are not read (a tokenizer that only
+        encodes and decodes text, as the trainer's: a folder whose only template is "tool_use"
+        formats prompts only with tools)."""
         tok, tokens, cfg = read_folder(Path(folder), as_transformers)
         return cls(tok, eos_token=tokens["eos_token"], pad_token=tokens.get("pad_token"),
                    bos_token=tokens.get("bos_token"),
-                   chat_template=find_chat_template(Path(folder), cfg, tools),
+                   chat_template=find_chat_template(Path(folder), cfg, tools) if chat_template else None,
                    prompt_template=prompt_template or cfg.get("prompt_template"),
-                   special_tokens=tokens, tools=tools)
+                   special_tokens=tokens, tools=tools, template_kwargs=template_kwargs)
 
 
 def min_bpe_vocab(special_tokens: Sequence[str] = (EOS_TOKEN, PAD_TOKEN)) -> int:

@@ -64,11 +64,12 @@ def check_backend(name: str) -> None:
     engine_factory(name)
 
 
-def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None, multi_turn=None) -> Engine:
+def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None, multi_turn=None, tokenizer=None) -> Engine:
     """Engine of backend ``cfg.backend`` over the HF model folder ``model_dir``.
     ``eos_ids`` (int or ints) overrides ``cfg.eos_ids`` and the model config's EOS.
     ``multi_turn`` (the run's ``multi_turn`` section): with an ``env``, the engine is wrapped in a
-    ``MultiTurnEngine`` (``multi_turn.py``) with the folder's tokenizer."""
+    ``MultiTurnEngine`` (``multi_turn.py``) with ``tokenizer``, the one the prompts were encoded
+    with (None: the folder's, showing the section's tools, as the controller loads it)."""
     factory = engine_factory(cfg.backend)
     if eos_ids is not None:
         eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(int(e) for e in eos_ids)
@@ -77,16 +78,18 @@ def make_engine(cfg: EngineConfig, model_dir: str, eos_ids=None, multi_turn=None
     if cfg.backend not in BACKENDS:
         _check_built(engine, cfg.backend)
     if multi_turn is not None and multi_turn.env:
-        engine = _multi_turn(engine, model_dir, multi_turn)
+        engine = _multi_turn(engine, model_dir, multi_turn, tokenizer)
     return engine
 
 
-def _multi_turn(engine: Engine, model_dir: str, section) -> Engine:
+def _multi_turn(engine: Engine, model_dir: str, section, tokenizer=None) -> Engine:
     from workers.generation.multi_turn import MultiTurnEngine
     from workers.tasks.envs import make_env
+    from workers.tasks.envs.tools import run_tools
     from workers.tokenizer import Tokenizer
 
-    return MultiTurnEngine(engine, Tokenizer.load(model_dir), make_env(section.env), section.env,
+    tokenizer = tokenizer or Tokenizer.load(model_dir, tools=run_tools(section))
+    return MultiTurnEngine(engine, tokenizer, make_env(section.env), section.env,
                            max_turns=section.max_turns, max_observation_tokens=section.max_observation_tokens,
                            truncate_side=section.observation_truncate_side,
                            workers=section.workers)

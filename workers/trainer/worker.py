@@ -88,7 +88,7 @@ class TrainerWorker:
         self.device = torch.device(device) if device is not None else default_device()
         torch.manual_seed(cfg.seed)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
-        self.tokenizer = Tokenizer.load(model_dir)
+        self.tokenizer = Tokenizer.load(model_dir, chat_template=False)  # decodes outputs (for the rewards)
         self.score_failures: set[str] = set()  # kinds of reward failure logged so far (once each)
         # the stop ids the controller gives the engines: masked where min_tokens applied
         self.eos_ids = torch.tensor(stop_ids(model_dir, self.tokenizer.eos_id), dtype=torch.long)
