@@ -78,3 +78,23 @@ def test_a_negative_cap_is_refused_and_a_cap_recomputes_old_logprobs():
         TrainerConfig(tis_cap=-1.0)
     assert TrainerConfig(tis_cap=2.0).recomputes_old_logprobs
     assert not TrainerConfig().recomputes_old_logprobs
+
+
+def test_a_sequence_rejected_whole_counts_in_seq_means_divisor(setup):
+    """``rollout_rs`` rejects sequences after the advantages: under ``seq_mean`` a rejected one adds
+    0 to the loss and still counts in its divisor, as verl's ``agg_loss`` with the global batch
+    size (only sequences with a kept token were counted before: a loss n_all / n_kept too big)."""
+    w, samples, _, _ = setup
+    items = prepare_batch(w, samples)
+    for p in items:
+        p.adv = torch.linspace(-1.0, 1.0, p.num_tokens)
+        p.keep = torch.ones(p.num_tokens, dtype=torch.bool)
+    items[1].keep = torch.zeros(items[1].num_tokens, dtype=torch.bool)
+    w_cfg, w.cfg = w.cfg, dataclasses.replace(w.cfg, loss_agg="seq_mean")
+    try:
+        loss, stats = train_terms(w, items)
+        loss_kept, stats_kept = train_terms(w, items[:1] + items[2:])
+    finally:
+        w.cfg = w_cfg
+    assert float(stats["num_seqs"]) == len(items) and float(stats_kept["num_seqs"]) == len(items) - 1
+    assert torch.allclose(loss, loss_kept, rtol=1e-5, atol=1e-7)  # the same sum, divided by one more

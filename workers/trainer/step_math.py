@@ -252,8 +252,9 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
     if keep is None:
         counts = {"num_tokens": torch.tensor(float(batch.num_tokens)), "num_seqs": torch.tensor(float(len(items))),
                   "advantage_max": adv.max(), "advantage_min": adv.min()}
-    else:  # over the kept tokens (none kept: -inf / +inf, a maximum / minimum over nothing)
-        counts = {"num_tokens": keep.sum().float(), "num_seqs": (lens > 0).sum().float(),
+    else:  # over the kept tokens (none kept: -inf / +inf, a maximum / minimum over nothing); a
+        # sequence rejected whole still counts in seq_mean's divisor, as verl's global_batch_size
+        counts = {"num_tokens": keep.sum().float(), "num_seqs": torch.tensor(float(len(items))),
                   "advantage_max": adv.masked_fill(~keep, -math.inf).max(),
                   "advantage_min": adv.masked_fill(~keep, math.inf).min()}
     stats = {**counts, **bypassed, "pg_loss": agg(pg).detach(), "entropy": agg(ent).detach(),
