@@ -123,6 +123,9 @@ def test_the_calculator_answers_the_last_turns_tool_call():
     assert calculator_env(None, call({"expression": "__import__('os')"})).startswith("Error: ")
     assert calculator_env(None, call({"expression": "1/0"})) == "Error: division by zero"
     assert calculator_env(None, call({"expression": "9**9**9"})).endswith("is too large")
+    # a complex intermediate was answered as a number, then raised (a TypeError: the run stopped)
+    for expr, base in (("(-8)**0.5", "(-8)"), ("(-8)**0.5 // 1", "(-8)"), ("(-1)**0.5 % 2", "(-1)")):
+        assert calculator_env(None, call({"expression": expr})) == f"Error: '{base} ** 0.5' is not a real number"
     assert calculator_env(None, call({"expr": "1"})).startswith("Error: the calculator takes")
     bad_name = chat('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
     assert calculator_env(None, bad_name) == "Error: unknown tool 'search' (the one tool is 'calculator')"

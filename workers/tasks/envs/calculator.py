@@ -48,9 +48,12 @@ def _value(node: ast.AST) -> float | int:
         if isinstance(node.op, ast.Pow) and abs(left) > 1 and abs(right) * math.log2(abs(left)) > MAX_POWER_BITS:
             raise ValueError(f"{_format(left)} ** {_format(right)} is too large")
         try:
-            return _BINARY[type(node.op)](left, right)
+            out = _BINARY[type(node.op)](left, right)
         except (ZeroDivisionError, OverflowError) as e:
             raise ValueError(str(e)) from None
+        if not isinstance(out, (int, float)):  # a negative number to a fractional power: complex
+            raise ValueError(f"{ast.unparse(node)!r} is not a real number")
+        return out
     raise ValueError(f"{ast.unparse(node)!r} is not allowed (numbers, + - * / ** // % and parentheses)")
 
 
