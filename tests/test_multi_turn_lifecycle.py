@@ -4,6 +4,7 @@ for any reason, never overlapping its call in flight, only after a ``start`` tha
 at ``close``; each call gets its trajectory's id."""
 import threading
 
+import pytest
 import torch
 from test_multi_turn_engine import (MODEL, OBS, TOK, _past_first_turn, first_stop, req, run, run_on, two_stops,
                                     wrap)
@@ -80,7 +81,9 @@ def test_an_environment_with_start_and_end_sees_each_trajectory_open_and_close()
     for tid in {e[1] for e in env.events}:
         kinds = [k for k, t in env.events if t == tid]
         assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("start") == kinds.count("end") == 1
-        assert tid.endswith("-0") and int(tid.split("-")[0]) in (0, 1, 2)
+        assert int(tid.split("-")[0]) in (0, 1, 2)
+    serials = [tid.split("-")[1] for tid in {e[1] for e in env.events}]
+    assert len(set(serials)) == len(serials)  # each trajectory its own id
 
 
 def test_abort_and_new_weights_end_what_the_environment_started():
@@ -181,17 +184,17 @@ def _until(cond):
 
 
 def test_an_end_queued_behind_a_running_call_still_runs_at_close():
-    env = Gated(held={"2-0"})
+    env = Gated(held={"2-1"})  # (the engine's second trajectory)
     eng = MultiTurnEngine(OneStepTurns(), TOK, env, "gated", workers=1)
     eng.add([req(1), req(2, group=8)])
     out = eng.step()  # both first turns out: 1's call, then 2's (held) on the one worker
-    _until(lambda: ("call", "2-0") in env.events)
+    _until(lambda: ("call", "2-1") in env.events)
     out += eng.step()  # 1 is done: its end is queued behind 2's running call
     assert [s.sample_id for s in out] == [1]
     eng.close()  # cancels what is queued; the end must still run
     env.gate.set()
     _wait_ends(env, 2)
-    assert sorted(e for e in env.events if e[0] == "end") == [("end", "1-0"), ("end", "2-0")] and not env.open
+    assert sorted(e for e in env.events if e[0] == "end") == [("end", "1-0"), ("end", "2-1")] and not env.open
 
 
 def test_a_call_cancelled_before_it_ran_started_nothing_and_ends_nothing():
@@ -205,7 +208,7 @@ def test_a_call_cancelled_before_it_ran_started_nothing_and_ends_nothing():
     run_on(eng)
     _wait_ends(env, 1)
     threading.Event().wait(0.05)
-    assert [e for e in env.events if e[1] == "2-0"] == []  # neither start nor end
+    assert [e for e in env.events if e[1] == "2-1"] == []  # neither start nor end
 
 
 def test_a_start_that_raised_gets_no_end():
@@ -216,3 +219,50 @@ def test_a_start_that_raised_gets_no_end():
     [s] = run(wrap(eos, env), [req(5)])
     threading.Event().wait(0.05)
     assert s.finish_reason == "error" and ends == []
+
+
+def test_a_sample_id_added_again_after_an_abort_is_a_new_trajectory():
+    """An evaluation cancelled and run again re-adds its sample ids (-1 - index each time) while
+    the aborted call may still run: the new trajectory was "1-0" again, so the environment saw
+    start("1-0") twice and the old trajectory's end closed the new one's state."""
+    env = Gated(held={"1-0"})
+    eng = MultiTurnEngine(OneStepTurns(), TOK, env, "gated", workers=2)
+    eng.add([req(1)])
+    eng.step()
+    _until(lambda: ("call", "1-0") in env.events)
+    assert eng.abort([1]) == [1]
+    assert eng.add([req(1)]) == []
+    eng.step()
+    _until(lambda: ("call", "1-1") in env.events)  # (Sandbox.start asserts a new id is not open)
+    env.gate.set()
+    run_on(eng)
+    _wait_ends(env, 2)
+    assert [t for k, t in env.events if k == "start"] == ["1-0", "1-1"] and not env.open
+
+
+class FailsOnce(OneStepTurns):
+    """Its step raises once ``fail`` is set (a CUDA error mid-round), after other turns finished."""
+
+    fail = False
+
+    def step(self):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("CUDA error (injected)")
+        return super().step()
+
+
+def test_an_abort_drops_the_samples_finished_before_a_failed_step():
+    """A step that raises keeps the trajectories it had finished for the next step; the instance
+    then aborts the round's requests, and those samples still came out of its next generate."""
+    inner = FailsOnce()
+    eng = MultiTurnEngine(inner, TOK, lambda task, messages: None, "done", workers=1)
+    eng.add([req(1)])
+    assert eng.step() == []  # its first turn ends in EOS: to the environment, which ends it
+    _until(lambda: all(t.env_call.done() for t in eng._waiting.values()))
+    eng.add([req(3, group=8)])
+    inner.fail = True
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()  # 1 is collected, then the inner step fails
+    assert eng.abort([1, 3]) == [1, 3]
+    assert run_on(eng) == [] and not eng.has_work()

@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -79,14 +80,15 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     weight_version: int = 0
     env_call: cf.Future | None = None  # the environment's answer being computed
-    attempt: int = 0  # restarts after new weights (each attempt is a trajectory of its own)
+    serial: int = 0  # the engine's count of trajectories (a restart, a re-added id: a new one)
     opened: bool = False  # the environment's ``start`` returned (set on the pool thread): it gets ``end``
     env_rewards: list[float] = field(default_factory=list)  # the rewards the environment gave, in call order
 
     @property
     def tid(self) -> str:
-        """The id the environment sees: the sample id and the attempt ("12000003-0")."""
-        return f"{self.request.sample_id}-{self.attempt}"
+        """The id the environment sees: the sample id and the trajectory's serial ("12000003-7"),
+        never the id of another trajectory of this engine (an aborted one's ``end`` may still come)."""
+        return f"{self.request.sample_id}-{self.serial}"
 
     def absorb(self, s: Sample) -> None:
         """A finished turn: its tokens (the policy's) go on the output."""
@@ -141,6 +143,7 @@ class MultiTurnEngine:
         self._traj: dict[int, Trajectory] = {}  # sample_id -> its trajectory (in the engine or the env)
         self._waiting: dict[int, Trajectory] = {}  # those waiting on an environment call, in call order
         self._ready: list[Sample] = []  # finished between steps (restarts refused), returned by the next
+        self._serials = itertools.count()  # Trajectory.serial
 
     def __repr__(self) -> str:
         return f"MultiTurnEngine({self.inner!r}, env {self.spec!r}, max_turns {self.max_turns})"
@@ -159,7 +162,7 @@ class MultiTurnEngine:
                 refused.append(error_sample(r, f"sample_id {r.sample_id} is already queued or running",
                                             self.inner.stats().weight_version))
                 continue
-            self._traj[r.sample_id] = Trajectory(r, self._prompt_messages(r))
+            self._traj[r.sample_id] = Trajectory(r, self._prompt_messages(r), serial=next(self._serials))
             accepted.append(r)
         for s in self.inner.add(accepted):
             self._retire(s.sample_id)
@@ -324,10 +327,17 @@ class MultiTurnEngine:
 
     # ---- control -------------------------------------------------------------------------
     def abort(self, sample_ids: Iterable[int]) -> list[int]:
-        """Drop the trajectories (an environment call's answer is ignored when it comes) and
-        their turns in the inner engine; the ids aborted, in the order given."""
+        """Drop the trajectories (an environment call's answer is ignored when it comes), their
+        turns in the inner engine, and their samples finished but not yet returned (no sample
+        of them comes out of a later step()); the ids aborted, in the order given."""
         aborted, in_engine = [], []
-        for sid in sample_ids:
+        ids = list(sample_ids)
+        done = {s.sample_id for s in self._ready} & set(ids)
+        self._ready = [s for s in self._ready if s.sample_id not in done]
+        for sid in ids:
+            if sid in done:
+                aborted.append(sid)
+                continue
             t = self._traj.get(sid)
             if t is None:
                 continue
@@ -352,7 +362,7 @@ class MultiTurnEngine:
             if self._waiting.pop(sid, None) is not None:
                 t.env_call.cancel()
             self._retire(sid)
-            self._traj[sid] = Trajectory(t.request, self._prompt_messages(t.request), attempt=t.attempt + 1)
+            self._traj[sid] = Trajectory(t.request, self._prompt_messages(t.request), serial=next(self._serials))
         for s in self.inner.add([t.request for t in restart]):
             self._retire(s.sample_id)
             self._ready.append(s)
