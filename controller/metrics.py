@@ -82,13 +82,15 @@ class Metrics:
         if timeline_every:
             pyplot()  # imported now (~1-2 s on a loaded machine), not while the pipeline runs
 
-    def _open(self, first_step: int):
+    def _open(self, first_step: int | None):
+        """The TensorBoard writer, opened at the first write. ``first_step``: the first step this
+        attempt writes (None: it writes beside the run's steps, replacing none: train.eval_only)."""
         if self._writer is None:
             # steps logged again (a restart from an older checkpoint than the last row) are
             # purged; a plain resume (rows end just before first_step) purges nothing, not even
             # the final Gantt figure logged at step first_step - 1
-            again = _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
-            again = _drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
+            again = first_step is not None and _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
+            again = first_step is not None and _drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
         return self._writer
 
@@ -199,9 +201,10 @@ class Metrics:
         if ev.weight_versions:  # one, unless instances held different weights (async modes)
             v = ev.weight_versions
             row["weight_version"] = v[0] if len(v) == 1 else list(v)
-        # first: a resumed run's first write drops the rows it runs again (an on-demand eval's,
-        # at the iteration just trained, drops from the next one, the first a resume would run again)
-        self._open(step + 1 if demand else step)
+        # first: a resumed run's first write drops the rows it runs again (a REPL eval's, at the
+        # iteration just trained, drops from the next one, the first a resume would run again;
+        # an eval-only run, which trains nothing, drops none: it may evaluate an older checkpoint)
+        self._open(None if source == "eval_only" else step + 1 if demand else step)
         if self.validation_data_dir and ev.generations:  # verl's validation_data_dir: <step>.jsonl
             name = f"{step}.{source}_p{ev.prompts}" if demand else str(step)
             if demand:  # another on-demand eval of this step and count keeps its own file (.2, .3, ...)

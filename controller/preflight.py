@@ -3,6 +3,7 @@ folder (a fresh start never writes over another run; ``--resume`` continues a ru
 folder or forks it into an unused one; the folder can be written) and the model folder."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -63,8 +64,10 @@ def _holds_run(logdir: Path) -> bool:
     if logdir.is_file():  # (ckpt.find would say it as a --resume problem)
         raise ConfigError(f"logging.logdir: {logdir} is a file; a run writes its logs and checkpoints into a "
                           "folder: give a folder's path (it is created if missing)")
-    # (eval.jsonl alone: train.eval_before_train's row of a run that stopped in its first iteration)
-    return ckpt.find(logdir) is not None or any((logdir / f).exists() for f in ("iterations.jsonl", "eval.jsonl"))
+    # (eval.jsonl alone: train.eval_before_train's row of a run that stopped in its first iteration;
+    # not the rows of train.eval_only runs, which trained nothing: a run may start there)
+    return (ckpt.find(logdir) is not None or (logdir / "iterations.jsonl").exists()
+            or any(row.get("source") != "eval_only" for row in _eval_rows(logdir)))
 
 
 def _other_run(logdir: Path, resume: str) -> Path | None:
@@ -200,6 +203,22 @@ def refuse_fresh_start_over_a_run(logdir: Path, resume: str) -> None:
     if hint:
         raise ConfigError(f"--resume {resume}: no checkpoint there (the path does not exist); {hint}")
     refuse_previous_run(logdir, f"--resume {resume}: no checkpoint there (the path does not exist); ")
+
+
+def _eval_rows(logdir: Path) -> list[dict]:
+    """eval.jsonl's rows (a torn or foreign line: a row of unknown source)."""
+    try:
+        lines = (logdir / "eval.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in filter(str.strip, lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = {}
+        rows.append(row if isinstance(row, dict) else {})
+    return rows
 
 
 def _rows(logdir: Path) -> int:

@@ -196,8 +196,8 @@ class Session:
                               ) from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
-        if found.parent.resolve() == (self.logdir / "checkpoints").resolve():
-            ckpt.point_latest(found)  # this folder's lineage continues from here
+        if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only:
+            ckpt.point_latest(found)  # this folder's lineage continues from here (an evaluation continues nothing)
         self._saved = (state.iteration, found)
         if state.mode != self.cfg.pipeline.mode:  # a REPL `mode` before that save; the config rules
             print(f"[controller] the checkpoint was saved in pipeline.mode {state.mode!r}; this run uses its "
@@ -207,7 +207,7 @@ class Session:
         state.version = versions[0]
         print(f"[controller] resumed from {found}: iteration {state.iteration}, version {state.version}",
               file=sys.stderr, flush=True)
-        if state.iteration >= self.cfg.train.iterations:
+        if state.iteration >= self.cfg.train.iterations and not self.cfg.train.eval_only:
             key = "train.epochs" if self.cfg.train.epochs is not None else "train.iterations"
             print(f"[controller] that run is complete (iteration {state.iteration} of train.iterations "
                   f"{self.cfg.train.iterations}): nothing to train; raise {key} "
@@ -343,7 +343,7 @@ class Session:
         # (fresh) nothing of this run's worth a copy
         final = self.resumed_from if c.train.eval_only else self.final_checkpoint()
         self._drain_last_spans()
-        if self.metrics.spans:
+        if self.metrics.spans and not c.train.eval_only:  # (its timeline.png would replace the run's)
             self.metrics.write_timeline(self.program.iteration)
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
         summary.update(logdir=str(self.logdir), checkpoint=str(final) if final else None, mode=self.program.mode.name,

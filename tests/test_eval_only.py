@@ -1,7 +1,9 @@
 """``train.eval_only`` (verl's ``val_only``): a real 3-process run evaluates the weights it starts
 from and stops: nothing trained, no checkpoint written. Of a fresh run, the starting weights at
-step -1; of ``--resume DIR``, the checkpoint's weights at the step it was saved after, beside that
-run's own rows (its iterations, evaluations, generations and checkpoints are kept as they were)."""
+step -1 (the folder is no run afterwards: a run may start there); of ``--resume DIR``, the
+checkpoint's weights at the step it was saved after, beside that run's own rows (its iterations,
+evaluations, generations, TensorBoard steps, checkpoints and ``latest`` are kept as they were,
+also for a checkpoint older than the last)."""
 import json
 
 from runtime_helpers import last_json, tiny_model, torchrun, write_config  # noqa: F401
@@ -37,31 +39,41 @@ def test_a_fresh_eval_only_run_scores_the_starting_weights_and_trains_nothing(tm
     assert len(gens) == 4 and row["generations"].endswith("-1.eval_only_p4.jsonl")
     assert _scalars(logdir, "eval_only/p4/mean") == [(-1, round(row["eval/mean"], 6))]
     assert _scalars(logdir, "eval/mean") == []
+    # it trained nothing: the folder holds no run, and one may start there (verl: val_only, then train)
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=1), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _rows(logdir / "eval.jsonl")
+    assert rows[0] == row and [(r["iteration"], r["source"]) for r in rows[1:]] == [(0, "periodic")]
 
 
 def test_eval_only_of_a_checkpoint_keeps_the_run_it_resumes(tmp_path, tiny_model):  # noqa: F811
     gens = tmp_path / "gens"
-    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=2, logging__validation_data_dir=str(gens)),
-                 timeout=240)
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=4, train__ckpt_every=2,
+                              logging__validation_data_dir=str(gens)), timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     logdir = tmp_path / "run"
     before = {f: (logdir / f).read_text() for f in ("iterations.jsonl", "eval.jsonl")}
     periodic = (gens / "1.jsonl").read_text()
     ckpts = sorted(x.name for x in (logdir / "checkpoints").iterdir())
-    trained = _scalars(logdir, "eval/mean")
+    latest = (logdir / "checkpoints" / "latest").resolve()
+    trained = {tag: _scalars(logdir, tag) for tag in ("eval/mean", "train/reward_mean")}
+    assert [s for s, _ in trained["train/reward_mean"]] == [0, 1, 2, 3]
 
-    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=2, train__eval_only=True,
-                              logging__validation_data_dir=str(gens)), extra=["--resume", str(logdir)], timeout=240)
+    # the checkpoint after 2 of the 4 iterations, not the last
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=4, train__eval_only=True,
+                              logging__validation_data_dir=str(gens)),
+                 extra=["--resume", str(logdir / "checkpoints" / "iter_000002")], timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert (logdir / "iterations.jsonl").read_text() == before["iterations.jsonl"]
     rows = _rows(logdir / "eval.jsonl")
-    assert rows[:-1] == [json.loads(ln) for ln in before["eval.jsonl"].splitlines()]  # the periodic one after iteration 1 is kept
+    assert rows[:-1] == [json.loads(ln) for ln in before["eval.jsonl"].splitlines()]  # the periodic ones are kept
     new = rows[-1]
     # the checkpoint after 2 iterations: weights of version 2, logged after iteration 1
     assert (new["iteration"], new["source"], new["weight_version"]) == (1, "eval_only", 2)
     assert "after iteration 1 (weight version 2, 4 prompts)" in p.stderr
     assert sorted(x.name for x in (logdir / "checkpoints").iterdir()) == ckpts  # none written
+    assert (logdir / "checkpoints" / "latest").resolve() == latest  # a plain --resume continues from the last
     assert last_json(p.stdout)["checkpoint"] == str(logdir / "checkpoints" / "iter_000002")
     assert (gens / "1.jsonl").read_text() == periodic and len(_rows(gens / "1.eval_only_p4.jsonl")) == 4
-    assert _scalars(logdir, "eval/mean") == trained
+    assert {tag: _scalars(logdir, tag) for tag in trained} == trained  # no step purged
     assert _scalars(logdir, "eval_only/p4/mean") == [(1, round(new["eval/mean"], 6))]
