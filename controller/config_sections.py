@@ -15,7 +15,7 @@ from typing import Literal
 from controller import trackers
 from controller.config_types import ConfigError, key_hint
 from controller.modes import MODES
-from controller.rpc import COLLECTIVE_TIMEOUT_S, RPC_TIMEOUT_S
+from controller.rpc import COLLECTIVE_TIMEOUT_S, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S
 from workers.config_schema import SEEDS, Range, ranged
 from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
 
@@ -141,7 +141,8 @@ class PlacementSection:
     trainer: list = field(default_factory=lambda: [2])
     colocated: bool = False
     elastic: bool = True
-    rpc_timeout_s: float = ranged(RPC_TIMEOUT_S, Range(0, open_lo=True))
+    rpc_timeout_s: float = ranged(RPC_TIMEOUT_S, Range(0, MAX_RPC_TIMEOUT_S, open_lo=True,
+                                                       note="seconds; torch RPC's int32 milliseconds bound it"))
     # how long a trainer rank's collectives (the gradient all-reduce) wait for a peer that is
     # alive but behind (a slower reward, more tokens); a lost peer is the heartbeat's to find
     collective_timeout_s: float = ranged(COLLECTIVE_TIMEOUT_S, Range(0, open_lo=True))

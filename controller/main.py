@@ -46,7 +46,7 @@ limit_arenas()  # before torch starts its threads: a trainer's heap grew ~6 MB p
 import torch  # noqa: E402
 
 from controller.processes import run_rank  # noqa: E402
-from controller.rpc import LOCAL, RPC_TIMEOUT_S  # noqa: E402
+from controller.rpc import LOCAL, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,8 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--join takes the running job's config; {', '.join(given)} cannot be given with it")
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (torch threads per process), got {args.threads}")
-    if not (math.isfinite(args.rpc_timeout) and args.rpc_timeout > 0):
-        ap.error(f"--rpc-timeout must be a number of seconds > 0, got {args.rpc_timeout}")
+    if not (math.isfinite(args.rpc_timeout) and 0 < args.rpc_timeout <= MAX_RPC_TIMEOUT_S):
+        ap.error(f"--rpc-timeout must be a number of seconds in (0, {MAX_RPC_TIMEOUT_S}] (torch RPC keeps "
+                 f"milliseconds in 32 bits), got {args.rpc_timeout}")
     return args
 
 

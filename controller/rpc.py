@@ -290,6 +290,9 @@ def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[Wo
 # placement.rpc_timeout_s's default, said here (the config reads it from this module: importing
 # the config from here would load it, and what it imports, into every process that uses RPC)
 RPC_TIMEOUT_S = 300.0
+# torch RPC keeps a timeout as int32 milliseconds, and a constructor's call waits SETUP_FACTOR
+# times the timeout: the largest that stays a timeout (~6.2 days; more wrapped to a negative one)
+MAX_RPC_TIMEOUT_S = (2**31 - 1) // SETUP_FACTOR / 1000
 COLLECTIVE_TIMEOUT_S = 3600.0  # placement.collective_timeout_s (subgroup)
 
 

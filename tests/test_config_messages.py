@@ -274,8 +274,10 @@ def test_a_list_for_a_number_key_gets_no_quoting_advice(tmp_path):
 
 @pytest.mark.parametrize("argv, why", [
     (["--config", "c.yaml", "--threads", "0"], "--threads must be >= 1"),
-    (["--join", "h:1", "--rpc-timeout", "-5"], "--rpc-timeout must be a number of seconds > 0, got -5.0"),
-    (["--join", "h:1", "--rpc-timeout", "nan"], "--rpc-timeout must be a number of seconds > 0, got nan"),
+    (["--join", "h:1", "--rpc-timeout", "-5"], "--rpc-timeout must be a number of seconds in (0, 536870.911]"),
+    (["--join", "h:1", "--rpc-timeout", "nan"], "--rpc-timeout must be a number of seconds in (0, 536870.911]"),
+    # torch RPC's timeouts are int32 milliseconds (x4 for a constructor): 600000 s wrapped negative
+    (["--join", "h:1", "--rpc-timeout", "600000"], "(torch RPC keeps milliseconds in 32 bits), got 600000.0"),
 ])
 def test_launcher_flags_are_checked(argv, why, capsys):
     """--threads 0 was a traceback from torch.set_num_threads; --rpc-timeout -5 was taken and
@@ -285,6 +287,14 @@ def test_launcher_flags_are_checked(argv, why, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_an_rpc_timeout_torch_cannot_keep_is_refused():
+    """placement.rpc_timeout_s 600000 (a week, as "no timeout") was taken, then the model bootstrap's
+    call failed at once: 'RPC ran for more than set timeout (-2147483648 ms)'."""
+    with pytest.raises(ConfigError, match=re.escape("placement.rpc_timeout_s must be in (0, 536870.911]")):
+        load_config("configs/quickstart.yaml", overrides=["placement.rpc_timeout_s=600000"])
+    assert load_config("configs/quickstart.yaml", overrides=["placement.rpc_timeout_s=536870"]).placement.rpc_timeout_s
 
 
 @pytest.mark.parametrize("key, said", [

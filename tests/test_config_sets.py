@@ -21,7 +21,7 @@ from workers.config_schema import field_range
     (["train.sft_lr=0"], "train.sft_lr must be > 0, got 0.0"),
     (["placement.rpc_timeout_s=.nan"], "placement.rpc_timeout_s: expected a finite number, got nan"),
     (["placement.rpc_timeout_s=.inf"], "placement.rpc_timeout_s: expected a finite number, got inf"),
-    (["placement.rpc_timeout_s=0"], "placement.rpc_timeout_s must be > 0, got 0.0"),
+    (["placement.rpc_timeout_s=0"], "placement.rpc_timeout_s must be in (0, 536870.911] (seconds; torch RPC"),
     (["train.temperature=.nan"], "train.temperature: expected a finite number, got nan"),
     (["train.temperature=-1", "trainer.algorithm=ppo"],
      "train.temperature must be in [0, 2.0] (below 1e-05: greedy; sampled from 0.01, as both engines serve), "
