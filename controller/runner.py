@@ -91,7 +91,9 @@ def run_controller(cfg, args, world_size: int) -> int:
     LOCAL.outcome = code
     waiting = (still_waiting(session.waiting) if session else []) + announced()
     joined = session.joined if session else []
-    lost = bool(session and session.world.sgs.removed)
+    # (an instance that left on request, a REPL leave or a scale-in, is a live process: its
+    # rank's RRefs are answered, so it does not keep the static ranks from the quiet exit)
+    lost = bool(session and session.world.sgs.lost)
     gone = set(session.departed) if session else set()  # exited already: nothing to tell them
     for r in waiting:  # registered, never added: say so on the joiner's own terminal
         dismiss_joiner(r, code, "the job ended before the scale-out policy added it")

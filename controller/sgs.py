@@ -181,6 +181,7 @@ class SGS:
         self.seed = seed
         self.slots: list[InstanceSlot] = []
         self.removed: list[tuple[int, str]] = []
+        self.lost: list[int] = []  # of those, the ranks found lost (remove_lost), not asked to leave
         self.stream_window_s = PipelineSection.stream_window_s  # instances' Outbox window (Program sets the run's)
         self.need = None  # controller.prompt_check.ContextNeed, set by the start check
         self._lock = threading.Lock()
@@ -221,6 +222,7 @@ class SGS:
         if not (err.lost and err.role == "generation"):
             raise err
         self.remove(err.rank, reason=f"{f'lost during {during}: ' if during else ''}{str(err).splitlines()[0]}")
+        self.lost.append(err.rank)
 
     def launch(self, iteration: int, requests: list[Request], version: int,
                slots: list[InstanceSlot] | None = None) -> list[tuple[InstanceSlot, Call, list[int]]]:

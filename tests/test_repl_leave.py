@@ -13,7 +13,8 @@ from controller.repl import Repl
 from controller.rpc import WorkerHandle
 from controller.scheduling import make_dispatcher
 from controller.sgs import SGS
-from runtime_helpers import ROOT, LocalRRef, free_port, iterations, last_json, tiny_model, write_config  # noqa: F401
+from runtime_helpers import (ROOT, LocalRRef, free_port, iterations, last_json, tiny_model, torchrun,  # noqa: F401
+                             write_config)
 
 
 class FakeInstance:
@@ -270,3 +271,17 @@ def test_a_waiting_joiner_the_keepalive_found_gone_is_dropped_once(capsys):
     assert capsys.readouterr().err.count("rank 9 was lost before it was added (its process is gone: EOF") == 1
     assert keepalive.watched().count(9) == 0 and 10 in keepalive.watched()
     keepalive.unwatch(10)
+
+
+def test_a_run_after_a_torchrun_rank_left_still_exits_quietly(tmp_path, tiny_model):  # noqa: F811
+    """A left static rank is a live process (it stays, idle): the run took it for a lost instance
+    and skipped the lock-step exit, so every rank printed RRef-leak and "pipe closed" lines."""
+    cfg = write_config(tmp_path, tiny_model, placement__generation=[1, 2], placement__trainer=[3],
+                       train__eval_every=0)
+    p = torchrun(cfg, nproc=4, extra=["--repl"], stdin="leave 2\nrun 1\nquit\n", timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    [left] = [json.loads(ln[4:]) for ln in p.stdout.splitlines() if ln.startswith(">>> ") and '"left"' in ln]
+    assert left["left"] == 2 and left["process"].startswith("stays")
+    for noise in ("Leaking RRef", "RRef Leaks", "encountered error when reading incoming request"):
+        assert noise not in p.stderr, p.stderr[-4000:]
+
