@@ -169,11 +169,6 @@ def test_the_cut_is_on_the_content_so_the_generation_prompt_stays():
     assert s.turns == 2 and env.calls[0][1][-1]["role"] == "assistant"
 
 
-def test_an_unknown_truncate_side_is_refused():
-    with pytest.raises(ValueError, match="truncate side 'top'"):
-        cut_observation(TOK, LONG, 2, "top")
-
-
 def test_a_narrow_integer_prompt_takes_any_ids_after_it():
     # the engines take uint8 .. int64 prompts; a continuation holds generated and observation ids
     # past a uint8's range (it was built in the prompt's dtype: an overflow error mid-step)

@@ -44,22 +44,27 @@ def cut_observation(tokenizer, content: str, limit: int, side: str = "middle") -
     (``tool_response_truncate_side``): "left" keeps its start (+ "...(truncated)"), "right" its
     end ("(truncated)..." +), "middle" both ends (half each, "...(truncated)..." between);
     as is when it fits. The cut is on the content, before the chat template wraps it, so the
-    next assistant turn's generation prompt is never cut off."""
-    ids = tokenizer.encode(content, add_special_tokens=False)
-    if len(ids) <= limit:
+    next assistant turn's generation prompt is never cut off; and between characters (a kept
+    part is the content's own text: a byte-level token boundary inside a character would
+    decode to U+FFFD), so a part may keep a few tokens fewer than its share."""
+    if side not in ("left", "middle", "right"):
+        raise ValueError(f"truncate side {side!r}: one of left, middle, right")
+    enc = tokenizer.tok.encode(content, add_special_tokens=False)
+    n, at = len(enc.ids), enc.offsets  # each token's characters (a character's bytes: all its own)
+    if n <= limit:
         return content
 
-    def text(part: list[int]) -> str:
-        return tokenizer.decode(part, skip_special_tokens=False)
+    def head(k: int) -> str:  # the characters before the first token past k (a character it splits: out)
+        return content[:at[k][0]] if k > 0 else ""
+
+    def tail(k: int) -> str:  # the characters after the last token before the final k
+        return content[at[n - k - 1][1]:] if k > 0 else ""
 
     if side == "left":
-        return text(ids[:limit]) + "...(truncated)"
+        return head(limit) + "...(truncated)"
     if side == "right":
-        return "(truncated)..." + text(ids[-limit:])
-    if side != "middle":
-        raise ValueError(f"truncate side {side!r}: one of left, middle, right")
-    head = limit // 2
-    return text(ids[:head]) + "...(truncated)..." + text(ids[len(ids) - (limit - head):])
+        return "(truncated)..." + tail(limit)
+    return head(limit // 2) + "...(truncated)..." + tail(limit - limit // 2)
 
 
 def observation_ids(tokenizer, message: dict) -> list[int]:
