@@ -77,6 +77,25 @@ def test_the_trainer_trains_the_chosen_groups_only(model_dir, algorithm):  # noq
         assert torch.allclose(a, b, atol=1e-6), k
 
 
+def test_the_rollout_dump_says_which_groups_the_filter_dropped(model_dir):  # noqa: F811
+    """logging.rollout_data_dir writes every scored sample; verl's holds only the batch its filter
+    kept: each row says whether its group was dropped (``filtered``)."""
+    from workers.trainer.rollout_dump import take_rows
+
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    w = TrainerWorker(TrainerConfig(algorithm="grpo", filter_groups=True, train_groups=3), model_dir,
+                      KnownRewardTask(), device="cpu")
+    w.rollout_rows = []  # (the trainer rank's, with logging.rollout_data_dir)
+    _step(w, samples, prompts, sizes)
+    rows = take_rows(w)
+    assert sorted(r["sample_id"] for r in rows) == sorted(s.sample_id for s in samples)
+    assert {r["group_id"] for r in rows if not r["filtered"]} == {1, 2, 5}  # as trained (above)
+    plain = TrainerWorker(TrainerConfig(algorithm="grpo"), model_dir, KnownRewardTask(), device="cpu")
+    plain.rollout_rows = []
+    _step(plain, samples, prompts, sizes)
+    assert all("filtered" not in r for r in take_rows(plain))
+
+
 def _two_ranks(rank, world, model_dir, data):  # noqa: F811
     samples, prompts, sizes = data
     w = TrainerWorker(TrainerConfig(filter_groups=True, train_groups=3), model_dir, KnownRewardTask(), rank=rank,

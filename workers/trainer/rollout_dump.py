@@ -22,8 +22,11 @@ def rollout_row(w: "TrainerWorker", s: "Sample", score: float) -> dict:
 
 
 def take_rows(w: "TrainerWorker") -> list[dict]:
-    """The rows kept since the last call, their ids decoded (``input``, ``output``), and a fresh list."""
+    """The rows kept since the last call, their ids decoded (``input``, ``output``), and a fresh
+    list; with ``trainer.filter_groups``, each says whether the step's filter dropped its group
+    (``filtered``: verl writes only the batch its filter kept)."""
     with w._lock:
         rows, w.rollout_rows = w.rollout_rows or [], []
     dec = w.tokenizer.decode
-    return [{"input": dec(r.pop("prompt_ids")), "output": dec(r.pop("output_ids")), **r} for r in rows]
+    marks = (lambda r: {"filtered": r["sample_id"] in w.filtered_ids}) if w.cfg.filter_groups else (lambda r: {})
+    return [{"input": dec(r.pop("prompt_ids")), "output": dec(r.pop("output_ids")), **r, **marks(r)} for r in rows]

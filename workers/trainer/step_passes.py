@@ -40,7 +40,9 @@ def filter_groups_pass(w: "TrainerWorker") -> None:
     kept, counts = filter_groups(list(w.buffer.ready), w.cfg.train_groups,
                                  gather_over(w.group, w.world_size, w.device),
                                  drop_single=w.cfg.grouped)
+    dropped = {p.sample_id for p in w.buffer.ready} - {p.sample_id for p in kept}
     w.buffer.keep_ready(kept)
+    w.filtered_ids = dropped  # (the rollout dump marks them: rollout_dump.take_rows)
     for k, v in counts.items():
         w.stats.add(k, v)
 

@@ -130,6 +130,7 @@ class TrainerWorker:
         self._trained_any = False
         self.trained_batches: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
         self.rollout_rows: list[dict] | None = None  # [] keeps each scored sample (rollout_dump.py)
+        self.filtered_ids: set[int] = set()  # the samples the last step's group filter dropped
         self._lock = threading.RLock()
         self.rewards = RewardPool(task, cfg.reward_workers, cfg.reward_pool, cfg.reward_timeout_s, build_task,
                                   batch_size=cfg.reward_batch_size)
