@@ -28,7 +28,7 @@ from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from controller.trainer_inbox import IterationInbox, sample_tokens
 from workers import heap
-from workers.generation_dump import write_rows
+from workers.generation_dump import stale_rows, write_rows
 from workers.trainer.rollout_dump import take_rows
 from workers.trainer.sample_checks import check_new_ids
 from workers.types import Sample, TaskPrompt
@@ -232,10 +232,13 @@ class TrainerRank:
         """This iteration's scored samples as ``<rollout_data_dir>/<iteration>.jsonl`` (a rank's own
         ``.rank<k>`` with several ranks); a failed write is said, not raised: the step is done."""
         with self.spans.span("rollout_dump", iteration):
-            name = str(iteration) if len(self.dp_ranks) == 1 else f"{iteration}.rank{self.dp_ranks.index(self.rank)}"
+            ranks, k = len(self.dp_ranks), self.dp_ranks.index(self.rank)
+            name = str(iteration) if ranks == 1 else f"{iteration}.rank{k}"
             rows = [{**r, "step": iteration} for r in take_rows(self.worker)]
             try:
                 write_rows(self.rollout_data_dir, name, rows)
+                if k == 0:  # a resumed run on another number of ranks: that run's files of this iteration go
+                    stale_rows(self.rollout_data_dir, iteration, ranks)
             except OSError as e:
                 logging.getLogger("streamrl.trainer").warning(
                     "logging.rollout_data_dir: iteration %d's samples not written (%s); training goes on", iteration, e)

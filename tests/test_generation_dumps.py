@@ -100,3 +100,19 @@ def test_remaxs_greedy_samples_are_kept_as_baselines(model_dir):  # noqa: F811
     w.step()
     rows = take_rows(w)
     assert len(rows) == len(samples) and sum(r["baseline"] for r in rows) == sum(s.baseline for s in samples) == 3
+
+
+def test_a_resume_on_other_ranks_replaces_the_iterations_files(tmp_path):
+    """A run resumed on another number of trainer ranks left the old layout's files of the
+    iterations it ran again beside the new ones (two answers for one iteration)."""
+    from workers.generation_dump import stale_rows
+
+    for name in ("3.jsonl", "3.rank0.jsonl", "3.rank1.jsonl", "3.rank2.jsonl", "4.rank1.jsonl", "13.rank1.jsonl",
+                 "3.rank1.notes.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    stale_rows(tmp_path, 3, 2)  # two ranks write 3.rank0 and 3.rank1 now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["13.rank1.jsonl", "3.rank0.jsonl", "3.rank1.jsonl",
+                                                          "3.rank1.notes.jsonl", "4.rank1.jsonl"]
+    stale_rows(tmp_path, 3, 1)  # one rank writes 3.jsonl
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["13.rank1.jsonl", "3.rank1.notes.jsonl", "4.rank1.jsonl"]
+

@@ -21,6 +21,20 @@ def write_rows(folder: str | Path, name: str, rows: list[dict]) -> Path:
     return path
 
 
+def stale_rows(folder: str | Path, step: int, ranks: int) -> None:
+    """Delete ``step``'s rollout files that ``ranks`` trainer ranks do not write (``<step>.jsonl``
+    with several, ``<step>.rank<k>.jsonl`` with one or from a rank past the last): a resumed
+    run on another number of ranks replaces that run's files of the iterations it runs again."""
+    folder = Path(folder)
+    stale = [folder / f"{step}.jsonl"] if ranks > 1 else []
+    for path in folder.glob(f"{step}.rank*.jsonl"):
+        k = path.name[len(f"{step}.rank"):-len(".jsonl")]
+        if k.isdigit() and (ranks == 1 or int(k) >= ranks):
+            stale.append(path)
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
 def markdown(rows: list[dict], n: int) -> str:
     """The first ``n`` rows for TensorBoard's text panel: each its score and reference answer,
     then its input and output in a code block (markdown would eat the model's own markup)."""
