@@ -238,6 +238,16 @@ def test_fused_draw_of_nan_logits_stays_in_the_vocabulary():
                          torch.tensor([False, False]), torch.tensor([True, False]), torch.ones(2),
                          torch.full((2,), 0.5, dtype=torch.float64))
     assert all(0 <= i < 50 for i in ids.tolist()) and torch.isnan(lp).all()
+    # one NaN (or +inf) logit in a row: NaN too, as torch's log_softmax (the C++ is built with
+    # -ffast-math, whose max / argmax skipped it: a finite log-prob for a bad row)
+    logits = torch.randn(4, 50)
+    logits[:2, 3] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3, 9] = float("-inf")  # -inf: a token with no mass, the row is fine
+    ids, lp = ops.sample(logits, torch.empty(0, dtype=torch.int64), torch.zeros(4, dtype=torch.bool),
+                         torch.tensor([True, False, False, False]), torch.ones(4),
+                         torch.full((4,), 0.5, dtype=torch.float64))
+    assert torch.isnan(lp[:3]).all() and torch.isfinite(lp[3]) and ids[3] != 9
 
 
 def test_make_engine_from_folder_and_eos_override(tmp_path):
