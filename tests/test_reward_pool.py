@@ -137,7 +137,10 @@ def test_a_task_that_cannot_be_built_in_a_process_is_said_with_each_score():
 
 @pytest.mark.parametrize("kw,said", [
     ({"reward_pool": "procs"}, r"trainer.reward_pool: 'procs' is not one of \('threads', 'processes'\)"),
-    ({"reward_timeout_s": 0}, r"trainer.reward_timeout_s must be > 0 seconds \(or null: no deadline\), got 0"),
+    ({"reward_timeout_s": 0}, r"trainer.reward_timeout_s must be in \(0, 9.22337e\+09\] seconds \(a thread's wait; "
+                              r"or null: no deadline\), got 0"),
+    # past threading.TIMEOUT_MAX: taken, then the pool's wait raised OverflowError
+    ({"reward_timeout_s": 1e10}, r"trainer.reward_timeout_s must be in \(0, 9.22337e\+09\]"),
 ])
 def test_config_refuses_bad_reward_settings(kw, said):
     with pytest.raises(ValueError, match=said):

@@ -34,10 +34,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
 
-from workers.tasks.scoring import USER_ERRORS, safe_score, safe_score_batch, score_batch_of
+from workers.tasks.scoring import deadline_passed, safe_score, safe_score_batch, score_batch_of, set_deadline
 from workers.types import Task, TaskPrompt
 
 REWARD_POOLS = ("threads", "processes")
+CANCEL_AFTER_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,15 @@ class _Threads:
             with self.lock:
                 job.started = time.monotonic()
                 self.running.add(job)
-            scored = job.fn(self.task, *job.args)
+            # an async reward is cancelled a moment after the pool gives up on it (which says why)
+            set_deadline(None if self.timeout_s is None else job.started + self.timeout_s + CANCEL_AFTER_S,
+                         self.timeout_s)
+            try:
+                scored = job.fn(self.task, *job.args)
+            except BaseException as e:  # noqa: BLE001 - never a thread that dies with its sample waiting
+                why = f"the task's score raised {e!r}"
+                scored = [Scored(math.nan, why, 0.0)] * len(job.args[0]) if job.fn is timed_batch else \
+                    Scored(math.nan, why, 0.0)
             with self.lock:
                 self.running.discard(job)
                 job.thread_done = True
@@ -152,6 +161,8 @@ class _Threads:
         now = time.monotonic()
         with self.lock:
             late = [j for j in self.running if now - j.started >= self.timeout_s]
+            if late:
+                deadline_passed()
             for job in late:
                 self.running.discard(job)
                 job.abandoned = True
@@ -217,7 +228,9 @@ class _Processes:
         except ProcessExpired as e:
             return Scored(math.nan, f"the reward process running the task's score died (exit code {e.exitcode})",
                           0.0)
-        except USER_ERRORS as e:  # noqa: BLE001 - e.g. a result that does not pickle
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - e.g. a result that does not pickle, FunctionTimedOut
             return Scored(math.nan, f"the reward process failed: {type(e).__name__}: {e}", 0.0)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
 from workers.types import Task, TaskPrompt
@@ -20,21 +21,59 @@ class _Loop:
     """One event loop for the process's ``async def`` rewards, in a daemon thread: a client a
     reward makes once and keeps (``httpx.AsyncClient``, ``openai.AsyncOpenAI``, an aiohttp
     session) stays bound to the loop it was made on, so every call must run there (a loop per
-    call, ``asyncio.run``, failed every call after the first: "attached to a different loop")."""
+    call, ``asyncio.run``, failed every call after the first: "attached to a different loop").
+
+    The loop beats every ``BEAT_S`` (a callback it runs). Once a reward has run past its deadline
+    (``suspect``, from the pool), a loop that has not beaten for a whole deadline (at least
+    ``MIN_STALL_S``) is blocked (a blocking call inside an ``async def`` reward: ``time.sleep``,
+    ``requests.get``, a long sympy call), and every reward queued behind it would run past its
+    deadline too, for the rest of the run: ``get(budget_s)`` then starts a fresh loop (said once
+    a loop; clients made on the old one cannot be used on it)."""
+
+    BEAT_S, MIN_STALL_S = 0.1, 0.5
 
     def __init__(self):
         self.lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.beat = 0.0  # time.monotonic() of the loop's last beat
+        self.suspect = False  # a reward ran past its deadline since the loop started
 
-    def get(self) -> asyncio.AbstractEventLoop:
+    def get(self, budget_s: float | None = None) -> asyncio.AbstractEventLoop:
         with self.lock:
+            if (self.loop is not None and self.suspect and budget_s is not None
+                    and time.monotonic() - self.beat > max(budget_s, self.MIN_STALL_S)):
+                log.warning("an async reward has blocked the reward event loop for over %g s (a blocking call "
+                            "inside `async def`: await instead); later async rewards run on a new loop (a client "
+                            "made on the old one cannot be used there)", budget_s)
+                self.loop = None
             if self.loop is None:
-                self.loop = asyncio.new_event_loop()
+                self.loop, self.beat, self.suspect = asyncio.new_event_loop(), time.monotonic(), False
+                self.loop.call_soon(self._beat, self.loop)
                 threading.Thread(target=self.loop.run_forever, name="streamrl-reward-loop", daemon=True).start()
             return self.loop
 
+    def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is self.loop:  # (a replaced loop stops beating)
+            self.beat = time.monotonic()
+            loop.call_later(self.BEAT_S, self._beat, loop)
+
 
 _LOOP = _Loop()
+
+
+def deadline_passed() -> None:
+    """A reward ran past its deadline (the pool's word): the reward loop may be blocked."""
+    _LOOP.suspect = True
+
+
+_DEADLINE = threading.local()  # this thread's score's deadline and budget; the pool sets them
+
+
+def set_deadline(at: float | None, budget_s: float | None = None) -> None:
+    """The time (``time.monotonic()``) the score this thread runs next is given up at (None:
+    never), and its whole budget (``reward_timeout_s``): an ``async def`` reward is cancelled
+    then (``resolve``) instead of running on, and a loop blocked for a budget is replaced."""
+    _DEADLINE.at, _DEADLINE.budget = at, budget_s
 
 
 def resolve(out):
@@ -48,7 +87,8 @@ def resolve(out):
     async def wait():
         return await out
 
-    loop = _LOOP.get()
+    at, budget = getattr(_DEADLINE, "at", None), getattr(_DEADLINE, "budget", None)
+    loop = _LOOP.get(budget)
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
@@ -56,7 +96,12 @@ def resolve(out):
     if running is loop:
         with ThreadPoolExecutor(max_workers=1) as pool:
             return pool.submit(asyncio.run, wait()).result()
-    return asyncio.run_coroutine_threadsafe(wait(), loop).result()
+    fut = asyncio.run_coroutine_threadsafe(wait(), loop)
+    try:
+        return fut.result(timeout=None if at is None else max(at - time.monotonic(), 0.0))
+    except FutureTimeout:  # past its deadline: cancelled (its task ends, and this thread is free)
+        fut.cancel()
+        raise TimeoutError("the async reward was cancelled past trainer.reward_timeout_s") from None
 
 
 def as_score(out) -> float:
@@ -121,11 +166,6 @@ class _Watch:
 WATCH = _Watch()
 
 
-# what a user's score may raise that costs only its sample: besides Exception, SystemExit
-# (sys.exit) and asyncio.CancelledError (asyncio.run over a cancelled task), BaseExceptions that
-# ended a reward thread without an answer (its sample waited forever); Ctrl-C is not among them
-USER_ERRORS = (Exception, SystemExit, asyncio.CancelledError)
-
 
 def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a sample") -> tuple[float, str]:
     """-> (the task's score, "") or (NaN, why): it raised, or gave no finite number (a number,
@@ -134,8 +174,11 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a s
     key = WATCH.enter(what)
     try:
         score = as_score(task.score(prompt, completion))
-    except USER_ERRORS as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit too: on a reward
-        # thread it ended the thread, its score never came and the trainer waited forever)
+    except KeyboardInterrupt:  # Ctrl-C stops the run, not a sample
+        raise
+    except BaseException as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit, asyncio's
+        # CancelledError, func_timeout's FunctionTimedOut: on a reward thread they ended the
+        # thread, the score never came and the trainer waited forever)
         return float("nan"), f"the task's score raised {e!r}"
     finally:
         WATCH.leave(key)
@@ -183,7 +226,9 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
                 continue
             scored.append(_finite(score))
         return scored
-    except USER_ERRORS as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
         return [(math.nan, f"the task's score_batch raised {e!r}")] * n
     finally:
         WATCH.leave(key)

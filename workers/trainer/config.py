@@ -2,6 +2,7 @@
 built by ``workers.config_schema.build_section``, as the run config's ``trainer:`` section)."""
 from __future__ import annotations
 
+import threading
 import typing
 from dataclasses import dataclass, fields
 
@@ -232,9 +233,9 @@ class TrainerConfig:
         one_of("on_bad_sample", self.on_bad_sample, BAD_SAMPLE_POLICIES)
         one_of("precision", self.precision, PRECISIONS)
         one_of("reward_pool", self.reward_pool, REWARD_POOLS)
-        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
-            raise ValueError(f"trainer.reward_timeout_s must be > 0 seconds (or null: no deadline), "
-                             f"got {self.reward_timeout_s}")
+        if self.reward_timeout_s is not None and not 0 < self.reward_timeout_s <= threading.TIMEOUT_MAX:
+            raise ValueError(f"trainer.reward_timeout_s must be in (0, {threading.TIMEOUT_MAX:g}] seconds (a "
+                             f"thread's wait; or null: no deadline), got {self.reward_timeout_s}")
         hints = typing.get_type_hints(type(self))  # resolved types (the annotations are strings)
         for f in fields(self):  # "false" or 0 given to a switch would be read as truthy / falsy
             value, nullable = getattr(self, f.name), hints[f.name] == typing.Optional[bool]

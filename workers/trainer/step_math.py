@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -165,12 +166,26 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str]:
     w.stats.add("score_wait_s", time.perf_counter() - t0)  # what the trainer waited, past its forwards
     w.stats.add("score_s", scored.seconds)  # the reward's own time (verl's timing_s/reward)
     score, why = scored.score, scored.why
-    if why and w.cfg.on_bad_sample == "skip" and why not in w.score_failures:
-        w.score_failures.add(why)
+    kind = failure_kind(why) if why else ""
+    if kind and w.cfg.on_bad_sample == "skip" and kind not in w.score_failures \
+            and len(w.score_failures) < MAX_FAILURE_KINDS:
+        w.score_failures.add(kind)
+        more = "; other kinds of failure are not logged" if len(w.score_failures) == MAX_FAILURE_KINDS else ""
         logging.getLogger("streamrl.trainer").warning(
             "sample %d: %s; skipped (samples failing the same way are counted in skipped_samples, not "
-            "logged again)", s.sample_id, why)
+            "logged again%s)", s.sample_id, why, more)
     return score, why
+
+
+MAX_FAILURE_KINDS = 32  # kinds of reward failure said in a run (each once)
+
+
+def failure_kind(why: str) -> str:
+    """What a reward failure is, without what varies per sample: the exception's type when it
+    raised (a ``ValueError("cannot parse '3x'")`` and one for ``'7y'`` are one kind, said once),
+    else the reason with its numbers blanked."""
+    raised = re.match(r".*? raised [\w.]+", why)
+    return raised.group(0) if raised else re.sub(r"\d+(?:\.\d+)?", "_", why)[:200]
 
 
 # trainer.algorithm -> (the group's rewards [G], their response lengths [G], config) -> advantages [G]

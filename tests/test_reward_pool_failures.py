@@ -1,0 +1,105 @@
+"""Rewards that fail the hard ways (workers/tasks/reward_pool.py, scoring.py): a BaseException
+outside Exception (func_timeout's FunctionTimedOut, raised by rewards with per-call deadlines),
+an ``async def`` reward that never answers, or one that blocks the shared event loop; and the
+trainer's log of failures, once per kind. Real threads and spawned processes; the deadlines are
+rewards that never return, no assertion reads a clock."""
+import asyncio
+import math
+import threading
+import time
+
+import pytest
+
+from workers.tasks.reward_pool import RewardPool
+from workers.trainer.step_math import failure_kind
+from workers.types import TaskPrompt
+
+P = TaskPrompt(prompt="q", answer="5", task="t")
+
+
+class TimedOut(BaseException):
+    """As func_timeout.FunctionTimedOut: a BaseException, not an Exception."""
+
+
+class Raises:
+    """Module-level: a spawned reward process builds it by pickle."""
+
+    def prompts(self, split):
+        return []
+
+    def score(self, prompt, completion):
+        raise TimedOut("reward call took too long")
+
+
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_a_base_exception_costs_its_sample_only(pool):
+    """threads: the reward thread died with the sample's future unset (no deadline: the trainer
+    waited forever); processes: result() raised it into the trainer."""
+    rewards = RewardPool(Raises(), workers=1, pool=pool)
+    try:
+        out = [rewards.result(rewards.submit(P, "x", f"sample {i}")) for i in range(3)]
+    finally:
+        rewards.close()
+    assert all(math.isnan(r.score) for r in out)
+    assert all("TimedOut" in r.why and "reward call took too long" in r.why for r in out), out
+
+
+class Judge:
+    """An async judge: "wait" never answers (a server down, no client timeout), "block" blocks the
+    loop with a sync call (a mistake inside `async def`), anything else answers at once."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def prompts(self, split):
+        return []
+
+    async def score(self, prompt, completion):
+        if completion == "wait":
+            await asyncio.Event().wait()
+        if completion == "block":
+            self.release.wait(30)
+        await asyncio.sleep(0)
+        return float(completion == prompt.answer)
+
+
+def test_an_async_reward_past_its_deadline_is_cancelled():
+    """It was left pending on the loop, its worker thread blocked on it for the rest of the run."""
+    from workers.tasks import scoring
+
+    rewards = RewardPool(Judge(), workers=2, timeout_s=0.2)
+    out = [rewards.result(j) for j in [rewards.submit(P, "wait", f"sample {i}") for i in range(8)]]
+    assert all(r.why.startswith("the task's score ran past trainer.reward_timeout_s") for r in out)
+    for _ in range(100):  # (cancelled half a second after the pool gave up: CANCEL_AFTER_S)
+        live = [t for t in threading.enumerate() if t.name == "streamrl-reward"]
+        if len(live) <= 2 and not asyncio.all_tasks(scoring._LOOP.loop):
+            break
+        time.sleep(0.05)
+    assert len(live) <= 2 and not asyncio.all_tasks(scoring._LOOP.loop), (len(live), "threads")
+    assert rewards.result(rewards.submit(P, "5", "after")).score == 1.0
+    rewards.close()
+
+
+def test_an_async_reward_blocking_the_loop_costs_its_sample_not_the_later_ones():
+    """One event loop serves every async reward: one blocking it past its deadline made every
+    later async score of the run time out too, each waiting behind it."""
+    judge = Judge()
+    rewards = RewardPool(judge, workers=4, timeout_s=1.0)
+    try:
+        first = rewards.result(rewards.submit(P, "block", "sample 0"))
+        assert first.why.startswith("the task's score ran past trainer.reward_timeout_s")
+        later = [rewards.result(j) for j in [rewards.submit(P, "5", f"sample {i}") for i in range(1, 5)]]
+        assert [(r.score, r.why) for r in later] == [(1.0, "")] * 4
+    finally:
+        judge.release.set()
+        rewards.close()
+
+
+def test_failures_are_said_once_per_kind():
+    """The trainer logs a failure once per kind: keyed by the whole message, a ValueError quoting
+    each sample's answer was logged for every sample (and kept for the whole run)."""
+    kinds = {failure_kind(f"the task's score raised ValueError(\"cannot parse '{x}'\")") for x in ("3x", "7 y", "'")}
+    assert kinds == {"the task's score raised ValueError"}
+    assert failure_kind("the task's score is nan") == "the task's score is nan"
+    assert failure_kind("the reward process running the task's score died (exit code 9)") == \
+        failure_kind("the reward process running the task's score died (exit code 15)")
