@@ -100,7 +100,7 @@ VERL_NOTES = {
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
     "balance_batch": "no token balancing across trainer ranks: each group streams to its rank as it is generated "
-                     "(group id mod the trainer ranks)",
+                     "(its index in the iteration, rotated by the iteration, mod the trainer ranks)",
 }
 
 

@@ -23,12 +23,15 @@ import torch
 from controller.config import PipelineSection
 from controller.rpc import LOCAL
 from controller.timeline import SpanRecorder
-from workers.types import EngineStats, Request, Sample
+from workers.types import SAMPLE_STRIDE, EngineStats, Request, Sample
 
 
 def route(group_id: int, num_trainers: int) -> int:
-    """Trainer DP index that trains ``group_id`` (a GRPO group never splits across ranks)."""
-    return group_id % num_trainers
+    """Trainer DP index that trains ``group_id`` (a GRPO group never splits across ranks): its
+    index in the iteration, rotated by the iteration (``SAMPLE_STRIDE`` is a multiple of most
+    rank counts: with ``batch_prompts`` not one, the same low ranks took the extra groups at
+    every step)."""
+    return (group_id + group_id // SAMPLE_STRIDE) % num_trainers
 
 
 @dataclass

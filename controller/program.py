@@ -22,6 +22,7 @@ import time
 import torch
 
 from controller.data import PromptStream
+from controller.instance import route
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
 from controller.batch import Batch, IterationResult, Push
@@ -98,7 +99,7 @@ class Program:
         g = self.per_prompt
         per: list[tuple[dict, dict]] = [({}, {}) for _ in range(n)]
         for r in requests:
-            prompts, groups = per[r.group_id % n]
+            prompts, groups = per[route(r.group_id, n)]
             prompts[r.sample_id] = b.items[(r.group_id - b.iteration * SAMPLE_STRIDE)]
             groups[r.group_id] = g
         wait_all([t.call(method, b.iteration, prompts, groups, *extra)

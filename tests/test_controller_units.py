@@ -336,3 +336,19 @@ def test_a_length_trace_with_other_fields_is_a_config_error(tmp_path):
     good = tmp_path / "g.jsonl"
     good.write_text('{"question": "x", "resp_words": [10]}\n')
     assert forced_lengths(str(good), 1.0, 64)(TaskPrompt("anything", "", "t")) == 13
+
+
+def test_the_extra_groups_of_an_iteration_rotate_over_the_trainer_ranks():
+    """9 prompts on 8 trainer ranks: rank 0 took two groups at every step (SAMPLE_STRIDE is a
+    multiple of 8); now each rank takes the extra one in turn."""
+    from collections import Counter
+
+    from controller.instance import route
+    from workers.types import SAMPLE_STRIDE
+
+    extra = []
+    for it in range(8):
+        load = Counter(route(it * SAMPLE_STRIDE + j, 8) for j in range(9))
+        assert sorted(load.values()) == [1] * 7 + [2]
+        extra += [r for r, n in load.items() if n == 2]
+    assert sorted(extra) == list(range(8))
