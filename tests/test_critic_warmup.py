@@ -91,3 +91,23 @@ def test_verls_count(warmup, frozen):
 def test_without_a_critic_it_is_refused():
     with pytest.raises(ValueError, match=r"trainer.critic_warmup \(2\) is only used by algorithm 'ppo', not 'grpo'"):
         TrainerConfig(algorithm="grpo", critic_warmup=2)
+
+
+def test_the_actors_schedule_counts_its_own_updates_across_a_resume_that_changes_the_warmup(model_dir, task, tmp_path):
+    """The actor's schedule step was the scheduler's minus a fixed warm-up: a resume with another
+    critic_warmup put the actor at the wrong step (3 instead of 1 here; a longer warm-up on
+    resume made its lr go back). It counts the steps that updated the actor, saved with them."""
+    cfg = dict(CFG, lr_schedule="linear", warmup_steps=0)
+    f = lr_lambda(TrainerConfig(**cfg))
+    batches = _iterations(model_dir, task, 4)
+    a = TrainerWorker(TrainerConfig(critic_warmup=3, **cfg), model_dir, task, device="cpu")
+    for it in range(3):  # 0 and 1 critic-only, 2 the actor's first update
+        _train(a, it, batches[it])
+    assert a.actor_steps == 1
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    b = TrainerWorker(TrainerConfig(critic_warmup=0, **cfg), model_dir, task, device="cpu")
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert b.actor_steps == 1
+    res = _train(b, 3, batches[3])  # the actor's second update: its schedule's step 1
+    assert res.metrics["lr"] == pytest.approx(1e-2 * f(1)) and f(1) != f(3)
+    assert b.optimizer.param_groups[1]["lr"] == pytest.approx(1e-2 * f(4))  # the critic's: every step

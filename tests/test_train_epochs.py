@@ -77,13 +77,15 @@ def test_the_trainers_schedule_takes_the_derived_length_before_its_first_step(tm
     cfg = TrainerConfig(lr=1.0, lr_schedule="linear", warmup_ratio=0.5, total_steps=1)
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=cfg.lr)
-    w = SimpleNamespace(cfg=cfg, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
+    w = SimpleNamespace(cfg=cfg, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+                        actor_steps=0)  # (the schedule steps that updated the policy: TrainerWorker's)
     set_total_steps(w, 4)
     assert (w.cfg.total_steps, w.cfg.warmup) == (4, 2)
     lrs = []
     for _ in range(4):
         lrs.append(w.scheduler.get_last_lr()[0])
         opt.step()
+        w.actor_steps += 1
         w.scheduler.step()
     assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.5])  # warmup (s + 1) / 2, then linear over the other 2
     with pytest.raises(RuntimeError, match="after 4 scheduler steps"):

@@ -62,6 +62,7 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
         state = {
             "optimizer": optimizer_state,
             "scheduler": w.scheduler.state_dict(),
+            "actor_steps": w.actor_steps,
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "version": w.version,
@@ -226,6 +227,9 @@ def load(w: "TrainerWorker", path: str) -> None:
     for group, h in zip(w.optimizer.param_groups, hyper):
         group.update(h)
     w.scheduler.base_lrs = [h["initial_lr"] for h in hyper]
+    # the schedule steps that updated the actor (trainer.critic_warmup's are not; a checkpoint of
+    # before session 49, which had no warm-up, holds none: every step did)
+    w.actor_steps = int(state.get("actor_steps", w.scheduler.last_epoch))
     # the lr of the step it resumes at, under this run's schedule: a run continued with more
     # iterations has a longer schedule (total_steps follows them), and the saved lr was the old
     # schedule's (its last step: 0 for cosine / linear)

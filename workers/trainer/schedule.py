@@ -23,15 +23,13 @@ def _linear(progress: float, min_ratio: float) -> float:
 DECAYS: dict[str, Callable[[float, float], float]] = {"constant": _constant, "cosine": _cosine, "linear": _linear}
 
 
-def lr_lambda(cfg: TrainerConfig, delay: int = 0) -> Callable[[int], float]:
+def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
     """step -> multiplier of the base lr (for ``torch.optim.lr_scheduler.LambdaLR``). The warmup
-    is ``cfg.warmup``: ``warmup_steps``, or ``warmup_ratio`` of ``total_steps``. ``delay``: the
-    schedule starts that many steps late (step ``delay`` is its step 0)."""
+    is ``cfg.warmup``: ``warmup_steps``, or ``warmup_ratio`` of ``total_steps``."""
     decay = DECAYS[cfg.lr_schedule]
     warmup = cfg.warmup
 
     def f(step: int) -> float:
-        step = max(0, step - delay)
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
@@ -40,11 +38,13 @@ def lr_lambda(cfg: TrainerConfig, delay: int = 0) -> Callable[[int], float]:
     return f
 
 
-def group_lambdas(cfg: TrainerConfig, groups: int) -> list[Callable[[int], float]]:
-    """The schedule of each optimizer parameter group: the policy's (the first) starts after
-    ``trainer.critic_warmup``'s critic-only iterations, as verl's actor scheduler, which steps
-    only when the actor is updated; the critic's from the first."""
-    return [lr_lambda(cfg, cfg.critic_only_iterations)] + [lr_lambda(cfg) for _ in range(groups - 1)]
+def group_lambdas(cfg: TrainerConfig, groups: int, actor_steps: Callable[[], int]) -> list[Callable[[int], float]]:
+    """The schedule of each optimizer parameter group: the policy's (the first) at the steps that
+    updated it (``actor_steps()``: ``trainer.critic_warmup``'s critic-only iterations are not, as
+    verl's actor scheduler steps only with the actor; counted, so a resume that changes the
+    warm-up, or a skipped step inside it, keeps the actor's place), the critic's at every step."""
+    actor = lr_lambda(cfg)
+    return [lambda step: actor(actor_steps())] + [lr_lambda(cfg) for _ in range(groups - 1)]
 
 
 def set_total_steps(worker, total_steps: int) -> None:
@@ -63,7 +63,7 @@ def apply_schedule(worker) -> None:
     scheduler's current step under it: after a new ``total_steps``, or a resume (whose saved lr
     was the saved run's schedule's)."""
     s = worker.scheduler
-    s.lr_lambdas = group_lambdas(worker.cfg, len(worker.optimizer.param_groups))
+    s.lr_lambdas = group_lambdas(worker.cfg, len(worker.optimizer.param_groups), lambda: worker.actor_steps)
     for group, base, lam in zip(worker.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
         group["lr"] = base * lam(s.last_epoch)
     s._last_lr = [g["lr"] for g in worker.optimizer.param_groups]

@@ -114,7 +114,9 @@ class TrainerWorker:
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
         self.optimizer = optimizer.build(cfg, groups, world_size, group)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, group_lambdas(cfg, len(groups)))
+        self.actor_steps = 0  # schedule steps that updated the actor (not trainer.critic_warmup's)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           group_lambdas(cfg, len(groups), lambda: self.actor_steps))
         self._version = 0
         self.iteration = -1
         # beta of trainer.kl_mode reward: fixed, or adapted after each step (trainer.kl_target)
@@ -386,6 +388,7 @@ class TrainerWorker:
             applied, norms = streamed_updates(self, params, divisor)
         metrics.update(norms or {}, lr=lr)
         if applied:
+            self.actor_steps += self.iteration >= self.cfg.critic_only_iterations  # (before: its lambda reads it)
             self.scheduler.step()
             self._version += 1
         self.optimizer.zero_grad(set_to_none=True)
