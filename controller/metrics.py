@@ -49,10 +49,13 @@ class Metrics:
     earlier attempts (``spans.jsonl``) stay in the trace, as processes of their own."""
 
     def __init__(self, logdir: str | Path, timeline_every: int = 5, trackers: list | None = None,
-                 validation_data_dir: str = "", log_val_generations: int = 0):
+                 validation_data_dir: str = "", log_val_generations: int = 0, timeline_files: bool = True):
         """``trackers``: ``controller.trackers`` (wandb) that get every scalar TensorBoard gets.
         ``validation_data_dir`` / ``log_val_generations``: each evaluation's generations as JSON
-        lines there, and its first N as TensorBoard text (``log_eval``)."""
+        lines there, and its first N as TensorBoard text (``log_eval``). ``timeline_files``
+        False: timeline.png / timeline.json are left as they are (``train.eval_only``: the run
+        it evaluates keeps its own)."""
+        self.timeline_files = timeline_files
         self.logdir = Path(logdir)
         self.validation_data_dir, self.log_val_generations = validation_data_dir, log_val_generations
         self.trackers = Fanout(trackers or [])
@@ -257,7 +260,7 @@ class Metrics:
             print(f"[controller] timeline files up to iteration {upto - 1} not written: {e!r}; the run goes on",
                   file=sys.stderr, flush=True)
 
-    def write_timeline(self, upto: int) -> Path:
+    def write_timeline(self, upto: int) -> Path | None:
         """The timeline files of the iterations before ``upto`` (as ``range``): the Gantt figure
         of this attempt's last 400 spans (``timeline.png``; TensorBoard ``timeline/gantt`` at
         step ``upto - 1`` when this attempt logged it, once per step; none with
@@ -265,7 +268,9 @@ class Metrics:
         both files are replaced atomically."""
         return self._write(upto, len(self.spans))
 
-    def _write(self, upto: int, n: int, last: int = 400) -> Path:
+    def _write(self, upto: int, n: int, last: int = 400) -> Path | None:
+        if not self.timeline_files:
+            return None
         with self._write_lock:
             spans = self.spans[:n]
             if self.timeline_every:  # 0: no figure at all (the Chrome trace is still written)
@@ -344,9 +349,9 @@ def _append_line(path: Path, line: str) -> None:
 
 
 def _drop_rows_from(path: Path, first: int) -> bool:
-    """Keep the rows of iterations before ``first`` (a resumed run writes the rest again) and
-    drop a torn last line; replaced atomically, untouched when nothing changes. True when rows
-    of ``first`` or later were there."""
+    """Keep the rows of iterations before ``first`` (a resumed run writes the rest again), and
+    train.eval_only's (no run writes them again), and drop a torn last line; replaced atomically,
+    untouched when nothing changes. True when other rows of ``first`` or later were there."""
     if not path.exists():
         return False
     text = path.read_text()
@@ -355,7 +360,8 @@ def _drop_rows_from(path: Path, first: int) -> bool:
         try:
             if not line.endswith("\n"):
                 continue  # torn
-            if json.loads(line)["iteration"] < first:
+            row = json.loads(line)
+            if row["iteration"] < first or row.get("source") == "eval_only":
                 kept.append(line)
             else:
                 again = True

@@ -222,14 +222,13 @@ def _eval_rows(logdir: Path) -> list[dict]:
 
 
 def _rows(logdir: Path) -> int:
-    """Rows ``logdir``'s iterations.jsonl and eval.jsonl hold (a resume from iteration 0 drops them all)."""
-    n = 0
-    for name in ("iterations.jsonl", "eval.jsonl"):
-        try:
-            n += sum(1 for line in (logdir / name).read_text(errors="replace").splitlines() if line.strip())
-        except OSError:
-            pass
-    return n
+    """Rows ``logdir``'s iterations.jsonl and eval.jsonl hold (a resume from iteration 0 drops them
+    all; not train.eval_only's, which stay)."""
+    try:
+        n = sum(1 for line in (logdir / "iterations.jsonl").read_text(errors="replace").splitlines() if line.strip())
+    except OSError:
+        n = 0
+    return n + sum(row.get("source") != "eval_only" for row in _eval_rows(logdir))
 
 
 def _refuse_restart_over_rows(logdir: Path, resume: str) -> None:

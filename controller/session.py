@@ -111,9 +111,12 @@ class Session:
         self.task = self._fitting_task(self.task)
         cfg = self.cfg  # train.epochs: with the iterations derived from the kept prompts
         lg = cfg.logging
+        # an eval-only run writes its evaluation beside the run's logs, nothing else of them: no
+        # timeline files, and no tracker (its wandb run is the training run's, whose steps only grow)
         self.metrics = Metrics(self.logdir, lg.timeline_every,
-                               make_trackers(lg.trackers, self.logdir, lg.project, lg.experiment, plain(cfg)),
-                               lg.validation_data_dir, lg.log_val_generations)
+                               make_trackers([] if cfg.train.eval_only else lg.trackers, self.logdir, lg.project,
+                                             lg.experiment, plain(cfg)),
+                               lg.validation_data_dir, lg.log_val_generations, timeline_files=not cfg.train.eval_only)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
         self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
@@ -343,7 +346,7 @@ class Session:
         # (fresh) nothing of this run's worth a copy
         final = self.resumed_from if c.train.eval_only else self.final_checkpoint()
         self._drain_last_spans()
-        if self.metrics.spans and not c.train.eval_only:  # (its timeline.png would replace the run's)
+        if self.metrics.spans:
             self.metrics.write_timeline(self.program.iteration)
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
         summary.update(logdir=str(self.logdir), checkpoint=str(final) if final else None, mode=self.program.mode.name,

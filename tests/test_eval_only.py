@@ -39,8 +39,9 @@ def test_a_fresh_eval_only_run_scores_the_starting_weights_and_trains_nothing(tm
     assert len(gens) == 4 and row["generations"].endswith("-1.eval_only_p4.jsonl")
     assert _scalars(logdir, "eval_only/p4/mean") == [(-1, round(row["eval/mean"], 6))]
     assert _scalars(logdir, "eval/mean") == []
-    # it trained nothing: the folder holds no run, and one may start there (verl: val_only, then train)
-    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=1), timeout=240)
+    # it trained nothing: the folder holds no run, and one may start there (verl: val_only, then
+    # train), also as torchrun --max-restarts jobs launch, with --resume of their own folder
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=1), extra=["--resume", str(logdir)], timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = _rows(logdir / "eval.jsonl")
     assert rows[0] == row and [(r["iteration"], r["source"]) for r in rows[1:]] == [(0, "periodic")]
@@ -56,6 +57,7 @@ def test_eval_only_of_a_checkpoint_keeps_the_run_it_resumes(tmp_path, tiny_model
     periodic = (gens / "1.jsonl").read_text()
     ckpts = sorted(x.name for x in (logdir / "checkpoints").iterdir())
     latest = (logdir / "checkpoints" / "latest").resolve()
+    timeline = {f: (logdir / f).read_bytes() for f in ("timeline.png", "timeline.json")}
     trained = {tag: _scalars(logdir, tag) for tag in ("eval/mean", "train/reward_mean")}
     assert [s for s, _ in trained["train/reward_mean"]] == [0, 1, 2, 3]
 
@@ -73,7 +75,26 @@ def test_eval_only_of_a_checkpoint_keeps_the_run_it_resumes(tmp_path, tiny_model
     assert "after iteration 1 (weight version 2, 4 prompts)" in p.stderr
     assert sorted(x.name for x in (logdir / "checkpoints").iterdir()) == ckpts  # none written
     assert (logdir / "checkpoints" / "latest").resolve() == latest  # a plain --resume continues from the last
+    assert {f: (logdir / f).read_bytes() for f in timeline} == timeline  # (close() rewrote them with its spans)
     assert last_json(p.stdout)["checkpoint"] == str(logdir / "checkpoints" / "iter_000002")
     assert (gens / "1.jsonl").read_text() == periodic and len(_rows(gens / "1.eval_only_p4.jsonl")) == 4
     assert {tag: _scalars(logdir, tag) for tag in trained} == trained  # no step purged
     assert _scalars(logdir, "eval_only/p4/mean") == [(1, round(new["eval/mean"], 6))]
+
+
+def test_eval_only_rows_are_no_run_and_no_run_drops_them(tmp_path):
+    """A fork's eval-only row (at the step of the checkpoint it evaluated) was dropped by the
+    first write of a training run started in that folder, and counted as a run's rows by the
+    --resume of a torchrun --max-restarts job launched there."""
+    from controller.metrics import _drop_rows_from
+    from controller.preflight import _refuse_restart_over_rows, refuse_previous_run
+
+    rows = [{"iteration": 1, "source": "eval_only", "eval/mean": 0.5}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refuse_previous_run(tmp_path)  # no run there: nothing raised
+    _refuse_restart_over_rows(tmp_path, str(tmp_path))
+    rows.append({"iteration": 2, "source": "periodic", "eval/mean": 0.25})
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _drop_rows_from(tmp_path / "eval.jsonl", 0)  # the periodic row is run again
+    assert _rows(tmp_path / "eval.jsonl") == rows[:1]
+
