@@ -31,7 +31,8 @@ def route(group_id: int, num_trainers: int) -> int:
     index in the iteration, rotated by the iteration (``SAMPLE_STRIDE`` is a multiple of most
     rank counts: with ``batch_prompts`` not one, the same low ranks took the extra groups at
     every step)."""
-    return (group_id + group_id // SAMPLE_STRIDE) % num_trainers
+    iteration, index = divmod(group_id, SAMPLE_STRIDE)
+    return (index + iteration) % num_trainers
 
 
 @dataclass

@@ -88,7 +88,8 @@ class SimConfig:
     train_shared_slowdown: float = 1.0  # shared host: training's time factor while another stage computes
     train_ranks: int = 1  # trainer DP ranks training at the same time (colocated: one per instance)
     # colocated as the runtime runs it (controller/instance.route, controller/trainer_rank): DP
-    # rank k trains the samples of groups g % train_ranks == k, at ``trainer.s_per_token`` (one
+    # rank k trains the samples of groups g % train_ranks == k (route's split, up to which rank is
+    # which: it rotates by the iteration), at ``trainer.s_per_token`` (one
     # rank's cost per token), once all of them are in; then every rank steps together
     # (all-reduce) for ``trainer.fixed_s``. False: one trainer takes the whole iteration.
     colocated_dp: bool = False
