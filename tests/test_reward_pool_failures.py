@@ -67,15 +67,19 @@ def test_an_async_reward_past_its_deadline_is_cancelled():
     """It was left pending on the loop, its worker thread blocked on it for the rest of the run."""
     from workers.tasks import scoring
 
+    def reward_threads() -> int:  # (other tests' pools may have left theirs: counted from here)
+        return sum(t.name == "streamrl-reward" for t in threading.enumerate())
+
+    before = reward_threads()
     rewards = RewardPool(Judge(), workers=2, timeout_s=0.2)
     out = [rewards.result(j) for j in [rewards.submit(P, "wait", f"sample {i}") for i in range(8)]]
     assert all(r.why.startswith("the task's score ran past trainer.reward_timeout_s") for r in out)
     for _ in range(100):  # (cancelled half a second after the pool gave up: CANCEL_AFTER_S)
-        live = [t for t in threading.enumerate() if t.name == "streamrl-reward"]
-        if len(live) <= 2 and not asyncio.all_tasks(scoring._LOOP.loop):
+        if reward_threads() <= before + 2 and not asyncio.all_tasks(scoring._LOOP.loop):
             break
         time.sleep(0.05)
-    assert len(live) <= 2 and not asyncio.all_tasks(scoring._LOOP.loop), (len(live), "threads")
+    assert reward_threads() <= before + 2, (reward_threads() - before, "threads left by 8 timeouts")
+    assert not asyncio.all_tasks(scoring._LOOP.loop)
     assert rewards.result(rewards.submit(P, "5", "after")).score == 1.0
     rewards.close()
 
