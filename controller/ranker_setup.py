@@ -59,6 +59,10 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
         print(f"[controller] ranker: {r.kind} from {path} (its estimates are in the unit it was trained on)",
               file=sys.stderr, flush=True)
         return saved
+    if cfg.train.eval_only:  # no generation of its own nor a file written for an evaluation
+        print(f"[controller] ranker: none at {path}, and an eval-only run bootstraps none (its requests are "
+              "dispatched without length estimates)", file=sys.stderr, flush=True)
+        return None
     t0 = time.time()
     with span():
         try:

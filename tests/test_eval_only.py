@@ -22,10 +22,12 @@ def _scalars(logdir, tag) -> list[tuple[int, float]]:
 
 
 def test_a_fresh_eval_only_run_scores_the_starting_weights_and_trains_nothing(tmp_path, tiny_model):  # noqa: F811
-    cfg = write_config(tmp_path, tiny_model, train__eval_only=True,
-                       logging__validation_data_dir=str(tmp_path / "gens"))
+    cfg = write_config(tmp_path, tiny_model, train__eval_only=True, ranker__kind="lgbm",
+                       ranker__path=str(tmp_path / "ranker"), logging__validation_data_dir=str(tmp_path / "gens"))
     p = torchrun(cfg, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
+    # no ranker at ranker.path: none bootstrapped (it generated on train prompts and saved one)
+    assert "an eval-only run bootstraps none" in p.stderr and not (tmp_path / "ranker").exists()
     logdir = tmp_path / "run"
     [row] = _rows(logdir / "eval.jsonl")
     assert (row["iteration"], row["source"], row["prompts"], row["weight_version"]) == (-1, "eval_only", 4, 0)
