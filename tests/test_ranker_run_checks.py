@@ -74,7 +74,7 @@ def test_a_bootstrapped_ranker_takes_its_seed_from_the_options(tmp_path):
 
     cfg = SimpleNamespace(ranker=RankerSection(kind="lgbm", path=str(tmp_path / "r"), bootstrap_prompts=40,
                                                options={**SMALL_LGBM, "seed": 7}),
-                          train=SimpleNamespace(seed=3, group_size=2))
+                          train=SimpleNamespace(seed=3, group_size=2, eval_only=False))
     pool, lengths = synth(60, seed=1)
     truth = dict(zip(pool, lengths))
     model = run_ranker(cfg, saved_ranker(cfg), None, lambda ps: [truth[p] for p in ps], pool)
@@ -95,7 +95,7 @@ def test_too_few_bootstrap_prompts_for_the_kind_is_a_config_error(tmp_path):
     _check_ranker(RankerSection(kind="lm", path=str(tmp_path / "r"), bootstrap_prompts=2))
     # a train split smaller than the kind needs: said naming the key, before any generation
     cfg = SimpleNamespace(ranker=RankerSection(kind="lgbm", path=str(tmp_path / "r2"), bootstrap_prompts=64),
-                          train=SimpleNamespace(seed=0, group_size=2))
+                          train=SimpleNamespace(seed=0, group_size=2, eval_only=False))
     asked = []
     with pytest.raises(ConfigError, match=r"ranker.bootstrap_prompts: lgbm ranker needs at least 20 \(prompt, "
                                           r"length\) pairs to fit \(12 prompts given"):
