@@ -7,7 +7,7 @@ from controller.modes import MODES
 
 def config_notes(cfg) -> list[str]:
     """The notices that apply to ``cfg``."""
-    return [note for note in (whitening_note(cfg), off_policy_note(cfg), shard_note(cfg)) if note]
+    return [note for note in (whitening_note(cfg), off_policy_note(cfg) or async_note(cfg), shard_note(cfg)) if note]
 
 
 def whitening_note(cfg) -> str | None:
@@ -52,6 +52,17 @@ def off_policy_note(cfg) -> str | None:
                 "trainer.rollout_is: token (or sequence; verl's rollout_correction, trainer.tis_cap e.g. 2 is "
                 "its token form) weights each token by the trainer/sampler probability ratio")
     return None
+
+
+def async_note(cfg) -> str | None:
+    """The one-line notice for an async mode (the default, ``async_stream``): each iteration
+    trains on samples of the previous weights, where verl's loop is synchronous."""
+    mode = MODES[cfg.pipeline.mode]
+    if mode.lag == 0:
+        return None
+    return (f"pipeline.mode {cfg.pipeline.mode} (StreamRL-Async) trains each iteration on samples of the previous "
+            "weights: one step off-policy; verl's synchronous loop is pipeline.mode: batch (stream overlaps "
+            "training with generation on-policy)")
 
 
 def shard_note(cfg) -> str | None:

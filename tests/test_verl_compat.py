@@ -269,6 +269,12 @@ def test_async_modes_note_that_recomputed_old_logprobs_leave_staleness_uncorrect
     assert note and "pipeline.mode async_stream" in note and "trainer.tis_cap" in note
     assert off_policy_note(from_dict({"train": top_p, "pipeline": {"mode": "stream"}})) is None  # on-policy
     assert off_policy_note(from_dict({"pipeline": {"mode": "async_stream"}})) is None  # the sampler's log-probs
+    # ... but an async mode (the default) is said: verl's loop is synchronous
+    from controller.config_notes import async_note, config_notes
+
+    assert "one step off-policy; verl's synchronous loop is pipeline.mode: batch" in async_note(from_dict({}))
+    assert async_note(from_dict({"pipeline": {"mode": "stream"}})) is None
+    assert [n for n in config_notes(from_dict({"train": top_p})) if "pipeline.mode" in n] == [note]  # one of the two
     tis = from_dict({"train": top_p, "pipeline": {"mode": "async_stream"}, "trainer": {"tis_cap": 2}})
     assert off_policy_note(tis) is None and tis.trainer.tis_cap == 2.0
     with pytest.raises(ConfigError, match="trainer.tis_cap must be >= 0"):
