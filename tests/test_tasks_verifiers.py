@@ -292,6 +292,11 @@ def test_a_task_score_follows_the_verifier_rule_for_what_it_returns():
     score, why = safe_score(Task("1.0"), p, "2")  # a string was read as a number, silently
     assert why == "the task's score raised ValueError(\"the reward returned str '1.0', not a number\")", why
     assert safe_score(Task(True), p, "2") == (1.0, "")
+    # verl's default_compute_score takes res[0] of what is neither a dict nor a number:
+    # prime_math's (is_correct, format_correct, extracted) was refused as a tuple
+    assert safe_score(Task((True, True, "3")), p, "2") == (1.0, "")
+    assert safe_score(Task([0.25, "why"]), p, "2") == (0.25, "")
+    assert "the reward returned tuple ()" in safe_score(Task(()), p, "2")[1]
 
 
 def test_a_score_running_long_is_said_once(monkeypatch):

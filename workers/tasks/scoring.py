@@ -105,14 +105,17 @@ def resolve(out):
 
 
 def as_score(out) -> float:
-    """A number, or verl's {"score": number, ...}; an awaitable is awaited first; anything else
-    is a ValueError saying what it was (the trainer skips that sample and logs it). One rule for
-    a task's ``score`` and a verifier function alike."""
+    """A number, or verl's {"score": number, ...}, or a tuple / list whose first item is one (verl's
+    ``default_compute_score`` takes ``res[0]``: prime_math returns (is_correct, format_ok,
+    answer)); an awaitable is awaited first; anything else is a ValueError saying what it was (the
+    trainer skips that sample and logs it). One rule for a task's ``score`` and a verifier alike."""
     out = resolve(out)
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"the reward returned a dict without 'score' (keys {sorted(map(str, out))})")
         out = out["score"]
+    elif isinstance(out, (tuple, list)) and out:
+        out = out[0]
     if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
         raise ValueError(f"the reward returned {type(out).__name__} {out!r:.60}, not a number")
     return float(out)
