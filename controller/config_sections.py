@@ -293,8 +293,9 @@ def _keyword_keys(section, name: str, key: str) -> None:
 
 
 def _path_key(section, name: str, key: str, required: str = "") -> None:
-    """A path key of a section: ``~`` is the user's home (a YAML value is no shell word, so
-    nothing else expands it: ``~/runs`` made a folder named ``~``); ``required``: what the key
+    """A path key of a section: ``~`` is the user's home and ``$VAR`` / ``${VAR}`` a set
+    environment variable (a YAML value is no shell word, so nothing else expands them: ``~/runs``
+    made a folder named ``~``; verl's scripts write ``$HOME/...``); ``required``: what the key
     names, when it may not be empty (an empty one failed later, in the bootstrap)."""
     value = getattr(section, key)
     if not isinstance(value, str):
@@ -303,5 +304,5 @@ def _path_key(section, name: str, key: str, required: str = "") -> None:
         default = next(f.default for f in dataclasses.fields(section) if f.name == key)
         raise ConfigError(f"{name}.{key}: empty{f' ({value!r})' if value else ''}; give {required} (or leave the "
                           f"key out for its default, {default})")
-    if value.startswith("~"):
-        object.__setattr__(section, key, os.path.expanduser(value))
+    if value.startswith("~") or "$" in value:
+        object.__setattr__(section, key, os.path.expanduser(os.path.expandvars(value)))

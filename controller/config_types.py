@@ -99,6 +99,18 @@ VERL_NOTES = {
     "param_offload": "no CPU offload of parameters or optimizer state",
     "optimizer_offload": "no CPU offload of parameters or optimizer state; trainer.shard_optimizer: true shards the "
                          "AdamW state over the trainer ranks (ZeRO-1)",
+    "use_remove_padding": "nothing to set: micro-batches are always packed without padding",
+    "use_fused_kernels": "nothing to set: the trainer's logits and log-probs are computed in chunks of the "
+                         "vocabulary always",
+    "tensor_model_parallel_size": "no tensor parallelism: one GPU per generation instance (engine.backend: vllm "
+                                  "passes engine.backend_options to vllm.EngineArgs, untested with several GPUs)",
+    "fsdp_config": "no FSDP: each trainer rank holds the whole model, data parallel (trainer.shard_optimizer "
+                   "shards the AdamW state, ZeRO-1)",
+    "optim": "trainer.lr, trainer.weight_decay, trainer.warmup_steps / warmup_ratio, trainer.lr_schedule, "
+             "trainer.min_lr_ratio, trainer.total_steps (actor), trainer.critic_lr (critic)",
+    "reward_manager": "naive is the default; prime is trainer.reward_pool: processes (reward_workers, "
+                      "reward_timeout_s); batch is a verifier with verl's batch names; dapo is trainer.overlong_buffer "
+                      "and trainer.overlong_penalty with any verifier",
     "balance_batch": "no token balancing across trainer ranks: each group streams to its rank as it is generated "
                      "(its index in the iteration, rotated by the iteration, mod the trainer ranks)",
 }
@@ -113,6 +125,23 @@ def key_hint(key: str, known) -> str:
     return config_schema.near_miss(key, known)
 
 
+# verl's nested sections whose name is a flat key here: what their keys are
+VERL_NESTED = {
+    "filter_groups": "trainer.filter_groups: true (enable), trainer.max_gen_batches (max_num_gen_batches), "
+                     "trainer.train_groups (the batch it fills); metric: the task's score (acc / score)",
+    "overlong_buffer": "trainer.overlong_buffer: LEN (enable and len), trainer.overlong_penalty (penalty_factor)",
+}
+
+
 def build_section(cls, section: str, data: Any, ranges: dict[str, Range] | None = None):
-    """``config_schema.build_section`` with verl's names in the unknown-key hint."""
-    return config_schema.build_section(cls, section, data, hint=key_hint, ranges=ranges)
+    """``config_schema.build_section`` with verl's names in the unknown-key hint, and verl's
+    nested sections given to a flat key here named with the keys they are."""
+    try:
+        return config_schema.build_section(cls, section, data, hint=key_hint, ranges=ranges)
+    except ConfigError as e:
+        nested = [k for k, v in (data or {}).items() if isinstance(v, dict) and k in VERL_NESTED] \
+            if isinstance(data, dict) else []
+        if nested and str(e).startswith(f"{section}.{nested[0]}:"):
+            raise ConfigError(f"{e}; verl's {nested[0]} section is flat keys here: {VERL_NESTED[nested[0]]} "
+                              "(docs/migrating_from_verl.md)") from None
+        raise

@@ -47,6 +47,21 @@ def test_a_home_path_is_expanded_at_load(tmp_path):
         os.environ["HOME"] = saved
 
 
+def test_an_environment_variable_in_a_path_is_expanded(tmp_path, monkeypatch):
+    """verl's scripts pass data.train_files=$HOME/data/...: copied into the YAML, "$HOME" was kept
+    as written, and the file "did not exist (a relative path resolves from the working directory)"."""
+    from workers.tasks.registry import make_task
+
+    monkeypatch.setenv("STREAMRL_DATA", str(tmp_path))
+    (tmp_path / "d.jsonl").write_text('{"prompt": "q", "answer": "1"}\n')
+    assert load_config(_yaml(tmp_path, "logging: {logdir: $STREAMRL_DATA/runs}\n"), 3).logging.logdir == \
+        f"{tmp_path}/runs"
+    task = make_task("jsonl", files="${STREAMRL_DATA}/d.jsonl")
+    assert task.files["train"] == str(tmp_path / "d.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"\$STREAMRL_UNSET_VAR/d.jsonl does not exist"):  # unset: as written
+        make_task("jsonl", files="$STREAMRL_UNSET_VAR/d.jsonl")
+
+
 def test_a_duplicate_key_is_refused_naming_key_file_and_lines(tmp_path):
     """YAML keeps the last of two equal keys: a second ``train:`` section dropped the first's keys."""
     p = _yaml(tmp_path, "train:\n  iterations: 3\n  batch_prompts: 8\n  iterations: 5\n")

@@ -300,6 +300,17 @@ def test_an_rpc_timeout_torch_cannot_keep_is_refused():
 @pytest.mark.parametrize("key, said", [
     ("train.critic_warmup=1", "verl's 'critic_warmup' is trainer.critic_warmup"),
     ("train.val_only=true", "verl's 'val_only' is train.eval_only"),
+    # keys of verl's own GRPO / DAPO scripts
+    ("trainer.use_remove_padding=true", "verl's 'use_remove_padding' has no key here: nothing to set"),
+    ("trainer.use_fused_kernels=true", "verl's 'use_fused_kernels' has no key here: nothing to set"),
+    ("engine.tensor_model_parallel_size=2", "verl's 'tensor_model_parallel_size' has no key here: no tensor"),
+    ("trainer.fsdp_config={}", "verl's 'fsdp_config' has no key here: no FSDP"),
+    ("trainer.optim={lr: 1e-6}", "verl's 'optim' has no key here: trainer.lr, trainer.weight_decay"),
+    ("trainer.reward_manager=dapo", "dapo is trainer.overlong_buffer and trainer.overlong_penalty"),
+    ("trainer.filter_groups={enable: true, metric: acc}", "verl's filter_groups section is flat keys here: "
+                                                          "trainer.filter_groups: true (enable), trainer.max_gen_batches"),
+    ("trainer.overlong_buffer={enable: true, len: 4}", "verl's overlong_buffer section is flat keys here: "
+                                                       "trainer.overlong_buffer: LEN"),
     ("trainer.balance_batch=true", "verl's 'balance_batch' has no key here: no token balancing"),
     ("trainer.resume_from_path=x", "verl's 'resume_from_path' is the --resume DIR flag"),
     ("trainer.del_local_ckpt_after_load=true", "verl's 'del_local_ckpt_after_load' is train.ckpt_keep"),

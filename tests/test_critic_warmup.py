@@ -89,7 +89,8 @@ def test_verls_count(warmup, frozen):
 
 
 def test_without_a_critic_it_is_refused():
-    with pytest.raises(ValueError, match=r"trainer.critic_warmup \(2\) is only used by algorithm 'ppo', not 'grpo'"):
+    with pytest.raises(ValueError, match=r"trainer.critic_warmup \(2\) warms up a critic, which only algorithm 'ppo' "
+                                         r"has, not 'grpo' \(verl keeps the actor"):
         TrainerConfig(algorithm="grpo", critic_warmup=2)
 
 

@@ -55,6 +55,10 @@ def check_algorithm_knobs(cfg: "TrainerConfig") -> None:
     if cfg.algorithm != "ppo" and cfg.critic:
         raise ValueError(f"trainer.critic: true is only used by algorithm 'ppo', not {cfg.algorithm!r}")
     name = first_set(cfg, CUSTOM_UNUSED_KNOBS if custom else UNUSED_KNOBS[cfg.algorithm])
+    if name == "critic_warmup":  # verl holds its actor back whatever the estimator
+        raise ValueError(f"trainer.critic_warmup ({cfg.critic_warmup}) warms up a critic, which only algorithm 'ppo' "
+                         f"has, not {cfg.algorithm!r} (verl keeps the actor as it is for the first N - 1 steps with "
+                         "any estimator; here that is ppo's only); leave it out")
     if name:
         users = [a for a in ALGORITHMS if name not in UNUSED_KNOBS[a]]
         raise ValueError(f"trainer.{name} ({getattr(cfg, name)!r}) is only used by algorithm "
