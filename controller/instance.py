@@ -250,6 +250,14 @@ class GenerationInstance:
                 self._staged = None
         self.version = version
 
+    def hold_weights(self, version: int) -> int:
+        """Load staged ``version`` now (a joiner just added, with no round in flight: it would
+        otherwise hold the model folder's weights until its first round, and an evaluation
+        before that scored them). -> the version held."""
+        with self._lock:
+            self._swap_weights(version)
+        return self.version
+
     def _swap_to_newest(self) -> None:
         """Load the staged weights, if any (between rounds only: a round in flight on another
         instance generates with the version it was dispatched with)."""

@@ -71,6 +71,8 @@ def _interrupted(rank: int, signame: str) -> None:
     print(f"[join] rank {rank} stopped by {signame}: it leaves the job" +
           ("; the controller re-dispatches its requests" if added else " (it was waiting to be added)"),
           file=sys.stderr, flush=True)
+    if not added:  # the job goes on: out of its RPC group, or every later joiner's start would call this one
+        leave_group(LEAVE_GROUP_S)
     leave_now(130)
 
 
@@ -137,5 +139,34 @@ def _serve(args, host: str, port: str, store, attempt: str, rank: int, job_timeo
     if not LOCAL.exit_reason:  # the controller named no other reason: the job itself ended
         print(f"[join] rank {rank} exits (code {code}): the job ended "
               f"({'finished' if code == 0 else 'stopped: see the controller'})", file=sys.stderr, flush=True)
-    rpc.shutdown(graceful=False)
+        rpc.shutdown(graceful=False)
+        return code
+    # told to leave while the job goes on (REPL leave, a refusal): out of the RPC group as
+    # torch's graceful dynamic shutdown leaves it, or every later joiner's start would call it
+    if not leave_group(LEAVE_GROUP_S):
+        from controller.lifecycle import leave_now
+
+        leave_now(code)
     return code
+
+
+LEAVE_GROUP_S = 15.0
+
+
+def leave_group(timeout_s: float) -> bool:
+    """Leave the job's dynamic RPC group (every member told, this name off the store: torch's
+    ``rpc.shutdown(graceful=True)`` for a dynamic group), within ``timeout_s``; False when it
+    failed or took longer (the job is ending: the caller exits the local way)."""
+    done: list = []
+
+    def run():
+        try:
+            rpc.shutdown(graceful=True, timeout=timeout_s)
+            done.append(True)
+        except Exception as e:  # noqa: BLE001 - a member gone meanwhile: the local exit
+            done.append(e)
+
+    t = threading.Thread(target=run, name="leave-rpc-group", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return done == [True]

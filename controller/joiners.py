@@ -69,9 +69,10 @@ def announced(timeout_s: float | None = None) -> list[int]:
             return still_waiting(ranks)
 
 
-def pending() -> int:
-    """Announced processes not yet taken by ``announced``."""
-    return _ANNOUNCED.qsize()
+def waiting(ranks: list[int]) -> list[int]:
+    """The joiners that can still be added: ``ranks`` (those waiting so far) and the ones
+    announced since, less those that withdrew or whose process is gone."""
+    return still_waiting(ranks) + announced()
 
 
 def leave_job(code: int, reason: str) -> bool:
@@ -100,7 +101,7 @@ def admit(session, i: int) -> None:
     (``session.want_add``) or ``placement.force_scale_out_at`` <= ``i``. A joiner whose context
     is too small for the run's prompts is told to exit; one lost on the way is passed over."""
     placement = session.cfg.placement
-    session.waiting = still_waiting(session.waiting) + announced()
+    session.waiting = waiting(session.waiting)
     forced = 0 <= placement.force_scale_out_at <= i
     if forced and i == placement.force_scale_out_at and not session.waiting and not _WITHDRAWN:
         # forced (tests, demos): wait for the joiner instead of racing its start-up, which

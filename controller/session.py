@@ -22,7 +22,7 @@ from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.epochs import with_epochs
 from controller.evaluation import evaluate, measure_lengths
-from controller.joiners import admit, pending
+from controller.joiners import admit, waiting
 from controller.length_trace import forced_lengths
 from controller.metrics import Metrics
 from controller.planner.adjust import ScaleOutPolicy
@@ -246,7 +246,10 @@ class Session:
         if self.policy is not None:
             lens = res.gen_lens  # remax's greedy responses take generation time too
             if lens:
-                spare = len(self.waiting) + pending()  # processes waiting to join
+                # processes waiting to join that can still come (the announce queue held those
+                # that withdrew or died too: the decision claimed an instance nobody could bring)
+                self.waiting = waiting(self.waiting)
+                spare = len(self.waiting)
                 d = self.policy.observe(res.iteration, derived["time/generate_busy_s"],
                                         derived["time/train_busy_s"], lens, res.instances, spare=spare)
                 # the latest decision: a joiner arriving later is added at the next decision that still wants one

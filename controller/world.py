@@ -145,6 +145,7 @@ def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version:
                    cfg.multi_turn, world.tokenizer, timeout=cfg.placement.rpc_timeout_s)
         h.call("connect", [t.rref for t in world.trainers]).wait()
         wait_all(world.push_weights(version, only=[h]))
+        h.call("hold_weights", version).wait()
     except WorkerFailed as e:
         if not (e.lost and e.role == "generation"):
             raise

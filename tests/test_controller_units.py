@@ -352,3 +352,21 @@ def test_the_extra_groups_of_an_iteration_rotate_over_the_trainer_ranks():
         assert sorted(load.values()) == [1] * 7 + [2]
         extra += [r for r, n in load.items() if n == 2]
     assert sorted(extra) == list(range(8))
+
+
+def test_a_joiner_holds_the_weights_it_pulled_once_added(tiny_model):  # noqa: F811
+    """add_instance only staged the pulled weights: the joiner held the model folder's (v0) until
+    its first round, and an evaluation before that scored them (eval.jsonl: weight_version [0, 1])."""
+    import torch
+
+    from controller.instance import GenerationInstance
+    from workers.generation.config import EngineConfig
+
+    torch.set_num_threads(1)
+    inst = GenerationInstance(1, EngineConfig(device="cpu", kv_cache_tokens=1024), tiny_model, [0])
+    weights = {k: v.detach().clone() + 0.01 for k, v in inst.engine.model.named_parameters()}
+    inst.stage_weights(weights, 3)
+    assert inst.version == 0
+    assert inst.hold_weights(3) == 3 and inst.engine.stats().weight_version == 3 and inst._staged is None
+    k, w = next(iter(weights.items()))
+    assert torch.equal(dict(inst.engine.model.named_parameters())[k], w)

@@ -114,13 +114,20 @@ def _job_and_joiner(cfg):
     main = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
                              str(port), "controller/main.py", "--config", str(cfg), "--repl"], cwd=ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    joiner = subprocess.Popen([sys.executable, "controller/main.py", "--join", f"127.0.0.1:{port}", "--role",
-                               "generation"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    started = []
+
+    def join():  # another process joining the job
+        started.append(subprocess.Popen([sys.executable, "controller/main.py", "--join", f"127.0.0.1:{port}", "--role",
+                                         "generation"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+        return started[-1]
+
+    main.join = join
+    joiner = join()
     try:
         yield main, joiner
     finally:
-        for p in (main, joiner):
+        for p in (main, *started):
             if p.poll() is None:
                 p.kill()
 
@@ -142,19 +149,27 @@ def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_m
         main.stdin.flush()
         _, joiner_err = joiner.communicate(timeout=300)  # it exits on its own, before the job ends
         assert main.poll() is None  # the run is still going
-        out, err = _last_commands(main, "run 1\nstatus\nquit\n")
+        # another process can join in its place: the one that left is out of the RPC group (it
+        # stayed a member: the next joiner's start called it, met a closed port, and hung)
+        again = main.join()
+        for line in again.stderr:
+            if "[join] rank 4 registered" in line:
+                break
+        out, err = _last_commands(main, "run 1\nstatus\nsgs\nquit\n")
+        assert again.wait(timeout=120) == 0
     assert joiner.returncode == 0, joiner_err[-3000:]
     said = [ln for ln in joiner_err.splitlines() if ln.startswith("[join] rank 3 exits")]
     assert said == ["[join] rank 3 exits (code 0): left the job (REPL leave): instance closed, nothing more to "
                     "serve"], joiner_err[-3000:]
     assert main.returncode == 0, err[-4000:]
     a = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")]
-    ready, run2, sgs, leave, run1, status = a
+    ready, run2, sgs, leave, run1, status, sgs_after = a
     assert [i["rank"] for i in sgs["instances"]] == [1, 3]
     assert leave["left"] == 3 and leave["instances"] == [1] and leave["process"].startswith("exits")
-    assert run1["ran"] == 1 and status["instances"] == 1
+    assert run1["ran"] == 1 and status["instances"] == 2  # rank 4, added at that iteration (forced)
+    assert [i["rank"] for i in sgs_after["instances"]] == [1, 4]
     rows = iterations(tmp_path / "run")
-    assert [r["num_samples"] for r in rows] == [8, 8, 8] and rows[2]["per_instance"] == {"1": 8}
+    assert [r["num_samples"] for r in rows] == [8, 8, 8] and rows[2]["per_instance"] == {"1": 4, "4": 4}
     assert last_json(out)["iterations"] == 3
 
 
@@ -284,4 +299,18 @@ def test_a_run_after_a_torchrun_rank_left_still_exits_quietly(tmp_path, tiny_mod
     assert left["left"] == 2 and left["process"].startswith("stays")
     for noise in ("Leaking RRef", "RRef Leaks", "encountered error when reading incoming request"):
         assert noise not in p.stderr, p.stderr[-4000:]
+
+
+def test_a_withdrawn_joiner_is_no_spare_instance(monkeypatch):
+    """The scale-out policy's spare count read the announce queue, which held a joiner that had
+    withdrawn (Ctrl-C) or died: its decision claimed an instance nobody could bring."""
+    from controller import joiners, keepalive
+
+    monkeypatch.setattr(keepalive, "watch", lambda *r: None)
+    monkeypatch.setattr(keepalive, "unwatch", lambda r: None)
+    joiners.register_joiner(11, "generation")
+    joiners.withdraw_joiner(11, "stopped by SIGINT")
+    assert joiners.waiting([]) == []
+    joiners.register_joiner(12, "generation")
+    assert joiners.waiting([]) == [12]
 
