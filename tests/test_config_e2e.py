@@ -70,6 +70,7 @@ def test_eval_only_with_the_console_is_refused_naming_both(tmp_path, tiny_model)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("config error:")]
     assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
     assert errors[0].startswith("config error: train.eval_only evaluates and stops, --repl opens a console")
-    # every rank refused it (exit 2; one that torchrun stopped first, on a loaded machine, -15)
-    assert p.stderr.count("exitcode  : 2 ") >= 2 and "controller error" not in p.stderr, p.stderr[-3000:]
+    # refused before any work (exit 2; torchrun stops the ranks still exiting when it sees the
+    # first one go, -15, which on a loaded machine may be all but one)
+    assert p.stderr.count("exitcode  : 2 ") >= 1 and "controller error" not in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "run").exists()
