@@ -100,3 +100,24 @@ def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> 
             if norms is not None:
                 applied, first = applied + 1, first or norms
     return applied, first
+
+
+def gathered_metrics(w: "TrainerWorker") -> tuple[dict[str, float], float]:
+    """The iteration's statistics over every rank (sums all-reduced, extremes global) and the
+    loss divisor of the micro-batches trained while streaming; with the KL in the reward, the
+    beta these samples' rewards used (``kl_coef``), then the next iteration's adapted."""
+    totals, extremes = w.stats.packed(), w.stats.packed_extremes()
+    if w.world_size > 1:
+        dist.all_reduce(totals, group=w.group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=w.group)  # minima negated
+    cfg = w.cfg
+    metrics = w.stats.metrics(totals, cfg.loss_agg, cfg.loss_scale_factor, extremes,
+                              critic=w.critic is not None, tis=cfg.tis_cap > 0, kl=w.ref is not None,
+                              overlong=cfg.overlong_buffer > 0, reward_kl=cfg.kl_in_reward,
+                              grouped=cfg.grouped, filtered=cfg.filter_groups, baselines=cfg.algorithm == "remax")
+    divisor = metrics.pop("_divisor")
+    if cfg.kl_in_reward:
+        metrics["kl_coef"] = w.kl.value
+        w.kl.update(metrics["reward_kl"], metrics["num_samples"])
+    return metrics, divisor
+

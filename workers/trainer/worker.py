@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from workers.model import default_device, load_pretrained, stop_ids
 from workers.tasks.reward_pool import RewardPool
@@ -49,7 +48,7 @@ from workers.trainer.schedule import group_lambdas
 from workers.trainer.stat_sums import StatSums
 from workers.trainer.step_math import prepare_batch, submit_scores, train_terms
 from workers.trainer.step_passes import iteration_passes
-from workers.trainer.updates import mini_batch_updates, streamed_updates
+from workers.trainer.updates import gathered_metrics, mini_batch_updates, streamed_updates
 from workers.types import Sample, Task, TaskPrompt
 
 log = logging.getLogger("streamrl.trainer")
@@ -371,19 +370,7 @@ class TrainerWorker:
         lr = float(self.scheduler.get_last_lr()[0])
         if self.cfg.mini_batches > 1:  # trains here (first pass: the logged statistics)
             applied, norms = mini_batch_updates(self, params)
-        totals, extremes = self.stats.packed(), self.stats.packed_extremes()
-        if self.world_size > 1:
-            dist.all_reduce(totals, group=self.group)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)  # minima negated
-        metrics = self.stats.metrics(totals, self.cfg.loss_agg, self.cfg.loss_scale_factor, extremes,
-                                     critic=self.critic is not None, tis=self.cfg.tis_cap > 0, kl=self.ref is not None,
-                                     overlong=self.cfg.overlong_buffer > 0, reward_kl=self.cfg.kl_in_reward,
-                                     grouped=self.cfg.grouped, filtered=self.cfg.filter_groups,
-                                     baselines=self.cfg.algorithm == "remax")
-        divisor = metrics.pop("_divisor")
-        if self.cfg.kl_in_reward:  # the beta these samples' rewards used, then the next iteration's
-            metrics["kl_coef"] = self.kl.value
-            self.kl.update(metrics["reward_kl"], metrics["num_samples"])
+        metrics, divisor = gathered_metrics(self)
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = streamed_updates(self, params, divisor)
         metrics.update(norms or {}, lr=lr)
