@@ -2,8 +2,8 @@
 
 It owns an engine (``workers.generation.factory.make_engine``) and generates the requests the
 controller's dispatch plan gives it. Each finished ``Sample`` goes straight to the trainer
-rank that owns its group (``route(group_id)``) through RPC, tensors as tensors, in
-time-windowed chunks (``Outbox``, ``stream_window_s``); the controller only gets a
+rank that owns its group (``outbox.route(group_id)``) through RPC, tensors as tensors, in
+time-windowed chunks (``outbox.Outbox``, ``stream_window_s``); the controller only gets a
 ``GenerateReport`` (metadata).
 Weights arrive staged (versioned) and are swapped in only at an iteration boundary: at the
 start of ``generate(..., weight_version)``.
@@ -11,7 +11,6 @@ start of ``generate(..., weight_version)``.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import sys
 import threading
@@ -22,17 +21,9 @@ import torch
 
 from controller.config import PipelineSection
 from controller.rpc import LOCAL
+from controller.outbox import Outbox
 from controller.timeline import SpanRecorder
-from workers.types import SAMPLE_STRIDE, EngineStats, Request, Sample
-
-
-def route(group_id: int, num_trainers: int) -> int:
-    """Trainer DP index that trains ``group_id`` (a GRPO group never splits across ranks): its
-    index in the iteration, rotated by the iteration (``SAMPLE_STRIDE`` is a multiple of most
-    rank counts: with ``batch_prompts`` not one, the same low ranks took the extra groups at
-    every step)."""
-    iteration, index = divmod(group_id, SAMPLE_STRIDE)
-    return (index + iteration) % num_trainers
+from workers.types import EngineStats, Request
 
 
 @dataclass
@@ -76,74 +67,6 @@ class InstanceStats:
         """One level of keys (the REPL's JSON): the engine's next to the instance's."""
         return {"rank": self.rank, **asdict(self.engine), "max_model_len": self.max_model_len,
                 "weight_version": self.weight_version, "staged_version": self.staged_version}
-
-
-class Outbox:
-    """Sends finished samples to trainer RRefs from a background thread in time-windowed
-    chunks: the samples that finish within ``window_s`` of the first unsent one travel in one
-    RPC per trainer (fewer round trips, and the trainer prepares them in one forward instead
-    of one per sample). ``close()`` sends what is left at once (no window wait at the end)."""
-
-    def __init__(self, trainers: list, window_s: float):
-        self.trainers, self.window_s = trainers, window_s
-        self.q: queue.Queue = queue.Queue()
-        self.futures: list = []
-        self.sends = 0  # RPCs issued
-        self.error: BaseException | None = None  # what stopped the sending thread (raised by close)
-        self.thread = threading.Thread(target=self._run, daemon=True, name="outbox")
-        self.thread.start()
-
-    def put(self, sample: Sample) -> None:
-        if self.error is not None:  # the sending thread is gone: say so now, not at close()
-            raise RuntimeError(f"sending samples to the trainers failed: {self.error!r}") from self.error
-        if sample.output_ids.is_cuda:  # RPC moves CPU tensors without device maps
-            sample.prompt_ids, sample.output_ids = sample.prompt_ids.cpu(), sample.output_ids.cpu()
-            sample.logprobs = sample.logprobs.cpu()
-        if sample.loss_mask is not None and sample.loss_mask.is_cuda:
-            sample.loss_mask = sample.loss_mask.cpu()
-        self.q.put(sample)
-
-    def _run(self) -> None:
-        try:
-            self._send_windows()
-        except BaseException as e:  # noqa: BLE001 - a failed send (a sample RPC cannot carry, RPC
-            self.error = e  # shut down) must fail the generate call, not lose its samples quietly
-
-    def _send_windows(self) -> None:
-        done = False
-        while not done:
-            first = self.q.get()
-            if first is None:
-                return
-            batch, deadline = [first], time.monotonic() + self.window_s
-            while True:  # collect until the window closes or close() is called
-                left = deadline - time.monotonic()
-                try:
-                    s = self.q.get(timeout=left) if left > 0 else self.q.get_nowait()
-                except queue.Empty:
-                    break
-                if s is None:
-                    done = True
-                    break
-                batch.append(s)
-            self._send(batch)
-
-    def _send(self, batch: list[Sample]) -> None:
-        by_trainer: dict[int, list[Sample]] = {}
-        for s in batch:
-            by_trainer.setdefault(route(s.group_id, len(self.trainers)), []).append(s)
-        for t, samples in by_trainer.items():
-            self.futures.append(self.trainers[t].rpc_async().receive(samples))
-            self.sends += 1
-
-    def close(self) -> None:
-        """Flush and wait until every trainer has accepted its samples (raises on failure)."""
-        self.q.put(None)
-        self.thread.join()
-        for f in self.futures:
-            f.wait()
-        if self.error is not None:
-            raise RuntimeError(f"sending samples to the trainers failed: {self.error!r}") from self.error
 
 
 def _test_die_after(rank: int, iteration: int) -> int:

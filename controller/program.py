@@ -22,7 +22,7 @@ import time
 import torch
 
 from controller.data import PromptStream
-from controller.instance import route
+from controller.outbox import route
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
 from controller.batch import Batch, IterationResult, Push

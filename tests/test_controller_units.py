@@ -343,7 +343,7 @@ def test_the_extra_groups_of_an_iteration_rotate_over_the_trainer_ranks():
     multiple of 8); now each rank takes the extra one in turn."""
     from collections import Counter
 
-    from controller.instance import route
+    from controller.outbox import route
     from workers.types import SAMPLE_STRIDE
 
     extra = []

@@ -34,7 +34,7 @@ def _sample(sid: int, group: int):
 
 
 def test_outbox_sends_windowed_chunks_per_trainer_and_flushes_on_close():
-    from controller.instance import Outbox
+    from controller.outbox import Outbox
 
     trainers = [_FakeTrainer(), _FakeTrainer()]
     out = Outbox(trainers, window_s=60.0)  # one window covers the whole test
@@ -55,7 +55,7 @@ def test_an_outbox_whose_send_fails_says_so_and_loses_nothing_quietly():
     samples done, and the trainer waited for them for ever (concurrency audit, session 19)."""
     import pytest
 
-    from controller.instance import Outbox
+    from controller.outbox import Outbox
 
     class Refusing(_FakeTrainer):
         def receive(self, samples):

@@ -2,7 +2,7 @@
 
 In colocated mode two generation instances live in two worker processes on the same host and
 generate at the same time, each streaming its finished samples over RPC to the trainer DP
-rank that owns the sample's group (``instance.route``, mod 2: half to its own process, half to the
+rank that owns the sample's group (``outbox.route``, mod 2: half to its own process, half to the
 other). ``measure_colocated_generation`` runs exactly that path -- three local processes (a
 driver in the controller's place and two workers), torch RPC over the runtime's options, a
 ``controller.instance.GenerationInstance`` per worker whose Outbox sends to a sample sink

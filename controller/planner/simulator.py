@@ -87,7 +87,7 @@ class SimConfig:
     train_colocated_slowdown: float = 1.0
     train_shared_slowdown: float = 1.0  # shared host: training's time factor while another stage computes
     train_ranks: int = 1  # trainer DP ranks training at the same time (colocated: one per instance)
-    # colocated as the runtime runs it (controller/instance.route, controller/trainer_rank): DP
+    # colocated as the runtime runs it (controller/outbox.route, controller/trainer_rank): DP
     # rank k trains the samples of groups g % train_ranks == k (route's split, up to which rank is
     # which: it rotates by the iteration), at ``trainer.s_per_token`` (one
     # rank's cost per token), once all of them are in; then every rank steps together
@@ -238,7 +238,7 @@ def _dp_train_scale(cfg: SimConfig, mine: list, train_w: list, gen: list, busy: 
 
 
 def outbox_send_times(finish: Sequence[float], window_s: float, end: float) -> list[float]:
-    """When ``controller.instance.Outbox`` sends each sample (same indexing as ``finish``): the
+    """When ``controller.outbox.Outbox`` sends each sample (same indexing as ``finish``): the
     first unsent sample opens a window of ``window_s``; every sample finished by its close
     travels then; the instance's end (``close()``) sends what is left at once."""
     if window_s <= 0.0:
