@@ -18,7 +18,7 @@ from controller import lifecycle
 from controller.config import ConfigError
 from controller.config_notes import config_notes
 from controller.config_overrides import set_behind
-from controller.joiners import announced, dismiss_joiner, still_waiting
+from controller.joiners import dismiss_joiner, waiting as joiners_waiting
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
 from controller.session import Session, error_line
 from controller.sgs import NoInstancesLeft
@@ -89,7 +89,7 @@ def run_controller(cfg, args, world_size: int) -> int:
     # said: a stop signal from here on (torchrun stops every rank once one has died) does not
     # turn a lost worker's exit 1 into "stopped by SIGTERM", exit 130 (controller.main._interrupted)
     LOCAL.outcome = code
-    waiting = (still_waiting(session.waiting) if session else []) + announced()
+    waiting = joiners_waiting(session.waiting if session else [])
     joined = session.joined if session else []
     # (an instance that left on request, a REPL leave or a scale-in, is a live process: its
     # rank's RRefs are answered, so it does not keep the static ranks from the quiet exit)

@@ -103,7 +103,8 @@ def build_world(cfg, model_dir: str, eos_ids: list[int] | None, static_ranks: se
             for r in sorted(p.trainer)]
     trainers = settle(futs, "trainer", timeout)
     tokenizer = tokenizer if cfg.multi_turn.env else None
-    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids, cfg.multi_turn, tokenizer), timeout)
+    gen_futs = [construct(r, GenerationInstance, (r, cfg.engine, model_dir, eos_ids, cfg.multi_turn, tokenizer),
+                          timeout)
                 for r in sorted(p.generation)]
     instances = settle(gen_futs, "generation", timeout)
     world = World(trainers, None, colocated, set(static_ranks), cfg.weight_sync,  # type: ignore[arg-type]
