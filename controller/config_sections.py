@@ -8,7 +8,6 @@ declared ranges) into the run's ``Config``; the sections owned by other componen
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,7 +15,7 @@ from controller import trackers
 from controller.config_types import ConfigError, key_hint
 from controller.modes import MODES
 from controller.rpc import COLLECTIVE_TIMEOUT_S, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S
-from workers.config_schema import SEEDS, Range, ranged
+from workers.config_schema import SEEDS, Range, expand_path, ranged
 from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
 
 PIPELINE_MODES = tuple(MODES)
@@ -293,9 +292,8 @@ def _keyword_keys(section, name: str, key: str) -> None:
 
 
 def _path_key(section, name: str, key: str, required: str = "") -> None:
-    """A path key of a section: ``~`` is the user's home and ``$VAR`` / ``${VAR}`` a set
-    environment variable (a YAML value is no shell word, so nothing else expands them: ``~/runs``
-    made a folder named ``~``; verl's scripts write ``$HOME/...``); ``required``: what the key
+    """A path key of a section, expanded as a shell would (``expand_path``: ``~``, ``$VAR``);
+    ``required``: what the key
     names, when it may not be empty (an empty one failed later, in the bootstrap)."""
     value = getattr(section, key)
     if not isinstance(value, str):
@@ -304,5 +302,4 @@ def _path_key(section, name: str, key: str, required: str = "") -> None:
         default = next(f.default for f in dataclasses.fields(section) if f.name == key)
         raise ConfigError(f"{name}.{key}: empty{f' ({value!r})' if value else ''}; give {required} (or leave the "
                           f"key out for its default, {default})")
-    if value.startswith("~") or "$" in value:
-        object.__setattr__(section, key, os.path.expanduser(os.path.expandvars(value)))
+    object.__setattr__(section, key, expand_path(value))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -20,6 +21,14 @@ DERIVED = "derived"  # the field metadata key of a field filled by the loader, n
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key."""
+
+
+def expand_path(value: str) -> str:
+    """A path as a shell would read it: a leading ``~`` the user's home, ``$VAR`` / ``${VAR}`` a
+    set environment variable (an unset one left as written). A YAML value is no shell word, so
+    nothing else expands them (``~/runs`` made a folder named ``~``; verl's scripts write
+    ``$HOME/data/...``)."""
+    return os.path.expanduser(os.path.expandvars(value))
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ A malformed row raises ``ValueError`` naming file and line (a JSON array: file a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
+from workers.config_schema import expand_path
 from workers.tasks.rows import row_item
 from workers.tasks.verifiers import is_builtin, make_verifier
 from workers.types import TaskPrompt
@@ -120,16 +120,14 @@ class FileTask:
         if not isinstance(files, dict) or not all(isinstance(p, (str, Path)) for p in files.values()):
             raise ValueError(f"task.kwargs.files: one path, or split -> one path ({{train: a.jsonl, test: "
                              f"b.jsonl}}), got {files!r}{_files_hint(files)}")
-        # ~ and $VAR / ${VAR} (verl's scripts pass $HOME/data/...), as a shell would
-        paths = {key: Path(os.path.expandvars(str(p))).expanduser() for key, p in files.items()}
+        paths = {key: Path(expand_path(str(p))) for key, p in files.items()}  # ~, $HOME (verl's scripts)
         splits = _splits(paths)
         for key in ["train"] if one else paths:  # named as the config has them (val, not the test it stands for)
             _check_file("task.kwargs.files" + ("" if one else f".{key}"), paths[key])
         self.files = {split: str(p) for split, p in splits.items()}
         if not isinstance(verifier, str):
             raise ValueError(f"task.kwargs.verifier: a name or 'file.py:fn', got {verifier!r}")
-        if verifier.startswith("~") or "$" in verifier:  # ~/r.py:fn, $HOME/r.py:fn
-            verifier = str(Path(os.path.expandvars(verifier)).expanduser())
+        verifier = expand_path(verifier)  # ~/r.py:fn, $HOME/r.py:fn
         if not isinstance(verifier_kwargs or {}, dict) or not all(isinstance(k, str) for k in verifier_kwargs or {}):
             raise ValueError(f"task.kwargs.verifier_kwargs: a mapping of keyword -> value, got {verifier_kwargs!r}")
         self.verify = make_verifier(verifier, verifier_kwargs)
