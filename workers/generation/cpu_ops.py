@@ -164,11 +164,14 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
           const float inv_t = 1.f / tp[r];
           for (int64_t j = 0; j < V; ++j) x[j] *= inv_t;
         }
-        // a NaN or +inf logit (a bad weight): the row's log-prob is NaN, as torch's log_softmax
-        // gives it (the trainer refuses such a sample). A bit test: -ffast-math assumes finite
-        // floats and folds isnan away, and its max / argmax would hide the NaN
+        // the max, and in the same pass whether a logit is NaN or +inf (a bad weight): then the
+        // row's log-prob is NaN, as torch's log_softmax gives it (the trainer refuses such a
+        // sample). A bit test: -ffast-math assumes finite floats and folds isnan away, and its
+        // max / argmax would hide the NaN
+        float mx = x[0];
         bool bad = false;
         for (int64_t j = 0; j < V; ++j) {
+          mx = std::max(mx, x[j]);
           uint32_t bits;
           std::memcpy(&bits, &x[j], sizeof bits);
           bad |= (bits & 0x7f800000u) == 0x7f800000u && bits != 0xff800000u;  // all but -inf
@@ -179,8 +182,6 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
           std::memcpy(&op[r], &qnan, sizeof qnan);
           continue;
         }
-        float mx = x[0];
-        for (int64_t j = 1; j < V; ++j) mx = std::max(mx, x[j]);
         float sum = 0.f;  // vectorised: partial sums in fp32, as torch's log_softmax
         for (int64_t j = 0; j < V; ++j) {
           ex[j] = vexp(x[j] - mx);
