@@ -86,6 +86,9 @@ class PipelineSection:
     minibatch_size: int = ranged(8, Range(1))  # samples per hand-over in ``minibatch`` mode
     # instance -> trainer sample stream: samples finishing within this window share one RPC
     stream_window_s: float = ranged(0.02, Range(0, 10, note="seconds"))
+    # verl's trainer.balance_batch: groups go to the trainer ranks by expected tokens (longest first
+    # to the least loaded rank), not by their index in the iteration (outbox.balance)
+    balance_batch: bool = False
 
     def __post_init__(self):
         if self.mode not in PIPELINE_MODES:

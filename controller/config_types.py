@@ -26,6 +26,7 @@ VERL_KEYS = {
     "val_before_train": "train.eval_before_train",
     "val_only": "train.eval_only", "critic_warmup": "trainer.critic_warmup",
     "apply_chat_template_kwargs": "tokenizer.chat_template_kwargs",
+    "balance_batch": "pipeline.balance_batch (default off)",
     "max_actor_ckpt_to_keep": "train.ckpt_keep",
     "max_critic_ckpt_to_keep": "train.ckpt_keep (one key: the critic is saved in the actor's checkpoint)",
     "kl_loss_coef": "trainer.kl_coef", "kl_loss_type": "trainer.kl_estimator",
@@ -112,8 +113,6 @@ VERL_NOTES = {
     "reward_manager": "naive is the default; prime is trainer.reward_pool: processes (reward_workers, "
                       "reward_timeout_s); batch is a verifier with verl's batch names; dapo is trainer.overlong_buffer "
                       "and trainer.overlong_penalty with any verifier",
-    "balance_batch": "no token balancing across trainer ranks: each group streams to its rank as it is generated "
-                     "(its index in the iteration, rotated by the iteration, mod the trainer ranks)",
 }
 
 

@@ -208,7 +208,8 @@ class GenerationInstance:
             if os.environ.get("STREAMRL_TEST_RAISE_IN_GENERATE") == str(self.rank):
                 # test hook: an engine failure (a CUDA error, OOM) cannot be produced on demand here
                 raise RuntimeError(f"gen{self.rank}: STREAMRL_TEST_RAISE_IN_GENERATE (test hook)")
-            out = Outbox(self.trainers, self.stream_window_s if window_s is None else window_s)
+            out = Outbox(self.trainers, self.stream_window_s if window_s is None else window_s,
+                         {r.group_id: r.trainer_rank for r in requests if r.trainer_rank >= 0})
             preempted_before = self.engine.stats().preemptions
             done: list[int] = []
             lengths: list[int] = []

@@ -4,11 +4,12 @@ sends the group's samples there) and ``Outbox`` (the samples in time-windowed ch
 per trainer per window)."""
 from __future__ import annotations
 
+import heapq
 import queue
 import threading
 import time
 
-from workers.types import SAMPLE_STRIDE, Sample
+from workers.types import SAMPLE_STRIDE, Request, Sample
 
 
 def route(group_id: int, num_trainers: int) -> int:
@@ -20,14 +21,45 @@ def route(group_id: int, num_trainers: int) -> int:
     return (index + iteration) % num_trainers
 
 
+def balance(requests: list[Request], num_trainers: int, iteration: int) -> None:
+    """``pipeline.balance_batch`` (verl's ``trainer.balance_batch``): set each request's
+    ``trainer_rank`` so the ranks get about the same number of tokens to train, not the same
+    number of groups. A group's tokens are its samples' prompt tokens plus their expected
+    output (the ranker's estimate where a ranker runs, within ``[min_tokens, max_tokens]``;
+    without one, ``max_tokens``). Longest group first to the rank with the fewest tokens so far
+    (LPT); ties go as ``route`` rotates them, so no rank takes the odd group every step. verl
+    balances after generation, by the lengths it got; here a group streams to its rank as it
+    finishes, so the rank is chosen at dispatch, by the estimate."""
+    tokens: dict[int, float] = {}
+    for r in requests:
+        out = min(max(r.min_tokens, 1, r.est_len), r.max_tokens)  # a NaN estimate: min_tokens
+        tokens[r.group_id] = tokens.get(r.group_id, 0.0) + len(r.prompt_ids) + out
+    loads = [(0.0, (t - iteration) % num_trainers, t) for t in range(num_trainers)]
+    heapq.heapify(loads)
+    owner: dict[int, int] = {}
+    for g in sorted(tokens, key=lambda g: (-tokens[g], g)):
+        load, order, t = heapq.heappop(loads)
+        owner[g] = t
+        heapq.heappush(loads, (load + tokens[g], order, t))
+    for r in requests:
+        r.trainer_rank = owner[r.group_id]
+
+
+def owner(request: Request, num_trainers: int) -> int:
+    """The trainer DP rank ``request``'s sample streams to."""
+    return request.trainer_rank if request.trainer_rank >= 0 else route(request.group_id, num_trainers)
+
+
 class Outbox:
     """Sends finished samples to trainer RRefs from a background thread in time-windowed
     chunks: the samples that finish within ``window_s`` of the first unsent one travel in one
     RPC per trainer (fewer round trips, and the trainer prepares them in one forward instead
-    of one per sample). ``close()`` sends what is left at once (no window wait at the end)."""
+    of one per sample). ``close()`` sends what is left at once (no window wait at the end).
+    ``owners``: group id -> trainer rank, for groups not sent by ``route`` (``balance``)."""
 
-    def __init__(self, trainers: list, window_s: float):
+    def __init__(self, trainers: list, window_s: float, owners: dict[int, int] | None = None):
         self.trainers, self.window_s = trainers, window_s
+        self.owners = owners or {}
         self.q: queue.Queue = queue.Queue()
         self.futures: list = []
         self.sends = 0  # RPCs issued
@@ -73,7 +105,8 @@ class Outbox:
     def _send(self, batch: list[Sample]) -> None:
         by_trainer: dict[int, list[Sample]] = {}
         for s in batch:
-            by_trainer.setdefault(route(s.group_id, len(self.trainers)), []).append(s)
+            t = self.owners.get(s.group_id)
+            by_trainer.setdefault(route(s.group_id, len(self.trainers)) if t is None else t, []).append(s)
         for t, samples in by_trainer.items():
             self.futures.append(self.trainers[t].rpc_async().receive(samples))
             self.sends += 1

@@ -22,7 +22,7 @@ import time
 import torch
 
 from controller.data import PromptStream
-from controller.outbox import route
+from controller.outbox import balance, owner
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
 from controller.batch import Batch, IterationResult, Push
@@ -90,6 +90,8 @@ class Program:
                                     group_id=iteration * SAMPLE_STRIDE + j, baseline=greedy,
                                     sampling=self.sampling(0.0 if greedy else t.temperature, t.seed * 7919 + sid),
                                     task=item if multi_turn else None))
+        if self.cfg.pipeline.balance_batch:
+            balance(reqs, len(self.world.trainers), iteration)
         return reqs
 
     def _register(self, b: Batch, requests: list[Request], method: str, *extra) -> None:
@@ -99,7 +101,7 @@ class Program:
         g = self.per_prompt
         per: list[tuple[dict, dict]] = [({}, {}) for _ in range(n)]
         for r in requests:
-            prompts, groups = per[route(r.group_id, n)]
+            prompts, groups = per[owner(r, n)]
             prompts[r.sample_id] = b.items[(r.group_id - b.iteration * SAMPLE_STRIDE)]
             groups[r.group_id] = g
         wait_all([t.call(method, b.iteration, prompts, groups, *extra)

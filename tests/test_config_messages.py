@@ -311,7 +311,7 @@ def test_an_rpc_timeout_torch_cannot_keep_is_refused():
                                                           "trainer.filter_groups: true (enable), trainer.max_gen_batches"),
     ("trainer.overlong_buffer={enable: true, len: 4}", "verl's overlong_buffer section is flat keys here: "
                                                        "trainer.overlong_buffer: LEN"),
-    ("trainer.balance_batch=true", "verl's 'balance_batch' has no key here: no token balancing"),
+    ("trainer.balance_batch=true", "verl's 'balance_batch' is pipeline.balance_batch (default off) here"),
     ("trainer.resume_from_path=x", "verl's 'resume_from_path' is the --resume DIR flag"),
     ("trainer.del_local_ckpt_after_load=true", "verl's 'del_local_ckpt_after_load' is train.ckpt_keep"),
     ("trainer.rollout_data_dir=x", "verl's 'rollout_data_dir' is logging.rollout_data_dir"),

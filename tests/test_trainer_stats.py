@@ -213,6 +213,13 @@ def test_extremes_are_global_over_data_parallel_ranks(model_dir):
         assert (it1["reward_max"], it1["reward_min"]) == (2.0, 0.5)
         assert (it1["response_len_max"], it1["response_len_min"]) == (9.0, 4.0)
         assert it1["advantage_min"] == pytest.approx(min(big), rel=1e-6) and it1["num_samples"] == 3
+    # the tokens each rank took (verl's global_seqlen/max, min): rank 1 none in iteration 1
+    samples = data[0]
+    took = [sum(s.prompt_ids.numel() + s.output_ids.numel() for s in samples if s.group_id == r) for r in (0, 1)]
+    assert took[0] != took[1]
+    for it0, it1 in ranks:
+        assert (it0["rank_tokens_max"], it0["rank_tokens_min"]) == (max(took), min(took))
+        assert (it1["rank_tokens_max"], it1["rank_tokens_min"]) == (took[0], 0.0)
 
 
 def test_reward_std_from_summed_stats():
@@ -222,7 +229,7 @@ def test_reward_std_from_summed_stats():
 
     stats = StatSums(torch.device("cpu"))
     for score in (0.0, 1.0, 1.0, 0.0):
-        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, weight_version=0, overlong=0.0, reward_kl=0.0, correction={},
+        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, prompt_ids=torch.zeros(2), weight_version=0, overlong=0.0, reward_kl=0.0, correction={},
                                          turns=1, observation_tokens=0, env_reward=0.0), version=0)
     m = stats.metrics(stats.packed(), "token_mean")
     assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.5)

@@ -63,6 +63,8 @@ class Request:
     baseline: bool = False  # ReMax's greedy sample of the group: scored for the baseline, not trained
     # the dataset item (multi-turn runs only): what the environment (``multi_turn.env``) is handed
     task: "TaskPrompt | None" = None
+    # the trainer DP rank its sample streams to (``pipeline.balance_batch``); -1: ``outbox.route``
+    trainer_rank: int = -1
 
 
 @dataclass

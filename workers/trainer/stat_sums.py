@@ -23,15 +23,17 @@ class StatSums:
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
             "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups", "baselines",
             "baseline_sum", "unbased_groups", "turns_sum", "observation_tokens_sum",
-            "env_reward_sum") + rc.SUMS
+            "env_reward_sum", "seq_tokens_sum") + rc.SUMS
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
     TOKEN_MEANS = {"advantage_mean": "advantage_sum", "values_mean": "values_sum", "returns_mean": "returns_sum",
                    "vpred_mean": "vpred_sum"}
     CRITIC = ("values_mean", "returns_mean", "vf_clipfrac", "vpred_mean")  # reported only with a critic
-    MAXIMA = ("reward_max", "response_len_max", "advantage_max") + rc.MAXIMA
-    MINIMA = ("reward_min", "response_len_min", "advantage_min") + rc.MINIMA
+    # rank_tokens_*: the most and fewest tokens (prompts and responses) a rank took (verl's
+    # global_seqlen/max, min): what pipeline.balance_batch evens out
+    MAXIMA = ("reward_max", "response_len_max", "advantage_max", "rank_tokens_max") + rc.MAXIMA
+    MINIMA = ("reward_min", "response_len_min", "advantage_min", "rank_tokens_min") + rc.MINIMA
     EXTREMES = MAXIMA + MINIMA
 
     def __init__(self, device: torch.device):
@@ -63,6 +65,7 @@ class StatSums:
         self.add("overlong_sum", p.overlong)
         self.add("reward_kl_sum", p.reward_kl)
         self.add("resp_len_sum", float(p.num_tokens))  # observation tokens included (verl's response_length)
+        self.add("seq_tokens_sum", float(p.num_tokens + p.prompt_ids.numel()))
         self.add("staleness_sum", float(version - p.weight_version))
         self.add("turns_sum", float(p.turns))  # multi-turn: assistant turns, and the environment's tokens
         self.add("observation_tokens_sum", float(p.observation_tokens))
@@ -90,6 +93,9 @@ class StatSums:
 
     def packed_extremes(self) -> torch.Tensor:
         """[len(EXTREMES)] float64, minima negated: all-reduced with MAX (-inf: nothing seen)."""
+        for k in ("rank_tokens_max", "rank_tokens_min"):  # this rank's total, once all its samples came
+            self.extremes[k] = -math.inf
+            self.add_extreme(k, self.sums["seq_tokens_sum"])
         return torch.stack([torch.as_tensor(self.extremes[k], dtype=torch.float64, device=self.device)
                             for k in self.EXTREMES])
 
