@@ -45,6 +45,21 @@ def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> 
     return [float(x) for x in np.quantile(a["reference"], qs)]
 
 
+def _quantile_bins(ref_est: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inner edges of ``bins`` quantile bins of ``ref_est`` and each estimate's bin. Tied
+    estimates make equal edges: one bin for them, not empty bins in between."""
+    edges = np.unique(np.quantile(ref_est, np.linspace(0, 1, bins + 1)[1:-1]))
+    return edges, np.searchsorted(edges, ref_est, side="right")
+
+
+def _nearest_filled(filled: np.ndarray) -> np.ndarray:
+    """For each bin, the nearest non-empty bin below it (above, for the first ones): what an
+    empty bin stands for. The whole pool (what empty bins took) is pulled up by the tail: an
+    estimate under a floor of ties drew far longer lengths than one at it."""
+    have = np.flatnonzero(filled)
+    return have[np.maximum(np.searchsorted(have, np.arange(len(filled)), side="right") - 1, 0)]
+
+
 def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_true: Sequence[float],
                       bins: int = 20) -> list[float]:
     """Posterior-mean calibration: the mean true length of the held-out requests whose
@@ -54,16 +69,10 @@ def calibrate_by_bins(est_lens: Sequence[float], ref_est: Sequence[float], ref_t
     if len(ref_est) != len(ref_true) or len(ref_est) < bins:
         raise ValueError(f"calibrate_by_bins: need >= {bins} held-out pairs, got {len(ref_est)} / {len(ref_true)}")
     a = _finite("calibrate_by_bins", est_lens=est_lens, ref_est=ref_est, ref_true=ref_true)
-    # tied estimates make equal quantile edges: one bin for them, not empty bins in between
-    edges = np.unique(np.quantile(a["ref_est"], np.linspace(0, 1, bins + 1)[1:-1]))
-    ref_bin = np.searchsorted(edges, a["ref_est"], side="right")
+    edges, ref_bin = _quantile_bins(a["ref_est"], bins)
     true, n = a["ref_true"], len(edges) + 1
     means = np.array([true[ref_bin == b].mean() if np.any(ref_bin == b) else np.nan for b in range(n)])
-    # a bin left empty takes its nearest non-empty neighbour below (above, for the first):
-    # the overall mean (what empty bins took) is pulled up by the tail and, carried on by the
-    # monotone pass, sent every estimate above a tie to near the top of the scale
-    have = np.flatnonzero(~np.isnan(means))
-    means = means[have[np.maximum(np.searchsorted(have, np.arange(n), side="right") - 1, 0)]]
+    means = means[_nearest_filled(~np.isnan(means))]
     means = np.maximum.accumulate(means)  # keep the ranker's order
     return [float(means[b]) for b in np.searchsorted(edges, a["est_lens"], side="right")]
 
@@ -84,11 +93,10 @@ class BinnedPosterior:
         if len(self.ref_est) != len(self.ref_true) or len(self.ref_est) < self.bins:
             raise ValueError(f"BinnedPosterior: need >= {self.bins} held-out (estimate, true) pairs, "
                              f"got {len(self.ref_est)} / {len(self.ref_true)}")
-        est = np.asarray(self.ref_est, dtype=float)
-        self._edges = np.quantile(est, np.linspace(0, 1, self.bins + 1)[1:-1])
-        which = np.searchsorted(self._edges, est, side="right")
-        true = np.asarray(self.ref_true, dtype=float)
-        self._pools = [true[which == b] if np.any(which == b) else true for b in range(self.bins)]
+        self._edges, which = _quantile_bins(np.asarray(self.ref_est, dtype=float), self.bins)
+        true, n = np.asarray(self.ref_true, dtype=float), len(self._edges) + 1
+        near = _nearest_filled(np.array([np.any(which == b) for b in range(n)]))
+        self._pools = [true[which == near[b]] for b in range(n)]
 
     def draw(self, est: Sequence[float], rng: np.random.Generator) -> np.ndarray:
         which = np.searchsorted(self._edges, np.asarray(est, dtype=float), side="right")

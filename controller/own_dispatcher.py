@@ -75,9 +75,10 @@ def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan
     if len(plan.per_instance) != instances or len(plan.batch_caps) != instances:
         raise ValueError(f"dispatcher {name!r}: the plan has {len(plan.per_instance)} request lists and "
                          f"{len(plan.batch_caps)} batch caps for {instances} instances")
-    bad_caps = [c for c in plan.batch_caps if isinstance(c, bool) or not isinstance(c, int) or c < 1]
+    bad_caps = [c for c in plan.batch_caps if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1]
     if bad_caps:
         raise ValueError(f"dispatcher {name!r}: batch caps must be ints >= 1, got {bad_caps[:4]}")
+    plan.batch_caps = [int(c) for c in plan.batch_caps]  # numpy's too (the indices are taken so)
     for j, idx in enumerate(plan.per_instance):
         # checked here, as the count below would take 1.0 for 1 and the SGS indexes with them
         if not isinstance(idx, (list, tuple)):

@@ -255,11 +255,12 @@ class Program:
         """(prompt text, the mean length of its samples) of each prompt of this iteration
         (``lengths``, as the trainers took them): the ranker's online-update rows, with the
         target its bootstrap fits (``measure_lengths``: a prompt's mean over its samples; rows
-        per sample made an l1 ranker learn their median instead)."""
+        per sample made an l1 ranker learn their median instead), on the text it predicts from
+        (``prompt_text``: a chat item's last user turn)."""
         g, per = self.per_prompt, {}
         for sid, n in lengths.items():
             per.setdefault((sid - b.iteration * SAMPLE_STRIDE) // g, []).append(n)
-        return [(b.items[i].prompt, sum(ns) / len(ns)) for i, ns in sorted(per.items())]
+        return [(prompt_text(b.items[i]), sum(ns) / len(ns)) for i, ns in sorted(per.items())]
 
     def _wait_push(self, waiting: Completions) -> None:
         """Wait for a weight push's calls, in the order they end (a receiver's error is said at

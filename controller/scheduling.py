@@ -173,7 +173,9 @@ def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, pro
         draws_lens = [np.asarray(est) * np.exp(rng.normal(0.0, noise, len(est))) for _ in range(draws)]
     else:
         draws_lens = [est]
-    outs = [[min(limit, max(1, int(round(x)))) for x in d] for d in draws_lens]
+    # a wide noise overflows exp() (and 0 * inf is NaN): a draw counts within [1, limit]
+    outs = [np.clip(np.round(np.nan_to_num(np.asarray(d, dtype=float), nan=1.0, posinf=limit, neginf=1.0)),
+                    1, limit).astype(int).tolist() for d in draws_lens]
     free = _free_cap(profile, len(est))
     best = (math.inf, free)
     for cap in sorted({free, min(free, no_preemption_cap(profile, est, prompt_len))}, reverse=True):

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ranker.data import MAX_WORDS
 from workers.config_schema import RANGE
 
 
@@ -24,7 +25,17 @@ class LogLengthRanker:
 
     def predict(self, prompts: Sequence[str]) -> list[float]:
         """Estimated answer length in words per prompt (only the order is reliable)."""
-        return np.maximum(np.expm1(self.predict_log(prompts)), 0.0).tolist()
+        return np.clip(np.expm1(self.predict_log(prompts)), 0.0, MAX_WORDS).tolist()
+
+    def _refuse_diverged(self, prompts: Sequence[str], lr_key: str) -> None:
+        """After a fit or an update: estimates of its own prompts that are not finite (or absurd)
+        mean the training diverged. Said here, naming the option, not as a NaN length on every request
+        of a run (the bootstrap saves the model at ``ranker.path``)."""
+        logs = self.predict_log(list(prompts)[:256])
+        if not np.all(np.abs(logs) <= 2 * np.log1p(MAX_WORDS)):  # NaN, inf, or e^41 words
+            raise ValueError(f"{self.kind} ranker: training diverged (its estimates of its own training prompts "
+                             f"are not finite, or past 1e18 words): lower its learning rate (the {self.kind} "
+                             f"option {lr_key!r})")
 
     @property
     def min_rows(self) -> int:

@@ -152,6 +152,7 @@ class LgbmRanker(LogLengthRanker):
         self._calibrate(x, log_y)
         keep = np.random.RandomState(self.cfg.seed).permutation(len(prompts))[: self.cfg.replay]
         self.replay_x, self.replay_y = x[np.sort(keep)], log_y[np.sort(keep)]
+        self._refuse_diverged(prompts, "learning_rate")
         return self
 
     def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LgbmRanker":
@@ -173,6 +174,7 @@ class LgbmRanker(LogLengthRanker):
         self._calibrate(x, y)
         r = self.cfg.replay
         self.replay_x, self.replay_y = x[-r:], y[-r:]
+        self._refuse_diverged(prompts, "learning_rate")
         return self
 
     def predict_log(self, prompts: Sequence[str]) -> np.ndarray:

@@ -237,6 +237,7 @@ class LmRanker(LogLengthRanker):
         self._train(seqs, ntok, y, ("epochs", self.cfg.epochs), "lm fine-tune (log-length)")
         keep = np.sort(np.random.RandomState(self.cfg.seed).permutation(len(prompts))[: self.cfg.replay])
         self.replay = ([prompts[i] for i in keep], [float(y[i]) for i in keep])
+        self._refuse_diverged(prompts, "lr")
         return self
 
     def fit(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LmRanker":
@@ -257,6 +258,7 @@ class LmRanker(LogLengthRanker):
             seqs, ntok = self._encode(list(prompts) + rp)
             y = np.concatenate([np.log1p(np.asarray(lengths, dtype=np.float64)), np.asarray(ry, dtype=np.float64)])
             self._train(seqs, ntok, y, ("steps", self.cfg.update_steps), "lm update")
+            self._refuse_diverged(prompts, "lr")
         return self
 
     @torch.no_grad()

@@ -48,7 +48,7 @@ def is_kind(kind) -> bool:
     """A built-in kind, or the form of your own (``module:Name`` / ``file.py:Name``)."""
     from workers.tasks.plugins import is_plugin
 
-    return kind in KINDS or (isinstance(kind, str) and is_plugin(kind))
+    return isinstance(kind, str) and (kind in KINDS or is_plugin(kind))
 
 
 def _cls(kind: str) -> type:
