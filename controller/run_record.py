@@ -17,8 +17,11 @@ from workers.config_schema import key_fields
 
 
 def plain(value: Any) -> Any:
-    """``value`` as YAML-safe data: dataclasses as mappings, tuples as lists, anything else
-    that YAML cannot hold as its ``str``."""
+    """``value`` as YAML-safe data: what has a ``to_config`` (the sections built into objects:
+    ``topology``, ``weight_sync``) as its section's keys, dataclasses as mappings, tuples as
+    lists, anything else that YAML cannot hold as its ``str``."""
+    if hasattr(value, "to_config") and not isinstance(value, type):
+        return plain(value.to_config())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {name: plain(getattr(value, name)) for name in key_fields(value)}
     if isinstance(value, dict):

@@ -8,6 +8,7 @@ RNG states, weight version, iteration, the reward KL coefficient as adapted: tra
 model is not saved: it is the ``model_dir`` the worker was built from."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import zipfile
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from workers.atomic import atomic_dir, file_digest, folder_digests
 from workers.model import load_state, save_pretrained
@@ -43,9 +45,25 @@ SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", 
               "tie_word_embeddings")
 
 
-def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
+def rng_states(w: "TrainerWorker") -> list[tuple]:
+    """Each data-parallel rank's (CPU, CUDA) RNG states, in rank order: an all-gather with
+    several ranks (every rank calls it). Each rank draws its own numbers (clip_cov's choice of
+    tokens), so a resume gives each rank its own back, not rank 0's."""
+    mine = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    if w.world_size == 1:
+        return [mine]
+    every: list = [None] * w.world_size
+    # NCCL stages the pickled states on the calling thread's current GPU (as group_filter.gather_over)
+    with torch.cuda.device(w.device) if w.device.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(every, mine, group=w.group)
+    return every
+
+
+def save(w: "TrainerWorker", path: str, optimizer_state: dict, rng: list[tuple] | None = None) -> Path:
     """``optimizer_state``: the whole optimizer state (``optimizer.full_state_dict``: a sharded
-    optimizer's own ``state_dict()`` is whatever its last consolidation gathered)."""
+    optimizer's own ``state_dict()`` is whatever its last consolidation gathered); ``rng``:
+    ``rng_states`` (None: this process's alone)."""
+    rng = rng or rng_states(w)
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -63,8 +81,9 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
             "optimizer": optimizer_state,
             "scheduler": w.scheduler.state_dict(),
             "actor_steps": w.actor_steps,
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "rng_cpu": rng[0][0],  # rank 0's, what a resume on another number of ranks gives every rank
+            "rng_cuda": rng[0][1],
+            "rng_ranks": rng,
             "version": w.version,
             "iteration": w.iteration,
             "algorithm": canonical(w.cfg.algorithm),
@@ -76,7 +95,7 @@ def save(w: "TrainerWorker", path: str, optimizer_state: dict) -> Path:
         spec, digest = identity(w.cfg.algorithm)
         (tmp / META_FILE).write_text(json.dumps({"algorithm": spec, "algorithm_sha1": digest,
                                                  "critic": w.critic is not None, "version": w.version,
-                                                 "lora_rank": w.cfg.lora_rank}))
+                                                 "lora_rank": w.cfg.lora_rank, "checksums": True}))
         (tmp / SUMS_FILE).write_text(json.dumps(folder_digests(tmp, "crc32"), indent=0))
     return path
 
@@ -132,7 +151,15 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool,
         except (KeyError, TypeError, ValueError) as e:
             raise damaged(f, e) from None
 
+    # every file the save listed is there before any is read: a missing trainer.json was taken
+    # for an older checkpoint's (none) and refused as "trained without LoRA"
+    sums = read_json(path / SUMS_FILE) if (path / SUMS_FILE).exists() else {}
+    for name in sums:
+        if not (path / name).is_file():
+            raise damaged(path / name, FileNotFoundError("missing"))
     meta = read_json(path / META_FILE) if (path / META_FILE).exists() else {}  # older checkpoints have none
+    if meta.get("checksums") and not sums:  # (checkpoints of before session 50 do not say)
+        raise damaged(path / SUMS_FILE, FileNotFoundError("missing: the save wrote one"))
     spec, digest = identity(algorithm)
     if canonical(meta.get("algorithm", algorithm)) != spec:
         raise ValueError(f"{path}: checkpoint is for trainer.algorithm {meta['algorithm']!r}, this run's is "
@@ -180,11 +207,8 @@ def check(path: str | Path, model_dir: str | Path, algorithm: str, critic: bool,
         raise damaged(path / STATE_FILE, e) from None
     # bytes changed inside a file (a disk or copy error): safetensors' header and torch.load
     # take it without a word; the sums written at save do not (checkpoints before them have none)
-    sums = read_json(path / SUMS_FILE) if (path / SUMS_FILE).exists() else {}
     for name, want in sums.items():
         f = path / name
-        if not f.is_file():
-            raise damaged(f, FileNotFoundError("missing"))
         got = file_digest(f, "crc32")
         if got != want:
             raise damaged(f, ValueError(f"CRC-32 {got}, written as {want}: its bytes changed since the save"))
@@ -234,9 +258,11 @@ def load(w: "TrainerWorker", path: str) -> None:
     # iterations has a longer schedule (total_steps follows them), and the saved lr was the old
     # schedule's (its last step: 0 for cosine / linear)
     apply_schedule(w)
-    torch.set_rng_state(state["rng_cpu"])
-    if state["rng_cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    ranks = state.get("rng_ranks")  # each rank its own (before session 50: rank 0's alone)
+    cpu, cuda = ranks[w.rank] if ranks and len(ranks) == w.world_size else (state["rng_cpu"], state["rng_cuda"])
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
     w._version = int(state["version"])
     w.iteration = int(state["iteration"])
     if w.cfg.kl_target > 0 and state.get("kl_coef") is not None:  # an adapted beta goes on from where it was;

@@ -243,8 +243,9 @@ class TrainerWorker:
         """Every data-parallel rank calls this: rank 0 writes, the others return (at once, or after
         sending their share of a sharded optimizer's state to rank 0)."""
         state = optimizer.full_state_dict(self.optimizer, self.rank)
+        rng = checkpoint.rng_states(self)
         if self.rank == 0:
-            checkpoint.save(self, path, state)
+            checkpoint.save(self, path, state, rng)
 
     @_locked
     def load_checkpoint(self, path: str) -> None:

@@ -57,6 +57,10 @@ class WeightSyncConfig:
                              f"(the baseline sends from each root straight to every instance); drop "
                              f"weight_sync.tree_shape or set weight_sync.naive: false")
 
+    def to_config(self) -> dict[str, Any]:
+        """The ``weight_sync`` section as written (its topology is the run's ``topology``)."""
+        return {"bucket_mb": self.bucket_bytes / 1e6, "tree_shape": self.tree_shape, "naive": self.naive}
+
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any] | None, topology: Topology | None = None) -> "WeightSyncConfig":
         """Validate the ``weight_sync`` section (None -> defaults; ``ConfigError`` naming the key).

@@ -149,6 +149,20 @@ class Topology:
                    shaped=frozenset(shaped), default_dc=default_dc)
 
 
+    def to_config(self) -> dict[str, Any]:
+        """The ``topology`` section ``from_config`` builds this from (what a run records: sorted,
+        so every process writes it alike)."""
+        dcs: dict[str, list[int]] = {}
+        if self.rank_dc:
+            dcs[self.default_dc] = []  # the default named among them, as from_config wants
+        for key, groups in (("datacenters", dcs), ("nodes", nodes := {})):
+            for r, name in sorted((self.rank_dc if key == "datacenters" else self.rank_node).items()):
+                groups.setdefault(name, []).append(r)
+        return {"datacenters": dcs, "nodes": nodes,
+                "bandwidth_gbps": {lc.value: self.bandwidth[lc] * 8 / 1e9 for lc in LinkClass},
+                "shaped_links": sorted(lc.value for lc in self.shaped), "default_datacenter": self.default_dc}
+
+
 def _rank_groups(groups: Any, where: str) -> dict[int, str]:
     """{name: [ranks]} -> {rank: name}; each rank in at most one group."""
     if not isinstance(groups, Mapping):

@@ -1,0 +1,43 @@
+"""The resolved config a run records (``config.yaml``, wandb) and every rank publishes at start
+(``lifecycle.agree_on_config``): the ``topology`` and ``weight_sync`` sections as their keys,
+the same in every process, loading back to the same config."""
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import yaml
+
+from controller.config import from_dict, load_config
+from controller.run_record import plain, save_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPOLOGY = {"datacenters": {"east": [0, 1], "west": [2]}, "nodes": {"n0": [0, 1]},
+            "bandwidth_gbps": {"inter_dc": 10}, "shaped_links": ["inter_dc", "intra_dc", "intra_node"]}
+
+
+def test_the_record_holds_the_sections_as_written_and_loads_back(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump({"weight_sync": {"bucket_mb": 8}, "topology": TOPOLOGY,
+                                        "logging": {"logdir": str(tmp_path / "run")}}))
+    cfg = load_config(cfg_file, 3)
+    args = types.SimpleNamespace(resume="", config=str(cfg_file), set=[])
+    rec = yaml.safe_load(save_run_config(tmp_path, cfg, args).read_text())["config"]
+    assert rec["weight_sync"] == {"bucket_mb": 8.0, "tree_shape": cfg.weight_sync.tree_shape, "naive": False}
+    assert rec["topology"] == {"datacenters": {"east": [0, 1], "west": [2]}, "nodes": {"n0": [0, 1]},
+                               "bandwidth_gbps": {"intra_node": 1600.0, "intra_dc": 200.0, "inter_dc": 10.0},
+                               "shaped_links": ["inter_dc", "intra_dc", "intra_node"], "default_datacenter": "east"}
+    again = from_dict(rec, 3)
+    assert again.topology == cfg.topology and again.weight_sync == cfg.weight_sync and plain(again) == rec
+
+
+def test_every_process_resolves_the_same_record():
+    """shaped_links was recorded as str(frozenset(...)), in the order of the process's string-hash
+    seed: with two or more classes the ranks' digests differed and the job was refused at start
+    ("rank 1 resolved another config than rank 0")."""
+    code = ("import json; from controller.config import from_dict; from controller.run_record import plain; "
+            f"print(json.dumps(plain(from_dict({{'topology': {TOPOLOGY!r}}}, 3)), sort_keys=True))")
+    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
+    assert len(outs) == 1
