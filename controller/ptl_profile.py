@@ -7,10 +7,16 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 
 from workers.atomic import write_text
+
+
+def _whole(v) -> bool:
+    """A whole number (8192 or 8192.0; not NaN, inf or a bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v).is_integer()
 
 
 @dataclass
@@ -41,6 +47,16 @@ class PTLProfile:
         if not self.batch_sizes or len(self.batch_sizes) != len(self.ptl_s):
             raise ValueError("PTLProfile: batch_sizes and ptl_s must be non-empty and of equal length "
                              f"(got {len(self.batch_sizes)} and {len(self.ptl_s)})")
+        # counts are whole numbers and times numbers (not bools; NaN passed every `< 1` test)
+        for key in ("kv_tokens", "block_size", "max_batch_size"):
+            v = getattr(self, key)
+            if not _whole(v):
+                raise ValueError(f"PTLProfile.{key} must be a whole number, got {v!r}")
+            setattr(self, key, int(v))
+        if not all(_whole(b) for b in self.batch_sizes):
+            raise ValueError(f"PTLProfile.batch_sizes must be whole numbers, got {self.batch_sizes}")
+        if any(not isinstance(p, numbers.Real) or isinstance(p, bool) for p in self.ptl_s):
+            raise ValueError(f"PTLProfile.ptl_s must be numbers, got {self.ptl_s}")
         if any(b < 1 for b in self.batch_sizes) or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
             raise ValueError(f"PTLProfile.batch_sizes must be increasing and >= 1, got {self.batch_sizes}")
         if any(not (p > 0) for p in self.ptl_s):

@@ -175,7 +175,8 @@ class Session:
     def _scale_policy(self):
         if not self.cfg.placement.elastic:
             return None
-        return ScaleOutPolicy(self.world.sgs.slots[0].profile)
+        # delta' as the run's own dispatcher would save (the oracle's saving is not the run's)
+        return ScaleOutPolicy(self.world.sgs.slots[0].profile, self.cfg.dispatch.name, dict(self.cfg.dispatch.options))
 
     def _resume(self):
         found = ckpt.find(self.args.resume, say_newer=True)

@@ -269,3 +269,28 @@ def test_a_recommendation_faster_than_its_stage_means_says_why():
     assert "warm-up iterations left out" in planner.describe_mode(plan, "async_stream")["note"]
     plan.modes["async_stream"]["iteration_s"] = 260.0
     assert "note" not in planner.describe_mode(plan, "async_stream")
+
+
+def test_a_runs_scale_out_policy_predicts_with_the_runs_dispatcher():
+    """The session built the policy with the oracle's delta' whatever dispatch.name: on this
+    workload the oracle saw no saving from a 4th instance where the run's round_robin saves
+    0.33 s, so the policy never added one (review, session 50)."""
+    import types
+
+    import numpy as np
+
+    from controller.session import Session
+    from controller.sgs import default_profile
+
+    prof = default_profile()
+    cfg = types.SimpleNamespace(placement=types.SimpleNamespace(elastic=True),
+                                dispatch=types.SimpleNamespace(name="round_robin", options={}))
+    fake = types.SimpleNamespace(cfg=cfg, world=types.SimpleNamespace(
+        sgs=types.SimpleNamespace(slots=[types.SimpleNamespace(profile=prof)])))
+    policy = Session._scale_policy(fake)
+    assert (policy.dispatcher, policy.dispatch_kw) == ("round_robin", {})
+    lens = list(np.random.default_rng(1).lognormal(5.5, 0.8, size=64).clip(1, 3000).astype(int))
+    rr = predicted_gen_times(prof, lens, range(1, 6), None, "round_robin")
+    d = policy.observe(0, gen_time_s=rr[2], train_time_s=8.0, out_lens=lens, instances=3, spare=1)
+    assert d.add and d.delta_prime_s == pytest.approx(lower_convex_hull(rr)[2] - lower_convex_hull(rr)[3])
+    assert delta_prime(prof, lens, 3, rr[2], dispatcher="oracle") == 0.0  # what it used to predict

@@ -242,3 +242,49 @@ def test_cross_dc_gives_back_generation_gpus_that_do_not_help():
     assert sm.gen(a.gen_gpus) == pytest.approx(sm.gen(64))  # the same time as all 64
     assert sm.gen(a.gen_gpus - sm.gen_unit) > a.iteration_s  # one node less would be slower
     assert allocate_cross_dc(sm, 64, 64) == a
+
+
+def test_a_cluster_whose_even_split_cannot_hold_the_trainer_is_still_planned(tmp_path, capsys):
+    """72B PPO needs >= 40 trainer GPUs: on 64 H800 Algorithm 1 gives 24 + 40, but the even-split
+    baseline (32 + 32) raised and `plan` / `report` refused the whole cluster (review, session 50)."""
+    out = _plan(tmp_path, capsys, DC.replace("gpus: 16", "gpus: 64") + "gen_tp: 8\n", model="qwen2.5-72b")
+    assert out["even_split"] == {"skipped": out["even_split"]["skipped"]}
+    assert "even split: 32 GPUs cannot hold the trainer" in out["even_split"]["skipped"]
+    a = out["recommended"]["async_stream"]
+    assert (a["gen"], a["train"]) == ("24 x H800 (3 instances)", "40 x H800")
+    main(["report", "--trace", str(tmp_path / "trace.json"), "--batch", "16", "--iterations", "4", "--gpus", "64",
+          "--models", "qwen2.5-72b"])
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert row["alloc_vs_even_throughput"] is None and "cannot hold the trainer" in row["even_h800"]["skipped"]
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("kv_tokens", float("nan"), "PTLProfile.kv_tokens must be a whole number, got nan"),
+    ("kv_tokens", float("inf"), "PTLProfile.kv_tokens must be a whole number, got inf"),
+    ("kv_tokens", 1000.5, "PTLProfile.kv_tokens must be a whole number, got 1000.5"),
+    ("block_size", float("nan"), "PTLProfile.block_size must be a whole number"),
+    ("max_batch_size", True, "PTLProfile.max_batch_size must be a whole number, got True"),
+    ("batch_sizes", [1.5, 1.7], "PTLProfile.batch_sizes must be whole numbers"),
+    ("ptl_s", [True, True], "PTLProfile.ptl_s must be numbers"),
+])
+def test_a_profile_with_counts_that_are_not_whole_numbers_is_refused(tmp_path, key, value, said):
+    """NaN passed the `< 1` checks: skew_paper then planned every instance at batch size 1, and a
+    NaN block_size failed later without naming the file (review, session 50)."""
+    d = {"batch_sizes": [1, 4], "ptl_s": [0.01, 0.02], "kv_tokens": 4096, "block_size": 16, key: value}
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"p.json: .*{said}"):
+        PTLProfile.load(tmp_path / "p.json")
+
+
+def test_a_profile_count_written_as_a_float_is_taken_as_a_whole_number():
+    p = PTLProfile([1, 4.0], [0.01, 0.02], kv_tokens=4096.0, block_size=16.0)
+    assert (p.kv_tokens, p.block_size, p.batch_sizes) == (4096, 16, [1, 4]) and type(p.kv_tokens) is int
+
+
+@pytest.mark.parametrize("value", [-1e9, "nan", float("inf")])
+def test_stage_profiles_refuse_weight_bytes_that_are_not_a_size(tmp_path, value):
+    gen = {"batch_sizes": [1], "ptl_s": [0.01], "kv_tokens": 4096}
+    (tmp_path / "s.json").write_text(json.dumps({"generation": gen, "trainer": {"s_per_token": 0.001},
+                                                 "weight_bytes": value}))
+    with pytest.raises(ValueError, match="s.json: weight_bytes must be a number >= 0"):
+        StageProfiles.load(tmp_path / "s.json")

@@ -76,7 +76,8 @@ def cmd_plan(args) -> dict:
            "tp_tried": [o.summary() for o in p.tp_options],
            "recommended": {mode: describe_mode(plan, mode) for mode, plan in p.recommend().items()}}
     if not p.cluster.cross_dc:
-        out["even_split"] = describe(p.simulate_modes(p.allocate(even=True)))
+        refused = p.even_split_refusal()
+        out["even_split"] = {"skipped": refused} if refused else describe(p.simulate_modes(p.allocate(even=True)))
     print(json.dumps(out, indent=1))
     return out
 
@@ -94,15 +95,18 @@ def cmd_report(args) -> dict:
         model = MODELS[name]
         p = _planner(h800, model, args)
         best = p.recommend([mode])[mode]
-        even = p.simulate_modes(p.allocate(even=True), [mode])
+        refused = p.even_split_refusal()  # half the GPUs do not hold the trainer: no baseline to compare
+        even = None if refused else p.simulate_modes(p.allocate(even=True), [mode])
         q = _planner(hetero, model, args)
         het = q.recommend([mode])[mode]
         per_dollar = het.modes[mode]["samples_per_dollar"], best.modes[mode]["samples_per_dollar"]
         row = {"model": name, "mode": mode, "algorithm": p.algorithm, "whiten": p.whiten,
                "train_at_end": p.train_at_end,
-               "planned_h800": describe_mode(best, mode), "even_h800": describe(even),
+               "planned_h800": describe_mode(best, mode),
+               "even_h800": {"skipped": refused} if refused else describe(even),
                "h20_h800": describe_mode(het, mode),
-               "alloc_vs_even_throughput": round(best.modes[mode]["samples_per_s"] / even.modes[mode]["samples_per_s"], 3),
+               "alloc_vs_even_throughput": None if refused else
+               round(best.modes[mode]["samples_per_s"] / even.modes[mode]["samples_per_s"], 3),
                # null when a price of 0 makes either side's samples per dollar null (unbounded)
                "hetero_vs_h800_samples_per_dollar": None if None in per_dollar else round(per_dollar[0] / per_dollar[1], 3)}
         rows.append(row)

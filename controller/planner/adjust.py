@@ -36,9 +36,12 @@ class ScaleDecision:
 
 
 def predicted_gen_times(profile: PTLProfile, out_lens: Sequence[float], instances: Sequence[int],
-                        prompt_lens: Sequence[int] | None = None, dispatcher: str = "oracle") -> list[float]:
-    """Predicted generation time of this workload on each instance count."""
-    gt = generation_time_model(profile, [max(1, int(round(x))) for x in out_lens], prompt_lens, dispatcher)
+                        prompt_lens: Sequence[int] | None = None, dispatcher: str = "oracle",
+                        dispatch_kw: dict | None = None) -> list[float]:
+    """Predicted generation time of this workload on each instance count, dispatched by
+    ``dispatcher`` (its options ``dispatch_kw``)."""
+    gt = generation_time_model(profile, [max(1, int(round(x))) for x in out_lens], prompt_lens, dispatcher,
+                               **(dispatch_kw or {}))
     return [gt(k) for k in instances]
 
 
@@ -62,12 +65,14 @@ def lower_convex_hull(ts: Sequence[float]) -> list[float]:
 
 
 def delta_prime(profile: PTLProfile, out_lens: Sequence[float], instances: int, gen_time_s: float | None = None,
-                prompt_lens: Sequence[int] | None = None, dispatcher: str = "oracle", horizon: int = 0) -> float:
+                prompt_lens: Sequence[int] | None = None, dispatcher: str = "oracle", horizon: int = 0,
+                dispatch_kw: dict | None = None) -> float:
     """Generation time saved by going from ``instances`` to ``instances + 1``: the drop of
     the convex envelope of the predicted times over 1..max(horizon, instances + 2)
     instances. With ``gen_time_s`` (measured) the predicted relative saving is applied to it."""
     k_max = max(horizon, instances + 2)
-    ts = lower_convex_hull(predicted_gen_times(profile, out_lens, range(1, k_max + 1), prompt_lens, dispatcher))
+    ts = lower_convex_hull(predicted_gen_times(profile, out_lens, range(1, k_max + 1), prompt_lens, dispatcher,
+                                               dispatch_kw))
     t_now, t_next = ts[instances - 1], ts[instances]
     saving = max(0.0, t_now - t_next)
     return saving if gen_time_s is None or t_now <= 0 else gen_time_s * saving / t_now
@@ -78,10 +83,12 @@ class ScaleOutPolicy:
     """Decides one add at a time. ``cooldown``: iterations to wait after an add that happened
     (``added``: the session reports each one; the new instance's effect shows in the iteration
     it joins at), counted from the iteration it joined at. ``max_instances`` bounds the service
-    (0: no bound)."""
+    (0: no bound). ``dispatcher`` / ``dispatch_kw``: how the run dispatches (its ``dispatch``
+    section), so delta' is the saving the run would see."""
 
     profile: PTLProfile
     dispatcher: str = "oracle"
+    dispatch_kw: dict = field(default_factory=dict)
     cooldown: int = 1
     max_instances: int = 0
     horizon: int = 0
@@ -98,7 +105,8 @@ class ScaleOutPolicy:
         """out_lens: the iteration's output lengths (true, from finished samples). ``spare``:
         processes waiting to join (None: not known, taken as one waiting)."""
         delta = gen_time_s - train_time_s
-        dp = delta_prime(self.profile, out_lens, instances, gen_time_s, prompt_lens, self.dispatcher, self.horizon)
+        dp = delta_prime(self.profile, out_lens, instances, gen_time_s, prompt_lens, self.dispatcher, self.horizon,
+                         self.dispatch_kw)
         wanted = delta >= dp > 0
         if self.max_instances and instances >= self.max_instances:
             add, why = False, f"at max_instances={self.max_instances}"

@@ -200,6 +200,15 @@ class Planner:
         n = self.cluster.datacenters[0].gpus
         return even_split(sm, n) if even else allocate_single_dc(sm, n)
 
+    def even_split_refusal(self) -> str | None:
+        """Why the even-split baseline cannot run here (half the GPUs do not hold the trainer,
+        where Algorithm 1 gives it more), or None."""
+        try:
+            self.allocate(even=True)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def sync_s(self) -> float:
         gbps = self.cluster.link_gbps if self.cluster.cross_dc else self.cluster.intra_gbps
         return sync_time_s(self.model.weight_bytes, gbps)
@@ -253,7 +262,7 @@ class Planner:
         splits.sort(key=lambda s: (s[1].gen_time_s + sync + s[1].train_time_s, s[1].gen_gpus + s[1].train_gpus,
                                    s[0].tp))
         chosen = splits[:SYNC_CANDIDATES] + [(best, self.allocate())]
-        if not cross:
+        if not cross and self.even_split_refusal() is None:  # a baseline, where the trainer fits half
             chosen.append((best, self.allocate(even=True)))
         out, seen = [], set()
         for o, a in chosen:

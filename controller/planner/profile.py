@@ -266,8 +266,7 @@ class StageProfiles:
             raise ValueError(f"{path}: unknown StageProfiles keys {sorted(unknown)}")
         gen = PTLProfile.from_dict(d["generation"], f"{path}: generation")
         trainer = from_json(TrainProfile, d["trainer"], f"{path}: trainer")
-        try:
-            weight_bytes = float(d.get("weight_bytes", 0.0))
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}: weight_bytes must be a number, got {d['weight_bytes']!r}") from None
+        from controller.planner.hardware import check_number  # (hardware imports this module)
+
+        weight_bytes = check_number(f"{path}: weight_bytes", d.get("weight_bytes", 0.0), strict=False)
         return cls(gen, trainer, weight_bytes, d.get("meta", {}))

@@ -17,8 +17,11 @@ Mode semantics (controller/program.py and controller/trainer_rank.py; iteration 
                ``microbatch_tokens`` tokens are in (0: per sample)
   async_batch  lag 1: gen(i) starts when gen(i-1) ended and the weights of train(i-2) are
                synced; sync(j) starts when train(j) ends (overlapping generation); the
-               trainer takes iteration i's samples all at once, after step(i-1)
-  async_stream lag 1 as async_batch, the trainer hand-over as stream
+               trainer takes iteration i's samples all at once, in step(i), which starts once
+               sync(i-1) ended (the push reads the trainer's weights)
+  async_stream lag 1 as async_batch, the trainer hand-over as stream: the micro-batches may
+               train during sync(i-1), step(i) itself (``fixed_s``, and all of it with
+               ``train_at_end``) not before it ends
 Every iteration starts with ``iteration_overhead_s`` of controller work (batching, ranker).
 
 Shared host (``gen_shared_slowdown`` / ``train_shared_slowdown`` > 1; default 1 = each stage
@@ -307,10 +310,16 @@ def _simulate(cfg: SimConfig, workloads: Sequence[Workload], seed: int, gen_scal
             sync_start.append(t)
             sync_end.append(t + cfg.sync_s)
             continue
+        # lag 1: step(i) is called once the push of step(i-1)'s weights ended (the trainer's
+        # weights are the push's source); what it holds back (all, or train_at_end) trains in it
+        gate = sync_end[i - 1] if mode.lag and i >= 1 else 0.0
+        if mode.release == "all" or cfg.train_at_end:
+            t = max(t, gate)
         for ready, tokens in _train_batches(mode.release, arrivals, cfg):
             start = max(t, ready)
             t = start + (cfg.trainer.s_per_token * tokens + cfg.train_overhead_per_batch_s) * train_scale[i]
             spans.append(Span("trainer", "train", start, t, i))
+        t = max(t, gate)
         if cfg.trainer.fixed_s:
             fixed = cfg.trainer.fixed_s * train_scale[i]
             spans.append(Span("trainer", "train", t, t + fixed, i))
