@@ -29,7 +29,9 @@ class StepContext:
 
     slot_mapping: int64 [T] cache slot of each new token; block_tables: int32 [B, max_blocks];
     context_lens: int32 [B] tokens in cache incl. this step's; gather_idx: int64 [B*max_blocks]
-    (block_tables flattened); key_mask: bool [B, 1, Lq, Lk] (True = may attend);
+    (block_tables flattened); key_mask: bool [B, 1, Lq, Lk] (True = may attend); key_pad: bool
+    [B, Lk, 1, 1], True on the gathered slots past each sequence's own tokens (zeroed: a NaN
+    there, another request's or a stale one, is NaN through the mask, as 0 * NaN);
     q_index: int64 [T] row of each packed query in the padded [B*Lq] layout (prefill only);
     seq_of, positions: int64 [T] sequence row and absolute position of each query ("cpu").
     Only the fields the backend reads are set (``PagedAttention.needs_mask``)."""
@@ -40,6 +42,7 @@ class StepContext:
     context_lens: torch.Tensor
     gather_idx: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
+    key_pad: torch.Tensor | None = None
     q_index: torch.Tensor | None = None
     max_q_len: int = 1
     seq_of: torch.Tensor | None = None
@@ -100,6 +103,7 @@ class PagedAttention:
         vals = vc.view(nb, -1).index_select(0, ctx.gather_idx).view(b, -1, hkv, self.dh)
         if keys.dtype != q.dtype:  # a 16-bit cache (kv_cache_dtype) under a wider model
             keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+        keys, vals = keys.masked_fill(ctx.key_pad, 0.0), vals.masked_fill(ctx.key_pad, 0.0)
         if ctx.is_prefill:
             qp = q.new_zeros(b * ctx.max_q_len, self.h, self.dh).index_copy_(0, ctx.q_index, q)
             qp = qp.view(b, ctx.max_q_len, self.h, self.dh)  # [B, Lq, H, Dh]

@@ -122,6 +122,8 @@ class ModelRunner:
             else:
                 mask = (torch.arange(lk)[None, :] < torch.tensor(ctx_lens)[:, None])[:, None]  # [B, 1, Lk]
             ctx.key_mask = to_device(mask[:, None], torch.bool, self.device)
+            pad = torch.arange(lk)[None, :] >= torch.tensor(ctx_lens)[:, None]  # [B, Lk]
+            ctx.key_pad = to_device(pad[:, :, None, None], torch.bool, self.device)
             ctx.gather_idx = bt.flatten().long()
         elif self.attn.uses_cpu_kernel:  # a prefill: the kernel's decode steps took DecodeInputs above
             ctx.seq_of = self._to_dev(seq_of, torch.int64)
