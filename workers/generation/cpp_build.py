@@ -14,9 +14,12 @@ at once never load each other's).
 ``VEXP`` is C++ the extensions share (prepended to their sources): one ``exp``."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import platform
 from functools import cache
+from pathlib import Path
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -52,12 +55,33 @@ def build(name: str, source: str, functions: tuple[str, ...], what: str):
     cflags, ldflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-fopenmp"]
     sources = source + bindings(functions)
     digest = hashlib.sha1("\0".join([sources, *cflags, *ldflags]).encode()).hexdigest()[:8]
+    full = f"{name}_{isa_tag()}_{digest}"
     try:
-        return load_inline(name=f"{name}_{isa_tag()}_{digest}", cpp_sources=sources, extra_cflags=cflags,
-                           extra_ldflags=ldflags, verbose=False)
+        with _build_lock(full) as build_dir:
+            return load_inline(name=full, cpp_sources=sources, extra_cflags=cflags, extra_ldflags=ldflags,
+                               build_directory=build_dir, verbose=False)
     except Exception as e:
         raise RuntimeError(f"{what}: building the C++ extension failed ({e}); "
                            "use attention_backend 'torch'") from e
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """The build folder of extension ``name``, held under an ``flock`` for the build. torch's
+    own lock (a ``lock`` file made with O_EXCL, removed in a ``finally``) outlives a builder
+    killed mid-build (SIGKILL, the OOM killer, ``os._exit`` of another thread), and every later
+    start then waited on it for ever, silently. The kernel drops an flock with its process, so
+    whoever holds this one knows no live builder holds torch's: a leftover is removed."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's folder for ``name``
+
+    build_dir = Path(_get_build_directory(name, False))
+    with open(build_dir.parent / f"{name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield str(build_dir)
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def bindings(functions: tuple[str, ...]) -> str:

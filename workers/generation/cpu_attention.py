@@ -449,6 +449,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && k_cache.size(3) == q.size(2),
               "paged_attention: head shapes do not match");
+  // the indices the kernel follows, in range (a wrong one read past a buffer: a segfault, not an error)
+  const int64_t ntok = q.size(0), nseq = block_tables.size(0), nb = k_cache.size(0);
+  const int64_t span = block_tables.size(1) * k_cache.size(1);
+  TORCH_CHECK(seq_of.numel() == ntok && positions.numel() == ntok && seq_of.is_contiguous() &&
+              positions.is_contiguous(), "paged_attention: seq_of and positions need one entry per query row");
+  const int64_t* so = seq_of.data_ptr<int64_t>();
+  const int64_t* po = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ntok; ++t) {
+    TORCH_CHECK(so[t] >= 0 && so[t] < nseq, "paged_attention: seq_of[", t, "] = ", so[t], " is not a block_tables row");
+    TORCH_CHECK(po[t] >= 0 && po[t] < span, "paged_attention: positions[", t, "] = ", po[t],
+                " is outside its block table (", span, " slots)");
+  }
+  const int* bt = block_tables.data_ptr<int>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i)
+    TORCH_CHECK(bt[i] >= 0 && bt[i] < nb, "paged_attention: block_tables holds block ", bt[i], " of ", nb);
   if (mixed && k_cache.scalar_type() == at::kBFloat16) {
     run_attend<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale);
   } else if (mixed) {
