@@ -36,6 +36,18 @@ def test_top_k_minus_one_is_off_as_in_vllm():
     assert bad.finish_reason == "error" and "top_k must be an int >= -1 (0 or -1: off), got -2" in bad.error
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token_as_vllm():
+    """A top_p below ~1.4e-45 is 0 in float32: every token was dropped, the log-probs were NaN
+    and the draw took the last vocabulary id (review, session 50); vLLM keeps the top token."""
+    def run(sp):
+        return generate_all(engine(), [Request(0, PS[1], 5, 5, sampling=sp)])[0]
+
+    tiny = run(SamplingParams(temperature=1.0, top_p=1e-300, seed=1))
+    top1 = run(SamplingParams(temperature=1.0, top_k=1, seed=1))
+    assert tiny.finish_reason == "length" and torch.equal(tiny.logprobs, torch.zeros(5))
+    assert tiny.output_ids.tolist() == top1.output_ids.tolist()
+
+
 @torch.no_grad()
 def _processed_logprobs(prompt, out, sp, eos, min_tokens):
     """Brute force, in float64: the log-prob of each output token under the distribution it
@@ -94,6 +106,17 @@ def test_a_configured_context_the_cache_cannot_hold_is_refused():
         engine(max_model_len=512, kv_cache_tokens=64)
     assert engine(max_model_len=60, kv_cache_tokens=64).max_model_len == 60
     assert engine(kv_cache_tokens=64).max_model_len == 60  # the model's own context: cut to the cache
+
+
+
+def test_a_cache_that_holds_no_output_token_is_refused():
+    """One-token blocks, two of them: every prompt was refused ("max_model_len 1") at run time."""
+    with pytest.raises(ValueError, match=r"engine.num_blocks: must hold a sequence of 2 tokens .* 2 blocks of 1 "
+                                         r"hold 1, got 2"):
+        EngineConfig(block_size=1, num_blocks=2)
+    with pytest.raises(ValueError, match="engine.max_model_len: must be 0 .* or >= 2"):
+        EngineConfig(max_model_len=1)
+    assert EngineConfig(block_size=1, num_blocks=3).kv_len == 2
 
 
 @pytest.mark.parametrize("plen", [4, 8, 5])

@@ -55,6 +55,20 @@ def test_max_model_len_capped_so_one_sequence_fits_the_cache():
                                              device="cpu"), big)
 
 
+def test_a_context_vllms_blocks_cannot_hold_is_said_at_config_load(monkeypatch):
+    """1008 tokens fit the native engine's 16-token blocks, not vLLM's 32-token CPU blocks (992):
+    it was said only as each instance was built (review, session 50)."""
+    from workers.generation import support
+
+    cfg = EngineConfig(backend="vllm", block_size=16, kv_cache_tokens=1024, max_model_len=1008, device="cpu")
+    said = "engine.max_model_len: 1008 tokens do not fit the KV cache, whose 32 vLLM blocks of 32 tokens hold at most 992"
+    assert said in vllm_args.context_problem(cfg)
+    monkeypatch.setattr(support.importlib.util, "find_spec", lambda name: object())  # vLLM "installed"
+    assert said in support.engine_problem(cfg, "rank 1 (generation)")
+    assert vllm_args.context_problem(EngineConfig(backend="vllm", block_size=16, kv_cache_tokens=1024,
+                                                  max_model_len=992, device="cpu")) is None
+
+
 def test_engine_args_refusals():
     with pytest.raises(ValueError, match="head_dim 16"):
         vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu"), "/m",
@@ -129,3 +143,33 @@ def test_gpu_memory_utilization_is_the_share_free_now(monkeypatch):
     cfg = EngineConfig(backend="vllm", kv_cache_tokens=4096, device="cuda", dtype="bfloat16",
                        backend_options={"gpu_memory_utilization": 0.5})
     assert vllm_args.engine_args(cfg, "/m", MC)["gpu_memory_utilization"] == 0.5
+
+
+def test_a_vllm_instance_computes_on_its_own_gpu(monkeypatch):
+    """vLLM's one-process executor binds cuda:0 whatever engine.device said, so every instance of
+    a node computed on GPU 0 (review, session 50). The engine core now starts in a child that sees
+    the instance's GPU alone. (No GPU here: the mapping is checked, not a run on a GPU.)"""
+    from workers.generation import vllm_engine as ve
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cpu, one = EngineConfig(backend="vllm", device="cpu"), EngineConfig(backend="vllm", device="cuda:1")
+    assert ve.gpu_index(cpu) is None and not ve._use_subprocess(cpu)
+    assert ve.gpu_index(one) == 1 and ve._use_subprocess(one) and ve.child_gpu(1) == "1"
+    assert not ve._use_subprocess(EngineConfig(backend="vllm", device="cuda:0"))  # in-process: vLLM's cuda:0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # the parent's cuda:1 is physical GPU 6
+    assert ve.child_gpu(1) == "6"
+    with pytest.raises(ValueError, match="engine.device cuda:2: CUDA_VISIBLE_DEVICES=4,6 shows 2 GPU"):
+        ve.child_gpu(2)
+
+
+def test_vllms_multiprocessing_variable_makes_the_backend_set_up_a_child(monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 makes vLLM start a child whatever it is asked; the backend
+    took itself for in-process, left the child's settings unmade and every weight push failed
+    ('functools.partial is not serializable')."""
+    from workers.generation import vllm_engine as ve
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert ve._use_subprocess(EngineConfig(backend="vllm", device="cpu", backend_options={"multiprocess": False}))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert not ve._use_subprocess(EngineConfig(backend="vllm", device="cpu"))

@@ -110,6 +110,12 @@ class EngineConfig:
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
             key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
             bad(key, f"must give at least two blocks of {self.block_size} tokens")
+        if self.kv_len < 2:  # every prompt (>= 1 token) would be refused: no room for an output
+            key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
+            bad(key, f"must hold a sequence of 2 tokens (a prompt token and an output); {self.total_blocks} "
+                     f"blocks of {self.block_size} hold {self.kv_len}")
+        if self.max_model_len == 1:
+            bad("max_model_len", "must be 0 (the model's) or >= 2: a prompt token and an output")
         if self.max_model_len > self.kv_len:  # as vLLM, which refuses to start: not a silent cut
             raise ValueError(context_too_long(self.max_model_len, self.total_blocks, self.block_size, self.kv_len))
         kind, _, index = self.device.partition(":")

@@ -162,5 +162,6 @@ class Sampler:
             probs = srt.softmax(-1)
             # drop a token when the mass before it already reaches top_p (keeps at least one)
             drop = (probs.cumsum(-1) - probs) >= p_t
+            drop[:, 0] = False  # the top token always (a top_p that rounds to 0 dropped every one: NaN)
             logits = logits.scatter(1, order, srt.masked_fill(drop, float("-inf")))
         return torch.log_softmax(logits, dim=-1)

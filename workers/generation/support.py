@@ -35,7 +35,9 @@ def engine_problem(cfg: EngineConfig, where: str) -> str | None:
             from workers.generation.vllm_engine import INSTALL_HINT
 
             return f"engine.backend: 'vllm', but on {where}: {INSTALL_HINT}"
-        return None  # vLLM picks its own attention
+        from workers.generation.vllm_args import context_problem
+
+        return context_problem(cfg)  # vLLM picks its own attention
     if cfg.backend != "native":  # your own engine: it loads here (its device and attention are its own)
         from workers.generation.factory import engine_factory
 

@@ -32,15 +32,27 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[str, str]:
     return device, dtype
 
 
+def context_problem(cfg: EngineConfig) -> str | None:
+    """A configured ``max_model_len`` vLLM's blocks cannot hold (on CPU they are rounded up to 32
+    tokens: one block fewer than the native engine's), said at config load, not as each
+    instance is built; else None."""
+    block = vllm_block_size(cfg, resolve_device_dtype(cfg)[0])
+    kv_len = max((_num_blocks(cfg, block) - 1) * block, block)
+    if cfg.max_model_len > kv_len:
+        return context_too_long(cfg.max_model_len, _num_blocks(cfg, block), block, kv_len, "vLLM")
+    return None
+
+
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
     """As the native engine: the config's (or the model's) context, capped so that one
     sequence always fits the KV cache (all blocks but one; vLLM refuses to start otherwise),
     counted in vLLM's blocks: on CPU those are rounded up to a multiple of 32 tokens, so a
     small cache can give a shorter context than the native engine's (one block less)."""
+    problem = context_problem(cfg)  # the native engine's message (vLLM would refuse to start)
+    if problem:
+        raise ValueError(problem)
     block = vllm_block_size(cfg, resolve_device_dtype(cfg)[0])
     kv_len = max((_num_blocks(cfg, block) - 1) * block, block)
-    if cfg.max_model_len > kv_len:  # the native engine's message (vLLM would refuse to start)
-        raise ValueError(context_too_long(cfg.max_model_len, _num_blocks(cfg, block), block, kv_len, "vLLM"))
     return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, kv_len)
 
 

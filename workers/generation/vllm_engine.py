@@ -112,11 +112,38 @@ def _request_errors() -> tuple[type[BaseException], ...]:
 
 
 def _use_subprocess(cfg: EngineConfig) -> bool:
+    """The engine core in a spawned child: asked (``backend_options.multiprocess``); forced by
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment (vLLM makes a child then, whatever
+    it is asked: taken as one, so the child's settings are made); in a multi-rank world; or on
+    a GPU other than this process's first (vLLM's one-process executor computes on cuda:0)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower() in ("1", "true"):
+        return True
     opt = cfg.backend_options.get("multiprocess")
     if opt is not None:
         return bool(opt)
     dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) or (gpu_index(cfg) or 0) > 0
+
+
+def gpu_index(cfg: EngineConfig) -> int | None:
+    """This instance's CUDA device in this process (``engine.device`` ``cuda:N``; "" on CUDA:
+    the device the rank set current), None on CPU."""
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda"):
+        return None
+    return int(device.split(":")[1]) if ":" in device else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+
+
+def child_gpu(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` a vLLM engine-core child starts with to compute on this
+    process's GPU ``index`` alone (named as this process's own list names it). vLLM's workers
+    bind to ``cuda:<local rank>``, 0 for one instance: without it every instance of a node
+    computed on GPU 0 (not run on a GPU here)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and index >= len(visible):
+        raise ValueError(f"engine.device cuda:{index}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows "
+                         f"{len(visible)} GPU(s)")
+    return visible[index] if visible else str(index)
 
 
 def _import_vllm(subprocess: bool):
@@ -176,7 +203,14 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._tap = _StatsTap()
-        with _child_threads(self.subprocess):
+        gpu = gpu_index(cfg)
+        if not self.subprocess and (gpu or 0) > 0:
+            raise ValueError(f"engine.device cuda:{gpu} with engine.backend_options.multiprocess: false: vLLM's "
+                             "in-process executor computes on cuda:0; drop multiprocess: false (a child is "
+                             "started on that GPU) or set CUDA_VISIBLE_DEVICES")
+        on_gpu = self.subprocess and gpu is not None  # the child sees this instance's GPU alone
+        with _child_threads(self.subprocess), \
+                (env_var("CUDA_VISIBLE_DEVICES", child_gpu(gpu)) if on_gpu else nullcontext()):
             self.llm = vllm.LLMEngine.from_engine_args(
                 vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
                 enable_multiprocessing=self.subprocess)
