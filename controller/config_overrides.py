@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -91,10 +92,19 @@ def set_behind(texts: typing.Sequence[str] | None, error: str) -> str:
 
 
 def _naming(error: str, overrides: dict, typed: dict, sections: bool = False) -> list[str]:
-    """The ``--set`` texts whose key ``error`` starts by naming (``sections``: also a section
-    above the key it names, ``task.kwargs`` for ``task.kwargs.files: ...``)."""
-    return [typed[k] for k in overrides
-            if error.startswith((f"{k}:", f"{k} ", f"{k}[") + ((f"{k}.",) if sections else ()))]
+    """The ``--set`` texts whose key ``error`` starts by naming (``sections``, an error found
+    with the processes up: also a section above the key it names, ``task.kwargs`` for
+    ``task.kwargs.files: ...``; a key below it, ``task.kwargs.files.test`` for that error; a
+    key its advice says to set, ``set task.kwargs.prompt_key``)."""
+    lead = error.split(":", 1)[0]
+
+    def names(k: str) -> bool:
+        if error.startswith((f"{k}:", f"{k} ", f"{k}[")):
+            return True
+        return sections and (error.startswith(f"{k}.") or k.startswith(f"{lead}.")
+                             or re.search(rf"\bset {re.escape(k)}\b", error) is not None)
+
+    return [typed[k] for k in overrides if names(k)]
 
 
 def apply_override(d: dict, dotted: str, value: Any) -> None:
@@ -172,7 +182,7 @@ def key_type(dotted: str) -> Any:
     hints = typing.get_type_hints(cls)
     key = rest[0]
     if key not in hints:
-        raise ConfigError(f"{section}.{key}: unknown key{key_hint(key, hints)} (known: {sorted(hints)})")
+        raise ConfigError(f"{section}.{key}: unknown key{key_hint(key, hints, section)} (known: {sorted(hints)})")
     if len(rest) > 1:
         return _FREE
     return hints[key]

@@ -116,13 +116,31 @@ VERL_NOTES = {
 }
 
 
-def key_hint(key: str, known) -> str:
-    """', did you mean X?' for a near miss or a verl name, else ''."""
+def key_hint(key: str, known, section: str = "") -> str:
+    """', did you mean X?' for a near miss or a verl name, the section a key of another one is
+    in (``train.lr``: ``trainer.lr``), else ''."""
     if key in VERL_KEYS:
         return f"; verl's {key!r} is {VERL_KEYS[key]} here (docs/migrating_from_verl.md)"
     if key in VERL_NOTES:
         return f"; verl's {key!r} has no key here: {VERL_NOTES[key]} (docs/migrating_from_verl.md)"
+    elsewhere = [f"{other}.{key}" for other, keys in _section_keys().items() if other != section and key in keys]
+    if section and elsewhere:
+        return f"; {key!r} is a key of another section: {' or '.join(elsewhere)}"
     return config_schema.near_miss(key, known)
+
+
+def _section_keys() -> dict[str, set[str]]:
+    """Each run-config section's keys (the written ones: topology and weight_sync's YAML keys)."""
+    import typing
+
+    from controller.config import Config  # (imports this module)
+    from workers.weight_sync.config import WeightSyncSection
+    from workers.weight_sync.topology import _CONFIG_KEYS
+
+    hints = typing.get_type_hints(Config)
+    out = {name: set(config_schema.key_fields(hints[name])) for name in config_schema.key_fields(Config)
+           if name not in ("topology", "weight_sync")}
+    return {**out, "topology": set(_CONFIG_KEYS), "weight_sync": set(config_schema.key_fields(WeightSyncSection))}
 
 
 # verl's nested sections whose name is a flat key here: what their keys are
@@ -137,7 +155,8 @@ def build_section(cls, section: str, data: Any, ranges: dict[str, Range] | None 
     """``config_schema.build_section`` with verl's names in the unknown-key hint, and verl's
     nested sections given to a flat key here named with the keys they are."""
     try:
-        return config_schema.build_section(cls, section, data, hint=key_hint, ranges=ranges)
+        return config_schema.build_section(cls, section, data, hint=lambda k, known: key_hint(k, known, section),
+                                           ranges=ranges)
     except ConfigError as e:
         nested = [k for k, v in (data or {}).items() if isinstance(v, dict) and k in VERL_NESTED] \
             if isinstance(data, dict) else []

@@ -36,7 +36,21 @@ def read_config_file(path: Path) -> Any:
     try:
         return load_checked(text, "", str(path))
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        raise ConfigError(yaml_error_line(str(path), e)) from e
+
+
+def yaml_error_line(where: str, e: yaml.YAMLError) -> str:
+    """``e`` as one ``WHERE:LINE:COLUMN: invalid YAML: what`` line (PyYAML's own text spans
+    several lines and names the text "<unicode string>")."""
+    mark, started = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    context = getattr(e, "context", None)
+    if context and started is not None and (mark is None or started.line != mark.line):
+        context += f" (line {started.line + 1})"  # where the unclosed thing began
+    what = "; ".join(str(x) for x in (context, getattr(e, "problem", None)) if x)
+    mark = mark or started
+    if mark is None or not what:
+        return f"{where}: invalid YAML: {' '.join(str(e).split())}"
+    return f"{where}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {what}"
 
 
 def load_checked(text: str, key: str, where: str) -> Any:

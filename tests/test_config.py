@@ -148,6 +148,12 @@ def test_overrides_and_file_errors(tmp_path):
     p.write_text("train: [unclosed")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(p)
+    # one line naming the file and the line (PyYAML's own text spans lines, naming "<unicode string>")
+    p.write_text("train:\n  iterations: 3\n  batch_prompts: [4\nlogging:\n  logdir: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value) == (f"{p}:4:8: invalid YAML: while parsing a flow sequence (line 3); expected ',' or ']', "
+                            "but got ':'")
     with pytest.raises(ConfigError, match="key=value"):
         parse_override("train.iterations")
     p.write_text(yaml.safe_dump(_cfg()))

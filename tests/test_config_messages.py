@@ -320,3 +320,22 @@ def test_an_rpc_timeout_torch_cannot_keep_is_refused():
 def test_verls_trainer_keys_are_named(key, said):
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_config("configs/quickstart.yaml", overrides=[key])
+
+
+@pytest.mark.parametrize("key, said", [
+    ("train.lr=0.1", "train.lr: unknown key; 'lr' is a key of another section: trainer.lr"),
+    ("trainer.iterations=3", "trainer.iterations: unknown key; 'iterations' is a key of another section: "
+                             "train.iterations"),
+    ("engine.temperature=1.0", "'temperature' is a key of another section: trainer.temperature or train.temperature"),
+    ("trainer.max_tokens=8", "'max_tokens' is a key of another section: train.max_tokens"),
+    ("pipeline.bucket_mb=8", "'bucket_mb' is a key of another section: weight_sync.bucket_mb"),
+])
+def test_a_key_in_the_wrong_section_names_its_section(key, said, tmp_path):
+    """Only 'unknown key (known: [...])' was said (review, session 50), in a file and in a --set."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config("configs/quickstart.yaml", overrides=[key])
+    section, rest = key.split(".", 1)
+    name, value = rest.split("=")
+    (tmp_path / "c.yaml").write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(tmp_path / "c.yaml")

@@ -156,6 +156,13 @@ def test_a_config_error_found_after_load_names_the_set_behind_it(monkeypatch, ca
     assert set_behind(["task.kwargs={files: x}"], error) == "--set task.kwargs={files: x}"  # a section above
     assert set_behind(["task.kwargs.filesx=1", "train.iterations=3"], error) == ""
     assert set_behind(None, error) == ""
+    # a key below the one named, and the key an error's advice says to set (review, session 50)
+    assert set_behind(["task.kwargs.files.test=h.jsonl"], "task.kwargs.files: test and val both name the test "
+                      "split (a, b); keep one") == "--set task.kwargs.files.test=h.jsonl"
+    assert set_behind(["logging.logdir=x", "task.kwargs.prompt_key=nokey"],
+                      "task (jsonl) train prompts: d.jsonl:1: missing field 'nokey' (have ['q']; set "
+                      "task.kwargs.prompt_key)") == "--set task.kwargs.prompt_key=nokey"
+    assert set_behind(["task.kwargs.prompt=x"], "task (jsonl): ...; set task.kwargs.prompt_key") == ""
 
     def refuse(cfg, args, world_size):
         raise ConfigError(error)
