@@ -95,7 +95,27 @@ class Metrics:
             again = first_step is not None and _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
             again = first_step is not None and _drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
+            self._earlier_evals(first_step if again else None)
         return self._writer
+
+    def _earlier_evals(self, purged_from: int | None) -> None:
+        """The evaluations earlier attempts logged (the rows kept in eval.jsonl): their points
+        stay in TensorBoard, so their (tag group, step) has one (a REPL ``eval`` run again at
+        that step after a resume added a second point). An eval-only row at or after the step
+        the writer purged from lost its point: written again (its row stays: no run writes it)."""
+        path = self.logdir / "eval.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                row = json.loads(line)
+                group, timing = _eval_tags(row["source"], row["prompts"])
+                step = int(row["iteration"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            self._tb_once.add((group, step))
+            if purged_from is not None and row["source"] == "eval_only" and step >= purged_from:
+                scores = {group + k.removeprefix("eval/"): v for k, v in row.items() if k.startswith("eval/")}
+                for k, v in {**scores, timing: row.get("seconds", 0.0)}.items():
+                    self._writer.add_scalar(k, float(v), step)
 
     def _keep(self, spans: list[Span]) -> None:
         """This attempt's spans: in memory, and appended to ``spans.jsonl`` at once (so a crash or
@@ -196,8 +216,7 @@ class Metrics:
         if source not in ON_DEMAND and source != "periodic":
             raise ValueError(f"log_eval: source {source!r} is none of periodic, {', '.join(ON_DEMAND)}")
         demand = ON_DEMAND.get(source)
-        group, timing = ((f"{demand}/p{ev.prompts}/", f"time/{demand}_p{ev.prompts}_s") if demand
-                         else ("eval/", "time/eval_s"))
+        group, timing = _eval_tags(source, ev.prompts)
         row = {"iteration": step, "source": source, "prompts": ev.prompts,
                "requested": ev.requested, "split": ev.split, "samples_per_prompt": ev.samples,
                "seconds": round(ev.seconds, 4), **ev.scores}
@@ -346,6 +365,14 @@ def _append_line(path: Path, line: str) -> None:
             data = data[os.write(fd, data):]
     finally:
         os.close(fd)
+
+
+def _eval_tags(source: str, prompts: int) -> tuple[str, str]:
+    """An evaluation's TensorBoard tag group and timing tag: ``eval/``, ``time/eval_s``
+    (periodic), or ``eval_repl/p<N>/``, ``time/eval_repl_p<N>_s`` (on demand: one curve per
+    prompt count; ``eval_only/...``)."""
+    demand = ON_DEMAND.get(source)
+    return (f"{demand}/p{prompts}/", f"time/{demand}_p{prompts}_s") if demand else ("eval/", "time/eval_s")
 
 
 def _drop_rows_from(path: Path, first: int) -> bool:

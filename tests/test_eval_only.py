@@ -100,3 +100,68 @@ def test_eval_only_rows_are_no_run_and_no_run_drops_them(tmp_path):
     assert _drop_rows_from(tmp_path / "eval.jsonl", 0)  # the periodic row is run again
     assert _rows(tmp_path / "eval.jsonl") == rows[:1]
 
+
+
+def _tb(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(logdir / "tb"))
+    ea.Reload()
+    return {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
+
+
+def _eval(prompts=4):
+    import time
+
+    from controller.evaluation import EvalResult
+
+    return EvalResult(scores={"eval/mean": 0.5}, prompts=prompts, requested=prompts, split=16, samples=1,
+                      started=time.time(), seconds=0.1)
+
+
+def test_an_evaluation_run_again_at_a_step_of_an_earlier_attempt_adds_no_point(tmp_path):
+    """A REPL `eval 4` at step 1, save, resume, `eval 4` at step 1 again: TensorBoard had two
+    points at step 1 (review, session 50); the second is in eval.jsonl only, as within one attempt."""
+    from controller.metrics import Metrics
+
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    m = Metrics(tmp_path, timeline_every=0)
+    m.log_eval(_eval(), 1, "repl")
+    m.close()
+    (tmp_path / "config.resume1.yaml").write_text("x: 1\n")
+    m = Metrics(tmp_path, timeline_every=0)
+    assert m.log_eval(_eval(), 1, "repl")["tensorboard"] == "not logged: eval_repl/p4/* has a point at step 1 already"
+    m.close()
+    assert _tb(tmp_path)["eval_repl/p4/mean"] == [(1, 0.5)]
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_resume_from_an_older_checkpoint_keeps_the_eval_only_points(tmp_path):
+    """The eval-only row of step 3 is kept when a run resumes from iteration 2 (no run writes it
+    again), but the TensorBoard purge took its point: eval.jsonl and TensorBoard disagreed."""
+    from controller.batch import IterationResult
+    from controller.metrics import Metrics
+
+    def it(i):
+        return IterationResult(iteration=i, version=i + 1, gen_version=i, metrics={"reward_mean": 0.1 * i},
+                               num_samples=8, num_tokens=64, gen_seconds=0.1, train_seconds=0.1, iter_seconds=0.2,
+                               staleness_max=0, interval_s=0.2)
+
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    m = Metrics(tmp_path, timeline_every=0)
+    for i in range(4):
+        m.log_iteration(it(i), [])
+    m.close()
+    (tmp_path / "config.resume1.yaml").write_text("x: 1\n")  # --resume iter_000004 with train.eval_only
+    m = Metrics(tmp_path, timeline_every=0, timeline_files=False)
+    m.log_eval(_eval(), 3, "eval_only")
+    m.close()
+    (tmp_path / "config.resume2.yaml").write_text("x: 1\n")  # --resume iter_000002: 2 and 3 again
+    m = Metrics(tmp_path, timeline_every=0)
+    for i in (2, 3):
+        m.log_iteration(it(i), [])
+    m.close()
+    tb = _tb(tmp_path)
+    assert tb["eval_only/p4/mean"] == [(3, 0.5)]
+    assert [(s, round(v, 6)) for s, v in tb["time/eval_only_p4_s"]] == [(3, 0.1)]
+    assert [s for s, _ in tb["train/reward_mean"]] == [0, 1, 2, 3]

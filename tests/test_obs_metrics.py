@@ -247,12 +247,13 @@ def test_a_repl_eval_before_a_save_survives_the_resume(tmp_path):
     m.log_iteration(_res(5), _spans(5))  # trained after the save, lost in a crash
     m.close()
     m = Metrics(tmp_path, timeline_every=0)  # --resume --repl from the checkpoint at 5: `eval 4` first
-    m.log_eval(EvalResult({"eval/mean": 0.5}, 4, 4, 16, 1, 100.0, 1.0), 4, source="repl")
+    said = m.log_eval(EvalResult({"eval/mean": 0.5}, 4, 4, 16, 1, 100.0, 1.0), 4, source="repl")["tensorboard"]
+    assert said == "not logged: eval_repl/p4/* has a point at step 4 already"
     m.log_iteration(_res(5, reward=0.7), _spans(5, 1000.0))
     m.close()
     rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["source"], r["eval/mean"]) for r in rows] == [(4, "repl", 0.25), (4, "repl", 0.5)]
-    assert _scalars(tmp_path, "eval_repl/p4/mean") == [(4, 0.25), (4, 0.5)]  # (one point per step and attempt)
+    assert _scalars(tmp_path, "eval_repl/p4/mean") == [(4, 0.25)]  # one point per step, over attempts too
     assert [json.loads(ln)["iteration"] for ln in (tmp_path / "iterations.jsonl").read_text().splitlines()] == [
         0, 1, 2, 3, 4, 5]
     assert _scalars(tmp_path, "train/reward_mean") == [(i, 0.5) for i in range(5)] + [(5, 0.7)]
