@@ -103,7 +103,7 @@ class PagedAttention:
         vals = vc.view(nb, -1).index_select(0, ctx.gather_idx).view(b, -1, hkv, self.dh)
         if keys.dtype != q.dtype:  # a 16-bit cache (kv_cache_dtype) under a wider model
             keys, vals = keys.to(q.dtype), vals.to(q.dtype)
-        keys, vals = keys.masked_fill(ctx.key_pad, 0.0), vals.masked_fill(ctx.key_pad, 0.0)
+        keys.masked_fill_(ctx.key_pad, 0.0), vals.masked_fill_(ctx.key_pad, 0.0)  # (fresh copies: the gather)
         if ctx.is_prefill:
             qp = q.new_zeros(b * ctx.max_q_len, self.h, self.dh).index_copy_(0, ctx.q_index, q)
             qp = qp.view(b, ctx.max_q_len, self.h, self.dh)  # [B, Lq, H, Dh]
