@@ -29,7 +29,8 @@ def test_long_groups_spread_and_each_group_stays_on_one_rank():
     # one long group first, then short ones: by index (route) rank 0 takes the long one and as
     # many short ones as rank 1
     it = 3
-    reqs = [r for g, (p, est) in enumerate([(40, 100.0)] + [(4, 10.0)] * 7) for r in _group(it * SAMPLE_STRIDE + g, p, 2, est)]
+    sizes = [(40, 100.0)] + [(4, 10.0)] * 7
+    reqs = [r for g, (p, est) in enumerate(sizes) for r in _group(it * SAMPLE_STRIDE + g, p, 2, est)]
     by_index = _loads(reqs, 2, lambda r: route(r.group_id, 2))
     balance(reqs, 2, it)
     for g in {r.group_id for r in reqs}:
@@ -94,7 +95,8 @@ def test_a_two_rank_run_balances_the_tokens_its_ranks_take(tmp_path, tiny_model)
     rank, whatever the order) a short one went with it; balanced, it trains alone. The rows say
     so (rank_tokens_max, _min)."""
     data = tmp_path / "d.jsonl"
-    prompts = ["Add these: " + " + ".join(str(i) for i in range(60)) + "?"] + [f"What is {i} plus {i}?" for i in (1, 2, 3)]
+    prompts = ["Add these: " + " + ".join(str(i) for i in range(60)) + "?"]
+    prompts += [f"What is {i} plus {i}?" for i in (1, 2, 3)]
     data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
     rows = {}
     for balanced in (False, True):

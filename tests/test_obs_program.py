@@ -92,7 +92,8 @@ def _program(monkeypatch, mode: str, clock: Clock) -> Program:
     train = SimpleNamespace(seed=0, batch_prompts=2, group_size=2, max_tokens=MAX_TOKENS, min_tokens=0,
                             temperature=1.0, top_k=-1, top_p=1.0, eval_samples=1, eval_temperature=0.0,
                             overlong_prompts="error", max_prompt_tokens=0)
-    cfg = SimpleNamespace(pipeline=SimpleNamespace(mode=mode, minibatch_size=0, stream_window_s=0.02, balance_batch=False), train=train,
+    pipeline = SimpleNamespace(mode=mode, minibatch_size=0, stream_window_s=0.02, balance_batch=False)
+    cfg = SimpleNamespace(pipeline=pipeline, train=train,
                           ranker=SimpleNamespace(update_every=0), task=SimpleNamespace(name="synthetic", kwargs={}),
                           trainer=SimpleNamespace(max_staleness=1, reward_workers=1, reward_pool="threads",
                                                   reward_timeout_s=None, reward_batch_size=None),

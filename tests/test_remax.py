@@ -129,7 +129,8 @@ def test_config():
 def _program(algorithm: str, group_size: int) -> Program:
     train = SimpleNamespace(seed=3, batch_prompts=2, group_size=group_size, max_tokens=8, min_tokens=0,
                             temperature=0.9, top_k=-1, top_p=1.0, overlong_prompts="error", max_prompt_tokens=0)
-    cfg = SimpleNamespace(pipeline=SimpleNamespace(mode="stream", minibatch_size=0, stream_window_s=0.02, balance_batch=False),
+    pipeline = SimpleNamespace(mode="stream", minibatch_size=0, stream_window_s=0.02, balance_batch=False)
+    cfg = SimpleNamespace(pipeline=pipeline,
                           train=train, trainer=SimpleNamespace(algorithm=algorithm), multi_turn=MultiTurnSection())
     world = SimpleNamespace(sgs=SimpleNamespace(stream_window_s=0))
     task = SimpleNamespace(prompts=lambda split: [TaskPrompt(f"{i} + 1 =", str(i + 1), "sum") for i in range(4)])

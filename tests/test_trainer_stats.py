@@ -229,7 +229,8 @@ def test_reward_std_from_summed_stats():
 
     stats = StatSums(torch.device("cpu"))
     for score in (0.0, 1.0, 1.0, 0.0):
-        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, prompt_ids=torch.zeros(2), weight_version=0, overlong=0.0, reward_kl=0.0, correction={},
+        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, prompt_ids=torch.zeros(2),
+                                         weight_version=0, overlong=0.0, reward_kl=0.0, correction={},
                                          turns=1, observation_tokens=0, env_reward=0.0), version=0)
     m = stats.metrics(stats.packed(), "token_mean")
     assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.5)

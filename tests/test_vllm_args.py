@@ -61,7 +61,8 @@ def test_a_context_vllms_blocks_cannot_hold_is_said_at_config_load(monkeypatch):
     from workers.generation import support
 
     cfg = EngineConfig(backend="vllm", block_size=16, kv_cache_tokens=1024, max_model_len=1008, device="cpu")
-    said = "engine.max_model_len: 1008 tokens do not fit the KV cache, whose 32 vLLM blocks of 32 tokens hold at most 992"
+    said = ("engine.max_model_len: 1008 tokens do not fit the KV cache, whose 32 vLLM blocks of 32 tokens hold "
+            "at most 992")
     assert said in vllm_args.context_problem(cfg)
     monkeypatch.setattr(support.importlib.util, "find_spec", lambda name: object())  # vLLM "installed"
     assert said in support.engine_problem(cfg, "rank 1 (generation)")

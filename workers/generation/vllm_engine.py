@@ -131,7 +131,9 @@ def gpu_index(cfg: EngineConfig) -> int | None:
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda"):
         return None
-    return int(device.split(":")[1]) if ":" in device else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if ":" in device:
+        return int(device.split(":")[1])
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def child_gpu(index: int) -> str:

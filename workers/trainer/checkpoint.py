@@ -2,8 +2,9 @@
 
 Layout: ``model/`` (HF format: config.json, model.safetensors, and the source model folder's other
 files: tokenizer, chat template, generation_config.json; ``carried_files``),
-``critic.safetensors`` (when a critic is used), ``checksums.json`` (every file's CRC-32), ``trainer_state.pt`` (optimizer, scheduler,
-each data-parallel rank's RNG states, weight version, iteration, the reward KL coefficient as adapted: trainer.kl_target),
+``critic.safetensors`` (when a critic is used), ``checksums.json`` (every file's CRC-32),
+``trainer_state.pt`` (optimizer, scheduler, each data-parallel rank's RNG states, weight version,
+iteration, the reward KL coefficient as adapted: trainer.kl_target),
 ``trainer.json`` (algorithm, critic: what ``check`` reads without loading tensors). The reference
 model is not saved: it is the ``model_dir`` the worker was built from."""
 from __future__ import annotations
