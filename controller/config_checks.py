@@ -35,6 +35,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             cfg.topology.check_world(world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if t.sft_steps and cfg.model.init is None:
+        # the SFT warm-start is part of building a model (model.init); on a model folder it never ran
+        raise ConfigError(f"train.sft_steps: {t.sft_steps} SFT steps run only when model.init builds the model "
+                          "(a tiny model trained from scratch); model.path's folder is used as it is: drop "
+                          "train.sft_steps (verl's SFT trainer is a run of its own)")
     if cfg.engine.eos_ids is not None:
         # make_engine's override for library use; a run's engines and trainer ranks both stop on
         # the model folder's ids, so the key was accepted and then ignored

@@ -21,26 +21,30 @@ def route(group_id: int, num_trainers: int) -> int:
     return (index + iteration) % num_trainers
 
 
-def balance(requests: list[Request], num_trainers: int, iteration: int) -> None:
+def balance(requests: list[Request], num_trainers: int, iteration: int, loads: list[float] | None = None) -> None:
     """``pipeline.balance_batch`` (verl's ``trainer.balance_batch``): set each request's
     ``trainer_rank`` so the ranks get about the same number of tokens to train, not the same
     number of groups. A group's tokens are its samples' prompt tokens plus their expected
     output (the ranker's estimate where a ranker runs, within ``[min_tokens, max_tokens]``;
     without one, ``max_tokens``). Longest group first to the rank with the fewest tokens so far
-    (LPT); ties go as ``route`` rotates them, so no rank takes the odd group every step. verl
+    (LPT); ties go as ``route`` rotates them, so no rank takes the odd group every step.
+    ``loads``: each rank's tokens placed so far in the iteration (a refill's batch goes on from
+    them, not from zero: each refill put its longest groups on the same ranks), updated. verl
     balances after generation, by the lengths it got; here a group streams to its rank as it
     finishes, so the rank is chosen at dispatch, by the estimate."""
     tokens: dict[int, float] = {}
     for r in requests:
         out = min(max(r.min_tokens, 1, r.est_len), r.max_tokens)  # a NaN estimate: min_tokens
         tokens[r.group_id] = tokens.get(r.group_id, 0.0) + len(r.prompt_ids) + out
-    loads = [(0.0, (t - iteration) % num_trainers, t) for t in range(num_trainers)]
-    heapq.heapify(loads)
+    loads = [0.0] * num_trainers if loads is None else loads
+    heap = [(loads[t], (t - iteration) % num_trainers, t) for t in range(num_trainers)]
+    heapq.heapify(heap)
     owner: dict[int, int] = {}
     for g in sorted(tokens, key=lambda g: (-tokens[g], g)):
-        load, order, t = heapq.heappop(loads)
+        load, order, t = heapq.heappop(heap)
         owner[g] = t
-        heapq.heappush(loads, (load + tokens[g], order, t))
+        loads[t] = load + tokens[g]
+        heapq.heappush(heap, (loads[t], order, t))
     for r in requests:
         r.trainer_rank = owner[r.group_id]
 

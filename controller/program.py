@@ -61,6 +61,7 @@ class Program:
         self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
         # requests per prompt: train.group_size samples, and remax's greedy baseline (verl's gen_max)
         self.per_prompt = requests_per_prompt(cfg)
+        self._rank_tokens: dict[int, list[float]] = {}  # pipeline.balance_batch: iteration -> tokens per rank
 
     # ---- requests ------------------------------------------------------------------------
     def make_batch(self, iteration: int) -> Batch:
@@ -90,8 +91,11 @@ class Program:
                                     group_id=iteration * SAMPLE_STRIDE + j, baseline=greedy,
                                     sampling=self.sampling(0.0 if greedy else t.temperature, t.seed * 7919 + sid),
                                     task=item if multi_turn else None))
-        if self.cfg.pipeline.balance_batch:
-            balance(reqs, len(self.world.trainers), iteration)
+        if self.cfg.pipeline.balance_batch:  # refills go on from the loads placed in the iteration
+            loads = self._rank_tokens.setdefault(iteration, [0.0] * len(self.world.trainers))
+            balance(reqs, len(self.world.trainers), iteration, loads)
+            for old in [i for i in self._rank_tokens if i < iteration - 1]:
+                del self._rank_tokens[old]
         return reqs
 
     def _register(self, b: Batch, requests: list[Request], method: str, *extra) -> None:

@@ -118,8 +118,25 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
         if not isinstance(item.task, str) or not item.task.strip():
             raise ValueError(f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...): task must be a non-empty "
                              f"string (the eval group, eval/<task>), got {item.task!r:.40}")
+        _check_messages(item, f"task.prompts({split!r})[{i}]")
     _check_picklable(items, split)
     return items
+
+
+def _check_messages(item: TaskPrompt, where: str) -> None:
+    """``messages``: chat turns, each a dict with a string ``role`` (a tuple of strings passed the
+    checks and failed in the model bootstrap with an AttributeError, or as "the template cannot
+    render it")."""
+    msgs = item.messages
+    if msgs is None:
+        return
+    if isinstance(msgs, (str, bytes, dict)) or not hasattr(msgs, "__iter__"):
+        raise ValueError(f"{where}: messages must be a sequence of chat turns ({{'role': ..., 'content': ...}}), "
+                         f"got a {type(msgs).__name__}")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}: messages[{j}] must be a chat turn, a dict with a string 'role' (and its "
+                             f"'content'), got {m!r:.60}")
 
 
 def _check_picklable(items: list[TaskPrompt], split: str) -> None:
@@ -159,6 +176,14 @@ def check_demonstrations(task, task_name: str) -> None:
         if not ok:
             raise ConfigError(f"task ({task_name}): demonstrations('train')[{i}] must be a (TaskPrompt, completion "
                               f"text) pair, got {pair!r:.80}")
+        item = pair[0]
+        if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
+            raise ConfigError(f"task ({task_name}): demonstrations('train')[{i}]: the prompt must be a string with "
+                              f"some text (or messages), got {item.prompt!r:.40}")
+        try:
+            _check_messages(item, f"task ({task_name}): demonstrations('train')[{i}]")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_score_signature(task, item: TaskPrompt, task_name: str) -> None:

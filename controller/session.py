@@ -175,8 +175,14 @@ class Session:
     def _scale_policy(self):
         if not self.cfg.placement.elastic:
             return None
-        # delta' as the run's own dispatcher would save (the oracle's saving is not the run's)
-        return ScaleOutPolicy(self.world.sgs.slots[0].profile, self.cfg.dispatch.name, dict(self.cfg.dispatch.options))
+        # delta' as the run's own dispatcher would save (the oracle's saving is not the run's); your
+        # own dispatcher is not run on what-ifs (its plan() may log, keep state, cost): the oracle's
+        from controller.scheduling import DISPATCHERS
+
+        d = self.cfg.dispatch
+        if d.name not in DISPATCHERS:
+            return ScaleOutPolicy(self.world.sgs.slots[0].profile)
+        return ScaleOutPolicy(self.world.sgs.slots[0].profile, d.name, dict(d.options))
 
     def _resume(self):
         found = ckpt.find(self.args.resume, say_newer=True)

@@ -25,7 +25,14 @@ class LogLengthRanker:
 
     def predict(self, prompts: Sequence[str]) -> list[float]:
         """Estimated answer length in words per prompt (only the order is reliable)."""
-        return np.clip(np.expm1(self.predict_log(prompts)), 0.0, MAX_WORDS).tolist()
+        logs = self.predict_log(prompts)
+        got = np.asarray(logs, dtype=np.float64) if isinstance(logs, (np.ndarray, list, tuple)) else None
+        if got is None or got.shape != (len(prompts),) or not np.all(np.isfinite(got)):
+            what = (type(logs).__name__ if got is None else f"shape {got.shape}" if got.shape != (len(prompts),)
+                    else "values that are not finite")
+            raise ValueError(f"ranker kind {getattr(self, 'kind', type(self).__name__)!r}: predict_log gave "
+                             f"{what} for {len(prompts)} prompts; it must give one finite log(1 + words) each")
+        return np.clip(np.expm1(got), 0.0, MAX_WORDS).tolist()
 
     def _refuse_diverged(self, prompts: Sequence[str], lr_key: str) -> None:
         """After a fit or an update: estimates of its own prompts that are not finite (or absurd)

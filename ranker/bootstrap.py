@@ -59,4 +59,7 @@ def bootstrap(generate: GenerateFn, prompts: Sequence[str], n: int = 256, kind: 
     picked = sample_prompts(prompts, n, sample_seed)
     model._need_rows(len(picked), f"{len(prompts)} prompts given, n = {n}")
     lengths = measure(generate, picked, chunk)
-    return model.fit(picked, lengths)
+    fitted = model.fit(picked, lengths)
+    if fitted is None:  # your own class's fit without its return: the measured lengths stay usable
+        raise ValueError(f"ranker.kind {kind!r}: fit() returned None; it must return the ranker (return self)")
+    return fitted

@@ -114,3 +114,16 @@ def test_a_two_rank_run_balances_the_tokens_its_ranks_take(tmp_path, tiny_model)
     assert even["rank_tokens_max"] + even["rank_tokens_min"] == total  # the same samples, split otherwise
     assert even["rank_tokens_max"] < by_index["rank_tokens_max"]
     assert even["rank_tokens_max"] - even["rank_tokens_min"] < by_index["rank_tokens_max"] - by_index["rank_tokens_min"]
+
+
+def test_refills_go_on_from_the_loads_the_iteration_placed():
+    """DAPO's refills (trainer.filter_groups with train_groups) are balanced batch by batch: from
+    zero loads each time, every refill put its groups on the same ranks ([0, 4, 4, 0] on 4 ranks
+    where route gives [2, 2, 2, 2]; review, session 50)."""
+    it, loads, reqs = 5, [0.0] * 4, []
+    for batch in range(4):  # make_batch, then three refills of 2 equal groups each
+        new = [r for g in range(2) for r in _group(it * SAMPLE_STRIDE + 2 * batch + g, 10, 2, 64.0)]
+        balance(new, 4, it, loads)
+        reqs += new
+    per_rank = [len({r.group_id for r in reqs if r.trainer_rank == t}) for t in range(4)]
+    assert per_rank == [2, 2, 2, 2] and loads == [2 * 2 * 74.0] * 4

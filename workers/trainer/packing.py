@@ -36,6 +36,9 @@ def pack(prompts: list[torch.Tensor], outputs: list[torch.Tensor], device: torch
          min_tokens: list[int] | None = None) -> Packed:
     """prompts[b]: [P_b], outputs[b]: [L_b] (L_b >= 1) -> Packed. ``min_tokens[b]``: EOS was
     masked for output[b]'s first min_tokens[b] tokens when they were sampled."""
+    empty = [b for b, p in enumerate(prompts) if len(p) == 0]
+    if empty:  # output[0] would be predicted from the sequence before (b = 0: the batch's last token)
+        raise ValueError(f"pack: prompt {empty[0]} has no tokens; a response is predicted from its prompt's last")
     seqs = [torch.cat([p.long().cpu(), o.long().cpu()]) for p, o in zip(prompts, outputs)]
     cu, resp_pos, seq_index = [0], [], []
     for b, (p, o) in enumerate(zip(prompts, outputs)):

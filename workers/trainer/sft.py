@@ -34,10 +34,26 @@ class HasDemonstrations(Protocol):
 def demonstrations(tokenizer: Tokenizer, task: Task, split: str = "train") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids + EOS) per item of the split: the task's own
     ``demonstrations`` when it has them, else ``(item, item.answer)``."""
-    pairs = task.demonstrations(split) if isinstance(task, HasDemonstrations) else [
-        (item, item.answer) for item in task.prompts(split)]
+    own = isinstance(task, HasDemonstrations)  # chosen by the task (a multi-turn task's first turn)
+    pairs = task.demonstrations(split) if own else [(item, item.answer) for item in task.prompts(split)]
+    if not own:
+        _say_if_unrewarded(task, pairs[:16])
     return [(tokenizer.encode_prompt(item.prompt, item.messages), tokenizer.encode(text) + [tokenizer.eos_id])
             for item, text in pairs]
+
+
+def _say_if_unrewarded(task: Task, pairs: list[tuple[TaskPrompt, str]]) -> None:
+    """A warm start is for a policy that starts RL with some reward: answers as demonstrations
+    that the task's own score gives nothing (a bare "72" under the math verifier, which wants \\boxed{72}; empty
+    answers) teach a format worth 0. Said, not refused (the task may score another way later)."""
+    try:
+        scores = [float(task.score(item, text)) for item, text in pairs]
+    except Exception:  # noqa: BLE001 - a score that cannot run here is the reward pool's to say
+        return
+    if scores and max(scores) <= 0:
+        log.warning("the SFT demonstrations score %s under the task's own score (first %d: %r...): the warm start "
+                    "teaches answers worth nothing; give them in the format the verifier rewards (the task's "
+                    "demonstrations(), or answers as it expects them)", max(scores), len(scores), pairs[0][1][:40])
 
 
 def sft_warmstart(model: CausalLM, tokenizer: Tokenizer, task: Task, steps: int, batch_size: int = 32,
