@@ -67,6 +67,9 @@ def run_hf(folder: Path, work: Work, dtype: str, batch: int) -> float | None:
     return CLOCK["now"]() - t
 
 
+VLLM_CPU_BLOCK = 128  # vLLM's KV block on CPU when none is given (vllm/platforms/cpu.py)
+
+
 def run_vllm(folder: Path, work: Work, dtype: str, batch: int, vllm_dtype: str | None = None) -> float | None:
     """vLLM itself (``vllm.LLM``, its default CPU setup: multiprocess engine core, compiled
     model), KV memory sized for the work (on CPU ``gpu_memory_utilization`` would reserve that
@@ -85,8 +88,13 @@ def run_vllm(folder: Path, work: Work, dtype: str, batch: int, vllm_dtype: str |
         return None
     mc = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     max_len = max(len(p) + n for p, n in work)
+    # room for batch + 2 sequences of max_len in whole blocks: vLLM's CPU blocks are 128 tokens
+    # (vllm/platforms/cpu.py), and (batch + 2) x (max_len + 32) tokens were 181 blocks where the
+    # 64 sequences of workload (a) hold 3 each (192): vLLM preempted near the tail, the native
+    # engine (sized the same way, in its own blocks) never does
+    blocks = -(-(max_len + 1) // VLLM_CPU_BLOCK)
     kv_bytes = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.dim_head
-                * torch.finfo(getattr(torch, dtype)).bits // 8 * (batch + 2) * (max_len + 32))
+                * torch.finfo(getattr(torch, dtype)).bits // 8 * (batch + 2) * blocks * VLLM_CPU_BLOCK)
     dtype = vllm_dtype or dtype
     # same cores as the others: vLLM's CPU worker drops to 1 thread unless OMP_NUM_THREADS says
     # otherwise, and by default ("auto") binds its threads to all CPUs but one per worker, which

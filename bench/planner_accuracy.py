@@ -116,7 +116,9 @@ def measured_stages(logdir: Path, mode: str) -> dict[str, list[float]]:
     names = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e.get("name") == "thread_name"}
     spans = [{"worker": names[e["tid"]], "stage": e["name"], "start": e["ts"] / 1e6,
               "end": (e["ts"] + e["dur"]) / 1e6, "iteration": e["args"]["iteration"]} for e in ev if e["ph"] == "X"]
-    first = min((s["iteration"] for s in spans), default=0) + 1  # skip the warm-up iteration
+    # the measured iterations only: pipeline_modes.run_mode drops the warm-up's spans before the
+    # measured run (a "+ 1" here dropped the first measured iteration, which the prediction keeps)
+    first = min((s["iteration"] for s in spans), default=0)
     return stage_seconds([s for s in spans if s["worker"].startswith(("gen", "train"))], first)
 
 

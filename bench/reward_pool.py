@@ -22,7 +22,7 @@ import os
 import time
 
 from jsonline import json_line  # bench/ is the script's folder
-from argcheck import positive_int
+from argcheck import fill_defaults, positive_int
 
 from workers.tasks.reward_pool import RewardPool
 from workers.tasks.scoring import safe_score
@@ -123,17 +123,18 @@ def pooled(task, items, warm_items, workers: int, pool: str, arrival: int = 0) -
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="32 samples a reward (else --samples)")
-    ap.add_argument("--samples", type=positive_int, default=64, help="samples scored per reward and competitor")
+    ap.add_argument("--quick", action="store_true", help="32 samples a reward (a --samples given wins)")
+    ap.add_argument("--samples", type=positive_int, help="samples scored per reward and competitor (default 64, "
+                                                          "--quick 32)")
     ap.add_argument("--threads", type=positive_int, default=8, help="reward_workers of the threads pool")
     ap.add_argument("--arrival", type=positive_int, default=8,
                     help="judge's batched competitor: samples per submit_many (one score_batch call)")
-    return ap.parse_args(argv)
+    return fill_defaults(ap.parse_args(argv), {"samples": 32}, {"samples": 64})
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    n = 32 if a.quick else a.samples
+    n = a.samples
     procs = max(1, min(os.cpu_count() or 1, 8))
     summary = {"summary": True, "samples": n, "cpus": os.cpu_count()}
     for kind, make in TASKS.items():

@@ -212,7 +212,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.hidden % 8:
         ap.error(f"argument --hidden: must be a multiple of 8 (4 heads of an even width), got {args.hidden}")
-    return fill_defaults(args, QUICK, FULL)
+    fill_defaults(args, QUICK, FULL)
+    # the engine's cache holds one sequence of its blocks but one (16 tokens each): the longest
+    # prompt and forced output must fit, or the run failed after its profiling and ranker work
+    least = 16 * (-(-(args.prompt_cap + args.len_cap) // 16) + 1)
+    if args.kv_tokens < least:
+        ap.error(f"argument --kv-tokens: {args.kv_tokens} cannot hold a sequence of --prompt-cap {args.prompt_cap} "
+                 f"+ --len-cap {args.len_cap} tokens (blocks of 16, one spare): at least {least}")
+    return args
 
 
 def main(argv=None) -> dict:

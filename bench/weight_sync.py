@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from argcheck import fill_defaults  # bench/ is the script's folder
 from workers.weight_sync import Topology, WeightSyncReceiver, WeightSyncSender, plan_naive, plan_sync
 from workers.weight_sync.checksum import bucket_checksum
 from workers.weight_sync.localrun import run_local
@@ -140,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size in MB (> 0)")
     ap.add_argument("--inter-dc-mbps", type=float, default=50.0, help="shaped inter-DC MB/s (> 0)")
     ap.add_argument("--intra-dc-mbps", type=float, default=50.0, help="shaped per-rank NIC MB/s (single_dc; > 0)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per case (>= 1; --quick: 1)")
+    ap.add_argument("--reps", type=int, help="timed repetitions per case (>= 1; default 3, --quick 1)")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.model_mb) and args.model_mb >= 100):
         ap.error(f"--model-mb must be a finite number >= 100, got {args.model_mb:g}")
@@ -150,10 +151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         v = getattr(args, flag[2:].replace("-", "_"))
         if not (math.isfinite(v) and v > 0):
             ap.error(f"{flag} must be a finite number > 0, got {v:g}")
+    fill_defaults(args, {"reps": 1}, {"reps": 3})  # a --reps given wins over --quick
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
-    if args.quick:
-        args.reps = 1
     return args
 
 

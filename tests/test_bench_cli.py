@@ -78,6 +78,10 @@ def test_bad_argument_is_refused_before_any_work(refused_runs, script, argv, sai
     ("skew_dispatch", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
     ("skew_dispatch", ["--instances", "0"], "argument --instances: must be an integer >= 1, got '0'"),
     ("skew_dispatch", ["--quick", "--kv-tokens", "8"], "argument --kv-tokens: must be an integer >= 16, got '8'"),
+    # (review, session 50: 16 failed in the engine after the workload line, 32 after the profiling)
+    ("skew_dispatch", ["--quick", "--kv-tokens", "32"], "argument --kv-tokens: 32 cannot hold a sequence of "
+                                                        "--prompt-cap 32 + --len-cap 512 tokens (blocks of 16, "
+                                                        "one spare): at least 560"),
     ("skew_dispatch", ["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
     ("skew_dispatch", ["--hidden", "36"], "argument --hidden: must be a multiple of 8"),
     ("skew_dispatch", ["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
