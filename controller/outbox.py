@@ -66,6 +66,7 @@ class Outbox:
         self.owners = owners or {}
         self.q: queue.Queue = queue.Queue()
         self.futures: list = []
+        self._last: dict[int, object] = {}  # trainer -> its send in flight
         self.sends = 0  # RPCs issued
         self.error: BaseException | None = None  # what stopped the sending thread (raised by close)
         self.thread = threading.Thread(target=self._run, daemon=True, name="outbox")
@@ -112,7 +113,14 @@ class Outbox:
             t = self.owners.get(s.group_id)
             by_trainer.setdefault(route(s.group_id, len(self.trainers)) if t is None else t, []).append(s)
         for t, samples in by_trainer.items():
-            self.futures.append(self.trainers[t].rpc_async().receive(samples))
+            # one send at a time to each trainer: the trainer serves RPCs on a pool of threads, so
+            # two in flight could be taken in either order (the training order, then the weights,
+            # was RPC timing's; a resume was not bit-identical to the run it continued)
+            prev = self._last.get(t)
+            if prev is not None:
+                prev.wait()
+            self._last[t] = self.trainers[t].rpc_async().receive(samples)
+            self.futures.append(self._last[t])
             self.sends += 1
 
     def close(self) -> None:

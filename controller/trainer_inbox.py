@@ -56,7 +56,8 @@ class IterationInbox:
         elif self.policy == "minibatch" and (n >= self.minibatch or (complete and n)):
             k = min(n, self.minibatch)
         elif self.policy == "all" and complete and n and self.generated:
-            k = n
+            k = n  # every sample, in sample-id order: the arrival order is RPC timing's (runs
+            self.pending.sort(key=lambda s: s.sample_id)  # and resumes trained them otherwise)
         else:
             return []
         out, self.pending = self.pending[:k], self.pending[k:]

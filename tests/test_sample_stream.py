@@ -105,3 +105,47 @@ def test_all_release_waits_for_the_end_of_generation_not_only_this_ranks_share()
     assert rec.release() == []  # this rank's share is complete, generation is not over
     rec.generated = True
     assert [s.sample_id for s in rec.release()] == [0, 1]
+
+
+def test_the_all_release_hands_over_in_sample_id_order_not_arrival_order():
+    """colocated / batch / async_batch trained the samples in the order RPC timing brought them:
+    two runs of one config (and a resume against the run it continues) ended on other weights
+    (review, session 50)."""
+    from controller.trainer_inbox import IterationInbox
+
+    rec = IterationInbox(0, {i: None for i in range(4)}, {}, "all", 1, 0)
+    rec.pending += [_sample(2, 1), _sample(0, 0), _sample(3, 1), _sample(1, 0)]
+    rec.generated = True
+    assert [s.sample_id for s in rec.release()] == [0, 1, 2, 3]
+
+
+def test_an_outbox_sends_to_a_trainer_one_call_at_a_time():
+    """Two windows' sends to one trainer in flight together could be served in either order by its
+    RPC threads: the next waits for the one before."""
+    import threading
+
+    import torch
+
+    from controller.outbox import Outbox
+
+    class Slow(_FakeTrainer):
+        def __init__(self):
+            super().__init__()
+            self.open: list = []
+            self.overlapped = False
+
+        def receive(self, samples):
+            self.overlapped |= any(not f.done() for f in self.open)
+            self.calls.append([s.sample_id for s in samples])
+            fut = torch.futures.Future()
+            self.open.append(fut)
+            threading.Timer(0.05, fut.set_result, (None,)).start()  # served a little later
+            return fut
+
+    t = Slow()
+    out = Outbox([t], window_s=0.0)
+    for sid in range(4):
+        out.put(_sample(sid, 0))
+        threading.Event().wait(0.01)
+    out.close()
+    assert sum(t.calls, []) == [0, 1, 2, 3] and len(t.calls) >= 2 and not t.overlapped

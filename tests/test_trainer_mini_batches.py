@@ -84,7 +84,7 @@ def test_shuffled_shares_hold_whole_groups_in_a_seeded_order_not_arrival_order()
 
     from workers.trainer.buffer import mini_batch_shares
 
-    items = [SimpleNamespace(group_id=g, i=j) for g in range(8) for j in range(4)]  # arrival order: group 0 first
+    items = [SimpleNamespace(group_id=g, i=j, sample_id=4 * g + j) for g in range(8) for j in range(4)]  # group 0 first
     assert mini_batch_shares(items, 2, None) == [items[:16], items[16:]]  # no seed: arrival order
     orders = set()
     for seed in range(6):
@@ -96,6 +96,13 @@ def test_shuffled_shares_hold_whole_groups_in_a_seeded_order_not_arrival_order()
         assert shares == mini_batch_shares(items, 2, seed)  # the seed decides
         orders.add(tuple(p.group_id for p in shares[0][::4]))
     assert len(orders) > 1 and any(set(o) != {0, 1, 2, 3} for o in orders)  # not the first-arrived groups
+    # nor in any way the arrival order: the shares were drawn over the groups as they arrived, so
+    # two runs whose samples came in another order (RPC timing) updated on other sets (review, s50)
+    import random
+
+    for seed in range(4):
+        shuffled = random.Random(seed).sample(items, len(items))
+        assert mini_batch_shares(shuffled, 2, seed) == mini_batch_shares(items, 2, seed)
 
 
 @pytest.mark.parametrize("n_groups, size, k", [(3, 4, 2), (5, 3, 2), (7, 2, 3), (2, 4, 4), (9, 5, 4)])
@@ -106,7 +113,7 @@ def test_shuffled_shares_never_split_a_group(n_groups, size, k):
 
     from workers.trainer.buffer import mini_batch_shares
 
-    items = [SimpleNamespace(group_id=g, i=j) for g in range(n_groups) for j in range(size)]
+    items = [SimpleNamespace(group_id=g, i=j, sample_id=g * size + j) for g in range(n_groups) for j in range(size)]
     for seed in range(4):
         shares = mini_batch_shares(items, k, seed)
         assert len(shares) == k and sorted(map(id, sum(shares, []))) == sorted(map(id, items))
@@ -132,7 +139,8 @@ def test_unequal_groups_leave_no_share_empty_while_there_are_enough_groups():
 
     from workers.trainer.buffer import mini_batch_shares
 
-    items = [SimpleNamespace(group_id=0, i=j) for j in range(10)] + [SimpleNamespace(group_id=g, i=0) for g in (1, 2)]
+    items = [SimpleNamespace(group_id=0, i=j, sample_id=j) for j in range(10)]
+    items += [SimpleNamespace(group_id=g, i=0, sample_id=9 + g) for g in (1, 2)]
     for seed in range(8):
         shares = mini_batch_shares(items, 3, seed)
         assert sorted(len({p.group_id for p in s}) for s in shares) == [1, 1, 1], seed

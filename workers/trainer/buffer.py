@@ -143,10 +143,10 @@ def mini_batch_shares(items: Sequence[T], k: int, seed: int | None, group_of: Ca
     if seed is None:
         return [items[i * n // k:(i + 1) * n // k] for i in range(k)]
     groups: dict[int, list[T]] = {}
-    for p in items:
+    for p in sorted(items, key=lambda p: p.sample_id):  # not arrival order: the seed alone decides
         groups.setdefault(group_of(p), []).append(p)
     order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
-    ids = list(groups)
+    ids = sorted(groups)
     ordered = [groups[ids[i]] for i in order]
     bounds = [0]  # sample index after each group
     for g in ordered:
