@@ -4,7 +4,7 @@ at ``step()`` to an iteration's prepared samples on every data-parallel rank.
 A group whose samples all got the same task score has nothing to compare (advantage 0 under
 grpo): it is dropped. A group of one sample (the others skipped) is kept, as verl keeps it,
 except under the grouped algorithms (grpo, rloo, reinforce_plus_plus_baseline, opo,
-grpo_passk, gpg), which give it advantage 0 here (verl's grpo gives it its raw score): there it is dropped as well. Of
+grpo_passk, gpg, remax), which give it advantage 0 here (verl's grpo gives it its raw score): there it is dropped as well. Of
 the groups left, the first ``train_groups`` in prompt order (group id) over all ranks train:
 verl concatenates its filtered generation batches in prompt order and keeps the first
 ``train_batch_size`` groups. While fewer than ``train_groups`` pass, the controller generates
