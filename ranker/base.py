@@ -25,8 +25,14 @@ class LogLengthRanker:
 
     def predict(self, prompts: Sequence[str]) -> list[float]:
         """Estimated answer length in words per prompt (only the order is reliable)."""
+        prompts = list(prompts)  # (an iterable: its length known after predict_log took it)
         logs = self.predict_log(prompts)
-        got = np.asarray(logs, dtype=np.float64) if isinstance(logs, (np.ndarray, list, tuple)) else None
+        if hasattr(logs, "detach"):  # a torch tensor of your own ranker's
+            logs = logs.detach().cpu().numpy()
+        try:
+            got = np.asarray(logs, dtype=np.float64)
+        except (TypeError, ValueError):
+            got = None
         if got is None or got.shape != (len(prompts),) or not np.all(np.isfinite(got)):
             what = (type(logs).__name__ if got is None else f"shape {got.shape}" if got.shape != (len(prompts),)
                     else "values that are not finite")

@@ -145,3 +145,15 @@ def test_answers_the_tasks_own_verifier_scores_zero_are_said(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="streamrl.sft"):
         _say_if_unrewarded(task, [(item, f"\\boxed{{{item.answer}}}") for item, _ in pairs])
     assert caplog.text == ""
+
+
+class TorchOut(Mine):
+    def predict_log(self, prompts):
+        return torch.as_tensor(self._x(prompts) @ self.w)
+
+
+def test_a_ranker_may_give_a_tensor_and_take_any_iterable():
+    """(The shape check took only numpy arrays, lists and tuples: a torch ranker was refused.)"""
+    r = ranker.build(f"{__name__}:TorchOut").fit(PROMPTS, LENGTHS)
+    assert r.predict(iter(PROMPTS[:3])) == pytest.approx(ranker.build(f"{__name__}:Mine").fit(PROMPTS, LENGTHS)
+                                                         .predict(PROMPTS[:3]))
