@@ -109,9 +109,7 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
         if not isinstance(item, TaskPrompt):
             raise ValueError(f"task.prompts({split!r})[{i}] is a {type(item).__name__}, not a workers.types.TaskPrompt "
                              f"(TaskPrompt(prompt=..., answer=..., task=...)): {item!r:.60}")
-        if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
-            raise ValueError(f"task.prompts({split!r})[{i}]: prompt must be a string with some text, got "
-                             f"{item.prompt!r:.40}")
+        _check_prompt_text(item, f"task.prompts({split!r})[{i}]")
         if not isinstance(item.answer, str):
             raise ValueError(f"task.prompts({split!r})[{i}] ({item.prompt[:40]!r}...): answer must be a string "
                              f"(raw_answer holds any other form), got {type(item.answer).__name__}")
@@ -121,6 +119,12 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
         _check_messages(item, f"task.prompts({split!r})[{i}]")
     _check_picklable(items, split)
     return items
+
+
+def _check_prompt_text(item: TaskPrompt, where: str) -> None:
+    """``prompt``: a string with some text, or the chat in ``messages``."""
+    if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
+        raise ValueError(f"{where}: prompt must be a string with some text, got {item.prompt!r:.40}")
 
 
 def _check_messages(item: TaskPrompt, where: str) -> None:
@@ -176,12 +180,10 @@ def check_demonstrations(task, task_name: str) -> None:
         if not ok:
             raise ConfigError(f"task ({task_name}): demonstrations('train')[{i}] must be a (TaskPrompt, completion "
                               f"text) pair, got {pair!r:.80}")
-        item = pair[0]
-        if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
-            raise ConfigError(f"task ({task_name}): demonstrations('train')[{i}]: the prompt must be a string with "
-                              f"some text (or messages), got {item.prompt!r:.40}")
+        where = f"task ({task_name}): demonstrations('train')[{i}]"
         try:
-            _check_messages(item, f"task ({task_name}): demonstrations('train')[{i}]")
+            _check_prompt_text(pair[0], where)
+            _check_messages(pair[0], where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

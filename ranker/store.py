@@ -248,22 +248,17 @@ def load(path: str | Path):
         cls = _cls(meta["kind"])  # your own class, imported by the name the folder records
     except ValueError as e:
         raise ValueError(f"{path}/meta.json: ranker kind {meta['kind']!r} does not load: {e}") from None
-    try:
-        loaded = cls.load_files(path, meta)
-    except FeatureMismatchError:
-        raise
-    except Exception as e:  # any parse failure of a damaged/hand-edited folder: name the folder
-        raise ValueError(f"{path}: not a valid {meta.get('kind')} ranker folder ({type(e).__name__}: {e}); "
-                         f"retrain or restore it") from e
     from ranker.base import LogLengthRanker
 
-    if not isinstance(loaded, LogLengthRanker):  # your own class's load_files forgot its return
-        raise ValueError(f"{path}: ranker kind {meta['kind']!r}: load_files returned {type(loaded).__name__}, "
-                         "not a ranker (it must return the ranker it loaded)")
     try:
-        return _named(loaded, meta["kind"])
+        loaded = cls.load_files(path, meta)
+        if isinstance(loaded, LogLengthRanker):
+            return _named(loaded, meta["kind"])
     except FeatureMismatchError:
         raise
     except Exception as e:  # any parse failure of a damaged/hand-edited folder: name the folder
         raise ValueError(f"{path}: not a valid {meta.get('kind')} ranker folder ({type(e).__name__}: {e}); "
                          f"retrain or restore it") from e
+    # your own class's load_files forgot its return
+    raise ValueError(f"{path}: ranker kind {meta['kind']!r}: load_files returned {type(loaded).__name__}, "
+                     "not a ranker (it must return the ranker it loaded)")

@@ -118,7 +118,7 @@ def test_an_empty_prompt_is_neither_packed_nor_demonstrated():
         def demonstrations(self, split):
             return [(TaskPrompt(prompt="", answer="x", task="t"), "x")]
 
-    with pytest.raises(ConfigError, match=r"demonstrations\('train'\)\[0\]: the prompt must be a string with some"):
+    with pytest.raises(ConfigError, match=r"demonstrations\('train'\)\[0\]: prompt must be a string with some text"):
         check_demonstrations(Demos(), "mine")
 
 

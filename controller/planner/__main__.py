@@ -76,8 +76,8 @@ def cmd_plan(args) -> dict:
            "tp_tried": [o.summary() for o in p.tp_options],
            "recommended": {mode: describe_mode(plan, mode) for mode, plan in p.recommend().items()}}
     if not p.cluster.cross_dc:
-        refused = p.even_split_refusal()
-        out["even_split"] = {"skipped": refused} if refused else describe(p.simulate_modes(p.allocate(even=True)))
+        even, refused = p.even_split()
+        out["even_split"] = {"skipped": refused} if refused else describe(p.simulate_modes(even))
     print(json.dumps(out, indent=1))
     return out
 
@@ -95,8 +95,8 @@ def cmd_report(args) -> dict:
         model = MODELS[name]
         p = _planner(h800, model, args)
         best = p.recommend([mode])[mode]
-        refused = p.even_split_refusal()  # half the GPUs do not hold the trainer: no baseline to compare
-        even = None if refused else p.simulate_modes(p.allocate(even=True), [mode])
+        even, refused = p.even_split()  # half the GPUs do not hold the trainer: no baseline to compare
+        even = None if refused else p.simulate_modes(even, [mode])
         q = _planner(hetero, model, args)
         het = q.recommend([mode])[mode]
         per_dollar = het.modes[mode]["samples_per_dollar"], best.modes[mode]["samples_per_dollar"]

@@ -200,14 +200,13 @@ class Planner:
         n = self.cluster.datacenters[0].gpus
         return even_split(sm, n) if even else allocate_single_dc(sm, n)
 
-    def even_split_refusal(self) -> str | None:
-        """Why the even-split baseline cannot run here (half the GPUs do not hold the trainer,
-        where Algorithm 1 gives it more), or None."""
+    def even_split(self) -> tuple[Allocation | None, str | None]:
+        """The even-split baseline's allocation, or (None, why it cannot run here: half the GPUs
+        do not hold the trainer, where Algorithm 1 gives it more)."""
         try:
-            self.allocate(even=True)
+            return self.allocate(even=True), None
         except ValueError as e:
-            return str(e)
-        return None
+            return None, str(e)
 
     def sync_s(self) -> float:
         gbps = self.cluster.link_gbps if self.cluster.cross_dc else self.cluster.intra_gbps
@@ -262,8 +261,9 @@ class Planner:
         splits.sort(key=lambda s: (s[1].gen_time_s + sync + s[1].train_time_s, s[1].gen_gpus + s[1].train_gpus,
                                    s[0].tp))
         chosen = splits[:SYNC_CANDIDATES] + [(best, self.allocate())]
-        if not cross and self.even_split_refusal() is None:  # a baseline, where the trainer fits half
-            chosen.append((best, self.allocate(even=True)))
+        even = None if cross else self.even_split()[0]
+        if even is not None:  # a baseline, where the trainer fits half
+            chosen.append((best, even))
         out, seen = [], set()
         for o, a in chosen:
             if (o.tp, a.gen_gpus, a.train_gpus) not in seen:
