@@ -150,14 +150,14 @@ def test_a_vllm_instance_computes_on_its_own_gpu(monkeypatch):
     """vLLM's one-process executor binds cuda:0 whatever engine.device said, so every instance of
     a node computed on GPU 0 (review, session 50). The engine core now starts in a child that sees
     the instance's GPU alone. (No GPU here: the mapping is checked, not a run on a GPU.)"""
-    from workers.generation import vllm_engine as ve
+    from workers.generation import vllm_process as ve
 
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cpu, one = EngineConfig(backend="vllm", device="cpu"), EngineConfig(backend="vllm", device="cuda:1")
-    assert ve.gpu_index(cpu) is None and not ve._use_subprocess(cpu)
-    assert ve.gpu_index(one) == 1 and ve._use_subprocess(one) and ve.child_gpu(1) == "1"
-    assert not ve._use_subprocess(EngineConfig(backend="vllm", device="cuda:0"))  # in-process: vLLM's cuda:0
+    assert ve.gpu_index(cpu) is None and not ve.use_subprocess(cpu)
+    assert ve.gpu_index(one) == 1 and ve.use_subprocess(one) and ve.child_gpu(1) == "1"
+    assert not ve.use_subprocess(EngineConfig(backend="vllm", device="cuda:0"))  # in-process: vLLM's cuda:0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # the parent's cuda:1 is physical GPU 6
     assert ve.child_gpu(1) == "6"
     with pytest.raises(ValueError, match="engine.device cuda:2: CUDA_VISIBLE_DEVICES=4,6 shows 2 GPU"):
@@ -168,9 +168,9 @@ def test_vllms_multiprocessing_variable_makes_the_backend_set_up_a_child(monkeyp
     """VLLM_ENABLE_V1_MULTIPROCESSING=1 makes vLLM start a child whatever it is asked; the backend
     took itself for in-process, left the child's settings unmade and every weight push failed
     ('functools.partial is not serializable')."""
-    from workers.generation import vllm_engine as ve
+    from workers.generation import vllm_process as ve
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    assert ve._use_subprocess(EngineConfig(backend="vllm", device="cpu", backend_options={"multiprocess": False}))
+    assert ve.use_subprocess(EngineConfig(backend="vllm", device="cpu", backend_options={"multiprocess": False}))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    assert not ve._use_subprocess(EngineConfig(backend="vllm", device="cpu"))
+    assert not ve.use_subprocess(EngineConfig(backend="vllm", device="cpu"))

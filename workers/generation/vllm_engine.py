@@ -23,15 +23,13 @@ import json
 import os
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence as Seq
 
 import torch
 
-from workers.env import env_var
-from workers.generation import vllm_args
+from workers.generation import vllm_args, vllm_process
 from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
 from workers.generation.engine import TokenRate
@@ -111,43 +109,6 @@ def _request_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, TypeError, VLLMClientError)
 
 
-def _use_subprocess(cfg: EngineConfig) -> bool:
-    """The engine core in a spawned child: asked (``backend_options.multiprocess``); forced by
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment (vLLM makes a child then, whatever
-    it is asked: taken as one, so the child's settings are made); in a multi-rank world; or on
-    a GPU other than this process's first (vLLM's one-process executor computes on cuda:0)."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower() in ("1", "true"):
-        return True
-    opt = cfg.backend_options.get("multiprocess")
-    if opt is not None:
-        return bool(opt)
-    dist = torch.distributed
-    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) or (gpu_index(cfg) or 0) > 0
-
-
-def gpu_index(cfg: EngineConfig) -> int | None:
-    """This instance's CUDA device in this process (``engine.device`` ``cuda:N``; "" on CUDA:
-    the device the rank set current), None on CPU."""
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not device.startswith("cuda"):
-        return None
-    if ":" in device:
-        return int(device.split(":")[1])
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
-
-
-def child_gpu(index: int) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` a vLLM engine-core child starts with to compute on this
-    process's GPU ``index`` alone (named as this process's own list names it). vLLM's workers
-    bind to ``cuda:<local rank>``, 0 for one instance: without it every instance of a node
-    computed on GPU 0 (not run on a GPU here)."""
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if visible and index >= len(visible):
-        raise ValueError(f"engine.device cuda:{index}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows "
-                         f"{len(visible)} GPU(s)")
-    return visible[index] if visible else str(index)
-
-
 def _import_vllm(subprocess: bool):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -163,15 +124,6 @@ def _import_vllm(subprocess: bool):
     # an in-process engine core freezes vLLM's env reads (envs cache); ours must count
     getattr(vllm.envs, "disable_envs_cache", lambda: None)()
     return vllm
-
-
-def _child_threads(subprocess: bool):
-    """While vLLM spawns its engine-core child: ``OMP_NUM_THREADS`` = this process's torch
-    thread count. A spawned child reads its pool size from the environment only (vLLM's CPU
-    worker refuses ``torch.set_num_threads``), and under torchrun that says 1 for every rank
-    whatever the worker then set for itself: the child computed on one core. This process's
-    environment is restored after."""
-    return env_var("OMP_NUM_THREADS", str(torch.get_num_threads())) if subprocess else nullcontext()
 
 
 class VLLMEngine:
@@ -200,19 +152,12 @@ class VLLMEngine:
         self._broken = ""  # why a load_weights failed midway (the weights may be half-written)
         self.enforce_eager = bool(args.get("enforce_eager"))  # what vLLM runs (always eager on CPU)
         self._weight_dtype = getattr(torch, vllm_args.resolve_device_dtype(cfg)[1])  # load_weights casts to it
-        self.subprocess = _use_subprocess(cfg)
+        self.subprocess = vllm_process.use_subprocess(cfg)
         vllm = _import_vllm(self.subprocess)
         from vllm.sampling_params import RequestOutputKind
 
         self._tap = _StatsTap()
-        gpu = gpu_index(cfg)
-        if not self.subprocess and (gpu or 0) > 0:
-            raise ValueError(f"engine.device cuda:{gpu} with engine.backend_options.multiprocess: false: vLLM's "
-                             "in-process executor computes on cuda:0; drop multiprocess: false (a child is "
-                             "started on that GPU) or set CUDA_VISIBLE_DEVICES")
-        on_gpu = self.subprocess and gpu is not None  # the child sees this instance's GPU alone
-        with _child_threads(self.subprocess), \
-                (env_var("CUDA_VISIBLE_DEVICES", child_gpu(gpu)) if on_gpu else nullcontext()):
+        with vllm_process.child_env(cfg, self.subprocess):
             self.llm = vllm.LLMEngine.from_engine_args(
                 vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
                 enable_multiprocessing=self.subprocess)

@@ -1,0 +1,74 @@
+"""Where a vLLM instance's engine core runs: in this process, or in a spawned child that sees
+this instance's GPU alone and this process's thread count.
+
+vLLM's one-process executor computes on ``cuda:0`` whatever ``engine.device`` says, and under
+torchrun a child would read ``OMP_NUM_THREADS=1`` from the environment: both are set here for
+the child while vLLM starts it.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+
+import torch
+
+from workers.env import env_var
+from workers.generation.config import EngineConfig
+
+
+def use_subprocess(cfg: EngineConfig) -> bool:
+    """The engine core in a spawned child: asked (``backend_options.multiprocess``); forced by
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment (vLLM makes a child then, whatever
+    it is asked: taken as one, so the child's settings are made); in a multi-rank world; or on
+    a GPU other than this process's first (vLLM's one-process executor computes on cuda:0)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower() in ("1", "true"):
+        return True
+    opt = cfg.backend_options.get("multiprocess")
+    if opt is not None:
+        return bool(opt)
+    dist = torch.distributed
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) or (gpu_index(cfg) or 0) > 0
+
+
+def gpu_index(cfg: EngineConfig) -> int | None:
+    """This instance's CUDA device in this process (``engine.device`` ``cuda:N``; "" on CUDA:
+    the device the rank set current), None on CPU."""
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda"):
+        return None
+    if ":" in device:
+        return int(device.split(":")[1])
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def child_gpu(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` a vLLM engine-core child starts with to compute on this
+    process's GPU ``index`` alone (named as this process's own list names it). vLLM's workers
+    bind to ``cuda:<local rank>``, 0 for one instance: without it every instance of a node
+    computed on GPU 0 (not run on a GPU here)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and index >= len(visible):
+        raise ValueError(f"engine.device cuda:{index}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows "
+                         f"{len(visible)} GPU(s)")
+    return visible[index] if visible else str(index)
+
+
+@contextmanager
+def child_env(cfg: EngineConfig, subprocess: bool) -> Iterator[None]:
+    """The environment to start vLLM's engine in, restored after. In a child: ``OMP_NUM_THREADS``
+    = this process's torch thread count (a spawned child reads its pool size from the
+    environment only, and vLLM's CPU worker refuses ``torch.set_num_threads``: under torchrun
+    it computed on one core) and, on a GPU, ``CUDA_VISIBLE_DEVICES`` naming that GPU alone.
+    In this process a GPU other than cuda:0 is refused (vLLM would compute on cuda:0)."""
+    gpu = gpu_index(cfg)
+    if not subprocess and (gpu or 0) > 0:
+        raise ValueError(f"engine.device cuda:{gpu} with engine.backend_options.multiprocess: false: vLLM's "
+                         "in-process executor computes on cuda:0; drop multiprocess: false (a child is "
+                         "started on that GPU) or set CUDA_VISIBLE_DEVICES")
+    with ExitStack() as stack:
+        if subprocess:
+            stack.enter_context(env_var("OMP_NUM_THREADS", str(torch.get_num_threads())))
+            if gpu is not None:
+                stack.enter_context(env_var("CUDA_VISIBLE_DEVICES", child_gpu(gpu)))
+        yield
