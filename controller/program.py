@@ -15,7 +15,6 @@ dispatcher between calls.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 
@@ -25,6 +24,7 @@ from controller.data import PromptStream
 from controller.outbox import balance, owner
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
+from controller.ranker_feedback import ranking_quality, update_rows
 from controller.batch import Batch, IterationResult, Push
 from controller.config_checks import requests_per_prompt
 from controller.rpc import Completions, wait_all
@@ -207,10 +207,10 @@ class Program:
             res.metrics["gen_batches"] = float(len(b.rounds))  # verl's train/num_gen_batches
         res.engine = self._engine_stats(b.reports)
         if self.ranker is not None and b.round is not None:
-            res.ranker_quality = self._ranker_quality(b, lengths)
+            res.ranker_quality = ranking_quality(b, lengths)
         every = self.cfg.ranker.update_every
         if self.ranker is not None and every > 0 and b.round is not None:
-            self.ranker_rows += self._true_lengths(b, lengths)
+            self.ranker_rows += update_rows(b, lengths, self.per_prompt)
             if (b.iteration + 1) % every == 0 and self.ranker_rows:
                 texts, lens = zip(*self.ranker_rows)
                 self.ranker.update(list(texts), list(lens))
@@ -242,29 +242,6 @@ class Program:
             return {}
         return {"preemptions": float(sum(r.preemptions for r in reports)),
                 "kv_peak_frac": max(r.kv_blocks_peak / max(r.kv_blocks_total, 1) for r in reports)}
-
-    @staticmethod
-    def _ranker_quality(b: Batch, lengths: dict[int, int]) -> dict[str, float | None]:
-        from ranker.metrics import ranking_report
-
-        reqs = {r.sample_id: r for r in b.requests}
-        pairs = [(reqs[sid].est_len, lengths[sid]) for sid in sorted(lengths)]
-        if len(pairs) < 2:
-            return {}
-        pred, true = zip(*pairs)
-        out = {**ranking_report(pred, true), "est_mean": sum(pred) / len(pred), "true_mean": sum(true) / len(true)}
-        return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}  # NaN: constant lengths
-
-    def _true_lengths(self, b: Batch, lengths: dict[int, int]) -> list[tuple[str, float]]:
-        """(prompt text, the mean length of its samples) of each prompt of this iteration
-        (``lengths``, as the trainers took them): the ranker's online-update rows, with the
-        target its bootstrap fits (``measure_lengths``: a prompt's mean over its samples; rows
-        per sample made an l1 ranker learn their median instead), on the text it predicts from
-        (``prompt_text``: a chat item's last user turn)."""
-        g, per = self.per_prompt, {}
-        for sid, n in lengths.items():
-            per.setdefault((sid - b.iteration * SAMPLE_STRIDE) // g, []).append(n)
-        return [(prompt_text(b.items[i]), sum(ns) / len(ns)) for i, ns in sorted(per.items())]
 
     def _wait_push(self, waiting: Completions) -> None:
         """Wait for a weight push's calls, in the order they end (a receiver's error is said at

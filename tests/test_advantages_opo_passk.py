@@ -48,6 +48,9 @@ def test_the_edges():
     assert grpo_passk(torch.tensor([0.7]), 1e-6).tolist() == [0.0]
     assert opo(torch.tensor([0.7] * 4), torch.tensor([1.0, 9.0, 3.0, 2.0])).tolist() == [0.0] * 4  # equal: exactly 0
     assert grpo_passk(torch.tensor([1.0, 0.0, 1.0, 0.0]), 1e-6).tolist() == [0.0] * 4  # two bests: no lead
+    # adv_eps 0 and a group of equal scores: 0 / 0 gave the picked sample NaN (review, session 51)
+    # and the trainer skipped the whole micro-batch it was packed in; grpo gives 0 there
+    assert grpo_passk(torch.tensor([0.5] * 4), 0.0).tolist() == [0.0] * 4
     # a long response weighs more in the baseline: 1.0 at length 3 and 0.0 at length 1 -> b = 0.75
     assert opo(torch.tensor([1.0, 0.0]), torch.tensor([3.0, 1.0])).tolist() == [0.25, -0.75]
 

@@ -12,7 +12,7 @@ import pytest
 import ranker
 from controller.length_estimates import BinnedPosterior, calibrate_by_bins
 from controller.own_dispatcher import checked_plan
-from controller.program import Program
+from controller.ranker_feedback import update_rows
 from controller.scheduling import DispatchPlan, PTLProfile, make_dispatcher
 from workers.types import TaskPrompt, prompt_text
 
@@ -25,8 +25,7 @@ def test_the_online_update_row_is_the_text_the_ranker_predicts_from():
     'prompt 0 is empty': the run stopped at its first ranker.update_every iteration."""
     item = TaskPrompt(prompt="", answer="4", task="t",
                       messages=({"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}))
-    rows = Program._true_lengths(SimpleNamespace(per_prompt=2), SimpleNamespace(iteration=0, items=[item]),
-                                 {0: 10, 1: 20})
+    rows = update_rows(SimpleNamespace(iteration=0, items=[item]), {0: 10, 1: 20}, per_prompt=2)
     assert rows == [(prompt_text(item), 15.0)] and rows[0][0] == "2+2?"
 
 

@@ -54,16 +54,16 @@ def test_each_iteration_reports_how_the_estimates_ranked_the_true_lengths():
     # iterations.jsonl / TensorBoard had nothing to tell whether the ranker helps
     import torch
 
-    from controller.program import Program
+    from controller.ranker_feedback import ranking_quality
     from workers.types import Request
 
     reqs = [Request(sample_id=i, prompt_ids=torch.tensor([1]), max_tokens=64, est_len=e)
             for i, e in enumerate([10.0, 40.0, 20.0, 30.0])]
     b = SimpleNamespace(requests=reqs)
-    q = Program._ranker_quality(b, {0: 5, 1: 50, 2: 20, 3: 40})  # sample_id -> length, as the trainers took them
+    q = ranking_quality(b, {0: 5, 1: 50, 2: 20, 3: 40})  # sample_id -> length, as the trainers took them
     assert q["spearman"] == 1.0 and q["kendall_tau"] == 1.0 and q["recall@30"] == 1.0
     assert q["est_mean"] == 25.0 and q["true_mean"] == 28.75
-    q = Program._ranker_quality(b, dict.fromkeys(range(4), 16))  # forced lengths: rank undefined
+    q = ranking_quality(b, dict.fromkeys(range(4), 16))  # forced lengths: rank undefined
     assert q["spearman"] is None and q["true_mean"] == 16.0
 
 

@@ -109,15 +109,17 @@ def opo(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def grpo_passk(scores: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
     """Pass@k training (Chen et al. 2025, arXiv 2503.19595; verl's ``grpo_passk``). scores: [G] ->
-    [G]: zero except the best sample's (the first of equal bests, as ``torch.topk``), which gets
-    r_max - r_second, divided by (std + eps) with ``std_normalize`` (std unbiased). 0 for G = 1."""
+    [G]: zero except one best sample's (``torch.topk``'s pick; a tied best gets r_max - r_second
+    = 0 wherever it goes), which gets r_max - r_second, divided by (std + eps) with
+    ``std_normalize`` (std unbiased). 0 for G = 1."""
     adv = torch.zeros_like(scores)
     if scores.numel() < 2:
         return adv
     top = torch.topk(scores.double(), 2)
     a = top.values[0] - top.values[1]
-    if std_normalize:
-        a = a / (scores.double().std() + eps)
+    denom = scores.double().std() + eps
+    if std_normalize and denom != 0:  # adv_eps 0 and equal scores: 0 / 0 would be NaN (as grpo)
+        a = a / denom
     adv[top.indices[0]] = a.to(scores.dtype)
     return adv
 
