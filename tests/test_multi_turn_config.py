@@ -135,6 +135,35 @@ def test_the_calculator_answers_the_last_turns_tool_call():
             evaluate(bad)
 
 
+def test_a_calls_nesting_or_size_is_an_error_answer_not_a_failed_round():
+    """A run of dashes (a few BPE tokens at temperature 1) or a deep JSON body raised a
+    RecursionError, an integer of 5000 digits json's ValueError: the environment failed and the
+    round with it (review, session 51). Each is an "Error: ..." answer now, as other bad calls."""
+    def call(body):
+        return [{"role": "assistant", "content": f"<tool_call>{body}</tool_call>"}]
+
+    expr = lambda e: call(json.dumps({"name": "calculator", "arguments": {"expression": e}}))  # noqa: E731
+    assert calculator_env(None, expr("abs(" + "-" * 340 + "1)")).startswith("Error: ")
+    assert calculator_env(None, expr("-" * 990 + "1")) == "Error: the expression is nested too deeply"
+    assert calculator_env(None, call("[" * 5000)).startswith("Error: the tool call is not valid JSON")
+    huge = '{"name": "calculator", "arguments": {"expression": "1", "n": ' + "9" * 5000 + "}}"
+    assert calculator_env(None, call(huge)).startswith("Error: the tool call is not valid JSON")
+
+
+def test_the_examples_reward_evaluates_the_call_not_the_text_after_it():
+    """configs/example_multi_turn.yaml's reward read the number after </tool_call> in the decoded
+    response; without a chat template the tool's answer runs into the policy's next turn: a right
+    call followed by "." scored 0, a wrong one followed by the policy's own "56" scored 1."""
+    from configs.example_data.calculator_reward import compute_score
+
+    ref = '<tool_call>{"name": "calculator", "arguments": {"expression": "7*8"}}</tool_call>'
+    task = TaskPrompt("What is 7 times 8?", ref, "calc")
+    right, wrong = ref, ref.replace("7*8", "7+8")
+    assert compute_score(task, right + "56" + ". 56") == 1.0  # turn 1, the tool's 56, turn 2
+    assert compute_score(task, wrong + "56 " + "15") == 0.0
+    assert compute_score(task, "no call at all: 56") == 0.0
+
+
 def test_a_class_env_is_checked_at_load_and_built_once_per_engine(tiny_model, tmp_path):  # noqa: F811
     (tmp_path / "envs.py").write_text("class Env:\n    def __call__(self, task, messages):\n        return None\n\n\n"
                                       "class Bare:\n    pass\n")

@@ -56,6 +56,8 @@ def test_a_reward_with_no_room_left_still_counts():
     ({"role": "tool", "content": OBS, "reward": True}, "reward True"),
     ({"done": "yes"}, "done 'yes'"),
     ({"reward": 1.0}, "without 'role' and 'content'"),
+    # a number's content was never cut to max_observation_tokens, and 0 rendered as nothing (s51)
+    ({"role": "tool", "content": 0}, "content is a int ('0'); an observation's content is text"),
 ])
 def test_a_bad_reward_or_done_is_the_samples_error(answer, said):
     eng = wrap(first_stop()[0], Script(answer))

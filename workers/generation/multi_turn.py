@@ -242,9 +242,8 @@ class MultiTurnEngine:
         if message is None:
             return _Observation(reward=reward)
         try:
-            if isinstance(message["content"], str):
-                message = {**message, "content": cut_observation(self.tokenizer, message["content"],
-                                                                 self.max_observation_tokens, self.truncate_side)}
+            message = {**message, "content": cut_observation(self.tokenizer, message["content"],
+                                                             self.max_observation_tokens, self.truncate_side)}
             return _Observation(message, observation_ids(self.tokenizer, message), reward=reward)
         except Exception as e:  # noqa: BLE001 - a template that cannot render it
             return _Observation(error=f"multi_turn.env: {self.spec!r}: the observation of sample {sample_id} after "

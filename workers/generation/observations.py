@@ -12,7 +12,7 @@ _SYSTEM = {"role": "system", "content": ""}
 def observation_message(out) -> tuple[dict | None, float | None]:
     """The environment's answer -> (the observation as a chat message, or None: done; the turn's
     reward, or None: none given). A str is a tool message; a dict is a message (``role``,
-    ``content``) and may carry ``reward`` (a finite number: the reward of the turn just taken,
+    ``content``, a str) and may carry ``reward`` (a finite number: the reward of the turn just taken,
     verl's tool reward) and ``done`` (true: the trajectory ends here, no message appended);
     anything else is a TypeError (a bad reward a ValueError) saying what it was."""
     if out is None:
@@ -36,6 +36,9 @@ def observation_message(out) -> tuple[dict | None, float | None]:
     if not (isinstance(out.get("role"), str) and "content" in out):
         raise TypeError(f"returned a dict without 'role' and 'content' (keys {sorted(map(str, out))}) and without "
                         "'done': true; an observation is a message, or the trajectory is done")
+    if not isinstance(out["content"], str):  # a number was never cut, and 0 rendered as nothing
+        raise TypeError(f"returned a message whose content is a {type(out['content']).__name__} "
+                        f"({str(out['content'])[:60]!r}); an observation's content is text: str(...) it")
     return {k: v for k, v in out.items() if k not in ("reward", "done")}, reward
 
 
@@ -72,7 +75,7 @@ def observation_ids(tokenizer, message: dict) -> list[int]:
     with the next assistant turn's generation prompt (the text the template adds for ``message``
     after a conversation, taken past an empty system turn); without a template, its content as is."""
     if not tokenizer.chat_template:
-        return tokenizer.encode(str(message.get("content") or ""), add_special_tokens=False)
+        return tokenizer.encode(message["content"], add_special_tokens=False)
     before = tokenizer.apply_chat_template([_SYSTEM], add_generation_prompt=False)
     after = tokenizer.apply_chat_template([_SYSTEM, message], add_generation_prompt=True)
     if not after.startswith(before):

@@ -33,9 +33,11 @@ def evaluate(expression: str) -> float | int:
         raise ValueError(f"expression longer than {MAX_LENGTH} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
+        return _value(tree.body)
     except SyntaxError:
         raise ValueError(f"{expression!r} is not an arithmetic expression") from None
-    return _value(tree.body)
+    except RecursionError:  # ~1000 nested signs or parentheses, a policy's run of dashes
+        raise ValueError("the expression is nested too deeply") from None
 
 
 def _value(node: ast.AST) -> float | int:
@@ -71,8 +73,8 @@ def calculator_env(task, messages: list[dict]) -> str | None:
         return None
     try:
         call = json.loads(match.group(1))
-    except json.JSONDecodeError as e:
-        return f"Error: the tool call is not valid JSON ({e})"
+    except (ValueError, RecursionError) as e:  # a JSONDecodeError; an int past 4300 digits; [[[[...
+        return f"Error: the tool call is not valid JSON ({type(e).__name__}: {str(e)[:200]})"
     if not isinstance(call, dict) or call.get("name") != "calculator":
         name = call.get("name") if isinstance(call, dict) else None
         return f"Error: unknown tool {name!r} (the one tool is 'calculator')"
@@ -80,7 +82,7 @@ def calculator_env(task, messages: list[dict]) -> str | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
     expression = args.get("expression") if isinstance(args, dict) else None
     if not isinstance(expression, str):
