@@ -201,8 +201,6 @@ class GenerationInstance:
         trainers in ``window_s`` chunks (default: the instance's ``stream_window_s``)."""
         with self._lock:
             self._swap_weights(weight_version)
-            if batch_cap > 0:
-                self.engine.set_max_batch_size(batch_cap)
             t0 = time.time()
             die_after = _test_die_after(self.rank, iteration)
             if os.environ.get("STREAMRL_TEST_RAISE_IN_GENERATE") == str(self.rank):
@@ -213,7 +211,11 @@ class GenerationInstance:
             preempted_before = self.engine.stats().preemptions
             done: list[int] = []
             lengths: list[int] = []
+            configured = self.engine.stats().max_batch_size  # the round's cap is the round's alone:
+            # evaluations and the next rounds ran at a re-dispatch's cap of 1 (review, session 51)
             try:
+                if batch_cap > 0:
+                    self.engine.set_max_batch_size(batch_cap)
                 refused = self.engine.add(requests)
                 if refused:
                     s = refused[0]
@@ -237,6 +239,8 @@ class GenerationInstance:
                 raise
             finally:
                 out.close()
+                if batch_cap > 0:
+                    self.engine.set_max_batch_size(configured)
             self.spans.add("generate", t0, time.time(), iteration)
             st = self.engine.stats()
             return GenerateReport(self.rank, iteration, done, sum(lengths), time.time() - t0,

@@ -31,7 +31,8 @@ def default_profile(max_batch_size: int = 64, kv_tokens: int = 1 << 16, block_si
     """A flat-ish PTL profile for instances not profiled yet (dispatch still balances counts)."""
     from controller.scheduling import PTLProfile
 
-    return PTLProfile(batch_sizes=[1, max_batch_size], ptl_s=[0.01, 0.01 + 0.0002 * max_batch_size],
+    sizes = sorted({1, max_batch_size})  # engine.max_batch_size 1: one point (a profile's sizes increase)
+    return PTLProfile(batch_sizes=sizes, ptl_s=[0.01 + 0.0002 * (b - 1) for b in sizes],
                       kv_tokens=kv_tokens, block_size=block_size, max_batch_size=max_batch_size)
 
 
@@ -163,11 +164,13 @@ class Round:
 
 
 def dispatch_estimates(requests: list[Request]) -> list[float]:
-    """The lengths the dispatcher plans with: the requests' ``est_len``, or, for a batch that
+    """The lengths the dispatcher plans with: the requests' ``est_len`` (within ``[min_tokens,
+    max_tokens]``, as ``outbox.balance`` takes them), or, for a batch that
     carries no estimate (every ``est_len`` 0, the Request default), their ``max_tokens``. An
     estimate of 0 among others is the shortest, not a missing one (a ranker predicts >= 0)."""
-    if any(r.est_len > 0 for r in requests):
-        return [float(r.est_len) for r in requests]
+    if any(r.est_len > 0 for r in requests):  # within what a request can generate (a ranker loaded
+        # from ranker.path predicts its trace's scale: estimates past max_tokens cut the batch caps)
+        return [float(min(max(r.est_len, r.min_tokens), r.max_tokens)) for r in requests]
     return [float(r.max_tokens) for r in requests]
 
 

@@ -38,6 +38,7 @@ class IterationInbox:
     duplicates: int = 0
     staleness_max: int = 0
     generated: bool = False  # the controller called step(): generation of the iteration has ended
+    colocated: bool = False  # generation shares these ranks: nothing is released before step()
     scores: dict = field(default_factory=dict)  # sample_id -> its score, in flight since it arrived
     # group id -> its members' scores in flight (kept after the consumer takes them): the group
     # filter's count (kept_groups) reads them without waiting for the trainer to take the samples

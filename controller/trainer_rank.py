@@ -113,7 +113,8 @@ class TrainerRank:
             if iteration in self._iters:
                 raise RuntimeError(f"train{self.rank}: iteration {iteration} begun twice")
             self._iters[iteration] = IterationInbox(iteration, dict(prompts), dict(group_sizes), m.release, minibatch,
-                                                m.max_staleness, self.worker.cfg.max_tokens_per_microbatch)
+                                                m.max_staleness, self.worker.cfg.max_tokens_per_microbatch,
+                                                colocated=m.colocated)
             for sid in prompts:
                 self._owner[sid] = iteration
             self._cond.notify_all()
@@ -144,13 +145,15 @@ class TrainerRank:
 
     def kept_groups(self, iteration: int) -> int:
         """Once every sample registered for ``iteration`` has been received (its generation has
-        ended: the ``all`` release may go), how many of this rank's groups the filter keeps, from
+        ended: the ``all`` release may go, but for colocated, where it waits for ``step``), how many of this rank's groups the filter keeps, from
         their task scores: it waits for the rewards, not for the trainer to take the samples
         (reference log-probs, values), which in the lag-1 modes may still be busy with the
         previous iteration."""
         with self._cond:
             rec = self._iters[iteration]
-            rec.generated = True
+            # the samples may go to the trainer while a refill generates, on other ranks only:
+            # colocated, these ranks generate it (generate all, then train all, in turn)
+            rec.generated = not rec.colocated
             self._cond.notify_all()
             while len(rec.lengths) < rec.expected and iteration not in self._ready and self._error is None:
                 self._cond.wait(timeout=1.0)

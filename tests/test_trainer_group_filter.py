@@ -291,6 +291,30 @@ def test_a_trainer_rank_that_began_empty_takes_a_refill_and_counts_what_passes(t
         rank.close()
 
 
+@pytest.mark.parametrize("mode, released", [("batch", True), ("colocated", False)])
+def test_a_colocated_count_leaves_the_samples_until_the_step(tiny_model, tmp_path, mode, released):  # noqa: F811
+    """The filter's count let the ``all`` release go: colocated, the trainer took the first
+    round's samples while the same ranks generated the refill (review, session 51; "generate
+    all, then train all, in turn"). On separate ranks (batch) that overlap is kept."""
+    from workers.trainer.rollout import rollout
+
+    rank = _half_uniform_rank(tiny_model, tmp_path)
+    try:
+        items = rank.worker.task.prompts("train")[:4]
+        samples, prompts, groups = rollout(rank.worker.actor, rank.worker.tokenizer, items, 2, 6, first_id=0)
+        rank.begin_iteration(0, prompts, groups, mode, 0)
+        assert rank.receive(samples) == len(samples)
+        assert rank.kept_groups(0) == 2
+        with rank._cond:
+            assert rank._iters[0].generated is released  # what lets the consumer take them
+            if not released:
+                assert rank.stats().consumed == {0: 0} and not rank._iters[0].release()
+        report = rank.step(0)
+        assert report.metrics["filtered_groups"] == 2 and report.metrics["num_seqs"] == 4
+    finally:
+        rank.close()
+
+
 def test_the_count_of_a_lag_one_iteration_does_not_wait_for_the_trainer_to_take_its_samples(tiny_model,  # noqa: F811
                                                                                             tmp_path):
     """In the lag-1 modes the trainer may still be on iteration i while iteration i+1's generation

@@ -1,0 +1,83 @@
+"""The batch caps the SGS plans and the instances run with (review, session 51): a one-sequence
+engine's default profile, a round's cap kept to its round, and dispatch planned on estimates a
+request can reach."""
+import torch
+
+from controller.config import from_dict
+from controller.scheduling import make_dispatcher
+from controller.sgs import SGS, InstanceSlot, default_profile, dispatch_estimates
+from controller.world import _profile
+from workers.types import Request, SamplingParams
+
+from runtime_helpers import tiny_model  # noqa: F401  (session-wide tiny model folder)
+
+
+def test_an_engine_of_one_sequence_gets_a_profile():
+    """engine.max_batch_size 1 passed every config check, then its default profile ([1, 1]:
+    sizes must increase) stopped the run at start and refused every joiner."""
+    cfg = from_dict({"engine": {"max_batch_size": 1, "kv_cache_tokens": 4096, "device": "cpu"},
+                     "placement": {"generation": [1], "trainer": [2]}}, world_size=3)
+    prof = _profile(cfg)
+    assert prof.max_batch_size == 1 and prof.batch_sizes == [1]
+    assert default_profile(64).batch_sizes == [1, 64]
+
+
+def test_a_rounds_batch_cap_ends_with_the_round(tiny_model, monkeypatch):  # noqa: F811
+    """A round's cap (a re-dispatch of one request: 1) stayed on the engine: the evaluations and
+    the ranker's length measurements after it decoded one sequence at a time."""
+    import controller.instance as instance
+    from workers.generation.config import EngineConfig
+
+    class NoTrainers:  # only the engine is looked at here
+        def __init__(self, *a, **k):
+            pass
+
+        def put(self, s):
+            pass
+
+        def close(self):
+            pass
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(instance, "Outbox", NoTrainers)
+    inst = instance.GenerationInstance(1, EngineConfig(device="cpu", kv_cache_tokens=1024, max_batch_size=8),
+                                       tiny_model, [0])
+
+    def req(i):
+        return Request(i, torch.tensor([1, 2, 3, 4]), 4, 4, 0.0, sampling=SamplingParams(temperature=0.0, seed=i))
+
+    inst.generate(0, [req(0)], 0, batch_cap=1)
+    assert inst.engine.stats().max_batch_size == 8
+    running, step = [], inst.engine.step
+
+    def counting_step():
+        out = step()
+        running.append(len(inst.engine.scheduler.running) + len(out))
+        return out
+
+    monkeypatch.setattr(inst.engine, "step", counting_step)
+    inst.evaluate([req(100 + i) for i in range(6)], newest=True)
+    assert max(running) == 6
+
+
+def test_dispatch_plans_on_estimates_within_max_tokens():
+    """A ranker loaded from ranker.path predicts its trace's scale (docs/ranker.md: its order is
+    what counts): estimates of 300-1540 tokens for 16-token requests made skew_paper cap the
+    instances at 2 and 4 sequences where their KV holds every request at once."""
+    asked = {}
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank, self.role, self.name, self.alive = rank, "generation", f"worker{rank}", True
+
+        def call(self, method, iteration, chunk, version, cap, window):
+            asked[self.rank] = (len(chunk), cap)
+
+    sgs = SGS(make_dispatcher("skew_paper"), received=lambda it: set())
+    sgs.slots = [InstanceSlot(Handle(r), default_profile(64, 4096, 16)) for r in (1, 2)]
+    reqs = [Request(i, torch.arange(8), 16, 0, float(300 + 40 * i)) for i in range(32)]
+    assert dispatch_estimates(reqs) == [16.0] * 32
+    sgs.launch(0, reqs, 0)
+    assert sorted(asked) == [1, 2] and all(cap >= n for n, cap in asked.values()), asked
+    forced = [Request(i, torch.arange(8), 16, 8, e) for i, e in enumerate([0.0, 3.0, 12.0])]
+    assert dispatch_estimates(forced) == [8.0, 8.0, 12.0]  # min_tokens: no output is shorter
