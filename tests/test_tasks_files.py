@@ -231,3 +231,13 @@ def test_an_unknown_reasoning_gym_verifier_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"^task.kwargs.verifier: 'reasoning_gym:nonexistent_ds': 'nonexistent_ds' "
                                          r"is not a registered reasoning-gym dataset"):
         make_task("jsonl", files=str(p), verifier="reasoning_gym:nonexistent_ds")
+
+
+def test_a_column_named_with_a_dot_is_read(tmp_path):
+    """``datasets``' ``flatten()`` writes verl's nested field as a column named
+    ``reward_model.ground_truth``: the dotted key was only read as a path and the file was refused
+    listing that very column as present."""
+    p = tmp_path / "flat.jsonl"
+    p.write_text(json.dumps({"prompt": "What is 2+2?", "reward_model.ground_truth": "4"}) + "\n")
+    task = make_task("jsonl", files=str(p), answer_key="reward_model.ground_truth", verifier="gsm8k")
+    assert [i.answer for i in task.prompts("train")] == ["4"]

@@ -371,3 +371,17 @@ def test_verls_batch_compute_score_scores_many_samples_in_one_call(tmp_path):
     with pytest.raises(ValueError, match=r"the completion's, solution_strs, is not among them; name the completion "
                                          r"parameter solution_strs \(verl's compute_score\(data_sources, "):
         make_task("jsonl", files=str(data), verifier=f"{f}:no_completion")
+
+
+def test_a_degenerate_output_is_scored_in_one_pass():
+    """A run of whitespace (numeric, and exact with a JSON-number reference) or of periods in a
+    box (math) was scanned again from each of its characters: 80k newlines took 10 s of regex
+    holding the GIL for one sample (review, session 51). The scores are unchanged; at these
+    sizes the old patterns would run for minutes."""
+    blank = "Let me think." + "\n" * 300_000 + "So it is 5"
+    assert make_verifier("numeric")(TaskPrompt("q", "5", "t"), blank) == 1.0
+    assert make_verifier("exact")(TaskPrompt("q", "5", "t", raw_answer=5), blank) == 1.0  # a JSON number
+    assert make_verifier("math")(TaskPrompt("q", "5", "t"), "\\boxed{0." + "." * 100_000 + "5}") == 0.0
+    assert make_verifier("math")(TaskPrompt("q", "5", "t"), "\\boxed{5...}") == 1.0
+    from workers.tasks.answers import numbers_in
+    assert list(numbers_in("5 -\\frac{1}{2} - \\frac34 3/4")) == list(numbers_in("5 - \\frac{1}{2} -\\frac34 3/4"))

@@ -21,7 +21,9 @@ _DECIMAL = rf"(?:{_DIGITS}(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _SIGNED = rf"[-+]?{_DECIMAL}"
 # one number as it may be written: a decimal, a ratio of two (3/4), a \frac of two (\frac{3}{4}, \frac34)
 _FRAC = rf"\\[dt]?frac\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))"
-_VALUE = re.compile(rf"([-+]?)\s*{_FRAC}|({_SIGNED})(?:\s*/\s*({_SIGNED}))?")
+# whitespace only after a sign: "[-+]?\s*" was tried at every space of a run and scanned the rest of
+# it (80k spaces of a degenerate output: 10 s of the GIL for one sample)
+_VALUE = re.compile(rf"(?:([-+])\s*)?{_FRAC}|({_SIGNED})(?:\s*/\s*({_SIGNED}))?")
 MAX_EXPONENT = 400  # "1e999999999" is text, not a value worth building
 MINUS = "\u2212"  # the Unicode minus sign (typeset math, some models' output): read as "-"
 

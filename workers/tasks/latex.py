@@ -23,7 +23,7 @@ _REWRITES: tuple[tuple[str, str], ...] = (
     (r"(?:(?<=[\d)\]}])\s*\\(?:text|mbox)\{|(?<=\S)\s*\\text\{ )[^{}]*\}(?:\^\{?\w+\}?)?\.?\s*$", ""),
     (r"\\(?:text|mbox)\{([^{}]*)\}", r"\1"),   # other text: its content
     (r"\\%", ""),
-    (r"\.+\s*$", ""),                          # a final period
+    (r"(?<!\.)\.+\s*$", ""),                   # a final period (from a run's first: linear in it)
     (r"(^|[\s{])\.(\d)", r"\g<1>0.\2"),        # .5 -> 0.5
     (r"\\sqrt\s*([^{\s\\])", r"\\sqrt{\1}"),  # \sqrt3 -> \sqrt{3}
 )

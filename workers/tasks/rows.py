@@ -13,7 +13,10 @@ NULL_CONTENT_ROLES = ("assistant", "tool")  # a tool-call turn may have no text 
 
 
 def _field(row: dict, key: str, where: str, setting: str):
-    """``row[key]``; a dotted key reads nested objects (verl's ``reward_model.ground_truth``)."""
+    """``row[key]``; a dotted key reads nested objects (verl's ``reward_model.ground_truth``), or
+    a column of that very name (``datasets``' ``flatten()`` makes one)."""
+    if key in row:
+        return row[key]
     value = row
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
