@@ -229,3 +229,32 @@ def test_the_engine_line_points_a_cpu_run_at_the_faster_attention_backend():
     chosen = repr(NativeEngine(EngineConfig(block_size=4, kv_cache_tokens=64, device="cpu",
                                             attention_backend="torch"), model=MODEL))
     assert "attention torch, " in chosen and "faster" not in chosen  # set on purpose: no advice
+
+
+def test_a_top_p_of_one_keeps_every_token_beside_a_row_that_filters():
+    """A row's float32 cumsum reaches 1.0 before a 151,936-token tail: with another row of the
+    batch asking top_p < 1, the test ``mass before >= 1.0`` dropped ~99k tokens of the top_p 1
+    row (review, session 51): its distribution depended on its batch mates. vLLM drops none."""
+    from workers.generation.sampler import Sampler
+
+    v = 151936
+    logits = torch.randn(2, v, generator=torch.Generator().manual_seed(0)) * 3
+    logits[:, 0] += 25  # a confident next token
+    off, on = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)
+    alone = Sampler._filtered_logprobs(logits[:1].clone(), [off], [False])[0]
+    beside = Sampler._filtered_logprobs(logits.clone(), [off, on], [False, False])[0]
+    assert not torch.isinf(alone).any() and torch.equal(beside, alone)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_seeds_2_to_the_32_apart_draw_differently(backend):
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 2**32 apart gave the same samples
+    (review, session 51). A seed below 2**32 draws as before."""
+    from workers.generation.sampler import generator
+
+    seeds = [12345, 12345 + (1 << 32), 12345 + (7 << 40)]
+    reqs = [Request(i, PS[1], 16, 16, sampling=SamplingParams(temperature=1.0, seed=s)) for i, s in enumerate(seeds)]
+    outs = {tuple(s.output_ids.tolist()) for s in generate_all(engine(attention_backend=backend), reqs)}
+    assert len(outs) == 3
+    assert torch.equal(torch.rand(4, generator=generator("cpu", 12345)),
+                       torch.rand(4, generator=torch.Generator().manual_seed(12345)))

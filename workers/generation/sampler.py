@@ -46,6 +46,19 @@ class _Rows:
     shared: bool  # every row draws from the engine's generator (none greedy, none seeded)
 
 
+def generator(device, seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` (0 <= seed < 2**63). torch's CPU generator keeps a seed's
+    low 32 bits only: seeds 2**32 apart drew the same tokens (review, session 51; CUDA's Philox
+    takes all 64). On CPU the high bits are folded into the low ones (splitmix64 of them), so a
+    seed below 2**32 draws as before and as vLLM's on CPU."""
+    if torch.device(device).type == "cpu" and seed >> 32:
+        z = ((seed >> 32) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finaliser
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        seed = (seed ^ z ^ (z >> 31)) & 0xFFFFFFFF
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class Sampler:
     def __init__(self, eos_ids: tuple[int, ...], device: torch.device, seed: int = 0, fused=None):
         """``fused``: the compiled ``cpu_ops`` module (CPU only): batches without top-k/top-p
@@ -53,7 +66,7 @@ class Sampler:
         CDF boundary)."""
         self.device = device
         self.eos = torch.tensor(eos_ids, dtype=torch.int64, device=device) if eos_ids else None
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = generator(device, seed)
         self.fused = fused if torch.device(device).type == "cpu" else None
         self._no_eos = torch.empty(0, dtype=torch.int64)
         self._kept: _Rows | None = None
@@ -76,7 +89,7 @@ class Sampler:
         if seed is None:
             return None
         if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            seq.generator = generator(self.device, seed)
         return seq.generator
 
     def rewind(self, seq: Sequence) -> None:
@@ -162,6 +175,7 @@ class Sampler:
             probs = srt.softmax(-1)
             # drop a token when the mass before it already reaches top_p (keeps at least one)
             drop = (probs.cumsum(-1) - probs) >= p_t
+            drop &= p_t < 1.0  # a row of top_p 1 keeps all: its float32 cumsum reaches 1 before the tail
             drop[:, 0] = False  # the top token always (a top_p that rounds to 0 dropped every one: NaN)
             logits = logits.scatter(1, order, srt.masked_fill(drop, float("-inf")))
         return torch.log_softmax(logits, dim=-1)
