@@ -99,6 +99,49 @@ def test_an_async_reward_blocking_the_loop_costs_its_sample_not_the_later_ones()
         rewards.close()
 
 
+def test_a_loop_given_up_as_blocked_stops_once_its_call_returns():
+    """Each replaced loop stayed in run_forever for the rest of the run: a thread and three file
+    descriptors left per replacement (review, session 51)."""
+    def loops() -> int:
+        return sum(t.name == "streamrl-reward-loop" for t in threading.enumerate())
+
+    judge = Judge()
+    rewards = RewardPool(judge, workers=1, timeout_s=0.3)
+    try:
+        assert rewards.result(rewards.submit(P, "block", "sample 0")).why.startswith("the task's score ran past")
+        assert rewards.result(rewards.submit(P, "5", "sample 1")).score == 1.0  # on a fresh loop
+        judge.release.set()  # the blocking call returns: its loop stops and closes
+        for _ in range(200):  # a hang guard, not a timing assertion
+            if loops() == 1:
+                break
+            time.sleep(0.05)
+        assert loops() == 1
+    finally:
+        judge.release.set()
+        rewards.close()
+
+
+def test_a_score_under_a_deadline_is_left_to_the_pool_not_the_watchdog():
+    """With reward_timeout_s the pool gives a late score up and says so; the watchdog still said
+    "a reward that hangs holds the trainer" a minute later (review, session 51)."""
+    from workers.tasks.scoring import WATCH, set_deadline
+
+    set_deadline(time.monotonic() + 1.0, 1.0)
+    try:
+        key = WATCH.enter("sample 7")
+    finally:
+        set_deadline(None)
+    try:
+        assert WATCH.overdue(time.monotonic() + 3600) == []
+    finally:
+        WATCH.leave(key)
+    key = WATCH.enter("sample 8")  # no deadline: said
+    try:
+        assert WATCH.overdue(time.monotonic() + 3600) == [f"the task's score of sample 8 has run for 3600 s"]
+    finally:
+        WATCH.leave(key)
+
+
 def test_failures_are_said_once_per_kind():
     """The trainer logs a failure once per kind: keyed by the whole message, a ValueError quoting
     each sample's answer was logged for every sample (and kept for the whole run)."""

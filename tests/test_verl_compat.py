@@ -149,6 +149,12 @@ def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypa
     with pytest.raises(ValueError, match=r"takes \(model_output, ground_truth\): \['ground_truth'\] are verl's names, "
                                          r"but the completion's, solution_str, is not among them"):
         make_task("jsonl", files=str(data), verifier=f"{prime}:compute_score")
+    # positional-only: accepted at load, then every call raised (verl passes by keyword) and the run
+    # stopped at iteration 0 with every sample skipped (review, session 51)
+    slash = tmp_path / "slash.py"
+    slash.write_text("def compute_score(solution_str, ground_truth, /):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"takes \['solution_str', 'ground_truth'\] positional-only .* drop the '/'"):
+        make_task("jsonl", files=str(data), verifier=f"{slash}:compute_score")
     with pytest.raises(ValueError, match="task.kwargs.verifier: '/no/such/reward.py' is not one of"):
         make_task("jsonl", files=str(data), verifier="/no/such/reward.py")
     with pytest.raises(ValueError, match="several files per split: concatenate them"):

@@ -37,25 +37,42 @@ class _Loop:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.beat = 0.0  # time.monotonic() of the loop's last beat
         self.suspect = False  # a reward ran past its deadline since the loop started
+        self.replaced = 0  # loops given up as blocked (the first is said)
 
     def get(self, budget_s: float | None = None) -> asyncio.AbstractEventLoop:
         with self.lock:
             if (self.loop is not None and self.suspect and budget_s is not None
                     and time.monotonic() - self.beat > max(budget_s, self.MIN_STALL_S)):
-                log.warning("an async reward has blocked the reward event loop for over %g s (a blocking call "
-                            "inside `async def`: await instead); later async rewards run on a new loop (a client "
-                            "made on the old one cannot be used there)", budget_s)
+                if not self.replaced:
+                    log.warning("an async reward has blocked the reward event loop for over %g s (a blocking "
+                                "call inside `async def`: await instead); later async rewards run on a new loop "
+                                "(a client made on the old one cannot be used there)", budget_s)
+                self.replaced += 1
+                # it stops (and closes, in its thread) once the blocking call returns: a loop and
+                # its thread and descriptors were left behind at each replacement (review, session 51)
+                self.loop.call_soon_threadsafe(self.loop.stop)
                 self.loop = None
             if self.loop is None:
                 self.loop, self.beat, self.suspect = asyncio.new_event_loop(), time.monotonic(), False
                 self.loop.call_soon(self._beat, self.loop)
-                threading.Thread(target=self.loop.run_forever, name="streamrl-reward-loop", daemon=True).start()
+                threading.Thread(target=_run_then_close, args=(self.loop,), name="streamrl-reward-loop",
+                                 daemon=True).start()
             return self.loop
 
     def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
         if loop is self.loop:  # (a replaced loop stops beating)
             self.beat = time.monotonic()
             loop.call_later(self.BEAT_S, self._beat, loop)
+
+
+def _run_then_close(loop: asyncio.AbstractEventLoop) -> None:
+    loop.run_forever()
+    tasks = asyncio.all_tasks(loop)  # a replaced loop's rewards: past their deadlines, given up
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.close()
 
 
 _LOOP = _Loop()
@@ -96,7 +113,10 @@ def resolve(out):
     if running is loop:
         with ThreadPoolExecutor(max_workers=1) as pool:
             return pool.submit(asyncio.run, wait()).result()
-    fut = asyncio.run_coroutine_threadsafe(wait(), loop)
+    try:
+        fut = asyncio.run_coroutine_threadsafe(wait(), loop)
+    except RuntimeError:  # closed: given up as blocked by another thread's score meanwhile
+        fut = asyncio.run_coroutine_threadsafe(wait(), _LOOP.get(budget))
     try:
         return fut.result(timeout=None if at is None else max(at - time.monotonic(), 0.0))
     except FutureTimeout:  # past its deadline: cancelled (its task ends, and this thread is free)
@@ -124,8 +144,8 @@ def as_score(out) -> float:
 class _Watch:
     """Scores running now (thread id -> (start, what)); a daemon thread says once per call when
     one has run past ``LONG_S``: a reward that hangs (a stuck request, an endless loop) held the
-    trainer with no word, since its rank still answered the heartbeat. Rewards run on worker
-    threads, where ``signal.alarm`` timeouts cannot be set: the line says so."""
+    trainer with no word, since its rank still answered the heartbeat. A score under a deadline
+    (``set_deadline``) is the pool's to give up on: not said here."""
 
     LONG_S = 60.0
 
@@ -136,6 +156,8 @@ class _Watch:
 
     def enter(self, what: str) -> int:
         key = threading.get_ident()
+        if getattr(_DEADLINE, "at", None) is not None:
+            what = ""  # under trainer.reward_timeout_s: the pool gives up on it and says so
         with self.lock:
             self.running[key] = (time.monotonic(), what)
             if self.thread is None:
@@ -161,9 +183,8 @@ class _Watch:
         while True:
             time.sleep(min(10.0, self.LONG_S / 4))
             for line in self.overdue(time.monotonic()):
-                log.warning("%s: a reward that hangs holds the trainer (rewards run on worker threads, so "
-                            "signal.alarm timeouts do not work there: time out inside the reward, e.g. a "
-                            "request's own timeout)", line)
+                log.warning("%s: a reward that hangs holds the trainer (set trainer.reward_timeout_s, or time "
+                            "out inside the reward, e.g. a request's own timeout)", line)
 
 
 WATCH = _Watch()

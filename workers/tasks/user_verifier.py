@@ -77,6 +77,10 @@ def _verl_wanted(sig: inspect.Signature, options: dict, spec: str, names: tuple[
     takes ``**kwargs`` (verl passes all four by keyword); a ValueError when it needs others."""
     params = sig.parameters
     _check_options(sig, options, spec, names)
+    by_position = [n for n in names if n in params and params[n].kind is params[n].POSITIONAL_ONLY]
+    if by_position:  # verl passes them by keyword: every call raised, every sample was skipped
+        raise ValueError(f"task.kwargs.verifier: {spec!r} takes {by_position} positional-only (before '/'); "
+                         "verl passes its arguments by keyword: drop the '/'")
     required = [n for n, p in params.items() if p.default is p.empty and n not in options
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names]
     if required:
