@@ -137,7 +137,7 @@ def test_a_score_under_a_deadline_is_left_to_the_pool_not_the_watchdog():
         WATCH.leave(key)
     key = WATCH.enter("sample 8")  # no deadline: said
     try:
-        assert WATCH.overdue(time.monotonic() + 3600) == [f"the task's score of sample 8 has run for 3600 s"]
+        assert WATCH.overdue(time.monotonic() + 3600) == ["the task's score of sample 8 has run for 3600 s"]
     finally:
         WATCH.leave(key)
 
