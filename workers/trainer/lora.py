@@ -34,6 +34,20 @@ def target_names(spec: str | tuple[str, ...]) -> tuple[str, ...]:
     return TARGETS if spec == "all-linear" else tuple(dict.fromkeys(spec))  # (a name given twice: once)
 
 
+def store_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep a frozen model's linear layers (not a head tied to the embedding) in ``dtype``.
+    Under autocast to that dtype their matmuls cast the weights to it anyway, so the forward is
+    the same, bit for bit, as the fp32 model's, at half the bytes for bf16; embeddings and norms
+    stay fp32 (a model loaded whole in bf16 ran its residual stream in bf16: another model)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            tied = any(m.weight is e.weight for e in model.modules() if isinstance(e, nn.Embedding))
+            if not tied:
+                m.weight.data = m.weight.data.to(dtype)
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.to(dtype)
+
+
 class LoRA(nn.Module):
     def __init__(self, model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS):
         super().__init__()
@@ -75,16 +89,8 @@ class LoRA(nn.Module):
             self.enabled = True
 
     def store_base(self, model: nn.Module, dtype: torch.dtype) -> None:
-        """Keep the frozen base's linear layers (not a head tied to the embedding) in ``dtype``.
-        Under autocast to that dtype their matmuls cast the weights to it anyway, so the forward
-        is the same, bit for bit, at half the bytes for bf16; embeddings and norms stay fp32."""
-        for m in model.modules():
-            if isinstance(m, nn.Linear):
-                tied = any(m.weight is e.weight for e in model.modules() if isinstance(e, nn.Embedding))
-                if not tied:
-                    m.weight.data = m.weight.data.to(dtype)
-                    if m.bias is not None:
-                        m.bias.data = m.bias.data.to(dtype)
+        """Keep the frozen base's linear layers in ``dtype`` (``store_linears``)."""
+        store_linears(model, dtype)
 
     def merged(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` (the HF tensor ``name``) in fp32 with its layer's adapter folded in, if it

@@ -43,7 +43,7 @@ from workers.trainer.group_filter import passing_groups, same_scores
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer, remax
-from workers.trainer.lora import LoRA, Reference, target_names
+from workers.trainer.lora import LoRA, Reference, store_linears, target_names
 from workers.trainer.schedule import group_lambdas
 from workers.trainer.stat_sums import StatSums
 from workers.trainer.step_math import prepare_batch, submit_scores, train_terms
@@ -105,10 +105,11 @@ class TrainerWorker:
                 self.ref = Reference(self.actor, self.lora)
             if self.bf16:  # frozen: no fp32 master needed; the autocast forward is the same
                 self.lora.store_base(self.actor, torch.bfloat16)
-        elif cfg.uses_reference:
-            ref_dtype = torch.bfloat16 if self.bf16 else torch.float32
-            self.ref = load_pretrained(model_dir, self.device, dtype=ref_dtype).eval()
+        elif cfg.uses_reference:  # the actor's forward at version 0 (KL 0), its linears in bf16 under bf16
+            self.ref = load_pretrained(model_dir, self.device, dtype=torch.float32).eval()
             self.ref.requires_grad_(False)
+            if self.bf16:  # (whole in bf16 it was another model: KL 3e-5 at init, review session 51)
+                store_linears(self.ref, torch.bfloat16)
         groups = [{"params": self.policy_parameters(), "lr": cfg.lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
