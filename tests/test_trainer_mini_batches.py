@@ -145,3 +145,33 @@ def test_unequal_groups_leave_no_share_empty_while_there_are_enough_groups():
         shares = mini_batch_shares(items, 3, seed)
         assert sorted(len({p.group_id for p in s}) for s in shares) == [1, 1, 1], seed
     assert sorted(map(len, mini_batch_shares(items[:1] + items[10:], 4, 0))) == [0, 1, 1, 1]  # fewer groups than shares
+
+
+@pytest.mark.parametrize("kw", [dict(mini_batches=2), dict(ppo_epochs=2),
+                                dict(algorithm="ppo", mini_batches=2, ppo_epochs=2)])
+def test_the_grad_norms_are_the_mean_over_the_updates(setup, monkeypatch, kw):
+    """verl logs actor/grad_norm per mini-batch update and reduces it by the mean; only the first
+    update's norm was reported (0.68 where the four updates' were 0.68, 1.20, 0.82, 2.98: review,
+    session 51)."""
+    import workers.trainer.updates as updates
+
+    model_dir, task = setup
+    seen, real = [], updates.update
+
+    def spy(w, params, divisor):
+        out = real(w, params, divisor)
+        if out is not None:
+            seen.append(out)
+        return out
+
+    monkeypatch.setattr(updates, "update", spy)
+    options = dict(dict(algorithm="grpo", lr=5e-3, kl_coef=0.05, seed=0), **kw)
+    w = TrainerWorker(TrainerConfig(**options), model_dir, task, device="cpu")
+    samples, prompts, groups = rollout(w.actor, w.tokenizer, task.prompts("train")[:4], 3, 10, seed=5)
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    m = w.step().metrics
+    assert m["updates"] == len(seen) > 1
+    for key in ("grad_norm", "critic_grad_norm") if "critic_grad_norm" in m else ("grad_norm",):
+        per = [n[key] for n in seen]
+        assert len(set(per)) > 1 and m[key] == pytest.approx(sum(per) / len(per), rel=1e-12)

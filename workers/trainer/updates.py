@@ -64,8 +64,8 @@ def streamed_updates(w: "TrainerWorker", params: list[torch.nn.Parameter], divis
     """``ppo_epochs`` updates on the whole iteration: the first from the gradients accumulated
     while samples streamed in (``divisor``: their kept micro-batches'), each further one
     re-running its micro-batches at the current weights, divided by what that pass kept.
-    -> (updates applied, the first's norms)."""
-    applied, first = 0, None
+    -> (updates applied, their norms' means: ``_mean``)."""
+    norms_of: list[dict[str, float]] = []
     for epoch in range(w.cfg.ppo_epochs):
         if epoch > 0:  # the micro-batches this pass keeps (one whose loss is not finite now is not)
             divisor = accumulate_all(w, w.trained_batches, log_stats=False)
@@ -75,8 +75,8 @@ def streamed_updates(w: "TrainerWorker", params: list[torch.nn.Parameter], divis
         norms = update(w, params, divisor)
         if norms is None:
             break
-        applied, first = applied + 1, first or norms
-    return applied, first
+        norms_of.append(norms)
+    return len(norms_of), _mean(norms_of)
 
 
 def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> tuple[int, dict[str, float] | None]:
@@ -84,12 +84,12 @@ def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> 
     seeded random order, ``shuffle``; else in arrival order) into that many shares, each
     re-packed into micro-batches (every rank runs the same number of all-reduces; a share
     with no sample on any rank makes no update).
-    Logged per-token statistics are the first epoch's. -> (updates applied, first norms)."""
+    Logged per-token statistics are the first epoch's. -> (updates applied, their norms' means)."""
     items = [p for mb in w.trained_batches for p in mb]  # samples in arrival order
     seed = w.cfg.seed * 1_000_003 + w.version if w.cfg.shuffle else None  # a new order every step
     shares = [microbatches(share, w.cfg.max_tokens_per_microbatch)
               for share in mini_batch_shares(items, w.cfg.mini_batches, seed)]
-    applied, first = 0, None
+    norms_of: list[dict[str, float]] = []
     for epoch in range(w.cfg.ppo_epochs):
         for share in shares:
             divisor = accumulate_all(w, share, log_stats=epoch == 0)
@@ -98,8 +98,17 @@ def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> 
                 continue
             norms = update(w, params, divisor)
             if norms is not None:
-                applied, first = applied + 1, first or norms
-    return applied, first
+                norms_of.append(norms)
+    return len(norms_of), _mean(norms_of)
+
+
+def _mean(norms_of: list[dict[str, float]]) -> dict[str, float] | None:
+    """The updates' gradient norms, each key's mean over them (verl logs ``actor/grad_norm`` per
+    mini-batch update and reduces it by the mean; only the first update's was reported here until
+    session 51). None: no update applied."""
+    if not norms_of:
+        return None
+    return {k: sum(n[k] for n in norms_of) / len(norms_of) for k in norms_of[0]}
 
 
 def gathered_metrics(w: "TrainerWorker") -> tuple[dict[str, float], float]:
