@@ -1,5 +1,8 @@
 """TrainerConfig: validation at construction (unknown algorithm / estimator / key, switches that
 take only bools, warmup past the schedule) and the learning-rate schedules."""
+import math
+import re
+
 import pytest
 
 from workers.config_schema import build_section
@@ -62,3 +65,23 @@ def test_switches_take_only_bools(key, value):
     with pytest.raises(ValueError, match=rf"trainer.{key} must be true or false"):
         TrainerConfig(**{key: value})
     TrainerConfig(critic=None, whiten_advantages=None, recompute_old_logprobs=True)
+
+
+@pytest.mark.parametrize("kw, said", [
+    (dict(weight_decay=math.nan), "trainer.weight_decay must be a finite number, got nan"),
+    (dict(min_lr_ratio=math.nan), "trainer.min_lr_ratio must be a finite number"),
+    (dict(kl_coef=math.nan), "trainer.kl_coef must be a finite number"),
+    (dict(lr=math.inf), "trainer.lr must be a finite number, got inf"),
+    (dict(grad_clip=True), "trainer.grad_clip must be a finite number, got True"),
+    (dict(warmup_steps=1.5, total_steps=10), "trainer.warmup_steps must be an integer, got 1.5"),
+    (dict(mini_batches=2.5), "trainer.mini_batches must be an integer"),
+    (dict(ppo_epochs=True), "trainer.ppo_epochs must be an integer, got True"),
+    (dict(reward_timeout_s=math.nan), "trainer.reward_timeout_s must be a finite number"),
+])
+def test_the_python_api_checks_types_as_the_run_config_does(kw, said):
+    """TrainerConfig(...) took NaN, inf and 1.5 where a run config is refused: a NaN min_lr_ratio
+    made every weight NaN with the step applied, 1.5 warmup steps an lr above the configured one
+    (review, session 51)."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        TrainerConfig(**kw)
+    TrainerConfig(lr=1, reward_timeout_s=None, weight_decay=0)  # an int where a float is declared; null

@@ -3,13 +3,12 @@ built by ``workers.config_schema.build_section``, as the run config's ``trainer:
 from __future__ import annotations
 
 import threading
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from workers.config_schema import SEEDS, Range, ranged
 from workers.tasks.plugins import is_plugin
 from workers.tasks.reward_pool import REWARD_POOLS
-from workers.trainer.config_checks import (check_algorithm, check_algorithm_knobs, check_policy_loss,
+from workers.trainer.config_checks import (check_algorithm, check_field_types, check_algorithm_knobs, check_policy_loss,
                                            check_rollout_correction, first_set, one_of)
 from workers.trainer.config_names import (BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
                                           LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
@@ -212,6 +211,7 @@ class TrainerConfig:
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
+        check_field_types(self)
         check_algorithm(self)  # its name (or a plugin's, loaded); its knobs after the types, below
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
         one_of("kl_mode", self.kl_mode, KL_MODES)
@@ -236,12 +236,6 @@ class TrainerConfig:
         if self.reward_timeout_s is not None and not 0 < self.reward_timeout_s <= threading.TIMEOUT_MAX:
             raise ValueError(f"trainer.reward_timeout_s must be in (0, {threading.TIMEOUT_MAX:g}] seconds (a "
                              f"thread's wait; or null: no deadline), got {self.reward_timeout_s}")
-        hints = typing.get_type_hints(type(self))  # resolved types (the annotations are strings)
-        for f in fields(self):  # "false" or 0 given to a switch would be read as truthy / falsy
-            value, nullable = getattr(self, f.name), hints[f.name] == typing.Optional[bool]
-            if (hints[f.name] is bool or nullable) and not (isinstance(value, bool) or (value is None and nullable)):
-                raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if nullable else ''}, "
-                                 f"got {value!r}")
         for name in ("lr", "critic_lr", "adam_eps", "max_tokens_per_microbatch", "total_steps", "ppo_epochs",
                      "mini_batches", "temperature", "lora_alpha", "overlong_penalty", "sapo_tau_pos", "sapo_tau_neg",
                      "kl_cov_coef"):

@@ -3,6 +3,9 @@ knobs, a policy loss against its aggregation and knobs, rollout correction again
 Called from ``__post_init__``; each error names the key."""
 from __future__ import annotations
 
+import math
+import numbers
+import typing
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
@@ -11,6 +14,25 @@ from workers.trainer.config_names import (ALGORITHMS, BYPASS_LOSS_TYPES, CUSTOM_
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
+
+
+def check_field_types(cfg: "TrainerConfig") -> None:
+    """Each field's value of its declared type, as the run config's sections check them
+    (``build_section``): a switch true or false ("false" or 0 would be read as truthy / falsy), a
+    number finite and not a bool, an integer whole (the Python API took NaN, inf and 1.5: a NaN
+    ``min_lr_ratio`` made every weight NaN, 1.5 warmup steps an lr above the configured one)."""
+    hints = typing.get_type_hints(type(cfg))  # resolved types (the annotations are strings)
+    for f in fields(cfg):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        nullable = value is None and hint in (typing.Optional[bool], typing.Optional[float], typing.Optional[int])
+        if hint in (bool, typing.Optional[bool]) and not (isinstance(value, bool) or nullable):
+            raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if hint is not bool else ''}, "
+                             f"got {value!r}")
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if hint in (float, typing.Optional[float]) and not ((number and math.isfinite(value)) or nullable):
+            raise ValueError(f"trainer.{f.name} must be a finite number, got {value!r}")
+        if hint in (int, typing.Optional[int]) and not ((number and isinstance(value, numbers.Integral)) or nullable):
+            raise ValueError(f"trainer.{f.name} must be an integer, got {value!r}")
 
 
 def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
