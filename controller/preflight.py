@@ -35,6 +35,11 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
         if built.vocab_size < min_bpe_vocab():
             raise ConfigError(f"model.init.vocab_size: {built.vocab_size} is below {min_bpe_vocab()}, the least "
                               "the bootstrap's byte-level BPE takes (256 byte symbols + EOS and PAD)")
+        # the folder it will be written to: found only when saving, after the whole SFT (review, s51)
+        there = next(p for p in (path, *path.parents) if p.exists())
+        if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+            why = "is a file" if not there.is_dir() else "cannot be written"
+            raise ConfigError(f"model.path: {path}: {there} {why}, and model.init builds the model there")
         return
     if not cfg.exists():
         where = "does not exist" if not path.exists() else "holds no config.json"

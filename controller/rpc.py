@@ -270,6 +270,16 @@ def owner_ready(rref) -> bool:
     return True
 
 
+def call_on(rank: int, role: str, fn, args: tuple = (), timeout: float | None = None):
+    """``fn(*args)`` run on ``rank`` and waited for: what it raises there (or its process lost) is
+    a ``WorkerFailed`` naming the rank, its role and the call, as every other worker failure (a
+    trainer failing in the model bootstrap was said as the controller's own error)."""
+    try:
+        return rpc.rpc_sync(worker_name(rank), fn, args=args, timeout=RPC_TIMEOUT_S if timeout is None else timeout)
+    except Exception as e:  # noqa: BLE001
+        raise WorkerFailed(rank, role, getattr(fn, "__name__", str(fn)), str(e), lost=is_peer_lost(e)) from None
+
+
 def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[WorkerHandle]:
     """Wait until every ``rpc.remote``-created object exists (constructor errors surface here,
     with rank and role), up to ``SETUP_FACTOR`` x ``timeout`` (``construct`` made them with that

@@ -15,7 +15,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch.distributed.rpc as rpc
 
 from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
@@ -28,7 +27,7 @@ from controller.metrics import Metrics
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
 from controller.run_record import plain, save_run_config
-from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, wait_all, worker_name
+from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, call_on, wait_all
 from controller.stops import RunStopped
 from controller.trackers import make_trackers
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
@@ -89,11 +88,11 @@ class Session:
         saved = saved_ranker(cfg)  # loaded now: a damaged one fails before the bootstrap
         check_model_folder(Path(cfg.model.path), cfg.model.init)
         check_engine(cfg.engine, cfg.placement.generation, cfg.placement.rpc_timeout_s)
-        boot = rpc.rpc_sync(worker_name(sorted(cfg.placement.trainer)[0]), ensure_model,
-                            args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
-                                  cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
-                                  cfg.tokenizer.prompt_template or None),
-                            timeout=cfg.placement.rpc_timeout_s * SETUP_FACTOR)
+        boot = call_on(sorted(cfg.placement.trainer)[0], "trainer", ensure_model,
+                       args=(cfg.model.path, cfg.model.init, cfg.task.name, dict(cfg.task.kwargs),
+                             cfg.train.sft_steps, cfg.train.sft_lr, cfg.train.seed,
+                             cfg.tokenizer.prompt_template or None),
+                       timeout=cfg.placement.rpc_timeout_s * SETUP_FACTOR)
         self.boot = boot
         self.model_dir = boot["path"]
         try:  # multi_turn.tools (checked at load; read again here: what every prompt shows)

@@ -179,6 +179,10 @@ def test_a_model_folder_is_checked_before_any_work(tmp_path, tiny_model):  # noq
         (tmp_path / "gpt2").mkdir()
         check_model_folder(tmp_path / "gpt2")
     (tmp_path / "gpt2").rmdir()
+    # a path the built model cannot be written to was found when saving it, after the whole SFT (s51)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"^model.path: .*afile/model: .*afile is a file, and model.init builds"):
+        check_model_folder(tmp_path / "afile" / "model", {"hidden_size": 64})
     with pytest.raises(ConfigError, match=r"^model.init.hidden: unknown key"):
         check_model_folder(tmp_path / "not_built_yet", {"hidden": 64})
     # checked here, not as two remote tracebacks from the trainer ranks' bootstrap (vocab) or

@@ -40,6 +40,11 @@ class Busy:
         raise ValueError("the reward function raised")
 
 
+def build_model_fails() -> None:
+    """A function run on a worker (as the model bootstrap, ``ensure_model``) that raises there."""
+    raise FileNotFoundError("data/train.jsonl is not on this node")
+
+
 class SlowStart(Busy):
     """A constructor longer than the timeout: a model load, the engine's first C++ kernel build."""
 
@@ -80,6 +85,10 @@ def _scenario(rank: int, world: int, rpc_port: int):
             slow.call("fail").wait()
         except crpc.WorkerFailed as e:
             out["raised"] = (e.lost, str(e))
+        try:
+            crpc.call_on(1, "trainer", build_model_fails, timeout=TIMEOUT_S)
+        except crpc.WorkerFailed as e:
+            out["call_on"] = (e.lost, e.rank, e.role, e.method, str(e))
         try:
             doomed.call("die", 0.5).wait()
         except crpc.WorkerFailed as e:
@@ -180,3 +189,11 @@ def test_a_frozen_worker_is_lost_by_its_heartbeat(result):
 
 def test_a_wait_given_up_says_nothing_and_declares_no_loss(result):
     assert result["given_up"] == "cancelled" and result["given_up_said"] == ""
+
+
+def test_a_function_run_on_a_worker_that_raises_names_the_worker(result):
+    """The model bootstrap was a bare rpc_sync: a trainer failing there stopped the run as "a
+    controller error" with the controller's traceback, naming no rank (review, session 51)."""
+    lost, rank, role, method, msg = result["call_on"]
+    assert (lost, rank, role, method) == (False, 1, "trainer", "build_model_fails")
+    assert msg.startswith("worker rank 1 (trainer) raised in build_model_fails():") and "not on this node" in msg
