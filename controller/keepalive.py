@@ -61,6 +61,12 @@ def lost(rank: int) -> str | None:
         return _LOST.get(rank)
 
 
+def lost_ranks() -> dict[int, str]:
+    """Every rank a ping found gone, with why."""
+    with _LOCK:
+        return dict(_LOST)
+
+
 def _mark_lost(rank: int, err: BaseException) -> None:
     with _LOCK:
         _WATCHED.discard(rank)

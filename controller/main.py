@@ -35,9 +35,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
 
 if "TORCHELASTIC_RUN_ID" in os.environ and "--join" not in sys.argv:  # a torchrun rank: before torch's
+    import signal
+
     from controller.lifecycle import die_with_launcher  # seconds-long import, an orphan window
 
     die_with_launcher()
+    for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped before any work: the exit code
+        signal.signal(_s, lambda *_: os._exit(130))  # only (a traceback from every rank's `import torch`)
 
 from workers.heap import limit_arenas  # noqa: E402
 
@@ -119,6 +123,7 @@ def main(argv=None) -> int:
     from controller.run_record import plain
 
     lifecycle.die_with_launcher()  # (again: main() may be called without the module's start)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (the start's os._exit: Ctrl-C is ours now)
     lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
     world = int(os.environ["WORLD_SIZE"])
     cfg, error = None, ""
@@ -168,8 +173,14 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
         from controller.preflight import run_logdir
 
         folder = LOCAL.run_folder or run_logdir(Path(logdir), resume)  # resolved by the session once it began
-        print(f"[controller] {'stopped by ' + signame if signame else 'interrupted'}; {resume_hint(folder, resume)}",
-              file=sys.stderr, flush=True)
+        how = "stopped by " + signame if signame else "interrupted"
+        if signame == "SIGTERM":  # torchrun stops the ranks so when one of them exits: this one cannot tell
+            from controller.keepalive import lost_ranks  # which (every rank is signalled at once), unless a
+
+            gone = lost_ranks()  # keepalive ping found one gone before
+            how += (f" (worker rank {min(gone)} was lost before: {gone[min(gone)]})" if gone else
+                    " (yours, or torchrun's after a rank exited: its report names that rank)")
+        print(f"[controller] {how}; {resume_hint(folder, resume)}", file=sys.stderr, flush=True)
     leave_now(130)  # an engine's own process (vLLM's engine core) is stopped first
 
 

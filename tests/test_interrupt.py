@@ -122,5 +122,25 @@ print(json.dumps(out))
     r = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env={**os.environ, "RANK": "0"}, capture_output=True,
                        text=True, timeout=120)
     got = json.loads(r.stdout.splitlines()[-1])
-    assert got["None"][0] == 130 and got["None"][1].startswith("[controller] stopped by SIGTERM; "), got
+    assert got["None"][0] == 130 and got["None"][1].startswith(
+        "[controller] stopped by SIGTERM (yours, or torchrun's after a rank exited: its report names that rank); "), got
     assert got["1"] == [1, ""] and got["0"] == [0, ""], got  # the code said stands, no second line
+
+
+def test_a_sigterm_after_a_worker_was_found_lost_names_that_worker(monkeypatch, capsys, tmp_path):
+    """A worker killed while the controller waited on nothing (an idle REPL prompt): torchrun
+    SIGTERMs the others and the controller said only "stopped by SIGTERM" (review, session 51).
+    Where its keepalive ping had found the worker gone, it names it."""
+    from controller import keepalive, lifecycle
+    from controller import main as entry
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(lifecycle, "leave_now", leave)
+    monkeypatch.setattr(keepalive, "_LOST", {2: "Connection reset by peer"})
+    with pytest.raises(SystemExit, match="130"):
+        entry._interrupted(str(tmp_path / "run"), "", "SIGTERM")
+    assert capsys.readouterr().err.startswith("[controller] stopped by SIGTERM (worker rank 2 was lost before: "
+                                              "Connection reset by peer); ")
