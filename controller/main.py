@@ -39,9 +39,13 @@ if "TORCHELASTIC_RUN_ID" in os.environ and "--join" not in sys.argv:  # a torchr
 
     from controller.lifecycle import die_with_launcher  # seconds-long import, an orphan window
 
+    def _leave_at_start(*_):  # stopped before any work: the exit code only (it was a traceback from
+        os._exit(130)  # every rank's `import torch`)
+
     die_with_launcher()
-    for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped before any work: the exit code
-        signal.signal(_s, lambda *_: os._exit(130))  # only (a traceback from every rank's `import torch`)
+    for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(_s) is not signal.SIG_IGN:  # (`torchrun ... &` from a script: SIGINT ignored)
+            signal.signal(_s, _leave_at_start)
 
 from workers.heap import limit_arenas  # noqa: E402
 
@@ -123,7 +127,8 @@ def main(argv=None) -> int:
     from controller.run_record import plain
 
     lifecycle.die_with_launcher()  # (again: main() may be called without the module's start)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # (the start's os._exit: Ctrl-C is ours now)
+    if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_leave_at_start":  # Ctrl-C is ours now
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
     world = int(os.environ["WORLD_SIZE"])
     cfg, error = None, ""
@@ -177,7 +182,8 @@ def _interrupted(logdir: str, resume: str, signame: str = "") -> None:
         if signame == "SIGTERM":  # torchrun stops the ranks so when one of them exits: this one cannot tell
             from controller.keepalive import lost_ranks  # which (every rank is signalled at once), unless a
 
-            gone = lost_ranks()  # keepalive ping found one gone before
+            gone = {r: why for r, why in lost_ranks().items()  # keepalive ping found one gone before (a
+                    if r < int(os.environ.get("WORLD_SIZE", "0"))}  # joiner's loss the run survived: not it)
             how += (f" (worker rank {min(gone)} was lost before: {gone[min(gone)]})" if gone else
                     " (yours, or torchrun's after a rank exited: its report names that rank)")
         print(f"[controller] {how}; {resume_hint(folder, resume)}", file=sys.stderr, flush=True)

@@ -3,11 +3,15 @@ lengths (``ranker/*`` in iterations.jsonl and TensorBoard) and the rows of its o
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from workers.types import SAMPLE_STRIDE, prompt_text
 
+if TYPE_CHECKING:
+    from controller.batch import Batch
 
-def ranking_quality(b, lengths: dict[int, int]) -> dict[str, float | None]:
+
+def ranking_quality(b: "Batch", lengths: dict[int, int]) -> dict[str, float | None]:
     """Rank correlations and recall of the batch's estimates (``Request.est_len``) against
     ``lengths`` (sample id -> tokens, as the trainers took them); None where undefined
     (constant lengths); {} below two samples."""
@@ -22,7 +26,7 @@ def ranking_quality(b, lengths: dict[int, int]) -> dict[str, float | None]:
     return {k: (round(v, 4) if math.isfinite(v) else None) for k, v in out.items()}
 
 
-def update_rows(b, lengths: dict[int, int], per_prompt: int) -> list[tuple[str, float]]:
+def update_rows(b: "Batch", lengths: dict[int, int], per_prompt: int) -> list[tuple[str, float]]:
     """(prompt text, the mean length of its samples) of each prompt of the iteration: the
     ranker's online-update rows, with the target its bootstrap fits (``measure_lengths``: a
     prompt's mean over its samples; rows per sample made an l1 ranker learn their median

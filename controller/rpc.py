@@ -270,14 +270,20 @@ def owner_ready(rref) -> bool:
     return True
 
 
-def call_on(rank: int, role: str, fn, args: tuple = (), timeout: float | None = None):
-    """``fn(*args)`` run on ``rank`` and waited for: what it raises there (or its process lost) is
-    a ``WorkerFailed`` naming the rank, its role and the call, as every other worker failure (a
-    trainer failing in the model bootstrap was said as the controller's own error)."""
+def waited(fut, rank: int, role: str, method: str):
+    """``fut`` (a call to ``rank``) waited for: what the call raised there (or its process lost)
+    is a ``WorkerFailed`` naming the rank, its role and ``method``, as every other worker failure
+    (a trainer failing in the model bootstrap was said as the controller's own error)."""
     try:
-        return rpc.rpc_sync(worker_name(rank), fn, args=args, timeout=RPC_TIMEOUT_S if timeout is None else timeout)
+        return fut.wait()
     except Exception as e:  # noqa: BLE001
-        raise WorkerFailed(rank, role, getattr(fn, "__name__", str(fn)), str(e), lost=is_peer_lost(e)) from None
+        raise WorkerFailed(rank, role, method, str(e), lost=is_peer_lost(e)) from None
+
+
+def call_on(rank: int, role: str, fn, args: tuple = (), timeout: float | None = None):
+    """``fn(*args)`` run on ``rank``, ``waited`` for."""
+    fut = rpc.rpc_async(worker_name(rank), fn, args=args, timeout=RPC_TIMEOUT_S if timeout is None else timeout)
+    return waited(fut, rank, role, getattr(fn, "__name__", str(fn)))
 
 
 def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[WorkerHandle]:

@@ -15,7 +15,6 @@ import shutil
 import sys
 from pathlib import Path
 
-
 from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
 from controller.config import ConfigError

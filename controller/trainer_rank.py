@@ -145,10 +145,10 @@ class TrainerRank:
 
     def kept_groups(self, iteration: int) -> int:
         """Once every sample registered for ``iteration`` has been received (its generation has
-        ended: the ``all`` release may go, but for colocated, where it waits for ``step``), how many of this rank's groups the filter keeps, from
-        their task scores: it waits for the rewards, not for the trainer to take the samples
-        (reference log-probs, values), which in the lag-1 modes may still be busy with the
-        previous iteration."""
+        ended: the ``all`` release may go, but for colocated, where it waits for ``step``), how
+        many of this rank's groups the filter keeps, from their task scores: it waits for the
+        rewards, not for the trainer to take the samples (reference log-probs, values), which in
+        the lag-1 modes may still be busy with the previous iteration."""
         with self._cond:
             rec = self._iters[iteration]
             # the samples may go to the trainer while a refill generates, on other ranks only:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.instance import GenerationInstance
-from controller.rpc import Call, WorkerFailed, WorkerHandle, construct, create, is_peer_lost, settle, wait_all
+from controller.rpc import Call, WorkerHandle, construct, create, settle, wait_all, waited
 from controller.sgs import SGS, default_profile
 from controller.trainer_rank import TrainerRank
 from workers.weight_sync import WeightSyncConfig
@@ -130,10 +130,7 @@ def check_engine(engine, ranks, timeout: float) -> None:
     futs = {r: rpc.rpc_async(f"worker{r}", engine_problem, args=(engine, f"rank {r} (generation)"),
                              timeout=timeout) for r in sorted(ranks)}
     for r, fut in futs.items():
-        try:
-            problem = fut.wait()
-        except Exception as e:  # noqa: BLE001 - the rank itself failed: said as every worker failure
-            raise WorkerFailed(r, "generation", "engine_problem", str(e), lost=is_peer_lost(e)) from None
+        problem = waited(fut, r, "generation", "engine_problem")
         if problem:
             raise ConfigError(problem)
 

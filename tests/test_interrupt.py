@@ -137,10 +137,40 @@ def test_a_sigterm_after_a_worker_was_found_lost_names_that_worker(monkeypatch, 
     def leave(code):
         raise SystemExit(code)
 
+    from controller.rpc import LOCAL
+
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(LOCAL, "outcome", None)  # (an earlier test's run in this process may have set it)
+    monkeypatch.setattr(LOCAL, "run_folder", "")
     monkeypatch.setattr(lifecycle, "leave_now", leave)
     monkeypatch.setattr(keepalive, "_LOST", {2: "Connection reset by peer"})
     with pytest.raises(SystemExit, match="130"):
         entry._interrupted(str(tmp_path / "run"), "", "SIGTERM")
     assert capsys.readouterr().err.startswith("[controller] stopped by SIGTERM (worker rank 2 was lost before: "
                                               "Connection reset by peer); ")
+    monkeypatch.setattr(keepalive, "_LOST", {7: "Connection reset by peer"})  # a joiner the run went on without
+    with pytest.raises(SystemExit, match="130"):
+        entry._interrupted(str(tmp_path / "run"), "", "SIGTERM")
+    assert capsys.readouterr().err.startswith("[controller] stopped by SIGTERM (yours, or torchrun's")
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_a_rank_leaves_quietly_on_a_signal_while_it_imports_torch(ignored):
+    """Ctrl-C in the seconds a rank imports torch printed a KeyboardInterrupt traceback from every
+    rank (review, session 51): from the module's start a torchrun rank leaves with 130 on SIGINT /
+    SIGTERM / SIGHUP; a SIGINT its launcher ignores (`torchrun ... &` from a script) stays
+    ignored."""
+    code = textwrap.dedent("""
+        import signal, sys
+        sys.argv = ["controller/main.py"]
+        import controller.main
+        print(*(getattr(signal.getsignal(s), "__name__", str(signal.getsignal(s)))
+                for s in (signal.SIGINT, signal.SIGTERM)))
+    """)
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TORCHELASTIC_RUN_ID": "test"}, preexec_fn=preexec)
+    assert p.returncode == 0, p.stderr
+    want = f"{int(signal.SIG_IGN)} _leave_at_start" if ignored else "_leave_at_start _leave_at_start"
+    assert p.stdout.split("\n")[-2] == want, p.stdout

@@ -71,6 +71,8 @@ def test_observation_message_reads_numpy_rewards_and_keeps_other_keys():
     msg, reward = observation_message({"role": "tool", "content": "x", "name": "calc", "reward": np.float32(0.5)})
     assert msg == {"role": "tool", "content": "x", "name": "calc"} and reward == 0.5 and type(reward) is float
     assert observation_message("x") == ({"role": "tool", "content": "x"}, None)
+    parts = {"role": "tool", "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "2"}]}
+    assert observation_message(parts) == ({"role": "tool", "content": "42"}, None)  # as a data row's parts
     assert observation_message(None) == (None, None)
     assert observation_message({"done": True}) == (None, None)
 

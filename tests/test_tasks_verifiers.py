@@ -383,5 +383,7 @@ def test_a_degenerate_output_is_scored_in_one_pass():
     assert make_verifier("exact")(TaskPrompt("q", "5", "t", raw_answer=5), blank) == 1.0  # a JSON number
     assert make_verifier("math")(TaskPrompt("q", "5", "t"), "\\boxed{0." + "." * 100_000 + "5}") == 0.0
     assert make_verifier("math")(TaskPrompt("q", "5", "t"), "\\boxed{5...}") == 1.0
+    assert make_verifier("math")(TaskPrompt("q", "5", "t"), "\\boxed{5" + "$" * 100_000 + "x}") == 0.0
+    assert make_verifier("math")(TaskPrompt("q", "5", "t"), "\\boxed{$$5$$}") == 1.0
     from workers.tasks.answers import numbers_in
     assert list(numbers_in("5 -\\frac{1}{2} - \\frac34 3/4")) == list(numbers_in("5 - \\frac{1}{2} -\\frac34 3/4"))

@@ -77,6 +77,10 @@ def test_switches_take_only_bools(key, value):
     (dict(mini_batches=2.5), "trainer.mini_batches must be an integer"),
     (dict(ppo_epochs=True), "trainer.ppo_epochs must be an integer, got True"),
     (dict(reward_timeout_s=math.nan), "trainer.reward_timeout_s must be a finite number"),
+    (dict(betas=(math.nan, 0.999)), "trainer.betas must be two finite numbers"),
+    (dict(betas=(0.9, 1.5)), "trainer.betas[1] must be in [0, 1), got 1.5"),
+    (dict(lr=10**400), "trainer.lr must be a finite number"),
+    (dict(reward_workers=0), "trainer.reward_workers must be an int in [1, 256], got 0"),
 ])
 def test_the_python_api_checks_types_as_the_run_config_does(kw, said):
     """TrainerConfig(...) took NaN, inf and 1.5 where a run config is refused: a NaN min_lr_ratio
@@ -85,3 +89,5 @@ def test_the_python_api_checks_types_as_the_run_config_does(kw, said):
     with pytest.raises(ValueError, match=re.escape(said)):
         TrainerConfig(**kw)
     TrainerConfig(lr=1, reward_timeout_s=None, weight_decay=0)  # an int where a float is declared; null
+    with pytest.raises(ValueError, match="trainer.lr: expected a finite number, got an integer of 401 digits"):
+        build_section(TrainerConfig, "trainer", {"lr": 10**400})  # (an OverflowError from the run config too)

@@ -251,12 +251,12 @@ def test_a_bf16_trainer_keeps_its_frozen_base_in_bf16_with_the_same_results(setu
     """precision bf16 (a GPU's default): the base's linear layers are stored in bf16, half the
     bytes, and every forward and update is bit for bit what fp32 storage under the same
     autocast gives (autocast casts those weights to bf16 for the matmul anyway)."""
-    from workers.trainer import lora
+    from workers.trainer import worker
 
     model_dir, data = setup
     half = TrainerWorker(_cfg(precision="bf16"), model_dir, _task(), device="cpu")
     with monkeypatch.context() as m:  # the base as the trainer kept it before: fp32
-        m.setattr(lora.LoRA, "store_base", lambda self, model, dtype: None)
+        m.setattr(worker, "store_linears", lambda model, dtype: None)
         wide = TrainerWorker(_cfg(precision="bf16"), model_dir, _task(), device="cpu")
     assert wide.actor.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     lin = half.actor.model.layers[0].mlp.down_proj

@@ -107,6 +107,14 @@ def test_priority_is_lpt_and_sampling_kwargs():
     assert kw["stop_token_ids"] == [7, 9] and not kw["ignore_eos"] and kw["logprobs"] == 0
     assert (kw["min_tokens"], kw["max_tokens"], kw["seed"], kw["n"]) == (6, 6, 4, 1)
     assert vllm_args.sampling_kwargs(r, ())["ignore_eos"]
+    # on CPU a seed of 2**32 or more is folded as the native sampler folds it (vLLM's CPU generator
+    # keeps the low 32 bits: seeds 2**32 apart drew alike; review, session 51); on CUDA it is sent whole
+    from workers.generation.sampler import cpu_seed
+
+    big = Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=2, sampling=SamplingParams(seed=4 + 2**32))
+    assert vllm_args.sampling_kwargs(big, (), on_cpu=False)["seed"] == 4 + 2**32
+    assert vllm_args.sampling_kwargs(big, (), on_cpu=True)["seed"] == cpu_seed(4 + 2**32) != 4
+    assert vllm_args.sampling_kwargs(r, (), on_cpu=True)["seed"] == 4
 
 
 @pytest.mark.parametrize("t, sent", [(0.0, 0.0), (1e-45, 0.0), (1e-6, 0.0), (9.99e-6, 0.0),

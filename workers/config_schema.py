@@ -124,7 +124,10 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
         return tuple(check_type(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
     if base is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # 10**400: past every float
+            raise ConfigError(f"{key}: expected a finite number, got an integer of {len(str(value))} digits") from None
     if base is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
         try:
             value = float(value)

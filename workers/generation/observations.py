@@ -12,7 +12,7 @@ _SYSTEM = {"role": "system", "content": ""}
 def observation_message(out) -> tuple[dict | None, float | None]:
     """The environment's answer -> (the observation as a chat message, or None: done; the turn's
     reward, or None: none given). A str is a tool message; a dict is a message (``role``,
-    ``content``, a str) and may carry ``reward`` (a finite number: the reward of the turn just taken,
+    ``content``, a str or OpenAI text parts, joined) and may carry ``reward`` (a finite number: the reward of the turn just taken,
     verl's tool reward) and ``done`` (true: the trajectory ends here, no message appended);
     anything else is a TypeError (a bad reward a ValueError) saying what it was."""
     if out is None:
@@ -36,10 +36,14 @@ def observation_message(out) -> tuple[dict | None, float | None]:
     if not (isinstance(out.get("role"), str) and "content" in out):
         raise TypeError(f"returned a dict without 'role' and 'content' (keys {sorted(map(str, out))}) and without "
                         "'done': true; an observation is a message, or the trajectory is done")
-    if not isinstance(out["content"], str):  # a number was never cut, and 0 rendered as nothing
-        raise TypeError(f"returned a message whose content is a {type(out['content']).__name__} "
-                        f"({str(out['content'])[:60]!r}); an observation's content is text: str(...) it")
-    return {k: v for k, v in out.items() if k not in ("reward", "done")}, reward
+    content = out["content"]
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)  # OpenAI text parts, joined as a data row's
+    if not isinstance(content, str):  # a number was never cut, and 0 rendered as nothing
+        raise TypeError(f"returned a message whose content is a {type(content).__name__} ({str(content)[:60]!r}); "
+                        "an observation's content is text (or a list of text parts): str(...) it")
+    return {**{k: v for k, v in out.items() if k not in ("reward", "done")}, "content": content}, reward
 
 
 def cut_observation(tokenizer, content: str, limit: int, side: str = "middle") -> str:

@@ -46,17 +46,22 @@ class _Rows:
     shared: bool  # every row draws from the engine's generator (none greedy, none seeded)
 
 
+def cpu_seed(seed: int) -> int:
+    """``seed`` (0 <= seed < 2**63) as torch's CPU generator can take it: that generator keeps a
+    seed's low 32 bits only, so seeds 2**32 apart drew the same tokens (review, session 51; CUDA's
+    Philox takes all 64). The high bits are folded into the low ones (splitmix64 of them); a seed
+    below 2**32 is itself."""
+    if not seed >> 32:
+        return seed
+    z = ((seed >> 32) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finaliser
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (seed ^ z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 def generator(device, seed: int) -> torch.Generator:
-    """A generator seeded with ``seed`` (0 <= seed < 2**63). torch's CPU generator keeps a seed's
-    low 32 bits only: seeds 2**32 apart drew the same tokens (review, session 51; CUDA's Philox
-    takes all 64). On CPU the high bits are folded into the low ones (splitmix64 of them), so a
-    seed below 2**32 draws as before and as vLLM's on CPU."""
-    if torch.device(device).type == "cpu" and seed >> 32:
-        z = ((seed >> 32) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finaliser
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        seed = (seed ^ z ^ (z >> 31)) & 0xFFFFFFFF
-    return torch.Generator(device=device).manual_seed(seed)
+    """A generator seeded with ``seed`` (on CPU: ``cpu_seed``)."""
+    return torch.Generator(device=device).manual_seed(cpu_seed(seed) if torch.device(device).type == "cpu" else seed)
 
 
 class Sampler:

@@ -11,6 +11,7 @@ import math
 import torch
 
 from workers.generation.config import EngineConfig, context_too_long
+from workers.generation.sampler import cpu_seed
 from workers.model import ModelConfig
 from workers.types import GREEDY_BELOW, Request
 
@@ -139,16 +140,18 @@ def priority(req: Request, admission: str) -> int:
     return round(max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, p)))
 
 
-def sampling_kwargs(req: Request, eos_ids: tuple[int, ...]) -> dict:
+def sampling_kwargs(req: Request, eos_ids: tuple[int, ...], on_cpu: bool = False) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1): EOS ids as stop ids
-    (the tokenizer is skipped), ``min_tokens`` suppresses them, log-prob of the sampled token.
+    (the tokenizer is skipped), ``min_tokens`` suppresses them, log-prob of the sampled token;
+    ``on_cpu``: the seed as the native sampler folds it for torch's CPU generator (``cpu_seed``).
     A temperature below ``GREEDY_BELOW`` is sent as 0: greedy with log-probs at T = 1, as the
     native sampler (vLLM would raise it to 0.01 and report log-probs at 0.01; the trainer
     takes greedy samples' log-probs at T = 1)."""
     s = req.sampling
     temperature = float(s.temperature) if s.temperature >= GREEDY_BELOW else 0.0
     return dict(n=1, temperature=temperature, top_p=float(s.top_p),
-                top_k=int(s.top_k) if s.top_k > 0 else 0, seed=s.seed,
+                top_k=int(s.top_k) if s.top_k > 0 else 0,
+                seed=cpu_seed(s.seed) if on_cpu and s.seed is not None else s.seed,
                 max_tokens=int(req.max_tokens), min_tokens=int(req.min_tokens),
                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
                 detokenize=False, skip_special_tokens=False)

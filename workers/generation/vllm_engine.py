@@ -151,7 +151,9 @@ class VLLMEngine:
         self.block_size = args["block_size"]  # vLLM's tokens a block (stats() counts these blocks)
         self._broken = ""  # why a load_weights failed midway (the weights may be half-written)
         self.enforce_eager = bool(args.get("enforce_eager"))  # what vLLM runs (always eager on CPU)
-        self._weight_dtype = getattr(torch, vllm_args.resolve_device_dtype(cfg)[1])  # load_weights casts to it
+        device, dtype = vllm_args.resolve_device_dtype(cfg)
+        self._weight_dtype = getattr(torch, dtype)  # load_weights casts to it
+        self._on_cpu = device == "cpu"  # seeds folded for torch's CPU generator (sampler.cpu_seed)
         self.subprocess = vllm_process.use_subprocess(cfg)
         vllm = _import_vllm(self.subprocess)
         from vllm.sampling_params import RequestOutputKind
@@ -210,7 +212,7 @@ class VLLMEngine:
             q = heapq.heappop(self._queue)
             rid = f"s{q.req.sample_id}.r{self._restarts}"
             try:  # vLLM validates in SamplingParams(...) and in add_request
-                params = self._sampling_cls(**vllm_args.sampling_kwargs(q.req, self.eos_ids),
+                params = self._sampling_cls(**vllm_args.sampling_kwargs(q.req, self.eos_ids, self._on_cpu),
                                             output_kind=self._final_only)
                 self.llm.add_request(rid, {"prompt_token_ids": q.req.prompt_ids.tolist()}, params,
                                      priority=vllm_args.priority(q.req, self.cfg.admission))

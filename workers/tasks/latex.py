@@ -16,7 +16,7 @@ _REWRITES: tuple[tuple[str, str], ...] = (
     (r"\\left|\\right", ""),
     (r"\^\{?\\circ\}?", ""),                   # degrees
     (r"\\\$", ""),                             # an escaped dollar
-    (r"^\s*\$+|\$+\s*$", ""),                  # math-mode dollars around the answer
+    (r"^\s*\$+|(?<!\$)\$+\s*$", ""),           # math-mode dollars around the answer (a run: one pass)
     # a unit at the end, with its power and a final period: after a value (a digit or a bracket:
     # 5\text{cm}, 12\mbox{cm}^2.), or, as verl's remove_right_units, marked by a space ("a
     # \text{ units}"); not x = \text{(B)} (the answer's text), nor 5 \text{ and } 6

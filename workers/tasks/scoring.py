@@ -66,12 +66,16 @@ class _Loop:
 
 
 def _run_then_close(loop: asyncio.AbstractEventLoop) -> None:
+    """Run ``loop`` until it is given up as blocked, then finish what is on it (calls still within
+    their deadline, or with none: an environment's, an evaluation's; those given up were
+    cancelled by ``resolve``), and close it."""
     loop.run_forever()
-    tasks = asyncio.all_tasks(loop)  # a replaced loop's rewards: past their deadlines, given up
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    while True:
+        loop.run_until_complete(asyncio.sleep(0))  # callbacks scheduled meanwhile become tasks
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            break
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 

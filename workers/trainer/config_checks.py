@@ -9,6 +9,7 @@ import typing
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from workers.config_schema import RANGE, range_error
 from workers.trainer.config_names import (ALGORITHMS, BYPASS_LOSS_TYPES, CUSTOM_UNUSED_KNOBS, POLICY_LOSS_KNOBS,
                                           SEQ_MEAN_POLICY_LOSSES, UNUSED_KNOBS, VERL_ALGORITHMS)
 
@@ -28,11 +29,27 @@ def check_field_types(cfg: "TrainerConfig") -> None:
         if hint in (bool, typing.Optional[bool]) and not (isinstance(value, bool) or nullable):
             raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if hint is not bool else ''}, "
                              f"got {value!r}")
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if hint in (float, typing.Optional[float]) and not ((number and math.isfinite(value)) or nullable):
-            raise ValueError(f"trainer.{f.name} must be a finite number, got {value!r}")
-        if hint in (int, typing.Optional[int]) and not ((number and isinstance(value, numbers.Integral)) or nullable):
-            raise ValueError(f"trainer.{f.name} must be an integer, got {value!r}")
+        if hint in (float, typing.Optional[float]) and not (_finite(value) or nullable):
+            raise ValueError(f"trainer.{f.name} must be a finite number, got {value!r:.60}")
+        if hint in (int, typing.Optional[int]) and not (
+                (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or nullable):
+            raise ValueError(f"trainer.{f.name} must be an integer, got {value!r:.60}")
+        if hint == tuple[float, float] and not (isinstance(value, tuple) and len(value) == 2
+                                                and all(_finite(v) for v in value)):
+            raise ValueError(f"trainer.{f.name} must be two finite numbers, got {value!r:.60}")
+        problem = range_error(f"trainer.{f.name}", value, f.metadata.get(RANGE))
+        if problem:
+            raise ValueError(problem)
+
+
+def _finite(value) -> bool:
+    """A real number, not a bool, finite as a float (10**400 is not)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:

@@ -88,10 +88,6 @@ class LoRA(nn.Module):
         finally:
             self.enabled = True
 
-    def store_base(self, model: nn.Module, dtype: torch.dtype) -> None:
-        """Keep the frozen base's linear layers in ``dtype`` (``store_linears``)."""
-        store_linears(model, dtype)
-
     def merged(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` (the HF tensor ``name``) in fp32 with its layer's adapter folded in, if it
         has one (a base kept in bf16 is widened first: the sum is taken in fp32)."""

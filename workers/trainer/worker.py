@@ -104,12 +104,15 @@ class TrainerWorker:
             if cfg.uses_reference:
                 self.ref = Reference(self.actor, self.lora)
             if self.bf16:  # frozen: no fp32 master needed; the autocast forward is the same
-                self.lora.store_base(self.actor, torch.bfloat16)
+                store_linears(self.actor, torch.bfloat16)
         elif cfg.uses_reference:  # the actor's forward at version 0 (KL 0), its linears in bf16 under bf16
-            self.ref = load_pretrained(model_dir, self.device, dtype=torch.float32).eval()
+            # (whole in bf16 it was another model: KL 3e-5 at init, review session 51); laid out on
+            # the CPU first, so the device never holds it whole in fp32
+            self.ref = load_pretrained(model_dir, "cpu" if self.bf16 else self.device, dtype=torch.float32).eval()
             self.ref.requires_grad_(False)
-            if self.bf16:  # (whole in bf16 it was another model: KL 3e-5 at init, review session 51)
+            if self.bf16:
                 store_linears(self.ref, torch.bfloat16)
+                self.ref.to(self.device)
         groups = [{"params": self.policy_parameters(), "lr": cfg.lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
