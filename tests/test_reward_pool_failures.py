@@ -121,6 +121,53 @@ def test_a_loop_given_up_as_blocked_stops_once_its_call_returns():
         rewards.close()
 
 
+def test_a_call_queued_on_a_loop_given_up_still_runs(monkeypatch):
+    """A loop given up as blocked cancelled every call on it once the blocker returned, those
+    still within their deadline or with none (a multi-turn environment's, an evaluation's): they
+    raised CancelledError (session 51's first fix, found by its review). They run now."""
+    from workers.tasks import scoring
+
+    monkeypatch.setattr(scoring, "_LOOP", scoring._Loop())  # this test's own loop
+    release, out = threading.Event(), {}
+
+    async def blocker():
+        release.wait(30)  # a sync call inside async def: blocks the loop
+        return 0.0
+
+    async def quick():
+        await asyncio.sleep(0)
+        return 1.0
+
+    def timed_out():
+        scoring.set_deadline(time.monotonic() + 0.3, 0.3)
+        try:
+            scoring.resolve(blocker())
+        except TimeoutError:
+            scoring.deadline_passed()  # the pool's word
+
+    def no_deadline():  # e.g. an environment's call: no set_deadline on that thread
+        out["x"] = scoring.resolve(quick())
+
+    a = threading.Thread(target=timed_out)
+    a.start()
+    while not scoring._LOOP.loop or not asyncio.all_tasks(scoring._LOOP.loop):  # the blocker is on the loop
+        time.sleep(0.01)
+    x = threading.Thread(target=no_deadline)
+    x.start()  # queued behind the blocker
+    a.join()
+    while time.monotonic() - scoring._LOOP.beat <= scoring._Loop.MIN_STALL_S + 0.1:  # blocked long enough
+        time.sleep(0.05)
+    scoring.set_deadline(time.monotonic() + 30, 0.3)
+    try:
+        assert scoring.resolve(quick()) == 1.0  # a later score gives the blocked loop up, runs on a new one
+    finally:
+        scoring.set_deadline(None)
+    assert scoring._LOOP.replaced == 1
+    release.set()  # the blocker returns: the old loop finishes what is on it, then closes
+    x.join(timeout=30)
+    assert out == {"x": 1.0}
+
+
 def test_a_score_under_a_deadline_is_left_to_the_pool_not_the_watchdog():
     """With reward_timeout_s the pool gives a late score up and says so; the watchdog still said
     "a reward that hangs holds the trainer" a minute later (review, session 51)."""
