@@ -180,8 +180,8 @@ def _norm_follows(trainer: Any, train: TrainSection) -> Any:
 
 
 def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: set) -> TrainerConfig:
-    """Trainer settings that follow the run unless the trainer section sets them: the
-    temperature its log-probs are taken at (the samples' ``train.temperature``; greedy samples
+    """Trainer settings that follow the run unless the trainer section sets them: the seed
+    (``train.seed``), the temperature its log-probs are taken at (the samples' ``train.temperature``; greedy samples
     carry T = 1 log-probs; checked when set) and ``recompute_old_logprobs`` when the rollout
     filters tokens (``train.top_k`` / ``top_p``; checked when set). The LR schedule's length
     ``total_steps`` follows ``train.iterations`` before the section is built (``_norm_follows``)."""
@@ -190,7 +190,8 @@ def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: s
         raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "
                           f"train.temperature {train.temperature} (the PPO ratio, KL and entropy must be taken "
                           "at the sampling temperature); leave it out, it is taken from train.temperature")
-    follow = {"temperature": rollout}
+    follow = {"temperature": rollout, "seed": train.seed}  # train.seed: the run's one seed (the critic's head,
+    # LoRA's init, the mini-batch shuffle kept trainer.seed's default 0 whatever it said: review, s51)
     if train.top_k > 0 or train.top_p < 1.0:
         # the sampler's log-probs are of the filtered distribution; the trainer's are not
         if trainer.rollout_bypass:

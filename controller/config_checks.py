@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controller.config_unused import check_unused
 from controller.config_types import ConfigError
 from controller.modes import MODES
 from workers.types import GREEDY_BELOW, SAMPLE_STRIDE, SERVED_TEMPERATURES, temperature_served
@@ -97,6 +98,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_sample_ids(cfg)
     _check_registries(cfg)
     _check_multi_turn(cfg)
+    check_unused(cfg)
     if world_size is not None and world_size < 2:
         raise ConfigError(f"world size {world_size}: needs a controller and at least one worker rank")
     listed = {*p.generation, *p.trainer}

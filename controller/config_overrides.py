@@ -110,6 +110,9 @@ def _naming(error: str, overrides: dict, typed: dict, sections: bool = False) ->
 def apply_override(d: dict, dotted: str, value: Any) -> None:
     """Set ``d["a"]["b"] = value`` for ``dotted == "a.b"`` (creating the section)."""
     *parents, leaf = dotted.split(".")
+    if not parents and value is None:  # it built the section's defaults over the file's (review, s51)
+        raise ConfigError(f"{dotted}: is empty (YAML null); a --set of a whole section would replace the file's "
+                          f"{dotted} section with the defaults: set its keys ({dotted}.KEY=VALUE)")
     node = d
     for p in parents:
         if node.get(p) is None:

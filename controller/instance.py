@@ -214,8 +214,8 @@ class GenerationInstance:
             configured = self.engine.stats().max_batch_size  # the round's cap is the round's alone:
             # evaluations and the next rounds ran at a re-dispatch's cap of 1 (review, session 51)
             try:
-                if batch_cap > 0:
-                    self.engine.set_max_batch_size(batch_cap)
+                if batch_cap > 0:  # within engine.max_batch_size (a dispatch.profile's cap may be larger)
+                    self.engine.set_max_batch_size(min(batch_cap, configured))
                 refused = self.engine.add(requests)
                 if refused:
                     s = refused[0]

@@ -14,6 +14,7 @@ Weight push paths, chosen per instance:
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,8 @@ def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version:
 def _profile(cfg):
     from controller.scheduling import PTLProfile
 
-    if cfg.dispatch.profile:
-        return PTLProfile.load(cfg.dispatch.profile)
     e = cfg.engine
+    if cfg.dispatch.profile:  # its measured times; the batch cap the engine holds to (engine.max_batch_size)
+        prof = PTLProfile.load(cfg.dispatch.profile)
+        return dataclasses.replace(prof, max_batch_size=min(prof.max_batch_size or e.max_batch_size, e.max_batch_size))
     return default_profile(e.max_batch_size, e.total_blocks * e.block_size, e.block_size)

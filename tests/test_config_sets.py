@@ -2,6 +2,7 @@
 rule (over one key or several) is named in the message; every numeric key has a range;
 max_staleness must cover the mode's lag; main() prints a bad --set in one line."""
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -172,3 +173,15 @@ def test_a_config_error_found_after_load_names_the_set_behind_it(monkeypatch, ca
     args = SimpleNamespace(set=[typed], resume="")
     assert runner.run_controller(None, args, 1) == 2
     assert f"config error: --set {typed}: {error}\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["logging=null", "engine=", "trainer=~"])
+def test_a_set_of_a_whole_section_to_null_is_refused(tmp_path, text):
+    """It replaced the file's section with the defaults: `--set logging=null` wrote the run into
+    runs/quickstart, `--set trainer=` reset lr (review, session 51)."""
+    from controller.config import load_config
+
+    section = text.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"--set {re.escape(text)}: {section}: is empty \(YAML null\); a --set of "
+                                          rf"a whole section would replace the file's {section} section"):
+        load_config("configs/quickstart.yaml", 3, [text])

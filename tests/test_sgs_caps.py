@@ -48,6 +48,12 @@ def test_a_rounds_batch_cap_ends_with_the_round(tiny_model, monkeypatch):  # noq
 
     inst.generate(0, [req(0)], 0, batch_cap=1)
     assert inst.engine.stats().max_batch_size == 8
+    caps, set_cap = [], inst.engine.set_max_batch_size
+    monkeypatch.setattr(inst.engine, "set_max_batch_size", lambda n: (caps.append(n), set_cap(n)))
+    inst.generate(1, [req(1)], 0, batch_cap=64)  # a dispatch.profile's cap past engine.max_batch_size
+    assert caps == [8, 8]  # held to it (the profile lifted the engine past it: review, session 51)
+    monkeypatch.undo()
+    monkeypatch.setattr(instance, "Outbox", NoTrainers)
     running, step = [], inst.engine.step
 
     def counting_step():
@@ -81,3 +87,17 @@ def test_dispatch_plans_on_estimates_within_max_tokens():
     assert sorted(asked) == [1, 2] and all(cap >= n for n, cap in asked.values()), asked
     forced = [Request(i, torch.arange(8), 16, 8, e) for i, e in enumerate([0.0, 3.0, 12.0])]
     assert dispatch_estimates(forced) == [8.0, 8.0, 12.0]  # min_tokens: no output is shorter
+
+
+def test_a_dispatch_profile_keeps_the_engines_batch_cap(tmp_path):
+    """A saved profile's max_batch_size (0: only memory) replaced engine.max_batch_size in the plans."""
+    import json
+
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"batch_sizes": [1, 64], "ptl_s": [0.001, 0.002], "kv_tokens": 2048,
+                                "block_size": 16, "max_batch_size": 0}))
+    cfg = from_dict({"engine": {"max_batch_size": 4, "kv_cache_tokens": 4096, "device": "cpu"},
+                     "dispatch": {"profile": str(prof)}, "placement": {"generation": [1], "trainer": [2]}},
+                    world_size=3)
+    p = _profile(cfg)
+    assert p.max_batch_size == 4 and p.batch_sizes == [1, 64]

@@ -1,0 +1,40 @@
+"""Keys a run accepted and never read (controller/config_unused.py; a review, session 51): each is
+a config error naming the key and the switch it needs."""
+import pytest
+
+from controller.config import ConfigError, from_dict
+
+BASE = {"placement": {"generation": [1], "trainer": [2]}}
+
+
+@pytest.mark.parametrize("over, said", [
+    ({"train": {"length_scale": 0.5}}, "train.length_scale: 0.5 acts only with train.length_trace"),
+    ({"train": {"sft_lr": 1e-3}}, "train.sft_lr: 0.001 acts only with model.init"),
+    ({"multi_turn": {"max_turns": 2}}, "multi_turn.max_turns: 2 acts only with multi_turn.env"),
+    ({"multi_turn": {"observation_truncate_side": "left"}}, "multi_turn.observation_truncate_side: 'left' acts only"),
+    ({"ranker": {"bootstrap_prompts": 64}}, "ranker.bootstrap_prompts: 64 acts only with ranker.kind"),
+    ({"ranker": {"options": {"rounds": 10}}}, "ranker.options: {'rounds': 10} acts only with ranker.kind"),
+    ({"engine": {"seed": 5}}, "engine.seed: 5 is read by nothing in a run: every request carries its own seed"),
+    ({"engine": {"admission": "lpt"}}, "engine.admission: lpt admits the longest estimate first, and ranker.kind"),
+    ({"dispatch": {"options": {"order": "lpt"}}}, "dispatch.options.order: lpt orders by estimate, and ranker.kind"),
+    ({"pipeline": {"mode": "colocated"}, "placement": {"generation": [1], "trainer": [1]},
+      "weight_sync": {"bucket_mb": 1.0}}, "weight_sync: colocated, the trainer's weights are copied within each"),
+])
+def test_a_key_whose_switch_is_off_is_refused(over, said):
+    with pytest.raises(ConfigError, match=f"^{said}"):
+        from_dict({**BASE, **over})
+
+
+def test_vllm_takes_none_of_the_native_engines_kernel_keys(monkeypatch):
+    from workers.generation import support
+
+    monkeypatch.setattr(support, "engine_problem", lambda *a, **k: None)  # (as if vLLM were installed)
+    for key, value in (("attention_backend", "torch"), ("cpu_prepack", True), ("cpu_half_compute", "native")):
+        with pytest.raises(ConfigError, match=f"^engine.{key}: .* acts only with engine.backend: native"):
+            from_dict({**BASE, "engine": {"backend": "vllm", "device": "cpu", key: value}})
+
+
+def test_the_same_keys_with_their_switch_on_are_taken():
+    from_dict({**BASE, "multi_turn": {"env": "calculator", "max_turns": 2},
+               "model": {"init": {"hidden_size": 64}}, "train": {"sft_lr": 1e-3}})
+    from_dict({**BASE, "pipeline": {"mode": "colocated"}, "placement": {"generation": [1], "trainer": [1]}})
