@@ -112,6 +112,7 @@ class LgbmRanker(LogLengthRanker):
                              "ensemble kind sets it (lm_embedding); leave it 0")
         self.features = FeatureBuilder(self.cfg.features, embedder)
         self.booster: lgb.Booster | None = None
+        self.base: str | None = None  # the fitted model (LightGBM's text): each update boosts from it
         self.score_q: np.ndarray | None = None   # sorted raw scores (quantile map)
         self.logy_q: np.ndarray | None = None    # matching sorted log-lengths
         self.replay_x: np.ndarray | None = None  # float32 [R, F]
@@ -149,6 +150,7 @@ class LgbmRanker(LogLengthRanker):
         progress.log(f"lgbm: features for {len(prompts)} prompts")
         x = self.features.fit_transform(prompts, log_y)
         self.booster = self._train(x, log_y, self.cfg.rounds, None, f"lgbm ({self.cfg.objective})")
+        self.base = self.booster.model_to_string()
         self._calibrate(x, log_y)
         keep = np.random.RandomState(self.cfg.seed).permutation(len(prompts))[: self.cfg.replay]
         self.replay_x, self.replay_y = x[np.sort(keep)], log_y[np.sort(keep)]
@@ -156,8 +158,11 @@ class LgbmRanker(LogLengthRanker):
         return self
 
     def update(self, prompts: Sequence[str], lengths: Sequence[float]) -> "LgbmRanker":
-        """Online step: add rows to the neighbour memory, boost ``update_rounds`` trees on the
-        new rows plus the replay sample."""
+        """Online step: add rows to the neighbour memory, boost ``update_rounds`` trees from the
+        fitted model on the new rows plus the replay sample (the newest ``replay`` rows), in place
+        of the last update's: the model stays ``rounds + update_rounds`` trees. (Boosted on top of
+        every earlier update, it grew 20 trees an update: 6,300 after 300, each update and
+        prediction slower, the iterations 14x longer: review, session 51.)"""
         self._need_fitted()
         prompts = as_prompts(prompts)
         check_lengths(prompts, lengths)
@@ -170,7 +175,7 @@ class LgbmRanker(LogLengthRanker):
         x = np.concatenate([self.replay_x, x_new])
         y = np.concatenate([self.replay_y, log_y])
         if self.cfg.update_rounds:
-            self.booster = self._train(x, y, self.cfg.update_rounds, self.booster, "lgbm update")
+            self.booster = self._train(x, y, self.cfg.update_rounds, lgb.Booster(model_str=self.base), "lgbm update")
         self._calibrate(x, y)
         r = self.cfg.replay
         self.replay_x, self.replay_y = x[-r:], y[-r:]
@@ -197,6 +202,7 @@ class LgbmRanker(LogLengthRanker):
         # Written by Python, not by LightGBM's own file code: a full disk raises OSError here
         # instead of leaving a truncated model whose checksum would then be recorded.
         (folder / "lgbm.txt").write_text(self.booster.model_to_string())
+        (folder / "lgbm_base.txt").write_text(self.base)
         np.savez(folder / "lgbm_state.npz", **self.features.state(), score_q=self.score_q,
                  logy_q=self.logy_q, replay_x=self.replay_x, replay_y=self.replay_y)
 
@@ -213,6 +219,8 @@ class LgbmRanker(LogLengthRanker):
         st = dict(np.load(folder / "lgbm_state.npz"))
         r.features = FeatureBuilder.from_state(cfg.features, st, embedder)
         r.booster = lgb.Booster(model_file=str(folder / "lgbm.txt"))
+        base = folder / "lgbm_base.txt"  # (a folder saved before session 51: the model is its own base)
+        r.base = base.read_text() if base.is_file() else r.booster.model_to_string()
         if r.booster.num_feature() != len(r.features.names()):
             raise FeatureMismatchError(f"{folder}: LightGBM model has {r.booster.num_feature()} features, "
                                        f"this feature set has {len(r.features.names())}; retrain")
