@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from collections import deque
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter  # at set-up: imported at the first log, it stalled iteration 1
@@ -27,6 +28,7 @@ from workers.generation_dump import markdown, write_rows
 # evaluations asked for (not train.eval_every's): their TensorBoard group, per source
 ON_DEMAND = {"repl": "eval_repl", "eval_only": "eval_only"}
 SPANS = "spans.jsonl"  # every span of every attempt, one JSON object a line, appended per iteration
+KEEP_SPANS = 20_000  # an attempt's latest spans held (~2,000 iterations of a few instances)
 
 
 def stage_busy(spans: list[Span], stage: str) -> float:
@@ -62,12 +64,16 @@ class Metrics:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = None
         self.timeline_every = timeline_every
-        self.earlier = _load_spans(self.logdir / SPANS)  # earlier attempts' spans
+        earlier = _load_spans(self.logdir / SPANS)  # earlier attempts' spans (read for their count)
         # one per start of this folder: config.yaml / config.resume<N>.yaml (run_record, written
         # before any work), so an attempt that stopped before it logged a span still counts
         records = len(list(self.logdir.glob("config.yaml")) + list(self.logdir.glob("config.resume*.yaml")))
-        self.attempt = max(max((s.attempt for s in self.earlier), default=-1) + 1, records - 1)
-        self.spans: list[Span] = []  # this attempt's
+        self.attempt = max(max((s.attempt for s in earlier), default=-1) + 1, records - 1)
+        # this attempt's latest spans (the figure, the REPL's timeline, the trace written while it
+        # runs); every span is in spans.jsonl (all of them held and laid out at each write made a
+        # run's memory and its timeline writes grow with it: 2 s a write at 20k iterations, s51)
+        self.spans: deque[Span] = deque(maxlen=KEEP_SPANS)
+        self._kept = 0  # spans this attempt kept
         self._batch_spans: dict[int, list[Span]] = {}  # iteration -> its batch's spans, until logged
         self._prev_drain: list[Span] = []
         self._steps: set[int] = set()  # iterations this attempt logged
@@ -82,6 +88,7 @@ class Metrics:
         self._want: tuple[int, int] | None = None  # (upto, spans) of the write wanted next
         self._want_lock, self._write_lock = threading.Lock(), threading.Lock()
         self._written = 0  # spans in the last timeline files written
+        self._whole_at = -1  # spans kept when the whole trace was last written
         if timeline_every:
             pyplot()  # imported now (~1-2 s on a loaded machine), not while the pipeline runs
 
@@ -122,7 +129,8 @@ class Metrics:
         Ctrl-C leaves every span logged so far)."""
         for s in spans:
             s.attempt = self.attempt
-        self.spans += spans
+        self.spans.extend(spans)
+        self._kept += len(spans)
         if spans:
             _append_line(self.logdir / SPANS, "\n".join(json.dumps(vars(s)) for s in spans))
 
@@ -266,7 +274,7 @@ class Metrics:
     def _write_timeline_soon(self, upto: int) -> None:
         """``write_timeline(upto)`` on the timeline thread; a write still waiting is replaced."""
         with self._want_lock:
-            waiting, self._want = self._want is not None, (upto, len(self.spans))
+            waiting, self._want = self._want is not None, (upto, self._kept)
         if not waiting:
             self._pool.submit(self._write_wanted)
 
@@ -279,23 +287,28 @@ class Metrics:
             print(f"[controller] timeline files up to iteration {upto - 1} not written: {e!r}; the run goes on",
                   file=sys.stderr, flush=True)
 
-    def write_timeline(self, upto: int) -> Path | None:
+    def write_timeline(self, upto: int, whole: bool = False) -> Path | None:
         """The timeline files of the iterations before ``upto`` (as ``range``): the Gantt figure
         of this attempt's last 400 spans (``timeline.png``; TensorBoard ``timeline/gantt`` at
         step ``upto - 1`` when this attempt logged it, once per step; none with
-        ``timeline_every`` 0) and the Chrome trace of every attempt's spans (``timeline.json``);
-        both files are replaced atomically."""
-        return self._write(upto, len(self.spans))
+        ``timeline_every`` 0) and the Chrome trace (``timeline.json``) of this attempt's latest
+        ``KEEP_SPANS`` spans, or with ``whole`` (the run's end) of every attempt's, read back
+        from ``spans.jsonl``; both files are replaced atomically."""
+        return self._write(upto, self._kept, whole)
 
-    def _write(self, upto: int, n: int, last: int = 400) -> Path | None:
+    def _write(self, upto: int, n: int, whole: bool = False, last: int = 400) -> Path | None:
         if not self.timeline_files:
             return None
         with self._write_lock:
-            spans = self.spans[:n]
-            if self.timeline_every:  # 0: no figure at all (the Chrome trace is still written)
-                self._figure(spans[-last:], upto - 1)
-            out = write_chrome_trace(self.earlier + spans, self.logdir / "timeline.json")
+            held = list(self.spans)
+            spans = held[:max(len(held) - (self._kept - n), 0)]  # those kept when the write was asked
+            if self.timeline_every and n != self._written:  # 0: no figure (the Chrome trace is still
+                self._figure(spans[-last:], upto - 1)  # written); none new since the last: it stands
+            out = write_chrome_trace(_load_spans(self.logdir / SPANS) if whole else spans,
+                                     self.logdir / "timeline.json")
             self._written = n
+            if whole:
+                self._whole_at = n
             return out
 
     def _figure(self, spans: list[Span], step: int) -> None:
@@ -326,9 +339,9 @@ class Metrics:
         when spans came since the last write (the end of a run, or a crash or Ctrl-C when the
         runner calls this on its way out), close TensorBoard. Safe to call twice."""
         self._pool.shutdown(wait=True)
-        if len(self.spans) > self._written:
+        if self._kept and self._whole_at != self._kept:  # the run's end: the whole trace, once
             try:
-                self._write(max(self._steps, default=-1) + 1, len(self.spans))
+                self._write(max(self._steps, default=-1) + 1, self._kept, whole=True)
             except Exception as e:  # noqa: BLE001 - on the way out: say so, keep the exit's own error
                 print(f"[controller] timeline files not written: {e!r}", file=sys.stderr, flush=True)
         if self._writer is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 
 import torch
 
@@ -35,6 +36,10 @@ from workers.types import SAMPLE_STRIDE, Request, SamplingParams, TaskPrompt, pr
 
 
 
+HISTORY = 64  # iteration results kept in memory (a run's every one, with its per-sample lengths,
+# grew with it: ~22 KB an iteration at a tiny batch, ~400 KB at verl's 512 x 16; review, s51)
+
+
 class Program:
     def __init__(self, cfg, world: World, tokenizer, task, ranker=None, on_iteration=None,
                  stream_state: dict | None = None, start_iteration: int = 0, version: int = 0):
@@ -51,7 +56,7 @@ class Program:
         self.version = version  # weights the instances hold
         self.in_flight: Round | None = None  # the round generating now (async modes: during a step)
         self.on_iteration = on_iteration  # callback(IterationResult, spans)
-        self.history: list[IterationResult] = []
+        self.history: deque[IterationResult] = deque(maxlen=HISTORY)  # the latest (each one is logged)
         self._drained_sync_s = 0.0  # the last push of a lag-1 run, reported by the next run's first row
         self.ranker_rows: list[tuple[str, float]] = []  # awaiting the next online update
         self.length_of = None  # benchmarks: prompt text -> forced output length
@@ -67,6 +72,8 @@ class Program:
     def make_batch(self, iteration: int) -> Batch:
         t = self.cfg.train
         self._stream_at[iteration] = self.stream.state_dict()
+        for old in [i for i in self._stream_at if i < iteration - 2]:  # a checkpoint reads the next one's
+            del self._stream_at[old]
         items = self.stream.next(t.batch_prompts)
         return Batch(iteration, items, self._requests(iteration, items, 0), time.time())
 

@@ -139,7 +139,7 @@ class Repl:
         return {"ranks": [asdict(st) for st in wait_all([t.call("stats") for t in self.s.world.trainers])]}
 
     def timeline(self, last: str = "200") -> dict:
-        spans = self.s.metrics.spans[-_count("timeline", last):]
+        spans = list(self.s.metrics.spans)[-_count("timeline", last):]
         # over the iterations' windows: the pauses between `run` commands are nobody's bubble,
         # and no stage's time (a trainer's idle span lasts through them)
         windows = list(iteration_windows(spans).values()) or None

@@ -355,7 +355,7 @@ class Session:
         final = self.resumed_from if c.train.eval_only else self.final_checkpoint()
         self._drain_last_spans()
         if self.metrics.spans:
-            self.metrics.write_timeline(self.program.iteration)
+            self.metrics.write_timeline(self.program.iteration, whole=True)
         summary = self.metrics.summary()  # samples_per_s, tokens_per_s: over rl_seconds
         summary.update(logdir=str(self.logdir), checkpoint=str(final) if final else None, mode=self.program.mode.name,
                        rl_seconds=self.metrics.seconds,

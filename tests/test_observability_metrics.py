@@ -135,8 +135,9 @@ def test_timeline_files_are_replaced_atomically(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(Figure, "savefig", crash_mid_write)
+    m.add_spans([Span("gen1", "generate", 2.0, 3.0, 1)])  # (no span since the last write: the figure stands)
     with pytest.raises(OSError):
-        m.write_timeline(1)
+        m.write_timeline(2)
     assert (tmp_path / "timeline.png").read_bytes() == png  # the previous figure, whole
     assert (tmp_path / "timeline.json").read_text() == trace
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iterations.jsonl", "spans.jsonl", "tb", "timeline.json",

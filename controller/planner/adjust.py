@@ -13,11 +13,14 @@ resized.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from controller.planner.allocation import generation_time_model
 from controller.scheduling import PTLProfile
+
+HISTORY = 256  # decisions kept (a run's every one grew with it; each is logged when made)
 
 
 @dataclass
@@ -92,7 +95,7 @@ class ScaleOutPolicy:
     cooldown: int = 1
     max_instances: int = 0
     horizon: int = 0
-    history: list[ScaleDecision] = field(default_factory=list)
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the latest decisions
     _joined_at: int = -10**9
 
     def added(self, iteration: int) -> None:
