@@ -150,7 +150,7 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
         per.setdefault(it.task, []).extend(ok)
         if ok:
             best.append(max(ok))
-    acc = {f"eval/{name}": sum(v) / len(v) for name, v in per.items() if v}
+    acc = {f"eval/{_task_key(name)}": sum(v) / len(v) for name, v in per.items() if v}
     if len(items) * k > unscored:  # nothing scored: no mean (a 0 would read as 0% accuracy)
         acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
     if k > 1 and best:  # (nothing scored: no best@k either)
@@ -161,6 +161,12 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
             log.warning("eval: %d samples of %d prompts (first: prompt %d) left out of eval/mean: %s",
                         sum(prompts.values()), len(prompts), next(iter(prompts)), why)
     return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions, generations)
+
+
+def _task_key(name: str) -> str:
+    """A task's (data_source's) name as its ``eval/`` key; one named as an aggregate (``mean``,
+    ``unscored``, ``best@K``) is ``task:<name>``: its score was overwritten by the aggregate's."""
+    return f"task:{name}" if name in ("mean", "unscored") or name.startswith("best@") else name
 
 
 def eval_rewards(program) -> RewardPool:

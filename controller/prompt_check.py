@@ -332,9 +332,11 @@ def tools_without_template_note(tools: Sequence[dict], has_chat_template: bool) 
 
 
 def check_task(task, train, task_name: str, context: int, encode: Callable[[TaskPrompt], Sequence[int]],
-               vocab_size: int = 0) -> tuple[FittingTask, ContextNeed]:
+               vocab_size: int = 0, repl: bool = False) -> tuple[FittingTask, ContextNeed]:
     """The run's start check: ``task``'s train split (and test split, when ``train.eval_every`` or
-    ``eval_before_train`` evaluates; a REPL ``eval`` of a run without it reads it then) against the engines' smallest
+    ``eval_before_train`` evaluates, or the REPL may: ``repl``, where a test split the check
+    refuses is left for an ``eval`` to say so; a REPL eval read the split unchecked, so
+    ``overlong_prompts`` did not apply to it: review, session 51) against the engines' smallest
     ``context``, under ``train``'s ``overlong_prompts`` / ``max_prompt_tokens``. Returns the task
     seen through the kept prompts and what a joining instance must hold; an over-long prompt
     (``error``), a split left empty, the task's data (a file, a line, a field) raise
@@ -343,15 +345,21 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
 
     need = ContextNeed(context, train.max_tokens)
     kept = {}
-    for split in ("train", "test") if train.evaluates else ("train",):
+    for split in ("train", "test") if train.evaluates or repl else ("train",):
         truncated: list[int] = []
+        optional = split == "test" and not train.evaluates  # (the REPL's: a run that may never eval)
         try:
             kept[split], dropped = fitting_prompts(task_prompts(task, split), encode, context, split,
-                                                   train.overlong_prompts, train.max_prompt_tokens, need, vocab_size,
-                                                   truncated)
+                                                   train.overlong_prompts, train.max_prompt_tokens,
+                                                   ContextNeed(context, train.max_tokens) if optional else need,
+                                                   vocab_size, truncated)
         except PromptTooLong as e:
+            if optional:
+                continue
             raise ConfigError(str(e)) from None
         except (ValueError, OSError, ImportError) as e:
+            if optional:
+                continue
             raise ConfigError(f"task ({task_name}) {split} prompts: {e}") from None
         if dropped:
             print(f"[controller] train.overlong_prompts skip: dropped {len(dropped)} of "
@@ -363,6 +371,9 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
                   f"{len(kept[split])} {split} prompts longer than train.max_prompt_tokens {train.max_prompt_tokens} "
                   f"to their {KEPT[train.overlong_prompts]} {train.max_prompt_tokens} tokens (indices "
                   f"{truncated[:10]}{' ...' if len(truncated) > 10 else ''})", file=sys.stderr, flush=True)
+        if not kept[split] and optional:
+            del kept[split]  # (a REPL eval says it)
+            continue
         if not kept[split]:
             key = "eval_every" if train.eval_every else "eval_before_train"
             raise ConfigError(f"train.overlong_prompts skip: every {split} prompt is over-long (longer than "

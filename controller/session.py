@@ -150,7 +150,7 @@ class Session:
         stats = wait_all([h.call("stats") for h in self.world.sgs.handles])
         fitting, self.world.sgs.need = check_task(
             task, self.cfg.train, self.cfg.task.name, min(st.max_model_len for st in stats),
-            lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size)
+            lambda item: self.tok.encode_prompt(item.prompt, item.messages), self.vocab_size, repl=self.args.repl)
         for note in (chat_without_template_note(fitting.prompts("train"), bool(self.tok.chat_template)),
                      tools_without_template_note(self.tok.tools, bool(self.tok.chat_template))):
             if note:

@@ -374,3 +374,29 @@ def test_a_joiner_holds_the_weights_it_pulled_once_added(tiny_model):  # noqa: F
     assert inst.hold_weights(3) == 3 and inst.engine.stats().weight_version == 3 and inst._staged is None
     k, w = next(iter(weights.items()))
     assert torch.equal(dict(inst.engine.model.named_parameters())[k], w)
+
+
+def test_a_task_named_as_an_eval_aggregate_keeps_its_own_score(monkeypatch):
+    """A task (data_source) named "mean" had its eval/mean overwritten by the overall mean, one
+    named "unscored" read as a count (review, session 51): they are eval/task:<name>."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from controller import evaluation
+    from controller.config import LoggingSection, MultiTurnSection
+    from workers.types import SamplingParams
+
+    test = [TaskPrompt("q0", "0", "mean"), TaskPrompt("q1", "1", "other"), TaskPrompt("q2", "2", "unscored")]
+    monkeypatch.setattr(evaluation, "side_generate",
+                        lambda program, reqs, **kw: ({r.sample_id: [1] for r in reqs}, (0,)))
+    train = SimpleNamespace(seed=0, max_tokens=8, eval_samples=1, eval_temperature=0.0)
+    trainer = SimpleNamespace(reward_workers=1, reward_pool="threads", reward_timeout_s=None, reward_batch_size=None)
+    cfg = SimpleNamespace(train=train, multi_turn=MultiTurnSection(), logging=LoggingSection(), trainer=trainer,
+                          task=SimpleNamespace(name="synthetic", kwargs={}))
+    task = SimpleNamespace(prompts=lambda split: test, score=lambda item, text: float(item.task == "mean"))
+    program = SimpleNamespace(cfg=cfg, task=task, eval_pool=None, tok=SimpleNamespace(decode=lambda ids, **kw: "x"),
+                              prompt_ids=lambda item: torch.tensor([1, 2]),
+                              sampling=lambda t, seed: SamplingParams(temperature=t, seed=seed))
+    scores = evaluation.evaluate(program, 0).scores
+    assert scores == {"eval/task:mean": 1.0, "eval/other": 0.0, "eval/task:unscored": 0.0, "eval/mean": 1 / 3}

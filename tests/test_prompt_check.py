@@ -132,7 +132,7 @@ def test_the_error_names_every_limit_the_prompt_passes_and_its_source_line():
         fitting_prompts(items, encode, 10, "train", "error", max_prompt_tokens=8)
 
 
-def _start_check(eval_every: int, policy: str, context: int, splits: dict):
+def _start_check(eval_every: int, policy: str, context: int, splits: dict, repl: bool = False):
     """``check_task`` as the runner calls it; the tokenizer a word counter."""
     from types import SimpleNamespace
 
@@ -141,7 +141,19 @@ def _start_check(eval_every: int, policy: str, context: int, splits: dict):
 
     train = TrainSection(eval_every=eval_every, overlong_prompts=policy, max_tokens=8)
     return check_task(SimpleNamespace(prompts=lambda split: splits[split]), train, "t", context,
-                      lambda item: [0] * len(item.prompt.split()))
+                      lambda item: [0] * len(item.prompt.split()), repl=repl)
+
+
+def test_a_repl_runs_test_split_is_checked_as_an_evaluating_runs():
+    """A REPL `eval` of a run that evaluates on its own never read the test split unchecked: an
+    over-long prompt failed the eval under `skip` (review, session 51). With --repl the split
+    is checked at start; one the check refuses is left for an eval to say so."""
+    fitting, _ = _start_check(0, "skip", 10, {"train": ITEMS[:1], "test": ITEMS}, repl=True)
+    assert [p.prompt for p in fitting.prompts("test")] == [p.prompt for p in ITEMS if len(p.prompt.split()) + 1 <= 10]
+    fitting, _ = _start_check(0, "skip", 10, {"train": ITEMS[:1], "test": ITEMS[3:]}, repl=True)  # all over-long
+    assert fitting.prompts("test") == ITEMS[3:]  # unchecked: the eval's refusal says it
+    fitting, _ = _start_check(0, "skip", 10, {"train": ITEMS[:1], "test": ITEMS}, repl=False)
+    assert fitting.prompts("test") == ITEMS  # no REPL, no eval: not read at start
 
 
 def test_a_test_split_left_empty_by_skip_is_an_error_not_a_silent_empty_eval():
