@@ -22,6 +22,12 @@ def _set(section, name: str) -> bool:
     return getattr(section, name) != _default(section, name)
 
 
+def _yaml(value) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def check_unused(cfg: "Config") -> None:
     t, e, r, mt = cfg.train, cfg.engine, cfg.ranker, cfg.multi_turn
     only = "acts only with"
@@ -32,7 +38,7 @@ def check_unused(cfg: "Config") -> None:
         ("multi_turn", mt, ("max_turns", "max_observation_tokens", "observation_truncate_side", "workers"),
          not mt.env, f"{only} multi_turn.env (single-turn without it)"),
         ("ranker", r, ("options", "bootstrap_prompts"), r.kind == "none", f"{only} ranker.kind (none: no ranker)"),
-        ("engine", e, ("seed",), True, "is read by nothing in a run: every request carries its own seed "
+        ("engine", e, ("seed",), e.backend in ("native", "vllm"), "is read by nothing in a run: every request carries its own seed "
          "(train.seed * 7919 + its sample id), so the engine's generator draws none; set train.seed"),
         ("engine", e, ("attention_backend", "cpu_prepack", "cpu_half_compute"), e.backend == "vllm",
          f"{only} engine.backend: native (vLLM picks its own kernels; docs/vllm.md)"),
@@ -40,7 +46,8 @@ def check_unused(cfg: "Config") -> None:
     for name, section, keys, off, why in rules:
         for key in keys:
             if off and _set(section, key):
-                raise ConfigError(f"{name}.{key}: {getattr(section, key)!r} {why}; drop {name}.{key}")
+                raise ConfigError(f"{name}.{key}: {getattr(section, key)!r} {why}; drop {name}.{key} (from the "
+                                  f"command line: --set {name}.{key}={_yaml(_default(section, key))})")
     if cfg.ranker.kind == "none" and e.admission == "lpt":  # (as dispatch.name: skew, config_checks)
         raise ConfigError("engine.admission: lpt admits the longest estimate first, and ranker.kind: none gives "
                           "every request the same one (max_tokens): it is fcfs; set ranker.kind, or drop it")

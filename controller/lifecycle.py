@@ -191,7 +191,8 @@ def signals_interrupt(*signums: int) -> None:
 
     _STOP_SIGNAL.clear()
     for s in signums:
-        signal.signal(s, handler)
+        if signal.getsignal(s) is not signal.SIG_IGN:  # `nohup torchrun ...`: a hangup stays ignored
+            signal.signal(s, handler)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, handler)
 

@@ -279,19 +279,20 @@ class Program:
             push.wait(self)
 
     # ---- the loop ------------------------------------------------------------------------
-    def run(self, k: int) -> list[IterationResult]:
-        """Run ``k`` iterations in the current mode; returns their results (pipeline drained).
+    def run(self, k: int, keep: bool = True) -> list[IterationResult]:
+        """Run ``k`` iterations in the current mode; returns their results (pipeline drained; with
+        ``keep`` False none: a whole run's, each logged as it ends, were held to its end).
         When it fails, a round still in flight is abandoned (``Round.abandon``): its calls,
         failing as the workers exit, are not losses to re-dispatch."""
         try:
-            return self._run(k)
+            return self._run(k, keep)
         except BaseException:
             if self.in_flight is not None:
                 self.in_flight.abandon()
             raise
 
-    def _run(self, k: int) -> list[IterationResult]:
-        out: list[IterationResult] = []
+    def _run(self, k: int, keep: bool) -> list[IterationResult]:
+        out: list[IterationResult] | None = [] if keep else None
         self._recorded_at = time.time()  # pauses between calls (the REPL's prompt) are nobody's time
         lag = self.mode.lag
         prev: Batch | None = None
@@ -346,12 +347,13 @@ class Program:
             self._drained_sync_s = self._push(res.version).wait(self)
             self.version = res.version
             self._record(res, out)
-        return out
+        return [] if out is None else out
 
-    def _record(self, res: IterationResult, out: list[IterationResult]) -> None:
+    def _record(self, res: IterationResult, out: list[IterationResult] | None) -> None:
         now = time.time()
         res.interval_s, self._recorded_at = now - self._recorded_at, now
-        out.append(res)
+        if out is not None:
+            out.append(res)
         self.history.append(res)
         if self.on_iteration is not None:
             self.on_iteration(res)
@@ -381,6 +383,9 @@ class Program:
         dispatcher = runnable(make_dispatcher(name, **options))
         if name in ("skew", "skew_paper") and self.ranker is None:  # as config_checks refuses it
             raise ValueError(f"dispatch {name} dispatches on output-length estimates; this run has no ranker "
+                             "(ranker.kind: none), so every request's is max_tokens")
+        if options.get("order") == "lpt" and self.ranker is None:  # (config_unused refuses it at load)
+            raise ValueError("dispatch order=lpt orders by output-length estimate; this run has no ranker "
                              "(ranker.kind: none), so every request's is max_tokens")
         self.world.sgs.dispatcher = dispatcher
 

@@ -286,15 +286,26 @@ def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], 
     return kept, dropped
 
 
+class RefusedSplit:
+    """A split the start check refused where reading it was optional (a REPL run's test split,
+    which an ``eval`` may never read): reading it says why (it fell back to the unchecked split)."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
 class FittingTask:
     """A task seen through the checked prompt lists (split -> prompts); scoring and anything
     else (``demonstrations``, ``name``) are the task's own."""
 
-    def __init__(self, task, prompts: dict[str, list[TaskPrompt]]):
+    def __init__(self, task, prompts: dict[str, list[TaskPrompt] | RefusedSplit]):
         self.task, self._prompts = task, prompts
 
     def prompts(self, split: str) -> Sequence[TaskPrompt]:
-        return self._prompts[split] if split in self._prompts else self.task.prompts(split)
+        got = self._prompts.get(split)
+        if isinstance(got, RefusedSplit):
+            raise ValueError(got.why)
+        return got if got is not None else self.task.prompts(split)
 
     def score(self, prompt: TaskPrompt, completion: str) -> float:
         return self.task.score(prompt, completion)
@@ -355,10 +366,12 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
                                                    vocab_size, truncated)
         except PromptTooLong as e:
             if optional:
+                kept[split] = RefusedSplit(str(e))
                 continue
             raise ConfigError(str(e)) from None
         except (ValueError, OSError, ImportError) as e:
             if optional:
+                kept[split] = RefusedSplit(f"task ({task_name}) {split} prompts: {e}")
                 continue
             raise ConfigError(f"task ({task_name}) {split} prompts: {e}") from None
         if dropped:
@@ -372,7 +385,9 @@ def check_task(task, train, task_name: str, context: int, encode: Callable[[Task
                   f"to their {KEPT[train.overlong_prompts]} {train.max_prompt_tokens} tokens (indices "
                   f"{truncated[:10]}{' ...' if len(truncated) > 10 else ''})", file=sys.stderr, flush=True)
         if not kept[split] and optional:
-            del kept[split]  # (a REPL eval says it)
+            kept[split] = RefusedSplit(f"train.overlong_prompts skip: every {split} prompt is over-long (longer "
+                                       "than train.max_prompt_tokens, or no room for an output token in the "
+                                       f"engines' context of {context} tokens)")
             continue
         if not kept[split]:
             key = "eval_every" if train.eval_every else "eval_before_train"

@@ -281,9 +281,13 @@ def waited(fut, rank: int, role: str, method: str):
 
 
 def call_on(rank: int, role: str, fn, args: tuple = (), timeout: float | None = None):
-    """``fn(*args)`` run on ``rank``, ``waited`` for."""
-    fut = rpc.rpc_async(worker_name(rank), fn, args=args, timeout=RPC_TIMEOUT_S if timeout is None else timeout)
-    return waited(fut, rank, role, getattr(fn, "__name__", str(fn)))
+    """``fn(*args)`` run on ``rank``, ``waited`` for (a call that cannot be sent fails as one)."""
+    method = getattr(fn, "__name__", str(fn))
+    try:
+        fut = rpc.rpc_async(worker_name(rank), fn, args=args, timeout=RPC_TIMEOUT_S if timeout is None else timeout)
+    except Exception as e:  # noqa: BLE001 - not in the group (gone before the call)
+        raise WorkerFailed(rank, role, method, str(e), lost=True) from None
+    return waited(fut, rank, role, method)
 
 
 def settle(created: list[tuple[int, Any]], role: str, timeout: float) -> list[WorkerHandle]:

@@ -348,7 +348,7 @@ class Session:
                           console=Console(file=sys.stderr), disable=not c.logging.progress) as progress:
                 self.progress = progress
                 self.task_id = progress.add_task(f"RL {c.pipeline.mode}", total=remaining)
-                self.program.run(remaining)
+                self.program.run(remaining, keep=False)
                 self.progress = None
         # an eval-only run's weights are those it started from: the checkpoint resumed from, or
         # (fresh) nothing of this run's worth a copy

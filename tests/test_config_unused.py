@@ -34,6 +34,18 @@ def test_vllm_takes_none_of_the_native_engines_kernel_keys(monkeypatch):
             from_dict({**BASE, "engine": {"backend": "vllm", "device": "cpu", key: value}})
 
 
+def test_your_own_engine_takes_engine_seed_and_the_cli_names_the_default_to_set(tmp_path):
+    """docs/config.md: honouring engine.seed is up to your engine (it was refused with every
+    backend); a key refused from a file is `--set KEY=<default>` from the command line."""
+    from controller.config import load_config
+
+    (tmp_path / "eng.py").write_text("from workers.generation.engine import NativeEngine as Mine\n")
+    from_dict({**BASE, "engine": {"backend": f"{tmp_path}/eng.py:Mine", "seed": 5}})
+    with pytest.raises(ConfigError, match=r"drop multi_turn.max_turns \(from the command line: --set "
+                                          r"multi_turn.max_turns=4\)"):
+        load_config("configs/example_multi_turn.yaml", 3, ["multi_turn.env="])
+
+
 def test_the_same_keys_with_their_switch_on_are_taken():
     from_dict({**BASE, "multi_turn": {"env": "calculator", "max_turns": 2},
                "model": {"init": {"hidden_size": 64}}, "train": {"sft_lr": 1e-3}})

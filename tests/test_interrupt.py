@@ -174,3 +174,19 @@ def test_a_rank_leaves_quietly_on_a_signal_while_it_imports_torch(ignored):
     assert p.returncode == 0, p.stderr
     want = f"{int(signal.SIG_IGN)} _leave_at_start" if ignored else "_leave_at_start _leave_at_start"
     assert p.stdout.split("\n")[-2] == want, p.stdout
+
+
+def test_a_hangup_nohup_ignores_stays_ignored():
+    """`nohup torchrun ...`: the ranks start with SIGHUP ignored; the controller's stop handler
+    replaced it and a hangup stopped the run (session 51's second review)."""
+    from controller import lifecycle
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        lifecycle.signals_interrupt(signal.SIGTERM, signal.SIGHUP)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -275,3 +275,11 @@ def test_best_at_k_is_left_out_when_nothing_was_scored(monkeypatch):
     assert evaluation_mod.evaluate(p, 3).scores == {"eval/unscored": 6.0}
     monkeypatch.setattr(p.task, "score", lambda prompt, completion: 0.5)
     assert evaluation_mod.evaluate(p, 3).scores == {"eval/sum": 0.5, "eval/mean": 0.5, "eval/best@2": 0.5}
+
+
+def test_a_whole_run_keeps_no_list_of_its_results(monkeypatch):
+    """The session's one run() of the whole run kept every IterationResult (with its per-sample
+    lengths) to the end, beside the bounded history (session 51's second review)."""
+    p = _program(monkeypatch, "batch", Clock())
+    assert p.run(3, keep=False) == [] and len(p.history) == 3
+    assert len(p.run(2)) == 2  # the REPL's run K gets its results

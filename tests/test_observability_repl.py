@@ -89,6 +89,10 @@ def test_a_dispatcher_a_run_cannot_use_is_refused_and_not_applied():
     assert s.program.dispatcher is None  # neither replaced the one in use
     s.program.ranker = None  # ranker.kind: none: every estimate max_tokens
     assert "this run has no ranker" in _drive(s, "dispatch skew\n")[1]["error"] and s.program.dispatcher is None
+    # (order=lpt is refused at load without a ranker; the REPL took it: session 51's second review)
+    said = _drive(s, "dispatch random order=lpt\n")[1]["error"]
+    assert "order=lpt orders by output-length estimate; this run has no ranker" in said
+    assert s.program.dispatcher is None
 
 
 @pytest.mark.parametrize("failure", [

@@ -151,7 +151,11 @@ def test_a_repl_runs_test_split_is_checked_as_an_evaluating_runs():
     fitting, _ = _start_check(0, "skip", 10, {"train": ITEMS[:1], "test": ITEMS}, repl=True)
     assert [p.prompt for p in fitting.prompts("test")] == [p.prompt for p in ITEMS if len(p.prompt.split()) + 1 <= 10]
     fitting, _ = _start_check(0, "skip", 10, {"train": ITEMS[:1], "test": ITEMS[3:]}, repl=True)  # all over-long
-    assert fitting.prompts("test") == ITEMS[3:]  # unchecked: the eval's refusal says it
+    with pytest.raises(ValueError, match="every test prompt is over-long"):  # said by the eval, not sent unchecked
+        fitting.prompts("test")
+    fitting, _ = _start_check(0, "error", 10, {"train": ITEMS[:1], "test": ITEMS}, repl=True)
+    with pytest.raises(ValueError, match=r"task.prompts\('test'\)\[3\] .* is 12 tokens"):
+        fitting.prompts("test")
     fitting, _ = _start_check(0, "skip", 10, {"train": ITEMS[:1], "test": ITEMS}, repl=False)
     assert fitting.prompts("test") == ITEMS  # no REPL, no eval: not read at start
 

@@ -168,6 +168,39 @@ def test_a_call_queued_on_a_loop_given_up_still_runs(monkeypatch):
     assert out == {"x": 1.0}
 
 
+def test_a_loop_given_up_closes_though_a_clients_task_runs_on_it():
+    """A client's background task on the loop (a heartbeat, a token refresher) never ends: the
+    drain waited for it and the given-up loop and its thread stayed (session 51's second review).
+    The rewards' own calls are finished; the rest is cancelled."""
+    from workers.tasks import scoring
+
+    loops = scoring._Loop()
+    old = loops.get(None)
+    release = threading.Event()
+
+    async def heartbeat():
+        while True:
+            await asyncio.sleep(0.05)
+
+    async def blocking():
+        release.wait(30)
+        return 1.0
+
+    asyncio.run_coroutine_threadsafe(heartbeat(), old)
+    asyncio.run_coroutine_threadsafe(blocking(), old)
+    while time.monotonic() - loops.beat <= scoring._Loop.MIN_STALL_S + 0.1:  # blocked long enough
+        time.sleep(0.05)
+    loops.suspect = True
+    assert loops.get(0.5) is not old
+    release.set()
+    for _ in range(200):  # a hang guard, not a timing assertion
+        if old.is_closed():
+            break
+        time.sleep(0.05)
+    assert old.is_closed()
+    loops.loop.call_soon_threadsafe(loops.loop.stop)
+
+
 def test_a_score_under_a_deadline_is_left_to_the_pool_not_the_watchdog():
     """With reward_timeout_s the pool gives a late score up and says so; the watchdog still said
     "a reward that hangs holds the trainer" a minute later (review, session 51)."""

@@ -101,6 +101,7 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
                             placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0),
                             task=SimpleNamespace(name="t"))
     s.world = SimpleNamespace(sgs=sgs)
+    s.args = SimpleNamespace(repl=False)
     s.tok = SimpleNamespace(encode_prompt=lambda text, messages=(): text.split(), chat_template="", tools=[])
     s.vocab_size = 0  # the check of token ids against the model's vocabulary: off here
     items = [TaskPrompt("a " * n, "", "t") for n in (20, 2000, PROMPT)]  # 2000 > 1008: dropped (skip)

@@ -89,5 +89,6 @@ def test_the_python_api_checks_types_as_the_run_config_does(kw, said):
     with pytest.raises(ValueError, match=re.escape(said)):
         TrainerConfig(**kw)
     TrainerConfig(lr=1, reward_timeout_s=None, weight_decay=0)  # an int where a float is declared; null
+    assert TrainerConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)  # a list (JSON, OmegaConf) as AdamW takes it
     with pytest.raises(ValueError, match="trainer.lr: expected a finite number, got an integer of 401 digits"):
         build_section(TrainerConfig, "trainer", {"lr": 10**400})  # (an OverflowError from the run config too)

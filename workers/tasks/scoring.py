@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
@@ -65,17 +66,28 @@ class _Loop:
             loop.call_later(self.BEAT_S, self._beat, loop)
 
 
+_CALLS: dict[int, weakref.WeakSet] = {}  # id(loop) -> the rewards' calls ``resolve`` put on it
+
+
 def _run_then_close(loop: asyncio.AbstractEventLoop) -> None:
-    """Run ``loop`` until it is given up as blocked, then finish what is on it (calls still within
-    their deadline, or with none: an environment's, an evaluation's; those given up were
-    cancelled by ``resolve``), and close it."""
+    """Run ``loop`` until it is given up as blocked, then finish the calls ``resolve`` put on it
+    (still within their deadline, or with none: an environment's, an evaluation's; those given up
+    were cancelled by ``resolve``), cancel what else runs there (a client's own background task,
+    which would keep it forever), and close it."""
     loop.run_forever()
+    calls = _CALLS.setdefault(id(loop), weakref.WeakSet())
     while True:
         loop.run_until_complete(asyncio.sleep(0))  # callbacks scheduled meanwhile become tasks
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        pending = [t for t in calls if not t.done()]
         if not pending:
             break
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    rest = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in rest:
+        t.cancel()
+    if rest:
+        loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+    _CALLS.pop(id(loop), None)
     loop.close()
 
 
@@ -105,7 +117,9 @@ def resolve(out):
     if not inspect.isawaitable(out):
         return out
 
-    async def wait():
+    async def wait(tracked: bool = True):
+        if tracked:  # on the process's reward loop (a helper thread's own loop is closed by asyncio.run)
+            _CALLS.setdefault(id(asyncio.get_running_loop()), weakref.WeakSet()).add(asyncio.current_task())
         return await out
 
     at, budget = getattr(_DEADLINE, "at", None), getattr(_DEADLINE, "budget", None)
@@ -116,7 +130,7 @@ def resolve(out):
         running = None
     if running is loop:
         with ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(asyncio.run, wait()).result()
+            return pool.submit(asyncio.run, wait(False)).result()
     try:
         fut = asyncio.run_coroutine_threadsafe(wait(), loop)
     except RuntimeError:  # closed: given up as blocked by another thread's score meanwhile

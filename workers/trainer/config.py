@@ -211,6 +211,8 @@ class TrainerConfig:
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
+        if isinstance(self.betas, list):  # (a JSON / OmegaConf round trip gives a list)
+            object.__setattr__(self, "betas", tuple(self.betas))
         check_field_types(self)
         check_algorithm(self)  # its name (or a plugin's, loaded); its knobs after the types, below
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
