@@ -38,8 +38,9 @@ def check_unused(cfg: "Config") -> None:
         ("multi_turn", mt, ("max_turns", "max_observation_tokens", "observation_truncate_side", "workers"),
          not mt.env, f"{only} multi_turn.env (single-turn without it)"),
         ("ranker", r, ("options", "bootstrap_prompts"), r.kind == "none", f"{only} ranker.kind (none: no ranker)"),
-        ("engine", e, ("seed",), e.backend in ("native", "vllm"), "is read by nothing in a run: every request carries its own seed "
-         "(train.seed * 7919 + its sample id), so the engine's generator draws none; set train.seed"),
+        ("engine", e, ("seed",), e.backend in ("native", "vllm"),  # (your own engine may read it)
+         "is read by nothing in a run: every request carries its own seed (train.seed * 7919 + its sample "
+         "id), so the engine's generator draws none; set train.seed"),
         ("engine", e, ("attention_backend", "cpu_prepack", "cpu_half_compute"), e.backend == "vllm",
          f"{only} engine.backend: native (vLLM picks its own kernels; docs/vllm.md)"),
     ]

@@ -74,6 +74,7 @@ class Metrics:
         # run's memory and its timeline writes grow with it: 2 s a write at 20k iterations, s51)
         self.spans: deque[Span] = deque(maxlen=KEEP_SPANS)
         self._kept = 0  # spans this attempt kept
+        self._spans_lock = threading.Lock()
         self._batch_spans: dict[int, list[Span]] = {}  # iteration -> its batch's spans, until logged
         self._prev_drain: list[Span] = []
         self._steps: set[int] = set()  # iterations this attempt logged
@@ -129,8 +130,9 @@ class Metrics:
         Ctrl-C leaves every span logged so far)."""
         for s in spans:
             s.attempt = self.attempt
-        self.spans.extend(spans)
-        self._kept += len(spans)
+        with self._spans_lock:  # (the timeline thread snapshots both)
+            self.spans.extend(spans)
+            self._kept += len(spans)
         if spans:
             _append_line(self.logdir / SPANS, "\n".join(json.dumps(vars(s)) for s in spans))
 
@@ -300,8 +302,9 @@ class Metrics:
         if not self.timeline_files:
             return None
         with self._write_lock:
-            held = list(self.spans)
-            spans = held[:max(len(held) - (self._kept - n), 0)]  # those kept when the write was asked
+            with self._spans_lock:
+                held, kept = list(self.spans), self._kept
+            spans = held[:max(len(held) - (kept - n), 0)]  # those kept when the write was asked
             if self.timeline_every and n != self._written:  # 0: no figure (the Chrome trace is still
                 self._figure(spans[-last:], upto - 1)  # written); none new since the last: it stands
             out = write_chrome_trace(_load_spans(self.logdir / SPANS) if whole else spans,
