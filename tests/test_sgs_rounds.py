@@ -268,7 +268,7 @@ def test_an_abandoned_round_acts_on_no_loss(capsys):
     prog = Program.__new__(Program)
     prog.in_flight = sgs.generate(4, [Request(i, torch.tensor([1, 2]), 4) for i in range(4)], 1)
 
-    def failing_run(k):
+    def failing_run(k, keep):
         raise RuntimeError("worker rank 3 (trainer) raised in step()")
 
     prog._run = failing_run
