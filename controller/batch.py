@@ -35,7 +35,7 @@ class IterationResult:
     out_lens: list[int] = field(default_factory=list)
     gen_lens: list[int] = field(default_factory=list)  # every generated sample's (remax's greedy ones too)
     per_instance: dict[int, int] = field(default_factory=dict)
-    # the engines in this batch's generation (``Program._engine_stats``): preemptions (sum over
+    # the engines in this batch's generation (``engine_stats``): preemptions (sum over
     # the instances), kv_peak_frac (the fullest instance's peak share of its KV blocks)
     engine: dict[str, float] = field(default_factory=dict)
     instances: int = 0
@@ -94,3 +94,13 @@ class Push:
         """Wait for it (``Program._wait_push``: instances lost meanwhile leave the SGS); -> seconds."""
         program._wait_push(self.waiting)
         return self.waiting.last_end() - self.t0 if self.waiting.added else 0.0
+
+
+def engine_stats(reports: list) -> dict[str, float]:
+    """The engines in a batch's generation (its rounds' ``GenerateReport``s): preemptions
+    (recomputations a full KV cache forced: raise ``engine.kv_cache_tokens`` or lower
+    ``engine.max_batch_size``) and the fullest instance's peak KV share; {} for none."""
+    if not reports:
+        return {}
+    return {"preemptions": float(sum(r.preemptions for r in reports)),
+            "kv_peak_frac": max(r.kv_blocks_peak / max(r.kv_blocks_total, 1) for r in reports)}

@@ -8,21 +8,21 @@ generation time - training time (stage balancing). docs/controller.md defines ea
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter  # at set-up: imported at the first log, it stalled iteration 1
 
+from controller.jsonl_log import append_line, drop_rows_from, load_spans
 from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fractions, gantt_figure, iteration_windows,
                                  merge_intervals, pyplot, write_chrome_trace)
 from controller.trackers import Fanout
-from workers.atomic import atomic_file, write_text
+from workers.atomic import atomic_file
 from workers.generation_dump import markdown, write_rows
 
 # evaluations asked for (not train.eval_every's): their TensorBoard group, per source
@@ -64,7 +64,7 @@ class Metrics:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = None
         self.timeline_every = timeline_every
-        earlier = _load_spans(self.logdir / SPANS)  # earlier attempts' spans (read for their count)
+        earlier = load_spans(self.logdir / SPANS)  # earlier attempts' spans (read for their count)
         # one per start of this folder: config.yaml / config.resume<N>.yaml (run_record, written
         # before any work), so an attempt that stopped before it logged a span still counts
         records = len(list(self.logdir.glob("config.yaml")) + list(self.logdir.glob("config.resume*.yaml")))
@@ -100,8 +100,8 @@ class Metrics:
             # steps logged again (a restart from an older checkpoint than the last row) are
             # purged; a plain resume (rows end just before first_step) purges nothing, not even
             # the final Gantt figure logged at step first_step - 1
-            again = first_step is not None and _drop_rows_from(self.logdir / "iterations.jsonl", first_step)
-            again = first_step is not None and _drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
+            again = first_step is not None and drop_rows_from(self.logdir / "iterations.jsonl", first_step)
+            again = first_step is not None and drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
             self._earlier_evals(first_step if again else None)
         return self._writer
@@ -134,7 +134,7 @@ class Metrics:
             self.spans.extend(spans)
             self._kept += len(spans)
         if spans:
-            _append_line(self.logdir / SPANS, "\n".join(json.dumps(vars(s)) for s in spans))
+            append_line(self.logdir / SPANS, "\n".join(json.dumps(vars(s)) for s in spans))
 
     def add_spans(self, spans: list[Span]) -> None:
         """Spans drained outside an iteration's logging (the last ones, at the end): kept."""
@@ -200,7 +200,7 @@ class Metrics:
             w.add_scalar(k, v, step)
         self.trackers.log(scalars, step)
         row = {k: v for k, v in vars(res).items() if k not in ("out_lens", "gen_lens")}
-        _append_line(self.logdir / "iterations.jsonl", json.dumps({**row, **derived}))
+        append_line(self.logdir / "iterations.jsonl", json.dumps({**row, **derived}))
         if self.timeline_every and (step + 1) % self.timeline_every == 0:
             self._write_timeline_soon(step + 1)
         w.flush()
@@ -246,7 +246,7 @@ class Metrics:
                 name += f".{k}" if k > 1 else ""
             row["generations"] = str(write_rows(self.validation_data_dir, name,
                                                 [{**g, "step": step} for g in ev.generations]))
-        _append_line(self.logdir / "eval.jsonl", json.dumps(row))
+        append_line(self.logdir / "eval.jsonl", json.dumps(row))
         self._keep([Span(CONTROLLER, "eval", ev.started, ev.started + ev.seconds, step)])
         if (group, step) in self._tb_once:
             return {**row, "tensorboard": f"not logged: {group}* has a point at step {step} already"}
@@ -307,7 +307,7 @@ class Metrics:
             spans = held[:max(len(held) - (kept - n), 0)]  # those kept when the write was asked
             if self.timeline_every and n != self._written:  # 0: no figure (the Chrome trace is still
                 self._figure(spans[-last:], upto - 1)  # written); none new since the last: it stands
-            out = write_chrome_trace(_load_spans(self.logdir / SPANS) if whole else spans,
+            out = write_chrome_trace(load_spans(self.logdir / SPANS) if whole else spans,
                                      self.logdir / "timeline.json")
             self._written = n
             if whole:
@@ -352,64 +352,9 @@ class Metrics:
         self.trackers.close(exit_code)
 
 
-def _load_spans(path: Path) -> list[Span]:
-    """The spans of ``spans.jsonl`` (a torn last line, after a crash, is dropped from the file)."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    out, kept = [], []
-    for line in text.splitlines(keepends=True):
-        try:
-            if line.endswith("\n"):
-                out.append(Span(**json.loads(line)))
-                kept.append(line)
-        except (ValueError, TypeError):
-            pass
-    if "".join(kept) != text:
-        write_text(path, "".join(kept))
-    return out
-
-
-def _append_line(path: Path, line: str) -> None:
-    """Append one row (or several, joined by newlines) with a single write() on an O_APPEND
-    descriptor: a crash leaves the rows whole or absent (a torn last line, after a power loss,
-    is dropped at the next resume)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        data = (line + "\n").encode()
-        while data:
-            data = data[os.write(fd, data):]
-    finally:
-        os.close(fd)
-
-
 def _eval_tags(source: str, prompts: int) -> tuple[str, str]:
     """An evaluation's TensorBoard tag group and timing tag: ``eval/``, ``time/eval_s``
     (periodic), or ``eval_repl/p<N>/``, ``time/eval_repl_p<N>_s`` (on demand: one curve per
     prompt count; ``eval_only/...``)."""
     demand = ON_DEMAND.get(source)
     return (f"{demand}/p{prompts}/", f"time/{demand}_p{prompts}_s") if demand else ("eval/", "time/eval_s")
-
-
-def _drop_rows_from(path: Path, first: int) -> bool:
-    """Keep the rows of iterations before ``first`` (a resumed run writes the rest again), and
-    train.eval_only's (no run writes them again), and drop a torn last line; replaced atomically,
-    untouched when nothing changes. True when other rows of ``first`` or later were there."""
-    if not path.exists():
-        return False
-    text = path.read_text()
-    kept, again = [], False
-    for line in text.splitlines(keepends=True):
-        try:
-            if not line.endswith("\n"):
-                continue  # torn
-            row = json.loads(line)
-            if row["iteration"] < first or row.get("source") == "eval_only":
-                kept.append(line)
-            else:
-                again = True
-        except (ValueError, KeyError, TypeError):
-            pass
-    if "".join(kept) != text:
-        write_text(path, "".join(kept))
-    return again

@@ -26,7 +26,7 @@ from controller.outbox import balance, owner
 from controller.modes import PipelineMode, get_mode
 from controller.prompt_check import fit_prompt_ids
 from controller.ranker_feedback import ranking_quality, update_rows
-from controller.batch import Batch, IterationResult, Push
+from controller.batch import Batch, IterationResult, Push, engine_stats
 from controller.config_checks import requests_per_prompt
 from controller.rpc import Completions, wait_all
 from controller.sgs import Round
@@ -212,7 +212,7 @@ class Program:
         res.batch = self._batch_stats(b, res.out_lens)
         if getattr(self.cfg.trainer, "filter_groups", False):
             res.metrics["gen_batches"] = float(len(b.rounds))  # verl's train/num_gen_batches
-        res.engine = self._engine_stats(b.reports)
+        res.engine = engine_stats(b.reports)
         if self.ranker is not None and b.round is not None:
             res.ranker_quality = ranking_quality(b, lengths)
         every = self.cfg.ranker.update_every
@@ -240,15 +240,6 @@ class Program:
         one when that had ended at the epoch's last prompt (the stream turns over when drawn)."""
         st = self._stream_at.get(iteration, self.stream.state_dict())
         return st["epoch"] + (st["pos"] >= st["items"])
-
-    @staticmethod
-    def _engine_stats(reports: list) -> dict[str, float]:
-        """Preemptions (recomputations a full KV cache forced: raise ``engine.kv_cache_tokens``
-        or lower ``engine.max_batch_size``) and the fullest instance's peak KV share."""
-        if not reports:
-            return {}
-        return {"preemptions": float(sum(r.preemptions for r in reports)),
-                "kv_peak_frac": max(r.kv_blocks_peak / max(r.kv_blocks_total, 1) for r in reports)}
 
     def _wait_push(self, waiting: Completions) -> None:
         """Wait for a weight push's calls, in the order they end (a receiver's error is said at

@@ -8,7 +8,7 @@ import torch
 
 from controller.instance import GenerateReport, GenerationInstance
 from controller.metrics import Metrics
-from controller.program import IterationResult, Program
+from controller.batch import IterationResult, engine_stats
 from runtime_helpers import LocalRRef, SinkTrainer, tiny_model  # noqa: F401  (tiny_model: session-wide model folder)
 from workers.generation.config import EngineConfig
 from workers.types import Request, SamplingParams
@@ -41,12 +41,12 @@ def test_the_batch_sums_preemptions_and_keeps_the_fullest_instance(tmp_path):
     reps = [GenerateReport(1, 0, [0], 8, 1.0, 0, [8], preemptions=3, kv_blocks_peak=16, kv_blocks_total=64),
             GenerateReport(2, 0, [1], 8, 1.0, 0, [8], preemptions=2, kv_blocks_peak=30, kv_blocks_total=40),
             GenerateReport(1, 0, [2], 8, 1.0, 0, [8], preemptions=0, kv_blocks_peak=8, kv_blocks_total=64)]
-    assert Program._engine_stats(reps) == {"preemptions": 5.0, "kv_peak_frac": 0.75}
-    assert Program._engine_stats([]) == {}  # no round (nothing generated): no engine tags
+    assert engine_stats(reps) == {"preemptions": 5.0, "kv_peak_frac": 0.75}
+    assert engine_stats([]) == {}  # no round (nothing generated): no engine tags
     m = Metrics(tmp_path, timeline_every=0)
     res = IterationResult(iteration=0, version=1, gen_version=0, metrics={"reward_mean": 0.5}, num_samples=3,
                           num_tokens=24, gen_seconds=1.0, train_seconds=1.0, iter_seconds=2.0, staleness_max=0,
-                          interval_s=1.0, engine=Program._engine_stats(reps))
+                          interval_s=1.0, engine=engine_stats(reps))
     derived = m.log_iteration(res, [])
     m.close()
     assert derived["engine/preemptions"] == 5.0 and derived["engine/kv_peak_frac"] == 0.75

@@ -88,7 +88,7 @@ def test_eval_only_rows_are_no_run_and_no_run_drops_them(tmp_path):
     """A fork's eval-only row (at the step of the checkpoint it evaluated) was dropped by the
     first write of a training run started in that folder, and counted as a run's rows by the
     --resume of a torchrun --max-restarts job launched there."""
-    from controller.metrics import _drop_rows_from
+    from controller.jsonl_log import drop_rows_from
     from controller.preflight import _refuse_restart_over_rows, refuse_previous_run
 
     rows = [{"iteration": 1, "source": "eval_only", "eval/mean": 0.5}]
@@ -97,7 +97,7 @@ def test_eval_only_rows_are_no_run_and_no_run_drops_them(tmp_path):
     _refuse_restart_over_rows(tmp_path, str(tmp_path))
     rows.append({"iteration": 2, "source": "periodic", "eval/mean": 0.25})
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _drop_rows_from(tmp_path / "eval.jsonl", 0)  # the periodic row is run again
+    assert drop_rows_from(tmp_path / "eval.jsonl", 0)  # the periodic row is run again
     assert _rows(tmp_path / "eval.jsonl") == rows[:1]
 
 
