@@ -3,13 +3,13 @@ knobs, a policy loss against its aggregation and knobs, rollout correction again
 Called from ``__post_init__``; each error names the key."""
 from __future__ import annotations
 
-import math
 import numbers
 import typing
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from workers.config_schema import RANGE, range_error
+from workers.finite import finite_number
 from workers.trainer.config_names import (ALGORITHMS, BYPASS_LOSS_TYPES, CUSTOM_UNUSED_KNOBS, POLICY_LOSS_KNOBS,
                                           SEQ_MEAN_POLICY_LOSSES, UNUSED_KNOBS, VERL_ALGORITHMS)
 
@@ -43,13 +43,8 @@ def check_field_types(cfg: "TrainerConfig") -> None:
 
 
 def _finite(value) -> bool:
-    """A real number, not a bool, finite as a float (10**400 is not)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
+    """A real number (not a bool, nor a tensor), finite as a float (10**400 is not)."""
+    return isinstance(value, numbers.Real) and finite_number(value) is not None
 
 
 def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
