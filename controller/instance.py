@@ -208,11 +208,12 @@ class GenerationInstance:
                 raise RuntimeError(f"gen{self.rank}: STREAMRL_TEST_RAISE_IN_GENERATE (test hook)")
             out = Outbox(self.trainers, self.stream_window_s if window_s is None else window_s,
                          {r.group_id: r.trainer_rank for r in requests if r.trainer_rank >= 0})
-            preempted_before = self.engine.stats().preemptions
+            before = self.engine.stats()
+            preempted_before = before.preemptions
             done: list[int] = []
             lengths: list[int] = []
-            configured = self.engine.stats().max_batch_size  # the round's cap is the round's alone:
-            # evaluations and the next rounds ran at a re-dispatch's cap of 1 (review, session 51)
+            configured = before.max_batch_size  # the round's cap is the round's alone: evaluations
+            # and the next rounds ran at a re-dispatch's cap of 1 (review, session 51)
             try:
                 if batch_cap > 0:  # within engine.max_batch_size (a dispatch.profile's cap may be larger)
                     self.engine.set_max_batch_size(min(batch_cap, configured))
