@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from controller.rpc import Completions
+from controller.val_metrics import PromptSamples, validation_metrics
 from workers.tasks.registry import make_task
 from workers.tasks.reward_pool import RewardPool, Scored
 from workers.types import Request
@@ -24,7 +25,7 @@ log = logging.getLogger("streamrl.controller")
 class EvalResult:
     """One evaluation (``evaluate``)."""
 
-    scores: dict[str, float]  # eval/<task>, eval/mean, eval/best@k, eval/unscored
+    scores: dict[str, float]  # eval/<task>, eval/mean, eval/best@k, eval/unscored, eval/<task>/<var>/<stat>
     prompts: int  # test prompts evaluated
     requested: int  # test prompts asked for (0: all)
     split: int  # test prompts in the split
@@ -112,8 +113,10 @@ def measure_lengths(program, prompts: list) -> list[float]:
 def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     """``train.eval_samples`` generations of each of the first ``n`` test prompts (0, or more
     than the split holds: all), at ``train.eval_temperature`` (0: greedy). Scores:
-    ``eval/<task>`` and ``eval/mean``, the mean over every sample (verl's mean@k), and with
-    k > 1 ``eval/best@k``, the mean over prompts of their best sample's score. Its span (on the
+    ``eval/<task>`` and ``eval/mean``, the mean over every sample (verl's mean@k) of its
+    ``headline`` (a dict reward's ``acc``, else the score), and with k > 1 ``eval/best@k``, the
+    mean over prompts of their best sample's; beside them verl's statistics of each task and
+    variable (``val_metrics``: ``eval/<task>/acc/maj@k/mean``, ...). Its span (on the
     controller's row) is recorded where it is logged (``Metrics.log_eval``); ``step``, that
     iteration, labels the instances' spans."""
     t0 = time.time()
@@ -130,6 +133,7 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}
     per: dict[str, list[float]] = {}
     best: list[float] = []
+    samples: list[PromptSamples] = []
     unscored, whys = 0, {}
     pool = eval_rewards(program)
     # every score in flight at once (trainer.reward_workers; one score_batch call where the task has one)
@@ -139,18 +143,23 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     keep = bool(lg.validation_data_dir or lg.log_val_generations)
     generations = []
     for j, it in enumerate(items):
-        scores = [_score(pool.result(p), j, whys) for p in flat[j * k:(j + 1) * k]]
+        got = [pool.result(p) for p in flat[j * k:(j + 1) * k]]
+        scores = [_score(g, j, whys) for g in got]
         if keep:
             shown = program.tok.decode(reqs[j * k].prompt_ids, skip_special_tokens=True)  # (encoded once, above)
-            generations += [{"prompt": j, "task": it.task, "input": shown,
-                             "output": texts.get(-1 - (j * k + s), ""), "gts": it.answer,
-                             "score": x if math.isfinite(x) else None} for s, x in enumerate(scores)]
-        ok = [x for x in scores if math.isfinite(x)]
+            rows = [{"prompt": j, "task": it.task, "input": shown, "output": texts.get(-1 - (j * k + s), ""),
+                     "gts": it.answer, "score": x if math.isfinite(x) else None} for s, x in enumerate(scores)]
+            # verl's dump: the reward's extra numbers and texts beside the score
+            generations += [{**row, **{n: v for n, v in g.info.items() if n not in row}} for g, row in zip(got, rows)]
+        scored = [(x, g.info) for x, g in zip(scores, got) if math.isfinite(x)]
+        samples.append(PromptSamples(it.task, [{"reward": x, **info} for x, info in scored]))
+        ok = [headline(x, info) for x, info in scored]
         unscored += k - len(ok)
         per.setdefault(it.task, []).extend(ok)
         if ok:
             best.append(max(ok))
     acc = {f"eval/{_task_key(name)}": sum(v) / len(v) for name, v in per.items() if v}
+    acc.update(validation_metrics(samples, _task_key))
     if len(items) * k > unscored:  # nothing scored: no mean (a 0 would read as 0% accuracy)
         acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
     if k > 1 and best:  # (nothing scored: no best@k either)
@@ -161,6 +170,13 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
             log.warning("eval: %d samples of %d prompts (first: prompt %d) left out of eval/mean: %s",
                         sum(prompts.values()), len(prompts), next(iter(prompts)), why)
     return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions, generations)
+
+
+def headline(score: float, info: dict) -> float:
+    """A sample's headline figure: a dict reward's ``acc`` when it gives one (verl's ``val-core``
+    variable: ``math_dapo`` scores +-1 and gives ``acc`` 0 / 1), else its score."""
+    acc = info.get("acc")
+    return acc if isinstance(acc, float) else score
 
 
 def _task_key(name: str) -> str:

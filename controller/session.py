@@ -280,8 +280,8 @@ class Session:
         """An evaluation of the weights the engines hold, logged at ``step`` and said on stderr:
         ``train.eval_before_train``'s (step -1) and ``train.eval_only``'s."""
         logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts, step), step, source)
-        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()
-                           if k.startswith("eval/") and k != "eval/unscored")
+        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()  # (not the statistics
+                           if k.startswith("eval/") and k.count("/") == 1 and k != "eval/unscored")  # eval/<task>/..)
         if logged.get("eval/unscored"):
             scores += f"{', ' if scores else ''}{int(logged['eval/unscored'])} samples unscored"
         when = "before training" if step < 0 else f"after iteration {step}"

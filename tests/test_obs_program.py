@@ -166,7 +166,7 @@ def test_evaluate_reports_its_prompts_and_time(monkeypatch):
     t0 = clock.t
     ev = evaluation_mod.evaluate(p, 2)
     assert (ev.prompts, ev.requested, ev.split, ev.samples, ev.started, ev.seconds) == (2, 2, 3, 1, t0, EVAL_S)
-    assert ev.scores == {"eval/sum": 1.0, "eval/mean": 1.0}
+    assert ev.scores == {"eval/sum": 1.0, "eval/mean": 1.0, "eval/sum/reward/mean@1": 1.0}
     assert evaluation_mod.evaluate(p, 100).prompts == 3  # more than the split: all of it (the REPL says so)
     assert ev.weight_versions == (1,)  # no round in flight: on the weights just pushed, not those of the round
 
@@ -274,7 +274,10 @@ def test_best_at_k_is_left_out_when_nothing_was_scored(monkeypatch):
     monkeypatch.setattr(p.task, "score", score)
     assert evaluation_mod.evaluate(p, 3).scores == {"eval/unscored": 6.0}
     monkeypatch.setattr(p.task, "score", lambda prompt, completion: 0.5)
-    assert evaluation_mod.evaluate(p, 3).scores == {"eval/sum": 0.5, "eval/mean": 0.5, "eval/best@2": 0.5}
+    assert evaluation_mod.evaluate(p, 3).scores == {"eval/sum": 0.5, "eval/mean": 0.5, "eval/best@2": 0.5,
+                                                    "eval/sum/reward/mean@2": 0.5, "eval/sum/reward/std@2": 0.0,
+                                                    **{f"eval/sum/reward/{s}@2/{m}": 0.5 if m == "mean" else 0.0
+                                                       for s in ("best", "worst") for m in ("mean", "std")}}
 
 
 def test_a_whole_run_keeps_no_list_of_its_results(monkeypatch):

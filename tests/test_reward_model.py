@@ -95,9 +95,9 @@ def test_a_jsonl_task_scores_with_it_in_batches_and_rows_need_no_answer(tmp_path
     short = make_task("jsonl", files=str(data), verifier="reward_model",
                       verifier_kwargs={"path": str(folder), "max_length": 20})
     scored = safe_score_batch(short, items, [c for _, c in ITEMS])
-    assert [why == "" for _, why in scored] == [True, False, True]
+    assert [why == "" for _, why, _ in scored] == [True, False, True]
     assert "over the reward model's max_length 20" in scored[1][1]
-    assert [x for x, _ in scored[::2]] == pytest.approx(batch[::2], abs=1e-5)
+    assert [x for x, _, _ in scored[::2]] == pytest.approx(batch[::2], abs=1e-5)
     # a rule verifier still needs the answer field
     with pytest.raises(ValueError, match="missing field 'answer'"):
         make_task("jsonl", files=str(data), verifier="exact").prompts("train")

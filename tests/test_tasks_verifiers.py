@@ -9,7 +9,7 @@ import pytest
 
 from workers.tasks import make_task
 from workers.tasks.latex import normalise
-from workers.tasks.scoring import safe_score
+from workers.tasks.scoring import as_score, safe_score
 from workers.tasks.verifiers import exact, make_verifier, numeric
 from workers.types import TaskPrompt
 
@@ -154,14 +154,14 @@ def test_numbers_in_the_data_compare_by_value(tmp_path):
     assert exact(item("2.0"), "answer=2") == 0.0  # a string reference stays text
 
 
-def test_verl_reward_dict_keeps_score_and_ignores_the_rest(tmp_path):
+def test_verl_reward_dict_gives_the_score_and_keeps_its_numbers_and_texts(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
     f = tmp_path / "r.py"
     f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                 "    return {'score': 0.5, 'acc': True, 'pred': solution_str}\n")
+                 "    return {'score': 0.5, 'acc': True, 'pred': solution_str, 'rows': [1, 2], 'none': None}\n")
     t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score")
-    assert t.score(t.prompts("train")[0], "x") == 0.5
+    assert safe_score(t, t.prompts("train")[0], "x") == (0.5, "", {"score": 0.5, "acc": 1.0, "pred": "x"})
 
 
 def test_verl_scorers_get_a_dict_extra_info_of_their_own(tmp_path):
@@ -202,12 +202,12 @@ def test_async_rewards_are_awaited(tmp_path):
     for fn in ("compute_score", "mine"):
         t = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
         q = t.prompts("train")[0]
-        assert (t.score(q, "7"), t.score(q, "8")) == (1.0, 0.0)
-        assert safe_score(t, q, "7") == (1.0, "")
+        assert (as_score(t.score(q, "7")), as_score(t.score(q, "8"))) == (1.0, 0.0)
+        assert safe_score(t, q, "7")[:2] == (1.0, "")
 
         async def inside_a_loop():  # a caller that runs an event loop itself
             return t.score(q, "7")
-        assert asyncio.run(inside_a_loop()) == 1.0
+        assert as_score(asyncio.run(inside_a_loop())) == 1.0
 
 
 def test_verifier_kwargs_reach_the_users_function(tmp_path):
@@ -274,7 +274,7 @@ def test_an_async_reward_keeps_its_client_between_calls():
     for t in threads:
         t.start()
         t.join()
-    assert sorted(out) == [(0.0, ""), (1.0, ""), (1.0, "")]
+    assert sorted(out) == [(0.0, "", {}), (1.0, "", {}), (1.0, "", {})]
 
 
 def test_a_task_score_follows_the_verifier_rule_for_what_it_returns():
@@ -288,14 +288,16 @@ def test_a_task_score_follows_the_verifier_rule_for_what_it_returns():
             return self.out
 
     p = TaskPrompt(prompt="1+1", answer="2", task="add")
-    assert safe_score(Task({"score": 0.5, "acc": 1}), p, "2") == (0.5, "")  # verl's dict (was a TypeError)
-    score, why = safe_score(Task("1.0"), p, "2")  # a string was read as a number, silently
+    # verl's dict (was a TypeError); its numbers and texts are the sample's reward info
+    assert safe_score(Task({"score": 0.5, "acc": True, "pred": "2", "raw": [1]}), p, "2") == \
+        (0.5, "", {"score": 0.5, "acc": 1.0, "pred": "2"})
+    score, why, _ = safe_score(Task("1.0"), p, "2")  # a string was read as a number, silently
     assert why == "the task's score raised ValueError(\"the reward returned str '1.0', not a number\")", why
-    assert safe_score(Task(True), p, "2") == (1.0, "")
+    assert safe_score(Task(True), p, "2") == (1.0, "", {})
     # verl's default_compute_score takes res[0] of what is neither a dict nor a number:
     # prime_math's (is_correct, format_correct, extracted) was refused as a tuple
-    assert safe_score(Task((True, True, "3")), p, "2") == (1.0, "")
-    assert safe_score(Task([0.25, "why"]), p, "2") == (0.25, "")
+    assert safe_score(Task((True, True, "3")), p, "2") == (1.0, "", {})
+    assert safe_score(Task([0.25, "why"]), p, "2") == (0.25, "", {})
     assert "the reward returned tuple ()" in safe_score(Task(()), p, "2")[1]
 
 
@@ -353,20 +355,21 @@ def test_verls_batch_compute_score_scores_many_samples_in_one_call(tmp_path):
     f.write_text(BATCH_REWARDS)
     t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score", verifier_kwargs={"scale": 2.0})
     qs = t.prompts("train")
-    assert safe_score_batch(t, qs, ["0", "x", "2", "3"]) == [(2.0, ""), (0.0, ""), (2.0, ""), (2.0, "")]
+    assert [s[:2] for s in safe_score_batch(t, qs, ["0", "x", "2", "3"])] == \
+        [(2.0, ""), (0.0, ""), (2.0, ""), (2.0, "")]
     assert t.score(qs[1], "1") == 2.0  # one sample: a batch of one
     calls = __import__("sys").modules[t.verify.fn.__module__].CALLS
     assert calls == [4, 1]
     bad = make_task("jsonl", files=str(data), verifier=f"{f}:wrong_length")
-    assert [w for _, w in safe_score_batch(bad, qs[:2], ["0", "1"])] == \
+    assert [w for _, w, _ in safe_score_batch(bad, qs[:2], ["0", "1"])] == \
         ["the task's score_batch did not return one score per sample"] * 2
     for fn in ("takes_kwargs", "masks"):
         t = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
-        assert safe_score_batch(t, qs[:2], ["0", "1"]) == [(1.0, ""), (1.0, "")]
+        assert [s[:2] for s in safe_score_batch(t, qs[:2], ["0", "1"])] == [(1.0, ""), (1.0, "")]
     assert make_task("jsonl", files=str(data), verifier=f"{f}:mine").score(qs[0], "x") == 1.0
     bad = make_task("jsonl", files=str(data), verifier=f"{f}:one_bad")
     out = safe_score_batch(bad, qs[:3], ["a", "bad", "c"])
-    assert out[0] == (1.0, "") and out[2] == (1.0, "") and math.isnan(out[1][0])
+    assert out[0][:2] == (1.0, "") and out[2][:2] == (1.0, "") and math.isnan(out[1][0])
     assert out[1][1] == "the task's score_batch: the reward returned str 'n/a', not a number"
     with pytest.raises(ValueError, match=r"the completion's, solution_strs, is not among them; name the completion "
                                          r"parameter solution_strs \(verl's compute_score\(data_sources, "):

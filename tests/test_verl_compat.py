@@ -7,6 +7,7 @@ import re
 import pytest
 
 from tests.runtime_helpers import iterations, last_json, tiny_model, torchrun, write_config  # noqa: F401
+from workers.tasks.scoring import as_score
 from workers.tasks.registry import make_task
 from workers.tokenizer import train_bpe
 
@@ -42,7 +43,7 @@ def test_verl_rows_and_reward_signature(verl_data):
     assert item.prompt == "What is 3 + 3?" and item.answer == "6" and item.task == "toy_add"
     assert [m["role"] for m in item.messages] == ["system", "user"]
     assert item.meta["extra_info"] == {"index": 3} and item.meta["reward_model"]["style"] == "rule"
-    assert t.score(item, "it is 6") == 1.0 and t.score(item, "7") == 0.25
+    assert as_score(t.score(item, "it is 6")) == 1.0 and as_score(t.score(item, "7")) == 0.25
 
 
 def test_verl_parquet_rows(tmp_path, verl_data):
@@ -56,7 +57,7 @@ def test_verl_parquet_rows(tmp_path, verl_data):
                   verifier=f"{reward}:compute_score")
     item = t.prompts("train")[5]
     assert item.prompt == "What is 5 + 5?" and item.answer == "10" and len(item.messages) == 2
-    assert t.score(item, "10") == 1.0
+    assert as_score(t.score(item, "10")) == 1.0
 
 
 def test_verl_builtin_style_scorers(tmp_path, verl_data):
@@ -68,7 +69,7 @@ def test_verl_builtin_style_scorers(tmp_path, verl_data):
                  "def needs_more(solution_str, ground_truth, tokenizer):\n    return 1.0\n")
     t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:compute_score")
     item = t.prompts("train")[2]
-    assert t.score(item, "so 4") == 1.0 and t.score(item, "5") == 0.0
+    assert as_score(t.score(item, "so 4")) == 1.0 and as_score(t.score(item, "5")) == 0.0
     with pytest.raises(ValueError, match=r"needs \['tokenizer'\], which a verl-style scorer is not given"):
         make_task("jsonl", files=str(data), verifier=f"{f}:needs_more")
 
@@ -86,11 +87,11 @@ def test_ground_truth_reaches_a_verl_scorer_as_the_dataset_gives_it(tmp_path):
                  "def nothing(data_source, solution_str, ground_truth):\n    return None\n")
     t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:compute_score")
     a, b = t.prompts("train")
-    assert t.score(a, "two") == 1.0 and t.score(b, "12") == 1.0 and a.answer == "['2', 'two']"
+    assert as_score(t.score(a, "two")) == 1.0 and as_score(t.score(b, "12")) == 1.0 and a.answer == "['2', 'two']"
     for fn, why in (("no_score", "a dict without 'score' \\(keys \\['acc'\\]\\)"), ("nothing", "returned NoneType")):
         t = make_task("jsonl", files=str(data), answer_key="reward_model.ground_truth", verifier=f"{f}:{fn}")
         with pytest.raises(ValueError, match=why):
-            t.score(a, "2")
+            as_score(t.score(a, "2"))
 
 
 def test_sft_warm_start_and_tokenizer_see_the_whole_chat(verl_data):

@@ -213,5 +213,7 @@ def prompt_text(item: TaskPrompt) -> str:
 class Task(Protocol):
     def prompts(self, split: str) -> Sequence[TaskPrompt]: ...
 
-    def score(self, prompt: TaskPrompt, completion: str) -> float:
-        """Rule-based reward in [0, 1]; never raises on a malformed completion (scores 0)."""
+    def score(self, prompt: TaskPrompt, completion: str) -> float | dict:
+        """Rule-based reward in [0, 1]; never raises on a malformed completion (scores 0). Or
+        verl's ``{"score": number, ...}``: its other numbers and texts (``acc``, ``pred``) are
+        evaluation's (``scoring.reward_info``)."""

@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from workers.tasks.scoring import deadline_passed, safe_score, safe_score_batch, score_batch_of, set_deadline
@@ -43,18 +43,20 @@ CANCEL_AFTER_S = 0.5
 
 @dataclass(frozen=True)
 class Scored:
-    """``score`` (NaN when ``why`` says why there is none) and the seconds the call took where it
-    ran (the reward's own time: verl's ``timing_s/reward`` sums it)."""
+    """``score`` (NaN when ``why`` says why there is none), the seconds the call took where it
+    ran (the reward's own time: verl's ``timing_s/reward`` sums it), and a dict reward's numbers
+    and texts (``scoring.reward_info``: verl's ``reward_extra_info``, e.g. ``acc``, ``pred``)."""
 
     score: float
     why: str
     seconds: float
+    info: dict = field(default_factory=dict)
 
 
 def timed_score(task: Task, prompt: TaskPrompt, completion: str, what: str) -> Scored:
     t0 = time.perf_counter()
-    score, why = safe_score(task, prompt, completion, what)
-    return Scored(score, why, time.perf_counter() - t0)
+    score, why, info = safe_score(task, prompt, completion, what)
+    return Scored(score, why, time.perf_counter() - t0, info)
 
 
 def timed_batch(task: Task, items: list[tuple[TaskPrompt, str, str]]) -> list[Scored]:
@@ -64,7 +66,7 @@ def timed_batch(task: Task, items: list[tuple[TaskPrompt, str, str]]) -> list[Sc
     what = items[0][2] + (f" and {len(items) - 1} more" if len(items) > 1 else "")
     out = safe_score_batch(task, [p for p, _, _ in items], [c for _, c, _ in items], what)
     share = (time.perf_counter() - t0) / len(items)
-    return [Scored(score, why, share) for score, why in out]
+    return [Scored(score, why, share, info) for score, why, info in out]
 
 
 def _late(timeout_s: float, how: str) -> Scored:
@@ -283,7 +285,7 @@ class RewardPool:
     def result(self, pending) -> Scored:
         if isinstance(pending, _Plus):
             r = self.result(pending.pending)
-            return r if r.why else Scored(r.score + pending.extra, "", r.seconds)
+            return r if r.why else Scored(r.score + pending.extra, "", r.seconds, r.info)
         if not isinstance(pending, _Part):
             return self._impl.result(pending)
         out = self._impl.result(pending.pending)

@@ -159,6 +159,26 @@ def as_score(out) -> float:
     return float(out)
 
 
+def reward_info(out) -> dict[str, float | str]:
+    """verl's ``reward_extra_info`` of one sample: a dict reward's entries (``score`` among them)
+    whose values are numbers (a bool as 0 / 1) or text (``math_dapo``'s ``pred``), the rest left
+    out; ``{}`` for any other reward. ``out`` is the reward's value, awaited already."""
+    if not isinstance(out, dict):
+        return {}
+    info: dict[str, float | str] = {}
+    for key, value in out.items():
+        if isinstance(value, str):
+            info[str(key)] = value
+        elif not isinstance(value, bytes) and hasattr(value, "__float__") and getattr(value, "ndim", 0) == 0:
+            try:
+                number = float(value)
+            except (TypeError, ValueError, OverflowError):
+                continue
+            if math.isfinite(number):
+                info[str(key)] = number
+    return info
+
+
 class _Watch:
     """Scores running now (thread id -> (start, what)); a daemon thread says once per call when
     one has run past ``LONG_S``: a reward that hangs (a stuck request, an endless loop) held the
@@ -209,27 +229,32 @@ WATCH = _Watch()
 
 
 
-def safe_score(task: Task, prompt: TaskPrompt, completion: str, what: str = "a sample") -> tuple[float, str]:
-    """-> (the task's score, "") or (NaN, why): it raised, or gave no finite number (a number,
-    verl's {"score": ...}, an awaitable of either: ``as_score``). ``what`` names the call in the
-    line said when it runs past ``_Watch.LONG_S``."""
+def safe_score(task: Task, prompt: TaskPrompt, completion: str,
+               what: str = "a sample") -> tuple[float, str, dict]:
+    """-> (the task's score, "", its ``reward_info``) or (NaN, why, {}): it raised, or gave no
+    finite number (a number, verl's {"score": ...}, an awaitable of either: ``as_score``).
+    ``what`` names the call in the line said when it runs past ``_Watch.LONG_S``."""
     key = WATCH.enter(what)
     try:
-        score = as_score(task.score(prompt, completion))
+        out = resolve(task.score(prompt, completion))
+        score = as_score(out)
     except KeyboardInterrupt:  # Ctrl-C stops the run, not a sample
         raise
     except BaseException as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit, asyncio's
         # CancelledError, func_timeout's FunctionTimedOut: on a reward thread they ended the
         # thread, the score never came and the trainer waited forever)
-        return float("nan"), f"the task's score raised {e!r}"
+        return float("nan"), f"the task's score raised {e!r}", {}
     finally:
         WATCH.leave(key)
-    return _finite(score)
+    return _finite(score, out)
 
 
-def _finite(score: float) -> tuple[float, str]:
-    """``(score, "")``, or ``(nan, why)`` for an inf or NaN score (it would poison the advantages)."""
-    return (score, "") if math.isfinite(score) else (math.nan, f"the task's score is {score}")
+def _finite(score: float, out) -> tuple[float, str, dict]:
+    """``(score, "", reward_info(out))``, or ``(nan, why, {})`` for an inf or NaN score (it would
+    poison the advantages)."""
+    if math.isfinite(score):
+        return score, "", reward_info(out)
+    return math.nan, f"the task's score is {score}", {}
 
 
 def score_batch_of(task: Task):
@@ -241,7 +266,7 @@ def score_batch_of(task: Task):
 
 
 def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Sequence[str],
-                     what: str = "a batch") -> list[tuple[float, str]]:
+                     what: str = "a batch") -> list[tuple[float, str, dict]]:
     """``safe_score`` of each sample, from one ``score_batch`` call: it raising, or not giving
     one result per sample, costs every sample of the call; a result that is no finite number
     (``as_score``'s rule), or an exception in a sample's place, costs its own sample."""
@@ -251,26 +276,27 @@ def safe_score_batch(task: Task, prompts: Sequence[TaskPrompt], completions: Seq
         out = resolve(score_batch_of(task)(list(prompts), list(completions)))
         if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
             return [(math.nan, f"the task's score_batch returned {type(out).__name__} {out!r:.60}, not a "
-                               "list of scores")] * n
+                               "list of scores", {})] * n
         out = list(out)
         if len(out) != n:
             # no counts in it: the trainer says each different reason once, and batch sizes vary
-            return [(math.nan, "the task's score_batch did not return one score per sample")] * n
+            return [(math.nan, "the task's score_batch did not return one score per sample", {})] * n
         scored = []
         for x in out:
             if isinstance(x, BaseException):  # the batch scorer's word that this sample cannot be scored
-                scored.append((math.nan, f"the task's score_batch: {x}"))
+                scored.append((math.nan, f"the task's score_batch: {x}", {}))
                 continue
             try:
+                x = resolve(x)
                 score = as_score(x)
             except Exception as e:  # noqa: BLE001 - the user's value: this sample only
-                scored.append((math.nan, f"the task's score_batch: {e}"))
+                scored.append((math.nan, f"the task's score_batch: {e}", {}))
                 continue
-            scored.append(_finite(score))
+            scored.append(_finite(score, x))
         return scored
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - a user's reward: anything can happen (as safe_score)
-        return [(math.nan, f"the task's score_batch raised {e!r}")] * n
+        return [(math.nan, f"the task's score_batch raised {e!r}", {})] * n
     finally:
         WATCH.leave(key)

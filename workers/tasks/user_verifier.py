@@ -18,15 +18,17 @@ verl's names but not ``solution_str`` is refused: called as ``fn(prompt, complet
 ``options`` (``task.kwargs.verifier_kwargs``, verl's ``custom_reward_function.reward_kwargs``)
 are passed to every call as keyword arguments; each must be a parameter of the function (or it
 takes ``**kwargs``) and not one of the arguments above. The result is a number, or verl's
-``{"score": number, ...}`` (the other keys are ignored). An ``async def`` function is run to
-completion on each call (``scoring.resolve``).
+``{"score": number, ...}``, returned as it is: the reward pool reads the score (``scoring.as_score``)
+and the dict's other numbers and texts (``scoring.reward_info``: evaluation's ``acc`` headline and
+``maj@N`` of ``pred``). An ``async def`` function is run to completion on each call
+(``scoring.resolve``).
 """
 from __future__ import annotations
 
 import inspect
 from typing import Callable
 
-from workers.tasks.scoring import as_score, resolve
+from workers.tasks.scoring import resolve
 from workers.types import TaskPrompt
 
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -34,11 +36,11 @@ VERL_BATCH_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_info
 STREAMRL_ARGS = ("prompt", "completion")
 
 
-def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPrompt, str], float]:
+def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPrompt, str], object]:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: trust it
-        return lambda prompt, completion: as_score(fn(prompt, completion, **options))
+        return lambda prompt, completion: resolve(fn(prompt, completion, **options))
     params = sig.parameters
     streamrl = list(params)[:2] == list(STREAMRL_ARGS)  # fn(prompt, completion, ...): whatever else it takes
     if "solution_strs" in params and not streamrl:  # verl's batch reward manager's names
@@ -46,9 +48,9 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
     if "solution_str" in params and not streamrl:  # verl's names
         wanted = _verl_wanted(sig, options, spec, VERL_ARGS)
 
-        def verl_style(prompt: TaskPrompt, completion: str) -> float:
+        def verl_style(prompt: TaskPrompt, completion: str):
             values = _verl_values(prompt, completion)
-            return as_score(fn(**{n: values[n] for n in wanted}, **options))
+            return resolve(fn(**{n: values[n] for n in wanted}, **options))
         return verl_style
     verl_named = [n for n in VERL_ARGS + VERL_BATCH_ARGS if n in params]
     if verl_named and not streamrl:  # verl's names without solution_str (e.g. prime_math's (model_output, ground_truth)):
@@ -69,7 +71,7 @@ def user_verifier(fn: Callable, spec: str, options: dict) -> Callable[[TaskPromp
         raise ValueError(f"task.kwargs.verifier: {spec!r} takes ({', '.join(params)}); a verifier is "
                          "fn(prompt, completion) -> float, or verl's compute_score(data_source, solution_str, "
                          "ground_truth, extra_info=None)") from None
-    return lambda prompt, completion: as_score(fn(prompt, completion, **options))
+    return lambda prompt, completion: resolve(fn(prompt, completion, **options))
 
 
 def _verl_wanted(sig: inspect.Signature, options: dict, spec: str, names: tuple[str, ...]) -> list[str]:
@@ -120,11 +122,11 @@ class BatchVerifier:
                 given[n] = arr
         return self.fn(**given, **self.options)
 
-    def __call__(self, prompt: TaskPrompt, completion: str) -> float:
+    def __call__(self, prompt: TaskPrompt, completion: str):
         out = list(resolve(self.batch([prompt], [completion])))
         if len(out) != 1:
             raise ValueError(f"the batch reward returned {len(out)} scores for 1 sample")
-        return as_score(out[0])
+        return resolve(out[0])
 
 
 def _check_options(sig: inspect.Signature, options: dict, spec: str, given: tuple[str, ...]) -> None:

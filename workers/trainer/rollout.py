@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import CausalAttention, CausalLM
+from workers.tasks.scoring import as_score
 from workers.types import Sample, TaskPrompt
 
 
@@ -131,5 +132,5 @@ def rollout(model: CausalLM, tokenizer, items: Sequence[TaskPrompt], n: int, max
 
 
 def mean_reward(task, tokenizer, samples: Sequence[Sample], prompts: dict[int, TaskPrompt]) -> float:
-    scores = [task.score(prompts[s.sample_id], tokenizer.decode(s.output_ids)) for s in samples]
+    scores = [as_score(task.score(prompts[s.sample_id], tokenizer.decode(s.output_ids))) for s in samples]
     return sum(scores) / max(len(scores), 1)

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from workers.model import CausalLM
+from workers.tasks.scoring import as_score
 from workers.tokenizer import Tokenizer
 from workers.trainer.packing import pack, response_logits
 from workers.types import Task, TaskPrompt
@@ -47,7 +48,7 @@ def _say_if_unrewarded(task: Task, pairs: list[tuple[TaskPrompt, str]]) -> None:
     that the task's own score gives nothing (a bare "72" under the math verifier, which wants \\boxed{72}; empty
     answers) teach a format worth 0. Said, not refused (the task may score another way later)."""
     try:
-        scores = [float(task.score(item, text)) for item, text in pairs]
+        scores = [as_score(task.score(item, text)) for item, text in pairs]
     except Exception:  # noqa: BLE001 - a score that cannot run here is the reward pool's to say
         return
     if scores and max(scores) <= 0:

@@ -1,0 +1,134 @@
+"""verl's validation statistics (``controller/val_metrics.py``): per task and variable, over each
+prompt's samples, averaged over prompts; bootstrap best / worst / majority with verl's draws."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import controller.evaluation as evaluation_mod
+import test_obs_program as harness
+from controller.val_metrics import PromptSamples, majority, sizes, validation_metrics
+
+
+def reference(prompts: list[PromptSamples]) -> dict[str, float]:
+    """verl's procedure written out one draw at a time: numpy's global generator seeded 42
+    before each statistic's 1,000 draws, the max / min / majority of each draw in a Python loop
+    (the majority: the most common prediction, the first one drawn on a tie, its first value)."""
+    per: dict[str, list[float]] = {}
+    for p in prompts:
+        for var in dict.fromkeys(k for r in p.rows for k in r):
+            vals = [r[var] for r in p.rows]
+            if isinstance(vals[0], str):
+                continue
+            n, out = len(vals), {}
+            out[f"mean@{n}"] = sum(vals) / n
+            if n > 1:
+                out[f"std@{n}"] = math.sqrt(sum((v - out[f"mean@{n}"]) ** 2 for v in vals) / n)
+                m, ms = 2, []
+                while m < n:
+                    ms.append(m)
+                    m *= 2
+                for m in ms + [n]:
+                    for name, fn in (("best", max), ("worst", min), ("maj", None)):
+                        if name == "maj" and "pred" not in p.rows[0]:
+                            continue
+                        np.random.seed(42)
+                        idx = np.random.choice(n, size=(1000, m), replace=True)
+                        got = []
+                        for row in idx:
+                            if fn is not None:
+                                got.append(fn(vals[i] for i in row))
+                                continue
+                            count = Counter(p.rows[i]["pred"] for i in row)  # insertion order: first drawn
+                            top = max(count, key=count.get)
+                            got.append(next(vals[i] for i in row if p.rows[i]["pred"] == top))
+                        out[f"{name}@{m}/mean"] = float(np.mean(got))
+                        out[f"{name}@{m}/std"] = float(np.std(got))
+            for stat, v in out.items():
+                per.setdefault(f"eval/{p.task}/{var}/{stat}", []).append(v)
+    return {k: sum(v) / len(v) for k, v in per.items()}
+
+
+def _prompts(seed: int) -> list[PromptSamples]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for j, task in enumerate(["gsm8k", "gsm8k", "math", "math", "math"]):
+        k = 6 if j == 4 else 5  # a prompt with one more sample has its own @6 statistics
+        rows = []
+        for _ in range(k):
+            pred = str(rng.integers(0, 3))
+            acc = float(pred == "1")
+            rows.append({"reward": 2 * acc - 1 + float(rng.normal(0, 0.1)), "acc": acc, "pred": pred})
+        out.append(PromptSamples(task, rows))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_statistics_are_verls_procedure_draw_for_draw(seed):
+    prompts = _prompts(seed)
+    got, want = validation_metrics(prompts), reference(prompts)
+    assert set(got) == set(want)
+    assert got == pytest.approx(want, abs=1e-12)
+    assert {"eval/math/acc/maj@5/mean", "eval/math/acc/best@4/std", "eval/math/reward/worst@6/mean",
+            "eval/gsm8k/acc/mean@5", "eval/gsm8k/reward/std@5"} <= set(got)
+    assert "eval/gsm8k/pred/mean@5" not in got  # a text votes, has no statistics of its own
+
+
+def test_best_at_m_is_the_expected_max_of_m_draws():
+    """A bootstrap mean is near the exact expectation of the max of m draws with replacement
+    (below the exact best of all n samples, the pooled eval/best@k)."""
+    vals = [0.0, 0.0, 0.0, 1.0, 0.5]
+    got = validation_metrics([PromptSamples("t", [{"reward": v} for v in vals])])
+    for m in (2, 4, 5):
+        exact = np.mean([max(c) for c in itertools.product(vals, repeat=m)])
+        assert abs(got[f"eval/t/reward/best@{m}/mean"] - exact) < 0.03, m
+        assert got[f"eval/t/reward/best@{m}/mean"] < 1.0
+    assert sizes(1) == [] and sizes(2) == [2] and sizes(5) == [2, 4, 5] and sizes(8) == [2, 4, 8]
+    one = validation_metrics([PromptSamples("t", [{"reward": 0.25}])])
+    assert one == {"eval/t/reward/mean@1": 0.25}  # one sample: its mean only
+
+
+def test_a_majority_tie_goes_to_the_prediction_drawn_first():
+    votes = ["a", "b", "b", "a", "c"]
+    vals = np.array([1.0, 0.0, 0.5, 0.25, 0.75])
+    picks = np.array([[0, 1, 2, 3], [1, 0, 3, 2], [4, 4, 0, 1], [2, 1, 1, 4]])
+    # ties a/b: a drawn first -> its first drawn value; b first -> b's; c twice; b 3 times (2 drawn first)
+    assert majority(vals, votes, picks).tolist() == [1.0, 0.0, 0.75, 0.5]
+
+
+def test_an_evaluation_reports_accs_headline_and_verls_statistics(monkeypatch):
+    """A dict reward (math_dapo's {"score": +-1, "acc": bool, "pred": ...}): eval/<task> and
+    eval/best@k are over ``acc`` (verl's val-core variable; they were over the +-1 score), and
+    verl's per-task statistics of every variable are there beside them; the dump rows carry the
+    reward's extra numbers and texts (verl's validation_data_dir columns)."""
+    p = harness._program(monkeypatch, "batch", harness.Clock())
+    p.cfg.train.eval_samples = 4
+    p.run(1)
+
+    def outputs(self, requests, newest=False, token=None, stage="eval", step=None):
+        return harness.EvalOutput(self.held, [(r.sample_id, [-r.sample_id % 3]) for r in requests])
+
+    monkeypatch.setattr(harness.Instance, "evaluate", outputs)
+    p.tok.decode = lambda ids, skip_special_tokens=False: str(int(ids[0])) if len(ids) else ""
+    p.cfg.logging = dataclasses.replace(p.cfg.logging, log_val_generations=8)
+
+    def score(prompt, completion):  # right when the output is 1
+        return {"score": 1.0 if completion == "1" else -1.0, "acc": completion == "1", "pred": completion}
+
+    monkeypatch.setattr(p.task, "score", score)
+    ev = evaluation_mod.evaluate(p, 3)
+    # sample ids -1..-12: outputs (s % 3) of 1..12 -> 1,2,0,1, 2,0,1,2, 0,1,2,0
+    rows = [[{"reward": 1.0 if o == 1 else -1.0, "score": 1.0 if o == 1 else -1.0, "acc": float(o == 1),
+              "pred": str(o)} for o in outs] for outs in ([1, 2, 0, 1], [2, 0, 1, 2], [0, 1, 2, 0])]
+    want = reference([PromptSamples("sum", r) for r in rows])
+    assert ev.scores["eval/sum"] == pytest.approx(4 / 12) and ev.scores["eval/mean"] == pytest.approx(4 / 12)
+    assert ev.scores["eval/best@4"] == 1.0  # every prompt has a right sample (of acc: the score's best is 1 too)
+    assert {k: v for k, v in ev.scores.items() if k.count("/") > 1} == pytest.approx(want, abs=1e-12)
+    assert ev.scores["eval/sum/acc/mean@4"] == pytest.approx(4 / 12)
+    assert ev.generations[0] == {"prompt": 0, "task": "sum", "input": ev.generations[0]["input"], "output": "1",
+                                 "gts": "1", "score": 1.0, "acc": 1.0, "pred": "1"}
