@@ -5,7 +5,7 @@ import hashlib
 import json
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from workers.types import TaskPrompt
 
@@ -19,6 +19,9 @@ class StreamState:
     # (empty in checkpoints written before they were recorded)
     items: int = 0
     digest: str = ""
+    # the prompts (indices) this epoch's order puts last: those of the batch that ran into it
+    # from the epoch before (``PromptStream.next``)
+    deferred: list[int] = field(default_factory=list)
 
 
 def digest(items: list[TaskPrompt]) -> str:
@@ -34,8 +37,11 @@ def digest(items: list[TaskPrompt]) -> str:
 
 
 class PromptStream:
-    """``next(n)`` returns the next n items; the order depends only on (seed, epoch), so a
-    resumed run (``state`` restored) continues the same sequence."""
+    """``next(n)`` returns the next n items; the order depends only on (seed, epoch) and the
+    prompts put last (``StreamState.deferred``), so a resumed run (``state`` restored) continues
+    the same sequence. A batch that runs past an epoch's end goes on into the next, reshuffled
+    epoch, whose order puts the prompts the batch already has last: no prompt twice in a batch
+    (verl's ``drop_last`` loader never makes such a batch) while there are enough prompts."""
 
     def __init__(self, items: list[TaskPrompt], seed: int = 0, state: dict | None = None):
         if not items:
@@ -59,18 +65,20 @@ class PromptStream:
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.items)))
         random.Random(self.state.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        last = set(self.state.deferred)
+        return [i for i in order if i not in last] + [i for i in self.state.deferred if i < len(order)]
 
     def next(self, n: int) -> list[TaskPrompt]:
-        out = []
-        while len(out) < n:
+        taken: list[int] = []
+        while len(taken) < n:
             if self.state.pos >= len(self._order):
                 self.state.epoch += 1
                 self.state.pos = 0
+                self.state.deferred = list(dict.fromkeys(taken))
                 self._order = self._shuffle(self.state.epoch)
-            out.append(self.items[self._order[self.state.pos]])
+            taken.append(self._order[self.state.pos])
             self.state.pos += 1
-        return out
+        return [self.items[i] for i in taken]
 
     def state_dict(self) -> dict:
         return asdict(self.state)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from controller import checkpoint as ckpt
-from controller.data import PromptStream
 from controller.rpc import is_peer_lost
 from workers.types import TaskPrompt
 
@@ -17,43 +16,6 @@ from runtime_helpers import tiny_model  # noqa: F401  (session-wide tiny model f
 
 def _items(n):
     return [TaskPrompt(f"p{i}", str(i), "t") for i in range(n)]
-
-
-def test_prompt_stream_resumes_the_same_sequence():
-    a = PromptStream(_items(10), seed=3)
-    first = [x.prompt for x in a.next(7)]
-    state = a.state_dict()
-    rest = [x.prompt for x in a.next(12)]  # crosses an epoch boundary (reshuffle)
-    b = PromptStream(_items(10), seed=3, state=json.loads(json.dumps(state)))
-    assert [x.prompt for x in b.next(12)] == rest
-    assert len(set(first + rest[:3])) == 10  # an epoch is a permutation
-    assert [x.prompt for x in PromptStream(_items(10), seed=4).next(7)] != first
-
-
-def test_a_resume_over_other_prompts_says_the_position_falls_elsewhere(capsys):
-    state = json.loads(json.dumps(PromptStream(_items(10), seed=3).state_dict()))
-    PromptStream(_items(10), seed=3, state=state)
-    assert capsys.readouterr().err == ""
-    edited = _items(11)  # a row added to the data file
-    PromptStream(edited, seed=3, state=state)
-    assert "the train prompts differ from those the checkpoint's position counts in (10 then, 11 now" \
-        in capsys.readouterr().err
-    old = {k: v for k, v in state.items() if k not in ("items", "digest")}  # a checkpoint from before
-    assert PromptStream(edited, seed=3, state=old).state_dict()["items"] == 11 and capsys.readouterr().err == ""
-
-
-def test_edited_chats_and_another_seed_are_said_on_resume(capsys):
-    from dataclasses import replace
-
-    chats = [replace(it, messages=({"role": "system", "content": "French"}, {"role": "user", "content": it.prompt}))
-             for it in _items(6)]
-    state = json.loads(json.dumps(PromptStream(chats, seed=0).state_dict()))
-    german = [replace(it, messages=({"role": "system", "content": "German"}, it.messages[1])) for it in chats]
-    PromptStream(german, seed=0, state=state)  # same last user turns and answers: used to say nothing
-    assert "the train prompts differ" in capsys.readouterr().err
-    s = PromptStream(chats, seed=123, state=state)  # a new train.seed on resume
-    assert s.state.seed == 0
-    assert "train.seed 123: the prompt order keeps the checkpoint's seed 0" in capsys.readouterr().err
 
 
 def test_checkpoint_is_atomic_and_found(tmp_path):

@@ -21,6 +21,18 @@ def test_a_null_reference_is_refused_naming_line_and_key(tmp_path):
         make_task("jsonl", files=p, answer_key="reward_model.ground_truth", verifier="numeric").prompts("train")
 
 
+def test_an_empty_reference_is_refused_for_a_built_in_verifier(tmp_path):
+    """``exact`` and ``numeric`` scored an empty completion 1.0 against "" (review, session 52):
+    a table's missing answer stored as an empty string taught the policy to say nothing."""
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "4"}, {"prompt": "b", "answer": "  "}])
+    for verifier in ("exact", "numeric", "math"):
+        with pytest.raises(ValueError, match=r"d.jsonl:2: field 'answer' is '  ', an empty reference answer"):
+            make_task("jsonl", files=p, verifier=verifier).prompts("train")
+    f = tmp_path / "r.py"  # the user's own function gets it as it is
+    f.write_text("def fn(prompt, completion):\n    return float(completion == prompt.answer)\n")
+    assert make_task("jsonl", files=p, verifier=f"{f}:fn").prompts("train")[1].answer == "  "
+
+
 def test_a_nan_or_infinite_reference_is_refused_naming_line_and_key(tmp_path):
     p = tmp_path / "d.jsonl"  # json.dumps writes NaN / Infinity, which json.loads reads back as floats
     for bad in (float("nan"), float("inf")):

@@ -45,13 +45,16 @@ def _message(m, where: str) -> dict:
 
 def _answer_text(answer, where: str, key: str, text_answers: bool) -> str:
     """The reference as text: a string as it is, a number as Python writes it (``72``, ``2.0``;
-    the built-in verifiers compare it by value). A null is refused; so is a list or object when
-    the verifier is a built-in one, which compares one answer (the user's own function gets any
+    the built-in verifiers compare it by value). A null is refused; so is an empty text, a list or
+    an object when the verifier is a built-in one, which compares one answer (the user's own function gets any
     value as it is: ``raw_answer``, verl's ``ground_truth``)."""
     if answer is None:
         raise ValueError(f"{where}: field {key!r} is null: every row needs a reference answer (drop the row, "
                          "or set task.kwargs.answer_key)")
     if isinstance(answer, str):
+        if text_answers and not answer.strip():  # an empty completion would equal it: rewarded for saying nothing
+            raise ValueError(f"{where}: field {key!r} is {answer!r}, an empty reference answer (a table's missing "
+                             "value?): drop the row, or set task.kwargs.answer_key")
         return answer
     if text_answers and isinstance(answer, numbers.Real) and not math.isfinite(answer):
         raise ValueError(f"{where}: field {key!r} is {answer!r}, not a reference answer (JSON's NaN/Infinity, "
