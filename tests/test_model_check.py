@@ -109,3 +109,53 @@ def test_model_safetensors_wins_over_other_files_and_an_index(folder, tmp_path):
     sorted(both.glob("model-*.safetensors"))[0].unlink()
     check_weights(both)
     assert load_pretrained(both, "cpu").config.hidden_size == 32
+
+
+def test_load_pretrained_names_the_shard_of_a_wrong_tensor_itself(folder, tmp_path):
+    """A worker or script loading a folder the controller never checked got torch's size-mismatch
+    RuntimeError naming no file (review, session 52)."""
+    p = tmp_path / "m"
+    shutil.copytree(folder, p)
+    edit_config(intermediate_size=48)(p)
+    with pytest.raises(ValueError, match=r"the weights do not match config.json: shapes: model.layers.0.mlp.gate_proj"
+                                         r".weight \[64, 32\] in model-0000\d-of-"):
+        load_pretrained(p, "cpu")
+
+
+def test_a_bf16_load_matches_the_fp32_one_cast(folder):
+    """Built in its dtype (no fp32 model beside the bf16 one while loading): the same weights as an
+    fp32 load cast to bf16, tied as before, RoPE's frequencies fp32."""
+    a, b = load_pretrained(folder, "cpu", torch.bfloat16), load_pretrained(folder, "cpu", torch.float32)
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert x.dtype == torch.bfloat16 and torch.equal(x, y.to(torch.bfloat16)), name
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    assert a.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rope,said", [
+    ({"rope_type": "linear", "factor": 0}, "rope_scaling factor must be a number > 0, got 0"),
+    ({"rope_type": "linear", "factor": -2.0}, "rope_scaling factor must be a number > 0, got -2.0"),
+    ({"rope_type": "linear", "factor": "4"}, "rope_scaling factor must be a number > 0, got '4'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 64}, "rope_scaling high_freq_factor 1.0 must be above low_freq_factor 4.0"),
+    ("linear", "rope_scaling must be an object"),
+])
+def test_a_rope_scaling_that_would_break_attention_is_refused(folder, tmp_path, rope, said):
+    """A factor 0 gave inf frequencies, NaN cos / sin, and CPU attention returned zeros: finite,
+    wrong logits, no word (review, session 52)."""
+    p = tmp_path / "m"
+    shutil.copytree(folder, p)
+    edit_config(rope_scaling=rope)(p)
+    with pytest.raises(ValueError, match="config.json: " + said.replace("(", r"\(")):
+        load_pretrained(p, "cpu")
+
+
+def test_a_config_json_without_a_required_key_names_it(folder, tmp_path):
+    p = tmp_path / "m"
+    shutil.copytree(folder, p)
+    c = json.loads((p / "config.json").read_text())
+    del c["hidden_size"], c["num_hidden_layers"]
+    (p / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"config.json: missing 'hidden_size', 'num_hidden_layers': a "
+                                         r"Qwen2ForCausalLM config.json gives them"):
+        load_pretrained(p, "cpu")

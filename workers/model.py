@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from workers.atomic import atomic_dir
+from workers.model_check import check_weights
 from workers.model_config import ROPE_KEYS, ModelConfig
 
 
@@ -293,22 +294,19 @@ def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None
     if not cfg_path.exists():
         raise FileNotFoundError(f"{cfg_path} not found: a model folder needs config.json")
     cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
+    check_weights(folder, cfg)  # names, shapes and the shard holding a wrong one (headers only)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    with torch.device("meta"):  # materialised in its dtype: no transient fp32 copy of a bf16 model
+        model = CausalLM(cfg).to(dtype)
     model = model.to_empty(device=device)
     state = {k: v for k, v in load_state(folder).items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not match config.json: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    model.load_state_dict(state, strict=False)  # (check_weights said what is missing or unexpected)
+    del state
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(dtype)
     # after the dtype: RoPE's frequencies stay fp32 in a bf16 model, as transformers keeps them
     # (bf16 ones put cos/sin off by up to ~1 at positions in the thousands at rope_theta 1e6)
     model.model.rotary_emb = RotaryEmbedding(cfg).to(device)

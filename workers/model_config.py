@@ -7,6 +7,7 @@ the RoPE scaling kinds ``workers.model`` implements.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ DEFAULT_MAX_POSITIONS = {"Qwen2ForCausalLM": 32768, "LlamaForCausalLM": 2048}
 # RoPE scalings workers.model implements, with the keys each needs in rope_scaling
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+# the keys config.json must give (the others have transformers' defaults)
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # activations transformers' ACT2FN maps to SiLU, the only one the MLP implements
 SILU_NAMES = ("silu", "swish")
 
@@ -97,6 +100,13 @@ class ModelConfig:
             missing = [k for k in ROPE_KEYS[kind] if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"model.rope_scaling type {kind!r} needs {', '.join(missing)}")
+            for k in ROPE_KEYS[kind]:  # a factor 0 made the frequencies inf: NaN cos / sin, attention zeroed
+                v = self.rope_scaling[k]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise ValueError(f"model.rope_scaling {k} must be a number > 0, got {v!r}")
+            if kind == "llama3" and self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+                raise ValueError(f"model.rope_scaling high_freq_factor {self.rope_scaling['high_freq_factor']} must be "
+                                 f"above low_freq_factor {self.rope_scaling['low_freq_factor']}")
             if float(self.rope_scaling.get("partial_rotary_factor", 1.0)) != 1.0:
                 raise ValueError(f"model.rope_scaling partial_rotary_factor "
                                  f"{self.rope_scaling['partial_rotary_factor']} is not supported (only 1.0: "
@@ -134,6 +144,9 @@ class ModelConfig:
         if arch not in ARCHITECTURES:
             raise ValueError(f"{source}: architecture {arch!r} is not supported ({ARCHITECTURES})")
         qwen = arch == "Qwen2ForCausalLM"
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(map(repr, missing))}: a {arch} config.json gives them")
 
         def refuse(key: str, why: str):
             raise ValueError(f"{source}: {key} {d.get(key)!r}: {why}; this model implements "
@@ -161,6 +174,10 @@ class ModelConfig:
         # no top-level rope_theta / rope_scaling (older folders, e.g. Qwen2.5's, have those). As its
         # convert_rope_params_to_dict reads them: a (non-empty) rope_scaling replaces
         # rope_parameters altogether, and the rope_theta in the one used wins over a top-level one
+        for name in ("rope_scaling", "rope_parameters"):
+            if d.get(name) and not isinstance(d[name], dict):
+                raise ValueError(f"{source}: {name} must be an object ({{\"rope_type\": ..., \"factor\": ...}}), "
+                                 f"got {d[name]!r:.60}")
         scaling = d.get("rope_scaling") or None
         rope = scaling if scaling is not None else (d.get("rope_parameters") or {})
         key = "rope_scaling"
