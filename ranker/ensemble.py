@@ -32,6 +32,9 @@ class EnsembleConfig:
 
     def __post_init__(self):
         check_fields(self, "ensemble")
+        if self.lgbm.features.lm_dims:  # (fit failed on it after the LM's pretraining, or overwrote it)
+            raise ValueError("ensemble config key 'lgbm.features.lm_dims': the ensemble sets it (the LM's embedding "
+                             "columns, with lm_embedding: true); leave it out")
 
     @classmethod
     def from_dict(cls, d: dict) -> "EnsembleConfig":

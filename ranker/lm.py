@@ -1,8 +1,8 @@
 """Small-LM ranker: a decoder from ``workers/model.py`` (built tiny from scratch with an
 in-process byte-level BPE, or any HF-format folder) with a regression head on log-length.
 
-``fit`` = (1) next-token pretraining on the prompts (no labels; skipped for a pretrained
-folder unless asked), then (2) fine-tuning backbone + head on standardized log(1 + words)
+``fit`` = (1) next-token pretraining on the prompts (no labels; ``pretrain_epochs``, 1 by
+default, a pretrained folder too: set 0 to keep its weights as they are), then (2) fine-tuning backbone + head on standardized log(1 + words)
 with MSE plus a pairwise RankNet loss inside each batch (the paper's "SFT a small LLM").
 Pooling: mean of the last hidden states over the prompt's tokens, concatenated with
 log(#tokens) since long prompts are truncated (head 3/4 + tail 1/4 of ``max_tokens``).
@@ -51,7 +51,12 @@ class LmConfig:
 
     def __post_init__(self):
         check_fields(self, "lm")
-        if self.model_dir:  # the architecture and tokenizer come from the folder
+        if self.model_dir:  # the architecture and tokenizer come from the folder (said before any generation)
+            d = Path(self.model_dir).expanduser()
+            missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
+            if missing:
+                raise ValueError(f"lm config key 'model_dir': {self.model_dir!r} has no {' and no '.join(missing)} "
+                                 "(an HF model folder with its tokenizer; '' builds a tiny one)")
             return
         check_range("lm", "vocab_size", self.vocab_size >= 258, ">= 258 (256 bytes + 2 special tokens)",
                     self.vocab_size)

@@ -303,7 +303,7 @@ def test_save_refuses_to_replace_what_is_not_a_ranker(fitted, tmp_path):
     ({"rounds": 2.5}, "'rounds' must be int, got 2.5"),
     ({"threads": True}, "'threads' must be int"),
     ({"learning_rate": -1}, "'learning_rate' must be > 0"),
-    ({"num_leaves": 1}, "'num_leaves' must be >= 2"),
+    ({"num_leaves": 1}, "'num_leaves' must be in \\[2, 131072\\]"),
     ({"subsample": 0}, r"'subsample' must be in \(0, 1\]"),
     ({"replay": 0}, "'replay' must be >= 1"),
     ({"features": {"knn_k": 0}}, "'knn_k' must be >= 1"),

@@ -1,6 +1,6 @@
 """The ranker and the dispatchers at their edges (review, session 50): a chat item's online
 update row, a diverged fit, a damaged ``meta.json`` kind, a wide skew noise, empty posterior
-bins, numpy batch caps."""
+bins, numpy batch caps; options fit would refuse (session 52)."""
 import json
 import math
 import warnings
@@ -88,3 +88,29 @@ def test_numpy_batch_caps_are_taken_as_ints():
     assert plan.batch_caps == [4, 4] and all(type(c) is int for c in plan.batch_caps)
     with pytest.raises(ValueError, match="batch caps must be ints >= 1"):
         checked_plan(DispatchPlan([[0], [1]], [np.float64(4.0), 4], "mine"), 2, 2, "mine")
+
+
+def test_options_fit_would_refuse_are_refused_when_the_ranker_is_built(tmp_path):
+    """Each failed only in ``fit``, after the bootstrap had generated every length (review,
+    session 52): a model_dir that is not there, LightGBM's num_leaves bound, an ensemble's
+    lgbm.features.lm_dims (which the ensemble sets)."""
+    with pytest.raises(ValueError, match=r"lm config key 'model_dir': '.*nothere' has no config.json and no "
+                                         r"tokenizer.json"):
+        ranker.build("lm", model_dir=str(tmp_path / "nothere"))
+    with pytest.raises(ValueError, match=r"lgbm config key 'num_leaves' must be in \[2, 131072\], got 200000"):
+        ranker.build("lgbm", num_leaves=200000)
+    with pytest.raises(ValueError, match="ensemble config key 'lgbm.features.lm_dims': the ensemble sets it"):
+        ranker.build("ensemble", lgbm={"features": {"lm_dims": 5}}, lm_embedding=False)
+
+
+def test_the_rank_objective_gives_equal_lengths_equal_targets():
+    """Tied lengths (answers cut at max_tokens) got percentiles by their rows' order: a ramp of
+    targets for equal lengths (review, session 52)."""
+    from ranker.lgbm import OBJECTIVES
+
+    _, y, _ = OBJECTIVES["rank"](np.log1p(np.array([100.0, 5.0, 100.0, 100.0, 7.0, 100.0])))
+    assert y.tolist() == pytest.approx([2 / 3, 0.5, 2 / 3, 2 / 3, 0.5, 2 / 3])  # ranks 2-5 share 3.5: (3.5+.5)/6
+    _, y, _ = OBJECTIVES["rank"](np.zeros(10))
+    assert set(y.tolist()) == {0.5}
+    _, y, _ = OBJECTIVES["rank"](np.log1p(np.arange(8.0)))  # no ties: as before
+    assert y.tolist() == pytest.approx(np.maximum((np.arange(8) + 0.5) / 8, 0.5).tolist())

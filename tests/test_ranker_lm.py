@@ -84,7 +84,7 @@ def test_ensemble_with_lm_embedding_round_trip(tmp_path):
     assert np.mean(np.log(after)) > np.mean(np.log(before)) + 0.2  # both members moved up
 
 
-def test_lm_refuses_empty_fit_and_bad_config():
+def test_lm_refuses_empty_fit_and_bad_config(tmp_path):
     with pytest.raises(ValueError, match=r"lm ranker needs at least 2 \(prompt, length\) pairs .*got 0"):
         ranker.build("lm", **TINY_LM).fit([], [])
     with pytest.raises(ValueError, match="got 1"):
@@ -102,7 +102,9 @@ def test_lm_refuses_empty_fit_and_bad_config():
         ranker.build("lm", hidden=12, heads=4)  # head size 3: RoPE needs an even one
     with pytest.raises(ValueError, match=r"lm config key 'kv_heads' must be a divisor of heads \(4\), got 3"):
         ranker.build("lm", heads=4, kv_heads=3)
-    ranker.build("lm", model_dir="some/folder", vocab_size=100)  # a folder brings its own tokenizer
+    for f in ("config.json", "tokenizer.json"):
+        (tmp_path / f).write_text("{}")
+    ranker.build("lm", model_dir=str(tmp_path), vocab_size=100)  # a folder brings its own tokenizer
     with pytest.raises(ValueError, match="unknown ensemble.lgbm.features config key 'nope'"):
         ranker.build("ensemble", lgbm={"features": {"nope": 1}})
     with pytest.raises(ValueError, match="ensemble ranker needs at least 20"):
