@@ -61,3 +61,14 @@ def check_unused(cfg: "Config") -> None:
         if cfg.weight_sync != WeightSyncConfig.from_dict(None, cfg.weight_sync.topology):
             raise ConfigError("weight_sync: colocated, the trainer's weights are copied within each process, no "
                               "broadcast runs; drop the weight_sync section (or use a disaggregated mode)")
+
+
+def minibatch_unused(cfg: "Config") -> None:
+    """``pipeline.minibatch_size`` in a run whose mode hands no mini-batches over (not checked
+    with ``--repl``, where ``mode minibatch`` may read it later)."""
+    p = cfg.pipeline
+    if p.mode != "minibatch" and _set(p, "minibatch_size"):
+        raise ConfigError(f"pipeline.minibatch_size: {p.minibatch_size!r} acts only with pipeline.mode: minibatch "
+                          f"(this run's is {p.mode}); drop pipeline.minibatch_size (from the command line: --set "
+                          f"pipeline.minibatch_size={_yaml(_default(p, 'minibatch_size'))}), or run with --repl to "
+                          "switch to it later")

@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     from controller import lifecycle
     from controller.attempt import AttemptError
     from controller.config import ConfigError, load_config
+    from controller.config_unused import minibatch_unused
     from controller.run_record import plain
 
     lifecycle.die_with_launcher()  # (again: main() may be called without the module's start)
@@ -138,6 +139,8 @@ def main(argv=None) -> int:
             if args.repl and loaded.train.eval_only:
                 raise ConfigError("train.eval_only evaluates and stops, --repl opens a console: give one of them "
                                   "(the console's `eval N` evaluates the weights it holds)")
+            if not args.repl:  # (a console may switch to `mode minibatch`, which reads it)
+                minibatch_unused(loaded)
             cfg = loaded
         except ConfigError as e:
             error = str(e)

@@ -50,3 +50,15 @@ def test_the_same_keys_with_their_switch_on_are_taken():
     from_dict({**BASE, "multi_turn": {"env": "calculator", "max_turns": 2},
                "model": {"init": {"hidden_size": 64}}, "train": {"sft_lr": 1e-3}})
     from_dict({**BASE, "pipeline": {"mode": "colocated"}, "placement": {"generation": [1], "trainer": [1]}})
+
+
+def test_minibatch_size_outside_the_minibatch_mode_is_refused_but_not_for_a_console():
+    """A stream run with pipeline.minibatch_size 3 trained as if it were not there (review, session
+    52); with --repl, `mode minibatch` reads it later (controller/main.py skips the check)."""
+    from controller.config_unused import minibatch_unused
+
+    with pytest.raises(ConfigError, match=r"^pipeline.minibatch_size: 3 acts only with pipeline.mode: minibatch \(this "
+                                          r"run's is stream\); .*--set pipeline.minibatch_size=8\), or run with --repl"):
+        minibatch_unused(from_dict({**BASE, "pipeline": {"mode": "stream", "minibatch_size": 3}}))
+    minibatch_unused(from_dict({**BASE, "pipeline": {"mode": "minibatch", "minibatch_size": 3}}))
+    minibatch_unused(from_dict({**BASE, "pipeline": {"mode": "stream"}}))

@@ -22,7 +22,7 @@ from tests.test_trainer_math_grad import loop_gae
 
 torch.set_num_threads(1)
 NEW_KEYS = ("reward_max", "reward_min", "advantage_mean", "advantage_max", "advantage_min", "response_len_max",
-            "response_len_min", "ppo_kl")
+            "response_len_min", "ppo_kl", "seq_reward_mean", "seq_reward_max", "seq_reward_min")
 
 
 class KnownRewardTask:
@@ -166,13 +166,33 @@ def test_ppo_critic_statistics(model_dir):
     assert m["advantage_min"] == pytest.approx(min(whitened), rel=1e-4)
     assert (m["reward_max"], m["reward_min"], m["response_len_max"], m["response_len_min"]) == (1.0, -0.5, 7.0, 2.0)
     assert m["ppo_kl"] == pytest.approx(0.0, abs=1e-5)
+    # verl's critic/values/max, min, returns/max, min, vf_explained_var (masked_var: unbiased), rewards/*
+    assert (m["values_max"], m["values_min"]) == pytest.approx((max(flat_old), min(flat_old)), abs=1e-5)
+    assert (m["returns_max"], m["returns_min"]) == pytest.approx((max(rets), min(rets)), abs=1e-5)
+    residual = [r - v for r, v in zip(rets, flat_old)]
+    assert m["vf_explained_var"] == pytest.approx(1 - statistics.variance(residual) / (statistics.variance(rets) + 1e-5),
+                                                  abs=1e-5)
+    assert (m["seq_reward_mean"], m["seq_reward_max"], m["seq_reward_min"]) == \
+        pytest.approx((statistics.mean(rewards), 1.0, -0.5))  # no shaping here: the scores
+    assert "clipfrac_lower" not in m  # (no dual clip)
+
+
+def test_the_dual_clips_share_is_verls_pg_clipfrac_lower(model_dir):
+    """The A < 0 tokens whose loss the dual clip bounded: max(-A r, -A clip(r)) > -c A; a sample's
+    old log-probs 1.5 lower than the trainer's puts its ratio at e^1.5 = 4.5 > c = 3."""
+    samples, prompts, sizes = build(model_dir, [[(1.0, 3), (0.0, 7), (0.5, 4), (-0.5, 5)]])
+    shifts = [0.0, 1.5, 0.0, 0.5]  # grpo advantages: +, -, +, - (the second and fourth below the mean)
+    shifted = [replace(s, logprobs=s.logprobs - d) for s, d in zip(samples, shifts)]
+    m = train(model_dir, TrainerConfig(algorithm="grpo", dual_clip=3.0), shifted, prompts, sizes)
+    assert m["clipfrac_lower"] == pytest.approx(7 / 19, abs=1e-6)  # the second sample's 7 tokens of 19
+    assert m["seq_reward_max"] == 1.0 and m["seq_reward_min"] == -0.5
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_empty_iteration_reports_zeros(model_dir, algorithm):
     """No sample (none sent, or every one refused): every new metric is 0.0, never +-inf."""
     samples, prompts, sizes = build(model_dir, [[(1.0, 3), (0.0, 4)]])
-    keys = NEW_KEYS + (StatSums.CRITIC if algorithm == "ppo" else ())
+    keys = NEW_KEYS + (StatSums.CRITIC + ("vf_explained_var",) if algorithm == "ppo" else ())
     w = TrainerWorker(TrainerConfig(algorithm=algorithm), model_dir, KnownRewardTask(), device="cpu")
     for it, batch in enumerate(([], [replace(s, output_ids=torch.zeros(0, dtype=torch.long)) for s in samples])):
         w.begin_iteration(it, prompts, sizes)
@@ -229,7 +249,7 @@ def test_reward_std_from_summed_stats():
 
     stats = StatSums(torch.device("cpu"))
     for score in (0.0, 1.0, 1.0, 0.0):
-        stats.add_sample(SimpleNamespace(score=score, num_tokens=3, prompt_ids=torch.zeros(2),
+        stats.add_sample(SimpleNamespace(score=score, reward=score, num_tokens=3, prompt_ids=torch.zeros(2),
                                          weight_version=0, overlong=0.0, reward_kl=0.0, correction={},
                                          turns=1, observation_tokens=0, env_reward=0.0), version=0)
     m = stats.metrics(stats.packed(), "token_mean")

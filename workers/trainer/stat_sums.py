@@ -23,17 +23,24 @@ class StatSums:
             "returns_sum", "vpred_sum", "tis_weight", "score_s", "score_wait_s", "overlong_sum",
             "reward_kl_sum", "groups", "uniform_groups", "filtered_groups", "surplus_groups", "baselines",
             "baseline_sum", "unbased_groups", "turns_sum", "observation_tokens_sum",
-            "env_reward_sum", "seq_tokens_sum") + rc.SUMS
-    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight")
-    FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight")  # averaged per fraction_agg(loss_agg)
+            "env_reward_sum", "seq_tokens_sum", "clipfrac_lower", "seq_reward_sum", "returns_sq_sum",
+            "residual_sum", "residual_sq_sum") + rc.SUMS
+    PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight",
+                "clipfrac_lower")
+    # averaged per fraction_agg(loss_agg)
+    FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight", "clipfrac_lower")
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
     TOKEN_MEANS = {"advantage_mean": "advantage_sum", "values_mean": "values_sum", "returns_mean": "returns_sum",
                    "vpred_mean": "vpred_sum"}
-    CRITIC = ("values_mean", "returns_mean", "vf_clipfrac", "vpred_mean")  # reported only with a critic
+    # reported only with a critic
+    CRITIC = ("values_mean", "returns_mean", "vf_clipfrac", "vpred_mean", "values_max", "values_min", "returns_max",
+              "returns_min")
     # rank_tokens_*: the most and fewest tokens (prompts and responses) a rank took (verl's
     # global_seqlen/max, min): what pipeline.balance_batch evens out
-    MAXIMA = ("reward_max", "response_len_max", "advantage_max", "rank_tokens_max") + rc.MAXIMA
-    MINIMA = ("reward_min", "response_len_min", "advantage_min", "rank_tokens_min") + rc.MINIMA
+    MAXIMA = ("reward_max", "response_len_max", "advantage_max", "rank_tokens_max", "seq_reward_max", "values_max",
+              "returns_max") + rc.MAXIMA
+    MINIMA = ("reward_min", "response_len_min", "advantage_min", "rank_tokens_min", "seq_reward_min", "values_min",
+              "returns_min") + rc.MINIMA
     EXTREMES = MAXIMA + MINIMA
 
     def __init__(self, device: torch.device):
@@ -70,7 +77,8 @@ class StatSums:
         self.add("turns_sum", float(p.turns))  # multi-turn: assistant turns, and the environment's tokens
         self.add("observation_tokens_sum", float(p.observation_tokens))
         self.add("env_reward_sum", p.env_reward)
-        for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens))):
+        self.add("seq_reward_sum", p.reward)  # verl's critic/rewards: the score shaped (overlong, KL in the reward)
+        for k, v in (("reward", float(p.score)), ("response_len", float(p.num_tokens)), ("seq_reward", float(p.reward))):
             self.add_extreme(f"{k}_max", v)
             self.add_extreme(f"{k}_min", v)
         for k, v in p.correction.items():  # rollout correction's metric terms (rollout_corr/*)
@@ -102,7 +110,7 @@ class StatSums:
     def metrics(self, totals: torch.Tensor, loss_agg: str, scale: float | None = None,
                 extremes: torch.Tensor | None = None, critic: bool = False, tis: bool = False, kl: bool = True,
                 overlong: bool = False, reward_kl: bool = False, grouped: bool = False,
-                filtered: bool = False, baselines: bool = False) -> dict[str, float]:
+                filtered: bool = False, baselines: bool = False, dual_clip: bool = False) -> dict[str, float]:
         """``totals``: ``packed()``, ``extremes``: ``packed_extremes()`` (None: this rank's), both
         all-reduced. ``scale``: ``loss_scale_factor`` (``seq_mean_token_sum_norm``). ``critic``:
         report the critic's statistics; ``tis``: the mean truncated importance weight; ``kl``: the
@@ -111,8 +119,9 @@ class StatSums:
         KL(old || ref) (``kl_mode: reward``); ``grouped``: the share of the groups whose samples all
         scored the same (advantage 0 under grpo / rloo); ``filtered``: the groups the group filter
         dropped (uniform) and left over (past ``train_groups``); ``baselines``: remax's mean greedy
-        reward and the groups skipped without one. A maximum or minimum over nothing
-        is 0.0, as the means."""
+        reward and the groups skipped without one; ``dual_clip``: the share of tokens the dual clip
+        bounded (verl's ``pg_clipfrac_lower``). A maximum or minimum over nothing is 0.0, as the
+        means."""
         t = dict(zip(self.KEYS, totals.tolist()))
         n = max(t["num_samples"], 1.0)
         divisor = loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale)
@@ -138,9 +147,15 @@ class StatSums:
             if k not in rc.MAXIMA + rc.MINIMA:
                 m[k] = signed[k] if math.isfinite(signed[k]) else 0.0
         m.update(rc.metrics(t, signed))  # verl's rollout_corr/*, when samples were corrected
-        if not critic:
+        m["seq_reward_mean"] = t["seq_reward_sum"] / n
+        if critic:  # verl's critic/vf_explained_var: 1 - Var(returns - values) / Var(returns), token-wise
+            m["vf_explained_var"] = explained_variance(t["num_tokens"], t["returns_sum"], t["returns_sq_sum"],
+                                                       t["residual_sum"], t["residual_sq_sum"])
+        else:
             for k in self.CRITIC:
                 del m[k]
+        if not dual_clip:
+            del m["clipfrac_lower"]
         if not tis:  # reported only with trainer.tis_cap
             del m["tis_weight"]
         if not kl:  # no reference without a KL coefficient (verl's actor/kl_loss: only with use_kl_loss)
@@ -158,3 +173,13 @@ class StatSums:
             m["groups_without_baseline"] = t["unbased_groups"]
         m["_divisor"] = divisor
         return m
+
+
+def explained_variance(n: float, ret: float, ret_sq: float, res: float, res_sq: float) -> float:
+    """1 - Var(returns - values) / (Var(returns) + 1e-5) over ``n`` tokens from their sums, the
+    variances unbiased (verl's ``masked_var``); 0.0 with fewer than 2 tokens."""
+    if n < 2:
+        return 0.0
+    var_ret = max(ret_sq - ret * ret / n, 0.0) / (n - 1)
+    var_res = max(res_sq - res * res / n, 0.0) / (n - 1)
+    return 1.0 - var_res / (var_ret + 1e-5)

@@ -279,6 +279,9 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         stats["kl"] = agg(kl).detach()
     if tis is not None:
         stats["tis_weight"] = agg(tis, frac)
+    if cfg.dual_clip is not None:  # verl's pg_clipfrac_lower: A < 0 tokens whose loss the dual clip bounded
+        surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+        stats["clipfrac_lower"] = agg(((surrogate > -adv * cfg.dual_clip) & (adv < 0)).float(), frac)
     if w.critic is not None:
         values = w.critic(batch)  # [N]
         old_v = torch.cat([p.values for p in items]).to(dev)
@@ -287,7 +290,11 @@ def train_terms(w: "TrainerWorker", items: list[Prepared]) -> tuple[torch.Tensor
         vl = agg(vl_tokens)
         loss = loss + cfg.value_coef * vl
         stats.update(value_loss=vl.detach(), vf_clipfrac=agg(v_clipped, frac), values_sum=kept_sum(old_v),
-                     returns_sum=kept_sum(ret), vpred_sum=kept_sum(values.detach()))
+                     returns_sum=kept_sum(ret), vpred_sum=kept_sum(values.detach()), returns_sq_sum=kept_sum(ret * ret),
+                     residual_sum=kept_sum(ret - old_v), residual_sq_sum=kept_sum((ret - old_v) ** 2))
+        for name, x in (("values", old_v), ("returns", ret)):  # over the kept tokens, as advantage_max / min
+            stats[f"{name}_max"] = (x if keep is None else x.masked_fill(~keep, -math.inf)).max()
+            stats[f"{name}_min"] = (x if keep is None else x.masked_fill(~keep, math.inf)).min()
     return loss, stats
 
 

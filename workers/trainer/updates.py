@@ -123,7 +123,8 @@ def gathered_metrics(w: "TrainerWorker") -> tuple[dict[str, float], float]:
     metrics = w.stats.metrics(totals, cfg.loss_agg, cfg.loss_scale_factor, extremes,
                               critic=w.critic is not None, tis=cfg.tis_cap > 0, kl=w.ref is not None,
                               overlong=cfg.overlong_buffer > 0, reward_kl=cfg.kl_in_reward,
-                              grouped=cfg.grouped, filtered=cfg.filter_groups, baselines=cfg.algorithm == "remax")
+                              grouped=cfg.grouped, filtered=cfg.filter_groups, baselines=cfg.algorithm == "remax",
+                              dual_clip=cfg.dual_clip is not None)
     divisor = metrics.pop("_divisor")
     if cfg.kl_in_reward:
         metrics["kl_coef"] = w.kl.value
