@@ -8,6 +8,7 @@ samples from ``step()``, weights replaced in place with a version label.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import Counter, deque
 from typing import Callable, Iterable, Mapping, Sequence as Seq
@@ -18,9 +19,11 @@ from workers.generation import kernels_package
 from workers.generation.admission import admission_key
 from workers.generation.block_manager import NEVER_REGISTER, BlockManager
 from workers.generation.config import EngineConfig
+from workers.generation.held_interrupt import held_interrupt
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
-from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
+from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
+                                              refusal)
 from workers.generation.scheduler import Scheduler
 from workers.generation.sequence import Sequence, Status, error_sample
 from workers.model import CausalLM, default_device, default_dtype, load_pretrained
@@ -93,6 +96,7 @@ class NativeEngine:
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
+        self._unreturned: list[Sample] = []  # finished by a step a Ctrl-C then left: the next step's
         self._group_live: Counter[int] = Counter()
         self._group_prompt: dict[int, torch.Tensor] = {}  # live group -> its prompt ids
         self._rate = TokenRate()
@@ -142,24 +146,40 @@ class NativeEngine:
         return refused
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._unreturned)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
-        if (self.bm.caching or self.prefix is not None) and self.scheduler.waiting:  # only admissions read them
-            self._drop_stale_prefixes()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        now = started = time.time()
-        if batch.is_prefill:
-            for s in batch.seqs:
-                s.timings.setdefault("admitted", now)
+        batch = None
         try:
+            # admission whole (a Ctrl-C midway left a queued sequence holding blocks); one held
+            # until it is done is raised here, before the forward: the batch goes back
+            with held_interrupt():
+                if (self.bm.caching or self.prefix is not None) and self.scheduler.waiting:  # only admissions read them
+                    self._drop_stale_prefixes()
+                batch = self.scheduler.schedule()
+            if batch is None:
+                return self._take_unreturned()
+            now = started = time.time()
+            if batch.is_prefill:
+                for s in batch.seqs:
+                    s.timings.setdefault("admitted", now)
             tokens, logprobs = self.runner.run(batch)
         except BaseException:
-            self._requeue(batch)
+            if batch is not None:
+                self._requeue(batch)
             raise
+        with held_interrupt():  # every sequence's tokens, stops, pins and blocks, or none
+            self._unreturned += self._apply(batch, tokens, logprobs, started)
+        return self._take_unreturned()  # (a Ctrl-C held until here: the next step returns them)
+
+    def _take_unreturned(self) -> list[Sample]:
+        out, self._unreturned = self._unreturned, []
+        return out
+
+    def _apply(self, batch, tokens: list[int], logprobs: list[float], started: float) -> list[Sample]:
+        """The step's tokens appended, the sequences that stop finished (their Samples), a group
+        prompt's pin marked ready, the blocks filled registered."""
         if batch.is_prefill:
             for seq, end in zip(batch.seqs, batch.ends):
                 if end < seq.num_tokens:  # a prefill chunk: no token yet, more chunks to come
@@ -247,8 +267,11 @@ class NativeEngine:
         already finished ids are ignored (vLLM's ``abort_request``). Called between steps."""
         aborted = []
         for sid in sample_ids:
-            seq = self._live.get(sid)
+            seq = self._live.get(sid) if hashable(sid) else None  # (add refused an unhashable one)
             if seq is None:
+                if any(s.sample_id == sid for s in self._unreturned):  # finished, not yet returned
+                    self._unreturned = [s for s in self._unreturned if s.sample_id != sid]
+                    aborted.append(sid)
                 continue
             if self.prefix is not None and seq.group_id >= 0:  # computing the shared prompt: its K/V
                 self.prefix.release_unready(seq.group_id, seq)  # will never be written (a failed step)
@@ -326,8 +349,15 @@ class TokenRate:
         self.horizon = horizon
         self.window: deque[tuple[float, int]] = deque()
         self._after_first = 0  # tokens of every entry but the first
+        # ``stats()`` reads the rate on an RPC thread while ``step()`` adds: both trim the window
+        # (an IndexError in the step, or a running sum wrong from then on, without it)
+        self._lock = threading.Lock()
 
     def add(self, now: float, n: int, started: float | None = None) -> None:
+        with self._lock:
+            self._add(now, n, started)
+
+    def _add(self, now: float, n: int, started: float | None) -> None:
         w = self.window
         begin = now if started is None else started
         if w and begin - w[-1][0] >= self.horizon:  # idle since the last step: a new span
@@ -347,9 +377,10 @@ class TokenRate:
             self._after_first -= w[0][1]  # the new first entry only marks the start
 
     def rate(self, now: float) -> float:
-        self._trim(now)
-        span = now - self.window[0][0] if self.window else 0.0
-        return self._after_first / span if span > 0 else 0.0
+        with self._lock:
+            self._trim(now)
+            span = now - self.window[0][0] if self.window else 0.0
+            return self._after_first / span if span > 0 else 0.0
 
 
 def generate_all(engine: Engine, requests: Seq[Request],
@@ -369,5 +400,8 @@ def generate_all(engine: Engine, requests: Seq[Request],
     emit(engine.add(requests))
     while engine.has_work():
         emit(engine.step())
-    order = {r.sample_id: i for i, r in enumerate(requests)}
-    return sorted(got, key=lambda s: order.get(s.sample_id, len(order)))
+    order = {r.sample_id: i for i, r in enumerate(requests) if hashable(r.sample_id)}  # (add refused the others)
+    at = {id(r.sample_id): i for i, r in enumerate(requests)}
+    return sorted(got, key=lambda s: order.get(s.sample_id, len(order)) if hashable(s.sample_id)
+                  else at.get(id(s.sample_id), len(order)))
+

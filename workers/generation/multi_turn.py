@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from workers.generation.observations import cut_observation, observation_ids, observation_message
+from workers.generation.request_check import sample_id_problem
 from workers.generation.sequence import error_sample
 from workers.tasks.scoring import resolve
 from workers.types import EngineStats, Request, Sample, SamplingParams, TaskPrompt
@@ -158,6 +159,9 @@ class MultiTurnEngine:
         are the inner engine's error samples (an id whose trajectory is live: ours)."""
         refused, accepted = [], []
         for r in requests:
+            if (why := sample_id_problem(r.sample_id)) is not None:  # (it keys the trajectories)
+                refused.append(error_sample(r, why, self.inner.stats().weight_version))
+                continue
             if r.sample_id in self._traj:  # (waiting on the environment, the inner engine does not know it)
                 refused.append(error_sample(r, f"sample_id {r.sample_id} is already queued or running",
                                             self.inner.stats().weight_version))
@@ -330,7 +334,7 @@ class MultiTurnEngine:
         turns in the inner engine, and their samples finished but not yet returned (no sample
         of them comes out of a later step()); the ids aborted, in the order given."""
         aborted, in_engine = [], []
-        ids = list(sample_ids)
+        ids = [sid for sid in sample_ids if sample_id_problem(sid) is None]  # (add refused the others)
         done = {s.sample_id for s in self._ready} & set(ids)
         self._ready = [s for s in self._ready if s.sample_id not in done]
         for sid in ids:

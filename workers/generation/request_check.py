@@ -14,13 +14,24 @@ from workers.types import SERVED_TEMPERATURES, Request, SamplingParams, temperat
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+def hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def sample_id_problem(sid) -> str | None:
+    """Why ``sid`` cannot name a request (an engine keys its requests by it), or None."""
+    return None if hashable(sid) else f"sample_id must be an int, got {type(sid).__name__} {sid!r}"
+
+
 def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -> str | None:
     """Why ``req`` cannot be served (None when it can): ``max_len`` is the engine's context
     (prompt + output tokens), ``live`` the sample ids already queued or running."""
-    try:
-        hash(req.sample_id)
-    except TypeError:
-        return f"sample_id must be an int, got {type(req.sample_id).__name__} {req.sample_id!r}"
+    if (why := sample_id_problem(req.sample_id)) is not None:
+        return why
     if not is_int(req.group_id) or req.group_id < -1:
         return f"group_id must be an int >= 0 (-1: no group), got {req.group_id!r}"
     p = req.prompt_ids

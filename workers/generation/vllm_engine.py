@@ -33,7 +33,8 @@ from workers.generation import vllm_args, vllm_process
 from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
 from workers.generation.engine import TokenRate
-from workers.generation.request_check import check_batch_cap, check_eos_ids, check_requests, check_weights, refusal
+from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
+                                              refusal)
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -232,7 +233,7 @@ class VLLMEngine:
         returned. No Sample of them comes from a later ``step()``; freed slots admit queued
         requests at once. Returns the ids aborted, in the order given; unknown or finished
         ids are ignored (as vLLM)."""
-        wanted = [sid for sid in dict.fromkeys(sample_ids) if sid in self._sample_ids or
+        wanted = [sid for sid in dict.fromkeys(filter(hashable, sample_ids)) if sid in self._sample_ids or
                   any(s.sample_id == sid for s in self._late_errors)]
         drop = set(wanted)
         if not drop:
