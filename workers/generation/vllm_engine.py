@@ -32,7 +32,7 @@ import torch
 from workers.generation import vllm_args, vllm_process
 from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
-from workers.generation.engine import TokenRate
+from workers.generation.token_rate import TokenRate
 from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
                                               refusal)
 from workers.model import CausalLM, ModelConfig
