@@ -192,20 +192,31 @@ class Session:
         from workers.trainer.checkpoint import check
         from workers.trainer.lora import target_names
 
-        try:  # a damaged file or another model / algorithm: one line, before the trainers load it
-            state = ckpt.load_state(found)
-            t = self.cfg.trainer
-            check(found / "trainer", self.model_dir, t.algorithm, t.use_critic, t.lora_rank, t.lora_alpha,
+        t = self.cfg.trainer
+
+        def checked(c: Path):
+            state = ckpt.load_state(c)
+            check(c / "trainer", self.model_dir, t.algorithm, t.use_critic, t.lora_rank, t.lora_alpha,
                   target_names(t.lora_target_modules))
+            return state
+
+        try:  # a damaged file or another model / algorithm: one line, before the trainers load it
+            state = checked(found)
         except (OSError, ValueError) as e:
             older = ckpt.previous(found)
+            try:  # offered only when it would resume: a config the run's checkpoints all refuse is not damage
+                ok = older is not None and checked(older) is not None
+            except (OSError, ValueError):
+                ok = False
             raise ConfigError(f"--resume {self.args.resume}: {e}"
-                              + (f"; the previous checkpoint, {older}, is complete: --resume {older}" if older else "")
+                              + (f"; the previous checkpoint, {older}, is complete: --resume {older}" if ok else "")
                               ) from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
-        if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only:
-            ckpt.point_latest(found)  # this folder's lineage continues from here (an evaluation continues nothing)
+        trains = state.iteration < self.cfg.train.iterations or self.args.repl  # (a console may `run` on)
+        if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only \
+                and trains:  # this folder's lineage continues from here (an evaluation, or nothing to train: none)
+            ckpt.point_latest(found)
         self._saved = (state.iteration, found)
         if state.mode != self.cfg.pipeline.mode:  # a REPL `mode` before that save; the config rules
             print(f"[controller] the checkpoint was saved in pipeline.mode {state.mode!r}; this run uses its "

@@ -318,3 +318,61 @@ def test_a_torchrun_restart_without_resume_says_to_launch_with_resume(tmp_path, 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with pytest.raises(ConfigError, match=r"continue it with --resume"):
         refuse_previous_run(logdir)
+
+
+def _session(cfg, resume, model_dir, logdir):
+    """A Session far enough for ``_resume``: its config, --resume, and one trainer rank in this
+    process that loads nothing (the controller's part is under test)."""
+    from types import SimpleNamespace
+
+    from controller.rpc import WorkerHandle
+    from controller.session import Session
+    from runtime_helpers import LocalRRef
+
+    class Trainer:
+        def load_checkpoint(self, folder):
+            return 7
+
+    s = Session.__new__(Session)
+    s.cfg, s.model_dir, s.logdir = cfg, model_dir, logdir
+    s.args = SimpleNamespace(resume=str(resume), repl=False)
+    s.world = SimpleNamespace(trainers=[WorkerHandle(2, "trainer", LocalRRef(Trainer()))], push_weights=lambda v: [])
+    return s
+
+
+def test_a_config_mismatch_offers_no_previous_checkpoint_and_a_no_op_resume_leaves_latest(models, tmp_path):
+    """(1) Another trainer.algorithm was refused with "the previous checkpoint ... is complete:
+    --resume it", which every checkpoint of the run refuses the same way; a damaged one still
+    gets the hint. (2) A resume of an older checkpoint that trains nothing (train.iterations
+    reached) pointed latest at it: the next plain --resume went back there and wrote over the
+    newer one (review, session 52)."""
+    from controller.config import from_dict
+
+    small, _, task = models
+    root = tmp_path / "run" / "checkpoints"
+    w = TrainerWorker(TrainerConfig(algorithm="grpo"), small, task, device="cpu")
+    for it in (2, 4):
+        ckpt.save(root, ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "batch", [0.0] * it, {}),
+                  lambda folder: w.save_checkpoint(folder))
+    base = {"placement": {"generation": [1], "trainer": [2]}, "model": {"path": small},
+            "logging": {"logdir": str(tmp_path / "run")}}
+
+    def cfg(**over):
+        return from_dict({**base, "train": {"iterations": over.pop("iterations", 8)}, "trainer": over})
+
+    with pytest.raises(ConfigError) as e:
+        _session(cfg(algorithm="rloo"), tmp_path / "run", small, tmp_path / "run")._resume()
+    assert "checkpoint is for trainer.algorithm 'grpo', this run's is 'rloo'" in str(e.value)
+    assert "the previous checkpoint" not in str(e.value)
+    state = root / "iter_000004" / "trainer" / "trainer_state.pt"
+    good = state.read_bytes()
+    state.write_bytes(good[:100])
+    with pytest.raises(ConfigError, match=r"unreadable, the checkpoint is damaged .*; the previous checkpoint, "
+                                          r".*iter_000002, is complete: --resume .*iter_000002"):
+        _session(cfg(), tmp_path / "run", small, tmp_path / "run")._resume()
+    state.write_bytes(good)
+    assert (root / "latest").read_text().strip() == "iter_000004"
+    done = _session(cfg(iterations=2), root / "iter_000002", small, tmp_path / "run")._resume()
+    assert done.iteration == 2 and (root / "latest").read_text().strip() == "iter_000004"  # nothing trained
+    _session(cfg(iterations=6), root / "iter_000002", small, tmp_path / "run")._resume()
+    assert (root / "latest").read_text().strip() == "iter_000002"  # this run continues from there
