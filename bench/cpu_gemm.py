@@ -75,6 +75,11 @@ def main(argv=None) -> None:
         for m in rows:
             xs = [torch.randn(m, k, generator=g) for _, k, _ in shapes(model)]
             flops = sum(2 * m * k * n for _, k, n in shapes(model))
+            for name in calls:  # untimed: oneDNN's first calls of a shape took 20-66 ms (its setup), and in
+                if packs[name] is not None:  # half the trials of a cell they moved the median (review, s52)
+                    for _ in range(3):
+                        for x, p in zip(xs, packs[name]):
+                            calls[name](x, p, None)
             for state in ("hot", "cold"):
                 times: dict[str, list[float]] = {name: [] for name in calls if packs[name] is not None}
                 for t in range(15 if args.quick else TRIALS[model]):

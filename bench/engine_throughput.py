@@ -1,7 +1,8 @@
 """Generation throughput: the native engine vs transformers ``generate`` vs vLLM, side by side.
 
     python bench/engine_throughput.py            # workloads a, b, c (several minutes)
-    python bench/engine_throughput.py --quick    # small versions, under a minute
+    python bench/engine_throughput.py --quick    # small versions: native, hf, vllm (about a minute
+                                                 # without vLLM; each vLLM start adds ~40 s a workload)
 
 Same model folder and the same work for every competitor, length-forced (min = max new
 tokens, EOS ignored), sampling at temperature 1:
@@ -242,14 +243,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked before any work: a bad value is one line naming the flag,
     exit code 2."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small workloads (under a minute)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small workloads, and the competitors native, hf, vllm unless --competitors is given "
+                         "(native and hf in about a minute; each vLLM engine start adds ~40 s, one per workload)")
     ap.add_argument("--workloads", type=names_from(WORKLOADS), default="a,b,c",
                     help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    ap.add_argument("--competitors", type=names_from(COMPETITORS),
-                    default="native,native_bf16kv,hf,vllm,vllm_default",
+    ap.add_argument("--competitors", type=names_from(COMPETITORS), default=None,
                     help=f"comma-separated, of {', '.join(COMPETITORS)}; native_bf16kv: the native engine "
                          "with kv_cache_dtype bfloat16, reported beside the headline (vLLM's CPU backend has "
-                         "no bf16 KV option); vllm_default: vLLM at its own dtype choice (bf16 for the fp32 model)")
+                         "no bf16 KV option); vllm_default: vLLM at its own dtype choice (bf16 for the fp32 model). "
+                         "Default: native,native_bf16kv,hf,vllm,vllm_default (--quick: native,hf,vllm)")
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="'cpu': time the runs in CPU seconds of this process (with --threads 1: "
@@ -264,6 +267,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the native engine and transformers run (vLLM: CPU only)")
     args = ap.parse_args(argv)
+    if args.competitors is None:
+        args.competitors = names_from(COMPETITORS)("native,hf,vllm" if args.quick else
+                                                   "native,native_bf16kv,hf,vllm,vllm_default")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     if args.device == "cuda" and args.attention == "cpu":

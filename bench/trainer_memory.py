@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 4-layer model, 3 iterations (else 8 layers, 4)")
     ap.add_argument("--ranks", type=int_at_least(2), default=2, help="data-parallel trainer ranks")
-    ap.add_argument("--repeats", type=positive_int, default=2, help="alternations of the two competitors")
+    ap.add_argument("--repeats", type=positive_int, default=2, help="alternations of the competitors")
     ap.add_argument("--layers", type=positive_int, default=None, help="decoder layers (hidden 512)")
     ap.add_argument("--iterations", type=int_at_least(2), default=None,
                     help="iterations a competitor runs (the first allocates the AdamW state; step time is "
