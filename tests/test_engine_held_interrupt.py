@@ -13,7 +13,7 @@ import torch
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
 from workers.generation.token_rate import TokenRate
-from workers.generation.held_interrupt import held_interrupt
+from workers.generation.held_interrupt import HeldInterrupt
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.types import Request, SamplingParams
 
@@ -86,13 +86,25 @@ def test_a_ctrl_c_outside_the_forward_leaves_the_engine_whole(where):
 def test_interrupts_are_held_only_on_the_main_thread_under_pythons_handler():
     got = []
     with pytest.raises(KeyboardInterrupt):
-        with held_interrupt():
+        with HeldInterrupt():
             signal.raise_signal(signal.SIGINT)
             got.append("ran on")
     assert got == ["ran on"]
+    with pytest.raises(KeyboardInterrupt):
+        with HeldInterrupt() as held:
+            with held.interruptible():
+                signal.raise_signal(signal.SIGINT)
+                got.append("not reached")
+    with pytest.raises(KeyboardInterrupt):
+        with HeldInterrupt() as held:
+            signal.raise_signal(signal.SIGINT)
+            got.append("held")
+            with held.interruptible():  # a held one is raised on entry
+                got.append("not reached")
+    assert got == ["ran on", "held"]
     previous = signal.signal(signal.SIGINT, lambda *a: got.append("own handler"))
     try:
-        with held_interrupt():
+        with HeldInterrupt():
             signal.raise_signal(signal.SIGINT)
         assert got[-1] == "own handler"
     finally:
@@ -106,7 +118,7 @@ def test_interrupts_are_held_only_on_the_main_thread_under_pythons_handler():
 
 
 def _held_on_thread():
-    with held_interrupt():
+    with HeldInterrupt():
         return signal.getsignal(signal.SIGINT)
 
 

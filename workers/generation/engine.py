@@ -18,7 +18,7 @@ from workers.generation import kernels_package
 from workers.generation.admission import admission_key
 from workers.generation.block_manager import NEVER_REGISTER, BlockManager
 from workers.generation.config import EngineConfig
-from workers.generation.held_interrupt import held_interrupt
+from workers.generation.held_interrupt import HeldInterrupt
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
@@ -150,28 +150,32 @@ class NativeEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
+        # a Ctrl-C is held while the bookkeeping changes (admission, the step's tokens, stops, pins
+        # and blocks) and raised when it is whole; the forward stays interruptible. The samples of
+        # a step whose held Ctrl-C was raised come out of the next one
+        with HeldInterrupt() as held:
+            self._step(held)
+        return self._take_unreturned()
+
+    def _step(self, held: HeldInterrupt) -> None:
         batch = None
         try:
-            # admission whole (a Ctrl-C midway left a queued sequence holding blocks); one held
-            # until it is done is raised here, before the forward: the batch goes back
-            with held_interrupt():
-                if (self.bm.caching or self.prefix is not None) and self.scheduler.waiting:  # only admissions read them
-                    self._drop_stale_prefixes()
-                batch = self.scheduler.schedule()
+            if (self.bm.caching or self.prefix is not None) and self.scheduler.waiting:  # only admissions read them
+                self._drop_stale_prefixes()
+            batch = self.scheduler.schedule()
             if batch is None:
-                return self._take_unreturned()
+                return
             now = started = time.time()
             if batch.is_prefill:
                 for s in batch.seqs:
                     s.timings.setdefault("admitted", now)
-            tokens, logprobs = self.runner.run(batch)
+            with held.interruptible():  # (one held in admission is raised here: the batch goes back)
+                tokens, logprobs = self.runner.run(batch)
         except BaseException:
             if batch is not None:
                 self._requeue(batch)
             raise
-        with held_interrupt():  # every sequence's tokens, stops, pins and blocks, or none
-            self._unreturned += self._apply(batch, tokens, logprobs, started)
-        return self._take_unreturned()  # (a Ctrl-C held until here: the next step returns them)
+        self._unreturned += self._apply(batch, tokens, logprobs, started)
 
     def _take_unreturned(self) -> list[Sample]:
         out, self._unreturned = self._unreturned, []
