@@ -8,8 +8,9 @@ scored samples, then averaged over the prompts:
   ``worst@m/mean``, ``worst@m/std``: the max / min of m samples drawn with replacement, over
   ``DRAWS`` draws, their mean and std (numpy's legacy generator seeded 42 for each statistic, so
   the draws are verl's and the figures equal its own);
-* ``maj@m/mean``, ``maj@m/std`` where the reward gives a ``pred``: the value of the most common
-  prediction among the m drawn (a tie: the prediction drawn first), as ``best@m``.
+* ``maj@m/mean``, ``maj@m/std`` where the reward gives every sample of the prompt a ``pred``
+  (None too: a ballot of its own, as verl counts it): the value of the most common prediction
+  among the m drawn (a tie: the prediction drawn first), as ``best@m``.
 
 Keys ``eval/<task>/<variable>/<statistic>``: verl's ``val-core`` / ``val-aux`` /
 ``<source>/<variable>/<statistic>``, under this project's ``eval/`` (``eval_repl/p<N>/`` for a REPL
@@ -18,11 +19,13 @@ evaluation). A text variable has no statistics (``pred`` votes only), as in verl
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 DRAWS = 1000  # verl's n_bootstrap
+_NONE = object()  # a sample without a pred
 SEED = 42  # verl's seed, for every statistic
 
 
@@ -79,8 +82,8 @@ def prompt_stats(rows: list[dict[str, float | str]]) -> dict[str, dict[str, floa
         stats = {f"mean@{n}": float(vals.mean())}
         if n > 1:
             stats[f"std@{n}"] = float(vals.std())
-            preds = [r.get("pred") for r in have]
-            votes = None if any(p is None for p in preds) else preds
+            preds = [r.get("pred", _NONE) for r in have]  # (None is a ballot: no answer found, as verl counts it)
+            votes = None if any(p is _NONE for p in preds) else preds
             for m in sizes(n):
                 picks = draws(n, m)
                 drawn = vals[picks]
@@ -91,6 +94,15 @@ def prompt_stats(rows: list[dict[str, float | str]]) -> dict[str, dict[str, floa
                     stats[f"maj@{m}/mean"], stats[f"maj@{m}/std"] = float(maj.mean()), float(maj.std())
         out[var] = stats
     return out
+
+
+_STATISTIC = re.compile(r"/[^/]+/(?:(?:mean|std)@\d+|(?:best|worst|maj)@\d+/(?:mean|std))$")
+
+
+def is_statistic(key: str) -> bool:
+    """Whether an ``eval/`` key is one of these statistics (not a headline: ``eval/<task>``,
+    whose task may have a ``/`` in its name, ``eval/mean``, ``eval/best@k``)."""
+    return bool(_STATISTIC.search(key))
 
 
 def validation_metrics(prompts: list[PromptSamples], key=lambda task: task) -> dict[str, float]:

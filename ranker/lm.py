@@ -51,12 +51,7 @@ class LmConfig:
 
     def __post_init__(self):
         check_fields(self, "lm")
-        if self.model_dir:  # the architecture and tokenizer come from the folder (said before any generation)
-            d = Path(self.model_dir).expanduser()
-            missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
-            if missing:
-                raise ValueError(f"lm config key 'model_dir': {self.model_dir!r} has no {' and no '.join(missing)} "
-                                 "(an HF model folder with its tokenizer; '' builds a tiny one)")
+        if self.model_dir:  # the architecture and tokenizer come from the folder (check_model_dir)
             return
         check_range("lm", "vocab_size", self.vocab_size >= 258, ">= 258 (256 bytes + 2 special tokens)",
                     self.vocab_size)
@@ -64,6 +59,18 @@ class LmConfig:
                     self.kv_heads)
         check_range("lm", "hidden", self.hidden % (2 * self.heads) == 0,
                     f"a multiple of 2 x heads ({2 * self.heads}: each head's size must be even for RoPE)", self.hidden)
+
+    def check_model_dir(self) -> None:
+        """A ValueError when ``model_dir`` is set and is no model folder with its tokenizer: said
+        when a ranker is built to fit (``ranker.build``, before a run's bootstrap generates) and
+        when it fits; not when a saved one loads (its own LM is in its folder)."""
+        if not self.model_dir:
+            return
+        d = Path(self.model_dir).expanduser()
+        missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
+        if missing:
+            raise ValueError(f"lm config key 'model_dir': {self.model_dir!r} has no {' and no '.join(missing)} "
+                             "(an HF model folder with its tokenizer; '' builds a tiny one)")
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "lm") -> "LmConfig":
@@ -168,6 +175,7 @@ class LmRanker(LogLengthRanker):
     def _build(self, prompts: Sequence[str]) -> None:
         c = self.cfg
         torch.manual_seed(c.seed)
+        c.check_model_dir()
         if c.model_dir:
             # a saved ranker's own LM (``save_files``: its length head beside it) keeps the
             # tokenizer it was trained with; read as transformers would (its config.json says

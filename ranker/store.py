@@ -98,8 +98,13 @@ def _named(model, kind: str):
 def build(kind: str = "lgbm", **kw):
     """A fresh, unfitted ranker: ``build("lgbm", rounds=200)``; keyword arguments are the
     kind's config fields (``LgbmConfig``, ``LmConfig``, ``EnsembleConfig``; your own class's
-    constructor arguments)."""
-    return _named(_cls(kind)(**kw), kind)
+    constructor arguments). An LM's ``model_dir`` that is no model folder is refused here, before
+    anything is generated for its fit (``LmConfig.check_model_dir``)."""
+    r = _named(_cls(kind)(**kw), kind)
+    for c in (getattr(r, "cfg", None), getattr(getattr(r, "cfg", None), "lm", None)):
+        if callable(getattr(c, "check_model_dir", None)):
+            c.check_model_dir()
+    return r
 
 
 def save(ranker, path: str | Path) -> Path:

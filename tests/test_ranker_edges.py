@@ -114,3 +114,24 @@ def test_the_rank_objective_gives_equal_lengths_equal_targets():
     assert set(y.tolist()) == {0.5}
     _, y, _ = OBJECTIVES["rank"](np.log1p(np.arange(8.0)))  # no ties: as before
     assert y.tolist() == pytest.approx(np.maximum((np.arange(8) + 0.5) / 8, 0.5).tolist())
+
+
+def test_a_saved_lm_ranker_loads_after_the_folder_it_started_from_is_gone(tmp_path):
+    """Its own LM and tokenizer are in its folder: the model_dir check (made for a ranker built
+    to fit) refused to load it once that folder was moved (review of session 52's change)."""
+    import shutil
+
+    from test_ranker_synth import synth
+
+    tiny = {"vocab_size": 300, "hidden": 16, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate": 32,
+            "max_tokens": 24, "pretrain_epochs": 0, "epochs": 1, "batch_size": 16, "lr": 5e-3, "update_steps": 1,
+            "threads": 1}
+    prompts, lengths = synth(40, seed=0)
+    ranker.build("lm", **tiny).fit(prompts, lengths).save(tmp_path / "base")
+    tuned = ranker.build("lm", **{**tiny, "model_dir": str(tmp_path / "base" / "lm")}).fit(prompts, lengths)
+    tuned.save(tmp_path / "tuned")
+    want = tuned.predict(prompts[:5])
+    shutil.rmtree(tmp_path / "base")
+    assert ranker.load(tmp_path / "tuned").predict(prompts[:5]) == want
+    with pytest.raises(ValueError, match="lm config key 'model_dir': .* has no config.json"):
+        ranker.build("lm", **{**tiny, "model_dir": str(tmp_path / "base" / "lm")})

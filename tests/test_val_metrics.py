@@ -23,8 +23,8 @@ def reference(prompts: list[PromptSamples]) -> dict[str, float]:
     for p in prompts:
         for var in dict.fromkeys(k for r in p.rows for k in r):
             vals = [r[var] for r in p.rows]
-            if isinstance(vals[0], str):
-                continue
+            if not all(isinstance(v, float) for v in vals):  # a text (verl: its first is one), or None
+                continue  # (verl's np.mean raises on a pred list that starts with None)
             n, out = len(vals), {}
             out[f"mean@{n}"] = sum(vals) / n
             if n > 1:
@@ -132,3 +132,32 @@ def test_an_evaluation_reports_accs_headline_and_verls_statistics(monkeypatch):
     assert ev.scores["eval/sum/acc/mean@4"] == pytest.approx(4 / 12)
     assert ev.generations[0] == {"prompt": 0, "task": "sum", "input": ev.generations[0]["input"], "output": "1",
                                  "gts": "1", "score": 1.0, "acc": 1.0, "pred": "1"}
+
+
+def test_a_pred_of_none_is_a_ballot_and_the_prompt_keeps_its_majority():
+    """math_dapo's strict box gives pred None when no answer was found: that dropped the prompt
+    from maj@m (reward_info left the None out), so maj@m was over the easier prompts only
+    (review, session 52); verl counts None as one more vote."""
+    from workers.tasks.scoring import reward_info
+
+    assert reward_info({"score": -1.0, "acc": False, "pred": None}) == {"score": -1.0, "acc": 0.0, "pred": None}
+    assert reward_info({"score": 1.0, "pred": [1, 2]})["pred"] == "[1, 2]"
+    rows = [[{"reward": a, "acc": a, "pred": p} for a, p in zip(accs, preds)]
+            for accs, preds in (([1.0, 1.0, 0.0, 0.0], ["4", "4", None, None]),
+                                ([0.0, 0.0, 0.0, 1.0], [None, None, "3", "7"]))]
+    prompts = [PromptSamples("t", r) for r in rows]
+    got = validation_metrics(prompts)
+    assert got == pytest.approx(reference(prompts), abs=1e-12)
+    assert "eval/t/acc/maj@4/mean" in got and got["eval/t/acc/maj@4/mean"] < 0.75  # both prompts, the second's None wins
+
+
+def test_the_console_tells_a_statistic_from_a_task_with_a_slash_in_its_name():
+    """The eval line dropped eval/openai/gsm8k and eval/synthetic/running_sum with the statistics
+    (it counted slashes; review of session 52's change)."""
+    from controller.val_metrics import is_statistic
+
+    for key in ("eval/openai/gsm8k", "eval/synthetic/running_sum", "eval/mean", "eval/best@4", "eval/task:mean"):
+        assert not is_statistic(key), key
+    for key in ("eval/openai/gsm8k/acc/mean@4", "eval/t/reward/std@2", "eval/a/b/score/best@2/mean",
+                "eval/t/acc/maj@8/std", "eval/t/reward/worst@4/mean"):
+        assert is_statistic(key), key

@@ -159,15 +159,19 @@ def as_score(out) -> float:
     return float(out)
 
 
-def reward_info(out) -> dict[str, float | str]:
+def reward_info(out) -> dict[str, float | str | None]:
     """verl's ``reward_extra_info`` of one sample: a dict reward's entries (``score`` among them)
     whose values are numbers (a bool as 0 / 1) or text (``math_dapo``'s ``pred``), the rest left
-    out; ``{}`` for any other reward. ``out`` is the reward's value, awaited already."""
+    out; ``{}`` for any other reward. ``pred`` (a majority vote's ballot) is kept whatever it is:
+    None (no answer found: ``math_dapo``'s strict box) as None, any other value as its text.
+    ``out`` is the reward's value, awaited already."""
     if not isinstance(out, dict):
         return {}
-    info: dict[str, float | str] = {}
+    info: dict[str, float | str | None] = {}
     for key, value in out.items():
-        if isinstance(value, str):
+        if key == "pred" and not isinstance(value, (str, int, float)):  # (bools are ints)
+            info["pred"] = None if value is None else repr(value)
+        elif isinstance(value, str):
             info[str(key)] = value
         elif not isinstance(value, bytes) and hasattr(value, "__float__") and getattr(value, "ndim", 0) == 0:
             try:
