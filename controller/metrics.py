@@ -158,7 +158,10 @@ class Metrics:
         scalars = {f"train/{k}": float(v) for k, v in res.metrics.items()}
         reward = float(res.metrics.get("reward_mean", 0.0))
         self.rewards.append(reward)
-        self.samples += res.num_samples
+        # the samples trained (with trainer.filter_groups num_samples counts every one received,
+        # the dropped groups too: 288 for 64 trained in the DAPO example)
+        trained = float(res.metrics.get("num_seqs", res.num_samples))
+        self.samples += trained
         self.skipped += int(res.metrics.get("skipped_samples", 0))
         out_tokens = sum(res.gen_lens)  # every output token generated (remax's greedy ones, filtered groups too)
         self.tokens += out_tokens
@@ -167,7 +170,7 @@ class Metrics:
         derived = {
             # rates over the interval since the previous iteration (what the pipeline delivers):
             # iter_seconds overlap in the async modes, so rates over them were too low
-            "perf/samples_per_s": res.num_samples / max(res.interval_s, 1e-9),
+            "perf/samples_per_s": trained / max(res.interval_s, 1e-9),
             "perf/tokens_per_s": out_tokens / max(res.interval_s, 1e-9),
             "time/interval_s": res.interval_s,
             "time/iteration_s": res.iter_seconds,

@@ -284,9 +284,11 @@ class Session:
         if c.logging.progress and (self.progress is None or not self.progress.console.is_terminal):
             # a log file, a pipe or the REPL: rich draws its bar only at the end there
             of = f"/{c.train.iterations}" if res.iteration < c.train.iterations else ""  # a REPL `run` may go on
+            got, trained = int(res.metrics.get('num_samples', 0)), int(res.metrics.get('num_seqs', 0))
+            kept = f" ({trained} trained)" if self.cfg.trainer.filter_groups and trained != got else ""
             print(f"[controller] iteration {res.iteration + 1}{of} ({self.program.mode.name}): "
-                  f"reward {res.metrics.get('reward_mean', 0):.3f}, {int(res.metrics.get('num_samples', 0))} "
-                  f"samples, {derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
+                  f"reward {res.metrics.get('reward_mean', 0):.3f}, {got} samples{kept}, "
+                  f"{derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
     def _evaluate_and_say(self, step: int, source: str = "periodic") -> None:
         """An evaluation of the weights the engines hold, logged at ``step`` and said on stderr:
