@@ -149,10 +149,12 @@ def sampling_kwargs(req: Request, eos_ids: tuple[int, ...], on_cpu: bool = False
     takes greedy samples' log-probs at T = 1)."""
     s = req.sampling
     temperature = float(s.temperature) if s.temperature >= GREEDY_BELOW else 0.0
+    # counts past any context are held below 2**62 (the same cut: a child's msgpack encodes no int
+    # past 2**64); a top_k that large keeps every token, as off does
     return dict(n=1, temperature=temperature, top_p=float(s.top_p),
-                top_k=int(s.top_k) if s.top_k > 0 else 0,
+                top_k=int(s.top_k) if 0 < s.top_k < 1 << 62 else 0,
                 seed=cpu_seed(s.seed) if on_cpu and s.seed is not None else s.seed,
-                max_tokens=int(req.max_tokens), min_tokens=int(req.min_tokens),
+                max_tokens=min(int(req.max_tokens), 1 << 62), min_tokens=min(int(req.min_tokens), 1 << 62),
                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
                 detokenize=False, skip_special_tokens=False)
 

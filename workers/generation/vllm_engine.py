@@ -47,6 +47,7 @@ class _Queued:
     key: tuple
     req: Request = field(compare=False)
     queued: float = field(compare=False)
+    ids: list[int] = field(compare=False, default_factory=list)  # the prompt's ids, read at add()
 
 
 class _StatsTap:
@@ -102,12 +103,31 @@ def _reload_on_worker(items: list[tuple[str, torch.Tensor]], tied: bool, worker)
 def _request_errors() -> tuple[type[BaseException], ...]:
     """Exceptions by which vLLM refuses one request's parameters: ValueError / TypeError, and
     (vLLM >= 0.32) ``VLLMClientError`` - ``VLLMValidationError`` ("temperature must be in [0,
-    2]") is not a ValueError. Server-side errors (``VLLMServerError``) still raise."""
+    2]") is not a ValueError; OverflowError: an int past 2**64 a child's msgpack cannot encode.
+    Server-side errors (``VLLMServerError``) still raise."""
     try:
         from vllm.exceptions import VLLMClientError
     except ImportError:  # older vLLM: its validation errors are ValueErrors
-        return (ValueError, TypeError)
-    return (ValueError, TypeError, VLLMClientError)
+        return (ValueError, TypeError, OverflowError)
+    return (ValueError, TypeError, OverflowError, VLLMClientError)
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _set_rng_states(states: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
 
 
 def _import_vllm(subprocess: bool):
@@ -156,7 +176,8 @@ class VLLMEngine:
         self._weight_dtype = getattr(torch, dtype)  # load_weights casts to it
         self._on_cpu = device == "cpu"  # seeds folded for torch's CPU generator (sampler.cpu_seed)
         self.subprocess = vllm_process.use_subprocess(cfg)
-        vllm = _import_vllm(self.subprocess)
+        callers = _rng_states()  # vLLM seeds torch, numpy and random with its seed in its process (and its
+        vllm = _import_vllm(self.subprocess)  # first import draws from random)
         from vllm.sampling_params import RequestOutputKind
 
         self._tap = _StatsTap()
@@ -164,6 +185,13 @@ class VLLMEngine:
             self.llm = vllm.LLMEngine.from_engine_args(
                 vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
                 enable_multiprocessing=self.subprocess)
+        self._closed = False
+        if not self.subprocess:
+            vllm_process.IN_PROCESS[0] += 1
+            # its CPU sampler draws unseeded rows from torch's global generator: its own state,
+            # swapped in around each step, leaves the caller's draws and seed as they were
+            self._engine_rng = torch.get_rng_state()
+        _set_rng_states(callers)
         with torch.device("meta"):  # names and shapes load_weights accepts (tied: both names)
             self._shapes = {n: tuple(p.shape) for n, p in
                             CausalLM(mc).named_parameters(remove_duplicate=False)}
@@ -202,7 +230,9 @@ class VLLMEngine:
             if why is not None:
                 refused.append(self._error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}"))
                 continue
-            heapq.heappush(self._queue, _Queued((self._admission(req), next(self._arrival)), req, now))
+            # the ids as they are now (the caller may reuse its tensor before the request enters vLLM)
+            heapq.heappush(self._queue, _Queued((self._admission(req), next(self._arrival)), req, now,
+                                                req.prompt_ids.tolist()))
             self._sample_ids.add(req.sample_id)
         self._admit()
         return refused
@@ -215,13 +245,16 @@ class VLLMEngine:
             try:  # vLLM validates in SamplingParams(...) and in add_request
                 params = self._sampling_cls(**vllm_args.sampling_kwargs(q.req, self.eos_ids, self._on_cpu),
                                             output_kind=self._final_only)
-                self.llm.add_request(rid, {"prompt_token_ids": q.req.prompt_ids.tolist()}, params,
+                self.llm.add_request(rid, {"prompt_token_ids": q.ids}, params,
                                      priority=vllm_args.priority(q.req, self.cfg.admission))
             except self._request_errors as e:
                 self._sample_ids.discard(q.req.sample_id)
                 self._late_errors.append(self._error_sample(
                     q.req, f"sample_id {q.req.sample_id}: refused by vLLM: {type(e).__name__}: {e}"))
                 continue
+            except BaseException:  # (vLLM's server side, a Ctrl-C): queued again, not lost, and raised
+                heapq.heappush(self._queue, q)
+                raise
             self._live[rid] = q
 
     def has_work(self) -> bool:
@@ -258,11 +291,15 @@ class VLLMEngine:
         if self._broken:
             raise RuntimeError(f"vLLM engine: {self._broken}; load the weights again before generating")
         done, self._late_errors = self._late_errors, []
-        self._admit()  # (anything queued while nothing ran)
-        if not self._live:
-            return done
-        started = time.time()
-        outputs = self.llm.step()
+        try:
+            self._admit()  # (anything queued while nothing ran)
+            if not self._live:
+                return done
+            started = time.time()
+            outputs = self._step()
+        except BaseException:  # (a Ctrl-C, an error the caller retries): the refusals come out later
+            self._late_errors[:0] = done
+            raise
         now = time.time()
         done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
         self._rate.add(now, self._tap.generated - self._counted, started)
@@ -359,6 +396,18 @@ class VLLMEngine:
         self.llm.set_weight_version(str(self.weight_version))
         self._admit()
 
+    def _step(self):
+        """vLLM's step, in-process on its own torch generator state (the caller's kept)."""
+        if self.subprocess:
+            return self.llm.step()
+        callers = torch.get_rng_state()
+        torch.set_rng_state(self._engine_rng)
+        try:
+            return self.llm.step()
+        finally:
+            self._engine_rng = torch.get_rng_state()
+            torch.set_rng_state(callers)
+
     def close(self) -> None:
         """Stop vLLM's engine core (its child process in subprocess mode). Idempotent."""
         self._queue.clear()
@@ -366,6 +415,9 @@ class VLLMEngine:
         self._sample_ids.clear()
         self.llm.engine_core.shutdown()
         self._gen_dir.cleanup()
+        if not self.subprocess and not self._closed:
+            vllm_process.IN_PROCESS[0] -= 1
+        self._closed = True
 
     def stats(self) -> EngineStats:
         """From vLLM's scheduler stats of the last step (running, waiting, KV use) plus this

@@ -17,18 +17,31 @@ from workers.env import env_var
 from workers.generation.config import EngineConfig
 
 
+IN_PROCESS = [0]  # vLLM engine cores running in this process now (VLLMEngine, until close)
+
+
 def use_subprocess(cfg: EngineConfig) -> bool:
     """The engine core in a spawned child: asked (``backend_options.multiprocess``); forced by
     ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment (vLLM makes a child then, whatever
-    it is asked: taken as one, so the child's settings are made); in a multi-rank world; or on
-    a GPU other than this process's first (vLLM's one-process executor computes on cuda:0)."""
+    it is asked: taken as one, so the child's settings are made); in a process with a
+    ``torch.distributed`` world (vLLM builds its groups on it, and its shutdown destroys the
+    process group); beside another in-process engine core (one's shutdown tears down the model
+    parallel groups the other steps in); or on a GPU other than this process's first (vLLM's
+    one-process executor computes on cuda:0). ``multiprocess: false`` in the two shared-state
+    cases is refused."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower() in ("1", "true"):
         return True
+    dist = torch.distributed
+    shared = ("torch.distributed is initialized in this process" if dist.is_available() and dist.is_initialized()
+              else "another vLLM engine runs in this process" if IN_PROCESS[0] else "")
     opt = cfg.backend_options.get("multiprocess")
     if opt is not None:
+        if not opt and shared:
+            raise ValueError(f"engine.backend_options.multiprocess: false, but {shared}: vLLM's in-process engine "
+                             "core destroys the process group and its parallel groups when it is closed; drop "
+                             "multiprocess: false (a child is started)")
         return bool(opt)
-    dist = torch.distributed
-    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) or (gpu_index(cfg) or 0) > 0
+    return bool(shared) or (gpu_index(cfg) or 0) > 0
 
 
 def gpu_index(cfg: EngineConfig) -> int | None:
