@@ -324,3 +324,58 @@ def test_prefix_cache_hits_are_reported(setup):
     generate_all(eng, _greedy(prompt, 2, first_id=501))
     assert eng.stats().prefix_cache_hit_tokens - before >= 64  # the second request's two full 32-token blocks
     assert eng.block_size == 32 and eng.num_blocks * eng.block_size >= 8192
+
+
+def test_the_callers_generators_and_prompt_tensors_are_its_own(setup):
+    """(Review, session 52.) vLLM's CPU sampler drew unseeded rows from torch's global generator
+    (the caller's draws moved, and moved the engine's); a request's prompt ids were read when it
+    entered vLLM, so a caller reusing its tensor after add() changed a request queued behind the
+    batch cap; refusals taken by a step whose vLLM step raised were lost."""
+    import random
+
+    import numpy as np
+
+    eng = setup["vllm"]
+    if not eng.subprocess:
+        torch.manual_seed(1234)
+        state = torch.get_rng_state()
+        unseeded = [Request(sample_id=900 + i, prompt_ids=p, max_tokens=4, sampling=SamplingParams(temperature=1.0))
+                    for i, p in enumerate(_prompts([5, 9], seed=3))]
+        generate_all(eng, unseeded)
+        assert torch.equal(torch.get_rng_state(), state)
+    random_state, np_state = random.getstate(), np.random.get_state()[1].copy()
+    eng.set_max_batch_size(1)
+    try:
+        first, second = _prompts([6, 6], seed=4)
+        want = generate_all(setup["native"], _greedy([first, second.clone()], 5, first_id=910))
+        buf = second.clone()
+        eng.add(_greedy([first, buf], 5, first_id=910))
+        buf.fill_(19)  # the caller reuses its tensor while request 911 waits behind the cap of 1
+        got = []
+        while eng.has_work():
+            got += eng.step()
+        assert sorted((s.sample_id, s.output_ids.tolist()) for s in got) == \
+            [(s.sample_id, s.output_ids.tolist()) for s in want]
+    finally:
+        eng.set_max_batch_size(4)
+    assert random.getstate() == random_state and np.array_equal(np.random.get_state()[1], np_state)
+    bad = Request(sample_id=920, prompt_ids=_prompts([4])[0], max_tokens=3, sampling=GREEDY)
+    eng._late_errors.append(eng._error_sample(bad, "refused by vLLM: a stand-in"))
+    eng.add(_greedy(_prompts([4], seed=5), 3, first_id=921))
+    step, calls = eng.llm.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return step()
+    eng.llm.step = failing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.step()
+        out = []
+        while eng.has_work():
+            out += eng.step()
+    finally:
+        eng.llm.step = step
+    assert sorted(s.sample_id for s in out) == [920, 921]

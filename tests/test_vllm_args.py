@@ -154,6 +154,38 @@ def test_gpu_memory_utilization_is_the_share_free_now(monkeypatch):
     assert vllm_args.engine_args(cfg, "/m", MC)["gpu_memory_utilization"] == 0.5
 
 
+def _alone(monkeypatch, ve) -> None:
+    """As in a process of its own: no torch.distributed world, no other in-process engine (an
+    engine of an earlier test in this process may still be alive)."""
+    import torch
+
+    monkeypatch.setattr(ve, "IN_PROCESS", [0])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+
+
+def test_an_engine_beside_shared_process_state_starts_a_child(monkeypatch):
+    """An in-process engine core's close() destroyed the caller's process group and tore down the
+    parallel groups another in-process engine stepped in (review, session 52): beside either, a
+    child; multiprocess: false there is refused."""
+    import torch
+
+    from workers.generation import vllm_process as ve
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    _alone(monkeypatch, ve)
+    cpu = EngineConfig(backend="vllm", device="cpu")
+    assert not ve.use_subprocess(cpu)
+    monkeypatch.setattr(ve, "IN_PROCESS", [1])
+    assert ve.use_subprocess(cpu)
+    with pytest.raises(ValueError, match="multiprocess: false, but another vLLM engine runs in this process"):
+        ve.use_subprocess(EngineConfig(backend="vllm", device="cpu", backend_options={"multiprocess": False}))
+    monkeypatch.setattr(ve, "IN_PROCESS", [0])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert ve.use_subprocess(cpu)
+    with pytest.raises(ValueError, match="multiprocess: false, but torch.distributed is initialized"):
+        ve.use_subprocess(EngineConfig(backend="vllm", device="cpu", backend_options={"multiprocess": False}))
+
+
 def test_a_vllm_instance_computes_on_its_own_gpu(monkeypatch):
     """vLLM's one-process executor binds cuda:0 whatever engine.device said, so every instance of
     a node computed on GPU 0 (review, session 50). The engine core now starts in a child that sees
@@ -162,6 +194,7 @@ def test_a_vllm_instance_computes_on_its_own_gpu(monkeypatch):
 
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _alone(monkeypatch, ve)
     cpu, one = EngineConfig(backend="vllm", device="cpu"), EngineConfig(backend="vllm", device="cuda:1")
     assert ve.gpu_index(cpu) is None and not ve.use_subprocess(cpu)
     assert ve.gpu_index(one) == 1 and ve.use_subprocess(one) and ve.child_gpu(1) == "1"
@@ -181,4 +214,5 @@ def test_vllms_multiprocessing_variable_makes_the_backend_set_up_a_child(monkeyp
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert ve.use_subprocess(EngineConfig(backend="vllm", device="cpu", backend_options={"multiprocess": False}))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _alone(monkeypatch, ve)
     assert not ve.use_subprocess(EngineConfig(backend="vllm", device="cpu"))
