@@ -32,9 +32,10 @@ import torch
 from workers.generation import vllm_args, vllm_process
 from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
-from workers.generation.token_rate import TokenRate
 from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
                                               refusal)
+from workers.generation.token_rate import TokenRate
+from workers.generation.vllm_stats import StatsTap
 from workers.model import CausalLM, ModelConfig
 from workers.types import EngineStats, Request, Sample
 
@@ -48,40 +49,6 @@ class _Queued:
     req: Request = field(compare=False)
     queued: float = field(compare=False)
     ids: list[int] = field(compare=False, default_factory=list)  # the prompt's ids, read at add()
-
-
-class _StatsTap:
-    """A vLLM stat logger that keeps the latest scheduler numbers for ``stats()``."""
-
-    def __init__(self):
-        self.running = self.waiting = 0
-        self.kv_usage = 0.0
-        self.kv_peak = 0.0  # the highest kv_usage since the engine last became busy
-        self.generated = 0  # output tokens since start
-        self.prefix_hits = 0  # prompt (and preempted) tokens vLLM found in its prefix cache, since start
-
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-        if scheduler_stats is not None:
-            self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
-            self.kv_usage = scheduler_stats.kv_cache_usage
-            self.kv_peak = max(self.kv_peak, self.kv_usage)
-            pc = getattr(scheduler_stats, "prefix_cache_stats", None)
-            if pc is not None:
-                self.prefix_hits += pc.hits + pc.preempted_hits
-        if iteration_stats is not None:
-            self.generated += iteration_stats.num_generation_tokens
-
-    def log_engine_initialized(self):
-        pass
-
-    def log(self):
-        pass
-
-    def record_sleep_state(self, *args, **kwargs):
-        pass
-
-    def record_admission_rejection(self, reason: str) -> None:
-        pass
 
 
 def _reprocess_tied_head(model) -> None:
@@ -110,24 +77,6 @@ def _request_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # older vLLM: its validation errors are ValueErrors
         return (ValueError, TypeError, OverflowError)
     return (ValueError, TypeError, OverflowError, VLLMClientError)
-
-
-def _rng_states() -> tuple:
-    import random
-
-    import numpy as np
-
-    return torch.get_rng_state(), np.random.get_state(), random.getstate()
-
-
-def _set_rng_states(states: tuple) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(states[0])
-    np.random.set_state(states[1])
-    random.setstate(states[2])
 
 
 def _import_vllm(subprocess: bool):
@@ -176,11 +125,11 @@ class VLLMEngine:
         self._weight_dtype = getattr(torch, dtype)  # load_weights casts to it
         self._on_cpu = device == "cpu"  # seeds folded for torch's CPU generator (sampler.cpu_seed)
         self.subprocess = vllm_process.use_subprocess(cfg)
-        callers = _rng_states()  # vLLM seeds torch, numpy and random with its seed in its process (and its
+        callers = vllm_process.rng_states()  # vLLM seeds torch, numpy and random with its seed in its process (and its
         vllm = _import_vllm(self.subprocess)  # first import draws from random)
         from vllm.sampling_params import RequestOutputKind
 
-        self._tap = _StatsTap()
+        self._tap = StatsTap()
         with vllm_process.child_env(cfg, self.subprocess):
             self.llm = vllm.LLMEngine.from_engine_args(
                 vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
@@ -191,7 +140,7 @@ class VLLMEngine:
             # its CPU sampler draws unseeded rows from torch's global generator: its own state,
             # swapped in around each step, leaves the caller's draws and seed as they were
             self._engine_rng = torch.get_rng_state()
-        _set_rng_states(callers)
+        vllm_process.set_rng_states(callers)
         with torch.device("meta"):  # names and shapes load_weights accepts (tied: both names)
             self._shapes = {n: tuple(p.shape) for n, p in
                             CausalLM(mc).named_parameters(remove_duplicate=False)}

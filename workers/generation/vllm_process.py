@@ -85,3 +85,23 @@ def child_env(cfg: EngineConfig, subprocess: bool) -> Iterator[None]:
             if gpu is not None:
                 stack.enter_context(env_var("CUDA_VISIBLE_DEVICES", child_gpu(gpu)))
         yield
+
+
+def rng_states() -> tuple:
+    """This process's torch, numpy and Python generator states (vLLM seeds all three with its own
+    seed when an engine core starts in this process, and its first import draws from random)."""
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def set_rng_states(states: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
