@@ -379,3 +379,83 @@ def test_the_callers_generators_and_prompt_tensors_are_its_own(setup):
     finally:
         eng.llm.step = step
     assert sorted(s.sample_id for s in out) == [920, 921]
+
+
+def test_what_admission_failing_leaves_comes_out_later(setup):
+    """A finished sample, or a refusal, taken out of the engine's books before an admission that
+    raised (vLLM's server side, a Ctrl-C in add_request) was lost with the exception (review of
+    session 52's change): the next step returns it."""
+    eng = setup["vllm"]
+    eng.set_max_batch_size(1)
+    add, calls = eng.llm.add_request, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the second request's admission, in the step that finishes the first
+            raise RuntimeError("vLLM's server side")
+        return add(*a, **kw)
+    eng.llm.add_request = failing
+    out = []
+    try:
+        eng.add(_greedy(_prompts([4, 5], seed=6), 3, first_id=930))
+        while eng.has_work():
+            try:
+                out += eng.step()
+            except RuntimeError:
+                pass
+        calls.clear()
+        calls.append(1)  # the next call fails: a refusal of the same add() must survive it
+        with pytest.raises(RuntimeError):
+            eng.add(_greedy(_prompts([4], seed=7), 3, first_id=932) + [Request(933, torch.tensor([V + 5]), 3)])
+        while eng.has_work():
+            out += eng.step()
+    finally:
+        eng.llm.add_request = add
+        eng.set_max_batch_size(4)
+    assert sorted((s.sample_id, s.finish_reason) for s in out) == \
+        [(930, "length"), (931, "length"), (932, "length"), (933, "error")]
+
+
+_FAILED_START = """
+import random, sys
+import numpy as np
+import torch
+from workers.generation.config import EngineConfig
+from workers.generation.factory import make_engine
+
+def main():
+    cfg = dict(backend="vllm", max_batch_size=4, block_size=32, kv_cache_tokens=8192, device="cpu", dtype="float32")
+    torch.manual_seed(1234); np.random.seed(1234); random.seed(1234)
+    t, n, r = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    try:
+        make_engine(EngineConfig(**cfg, backend_options={"num_gpu_blocks_override": 1}), sys.argv[1])
+    except Exception:
+        pass
+    else:
+        raise SystemExit("the start did not fail")
+    assert torch.equal(torch.get_rng_state(), t) and np.array_equal(np.random.get_state()[1], n), "reseeded"
+    assert random.getstate() == r, "python's random reseeded"
+    eng = make_engine(EngineConfig(**cfg), sys.argv[1])  # in-process again: no world left behind
+    assert not eng.subprocess, "the failed start's world sent the next start to a child"
+    eng.close()
+    print("ok")
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_failed_start_leaves_the_caller_as_it_was(setup, tmp_path):
+    """vLLM refusing to start (a KV cache too small) after it had seeded the generators and made
+    its one-rank world: the caller's generators stayed reseeded, and that world sent the next
+    start to a child (review of session 52's change). In a fresh process, as a rank is."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text(_FAILED_START)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script), str(setup["dir"])], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

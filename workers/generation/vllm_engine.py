@@ -126,21 +126,28 @@ class VLLMEngine:
         self._on_cpu = device == "cpu"  # seeds folded for torch's CPU generator (sampler.cpu_seed)
         self.subprocess = vllm_process.use_subprocess(cfg)
         callers = vllm_process.rng_states()  # vLLM seeds torch, numpy and random with its seed in its process (and its
-        vllm = _import_vllm(self.subprocess)  # first import draws from random)
-        from vllm.sampling_params import RequestOutputKind
+        try:  # first import draws from random): the caller's are restored, whether it starts or not
+            vllm = _import_vllm(self.subprocess)
+            from vllm.sampling_params import RequestOutputKind
 
-        self._tap = StatsTap()
-        with vllm_process.child_env(cfg, self.subprocess):
-            self.llm = vllm.LLMEngine.from_engine_args(
-                vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
-                enable_multiprocessing=self.subprocess)
-        self._closed = False
-        if not self.subprocess:
-            vllm_process.IN_PROCESS[0] += 1
-            # its CPU sampler draws unseeded rows from torch's global generator: its own state,
-            # swapped in around each step, leaves the caller's draws and seed as they were
-            self._engine_rng = torch.get_rng_state()
-        vllm_process.set_rng_states(callers)
+            self._tap = StatsTap()
+            try:
+                with vllm_process.child_env(cfg, self.subprocess):
+                    self.llm = vllm.LLMEngine.from_engine_args(
+                        vllm.EngineArgs(**args), stat_loggers=[lambda *a, **k: self._tap],
+                        enable_multiprocessing=self.subprocess)
+            except BaseException:
+                if not self.subprocess:  # (the one-rank world a failed start left would send the next to a child)
+                    vllm_process.drop_world()
+                raise
+            self._closed = False
+            if not self.subprocess:
+                vllm_process.IN_PROCESS[0] += 1
+                # its CPU sampler draws unseeded rows from torch's global generator: its own state,
+                # swapped in around each step, leaves the caller's draws and seed as they were
+                self._engine_rng = torch.get_rng_state()
+        finally:
+            vllm_process.set_rng_states(callers)
         with torch.device("meta"):  # names and shapes load_weights accepts (tied: both names)
             self._shapes = {n: tuple(p.shape) for n, p in
                             CausalLM(mc).named_parameters(remove_duplicate=False)}
@@ -183,7 +190,7 @@ class VLLMEngine:
             heapq.heappush(self._queue, _Queued((self._admission(req), next(self._arrival)), req, now,
                                                 req.prompt_ids.tolist()))
             self._sample_ids.add(req.sample_id)
-        self._admit()
+        self._admit_keeping(refused)
         return refused
 
     def _admit(self) -> None:
@@ -253,8 +260,17 @@ class VLLMEngine:
         done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
         self._rate.add(now, self._tap.generated - self._counted, started)
         self._counted = self._tap.generated
-        self._admit()
+        self._admit_keeping(done)
         return done
+
+    def _admit_keeping(self, out: list[Sample]) -> None:
+        """``_admit``; when it raises (vLLM's server side, a Ctrl-C), ``out`` (finished samples or
+        refusals no longer held anywhere else) comes out of the next step instead of being lost."""
+        try:
+            self._admit()
+        except BaseException:
+            self._late_errors[:0] = out
+            raise
 
     def _to_sample(self, out, now: float) -> Sample:
         q = self._live.pop(out.request_id)

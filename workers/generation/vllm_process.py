@@ -105,3 +105,15 @@ def set_rng_states(states: tuple) -> None:
     torch.set_rng_state(states[0])
     np.random.set_state(states[1])
     random.setstate(states[2])
+
+
+def drop_world() -> None:
+    """Tear down what an in-process vLLM start that failed set up in this process (its parallel
+    groups and one-rank torch.distributed world), as its shutdown would have."""
+    try:
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # noqa: BLE001 - best effort: the start's own error is what the caller hears
+        pass
