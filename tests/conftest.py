@@ -15,3 +15,19 @@ def _streamrl_logging_restored():
     yield
     log.handlers[:], log.propagate = saved[0], saved[1]
     log.setLevel(saved[2])
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """``controller.main.main`` run in-process also installs the run's handlers for SIGINT,
+    SIGTERM and SIGHUP (``lifecycle.signals_interrupt``: the first signal ignores the others from
+    then on). Left in place, a later test's SIGINT (tests/test_engine_held_interrupt.py) went to
+    it: SIGTERM was ignored for every test after (session 52). Each test gets them back."""
+    import signal
+
+    names = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    saved = [signal.getsignal(s) for s in names]
+    yield
+    for s, handler in zip(names, saved):
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
