@@ -294,3 +294,23 @@ def test_a_runs_scale_out_policy_predicts_with_the_runs_dispatcher():
     d = policy.observe(0, gen_time_s=rr[2], train_time_s=8.0, out_lens=lens, instances=3, spare=1)
     assert d.add and d.delta_prime_s == pytest.approx(lower_convex_hull(rr)[2] - lower_convex_hull(rr)[3])
     assert delta_prime(prof, lens, 3, rr[2], dispatcher="oracle") == 0.0  # what it used to predict
+
+
+def test_the_random_dispatcher_plans_on_the_splits_it_simulates():
+    """docs/planner.md: what is planned is what is simulated. The plan split every batch with
+    seed 0 where the simulator splits batch i with seed i, so under `--dispatcher random` the
+    planned generation time was not the simulated one (review, session 52)."""
+    from controller.planner.cluster import Cluster, Datacenter
+    from controller.planner.hardware import MODELS
+    from controller.planner.planner import Planner
+    from controller.planner.simulator import SimConfig, simulate
+    from controller.planner.workloads import Trace, sample_workloads
+
+    wl = sample_workloads(Trace([50 * (i + 1) for i in range(40)], [64] * 40), 32, 3, seed=0)
+    c = Cluster("t", [Datacenter("dc", "H800", 16, 2.0)], gen_unit=1, trainer_unit=1, gen_tp=1)
+    p = Planner(c, MODELS["qwen2.5-7b"], wl, "grpo", "random")
+    a = p.allocate()
+    r = simulate(SimConfig("batch", a.gen_instances, p.gen_profile, p._train_profile(a.train_gpus),
+                           dispatcher="random"), wl.iterations)
+    simulated = sum(e - s for s, e in zip(r.gen_start, r.gen_end)) / len(wl.iterations)
+    assert a.gen_time_s == pytest.approx(simulated, rel=1e-9)

@@ -186,28 +186,31 @@ def even_split(model: StageModel, n: int) -> Allocation:
 
 
 def generation_time_model(profile: PTLProfile, out_lens: Sequence[int], prompt_lens: Sequence[int] | None = None,
-                          dispatcher: str = "oracle", **dispatch_kw) -> Callable[[int], float]:
+                          dispatcher: str = "oracle", seed: int = 0, **dispatch_kw) -> Callable[[int], float]:
     """gen_time(instances): the dispatcher's plan of this workload over identical instances,
-    each run with the event-level model; the slowest instance's makespan. Cached."""
+    each run with the event-level model; the slowest instance's makespan. ``seed``: the plan's
+    (the ``random`` dispatcher's split; the simulator gives batch i ``seed + i``). Cached."""
     lens = [max(1, int(x)) for x in out_lens]
     disp = make_dispatcher(dispatcher, **dispatch_kw)
 
     @lru_cache(maxsize=None)
     def gen_time(k: int) -> float:
         profs = [profile] * k
-        plan = disp.plan([float(x) for x in lens], profs, true_lens=[float(x) for x in lens], prompt_lens=prompt_lens)
+        plan = disp.plan([float(x) for x in lens], profs, true_lens=[float(x) for x in lens], prompt_lens=prompt_lens,
+                         seed=seed)
         return max(r.makespan_s for r in simulate_plan(plan, lens, profs, prompt_lens))
 
     return gen_time
 
 
 def mean_generation_time_model(profile: PTLProfile, batches: Sequence[tuple[Sequence[int], Sequence[int] | None]],
-                               dispatcher: str = "oracle", **dispatch_kw) -> Callable[[int], float]:
+                               dispatcher: str = "oracle", seed: int = 0, **dispatch_kw) -> Callable[[int], float]:
     """gen_time(instances) averaged over several batches (``(out_lens, prompt_lens)`` each):
     each batch dispatched and run on its own (``generation_time_model``), the mean of their
     generation times. The planner plans on every simulated iteration's batch this way, not on
-    one draw of the workload. Cached."""
-    models = [generation_time_model(profile, o, q, dispatcher, **dispatch_kw) for o, q in batches]
+    one draw of the workload; batch i with the simulator's seed for it (``seed + i``). Cached."""
+    models = [generation_time_model(profile, o, q, dispatcher, seed + i, **dispatch_kw)
+              for i, (o, q) in enumerate(batches)]
     if not models:
         raise ValueError("mean_generation_time_model: no batch")
 
