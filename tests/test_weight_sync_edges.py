@@ -284,3 +284,26 @@ def test_random_topologies_plan_spanning_trees_with_one_crossing_per_datacenter(
             assert max(load) - min(load) <= max(b.nbytes for b in plan.buckets)
         views = WeightSyncReceiver(plan, receivers[0])._views(torch.zeros(plan.total_bytes, dtype=torch.uint8))
         assert all(views[s.name].shape == s.shape and views[s.name].dtype == s.dtype for s in plan.slots)
+
+
+def _many_packed(rank: int, world: int) -> tuple:
+    """60 tensors of 64 B in 200-B buckets: 20 buckets, every one packed (three tensors each)."""
+    w = {f"t{i}": torch.full((16,), float(i)) for i in range(60)}
+    plan = plan_sync(Topology(), [0], [1], tensor_spec(w.items()), 200)
+    assert sum(len(b.pieces) > 1 for b in plan.buckets) == 20
+    if rank == 0:
+        for version in (1, 2):  # (a second push reuses the pooled pack buffers)
+            WeightSyncSender(plan, 0, timeout_s=30).push(w, version)
+        return ("sent",)
+    got = []
+    for version in (1, 2):
+        st = WeightSyncReceiver(plan, 1, timeout_s=30).receive()
+        got.append(st.ok and st.version == version and all(torch.equal(st.tensors[n], w[n]) for n in w))
+    return tuple(got)
+
+
+def test_more_packed_buckets_than_the_pool_are_sent():
+    """A send is marked done only when a child's window (64) fills or at the end; with more
+    than 16 packed buckets (the pool) in fewer than 64 sends the sender waited forever for the
+    oldest, and the receiver timed out (review, session 52). It flushes the links first now."""
+    assert run_local(2, _many_packed) == [("sent",), (True, True)]

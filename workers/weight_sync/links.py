@@ -22,6 +22,7 @@ from workers.weight_sync.shaper import LinkShaper
 from workers.weight_sync.topology import LinkClass, Topology
 
 HEADER_WORDS = 4
+_FLUSH = object()  # a child's queue item: finish the sends posted so far (Links.flush)
 
 
 @dataclass
@@ -52,9 +53,10 @@ class Countdown:
         with self._cv:
             return self._n <= 0
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether every send finished (False: ``timeout_s`` passed first)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._n <= 0)
+            return self._cv.wait_for(lambda: self._n <= 0, timeout_s)
 
 
 class Links:
@@ -112,6 +114,17 @@ class Links:
         else:
             self._queues[child].put(item)
 
+    def flush(self) -> None:
+        """Finish every send posted so far (each child's thread, after what is queued for it):
+        a send is marked done only when the window fills or at a flush, and a producer waiting
+        for one (the sender's pack buffers) posts nothing more that would fill it."""
+        if self.inline:
+            for child in self._children:
+                self._drain(child)
+            return
+        for q in self._queues.values():
+            q.put(_FLUSH)
+
     def close(self) -> None:
         """Flush every queue, wait for all sends, stop the threads."""
         for q in self._queues.values():
@@ -125,7 +138,10 @@ class Links:
     def _run(self, child: int) -> None:
         q = self._queues[child]
         while (item := q.get()) is not None:
-            self._post(child, item)
+            if item is _FLUSH:
+                self._drain(child)
+            else:
+                self._post(child, item)
         self._drain(child)
 
     def _post(self, child: int, item: Outgoing) -> None:

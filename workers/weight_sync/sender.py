@@ -43,7 +43,7 @@ class WeightSyncSender:
                 payload = _view(b, flat)
                 buf = None
                 if payload is None or b.index in self.corrupt_buckets:
-                    buf = self._buffer(inflight, flat)
+                    buf = self._buffer(inflight, flat, links)
                     payload = _pack(b, flat, buf[:b.nbytes], payload)
                 header = _header(version, b.index, bucket_checksum(payload))
                 if b.index in self.corrupt_buckets:
@@ -64,16 +64,23 @@ class WeightSyncSender:
             raise RuntimeError(f"weight sync sender rank {self.rank}: " + "; ".join(links.errors))
         return report
 
-    def _buffer(self, inflight: list, flat: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _buffer(self, inflight: list, flat: dict[str, torch.Tensor], links: Links) -> torch.Tensor:
         """A pack buffer: a free pooled one, the oldest in flight once it is sent (at most
-        ``max_packed`` exist), or a new one. Pooled across pushes: no fresh pages per sync."""
+        ``max_packed`` exist), or a new one. Pooled across pushes: no fresh pages per sync.
+        Waiting for the oldest, the links finish what they posted first (a send is marked done
+        only when a child's window fills: with 16 packed buckets in flight and fewer than 64
+        sends a child, the push waited forever, session 52)."""
         while inflight and inflight[0][1].finished():
             self._free.append(inflight.pop(0)[0])
         if self._free:
             return self._free.pop()
         if len(inflight) >= self.max_packed:
-            buf, done = inflight.pop(0)
-            done.wait()
+            buf, done = inflight[0]
+            links.flush()
+            if not done.wait(self.timeout_s):
+                raise TimeoutError(f"weight sync sender rank {self.rank}: a packed bucket's sends did not finish "
+                                   f"in {self.timeout_s:g} s (timeout_s)")
+            inflight.pop(0)
             return buf
         size = max(bk.nbytes for bk in self.plan.buckets)
         return torch.empty(size, dtype=torch.uint8, device=next(iter(flat.values())).device)
