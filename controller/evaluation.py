@@ -152,7 +152,7 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
             # verl's dump: the reward's extra numbers and texts beside the score
             generations += [{**row, **{n: v for n, v in g.info.items() if n not in row}} for g, row in zip(got, rows)]
         scored = [(x, g.info) for x, g in zip(scores, got) if math.isfinite(x)]
-        samples.append(PromptSamples(it.task, [{"reward": x, **info} for x, info in scored]))
+        samples.append(PromptSamples(it.task, [{**info, "reward": x} for x, info in scored]))  # (the score wins)
         ok = [headline(x, info) for x, info in scored]
         unscored += k - len(ok)
         per.setdefault(it.task, []).extend(ok)
