@@ -7,9 +7,10 @@ the RoPE scaling kinds ``workers.model`` implements.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
+
+from workers.finite import finite_number
 
 ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 # config.json without "architectures": transformers goes by model_type; and the
@@ -101,9 +102,9 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"model.rope_scaling type {kind!r} needs {', '.join(missing)}")
             for k in ROPE_KEYS[kind]:  # a factor 0 made the frequencies inf: NaN cos / sin, attention zeroed
-                v = self.rope_scaling[k]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                    raise ValueError(f"model.rope_scaling {k} must be a number > 0, got {v!r}")
+                v = finite_number(self.rope_scaling[k])
+                if v is None or v <= 0:
+                    raise ValueError(f"model.rope_scaling {k} must be a number > 0, got {self.rope_scaling[k]!r}")
             if kind == "llama3" and self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
                 raise ValueError(f"model.rope_scaling high_freq_factor {self.rope_scaling['high_freq_factor']} must be "
                                  f"above low_freq_factor {self.rope_scaling['low_freq_factor']}")

@@ -358,4 +358,3 @@ def generate_all(engine: Engine, requests: Seq[Request],
     at = {id(r.sample_id): i for i, r in enumerate(requests)}
     return sorted(got, key=lambda s: order.get(s.sample_id, len(order)) if hashable(s.sample_id)
                   else at.get(id(s.sample_id), len(order)))
-

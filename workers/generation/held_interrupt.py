@@ -16,7 +16,7 @@ class HeldInterrupt:
     block ends, or at once inside ``held.interruptible()``'s part (one held before it is raised
     on entering it). Elsewhere (an RPC thread, where no signal arrives; a handler someone else
     installed) nothing changes. One handler swap a block: an engine holds one per step
-    (~5 us)."""
+    (~10 us measured on a 2-core VM, of a ~2.5 ms step at workload (a))."""
 
     __slots__ = ("active", "pending", "open")
 

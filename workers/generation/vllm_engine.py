@@ -16,6 +16,7 @@ Inside vLLM the order is kept by ``scheduling_policy="priority"``. Mapping of th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import itertools
@@ -190,7 +191,8 @@ class VLLMEngine:
             heapq.heappush(self._queue, _Queued((self._admission(req), next(self._arrival)), req, now,
                                                 req.prompt_ids.tolist()))
             self._sample_ids.add(req.sample_id)
-        self._admit_keeping(refused)
+        with self._kept(refused):
+            self._admit()
         return refused
 
     def _admit(self) -> None:
@@ -247,27 +249,25 @@ class VLLMEngine:
         if self._broken:
             raise RuntimeError(f"vLLM engine: {self._broken}; load the weights again before generating")
         done, self._late_errors = self._late_errors, []
-        try:
+        with self._kept(done):
             self._admit()  # (anything queued while nothing ran)
             if not self._live:
                 return done
             started = time.time()
             outputs = self._step()
-        except BaseException:  # (a Ctrl-C, an error the caller retries): the refusals come out later
-            self._late_errors[:0] = done
-            raise
-        now = time.time()
-        done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
-        self._rate.add(now, self._tap.generated - self._counted, started)
-        self._counted = self._tap.generated
-        self._admit_keeping(done)
+            now = time.time()
+            done += [self._to_sample(o, now) for o in outputs if o.finished and o.request_id in self._live]
+            self._rate.add(now, self._tap.generated - self._counted, started)
+            self._counted = self._tap.generated
+            self._admit()
         return done
 
-    def _admit_keeping(self, out: list[Sample]) -> None:
-        """``_admit``; when it raises (vLLM's server side, a Ctrl-C), ``out`` (finished samples or
-        refusals no longer held anywhere else) comes out of the next step instead of being lost."""
+    @contextlib.contextmanager
+    def _kept(self, out: list[Sample]):
+        """``out`` (refusals, finished samples: held nowhere else) comes out of the next step when
+        the block raises (vLLM's server side, a Ctrl-C, an error the caller retries), not lost."""
         try:
-            self._admit()
+            yield
         except BaseException:
             self._late_errors[:0] = out
             raise
