@@ -83,6 +83,8 @@ VERL_KEYS = {
                       "train_batch_size)",
     "max_num_gen_batches": "trainer.max_gen_batches (with trainer.filter_groups and trainer.train_groups; "
                            "0: no limit, as verl's)",
+    "metric": "trainer.filter_metric (verl's filter_groups.metric: score, seq_reward, seq_final_reward, or a "
+              "number of a dict reward: acc)",
     "critic": "trainer (trainer.algorithm: ppo trains a critic initialised from the policy's model: "
               "trainer.critic_lr, value_clip, value_coef, gamma, gae_lambda)",
 }
@@ -146,7 +148,7 @@ def _section_keys() -> dict[str, set[str]]:
 # verl's nested sections whose name is a flat key here: what their keys are
 VERL_NESTED = {
     "filter_groups": "trainer.filter_groups: true (enable), trainer.max_gen_batches (max_num_gen_batches), "
-                     "trainer.train_groups (the batch it fills); metric: the task's score (acc / score)",
+                     "trainer.train_groups (the batch it fills), trainer.filter_metric (metric)",
     "overlong_buffer": "trainer.overlong_buffer: LEN (enable and len), trainer.overlong_penalty (penalty_factor)",
 }
 

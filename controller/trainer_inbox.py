@@ -40,8 +40,9 @@ class IterationInbox:
     generated: bool = False  # the controller called step(): generation of the iteration has ended
     colocated: bool = False  # generation shares these ranks: nothing is released before step()
     scores: dict = field(default_factory=dict)  # sample_id -> its score, in flight since it arrived
-    # group id -> its members' scores in flight (kept after the consumer takes them): the group
-    # filter's count (kept_groups) reads them without waiting for the trainer to take the samples
+    # group id -> its members' (sample id, score in flight, output length) (kept after the consumer
+    # takes them): the group filter's count (kept_groups) reads them without waiting for the
+    # trainer to take the samples
     group_scores: dict = field(default_factory=dict)
 
     @property

@@ -190,7 +190,8 @@ class TrainerRank:
                 rec.scores.update(scored)
                 for s in group:
                     if s.sample_id in scored and not s.baseline:  # the filter reads the sampled members
-                        rec.group_scores.setdefault(s.group_id, []).append(scored[s.sample_id])
+                        rec.group_scores.setdefault(s.group_id, []).append(
+                            (s.sample_id, scored[s.sample_id], int(s.output_ids.numel())))
             self._cond.notify_all()
         return new
 

@@ -44,6 +44,7 @@ class Prepared:
     correction: dict[str, float] = field(default_factory=dict)  # its rollout_corr/* metric terms
     overlong: float = 0.0  # the overlong penalty added to the reward (<= 0; TrainerConfig.overlong_buffer)
     reward_kl: float = 0.0  # mean per-token KL(old || ref) over its sampled tokens, what kl_mode reward penalises
+    info: dict = field(default_factory=dict)  # a dict reward's numbers and texts (Scored.info: acc, pred)
 
     @property
     def num_tokens(self) -> int:

@@ -175,13 +175,17 @@ class TrainerConfig:
     # group baselines (grpo / rloo)
     whiten_advantages: bool | None = None  # None: on for WHITENED (as verl), off otherwise
     # DAPO's dynamic sampling (verl's algorithm.filter_groups): at step(), a group whose samples all
-    # got the same task score is dropped, and of the rest the first train_groups (prompt order, over
+    # got the same filter_metric is dropped, and of the rest the first train_groups (prompt order, over
     # all ranks; 0: all) train. With train_groups > 0 the controller generates more batches of
     # train.batch_prompts (verl's gen_batch_size) until train_groups survive, at most max_gen_batches
     # an iteration (verl's max_num_gen_batches; 0: no limit); short after the last, what is left trains
     filter_groups: bool = False
     train_groups: int = ranged(0, Range(0, note="0: every group left after the filter"))
     max_gen_batches: int = ranged(10, Range(0, note="0: no limit"))
+    # verl's filter_groups.metric: what the filter compares (group_filter.metric_value): score (the
+    # task's), seq_reward (plus the overlong penalty), seq_final_reward (less the KL in the reward
+    # too), or a number of a dict reward (acc)
+    filter_metric: str = "score"
     grpo_std_normalize: bool = True
     adv_eps: float = 1e-6
     recompute_old_logprobs: bool = False
@@ -287,6 +291,14 @@ class TrainerConfig:
                 on = ": true" if isinstance(off, bool) else " set" if off is None else " > 0"
                 raise ValueError(f"trainer.{name} ({getattr(self, name)!r}) is only used with trainer.{switch}"
                                  f"{on}; leave it out or set {switch}")
+        if not isinstance(self.filter_metric, str) or not self.filter_metric.strip():
+            raise ValueError(f"trainer.filter_metric must be a name (score, seq_reward, seq_final_reward, or a "
+                             f"number of a dict reward: acc), got {self.filter_metric!r}")
+        if self.filter_metric == "seq_final_reward" and self.kl_in_reward and self.train_groups:
+            raise ValueError("trainer.filter_metric: seq_final_reward with trainer.kl_mode: reward and "
+                             "trainer.train_groups: the refill counts the groups that pass as their rewards come "
+                             "back, before the reference's KL penalty is known; filter on seq_reward, or drop "
+                             "train_groups")
         if self.kl_target > 0 and not self.kl_in_reward:
             raise ValueError(f"trainer.kl_target ({self.kl_target}) adapts the KL penalty in the reward: it needs "
                              f"trainer.kl_mode: reward (got {self.kl_mode!r}) and trainer.kl_coef > 0 (got "

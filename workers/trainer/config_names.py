@@ -27,7 +27,7 @@ VERL_ALGORITHMS = {"gae": "ppo", "grpo_vectorized": "grpo", "rloo_vectorized": "
 CUSTOM_UNUSED_KNOBS = ("critic_lr", "value_clip", "value_coef", "critic_warmup", "adv_eps")
 # knobs a switch turns on: set to anything but their default while it is 0, refused
 SWITCHED_KNOBS = {"overlong_buffer": ("overlong_penalty",), "lora_rank": ("lora_alpha", "lora_target_modules"),
-                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches"),
+                  "kl_target": ("kl_horizon",), "filter_groups": ("train_groups", "max_gen_batches", "filter_metric"),
                   "train_groups": ("max_gen_batches",),  # refills (max_gen_batches) aim at train_groups
                   "rollout_is": ("rollout_is_threshold", "rollout_is_batch_normalize"),
                   "rollout_rs": ("rollout_rs_threshold",), "rollout_bypass": ("rollout_loss_type",)}

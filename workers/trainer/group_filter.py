@@ -1,8 +1,9 @@
 """DAPO's dynamic sampling filter (Yu et al. 2025; verl's ``algorithm.filter_groups``), applied
 at ``step()`` to an iteration's prepared samples on every data-parallel rank.
 
-A group whose samples all got the same task score has nothing to compare (advantage 0 under
-grpo): it is dropped. A group of one sample (the others skipped) is kept, as verl keeps it,
+A group whose samples all got the same ``trainer.filter_metric`` (verl's ``filter_groups.metric``;
+``metric_value``) has nothing to compare (advantage 0 under grpo when it is the task score): it is
+dropped. A group of one sample (the others skipped) is kept, as verl keeps it,
 except under the grouped algorithms (grpo, rloo, reinforce_plus_plus_baseline, opo,
 grpo_passk, gpg, remax), which give it advantage 0 here (verl's grpo gives it its raw score): there it is dropped as well. Of
 the groups left, the first ``train_groups`` in prompt order (group id) over all ranks train:
@@ -11,7 +12,7 @@ verl concatenates its filtered generation batches in prompt order and keeps the 
 more batches of ``train.batch_prompts`` (verl's ``gen_batch_size``) for the iteration, at most
 ``trainer.max_gen_batches`` (verl's ``max_num_gen_batches``): ``controller/program.py``
 ``_refill``, which counts the groups that pass on each rank (``TrainerRank.kept_groups``) from
-the task scores as they come back from the reward pool (``passing_groups``): the count does not
+the rewards as they come back from the reward pool (``passing_groups``): the count does not
 wait for the trainer to take the samples (reference log-probs, values).
 """
 from __future__ import annotations
@@ -22,7 +23,12 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-T = TypeVar("T")  # a prepared sample: has .group_id and .score
+T = TypeVar("T")  # a prepared sample: has .group_id
+
+# trainer.filter_metric's names that are no key of a dict reward (verl's): the task's score, it
+# plus the overlong penalty (verl's token_level_scores summed), and that less the KL penalty in
+# the reward (token_level_rewards summed); any other name is a number of the reward's dict (acc)
+SCORE_METRICS = ("score", "seq_reward", "seq_final_reward")
 
 GatherIds = Callable[[list[int]], list[int]]  # this rank's kept group ids -> every rank's
 
@@ -44,6 +50,28 @@ def gather_over(group, world_size: int, device: torch.device) -> GatherIds:
     return gather
 
 
+def metric_value(metric: str, score: float, overlong: float, info: dict, final: float | None,
+                 what: str) -> float:
+    """A sample's ``trainer.filter_metric``: ``score`` (the task's), ``seq_reward`` (plus the
+    overlong penalty ``overlong``), ``seq_final_reward`` (``final``: less the KL penalty in the
+    reward; None before the reference has run: then the same as seq_reward, which it is without a
+    KL in the reward), or the number a dict reward gave under that name (``info``: ``Scored.info``).
+    A reward without that number is a ValueError naming the metric and ``what`` (the sample), as
+    verl's filter raises on a missing ``reward_extra_info`` key."""
+    if metric == "score":
+        return score
+    if metric == "seq_reward" or (metric == "seq_final_reward" and final is None):
+        return score + overlong
+    if metric == "seq_final_reward":
+        return final
+    value = info.get(metric)
+    if isinstance(value, str) or value is None:
+        given = ", ".join(sorted(info)) or "none: it returned a number, not a dict"
+        raise ValueError(f"trainer.filter_metric {metric!r}: {what}'s reward gave no number {metric!r} (its "
+                         f"reward's keys: {given}); name a number of the reward's dict or one of {SCORE_METRICS}")
+    return float(value)
+
+
 def same_scores(scores: Sequence[float]) -> bool:
     """Two or more scores, all equal: a group with nothing to compare."""
     return len(scores) > 1 and len(set(scores)) == 1
@@ -55,22 +83,24 @@ def passes(scores: Sequence[float], drop_single: bool = False) -> bool:
 
 
 def passing_groups(scores: dict[int, Sequence[float]], drop_single: bool = False) -> int:
-    """group id -> its members' task scores: how many groups the filter keeps (before
+    """group id -> its members' ``metric_value``: how many groups the filter keeps (before
     ``train_groups``)."""
     return sum(1 for group in scores.values() if group and passes(group, drop_single))
 
 
 def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lambda ids: ids,
-                  drop_single: bool = False) -> tuple[list[T], dict[str, float]]:
+                  drop_single: bool = False, value: Callable[[T], float] = lambda p: p.score
+                  ) -> tuple[list[T], dict[str, float]]:
     """``items``: this rank's prepared samples of the iteration (whole groups). ``gather``: every
     rank's kept group ids from this rank's (an all-gather; every rank calls it once per step,
     with or without samples). ``drop_single``: a group of one is dropped too (its advantage is 0).
+    ``value``: a sample's number the filter compares (``trainer.filter_metric``).
     -> (the samples that train, counts of this rank's groups: ``filtered_groups`` dropped,
     ``surplus_groups`` kept but past ``train_groups``)."""
     groups: dict[int, list[T]] = {}
     for p in items:
         groups.setdefault(p.group_id, []).append(p)
-    kept = sorted(g for g, members in groups.items() if passes([m.score for m in members], drop_single))
+    kept = sorted(g for g, members in groups.items() if passes([value(m) for m in members], drop_single))
     chosen = set(kept)
     if train_groups > 0:
         first = sorted(gather(kept))[:train_groups]  # over all ranks, in prompt order

@@ -36,7 +36,7 @@ def take_baseline(w: "TrainerWorker", s: "Sample", pending) -> None:
     baseline; a failed score refuses it, as any sample's (``TrainerWorker._reject``)."""
     from workers.trainer.step_math import _score, overlong_penalty
 
-    score, why = _score(w, s, pending)
+    score, why, _ = _score(w, s, pending)
     if why:
         w._reject(s, f"sample {s.sample_id}: {why}", logged=True)
         return

@@ -78,7 +78,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
     checks = cfg.rejection_checks
     out: list[Prepared | str] = []
     for i, (s, old_i, ref_i, kl_i) in enumerate(zip(samples, old.split(lens), ref_of, kl.split(lens))):
-        score, why = _score(w, s, scores[s.sample_id])
+        score, why, info = _score(w, s, scores[s.sample_id])
         if why:
             out.append(f"sample {s.sample_id}: {why}")
             continue
@@ -91,7 +91,7 @@ def prepare_batch(w: "TrainerWorker", samples: list["Sample"], scores: dict | No
                      reward=shaped - (beta * float(kl_i.sum()) if penalise else 0.0),
                      weight_version=s.weight_version, min_tokens=s.min_tokens, overlong=overlong[i],
                      reward_kl=mean_over(kl_i, sampled), keep=sampled, sampled=sampled, turns=s.turns,
-                     env_reward=s.env_reward)
+                     env_reward=s.env_reward, info=info)
         if cfg.corrects_rollout:  # pi_old / pi_sampler: importance weights, rejection, their metrics
             correct_sample(p, sampler_of[i], cfg, checks)
         # per-token rewards: GAE, REINFORCE++'s / remax's returns, a user's estimator's input; the
@@ -157,8 +157,9 @@ def _logits(model, batch, cfg: TrainerConfig, eos_ids: torch.Tensor) -> torch.Te
     return logits
 
 
-def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str]:
-    """The sample's reward, or (NaN, why) when the task's score fails: the sample is skipped
+def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str, dict]:
+    """The sample's reward and its reward's extra numbers and texts (``Scored.info``), or (NaN,
+    why, {}) when the task's score fails: the sample is skipped
     (said once per kind of failure: every sample may fail the same way), or with
     ``on_bad_sample: error`` refused with that reason (``TrainerWorker._reject``)."""
     t0 = time.perf_counter()
@@ -174,7 +175,7 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str]:
         logging.getLogger("streamrl.trainer").warning(
             "sample %d: %s; skipped (samples failing the same way are counted in skipped_samples, not "
             "logged again%s)", s.sample_id, why, more)
-    return score, why
+    return score, why, scored.info
 
 
 MAX_FAILURE_KINDS = 32  # kinds of reward failure said in a run (each once)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from workers.trainer.advantages import gpg_alpha, whiten
 from workers.trainer.custom_advantage import custom_pass
-from workers.trainer.group_filter import filter_groups, gather_over
+from workers.trainer.group_filter import filter_groups, gather_over, metric_value
 from workers.trainer.rollout_correction import batch_normalize
 
 if TYPE_CHECKING:
@@ -37,9 +37,11 @@ def iteration_passes(w: "TrainerWorker") -> None:
 def filter_groups_pass(w: "TrainerWorker") -> None:
     """DAPO's dynamic sampling filter over the iteration's groups on all ranks."""
     assert not w._trained_any, "filtering after training started"
+    metric = w.cfg.filter_metric
     kept, counts = filter_groups(list(w.buffer.ready), w.cfg.train_groups,
-                                 gather_over(w.group, w.world_size, w.device),
-                                 drop_single=w.cfg.grouped)
+                                 gather_over(w.group, w.world_size, w.device), drop_single=w.cfg.grouped,
+                                 value=lambda p: metric_value(metric, p.score, p.overlong, p.info, p.reward,
+                                                              f"sample {p.sample_id}"))
     dropped = {p.sample_id for p in w.buffer.ready} - {p.sample_id for p in kept}
     w.buffer.keep_ready(kept)
     w.filtered_ids = dropped  # (the rollout dump marks them: rollout_dump.take_rows)
