@@ -88,6 +88,18 @@ def passing_groups(scores: dict[int, Sequence[float]], drop_single: bool = False
     return sum(1 for group in scores.values() if group and passes(group, drop_single))
 
 
+def count_passing(pending: dict[int, list[tuple[int, object, int]]], result: Callable, metric: str,
+                  overlong: Callable[[int], float], drop_single: bool = False) -> int:
+    """The refill's count (``TrainerRank.kept_groups``): group id -> its members' (sample id,
+    score in flight, output length); ``result``: a score in flight -> its ``Scored``; ``overlong``:
+    a length -> its overlong penalty. A sample whose score failed is left out, as ``receive``
+    skips it; a group counts with the members left."""
+    values = {g: [metric_value(metric, r.score, overlong(length), r.info, None, f"sample {sid}")
+                  for sid, r, length in ((sid, result(p), length) for sid, p, length in members) if not r.why]
+              for g, members in pending.items()}
+    return passing_groups(values, drop_single)
+
+
 def filter_groups(items: Sequence[T], train_groups: int, gather: GatherIds = lambda ids: ids,
                   drop_single: bool = False, value: Callable[[T], float] = lambda p: p.score
                   ) -> tuple[list[T], dict[str, float]]:

@@ -39,7 +39,7 @@ from workers.trainer.buffer import GroupState, Prepared, SampleBuffer, microbatc
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import ValueModel
 from workers.trainer.custom_advantage import load_estimator
-from workers.trainer.group_filter import metric_value, passing_groups, same_scores
+from workers.trainer.group_filter import count_passing, same_scores
 from workers.trainer.kl_control import KLCoefficient
 from workers.trainer.sample_checks import bad_sample_reason, check_caller, check_group_counts, check_new_ids
 from workers.trainer import optimizer, remax
@@ -181,17 +181,9 @@ class TrainerWorker:
     def passing_groups(self, pending: dict[int, list[tuple[int, object, int]]]) -> int:
         """group id -> its members' (sample id, score in flight: ``score_ahead``'s, output
         length), those of samples not refused: how many groups the filter would keep (before
-        ``train_groups``), by ``trainer.filter_metric``. A sample whose score fails is skipped, as
-        ``receive`` skips it; a group counts with the members left."""
-        values: dict[int, list[float]] = {}
-        for g, members in pending.items():
-            values[g] = []
-            for sid, scored, length in members:
-                r = self.rewards.result(scored)
-                if not r.why:
-                    values[g].append(metric_value(self.cfg.filter_metric, r.score, overlong_penalty(length, self.cfg),
-                                                  r.info, None, f"sample {sid}"))
-        return passing_groups(values, drop_single=self.cfg.grouped)
+        ``train_groups``; ``group_filter.count_passing``)."""
+        return count_passing(pending, self.rewards.result, self.cfg.filter_metric,
+                             lambda n: overlong_penalty(n, self.cfg), self.cfg.grouped)
 
     def score_ahead(self, samples: Sequence[Sample], prompts: dict[int, TaskPrompt], iteration: int) -> dict:
         """Put the task's score of each of ``samples`` (of ``iteration``, whose prompts are
