@@ -31,6 +31,33 @@ class Raises:
         raise TimedOut("reward call took too long")
 
 
+class Interrupts:
+    """A reward raising KeyboardInterrupt (a library's own, not the user's Ctrl-C)."""
+
+    def prompts(self, split):
+        return []
+
+    def score(self, prompt, completion):
+        raise KeyboardInterrupt("raised by the reward")
+
+
+class InterruptsBatch(Interrupts):
+    def score_batch(self, prompts, completions):
+        raise KeyboardInterrupt("raised by the batch reward")
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_keyboard_interrupt_in_a_reward_process_costs_its_samples_only(batch):
+    """In a reward process it cannot be the user's Ctrl-C (that reaches the trainer): it was
+    carried back and raised in the trainer, ending the run (review, s53)."""
+    rewards = RewardPool(InterruptsBatch() if batch else Interrupts(), workers=1, pool="processes")
+    try:
+        out = [rewards.result(p) for p in rewards.submit_many([(P, "x", f"sample {i}") for i in range(2)])]
+    finally:
+        rewards.close()
+    assert all(math.isnan(r.score) and "KeyboardInterrupt" in r.why for r in out), out
+
+
 @pytest.mark.parametrize("pool", ["threads", "processes"])
 def test_a_base_exception_costs_its_sample_only(pool):
     """threads: the reward thread died with the sample's future unset (no deadline: the trainer

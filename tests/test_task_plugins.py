@@ -313,3 +313,22 @@ def test_a_plan_of_request_indices_that_are_not_ints_is_a_one_line_stop(per, sai
         _Checked(Mine(), "mine").plan([1.0, 2.0], [None] * len(per))
     ok = DispatchPlan([[np.int64(1)], (0,)], [1, 1], "mine")  # numpy ints and tuples index fine
     assert checked_plan(ok, 2, 2, "mine") is ok
+
+
+def test_a_plugin_that_exits_at_import_is_an_error_naming_it(tmp_path):
+    """A script turned into a reward module (argparse's parse_args() at module level) exited the
+    trainer with argparse's usage line, naming no plugin (review, s53)."""
+    script = tmp_path / "script_reward.py"
+    script.write_text("import sys\nsys.exit(2)\n\ndef compute_score(prompt, completion):\n    return 1.0\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match=r"task.kwargs.verifier: loading .*script_reward.py .* failed \(SystemExit: 2\)"):
+        make_task("jsonl", files=str(data), verifier=f"{script}:compute_score")
+    (tmp_path / "exits_mod.py").write_text("raise SystemExit('usage: no')\n")
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"cannot import 'exits_mod' .*SystemExit: usage: no"):
+            make_task("jsonl", files=str(data), verifier="exits_mod:compute_score")
+    finally:
+        sys.path.remove(str(tmp_path))

@@ -47,9 +47,24 @@ def test_numeric_no_longer_matches_a_part_of_the_reference(reference, completion
     ("5", "\\boxed{3} was wrong, so answer=5"),  # the last mark wins
     ("3", "x = 3.0000000001"),  # no mark: the last number
     ("1000", "<answer>1e3</answer>"),
+    # a markdown heading is no gsm8k mark (it took "Step 2"'s 2, and overrode the box; review, s53)
+    ("7", "#### Step 1: add\n3 + 4 = 7\n#### Step 2: conclude\nThe total is 7"),
+    ("7", "so \\boxed{7}.\n\n#### Verification\nIndeed 3 + 4 = 7."),
+    # a sign with a space after it is the number's own (it was dropped: 72 scored for - 72)
+    ("-72", "answer: - 72"),
+    ("-5", "\\boxed{- 5}"),
+    ("-0.75", "The answer is $- 0.75$"),
+    ("7", "10 - 3 = 7"),
+    ("3", "the difference is 10 - 3"),  # a subtraction: no sign on the 3
 ])
 def test_numeric_reads_the_marked_answer(reference, completion):
     assert numeric(item(reference), completion) == 1.0
+
+
+def test_a_spaced_sign_is_not_lost_and_a_heading_is_not_an_answer():
+    assert numeric(item("72"), "answer: - 72") == 0.0 and numeric(item("5"), "\\boxed{- 5}") == 0.0
+    assert exact(item("7"), "\\boxed{7}.\n\n#### Verification\nIndeed 3 + 4 = 7.") == 1.0
+    assert numeric(item("-5"), "#### - 5") == 1.0 and numeric(item("1000"), "#### $1,000") == 1.0
 
 
 def test_numeric_integers_are_equal_or_not_and_a_unicode_minus_is_a_sign():
@@ -132,6 +147,9 @@ def test_math_equivalent_forms(reference, boxed):
     ("2", "\\boxed{\\frac{4}{2}"),  # its braces do not close
     ("x+1", "\\boxed{x-1}"),
     ("5", "\\boxed{5 \\text{ and } 6}"),  # not a unit (verl's cut at "\\text{ " takes it for one)
+    ("3125", "\\boxed{3, 125}"),  # a list of two, not 3,125 (review, s53)
+    ("3, 125", "\\boxed{3125}"),
+    ("-2, 500", "\\boxed{-2500}"),
 ])
 def test_math_wrong_or_unboxed(reference, completion):
     assert make_verifier("math")(item(reference), completion) == 0.0

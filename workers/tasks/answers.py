@@ -4,7 +4,7 @@ built-in verifiers (``workers/tasks/verifiers.py``).
 The answer span: within the last ``<answer>...</answer>`` (the last closing tag and the
 opening one nearest before it), else within the whole completion, the text after whichever of
 these marks comes last: a ``\\boxed{...}`` / ``\\fbox{...}`` (its content, braces balanced, as
-verl's ``last_boxed_only_string``), gsm8k's ``####``, ``answer:`` / ``answer=``. With no mark
+verl's ``last_boxed_only_string``), gsm8k's ``####`` before a number, ``answer:`` / ``answer=``. With no mark
 the span is all of that text, stripped.
 """
 from __future__ import annotations
@@ -13,7 +13,10 @@ import re
 from fractions import Fraction
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
-_MARK = re.compile(r"####|answer\s*[:=]", re.IGNORECASE)
+# gsm8k's "####" only before a number (verl's "#### (\-?[0-9\.\,]+)"): a markdown "#### Step 2"
+# heading is none (it took the 2 and overrode an earlier \boxed{}); each \s* gives up a space only
+# to a test that fails at a space, so a long run is read once
+_MARK = re.compile(r"####(?=\s*(?:[-+$\u2212]\s*)?\.?\d)|answer\s*[:=]", re.IGNORECASE)
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 
 _DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # 1,234,567 or 1234567
@@ -23,7 +26,7 @@ _SIGNED = rf"[-+]?{_DECIMAL}"
 _FRAC = rf"\\[dt]?frac\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))\s*(?:\{{\s*({_SIGNED})\s*\}}|(\d))"
 # whitespace only after a sign: "[-+]?\s*" was tried at every space of a run and scanned the rest of
 # it (80k spaces of a degenerate output: 10 s of the GIL for one sample)
-_VALUE = re.compile(rf"(?:([-+])\s*)?{_FRAC}|({_SIGNED})(?:\s*/\s*({_SIGNED}))?")
+_VALUE = re.compile(rf"(?:([-+])\s*)?(?:{_FRAC}|({_SIGNED})(?:\s*/\s*({_SIGNED}))?)")
 MAX_EXPONENT = 400  # "1e999999999" is text, not a value worth building
 MINUS = "\u2212"  # the Unicode minus sign (typeset math, some models' output): read as "-"
 
@@ -81,16 +84,29 @@ def _number(text: str) -> Fraction | None:
         return None
 
 
-def _from_match(m: re.Match) -> Fraction | None:
+def _from_match(m: re.Match, signed: bool = True) -> Fraction | None:
+    """The match's value; ``signed`` False: its sign (``- 5``'s) left off, a binary minus."""
     sign, num_braced, num_digit, den_braced, den_digit, plain, over = m.groups()
     if plain is not None:
         num, den = _number(plain), _number(over) if over is not None else Fraction(1)
     else:
         num, den = _number(num_braced or num_digit), _number(den_braced or den_digit)
-        num = -num if (sign == "-" and num is not None) else num
+    num = -num if (signed and sign == "-" and num is not None) else num
     if num is None or den is None or den == 0:
         return None
     return num / den
+
+
+def _unary(text: str, m: re.Match) -> bool:
+    """Whether the match's sign is the number's own (``-5``, ``= - 72``, ``is -3``, ``(-3)``), not a
+    subtraction's: a digit or a closing bracket before it, past spaces (``10 - 3``, ``10-3``).
+    Looks back over the spaces before the sign only (linear over a text's matches)."""
+    at = m.start(1)
+    if at < 0:
+        return True
+    while at > 0 and text[at - 1].isspace():
+        at -= 1
+    return at == 0 or not (text[at - 1].isdigit() or text[at - 1] in ")]}")
 
 
 def value(text: str) -> Fraction | None:
@@ -104,7 +120,8 @@ def value(text: str) -> Fraction | None:
 
 def numbers_in(text: str) -> list[Fraction]:
     """Every number written in ``text``, in order (the forms ``value`` reads)."""
-    found = (_from_match(m) for m in _VALUE.finditer(text.replace(MINUS, "-")))
+    text = text.replace(MINUS, "-")
+    found = (_from_match(m, _unary(text, m)) for m in _VALUE.finditer(text))
     return [v for v in found if v is not None]
 
 

@@ -34,6 +34,8 @@ _SPELLING: tuple[tuple[str, str], ...] = (
     (r"\\frac([^{\\])\{", r"\\frac{\1}{"),            # \frac1{72}
     (r"\\frac\{([^{}]*)\}([^{\\])", r"\\frac{\1}{\2}"),  # \frac{1}2
 )
+# a comma and a space: a list (MATH's "separated by commas"), never a thousands separator
+_LIST = re.compile(r",\s")
 _COMPILED = tuple((re.compile(p), r) for p, r in _REWRITES)
 _COMPILED_SPELLING = tuple((re.compile(p), r) for p, r in _SPELLING)
 
@@ -53,9 +55,12 @@ def normalise(text: str) -> str:
 
 def equivalent(answer: str, reference: str) -> bool:
     """Whether ``answer`` is ``reference`` once both are normalised: the same text, or two
-    numbers of the same exact value (``0.5`` and ``\\frac{1}{2}``, ``3/4`` and ``\\frac34``)."""
+    numbers of the same exact value (``0.5`` and ``\\frac{1}{2}``, ``3/4`` and ``\\frac34``; not
+    where either is written as a list, ``3, 125``)."""
     a, b = normalise(answer), normalise(reference)
     if a == b:
         return True
+    if _LIST.search(answer) or _LIST.search(reference):  # "3, 125" lost its space: no 3,125
+        return False
     va, vb = value(a), value(b)
     return va is not None and va == vb

@@ -43,7 +43,8 @@ def load_plugin(spec: str, key: str) -> Any:
             sys.path.insert(0, os.getcwd())  # the user's module before an installed one of that name
         try:
             module = importlib.import_module(module_name)
-        except Exception as e:  # ImportError, or the module's own code failing
+        except (Exception, SystemExit) as e:  # ImportError, or the module's own code failing (a
+            # script's argparse or sys.exit at import ended the process naming no plugin)
             raise ValueError(f"{key}: cannot import {module_name!r} for {spec!r} ({type(e).__name__}: {e})") from None
     obj = module
     for part in attr.split("."):
@@ -66,7 +67,7 @@ def _load_file(path: Path, spec: str, key: str):
     sys.modules[name] = module  # before running it, as import does (dataclasses look it up)
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: a script's argparse / sys.exit at import
         sys.modules.pop(name, None)
         raise ValueError(f"{key}: loading {path} for {spec!r} failed ({type(e).__name__}: {e})") from None
     return module

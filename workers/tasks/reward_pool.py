@@ -193,16 +193,26 @@ def _child_start(build_task: Callable[[], Task]) -> None:
         _CHILD["error"] = f"building the task in a reward process raised {type(e).__name__}: {e}"
 
 
+# In a reward process a KeyboardInterrupt is the reward's own (a user's Ctrl-C reaches the
+# trainer, which stops the pool): it costs the call's samples, as any exception, where scoring's
+# rule (Ctrl-C stops the run) would carry it to the trainer and end the run
+
 def _child_score(prompt: TaskPrompt, completion: str, what: str) -> Scored:
     if "error" in _CHILD:
         return Scored(math.nan, _CHILD["error"], 0.0)
-    return timed_score(_CHILD["task"], prompt, completion, what)
+    try:
+        return timed_score(_CHILD["task"], prompt, completion, what)
+    except KeyboardInterrupt as e:
+        return Scored(math.nan, f"the task's score raised {e!r}", 0.0)
 
 
 def _child_score_batch(items: list[tuple[TaskPrompt, str, str]]) -> list[Scored]:
     if "error" in _CHILD:
         return [Scored(math.nan, _CHILD["error"], 0.0)] * len(items)
-    return timed_batch(_CHILD["task"], items)
+    try:
+        return timed_batch(_CHILD["task"], items)
+    except KeyboardInterrupt as e:
+        return [Scored(math.nan, f"the task's score_batch raised {e!r}", 0.0)] * len(items)
 
 
 class _Processes:
