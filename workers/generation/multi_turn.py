@@ -139,11 +139,14 @@ class MultiTurnEngine:
         self.pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="multi_turn_env")
         self._start, self._end = getattr(env, "start", None), getattr(env, "end", None)  # per-trajectory hooks
         self._ends: list[tuple[cf.Future, str]] = []  # ``end`` calls not done (close runs the queued ones)
-        self._ends_lock = threading.Lock()  # (submitted from the engine's thread and the pool's callbacks)
+        # (submitted from the engine's thread and the pool's callbacks; held by close() over the pool's
+        # shutdown, so an end submitted before it is one close() finds)
+        self._ends_lock = threading.RLock()
         self._takes_id = takes_trajectory(env)
         self._traj: dict[int, Trajectory] = {}  # sample_id -> its trajectory (in the engine or the env)
         self._waiting: dict[int, Trajectory] = {}  # those waiting on an environment call, in call order
         self._ready: list[Sample] = []  # finished between steps (restarts refused), returned by the next
+        self._readd: list[Request] = []  # next turns whose add() raised (aborted there): added next step
         self._serials = itertools.count()  # Trajectory.serial
 
     def __repr__(self) -> str:
@@ -181,22 +184,27 @@ class MultiTurnEngine:
         return [{"role": "user", "content": text}]
 
     def has_work(self) -> bool:
-        return bool(self._ready) or bool(self._waiting) or self.inner.has_work()
+        return bool(self._ready) or bool(self._readd) or bool(self._waiting) or self.inner.has_work()
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Sample]:
         out, self._ready = self._ready, []
-        out += self._collect()
-        if not self.inner.has_work() and self._waiting and not out:  # idle: wait, no busy spin
-            cf.wait([t.env_call for t in self._waiting.values()], timeout=WAIT_S, return_when=cf.FIRST_COMPLETED)
-            out += self._collect()
-        if not self.inner.has_work():
-            return out
         try:
-            finished = self.inner.step()
-        except BaseException:  # the trajectories already done come out of the next step
+            self._step(out)
+        except BaseException:  # the trajectories already done (in ``out``) come out of the next step
             self._ready = out + self._ready
             raise
+        return out
+
+    def _step(self, out: list[Sample]) -> None:
+        """One step; each sample finished goes to ``out`` as it is (a later failure keeps it)."""
+        self._collect(out)
+        if not self.inner.has_work() and self._waiting and not out:  # idle: wait, no busy spin
+            cf.wait([t.env_call for t in self._waiting.values()], timeout=WAIT_S, return_when=cf.FIRST_COMPLETED)
+            self._collect(out)
+        if not self.inner.has_work():
+            return
+        finished = self.inner.step()
         for s in finished:
             t = self._traj.get(s.sample_id)
             if t is None:  # (not ours: passed through)
@@ -212,7 +220,6 @@ class MultiTurnEngine:
             else:
                 self._retire(s.sample_id)
                 out.append(t.sample(s.finish_reason))
-        return out
 
     def _room(self, t: Trajectory) -> int:
         """Output tokens left to ``t``: its budget, and the engine's context."""
@@ -240,7 +247,8 @@ class MultiTurnEngine:
             what = "failed"
             kw = {"trajectory": tid} if self._takes_id else {}
             message, reward = observation_message(resolve(self.env(task, messages, **kw)))
-        except Exception as e:  # noqa: BLE001 - your environment's failure: the sample's error
+        except BaseException as e:  # noqa: BLE001 - your environment's failure (an argparse's
+            # SystemExit too, which stopped the engine's step): the sample's error
             return _Observation(error=f"multi_turn.env: {self.spec!r} {what} on sample {sample_id} after turn "
                                       f"{turn} ({type(e).__name__}: {e})")
         if message is None:
@@ -249,14 +257,15 @@ class MultiTurnEngine:
             message = {**message, "content": cut_observation(self.tokenizer, message["content"],
                                                              self.max_observation_tokens, self.truncate_side)}
             return _Observation(message, observation_ids(self.tokenizer, message), reward=reward)
-        except Exception as e:  # noqa: BLE001 - a template that cannot render it
+        except BaseException as e:  # noqa: BLE001 - a template that cannot render it
             return _Observation(error=f"multi_turn.env: {self.spec!r}: the observation of sample {sample_id} after "
                                       f"turn {turn} could not be tokenised ({type(e).__name__}: {e})")
 
-    def _collect(self) -> list[Sample]:
-        """Take the environment answers that are in: each ends its trajectory or becomes the
-        next turn's request (added to the inner engine in one call)."""
-        out, continuations = [], []
+    def _collect(self, out: list[Sample]) -> None:
+        """Take the environment answers that are in: each ends its trajectory (its sample to
+        ``out``) or becomes the next turn's request (added to the inner engine in one call, with
+        those a failed add left)."""
+        continuations, self._readd = self._readd, []
         for sid, t in list(self._waiting.items()):
             if not t.env_call.done():
                 continue
@@ -286,10 +295,15 @@ class MultiTurnEngine:
             t.mask += [False] * len(ids)
             continuations.append(self._continuation(t))
         if continuations:
-            for s in self.inner.add(continuations):
+            try:
+                refused = self.inner.add(continuations)
+            except BaseException:  # queued or not (vLLM's add queues, then raises): none is, added next step
+                self.inner.abort([r.sample_id for r in continuations])
+                self._readd = continuations
+                raise
+            for s in refused:
                 self._retire(s.sample_id)
                 out.append(s)
-        return out
 
     def _retire(self, sid: int) -> None:
         """``sid``'s trajectory is over (out, refused, aborted, restarted): forgotten, and the
@@ -307,18 +321,20 @@ class MultiTurnEngine:
     def _submit_end(self, t: Trajectory) -> None:
         if not t.opened:  # it never called the environment, or its start was cancelled or raised
             return
-        try:
-            f = self.pool.submit(self._run_end, t.tid)
-        except RuntimeError:  # the pool is shut down (close): end it here
+        with self._ends_lock:  # queued and listed at once: close() cancels it with the pool, then runs it
+            try:
+                f = self.pool.submit(self._run_end, t.tid)
+            except RuntimeError:  # the pool is shut down (close): end it here
+                f = None
+            else:
+                self._ends = [e for e in self._ends if not e[0].done()] + [(f, t.tid)]
+        if f is None:
             self._run_end(t.tid)
-            return
-        with self._ends_lock:
-            self._ends = [e for e in self._ends if not e[0].done()] + [(f, t.tid)]
 
     def _run_end(self, tid: str) -> None:
         try:
             resolve(self._end(tid))
-        except Exception as e:  # noqa: BLE001 - the sample is out already: said, not raised
+        except BaseException as e:  # noqa: BLE001 - the sample is out already: said, not raised
             log.warning("multi_turn.env: %r end(%r) failed (%s: %s)", self.spec, tid, type(e).__name__, e)
 
     def _continuation(self, t: Trajectory) -> Request:
@@ -335,6 +351,8 @@ class MultiTurnEngine:
         of them comes out of a later step()); the ids aborted, in the order given."""
         aborted, in_engine = [], []
         ids = [sid for sid in sample_ids if sample_id_problem(sid) is None]  # (add refused the others)
+        gone = set(ids)
+        self._readd = [r for r in self._readd if r.sample_id not in gone]  # (not in the inner engine)
         done = {s.sample_id for s in self._ready} & set(ids)
         self._ready = [s for s in self._ready if s.sample_id not in done]
         for sid in ids:
@@ -359,6 +377,7 @@ class MultiTurnEngine:
         restart from the original request, their turns so far being of the old weights."""
         self.inner.load_weights(named_tensors, version)
         restart = [t for t in self._traj.values() if t.turns > 0]
+        self._readd = []  # (past their first turn: restarted below)
         self.inner.abort([t.request.sample_id for t in restart if t.env_call is None])
         for t in restart:
             sid = t.request.sample_id
@@ -379,7 +398,8 @@ class MultiTurnEngine:
     def close(self) -> None:
         """Pending environment calls are cancelled; the trajectories the environment started get
         their ``end`` (here, after the pool: a running call may still be finishing)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._ends_lock:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         for sid in list(self._traj):
             self._retire(sid)
         with self._ends_lock:
