@@ -77,17 +77,21 @@ def _paged_decode_partial(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
     bt_row = bt_ptr + b * stride_btb
+    # the K/V offsets in int64: a cache of 2**31 elements or more laid out head- or dim-major (its
+    # shape the same) made kvh * stride_kh wrap in int32 and read other memory (review, s53)
+    kvh64 = kvh.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
     for t0 in range(start, end, BLOCK_N):
         toks = t0 + offs_n  # [BLOCK_N]
         t_mask = toks < end
         blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        slot = toks % BLOCK_SIZE
+        slot = (toks % BLOCK_SIZE).to(tl.int64)
         # kT: [BLOCK_D, BLOCK_N], loaded transposed; v: [BLOCK_N, BLOCK_D]
         kt = tl.load(k_ptr + blk[None, :] * stride_kn + slot[None, :] * stride_kt
-                     + kvh * stride_kh + offs_d[:, None] * stride_kd,
+                     + kvh64 * stride_kh + offs_d64[:, None] * stride_kd,
                      mask=d_mask[:, None] & t_mask[None, :], other=0.0)
         v = tl.load(v_ptr + blk[:, None] * stride_vn + slot[:, None] * stride_vt
-                    + kvh * stride_vh + offs_d[None, :] * stride_vd,
+                    + kvh64 * stride_vh + offs_d64[None, :] * stride_vd,
                     mask=t_mask[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)

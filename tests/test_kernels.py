@@ -307,3 +307,26 @@ def test_all_variants_compile_for_sm80_sm90():
     out = _run_py("from kernels.compile_check import main; main(['80', '90'])",
                   TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     assert out.count('"cubin_bytes"') == 2 * 11  # 2 targets x (5 variants x (partial [+ reduce]) + norm + rope)
+
+
+def test_a_cache_of_2_31_elements_laid_out_head_major_is_read_right(tmp_path):
+    """The documented [num_blocks, block_size, Hkv, Dh] shape, head-major in memory: head 2's
+    offset (2 x 1.1e9 elements) wrapped in int32 and the kernel read other memory (a segfault in
+    the interpreter; review, s53). The 6.6 GB of storage is a sparse file: a few pages written."""
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's case: on a GPU the 6.6 GB cache would be copied whole")
+    hkv, nb, bs, dh = 3, 4_300_000, 16, 16
+    n = hkv * nb * bs * dh
+    path = tmp_path / "kv.bin"
+    with open(path, "wb") as f:
+        f.truncate(n * 2)
+    base = torch.from_file(str(path), shared=True, size=n, dtype=torch.float16).view(hkv, nb, bs, dh)
+    cache = base.permute(1, 2, 0, 3)  # [nb, bs, Hkv, Dh], stride_kh = nb * bs * dh
+    g = torch.Generator().manual_seed(0)
+    for h in range(hkv):
+        base[h, 1:3] = torch.randn(2, bs, dh, generator=g).half()
+    q = torch.randn(1, hkv, dh, generator=g).half()
+    tables, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    ref = paged_decode_attention_ref(q, cache, cache, tables, lens, dh ** -0.5)
+    out = paged_decode_attention(q, cache, cache, tables, lens, dh ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.float16])
