@@ -32,8 +32,8 @@ def own_dispatcher(name: str, **kwargs) -> Dispatcher:
 class _Checked:
     """A user's dispatcher whose plans are checked (``checked_plan``) before the SGS acts on them.
     A plan() that raises, or a plan the SGS cannot run, stops the run with one line naming the
-    dispatcher (``RunStopped``: every worker is fine, so the job leaves quietly and a REPL
-    session stays), not with the controller's traceback."""
+    dispatcher (``RunStopped``: every worker is fine, so the job leaves quietly), not with the
+    controller's traceback; the REPL's ``dispatch`` tries a plan first (``Program._trial_plan``)."""
 
     def __init__(self, inner, name: str):
         self.inner, self.name = inner, name
@@ -72,6 +72,10 @@ def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan
     if not isinstance(plan, DispatchPlan):
         raise ValueError(f"dispatcher {name!r}: plan() returned a {type(plan).__name__}, not a "
                          "controller.scheduling.DispatchPlan")
+    for field_name in ("per_instance", "batch_caps"):  # (len() of None raised a TypeError: the traceback)
+        if not isinstance(getattr(plan, field_name), (list, tuple)):
+            raise ValueError(f"dispatcher {name!r}: the plan's {field_name} is a "
+                             f"{type(getattr(plan, field_name)).__name__}, not a list (one entry per instance)")
     if len(plan.per_instance) != instances or len(plan.batch_caps) != instances:
         raise ValueError(f"dispatcher {name!r}: the plan has {len(plan.per_instance)} request lists and "
                          f"{len(plan.batch_caps)} batch caps for {instances} instances")

@@ -265,6 +265,13 @@ class SkewDispatcher:
         if not isinstance(self.noise, BinnedPosterior) and not (is_real(self.noise) and self.noise >= 0):
             raise ValueError(f"skew dispatcher: noise must be a finite log-error std >= 0, got {self.noise!r}")
 
+    def unread(self) -> tuple[str, ...]:
+        """The options its ``cost`` (and ``mixed``) never reads: ``make_dispatcher`` refuses one
+        set to other than its default (accepted, it gave the default plan; review, s53)."""
+        out = {"formula": ("mixed", "noise", "orders", "draws"),  # the event-level model's
+               "simulate": ("q_long", "q_regular", "quantile_of")}[self.cost]  # the formula's L_avg
+        return out if self.mixed and self.cost == "simulate" else out + ("mixed_order",)
+
     def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
                     ) -> dict[tuple[float, int], tuple[float, list[list[int]], list[float], list[int]]]:
         """(alpha, N_l) -> (max latency, groups, per-instance latency, per-instance batch cap),
@@ -347,6 +354,7 @@ DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
 # The options (``dispatch.options``) each dispatcher takes; ``kind`` and ``use_true`` are fixed
 # by the name (``oracle`` is ``skew`` on the true lengths).
 _SKEW_OPTIONS = tuple(f.name for f in fields(SkewDispatcher) if f.name not in ("kind", "use_true"))
+_SKEW_FIELD_DEFAULTS = {f.name: f.default for f in fields(SkewDispatcher)}  # (an unread option at it: harmless)
 DISPATCHER_OPTIONS: dict[str, tuple[str, ...]] = {
     "random": ("order",),
     "round_robin": ("order",),
@@ -387,7 +395,16 @@ def make_dispatcher(name: str, **kwargs) -> Dispatcher:
         near = [m for k in unknown for m in difflib.get_close_matches(str(k), takes, n=1, cutoff=0.75)]
         raise ValueError(f"dispatcher {name!r} takes {_options_text(takes)}, got {unknown}"
                          + (f"; did you mean {near[0]!r}?" if near else ""))
-    return DISPATCHERS[name](**kwargs)
+    d = DISPATCHERS[name](**kwargs)
+    unread = [k for k in kwargs if k in getattr(d, "unread", tuple)() and getattr(d, k) != _SKEW_FIELD_DEFAULTS[k]]
+    if unread:
+        key = unread[0]
+        needs = "mixed: true and cost: simulate" if key == "mixed_order" else \
+            "cost: simulate (the event-level model)" if d.cost == "formula" else "cost: formula (its L_avg)"
+        has = f"cost {d.cost!r}" + (f", mixed {str(d.mixed).lower()}" if key == "mixed_order" else "")
+        raise ValueError(f"dispatcher {name!r}: {key} is read only with {needs}, and this one has {has}; "
+                         f"drop {key}")
+    return d
 
 
 def _options_text(takes: tuple[str, ...]) -> str:

@@ -28,11 +28,17 @@ class _Program:
         self.version += k
         return [SimpleNamespace(metrics={"reward_mean": 0.5})] * k
 
-    def set_dispatcher(self, name, **opts):  # the real one, on a stand-in SGS
+    def set_dispatcher(self, name, **opts):  # the real one, on a stand-in SGS of two live instances
         from controller.program import Program
+        from controller.ptl_profile import PTLProfile
 
-        sgs = SimpleNamespace(dispatcher=self.dispatcher)
-        Program.set_dispatcher(SimpleNamespace(world=SimpleNamespace(sgs=sgs), ranker=self.ranker), name, **opts)
+        slots = [SimpleNamespace(profile=PTLProfile([1, 8], [0.01, 0.02], 4096)) for _ in range(2)]
+        sgs = SimpleNamespace(dispatcher=self.dispatcher, slots=slots, seed=0)
+        ns = SimpleNamespace(world=SimpleNamespace(sgs=sgs), ranker=self.ranker, per_prompt=4,
+                             cfg=SimpleNamespace(train=SimpleNamespace(batch_prompts=8, max_tokens=64,
+                                                                       max_prompt_tokens=0)))
+        ns._trial_plan = lambda d: Program._trial_plan(ns, d)
+        Program.set_dispatcher(ns, name, **opts)
         self.dispatcher = sgs.dispatcher
 
 
@@ -190,3 +196,31 @@ def test_a_line_that_is_not_utf8_is_answered_and_the_session_goes_on():
     answers = [json.loads(ln[4:]) for ln in out.getvalue().splitlines()]
     assert "unknown command" in answers[2]["error"] and "\ufffd" in answers[2]["error"]
     assert answers[1].get("iteration") == answers[3].get("iteration") == 0
+
+
+_BAD_DISPATCHERS = """
+class Raises:
+    def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None):
+        raise KeyError("missing")
+
+
+class Loses:
+    def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None):
+        from controller.scheduling import DispatchPlan
+        return DispatchPlan([list(range(len(est_lens) - 1)), []], [8, 8])
+"""
+
+
+def test_a_dispatcher_whose_trial_plan_fails_is_refused_and_the_one_in_use_kept(tmp_path):
+    """`dispatch FILE:Bad` was accepted and the next `run` stopped the run (the session and the
+    job ended, exit 1; review, s53): a trial plan on the live instances refuses it at once."""
+    f = tmp_path / "bad_dispatch.py"
+    f.write_text(_BAD_DISPATCHERS)
+    s = _session()
+    a = _drive(s, f"dispatch random\ndispatch {f}:Raises\ndispatch {f}:Loses\nrun 1\n")[1:]
+    kept = s.program.dispatcher
+    assert a[0] == {"dispatch": "random", "options": {}}
+    assert "a trial plan of 32 requests on the live instances (2) failed" in a[1]["error"]
+    assert "plan() raised KeyError" in a[1]["error"] and "the dispatcher in use is kept" in a[1]["error"]
+    assert "a trial plan" in a[2]["error"] and "Loses" in a[2]["error"]
+    assert a[3]["ran"] == 1 and s.program.dispatcher is kept  # (random, still)

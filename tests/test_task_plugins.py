@@ -315,6 +315,38 @@ def test_a_plan_of_request_indices_that_are_not_ints_is_a_one_line_stop(per, sai
     assert checked_plan(ok, 2, 2, "mine") is ok
 
 
+@pytest.mark.parametrize("per, caps, said", [(None, [1], "the plan's per_instance is a NoneType, not a list"),
+                                             ([[0, 1]], None, "the plan's batch_caps is a NoneType, not a list")])
+def test_a_plan_without_its_lists_is_a_one_line_stop(per, caps, said):
+    """``len(None)`` raised a TypeError: the controller's traceback (review, s53)."""
+    from controller.own_dispatcher import _Checked
+    from controller.scheduling import DispatchPlan
+
+    class Mine:
+        def plan(self, est_lens, profiles, true_lens=None, seed=0, prompt_lens=None):
+            return DispatchPlan(per, caps, "mine")
+
+    with pytest.raises(RunStopped, match=f"dispatcher 'mine': {said}"):
+        _Checked(Mine(), "mine").plan([1.0, 2.0], [None])
+
+
+@pytest.mark.parametrize("name, options, said", [
+    ("skew_paper", {"mixed": True}, "mixed is read only with cost: simulate"),
+    ("skew_paper", {"noise": 0.5}, "noise is read only with cost: simulate"),
+    ("skew_paper", {"orders": ["fcfs"]}, "orders is read only with cost: simulate"),
+    ("skew", {"q_long": 0.8}, "q_long is read only with cost: formula"),
+    ("skew", {"mixed": False, "mixed_order": "lpt"}, "mixed_order is read only with mixed: true and cost: simulate"),
+])
+def test_a_dispatcher_option_its_cost_never_reads_is_refused(name, options, said):
+    """Accepted, each gave exactly the default plan (review, s53)."""
+    from controller.scheduling import make_dispatcher
+
+    with pytest.raises(ValueError, match=f"dispatcher '{name}': {said}"):
+        make_dispatcher(name, **options)
+    assert make_dispatcher("skew", mixed=False) and make_dispatcher("skew_paper", cost="simulate", mixed=True)
+    assert make_dispatcher("skew", q_long=0.9)  # an unread option at its default: harmless
+
+
 def test_a_plugin_that_exits_at_import_is_an_error_naming_it(tmp_path):
     """A script turned into a reward module (argparse's parse_args() at module level) exited the
     trainer with argparse's usage line, naming no plugin (review, s53)."""
