@@ -29,7 +29,7 @@ from controller.program import Program
 from controller.run_record import plain, save_run_config
 from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, call_on, wait_all
 from controller.stops import RunStopped
-from controller.trackers import make_trackers
+from controller.trackers import Fanout, make_trackers
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.ranker_setup import run_ranker, saved_ranker
@@ -112,10 +112,8 @@ class Session:
         lg = cfg.logging
         # an eval-only run writes its evaluation beside the run's logs, nothing else of them: no
         # timeline files, and no tracker (its wandb run is the training run's, whose steps only grow)
-        self.metrics = Metrics(self.logdir, lg.timeline_every,
-                               make_trackers([] if cfg.train.eval_only else lg.trackers, self.logdir, lg.project,
-                                             lg.experiment, plain(cfg)),
-                               lg.validation_data_dir, lg.log_val_generations, timeline_files=not cfg.train.eval_only)
+        self.metrics = Metrics(self.logdir, lg.timeline_every, None, lg.validation_data_dir, lg.log_val_generations,
+                               timeline_files=not cfg.train.eval_only)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
         self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
@@ -142,6 +140,10 @@ class Session:
             self.program.ranker_rows = list(state.ranker_rows)
         self.program.before_iteration = lambda i: admit(self, i)
         self.progress = None
+        # the trackers last, once the start can no longer be refused: a refused --resume (a
+        # damaged checkpoint) resumed the folder's wandb run and left it unfinished (review, s53)
+        self.metrics.trackers = Fanout(make_trackers([] if cfg.train.eval_only else lg.trackers, self.logdir,
+                                                     lg.project, lg.experiment, plain(cfg)))
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _fitting_task(self, task):

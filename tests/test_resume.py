@@ -2,6 +2,7 @@
 checkpoint or path is refused with one line naming it (controller/checkpoint.py,
 workers/trainer/checkpoint.py, the resume parts of controller/session.py)."""
 import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -266,11 +267,15 @@ def test_another_model_or_algorithm_is_named(models, saved):
 
 
 @pytest.mark.slow
-def test_refused_resumes_leave_the_run_as_it_was(tmp_path, tiny_model):  # noqa: F811
+def test_refused_resumes_leave_the_run_as_it_was(tmp_path, tiny_model, monkeypatch):  # noqa: F811
     """A mistyped --resume, a damaged checkpoint and another algorithm each stop with one
-    ``config error`` line (rank 0 exits 2); the run's rows and checkpoints are as they were."""
+    ``config error`` line (rank 0 exits 2); the run's rows and checkpoints are as they were, and
+    its wandb run too (the refused start resumed it and left it unfinished: review, s53)."""
+    wandb = importlib.util.find_spec("wandb") is not None
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_every=0, train__ckpt_every=1,
-                       train__ckpt_keep=1)
+                       train__ckpt_keep=1, logging__trackers=["wandb"] if wandb else [])
     assert torchrun(cfg).returncode == 0
     run = tmp_path / "run"
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -290,6 +295,8 @@ def test_refused_resumes_leave_the_run_as_it_was(tmp_path, tiny_model):  # noqa:
     assert [r["iteration"] for r in iterations(run)] == [0, 1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
     assert subprocess.run(["pgrep", "-f", str(cfg)], capture_output=True).returncode == 1
+    if wandb:  # the first run's wandb run only: no refused start began one
+        assert len(list((run / "wandb").glob("offline-run-*"))) == 1
 
 
 def test_an_unwritable_logdir_is_said_before_any_work(tmp_path):
