@@ -305,6 +305,8 @@ class Metrics:
         if not self.timeline_files:
             return None
         with self._write_lock:
+            if not whole and n <= self._whole_at:  # a queued write that the run's end overtook: its
+                return None  # trace of this attempt only would replace the whole run's (review, s53)
             with self._spans_lock:
                 held, kept = list(self.spans), self._kept
             spans = held[:max(len(held) - (kept - n), 0)]  # those kept when the write was asked

@@ -200,3 +200,30 @@ def test_samples_per_s_counts_the_samples_trained_with_a_group_filter(tmp_path):
     d = m.log_iteration(r, [Span("gen1", "generate", 0.0, 1.0, 0)])
     m.close()
     assert d["perf/samples_per_s"] == 2.0 and m.summary()["samples_per_s"] == 2.0
+
+
+def test_a_queued_timeline_write_does_not_replace_the_whole_runs_trace(tmp_path):
+    """The run's end writes every attempt's spans; a write of the last iteration still queued on
+    the timeline thread ran after it and left this attempt's only, and close() took the whole
+    trace as written (review, s53). The thread is held back to force that order."""
+    import threading
+
+    m = Metrics(tmp_path, timeline_every=0)  # attempt 0
+    m.log_iteration(_res(0), [Span("gen1", "generate", 0.0, 1.0, 0)])
+    m.close()
+    (tmp_path / "config.yaml").write_text("x")
+    (tmp_path / "config.resume1.yaml").write_text("x")
+    m = Metrics(tmp_path, timeline_every=1)  # attempt 1 (--resume)
+    go, real = threading.Event(), m._write_wanted
+
+    def held():
+        go.wait(10)
+        real()
+
+    m._write_wanted = held
+    m.log_iteration(_res(1), [Span("gen1", "generate", 10.0, 11.0, 1)])  # its write queued, held
+    m.write_timeline(2, whole=True)  # the run's end
+    go.set()
+    m.close()
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sorted({e["pid"] for e in trace if e["ph"] == "X"}) == [0, 1]
