@@ -50,6 +50,10 @@ class IterationResult:
     # call began): the pipeline's throughput interval. The intervals add up to the run's time;
     # ``iter_seconds`` (the batch's dispatch to its step's end) overlap in the async modes.
     interval_s: float = 0.0
+    # the pipeline mode it stepped in and the dispatcher its batch was dispatched with (the REPL's
+    # ``mode`` / ``dispatch`` change them between iterations)
+    mode: str = ""
+    dispatch: str = ""
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Batch:
     gen_done: float = 0.0
     launched: float = 0.0  # the round in flight's dispatch
     gen_s: float = 0.0  # the ended rounds' generation: each from its dispatch to its last report
+    dispatch: str = ""  # the dispatcher it was dispatched with (Program.dispatch_name)
 
     @property
     def reports(self) -> list:

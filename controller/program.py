@@ -66,6 +66,8 @@ class Program:
         self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
         # requests per prompt: train.group_size samples, and remax's greedy baseline (verl's gen_max)
         self.per_prompt = requests_per_prompt(cfg)
+        # the dispatcher in use (the REPL's dispatch sets it; a stand-in config may have no section)
+        self.dispatch_name = getattr(getattr(cfg, "dispatch", None), "name", "")
         self._rank_tokens: dict[int, list[float]] = {}  # pipeline.balance_batch: iteration -> tokens per rank
 
     # ---- requests ------------------------------------------------------------------------
@@ -120,6 +122,7 @@ class Program:
 
     def _generate(self, b: Batch, version: int) -> None:
         b.dispatched = b.launched = time.time()
+        b.dispatch = self.dispatch_name
         with self.spans.span("dispatch", b.iteration):
             self._register(b, b.requests, "begin_iteration", self.mode.name, self.minibatch)
             self._launch(b, b.requests, version)
@@ -209,6 +212,7 @@ class Program:
         # the instances the batch was dispatched to (one added later, while an async step
         # waited, served the next batch)
         res.instances = b.rounds[0].instances if b.rounds else len(self.world.sgs.slots)
+        res.mode, res.dispatch = self.mode.name, b.dispatch
         res.batch = self._batch_stats(b, res.out_lens)
         if getattr(self.cfg.trainer, "filter_groups", False):
             res.metrics["gen_batches"] = float(len(b.rounds))  # verl's train/num_gen_batches
@@ -380,6 +384,7 @@ class Program:
                              "(ranker.kind: none), so every request's is max_tokens")
         self._trial_plan(dispatcher)
         self.world.sgs.dispatcher = dispatcher
+        self.dispatch_name = name
 
     def _trial_plan(self, dispatcher) -> None:
         """A plan of one batch's requests (estimates spread over ``[1, max_tokens]``) on the live

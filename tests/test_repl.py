@@ -82,6 +82,8 @@ def test_repl_drives_the_live_program(tmp_path, tiny_model):  # noqa: F811
     assert [r["num_samples"] for r in rows] == [8, 8, 8]
     assert [r["num_tokens"] for r in rows] == [8 * 6] * 3  # every sample forced to the trace's 6 tokens
     assert [r["gen_version"] for r in rows] == [0, 0, 2]  # async lag 1, then a sync iteration
+    assert [r["mode"] for r in rows] == ["async_stream", "async_stream", "stream"]  # the REPL's switch, recorded
+    assert {r["dispatch"] for r in rows} == {"round_robin"}  # (dispatch random came after the last run)
     assert [r["staleness_max"] for r in rows] == [0, 1, 0]
     assert [r["ranker_rows"] for r in rows] == [0, 8, 0]  # iterations 0-1's prompts (their samples' mean), after 1
     assert [r["batch"]["response_len_max"] for r in rows] == [6] * 3 and rows[0]["batch"]["response_clip_ratio"] == 0
