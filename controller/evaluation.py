@@ -16,6 +16,7 @@ from controller.rpc import Completions
 from controller.val_metrics import PromptSamples, validation_metrics
 from workers.tasks.registry import make_task
 from workers.tasks.reward_pool import RewardPool, Scored
+from workers.trainer.step_math import failure_kind
 from workers.types import Request
 
 log = logging.getLogger("streamrl.controller")
@@ -38,8 +39,8 @@ class EvalResult:
     generations: list[dict] = field(default_factory=list)
 
 
-def side_generate(program, reqs: list[Request], stage: str = "eval",
-                  step: int | None = None) -> tuple[dict[int, list[int]], tuple[int, ...]]:
+def side_generate(program, reqs: list[Request], stage: str = "eval", step: int | None = None,
+                  errors: dict[int, str] | None = None) -> tuple[dict[int, list[int]], tuple[int, ...]]:
     """Generate ``reqs`` on ``program``'s instances (spread evenly) outside the training
     stream -> (sample id -> output ids, the weight versions used); ``stage`` names the
     instances' spans ("eval", "ranker"), ``step`` their iteration (the one the evaluation is
@@ -48,7 +49,8 @@ def side_generate(program, reqs: list[Request], stage: str = "eval",
     lost meanwhile leaves the SGS and its share goes to the others, as a round's does; any
     other failure, or no instance left, fails the evaluation, and the instances still on it
     are told to stop (``GenerationInstance.cancel``): the REPL's next command does not wait
-    for generation nobody takes."""
+    for generation nobody takes. A sample that failed (its multi-turn environment raised) goes
+    to ``errors`` (sample id -> why), or with none given fails the call."""
     from controller.sgs import NoInstancesLeft
 
     sgs = program.world.sgs
@@ -78,6 +80,10 @@ def side_generate(program, reqs: list[Request], stage: str = "eval",
             (chunk, token), _call, out, err = waiting.next()
             del running[token]
             if err is None:
+                if out.errors:
+                    if errors is None:
+                        raise RuntimeError(out.errors[0][1])
+                    errors.update(out.errors)
                 outputs.update(out.outputs)
                 versions.add(out.weight_version)
                 continue
@@ -129,7 +135,8 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
                     sampling=program.sampling(t.eval_temperature, t.seed * 7919 + j * k + s),
                     task=it if multi_turn else None)
             for j, it in enumerate(items) for s in range(k)]
-    outputs, versions = side_generate(program, reqs, step=step)
+    failed: dict[int, str] = {}  # samples whose generation failed: unscored, as a failed score
+    outputs, versions = side_generate(program, reqs, step=step, errors=failed)
     texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}
     per: dict[str, list[float]] = {}
     best: list[float] = []
@@ -143,7 +150,8 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     keep = bool(lg.validation_data_dir or lg.log_val_generations)
     generations = []
     for j, it in enumerate(items):
-        got = [pool.result(p) for p in flat[j * k:(j + 1) * k]]
+        got = [Scored(math.nan, failed[sid], 0.0) if sid in failed else pool.result(p)
+               for sid, p in zip(range(-1 - j * k, -1 - (j + 1) * k, -1), flat[j * k:(j + 1) * k])]
         scores = [_score(g, j, whys) for g in got]
         if keep:
             shown = program.tok.decode(reqs[j * k].prompt_ids, skip_special_tokens=True)  # (encoded once, above)
@@ -198,9 +206,12 @@ def eval_rewards(program) -> RewardPool:
 
 
 def _score(scored: Scored, j: int, whys: dict[str, dict[int, int]]) -> float:
-    """The task's score, NaN (left out, counted) when it fails, as for training samples; a
-    failure is kept in ``whys`` (why -> prompt index -> samples), said once per kind."""
+    """The task's score, NaN (left out, counted) when it or the sample's generation failed, as
+    for training samples; a failure is kept in ``whys`` (the first why of its kind, the
+    trainer's ``failure_kind``: its numbers blanked -> prompt index -> samples), said once per kind."""
     if scored.why:
-        per = whys.setdefault(scored.why, {})
+        kind = failure_kind(scored.why)
+        first = next((w for w in whys if failure_kind(w) == kind), scored.why)
+        per = whys.setdefault(first, {})
         per[j] = per.get(j, 0) + 1
     return scored.score

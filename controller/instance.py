@@ -49,6 +49,8 @@ class EvalOutput:
     weight_version: int
     outputs: list[tuple[int, list[int]]]  # (sample id, output token ids)
     cancelled: bool = False  # stopped by ``cancel``: outputs are what finished before
+    # samples that failed (a multi-turn environment that raised): (sample id, why); not in outputs
+    errors: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,9 @@ class GenerationInstance:
                     raise ValueError(f"gen{self.rank}: engine refused request {s.sample_id}: {s.error}")
                 while self.engine.has_work() and not self._stop.is_set():
                     for s in self.engine.step():
-                        if s.finish_reason == "error":
-                            raise RuntimeError(f"gen{self.rank}: sample {s.sample_id} failed: {s.error}")
+                        # a sample that failed (its multi-turn environment raised) goes to the
+                        # trainer like any: trainer.on_bad_sample skips it (counted) or stops the
+                        # run; it failed the round, and the run with it (until session 53)
                         s.instance = self.rank
                         out.put(s)
                         done.append(s.sample_id)
@@ -275,7 +278,7 @@ class GenerationInstance:
             if newest:
                 self._swap_to_newest()
             with self.spans.span(stage, self.version if step is None else step):
-                out = []
+                out, errors = [], []
                 refused = self.engine.add(requests)
                 try:
                     if refused:
@@ -284,17 +287,19 @@ class GenerationInstance:
                     while self.engine.has_work():
                         if self._take_cancel(token):
                             self.engine.abort([r.sample_id for r in requests])
-                            return EvalOutput(self.version, out, cancelled=True)
+                            return EvalOutput(self.version, out, cancelled=True, errors=errors)
                         for s in self.engine.step():
-                            if s.finish_reason == "error":  # (scored as an empty answer before)
-                                raise RuntimeError(f"gen{self.rank}: {stage} sample {s.sample_id} failed: {s.error}")
-                            out.append((s.sample_id, s.output_ids.tolist()))
+                            if s.finish_reason == "error":  # (scored as an empty answer until session 48)
+                                errors.append((s.sample_id, f"gen{self.rank}: {stage} sample {s.sample_id} failed: "
+                                                            f"{s.error}"))
+                            else:
+                                out.append((s.sample_id, s.output_ids.tolist()))
                 except BaseException:
                     # the accepted requests of this call must not stay queued and run inside the
                     # next generate() as training samples
                     self._abort_after_error(requests)
                     raise
-                return EvalOutput(self.version, out)
+                return EvalOutput(self.version, out, errors=errors)
 
     def cancel(self, token: str) -> bool:
         """The controller gave up on the ``evaluate`` call named ``token`` (another instance's

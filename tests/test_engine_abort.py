@@ -364,12 +364,16 @@ def test_an_eval_failing_mid_way_leaves_nothing_queued(tiny_model):  # noqa: F81
     assert inst.evaluate(ok) == want
 
 
-def test_an_eval_sample_that_failed_fails_the_call(tiny_model):  # noqa: F811
-    # an error sample (a multi-turn environment that raised, a request vLLM refused when admitting
-    # it) came back as an empty output, scored as a wrong answer; generate() raises for it
+def test_a_sample_that_failed_is_the_trainers_to_skip_and_evals_to_leave_out(tiny_model):  # noqa: F811
+    """An error sample (a multi-turn environment that raised, a request vLLM refused when
+    admitting it) came back as an empty output, scored as a wrong answer (until session 48), then
+    failed the round or the evaluation, and the run with it (until session 53). A round hands it
+    to the trainer like any sample (``trainer.on_bad_sample``: skip, counted, or error); an
+    evaluation names it apart from its outputs (``EvalOutput.errors``: left out as unscored)."""
     from dataclasses import replace
 
-    inst = _instance(1, tiny_model, SinkTrainer(), max_batch_size=2)
+    sink = SinkTrainer()
+    inst = _instance(1, tiny_model, sink, max_batch_size=2)
     ok = [Request(i, torch.tensor([1, 2, 3 + i]), 6, 6, sampling=GREEDY) for i in range(4)]
     step = inst.engine.step
 
@@ -378,7 +382,11 @@ def test_an_eval_sample_that_failed_fails_the_call(tiny_model):  # noqa: F811
                 for s in step()]
 
     inst.engine.step = one_fails
-    with pytest.raises(RuntimeError, match="gen1: eval sample 2 failed: multi_turn.env: boom"):
-        inst.evaluate(ok)
+    out = inst.evaluate(ok)
+    assert sorted(sid for sid, _ in out.outputs) == [0, 1, 3]
+    assert out.errors == [(2, "gen1: eval sample 2 failed: multi_turn.env: boom")]
+    inst.generate(0, ok, 0)
+    got = {s.sample_id: s for s in sink.samples}
+    assert sorted(got) == [0, 1, 2, 3] and got[2].finish_reason == "error" and got[2].instance == 1
     inst.engine.step = step
     assert not inst.engine.has_work() and inst.engine.stats().kv_blocks_used == 0

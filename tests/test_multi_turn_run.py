@@ -71,3 +71,38 @@ def test_the_engines_render_observations_with_the_prompts_template_and_its_varia
     for r in rows:
         assert r["input"].startswith("[ZQ] ") and r["input"].endswith("\nA:"), r["input"]
         assert "[ZQ] result: 7\nA:" in r["output"], r["output"]  # the observation, as the template renders it
+
+
+FLAKY_ENV = '''
+import itertools
+import threading
+
+_calls, _lock = itertools.count(1), threading.Lock()
+
+
+def env(task, messages):
+    with _lock:
+        n = next(_calls)
+    if n % 3 == 0:  # a tool down every third call
+        raise ConnectionError("tool server down")
+    return "result: 7" if sum(m["role"] == "assistant" for m in messages) == 1 else None
+'''
+
+
+def test_an_environment_that_fails_costs_its_samples_not_the_run(tmp_path, tiny_model):  # noqa: F811
+    """An environment's exception failed the round and stopped the run, and an eval sample's
+    failed the evaluation (until session 53): each failed sample is the trainer's to skip
+    (``trainer.on_bad_sample: skip``, counted in ``skipped_samples``) and eval leaves it out."""
+    model = _stops_often(tiny_model, tmp_path / "model")
+    (tmp_path / "env.py").write_text(FLAKY_ENV)
+    cfg = write_config(tmp_path, model, train__iterations=2, train__max_tokens=16, train__eval_every=2,
+                       multi_turn__env=f"{tmp_path / 'env.py'}:env", multi_turn__max_turns=3)
+    p = torchrun(cfg, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = iterations(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == [0, 1]
+    skipped = sum(r["metrics"]["skipped_samples"] for r in rows)  # (num_samples: those scored)
+    assert skipped >= 2 and all(r["num_samples"] + r["metrics"]["skipped_samples"] == 8 for r in rows), rows
+    assert "ConnectionError: tool server down" in p.stderr  # said (once per kind)
+    # (the greedy eval's turns rarely end in EOS here: its failures are tests/test_val_metrics.py's)
+    assert (tmp_path / "run" / "eval.jsonl").read_text()

@@ -134,6 +134,29 @@ def test_an_evaluation_reports_accs_headline_and_verls_statistics(monkeypatch):
                                  "gts": "1", "score": 1.0, "acc": 1.0, "pred": "1"}
 
 
+def test_an_evaluation_leaves_out_the_samples_whose_generation_failed(monkeypatch, caplog):
+    """A multi-turn environment that raised on an eval sample failed the evaluation (and with
+    a periodic one, the run; until session 53): the sample is unscored, said once per kind."""
+    p = harness._program(monkeypatch, "batch", harness.Clock())
+    p.cfg.train.eval_samples = 2
+    p.run(1)
+
+    def outputs(self, requests, newest=False, token=None, stage="eval", step=None):
+        bad = [r.sample_id for r in requests if r.sample_id in (-2, -3)]  # prompt 0's second, prompt 1's first
+        return harness.EvalOutput(self.held, [(r.sample_id, [1]) for r in requests if r.sample_id not in bad],
+                                  errors=[(sid, f"gen1: eval sample {sid} failed: multi_turn.env: 'e' failed on "
+                                                f"sample {sid} after turn 1 (ValueError: x)") for sid in bad])
+
+    monkeypatch.setattr(harness.Instance, "evaluate", outputs)
+    p.tok.decode = lambda ids, skip_special_tokens=False: str(int(ids[0])) if len(ids) else ""
+    monkeypatch.setattr(p.task, "score", lambda prompt, completion: 1.0)
+    with caplog.at_level("WARNING"):
+        ev = evaluation_mod.evaluate(p, 2)
+    assert ev.scores["eval/unscored"] == 2.0 and ev.scores["eval/mean"] == 1.0
+    said = [r.getMessage() for r in caplog.records if "left out of eval/mean" in r.getMessage()]
+    assert len(said) == 1 and "2 samples of 2 prompts" in said[0] and "multi_turn.env" in said[0], said
+
+
 def test_a_pred_of_none_is_a_ballot_and_the_prompt_keeps_its_majority():
     """math_dapo's strict box gives pred None when no answer was found: that dropped the prompt
     from maj@m (reward_info left the None out), so maj@m was over the easier prompts only
