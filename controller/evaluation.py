@@ -40,7 +40,8 @@ class EvalResult:
 
 
 def side_generate(program, reqs: list[Request], stage: str = "eval", step: int | None = None,
-                  errors: dict[int, str] | None = None) -> tuple[dict[int, list[int]], tuple[int, ...]]:
+                  errors: dict[int, str] | None = None, turns: dict[int, int] | None = None
+                  ) -> tuple[dict[int, list[int]], tuple[int, ...]]:
     """Generate ``reqs`` on ``program``'s instances (spread evenly) outside the training
     stream -> (sample id -> output ids, the weight versions used); ``stage`` names the
     instances' spans ("eval", "ranker"), ``step`` their iteration (the one the evaluation is
@@ -50,7 +51,8 @@ def side_generate(program, reqs: list[Request], stage: str = "eval", step: int |
     other failure, or no instance left, fails the evaluation, and the instances still on it
     are told to stop (``GenerationInstance.cancel``): the REPL's next command does not wait
     for generation nobody takes. A sample that failed (its multi-turn environment raised) goes
-    to ``errors`` (sample id -> why), or with none given fails the call."""
+    to ``errors`` (sample id -> why), or with none given fails the call. ``turns``: filled with
+    each sample's assistant turns (multi-turn)."""
     from controller.sgs import NoInstancesLeft
 
     sgs = program.world.sgs
@@ -85,6 +87,8 @@ def side_generate(program, reqs: list[Request], stage: str = "eval", step: int |
                         raise RuntimeError(out.errors[0][1])
                     errors.update(out.errors)
                 outputs.update(out.outputs)
+                if turns is not None:
+                    turns.update(out.turns)
                 versions.add(out.weight_version)
                 continue
             sgs.remove_lost(err, "an evaluation")
@@ -136,7 +140,8 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
                     task=it if multi_turn else None)
             for j, it in enumerate(items) for s in range(k)]
     failed: dict[int, str] = {}  # samples whose generation failed: unscored, as a failed score
-    outputs, versions = side_generate(program, reqs, step=step, errors=failed)
+    turns: dict[int, int] = {}
+    outputs, versions = side_generate(program, reqs, step=step, errors=failed, turns=turns)
     texts = {sid: program.tok.decode(ids) for sid, ids in outputs.items()}
     per: dict[str, list[float]] = {}
     best: list[float] = []
@@ -172,6 +177,9 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
         acc["eval/mean"] = sum(sum(v) for v in per.values()) / (len(items) * k - unscored)
     if k > 1 and best:  # (nothing scored: no best@k either)
         acc[f"eval/best@{k}"] = sum(best) / len(best)
+    if multi_turn and turns:  # verl's val-aux/num_turns/* (which counts user + assistant turns + 1)
+        acc.update({"eval/num_turns/mean": sum(turns.values()) / len(turns),
+                    "eval/num_turns/min": float(min(turns.values())), "eval/num_turns/max": float(max(turns.values()))})
     if unscored:
         acc["eval/unscored"] = float(unscored)
         for why, prompts in whys.items():  # one line per distinct failure, not one per prompt

@@ -51,6 +51,7 @@ class EvalOutput:
     cancelled: bool = False  # stopped by ``cancel``: outputs are what finished before
     # samples that failed (a multi-turn environment that raised): (sample id, why); not in outputs
     errors: list[tuple[int, str]] = field(default_factory=list)
+    turns: list[tuple[int, int]] = field(default_factory=list)  # (sample id, its assistant turns: multi-turn)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class GenerationInstance:
             if newest:
                 self._swap_to_newest()
             with self.spans.span(stage, self.version if step is None else step):
-                out, errors = [], []
+                out, errors, turns = [], [], []
                 refused = self.engine.add(requests)
                 try:
                     if refused:
@@ -294,12 +295,13 @@ class GenerationInstance:
                                                             f"{s.error}"))
                             else:
                                 out.append((s.sample_id, s.output_ids.tolist()))
+                                turns.append((s.sample_id, s.turns))
                 except BaseException:
                     # the accepted requests of this call must not stay queued and run inside the
                     # next generate() as training samples
                     self._abort_after_error(requests)
                     raise
-                return EvalOutput(self.version, out, errors=errors)
+                return EvalOutput(self.version, out, errors=errors, turns=turns)
 
     def cancel(self, token: str) -> bool:
         """The controller gave up on the ``evaluate`` call named ``token`` (another instance's

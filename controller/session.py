@@ -20,7 +20,7 @@ from controller.bootstrap import ensure_model
 from controller.config import ConfigError
 from controller.epochs import with_epochs
 from controller.evaluation import evaluate, measure_lengths
-from controller.val_metrics import is_statistic
+from controller.val_metrics import is_headline
 from controller.joiners import admit, waiting
 from controller.length_trace import forced_lengths
 from controller.metrics import Metrics
@@ -297,7 +297,7 @@ class Session:
         ``train.eval_before_train``'s (step -1) and ``train.eval_only``'s."""
         logged = self.metrics.log_eval(evaluate(self.program, self.cfg.train.eval_prompts, step), step, source)
         scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in logged.items()  # (not the statistics)
-                           if k.startswith("eval/") and not is_statistic(k) and k != "eval/unscored")
+                           if is_headline(k))
         if logged.get("eval/unscored"):
             scores += f"{', ' if scores else ''}{int(logged['eval/unscored'])} samples unscored"
         when = "before training" if step < 0 else f"after iteration {step}"

@@ -105,6 +105,13 @@ def is_statistic(key: str) -> bool:
     return bool(_STATISTIC.search(key))
 
 
+def is_headline(key: str) -> bool:
+    """An ``eval/`` key that is a score the console says: a task's, ``eval/mean``, ``eval/best@k``
+    (not a statistic, ``eval/unscored``, nor a multi-turn run's ``eval/num_turns/*``)."""
+    return (key.startswith("eval/") and not is_statistic(key) and key != "eval/unscored"
+            and not key.startswith("eval/num_turns/"))
+
+
 def validation_metrics(prompts: list[PromptSamples], key=lambda task: task) -> dict[str, float]:
     """``eval/<key(task)>/<variable>/<statistic>``: each prompt's statistics averaged over the
     prompts of its task that have them (a prompt with fewer scored samples counts toward its own

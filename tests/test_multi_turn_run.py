@@ -44,6 +44,7 @@ def test_a_multi_turn_run_trains_on_two_turn_responses(tmp_path, tiny_model):  #
         assert m["observation_tokens_mean"] > 0
     evals = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert evals, "the evaluation runs the same turn loop"
+    assert all(1.0 <= e["eval/num_turns/mean"] <= 3.0 for e in evals), evals  # verl's val-aux/num_turns
 
 
 # every turn in one line, each user or tool turn marked with the template variable ``tag``

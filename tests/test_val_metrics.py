@@ -157,6 +157,28 @@ def test_an_evaluation_leaves_out_the_samples_whose_generation_failed(monkeypatc
     assert len(said) == 1 and "2 samples of 2 prompts" in said[0] and "multi_turn.env" in said[0], said
 
 
+def test_a_multi_turn_evaluation_reports_its_turns(monkeypatch):
+    """verl's val-aux/num_turns/{min,max,mean} (here the assistant turns, ``Sample.turns``); the
+    console's line leaves them out with the statistics (``is_headline``)."""
+    from controller.val_metrics import is_headline
+
+    p = harness._program(monkeypatch, "batch", harness.Clock())
+    p.cfg.train.eval_samples = 2
+    p.cfg.multi_turn = dataclasses.replace(p.cfg.multi_turn, env="envs.py:env")
+    p.run(1)
+
+    def outputs(self, requests, newest=False, token=None, stage="eval", step=None):
+        return harness.EvalOutput(self.held, [(r.sample_id, [1]) for r in requests],
+                                  turns=[(r.sample_id, 1 + (-r.sample_id) % 3) for r in requests])
+
+    monkeypatch.setattr(harness.Instance, "evaluate", outputs)
+    p.tok.decode = lambda ids, skip_special_tokens=False: str(int(ids[0])) if len(ids) else ""
+    ev = evaluation_mod.evaluate(p, 2)  # sample ids -1..-4: turns 2, 3, 1, 2
+    assert ev.scores["eval/num_turns/mean"] == 2.0
+    assert (ev.scores["eval/num_turns/min"], ev.scores["eval/num_turns/max"]) == (1.0, 3.0)
+    assert not is_headline("eval/num_turns/mean") and is_headline("eval/sum") and not is_headline("eval/unscored")
+
+
 def test_a_pred_of_none_is_a_ballot_and_the_prompt_keeps_its_majority():
     """math_dapo's strict box gives pred None when no answer was found: that dropped the prompt
     from maj@m (reward_info left the None out), so maj@m was over the easier prompts only
