@@ -73,6 +73,8 @@ def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan
         raise ValueError(f"dispatcher {name!r}: plan() returned a {type(plan).__name__}, not a "
                          "controller.scheduling.DispatchPlan")
     for field_name in ("per_instance", "batch_caps"):  # (len() of None raised a TypeError: the traceback)
+        if hasattr(getattr(plan, field_name), "tolist"):  # a numpy array (of caps, or of index lists)
+            setattr(plan, field_name, getattr(plan, field_name).tolist())
         if not isinstance(getattr(plan, field_name), (list, tuple)):
             raise ValueError(f"dispatcher {name!r}: the plan's {field_name} is a "
                              f"{type(getattr(plan, field_name)).__name__}, not a list (one entry per instance)")

@@ -319,7 +319,7 @@ def test_a_plan_of_request_indices_that_are_not_ints_is_a_one_line_stop(per, sai
                                              ([[0, 1]], None, "the plan's batch_caps is a NoneType, not a list")])
 def test_a_plan_without_its_lists_is_a_one_line_stop(per, caps, said):
     """``len(None)`` raised a TypeError: the controller's traceback (review, s53)."""
-    from controller.own_dispatcher import _Checked
+    from controller.own_dispatcher import _Checked, checked_plan
     from controller.scheduling import DispatchPlan
 
     class Mine:
@@ -328,6 +328,10 @@ def test_a_plan_without_its_lists_is_a_one_line_stop(per, caps, said):
 
     with pytest.raises(RunStopped, match=f"dispatcher 'mine': {said}"):
         _Checked(Mine(), "mine").plan([1.0, 2.0], [None])
+    import numpy as np  # numpy's arrays are lists enough (review of the check above)
+
+    caps = checked_plan(DispatchPlan([[0], [1]], np.full(2, 8), "mine"), 2, 2, "mine").batch_caps
+    assert caps == [8, 8] and all(type(c) is int for c in caps)
 
 
 @pytest.mark.parametrize("name, options, said", [

@@ -56,6 +56,15 @@ def test_numeric_no_longer_matches_a_part_of_the_reference(reference, completion
     ("-0.75", "The answer is $- 0.75$"),
     ("7", "10 - 3 = 7"),
     ("3", "the difference is 10 - 3"),  # a subtraction: no sign on the 3
+    # a markdown bullet is no minus sign, nor is a label's brace a subtraction (review of the above)
+    ("27", "Answer:\n- 27 apples"),
+    ("27", "Answer:\n- 27"),
+    ("27", "**Answer:**\n- 27"),
+    ("27", "In total:\n\n- 27 apples"),
+    ("-3", "\\textbf{Answer:} -3"),
+    ("-3", "Answer: (B) -3"),
+    ("-0.75", "so $x = - 0.75$"),
+    ("42", "\\boxed{42}\n\n#### 2. Verification\nIt checks."),  # a numbered heading is no mark
 ])
 def test_numeric_reads_the_marked_answer(reference, completion):
     assert numeric(item(reference), completion) == 1.0

@@ -13,10 +13,13 @@ import re
 from fractions import Fraction
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
-# gsm8k's "####" only before a number (verl's "#### (\-?[0-9\.\,]+)"): a markdown "#### Step 2"
-# heading is none (it took the 2 and overrode an earlier \boxed{}); each \s* gives up a space only
-# to a test that fails at a space, so a long run is read once
-_MARK = re.compile(r"####(?=\s*(?:[-+$\u2212]\s*)?\.?\d)|answer\s*[:=]", re.IGNORECASE)
+# gsm8k's "####" only before a number that ends its line (verl's "#### (\-?[0-9\.\,]+)"): a
+# markdown heading, "#### Step 2" or "#### 2. Verification", is none (it took the 2 and overrode an
+# earlier \boxed{}); linear: the digits give back one at a time to a test that fails at once
+_MARK = re.compile(r"####(?=[ \t]*(?:[-+$\u2212][ \t]*)?\.?\d[\d,.]*[ \t]*(?:\n|$))|answer\s*[:=]",
+                   re.IGNORECASE)
+# a markdown list item opening a line: its "- " is a bullet, not a minus sign
+_BULLET = re.compile(r"[ \t]*\n\s*[-+*\u2022][ \t]+")
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 
 _DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # 1,234,567 or 1234567
@@ -62,8 +65,10 @@ def answer_span(completion: str) -> tuple[str, bool]:
     mark = marks[-1] if marks else None
     if boxed is not None and (mark is None or mark.start() < boxed[1]):
         return boxed[2].strip(), True
-    if mark is not None:
-        return text[mark.end():].strip(), True
+    if mark is not None:  # ("Answer:\n- 27": the bullet goes, not its 27's sign)
+        span = text[mark.end():]
+        bullet = _BULLET.match(span)
+        return (span[bullet.end():] if bullet else span).strip(), True
     return text.strip(), tagged
 
 
@@ -97,16 +102,17 @@ def _from_match(m: re.Match, signed: bool = True) -> Fraction | None:
     return num / den
 
 
-def _unary(text: str, m: re.Match) -> bool:
-    """Whether the match's sign is the number's own (``-5``, ``= - 72``, ``is -3``, ``(-3)``), not a
-    subtraction's: a digit or a closing bracket before it, past spaces (``10 - 3``, ``10-3``).
-    Looks back over the spaces before the sign only (linear over a text's matches)."""
+def _own_sign(text: str, m: re.Match) -> bool:
+    """Whether the match's sign is the number's own within a longer text: written against it
+    (``-5``, ``10-3`` as before), or a ``\\frac``'s, or with a space after it (``- 72``) right
+    after ``$`` or ``=`` (``$- 0.75$``, ``x = - 3``); not a markdown bullet (``- 27``) nor a
+    subtraction (``10 - 3``). Looks back over the spaces before the sign only (linear)."""
     at = m.start(1)
-    if at < 0:
+    if at < 0 or not m.group(0)[1:2].isspace() or m.group(2) is not None or m.group(3) is not None:
         return True
-    while at > 0 and text[at - 1].isspace():
+    while at > 0 and text[at - 1] in " \t":
         at -= 1
-    return at == 0 or not (text[at - 1].isdigit() or text[at - 1] in ")]}")
+    return at > 0 and text[at - 1] in "$="
 
 
 def value(text: str) -> Fraction | None:
@@ -121,7 +127,7 @@ def value(text: str) -> Fraction | None:
 def numbers_in(text: str) -> list[Fraction]:
     """Every number written in ``text``, in order (the forms ``value`` reads)."""
     text = text.replace(MINUS, "-")
-    found = (_from_match(m, _unary(text, m)) for m in _VALUE.finditer(text))
+    found = (_from_match(m, _own_sign(text, m)) for m in _VALUE.finditer(text))
     return [v for v in found if v is not None]
 
 
