@@ -56,15 +56,26 @@ def run_controller(cfg, args, world_size: int) -> int:
     alive = True  # every worker still answers (the run ended by the controller's own decision)
     for note in config_notes(cfg):
         print(f"[controller] {note}", file=sys.stderr, flush=True)
+
+    def said(code: int) -> int:
+        """The run's end is said (with a stopped run's resume hint): a stop signal from here on
+        (torchrun stops every rank once one has died) keeps ``code``, with no second line
+        (``controller.main._interrupted``); it landed in the logs' close below, and a lost
+        worker's exit 1 became "stopped by SIGTERM", exit 130 (review, s53)."""
+        if code == 1 and session is not None:
+            print(f"[controller] {ckpt.resume_hint(session.logdir, args.resume)}", file=sys.stderr, flush=True)
+        LOCAL.outcome = code
+        return code
+
     try:
         session = Session(cfg, args, world_size)
         summary = session.run()
         print(json.dumps(summary), flush=True)
-        code = 0
+        code = said(0)
     except ConfigError as e:  # found by the controller before any work (e.g. the logdir)
         behind = set_behind(getattr(args, "set", None), str(e))  # named as typed, as at load
         print(f"config error: {behind + ': ' if behind else ''}{e}", file=sys.stderr, flush=True)
-        code = 2
+        code = said(2)
     except (WorkerFailed, RunStopped, NoInstancesLeft, OSError) as e:  # OSError: the run folder (full, gone)
         sig = lifecycle.stop_signal()
         if sig and isinstance(e, (WorkerFailed, NoInstancesLeft)):
@@ -73,22 +84,17 @@ def run_controller(cfg, args, world_size: int) -> int:
             raise lifecycle.interrupt_for(sig) from None
         print(f"[controller] run stopped: {error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr,
               flush=True)
-        code = 1
+        code = said(1)
         alive = isinstance(e, (RunStopped, OSError))  # the controller's decision, not a lost worker
     except Exception:  # noqa: BLE001 - the controller itself failed
         print(f"[controller] run stopped by a controller error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code, alive = 1, False  # it may have failed in the middle of a call to a worker
+        code, alive = said(1), False  # it may have failed in the middle of a call to a worker
     finally:  # also on Ctrl-C / SIGTERM, which pass through: the timeline of every span logged
         if session is not None:
             try:  # a tracker's run (wandb) ends failed unless the run succeeded (then run() closed it)
                 session.metrics.close(exit_code=1 if sys.exc_info()[0] is not None or code != 0 else 0)
             except OSError as e:  # the run folder went bad (full, read-only): said once already
                 print(f"[controller] closing the logs: {e}", file=sys.stderr, flush=True)
-    if code == 1 and session is not None:
-        print(f"[controller] {ckpt.resume_hint(session.logdir, args.resume)}", file=sys.stderr, flush=True)
-    # said: a stop signal from here on (torchrun stops every rank once one has died) does not
-    # turn a lost worker's exit 1 into "stopped by SIGTERM", exit 130 (controller.main._interrupted)
-    LOCAL.outcome = code
     waiting = joiners_waiting(session.waiting if session else [])
     joined = session.joined if session else []
     # (an instance that left on request, a REPL leave or a scale-in, is a live process: its

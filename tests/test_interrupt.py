@@ -190,3 +190,37 @@ def test_a_hangup_nohup_ignores_stays_ignored():
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_a_signal_while_the_logs_close_keeps_the_exit_code_said(monkeypatch, capsys):
+    """The run's end was taken as said only after the logs' close: torchrun's SIGTERM landing in
+    ``metrics.close`` (after "run stopped: worker rank 2 (trainer) was lost") gave a second line
+    and exit 130 (seen on 1 of 2 real trainer kills; review, s53). The code is kept as soon as
+    the stop is said, and the resume hint comes before the close."""
+    import types
+
+    from controller import runner
+    from controller.rpc import LOCAL, WorkerFailed
+
+    monkeypatch.setattr(LOCAL, "outcome", None)
+
+    class Metrics:
+        def close(self, exit_code=0):  # the signal lands while the logs close
+            raise KeyboardInterrupt("SIGTERM")
+
+    class Session:
+        def __init__(self, *a):
+            self.metrics, self.logdir = Metrics(), "/nonexistent/run"
+            self.waiting, self.joined, self.departed = [], [], []
+            self.world = types.SimpleNamespace(sgs=types.SimpleNamespace(lost=[2]))
+
+        def run(self):
+            raise WorkerFailed(2, "trainer", "step", "EOF: end of file", lost=True)
+
+    monkeypatch.setattr(runner, "Session", Session)
+    monkeypatch.setattr(runner, "config_notes", lambda cfg: [])
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_controller(None, types.SimpleNamespace(resume="", set=[]), 3)
+    assert LOCAL.outcome == 1  # what _interrupted leaves with, saying nothing more
+    err = capsys.readouterr().err
+    assert "run stopped: worker rank 2 (trainer) was lost" in err and "no checkpoint was written yet" in err
