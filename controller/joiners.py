@@ -95,6 +95,14 @@ def dismiss_joiner(rank: int, code: int, reason: str) -> None:
         pass
 
 
+def _dismiss_lost(session, rank: int, why: str) -> None:
+    """A joiner found lost while being set up: gone, or alive past a deadline (its engine's start
+    or its weight pull running long): told to exit, no longer pinged, so one alive does not
+    hold its engine, unlisted, until the job ends (review, s53); one gone is skipped."""
+    dismiss_joiner(rank, 1, f"not added: {why}")
+    session.departed.append(rank)
+
+
 def admit(session, i: int) -> None:
     """Before iteration ``i``: take the announced processes into ``session.waiting`` and add
     the first of them as a generation instance when the scale-out policy wants one
@@ -133,6 +141,7 @@ def admit(session, i: int) -> None:
         if e.lost:
             print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: {first}",
                   file=sys.stderr, flush=True)
+            _dismiss_lost(session, rank, first)
             return
         # nothing depended on it yet: the run goes on without it (it used to end the run)
         print(f"[controller] iteration {i}: joiner rank {rank} not added, it failed while being set up: "
@@ -141,6 +150,7 @@ def admit(session, i: int) -> None:
         session.departed.append(rank)
         return
     if h is None:  # lost before it held the weights (add_instance said so)
+        _dismiss_lost(session, rank, "lost or timed out before it held the weights")
         return
     if session.policy is not None:
         session.policy.added(i)  # the cooldown counts from an add that happened

@@ -133,8 +133,10 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
     assert "iteration 1: generation instance rank 3 has max_model_len 240" in capsys.readouterr().err
     joiners.admit(s, 2)
     assert "iteration 2: joiner rank 6 lost before it was added" in capsys.readouterr().err
+    # told to exit too: one alive past a deadline held its engine, unlisted, until the job ended (review, s53)
+    assert stopped == [([3], 2), ([6], 1)] and s.departed == [3, 6]
     joiners.admit(s, 3)
-    assert [h.rank for h in sgs.handles] == [1, 5] and s.joined == [3, 6, 5] and stopped == [([3], 2)]
+    assert [h.rank for h in sgs.handles] == [1, 5] and s.joined == [3, 6, 5] and stopped == [([3], 2), ([6], 1)]
     assert logged == []  # sgs/instances comes with each iteration's row (Metrics.log_iteration)
 
 
@@ -157,6 +159,12 @@ def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run
     assert stopped == [(4, 1, "not added: it failed while being set up (worker rank 4 (generation) raised in "
                               "__init__():)")] and s.departed == [4]
     assert "joiner rank 4 not added, it failed while being set up" in capsys.readouterr().err
+
+    # add_instance's None: lost, or alive past its set-up's deadline (world.add_instance): told to exit
+    monkeypatch.setattr(joiners, "add_instance", lambda *a: None)
+    s.waiting = [7]
+    joiners.admit(s, 1)
+    assert stopped[-1] == (7, 1, "not added: lost or timed out before it held the weights") and s.departed == [4, 7]
 
     def sender_fails(world, cfg, rank, model_dir, eos_ids, version):  # a trainer: the run's own failure
         raise WorkerFailed(2, "trainer", "push", "RuntimeError: boom")
