@@ -25,10 +25,10 @@ def ensure_model(model_path: str, init: dict | None, task_name: str, task_kwargs
     from workers.tasks.registry import make_task
     from workers.trainer.bootstrap import TINY, build_model_dir
 
-    try:
-        mcfg = ModelConfig(**{**asdict(TINY), **init})
-    except TypeError as e:
-        raise ValueError(f"model.init: {e}") from None
+    from workers.config_schema import build_section
+
+    # typed as the preflight checked it: a "1e-5" from a caller's own YAML was built as text
+    mcfg = build_section(ModelConfig, "model.init", {**asdict(TINY), **init})
     torch.manual_seed(seed)
     t0 = time.time()
     print(f"[bootstrap] building {path} (tokenizer + model from scratch, SFT {sft_steps} steps)",

@@ -135,7 +135,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         train=train,
         multi_turn=build_section(MultiTurnSection, "multi_turn", d.get("multi_turn")),
         logging=build_section(LoggingSection, "logging", d.get("logging")),
-        follows=() if "total_steps" in explicit else ("total_steps",),
+        follows=tuple(k for k in FOLLOWED if k not in explicit),
     )
     validate(cfg, world_size)
     return cfg
@@ -155,6 +155,12 @@ def _colocated_static(placement: Any, pipeline: Any) -> Any:
                           "runs are static")
     placement.setdefault("elastic", False)
     return placement
+
+
+# trainer keys that follow the train section unless the trainer section sets them (_norm_follows,
+# _trainer_from_train): the run's record leaves them out, so it loads to the same Config
+FOLLOWED = ("total_steps", "loss_scale_factor", "max_response_tokens", "temperature", "seed",
+            "recompute_old_logprobs")
 
 
 def _norm_follows(trainer: Any, train: TrainSection) -> Any:
@@ -222,6 +228,8 @@ def load_config(path: str | Path, world_size: int | None = None,
     from controller.config_overrides import blame, overridden, parse_overrides  # (it imports this module)
 
     overrides, typed = parse_overrides(overrides)
+    if not isinstance(d, dict):  # (said by from_dict too, but a --set would index it first)
+        raise ConfigError(f"{path}: config: expected a mapping at top level, got {type(d).__name__}")
     try:
         return from_dict(overridden(d, overrides), world_size)
     except ConfigError as e:

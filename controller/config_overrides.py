@@ -63,8 +63,9 @@ def overridden(d: dict, overrides: dict) -> dict:
 
 def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: str) -> str:
     """The ``--set`` overrides the config error ``error`` comes from (as typed): the one whose
-    key it names, else (a rule over several keys) those without which the config does not fail
-    with it; '' when the file's own values do."""
+    key it names, else (a rule over several keys) those without which the config loads; '' when
+    the file's own values do (one whose removal only changed the error to another of the file's
+    was blamed for the file's: review, s53)."""
     named = _naming(error, overrides, typed)
     if named:
         return named[0]
@@ -72,9 +73,8 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
     for k in overrides:
         try:
             from_dict(overridden(d, {o: w for o, w in overrides.items() if o != k}), world_size)
-        except ConfigError as e:
-            if str(e) == error:
-                continue
+        except ConfigError:
+            continue
         blamed.append(typed[k])
     return " ".join(blamed)
 
@@ -108,11 +108,18 @@ def _naming(error: str, overrides: dict, typed: dict, sections: bool = False) ->
 
 
 def apply_override(d: dict, dotted: str, value: Any) -> None:
-    """Set ``d["a"]["b"] = value`` for ``dotted == "a.b"`` (creating the section)."""
+    """Set ``d["a"]["b"] = value`` for ``dotted == "a.b"`` (creating the section). A whole
+    section given a mapping (``--set 'train={iterations: 5}'``) takes its keys over the file's,
+    as OmegaConf merges; it replaced the section, whose other keys went back to their defaults
+    (review, s53). Below a section a mapping is a value (``task.kwargs``: replaced)."""
     *parents, leaf = dotted.split(".")
     if not parents and value is None:  # it built the section's defaults over the file's (review, s51)
         raise ConfigError(f"{dotted}: is empty (YAML null); a --set of a whole section would replace the file's "
                           f"{dotted} section with the defaults: set its keys ({dotted}.KEY=VALUE)")
+    if not parents and isinstance(value, dict) and isinstance(d.get(leaf), dict):
+        for key, v in value.items():
+            apply_override(d, f"{leaf}.{key}", v)
+        return
     node = d
     for p in parents:
         if node.get(p) is None:

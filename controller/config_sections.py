@@ -14,7 +14,7 @@ from typing import Literal
 from controller import trackers
 from controller.config_types import ConfigError, key_hint
 from controller.modes import MODES
-from controller.rpc import COLLECTIVE_TIMEOUT_S, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S
+from controller.rpc import COLLECTIVE_TIMEOUT_S, MAX_COLLECTIVE_TIMEOUT_S, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S
 from workers.config_schema import SEEDS, Range, expand_path, ranged
 from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
 
@@ -147,7 +147,8 @@ class PlacementSection:
                                                        note="seconds; torch RPC's int32 milliseconds bound it"))
     # how long a trainer rank's collectives (the gradient all-reduce) wait for a peer that is
     # alive but behind (a slower reward, more tokens); a lost peer is the heartbeat's to find
-    collective_timeout_s: float = ranged(COLLECTIVE_TIMEOUT_S, Range(0, open_lo=True))
+    collective_timeout_s: float = ranged(COLLECTIVE_TIMEOUT_S, Range(0, MAX_COLLECTIVE_TIMEOUT_S, open_lo=True,
+                                                                     note="seconds; gloo's int64 nanoseconds bound it"))
     # test hook: add a waiting joiner at this iteration
     force_scale_out_at: int = ranged(-1, Range(-1, note="-1: never"))
 

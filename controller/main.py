@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--join", default="", metavar="HOST:PORT", help="join a running job's RPC group")
     ap.add_argument("--role", default="generation", choices=["generation"], help="role of a joining process")
-    ap.add_argument("--rpc-timeout", type=float, default=300.0, help="RPC timeout of a joining process (s)")
+    ap.add_argument("--rpc-timeout", type=float, default=None,
+                    help="RPC timeout of a joining process (s; default 300; a torchrun rank's is placement.rpc_timeout_s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = ap.parse_args(argv)
     if not args.join and not args.config:
@@ -79,6 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                        ("--resume", args.resume)) if on]
         if given:  # they would be dropped without a word
             ap.error(f"--join takes the running job's config; {', '.join(given)} cannot be given with it")
+    elif args.rpc_timeout is not None:  # a torchrun rank's is the config's: it was dropped without a word
+        ap.error(f"--rpc-timeout is a joining process's (with --join); a run's is placement.rpc_timeout_s: "
+                 f"--set placement.rpc_timeout_s={args.rpc_timeout:g}")
+    if args.rpc_timeout is None:
+        args.rpc_timeout = 300.0
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (torch threads per process), got {args.threads}")
     if not (math.isfinite(args.rpc_timeout) and 0 < args.rpc_timeout <= MAX_RPC_TIMEOUT_S):
@@ -124,6 +130,7 @@ def main(argv=None) -> int:
     from controller import lifecycle
     from controller.attempt import AttemptError
     from controller.config import ConfigError, load_config
+    from controller.config_overrides import set_behind
     from controller.config_unused import minibatch_unused
     from controller.run_record import plain
 
@@ -136,11 +143,14 @@ def main(argv=None) -> int:
     try:
         try:  # every rank validates, so a bad config stops all of them before any work
             loaded = load_config(args.config, world, args.set)  # the --set texts: an error echoes them as typed
-            if args.repl and loaded.train.eval_only:
-                raise ConfigError("train.eval_only evaluates and stops, --repl opens a console: give one of them "
-                                  "(the console's `eval N` evaluates the weights it holds)")
-            if not args.repl:  # (a console may switch to `mode minibatch`, which reads it)
-                minibatch_unused(loaded)
+            try:
+                if args.repl and loaded.train.eval_only:
+                    raise ConfigError("train.eval_only evaluates and stops, --repl opens a console: give one of "
+                                      "them (the console's `eval N` evaluates the weights it holds)")
+                if not args.repl:  # (a console may switch to `mode minibatch`, which reads it)
+                    minibatch_unused(loaded)
+            except ConfigError as e:  # named as load_config's are: the --set behind it, else the file
+                raise ConfigError(f"{set_behind(args.set, str(e)) or args.config}: {e}") from None
             cfg = loaded
         except ConfigError as e:
             error = str(e)

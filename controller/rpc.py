@@ -314,6 +314,9 @@ RPC_TIMEOUT_S = 300.0
 # times the timeout: the largest that stays a timeout (~6.2 days; more wrapped to a negative one)
 MAX_RPC_TIMEOUT_S = (2**31 - 1) // SETUP_FACTOR / 1000
 COLLECTIVE_TIMEOUT_S = 3600.0  # placement.collective_timeout_s (subgroup)
+# gloo adds a collective's timeout to a clock in int64 nanoseconds: 1e10 s overflowed and the first
+# all-reduce timed out at once (review, s53); ~31 years is "never" enough
+MAX_COLLECTIVE_TIMEOUT_S = 1e9
 
 
 @dataclass

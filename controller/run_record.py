@@ -33,6 +33,19 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
+def recorded(cfg) -> dict:
+    """``plain(cfg)`` as it loads back to ``cfg``: the trainer keys that followed the train
+    section (``cfg.follows``) left to follow it again, and with ``train.epochs`` the iterations
+    it derived left out (a file may not set both). The record held them, and loaded they were
+    refused, or set where the file had not (review, s53)."""
+    config = plain(cfg)
+    for key in cfg.follows:
+        config["trainer"].pop(key, None)
+    if cfg.train.epochs is not None:
+        config["train"]["iterations"] = None
+    return config
+
+
 def save_run_config(logdir: Path, cfg, args, name: str = "") -> Path:
     """Write this attempt's record into ``logdir``; returns its path. ``name``: the record to
     write again (the config resolved further at start: ``train.epochs``' derived length)."""
@@ -44,6 +57,8 @@ def save_run_config(logdir: Path, cfg, args, name: str = "") -> Path:
                 n += 1
             name = f"config.resume{n}.yaml"
     record = {"command": shlex.join(sys.argv), "config_file": args.config, "overrides": list(args.set),
-              "resume": args.resume or None, "config": plain(cfg)}
+              "resume": args.resume or None, "config": recorded(cfg)}
+    if cfg.train.epochs is not None and cfg.train.iterations is not None:  # derived at start: said apart
+        record["derived"] = {"train.iterations": cfg.train.iterations}
     return write_text(logdir / name, "# how this attempt was started (controller/run_record.py)\n"
                       + yaml.safe_dump(record, sort_keys=False))

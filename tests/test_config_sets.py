@@ -185,3 +185,56 @@ def test_a_set_of_a_whole_section_to_null_is_refused(tmp_path, text):
     with pytest.raises(ConfigError, match=rf"--set {re.escape(text)}: {section}: is empty \(YAML null\); a --set of "
                                           rf"a whole section would replace the file's {section} section"):
         load_config("configs/quickstart.yaml", 3, [text])
+
+
+def test_a_set_of_a_whole_section_to_a_mapping_takes_its_keys_over_the_files():
+    """`--set 'train={iterations: 5}'` replaced the section: group_size, max_tokens, sft_steps
+    went back to their defaults without a word (review, s53); OmegaConf merges, as here."""
+    from controller.config import load_config
+
+    base = load_config("configs/quickstart.yaml", 3)
+    cfg = load_config("configs/quickstart.yaml", 3, ["train={iterations: 5}"])
+    assert cfg.train.iterations == 5 and cfg.train.group_size == base.train.group_size
+    assert (cfg.train.max_tokens, cfg.train.sft_steps) == (base.train.max_tokens, base.train.sft_steps)
+
+
+def test_a_float_written_as_1e_5_is_a_float_in_every_mapping(tmp_path):
+    """YAML 1.1 reads 1e-5 (no dot) as text: typed keys converted it, but model.init,
+    task.kwargs, ranker.options and dispatch.options passed it on (review, s53)."""
+    from controller.config import load_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  init: {rms_norm_eps: 1e-5, rope_theta: 1e6}\n"
+                 "dispatch:\n  name: skew\n  options: {noise: 1e-2}\nranker:\n  kind: lgbm\n"
+                 f"  path: {tmp_path / 'ranker'}\n  options: {{learning_rate: 1e-2}}\n")
+    cfg = load_config(p, 3)
+    assert cfg.model.init == {"rms_norm_eps": 1e-5, "rope_theta": 1e6}
+    assert cfg.dispatch.options == {"noise": 0.01} and cfg.ranker.options["learning_rate"] == 0.01
+    assert load_config(p, 3, ["task.kwargs={demo_noise: 1e-1}"]).task.kwargs == {"demo_noise": 0.1}
+
+
+def test_a_set_is_blamed_only_when_the_config_loads_without_it(tmp_path):
+    """A --set whose removal changed the error to another of the file's was named for the file's
+    own bad value (review, s53)."""
+    with pytest.raises(ConfigError, match=r"c.yaml: logging.timeline_every"):
+        _load_with(tmp_path, "train.epochs=null", train={"iterations": 3, "epochs": 2},
+                   logging={"timeline_every": -1})
+
+
+def test_the_rules_main_checks_name_the_set_and_a_top_level_list_is_one_error(tmp_path, monkeypatch, capsys):
+    from controller.config import load_config
+    from controller.main import main, parse_args
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "t",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():  # nothing listens there
+        monkeypatch.setenv(k, v)
+    assert main(["--config", "configs/quickstart.yaml", "--set", "pipeline.minibatch_size=4"]) == 2
+    assert "config error: --set pipeline.minibatch_size=4: pipeline.minibatch_size: 4 acts only" in capsys.readouterr().err
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="list.yaml: config: expected a mapping at top level, got list"):
+        load_config(p, 3, ["train.iterations=3"])  # (an AttributeError traceback with a --set)
+    with pytest.raises(SystemExit):  # a torchrun rank's timeout is the config's: it was dropped
+        parse_args(["--config", "c.yaml", "--rpc-timeout", "60"])
+    assert "--set placement.rpc_timeout_s=60" in capsys.readouterr().err
+    assert parse_args(["--join", "h:1"]).rpc_timeout == 300.0

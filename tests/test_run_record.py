@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from controller.config import from_dict, load_config
-from controller.run_record import plain, save_run_config
+from controller.run_record import plain, recorded, save_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = {"datacenters": {"east": [0, 1], "west": [2]}, "nodes": {"n0": [0, 1]},
@@ -29,7 +29,26 @@ def test_the_record_holds_the_sections_as_written_and_loads_back(tmp_path):
                                "bandwidth_gbps": {"intra_node": 1600.0, "intra_dc": 200.0, "inter_dc": 10.0},
                                "shaped_links": ["inter_dc", "intra_dc", "intra_node"], "default_datacenter": "east"}
     again = from_dict(rec, 3)
-    assert again.topology == cfg.topology and again.weight_sync == cfg.weight_sync and plain(again) == rec
+    assert again.topology == cfg.topology and again.weight_sync == cfg.weight_sync and recorded(again) == rec
+    assert again == cfg
+
+
+def test_the_record_loads_back_to_the_same_config_and_the_trainer_follows_it_again(tmp_path):
+    """The record wrote the trainer keys that follow the train section as if set (a --set of
+    train.iterations on it left total_steps behind), and with train.epochs both the epochs and
+    the iterations it derived (refused as both setting the length; review, s53)."""
+    from controller.epochs import with_epochs
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml")
+    rec = yaml.safe_load(yaml.safe_dump(recorded(cfg)))
+    assert from_dict(rec) == cfg and "total_steps" not in rec["trainer"] and "seed" not in rec["trainer"]
+    longer = from_dict({**rec, "train": {**rec["train"], "iterations": 200, "seed": 7}})
+    assert (longer.trainer.total_steps, longer.trainer.seed) == (200, 7)
+    run_cfg, _ = with_epochs(from_dict({"train": {"epochs": 2, "batch_prompts": 4}}), prompts=40)
+    args = types.SimpleNamespace(resume="", config="c.yaml", set=[])
+    saved = yaml.safe_load(save_run_config(tmp_path, run_cfg, args).read_text())
+    assert saved["derived"] == {"train.iterations": 20}
+    assert with_epochs(from_dict(saved["config"]), prompts=40)[0] == run_cfg
 
 
 def test_every_process_resolves_the_same_record():

@@ -74,7 +74,7 @@ def test_topology_from_config():
 
 
 @pytest.mark.parametrize("cfg, needle", [
-    ({"datacenter": {}}, "unknown key(s) ['datacenter']"),
+    ({"datacenter": {}}, "topology.datacenter: unknown key; did you mean 'datacenters'?"),
     ({"datacenters": {"a": [0, 1], "b": [1]}}, "rank 1 listed in both 'a' and 'b'"),
     ({"datacenters": {"a": [0, -1]}}, "datacenters.a: rank -1"),
     ({"datacenters": {"a": 3}}, "datacenters.a must be a list"),

@@ -99,10 +99,12 @@ class Topology:
             return cls()
         if not isinstance(cfg, Mapping):
             raise ValueError(f"topology must be a mapping, got {type(cfg).__name__}")
-        unknown = set(cfg) - _CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"topology: unknown key(s) {sorted(unknown)}; "
-                             f"allowed: {sorted(_CONFIG_KEYS)}")
+        unknown = sorted(set(cfg) - _CONFIG_KEYS, key=str)
+        if unknown:  # (as every section says it)
+            from workers.config_schema import near_miss
+
+            raise ValueError(f"topology.{unknown[0]}: unknown key{near_miss(unknown[0], _CONFIG_KEYS)} "
+                             f"(known: {sorted(_CONFIG_KEYS)})")
         rank_dc = _rank_groups(cfg.get("datacenters") or {}, "topology.datacenters")
         rank_node = _rank_groups(cfg.get("nodes") or {}, "topology.nodes")
         names = list((cfg.get("datacenters") or {}).keys())
