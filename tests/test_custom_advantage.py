@@ -73,6 +73,11 @@ def zero_std(token_level_rewards, response_mask, index, config):
 
 def raises(token_level_rewards, response_mask, index, config):
     raise KeyError("uid")
+
+
+def nan_off_the_mask(token_level_rewards, response_mask, index, config):
+    scores = token_level_rewards.sum(-1, keepdim=True)
+    return scores * response_mask / response_mask  # NaN where the mask is 0 (0 / 0)
 '''
 
 # per group: (reward, response length) of each sample
@@ -237,3 +242,17 @@ def test_a_checkpoint_resumes_under_another_spelling_and_says_when_the_file_chan
                           KnownRewardTask(), device="cpu")
     with pytest.raises(ValueError, match="checkpoint is for trainer.algorithm .*est.py:advantages_only"):
         other.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_non_finite_advantage_where_the_mask_is_0_leaves_the_update_alone(model_dir, plugin):  # noqa: F811
+    """``x * mask / mask``: NaN on the tokens rollout_rs rejects (mask 0) stayed out of the loss
+    but not of its gradient (where()'s zero x NaN): every update was skipped (review, s53)."""
+    samples, prompts, sizes = build(model_dir, GROUPS)
+    # the sampler 0.8 below the trainer on every other token: those are rejected (mask 0)
+    shifted = [replace(s, logprobs=s.logprobs - 0.8 * (torch.arange(len(s.logprobs)) % 2 == 0)) for s in samples]
+    w = TrainerWorker(TrainerConfig(algorithm=f"{plugin}:nan_off_the_mask", lr=1e-2, rollout_rs="token_k1",
+                                    rollout_rs_threshold="0.6_1.5"), model_dir, KnownRewardTask(), device="cpu")
+    w.begin_iteration(0, prompts, sizes)
+    w.receive(shifted)
+    m = w.step().metrics
+    assert m["step_skipped"] == 0.0 and m["grad_norm"] > 0

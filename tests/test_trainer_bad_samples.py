@@ -105,7 +105,18 @@ def _generation_error(s, tok):
 
 def _logprobs_short(s, tok):
     n = len(s.output_ids)
-    return replace(s, logprobs=s.logprobs[:-1]), f"sample {s.sample_id}: {n - 1} logprobs for {n} output tokens"
+    return replace(s, logprobs=s.logprobs[:-1]), f"sample {s.sample_id}: logprobs of shape ({n - 1},) for {n} output tokens"
+
+
+def _logprobs_2d(s, tok):  # the right count in another shape crashed the step's packing (review, s53)
+    n = len(s.output_ids)
+    return replace(s, logprobs=s.logprobs[:, None]), f"sample {s.sample_id}: logprobs of shape ({n}, 1) for {n} output tokens"
+
+
+def _output_2d(s, tok):
+    return replace(s, output_ids=s.output_ids[None]), (
+        f"sample {s.sample_id}: prompt_ids and output_ids must be 1-D token ids, got shapes "
+        f"({len(s.prompt_ids)},) and (1, {len(s.output_ids)})")
 
 
 def _logprobs_nan(s, tok):
@@ -136,7 +147,8 @@ def _verifier_raises(s, tok):  # the sample itself is fine; ScoreTask raises on 
     return s, f"sample {s.sample_id}: the task's score raised ValueError('verifier crashed on this completion')"
 
 
-BAD = {"generation_error": _generation_error, "logprobs_short": _logprobs_short, "logprobs_nan": _logprobs_nan,
+BAD = {"generation_error": _generation_error, "logprobs_short": _logprobs_short, "logprobs_2d": _logprobs_2d,
+       "output_2d": _output_2d, "logprobs_nan": _logprobs_nan,
        "logprobs_neg_inf": _logprobs_neg_inf, "too_long": _too_long, "verifier_raises": _verifier_raises,
        "empty_prompt": _empty_prompt}
 

@@ -154,5 +154,9 @@ def custom_pass(w: "TrainerWorker") -> None:
         raise ValueError(f"{KEY}: {name!r} returned non-finite advantages in iteration {w.iteration} on "
                          f"{int(bad.sum())} response tokens, groups {groups[:5]}{' ...' if len(groups) > 5 else ''} "
                          "(a division by a group's zero std?)")
+    # 0 where the mask leaves a token out (an observation token, one rollout_rs rejected): a NaN
+    # there stayed out of the loss but not of its gradient (where()'s zero x NaN), and every
+    # update was skipped (review, s53)
+    adv = torch.where(mask.bool(), adv, torch.zeros_like(adv))
     for i, p in enumerate(items):
         p.adv = adv[i, :p.num_tokens].clone()

@@ -87,6 +87,9 @@ def bad_sample_reason(s: Sample, version: int, cfg: TrainerConfig, model_config)
                 f"{version} - max_staleness {cfg.max_staleness}")
     if s.finish_reason == "error":
         return f"sample {sid}: generation failed ({s.error})"
+    if prompt.dim() != 1 or output.dim() != 1:  # ([1, L] crashed the step's packing, under skip too)
+        return (f"sample {sid}: prompt_ids and output_ids must be 1-D token ids, got shapes {tuple(prompt.shape)} "
+                f"and {tuple(output.shape)}")
     if output.numel() == 0:
         return f"sample {sid}: empty output"
     if prompt.numel() == 0:  # nothing predicts output[0]: packing would read another sequence's state
@@ -101,8 +104,8 @@ def bad_sample_reason(s: Sample, version: int, cfg: TrainerConfig, model_config)
         return why
     if not cfg.uses_sampler_logprobs:
         return None
-    if s.logprobs.numel() != output.numel():
-        return f"sample {sid}: {s.logprobs.numel()} logprobs for {output.numel()} output tokens"
+    if s.logprobs.shape != output.shape:
+        return f"sample {sid}: logprobs of shape {tuple(s.logprobs.shape)} for {output.numel()} output tokens"
     if not bool(torch.isfinite(s.logprobs).all()):
         return f"sample {sid}: non-finite sampler logprobs"
     if bool((s.logprobs > LOGPROB_SLACK).any()):

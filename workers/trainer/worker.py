@@ -121,7 +121,7 @@ class TrainerWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            group_lambdas(cfg, len(groups), lambda: self.actor_steps))
         self._version = 0
-        self.iteration = -1
+        self.iteration, self._stepped = -1, False
         # beta of trainer.kl_mode reward: fixed, or adapted after each step (trainer.kl_target)
         self.kl = KLCoefficient(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.advantage_fn = load_estimator(cfg.algorithm) if cfg.custom_advantage else None  # a user's verl estimator
@@ -159,7 +159,7 @@ class TrainerWorker:
         bad = {g: n for g, n in group_sizes.items() if n < 1}
         if bad:
             raise ValueError(f"begin_iteration({iteration}): group sizes must be >= 1, got {bad}")
-        self.iteration = iteration
+        self.iteration, self._stepped = iteration, False
         self._prompts = dict(prompts)
         self._group_sizes = dict(group_sizes)
         self._seen = set()
@@ -172,6 +172,7 @@ class TrainerWorker:
     def extend_iteration(self, prompts: dict[int, TaskPrompt], group_sizes: dict[int, int]) -> None:
         """More samples (and groups) for the current iteration: the controller's refill of a batch
         that ``filter_groups`` left short (``trainer.max_gen_batches``)."""
+        self._refuse_if_stepped("extend_iteration")
         if self._trained_any:
             raise RuntimeError(f"extend_iteration: iteration {self.iteration} has trained already")
         check_new_ids(f"extend_iteration({self.iteration})", prompts, group_sizes, self._prompts, self._group_sizes)
@@ -198,6 +199,8 @@ class TrainerWorker:
     @_locked
     def receive(self, samples: Sequence[Sample], scores: dict | None = None) -> None:
         """``scores``: ``score_ahead`` of (some of) these samples; the rest are scored here."""
+        if samples:
+            self._refuse_if_stepped("receive")
         for s in samples:  # caller bugs raise before any sample of this call is consumed
             check_caller(s, self._prompts, self._group_sizes, self._version, self.cfg, self.iteration)
         if self.cfg.grouped:
@@ -397,4 +400,11 @@ class TrainerWorker:
         self.stats.reset()
         self.trained_batches = []
         self._trained_any = False
+        self._stepped = True
         return result
+
+    def _refuse_if_stepped(self, call: str) -> None:
+        """A sample for an iteration already stepped was taken, and trained alone at a second
+        step (review, s53; the controller's inbox drops such stragglers before they come)."""
+        if self._stepped:
+            raise RuntimeError(f"{call}: iteration {self.iteration} was stepped; begin_iteration() the next first")
