@@ -250,7 +250,10 @@ def fitting_prompts(items: Sequence[TaskPrompt], encode: Callable[[TaskPrompt], 
             raise ValueError(f"{where(item, split, i)}: the prompt template cannot render it: "
                              f"{type(e).__name__}: {e}") from None
         n = len(ids)
-        if vocab_size and n and max(ids) >= vocab_size:
+        if n == 0:  # kept, the engine refused it mid-run and the run stopped (review, s53)
+            raise ValueError(f"{where(item, split, i)}: the template renders it to no tokens (a chat template "
+                             "that renders none of its turns' roles?): nothing to generate from")
+        if vocab_size and max(ids) >= vocab_size:
             bad = max(ids)
             raise ValueError(f"{where(item, split, i)}: token id {bad} is outside the model's vocabulary "
                              f"(vocab_size {vocab_size}): the tokenizer does not match the model (a token added "

@@ -104,7 +104,10 @@ class Session:
                                       template_kwargs=cfg.tokenizer.chat_template_kwargs)
         except ValueError as e:
             raise ConfigError(f"model.path {self.model_dir}: tokenizer: {e}") from None
-        self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
+        try:
+            self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
+        except ValueError as e:  # a config.json / generation_config.json that is no JSON object, a bad id
+            raise ConfigError(f"model.path: {e}") from None
         self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher, self.tok)
         self.task = self._fitting_task(self.task)

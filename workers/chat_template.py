@@ -126,25 +126,39 @@ def find(folder: str | os.PathLike, tokenizer_config: dict, tools: Sequence[dict
     transformers' ``apply_chat_template`` refuses it."""
     folder, cfg = Path(folder), tokenizer_config
     named: dict[str, str] = {}
+    files: dict[str, Path] = {}  # name -> the file it was read from
     if (folder / CHAT_TEMPLATE_FILE).is_file():
-        named["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        files["default"] = folder / CHAT_TEMPLATE_FILE
     if (folder / CHAT_TEMPLATE_DIR).is_dir():
         for f in sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja")):
-            named[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+            files[f.name.removesuffix(".jinja")] = f
+    named = {name: f.read_text(encoding="utf-8") for name, f in files.items()}
     where = f"{folder / CHAT_TEMPLATE_FILE} / {folder / CHAT_TEMPLATE_DIR}"
     if not named:
         t = cfg.get("chat_template")
         where = f"{folder / 'tokenizer_config.json'} chat_template"
         if t is None or isinstance(t, str):
-            return t
+            return _compiles(t, where)
         if not isinstance(t, list) or not all(isinstance(d, dict) and "name" in d and "template" in d for d in t):
             raise ValueError(f"{where}: expected a template string or a list of "
                              f'{{"name": ..., "template": ...}}, got {type(t).__name__}')
         named = {d["name"]: d["template"] for d in t}
-    if tools and "tool_use" in named:
-        return named["tool_use"]
-    if "default" not in named:
+    pick = "tool_use" if tools and "tool_use" in named else "default"
+    if pick not in named:
         raise ValueError(f"{where}: the chat templates {sorted(named)} include none named 'default' (the one "
                          "transformers' apply_chat_template uses when given no name"
                          f"{'' if tools else ' and no tools'}); name one 'default'")
-    return named["default"]
+    return _compiles(named[pick], str(files[pick]) if pick in files else f"{where} {pick!r}")
+
+
+def _compiles(template: str | None, where: str) -> str | None:
+    """``template``, once it compiles: a syntax error is said naming the file (or config key) and
+    line when the folder is read, not as the first prompt's failure to render (review, s53)."""
+    if template is not None:
+        import jinja2
+
+        try:
+            compile_template(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{where}:{e.lineno}: the chat template does not compile: {e.message}") from None
+    return template

@@ -275,15 +275,17 @@ def stop_ids(folder: str | os.PathLike, tokenizer_eos: int | None) -> list[int]:
     config.json and generation_config.json (an instruct model often lists two, e.g. Qwen's
     <|im_end|> and <|endoftext|>), as HF ``generate`` and vLLM stop on. The engines stop on them,
     and ``min_tokens`` masks them in the sampler and the trainer alike."""
+    from workers.tokenizer_folders import _read_json
+
     ids = [] if tokenizer_eos is None else [int(tokenizer_eos)]
     for name in ("config.json", "generation_config.json"):
         path = Path(folder) / name
-        if not path.exists():
-            continue
-        e = json.loads(path.read_text()).get("eos_token_id")
+        e = _read_json(path).get("eos_token_id")  # (a bad file named, not a bare JSONDecodeError)
         for i in ([] if e is None else e if isinstance(e, list) else [e]):
-            if int(i) not in ids:
-                ids.append(int(i))
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {e!r}")
+            if i not in ids:
+                ids.append(i)
     return ids
 
 

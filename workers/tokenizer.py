@@ -125,7 +125,7 @@ class Tokenizer:
         the prompt template."""
         if self.chat_template:
             tools = {"tools": self.tools} if self.tools else {}
-            return self.apply_chat_template(list(messages) or [{"role": "user", "content": text}],
+            return self.apply_chat_template(list(messages or ()) or [{"role": "user", "content": text}],
                                             add_generation_prompt=True, **tools)
         if messages:
             text = "\n\n".join(str(m.get("content") or "") for m in messages)

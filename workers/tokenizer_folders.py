@@ -52,6 +52,7 @@ def read_folder(folder: Path, as_transformers: bool = True) -> tuple[_HFTokenize
         # (tokenizer.json's post-processor is kept: with a tokenizer.json, transformers drops
         # tokenizer_config.json's add_bos_token / add_eos_token)
         _add_named_special_tokens(tok, tokens)
+        _add_special_tokens(tok, extra_special_tokens(folder, cfg))
     return tok, tokens, cfg
 
 
@@ -171,12 +172,32 @@ def _add_named_special_tokens(tok: _HFTokenizer, tokens: dict[str, str | None]) 
     """As transformers' TokenizersBackend does on loading: each named special token that is not
     one of tokenizer.json's added tokens becomes a special added token (split out of any text
     and skipped in decoding; a new id when it is not in the vocabulary either)."""
+    _add_special_tokens(tok, [tokens.get(name) for name in SPECIAL_TOKEN_NAMES])
+
+
+def _add_special_tokens(tok: _HFTokenizer, texts) -> None:
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
-    for name in SPECIAL_TOKEN_NAMES:
-        t = tokens.get(name)
+    for t in texts:
         if t and t not in added:
             tok.add_special_tokens([AddedToken(t, special=True)])
             added.add(t)
+
+
+def extra_special_tokens(folder: Path, cfg: dict) -> list[str]:
+    """tokenizer_config.json's ``additional_special_tokens`` / ``extra_special_tokens`` (a list of
+    strings or ``{"content"}`` dicts, or a name -> token mapping), and special_tokens_map.json's
+    when the config has no ``added_tokens_decoder``: transformers 5 adds each as a special token
+    (``<tool_call>`` one id, not its bytes: prompt ids differed from transformers'; review, s53)."""
+    sources = [cfg] if "added_tokens_decoder" in cfg else [cfg, _read_json(folder / SPECIAL_TOKENS_MAP_FILE)]
+    out = []
+    for src in sources:
+        for key in ("additional_special_tokens", "extra_special_tokens"):
+            value = src.get(key) or []
+            for t in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else []):
+                t = _token_str(t)
+                if isinstance(t, str) and t and t not in out:
+                    out.append(t)
+    return out
 
 
 def _impose_qwen2_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space: bool = False) -> None:
