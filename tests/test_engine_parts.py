@@ -250,6 +250,19 @@ def test_fused_draw_of_nan_logits_stays_in_the_vocabulary():
     assert torch.isnan(lp[:3]).all() and torch.isfinite(lp[3]) and ids[3] != 9
 
 
+def test_fused_draw_of_a_row_whose_only_mass_is_a_blocked_eos_is_nan():
+    """Every other logit -inf, EOS blocked below min_tokens: the draw took the masked EOS with
+    log-prob 0 (finite: min_tokens broken without a sign), where torch's path gives NaN (review,
+    s53). Greedy, T = 1 and T = 1.5 (the mask is scaled with the logits)."""
+    ops = _fused("cpu")
+    logits = torch.full((3, 50), float("-inf"))
+    logits[:, 3] = 0.0
+    ids, lp = ops.sample(logits, torch.tensor([3]), torch.ones(3, dtype=torch.bool),
+                         torch.tensor([True, False, False]), torch.tensor([1.0, 1.0, 1.5]),
+                         torch.full((3,), 0.5, dtype=torch.float64))
+    assert torch.isnan(lp).all() and all(0 <= i < 50 for i in ids.tolist())
+
+
 def test_make_engine_from_folder_and_eos_override(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)

@@ -158,3 +158,15 @@ def test_rope_theta_and_scaling_are_read_as_transformers_reads_them(rope):
     assert kind == hf["rope_type"]
     if ours.rope_scaling is not None:
         assert ours.rope_scaling["factor"] == hf["factor"]
+
+
+def test_a_cast_model_keeps_ropes_frequencies_in_fp32():
+    """``CausalLM(cfg).to(torch.bfloat16)`` rounded inv_freq to bf16: its logits differed from the
+    same weights loaded from disk (whose RoPE is rebuilt in fp32) by up to 0.05 (review, s53)."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6)
+    model = CausalLM(cfg)
+    want = model.model.rotary_emb.inv_freq.clone()
+    cast = model.to(torch.bfloat16)
+    assert cast.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(cast.model.rotary_emb.inv_freq, want) and cast.model.embed_tokens.weight.dtype == torch.bfloat16

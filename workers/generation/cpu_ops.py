@@ -176,6 +176,9 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
           std::memcpy(&bits, &x[j], sizeof bits);
           bad |= (bits & 0x7f800000u) == 0x7f800000u && bits != 0xff800000u;  // all but -inf
         }
+        // no token with mass: every one masked (an EOS blocked below min_tokens, the rest -inf)
+        // or -inf: the blocked EOS was drawn with log-prob 0 (torch's path gives NaN; review, s53)
+        bad |= !(mx > ((!gp[r] && tp[r] != 1.f) ? kMasked / tp[r] : kMasked));
         if (bad) {
           ip[r] = 0;
           uint32_t qnan = 0x7fc00000u;
