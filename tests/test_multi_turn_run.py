@@ -26,15 +26,22 @@ def _stops_often(src: str, dst) -> str:
     return str(dst)
 
 
-def test_a_multi_turn_run_trains_on_two_turn_responses(tmp_path, tiny_model):  # noqa: F811
+def _two_iterations(tmp_path, tiny_model, env: str):  # noqa: F811
+    """A 2-iteration run (eval after the last) with ``env`` as its environment: (torchrun's
+    process, the iteration rows)."""
     model = _stops_often(tiny_model, tmp_path / "model")
-    (tmp_path / "env.py").write_text(ENV)
+    (tmp_path / "env.py").write_text(env)
     cfg = write_config(tmp_path, model, train__iterations=2, train__max_tokens=16, train__eval_every=2,
                        multi_turn__env=f"{tmp_path / 'env.py'}:env", multi_turn__max_turns=3)
     p = torchrun(cfg, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     rows = iterations(tmp_path / "run")
     assert [r["iteration"] for r in rows] == [0, 1]
+    return p, rows
+
+
+def test_a_multi_turn_run_trains_on_two_turn_responses(tmp_path, tiny_model):  # noqa: F811
+    _, rows = _two_iterations(tmp_path, tiny_model, ENV)
     for r in rows:
         m = r["metrics"]
         assert r["num_samples"] == 4 * 2
@@ -94,14 +101,7 @@ def test_an_environment_that_fails_costs_its_samples_not_the_run(tmp_path, tiny_
     """An environment's exception failed the round and stopped the run, and an eval sample's
     failed the evaluation (until session 53): each failed sample is the trainer's to skip
     (``trainer.on_bad_sample: skip``, counted in ``skipped_samples``) and eval leaves it out."""
-    model = _stops_often(tiny_model, tmp_path / "model")
-    (tmp_path / "env.py").write_text(FLAKY_ENV)
-    cfg = write_config(tmp_path, model, train__iterations=2, train__max_tokens=16, train__eval_every=2,
-                       multi_turn__env=f"{tmp_path / 'env.py'}:env", multi_turn__max_turns=3)
-    p = torchrun(cfg, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    rows = iterations(tmp_path / "run")
-    assert [r["iteration"] for r in rows] == [0, 1]
+    p, rows = _two_iterations(tmp_path, tiny_model, FLAKY_ENV)
     skipped = sum(r["metrics"]["skipped_samples"] for r in rows)  # (num_samples: those scored)
     assert skipped >= 2 and all(r["num_samples"] + r["metrics"]["skipped_samples"] == 8 for r in rows), rows
     assert "ConnectionError: tool server down" in p.stderr  # said (once per kind)
