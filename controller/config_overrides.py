@@ -63,9 +63,10 @@ def overridden(d: dict, overrides: dict) -> dict:
 
 def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: str) -> str:
     """The ``--set`` overrides the config error ``error`` comes from (as typed): the one whose
-    key it names, else (a rule over several keys) those without which the config loads; '' when
-    the file's own values do (one whose removal only changed the error to another of the file's
-    was blamed for the file's: review, s53)."""
+    key it names, else (a rule over several keys) those without which the config loads, else
+    (several bad ones) those whose key the error mentions; '' when the file's own values do (one
+    whose removal only changed the error to another of the file's was blamed for the file's:
+    review, s53)."""
     named = _naming(error, overrides, typed)
     if named:
         return named[0]
@@ -76,6 +77,8 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
         except ConfigError:
             continue
         blamed.append(typed[k])
+    if not blamed:  # each alone is not what fails: the error's rule names the one among them it is
+        blamed = [typed[k] for k in overrides if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", error)]
     return " ".join(blamed)
 
 

@@ -148,15 +148,17 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     samples: list[PromptSamples] = []
     unscored, whys = 0, {}
     pool = eval_rewards(program)
-    # every score in flight at once (trainer.reward_workers; one score_batch call where the task has one)
-    flat = pool.submit_many([(it, texts.get(-1 - (j * k + s), ""), f"eval prompt {j}")
-                             for j, it in enumerate(items) for s in range(k)])
+    # every score in flight at once (trainer.reward_workers; one score_batch call where the task
+    # has one), but a failed sample's: an empty text in a batch reward's call could fail it whole
+    scoring = [(-1 - (j * k + s), it, j) for j, it in enumerate(items) for s in range(k) if -1 - (j * k + s) not in failed]
+    pending = dict(zip([sid for sid, _, _ in scoring],
+                       pool.submit_many([(it, texts.get(sid, ""), f"eval prompt {j}") for sid, it, j in scoring])))
     lg = program.cfg.logging
     keep = bool(lg.validation_data_dir or lg.log_val_generations)
     generations = []
     for j, it in enumerate(items):
-        got = [Scored(math.nan, failed[sid], 0.0) if sid in failed else pool.result(p)
-               for sid, p in zip(range(-1 - j * k, -1 - (j + 1) * k, -1), flat[j * k:(j + 1) * k])]
+        got = [Scored(math.nan, failed[sid], 0.0) if sid in failed else pool.result(pending[sid])
+               for sid in range(-1 - j * k, -1 - (j + 1) * k, -1)]
         scores = [_score(g, j, whys) for g in got]
         if keep:
             shown = program.tok.decode(reqs[j * k].prompt_ids, skip_special_tokens=True)  # (encoded once, above)

@@ -33,6 +33,7 @@ class IterationInbox:
     pending: list[Sample] = field(default_factory=list)
     pending_tokens: int = 0
     lengths: dict[int, int] = field(default_factory=dict)  # sample_id -> output length, as first received
+    failed: set = field(default_factory=set)  # those whose generation failed: received, no length to report
     by_instance: dict[int, int] = field(default_factory=dict)  # generation rank -> samples taken from it
     consumed: int = 0
     duplicates: int = 0

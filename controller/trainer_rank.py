@@ -46,7 +46,8 @@ class StepReport:
     duplicates: int
     rss_mb: float = 0.0  # this process's resident memory after the step (0 where unknown)
     # the samples this rank trained on, each once whatever copies arrived (a lost instance's
-    # requests are generated again): sample_id -> output length, and generation rank -> count
+    # requests are generated again; not those whose generation failed): sample_id -> output
+    # length, and generation rank -> count
     lengths: dict[int, int] = field(default_factory=dict)
     per_instance: dict[int, int] = field(default_factory=dict)
 
@@ -175,6 +176,8 @@ class TrainerRank:
                     rec.duplicates += 1
                     continue
                 rec.lengths[s.sample_id] = int(s.output_ids.numel())
+                if s.finish_reason == "error":  # (its length would read as a 0-token answer in the stats)
+                    rec.failed.add(s.sample_id)
                 rec.by_instance[s.instance] = rec.by_instance.get(s.instance, 0) + 1
                 rec.pending.append(s)
                 rec.pending_tokens += sample_tokens(s)
@@ -229,7 +232,8 @@ class TrainerRank:
             self._current = None
             self._cond.notify_all()
         return StepReport(self.rank, iteration, result.version, dict(result.metrics), result.num_samples,
-                          result.num_tokens, rec.staleness_max, rec.duplicates, heap.rss_mb(), dict(rec.lengths),
+                          result.num_tokens, rec.staleness_max, rec.duplicates, heap.rss_mb(),
+                          {sid: n for sid, n in rec.lengths.items() if sid not in rec.failed},
                           dict(rec.by_instance))
 
     def _dump_rollouts(self, iteration: int) -> None:

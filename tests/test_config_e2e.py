@@ -69,7 +69,7 @@ def test_eval_only_with_the_console_is_refused_naming_both(tmp_path, tiny_model)
     p = torchrun(write_config(tmp_path, tiny_model, train__eval_only=True), extra=["--repl"], timeout=120, stdin="")
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("config error:")]
     assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
-    assert errors[0].startswith("config error: train.eval_only evaluates and stops, --repl opens a console")
+    assert errors[0].startswith("config error: ") and ": train.eval_only evaluates and stops, --repl opens a console" in errors[0]
     # refused before any work (exit 2; torchrun stops the ranks still exiting when it sees the
     # first one go, -15, which on a loaded machine may be all but one)
     assert p.stderr.count("exitcode  : 2 ") >= 1 and "controller error" not in p.stderr, p.stderr[-3000:]

@@ -219,6 +219,9 @@ def test_a_set_is_blamed_only_when_the_config_loads_without_it(tmp_path):
     with pytest.raises(ConfigError, match=r"c.yaml: logging.timeline_every"):
         _load_with(tmp_path, "train.epochs=null", train={"iterations": 3, "epochs": 2},
                    logging={"timeline_every": -1})
+    # two bad ones: neither alone is what fails; the one the error names is (review of the above)
+    with pytest.raises(ConfigError, match=r"^--set train.epochs=2: train.iterations \(3\) and train.epochs \(2\)"):
+        _load_with(tmp_path, "train.epochs=2", "logging.timeline_every=-1", train={"iterations": 3})
 
 
 def test_the_rules_main_checks_name_the_set_and_a_top_level_list_is_one_error(tmp_path, monkeypatch, capsys):

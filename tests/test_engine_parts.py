@@ -253,13 +253,16 @@ def test_fused_draw_of_nan_logits_stays_in_the_vocabulary():
 def test_fused_draw_of_a_row_whose_only_mass_is_a_blocked_eos_is_nan():
     """Every other logit -inf, EOS blocked below min_tokens: the draw took the masked EOS with
     log-prob 0 (finite: min_tokens broken without a sign), where torch's path gives NaN (review,
-    s53). Greedy, T = 1 and T = 1.5 (the mask is scaled with the logits)."""
+    s53). Greedy, and temperatures whose 1/T rounds either way (the mask is scaled with the logits:
+    a threshold of -1e30 / T missed 0.19, 0.38, 0.91, 1.02, ...; review of the fix)."""
     ops = _fused("cpu")
-    logits = torch.full((3, 50), float("-inf"))
+    temps = [1.0, 1.0, 1.5, 0.19, 0.21, 0.38, 0.76, 0.91, 0.99, 1.02, 1.52]
+    n = len(temps)
+    logits = torch.full((n, 50), float("-inf"))
     logits[:, 3] = 0.0
-    ids, lp = ops.sample(logits, torch.tensor([3]), torch.ones(3, dtype=torch.bool),
-                         torch.tensor([True, False, False]), torch.tensor([1.0, 1.0, 1.5]),
-                         torch.full((3,), 0.5, dtype=torch.float64))
+    ids, lp = ops.sample(logits, torch.tensor([3]), torch.ones(n, dtype=torch.bool),
+                         torch.tensor([True] + [False] * (n - 1)), torch.tensor(temps),
+                         torch.full((n,), 0.5, dtype=torch.float64))
     assert torch.isnan(lp).all() and all(0 <= i < 50 for i in ids.tolist())
 
 

@@ -105,5 +105,6 @@ def test_an_environment_that_fails_costs_its_samples_not_the_run(tmp_path, tiny_
     skipped = sum(r["metrics"]["skipped_samples"] for r in rows)  # (num_samples: those scored)
     assert skipped >= 2 and all(r["num_samples"] + r["metrics"]["skipped_samples"] == 8 for r in rows), rows
     assert "ConnectionError: tool server down" in p.stderr  # said (once per kind)
+    assert all(r["batch"]["response_len_min"] > 0 for r in rows)  # a failed sample is no 0-token answer
     # (the greedy eval's turns rarely end in EOS here: its failures are tests/test_val_metrics.py's)
     assert (tmp_path / "run" / "eval.jsonl").read_text()

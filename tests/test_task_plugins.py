@@ -332,6 +332,8 @@ def test_a_plan_without_its_lists_is_a_one_line_stop(per, caps, said):
 
     caps = checked_plan(DispatchPlan([[0], [1]], np.full(2, 8), "mine"), 2, 2, "mine").batch_caps
     assert caps == [8, 8] and all(type(c) is int for c in caps)
+    split = checked_plan(DispatchPlan(np.array_split(np.arange(3), 2), [1, 1], "mine"), 3, 2, "mine")
+    assert split.per_instance == [[0, 1], [2]]  # a list of arrays (numpy's uneven split)
 
 
 @pytest.mark.parametrize("name, options, said", [

@@ -64,6 +64,7 @@ def test_numeric_no_longer_matches_a_part_of_the_reference(reference, completion
     ("-3", "\\textbf{Answer:} -3"),
     ("-3", "Answer: (B) -3"),
     ("-0.75", "so $x = - 0.75$"),
+    ("-5", "Answer: - 5 degrees"),  # a spaced sign opening the marked answer (review of the above)
     ("42", "\\boxed{42}\n\n#### 2. Verification\nIt checks."),  # a numbered heading is no mark
 ])
 def test_numeric_reads_the_marked_answer(reference, completion):

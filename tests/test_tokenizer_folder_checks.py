@@ -44,6 +44,26 @@ def test_extra_special_tokens_are_one_id_each_as_in_transformers(tmp_path, bpe, 
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
 
 
+def test_an_extra_special_token_added_as_plain_is_made_special_and_extra_wins(tmp_path, bpe):
+    """One tokenizer.json lists as a non-special added token: transformers' decode skips it
+    (every special token's id), ours kept it; with both lists, transformers 5 takes
+    extra_special_tokens only (review of the change above)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+    path = _folder(tmp_path, bpe, additional_special_tokens=["<tool_call>"])
+    raw = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    raw.add_tokens([AddedToken("<tool_call>", special=False)])
+    raw.save(str(path / "tokenizer.json"))
+    ours, theirs = Tokenizer.load(path), transformers.AutoTokenizer.from_pretrained(str(path))
+    ids = theirs.encode("call <tool_call> now", add_special_tokens=False)
+    assert ours.encode("call <tool_call> now") == ids
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "call  now"
+    both = _folder(tmp_path / "both", bpe, additional_special_tokens=["<a_tok>"], extra_special_tokens=["<b_tok>"])
+    ours, theirs = Tokenizer.load(both), transformers.AutoTokenizer.from_pretrained(str(both))
+    assert ours.encode("x <a_tok> <b_tok>") == theirs.encode("x <a_tok> <b_tok>", add_special_tokens=False)
+
+
 def test_a_chat_template_that_does_not_compile_names_its_file_and_line(tmp_path, bpe):
     """It was found by the first prompt's rendering, naming that prompt."""
     path = _folder(tmp_path, bpe, files={"chat_template.jinja": "{% for m in messages %}\n{{ m.content + }}\n{% endfor %}"})

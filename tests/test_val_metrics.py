@@ -156,6 +156,14 @@ def test_an_evaluation_leaves_out_the_samples_whose_generation_failed(monkeypatc
     said = [r.getMessage() for r in caplog.records if "left out of eval/mean" in r.getMessage()]
     assert len(said) == 1 and "2 samples of 2 prompts" in said[0] and "multi_turn.env" in said[0], said
 
+    def score_batch(prompts, completions):  # a batch reward indexing each completion: "" would fail it
+        return [1.0 if c[-1] == "1" else 0.0 for c in completions]
+
+    p.task.score_batch = score_batch  # the failed samples are not scored: the others' one call stands
+    p.eval_pool = None  # (made at the first evaluation, from the task as it was)
+    ev = evaluation_mod.evaluate(p, 2)
+    assert ev.scores["eval/unscored"] == 2.0 and ev.scores["eval/mean"] == 1.0
+
 
 def test_a_multi_turn_evaluation_reports_its_turns(monkeypatch):
     """verl's val-aux/num_turns/{min,max,mean} (here the assistant turns, ``Sample.turns``); the

@@ -176,11 +176,13 @@ def _add_named_special_tokens(tok: _HFTokenizer, tokens: dict[str, str | None]) 
 
 
 def _add_special_tokens(tok: _HFTokenizer, texts) -> None:
-    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    """Each of ``texts`` a special added token: added, or one added as non-special marked special
+    (transformers' decode skips every special token's id, whatever tokenizer.json says of it)."""
+    special = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
     for t in texts:
-        if t and t not in added:
+        if t and not special.get(t, False):
             tok.add_special_tokens([AddedToken(t, special=True)])
-            added.add(t)
+            special[t] = True
 
 
 def extra_special_tokens(folder: Path, cfg: dict) -> list[str]:
@@ -190,8 +192,8 @@ def extra_special_tokens(folder: Path, cfg: dict) -> list[str]:
     (``<tool_call>`` one id, not its bytes: prompt ids differed from transformers'; review, s53)."""
     sources = [cfg] if "added_tokens_decoder" in cfg else [cfg, _read_json(folder / SPECIAL_TOKENS_MAP_FILE)]
     out = []
-    for src in sources:
-        for key in ("additional_special_tokens", "extra_special_tokens"):
+    for src in sources:  # transformers 5 takes extra_special_tokens, additional_special_tokens without it
+        for key in ("extra_special_tokens",) if src.get("extra_special_tokens") else ("additional_special_tokens",):
             value = src.get(key) or []
             for t in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else []):
                 t = _token_str(t)

@@ -160,9 +160,11 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
         for (int64_t j = 0; j < V; ++j) x[j] = static_cast<float>(lp[r * V + j]);
         if (bp[r])
           for (int64_t j = 0; j < E; ++j) x[ep[j]] = kMasked;
+        float masked_at = kMasked;  // what a masked logit is after the scaling below, rounded as it is
         if (!gp[r] && tp[r] != 1.f) {
           const float inv_t = 1.f / tp[r];
           for (int64_t j = 0; j < V; ++j) x[j] *= inv_t;
+          masked_at *= inv_t;
         }
         // the max, and in the same pass whether a logit is NaN or +inf (a bad weight): then the
         // row's log-prob is NaN, as torch's log_softmax gives it (the trainer refuses such a
@@ -178,7 +180,7 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor eos, torch
         }
         // no token with mass: every one masked (an EOS blocked below min_tokens, the rest -inf)
         // or -inf: the blocked EOS was drawn with log-prob 0 (torch's path gives NaN; review, s53)
-        bad |= !(mx > ((!gp[r] && tp[r] != 1.f) ? kMasked / tp[r] : kMasked));
+        bad |= !(mx > masked_at);
         if (bad) {
           ip[r] = 0;
           uint32_t qnan = 0x7fc00000u;

@@ -104,15 +104,17 @@ def _from_match(m: re.Match, signed: bool = True) -> Fraction | None:
 
 def _own_sign(text: str, m: re.Match) -> bool:
     """Whether the match's sign is the number's own within a longer text: written against it
-    (``-5``, ``10-3`` as before), or a ``\\frac``'s, or with a space after it (``- 72``) right
-    after ``$`` or ``=`` (``$- 0.75$``, ``x = - 3``); not a markdown bullet (``- 27``) nor a
-    subtraction (``10 - 3``). Looks back over the spaces before the sign only (linear)."""
+    (``-5``, ``10-3`` as before), or a ``\\frac``'s, or with a space after it (``- 72``) opening
+    the text (a marked span: ``Answer: - 5 degrees``; a bullet on the next line is gone already,
+    ``answer_span``) or right after ``$`` or ``=`` (``$- 0.75$``, ``x = - 3``); not a markdown
+    bullet after other text (``- 27``) nor a subtraction (``10 - 3``). Looks back over the spaces
+    before the sign only (linear)."""
     at = m.start(1)
     if at < 0 or not m.group(0)[1:2].isspace() or m.group(2) is not None or m.group(3) is not None:
         return True
     while at > 0 and text[at - 1] in " \t":
         at -= 1
-    return at > 0 and text[at - 1] in "$="
+    return at == 0 or text[at - 1] in "$="
 
 
 def value(text: str) -> Fraction | None:
