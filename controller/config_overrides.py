@@ -15,7 +15,7 @@ import yaml
 
 from controller.config import OWNED_SECTIONS, Config, ConfigError, from_dict
 from controller.config_types import key_hint
-from controller.config_yaml import load_checked
+from controller.config_yaml import dump, load_checked
 from workers.config_schema import key_fields
 
 
@@ -48,7 +48,7 @@ def _yaml_text(value: Any) -> str:
         return v
 
     try:
-        text = yaml.safe_dump(plain(value), default_flow_style=True, width=math.inf).strip()
+        text = dump(plain(value), default_flow_style=True, width=math.inf).strip()
     except yaml.YAMLError:
         return str(value)
     return text.removesuffix("\n...").removesuffix("...").strip()

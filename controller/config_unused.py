@@ -23,9 +23,9 @@ def _set(section, name: str) -> bool:
 
 
 def _yaml(value) -> str:
-    import yaml
+    from controller.config_yaml import dump
 
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    return dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def check_unused(cfg: "Config") -> None:

@@ -60,9 +60,20 @@ class Loader(yaml.SafeLoader):
     ``dispatch.options`` (``rms_norm_eps: 1e-5`` in a built model's config.json; review, s53)."""
 
 
-Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                             re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                             list("-+0123456789"))
+class Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper with ``Loader``'s floats: a string ``"1e3"`` is written quoted (plain,
+    it would load back as the float 1000.0: the run's record of ``logging.experiment: "1e3"``
+    was refused on reload; review, s53)."""
+
+
+def dump(data, **kwargs) -> str:
+    """``yaml.safe_dump`` through ``Dumper``: what it writes, ``load_checked`` reads back the same."""
+    return yaml.dump(data, Dumper=Dumper, **kwargs)
+
+
+_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+for _cls in (Loader, Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+.0123456789"))
 
 
 def load_checked(text: str, key: str, where: str) -> Any:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from controller.config_yaml import dump
 
 from workers.atomic import write_text
 from workers.config_schema import key_fields
@@ -61,4 +61,4 @@ def save_run_config(logdir: Path, cfg, args, name: str = "") -> Path:
     if cfg.train.epochs is not None and cfg.train.iterations is not None:  # derived at start: said apart
         record["derived"] = {"train.iterations": cfg.train.iterations}
     return write_text(logdir / name, "# how this attempt was started (controller/run_record.py)\n"
-                      + yaml.safe_dump(record, sort_keys=False))
+                      + dump(record, sort_keys=False))

@@ -265,12 +265,21 @@ class SkewDispatcher:
         if not isinstance(self.noise, BinnedPosterior) and not (is_real(self.noise) and self.noise >= 0):
             raise ValueError(f"skew dispatcher: noise must be a finite log-error std >= 0, got {self.noise!r}")
 
-    def unread(self) -> tuple[str, ...]:
-        """The options its ``cost`` (and ``mixed``) never reads: ``make_dispatcher`` refuses one
-        set to other than its default (accepted, it gave the default plan; review, s53)."""
-        out = {"formula": ("mixed", "noise", "orders", "draws"),  # the event-level model's
-               "simulate": ("q_long", "q_regular", "quantile_of")}[self.cost]  # the formula's L_avg
-        return out if self.mixed and self.cost == "simulate" else out + ("mixed_order",)
+    def unread(self) -> dict[str, str]:
+        """The options this one never reads -> what would read them: ``make_dispatcher`` refuses
+        one set to other than the dispatcher's default (accepted, it gave the default plan; review, s53)."""
+        simulate = "cost: simulate (the event-level model)"
+        if self.cost == "formula":
+            out = dict.fromkeys(("mixed", "noise", "orders", "draws"), simulate)
+        else:
+            out = dict.fromkeys(("q_long", "q_regular", "quantile_of"), "cost: formula (its L_avg)")
+            if self.use_true:  # the oracle plans on the true lengths: no noise to draw
+                out.update(dict.fromkeys(("noise", "draws"), "estimates (not the oracle's true lengths)"))
+            elif not isinstance(self.noise, BinnedPosterior) and self.noise == 0:
+                out["draws"] = "noise > 0 (the draws of the true lengths)"
+        if not (self.mixed and self.cost == "simulate"):
+            out["mixed_order"] = "mixed: true and cost: simulate"
+        return out
 
     def split_costs(self, lens: Sequence[float], profiles: list[PTLProfile], prompt_len: float = 0.0
                     ) -> dict[tuple[float, int], tuple[float, list[list[int]], list[float], list[int]]]:
@@ -354,7 +363,6 @@ DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
 # The options (``dispatch.options``) each dispatcher takes; ``kind`` and ``use_true`` are fixed
 # by the name (``oracle`` is ``skew`` on the true lengths).
 _SKEW_OPTIONS = tuple(f.name for f in fields(SkewDispatcher) if f.name not in ("kind", "use_true"))
-_SKEW_FIELD_DEFAULTS = {f.name: f.default for f in fields(SkewDispatcher)}  # (an unread option at it: harmless)
 DISPATCHER_OPTIONS: dict[str, tuple[str, ...]] = {
     "random": ("order",),
     "round_robin": ("order",),
@@ -396,14 +404,17 @@ def make_dispatcher(name: str, **kwargs) -> Dispatcher:
         raise ValueError(f"dispatcher {name!r} takes {_options_text(takes)}, got {unknown}"
                          + (f"; did you mean {near[0]!r}?" if near else ""))
     d = DISPATCHERS[name](**kwargs)
-    unread = [k for k in kwargs if k in getattr(d, "unread", tuple)() and getattr(d, k) != _SKEW_FIELD_DEFAULTS[k]]
-    if unread:
-        key = unread[0]
-        needs = "mixed: true and cost: simulate" if key == "mixed_order" else \
-            "cost: simulate (the event-level model)" if d.cost == "formula" else "cost: formula (its L_avg)"
-        has = f"cost {d.cost!r}" + (f", mixed {str(d.mixed).lower()}" if key == "mixed_order" else "")
-        raise ValueError(f"dispatcher {name!r}: {key} is read only with {needs}, and this one has {has}; "
-                         f"drop {key}")
+    if isinstance(d, SkewDispatcher):
+        # set to a value of its own: neither the dispatcher's default (skew's mixed: true) nor the
+        # class's (off: mixed false, noise 0), which change nothing where it is not read
+        own = DISPATCHERS[name]()
+        field_default = {f.name: f.default for f in fields(SkewDispatcher)}
+        unread = {k: why for k, why in d.unread().items()
+                  if k in kwargs and getattr(d, k) not in (getattr(own, k), field_default[k])}
+        for key, needs in unread.items():
+            has = f"cost {d.cost!r}" + (f", mixed {str(d.mixed).lower()}" if key == "mixed_order" else "")
+            raise ValueError(f"dispatcher {name!r}: {key} is read only with {needs}, and this one has {has}; "
+                             f"drop {key}")
     return d
 
 

@@ -211,6 +211,7 @@ def test_a_float_written_as_1e_5_is_a_float_in_every_mapping(tmp_path):
     assert cfg.model.init == {"rms_norm_eps": 1e-5, "rope_theta": 1e6}
     assert cfg.dispatch.options == {"noise": 0.01} and cfg.ranker.options["learning_rate"] == 0.01
     assert load_config(p, 3, ["task.kwargs={demo_noise: 1e-1}"]).task.kwargs == {"demo_noise": 0.1}
+    assert load_config(p, 3, ["task.kwargs={a: .5e3, b: 1.0e5}"]).task.kwargs == {"a": 500.0, "b": 1e5}
 
 
 def test_a_set_is_blamed_only_when_the_config_loads_without_it(tmp_path):

@@ -85,7 +85,9 @@ def test_a_reward_without_the_named_number_is_an_error_naming_it(model_dir):  # 
     with pytest.raises(ValueError, match="sample 3's reward gave no number 'pred'"):  # a text is no number
         metric_value("pred", 1.0, 0.0, {"pred": "42", "score": 1.0}, None, "sample 3")
     with pytest.raises(ValueError, match="its reward's keys: none: it returned a number, not a dict"):
-        metric_value("acc", 1.0, 0.0, {}, None, "sample 0")
+        metric_value("correct", 1.0, 0.0, {}, None, "sample 0")
+    # a number reward's acc is its score, as verl's DAPO reward manager records it (docs audit, s53)
+    assert metric_value("acc", 0.5, -0.5, {}, None, "sample 0") == 0.5
     assert metric_value("seq_final_reward", 1.0, -0.5, {}, 0.25, "") == 0.25
     assert metric_value("seq_final_reward", 1.0, -0.5, {}, None, "") == 0.5  # before the reference ran
 

@@ -60,3 +60,15 @@ def test_every_process_resolves_the_same_record():
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
     assert len(outs) == 1
+
+
+def test_a_text_that_reads_as_a_float_is_recorded_quoted(tmp_path):
+    """``logging.experiment: "1e3"`` was written plain and loaded back as the float 1000.0 (a
+    YAML 1.1 dumper beside a loader that reads 1e3 as a float): the record was refused (docs audit, s53)."""
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", 3, ["logging.experiment='1e3'", "task.kwargs.note='.5e3'"])
+    args = types.SimpleNamespace(resume="", config="c.yaml", set=[])
+    from controller.config_yaml import load_checked
+
+    rec = load_checked(save_run_config(tmp_path, cfg, args).read_text(), "", "config.yaml")["config"]
+    back = from_dict(rec, 3)
+    assert back.logging.experiment == "1e3" and back.task.kwargs["note"] == ".5e3" and back == cfg

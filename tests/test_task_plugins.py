@@ -342,6 +342,8 @@ def test_a_plan_without_its_lists_is_a_one_line_stop(per, caps, said):
     ("skew_paper", {"orders": ["fcfs"]}, "orders is read only with cost: simulate"),
     ("skew", {"q_long": 0.8}, "q_long is read only with cost: formula"),
     ("skew", {"mixed": False, "mixed_order": "lpt"}, "mixed_order is read only with mixed: true and cost: simulate"),
+    ("skew", {"draws": 16}, "draws is read only with noise > 0"),  # (docs audit: noise 0 draws nothing)
+    ("oracle", {"noise": 0.5}, "noise is read only with estimates"),
 ])
 def test_a_dispatcher_option_its_cost_never_reads_is_refused(name, options, said):
     """Accepted, each gave exactly the default plan (review, s53)."""
@@ -351,6 +353,7 @@ def test_a_dispatcher_option_its_cost_never_reads_is_refused(name, options, said
         make_dispatcher(name, **options)
     assert make_dispatcher("skew", mixed=False) and make_dispatcher("skew_paper", cost="simulate", mixed=True)
     assert make_dispatcher("skew", q_long=0.9)  # an unread option at its default: harmless
+    assert make_dispatcher("skew", cost="formula", mixed=True)  # skew's own default (mixed), not set by hand
 
 
 def test_a_plugin_that_exits_at_import_is_an_error_naming_it(tmp_path):

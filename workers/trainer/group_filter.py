@@ -55,9 +55,10 @@ def metric_value(metric: str, score: float, overlong: float, info: dict, final: 
     """A sample's ``trainer.filter_metric``: ``score`` (the task's), ``seq_reward`` (plus the
     overlong penalty ``overlong``), ``seq_final_reward`` (``final``: less the KL penalty in the
     reward; None before the reference has run: then the same as seq_reward, which it is without a
-    KL in the reward), or the number a dict reward gave under that name (``info``: ``Scored.info``).
-    A reward without that number is a ValueError naming the metric and ``what`` (the sample), as
-    verl's filter raises on a missing ``reward_extra_info`` key."""
+    KL in the reward), or the number a dict reward gave under that name (``info``: ``Scored.info``);
+    ``acc`` of a reward that gave a plain number is that number, as verl's DAPO reward manager
+    records it (``reward_extra_info["acc"] = score``). A reward without the number is a ValueError
+    naming the metric and ``what`` (the sample), as verl's filter raises on a missing key."""
     if metric == "score":
         return score
     if metric == "seq_reward" or (metric == "seq_final_reward" and final is None):
@@ -65,6 +66,8 @@ def metric_value(metric: str, score: float, overlong: float, info: dict, final: 
     if metric == "seq_final_reward":
         return final
     value = info.get(metric)
+    if metric == "acc" and not info:  # a plain number reward (verl's DAPO recipe: metric acc)
+        return score
     if isinstance(value, str) or value is None:
         given = ", ".join(sorted(info)) or "none: it returned a number, not a dict"
         raise ValueError(f"trainer.filter_metric {metric!r}: {what}'s reward gave no number {metric!r} (its "
