@@ -280,8 +280,8 @@ class GenerationInstance:
                 self._swap_to_newest()
             with self.spans.span(stage, self.version if step is None else step):
                 out, errors, turns = [], [], []
-                refused = self.engine.add(requests)
-                try:
+                try:  # (the add too: vLLM's queues a request, then may raise; review, s53)
+                    refused = self.engine.add(requests)
                     if refused:
                         s = refused[0]
                         raise ValueError(f"gen{self.rank}: engine refused {stage} request {s.sample_id}: {s.error}")

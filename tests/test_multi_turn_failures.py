@@ -123,3 +123,34 @@ def test_an_end_queued_as_close_runs_is_run():
             break
         time.sleep(0.05)
     assert ended == started
+
+
+@pytest.mark.parametrize("where", ["add", "step"])
+def test_a_next_turn_the_inner_engine_fails_keeps_its_trajectorys_group_and_prompt(where):
+    """A continuation is a request of group -1 whose prompt is the context so far: refused by
+    the inner engine (an observation id outside the model's vocabulary, vLLM failing it), its
+    error sample went out as such, and the trainer (grouped: "group_id -1 has no size") stopped
+    the run, or several ranks waited for it forever (review, s53)."""
+    from dataclasses import replace
+
+    from workers.generation.sequence import error_sample
+
+    eng = MultiTurnEngine(inner(HALF), TOK, lambda task, messages: OBS, "s")
+    real_add, real_step = eng.inner.add, eng.inner.step
+
+    def add(requests):  # continuations (group -1) refused
+        if where != "add":
+            return real_add(requests)
+        return real_add([r for r in requests if r.group_id != -1]) + [
+            error_sample(r, "refused", 0) for r in requests if r.group_id == -1]
+
+    def step():  # a continuation's turn fails
+        return [replace(s, finish_reason="error", error="failed") if where == "step" and len(s.prompt_ids) > 8
+                else s for s in real_step()]
+
+    eng.inner.add, eng.inner.step = add, step
+    assert eng.add([req(1, group=7), req(2, group=7)]) == []
+    out = run_on(eng)
+    assert sorted(s.sample_id for s in out) == [1, 2] and not eng._traj
+    for s in out:
+        assert s.finish_reason == "error" and s.group_id == 7 and s.prompt_ids.tolist() == req(1).prompt_ids.tolist()

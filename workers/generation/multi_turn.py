@@ -169,7 +169,13 @@ class MultiTurnEngine:
                 refused.append(error_sample(r, f"sample_id {r.sample_id} is already queued or running",
                                             self.inner.stats().weight_version))
                 continue
-            self._traj[r.sample_id] = Trajectory(r, self._prompt_messages(r), serial=next(self._serials))
+            try:  # (a request whose prompt ids cannot be decoded: its error, not the batch's)
+                messages = self._prompt_messages(r)
+            except Exception as e:  # noqa: BLE001 - refused as the Engine Protocol refuses bad input
+                refused.append(error_sample(r, f"its prompt cannot be read ({type(e).__name__}: {e})",
+                                            self.inner.stats().weight_version))
+                continue
+            self._traj[r.sample_id] = Trajectory(r, messages, serial=next(self._serials))
             accepted.append(r)
         for s in self.inner.add(accepted):
             self._retire(s.sample_id)
@@ -210,9 +216,9 @@ class MultiTurnEngine:
             if t is None:  # (not ours: passed through)
                 out.append(s)
                 continue
-            if s.finish_reason == "error":
-                self._retire(s.sample_id)
-                out.append(s)
+            if s.finish_reason == "error":  # as the trajectory's own request: a continuation's group
+                self._retire(s.sample_id)  # is -1 and its prompt the context so far (review, s53)
+                out.append(error_sample(t.request, s.error, s.weight_version))
                 continue
             t.absorb(s)
             if s.finish_reason == "stop" and t.turns < self.max_turns and self._room(t) > 0:
@@ -302,8 +308,9 @@ class MultiTurnEngine:
                 self._readd = continuations
                 raise
             for s in refused:
+                t = self._traj.get(s.sample_id)
                 self._retire(s.sample_id)
-                out.append(s)
+                out.append(s if t is None else error_sample(t.request, s.error, s.weight_version))
 
     def _retire(self, sid: int) -> None:
         """``sid``'s trajectory is over (out, refused, aborted, restarted): forgotten, and the

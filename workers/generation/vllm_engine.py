@@ -110,8 +110,10 @@ class VLLMEngine:
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
         check_eos_ids(self.eos_ids, self.vocab_size)  # before vLLM is imported or started
-        self.max_model_len = vllm_args.max_model_len(cfg, mc)
         args = vllm_args.engine_args(cfg, str(model_dir), mc)
+        # the context vLLM is told: engine.max_model_len's, or backend_options' over it (said as the
+        # config's, a longer prompt passed the start check and failed at vLLM's admission; review, s53)
+        self.max_model_len = int(args["max_model_len"])
         # vLLM adds the eos_token_id of the folder's generation_config.json (or config.json) to
         # every request's stop ids; this engine stops on self.eos_ids alone, as the native one
         self._gen_dir = tempfile.TemporaryDirectory(prefix="streamrl-vllm-generation-")
