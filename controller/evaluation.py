@@ -150,7 +150,8 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     pool = eval_rewards(program)
     # every score in flight at once (trainer.reward_workers; one score_batch call where the task
     # has one), but a failed sample's: an empty text in a batch reward's call could fail it whole
-    scoring = [(-1 - (j * k + s), it, j) for j, it in enumerate(items) for s in range(k) if -1 - (j * k + s) not in failed]
+    scoring = [(sid, it, j) for j, it in enumerate(items) for sid in range(-1 - j * k, -1 - (j + 1) * k, -1)
+               if sid not in failed]
     pending = dict(zip([sid for sid, _, _ in scoring],
                        pool.submit_many([(it, texts.get(sid, ""), f"eval prompt {j}") for sid, it, j in scoring])))
     lg = program.cfg.logging

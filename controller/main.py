@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--join", default="", metavar="HOST:PORT", help="join a running job's RPC group")
     ap.add_argument("--role", default="generation", choices=["generation"], help="role of a joining process")
     ap.add_argument("--rpc-timeout", type=float, default=None,
-                    help="RPC timeout of a joining process (s; default 300; a torchrun rank's is placement.rpc_timeout_s)")
+                    help="RPC timeout of a joining process (s; default 300; a torchrun rank's: "
+                         "placement.rpc_timeout_s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = ap.parse_args(argv)
     if not args.join and not args.config:

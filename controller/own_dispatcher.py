@@ -85,7 +85,8 @@ def checked_plan(plan, requests: int, instances: int, name: str) -> DispatchPlan
     if bad_caps:
         raise ValueError(f"dispatcher {name!r}: batch caps must be ints >= 1, got {bad_caps[:4]}")
     plan.batch_caps = [int(c) for c in plan.batch_caps]  # numpy's too (the indices are taken so)
-    plan.per_instance = [idx.tolist() if hasattr(idx, "tolist") else idx for idx in plan.per_instance]  # (np.array_split)
+    # (numpy's arrays, np.array_split's list of them, index as lists do)
+    plan.per_instance = [idx.tolist() if hasattr(idx, "tolist") else idx for idx in plan.per_instance]
     for j, idx in enumerate(plan.per_instance):
         # checked here, as the count below would take 1.0 for 1 and the SGS indexes with them
         if not isinstance(idx, (list, tuple)):
