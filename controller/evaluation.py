@@ -150,16 +150,15 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
     pool = eval_rewards(program)
     # every score in flight at once (trainer.reward_workers; one score_batch call where the task
     # has one), but a failed sample's: an empty text in a batch reward's call could fail it whole
-    scoring = [(sid, it, j) for j, it in enumerate(items) for sid in range(-1 - j * k, -1 - (j + 1) * k, -1)
-               if sid not in failed]
-    pending = dict(zip([sid for sid, _, _ in scoring],
-                       pool.submit_many([(it, texts.get(sid, ""), f"eval prompt {j}") for sid, it, j in scoring])))
+    scoring = [(r.sample_id, i // k) for i, r in enumerate(reqs) if r.sample_id not in failed]
+    pending = dict(zip([sid for sid, _ in scoring],
+                       pool.submit_many([(items[j], texts.get(sid, ""), f"eval prompt {j}") for sid, j in scoring])))
     lg = program.cfg.logging
     keep = bool(lg.validation_data_dir or lg.log_val_generations)
     generations = []
     for j, it in enumerate(items):
-        got = [Scored(math.nan, failed[sid], 0.0) if sid in failed else pool.result(pending[sid])
-               for sid in range(-1 - j * k, -1 - (j + 1) * k, -1)]
+        ids = [r.sample_id for r in reqs[j * k:(j + 1) * k]]
+        got = [Scored(math.nan, failed[sid], 0.0) if sid in failed else pool.result(pending[sid]) for sid in ids]
         scores = [_score(g, j, whys) for g in got]
         if keep:
             shown = program.tok.decode(reqs[j * k].prompt_ids, skip_special_tokens=True)  # (encoded once, above)
@@ -185,7 +184,7 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
                     "eval/num_turns/min": float(min(turns.values())), "eval/num_turns/max": float(max(turns.values()))})
     if unscored:
         acc["eval/unscored"] = float(unscored)
-        for why, prompts in whys.items():  # one line per distinct failure, not one per prompt
+        for why, prompts in whys.values():  # one line per kind of failure, not one per prompt
             log.warning("eval: %d samples of %d prompts (first: prompt %d) left out of eval/mean: %s",
                         sum(prompts.values()), len(prompts), next(iter(prompts)), why)
     return EvalResult(acc, len(items), n, len(split), k, t0, time.time() - t0, versions, generations)
@@ -216,13 +215,11 @@ def eval_rewards(program) -> RewardPool:
     return program.eval_pool
 
 
-def _score(scored: Scored, j: int, whys: dict[str, dict[int, int]]) -> float:
+def _score(scored: Scored, j: int, whys: dict[str, tuple[str, dict[int, int]]]) -> float:
     """The task's score, NaN (left out, counted) when it or the sample's generation failed, as
-    for training samples; a failure is kept in ``whys`` (the first why of its kind, the
-    trainer's ``failure_kind``: its numbers blanked -> prompt index -> samples), said once per kind."""
+    for training samples; a failure is kept in ``whys`` (its kind, the trainer's ``failure_kind``:
+    its numbers blanked -> (the first why of that kind, prompt index -> samples)), said once per kind."""
     if scored.why:
-        kind = failure_kind(scored.why)
-        first = next((w for w in whys if failure_kind(w) == kind), scored.why)
-        per = whys.setdefault(first, {})
+        _, per = whys.setdefault(failure_kind(scored.why), (scored.why, {}))
         per[j] = per.get(j, 0) + 1
     return scored.score

@@ -66,8 +66,7 @@ class Program:
         self.eval_pool = None  # evaluation.eval_rewards: the task's scores of eval samples
         # requests per prompt: train.group_size samples, and remax's greedy baseline (verl's gen_max)
         self.per_prompt = requests_per_prompt(cfg)
-        # the dispatcher in use (the REPL's dispatch sets it; a stand-in config may have no section)
-        self.dispatch_name = getattr(getattr(cfg, "dispatch", None), "name", "")
+        self.dispatch_name = cfg.dispatch.name  # the dispatcher in use (the REPL's dispatch sets it)
         self._rank_tokens: dict[int, list[float]] = {}  # pipeline.balance_batch: iteration -> tokens per rank
 
     # ---- requests ------------------------------------------------------------------------

@@ -409,9 +409,10 @@ def make_dispatcher(name: str, **kwargs) -> Dispatcher:
         # class's (off: mixed false, noise 0), which change nothing where it is not read
         own = DISPATCHERS[name]()
         field_default = {f.name: f.default for f in fields(SkewDispatcher)}
-        unread = {k: why for k, why in d.unread().items()
-                  if k in kwargs and getattr(d, k) not in (getattr(own, k), field_default[k])}
-        for key, needs in unread.items():
+        unread = [(k, why) for k, why in d.unread().items()
+                  if k in kwargs and getattr(d, k) not in (getattr(own, k), field_default[k])]
+        if unread:
+            key, needs = unread[0]
             has = f"cost {d.cost!r}" + (f", mixed {str(d.mixed).lower()}" if key == "mixed_order" else "")
             raise ValueError(f"dispatcher {name!r}: {key} is read only with {needs}, and this one has {has}; "
                              f"drop {key}")

@@ -10,7 +10,7 @@ import controller.evaluation as evaluation_mod
 import controller.program as program_mod
 import controller.rpc as rpc_mod
 import controller.timeline as timeline_mod
-from controller.config import LoggingSection, MultiTurnSection
+from controller.config import DispatchSection, LoggingSection, MultiTurnSection
 from controller.data import PromptStream
 from controller.instance import EvalOutput, GenerateReport
 from controller.program import Program
@@ -97,7 +97,7 @@ def _program(monkeypatch, mode: str, clock: Clock) -> Program:
                           ranker=SimpleNamespace(update_every=0), task=SimpleNamespace(name="synthetic", kwargs={}),
                           trainer=SimpleNamespace(max_staleness=1, reward_workers=1, reward_pool="threads",
                                                   reward_timeout_s=None, reward_batch_size=None),
-                          multi_turn=MultiTurnSection(), logging=LoggingSection())
+                          multi_turn=MultiTurnSection(), logging=LoggingSection(), dispatch=DispatchSection())
     prompts = {"train": TRAIN,
                "test": [TaskPrompt(f"{i} + 1 =", str(i + 1), "sum") for i in range(3)]}
     task = SimpleNamespace(prompts=lambda split: prompts[split], score=lambda item, text: 1.0)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from controller.config import ConfigError, MultiTurnSection, load_config
+from controller.config import ConfigError, DispatchSection, MultiTurnSection, load_config
 from controller.program import Program
 from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
@@ -131,7 +131,8 @@ def _program(algorithm: str, group_size: int) -> Program:
                             temperature=0.9, top_k=-1, top_p=1.0, overlong_prompts="error", max_prompt_tokens=0)
     pipeline = SimpleNamespace(mode="stream", minibatch_size=0, stream_window_s=0.02, balance_batch=False)
     cfg = SimpleNamespace(pipeline=pipeline,
-                          train=train, trainer=SimpleNamespace(algorithm=algorithm), multi_turn=MultiTurnSection())
+                          train=train, trainer=SimpleNamespace(algorithm=algorithm), multi_turn=MultiTurnSection(),
+                          dispatch=DispatchSection())
     world = SimpleNamespace(sgs=SimpleNamespace(stream_window_s=0))
     task = SimpleNamespace(prompts=lambda split: [TaskPrompt(f"{i} + 1 =", str(i + 1), "sum") for i in range(4)])
     tok = SimpleNamespace(encode_prompt=lambda text, messages=(): list(range(1, len(text) + 1)))

@@ -51,8 +51,7 @@ def read_folder(folder: Path, as_transformers: bool = True) -> tuple[_HFTokenize
     if as_transformers:
         # (tokenizer.json's post-processor is kept: with a tokenizer.json, transformers drops
         # tokenizer_config.json's add_bos_token / add_eos_token)
-        _add_named_special_tokens(tok, tokens)
-        _add_special_tokens(tok, extra_special_tokens(folder, cfg))
+        _add_special_tokens(tok, [tokens.get(name) for name in SPECIAL_TOKEN_NAMES] + extra_special_tokens(folder, cfg))
     return tok, tokens, cfg
 
 
@@ -168,16 +167,12 @@ def _impose_llama_pipeline(tok: _HFTokenizer, path: Path, add_prefix_space=None,
     tok.decoder = decoders.Sequence(steps)
 
 
-def _add_named_special_tokens(tok: _HFTokenizer, tokens: dict[str, str | None]) -> None:
-    """As transformers' TokenizersBackend does on loading: each named special token that is not
-    one of tokenizer.json's added tokens becomes a special added token (split out of any text
-    and skipped in decoding; a new id when it is not in the vocabulary either)."""
-    _add_special_tokens(tok, [tokens.get(name) for name in SPECIAL_TOKEN_NAMES])
-
-
 def _add_special_tokens(tok: _HFTokenizer, texts) -> None:
-    """Each of ``texts`` a special added token: added, or one added as non-special marked special
-    (transformers' decode skips every special token's id, whatever tokenizer.json says of it)."""
+    """As transformers' TokenizersBackend does on loading: each of ``texts`` (the named special
+    tokens, the extra ones) that is not one of tokenizer.json's added tokens becomes a special
+    added token (split out of any text and skipped in decoding; a new id when it is not in the
+    vocabulary either), and one added as non-special is marked special (transformers' decode
+    skips every special token's id, whatever tokenizer.json says of it)."""
     special = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
     for t in texts:
         if t and not special.get(t, False):
