@@ -33,7 +33,7 @@ class _Checked:
     """A user's dispatcher whose plans are checked (``checked_plan``) before the SGS acts on them.
     A plan() that raises, or a plan the SGS cannot run, stops the run with one line naming the
     dispatcher (``RunStopped``: every worker is fine, so the job leaves quietly), not with the
-    controller's traceback; the REPL's ``dispatch`` tries a plan first (``Program._trial_plan``)."""
+    controller's traceback; the REPL's ``dispatch`` tries a plan first (``switches.trial_plan``)."""
 
     def __init__(self, inner, name: str):
         self.inner, self.name = inner, name

@@ -357,52 +357,6 @@ class Program:
         already be drawn when a checkpoint is written)."""
         return self._stream_at.get(iteration, self.stream.state_dict())
 
-    # ---- settings between iterations (REPL) ----------------------------------------------
-    def set_mode(self, name: str) -> None:
-        mode = get_mode(name)
-        if mode.colocated != self.world.colocated:
-            raise ValueError(f"pipeline.mode {name!r} needs a {'colocated' if mode.colocated else 'disaggregated'} "
-                             "placement; this run's ranks are placed otherwise")
-        from controller.config_checks import ConfigError, check_staleness
-
-        try:  # an async mode with trainer.max_staleness 0 would skip every sample as stale
-            check_staleness(name, self.cfg.trainer.max_staleness)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        self.mode = mode
-
-    def set_dispatcher(self, name: str, **options) -> None:
-        from controller.scheduling import make_dispatcher, runnable
-
-        dispatcher = runnable(make_dispatcher(name, **options))
-        if name in ("skew", "skew_paper") and self.ranker is None:  # as config_checks refuses it
-            raise ValueError(f"dispatch {name} dispatches on output-length estimates; this run has no ranker "
-                             "(ranker.kind: none), so every request's is max_tokens")
-        if options.get("order") == "lpt" and self.ranker is None:  # (config_unused refuses it at load)
-            raise ValueError("dispatch order=lpt orders by output-length estimate; this run has no ranker "
-                             "(ranker.kind: none), so every request's is max_tokens")
-        self._trial_plan(dispatcher)
-        self.world.sgs.dispatcher = dispatcher
-        self.dispatch_name = name
-
-    def _trial_plan(self, dispatcher) -> None:
-        """A plan of one batch's requests (estimates spread over ``[1, max_tokens]``) on the live
-        instances: a dispatcher whose plan() raises or cannot be run (``own_dispatcher.checked_plan``)
-        is refused where it is set (the REPL's ``dispatch``: the one in use is kept), not found by
-        the next round, which stops the run. One that fails only on other input still stops it."""
-        slots = list(self.world.sgs.slots)
-        if not slots:
-            return
-        t = self.cfg.train
-        n = t.batch_prompts * self.per_prompt
-        est = [float(1 + (i * 7919) % t.max_tokens) for i in range(n)]
-        try:
-            dispatcher.plan(est, [s.profile for s in slots], seed=self.world.sgs.seed,
-                            prompt_lens=[min(t.max_prompt_tokens or 64, 64)] * n)
-        except Exception as e:  # noqa: BLE001 - the user's dispatcher (RunStopped: its checked plan)
-            raise ValueError(f"a trial plan of {n} requests on the live instances ({len(slots)}) failed "
-                             f"({type(e).__name__}: {e}); the dispatcher in use is kept") from None
-
     def prompt_ids(self, item: TaskPrompt | str) -> torch.Tensor:
         """A prompt (a dataset item, whose chat is used when it has one, or a text) as the policy
         sees it (chat template or prompt template), tokenized, and cut to ``train.max_prompt_tokens``

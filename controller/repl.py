@@ -42,6 +42,7 @@ from dataclasses import asdict
 
 from controller.evaluation import evaluate
 from controller.rpc import WorkerFailed, wait_all
+from controller.switches import switch_dispatcher, switch_mode
 from controller.timeline import bubble_fractions, iteration_windows, stage_times
 
 
@@ -147,14 +148,14 @@ class Repl:
                 "stage_s": stage_times(spans, windows)}
 
     def mode(self, name: str) -> dict:
-        self.s.program.set_mode(name)
+        switch_mode(self.s.program, name)
         return {"mode": name}
 
     def dispatch(self, name: str, *kv: str) -> dict:
         from controller.config_overrides import parse_override
 
         opts = dict(parse_override(x) for x in kv)
-        self.s.program.set_dispatcher(name, **opts)
+        switch_dispatcher(self.s.program, name, **opts)
         return {"dispatch": name, "options": opts}
 
     def eval(self, n: str = "32") -> dict:

@@ -198,16 +198,16 @@ def test_repl_mode_switch_refuses_a_mode_whose_lag_max_staleness_forbids():
     from types import SimpleNamespace
 
     from controller.modes import get_mode
-    from controller.program import Program
+    from controller.switches import switch_mode
 
-    prog = Program.__new__(Program)
+    prog = SimpleNamespace()
     prog.cfg = SimpleNamespace(trainer=SimpleNamespace(max_staleness=0))
     prog.world = SimpleNamespace(colocated=False)
     prog.mode = get_mode("stream")
     with pytest.raises(ValueError, match="trainer.max_staleness: 0 is below the lag of pipeline.mode async_stream"):
-        prog.set_mode("async_stream")
+        switch_mode(prog, "async_stream")
     assert prog.mode.name == "stream"
-    prog.set_mode("batch")
+    switch_mode(prog, "batch")
     assert prog.mode.name == "batch"
 
 

@@ -14,12 +14,25 @@ from controller.timeline import Span
 
 
 class _Program:
+    """The program's state the REPL reads and switches; the dispatcher is set by the real
+    ``switches.switch_dispatcher`` on a stand-in SGS of two live instances."""
+
     def __init__(self):
+        from controller.ptl_profile import PTLProfile
+
         self.iteration, self.version, self.history = 0, 0, []
         self.mode = SimpleNamespace(name="async_stream")
         self.fail_run = None
-        self.dispatcher = None
         self.ranker = object()  # a run with a ranker (skew dispatchers need one)
+        slots = [SimpleNamespace(profile=PTLProfile([1, 8], [0.01, 0.02], 4096)) for _ in range(2)]
+        self.world = SimpleNamespace(sgs=SimpleNamespace(dispatcher=None, slots=slots, seed=0), colocated=False)
+        self.per_prompt = 4
+        self.cfg = SimpleNamespace(train=SimpleNamespace(batch_prompts=8, max_tokens=64, max_prompt_tokens=0),
+                                   trainer=SimpleNamespace(max_staleness=1))
+
+    @property
+    def dispatcher(self):
+        return self.world.sgs.dispatcher
 
     def run(self, k):
         if self.fail_run:
@@ -27,19 +40,6 @@ class _Program:
         self.iteration += k
         self.version += k
         return [SimpleNamespace(metrics={"reward_mean": 0.5})] * k
-
-    def set_dispatcher(self, name, **opts):  # the real one, on a stand-in SGS of two live instances
-        from controller.program import Program
-        from controller.ptl_profile import PTLProfile
-
-        slots = [SimpleNamespace(profile=PTLProfile([1, 8], [0.01, 0.02], 4096)) for _ in range(2)]
-        sgs = SimpleNamespace(dispatcher=self.dispatcher, slots=slots, seed=0)
-        ns = SimpleNamespace(world=SimpleNamespace(sgs=sgs), ranker=self.ranker, per_prompt=4,
-                             cfg=SimpleNamespace(train=SimpleNamespace(batch_prompts=8, max_tokens=64,
-                                                                       max_prompt_tokens=0)))
-        ns._trial_plan = lambda d: Program._trial_plan(ns, d)
-        Program.set_dispatcher(ns, name, **opts)
-        self.dispatcher = sgs.dispatcher
 
 
 
