@@ -15,13 +15,13 @@ from workers.generation.engine import NativeEngine
 from workers.model import CausalLM, ModelConfig, init_weights
 
 
-def tiny_engine(kv_tokens=2048, max_batch_size=16):
+def tiny_engine(kv_tokens=2048, max_batch_size=16, max_prefill_tokens=8192):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     model = init_weights(CausalLM(cfg), seed=0)
     ecfg = EngineConfig(max_batch_size=max_batch_size, block_size=16, kv_cache_tokens=kv_tokens, device="cpu",
-                        dtype="float32", prefix_sharing=False)
+                        dtype="float32", prefix_sharing=False, max_prefill_tokens=max_prefill_tokens)
     return NativeEngine(ecfg, model=model)
 
 
@@ -74,6 +74,18 @@ def test_the_prefill_probes_compute_their_prompts_not_the_prefix_cache():
     prof = profile_engine(eng, batch_sizes=(1, 2), prompt_len=40, decode_steps=2, warmup_steps=1, clock=eng.clock)
     assert eng.engine.stats().prefix_cache_hit_tokens == 0
     assert prof.prefill_s_per_token == pytest.approx(1e-4) and prof.prefill_step_s == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("prompt_len", [40, 100])
+def test_the_prefill_probes_fit_one_step_of_chunked_prefill(prompt_len):
+    # a probe longer than max_prefill_tokens is prefilled in chunks: timing its first step gave the
+    # per-token cost of one chunk (1/5 of the truth here) and a wrong fixed cost (review, s54)
+    torch.set_num_threads(1)
+    eng = StepClock(tiny_engine(max_prefill_tokens=64), p=1e-4)
+    prof = profile_engine(eng, batch_sizes=(1, 2), prompt_len=prompt_len, decode_steps=2, warmup_steps=1,
+                          clock=eng.clock)
+    assert prof.prefill_s_per_token == pytest.approx(1e-4) and prof.prefill_step_s == pytest.approx(0.01)
+    assert prof.meta["prefill_probe_tokens"] == ([40, 64] if prompt_len == 40 else [16, 64])
 
 
 def test_profile_recovers_the_cost_per_cached_token():

@@ -114,12 +114,18 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
         if long_ctx > prompt_len:
             t_long = best(bs_kv, long_ctx)
             kv_coef = max(0.0, (t_long - ptl[sizes.index(bs_kv)]) / (bs_kv * (long_ctx - prompt_len)))
-        # prefill step: a short and a long prompt alone; fixed + per-token cost
+        # prefill step: a short and a long prompt alone; fixed + per-token cost. Each probe fits
+        # one step's prefill budget: a longer prompt is prefilled in chunks over several steps,
+        # and timing the first step would give a per-token cost of only its chunk (review, s54)
         pre = []
         long_prompt = min(4 * prompt_len, kv_tokens // 2)
         if max_len:
             long_prompt = min(long_prompt, max_len - 2)  # room for its 2 output tokens
-        for n in (prompt_len, long_prompt):
+        budget = int(getattr(cfg, "max_prefill_tokens", 0) or 0)
+        if budget:
+            long_prompt = min(long_prompt, budget)
+        short_prompt = prompt_len if prompt_len < long_prompt else max(1, long_prompt // 4)
+        for n in (short_prompt, long_prompt):
             refused = engine.add(_requests(1, n, 2, vocab, next_id, seed))
             next_id += 1
             if refused:  # timing an empty step would give a prefill cost of 0
@@ -137,7 +143,8 @@ def profile_engine(engine: Engine, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16,
     mono = list(np.maximum.accumulate(np.maximum(ptl, 1e-9)))
     return PTLProfile(sizes, [float(x) for x in mono], int(kv_tokens), block, int(old_cap), float(per_token), name,
                       meta={"raw_ptl_s": ptl, "prompt_len": prompt_len, "decode_steps": decode_steps,
-                            "source": "measured"}, prefill_step_s=float(step_s), kv_s_per_token=float(kv_coef),
+                            "source": "measured", "prefill_probe_tokens": [short_prompt, long_prompt]},
+                      prefill_step_s=float(step_s), kv_s_per_token=float(kv_coef),
                       ref_context=float(prompt_len + warmup_steps + decode_steps / 2))
 
 
