@@ -5,7 +5,7 @@ recommended allocation minimises its own objective (``OBJECTIVES``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from controller.planner.allocation import (Allocation, StageModel, allocate_cross_dc, allocate_single_dc,
                                            even_split, mean_generation_time_model, most_trainer_splits)
@@ -23,7 +23,8 @@ SYNC_CANDIDATES = 8  # splits simulated per synchronous mode: the best by gen + 
 # What each mode's recommended allocation minimises (Planner.recommend, docs/planner.md Allocation)
 OBJECTIVES = {
     m: "every GPU of the datacenter generates, then trains: no split to choose" if mode.colocated else
-    "max(gen, train), Algorithm 1: the stages overlap, the slower one sets the iteration" if mode.lag else
+    ("the stages overlap, the slower one sets the iteration: the shorter simulated iteration of Algorithm 1's "
+     "max(gen, train) and its max(gen, train + sync) (a step starts after the last push ends)") if mode.lag else
     ("this mode's simulated iteration time (training waits for generation: gen + sync + train), the "
      "shortest of the splits simulated (Planner.sync_candidates)")
     for m, mode in MODES.items()
@@ -219,8 +220,9 @@ class Planner:
 
     def recommend(self, modes=MODES) -> dict[str, Plan]:
         """Each mode's recommended allocation, simulated (a Plan holding that mode), chosen by the
-        mode's own objective (OBJECTIVES): the async modes overlap the stages, so Algorithm 1's
-        max(gen, train) is theirs; batch / minibatch / stream pay gen + sync + train (training waits
+        mode's own objective (OBJECTIVES): the async modes overlap the stages, so theirs is the
+        faster simulated of Algorithm 1's max(gen, train) and max(gen, train + sync)
+        (``async_candidates``); batch / minibatch / stream pay gen + sync + train (training waits
         for generation, the next generation for the sync), so their split is the one of shortest
         simulated iteration among ``sync_candidates``; colocated uses every GPU for both stages."""
         out, cands = {}, None
@@ -232,14 +234,35 @@ class Planner:
                 a = Allocation(n, 0, n // self.tp, math.nan, math.nan)
                 out[mode] = self.simulate_modes(a, [mode])
                 out[mode].colocated = True
-            elif MODES[mode].lag:
-                out[mode] = self.simulate_modes(self.allocate(), [mode])
             else:
-                cands = cands if cands is not None else self.sync_candidates()
-                plans = [self.simulate_modes(a, [mode], o) for o, a in cands]
+                if MODES[mode].lag:
+                    plans = [self.simulate_modes(a, [mode]) for a in self.async_candidates()]
+                else:
+                    cands = cands if cands is not None else self.sync_candidates()
+                    plans = [self.simulate_modes(a, [mode], o) for o, a in cands]
                 out[mode] = min(plans, key=lambda p: (p.modes[mode]["iteration_s"],
                                                       p.allocation.gen_gpus + p.allocation.train_gpus, p.tp))
         return out
+
+    def async_candidates(self) -> list[Allocation]:
+        """The splits the one-step-off modes simulate: Algorithm 1's (the paper's max(gen, train))
+        and Algorithm 1 on a trainer that also pays the weight sync, max(gen, train + sync). A step
+        starts only after the push of the step before it has ended (the runtime's rule since session
+        50), so a trainer holding every sample to its step (PPO whitening, gpg, async_batch) has a
+        period of train + sync: on a slow cross-DC link Algorithm 1 gave back trainer GPUs that
+        shortened the iteration by a third (review, s54)."""
+        first, sync = self.allocate(), self.sync_s()
+        if sync <= 0:
+            return [first]
+        sm = self.stage_model
+        paying = replace(sm, train_time=lambda y: sm.train_time(y) + sync)
+        try:
+            second = self._allocate(paying, False)
+        except ValueError as e:
+            raise ValueError(f"{self._where()}: {e}") from None
+        second = replace(second, train_time_s=sm.train(second.train_gpus))
+        same = (second.gen_gpus, second.train_gpus) == (first.gen_gpus, first.train_gpus)
+        return [first] if same else [first, second]
 
     def sync_candidates(self) -> list[tuple[TPOption, Allocation]]:
         """The splits the synchronous modes simulate: for every tp tried, every generation size
