@@ -121,6 +121,9 @@ def cmd_predict(a) -> int:
     out = _output_file(a.output, "--output")
     if out.exists() and Path(a.input).exists() and os.path.samefile(out, a.input):
         raise ValueError(f"--output {out}: is the --input file; refusing to overwrite the trace with predictions")
+    if out.resolve().is_relative_to(Path(a.model).resolve()):
+        raise ValueError(f"--output {out}: is inside the --model folder {a.model}; refusing to overwrite the "
+                         "saved ranker with predictions")
     rows = read_traces(a.input, need_lengths=False)
     preds = ranker.load(a.model).predict([x.prompt for x in rows])
     text = "".join(json.dumps({"idx": row.line, "pred_len": float(p)}) + "\n" for row, p in zip(rows, preds))

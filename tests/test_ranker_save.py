@@ -156,6 +156,19 @@ def test_predict_refuses_output_that_is_the_input(model_dir, tmp_path, capsys):
     assert data.read_bytes() == before
 
 
+def test_predict_refuses_output_inside_the_model_folder(model_dir, tmp_path, capsys):
+    # predictions written over the model's meta.json: exit 0, and the ranker no longer loaded (review, s54)
+    import ranker
+
+    data = _plain_trace(tmp_path / "t.jsonl", 20)
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    for out in (model_dir / "meta.json", model_dir / "preds.jsonl"):
+        assert main(["predict", "--model", str(model_dir), "--input", str(data), "--output", str(out)]) == 2
+        assert f"--output {out}: is inside the --model folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+    ranker.load(model_dir)
+
+
 def test_predict_output_is_replaced_atomically(model_dir, tmp_path):
     """A write that fails half-way (a file size limit) leaves the earlier output as it was, and
     no temp file (was: a truncated file in its place)."""
