@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import shutil
 import sys
@@ -94,7 +95,10 @@ def estimates(args, rows: list[dict], cap: int) -> tuple[list[float], dict]:
     cut = int(0.8 * len(train))
     fit_rows, hold_rows = [train[i] for i in perm[:cut]], [train[i] for i in perm[cut:]]
     ref = [forced_len(r, cap) for r in train]
-    cache = Path(args.cache) / f"ranker_{args.ranker}_cap{cap}"
+    fit_x, fit_y = [r["question"] for r in fit_rows], [forced_len(r, cap) for r in fit_rows]
+    # keyed by what it is fit on: another --trace-dir reused the first trace's ranker (review, s54)
+    digest = hashlib.sha256(json.dumps([fit_x, fit_y]).encode()).hexdigest()[:12]
+    cache = Path(args.cache) / f"ranker_{args.ranker}_cap{cap}_{digest}"
     t0 = time.time()
     model = None
     if (cache / "meta.json").exists():
@@ -106,7 +110,7 @@ def estimates(args, rows: list[dict], cap: int) -> tuple[list[float], dict]:
             model = None
     if model is None:
         model = ranker.build(args.ranker)
-        model.fit([r["question"] for r in fit_rows], [forced_len(r, cap) for r in fit_rows])
+        model.fit(fit_x, fit_y)
         ranker.save(model, cache)
         source = "fit"
     hold_raw = model.predict([r["question"] for r in hold_rows])
