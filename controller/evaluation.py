@@ -107,12 +107,13 @@ def side_generate(program, reqs: list[Request], stage: str = "eval", step: int |
 
 def measure_lengths(program, prompts: list) -> list[float]:
     """Each prompt's (a ``TaskPrompt``, formatted as training formats it, or a text) mean output
-    length (tokens) over ``train.group_size`` samples at the training temperature and
-    ``max_tokens``: what the policy does now (ranker bootstrap)."""
+    length (tokens) over ``train.group_size`` samples at the training temperature, bounded as
+    training bounds it (``Program.token_bounds``: ``train.min_tokens``, a length trace's forced
+    length): what the policy does now (ranker bootstrap), the lengths the online update learns."""
     t = program.cfg.train
     multi_turn = program.cfg.multi_turn.on
-    reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), t.max_tokens, 0, 0.0, group_id=-1,
-                    sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k),
+    reqs = [Request(-(1 << 40) - j * t.group_size - k, program.prompt_ids(p), *program.token_bounds(p), 0.0,
+                    group_id=-1, sampling=program.sampling(t.temperature, t.seed * 7919 + j * t.group_size + k),
                     task=p if multi_turn and not isinstance(p, str) else None)
             for j, p in enumerate(prompts) for k in range(t.group_size)]
     out, _ = side_generate(program, reqs, stage="ranker")

@@ -89,9 +89,7 @@ class Program:
         multi_turn = self.cfg.multi_turn.on  # the environment is handed the item (single-turn: not sent)
         for j, item in enumerate(items, start=first):
             ids = self.prompt_ids(item)
-            max_tokens, min_tokens = t.max_tokens, t.min_tokens
-            if self.length_of is not None:
-                max_tokens = min_tokens = max(1, int(self.length_of(item)))
+            max_tokens, min_tokens = self.token_bounds(item)
             for k in range(per):
                 sid = iteration * SAMPLE_STRIDE + j * per + k
                 greedy = k == t.group_size  # remax: the group's greedy baseline, after its samples
@@ -366,6 +364,15 @@ class Program:
             self.tok.encode_prompt(item.prompt, item.messages)
         t = self.cfg.train
         return torch.tensor(list(fit_prompt_ids(ids, t.overlong_prompts, t.max_prompt_tokens)), dtype=torch.long)
+
+    def token_bounds(self, item: TaskPrompt | str) -> tuple[int, int]:
+        """A training request's (max_tokens, min_tokens): ``train.max_tokens`` / ``min_tokens``, or
+        both the item's forced length under ``train.length_trace``."""
+        t = self.cfg.train
+        if self.length_of is not None and not isinstance(item, str):
+            forced = max(1, int(self.length_of(item)))
+            return forced, forced
+        return t.max_tokens, t.min_tokens
 
     def sampling(self, temperature: float, seed: int) -> SamplingParams:
         """The rollout's sampling (``train.top_k`` / ``top_p``; a top_k of -1 is off, as 0)."""

@@ -364,3 +364,29 @@ def test_a_task_named_as_an_eval_aggregate_keeps_its_own_score(monkeypatch):
     assert {k: v for k, v in scores.items() if k.count("/") == 1} == \
         {"eval/task:mean": 1.0, "eval/other": 0.0, "eval/task:unscored": 0.0, "eval/mean": 1 / 3}
     assert scores["eval/task:mean/reward/mean@1"] == 1.0  # its statistics under the same key
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_the_ranker_bootstrap_measures_lengths_bounded_as_training_bounds_them(monkeypatch, forced):
+    """The bootstrap asked for min_tokens 0 and train.max_tokens, while training forces
+    train.min_tokens, or each prompt's trace length under train.length_trace: the ranker was fit on
+    lengths the run never generates, and its online update learned others (review, s54)."""
+    from controller import evaluation
+    from controller.config import MultiTurnSection
+    from types import SimpleNamespace
+
+    from controller.program import Program
+
+    natural = 7  # an engine's output when nothing forces it: clamped to [min_tokens, max_tokens]
+    monkeypatch.setattr(evaluation, "side_generate", lambda program, reqs, **kw: (
+        {r.sample_id: [0] * min(max(natural, r.min_tokens), r.max_tokens) for r in reqs}, (0,)))
+    prog = Program.__new__(Program)
+    prog.cfg = SimpleNamespace(train=SimpleNamespace(group_size=2, max_tokens=256, min_tokens=12, temperature=1.0,
+                                                     seed=0, top_k=0, top_p=1.0, overlong_prompts="error",
+                                                     max_prompt_tokens=0),
+                               multi_turn=MultiTurnSection())
+    prog.tok = SimpleNamespace(encode_prompt=lambda prompt, messages=None: [1, 2, 3])
+    lens = {"p1": 100, "p2": 40}
+    prog.length_of = (lambda item: lens[item.prompt]) if forced else None
+    got = evaluation.measure_lengths(prog, [TaskPrompt("p1", "1", "t"), TaskPrompt("p2", "2", "t")])
+    assert got == ([100.0, 40.0] if forced else [12.0, 12.0])  # what Program._requests generates
