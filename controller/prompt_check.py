@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from workers.types import TaskPrompt
+from workers.types import TaskPrompt, prompt_text
 
 
 
@@ -122,9 +122,14 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
 
 
 def _check_prompt_text(item: TaskPrompt, where: str) -> None:
-    """``prompt``: a string with some text, or the chat in ``messages``."""
+    """``prompt``: a string with some text, or the chat in ``messages``, which has some (what the
+    ranker reads, ``prompt_text``: a chat of empty turns passed here and stopped a run with a
+    ranker at the first iteration that drew it; review, s54)."""
     if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
         raise ValueError(f"{where}: prompt must be a string with some text, got {item.prompt!r:.40}")
+    chat = hasattr(item.messages, "__iter__") and not isinstance(item.messages, (str, bytes, dict))
+    if not item.prompt.strip() and chat and not prompt_text(item).strip():
+        raise ValueError(f"{where}: prompt is empty and no turn of its messages has any text")
 
 
 def _check_messages(item: TaskPrompt, where: str) -> None:

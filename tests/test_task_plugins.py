@@ -1,6 +1,7 @@
 """A user's own task and reward function named in the config (``module:attr`` / ``file.py:attr``):
 loaded by the controller and the trainer ranks, every failure one error naming the key."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -235,6 +236,21 @@ def test_a_chat_prompt_left_empty_reaches_the_ranker_as_its_last_user_turn():
     assert prompt_text(TaskPrompt(prompt="", answer="4", task="t", messages=chat)) == "2+2?"
     assert prompt_text(TaskPrompt(prompt="", answer="4", task="t", messages=chat[:1])) == "Be brief."
     assert prompt_text(TaskPrompt(prompt="what?", answer="4", task="t", messages=chat)) == "what?"
+    parts = ({"role": "user", "content": [{"type": "text", "text": "3+3?"}]},)  # OpenAI's content parts
+    assert prompt_text(TaskPrompt(prompt="", answer="6", task="t", messages=parts)) == "3+3?"
+
+
+def test_a_chat_prompt_without_any_text_is_refused_at_start():
+    # empty turns passed the start check; a run with a ranker stopped at the first iteration that
+    # drew the item ("prompt 0 is empty" from ranker.predict; review, s54)
+    from controller.prompt_check import task_prompts
+
+    empty = TaskPrompt(prompt="", answer="4", task="t", messages=({"role": "system", "content": ""},
+                                                                    {"role": "user", "content": " "}))
+    ok = TaskPrompt(prompt="", answer="4", task="t", messages=({"role": "user", "content": "2+2?"},))
+    with pytest.raises(ValueError, match=r"task.prompts\('train'\)\[1\]: prompt is empty and no turn of its "
+                                         "messages has any text"):
+        task_prompts(SimpleNamespace(prompts=lambda split: [ok, empty]), "train")
 
 
 def test_a_tasks_own_sft_demonstrations_are_checked_on_the_controller():

@@ -203,10 +203,20 @@ def prompt_text(item: TaskPrompt) -> str:
     last user turn (else every turn's text, joined)."""
     if item.prompt.strip() or not item.messages:
         return item.prompt
-    texts = [m.get("content") for m in item.messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
-    users = [m.get("content") for m in item.messages
-             if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)]
+    turns = [m for m in item.messages if isinstance(m, dict)]
+    texts = [t for t in (content_text(m.get("content")) for m in turns) if t.strip()]
+    users = [content_text(m.get("content")) for m in turns if m.get("role") == "user"]
     return users[-1] if users and users[-1].strip() else "\n\n".join(texts)
+
+
+def content_text(content) -> str:
+    """A chat turn's text: its ``content`` string, or the ``text`` of its parts (OpenAI's
+    ``[{"type": "text", "text": ...}]``)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
 
 
 @runtime_checkable
