@@ -93,8 +93,9 @@ class BinnedPosterior:
         if len(self.ref_est) != len(self.ref_true) or len(self.ref_est) < self.bins:
             raise ValueError(f"BinnedPosterior: need >= {self.bins} held-out (estimate, true) pairs, "
                              f"got {len(self.ref_est)} / {len(self.ref_true)}")
-        self._edges, which = _quantile_bins(np.asarray(self.ref_est, dtype=float), self.bins)
-        true, n = np.asarray(self.ref_true, dtype=float), len(self._edges) + 1
+        a = _finite("BinnedPosterior", ref_est=self.ref_est, ref_true=self.ref_true)  # (NaN draws; review, s54)
+        self._edges, which = _quantile_bins(a["ref_est"], self.bins)
+        true, n = a["ref_true"], len(self._edges) + 1
         near = _nearest_filled(np.array([np.any(which == b) for b in range(n)]))
         self._pools = [true[which == near[b]] for b in range(n)]
 

@@ -224,6 +224,11 @@ def test_calibrate_by_bins_and_posterior():
     for bins in (0, -1, 2.5, True):  # bins 0 was taken, then every draw raised an IndexError
         with pytest.raises(ValueError, match="bins must be an int >= 1"):
             BinnedPosterior(ref_est, ref_true, bins=bins)
+    # a NaN / inf pair was taken and its draws reached the dispatcher's cost as 1-token requests
+    with pytest.raises(ValueError, match=r"BinnedPosterior: ref_true\[3\] = nan is not a finite number"):
+        BinnedPosterior(ref_est, ref_true[:3] + [float("nan")] + ref_true[4:], bins=4)
+    with pytest.raises(ValueError, match=r"BinnedPosterior: ref_est\[0\] = inf"):
+        BinnedPosterior([float("inf")] + ref_est[1:], ref_true, bins=4)
 
 
 def test_calibrate_by_bins_with_a_large_tie_group():
