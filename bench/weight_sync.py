@@ -187,7 +187,7 @@ def main() -> None:
         "naive_over_tree": round(t_naive / t_tree, 3),
         "one_copy_crosses": all(l["bytes_cross_dc"] == model_bytes for l in tree),
         "all_weights_match": all(l["ok"] and l["weights_match"] for l in lines),
-        "single_dc_roots_used": sorted(two_roots["bytes_sent_by_root"]),
+        "single_dc_roots_used": sorted(r for r, b in two_roots["bytes_sent_by_root"].items() if b > 0),
         "single_dc_bytes_by_root": two_roots["bytes_sent_by_root"],
         "single_dc_intra_MBps": args.intra_dc_mbps,
         "single_dc_time_binary_1root": med("single_dc", "binary_1root"),

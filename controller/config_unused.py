@@ -61,6 +61,12 @@ def check_unused(cfg: "Config") -> None:
         if cfg.weight_sync != WeightSyncConfig.from_dict(None, cfg.weight_sync.topology):
             raise ConfigError("weight_sync: colocated, the trainer's weights are copied within each process, no "
                               "broadcast runs; drop the weight_sync section (or use a disaggregated mode)")
+        from workers.weight_sync import Topology
+
+        if cfg.topology != Topology():  # the broadcast trees are its only reader (review, s54)
+            raise ConfigError("topology: colocated, the trainer's weights are copied within each process, no "
+                              "broadcast runs over its links; drop the topology section (or use a disaggregated "
+                              "mode)")
 
 
 def minibatch_unused(cfg: "Config") -> None:

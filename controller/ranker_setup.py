@@ -23,12 +23,32 @@ def saved_ranker(cfg):
 
     path = Path(r.path)
     try:
-        if (path / "meta.json").exists():
-            return ranker.load(path)
-        check_target(path)
+        if not (path / "meta.json").exists():
+            check_target(path)
+            return None
+        model = ranker.load(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"ranker.path: {e}") from None
-    return None
+    _check_options(r.options, model, f"the ranker saved at ranker.path ({path})")
+    return model
+
+
+def _check_options(options: dict, model, which: str) -> None:
+    """``ranker.options`` configure a ranker the run bootstraps; a loaded one keeps the config it
+    was saved with. Options that differ from it (``update_rounds: 50`` against its 5) were dropped
+    without a word (review, s54): refused, naming each key and both values."""
+    import ranker
+    from dataclasses import asdict, is_dataclass
+
+    if not options or not is_dataclass(getattr(model, "cfg", None)):
+        return  # (your own class: its config is its own business)
+    wanted, held = asdict(ranker.build(model.kind, **dict(options)).cfg), asdict(model.cfg)
+    differ = {k: (wanted[k], held[k]) for k in options if k in wanted and k in held and wanted[k] != held[k]}
+    if differ:
+        said = ", ".join(f"{k}: {w!r} (it has {h!r})" for k, (w, h) in differ.items())
+        raise ConfigError(f"ranker.options: {said}; {which} keeps the config it was saved with, and options only "
+                          "configure a ranker the run bootstraps: drop them, or move the saved ranker away to "
+                          "bootstrap a new one")
 
 
 def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: list[str], span=nullcontext):
@@ -52,6 +72,7 @@ def run_ranker(cfg, saved, resumed_from: Path | None, measure_lengths, prompts: 
         if kept.kind != r.kind:
             raise ConfigError(f"ranker.kind: {r.kind!r}, but the checkpoint resumed from holds a {kept.kind!r} "
                               f"ranker ({resumed}); set ranker.kind: {kept.kind} to resume")
+        _check_options(r.options, kept, f"the checkpoint's ranker ({resumed})")
         print(f"[controller] ranker: {kept.kind}, the one saved with the checkpoint, {resumed}",
               file=sys.stderr, flush=True)
         return kept

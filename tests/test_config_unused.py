@@ -19,6 +19,9 @@ BASE = {"placement": {"generation": [1], "trainer": [2]}}
     ({"dispatch": {"options": {"order": "lpt"}}}, "dispatch.options.order: lpt orders by estimate, and ranker.kind"),
     ({"pipeline": {"mode": "colocated"}, "placement": {"generation": [1], "trainer": [1]},
       "weight_sync": {"bucket_mb": 1.0}}, "weight_sync: colocated, the trainer's weights are copied within each"),
+    ({"pipeline": {"mode": "colocated"}, "placement": {"generation": [1], "trainer": [1]},  # (review, s54)
+      "topology": {"datacenters": {"a": [0, 1], "b": []}, "shaped_links": ["inter_dc"]}},
+     "topology: colocated, the trainer's weights are copied within each process, no broadcast runs over its links"),
 ])
 def test_a_key_whose_switch_is_off_is_refused(over, said):
     with pytest.raises(ConfigError, match=f"^{said}"):

@@ -81,6 +81,30 @@ def test_a_bootstrapped_ranker_takes_its_seed_from_the_options(tmp_path):
     assert model.cfg.seed == 7 and (tmp_path / "r" / "meta.json").exists()
 
 
+def test_options_a_loaded_ranker_does_not_hold_are_refused(tmp_path):
+    # a saved ranker (and a checkpoint's) keeps its own config: update_rounds 50 / seed 7 in the
+    # options ran with its 5 / 0, and nothing said so (review, s54); the same options load it
+    from test_ranker_synth import SMALL_LGBM, synth
+
+    import ranker
+
+    pool, lengths = synth(60, seed=1)
+    ranker.build("lgbm", **SMALL_LGBM).fit(pool, lengths).save(tmp_path / "r")
+    cfg = SimpleNamespace(ranker=RankerSection(kind="lgbm", path=str(tmp_path / "r"), update_every=1,
+                                               options={**SMALL_LGBM, "update_rounds": 50, "seed": 7}),
+                          train=SimpleNamespace(seed=3, group_size=2, eval_only=False))
+    held = ranker.load(tmp_path / "r").cfg
+    with pytest.raises(ConfigError, match=rf"^ranker.options: update_rounds: 50 \(it has {held.update_rounds}\), "
+                                          rf"seed: 7 \(it has {held.seed}\); the ranker saved at ranker.path"):
+        saved_ranker(cfg)
+    ckpt = tmp_path / "iter_000002"
+    ranker.load(tmp_path / "r").save(ckpt / "ranker")
+    with pytest.raises(ConfigError, match=r"update_rounds: 50 .*; the checkpoint's ranker"):
+        run_ranker(cfg, None, ckpt, lambda ps: [1.0] * len(ps), pool)
+    cfg.ranker = RankerSection(kind="lgbm", path=str(tmp_path / "r"), options=dict(SMALL_LGBM))
+    assert saved_ranker(cfg).cfg == held
+
+
 def test_too_few_bootstrap_prompts_for_the_kind_is_a_config_error(tmp_path):
     # an lgbm ranker fits on >= 2 x min_child_samples (20) pairs: 16 failed with a traceback
     # after the model bootstrap and the engines' start; now said when the config loads

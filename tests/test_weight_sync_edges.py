@@ -232,6 +232,26 @@ def test_integer_datacenter_names():
     assert plan.trees[0].edges() == [(0, 1), (1, 2)]
 
 
+@pytest.mark.parametrize("cfg, said", [
+    ({"datacenters": []}, "topology.datacenters must be a mapping"),
+    ({"datacenters": 0}, "topology.datacenters must be a mapping"),
+    ({"nodes": ""}, "topology.nodes must be a mapping"),
+    ({"bandwidth_gbps": []}, "topology.bandwidth_gbps must be a mapping"),
+    ({"bandwidth_gbps": 0}, "topology.bandwidth_gbps must be a mapping"),
+    ({"shaped_links": {}}, "topology.shaped_links must be a list"),
+    ({"shaped_links": False}, "topology.shaped_links must be a list"),
+    ({"datacenters": {0: [0, 1], "0": [2, 3]}}, r"topology.datacenters: 0 and '0' are one name \('0'\)"),
+    ({"datacenters": {"a": [0], "b": [1]}, "nodes": {"a/rank5": [0]}},
+     "topology.nodes.a/rank5: names of the form DC/rankN are the node of a rank listed in no node"),
+])
+def test_a_wrong_empty_value_or_a_name_given_twice_is_refused(cfg, said):
+    # an empty or false value of a wrong type was taken as absent, and 0 / "0" merged into one
+    # datacenter: an emulated cross-DC set-up ran as one DC, unshaped (review, s54)
+    with pytest.raises(ValueError, match=said):
+        Topology.from_config(cfg)
+    assert Topology.from_config({"datacenters": None, "shaped_links": None}) == Topology()
+
+
 # ---- planner properties over random topologies ------------------------------------------
 def test_random_topologies_plan_spanning_trees_with_one_crossing_per_datacenter():
     """Random ranks, datacenters (some ranks unlisted, some DCs with no instance or no

@@ -16,6 +16,7 @@ Config form (YAML: a run config's top-level ``topology:`` section)::
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping
@@ -105,9 +106,15 @@ class Topology:
 
             raise ValueError(f"topology.{unknown[0]}: unknown key{near_miss(unknown[0], _CONFIG_KEYS)} "
                              f"(known: {sorted(_CONFIG_KEYS)})")
-        rank_dc = _rank_groups(cfg.get("datacenters") or {}, "topology.datacenters")
-        rank_node = _rank_groups(cfg.get("nodes") or {}, "topology.nodes")
-        names = list((cfg.get("datacenters") or {}).keys())
+        # only an absent key (or null) is its default: `datacenters: []`, `shaped_links: false`
+        # were taken as none, and an emulated cross-DC set-up ran as one DC, unshaped (review, s54)
+        rank_dc = _rank_groups(_given(cfg, "datacenters", {}), "topology.datacenters")
+        rank_node = _rank_groups(_given(cfg, "nodes", {}), "topology.nodes")
+        for name in set(rank_node.values()):
+            if _IMPLICIT_NODE.fullmatch(name):
+                raise ValueError(f"topology.nodes.{name}: names of the form DC/rankN are the node of a rank listed "
+                                 "in no node (its own); name it otherwise")
+        names = list(_given(cfg, "datacenters", {}).keys())
         # datacenter names are strings (YAML `{0: [...]}` keys are ints; _rank_groups str()s them)
         default_dc = cfg.get("default_datacenter", str(names[0]) if names else DEFAULT_DC)
         if isinstance(default_dc, int) and not isinstance(default_dc, bool):
@@ -124,7 +131,7 @@ class Topology:
             if len(dcs) > 1:
                 raise ValueError(f"topology.nodes.{node}: ranks span datacenters "
                                  f"{sorted(dcs)} (rank {r})")
-        bw_cfg = cfg.get("bandwidth_gbps") or {}
+        bw_cfg = _given(cfg, "bandwidth_gbps", {})
         if not isinstance(bw_cfg, Mapping):
             raise ValueError("topology.bandwidth_gbps must be a mapping")
         bandwidth = {}
@@ -137,7 +144,7 @@ class Topology:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
                 raise ValueError(f"topology.bandwidth_gbps.{key} must be a finite number > 0, got {v!r}")
             bandwidth[LinkClass(key)] = float(v) * 1e9 / 8
-        shaped_cfg = cfg.get("shaped_links") or []
+        shaped_cfg = _given(cfg, "shaped_links", [])
         if not isinstance(shaped_cfg, (list, tuple)):
             raise ValueError(f"topology.shaped_links must be a list of link classes, got {shaped_cfg!r}")
         shaped = set()
@@ -165,12 +172,26 @@ class Topology:
                 "shaped_links": sorted(lc.value for lc in self.shaped), "default_datacenter": self.default_dc}
 
 
+def _given(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    v = cfg.get(key)
+    return default if v is None else v
+
+
+_IMPLICIT_NODE = re.compile(r".*/rank\d+")  # Topology.node of a rank in no named node
+
+
 def _rank_groups(groups: Any, where: str) -> dict[int, str]:
-    """{name: [ranks]} -> {rank: name}; each rank in at most one group."""
+    """{name: [ranks]} -> {rank: name}; each rank in at most one group, each name once (names
+    are strings: YAML's `0:` and `"0":` are one group, refused rather than merged)."""
     if not isinstance(groups, Mapping):
         raise ValueError(f"{where} must be a mapping name -> list of ranks, got {type(groups).__name__}")
     out: dict[int, str] = {}
+    seen: dict[str, Any] = {}
     for name, ranks in groups.items():
+        if str(name) in seen:
+            raise ValueError(f"{where}: {seen[str(name)]!r} and {name!r} are one name ({str(name)!r}); "
+                             "name each group once")
+        seen[str(name)] = name
         if not isinstance(ranks, (list, tuple)):
             raise ValueError(f"{where}.{name} must be a list of ranks, got {ranks!r}")
         for r in ranks:
