@@ -53,6 +53,16 @@ def test_a_null_reference_in_parquet(tmp_path):
         make_task("parquet", files=str(tmp_path / "d.parquet")).prompts("train")
 
 
+def test_a_parquet_tasks_rows_are_its_own_eval_group(tmp_path):
+    # rows with no task / data_source were logged as eval/jsonl (review, s54)
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow not installed: Parquet datasets are optional")
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}]), tmp_path / "d.parquet")
+    assert make_task("parquet", files=str(tmp_path / "d.parquet")).prompts("train")[0].task == "parquet"
+    assert make_task("parquet", files=str(tmp_path / "d.parquet"), name="m").prompts("train")[0].task == "m"
+
+
 def test_a_list_reference_needs_the_users_own_verifier(tmp_path):
     p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": ["2", "two"]}])
     with pytest.raises(ValueError, match=r"d.jsonl:1: field 'answer' is a list .*the built-in verifiers compare one "

@@ -30,18 +30,19 @@ def _files_cls():
 class _Builtin:
     """A registered task: its class, imported on first use (reasoning_gym is heavy)."""
 
-    def __init__(self, load: Callable[[], type]):
+    def __init__(self, load: Callable[[], type], **defaults):
         self.load = load
+        self.defaults = defaults  # keyword arguments the name implies (parquet's eval group)
 
     def __call__(self, **kw) -> Task:
-        return self.load()(**kw)
+        return self.load()(**{**self.defaults, **kw})
 
 
 TASKS: dict[str, Callable[..., Task]] = {
     "synthetic": _Builtin(_synthetic_cls),
     "reasoning_gym": _Builtin(_reasoning_gym_cls),
     "jsonl": _Builtin(_files_cls),
-    "parquet": _Builtin(_files_cls),
+    "parquet": _Builtin(_files_cls, name="parquet"),  # rows with no task / data_source: eval/parquet
 }
 
 
@@ -56,7 +57,10 @@ def make_task(name: str, /, **kwargs) -> Task:
     take are a ValueError naming them; an exception the constructor itself raises is reported as
     the task's own error (type, message, where it was raised), not blamed on the kwargs."""
     factory = task_factory(name)
-    target = factory.load() if isinstance(factory, _Builtin) else factory
+    if isinstance(factory, _Builtin):
+        target, kwargs = factory.load(), {**factory.defaults, **kwargs}
+    else:
+        target = factory
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):  # no signature to check against (a builtin callable)
