@@ -122,14 +122,9 @@ def task_prompts(task, split: str) -> list[TaskPrompt]:
 
 
 def _check_prompt_text(item: TaskPrompt, where: str) -> None:
-    """``prompt``: a string with some text, or the chat in ``messages``, which has some (what the
-    ranker reads, ``prompt_text``: a chat of empty turns passed here and stopped a run with a
-    ranker at the first iteration that drew it; review, s54)."""
+    """``prompt``: a string with some text, or the chat in ``messages``."""
     if not isinstance(item.prompt, str) or not (item.prompt.strip() or item.messages):
         raise ValueError(f"{where}: prompt must be a string with some text, got {item.prompt!r:.40}")
-    chat = hasattr(item.messages, "__iter__") and not isinstance(item.messages, (str, bytes, dict))
-    if not item.prompt.strip() and chat and not prompt_text(item).strip():
-        raise ValueError(f"{where}: prompt is empty and no turn of its messages has any text")
 
 
 def _check_messages(item: TaskPrompt, where: str) -> None:
@@ -146,6 +141,10 @@ def _check_messages(item: TaskPrompt, where: str) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"{where}: messages[{j}] must be a chat turn, a dict with a string 'role' (and its "
                              f"'content'), got {m!r:.60}")
+    if not item.prompt.strip() and not prompt_text(item).strip():
+        # the ranker reads this text (prompt_text): a chat of empty turns passed here and stopped a
+        # run with a ranker at the first iteration that drew it (review, s54)
+        raise ValueError(f"{where}: prompt is empty and no turn of its messages has any text")
 
 
 def _check_picklable(items: list[TaskPrompt], split: str) -> None:
