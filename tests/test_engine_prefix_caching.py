@@ -256,6 +256,27 @@ def test_weights_written_in_place_drop_the_cached_blocks():
     assert eng.stats().prefix_cache_hit_tokens == 0  # the only earlier blocks were of the old weights
 
 
+@pytest.mark.parametrize("which", ["embed", "o_proj", "down_proj", "norms"])
+def test_an_in_place_write_of_weights_the_fused_forward_does_not_copy_drops_the_cached_blocks(which):
+    """Only the parameters the fused forward copies were watched: an in-place write of the
+    embedding, or of o_proj / down_proj / the norms on the plain-GEMM path, left the cached K/V of
+    the old values in use (review, s54)."""
+    model = tiny_model(seed=3)
+    eng = engine(model, cpu_prepack=False, attention_backend="torch")
+    prompt = torch.arange(3, 24)
+    req = lambda sid: Request(sid, prompt, 6, min_tokens=6, sampling=SamplingParams(temperature=0.0))  # noqa: E731
+    generate_all(eng, [req(0)])
+    layers = model.model.layers
+    with torch.no_grad():
+        for p in {"embed": [model.model.embed_tokens.weight], "o_proj": [l.self_attn.o_proj.weight for l in layers],
+                  "down_proj": [l.mlp.down_proj.weight for l in layers],
+                  "norms": [l.input_layernorm.weight for l in layers]}[which]:
+            p.mul_(-1.5)
+    [again] = generate_all(eng, [req(1)])
+    assert again.output_ids.tolist() == _fresh(model, req(2)).output_ids.tolist()
+    assert eng.stats().prefix_cache_hit_tokens == 0
+
+
 def _scale_in_place(model):
     with torch.no_grad():  # a colocated trainer's optimizer step on the engine's model
         for p in model.parameters():

@@ -92,7 +92,7 @@ class NativeEngine:
                                   self.max_model_len, kv_dtype,
                                   cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size,
                                   prepack=None if cfg.cpu_prepack == "auto" else cfg.cpu_prepack)
-        self._hashed_at = self.runner.forward.refreshes  # the weights the cached hashes are of
+        self._hashed_at = self._weights_stamp()  # the weights the cached hashes are of
         self.weight_version = 0
         self._arrival = itertools.count()
         self._live: dict[int, Sequence] = {}  # sample_id -> sequence (waiting or running)
@@ -222,12 +222,15 @@ class NativeEngine:
         refreshes the fused copies when a parameter changed (the forward's own ``sync`` may have
         done it in an earlier step: ``refreshes`` counts both). Called before steps that may
         admit: a step that admits nothing starts nobody on a cached block, and the forward syncs
-        anyway."""
+        anyway. Every parameter counts, not only those the fused forward copies: an in-place write
+        of the embedding, or of o_proj / down_proj / the norms on the plain-GEMM path, left the
+        cached K/V of the old values in use (review, s54)."""
         fwd = self.runner.forward
         fwd.sync()
-        if fwd.refreshes == self._hashed_at:
+        stamp = self._weights_stamp()
+        if stamp == self._hashed_at:
             return
-        self._hashed_at = fwd.refreshes
+        self._hashed_at = stamp
         self.bm.drop_hashes()
         if self.prefix is not None:
             self.prefix.release_all()
@@ -311,6 +314,13 @@ class NativeEngine:
         self.runner.forward.refresh()  # the fused q/k/v and gate/up copies
         self.weight_version = version
         self._restart_in_flight()
+        self._hashed_at = self._weights_stamp()
+
+    def _weights_stamp(self) -> tuple:
+        """Every parameter's version counter, storage and dtype, and the fused copies' refresh
+        count (a refresh also follows new Parameter objects)."""
+        return (self.runner.forward.refreshes,
+                tuple((p._version, p.data_ptr(), p.dtype) for p in self.model.parameters()))
 
     def _restart_in_flight(self) -> None:
         sch = self.scheduler
