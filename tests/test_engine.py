@@ -139,6 +139,29 @@ def test_kv_peak_is_the_most_blocks_held_at_once_in_a_busy_period():
     assert st.preemptions > 0 and st.kv_blocks_peak == st.kv_blocks_free == 16
 
 
+def test_kv_peak_leaves_out_cached_blocks_a_waiting_request_matched_and_gave_back():
+    # a request that matched cached blocks by hash, then did not fit and gave them back, counted
+    # them in the peak: 24 of 24 blocks reported where steps held 18 at most (review, s54)
+    eng = engine(kv_cache_tokens=96, prefix_caching=True, prefix_sharing=False, attention_backend="torch")
+    g = torch.Generator().manual_seed(0)
+    pa = torch.randint(3, V, (33,), generator=g)
+    generate_all(eng, greedy_requests([pa], 1))
+    pb, pc = torch.randint(3, V, (60,), generator=g), torch.cat([pa[:32], torch.randint(3, V, (40,), generator=g)])
+    held, run = [0], eng.runner.run
+
+    def counting(batch):  # blocks in use while each step runs
+        held[0] = max(held[0], eng.bm.num_used)
+        return run(batch)
+
+    eng.runner.run = counting
+    eng.add([Request(1, pb, 4, min_tokens=4, sampling=SamplingParams(temperature=0.0)),
+             Request(2, pc, 1, sampling=SamplingParams(temperature=0.0))])
+    while eng.has_work():
+        eng.step()
+    assert eng.stats().prefix_cache_hit_tokens > 0  # pc did start on pa's blocks, later
+    assert eng.stats().kv_blocks_peak == held[0] < 24
+
+
 def test_set_max_batch_size_refuses_bools():
     eng = engine()
     for bad in (True, False, 2.0, 0):
