@@ -220,6 +220,18 @@ def test_bad_requests_refused_and_others_served():
     check_against_recompute(good, sorted(out, key=lambda s: s.sample_id))
 
 
+def test_generate_all_returns_each_request_its_own_sample_when_an_id_repeats():
+    # [ok, duplicate of ok] came back [error, length]: a caller zipping requests with results
+    # gave the refusal to the request that was served (review, s54)
+    empty = torch.zeros(0, dtype=torch.int64)
+    reqs = [Request(7, PS[0], 3, 3, sampling=GREEDY), Request(7, PS[1], 3, 3, sampling=GREEDY),
+            Request(8, empty, 3), Request(8, PS[2], 3, 3, sampling=GREEDY), Request(9, PS[3], 3, 3, sampling=GREEDY)]
+    out = generate_all(engine(), reqs)
+    assert [s.finish_reason for s in out] == ["length", "error", "error", "length", "length"]
+    assert "already queued" in out[1].error and "empty prompt" in out[2].error
+    check_against_recompute([reqs[0], reqs[3], reqs[4]], [out[0], out[3], out[4]])
+
+
 def test_malformed_requests_refused_naming_the_field_and_others_served():
     """Refusals besides the ones above: prompt not a 1-D integer tensor, min_tokens outside
     [0, max_tokens] or not an int, bad sampling params, malformed fields (sampling not a
