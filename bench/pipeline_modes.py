@@ -214,7 +214,8 @@ def controller(a) -> int:
               "async_stream_over_colocated": ("async_stream", "colocated"),
               "minibatch_over_batch": ("minibatch", "batch"), "async_batch_over_batch": ("async_batch", "batch")}
     print(json_line({"summary": True, "quick": a.quick, "iterations": a.iterations, "prompts": a.prompts,
-                      "repeat": a.repeat,
+                      "repeat": a.repeat, "scale": a.scale, "max_len": a.max_len,
+                      "logdir": str(Path(a.logdir).resolve()),  # its timelines (planner_accuracy --measured)
                       **{k: sps[x] / sps[y] for k, (x, y) in ratios.items() if x in sps and y in sps}}), flush=True)
     for r in (1, 2):
         rpc.rpc_sync(f"worker{r}", request_exit, args=(0,))

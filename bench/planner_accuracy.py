@@ -91,6 +91,22 @@ def measured_rows(a, logdir: str, segment: int = 0, rounds: int = 0) -> dict[str
     return rows
 
 
+def measured_run(path: str) -> list[str]:
+    """bench/pipeline_modes.py's flags of the run that wrote ``path`` (its summary line): the
+    prediction is of that workload and reads that run's timelines. Taken from this run's own
+    ``--quick``, a quick file was predicted as the full workload, 2x off (review, s54)."""
+    summary = [d for d in map(json.loads, filter(lambda x: x.startswith("{"), Path(path).read_text().splitlines()))
+               if d.get("summary")]
+    keys = ("iterations", "prompts", "scale", "max_len", "logdir")
+    missing = [k for k in keys if not summary or k not in summary[-1]]
+    if missing:
+        raise SystemExit(f"planner_accuracy: --measured {path}: its summary line names no {', '.join(missing)} "
+                         "(bench/pipeline_modes.py writes them since session 54): run it again")
+    s = summary[-1]
+    return ["--iterations", str(s["iterations"]), "--prompts", str(s["prompts"]), "--scale", str(s["scale"]),
+            "--max-len", str(s["max_len"]), "--logdir", s["logdir"]]
+
+
 def stage_seconds(spans, first_iteration: int = 0) -> dict[str, list[float]]:
     """Per iteration: generation span length (longest instance) and train seconds (summed
     spans of one trainer rank; colocated's two DP ranks train at once: the busier one)."""
@@ -204,9 +220,9 @@ def main(argv=None) -> dict:
     from workers.tasks.registry import make_task
     from workers.tokenizer import Tokenizer
 
-    # the pipeline run's model and timelines: OUT/pipeline_modes (--measured reads them there too)
-    pa = pm.parse_args((["--quick"] if a.quick else [])
-                       + ["--logdir", str(Path(a.out).resolve() / "pipeline_modes")])
+    # the pipeline run's model and timelines: OUT/pipeline_modes, or --measured's own run
+    pa = pm.parse_args(measured_run(a.measured) if a.measured else
+                       (["--quick"] if a.quick else []) + ["--logdir", str(Path(a.out).resolve() / "pipeline_modes")])
     cfg = pm.bench_config(pa)
     torch.set_num_threads(1)
     cache = Path(a.out) / "profiles.json"

@@ -79,7 +79,8 @@ def make_engine(args, kv_tokens: int | None = None) -> NativeEngine:
                      max_position_embeddings=2048)
     ec = EngineConfig(max_batch_size=args.max_batch, block_size=16, kv_cache_tokens=kv_tokens or args.kv_tokens,
                       max_prefill_tokens=4096, device="cpu", dtype="float32", prefix_sharing=False,
-                      admission="fcfs", seed=args.seed)
+                      prefix_caching=False,  # each plan prefills its prompts: the later ones found the
+                      admission="fcfs", seed=args.seed)  # earlier plans' blocks cached (review, s54)
     return NativeEngine(ec, model=init_weights(CausalLM(mc), seed=args.seed))
 
 

@@ -118,6 +118,20 @@ def test_planner_accuracy_measured_is_one_segment(monkeypatch, capsys, tmp_path)
     assert pa.parse_args(["--measured", str(measured)]).segments == 1
 
 
+def test_planner_accuracy_predicts_the_workload_its_measured_file_ran(monkeypatch, tmp_path):
+    # a --quick file read without --quick was predicted as the full workload (48 prompts x 12
+    # iterations against 24 x 4), 2x off, and its timelines read from another run (review, s54)
+    pa = load_bench("planner_accuracy", monkeypatch)
+    measured = tmp_path / "measured.jsonl"
+    measured.write_text('{"mode": "batch"}\n{"summary": true, "quick": true, "iterations": 4, "prompts": 24}\n')
+    with pytest.raises(SystemExit, match="its summary line names no scale, max_len, logdir"):
+        pa.measured_run(str(measured))
+    measured.write_text('{"summary": true, "iterations": 4, "prompts": 24, "scale": 8.0, "max_len": 80, '
+                        '"logdir": "/x/pm"}\n')
+    assert pa.measured_run(str(measured)) == ["--iterations", "4", "--prompts", "24", "--scale", "8.0",
+                                              "--max-len", "80", "--logdir", "/x/pm"]
+
+
 def test_explicit_flags_win_over_quick(monkeypatch):
     # --quick used to overwrite --prompts / --kv-tokens / --len-cap (skew_dispatch) and --segments
     # (planner_accuracy) whatever the command line said
