@@ -76,17 +76,21 @@ def test_greedy_parity_with_native(setup):
         torch.testing.assert_close(g.logprobs, w.logprobs, atol=2e-4, rtol=0)
 
 
-def test_chunked_prefill_off_reaches_vllm(setup):
-    # engine.enable_chunked_prefill: false (vLLM's own key) with a budget below the prompts: vLLM
-    # takes it (its step budget grown to max_model_len) and the outputs are the native engine's
-    # (its engine core in a child: a second in-process vLLM engine, closed, tears down the state
-    # the module's shared one runs on)
-    eng = make_engine(_cfg("vllm", enable_chunked_prefill=False, max_prefill_tokens=16,
-                           backend_options={"multiprocess": True}), setup["dir"])
+def test_a_budget_below_the_prompts_serves_seeded_requests(setup):
+    # a step budget below the prompts: on CPU vLLM runs unchunked (its budget grown to
+    # max_model_len), since chunking a seeded request's prompt failed the step ("CPU Generator
+    # does not use offset"; every training request is seeded; review, s54); the greedy outputs
+    # are the native engine's (its engine core in a child: a second in-process vLLM engine,
+    # closed, tears down the state the module's shared one runs on)
+    eng = make_engine(_cfg("vllm", max_prefill_tokens=16, backend_options={"multiprocess": True}), setup["dir"])
     try:
         reqs = _greedy(_prompts([40, 5, 64]), 8, first_id=100)
-        got, want = generate_all(eng, reqs), generate_all(setup["native"], reqs)
-        assert [g.output_ids.tolist() for g in got] == [w.output_ids.tolist() for w in want]
+        seeded = [Request(sample_id=200 + i, prompt_ids=p, max_tokens=4, min_tokens=4,
+                          sampling=SamplingParams(temperature=1.0, seed=7919 + i))
+                  for i, p in enumerate(_prompts([48, 33, 70], seed=1))]
+        got, want = generate_all(eng, reqs + seeded), generate_all(setup["native"], reqs)
+        assert [g.output_ids.tolist() for g in got[:3]] == [w.output_ids.tolist() for w in want]
+        assert [(s.finish_reason, len(s.output_ids)) for s in got[3:]] == [("length", 4)] * 3
     finally:
         eng.close()
 

@@ -19,11 +19,22 @@ def test_engine_args_cpu():
     assert a["block_size"] == 32 and a["num_gpu_blocks_override"] == 128  # 4096 tokens
     assert a["kv_cache_memory_bytes"] == 128 * 32 * (2 * 2 * 1 * 32 * 4)
     assert a["max_num_seqs"] == 32 and "multiprocess" not in a
-    assert a["max_num_batched_tokens"] == 100 and a["dtype"] == "float32"
+    assert a["max_num_batched_tokens"] == 512 and a["dtype"] == "float32"  # unchunked on CPU: below
     assert a["scheduling_policy"] == "priority" and a["enable_prefix_caching"]
     assert a["skip_tokenizer_init"] and a["logprobs_mode"] == "processed_logprobs"
     assert a["max_model_len"] == 512 and a["kv_cache_dtype"] == "auto"
-    assert a["enable_chunked_prefill"] is True
+
+
+def test_vllm_on_cpu_prefills_each_prompt_in_one_step():
+    # vLLM 0.32 rewinds a seeded request's generator when it splits a prompt over steps, which CPU
+    # generators refuse ("CPU Generator does not use offset"): every seeded batch of prompts past
+    # one step's budget failed its round (review, s54). On CUDA it chunks as asked.
+    cpu = vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu", kv_cache_tokens=4096,
+                                             max_prefill_tokens=100), "/m", MC)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] == cpu["max_model_len"] == 512
+    gpu = vllm_args.engine_args(EngineConfig(backend="vllm", device="cuda", kv_cache_tokens=4096,
+                                             max_prefill_tokens=100), "/m", MC)
+    assert gpu["enable_chunked_prefill"] is True and gpu["max_num_batched_tokens"] == 256  # max_num_seqs
 
 
 def test_chunked_prefill_off_reaches_vllm_with_a_budget_that_holds_a_whole_prompt():

@@ -104,6 +104,11 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
     if max_num_seqs < cfg.max_batch_size:
         raise ValueError(f"engine.backend_options.max_num_seqs ({max_num_seqs}) must be >= "
                          f"engine.max_batch_size ({cfg.max_batch_size})")
+    # vLLM 0.32 rewinds a seeded request's generator when it splits its prompt over steps
+    # (Generator.set_offset), which CPU generators refuse: "CPU Generator does not use offset" failed
+    # the round of any batch of seeded prompts past one step's budget (every training request is
+    # seeded; review, s54). On CPU it runs unchunked, each prompt prefilled in one step.
+    chunked = cfg.enable_chunked_prefill and device != "cpu"
     args = dict(
         model=model_dir,
         skip_tokenizer_init=True,  # token ids in, token ids out
@@ -114,9 +119,8 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         max_num_seqs=max_num_seqs,
         # vLLM without chunking never splits a prompt, so its step budget must hold the longest
         # (it refuses a smaller one); the native engine admits such a prompt alone, whole
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
-        max_num_batched_tokens=max(cfg.max_prefill_tokens, max_num_seqs,
-                                   0 if cfg.enable_chunked_prefill else max_model_len(cfg, mc)),
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=max(cfg.max_prefill_tokens, max_num_seqs, 0 if chunked else max_model_len(cfg, mc)),
         block_size=block,
         num_gpu_blocks_override=num_blocks,
         kv_cache_memory_bytes=num_blocks * block * bytes_per_token,
