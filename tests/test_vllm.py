@@ -87,7 +87,7 @@ def test_a_budget_below_the_prompts_serves_seeded_requests(setup):
         reqs = _greedy(_prompts([40, 5, 64]), 8, first_id=100)
         seeded = [Request(sample_id=200 + i, prompt_ids=p, max_tokens=4, min_tokens=4,
                           sampling=SamplingParams(temperature=1.0, seed=7919 + i))
-                  for i, p in enumerate(_prompts([48, 33, 70], seed=1))]
+                  for i, p in enumerate(_prompts([300, 280, 310], seed=1))]  # past the budget (256: max_num_seqs)
         got, want = generate_all(eng, reqs + seeded), generate_all(setup["native"], reqs)
         assert [g.output_ids.tolist() for g in got[:3]] == [w.output_ids.tolist() for w in want]
         assert [(s.finish_reason, len(s.output_ids)) for s in got[3:]] == [("length", 4)] * 3
