@@ -61,6 +61,8 @@ def test_a_parquet_tasks_rows_are_its_own_eval_group(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}]), tmp_path / "d.parquet")
     assert make_task("parquet", files=str(tmp_path / "d.parquet")).prompts("train")[0].task == "parquet"
     assert make_task("parquet", files=str(tmp_path / "d.parquet"), name="m").prompts("train")[0].task == "m"
+    with pytest.raises(ValueError, match=r"task 'parquet': task.kwargs \['filez'\]: "):  # not the default's name
+        make_task("parquet", filez=str(tmp_path / "d.parquet"))
 
 
 def test_a_list_reference_needs_the_users_own_verifier(tmp_path):

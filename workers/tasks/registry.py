@@ -57,6 +57,7 @@ def make_task(name: str, /, **kwargs) -> Task:
     take are a ValueError naming them; an exception the constructor itself raises is reported as
     the task's own error (type, message, where it was raised), not blamed on the kwargs."""
     factory = task_factory(name)
+    given = sorted(kwargs)  # the config's (the name's defaults are not the user's to fix)
     if isinstance(factory, _Builtin):
         target, kwargs = factory.load(), {**factory.defaults, **kwargs}
     else:
@@ -69,7 +70,7 @@ def make_task(name: str, /, **kwargs) -> Task:
         try:
             signature.bind(**kwargs)
         except TypeError as e:
-            raise ValueError(f"task {name!r}: task.kwargs {sorted(kwargs)}: {_init_name(target)} "
+            raise ValueError(f"task {name!r}: task.kwargs {given}: {_init_name(target)} "
                              f"{_bind_problem(signature, kwargs) or e} ({_takes(signature)})") from None
     try:
         task = target(**kwargs)
