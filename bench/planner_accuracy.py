@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -68,10 +69,12 @@ TRAIN_PROFILE_REPEATS = 3  # passes per size, before and after each pipeline run
 TRAIN_WARMUP_PASSES = 3  # full passes before a trainer is timed
 
 
-def measured_rows(a, logdir: str, segment: int = 0, rounds: int = 0) -> dict[str, dict]:
+def measured_rows(a, logdir: str, segment: int = 0, rounds: int = 0) -> tuple[dict[str, dict], Path]:
     """One measured segment: bench/pipeline_modes.py's per-mode lines (``rounds`` rounds over
     the modes, 0: its default; its model and timelines in ``logdir``), or the lines of
-    ``--measured``."""
+    ``--measured``; and the folder of that run's timelines. A segment's timelines are copied
+    beside its lines (``measured_<k>_timelines/``, named in its summary as ``timelines``): every
+    segment runs in ``logdir``, and the next one overwrote them (diff review, s54)."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = Path(a.measured) if a.measured else out / f"measured_{segment}.jsonl"
@@ -79,16 +82,24 @@ def measured_rows(a, logdir: str, segment: int = 0, rounds: int = 0) -> dict[str
         cmd = [sys.executable, str(ROOT / "bench" / "pipeline_modes.py")] + (["--quick"] if a.quick else [])
         cmd += (["--repeat", str(rounds)] if rounds else []) + ["--logdir", logdir]
         text = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
-        path.write_text(text)
-    rows = {}
+        kept = out / f"measured_{segment}_timelines"
+        kept.mkdir(exist_ok=True)
+        for f in (ROOT / logdir).glob("timeline_*.json"):
+            shutil.copy2(f, kept / f.name)
+        lines = [json.dumps({**d, "timelines": str(kept.resolve())}) if d.get("summary") else line
+                 for line, d in ((x, json.loads(x) if x.startswith("{") else {}) for x in text.splitlines())]
+        path.write_text("".join(x + "\n" for x in lines))
+    rows, timelines = {}, ROOT / logdir
     for line in path.read_text().splitlines():
         if line.startswith("{"):
             d = json.loads(line)
             if "mode" in d:
                 rows[d["mode"]] = d
+            elif d.get("summary"):
+                timelines = Path(d.get("timelines") or d.get("logdir") or timelines)
     if not rows:
         raise SystemExit(f"planner_accuracy: no per-mode lines in {path}")
-    return rows
+    return rows, timelines
 
 
 def measured_run(path: str) -> list[str]:
@@ -252,8 +263,8 @@ def main(argv=None) -> dict:
             if not a.measured:  # before the run (the rest is timed after it)
                 trainer.sample()
                 gen_before = generation_passes(cfg, model_dir, wls[:RUNTIME_GEN_BATCHES])
-        rows = measured_rows(a, pa.logdir, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)
-        meas = {m: measured_stages(ROOT / pa.logdir, m) for m in rows}  # the segment's last round
+        rows, timelines = measured_rows(a, pa.logdir, k, 0 if n_seg == 1 else SEGMENT_ROUNDS)
+        meas = {m: measured_stages(timelines, m) for m in rows}  # the segment's last round
         if reuse:
             d = cached["segments"][k]
             gen, train, host = PTLProfile(**d["generation"]), TrainProfile(**d["trainer"]), d["host"]

@@ -132,6 +132,19 @@ def test_planner_accuracy_predicts_the_workload_its_measured_file_ran(monkeypatc
                                               "--max-len", "80", "--logdir", "/x/pm"]
 
 
+def test_planner_accuracy_reads_each_segments_own_timelines(monkeypatch, tmp_path):
+    # every segment ran in one logdir, so measured_0's timelines were the last segment's; each
+    # segment's are copied beside its lines and named in its summary (diff review, s54)
+    pa = load_bench("planner_accuracy", monkeypatch)
+    measured = tmp_path / "m.jsonl"
+    measured.write_text('{"mode": "batch", "iteration_s": 1.0}\n{"summary": true, "logdir": "/x/pm"}\n')
+    a = pa.parse_args(["--measured", str(measured), "--out", str(tmp_path)])
+    assert pa.measured_rows(a, "pm")[1] == Path("/x/pm")  # a plain pipeline_modes run: its logdir
+    measured.write_text('{"mode": "batch"}\n{"summary": true, "logdir": "/x/pm", "timelines": "/y/seg0"}\n')
+    rows, timelines = pa.measured_rows(a, "pm")
+    assert rows == {"batch": {"mode": "batch"}} and timelines == Path("/y/seg0")
+
+
 def test_explicit_flags_win_over_quick(monkeypatch):
     # --quick used to overwrite --prompts / --kv-tokens / --len-cap (skew_dispatch) and --segments
     # (planner_accuracy) whatever the command line said
