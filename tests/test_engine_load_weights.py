@@ -53,6 +53,28 @@ def test_load_weights_refuses_bad_tensor_before_touching_anything():
     assert eng.weight_version == 0
 
 
+def test_load_weights_refuses_a_name_given_twice_and_unequal_halves_of_a_tied_matrix():
+    # the native engine kept the last of two tensors of one name, vLLM the first (or failed midway);
+    # a tied model's embedding and lm_head given different values: native wrote the later, vLLM
+    # the embedding (review, s54). Both refused, nothing written
+    eng = engine()
+    before = {k: v.clone() for k, v in MODEL.hf_state_dict().items()}
+    w = before["model.norm.weight"]
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' is given twice"):
+        eng.load_weights([("model.norm.weight", w * 2), ("model.norm.weight", w * 3)], version=1)
+    from workers.model import ModelConfig, CausalLM, init_weights
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True)
+    tied = engine(init_weights(CausalLM(cfg), seed=0))
+    e = tied.model.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(ValueError, match="one tied matrix in this model and were given different values"):
+        tied.load_weights({"model.embed_tokens.weight": e + 1, "lm_head.weight": e + 2}, version=1)
+    tied.load_weights({"model.embed_tokens.weight": e + 1, "lm_head.weight": e + 1}, version=1)  # equal: taken
+    assert torch.equal(tied.model.lm_head.weight, e + 1)
+    assert all(torch.equal(before[k], v) for k, v in MODEL.hf_state_dict().items()) and eng.weight_version == 0
+
+
 def test_load_weights_refusal_writes_nothing_mid_flight():
     # the version and every tensor are checked before the first write: a refused update leaves
     # the weights, the version and the samples in flight as they were (no mixed versions)

@@ -21,8 +21,8 @@ from workers.generation.config import EngineConfig
 from workers.generation.held_interrupt import HeldInterrupt
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
-from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
-                                              refusal)
+from workers.generation.request_check import (TIED, check_batch_cap, check_eos_ids, check_requests, check_tied,
+                                              check_weights, hashable, refusal)
 from workers.generation.scheduler import Scheduler
 from workers.generation.token_rate import TokenRate
 from workers.generation.sequence import Sequence, Status, error_sample
@@ -310,6 +310,7 @@ class NativeEngine:
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied: both names
         version, staged = check_weights(named_tensors, {n: p.shape for n, p in params.items()}, version,
                                         self.weight_dtype)  # rounded to it (bf16 stays bf16)
+        check_tied(staged, params.get(TIED[0]) is not None and params.get(TIED[0]) is params.get(TIED[1]))
         with torch.no_grad():
             for name, t in staged:
                 params[name].copy_(t)

@@ -110,9 +110,13 @@ def check_weights(named_tensors, shapes: Mapping[str, tuple[int, ...]], version,
         raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}") from None
     if v < 0:
         raise ValueError(f"load_weights: version must be an int >= 0, got {version!r}")
+    seen = set()
     for name, t in items:
         if name not in shapes:
             raise ValueError(f"load_weights: unknown tensor {name!r} (not a parameter of the model)")
+        if name in seen:  # the native engine kept the last, vLLM the first or failed midway (review, s54)
+            raise ValueError(f"load_weights: tensor {name!r} is given twice; give each name once")
+        seen.add(name)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shapes[name]):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"load_weights: tensor {name!r} has shape {got}, "
@@ -129,6 +133,20 @@ def check_weights(named_tensors, shapes: Mapping[str, tuple[int, ...]], version,
             why = "" if t.dtype == original.dtype else f" once rounded to {dtype}"
             raise ValueError(f"load_weights: tensor {name!r} has NaN or infinite values{why}")
     return v, staged
+
+
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_tied(staged: list[tuple[str, torch.Tensor]], tied: bool) -> None:
+    """A model with tied embeddings holds one matrix under both names: given both, they must be
+    equal (the native engine wrote the later, vLLM loads the embedding's; review, s54)."""
+    if not tied:
+        return
+    pair = dict(staged)
+    if all(n in pair for n in TIED) and not torch.equal(pair[TIED[0]], pair[TIED[1]]):
+        raise ValueError(f"load_weights: {TIED[0]!r} and {TIED[1]!r} are one tied matrix in this model "
+                         "and were given different values; give one of them")
 
 
 def _weight_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:

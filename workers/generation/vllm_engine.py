@@ -33,8 +33,8 @@ import torch
 from workers.generation import vllm_args, vllm_process
 from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
-from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_weights, hashable,
-                                              refusal)
+from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_tied,
+                                              check_weights, hashable, refusal)
 from workers.generation.token_rate import TokenRate
 from workers.generation.vllm_stats import StatsTap
 from workers.model import CausalLM, ModelConfig
@@ -328,6 +328,7 @@ class VLLMEngine:
         never mixes versions) and the prefix cache is dropped."""
         version, items = check_weights(named_tensors, self._shapes, version, self._weight_dtype)
         tied = self.model_config.tie_word_embeddings
+        check_tied(items, tied)
         names = {n for n, _ in items}
         if tied and names & {"lm_head.weight", "model.embed_tokens.weight"}:
             names |= {"lm_head.weight", "model.embed_tokens.weight"}
