@@ -357,6 +357,22 @@ def request_exit(code: int = 0, quiet: bool = True) -> bool:
     return True
 
 
+def gone_peers(handles, besides: int, timeout_s: float = 3.0) -> list[str]:
+    """``handles`` (not rank ``besides``) whose process does not answer a ping: a worker that
+    raised a transport error (its call to another worker hit EOF) is not the cause; the one gone
+    is, and the stop line names it (a dead trainer rank was reported as the generation rank's
+    error; review, s54). A rank busy past ``timeout_s`` counts as answering."""
+    asked = [(h, rpc.rpc_async(h.name, ping, timeout=timeout_s)) for h in handles if h.rank != besides]
+    out = []
+    for h, fut in asked:
+        try:
+            fut.wait()
+        except Exception as e:  # noqa: BLE001 - what the ping met is the answer
+            if is_peer_lost(e) and not is_timeout(str(e)):
+                out.append(f"worker rank {h.rank} ({h.role}) is gone ({str(e).splitlines()[0][:120]})")
+    return out
+
+
 def ping() -> int:
     """Runs on a worker's RPC thread (the heartbeat, the keepalive): it answers while its other
     threads work, and tells the worker's watchdog the controller is there."""

@@ -19,7 +19,7 @@ from controller.config import ConfigError
 from controller.config_notes import config_notes
 from controller.config_overrides import set_behind
 from controller.joiners import dismiss_joiner, waiting as joiners_waiting
-from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
+from controller.rpc import LOCAL, WorkerFailed, gone_peers, request_exit, worker_name
 from controller.session import Session, error_line
 from controller.sgs import NoInstancesLeft
 from controller.stops import RunStopped
@@ -82,8 +82,9 @@ def run_controller(cfg, args, world_size: int) -> int:
             # a worker lost to the job's own Ctrl-C / SIGTERM, seen before this process's interrupt
             # surfaced: the run was stopped by the signal, and says so (controller.main._interrupted)
             raise lifecycle.interrupt_for(sig) from None
-        print(f"[controller] run stopped: {error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr,
-              flush=True)
+        gone = _gone_peers(session, e)
+        print(f"[controller] run stopped: {'; '.join(gone) + ', and ' if gone else ''}"
+              f"{error_line(e) if isinstance(e, OSError) else e}", file=sys.stderr, flush=True)
         code = said(1)
         alive = isinstance(e, (RunStopped, OSError))  # the controller's decision, not a lost worker
     except Exception:  # noqa: BLE001 - the controller itself failed
@@ -106,3 +107,16 @@ def run_controller(cfg, args, world_size: int) -> int:
     _stop_workers(static + [r for r in joined if r not in gone], code,
                   quiet=alive and not joined and not waiting and not lost)
     return code
+
+
+def _gone_peers(session, e: BaseException) -> list[str]:
+    """A worker that raised (e.g. EOF from a peer it was calling): the other workers whose process
+    is gone, said first, as the likely cause (``rpc.gone_peers``)."""
+    world = getattr(session, "world", None)
+    if world is None or not isinstance(e, WorkerFailed) or e.lost:
+        return []
+    handles = [h for h in list(world.trainers) + list(world.sgs.handles) if h.alive]
+    try:
+        return gone_peers(handles, e.rank)
+    except Exception:  # noqa: BLE001 - a probe that fails says nothing
+        return []

@@ -93,6 +93,8 @@ def _scenario(rank: int, world: int, rpc_port: int):
             doomed.call("die", 0.5).wait()
         except crpc.WorkerFailed as e:
             out["died"] = (e.lost, e.rank)
+        # what the stop line says first when a worker raised on a peer's EOF (review, s54)
+        out["gone"] = crpc.gone_peers([slow, doomed], besides=-1, timeout_s=TIMEOUT_S)
         waiter.join()
         out["long"] = long["result"]
         # alive but answering nothing (SIGSTOPped: its connections stay open, so the call's own
@@ -169,6 +171,12 @@ def test_an_exception_in_the_worker_is_raised_not_lost(result):
 
 def test_a_worker_dying_mid_call_is_lost(result):
     assert result["died"] == (True, 2)
+
+
+def test_the_peers_gone_are_found_by_a_ping(result):
+    # a dead trainer rank was reported as the generation rank's error (its call to the trainer hit
+    # EOF): the stop line names the rank whose process is gone, the busy one is not
+    assert len(result["gone"]) == 1 and result["gone"][0].startswith("worker rank 2 (trainer) is gone (")
 
 
 def test_calls_waited_together_end_in_the_order_they_end(result):
