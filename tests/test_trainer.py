@@ -290,11 +290,11 @@ def test_a_later_epoch_divides_by_the_micro_batches_it_kept(model_dir, task, mon
     monkeypatch.setattr(updates, "update", lambda w, params, d: divisors.append(d) or real(w, params, d))
     accumulate, dropped = w.accumulate, []
 
-    def second_epoch_drops_the_first(items, log_stats):
+    def second_epoch_drops_the_first(items, log_stats, later=False):
         if not log_stats and not dropped:
             dropped.append(sum(len(p.output_ids) for p in items))
             return None  # as a non-finite loss: no backward, no counts
-        return accumulate(items, log_stats)
+        return accumulate(items, log_stats, later)
 
     monkeypatch.setattr(w, "accumulate", second_epoch_drops_the_first)
     w.begin_iteration(0, prompts, groups)

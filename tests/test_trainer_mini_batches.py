@@ -175,3 +175,37 @@ def test_the_grad_norms_are_the_mean_over_the_updates(setup, monkeypatch, kw):
     for key in ("grad_norm", "critic_grad_norm") if "critic_grad_norm" in m else ("grad_norm",):
         per = [n[key] for n in seen]
         assert len(set(per)) > 1 and m[key] == pytest.approx(sum(per) / len(per), rel=1e-12)
+
+
+@pytest.mark.parametrize("kw", [dict(ppo_epochs=2), dict(mini_batches=2, ppo_epochs=2),
+                                dict(algorithm="ppo", ppo_epochs=3)])
+def test_the_per_token_statistics_are_averaged_over_every_pass(setup, monkeypatch, kw):
+    """verl averages actor/ppo_kl, pg_clipfrac, pg_loss, entropy over every mini-batch update of
+    every epoch; only the first pass's were logged, so an on-policy run's ppo_kl stayed 0 and its
+    ratio 1 with ppo_epochs: 2 (review, s54). Each is now the sum over every pass's micro-batches
+    over their tokens (token_mean)."""
+    model_dir, task = setup
+    seen, real = [], TrainerWorker.accumulate
+
+    def spy(self, items, log_stats, later=False):
+        counts = real(self, items, log_stats, later)
+        if counts is not None:
+            seen.append({k: float(v) for k, v in counts.items() if v.numel() == 1})
+        return counts
+
+    monkeypatch.setattr(TrainerWorker, "accumulate", spy)
+    options = dict(dict(algorithm="grpo", lr=5e-2, kl_coef=0.05, seed=0, max_tokens_per_microbatch=40), **kw)
+    w = TrainerWorker(TrainerConfig(**options), model_dir, task, device="cpu")
+    samples, prompts, groups = rollout(w.actor, w.tokenizer, task.prompts("train")[:4], 3, 10, seed=5)
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    m = w.step().metrics
+    tokens = sum(c["num_tokens"] for c in seen)
+    first = seen[:len(seen) // options.get("ppo_epochs", 1)]
+    for key in ("ppo_kl", "clipfrac", "ratio", "pg_loss", "entropy"):
+        assert m[key] == pytest.approx(sum(c[key] for c in seen) / tokens, rel=1e-9, abs=1e-12), key
+    assert abs(m["ppo_kl"]) > 1e-6 and m["ratio"] != pytest.approx(1.0, abs=1e-6)  # the later updates' drift
+    if "mini_batches" not in kw:  # the first pass at the sampler's weights (with mini-batches its second
+        # share already runs after an update)
+        assert sum(c["ppo_kl"] for c in first) / sum(c["num_tokens"] for c in first) == pytest.approx(0.0, abs=1e-6)
+    assert m["num_tokens"] == sum(c["num_tokens"] for c in first)  # the counts stay one pass's

@@ -50,6 +50,30 @@ class StatSums:
     def reset(self) -> None:
         self.sums: dict[str, torch.Tensor | float] = {k: 0.0 for k in self.KEYS}
         self.extremes: dict[str, torch.Tensor | float] = {k: -math.inf for k in self.EXTREMES}
+        # passes after the first (ppo_epochs > 1, mini_batches > 1): their per-token statistics,
+        # averaged into the first's as verl averages every update's (review, s54)
+        self.later: dict[str, torch.Tensor | float] = {k: 0.0 for k in self.LATER}
+        self.later_passes = 0
+
+    LATER = PER_UNIT + ("num_tokens", "num_seqs")
+
+    def add_later(self, counts: dict[str, torch.Tensor]) -> None:
+        for k in self.LATER:
+            if k in counts:
+                self.later[k] = self.later[k] + counts[k].detach().double().to(self.device)
+
+    def fold_later(self, m: dict[str, float], totals: torch.Tensor, loss_agg: str, scale: float | None,
+                   first: tuple[float, float]) -> None:
+        """Average the later passes' per-token statistics (``totals``: ``later``, all-reduced) into
+        ``m``'s first-pass ones, each pass weighted by its divisor (``first``: the first pass's loss
+        and fraction divisors)."""
+        t = dict(zip(self.LATER, totals.tolist()))
+        later = (loss_divisor(t["num_tokens"], t["num_seqs"], loss_agg, scale),
+                 loss_divisor(t["num_tokens"], t["num_seqs"], fraction_agg(loss_agg)))
+        for k in self.PER_UNIT:
+            i = int(k in self.FRACTIONS)
+            if k in m and first[i] + later[i] > 0:
+                m[k] = (m[k] * first[i] + t[k]) / (first[i] + later[i])
 
     def add(self, key: str, value) -> None:
         self.sums[key] = self.sums[key] + value
@@ -139,6 +163,7 @@ class StatSums:
         for k in self.PER_UNIT:
             d = frac_divisor if k in self.FRACTIONS else divisor
             m[k] = t[k] / d if d > 0 else 0.0
+        m["_frac_divisor"] = frac_divisor
         for k, s in self.TOKEN_MEANS.items():
             m[k] = t[s] / t["num_tokens"] if t["num_tokens"] > 0 else 0.0
         ext = self.packed_extremes() if extremes is None else extremes

@@ -46,12 +46,13 @@ def update(w: "TrainerWorker", params: list[torch.nn.Parameter], divisor: float)
     return norms if ok else None
 
 
-def accumulate_all(w: "TrainerWorker", batches: list[list], log_stats: bool) -> float:
+def accumulate_all(w: "TrainerWorker", batches: list[list], log_stats: bool, later: bool = False) -> float:
     """Forward + backward of every micro-batch of ``batches`` (gradient sums); the loss divisor of
-    those kept (a non-finite loss is skipped), over all ranks (one all-reduce, on every rank)."""
+    those kept (a non-finite loss is skipped), over all ranks (one all-reduce, on every rank).
+    ``later``: a pass after the first, whose per-token statistics are averaged in (``StatSums.later``)."""
     units = torch.zeros(2, dtype=torch.float64, device=w.device)  # tokens, sequences
     for items in batches:
-        counts = w.accumulate(items, log_stats=log_stats)
+        counts = w.accumulate(items, log_stats=log_stats, later=later)
         if counts is not None:
             units += torch.stack([counts["num_tokens"], counts["num_seqs"]]).double().to(w.device)
     if w.world_size > 1:
@@ -68,7 +69,8 @@ def streamed_updates(w: "TrainerWorker", params: list[torch.nn.Parameter], divis
     norms_of: list[dict[str, float]] = []
     for epoch in range(w.cfg.ppo_epochs):
         if epoch > 0:  # the micro-batches this pass keeps (one whose loss is not finite now is not)
-            divisor = accumulate_all(w, w.trained_batches, log_stats=False)
+            divisor = accumulate_all(w, w.trained_batches, log_stats=False, later=True)
+            w.stats.later_passes += 1
         if divisor <= 0:
             w.optimizer.zero_grad(set_to_none=True)
             break
@@ -84,15 +86,17 @@ def mini_batch_updates(w: "TrainerWorker", params: list[torch.nn.Parameter]) -> 
     seeded random order, ``shuffle``; else in arrival order) into that many shares, each
     re-packed into micro-batches (every rank runs the same number of all-reduces; a share
     with no sample on any rank makes no update).
-    Logged per-token statistics are the first epoch's. -> (updates applied, their norms' means)."""
+    Per-token statistics: every epoch's, averaged (``StatSums.later``). -> (updates applied, their
+    norms' means)."""
     items = [p for mb in w.trained_batches for p in mb]  # samples in arrival order
     seed = w.cfg.seed * 1_000_003 + w.version if w.cfg.shuffle else None  # a new order every step
     shares = [microbatches(share, w.cfg.max_tokens_per_microbatch)
               for share in mini_batch_shares(items, w.cfg.mini_batches, seed)]
     norms_of: list[dict[str, float]] = []
     for epoch in range(w.cfg.ppo_epochs):
+        w.stats.later_passes += epoch > 0
         for share in shares:
-            divisor = accumulate_all(w, share, log_stats=epoch == 0)
+            divisor = accumulate_all(w, share, log_stats=epoch == 0, later=epoch > 0)
             if divisor <= 0:
                 w.optimizer.zero_grad(set_to_none=True)
                 continue
@@ -126,8 +130,23 @@ def gathered_metrics(w: "TrainerWorker") -> tuple[dict[str, float], float]:
                               grouped=cfg.grouped, filtered=cfg.filter_groups, baselines=cfg.algorithm == "remax",
                               dual_clip=cfg.dual_clip is not None)
     divisor = metrics.pop("_divisor")
+    w.first_divisors = (divisor, metrics.pop("_frac_divisor"))  # (fold_later_passes)
     if cfg.kl_in_reward:
         metrics["kl_coef"] = w.kl.value
         w.kl.update(metrics["reward_kl"], metrics["num_samples"])
     return metrics, divisor
 
+
+def fold_later_passes(w: "TrainerWorker", metrics: dict[str, float]) -> None:
+    """The per-token statistics (``pg_loss``, ``ppo_kl``, ``clipfrac``, ``ratio``, ``entropy``, ...)
+    averaged over every pass, as verl averages them over every mini-batch update of every epoch:
+    the first pass's alone said nothing of the later updates (an on-policy run's ``ppo_kl`` stayed
+    0 with ``ppo_epochs: 2``; review, s54). One all-reduce, on every rank (the passes are the same
+    on each)."""
+    if not w.stats.later_passes:
+        return
+    totals = torch.stack([torch.as_tensor(w.stats.later[k], dtype=torch.float64, device=w.device)
+                          for k in w.stats.LATER])
+    if w.world_size > 1:
+        dist.all_reduce(totals, group=w.group)
+    w.stats.fold_later(metrics, totals, w.cfg.loss_agg, w.cfg.loss_scale_factor, w.first_divisors)

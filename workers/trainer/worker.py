@@ -48,7 +48,7 @@ from workers.trainer.schedule import group_lambdas
 from workers.trainer.stat_sums import StatSums
 from workers.trainer.step_math import overlong_penalty, prepare_batch, submit_scores, train_terms
 from workers.trainer.step_passes import iteration_passes
-from workers.trainer.updates import gathered_metrics, mini_batch_updates, streamed_updates
+from workers.trainer.updates import fold_later_passes, gathered_metrics, mini_batch_updates, streamed_updates
 from workers.types import Sample, Task, TaskPrompt
 
 log = logging.getLogger("streamrl.trainer")
@@ -132,6 +132,7 @@ class TrainerWorker:
         self._skip_kinds: dict[str, int] = {}  # why samples were skipped this iteration: counts
         self.buffer = SampleBuffer()
         self.stats = StatSums(self.device)
+        self.first_divisors = (0.0, 0.0)  # the first pass's loss and fraction divisors (gathered_metrics)
         self._trained_any = False
         self.trained_batches: list[list] = []  # micro-batches kept for ppo_epochs > 1 or mini_batches > 1
         self.rollout_rows: list[dict] | None = None  # [] keeps each scored sample (rollout_dump.py)
@@ -355,10 +356,11 @@ class TrainerWorker:
                 if self.cfg.ppo_epochs > 1:
                     self.trained_batches.append(items)
 
-    def accumulate(self, items: list, log_stats: bool) -> dict[str, torch.Tensor] | None:
+    def accumulate(self, items: list, log_stats: bool, later: bool = False) -> dict[str, torch.Tensor] | None:
         """Forward + backward of one micro-batch (gradient SUMS accumulate); its counts, or None
         when its loss is not finite (skipped: one host sync per micro-batch, not per token).
-        ``log_stats``: add its statistics to the iteration's metrics (first pass only)."""
+        ``log_stats``: add its statistics to the iteration's metrics (first pass); ``later``: add
+        its per-token ones to the later passes' (``StatSums.later``)."""
         with self.autocast():
             loss_sum, counts = train_terms(self, items)
         if not bool(torch.isfinite(loss_sum)):
@@ -370,6 +372,8 @@ class TrainerWorker:
         loss_sum.backward()
         if log_stats:
             self.stats.add_counts(counts)
+        elif later:
+            self.stats.add_later(counts)
         return counts
 
     def _optimizer_step(self) -> StepResult:
@@ -380,6 +384,7 @@ class TrainerWorker:
         metrics, divisor = gathered_metrics(self)
         if self.cfg.mini_batches == 1:  # gradients accumulated while streaming
             applied, norms = streamed_updates(self, params, divisor)
+        fold_later_passes(self, metrics)
         metrics.update(norms or {}, lr=lr)
         if applied:
             self.actor_steps += self.iteration >= self.cfg.critic_only_iterations  # (before: its lambda reads it)
