@@ -161,8 +161,8 @@ class GenerationInstance:
         trainer = LOCAL.roles["trainer"]
         return self.stage_weights({k: v.detach().clone() for k, v in trainer.worker.named_weights()}, version)
 
-    def _swap_weights(self, version: int) -> None:
-        if self.version == version:
+    def _swap_weights(self, version: int, force: bool = False) -> None:
+        if self.version == version and not force:
             return
         with self._staging:
             staged = self._staged
@@ -179,9 +179,11 @@ class GenerationInstance:
     def hold_weights(self, version: int) -> int:
         """Load staged ``version`` now (a joiner just added, with no round in flight: it would
         otherwise hold the model folder's weights until its first round, and an evaluation
-        before that scored them). -> the version held."""
+        before that scored them). Loaded even at version 0: a joiner starts at 0 with its folder's
+        weights, which are not the run's when the folder differs (a joiner added at 0 generated
+        from it, and one of other shapes was admitted; review, s54). -> the version held."""
         with self._lock:
-            self._swap_weights(version)
+            self._swap_weights(version, force=True)
         return self.version
 
     def _swap_to_newest(self) -> None:

@@ -57,8 +57,9 @@ def _within(timeout_s: float, fn, *args):
 
 def _interrupted(rank: int, signame: str) -> None:
     """A joiner stopped on its own: one line, not a traceback. Still waiting to be added, it
-    tells the controller, which stops listing it; an added instance is found lost, and its
-    requests go to the others."""
+    tells the controller, which stops listing it; an added instance ends its round (its
+    unfinished requests go to the others) and is found gone at the next call. Both leave the
+    RPC group, so later joiners can join."""
     from controller.joiners import withdraw_joiner
     from controller.lifecycle import leave_now
 
@@ -71,8 +72,14 @@ def _interrupted(rank: int, signame: str) -> None:
     print(f"[join] rank {rank} stopped by {signame}: it leaves the job" +
           ("; the controller re-dispatches its requests" if added else " (it was waiting to be added)"),
           file=sys.stderr, flush=True)
-    if not added:  # the job goes on: out of its RPC group, or every later joiner's start would call this one
-        leave_group(LEAVE_GROUP_S)
+    if added:  # its round ends now, its unfinished requests reported back (as the REPL's leave)
+        try:
+            LOCAL.roles["generation"].stop()
+        except Exception:  # noqa: BLE001 - leaving anyway: the controller finds it lost
+            pass
+    # the job goes on: out of its RPC group, or every later joiner's start would call this one
+    # (an added one stayed a dead member, and no process could join after it; review, s54)
+    leave_group(LEAVE_GROUP_S)
     leave_now(130)
 
 

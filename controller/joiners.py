@@ -12,7 +12,7 @@ import torch.distributed.rpc as rpc
 from controller import keepalive
 from controller.prompt_check import ContextTooSmall
 from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
-from controller.world import add_instance
+from controller.world import ModelMismatch, add_instance
 
 _ANNOUNCED: "queue.Queue[tuple[int, str]]" = queue.Queue()  # (rank, role) of --join processes not yet taken
 _WITHDRAWN: set[int] = set()  # joiners that left before they were added (Ctrl-C on their terminal)
@@ -103,6 +103,13 @@ def _dismiss_lost(session, rank: int, why: str) -> None:
     session.departed.append(rank)
 
 
+def _cause(e: BaseException) -> str:
+    """The last line of a raised worker's traceback (``ExcType: message``): its first line names
+    only the call (a refused joiner was told "raised in __init__()" and not why; review, s54)."""
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return lines[-1].strip()[:300] if len(lines) > 1 else ""
+
+
 def admit(session, i: int) -> None:
     """Before iteration ``i``: take the announced processes into ``session.waiting`` and add
     the first of them as a generation instance when the scale-out policy wants one
@@ -111,7 +118,10 @@ def admit(session, i: int) -> None:
     placement = session.cfg.placement
     session.waiting = waiting(session.waiting)
     forced = 0 <= placement.force_scale_out_at <= i
-    if forced and i == placement.force_scale_out_at and not session.waiting and not _WITHDRAWN:
+    # (a joiner the policy added already, or one refused, counts as the one waited for: waiting
+    # stalled the run max(rpc_timeout_s, 600) s; review, s54)
+    came = session.waiting or session.joined or session.departed or _WITHDRAWN
+    if forced and i == placement.force_scale_out_at and not came:
         # forced (tests, demos): wait for the joiner instead of racing its start-up, which
         # takes minutes on a loaded machine (importing torch, joining the RPC group); one that
         # came and left (withdrew, or its process is gone) is not waited for again
@@ -134,6 +144,11 @@ def admit(session, i: int) -> None:
                                 "(the controller's log says by how much)")
         session.departed.append(rank)
         return
+    except ModelMismatch as e:  # its samples would be another model's: the run goes on without it
+        print(f"[controller] iteration {i}: {e}; not added", file=sys.stderr, flush=True)
+        dismiss_joiner(rank, 2, f"not added: {e}")
+        session.departed.append(rank)
+        return
     except WorkerFailed as e:  # the joiner lost, or raised while being set up (its engine, connect)
         if e.rank != rank:  # a trainer (a weight sender): the run's own failure
             raise
@@ -146,7 +161,7 @@ def admit(session, i: int) -> None:
         # nothing depended on it yet: the run goes on without it (it used to end the run)
         print(f"[controller] iteration {i}: joiner rank {rank} not added, it failed while being set up: "
               f"{str(e)}", file=sys.stderr, flush=True)
-        dismiss_joiner(rank, 1, f"not added: it failed while being set up ({first})")
+        dismiss_joiner(rank, 1, f"not added: it failed while being set up ({first} {_cause(e)})")
         session.departed.append(rank)
         return
     if h is None:  # lost before it held the weights (add_instance said so)

@@ -73,7 +73,8 @@ def is_peer_lost(err: BaseException) -> bool:
         return False
     low = msg.lower()
     lost_marks = ("eof", "end of file", "pipe closed", "connection reset", "econnreset", "connection refused",
-                  "econnrefused", "broken pipe", "epipe", "closed", "shut down", "unknown destination worker")
+                  "econnrefused", "broken pipe", "epipe", "closed", "shut down", "unknown destination worker",
+                  "could not find destination")  # (a joiner that left the dynamic group: its id is gone)
     return any(m in low for m in lost_marks) or is_timeout(msg)
 
 

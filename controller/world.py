@@ -136,13 +136,42 @@ def check_engine(engine, ranks, timeout: float) -> None:
             raise ConfigError(problem)
 
 
+class ModelMismatch(ValueError):
+    """A joiner's model folder (``model.path`` on its host) holds another model than the run's."""
+
+
+def model_signature(model_dir: str) -> dict:
+    """The folder's model as far as its weights' shapes and meaning go: ``ModelConfig`` without
+    the context length (checked apart, ``ContextNeed``) and the special token ids (the
+    controller's)."""
+    import json
+    from pathlib import Path
+
+    from workers.model_config import ModelConfig
+
+    path = Path(model_dir) / "config.json"
+    d = dataclasses.asdict(ModelConfig.from_hf(json.loads(path.read_text(encoding="utf-8")), path))
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id"):
+        d.pop(key, None)
+    return d
+
+
 def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int) -> WorkerHandle | None:
     """Scale out: create an instance on a joined rank, have it pull the current weights, add
     it. A joiner that dies before it holds them is not added (returns None); nothing else
-    (no trainer, no collective) has depended on it yet."""
-    from controller.rpc import WorkerFailed
+    (no trainer, no collective) has depended on it yet. One whose folder holds another model
+    (``model_signature``: layers, sizes, RoPE, ...) is refused before its engine is built: the
+    pull covers the trainer's tensors only, and a deeper model kept its own extra layers and
+    trained the run on their samples (review, s54)."""
+    from controller.rpc import WorkerFailed, call_on
 
+    ours = model_signature(model_dir)
     try:
+        theirs = call_on(rank, "generation", model_signature, (model_dir,), timeout=cfg.placement.rpc_timeout_s)
+        differ = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
+        if differ:
+            raise ModelMismatch(f"joiner rank {rank}'s model folder {model_dir} holds another model than this "
+                                "run's: " + ", ".join(f"{k} {t!r} (the run's: {o!r})" for k, (o, t) in differ.items()))
         h = create(rank, "generation", GenerationInstance, rank, cfg.engine, model_dir, eos_ids,
                    cfg.multi_turn, world.tokenizer, timeout=cfg.placement.rpc_timeout_s)
         h.call("connect", [t.rref for t in world.trainers]).wait()

@@ -200,6 +200,44 @@ def test_a_waiting_joiner_stopped_on_its_terminal_says_so_and_is_no_longer_liste
     assert status1["instances"] == 1
 
 
+@pytest.mark.slow  # ~60 s on 2 cores (a job, two joiners): the CI's slow tier runs it
+def test_an_added_joiner_stopped_on_its_terminal_leaves_the_group_and_another_can_join(tmp_path, tiny_model):  # noqa: F811
+    # an added joiner stopped with Ctrl-C exited without leaving the dynamic RPC group: the next
+    # --join process called the dead member and never registered (review, s54); once it left, the
+    # controller's next call met "could not find destination id 3", now a lost instance, not the
+    # end of the run
+    import signal
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=8, train__eval_every=0,
+                       placement__force_scale_out_at=1)
+    with _job_and_joiner(cfg) as (main, joiner):
+        main.stdin.write("run 2\nsgs\n")
+        main.stdin.flush()
+        answers = []
+        for line in main.stdout:
+            if line.startswith(">>> "):
+                answers.append(json.loads(line[4:]))
+                if len(answers) == 3:
+                    break
+        assert [i["rank"] for i in answers[2]["instances"]] == [1, 3]
+        joiner.send_signal(signal.SIGINT)
+        joiner_err = joiner.communicate(timeout=120)[1]
+        main.stdin.write("run 1\n")
+        main.stdin.flush()
+        again = main.join()
+        for line in again.stderr:
+            if "[join] rank 4 registered" in line:
+                break
+        out, err = _last_commands(main, "run 1\nstatus\nquit\n")
+        assert again.wait(timeout=120) == 0
+    assert joiner.returncode == 130 and "rank 3 stopped by SIGINT: it leaves the job" in joiner_err, joiner_err[-3000:]
+    assert main.returncode == 0, err[-4000:]
+    run1, run1b, status = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")][-3:]
+    assert run1["ran"] == 1 and run1b["ran"] == 1 and status["instances"] == 2  # rank 4 added (forced)
+    rows = iterations(tmp_path / "run")
+    assert [r["num_samples"] for r in rows] == [8] * 4
+
+
 def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
     # a cosine/linear schedule stays at its end past trainer.total_steps (lr 0 by default): the
     # REPL's `run K` went there silently

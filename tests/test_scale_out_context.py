@@ -4,6 +4,7 @@ serve, and its round fails (the run stops, exit 1) or its outputs are cut shorte
 others'; with the check made at start (``ContextNeed``) the SGS refuses it, naming it, and the
 run goes on. Real engines on the tiny model, in this process: a handle's ``call`` runs the
 instance's method here and returns its result (or exception) as a finished RPC future."""
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -157,7 +158,7 @@ def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run
                         program=SimpleNamespace(version=0), model_dir="", eos_ids=[0])
     joiners.admit(s, 1)
     assert stopped == [(4, 1, "not added: it failed while being set up (worker rank 4 (generation) raised in "
-                              "__init__():)")] and s.departed == [4]
+                              "__init__(): RuntimeError: CUDA out of memory)")] and s.departed == [4]  # why (s54)
     assert "joiner rank 4 not added, it failed while being set up" in capsys.readouterr().err
 
     # add_instance's None: lost, or alive past its set-up's deadline (world.add_instance): told to exit
@@ -173,3 +174,56 @@ def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run
     s.waiting = [5]
     with pytest.raises(WorkerFailed, match="rank 2"):
         joiners.admit(s, 1)
+
+
+def test_a_joiner_holding_another_model_is_refused_and_a_forced_add_waits_for_no_one_after_a_join(
+        monkeypatch, capsys, tmp_path):
+    """A joiner whose model.path held a deeper model was added (the pull covers the trainer's
+    tensors, its extra layers stayed its own) and its samples trained; placement.force_scale_out_at
+    waited up to 600 s for a joiner when the policy had added one already (review, s54)."""
+    from controller import joiners
+    from controller.world import ModelMismatch, model_signature
+    from workers.model import ModelConfig
+
+    def folder(name, **kw):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(ModelConfig(**kw).to_hf()))
+        return str(d)
+
+    run, deeper = folder("run"), folder("deeper", num_hidden_layers=5)
+    longer, other_rope = folder("longer", max_position_embeddings=8192), folder("rope", rope_theta=1e6)
+    assert model_signature(run) == model_signature(longer)  # the context is checked apart (ContextNeed)
+    assert model_signature(run)["num_hidden_layers"] != model_signature(deeper)["num_hidden_layers"]
+    assert model_signature(run)["rope_theta"] != model_signature(other_rope)["rope_theta"]
+
+    def add_instance(world, cfg, rank, model_dir, eos_ids, version):
+        raise ModelMismatch(f"joiner rank {rank}'s model folder m holds another model than this run's: "
+                            "num_hidden_layers 5 (the run's: 4)")
+
+    stopped = []
+    monkeypatch.setattr(joiners, "add_instance", add_instance)
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: stopped.append((rank, code, reason)))
+    monkeypatch.setattr(joiners, "announced", lambda timeout_s=0.0: pytest.fail("waited") if timeout_s else [])
+    s = SimpleNamespace(cfg=SimpleNamespace(placement=SimpleNamespace(force_scale_out_at=2, rpc_timeout_s=1.0)),
+                        waiting=[3], joined=[], departed=[], want_add=True, policy=None, world=None,
+                        program=SimpleNamespace(version=1), model_dir="", eos_ids=[0])
+    joiners.admit(s, 1)  # the policy's add, before the forced one
+    assert stopped == [(3, 2, "not added: joiner rank 3's model folder m holds another model than this run's: "
+                              "num_hidden_layers 5 (the run's: 4)")] and s.departed == [3]
+    assert "iteration 1: joiner rank 3's model folder m holds another model" in capsys.readouterr().err
+    joiners.admit(s, 2)  # forced at 2: one came already (refused): not waited for again
+
+
+def test_a_joiner_added_at_version_0_loads_the_weights_it_pulled(tiny_model):  # noqa: F811
+    # an instance starts at version 0 with its folder's weights: hold_weights(0) returned at once,
+    # and a joiner added at 0 generated from its own folder (review, s54)
+    from controller.instance import GenerationInstance
+    from workers.generation.config import EngineConfig
+
+    inst = GenerationInstance(3, EngineConfig(device="cpu", kv_cache_tokens=1024), tiny_model, [0])
+    params = dict(inst.engine.model.named_parameters())
+    pulled = {n: torch.full_like(p, 0.01) for n, p in params.items()}
+    inst.stage_weights(pulled, 0)
+    assert inst.hold_weights(0) == 0
+    assert all(torch.equal(p, pulled[n]) for n, p in inst.engine.model.named_parameters())
