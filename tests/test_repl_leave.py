@@ -132,6 +132,14 @@ def _job_and_joiner(cfg):
                 p.kill()
 
 
+def _registered(joiner, rank: int):
+    """``joiner`` once it says it registered as ``rank``."""
+    for line in joiner.stderr:
+        if f"[join] rank {rank} registered" in line:
+            break
+    return joiner
+
+
 def _last_commands(main, commands: str) -> tuple[str, str]:
     """Send the REPL its last commands (ending with quit) -> the job's stdout and stderr."""
     main.stdin.write(commands)
@@ -151,10 +159,7 @@ def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_m
         assert main.poll() is None  # the run is still going
         # another process can join in its place: the one that left is out of the RPC group (it
         # stayed a member: the next joiner's start called it, met a closed port, and hung)
-        again = main.join()
-        for line in again.stderr:
-            if "[join] rank 4 registered" in line:
-                break
+        again = _registered(main.join(), 4)
         out, err = _last_commands(main, "run 1\nstatus\nsgs\nquit\n")
         assert again.wait(timeout=120) == 0
     assert joiner.returncode == 0, joiner_err[-3000:]
@@ -224,10 +229,7 @@ def test_an_added_joiner_stopped_on_its_terminal_leaves_the_group_and_another_ca
         joiner_err = joiner.communicate(timeout=120)[1]
         main.stdin.write("run 1\n")
         main.stdin.flush()
-        again = main.join()
-        for line in again.stderr:
-            if "[join] rank 4 registered" in line:
-                break
+        again = _registered(main.join(), 4)
         out, err = _last_commands(main, "run 1\nstatus\nquit\n")
         assert again.wait(timeout=120) == 0
     assert joiner.returncode == 130 and "rank 3 stopped by SIGINT: it leaves the job" in joiner_err, joiner_err[-3000:]
