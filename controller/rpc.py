@@ -363,10 +363,17 @@ def gone_peers(handles, besides: int, timeout_s: float = 3.0) -> list[str]:
     raised a transport error (its call to another worker hit EOF) is not the cause; the one gone
     is, and the stop line names it (a dead trainer rank was reported as the generation rank's
     error; review, s54). A rank busy past ``timeout_s`` counts as answering."""
-    asked = [(h, rpc.rpc_async(h.name, ping, timeout=timeout_s)) for h in handles if h.rank != besides]
-    out = []
-    for h, fut in asked:
+    def asked(h):  # a rank gone from the group fails at the call, not the answer
         try:
+            return rpc.rpc_async(h.name, ping, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - the answer, as a failed wait's
+            return e
+
+    out = []
+    for h, fut in [(h, asked(h)) for h in handles if h.rank != besides]:
+        try:
+            if isinstance(fut, Exception):
+                raise fut
             fut.wait()
         except Exception as e:  # noqa: BLE001 - what the ping met is the answer
             if is_peer_lost(e) and not is_timeout(str(e)):

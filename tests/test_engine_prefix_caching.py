@@ -272,6 +272,8 @@ def test_an_in_place_write_of_weights_the_fused_forward_does_not_copy_drops_the_
                   "down_proj": [l.mlp.down_proj.weight for l in layers],
                   "norms": [l.input_layernorm.weight for l in layers]}[which]:
             p.mul_(-1.5)
+        if which == "embed":  # and a new Parameter object in its slot, as load_state_dict(assign=True)
+            model.model.embed_tokens.weight = torch.nn.Parameter(model.model.embed_tokens.weight * 0.5)
     [again] = generate_all(eng, [req(1)])
     assert again.output_ids.tolist() == _fresh(model, req(2)).output_ids.tolist()
     assert eng.stats().prefix_cache_hit_tokens == 0

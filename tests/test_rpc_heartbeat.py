@@ -94,7 +94,9 @@ def _scenario(rank: int, world: int, rpc_port: int):
         except crpc.WorkerFailed as e:
             out["died"] = (e.lost, e.rank)
         # what the stop line says first when a worker raised on a peer's EOF (review, s54)
-        out["gone"] = crpc.gone_peers([slow, doomed], besides=-1, timeout_s=TIMEOUT_S)
+        # (rank 9: never in the group, as a joiner that left it: its call fails before any answer)
+        out["gone"] = crpc.gone_peers([slow, doomed, crpc.WorkerHandle(9, "generation", None)], besides=-1,
+                                      timeout_s=TIMEOUT_S)
         waiter.join()
         out["long"] = long["result"]
         # alive but answering nothing (SIGSTOPped: its connections stay open, so the call's own
@@ -176,7 +178,8 @@ def test_a_worker_dying_mid_call_is_lost(result):
 def test_the_peers_gone_are_found_by_a_ping(result):
     # a dead trainer rank was reported as the generation rank's error (its call to the trainer hit
     # EOF): the stop line names the rank whose process is gone, the busy one is not
-    assert len(result["gone"]) == 1 and result["gone"][0].startswith("worker rank 2 (trainer) is gone (")
+    assert len(result["gone"]) == 2 and result["gone"][0].startswith("worker rank 2 (trainer) is gone (")
+    assert result["gone"][1].startswith("worker rank 9 (generation) is gone (")
 
 
 def test_calls_waited_together_end_in_the_order_they_end(result):

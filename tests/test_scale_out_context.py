@@ -196,6 +196,16 @@ def test_a_joiner_holding_another_model_is_refused_and_a_forced_add_waits_for_no
     assert model_signature(run) == model_signature(longer)  # the context is checked apart (ContextNeed)
     assert model_signature(run)["num_hidden_layers"] != model_signature(deeper)["num_hidden_layers"]
     assert model_signature(run)["rope_theta"] != model_signature(other_rope)["rope_theta"]
+    # the same model spelled otherwise is the same (head_dim written out, default RoPE scaling
+    # written, type / rope_type): a project-written folder was refused next to an HF download
+    hf = ModelConfig().to_hf()
+    del hf["head_dim"]
+    (tmp_path / "spelled").mkdir()
+    (tmp_path / "spelled" / "config.json").write_text(json.dumps({**hf, "rope_scaling": {"rope_type": "default"}}))
+    assert model_signature(str(tmp_path / "spelled")) == model_signature(run)
+    linear = folder("linear", rope_scaling={"type": "linear", "factor": 2.0})
+    both = folder("both", rope_scaling={"type": "linear", "rope_type": "linear", "factor": 2.0})
+    assert model_signature(linear) == model_signature(both) != model_signature(run)
 
     def add_instance(world, cfg, rank, model_dir, eos_ids, version):
         raise ModelMismatch(f"joiner rank {rank}'s model folder m holds another model than this run's: "

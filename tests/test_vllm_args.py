@@ -35,6 +35,15 @@ def test_vllm_on_cpu_prefills_each_prompt_in_one_step():
     gpu = vllm_args.engine_args(EngineConfig(backend="vllm", device="cuda", kv_cache_tokens=4096,
                                              max_prefill_tokens=100), "/m", MC)
     assert gpu["enable_chunked_prefill"] is True and gpu["max_num_batched_tokens"] == 256  # max_num_seqs
+    # backend_options do not undo it silently (review, s54)
+    for opts, said in (({"enable_chunked_prefill": True}, "backend_options.enable_chunked_prefill: vLLM 0.32 on CPU"),
+                       ({"max_num_batched_tokens": 256}, "backend_options.max_num_batched_tokens: 256 is below "
+                                                         "max_model_len 512")):
+        with pytest.raises(ValueError, match=said):
+            vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu", kv_cache_tokens=4096,
+                                               backend_options=opts), "/m", MC)
+    assert vllm_args.engine_args(EngineConfig(backend="vllm", device="cuda", kv_cache_tokens=4096, backend_options={
+        "max_num_batched_tokens": 256}), "/m", MC)["max_num_batched_tokens"] == 256  # chunked on CUDA: taken
 
 
 def test_chunked_prefill_off_reaches_vllm_with_a_budget_that_holds_a_whole_prompt():

@@ -92,7 +92,7 @@ class NativeEngine:
                                   self.max_model_len, kv_dtype,
                                   cuda_graph_batch=0 if cfg.enforce_eager else cfg.max_batch_size,
                                   prepack=None if cfg.cpu_prepack == "auto" else cfg.cpu_prepack)
-        self._params: list[torch.nn.Parameter] = []  # the model's, taken again at each refresh
+        self._params: list[tuple[dict, str]] = []  # each parameter's module slot, listed at each refresh
         self._params_at = None  # the forward's refresh count they were taken at
         self._hashed_at = self._weights_stamp()  # the weights the cached hashes are of
         self.weight_version = 0
@@ -320,13 +320,16 @@ class NativeEngine:
         self._hashed_at = self._weights_stamp()
 
     def _weights_stamp(self) -> tuple:
-        """Every parameter's version counter, storage and dtype, and the fused copies' refresh
-        count. The parameter list is taken again only at a refresh (which follows new Parameter
-        objects): walking the modules at every admitting step cost 4-8x the fused stamp."""
+        """Every parameter's version counter, storage and dtype, read through its module's slot
+        (a Parameter object replaced, ``module.weight = nn.Parameter(...)``, is seen), and the
+        fused copies' refresh count. The slots are listed again at a refresh: walking the modules
+        at every admitting step cost 4-8x the fused stamp."""
         refreshes = self.runner.forward.refreshes
         if self._params_at != refreshes:
-            self._params, self._params_at = list(self.model.parameters()), refreshes
-        return refreshes, tuple((p._version, p.data_ptr(), p.dtype) for p in self._params)
+            self._params = [(m._parameters, n) for m in self.model.modules()
+                            for n, p in m._parameters.items() if p is not None]
+            self._params_at = refreshes
+        return refreshes, tuple((p._version, p.data_ptr(), p.dtype) for p in (d[n] for d, n in self._params))
 
     def _restart_in_flight(self) -> None:
         sch = self.scheduler

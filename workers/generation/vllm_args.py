@@ -133,6 +133,14 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         disable_log_stats=False,  # per-request timings and preemption counts
     )
     args.update(opts)
+    if not chunked and args.get("enable_chunked_prefill"):
+        raise ValueError("engine.backend_options.enable_chunked_prefill: vLLM 0.32 on CPU fails the step of a "
+                         "seeded request whose prompt it chunks (\"CPU Generator does not use offset\"), and every "
+                         "training request is seeded: on CPU it runs unchunked; drop the key")
+    if not chunked and args["max_num_batched_tokens"] < args["max_model_len"]:
+        raise ValueError(f"engine.backend_options.max_num_batched_tokens: {args['max_num_batched_tokens']} is below "
+                         f"max_model_len {args['max_model_len']}; vLLM without chunked prefill (on CPU always) "
+                         "prefills each prompt in one step and refuses a smaller step budget: raise it or drop it")
     return args
 
 
