@@ -27,6 +27,7 @@ class StatSums:
             "residual_sum", "residual_sq_sum") + rc.SUMS
     PER_UNIT = ("pg_loss", "kl", "entropy", "clipfrac", "ratio", "value_loss", "ppo_kl", "vf_clipfrac", "tis_weight",
                 "clipfrac_lower")
+    LATER = PER_UNIT + ("num_tokens", "num_seqs")  # summed over the passes after the first (fold_later)
     # averaged per fraction_agg(loss_agg)
     FRACTIONS = ("clipfrac", "ratio", "ppo_kl", "vf_clipfrac", "tis_weight", "clipfrac_lower")
     # metric -> its sum, over every trained token whatever loss_agg (verl's masked_mean)
@@ -54,8 +55,6 @@ class StatSums:
         # averaged into the first's as verl averages every update's (review, s54)
         self.later: dict[str, torch.Tensor | float] = {k: 0.0 for k in self.LATER}
         self.later_passes = 0
-
-    LATER = PER_UNIT + ("num_tokens", "num_seqs")
 
     def add_later(self, counts: dict[str, torch.Tensor]) -> None:
         for k in self.LATER:
