@@ -149,19 +149,18 @@ def model_signature(model_dir: str) -> dict:
     import json
     from pathlib import Path
 
-    from workers.model_config import ROPE_KEYS, ModelConfig
+    from workers.model_config import ROPE_KEYS, ModelConfig, rope_kind
 
     path = Path(model_dir) / "config.json"
     c = ModelConfig.from_hf(json.loads(path.read_text(encoding="utf-8")), path)
-    scaling = c.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_kind(c.rope_scaling)
     return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.dim_head, "rms_norm_eps": c.rms_norm_eps,
             "qkv_bias": c.has_qkv_bias, "o_bias": c.has_o_bias, "mlp_bias": c.mlp_bias,
             "tie_word_embeddings": c.tie_word_embeddings, "rope_theta": float(c.rope_theta),
             "rope_scaling": None if kind == "default" else
-            {"rope_type": kind, **{k: float(scaling[k]) for k in ROPE_KEYS.get(kind, ())}}}
+            {"rope_type": kind, **{k: float(c.rope_scaling[k]) for k in ROPE_KEYS.get(kind, ())}}}
 
 
 def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version: int) -> WorkerHandle | None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from workers.atomic import atomic_dir
 from workers.model_check import check_weights
-from workers.model_config import ROPE_KEYS, ModelConfig
+from workers.model_config import ROPE_KEYS, ModelConfig, rope_kind
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
@@ -56,9 +56,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         d = cfg.dim_head
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        kind = "default" if cfg.rope_scaling is None else cfg.rope_scaling.get(
-            "rope_type", cfg.rope_scaling.get("type", "default"))
-        self.register_buffer("inv_freq", _ROPE_SCALINGS[kind](cfg, inv_freq), persistent=False)
+        self.register_buffer("inv_freq", _ROPE_SCALINGS[rope_kind(cfg.rope_scaling)](cfg, inv_freq), persistent=False)
 
     def _apply(self, fn, recurse=True):
         """A dtype cast (``model.to(torch.bfloat16)``) leaves the frequencies fp32, as

@@ -20,6 +20,14 @@ DEFAULT_MAX_POSITIONS = {"Qwen2ForCausalLM": 32768, "LlamaForCausalLM": 2048}
 # RoPE scalings workers.model implements, with the keys each needs in rope_scaling
 ROPE_KEYS = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def rope_kind(scaling: dict | None) -> str:
+    """A RoPE scaling's kind: transformers' ``rope_type``, or the older ``type``; none: default."""
+    s = scaling or {}
+    return s.get("rope_type", s.get("type", "default"))
+
+
 # the keys config.json must give (the others have transformers' defaults)
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # activations transformers' ACT2FN maps to SiLU, the only one the MLP implements
@@ -95,7 +103,7 @@ class ModelConfig:
             raise ValueError("model.hidden_size must be a multiple of num_attention_heads "
                              "when head_dim is not given")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            kind = rope_kind(self.rope_scaling)
             if kind not in ROPE_KEYS:
                 raise ValueError(f"model.rope_scaling type {kind!r} is not one of {sorted(ROPE_KEYS)}")
             missing = [k for k in ROPE_KEYS[kind] if k not in self.rope_scaling]
@@ -182,13 +190,13 @@ class ModelConfig:
         scaling = d.get("rope_scaling") or None
         rope = scaling if scaling is not None else (d.get("rope_parameters") or {})
         key = "rope_scaling"
-        if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+        if scaling is None and rope_kind(rope) != "default":
             scaling, key = {k: v for k, v in rope.items() if k != "rope_theta"}, "rope_parameters"
         if scaling is not None:  # what transformers' standardize_rope_params adds to a scaling
             scaling = dict(scaling)
             if "partial_rotary_factor" in d:  # (the default RoPE of Qwen2 / Llama ignores it)
                 scaling.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
-            if scaling.get("rope_type", scaling.get("type")) == "llama3":
+            if rope_kind(scaling) == "llama3":
                 if "original_max_position_embeddings" in d:
                     scaling["original_max_position_embeddings"] = d["original_max_position_embeddings"]
                 scaling.setdefault("original_max_position_embeddings", max_pos)

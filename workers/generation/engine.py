@@ -376,9 +376,9 @@ def generate_all(engine: Engine, requests: Seq[Request],
                 on_sample(s)
 
     for chunk in _unique_id_chunks(requests):
-        at = {(r.sample_id if hashable(r.sample_id) else id(r.sample_id)): i for i, r in chunk}
+        at = {_id_key(r.sample_id): i for i, r in chunk}
         refused = engine.add([r for _, r in chunk])
-        emit(refused, lambda s: at.get(s.sample_id if hashable(s.sample_id) else id(s.sample_id), last))
+        emit(refused, lambda s: at.get(_id_key(s.sample_id), last))
         no = {s.sample_id for s in refused if hashable(s.sample_id)}
         for i, r in chunk:
             if hashable(r.sample_id) and r.sample_id not in no:
@@ -388,11 +388,16 @@ def generate_all(engine: Engine, requests: Seq[Request],
     return [s for _, s in sorted(keyed, key=lambda x: x[0])]
 
 
+def _id_key(sample_id):
+    """A sample id as a dict key (an unhashable one, which ``add`` refuses, by its object)."""
+    return sample_id if hashable(sample_id) else ("unhashable", id(sample_id))
+
+
 def _unique_id_chunks(requests: list[Request]) -> list[list[tuple[int, Request]]]:
     """``requests`` (with their indices) cut where a sample id repeats one of its chunk's."""
     chunks, ids = [[]], set()
     for i, r in enumerate(requests):
-        key = r.sample_id if hashable(r.sample_id) else ("unhashable", id(r.sample_id))
+        key = _id_key(r.sample_id)
         if key in ids:
             chunks.append([])
             ids = set()

@@ -108,13 +108,14 @@ class Topology:
                              f"(known: {sorted(_CONFIG_KEYS)})")
         # only an absent key (or null) is its default: `datacenters: []`, `shaped_links: false`
         # were taken as none, and an emulated cross-DC set-up ran as one DC, unshaped (review, s54)
-        rank_dc = _rank_groups(_given(cfg, "datacenters", {}), "topology.datacenters")
+        dcs = _given(cfg, "datacenters", {})
+        rank_dc = _rank_groups(dcs, "topology.datacenters")
         rank_node = _rank_groups(_given(cfg, "nodes", {}), "topology.nodes")
         for name in set(rank_node.values()):
             if _IMPLICIT_NODE.fullmatch(name):
                 raise ValueError(f"topology.nodes.{name}: names of the form DC/rankN are the node of a rank listed "
                                  "in no node (its own); name it otherwise")
-        names = list(_given(cfg, "datacenters", {}).keys())
+        names = list(dcs.keys())
         # datacenter names are strings (YAML `{0: [...]}` keys are ints; _rank_groups str()s them)
         default_dc = cfg.get("default_datacenter", str(names[0]) if names else DEFAULT_DC)
         if isinstance(default_dc, int) and not isinstance(default_dc, bool):
