@@ -9,6 +9,7 @@ Module and parameter names equal Hugging Face's, so ``state_dict()`` keys are HF
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -241,8 +242,23 @@ def init_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> CausalLM:
     return model
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """A configured device: None or "" is this rank's (``rank_device``), and so is "cuda" with no
+    index: torch reads that as the calling thread's current GPU, and the threads torch RPC runs
+    a worker's calls on start on GPU 0 (``pick_device`` sets only the main thread's). Anything
+    else as given."""
+    if not spec:
+        return rank_device()
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return rank_device()
+    return device
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the calling thread's current GPU for a block (nothing off CUDA): Triton
+    launches and CUDA-graph captures follow the thread's current GPU, not their tensors'."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def rank_device(local_rank: int | None = None) -> torch.device:
@@ -305,7 +321,7 @@ def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None
         raise FileNotFoundError(f"{cfg_path} not found: a model folder needs config.json")
     cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()), cfg_path)
     check_weights(folder, cfg)  # names, shapes and the shard holding a wrong one (headers only)
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):  # materialised in its dtype: no transient fp32 copy of a bf16 model
         model = CausalLM(cfg).to(dtype)

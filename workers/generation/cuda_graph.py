@@ -79,7 +79,9 @@ class DecodeGraphs:
                 self._step(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # a stream of this GPU: torch's default capture stream is made once, on whichever GPU is
+        # current the first time any thread captures
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             out = self._step(b)
         self.pool = graph.pool()
         self.graphs[b] = (graph, out)

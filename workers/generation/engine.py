@@ -26,7 +26,7 @@ from workers.generation.request_check import (TIED, check_batch_cap, check_eos_i
 from workers.generation.scheduler import Scheduler
 from workers.generation.token_rate import TokenRate
 from workers.generation.sequence import Sequence, Status, error_sample
-from workers.model import CausalLM, default_device, default_dtype, load_pretrained
+from workers.model import CausalLM, default_dtype, load_pretrained, on_device, resolve_device
 from workers.types import Engine, EngineStats, Request, Sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,7 +59,7 @@ class NativeEngine:
             raise ValueError("NativeEngine needs exactly one of model_dir or model")
         self.cfg = cfg
         if model is None:
-            device = torch.device(cfg.device) if cfg.device else default_device()
+            device = resolve_device(cfg.device)
             dtype = _DTYPES[cfg.dtype] if cfg.dtype else default_dtype(device)
             model = load_pretrained(model_dir, device=device, dtype=dtype)
         self.weight_dtype = next(model.parameters()).dtype  # values are kept at this precision
@@ -69,6 +69,7 @@ class NativeEngine:
         if model_dir is not None:  # the engine's own copy; a caller's model keeps its flags
             model = model.eval().requires_grad_(False)  # (every forward runs in inference mode)
         self.model = model
+        self.device = next(model.parameters()).device
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.eos_ids = tuple(cfg.eos_ids) if cfg.eos_ids is not None else mc.eos_ids
@@ -155,7 +156,7 @@ class NativeEngine:
         # a Ctrl-C is held while the bookkeeping changes (admission, the step's tokens, stops, pins
         # and blocks) and raised when it is whole; the forward stays interruptible. The samples of
         # a step whose held Ctrl-C was raised come out of the next one
-        with HeldInterrupt() as held:
+        with HeldInterrupt() as held, on_device(self.device):  # (an RPC thread's current GPU is 0)
             self._step(held)
         return self._take_unreturned()
 

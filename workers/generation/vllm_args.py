@@ -12,7 +12,7 @@ import torch
 
 from workers.generation.config import EngineConfig, context_too_long
 from workers.generation.sampler import cpu_seed
-from workers.model import ModelConfig
+from workers.model import ModelConfig, resolve_device
 from workers.types import GREEDY_BELOW, Request
 
 # vLLM's CPU attention backend (0.32): supported head sizes, and block sizes must be a multiple of 32
@@ -77,7 +77,7 @@ def gpu_memory_utilization(device: str, most: float = 0.9) -> float:
     vLLM's 0.9. ``engine.backend_options.gpu_memory_utilization`` overrides it."""
     if not torch.cuda.is_available():  # (args read where no GPU is: vLLM would not start there anyway)
         return most
-    free, total = torch.cuda.mem_get_info(torch.device(device))
+    free, total = torch.cuda.mem_get_info(resolve_device(device))
     return max(0.01, round(min(most, 0.95 * free / total), 4))  # (0 is refused as a config error)
 
 
@@ -128,7 +128,7 @@ def engine_args(cfg: EngineConfig, model_dir: str, mc: ModelConfig) -> dict:
         scheduling_policy="priority" if cfg.admission == "lpt" else "fcfs",
         logprobs_mode="processed_logprobs",  # same as the native sampler: after T, top-k, top-p
         gpu_memory_utilization=0.1 if device == "cpu" else (opts.get("gpu_memory_utilization") or
-                                                            gpu_memory_utilization(cfg.device or "cuda")),
+                                                            gpu_memory_utilization(cfg.device)),
         enforce_eager=device == "cpu" or cfg.enforce_eager,
         disable_log_stats=False,  # per-request timings and preemption counts
     )

@@ -15,6 +15,7 @@ import torch
 
 from workers.env import env_var
 from workers.generation.config import EngineConfig
+from workers.model import resolve_device
 
 
 IN_PROCESS = [0]  # vLLM engine cores running in this process now (VLLMEngine, until close)
@@ -45,14 +46,12 @@ def use_subprocess(cfg: EngineConfig) -> bool:
 
 
 def gpu_index(cfg: EngineConfig) -> int | None:
-    """This instance's CUDA device in this process (``engine.device`` ``cuda:N``; "" on CUDA:
-    the device the rank set current), None on CPU."""
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not device.startswith("cuda"):
+    """This instance's CUDA device in this process (``engine.device`` ``cuda:N``; "" or "cuda":
+    this rank's GPU, ``resolve_device``, not the calling thread's current one), None on CPU."""
+    device = resolve_device(cfg.device)
+    if device.type != "cuda":
         return None
-    if ":" in device:
-        return int(device.split(":")[1])
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return device.index or 0
 
 
 def child_gpu(index: int) -> str:

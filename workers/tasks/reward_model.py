@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from workers.model import Backbone, RotaryEmbedding, default_device, default_dtype, load_state, rank_device
+from workers.model import Backbone, RotaryEmbedding, default_dtype, load_state, rank_device, resolve_device
 from workers.model_config import ModelConfig
 from workers.types import TaskPrompt
 
@@ -86,7 +86,7 @@ def load_scorer(folder: str | Path, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None) -> SequenceScorer:
     folder = Path(folder)
     cfg, _ = scorer_config(folder)
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         model = SequenceScorer(cfg, 1).to(dtype)  # materialised in its dtype: no transient fp32 copy

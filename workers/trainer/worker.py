@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from workers.model import default_device, load_pretrained, stop_ids
+from workers.model import load_pretrained, resolve_device, stop_ids
 from workers.tasks.reward_pool import RewardPool
 from workers.tokenizer import Tokenizer
 from workers.trainer import checkpoint
@@ -84,7 +84,7 @@ class TrainerWorker:
         callable, e.g. ``functools.partial(make_task, name, **kwargs)``; default: ``task`` pickled)."""
         self.cfg, self.task, self.model_dir = cfg, task, str(model_dir)
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device)
         torch.manual_seed(cfg.seed)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.tokenizer = Tokenizer.load(model_dir, chat_template=False)  # decodes outputs (for the rewards)
