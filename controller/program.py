@@ -259,16 +259,7 @@ class Program:
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
     def _push(self, version: int) -> "Push":
-        self._last_push = Push(self.world.push_weights(version))
-        return self._last_push
-
-    def settle_push(self) -> None:
-        """Wait for the last weight push (in the lag-1 modes still in flight when an iteration is
-        recorded): a sharded optimizer's checkpoint gathers over the trainers' process group,
-        which must not run beside the push's sends (NCCL: two communicators from two threads)."""
-        push = getattr(self, "_last_push", None)
-        if push is not None and not push.waiting.cancelled.is_set():  # a push waited for (or failed) is done
-            push.wait(self)
+        return Push(self.world.push_weights(version))
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, k: int, keep: bool = True) -> list[IterationResult]:

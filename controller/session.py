@@ -314,8 +314,6 @@ class Session:
                                      list(self.program.ranker_rows))
 
         def save_trainer(folder: str) -> str:  # rank 0 writes; a sharded optimizer's shares reach it
-            if self.cfg.trainer.shard_optimizer:
-                self.program.settle_push()
             return wait_all([t.call("save_checkpoint", folder) for t in self.world.trainers])[0]
 
         root = self.logdir / "checkpoints"

@@ -89,6 +89,10 @@ class TrainerRank:
         self._ready: set[int] = set()  # iterations fully consumed, waiting for step()
         self._error: str | None = None
         self._cond = threading.Condition()
+        # a save's gathers over the trainer group wait for this rank's push to end (lag-1 modes
+        # record, and save, an iteration while its push is in flight; NCCL: two communicators
+        # must not run from two threads at once)
+        self._sending = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._consume_loop, daemon=True, name="consumer")
         self._thread.start()
@@ -341,8 +345,9 @@ class TrainerRank:
         if self.worker.version != version:  # every root must send the same weights
             raise RuntimeError(f"trainer rank {self.rank}: asked to send weights version {version}, "
                                f"holds version {self.worker.version}")
-        named = [(k, v.detach().to(LOCAL.comm_device, copy=True)) for k, v in self.worker.named_weights()]
-        WeightSyncSender(plan, self.rank, timeout_s=LOCAL.rpc_timeout_s).push(named, version)
+        with self._sending:
+            named = [(k, v.detach().to(LOCAL.comm_device, copy=True)) for k, v in self.worker.named_weights()]
+            WeightSyncSender(plan, self.rank, timeout_s=LOCAL.rpc_timeout_s).push(named, version)
         self.spans.add("weight_sync", t0, time.time(), version)
         return time.time() - t0
 
@@ -352,7 +357,8 @@ class TrainerRank:
         return tensor_spec(self.worker.named_weights())
 
     def save_checkpoint(self, folder: str) -> str:
-        self.worker.save_checkpoint(folder)
+        with self._sending:
+            self.worker.save_checkpoint(folder)
         return folder
 
     def load_checkpoint(self, folder: str) -> int:

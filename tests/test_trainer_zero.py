@@ -175,21 +175,44 @@ def test_verls_optimizer_offload_points_to_shard_optimizer():
         from_dict({"trainer": {"optimizer_offload": True}})
 
 
-def test_a_save_waits_for_a_push_in_flight_only():
-    """``Program.settle_push``: a push still in flight is waited for before a sharded save; one
-    already waited for (or failed, as a REPL's earlier run may leave it) is not waited again."""
+def test_a_save_waits_for_its_ranks_push_in_flight(tiny_model, monkeypatch):  # noqa: F811
+    """The lag-1 modes record, and save, an iteration while its weight push is in flight; a
+    save gathers over the trainer group (the RNG states always, a sharded optimizer's shares),
+    which must not run beside the push's sends (NCCL: two communicators from two threads). The
+    rank's save waits for its push to end. In-process: the sender is held on an Event."""
     import threading
-    from types import SimpleNamespace
 
-    from controller.program import Program
+    import workers.weight_sync
+    from controller.trainer_rank import TrainerRank
 
-    p = Program.__new__(Program)
-    p.settle_push()  # no push yet
-    waited = []
-    push = SimpleNamespace(waiting=SimpleNamespace(cancelled=threading.Event()), wait=lambda prog: waited.append(1))
-    p._last_push = push
-    p.settle_push()
-    assert waited == [1]
-    push.waiting.cancelled.set()  # what _wait_push leaves behind, done or failed
-    p.settle_push()
-    assert waited == [1]
+    sending, release, order = threading.Event(), threading.Event(), []
+
+    class HeldSender:
+        def __init__(self, *a, **kw):
+            pass
+
+        def push(self, named, version):
+            sending.set()
+            release.wait(30)
+            order.append("push ended")
+
+    monkeypatch.setattr(workers.weight_sync, "WeightSyncSender", HeldSender)
+    rank = TrainerRank(0, [0], TrainerConfig(algorithm="grpo"), tiny_model, "synthetic", TASK)
+    monkeypatch.setattr(rank.worker, "save_checkpoint", lambda folder: order.append("save"))
+    try:
+        push = threading.Thread(target=rank.push_weights, args=(None, rank.worker.version))
+        push.start()
+        assert sending.wait(30)
+        save = threading.Thread(target=rank.save_checkpoint, args=("unused",))
+        save.start()
+        save.join(0.5)
+        assert order == [] and save.is_alive()  # held while the push sends
+        release.set()
+        push.join(30)
+        save.join(30)
+        assert order == ["push ended", "save"]
+        rank.save_checkpoint("again")  # no push in flight: at once
+        assert order[-1] == "save"
+    finally:
+        release.set()
+        rank.close()
