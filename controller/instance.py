@@ -327,8 +327,10 @@ class GenerationInstance:
             return True
 
     def stats(self) -> InstanceStats:
+        with self._staging:
+            staged = self._staged
         return InstanceStats(self.rank, self.engine.stats(), self.engine.max_model_len, self.version,
-                             None if self._staged is None else self._staged[0])
+                             None if staged is None else staged[0])
 
     def drain_spans(self) -> list:
         return self.spans.drain()

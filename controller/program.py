@@ -125,7 +125,8 @@ class Program:
             self._launch(b, b.requests, version)
 
     def _launch(self, b: Batch, requests: list[Request], version: int) -> None:
-        b.round = self.in_flight = self.world.sgs.generate(b.iteration, requests, version)
+        b.round = self.in_flight = self.world.sgs.generate(b.iteration, requests, version,
+                                                           staged_ok=self.mode.lag == 0)
         b.rounds.append(b.round)
         b.gen_done = 0.0
 

@@ -63,6 +63,7 @@ class Round:
     lost: list[int] = field(default_factory=list)  # ranks lost during this round
     instances: int = 0  # instances in the SGS when the round was dispatched
     took_part: set[int] = field(default_factory=set)  # ranks given requests of this round
+    staged_ok: bool = False  # no push runs during the round (lag 0): a staged ``version`` is this round's
     _waiting: Completions = field(default_factory=Completions, repr=False)
     _collector: threading.Thread | None = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
@@ -148,14 +149,16 @@ class Round:
     def _holders(self) -> list[InstanceSlot]:
         """Live instances that can generate with this round's weights: those that took part in
         it (each loaded ``version`` when its call began) and any other that holds ``version``
-        now. Not one that only has it staged (async modes push the next version during the
-        round, which replaces it before the call arrives: "asked to generate with weight
-        version"), nor a joiner added after the round began (it pulled newer weights)."""
+        now, or has it staged where no push runs during the round (``staged_ok``: lag 0; the
+        async modes push the next version during the round, which replaces the staged one
+        before the call arrives: "asked to generate with weight version"). Not a joiner added
+        after the round began (it pulled newer weights)."""
         out = []
         for s in list(self.sgs.slots):
             if s.handle.rank not in self.took_part:
                 try:
-                    if s.handle.call("stats").wait().weight_version != self.version:
+                    st = s.handle.call("stats").wait()
+                    if self.version not in (st.weight_version, st.staged_version if self.staged_ok else None):
                         continue
                 except WorkerFailed:
                     continue  # gone too: its own call (if any) says so
@@ -247,7 +250,9 @@ class SGS:
                           [r.sample_id for r in chunk]))
         return calls
 
-    def generate(self, iteration: int, requests: list[Request], version: int) -> Round:
-        rnd = Round(self, iteration, version, {r.sample_id: r for r in requests}, instances=len(self.slots))
+    def generate(self, iteration: int, requests: list[Request], version: int, staged_ok: bool = False) -> Round:
+        """``staged_ok``: no weight push runs during the round (``Round.staged_ok``)."""
+        rnd = Round(self, iteration, version, {r.sample_id: r for r in requests}, instances=len(self.slots),
+                    staged_ok=staged_ok)
         rnd.launch(requests)
         return rnd.start()

@@ -24,17 +24,19 @@ def test_redispatch_goes_only_to_instances_holding_the_rounds_weights(capsys):
 
     class Handle:  # stands in for a WorkerHandle: records what it is asked to generate
         def __init__(self, rank, held):
-            self.rank, self.held, self.asked, self.alive = rank, held, [], True
+            self.rank, self.held, self.staged, self.asked, self.alive = rank, held, None, [], True
             self.role, self.name = "generation", f"worker{rank}"
 
         def call(self, method, *args):
             if method == "stats":
-                return SimpleNamespace(wait=lambda: SimpleNamespace(weight_version=self.held))
+                return SimpleNamespace(wait=lambda: SimpleNamespace(weight_version=self.held,
+                                                                    staged_version=self.staged))
             iteration, chunk, version = args[:3]
             self.asked.append((iteration, [r.sample_id for r in chunk], version))
             return Call(self, method, torch.futures.Future())  # generating (never ends here)
 
     ran, idle_same, idle_older, joiner = Handle(1, 1), Handle(2, 1), Handle(3, 0), Handle(5, 2)
+    idle_older.staged = 1
     sgs = SGS(make_dispatcher("random"), received=lambda it: {0})
     sgs.slots = [InstanceSlot(h, default_profile()) for h in (ran, idle_same, idle_older, joiner)]
     reqs = {i: Request(i, torch.tensor([1, 2, 3]), 4) for i in range(4)}
@@ -48,6 +50,11 @@ def test_redispatch_goes_only_to_instances_holding_the_rounds_weights(capsys):
     sgs.slots = sgs.slots[2:]  # both holders are gone too
     with pytest.raises(NoInstancesLeft, match=r"ranks \[3, 5\] hold other weights than v1, 3 requests left"):
         rnd._redispatch([1, 2, 3])
+    # a lag-0 round (no push runs during it: the round's version was pushed, and waited for,
+    # before it began): an instance that sat it out with the version staged loads it and serves
+    lag0 = Round(sgs, iteration=2, version=1, requests=reqs, took_part={1}, staged_ok=True)
+    lag0._redispatch([1, 2, 3])
+    assert [(v, ids) for _, ids, v in idle_older.asked] == [(1, [1, 2, 3])] and joiner.asked == []
 
 
 def test_a_lost_instance_is_redispatched_while_an_earlier_instance_still_generates():
