@@ -13,7 +13,9 @@ from typing import Any
 from controller.config_yaml import dump
 
 from workers.atomic import write_text
-from workers.config_schema import key_fields
+from workers.config_schema import ConfigError, key_fields
+
+HEADER = "# how this attempt was started (controller/run_record.py)\n"
 
 
 def plain(value: Any) -> Any:
@@ -56,9 +58,30 @@ def save_run_config(logdir: Path, cfg, args, name: str = "") -> Path:
             while (logdir / f"config.resume{n}.yaml").exists():
                 n += 1
             name = f"config.resume{n}.yaml"
+    path = logdir / name
+    if path.exists() and not _is_record(path):
+        raise ConfigError(f"logging.logdir: {logdir} holds a {name} this project did not write (the run's "
+                          f"config file?{' it is --config' if args.config and _same(path, args.config) else ''}); "
+                          f"a run records how it was started in {path}: give another logging.logdir or "
+                          "move the file")
     record = {"command": shlex.join(sys.argv), "config_file": args.config, "overrides": list(args.set),
               "resume": args.resume or None, "config": recorded(cfg)}
     if cfg.train.epochs is not None and cfg.train.iterations is not None:  # derived at start: said apart
         record["derived"] = {"train.iterations": cfg.train.iterations}
-    return write_text(logdir / name, "# how this attempt was started (controller/run_record.py)\n"
-                      + dump(record, sort_keys=False))
+    return write_text(path, HEADER + dump(record, sort_keys=False))
+
+
+def _is_record(path: Path) -> bool:
+    """``path`` is a record this module wrote (its first line), not a user's file of that name."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline() == HEADER
+    except OSError:
+        return False
+
+
+def _same(path: Path, other: str) -> bool:
+    try:
+        return path.resolve() == Path(other).resolve()
+    except OSError:
+        return False

@@ -72,3 +72,26 @@ def test_a_text_that_reads_as_a_float_is_recorded_quoted(tmp_path):
     rec = load_checked(save_run_config(tmp_path, cfg, args).read_text(), "", "config.yaml")["config"]
     back = from_dict(rec, 3)
     assert back.logging.experiment == "1e3" and back.task.kwargs["note"] == ".5e3" and back == cfg
+
+
+def test_a_users_file_named_like_the_record_is_never_overwritten(tmp_path):
+    """A user who keeps the run's config beside its logs (``logging.logdir`` the config's own
+    folder) lost it to the record, comments and all, even when the run was then refused at start
+    (review, s55). A file of the record's name that the project did not write is refused,
+    naming it; a record written earlier is written again (``train.epochs``' re-record)."""
+    import pytest
+
+    from controller.config import ConfigError
+
+    mine = tmp_path / "config.yaml"
+    mine.write_text("# my hand-tuned experiment\ntrain:\n  iterations: 5\n")
+    cfg = load_config(mine, 3)
+    args = types.SimpleNamespace(resume="", config=str(mine), set=[])
+    with pytest.raises(ConfigError, match=r"logging.logdir: .* holds a config.yaml this project did not write "
+                                          r"\(the run's config file\? it is --config\)"):
+        save_run_config(tmp_path, cfg, args)
+    assert mine.read_text() == "# my hand-tuned experiment\ntrain:\n  iterations: 5\n"
+    run = tmp_path / "run"
+    run.mkdir()
+    first = save_run_config(run, cfg, args)
+    assert save_run_config(run, cfg, args, name="config.yaml") == first  # its own record: written again
