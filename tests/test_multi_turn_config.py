@@ -54,6 +54,22 @@ def test_an_env_that_does_not_load_is_named(tmp_path):
     assert "multi_turn.bogus: unknown key" in _error({"multi_turn": {"bogus": 1}})
 
 
+def test_an_env_that_cannot_take_task_and_messages_is_refused_at_load(tmp_path):
+    """``def env(messages)`` loaded, then failed every tool call: each sample skipped and the run
+    ended with exit 0 (review, s55). Refused at load, naming what it takes; a trajectory keyword
+    and a class's ``__call__`` are accepted."""
+    (tmp_path / "envs.py").write_text(
+        "def one(messages):\n    return None\n\n\ndef needs(task, messages, budget):\n    return None\n\n\n"
+        "def traj(task, messages, trajectory):\n    return None\n\n\ndef star(*args, **kw):\n    return None\n\n\n"
+        "class Narrow:\n    def __call__(self, messages):\n        return None\n")
+    env = f"{tmp_path / 'envs.py'}"
+    assert "multi_turn.env: '" + env + ":one' takes (messages): " in _error({"multi_turn": {"env": f"{env}:one"}})
+    assert "takes (task, messages, budget)" in _error({"multi_turn": {"env": f"{env}:needs"}})
+    assert "takes (messages)" in _error({"multi_turn": {"env": f"{env}:Narrow"}})
+    for fine in ("traj", "star"):
+        assert from_dict({"multi_turn": {"env": f"{env}:{fine}"}}).multi_turn.on
+
+
 @pytest.mark.parametrize("over,keys", [
     ({"train": {"min_tokens": 2}}, ("train.min_tokens", "multi_turn.env")),
     ({"trainer": {"rollout_bypass": True}}, ("trainer.rollout_bypass", "multi_turn.env")),

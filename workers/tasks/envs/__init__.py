@@ -32,7 +32,26 @@ def load_env(spec: str) -> Callable:
     if inspect.isclass(env) and not any("__call__" in vars(k) for k in env.__mro__[:-1]):
         raise ValueError(f"multi_turn.env: {spec!r} is a class without __call__; an environment class's instances "
                          "are called as env(task, messages)")
+    _check_call(env, spec)
     return env
+
+
+def _check_call(env, spec: str) -> None:
+    """Refuse at start an environment that cannot be called as ``env(task, messages)`` (with
+    ``trajectory=`` when it names one): it failed every tool call of the run, each sample
+    skipped, and the run ended with exit 0 (review, s55)."""
+    call, bound = (env.__call__, (None,)) if inspect.isclass(env) else (env, ())
+    try:
+        sig = inspect.signature(call)
+    except (TypeError, ValueError):  # a builtin: trust it
+        return
+    extra = {"trajectory": ""} if "trajectory" in sig.parameters else {}
+    try:
+        sig.bind(*bound, None, [], **extra)
+    except TypeError as e:
+        takes = ", ".join(list(sig.parameters)[len(bound):])
+        raise ValueError(f"multi_turn.env: {spec!r} takes ({takes}): {e}; an environment is called as "
+                         "env(task, messages), and may take a trajectory keyword") from None
 
 
 def make_env(spec: str) -> Callable:
