@@ -80,6 +80,25 @@ def test_a_bad_generation_config_is_named(tmp_path, bpe, text, said):
         stop_ids(path, 0)
 
 
+def test_stop_ids_outside_the_vocabulary_are_named_at_start(tmp_path, bpe):
+    """An ``eos_token`` tokenizer.json lacks gets a new id past the vocabulary (as transformers
+    adds it): it passed the start checks and every generation rank died naming ``engine.eos_ids``,
+    a key a run config refuses (review, s55). Named now, with the file; so is a config's
+    ``eos_token_id`` past ``vocab_size``."""
+    import json
+
+    path = _folder(tmp_path, bpe)
+    vocab = 40
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "eos_token_id": 0, "vocab_size": vocab}))
+    with pytest.raises(ValueError, match=rf"tokenizer_config.json: the eos_token has id {vocab}, outside the "
+                                         rf"model's vocabulary \[0, {vocab}\)"):
+        stop_ids(path, vocab)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab + 3]}))
+    with pytest.raises(ValueError, match=rf"generation_config.json: eos_token_id must be a token id of the "
+                                         rf"model's vocabulary \[0, {vocab}\)"):
+        stop_ids(path, 0)
+
+
 def test_a_prompt_the_template_renders_to_nothing_is_refused_and_none_messages_are_no_chat(tmp_path, bpe):
     """A template rendering only 'user' turns, given ShareGPT's 'human': kept by the start check
     (0 tokens), then refused by the engine mid-run, which stopped the run. ``messages=None`` was

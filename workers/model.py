@@ -302,12 +302,20 @@ def stop_ids(folder: str | os.PathLike, tokenizer_eos: int | None) -> list[int]:
     from workers.tokenizer_folders import _read_json
 
     ids = [] if tokenizer_eos is None else [int(tokenizer_eos)]
+    vocab = _read_json(Path(folder) / "config.json").get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None  # (its own check names it)
+    if vocab is not None and ids and ids[0] >= vocab:  # a token tokenizer.json lacks gets a new id past it
+        raise ValueError(f"{Path(folder) / 'tokenizer_config.json'}: the eos_token has id {ids[0]}, outside the "
+                         f"model's vocabulary [0, {vocab}) (config.json's vocab_size): tokenizer.json does not "
+                         "hold that token")
     for name in ("config.json", "generation_config.json"):
         path = Path(folder) / name
         e = _read_json(path).get("eos_token_id")  # (a bad file named, not a bare JSONDecodeError)
         for i in ([] if e is None else e if isinstance(e, list) else [e]):
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {e!r}")
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (vocab is not None and i >= vocab):
+                raise ValueError(f"{path}: eos_token_id must be a token id of the model's vocabulary "
+                                 f"[0, {vocab}) or a list of them, got {e!r}" if vocab is not None else
+                                 f"{path}: eos_token_id must be a token id or a list of them, got {e!r}")
             if i not in ids:
                 ids.append(i)
     return ids
