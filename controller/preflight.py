@@ -17,11 +17,11 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
     """``model.path`` must be a folder this code loads (architecture, config) with a tokenizer,
     or one ``model.init`` (valid ModelConfig fields) builds: said here in one line, before the
     workers build anything, not as tracebacks from the worker ranks loading it."""
-    import json
     from dataclasses import asdict
 
     from workers.model import ModelConfig
     from workers.model_check import check_weights
+    from workers.tokenizer_folders import _read_json
 
     cfg = path / "config.json"
     if path.exists() and not path.is_dir():
@@ -47,20 +47,21 @@ def check_model_folder(path: Path, init: dict | None = None) -> None:
                           "folder: config.json, *.safetensors, tokenizer.json; or model.init to build a tiny "
                           "model there)")
     try:
-        model_cfg = ModelConfig.from_hf(json.loads(cfg.read_text()))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"model.path: {cfg}: {e}") from None
+        model_cfg = ModelConfig.from_hf(_read_json(cfg), cfg)
+    except (ValueError, KeyError, TypeError) as e:  # (each names config.json)
+        raise ConfigError(f"model.path: {e}") from None
     tok = path / "tokenizer.json"
     if not tok.exists():
         raise ConfigError(f"model.path: {path} has no tokenizer.json (a model folder carries its tokenizer, "
                           "as on the Hugging Face hub)")
     try:  # the weights' headers (no tensor read) and the tokenizer, as the workers will load them
         check_weights(path, model_cfg)
-        from tokenizers import Tokenizer
-
-        Tokenizer.from_file(str(tok))
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.path: {e}") from None
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(tok))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception naming no file
         raise ConfigError(f"model.path: {tok}: not a tokenizer the tokenizers library reads ({e})") from None
 

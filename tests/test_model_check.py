@@ -159,3 +159,31 @@ def test_a_config_json_without_a_required_key_names_it(folder, tmp_path):
     with pytest.raises(ValueError, match=r"config.json: missing 'hidden_size', 'num_hidden_layers': a "
                                          r"Qwen2ForCausalLM config.json gives them"):
         load_pretrained(p, "cpu")
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("vocab_size", 300.0, "vocab_size must be a whole number >= 0, got 300.0"),
+    ("vocab_size", "300", "vocab_size must be a whole number >= 0, got '300'"),
+    ("head_dim", "8", "head_dim must be a whole number >= 0 or null, got '8'"),
+    ("max_position_embeddings", None, "max_position_embeddings must be a whole number >= 0, got None"),
+    ("rms_norm_eps", None, "rms_norm_eps must be a positive number, got None"),
+    ("rope_theta", None, "rope_theta must be a positive number, got None"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+    ("architectures", "Qwen2ForCausalLM", 'architectures must be a list of names (["Qwen2ForCausalLM"]), '
+                                          "got 'Qwen2ForCausalLM'"),
+])
+def test_config_json_values_of_the_wrong_type_are_named_with_the_key(folder, tmp_path, key, value, said):
+    """A string or a float where a count goes was blamed on tokenizer.json, or accepted and left to
+    fail on the workers (``max_position_embeddings: null``); ``"tie_word_embeddings": "false"``
+    read as true (review, s55)."""
+    assert broken(folder, tmp_path, edit_config(**{key: value})) == f"model.path: DIR/config.json: {said}"
+
+
+def test_a_config_json_that_is_no_object_or_a_folder_is_named(folder, tmp_path):
+    assert broken(folder, tmp_path / "a", lambda p: (p / "config.json").write_text("[1, 2]")) == \
+        "model.path: DIR/config.json: expected a JSON object, got list"
+
+    def folder_named_config(p):
+        (p / "config.json").unlink()
+        (p / "config.json").mkdir()
+    assert broken(folder, tmp_path / "b", folder_named_config).startswith("model.path: DIR/config.json: cannot be read as JSON")

@@ -7,6 +7,7 @@ the RoPE scaling kinds ``workers.model`` implements.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -30,6 +31,12 @@ def rope_kind(scaling: dict | None) -> str:
 
 # the keys config.json must give (the others have transformers' defaults)
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# config.json's values by type (null: the key's default, where transformers has one)
+INTS = {"vocab_size": False, "hidden_size": False, "intermediate_size": False, "num_hidden_layers": False,
+        "num_attention_heads": False, "max_position_embeddings": False, "num_key_value_heads": True,
+        "head_dim": True, "sliding_window": True, "max_window_layers": True}
+FLOATS = {"rms_norm_eps": False, "rope_theta": False}
+BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 # activations transformers' ACT2FN maps to SiLU, the only one the MLP implements
 SILU_NAMES = ("silu", "swish")
 
@@ -149,6 +156,7 @@ class ModelConfig:
         a quantized checkpoint), rather than run as something else. Keys that do not change it
         are ignored: attention_dropout (training-time dropout; this model has none),
         pretraining_tp (transformers 5 ignores it; older versions split the same matmuls)."""
+        _check_types(d, source)
         arch = (d.get("architectures") or [BY_MODEL_TYPE.get(d.get("model_type"), "Qwen2ForCausalLM")])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{source}: architecture {arch!r} is not supported ({ARCHITECTURES})")
@@ -244,3 +252,27 @@ class ModelConfig:
             d["attention_bias"] = self.has_qkv_bias  # == has_o_bias
             d["mlp_bias"] = self.mlp_bias
         return d
+
+
+def _check_types(d: dict, source) -> None:
+    """config.json's values of the wrong type, named with the key: a string or float where a
+    count goes (``"vocab_size": "266"``, ``266.0``), a null where no default is, a string where
+    a flag goes (``"tie_word_embeddings": "false"`` read as true) (review, s55)."""
+    def wrong(key: str, want: str):
+        raise ValueError(f"{source}: {key} must be {want}, got {d[key]!r:.60}")
+
+    for key, nullable in INTS.items():
+        v = d.get(key)
+        if key in d and not (v is None and nullable) and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            wrong(key, "a whole number >= 0" + (" or null" if nullable else ""))
+    for key, nullable in FLOATS.items():
+        v = d.get(key)
+        if key in d and not (v is None and nullable) and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                                          or not math.isfinite(v) or v <= 0):
+            wrong(key, "a positive number")
+    for key in BOOLS:
+        if key in d and not isinstance(d[key], bool):
+            wrong(key, "true or false")
+    arch = d.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        wrong("architectures", 'a list of names (["Qwen2ForCausalLM"])')

@@ -63,6 +63,8 @@ def _read_json(path: Path) -> dict:
         d = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, ValueError) as e:  # a folder of that name, not UTF-8, a number past Python's digit limit
+        raise ValueError(f"{path}: cannot be read as JSON ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
     return d
