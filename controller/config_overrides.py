@@ -150,6 +150,10 @@ def parse_override(text: str) -> tuple[str, Any]:
         except ConfigError as unknown:  # no such key: that is the error, not the value
             raise ConfigError(f"--set {text}: {unknown}") from None
         raise ConfigError(f"--set {text}: the value is not valid YAML ({why}{at}); {advice}") from None
+    except ConfigError:
+        raise
+    except (ValueError, RecursionError) as e:  # a number past Python's digit limit, nesting past its depth
+        raise ConfigError(f"--set {text[:80]}: the value cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
     if v.count("#") > _hashes(value):  # YAML took " #..." for a comment and dropped it
         raise ConfigError(f"--set {text}: YAML reads ' #' and what follows as a comment, so the value would be "
                           f"{_yaml_text(value)}; quote it to keep the '#': --set '{k}=\"{v.strip()}\"'")

@@ -37,6 +37,10 @@ def read_config_file(path: Path) -> Any:
         return load_checked(text, "", str(path))
     except yaml.YAMLError as e:
         raise ConfigError(yaml_error_line(str(path), e)) from e
+    except ConfigError:
+        raise
+    except (ValueError, RecursionError) as e:  # a number past Python's digit limit, nesting past its depth
+        raise ConfigError(f"config file {path}: cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 def yaml_error_line(where: str, e: yaml.YAMLError) -> str:

@@ -111,6 +111,20 @@ def test_a_folder_or_a_non_utf8_file_as_config_is_a_config_error(tmp_path):
     assert load_config(p, 3).train.iterations == 3  # (it was told to convert from latin1)
 
 
+def test_a_number_past_pythons_digit_limit_or_nesting_past_its_depth_is_a_config_error(tmp_path):
+    """Both were tracebacks on every rank (ValueError, RecursionError; review, s55)."""
+    p = tmp_path / "huge.yaml"
+    p.write_text(PLACEMENT + "train: {iterations: " + "9" * 5000 + "}\n")
+    with pytest.raises(ConfigError, match=rf"^config file {p}: cannot be read \(ValueError: Exceeds the limit"):
+        load_config(p, 3)
+    p.write_text(PLACEMENT + "logging: {tags: " + "[" * 3000 + "]" * 3000 + "}\n")
+    with pytest.raises(ConfigError, match=rf"^config file {p}: cannot be read \(RecursionError"):
+        load_config(p, 3)
+    p.write_text(PLACEMENT)
+    with pytest.raises(ConfigError, match=r"^--set train.iterations=9999.*: the value cannot be read \(ValueError"):
+        load_config(p, 3, ["train.iterations=" + "9" * 5000])
+
+
 def test_a_mistyped_ranker_kind_is_named_before_its_path():
     """``ranker.kind: lgbmm`` (no path yet) was reported as 'ranker.path: ... path is empty'."""
     with pytest.raises(ConfigError, match=r"^ranker.kind: 'lgbmm' is not one of \['none', .*did you mean 'lgbm'"):

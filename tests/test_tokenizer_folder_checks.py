@@ -99,6 +99,17 @@ def test_stop_ids_outside_the_vocabulary_are_named_at_start(tmp_path, bpe):
         stop_ids(path, 0)
 
 
+@pytest.mark.parametrize("config, said", [
+    ({"eos_token": 5}, r"tokenizer_config.json: eos_token must be the token's text \(or \{\"content\": text\}\), got 5"),
+    ({"pad_token": {"content": 7}}, r"tokenizer_config.json: pad_token must be the token's text"),
+    ({"prompt_template": 5}, r"prompt_template: must be a str.format template with a \{prompt\} field, got 5")])
+def test_a_special_token_or_prompt_template_that_is_no_text_is_named(tmp_path, bpe, config, said):
+    """An id given as the eos_token, a number as the prompt template: TypeErrors from deep inside
+    tokenizers, a traceback on every rank (review, s55)."""
+    with pytest.raises(ValueError, match=said):
+        Tokenizer.load(_folder(tmp_path, bpe, **config))
+
+
 def test_a_prompt_the_template_renders_to_nothing_is_refused_and_none_messages_are_no_chat(tmp_path, bpe):
     """A template rendering only 'user' turns, given ShareGPT's 'human': kept by the start check
     (0 tokens), then refused by the engine mid-run, which stopped the run. ``messages=None`` was

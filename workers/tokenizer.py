@@ -50,6 +50,8 @@ def check_prompt_template(template: str) -> None:
     braces are written doubled (``{{ }}``). Raises ValueError saying what is wrong."""
     import string
 
+    if not isinstance(template, str):
+        raise ValueError(f"must be a str.format template with a {{prompt}} field, got {template!r:.60}")
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as e:  # a lone "{" or "}"

@@ -80,11 +80,13 @@ def folder_special_tokens(folder: str | os.PathLike, cfg: dict | None = None,
     folder = Path(folder)
     if cfg is None:
         cfg = _read_json(folder / "tokenizer_config.json")
-    tokens = {k: _token_str(cfg.get(k)) for k in SPECIAL_TOKEN_NAMES}
+    where = folder / "tokenizer_config.json"
+    tokens = {k: _token_str(cfg.get(k), where, k) for k in SPECIAL_TOKEN_NAMES}
     named = {k for k in SPECIAL_TOKEN_NAMES if k in cfg}
     if "added_tokens_decoder" not in cfg:
         legacy = _read_json(folder / SPECIAL_TOKENS_MAP_FILE)
-        tokens.update({k: _token_str(legacy[k]) for k in SPECIAL_TOKEN_NAMES if k in legacy})
+        tokens.update({k: _token_str(legacy[k], folder / SPECIAL_TOKENS_MAP_FILE, k)
+                       for k in SPECIAL_TOKEN_NAMES if k in legacy})
         named |= {k for k in SPECIAL_TOKEN_NAMES if k in legacy}
     for k, v in (defaults or {}).items():
         if k not in named:
@@ -92,11 +94,13 @@ def folder_special_tokens(folder: str | os.PathLike, cfg: dict | None = None,
     return tokens
 
 
-def _token_str(t) -> str | None:
-    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
-    if isinstance(t, dict):
-        return t.get("content")
-    return t
+def _token_str(t, where: Path, name: str) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts (null: none);
+    anything else is refused, naming the file and key (an id there failed deep in tokenizers)."""
+    text = t.get("content") if isinstance(t, dict) else t
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}: {name} must be the token's text (or {{\"content\": text}}), got {t!r:.60}")
+    return text
 
 
 def uses_qwen2_tokenizer(folder: str | os.PathLike, cfg: dict | None = None, config: dict | None = None) -> bool:
@@ -193,7 +197,7 @@ def extra_special_tokens(folder: Path, cfg: dict) -> list[str]:
         for key in ("extra_special_tokens",) if src.get("extra_special_tokens") else ("additional_special_tokens",):
             value = src.get(key) or []
             for t in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else []):
-                t = _token_str(t)
+                t = t.get("content") if isinstance(t, dict) else t  # (anything but text: skipped)
                 if isinstance(t, str) and t and t not in out:
                     out.append(t)
     return out
