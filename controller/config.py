@@ -196,6 +196,12 @@ def _trainer_from_train(trainer: TrainerConfig, train: TrainSection, explicit: s
         raise ConfigError(f"trainer.temperature: {trainer.temperature} differs from the rollout's "
                           f"train.temperature {train.temperature} (the PPO ratio, KL and entropy must be taken "
                           "at the sampling temperature); leave it out, it is taken from train.temperature")
+    cap = max(train.max_tokens, 1)
+    if "max_response_tokens" in explicit and trainer.max_response_tokens != cap:  # (review, s55)
+        raise ConfigError(f"trainer.max_response_tokens: {trainer.max_response_tokens} differs from the run's "
+                          f"response cap train.max_tokens {train.max_tokens} (the overlong penalty counts from "
+                          "the cap: past it the penalty never applies, below it the response is cut first); "
+                          "leave it out, it is taken from train.max_tokens")
     follow = {"temperature": rollout, "seed": train.seed}  # train.seed: the run's one seed (the critic's head,
     # LoRA's init, the mini-batch shuffle kept trainer.seed's default 0 whatever it said: review, s51)
     if train.top_k > 0 or train.top_p < 1.0:

@@ -37,7 +37,8 @@ def check_unused(cfg: "Config") -> None:
          f"{only} model.init (the SFT warm-start runs only when a model is built)"),
         ("multi_turn", mt, ("max_turns", "max_observation_tokens", "observation_truncate_side", "workers"),
          not mt.env, f"{only} multi_turn.env (single-turn without it)"),
-        ("ranker", r, ("options", "bootstrap_prompts"), r.kind == "none", f"{only} ranker.kind (none: no ranker)"),
+        ("ranker", r, ("path", "options", "bootstrap_prompts"), r.kind == "none",
+         f"{only} ranker.kind (none: no ranker; a trained folder loads with kind: lgbm / lm / ...)"),
         ("engine", e, ("seed",), e.backend in ("native", "vllm"),  # (your own engine may read it)
          "is read by nothing in a run: every request carries its own seed (train.seed * 7919 + its sample "
          "id), so the engine's generator draws none; set train.seed"),

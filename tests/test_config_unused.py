@@ -14,6 +14,10 @@ BASE = {"placement": {"generation": [1], "trainer": [2]}}
     ({"multi_turn": {"observation_truncate_side": "left"}}, "multi_turn.observation_truncate_side: 'left' acts only"),
     ({"ranker": {"bootstrap_prompts": 64}}, "ranker.bootstrap_prompts: 64 acts only with ranker.kind"),
     ({"ranker": {"options": {"rounds": 10}}}, "ranker.options: {'rounds': 10} acts only with ranker.kind"),
+    ({"ranker": {"path": "runs/ranker"}}, "ranker.path: 'runs/ranker' acts only with ranker.kind"),  # (review, s55)
+    ({"trainer": {"max_response_tokens": -5}}, "trainer.max_response_tokens: -5 differs from the run's response cap"),
+    ({"trainer": {"overlong_buffer": 16, "max_response_tokens": 100000}, "train": {"max_tokens": 48}},
+     "trainer.max_response_tokens: 100000 differs from the run's response cap train.max_tokens 48"),
     ({"engine": {"seed": 5}}, "engine.seed: 5 is read by nothing in a run: every request carries its own seed"),
     ({"engine": {"admission": "lpt"}}, "engine.admission: lpt admits the longest estimate first, and ranker.kind"),
     ({"dispatch": {"options": {"order": "lpt"}}}, "dispatch.options.order: lpt orders by estimate, and ranker.kind"),
