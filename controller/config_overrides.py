@@ -69,7 +69,8 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
     review, s53)."""
     named = _naming(error, overrides, typed)
     if named:
-        return named[0]
+        key = next(k for k in overrides if typed[k] == named[0])
+        return typed[_last_setter(key, overrides)]
     blamed = []
     for k in overrides:
         try:
@@ -80,6 +81,26 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
     if not blamed:  # each alone is not what fails: the error's rule names the one among them it is
         blamed = [typed[k] for k in overrides if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", error)]
     return " ".join(blamed)
+
+
+def _last_setter(key: str, overrides: dict) -> str:
+    """The override whose value ``key`` holds: ``key``'s own, or a whole section above it applied
+    later that sets it (``--set train.iterations=5 --set 'train={iterations: -1}'``: the second;
+    the first was blamed for its -1: review, s55)."""
+    winner = key
+    for o, v in overrides.items():  # in the order they are applied
+        if o == key:
+            winner = o
+        elif key.startswith(f"{o}."):
+            node = v
+            for part in key[len(o) + 1:].split("."):
+                node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+            if node is not _ABSENT:
+                winner = o
+    return winner
+
+
+_ABSENT = object()
 
 
 def set_behind(texts: typing.Sequence[str] | None, error: str) -> str:

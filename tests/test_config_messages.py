@@ -193,6 +193,7 @@ def test_docs_say_what_a_task_prompt_needs():
     ["tokenizer.prompt_template=Q: {prompt}"],
     ["train.iterations=3", "pipeline.mode=colocated"],  # a rule over several keys
     ["trainer.betas=[0.9,  1.0]"],
+    ["train.iterations=5", "train={iterations: -1}"],  # the section set later holds the bad value (review, s55)
 ])
 def test_the_set_blame_is_what_was_typed(tmp_path, sets):
     with pytest.raises(ConfigError) as e:
