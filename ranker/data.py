@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from workers.text_check import surrogate_at
+
 PROMPT_KEY = "question"
 LENGTHS_KEY = "resp_words"
 # Longest answer length (words) accepted: far above any real answer, and well inside float32
@@ -67,15 +69,6 @@ def length_ok(v) -> bool:
     return math.isfinite(f) and 0 <= f <= MAX_WORDS
 
 
-def _surrogate_at(text: str) -> int | None:
-    """Index of the first lone surrogate (text JSON can carry but UTF-8 cannot), or None."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as e:
-        return e.start
-
-
 _BOM, _GZIP_MAGIC = b"\xef\xbb\xbf", b"\x1f\x8b"
 
 
@@ -105,7 +98,7 @@ def _parse(path: Path, i: int, raw: bytes, need_lengths: bool) -> TraceRow:
         raise TraceError(f"{where}: field '{PROMPT_KEY}' must be a string")
     if not prompt.strip():
         raise TraceError(f"{where}: empty prompt in field '{PROMPT_KEY}'")
-    bad = _surrogate_at(prompt)
+    bad = surrogate_at(prompt)
     if bad is not None:
         raise TraceError(f"{where}: field '{PROMPT_KEY}' has a lone surrogate {prompt[bad]!r} at char {bad} "
                          f"(not valid Unicode)")
@@ -150,7 +143,7 @@ def check_prompts(prompts: list[str] | tuple[str, ...]) -> None:
             raise ValueError(f"prompt {i} is {type(p).__name__}, expected str")
         if not p.strip():
             raise ValueError(f"prompt {i} is empty")
-        bad = _surrogate_at(p)
+        bad = surrogate_at(p)
         if bad is not None:
             raise ValueError(f"prompt {i} has a lone surrogate {p[bad]!r} at char {bad} (not valid Unicode)")
 

@@ -114,6 +114,18 @@ def test_whitespace_prompts_are_refused_like_empty_ones(tmp_path):
         make_task("jsonl", files=p).prompts("train")
 
 
+def test_a_lone_surrogate_is_refused_at_its_row(tmp_path):
+    """JSON can write "\\ud800", UTF-8 cannot: the row was read, and the tokenizer failed on it
+    after the engines were built, naming no file (review, s55)."""
+    p = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "a\ud800b", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"d.jsonl:2: field 'prompt' has a lone surrogate '\\ud800' at char 1"):
+        make_task("jsonl", files=p).prompts("train")
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]
+    p = write_rows(tmp_path / "c.jsonl", [{"prompt": chat, "answer": "1"}])
+    with pytest.raises(ValueError, match=r"c.jsonl:1: field 'prompt\[1\].content' has a lone surrogate"):
+        make_task("jsonl", files=p).prompts("train")
+
+
 def test_a_tool_call_turn_may_have_null_content(tmp_path):
     chat = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 
+from workers.text_check import surrogate_at
 from workers.types import TaskPrompt
 
 WHERE = "_where"  # TaskPrompt.meta key: the data file and line a prompt came from
@@ -95,6 +96,15 @@ def row_item(row, where: str, prompt_key: str, answer_key: str, task: str, text_
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {prompt_key!r} must be a string with some text (or a list of chat "
                          f"messages), got {prompt!r:.40}")
+    texts = [(prompt_key, prompt)] if not messages else [
+        (f"{prompt_key}[{i}].content", t) for i, m in enumerate(messages)
+        for t in (m["content"] if isinstance(m["content"], list) else [m["content"]])]
+    for field, text in texts:
+        text = text.get("text") if isinstance(text, dict) else text  # (an OpenAI content part)
+        bad = surrogate_at(text) if isinstance(text, str) else None
+        if bad is not None:  # the tokenizer failed on it after the engines were built (review, s55)
+            raise ValueError(f"{where}: field {field!r} has a lone surrogate {text[bad]!r} at char {bad} (not valid "
+                             "Unicode: JSON can write it, UTF-8 cannot)")
     meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}  # a dotted key's parent stays
     meta[WHERE] = where  # file:line, for the start check's messages (a key no dataset column takes:
     # a row's own "source" column, common in datasets, used to replace the location)
