@@ -37,6 +37,23 @@ def positive_float(text: str) -> float:
     return x
 
 
+def folder(text: str) -> str:
+    """An argparse ``type=``: a folder to write into, existing or to be made: not a file, and its
+    nearest existing parent a folder this process may write (``/dev/null/x`` failed after the
+    work, with a traceback)."""
+    import os
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    there = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be made or written: {there} is "
+                                         f"{'a file' if not there.is_dir() else 'not writable'}")
+    return text
+
+
 def names_from(known: Iterable[str]) -> Callable[[str], list[str]]:
     """An argparse ``type=``: a comma-separated list of one or more of ``known``, each once, in
     the given order (blanks around the commas ignored)."""

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
-from argcheck import fill_defaults, int_at_least, names_from, positive_float, positive_int  # noqa: E402
+from argcheck import fill_defaults, folder, int_at_least, names_from, positive_float, positive_int  # noqa: E402
 
 TRACE = ROOT / "data" / "length_traces" / "llama33_70b_rg_easy.train.jsonl.gz"
 ORDER = ("colocated", "batch", "minibatch", "stream", "async_batch", "async_stream")
@@ -59,7 +59,7 @@ def parse_args(argv=None, description: str | None = None):
                     help=f"rounds over the modes (default {FULL['repeat']}, --quick {QUICK['repeat']}), alternating "
                          "forward and reverse order, which cancels a linear drift of the machine's load; each mode's "
                          "line sums its rounds")
-    ap.add_argument("--logdir", default="runs/bench_pipeline_modes")
+    ap.add_argument("--logdir", type=folder, default="runs/bench_pipeline_modes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return fill_defaults(ap.parse_args(argv), QUICK, FULL)
 

@@ -43,7 +43,7 @@ FULL = {"iterations": 24, "grow": 20}
 
 
 def parse_args(argv=None):
-    from argcheck import fill_defaults, int_at_least, positive_int
+    from argcheck import fill_defaults, folder, int_at_least, positive_int
     from controller.modes import MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -71,6 +71,18 @@ def parse_args(argv=None):
         ap.error(f"argument --end-len: must be >= --start-len ({a.start_len}): the length rises, got {a.end_len}")
     if a.profile and not (ROOT / a.profile).is_file():  # the ranks run in the repository root
         ap.error(f"argument --profile: no such file: {ROOT / a.profile}")
+    if a.profile:
+        from controller.ptl_profile import PTLProfile
+
+        try:
+            PTLProfile.load(ROOT / a.profile)
+        except (ValueError, OSError) as e:
+            ap.error(f"argument --profile: {e}")
+    if a.logdir:
+        try:
+            folder(str(ROOT / a.logdir))
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --logdir: {e}")
     if not a.worker:  # the launcher picks the folder and passes it on to the ranks
         if not a.logdir:
             stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -48,7 +48,7 @@ from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)
-from argcheck import fill_defaults, int_at_least, non_negative_int, positive_int  # noqa: E402
+from argcheck import fill_defaults, folder, int_at_least, non_negative_int, positive_int  # noqa: E402
 
 TRACE = "llama33_70b_rg_easy.{split}.jsonl.gz"
 # CPU seconds of this process: with one compute thread this is the instance's own work, which
@@ -208,7 +208,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--ranker", default="lgbm", choices=sorted(KINDS), help="ranker.build kind")
     ap.add_argument("--trace-dir", default=str(root / "data" / "length_traces"))
-    ap.add_argument("--cache", default=str(root / "runs" / "bench" / "skew_dispatch"))
+    ap.add_argument("--cache", type=folder, default=str(root / "runs" / "bench" / "skew_dispatch"))
     ap.add_argument("--calibration", default="rank", choices=["rank", "bins"],
                     help="map ranker outputs to lengths: held-out bin means, or train quantile by rank")
     ap.add_argument("--seed", type=non_negative_int, default=0)

@@ -108,3 +108,21 @@ def test_engine_bench_pairs_each_repeat_with_its_competitor(monkeypatch):
     assert bench.paired_ratio(native, vllm) == pytest.approx(11280 / 3942)  # of 3.69, 2.86, 1.95
     assert native.frac == pytest.approx([1e9 * s / 16384 / 1e11 for s in (13260, 11280, 7378)])
     assert bench.paired_ratio(native, None) is None
+
+
+def test_an_output_folder_that_cannot_be_made_or_a_profile_that_is_none_is_refused_first(monkeypatch, tmp_path,
+                                                                                          capsys):
+    """``--cache /dev/null/x``, ``--logdir /dev/null``, ``--profile`` of another file: refused
+    after the work or with torchrun's tracebacks (review, s55); now by argparse, before it."""
+    a_file = tmp_path / "f.json"
+    a_file.write_text("{}\n")
+    so = load_bench("scale_out", monkeypatch)
+    assert f"argument --profile: {a_file}: PTLProfile is missing" in \
+        refused(so.parse_args, ["--quick", "--profile", str(a_file)], capsys)
+    assert "argument --logdir: " in refused(so.parse_args, ["--quick", "--logdir", str(a_file / "x")], capsys)
+    pm = load_bench("pipeline_modes", monkeypatch)
+    assert f"argument --logdir: '{a_file}' is a file, not a folder" in \
+        refused(pm.parse_args, ["--quick", "--logdir", str(a_file)], capsys)
+    sd = load_bench("skew_dispatch", monkeypatch)
+    assert f"argument --cache: '{a_file}/x' cannot be made or written: {a_file} is a file" in \
+        refused(sd.parse_args, ["--quick", "--cache", str(a_file / "x")], capsys)
