@@ -11,8 +11,9 @@ per instance, the admission order and a batch-size cap. Dispatchers live in a re
 * ``skew_paper``  Algorithm 2 literally: alpha = 20%, cost PTL(BS) * L_avg * ceil(M / BS)
 * ``oracle``      ``skew`` fed the true lengths (upper bound of what a ranker can give)
 
-The per-instance cost model (``instance_latency``) is the paper's
-``PTL(BS) * L_avg * ceil(M / BS)``; see docs/scheduling.md for every choice it makes.
+The per-instance cost models (``controller/dispatch_cost.py``: the paper's
+``PTL(BS) * L_avg * ceil(M / BS)``, or the simulated instance); see docs/scheduling.md for every
+choice they make.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from controller.dispatch_cost import COSTS, free_cap
 from controller.length_estimates import BinnedPosterior, calibrate_by_bins, calibrate_by_rank  # noqa: F401 (re-exported)
 from controller.ptl_profile import PTLProfile  # noqa: F401 (re-exported)
 from workers.generation.request_check import is_int, is_real
@@ -75,10 +77,6 @@ def _check(est_lens: Sequence[float], profiles: list[PTLProfile], true_lens) -> 
             raise ValueError(f"dispatch: {name}[{bad[0]}] = {xs[bad[0]]} is not a finite length >= 0")
 
 
-def _free_cap(profile: PTLProfile, m: int) -> int:
-    return max(1, min(m, profile.max_batch_size)) if profile.max_batch_size else max(1, m)
-
-
 @dataclass
 class _ChunkDispatcher:
     """Assign by a fixed rule (random chunks or round robin), then order FCFS or LPT."""
@@ -95,7 +93,7 @@ class _ChunkDispatcher:
         _check(est_lens, profiles, true_lens)
         groups = self.assign(len(est_lens), len(profiles), seed)
         per = [ORDERS[self.order](g, est_lens) for g in groups]
-        caps = [_free_cap(p, len(g)) for p, g in zip(profiles, per)]
+        caps = [free_cap(p, len(g)) for p, g in zip(profiles, per)]
         return DispatchPlan(per, caps, self.kind, [False] * len(per))
 
 
@@ -114,15 +112,6 @@ ORDERS: dict[str, Callable[[Sequence[int], Sequence[float]], list[int]]] = {
 }
 
 
-def instance_latency(profile: PTLProfile, m: int, l_avg: float, prompt_len: float = 0.0) -> tuple[float, int]:
-    """Algorithm 2's cost of one instance: PTL(BS) * L_avg * ceil(M / BS), BS = the batch of
-    (prompt_len + l_avg)-token sequences that fits the KV cache, at most M. Returns (s, BS)."""
-    if m == 0:
-        return 0.0, 1
-    bs = min(m, profile.max_batch_for_len(prompt_len + l_avg))
-    return profile.ptl(bs) * l_avg * math.ceil(m / bs), bs
-
-
 def spread_evenly(idx: Sequence[int], lens: Sequence[float], n: int) -> list[list[int]]:
     """Longest first, each to the instance with the least estimated work so far (then fewest
     requests, then lowest index): balances both the work and the count of a class."""
@@ -133,61 +122,6 @@ def spread_evenly(idx: Sequence[int], lens: Sequence[float], n: int) -> list[lis
         groups[j].append(i)
         heapq.heappush(heap, (work + lens[i], count + 1, j))
     return groups
-
-
-def formula_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
-                 noise: float = 0.0, draws: int = 1) -> tuple[float, int]:
-    """The paper's estimate for one instance: ``instance_latency`` at the class's L_avg."""
-    return instance_latency(profile, len(lens), l_avg, prompt_len)
-
-
-def no_preemption_cap(profile: PTLProfile, lens: Sequence[float], prompt_len: float) -> int:
-    """The batch cap at which an instance's KV cache holds every running sequence whole
-    (prompt + expected length, in blocks, plus one spare block each for the rounding and the
-    engine's free-block watermark): the paper's "BS capped by memory". Under lazy allocation
-    a larger batch admits on prompts alone and preempts as sequences grow."""
-    if not len(lens):
-        return 1
-    per_seq = profile.seq_kv_tokens(prompt_len + float(np.mean(lens))) + profile.block_size
-    bs = max(1, profile.kv_tokens // per_seq)
-    return min(bs, profile.max_batch_size) if profile.max_batch_size else bs
-
-
-def simulated_cost(profile: PTLProfile, lens: Sequence[float], l_avg: float, prompt_len: float,
-                   noise: "float | BinnedPosterior" = 0.0, draws: int = 4) -> tuple[float, int]:
-    """Event-level continuous-batching estimate of one instance; ``lens`` are the estimates
-    in admission order. Returns (makespan, cap): the cap is the faster of "memory only"
-    (lazy allocation, preempting as the cache fills) and ``no_preemption_cap``. With
-    ``noise`` the true lengths are uncertain: the makespan is averaged over ``draws`` draws
-    (fixed seed) of est * exp(N(0, noise)) (a float) or of a ``BinnedPosterior``, admitted
-    in the given order."""
-    from controller.planner.engine_sim import simulate_instance  # engine_sim imports this module
-
-    est = [float(x) for x in lens]
-    limit = max(1, profile.kv_tokens - int(prompt_len) - 2 * profile.block_size)
-    prompts = [int(prompt_len)] * len(est)
-    rng = np.random.default_rng(len(est))
-    if isinstance(noise, BinnedPosterior) and est:
-        draws_lens = [noise.draw(est, rng) for _ in range(draws)]
-    elif noise and est:
-        draws_lens = [np.asarray(est) * np.exp(rng.normal(0.0, noise, len(est))) for _ in range(draws)]
-    else:
-        draws_lens = [est]
-    # a wide noise overflows exp() (and 0 * inf is NaN): a draw counts within [1, limit]
-    outs = [np.clip(np.round(np.nan_to_num(np.asarray(d, dtype=float), nan=1.0, posinf=limit, neginf=1.0)),
-                    1, limit).astype(int).tolist() for d in draws_lens]
-    free = _free_cap(profile, len(est))
-    best = (math.inf, free)
-    for cap in sorted({free, min(free, no_preemption_cap(profile, est, prompt_len))}, reverse=True):
-        t = sum(simulate_instance(out, profile, cap, prompts).makespan_s for out in outs) / len(outs)
-        best = min(best, (t, cap), key=lambda x: x[0])
-    return best
-
-
-COSTS: dict[str, Callable[..., tuple[float, int]]] = {
-    "formula": formula_cost,
-    "simulate": simulated_cost,
-}
 
 
 @dataclass

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from controller.planner.engine_sim import simulate_instance, simulate_plan
+from controller.dispatch_cost import instance_latency
 from controller.scheduling import (DISPATCHERS, BinnedPosterior, PTLProfile, calibrate_by_bins, calibrate_by_rank,
-                                   instance_latency, lpt_order, lpt_schedule, make_dispatcher, spread_evenly)
+                                   lpt_order, lpt_schedule, make_dispatcher, spread_evenly)
 
 BS = [1, 2, 4, 8, 16, 32, 64, 128]
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from controller.planner.engine_sim import simulate_instance
-from controller.scheduling import PTLProfile, make_dispatcher, no_preemption_cap, simulated_cost
+from controller.dispatch_cost import no_preemption_cap, simulated_cost
+from controller.scheduling import PTLProfile, make_dispatcher
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine
 from workers.model import CausalLM, ModelConfig, init_weights

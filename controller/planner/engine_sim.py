@@ -14,7 +14,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from controller.scheduling import PTLProfile
+from controller.ptl_profile import PTLProfile
 
 
 @dataclass
