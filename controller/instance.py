@@ -119,6 +119,11 @@ class GenerationInstance:
         self.trainers = [TrainerAddress.of(t) for t in trainers]
         return True
 
+    def weight_dtype(self) -> str | None:
+        """The dtype the engine keeps weights in ("torch.bfloat16"), None when it does not say."""
+        dtype = getattr(self.engine, "weight_dtype", None)
+        return None if dtype is None else str(dtype)
+
     def pull_weights(self, version: int, timeout: float) -> int:
         """Fetch the weights of ``version`` from trainer DP rank 0 and stage them (instances
         that joined later, outside the weight-sync group). The instance asks, the trainer only

@@ -345,16 +345,22 @@ class TrainerRank:
         if self.worker.version != version:  # every root must send the same weights
             raise RuntimeError(f"trainer rank {self.rank}: asked to send weights version {version}, "
                                f"holds version {self.worker.version}")
+        wire = {s.name: s.dtype for s in plan.slots}  # the engines' dtype (tensor_spec): bf16 halves the bytes
         with self._sending:
-            named = [(k, v.detach().to(LOCAL.comm_device, copy=True)) for k, v in self.worker.named_weights()]
+            named = [(k, v.detach().to(LOCAL.comm_device, dtype=wire.get(k, v.dtype), copy=True))
+                     for k, v in self.worker.named_weights()]
             WeightSyncSender(plan, self.rank, timeout_s=LOCAL.rpc_timeout_s).push(named, version)
         self.spans.add("weight_sync", t0, time.time(), version)
         return time.time() - t0
 
-    def tensor_spec(self) -> list:
+    def tensor_spec(self, dtype: str | None = None) -> list:
+        """The weights' names, shapes and dtypes as weight sync sends them: floating tensors in
+        ``dtype`` ("torch.bfloat16": the engines'), when given, else the trainer's own."""
         from workers.weight_sync import tensor_spec
 
-        return tensor_spec(self.worker.named_weights())
+        wire = None if dtype is None else getattr(torch, dtype.removeprefix("torch."))
+        return tensor_spec((k, v.to("meta", dtype=wire) if wire is not None and v.is_floating_point() else v)
+                           for k, v in self.worker.named_weights())
 
     def save_checkpoint(self, folder: str) -> str:
         with self._sending:

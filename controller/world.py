@@ -26,6 +26,21 @@ from controller.trainer_rank import TrainerRank
 from workers.weight_sync import WeightSyncConfig
 
 
+def wire_dtype(engine_dtypes: list[str | None]) -> str | None:
+    """The dtype weight sync sends in: the engines' own when they agree on it, else the widest
+    (fp32 over bf16); None (the trainer's fp32) when an engine does not say, or two 16-bit
+    kinds differ (bf16 and fp16: only fp32 holds both exactly)."""
+    import torch
+
+    if not engine_dtypes or None in engine_dtypes:
+        return None
+    kinds = {getattr(torch, d.removeprefix("torch.")) for d in engine_dtypes}
+    widest = max(kinds, key=lambda d: d.itemsize)
+    if len([d for d in kinds if d.itemsize == widest.itemsize]) > 1:
+        return None
+    return str(widest)
+
+
 @dataclass
 class World:
     trainers: list[WorkerHandle]
@@ -60,8 +75,9 @@ class World:
             # the trainer ranks are data-parallel replicas: each is a root for its share of
             # the buckets, so no one NIC carries the whole model
             senders = self.trainers
-            if self._spec is None:
-                self._spec = senders[0].call("tensor_spec").wait()
+            if self._spec is None:  # in the engines' dtype: a bf16 engine is sent bf16, half of fp32
+                self._spec = senders[0].call("tensor_spec", wire_dtype(wait_all([h.call("weight_dtype")
+                                                                                 for h in tree]))).wait()
             plan = self.sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
             if (plan.senders, plan.receivers) != self._described:
                 self._described = (plan.senders, plan.receivers)

@@ -128,7 +128,9 @@ class EngineStats:
 class Engine(Protocol):
     """A generation backend (native or vLLM). ``step`` runs one scheduling + model step and
     returns the samples that finished in it (streaming: callers forward them at once).
-    ``max_model_len``: the longest prompt + output a request may have (tokens)."""
+    ``max_model_len``: the longest prompt + output a request may have (tokens). Optional:
+    ``weight_dtype``, the dtype its weights are kept in (weight sync sends them in it: a bf16
+    engine is sent half the bytes of the trainer's fp32 masters; absent: the trainer's dtype)."""
 
     max_model_len: int
 

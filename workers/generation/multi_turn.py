@@ -156,6 +156,10 @@ class MultiTurnEngine:
     def max_model_len(self) -> int:
         return self.inner.max_model_len
 
+    @property
+    def weight_dtype(self):
+        return getattr(self.inner, "weight_dtype", None)
+
     # ---- requests ------------------------------------------------------------------------
     def add(self, requests: Sequence[Request]) -> list[Sample]:
         """Start a trajectory per request (its first turn queued in the inner engine); refusals

@@ -125,7 +125,7 @@ class VLLMEngine:
         self._broken = ""  # why a load_weights failed midway (the weights may be half-written)
         self.enforce_eager = bool(args.get("enforce_eager"))  # what vLLM runs (always eager on CPU)
         device, dtype = vllm_args.resolve_device_dtype(cfg)
-        self._weight_dtype = getattr(torch, dtype)  # load_weights casts to it
+        self.weight_dtype = getattr(torch, dtype)  # load_weights casts to it
         self._on_cpu = device == "cpu"  # seeds folded for torch's CPU generator (sampler.cpu_seed)
         self.subprocess = vllm_process.use_subprocess(cfg)
         callers = vllm_process.rng_states()  # vLLM seeds torch, numpy and random with its seed in its process (and its
@@ -326,7 +326,7 @@ class VLLMEngine:
         NaN/inf; then whole fused modules): a ValueError leaves the old weights and the
         requests in flight untouched. On success requests in flight are restarted from their prompts (a sample
         never mixes versions) and the prefix cache is dropped."""
-        version, items = check_weights(named_tensors, self._shapes, version, self._weight_dtype)
+        version, items = check_weights(named_tensors, self._shapes, version, self.weight_dtype)
         tied = self.model_config.tie_word_embeddings
         check_tied(items, tied)
         names = {n for n, _ in items}
