@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 from bench.jsonline import json_line  # noqa: E402  (bench/ is off the path: a namespace package)
 
-# HBM peak, GB/s, by a substring of torch.cuda.get_device_name() (most specific first)
-PEAK_GBPS = [("H200", 4800), ("GH200", 4000), ("H100 NVL", 3900), ("H100 PCIe", 2000),
+# HBM peak, GB/s, by a substring of torch.cuda.get_device_name() (most specific first: "GH200"
+# holds "H200")
+PEAK_GBPS = [("GH200", 4000), ("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000),
              ("H100", 3350), ("H800", 3350), ("B200", 8000), ("A100-SXM4-80GB", 2039),
              ("A100-PCIE-80GB", 1935), ("A100 80GB PCIe", 1935), ("A100", 1555), ("A800", 2039),
              ("L40S", 864), ("L40", 864), ("A10G", 600), ("A10", 600), ("L4", 300),

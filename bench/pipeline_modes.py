@@ -39,6 +39,14 @@ QUICK = {"iterations": 4, "prompts": 24, "max_len": 80, "repeat": 1}  # --quick'
 FULL = {"iterations": 12, "prompts": 48, "max_len": 160, "repeat": 4}
 
 
+def file_digest(path: Path) -> str:
+    """A file's content digest: planner_accuracy --measured checks the timelines it reads are
+    this run's (a later run into the same --logdir rewrites them; review, s55)."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def parse_args(argv=None, description: str | None = None):
     """The command line, checked before any process starts: a bad value is one line naming
     the flag, exit code 2. ``--quick`` sets the defaults of the counts."""
@@ -216,6 +224,7 @@ def controller(a) -> int:
     print(json_line({"summary": True, "quick": a.quick, "iterations": a.iterations, "prompts": a.prompts,
                       "repeat": a.repeat, "scale": a.scale, "max_len": a.max_len,
                       "logdir": str(Path(a.logdir).resolve()),  # its timelines (planner_accuracy --measured)
+                      "timeline_digests": {m: file_digest(Path(a.logdir) / f"timeline_{m}.json") for m in rows},
                       **{k: sps[x] / sps[y] for k, (x, y) in ratios.items() if x in sps and y in sps}}), flush=True)
     for r in (1, 2):
         rpc.rpc_sync(f"worker{r}", request_exit, args=(0,))

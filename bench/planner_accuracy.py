@@ -89,7 +89,7 @@ def measured_rows(a, logdir: str, segment: int = 0, rounds: int = 0) -> tuple[di
         lines = [json.dumps({**d, "timelines": str(kept.resolve())}) if d.get("summary") else line
                  for line, d in ((x, json.loads(x) if x.startswith("{") else {}) for x in text.splitlines())]
         path.write_text("".join(x + "\n" for x in lines))
-    rows, timelines = {}, ROOT / logdir
+    rows, timelines, digests = {}, ROOT / logdir, {}
     for line in path.read_text().splitlines():
         if line.startswith("{"):
             d = json.loads(line)
@@ -97,8 +97,15 @@ def measured_rows(a, logdir: str, segment: int = 0, rounds: int = 0) -> tuple[di
                 rows[d["mode"]] = d
             elif d.get("summary"):
                 timelines = Path(d.get("timelines") or d.get("logdir") or timelines)
+                digests = d.get("timeline_digests") or {}
     if not rows:
         raise SystemExit(f"planner_accuracy: no per-mode lines in {path}")
+    for mode, want in digests.items():  # a later pipeline_modes run into that --logdir rewrote them
+        f = timelines / f"timeline_{mode}.json"
+        if f.exists() and pm.file_digest(f) != want:
+            raise SystemExit(f"planner_accuracy: {f} is not the timeline of the run {path} holds (a later run "
+                             "into the same --logdir rewrote it): run bench/pipeline_modes.py again, or pass "
+                             "its own --logdir")
     return rows, timelines
 
 

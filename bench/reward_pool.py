@@ -132,6 +132,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return fill_defaults(ap.parse_args(argv), {"samples": 32}, {"samples": 64})
 
 
+def competitors(threads: int, procs: int, batched_arrival: int = 0) -> list[tuple[str, int, str, int]]:
+    """(name, workers, pool, arrival) of each pooled competitor: one thread, ``threads`` threads
+    (once: ``--threads 1`` ran threads_1 twice, the second line overwriting the first; review,
+    s55), ``procs`` processes, and with ``batched_arrival`` the batched judge's."""
+    out = [("threads_1", 1, "threads", 0)]
+    if threads > 1:
+        out.append((f"threads_{threads}", threads, "threads", 0))
+    out.append((f"processes_{procs}", procs, "processes", 0))
+    if batched_arrival:
+        out.append((f"threads_{threads}_batched_{batched_arrival}", threads, "threads", batched_arrival))
+    return out
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     n = a.samples
@@ -145,11 +158,8 @@ def main(argv=None) -> None:
         rates = {}
         print(json_line({"bench": "reward_pool", "reward": kind, "competitor": "one_at_a_time",
                           "samples_per_s": round(n / base, 1)}), flush=True)
-        competitors = [("threads_1", 1, "threads", 0), (f"threads_{a.threads}", a.threads, "threads", 0),
-                       (f"processes_{procs}", procs, "processes", 0)]
-        if hasattr(task, "score_batch"):
-            competitors.append((f"threads_{a.threads}_batched_{a.arrival}", a.threads, "threads", a.arrival))
-        for c, (name, workers, pool, arrival) in enumerate(competitors, start=1):
+        for c, (name, workers, pool, arrival) in enumerate(
+                competitors(a.threads, procs, a.arrival if hasattr(task, "score_batch") else 0), start=1):
             items, warm = batch(kind, n, offset=2 * c * n), batch(kind, workers, offset=(2 * c + 1) * n)
             scores, took, start_s = pooled(task, items, warm, workers, pool, arrival)
             assert scores == [1.0] * n, f"{name} scored {kind} as {scores}"  # the same rewards, whatever the pool

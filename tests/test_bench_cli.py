@@ -145,6 +145,25 @@ def test_planner_accuracy_reads_each_segments_own_timelines(monkeypatch, tmp_pat
     assert rows == {"batch": {"mode": "batch"}} and timelines == Path("/y/seg0")
 
 
+def test_planner_accuracy_refuses_timelines_a_later_run_rewrote(monkeypatch, tmp_path):
+    # a later pipeline_modes run into the same --logdir rewrote the timelines, and --measured
+    # read its stage times as the file's run's (review, s55): the summary's digests are checked
+    pa = load_bench("planner_accuracy", monkeypatch)
+    pm = load_bench("pipeline_modes", monkeypatch)
+    run = tmp_path / "pm"
+    run.mkdir()
+    (run / "timeline_batch.json").write_text('{"traceEvents": [1]}')
+    measured = tmp_path / "m.jsonl"
+    digests = {"batch": pm.file_digest(run / "timeline_batch.json")}
+    measured.write_text('{"mode": "batch"}\n' + json.dumps({"summary": True, "logdir": str(run),
+                                                             "timeline_digests": digests}) + "\n")
+    a = pa.parse_args(["--measured", str(measured), "--out", str(tmp_path)])
+    assert pa.measured_rows(a, "pm")[1] == run
+    (run / "timeline_batch.json").write_text('{"traceEvents": [2]}')  # another run's
+    with pytest.raises(SystemExit, match=r"timeline_batch.json is not the timeline of the run .*m.jsonl holds"):
+        pa.measured_rows(a, "pm")
+
+
 def test_explicit_flags_win_over_quick(monkeypatch):
     # --quick used to overwrite --prompts / --kv-tokens / --len-cap (skew_dispatch) and --segments
     # (planner_accuracy) whatever the command line said
@@ -229,3 +248,12 @@ def test_pipeline_modes_merges_rounds_by_their_own_keys(monkeypatch):
                       row({"gen1": 0.25, "train1": 0.5}, {"worker1": {"total": 2.0, "rpc": 0.75}})])
     assert m["busy_s"] == {"gen1": 0.75, "train1": 0.75} and m["bubble"] == {"rank1": 0.5}
     assert m["cpu_s"] == {"worker1": {"MainThread": 0.5, "rpc": 0.75, "total": 3.0}}
+
+
+def test_reward_pool_runs_each_competitor_once(monkeypatch):
+    # --threads 1 listed threads_1 twice: two lines of one name, the second overwriting the first (review, s55)
+    rp = load_bench("reward_pool", monkeypatch)
+    for threads in (1, 8):
+        names = [c[0] for c in rp.competitors(threads, 2, 8)]
+        assert len(names) == len(set(names)) and names[0] == "threads_1", names
+    assert [c[0] for c in rp.competitors(1, 2)] == ["threads_1", "processes_2"]

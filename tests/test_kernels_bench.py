@@ -65,6 +65,9 @@ def test_bench_rows_and_summary_on_cpu(monkeypatch, capsys):
     assert bk.op_speedup(ew, "rotary") == 1.0 and bk.geomean_speedup(ew, "torch_paged") is None
     assert bk.peak_gbps("NVIDIA H100 80GB HBM3") == 3350 and bk.peak_gbps("NVIDIA H200") == 4800
     assert bk.peak_gbps("NVIDIA H100 PCIe") == 2000 and bk.peak_gbps("Some GPU") is None
+    assert bk.peak_gbps("NVIDIA GH200 480GB") == 4000  # "GH200" holds "H200" (review, s55)
+    keys = [k for k, _ in bk.PEAK_GBPS]  # no entry is shadowed by an earlier one it contains
+    assert not [(a, b) for i, b in enumerate(keys) for a in keys[:i] if a in b]
 
 
 def test_wide_table_rows_on_cpu(monkeypatch):
