@@ -165,10 +165,10 @@ def merge_rounds(rows: list[dict]) -> dict:
 
 
 def cpu_snapshot() -> dict[str, dict[str, float]]:
-    """Per rank (controller + the two workers): CPU seconds per thread name (controller.rpc.thread_cpu)."""
+    """Per rank (controller + the two workers): CPU seconds per thread name (controller.process_state.thread_cpu)."""
     import torch.distributed.rpc as rpc
 
-    from controller.rpc import thread_cpu
+    from controller.process_state import thread_cpu
 
     out = {"controller": thread_cpu()}
     for r in (1, 2):
@@ -191,7 +191,7 @@ def controller(a) -> int:
     import torch.distributed.rpc as rpc
 
     from controller.bootstrap import ensure_model
-    from controller.rpc import request_exit
+    from controller.process_state import request_exit
     from workers.tasks.registry import make_task
     from workers.tokenizer import Tokenizer
 

@@ -14,7 +14,8 @@ from typing import Literal
 from controller import trackers
 from controller.config_types import ConfigError, key_hint
 from controller.modes import MODES
-from controller.rpc import COLLECTIVE_TIMEOUT_S, MAX_COLLECTIVE_TIMEOUT_S, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S
+from controller.process_state import COLLECTIVE_TIMEOUT_S, MAX_COLLECTIVE_TIMEOUT_S, RPC_TIMEOUT_S
+from controller.rpc import MAX_RPC_TIMEOUT_S
 from workers.config_schema import SEEDS, Range, expand_path, ranged
 from workers.types import GREEDY_BELOW, MAX_TEMPERATURE, MIN_SAMPLED_TEMPERATURE
 

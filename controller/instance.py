@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from controller.config import PipelineSection
-from controller.rpc import LOCAL
+from controller.process_state import LOCAL
 from controller.outbox import Outbox
 from controller.timeline import SpanRecorder
 from workers.types import EngineStats, Request

@@ -16,7 +16,8 @@ import torch.distributed.rpc as rpc
 from controller.attempt import ATTEMPT_KEY, store_key
 from controller.keepalive import Watchdog
 from controller.processes import close_roles, pick_device, rpc_options, serve
-from controller.rpc import LOCAL, worker_name
+from controller.process_state import LOCAL
+from controller.rpc import worker_name
 
 
 def _no_job(args, e: BaseException) -> int:

@@ -11,7 +11,8 @@ import torch.distributed.rpc as rpc
 
 from controller import keepalive
 from controller.prompt_check import ContextTooSmall
-from controller.rpc import LOCAL, WorkerFailed, request_exit, worker_name
+from controller.process_state import LOCAL, request_exit
+from controller.rpc import WorkerFailed, worker_name
 from controller.world import ModelMismatch, add_instance
 
 _ANNOUNCED: "queue.Queue[tuple[int, str]]" = queue.Queue()  # (rank, role) of --join processes not yet taken

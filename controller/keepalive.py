@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch.distributed.rpc as rpc
 
-from controller.rpc import LOCAL, is_peer_lost, is_timeout, ping, worker_name
+from controller.process_state import LOCAL, ping
+from controller.rpc import is_peer_lost, is_timeout, worker_name
 
 KEEPALIVE_S = 10.0  # how often the controller pings each worker (at most a quarter of rpc_timeout_s)
 OWN_GAP_S = 5.0  # a check this late means this process was stopped or starved: count afresh

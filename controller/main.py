@@ -54,7 +54,8 @@ limit_arenas()  # before torch starts its threads: a trainer's heap grew ~6 MB p
 import torch  # noqa: E402
 
 from controller.processes import run_rank  # noqa: E402
-from controller.rpc import LOCAL, MAX_RPC_TIMEOUT_S, RPC_TIMEOUT_S  # noqa: E402
+from controller.process_state import LOCAL, RPC_TIMEOUT_S  # noqa: E402
+from controller.rpc import MAX_RPC_TIMEOUT_S  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -23,7 +23,8 @@ import torch.distributed.rpc as rpc
 from controller import keepalive
 from controller.attempt import ATTEMPT_KEY, store_key
 from controller.keepalive import Watchdog
-from controller.rpc import LOCAL, worker_name
+from controller.process_state import LOCAL
+from controller.rpc import worker_name
 from workers.model import rank_device
 
 # The RPC group gets its own store (hosted by rank 0, one per torchrun restart attempt: a

@@ -19,7 +19,8 @@ from controller.config import ConfigError
 from controller.config_notes import config_notes
 from controller.config_overrides import set_behind
 from controller.joiners import dismiss_joiner, waiting as joiners_waiting
-from controller.rpc import LOCAL, WorkerFailed, gone_peers, request_exit, worker_name
+from controller.process_state import LOCAL, request_exit
+from controller.rpc import WorkerFailed, gone_peers, worker_name
 from controller.session import Session, error_line
 from controller.sgs import NoInstancesLeft
 from controller.stops import RunStopped

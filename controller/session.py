@@ -27,7 +27,8 @@ from controller.metrics import Metrics
 from controller.planner.adjust import ScaleOutPolicy
 from controller.program import Program
 from controller.run_record import plain, save_run_config
-from controller.rpc import LOCAL, SETUP_FACTOR, WorkerFailed, call_on, wait_all
+from controller.process_state import LOCAL
+from controller.rpc import SETUP_FACTOR, WorkerFailed, call_on, wait_all
 from controller.stops import RunStopped
 from controller.trackers import Fanout, make_trackers
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from controller.rpc import LOCAL
+from controller.process_state import LOCAL
 from workers.types import Sample
 
 

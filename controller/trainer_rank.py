@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from controller.modes import get_mode
-from controller.rpc import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
+from controller.process_state import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from controller.trainer_inbox import IterationInbox, sample_tokens
 from workers import heap

@@ -61,7 +61,7 @@ def test_thread_cpu_names_native_threads_by_their_os_name():
     import _thread
     import threading
 
-    from controller.rpc import thread_cpu
+    from controller.process_state import thread_cpu
 
     seen, done = threading.Event(), threading.Event()
 
@@ -222,7 +222,7 @@ def test_a_weight_push_gives_up_on_a_stuck_peer_after_rpc_timeout_s(monkeypatch)
 
     import workers.weight_sync as ws
     from controller.instance import GenerationInstance
-    from controller.rpc import LOCAL
+    from controller.process_state import LOCAL
     from controller.timeline import SpanRecorder
     from controller.trainer_rank import TrainerRank
 

@@ -105,7 +105,7 @@ def test_a_signal_after_the_run_ended_keeps_the_exit_code_said(tmp_path):
     exit 130 (an SRE audit's run). One process imports the controller, a fork per case."""
     prog = f"""
 import json, os, sys
-from controller.rpc import LOCAL
+from controller.process_state import LOCAL
 from controller.main import _interrupted
 out = {{}}
 for outcome in (None, 1, 0):
@@ -137,7 +137,7 @@ def test_a_sigterm_after_a_worker_was_found_lost_names_that_worker(monkeypatch, 
     def leave(code):
         raise SystemExit(code)
 
-    from controller.rpc import LOCAL
+    from controller.process_state import LOCAL
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -200,7 +200,8 @@ def test_a_signal_while_the_logs_close_keeps_the_exit_code_said(monkeypatch, cap
     import types
 
     from controller import runner
-    from controller.rpc import LOCAL, WorkerFailed
+    from controller.process_state import LOCAL
+    from controller.rpc import WorkerFailed
 
     monkeypatch.setattr(LOCAL, "outcome", None)
 

@@ -20,7 +20,7 @@ EVERY_S = 0.2  # the keepalive's period here (10 s in a run)
 
 def serving() -> bool:
     """RPC probe on a worker: still in its serving loop (it has not left on its own)."""
-    from controller.rpc import LOCAL
+    from controller.process_state import LOCAL
 
     return not LOCAL.left_because
 
@@ -30,11 +30,13 @@ def _scenario(rank: int, world: int, rpc_port: int):
 
     from controller import keepalive
     from controller import rpc as crpc
+    from controller.process_state import LOCAL as local
+    from controller.process_state import request_exit
     from controller.processes import rpc_options, serve
 
     opts = rpc_options(30, f"tcp://127.0.0.1:{rpc_port}")  # the run's transport (libuv)
     rpc.init_rpc(crpc.worker_name(rank), rank=rank, world_size=world, rpc_backend_options=opts)
-    crpc.LOCAL.rank = rank
+    local.rank = rank
     out = {}
     if rank == 0:
         keepalive.watch(1, 2)
@@ -51,7 +53,7 @@ def _scenario(rank: int, world: int, rpc_port: int):
         out["2_serving_after_its_stop"] = rpc.rpc_sync("worker2", serving)
         out["watched_after"] = keepalive.watched()
         try:
-            rpc.rpc_sync("worker2", crpc.request_exit, args=(0,))
+            rpc.rpc_sync("worker2", request_exit, args=(0,))
         except RuntimeError:  # delivered: the rank may leave before its answer is sent (EOF here);
             pass  # had it not been, it would leave on its own with code 1, which the test refuses
         pinger.stop()
@@ -90,7 +92,7 @@ def test_a_worker_stopped_itself_does_not_blame_the_controller(results):
 
 def test_watchdog_counts_silence_but_not_its_own_stops(monkeypatch):
     from controller import keepalive
-    from controller.rpc import LOCAL
+    from controller.process_state import LOCAL
 
     now = [100.0]
     dog = keepalive.Watchdog(10.0, clock=lambda: now[0])

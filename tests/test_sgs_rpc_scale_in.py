@@ -51,7 +51,7 @@ class RecordingTrainer:
     """The trainer rank's place (rank 3): records every sample it is sent, duplicates included."""
 
     def __init__(self):
-        from controller.rpc import LOCAL
+        from controller.process_state import LOCAL
 
         self.records: list[tuple[int, int]] = []  # (sample_id, output tokens), in arrival order
         self._cond = threading.Condition()
@@ -163,7 +163,8 @@ def _rank(rank: int, world_size: int, rpc_port: int, model_dir: str):
     import torch.distributed.rpc as rpc
 
     from controller.processes import rpc_options
-    from controller.rpc import LOCAL, worker_name
+    from controller.process_state import LOCAL
+    from controller.rpc import worker_name
 
     torch.set_num_threads(1)
     LOCAL.rank = rank

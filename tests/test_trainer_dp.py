@@ -108,7 +108,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
 def _late_peer(rank, world, late_s, rpc_timeout_s, collective_timeout_s):
     import time
 
-    from controller.rpc import LOCAL, subgroup
+    from controller.process_state import LOCAL, subgroup
 
     LOCAL.has_process_group, LOCAL.rpc_timeout_s = True, rpc_timeout_s
     group = subgroup([0, 1], collective_timeout_s)
@@ -124,7 +124,7 @@ def _late_peer(rank, world, late_s, rpc_timeout_s, collective_timeout_s):
 
 
 def test_dp_subgroup_waits_for_a_late_peer_past_rpc_timeout():
-    # real gloo ranks: the trainers' DP group is made by controller.rpc.subgroup. A peer still
+    # real gloo ranks: the trainers' DP group is made by controller.process_state.subgroup. A peer still
     # scoring its samples is waited for past rpc_timeout_s (the run died after 300 s, the error
     # naming the rank that waited); liveness is the heartbeat's (rpc_timeout_s)
     out = run_local(2, _late_peer, 3.0, 1.0, 30.0)

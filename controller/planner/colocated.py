@@ -95,7 +95,7 @@ class _SampleSink:
 
 def _generate(iteration: int, requests: list[Request]) -> dict[str, float]:
     """Worker side (RPC target): run this process's instance on ``requests``."""
-    from controller.rpc import LOCAL
+    from controller.process_state import LOCAL
 
     inst = LOCAL.roles["generation"]
     c0, q0 = schedstat()
@@ -107,7 +107,7 @@ def _generate(iteration: int, requests: list[Request]) -> dict[str, float]:
 
 
 def _received() -> int:
-    from controller.rpc import LOCAL
+    from controller.process_state import LOCAL
 
     return LOCAL.roles["trainer"].samples
 
@@ -119,7 +119,8 @@ def _rank(rank: int, world_size: int, engine_cfg, model_dir: str, batches, windo
 
     from controller.instance import GenerationInstance
     from controller.processes import rpc_options
-    from controller.rpc import LOCAL, worker_name
+    from controller.process_state import LOCAL
+    from controller.rpc import worker_name
     from controller.trainer_address import TrainerAddress
     from workers.weight_sync.localrun import free_port
 
