@@ -260,7 +260,21 @@ class Program:
         self.spans.add("wait_push", t0, time.time(), self.iteration)
 
     def _push(self, version: int) -> "Push":
-        return Push(self.world.push_weights(version))
+        self._last_push = Push(self.world.push_weights(version))
+        return self._last_push
+
+    def save_trainers(self, folder: str) -> str:
+        """Every trainer rank saves its part into ``folder`` (rank 0 writes; a sharded optimizer's
+        shares reach it); -> rank 0's folder. The last weight push is waited for first: the lag-1
+        modes record, and save, an iteration while its push is in flight, and a save gathers over
+        the trainers' group (the RNG states always, a sharded optimizer's shares), which must not
+        run beside the push's sends (NCCL: two communicators from two threads). A wait on each
+        rank alone could deadlock: one rank's save in the gather, another's behind its push,
+        whose buckets the receivers take in order (review, s55)."""
+        push = getattr(self, "_last_push", None)
+        if push is not None and not push.waiting.cancelled.is_set():  # a push waited for (or failed) is done
+            push.wait(self)
+        return wait_all([t.call("save_checkpoint", folder) for t in self.world.trainers])[0]
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, k: int, keep: bool = True) -> list[IterationResult]:

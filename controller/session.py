@@ -314,13 +314,10 @@ class Session:
                                      self.program.mode.name, list(self.metrics.rewards), {},
                                      list(self.program.ranker_rows))
 
-        def save_trainer(folder: str) -> str:  # rank 0 writes; a sharded optimizer's shares reach it
-            return wait_all([t.call("save_checkpoint", folder) for t in self.world.trainers])[0]
-
         root = self.logdir / "checkpoints"
         try:
             with self.metrics.timed("save", next_iteration - 1):
-                saved = ckpt.save(root, state, save_trainer,
+                saved = ckpt.save(root, state, self.program.save_trainers,
                                   self.ranker if self.cfg.ranker.update_every else None)
         except (OSError, ValueError, WorkerFailed) as e:  # a full disk, an unwritable folder (here or on the trainer)
             if isinstance(e, WorkerFailed) and e.lost:

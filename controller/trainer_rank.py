@@ -89,10 +89,6 @@ class TrainerRank:
         self._ready: set[int] = set()  # iterations fully consumed, waiting for step()
         self._error: str | None = None
         self._cond = threading.Condition()
-        # a save's gathers over the trainer group wait for this rank's push to end (lag-1 modes
-        # record, and save, an iteration while its push is in flight; NCCL: two communicators
-        # must not run from two threads at once)
-        self._sending = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._consume_loop, daemon=True, name="consumer")
         self._thread.start()
@@ -346,10 +342,9 @@ class TrainerRank:
             raise RuntimeError(f"trainer rank {self.rank}: asked to send weights version {version}, "
                                f"holds version {self.worker.version}")
         wire = {s.name: s.dtype for s in plan.slots}  # the engines' dtype (tensor_spec): bf16 halves the bytes
-        with self._sending:
-            named = [(k, v.detach().to(LOCAL.comm_device, dtype=wire.get(k, v.dtype), copy=True))
-                     for k, v in self.worker.named_weights()]
-            WeightSyncSender(plan, self.rank, timeout_s=LOCAL.rpc_timeout_s).push(named, version)
+        named = [(k, v.detach().to(LOCAL.comm_device, dtype=wire.get(k, v.dtype), copy=True))
+                 for k, v in self.worker.named_weights()]
+        WeightSyncSender(plan, self.rank, timeout_s=LOCAL.rpc_timeout_s).push(named, version)
         self.spans.add("weight_sync", t0, time.time(), version)
         return time.time() - t0
 
@@ -363,8 +358,7 @@ class TrainerRank:
                            for k, v in self.worker.named_weights())
 
     def save_checkpoint(self, folder: str) -> str:
-        with self._sending:
-            self.worker.save_checkpoint(folder)
+        self.worker.save_checkpoint(folder)
         return folder
 
     def load_checkpoint(self, folder: str) -> int:

@@ -175,44 +175,42 @@ def test_verls_optimizer_offload_points_to_shard_optimizer():
         from_dict({"trainer": {"optimizer_offload": True}})
 
 
-def test_a_save_waits_for_its_ranks_push_in_flight(tiny_model, monkeypatch):  # noqa: F811
-    """The lag-1 modes record, and save, an iteration while its weight push is in flight; a
-    save gathers over the trainer group (the RNG states always, a sharded optimizer's shares),
-    which must not run beside the push's sends (NCCL: two communicators from two threads). The
-    rank's save waits for its push to end. In-process: the sender is held on an Event."""
+def test_the_trainers_save_after_the_push_in_flight_ends():
+    """``Program.save_trainers``: the lag-1 modes record, and save, an iteration while its weight
+    push is in flight; a save gathers over the trainer group (the RNG states always, a sharded
+    optimizer's shares), which must not run beside the push's sends. The push is waited for
+    before any rank is asked to save, whatever the trainer config (only a sharded optimizer's save
+    waited until session 55), and a push already waited for (or failed) is not waited again."""
     import threading
+    from types import SimpleNamespace
 
-    import workers.weight_sync
-    from controller.trainer_rank import TrainerRank
+    from controller.program import Program
 
-    sending, release, order = threading.Event(), threading.Event(), []
+    order = []
 
-    class HeldSender:
-        def __init__(self, *a, **kw):
-            pass
+    import torch
 
-        def push(self, named, version):
-            sending.set()
-            release.wait(30)
-            order.append("push ended")
+    from controller.rpc import Call
 
-    monkeypatch.setattr(workers.weight_sync, "WeightSyncSender", HeldSender)
-    rank = TrainerRank(0, [0], TrainerConfig(algorithm="grpo"), tiny_model, "synthetic", TASK)
-    monkeypatch.setattr(rank.worker, "save_checkpoint", lambda folder: order.append("save"))
-    try:
-        push = threading.Thread(target=rank.push_weights, args=(None, rank.worker.version))
-        push.start()
-        assert sending.wait(30)
-        save = threading.Thread(target=rank.save_checkpoint, args=("unused",))
-        save.start()
-        save.join(0.5)
-        assert order == [] and save.is_alive()  # held while the push sends
-        release.set()
-        push.join(30)
-        save.join(30)
-        assert order == ["push ended", "save"]
-        rank.save_checkpoint("again")  # no push in flight: at once
-        assert order[-1] == "save"
-    finally:
-        release.set()
-        rank.close()
+    class Trainer:  # stands in for a WorkerHandle: a real Call over a settled torch future
+        rank, role, name, alive = 2, "trainer", "worker2", True
+
+        def call(self, method, folder):
+            order.append(method)
+            fut = torch.futures.Future()
+            fut.set_result(folder)
+            return Call(self, method, fut)
+
+    p = Program.__new__(Program)
+    p.world = SimpleNamespace(trainers=[Trainer(), Trainer()])
+    assert p.save_trainers("ck") == "ck" and order == ["save_checkpoint"] * 2  # no push yet
+    order.clear()
+    push = SimpleNamespace(waiting=SimpleNamespace(cancelled=threading.Event()),
+                           wait=lambda prog: order.append("push waited"))
+    p._last_push = push
+    p.save_trainers("ck")
+    assert order == ["push waited", "save_checkpoint", "save_checkpoint"]
+    order.clear()
+    push.waiting.cancelled.set()  # what _wait_push leaves behind, done or failed
+    p.save_trainers("ck")
+    assert order == ["save_checkpoint"] * 2
