@@ -129,7 +129,7 @@ class GenerationInstance:
         that joined later, outside the weight-sync group). The instance asks, the trainer only
         answers: if this process dies meanwhile, the trainer loses one reply, not its process."""
         t0 = time.time()
-        named = self.trainers[0].rpc_async(timeout).weights_for(version).wait()
+        named = self.trainers[0].rpc_async(timeout).weights_for(version, self.weight_dtype()).wait()
         self.spans.add("weight_sync", t0, time.time(), version)
         return self.stage_weights(named, version)
 

@@ -23,8 +23,8 @@ def receive_samples(samples: list[Sample]) -> int:
     return LOCAL.roles["trainer"].receive(samples)
 
 
-def weights_for(version: int) -> dict[str, torch.Tensor]:
-    return LOCAL.roles["trainer"].weights_for(version)
+def weights_for(version: int, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    return LOCAL.roles["trainer"].weights_for(version, dtype)
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class _TrainerCalls:
 
         return rpc.rpc_async(self.to, receive_samples, args=(samples,), timeout=self.timeout)
 
-    def weights_for(self, version: int):
+    def weights_for(self, version: int, dtype: str | None = None):
         import torch.distributed.rpc as rpc
 
-        return rpc.rpc_async(self.to, weights_for, args=(version,), timeout=self.timeout)
+        return rpc.rpc_async(self.to, weights_for, args=(version, dtype), timeout=self.timeout)
 
 
 @dataclass(frozen=True)

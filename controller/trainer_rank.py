@@ -321,15 +321,20 @@ class TrainerRank:
             raise RuntimeError(f"train{self.rank}: consumer failed:\n{self._error}")
 
     # ---- weights, checkpoints, stats -----------------------------------------------------
-    def weights_for(self, version: int) -> dict[str, torch.Tensor]:
+    def weights_for(self, version: int, dtype: str | None = None) -> dict[str, torch.Tensor]:
         """The current weights as CPU named tensors, for an instance that pulls them (joined
-        instances). The instance asks and the trainer only answers, so an instance that dies
-        meanwhile costs one failed reply."""
+        instances), in its engine's ``dtype`` when it says one of ``WIRE_DTYPES`` (a bf16 joiner
+        is sent half the bytes). The instance asks and the trainer only answers, so an instance
+        that dies meanwhile costs one failed reply."""
+        from controller.world import wire_dtype
         if version != self.worker.version:
             raise RuntimeError(f"train{self.rank}: weights of version {version} asked for, "
                                f"the trainer holds version {self.worker.version}")
         t0 = time.time()
-        named = {k: v.detach().to("cpu", copy=True) for k, v in self.worker.named_weights()}
+        wire = wire_dtype([dtype])
+        cast = None if wire is None else getattr(torch, wire.removeprefix("torch."))
+        named = {k: v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else v.dtype,
+                                  copy=True) for k, v in self.worker.named_weights()}
         self.spans.add("weight_sync", t0, time.time(), version)
         return named
 

@@ -20,19 +20,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.instance import GenerationInstance
-from controller.rpc import Call, WorkerHandle, construct, create, settle, wait_all, waited
+from controller.rpc import Call, WorkerFailed, WorkerHandle, construct, create, settle, wait_all, waited
 from controller.sgs import SGS, default_profile
 from controller.trainer_rank import TrainerRank
 from workers.weight_sync import WeightSyncConfig
 
 
+WIRE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")  # what weights are sent in
+
+
+def engine_dtypes(handles: list[WorkerHandle]) -> list[str | None]:
+    """Each live instance's engine weight dtype (``GenerationInstance.weight_dtype``); one that
+    failed to answer is left out: it is gone, and the push to it fails and is handled as a loss
+    (the query stopped the run; review, s55)."""
+    out = []
+    for call in [h.call("weight_dtype") for h in handles]:
+        try:
+            out.append(call.wait())
+        except WorkerFailed:
+            continue
+    return out
+
+
 def wire_dtype(engine_dtypes: list[str | None]) -> str | None:
     """The dtype weight sync sends in: the engines' own when they agree on it, else the widest
-    (fp32 over bf16); None (the trainer's fp32) when an engine does not say, or two 16-bit
-    kinds differ (bf16 and fp16: only fp32 holds both exactly)."""
+    (fp32 over bf16); None (the trainer's fp32) when an engine does not say, says something
+    other than a float dtype of ``WIRE_DTYPES`` (a user's engine: int8 would truncate the
+    weights), or two 16-bit kinds differ (bf16 and fp16: only fp32 holds both exactly)."""
     import torch
 
-    if not engine_dtypes or None in engine_dtypes:
+    if not engine_dtypes or any(d not in WIRE_DTYPES for d in engine_dtypes):
         return None
     kinds = {getattr(torch, d.removeprefix("torch.")) for d in engine_dtypes}
     widest = max(kinds, key=lambda d: d.itemsize)
@@ -76,8 +93,7 @@ class World:
             # the buckets, so no one NIC carries the whole model
             senders = self.trainers
             if self._spec is None:  # in the engines' dtype: a bf16 engine is sent bf16, half of fp32
-                self._spec = senders[0].call("tensor_spec", wire_dtype(wait_all([h.call("weight_dtype")
-                                                                                 for h in tree]))).wait()
+                self._spec = senders[0].call("tensor_spec", wire_dtype(engine_dtypes(tree))).wait()
             plan = self.sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
             if (plan.senders, plan.receivers) != self._described:
                 self._described = (plan.senders, plan.receivers)
@@ -94,8 +110,6 @@ class World:
     def drain_spans(self) -> list:
         """Spans of every worker; a generation instance that vanished meanwhile is skipped
         (the SGS notices and re-dispatches when its ``generate`` fails)."""
-        from controller.rpc import WorkerFailed
-
         out = []
         for c in [h.call("drain_spans") for h in self.trainers + self.sgs.handles]:
             try:

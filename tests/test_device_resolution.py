@@ -55,6 +55,15 @@ def test_a_named_device_is_kept(eight_gpus):
     assert resolve_device("cpu") == torch.device("cpu")
 
 
+def test_outside_a_launcher_the_current_gpu_is_kept(monkeypatch):
+    """No ``LOCAL_RANK`` (a script that called ``torch.cuda.set_device(1)``): "cuda" is its GPU 1,
+    as torch reads it, not GPU 0 (diff review, s55)."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with mock.patch("torch.cuda.is_available", lambda: True), mock.patch("torch.cuda.device_count", lambda: 8), \
+            mock.patch("torch.cuda.current_device", lambda: 1):
+        assert resolve_device("cuda") == resolve_device("") == torch.device("cuda", 1)
+
+
 def test_no_gpu_resolves_to_the_cpu(monkeypatch):
     with mock.patch("torch.cuda.is_available", lambda: False):
         assert resolve_device("") == torch.device("cpu")

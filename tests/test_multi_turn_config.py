@@ -61,12 +61,17 @@ def test_an_env_that_cannot_take_task_and_messages_is_refused_at_load(tmp_path):
     (tmp_path / "envs.py").write_text(
         "def one(messages):\n    return None\n\n\ndef needs(task, messages, budget):\n    return None\n\n\n"
         "def traj(task, messages, trajectory):\n    return None\n\n\ndef star(*args, **kw):\n    return None\n\n\n"
-        "class Narrow:\n    def __call__(self, messages):\n        return None\n")
+        "class Narrow:\n    def __call__(self, messages):\n        return None\n\n\n"
+        "class Static:\n    @staticmethod\n    def __call__(task, messages):\n        return None\n\n\n"
+        "import functools\n\n\ndef with_client(fn):\n    @functools.wraps(fn)\n"
+        "    def wrapper(task, messages):\n        return fn(None, task, messages)\n    return wrapper\n\n\n"
+        "@with_client\ndef injected(client, task, messages):\n    return None\n\n\n"
+        "async def coro(task, messages):\n    return None\n")
     env = f"{tmp_path / 'envs.py'}"
     assert "multi_turn.env: '" + env + ":one' takes (messages): " in _error({"multi_turn": {"env": f"{env}:one"}})
     assert "takes (task, messages, budget)" in _error({"multi_turn": {"env": f"{env}:needs"}})
     assert "takes (messages)" in _error({"multi_turn": {"env": f"{env}:Narrow"}})
-    for fine in ("traj", "star"):
+    for fine in ("traj", "star", "Static", "injected", "coro"):  # (the last three: diff review, s55)
         assert from_dict({"multi_turn": {"env": f"{env}:{fine}"}}).multi_turn.on
 
 

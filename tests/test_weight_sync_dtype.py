@@ -17,6 +17,35 @@ def test_the_wire_dtype_is_the_engines_or_the_widest_or_the_trainers():
     assert wire_dtype(["torch.bfloat16", "torch.float16"]) is None  # only fp32 holds both exactly
     assert wire_dtype(["torch.bfloat16", None]) is None  # an engine that does not say: the trainer's
     assert wire_dtype([]) is None
+    for odd in ("torch.int8", "torch.float8_e4m3fn", "auto", "bf16"):  # a user's engine: not sent as that
+        assert wire_dtype([odd]) is None and wire_dtype(["torch.bfloat16", odd]) is None, odd
+
+
+def test_an_instance_lost_before_the_first_push_is_left_out_of_the_dtype_query():
+    """The query raised out of push_weights and stopped the run; the push to the lost instance
+    fails on its own and is handled as a loss (diff review, s55)."""
+    import torch.futures
+
+    from controller.rpc import Call
+    from controller.world import engine_dtypes
+
+    class Handle:
+        role, alive = "generation", True
+
+        def __init__(self, rank, answer):
+            self.rank, self.name, self.answer = rank, f"worker{rank}", answer
+
+        def call(self, method):
+            fut = torch.futures.Future()
+            if isinstance(self.answer, Exception):
+                fut.set_exception(self.answer)
+            else:
+                fut.set_result(self.answer)
+            return Call(self, method, fut)
+
+    gone = RuntimeError("worker3: EOF: the process is gone (connection reset by peer)")
+    got = engine_dtypes([Handle(1, "torch.bfloat16"), Handle(3, gone)])
+    assert got == ["torch.bfloat16"]
 
 
 def test_a_trainer_rank_sends_its_masters_rounded_to_the_plans_dtype(tiny_model, monkeypatch):  # noqa: F811
@@ -44,6 +73,10 @@ def test_a_trainer_rank_sends_its_masters_rounded_to_the_plans_dtype(tiny_model,
         plan = plan_sync(Topology(), [0], [1], spec, 1 << 20)
         fp32 = plan_sync(Topology(), [0], [1], rank.tensor_spec(), 1 << 20)
         assert plan.model_bytes() * 2 == fp32.model_bytes()
+        pulled = rank.weights_for(rank.worker.version, "torch.bfloat16")  # a joiner's pull, in its engine's dtype
+        assert all(v.dtype == torch.bfloat16 and torch.equal(v, masters[k].detach().to(torch.bfloat16))
+                   for k, v in pulled.items())
+        assert {v.dtype for v in rank.weights_for(rank.worker.version, "torch.int8").values()} == {torch.float32}
         t = threading.Thread(target=rank.push_weights, args=(plan, rank.worker.version))
         t.start()
         t.join(60)

@@ -264,11 +264,14 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 def rank_device(local_rank: int | None = None) -> torch.device:
     """This process's device: GPU ``local_rank`` (default ``LOCAL_RANK``, as the launcher gave it)
     modulo the GPUs there, or the CPU. Not the calling thread's current device: a thread the
-    process starts (a reward pool's) begins on GPU 0."""
+    process starts (a reward pool's, torch RPC's) begins on GPU 0. Outside a launcher (no
+    ``LOCAL_RANK``: a script, a notebook) the current device, as ``torch.cuda.set_device`` left it."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if "LOCAL_RANK" not in os.environ:
+            return torch.device("cuda", torch.cuda.current_device())
+        local_rank = int(os.environ["LOCAL_RANK"])
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 

@@ -40,18 +40,26 @@ def _check_call(env, spec: str) -> None:
     """Refuse at start an environment that cannot be called as ``env(task, messages)`` (with
     ``trajectory=`` when it names one): it failed every tool call of the run, each sample
     skipped, and the run ended with exit 0 (review, s55)."""
-    call, bound = (env.__call__, (None,)) if inspect.isclass(env) else (env, ())
-    try:
-        sig = inspect.signature(call)
-    except (TypeError, ValueError):  # a builtin: trust it
-        return
-    extra = {"trajectory": ""} if "trajectory" in sig.parameters else {}
-    try:
-        sig.bind(*bound, None, [], **extra)
-    except TypeError as e:
-        takes = ", ".join(list(sig.parameters)[len(bound):])
-        raise ValueError(f"multi_turn.env: {spec!r} takes ({takes}): {e}; an environment is called as "
-                         "env(task, messages), and may take a trajectory keyword") from None
+    call, bound = env, ()
+    if inspect.isclass(env):  # its instances are called: __call__ (a staticmethod's takes no self)
+        call = env.__call__
+        if not isinstance(inspect.getattr_static(env, "__call__"), (staticmethod, classmethod)):
+            bound = (None,)
+    problems = []
+    for follow in (True, False):  # a decorator's wrapper may take other arguments than what it wraps
+        try:
+            sig = inspect.signature(call, follow_wrapped=follow)
+        except (TypeError, ValueError):  # a builtin: trust it
+            return
+        extra = {"trajectory": ""} if "trajectory" in sig.parameters else {}
+        try:
+            sig.bind(*bound, None, [], **extra)
+            return
+        except TypeError as e:
+            problems.append((", ".join(list(sig.parameters)[len(bound):]), e))
+    takes, e = problems[0]
+    raise ValueError(f"multi_turn.env: {spec!r} takes ({takes}): {e}; an environment is called as "
+                     "env(task, messages), and may take a trajectory keyword") from None
 
 
 def make_env(spec: str) -> Callable:
