@@ -105,6 +105,17 @@ class Sample:
         """The sum of ``env_rewards``: what the trainer adds to the task's score."""
         return float(sum(self.env_rewards))
 
+    @classmethod
+    def of(cls, req: "Request", output_ids, logprobs, weight_version: int, finish_reason: str,
+           timings: dict[str, float], **extra) -> "Sample":
+        """The sample of ``req``: what it carries over from the request (id, prompt, group,
+        ``min_tokens``, ``baseline``) said once for every engine; ``extra``: other fields."""
+        return cls(sample_id=req.sample_id, prompt_ids=req.prompt_ids,
+                   output_ids=torch.as_tensor(output_ids, dtype=torch.int64),
+                   logprobs=torch.as_tensor(logprobs, dtype=torch.float32), weight_version=weight_version,
+                   finish_reason=finish_reason, group_id=req.group_id, timings=dict(timings),
+                   min_tokens=int(req.min_tokens), baseline=req.baseline, **extra)
+
 
 @dataclass
 class EngineStats:

@@ -103,14 +103,9 @@ class Trajectory:
         self.timings["finished"] = s.timings.get("finished", 0.0)
 
     def sample(self, finish_reason: str) -> Sample:
-        r = self.request
-        return Sample(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
-                      output_ids=torch.tensor(self.output, dtype=torch.int64),
-                      logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
-                      weight_version=self.weight_version, finish_reason=finish_reason, group_id=r.group_id,
-                      timings=dict(self.timings), min_tokens=int(r.min_tokens), baseline=r.baseline,
-                      loss_mask=torch.tensor(self.mask, dtype=torch.bool), turns=self.turns,
-                      env_rewards=tuple(self.env_rewards))
+        return Sample.of(self.request, self.output, self.logprobs, self.weight_version, finish_reason,
+                         self.timings, loss_mask=torch.tensor(self.mask, dtype=torch.bool), turns=self.turns,
+                         env_rewards=tuple(self.env_rewards))
 
 
 @dataclass

@@ -69,13 +69,8 @@ class Sequence:
         self.timings.pop("first_token", None)
 
     def to_sample(self, finish_reason: str, weight_version: int) -> Sample:
-        r = self.request
-        return Sample(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
-                      output_ids=torch.tensor(self.tokens[self.prompt_len:], dtype=torch.int64),
-                      logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
-                      weight_version=weight_version, finish_reason=finish_reason,
-                      group_id=r.group_id, timings=dict(self.timings), min_tokens=int(r.min_tokens),
-                      baseline=r.baseline)
+        return Sample.of(self.request, self.tokens[self.prompt_len:], self.logprobs, weight_version,
+                         finish_reason, self.timings)
 
 
 def error_sample(req: Request, why: str, weight_version: int) -> Sample:

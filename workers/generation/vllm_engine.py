@@ -35,6 +35,7 @@ from workers.generation.admission import admission_key
 from workers.generation.config import EngineConfig
 from workers.generation.request_check import (check_batch_cap, check_eos_ids, check_requests, check_tied,
                                               check_weights, hashable, refusal)
+from workers.generation.sequence import error_sample
 from workers.generation.token_rate import TokenRate
 from workers.generation.vllm_stats import StatsTap
 from workers.model import CausalLM, ModelConfig
@@ -187,7 +188,7 @@ class VLLMEngine:
         for i, req in enumerate(requests):
             why = refusal(req, self.vocab_size, self.max_model_len, self._sample_ids)
             if why is not None:
-                refused.append(self._error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}"))
+                refused.append(error_sample(req, f"request {i} (sample_id {req.sample_id}): {why}", self.weight_version))
                 continue
             # the ids as they are now (the caller may reuse its tensor before the request enters vLLM)
             heapq.heappush(self._queue, _Queued((self._admission(req), next(self._arrival)), req, now,
@@ -209,8 +210,8 @@ class VLLMEngine:
                                      priority=vllm_args.priority(q.req, self.cfg.admission))
             except self._request_errors as e:
                 self._sample_ids.discard(q.req.sample_id)
-                self._late_errors.append(self._error_sample(
-                    q.req, f"sample_id {q.req.sample_id}: refused by vLLM: {type(e).__name__}: {e}"))
+                self._late_errors.append(error_sample(
+                    q.req, f"sample_id {q.req.sample_id}: refused by vLLM: {type(e).__name__}: {e}", self.weight_version))
                 continue
             except BaseException:  # (vLLM's server side, a Ctrl-C): queued again, not lost, and raised
                 heapq.heappush(self._queue, q)
@@ -288,21 +289,8 @@ class VLLMEngine:
             for key, ts in (("admitted", m.scheduled_ts), ("first_token", m.first_token_ts)):
                 if ts:
                     timings[key] = ts + self._clock_offset
-        r = q.req
-        return Sample(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
-                      output_ids=torch.tensor(ids, dtype=torch.int64),
-                      logprobs=torch.tensor(lps, dtype=torch.float32),
-                      weight_version=self.weight_version, finish_reason=reason, group_id=r.group_id,
-                      error="" if reason != "error" else f"vLLM finish_reason {c.finish_reason!r}",
-                      timings=timings, min_tokens=int(r.min_tokens), baseline=r.baseline)
-
-    def _error_sample(self, req: Request, why: str) -> Sample:
-        prompt = req.prompt_ids if isinstance(req.prompt_ids, torch.Tensor) else torch.empty(0, dtype=torch.int64)
-        now = time.time()
-        return Sample(sample_id=req.sample_id, prompt_ids=prompt, output_ids=torch.empty(0, dtype=torch.int64),
-                      logprobs=torch.empty(0, dtype=torch.float32), weight_version=self.weight_version,
-                      finish_reason="error", group_id=req.group_id, error=why,
-                      timings={"queued": now, "finished": now}, baseline=req.baseline)
+        return Sample.of(q.req, ids, lps, self.weight_version, reason, timings,
+                         error="" if reason != "error" else f"vLLM finish_reason {c.finish_reason!r}")
 
     # ---- control -------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
