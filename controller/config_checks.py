@@ -227,7 +227,7 @@ def _check_registries(cfg: Config) -> None:
     dispatcher, ranker kind), the dispatcher's options (building one is cheap and pure) and its
     profile file; a task's kwargs are checked when the controller builds it, before any other
     work."""
-    from controller.scheduling import DISPATCHERS, PTLProfile, make_dispatcher, runnable
+    from controller.scheduling import DISPATCHERS, ON_ESTIMATES, PTLProfile, make_dispatcher, runnable
     from workers.tasks.registry import task_factory
 
     try:
@@ -265,7 +265,7 @@ def _check_registries(cfg: Config) -> None:
             raise ConfigError(f"dispatch.profile: {e}") from None
     if cfg.ranker.kind != "none":
         _check_ranker(cfg.ranker)
-    elif cfg.dispatch.name in ("skew", "skew_paper"):
+    elif cfg.dispatch.name in ON_ESTIMATES:
         # every estimate would be max_tokens: skew plans what round_robin does, skew_paper caps
         # every batch for full-length sequences and puts the first 20% of requests in its
         # long-tail class (~2x round_robin's makespan in a simulation of a lognormal batch)

@@ -53,7 +53,9 @@ def check_unused(cfg: "Config") -> None:
     if cfg.ranker.kind == "none" and e.admission == "lpt":  # (as dispatch.name: skew, config_checks)
         raise ConfigError("engine.admission: lpt admits the longest estimate first, and ranker.kind: none gives "
                           "every request the same one (max_tokens): it is fcfs; set ranker.kind, or drop it")
-    if cfg.ranker.kind == "none" and dict(cfg.dispatch.options).get("order") == "lpt":
+    from controller.scheduling import needs_ranker
+
+    if cfg.ranker.kind == "none" and needs_ranker("", cfg.dispatch.options):
         raise ConfigError("dispatch.options.order: lpt orders by estimate, and ranker.kind: none gives every "
                           "request the same one (max_tokens); set ranker.kind, or drop it")
     if cfg.pipeline.mode == "colocated":

@@ -306,6 +306,20 @@ DISPATCHER_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+ON_ESTIMATES = ("skew", "skew_paper")  # dispatchers that split a batch by its length estimates
+
+
+def needs_ranker(name: str, options: Mapping | None = None) -> str:
+    """Why dispatcher ``name`` with ``options`` acts on a ranker's output-length estimates
+    (without one every request's is max_tokens), or '': the one rule the config checks, the
+    unused-key checks and the REPL's ``dispatch`` apply."""
+    if name in ON_ESTIMATES:
+        return "dispatches on output-length estimates"
+    if dict(options or {}).get("order") == "lpt":
+        return "orders by output-length estimate"
+    return ""
+
+
 def runnable(d: Dispatcher) -> Dispatcher:
     """``d``, if a training run can use it: the oracle plans on the true output lengths, which
     only a benchmark knows (bench/skew_dispatch.py); a run has only the ranker's estimates."""

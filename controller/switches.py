@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from controller.config_checks import ConfigError, check_staleness
 from controller.modes import get_mode
-from controller.scheduling import make_dispatcher, runnable
+from controller.scheduling import ON_ESTIMATES, make_dispatcher, needs_ranker, runnable
 
 
 def switch_mode(program, name: str) -> None:
@@ -25,12 +25,11 @@ def switch_mode(program, name: str) -> None:
 
 def switch_dispatcher(program, name: str, **options) -> None:
     dispatcher = runnable(make_dispatcher(name, **options))
-    if name in ("skew", "skew_paper") and program.ranker is None:  # as config_checks refuses it
-        raise ValueError(f"dispatch {name} dispatches on output-length estimates; this run has no ranker "
-                         "(ranker.kind: none), so every request's is max_tokens")
-    if options.get("order") == "lpt" and program.ranker is None:  # (config_unused refuses it at load)
-        raise ValueError("dispatch order=lpt orders by output-length estimate; this run has no ranker "
-                         "(ranker.kind: none), so every request's is max_tokens")
+    why = needs_ranker(name, options)  # as config_checks / config_unused refuse it at load
+    if why and program.ranker is None:
+        what = f"dispatch {name}" if name in ON_ESTIMATES else "dispatch order=lpt"
+        raise ValueError(f"{what} {why}; this run has no ranker (ranker.kind: none), so every request's "
+                         "is max_tokens")
     trial_plan(program, dispatcher)
     program.world.sgs.dispatcher = dispatcher
     program.dispatch_name = name
