@@ -263,17 +263,23 @@ class Program:
         self._last_push = Push(self.world.push_weights(version))
         return self._last_push
 
+    def settle_push(self) -> None:
+        """Wait for the last weight push if it is still in flight (the lag-1 modes record, and
+        save, an iteration while it runs); one waited for already (or failed) is done. Its
+        failure is the push's, raised here (the session waits before it saves, so a failed push
+        is not reported as a checkpoint that could not be written: diff review, s55)."""
+        push = getattr(self, "_last_push", None)
+        if push is not None and not push.waiting.cancelled.is_set():
+            push.wait(self)
+
     def save_trainers(self, folder: str) -> str:
         """Every trainer rank saves its part into ``folder`` (rank 0 writes; a sharded optimizer's
-        shares reach it); -> rank 0's folder. The last weight push is waited for first: the lag-1
-        modes record, and save, an iteration while its push is in flight, and a save gathers over
-        the trainers' group (the RNG states always, a sharded optimizer's shares), which must not
-        run beside the push's sends (NCCL: two communicators from two threads). A wait on each
-        rank alone could deadlock: one rank's save in the gather, another's behind its push,
-        whose buckets the receivers take in order (review, s55)."""
-        push = getattr(self, "_last_push", None)
-        if push is not None and not push.waiting.cancelled.is_set():  # a push waited for (or failed) is done
-            push.wait(self)
+        shares reach it); -> rank 0's folder. The push in flight is waited for first: a save
+        gathers over the trainers' group (the RNG states always, a sharded optimizer's shares),
+        which must not run beside the push's sends (NCCL: two communicators from two threads).
+        A wait on each rank alone could deadlock: one rank's save in the gather, another's
+        behind its push, whose buckets the receivers take in order (review, s55)."""
+        self.settle_push()
         return wait_all([t.call("save_checkpoint", folder) for t in self.world.trainers])[0]
 
     # ---- the loop ------------------------------------------------------------------------

@@ -315,6 +315,7 @@ class Session:
                                      list(self.program.ranker_rows))
 
         root = self.logdir / "checkpoints"
+        self.program.settle_push()  # outside the save's errors: a failed push is the push's
         try:
             with self.metrics.timed("save", next_iteration - 1):
                 saved = ckpt.save(root, state, self.program.save_trainers,

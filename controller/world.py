@@ -29,19 +29,6 @@ from workers.weight_sync import WeightSyncConfig
 WIRE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")  # what weights are sent in
 
 
-def engine_dtypes(handles: list[WorkerHandle]) -> list[str | None]:
-    """Each live instance's engine weight dtype (``GenerationInstance.weight_dtype``); one that
-    failed to answer is left out: it is gone, and the push to it fails and is handled as a loss
-    (the query stopped the run; review, s55)."""
-    out = []
-    for call in [h.call("weight_dtype") for h in handles]:
-        try:
-            out.append(call.wait())
-        except WorkerFailed:
-            continue
-    return out
-
-
 def wire_dtype(engine_dtypes: list[str | None]) -> str | None:
     """The dtype weight sync sends in: the engines' own when they agree on it, else the widest
     (fp32 over bf16); None (the trainer's fp32) when an engine does not say, says something
@@ -93,7 +80,10 @@ class World:
             # the buckets, so no one NIC carries the whole model
             senders = self.trainers
             if self._spec is None:  # in the engines' dtype: a bf16 engine is sent bf16, half of fp32
-                self._spec = senders[0].call("tensor_spec", wire_dtype(engine_dtypes(tree))).wait()
+                # (an instance lost before the first push fails the query, naming it: a tree whose
+                # receiver is gone stops the run anyway, docs/controller.md)
+                dtypes = wait_all([h.call("weight_dtype") for h in tree])
+                self._spec = senders[0].call("tensor_spec", wire_dtype(dtypes)).wait()
             plan = self.sync.plan([t.rank for t in senders], [h.rank for h in tree], self._spec)
             if (plan.senders, plan.receivers) != self._described:
                 self._described = (plan.senders, plan.receivers)

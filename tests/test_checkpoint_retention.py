@@ -78,9 +78,13 @@ def _session(tmp_path, keep, resumed_from=None):
                             trainer=SimpleNamespace(shard_optimizer=False))
     s.logdir, s.resumed_from, s.ranker = tmp_path / "run", resumed_from, None
     s.metrics = SimpleNamespace(rewards=[], timed=lambda name, step: contextlib.nullcontext())
-    s.program = SimpleNamespace(version=0, stream_state_at=lambda i: {"seed": 0, "pos": i}, mode=SimpleNamespace(name="stream"),
-                                ranker_rows=[])
+    from controller.program import Program
+
     s.world = SimpleNamespace(trainers=[_Trainer()])
+    s.program = Program.__new__(Program)  # its save_trainers (no push in flight), with the state the save reads
+    s.program.version, s.program.mode, s.program.ranker_rows, s.program.world = 0, SimpleNamespace(name="stream"), [], \
+        s.world
+    s.program.stream_state_at = lambda i: {"seed": 0, "pos": i}
     return s
 
 
@@ -334,3 +338,25 @@ def test_a_lineage_resumed_on_purpose_is_not_told_of_the_abandoned_one_at_each_s
     for it in (9, 10):
         s.save_checkpoint(it)
     assert "newer and complete" not in capsys.readouterr().err
+
+
+def test_a_failed_push_waited_for_by_the_save_is_the_pushs_failure(tmp_path):
+    """The lag-1 modes save while the push runs; the save waits for it first. A push that failed
+    was reported as "the checkpoint ... could not be written (N MiB free there)", and the runner
+    then skipped naming the gone worker (diff review, s55): it is raised as the push's."""
+    import threading
+
+    import pytest
+
+    from controller.rpc import WorkerFailed
+
+    s = _session(tmp_path, keep=None)
+    failed = WorkerFailed(3, "generation", "receive_weights", "send 1->3 failed", lost=False)
+
+    def wait(prog):
+        raise failed
+    s.program._last_push = SimpleNamespace(waiting=SimpleNamespace(cancelled=threading.Event()), wait=wait)
+    with pytest.raises(WorkerFailed) as e:
+        s.save_checkpoint(4)
+    assert e.value is failed
+    assert not (tmp_path / "run" / "checkpoints").exists() or not _names(tmp_path / "run" / "checkpoints")

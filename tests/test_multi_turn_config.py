@@ -66,12 +66,21 @@ def test_an_env_that_cannot_take_task_and_messages_is_refused_at_load(tmp_path):
         "import functools\n\n\ndef with_client(fn):\n    @functools.wraps(fn)\n"
         "    def wrapper(task, messages):\n        return fn(None, task, messages)\n    return wrapper\n\n\n"
         "@with_client\ndef injected(client, task, messages):\n    return None\n\n\n"
-        "async def coro(task, messages):\n    return None\n")
+        "async def coro(task, messages):\n    return None\n\n\n"
+        "def passing_on(fn):\n    @functools.wraps(fn)\n    def wrapper(*a, **kw):\n        return fn(*a, **kw)\n"
+        "    return wrapper\n\n\n@passing_on\ndef logged_one(messages):\n    return None\n\n\n"
+        "@passing_on\ndef logged(task, messages):\n    return None\n\n\n"
+        "@with_client\ndef injected_traj(client, task, messages, trajectory=None):\n    return None\n\n\n"
+        "static_instance = Static()\n")
     env = f"{tmp_path / 'envs.py'}"
     assert "multi_turn.env: '" + env + ":one' takes (messages): " in _error({"multi_turn": {"env": f"{env}:one"}})
     assert "takes (task, messages, budget)" in _error({"multi_turn": {"env": f"{env}:needs"}})
     assert "takes (messages)" in _error({"multi_turn": {"env": f"{env}:Narrow"}})
-    for fine in ("traj", "star", "Static", "injected", "coro"):  # (the last three: diff review, s55)
+    # a wrapper that passes *args on is read by what it wraps; one given trajectory= by what it
+    # wraps must take it (MultiTurnEngine passes it then) (diff reviews, s55)
+    assert "takes (messages)" in _error({"multi_turn": {"env": f"{env}:logged_one"}})
+    assert "takes (client, task, messages, trajectory)" in _error({"multi_turn": {"env": f"{env}:injected_traj"}})
+    for fine in ("traj", "star", "Static", "injected", "coro", "logged", "static_instance"):
         assert from_dict({"multi_turn": {"env": f"{env}:{fine}"}}).multi_turn.on
 
 

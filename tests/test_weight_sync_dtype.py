@@ -21,33 +21,6 @@ def test_the_wire_dtype_is_the_engines_or_the_widest_or_the_trainers():
         assert wire_dtype([odd]) is None and wire_dtype(["torch.bfloat16", odd]) is None, odd
 
 
-def test_an_instance_lost_before_the_first_push_is_left_out_of_the_dtype_query():
-    """The query raised out of push_weights and stopped the run; the push to the lost instance
-    fails on its own and is handled as a loss (diff review, s55)."""
-    import torch.futures
-
-    from controller.rpc import Call
-    from controller.world import engine_dtypes
-
-    class Handle:
-        role, alive = "generation", True
-
-        def __init__(self, rank, answer):
-            self.rank, self.name, self.answer = rank, f"worker{rank}", answer
-
-        def call(self, method):
-            fut = torch.futures.Future()
-            if isinstance(self.answer, Exception):
-                fut.set_exception(self.answer)
-            else:
-                fut.set_result(self.answer)
-            return Call(self, method, fut)
-
-    gone = RuntimeError("worker3: EOF: the process is gone (connection reset by peer)")
-    got = engine_dtypes([Handle(1, "torch.bfloat16"), Handle(3, gone)])
-    assert got == ["torch.bfloat16"]
-
-
 def test_a_trainer_rank_sends_its_masters_rounded_to_the_plans_dtype(tiny_model, monkeypatch):  # noqa: F811
     import workers.weight_sync
     from controller.trainer_rank import TrainerRank
@@ -107,3 +80,34 @@ def _weights(folder):
     from workers.model import load_state
 
     return {k: v for k, v in load_state(folder).items() if "rotary" not in k}
+
+
+def test_a_joiner_pulls_in_its_engines_dtype():
+    """A scale-out joiner pulls the weights over RPC (outside the trees): it asks for its engine's
+    dtype, so a bf16 joiner gets bf16 (diff review, s55: the argument was untested)."""
+    from types import SimpleNamespace
+
+    import torch.futures
+
+    from controller.instance import GenerationInstance
+    from controller.timeline import SpanRecorder
+
+    asked = []
+
+    class Trainer:
+        def rpc_async(self, timeout):
+            def weights_for(version, dtype=None):
+                asked.append((version, dtype))
+                fut = torch.futures.Future()
+                fut.set_result({"w": torch.zeros(2, dtype=torch.bfloat16)})
+                return fut
+            return SimpleNamespace(weights_for=weights_for)
+
+    inst = GenerationInstance.__new__(GenerationInstance)
+    inst.rank, inst.spans, inst._staged, inst._staging = 5, SpanRecorder("gen5"), None, threading.Lock()
+    inst.trainers, inst.engine = [Trainer()], SimpleNamespace(weight_dtype=torch.bfloat16)
+    assert inst.pull_weights(3, 10.0) == 3
+    assert asked == [(3, "torch.bfloat16")] and inst._staged[0] == 3
+    inst.engine = SimpleNamespace()  # an engine that does not say: the trainer's dtype
+    inst.pull_weights(4, 10.0)
+    assert asked[-1] == (4, None)

@@ -265,7 +265,8 @@ def rank_device(local_rank: int | None = None) -> torch.device:
     """This process's device: GPU ``local_rank`` (default ``LOCAL_RANK``, as the launcher gave it)
     modulo the GPUs there, or the CPU. Not the calling thread's current device: a thread the
     process starts (a reward pool's, torch RPC's) begins on GPU 0. Outside a launcher (no
-    ``LOCAL_RANK``: a script, a notebook) the current device, as ``torch.cuda.set_device`` left it."""
+    ``LOCAL_RANK``: a script, a notebook) the calling thread's current device, as
+    ``torch.cuda.set_device`` left it (on another thread: give the device, ``cuda:N``)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank is None:

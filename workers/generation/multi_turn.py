@@ -23,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import hashlib
-import inspect
 import itertools
 import logging
 import threading
@@ -35,6 +34,7 @@ import torch
 from workers.generation.observations import cut_observation, observation_ids, observation_message
 from workers.generation.request_check import sample_id_problem
 from workers.generation.sequence import error_sample
+from workers.tasks.envs import takes_trajectory
 from workers.tasks.scoring import resolve
 from workers.types import EngineStats, Request, Sample, SamplingParams, TaskPrompt
 
@@ -45,16 +45,6 @@ from workers.types import EngineStats, Request, Sample, SamplingParams, TaskProm
 Env = Callable[[TaskPrompt | None, list[dict]], "str | dict | None"]
 log = logging.getLogger("streamrl.multi_turn")
 WAIT_S = 0.05  # the longest step() waits for an environment call when the engine is idle
-
-
-def takes_trajectory(env) -> bool:
-    """Whether ``env`` (a function, or an object's ``__call__``) takes a ``trajectory`` keyword:
-    then each call gets the trajectory's id, as its ``start`` and ``end`` do."""
-    try:
-        params = inspect.signature(env).parameters
-    except (TypeError, ValueError):
-        return False
-    return "trajectory" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def turn_sampling(sampling: SamplingParams, turn: int) -> SamplingParams:

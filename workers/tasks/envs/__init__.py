@@ -17,6 +17,7 @@ prompts show when ``multi_turn.tools`` is empty (``tools.py``).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -38,28 +39,57 @@ def load_env(spec: str) -> Callable:
 
 def _check_call(env, spec: str) -> None:
     """Refuse at start an environment that cannot be called as ``env(task, messages)`` (with
-    ``trajectory=`` when it names one): it failed every tool call of the run, each sample
-    skipped, and the run ended with exit 0 (review, s55)."""
-    call, bound = env, ()
-    if inspect.isclass(env):  # its instances are called: __call__ (a staticmethod's takes no self)
-        call = env.__call__
-        if not isinstance(inspect.getattr_static(env, "__call__"), (staticmethod, classmethod)):
-            bound = (None,)
+    ``trajectory=`` when its signature names one, as ``MultiTurnEngine`` calls it): it failed
+    every tool call of the run, each sample skipped, and the run ended with exit 0 (review,
+    s55). A decorator's wrapper that takes its own arguments (one that supplies a client) is
+    read as it is called; one that passes ``*args, **kwargs`` on, by what it wraps."""
+    fn, lead = _called(env)
+    try:
+        followed = inspect.signature(fn)
+        own = inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):  # a builtin: trust it
+        return
+    extra = {"trajectory": ""} if _takes_trajectory(followed) else {}
+    passes_on = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in own.parameters.values())
     problems = []
-    for follow in (True, False):  # a decorator's wrapper may take other arguments than what it wraps
+    for sig in (followed,) if passes_on or own == followed else (followed, own):
         try:
-            sig = inspect.signature(call, follow_wrapped=follow)
-        except (TypeError, ValueError):  # a builtin: trust it
-            return
-        extra = {"trajectory": ""} if "trajectory" in sig.parameters else {}
-        try:
-            sig.bind(*bound, None, [], **extra)
+            sig.bind(*lead, None, [], **extra)
             return
         except TypeError as e:
-            problems.append((", ".join(list(sig.parameters)[len(bound):]), e))
-    takes, e = problems[0]
-    raise ValueError(f"multi_turn.env: {spec!r} takes ({takes}): {e}; an environment is called as "
+            problems.append(e)
+    takes = ", ".join(list(followed.parameters)[len(lead):])
+    raise ValueError(f"multi_turn.env: {spec!r} takes ({takes}): {problems[0]}; an environment is called as "
                      "env(task, messages), and may take a trajectory keyword") from None
+
+
+def _called(env) -> tuple:
+    """(the function a call of ``env`` runs, the arguments Python puts before the caller's): a
+    class's instances are called (``__call__``: self first, none for a staticmethod), an object
+    through its class's ``__call__``."""
+    owner = env if inspect.isclass(env) else type(env)
+    if not inspect.isclass(env) and (inspect.isroutine(env) or not hasattr(owner, "__call__")
+                                     or isinstance(env, functools.partial)):
+        return env, ()
+    static = inspect.getattr_static(owner, "__call__", None)
+    if isinstance(static, staticmethod):
+        return static.__func__, ()
+    if inspect.isclass(env):
+        return env.__call__, (() if isinstance(static, classmethod) else (None,))
+    return env, ()
+
+
+def takes_trajectory(env) -> bool:
+    """Whether ``env`` (a function, or an object's ``__call__``) takes a ``trajectory`` keyword:
+    then each call gets the trajectory's id, as its ``start`` and ``end`` do (``MultiTurnEngine``)."""
+    try:
+        return _takes_trajectory(inspect.signature(env))
+    except (TypeError, ValueError):
+        return False
+
+
+def _takes_trajectory(sig: inspect.Signature) -> bool:
+    return "trajectory" in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
 
 def make_env(spec: str) -> Callable:
