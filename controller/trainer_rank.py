@@ -326,7 +326,8 @@ class TrainerRank:
         instances), in its engine's ``dtype`` when it says one of ``WIRE_DTYPES`` (a bf16 joiner
         is sent half the bytes). The instance asks and the trainer only answers, so an instance
         that dies meanwhile costs one failed reply."""
-        from controller.world import wire_dtype
+        from workers.weight_sync import wire_dtype
+
         if version != self.worker.version:
             raise RuntimeError(f"train{self.rank}: weights of version {version} asked for, "
                                f"the trainer holds version {self.worker.version}")

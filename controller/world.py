@@ -23,26 +23,7 @@ from controller.instance import GenerationInstance
 from controller.rpc import Call, WorkerFailed, WorkerHandle, construct, create, settle, wait_all, waited
 from controller.sgs import SGS, default_profile
 from controller.trainer_rank import TrainerRank
-from workers.weight_sync import WeightSyncConfig
-
-
-WIRE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")  # what weights are sent in
-
-
-def wire_dtype(engine_dtypes: list[str | None]) -> str | None:
-    """The dtype weight sync sends in: the engines' own when they agree on it, else the widest
-    (fp32 over bf16); None (the trainer's fp32) when an engine does not say, says something
-    other than a float dtype of ``WIRE_DTYPES`` (a user's engine: int8 would truncate the
-    weights), or two 16-bit kinds differ (bf16 and fp16: only fp32 holds both exactly)."""
-    import torch
-
-    if not engine_dtypes or any(d not in WIRE_DTYPES for d in engine_dtypes):
-        return None
-    kinds = {getattr(torch, d.removeprefix("torch.")) for d in engine_dtypes}
-    widest = max(kinds, key=lambda d: d.itemsize)
-    if len([d for d in kinds if d.itemsize == widest.itemsize]) > 1:
-        return None
-    return str(widest)
+from workers.weight_sync import WeightSyncConfig, wire_dtype
 
 
 @dataclass
@@ -190,7 +171,7 @@ def add_instance(world: World, cfg, rank: int, model_dir: str, eos_ids, version:
     (``model_signature``: layers, sizes, RoPE, ...) is refused before its engine is built: the
     pull covers the trainer's tensors only, and a deeper model kept its own extra layers and
     trained the run on their samples (review, s54)."""
-    from controller.rpc import WorkerFailed, call_on
+    from controller.rpc import call_on
 
     ours = model_signature(model_dir)
     try:

@@ -166,6 +166,7 @@ def test_gpu_memory_utilization_is_the_share_free_now(monkeypatch):
     for free, want in ((40e9, 0.475), (79e9, 0.9), (8e9, 0.095)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (no LOCAL_RANK here: the current GPU)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, f=free: (f, 80e9))
         assert vllm_args.gpu_memory_utilization("cuda:0") == want
         cfg = EngineConfig(backend="vllm", kv_cache_tokens=4096, device="cuda", dtype="bfloat16")

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from controller.world import wire_dtype
+from workers.weight_sync import wire_dtype
 from runtime_helpers import TASK, iterations, tiny_model, torchrun, write_config  # noqa: F401
 
 

@@ -47,6 +47,23 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+WIRE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")  # what weights are sent in
+
+
+def wire_dtype(engine_dtypes: list[str | None]) -> str | None:
+    """The dtype weight sync sends in: the engines' own when they agree on it, else the widest
+    (fp32 over bf16); None (the trainer's fp32) when an engine does not say, says something
+    other than a float dtype of ``WIRE_DTYPES`` (a user's engine: int8 would truncate the
+    weights), or two 16-bit kinds differ (bf16 and fp16: only fp32 holds both exactly)."""
+    if not engine_dtypes or any(d not in WIRE_DTYPES for d in engine_dtypes):
+        return None
+    kinds = {getattr(torch, d.removeprefix("torch.")) for d in engine_dtypes}
+    widest = max(kinds, key=lambda d: d.itemsize)
+    if len([d for d in kinds if d.itemsize == widest.itemsize]) > 1:
+        return None
+    return str(widest)
+
+
 def tensor_spec(named_tensors: Iterable[tuple[str, torch.Tensor]], owner: int | None = None) -> list[TensorSpec]:
     """Spec of real tensors (all owned by ``owner``, or replicated when None)."""
     return [TensorSpec(n, tuple(t.shape), t.dtype, owner) for n, t in named_tensors]
