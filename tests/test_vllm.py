@@ -15,6 +15,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed ("
 from workers.generation.config import EngineConfig  # noqa: E402
 from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
+from workers.generation.sequence import error_sample  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 
@@ -366,7 +367,7 @@ def test_the_callers_generators_and_prompt_tensors_are_its_own(setup):
         eng.set_max_batch_size(4)
     assert random.getstate() == random_state and np.array_equal(np.random.get_state()[1], np_state)
     bad = Request(sample_id=920, prompt_ids=_prompts([4])[0], max_tokens=3, sampling=GREEDY)
-    eng._late_errors.append(eng._error_sample(bad, "refused by vLLM: a stand-in"))
+    eng._late_errors.append(error_sample(bad, "refused by vLLM: a stand-in", eng.weight_version))
     eng.add(_greedy(_prompts([4], seed=5), 3, first_id=921))
     step, calls = eng.llm.step, []
 
