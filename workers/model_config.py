@@ -7,7 +7,6 @@ the RoPE scaling kinds ``workers.model`` implements.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -267,8 +266,7 @@ def _check_types(d: dict, source) -> None:
             wrong(key, "a whole number >= 0" + (" or null" if nullable else ""))
     for key, nullable in FLOATS.items():
         v = d.get(key)
-        if key in d and not (v is None and nullable) and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                                          or not math.isfinite(v) or v <= 0):
+        if key in d and not (v is None and nullable) and not (finite_number(v) or 0) > 0:
             wrong(key, "a positive number")
     for key in BOOLS:
         if key in d and not isinstance(d[key], bool):
