@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 
-from workers.types import SAMPLE_STRIDE, Request, Sample
+from workers.types import Request, Sample, id_parts
 
 
 def route(group_id: int, num_trainers: int) -> int:
@@ -17,7 +17,7 @@ def route(group_id: int, num_trainers: int) -> int:
     index in the iteration, rotated by the iteration (``SAMPLE_STRIDE`` is a multiple of most
     rank counts: with ``batch_prompts`` not one, the same low ranks took the extra groups at
     every step)."""
-    iteration, index = divmod(group_id, SAMPLE_STRIDE)
+    iteration, index = id_parts(group_id)
     return (index + iteration) % num_trainers
 
 

@@ -32,7 +32,7 @@ from controller.rpc import Completions, wait_all
 from controller.sgs import Round
 from controller.timeline import SpanRecorder
 from controller.world import World
-from workers.types import SAMPLE_STRIDE, Request, SamplingParams, TaskPrompt, prompt_text
+from workers.types import SAMPLE_STRIDE, Request, SamplingParams, TaskPrompt, id_parts, iteration_id, prompt_text
 
 
 
@@ -91,10 +91,10 @@ class Program:
             ids = self.prompt_ids(item)
             max_tokens, min_tokens = self.token_bounds(item)
             for k in range(per):
-                sid = iteration * SAMPLE_STRIDE + j * per + k
+                sid = iteration_id(iteration, j * per + k)
                 greedy = k == t.group_size  # remax: the group's greedy baseline, after its samples
                 reqs.append(Request(sid, ids, max_tokens, min_tokens, float(est[j - first]),
-                                    group_id=iteration * SAMPLE_STRIDE + j, baseline=greedy,
+                                    group_id=iteration_id(iteration, j), baseline=greedy,
                                     sampling=self.sampling(0.0 if greedy else t.temperature, t.seed * 7919 + sid),
                                     task=item if multi_turn else None))
         if self.cfg.pipeline.balance_batch:  # refills go on from the loads placed in the iteration
@@ -112,7 +112,7 @@ class Program:
         per: list[tuple[dict, dict]] = [({}, {}) for _ in range(n)]
         for r in requests:
             prompts, groups = per[owner(r, n)]
-            prompts[r.sample_id] = b.items[(r.group_id - b.iteration * SAMPLE_STRIDE)]
+            prompts[r.sample_id] = b.items[id_parts(r.group_id)[1]]
             groups[r.group_id] = g
         wait_all([t.call(method, b.iteration, prompts, groups, *extra)
                   for t, (prompts, groups) in zip(self.world.trainers, per)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from workers.types import SAMPLE_STRIDE, prompt_text
+from workers.types import id_parts, prompt_text
 
 if TYPE_CHECKING:
     from controller.batch import Batch
@@ -31,9 +31,9 @@ def update_rows(b: "Batch", lengths: dict[int, int], per_prompt: int) -> list[tu
     ranker's online-update rows, with the target its bootstrap fits (``measure_lengths``: a
     prompt's mean over its samples; rows per sample made an l1 ranker learn their median
     instead), on the text it predicts from (``prompt_text``: a chat item's last user turn).
-    ``per_prompt``: requests per prompt (sample ids are ``iteration * SAMPLE_STRIDE +
-    prompt * per_prompt + j``)."""
+    ``per_prompt``: requests per prompt (a sample's index in its iteration, ``id_parts``, is
+    ``prompt * per_prompt + j``)."""
     per: dict[int, list[int]] = {}
     for sid, n in lengths.items():
-        per.setdefault((sid - b.iteration * SAMPLE_STRIDE) // per_prompt, []).append(n)
+        per.setdefault(id_parts(sid)[1] // per_prompt, []).append(n)
     return [(prompt_text(b.items[i]), sum(ns) / len(ns)) for i, ns in sorted(per.items())]

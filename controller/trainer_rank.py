@@ -326,16 +326,14 @@ class TrainerRank:
         instances), in its engine's ``dtype`` when it says one of ``WIRE_DTYPES`` (a bf16 joiner
         is sent half the bytes). The instance asks and the trainer only answers, so an instance
         that dies meanwhile costs one failed reply."""
-        from workers.weight_sync import wire_dtype
+        from workers.weight_sync import sent_dtype, wire_dtype
 
         if version != self.worker.version:
             raise RuntimeError(f"train{self.rank}: weights of version {version} asked for, "
                                f"the trainer holds version {self.worker.version}")
         t0 = time.time()
         wire = wire_dtype([dtype])
-        cast = None if wire is None else getattr(torch, wire.removeprefix("torch."))
-        named = {k: v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else v.dtype,
-                                  copy=True) for k, v in self.worker.named_weights()}
+        named = {k: v.detach().to("cpu", dtype=sent_dtype(v, wire), copy=True) for k, v in self.worker.named_weights()}
         self.spans.add("weight_sync", t0, time.time(), version)
         return named
 
@@ -357,11 +355,9 @@ class TrainerRank:
     def tensor_spec(self, dtype: str | None = None) -> list:
         """The weights' names, shapes and dtypes as weight sync sends them: floating tensors in
         ``dtype`` ("torch.bfloat16": the engines'), when given, else the trainer's own."""
-        from workers.weight_sync import tensor_spec
+        from workers.weight_sync import sent_dtype, tensor_spec
 
-        wire = None if dtype is None else getattr(torch, dtype.removeprefix("torch."))
-        return tensor_spec((k, v.to("meta", dtype=wire) if wire is not None and v.is_floating_point() else v)
-                           for k, v in self.worker.named_weights())
+        return tensor_spec((k, v.to("meta", dtype=sent_dtype(v, dtype))) for k, v in self.worker.named_weights())
 
     def save_checkpoint(self, folder: str) -> str:
         self.worker.save_checkpoint(folder)

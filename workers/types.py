@@ -13,6 +13,18 @@ import torch
 
 
 SAMPLE_STRIDE = 1_000_000  # the controller's ids: sample_id = iteration * SAMPLE_STRIDE + index in it
+
+
+def iteration_id(iteration: int, index: int) -> int:
+    """The id of the ``index``-th sample (or group: prompt) of ``iteration``; ``id_parts`` reads it."""
+    return iteration * SAMPLE_STRIDE + index
+
+
+def id_parts(any_id: int) -> tuple[int, int]:
+    """(iteration, index in it) of an ``iteration_id``."""
+    return divmod(any_id, SAMPLE_STRIDE)
+
+
 # below this a temperature is greedy (argmax; vLLM's _SAMPLING_EPS): logits / 1e-45 overflow
 # to inf in fp32 and the draw returns NaN log-probs
 GREEDY_BELOW = 1e-5

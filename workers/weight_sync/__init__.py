@@ -21,7 +21,8 @@ receiver downstream. A receiver with any mismatch refuses the version (``ok=Fals
 tensors, the error names the bucket and its tensors).
 """
 from workers.weight_sync.config import WeightSyncConfig
-from workers.weight_sync.plan import WIRE_DTYPES, Bucket, SyncPlan, TensorSlot, TensorSpec, Tree, tensor_spec, wire_dtype
+from workers.weight_sync.plan import (WIRE_DTYPES, Bucket, SyncPlan, TensorSlot, TensorSpec, Tree, sent_dtype,
+                                      tensor_spec, wire_dtype)
 from workers.weight_sync.planner import TREE_SHAPES, plan_naive, plan_sync, tree_depth
 from workers.weight_sync.receiver import WeightSyncReceiver
 from workers.weight_sync.reports import StagedWeights, SyncReport
@@ -33,5 +34,5 @@ __all__ = [
     "Bucket", "LinkClass", "LinkShaper", "StagedWeights", "SyncPlan", "SyncReport", "TREE_SHAPES",
     "TensorSlot", "TensorSpec", "Topology", "Tree", "WeightSyncConfig", "WeightSyncReceiver",
     "WeightSyncSender",
-    "plan_naive", "plan_sync", "tensor_spec", "tree_depth", "WIRE_DTYPES", "wire_dtype",
+    "plan_naive", "plan_sync", "sent_dtype", "tensor_spec", "tree_depth", "WIRE_DTYPES", "wire_dtype",
 ]

@@ -57,11 +57,17 @@ def wire_dtype(engine_dtypes: list[str | None]) -> str | None:
     weights), or two 16-bit kinds differ (bf16 and fp16: only fp32 holds both exactly)."""
     if not engine_dtypes or any(d not in WIRE_DTYPES for d in engine_dtypes):
         return None
-    kinds = {getattr(torch, d.removeprefix("torch.")) for d in engine_dtypes}
+    kinds = {parse_dtype(d, "engine weight_dtype") for d in engine_dtypes}
     widest = max(kinds, key=lambda d: d.itemsize)
     if len([d for d in kinds if d.itemsize == widest.itemsize]) > 1:
         return None
     return str(widest)
+
+
+def sent_dtype(tensor: torch.Tensor, wire: str | None) -> torch.dtype:
+    """The dtype ``tensor`` travels in: ``wire`` (``wire_dtype``'s answer) for a floating
+    tensor, its own dtype otherwise (int buffers, or no wire dtype: the trainer's own)."""
+    return parse_dtype(wire, "wire dtype") if wire is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def tensor_spec(named_tensors: Iterable[tuple[str, torch.Tensor]], owner: int | None = None) -> list[TensorSpec]:
