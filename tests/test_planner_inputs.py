@@ -288,3 +288,20 @@ def test_stage_profiles_refuse_weight_bytes_that_are_not_a_size(tmp_path, value)
                                                  "weight_bytes": value}))
     with pytest.raises(ValueError, match="s.json: weight_bytes must be a number >= 0"):
         StageProfiles.load(tmp_path / "s.json")
+
+
+@pytest.mark.parametrize("flag, knob", [("--filter-groups", "filter_groups"),
+                                        ("--is-batch-normalize", "rollout_is_batch_normalize")])
+def test_knobs_that_make_the_trainer_wait_for_the_step_make_the_plan_train_at_end(tmp_path, capsys, flag, knob):
+    """The group filter and the IS batch normalisation make the trainer train at step() (its
+    ``trains_at_step``); the planner simulated grpo with them as streaming training, its
+    train_at_end knew only whitening and gpg (style review, session 55). One rule now."""
+    from workers.trainer.config import TrainerConfig
+    extra = {"rollout_is": "token"} if knob == "rollout_is_batch_normalize" else {}
+    assert TrainerConfig(algorithm="grpo", **extra, **{knob: True}).trains_at_step
+    plain = _plan(tmp_path, capsys, extra=("--algorithm", "grpo"))
+    held = _plan(tmp_path, capsys, extra=("--algorithm", "grpo", flag))
+    assert (plain["train_at_end"], held["train_at_end"]) == (False, True)
+    assert held[flag.removeprefix("--").replace("-", "_")] is True
+    stream = [out["recommended"]["async_stream"]["iteration_s"] for out in (plain, held)]
+    assert stream[1] > stream[0]  # training no longer overlaps the iteration's generation

@@ -65,12 +65,14 @@ def _planner(cluster: Cluster, model, args) -> Planner:
                          "remax generates one greedy response per prompt besides them, which trains nothing")
     wl = sample_workloads(trace, args.batch, args.iterations, args.seed, greedy_group=args.group_size or 0)
     whiten = {"auto": None, "on": True, "off": False}[args.whiten]
-    return Planner(cluster, model, wl, args.algorithm, args.dispatcher, whiten, args.reference)
+    return Planner(cluster, model, wl, args.algorithm, args.dispatcher, whiten, args.reference,
+                   args.filter_groups, args.is_batch_normalize)
 
 
 def cmd_plan(args) -> dict:
     p = _planner(load_cluster(args.cluster), load_model(args.model), args)
     out = {"cluster": p.cluster.name, "model": p.model.name, "tp": p.tp, "algorithm": p.algorithm, "whiten": p.whiten,
+           "filter_groups": p.filter_groups, "is_batch_normalize": p.is_batch_normalize,
            "train_at_end": p.train_at_end, "reference": p.reference,
            "tp_from": "gen_tp (cluster file)" if p.tp_fixed else "searched",
            "tp_tried": [o.summary() for o in p.tp_options],
@@ -101,6 +103,7 @@ def cmd_report(args) -> dict:
         het = q.recommend([mode])[mode]
         per_dollar = het.modes[mode]["samples_per_dollar"], best.modes[mode]["samples_per_dollar"]
         row = {"model": name, "mode": mode, "algorithm": p.algorithm, "whiten": p.whiten,
+               "filter_groups": p.filter_groups, "is_batch_normalize": p.is_batch_normalize,
                "train_at_end": p.train_at_end,
                "planned_h800": describe_mode(best, mode),
                "even_h800": {"skipped": refused} if refused else describe(even),
@@ -157,6 +160,11 @@ def main(argv=None) -> None:
         s.add_argument("--whiten", default="auto", choices=["auto", "on", "off"],
                        help="trainer.whiten_advantages (auto: on for ppo and REINFORCE++, as the trainer and verl): "
                             "with it on, every mode trains after the iteration's last sample")
+        s.add_argument("--filter-groups", action="store_true",
+                       help="trainer.filter_groups (DAPO's dynamic sampling): every mode trains after the "
+                            "iteration's last sample (the refill batches it may generate are not simulated)")
+        s.add_argument("--is-batch-normalize", action="store_true",
+                       help="trainer.rollout_is_batch_normalize: every mode trains after the iteration's last sample")
         s.add_argument("--no-reference", dest="reference", action="store_false",
                        help="trainer.kl_coef 0: no reference model to hold or run (as verl without use_kl_loss / "
                             "use_kl_in_reward): one forward a token fewer, one bf16 model less in the trainer's memory")

@@ -15,7 +15,7 @@ from controller.planner.hardware import (ModelSpec, analytic_ptl_profile, analyt
 from controller.planner.simulator import MODES, SimConfig, simulate, sync_time_s
 from controller.planner.workloads import Workloads
 from controller.scheduling import PTLProfile
-from workers.trainer.config_names import WHITENED
+from workers.trainer.config_names import WHITENED, trains_at_step
 
 PROGRESS_MIN = 128  # instance counts x batches from which planning shows progress on stderr (~30 s)
 
@@ -83,6 +83,10 @@ class Planner:
     # a reference model to hold and run (trainer.kl_coef > 0); without one, verl's and the
     # trainer's runs neither load nor run it (docs/trainer.md)
     reference: bool = True
+    # trainer.filter_groups / trainer.rollout_is_batch_normalize: training waits for the
+    # iteration's last sample (trains_at_step; the filter's refill batches are not simulated)
+    filter_groups: bool = False
+    is_batch_normalize: bool = False
 
     def __post_init__(self):
         if self.whiten is None:
@@ -90,9 +94,8 @@ class Planner:
         elif self.whiten and self.algorithm not in WHITENED:
             raise ValueError(f"whiten: advantage whitening is PPO's (GAE) and REINFORCE++'s; {self.algorithm} "
                              "normalises per group")
-        # the trainer's forward/backward wait for the iteration's last sample: whitening's, or gpg's
-        # scale (the step's samples over those with a nonzero reward), whatever whiten says
-        self.train_at_end = self.whiten or self.algorithm == "gpg"
+        # the trainer's forward/backward wait for the iteration's last sample (the trainer's rule)
+        self.train_at_end = trains_at_step(self.algorithm, self.whiten, self.filter_groups, self.is_batch_normalize)
         self.g_gen = gpu(self.cluster.dc("generation").gpu)
         self.g_train = gpu(self.cluster.dc("trainer").gpu)
         unit = self.cluster.trainer_unit

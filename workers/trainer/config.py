@@ -12,7 +12,8 @@ from workers.trainer.config_checks import (check_algorithm, check_field_types, c
                                            check_rollout_correction, first_set, one_of)
 from workers.trainer.config_names import (BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
                                           LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
-                                          VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES, WHITENED)
+                                          VERL_KL_ESTIMATORS, VERL_LOSS_AGGS, VERL_POLICY_LOSSES, WHITENED,
+                                          trains_at_step)
 
 
 @dataclass(frozen=True)
@@ -380,11 +381,8 @@ class TrainerConfig:
 
     @property
     def trains_at_step(self) -> bool:
-        """Training waits for the iteration's last sample: whitening, the group filter, the
-        importance weights' batch normalisation and gpg's scale need them all (``receive`` only
-        prepares samples)."""
-        return (self.whiten or self.filter_groups or self.rollout_is_batch_normalize or self.algorithm == "gpg"
-                or self.custom_advantage)
+        """Training waits for the iteration's last sample (``config_names.trains_at_step``)."""
+        return trains_at_step(self.algorithm, self.whiten, self.filter_groups, self.rollout_is_batch_normalize)
 
     @property
     def custom_advantage(self) -> bool:

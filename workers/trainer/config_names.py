@@ -2,11 +2,23 @@
 algorithms and policy losses exist, which knobs each reads, the spellings refused naming ours."""
 from __future__ import annotations
 
+from workers.tasks.plugins import is_plugin
+
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
               "gpg", "remax")
 # advantages compare a group's samples (step_math.GROUP_ADVANTAGES; remax: with the group's greedy baseline)
 GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg", "remax")
 WHITENED = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # advantages whitened over the batch
+
+
+def trains_at_step(algorithm: str, whiten: bool, filter_groups: bool = False, is_batch_normalize: bool = False) -> bool:
+    """Whether training waits for the iteration's last sample (``receive`` only prepares samples):
+    whitened advantages, the group filter (``filter_groups``), the importance weights' batch
+    normalisation (``rollout_is_batch_normalize``), gpg's scale (the step's samples over those
+    with a nonzero reward) and a user's verl estimator (handed the whole batch) need them all.
+    The trainer's rule (``TrainerConfig.trains_at_step``) and the planner's (``train_at_end``)."""
+    return whiten or filter_groups or is_batch_normalize or algorithm == "gpg" or is_plugin(algorithm)
+
 # knobs only some algorithms read: set to anything but their default under another, refused
 _CRITIC_KNOBS = ("critic_lr", "value_clip", "value_coef", "gae_lambda", "critic_warmup")  # GAE / value loss
 _GRPO_KNOBS = ("grpo_std_normalize", "adv_eps")  # group std normalisation
