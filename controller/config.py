@@ -24,7 +24,7 @@ from controller.config_sections import (PIPELINE_MODES, TEMPERATURES, DispatchSe
                                         TokenizerSection, TrainSection)
 from controller.config_types import ConfigError, build_section, key_hint
 from controller.config_yaml import read_config_file
-from workers.config_schema import DERIVED, SEEDS, key_fields
+from workers.config_schema import DERIVED, key_fields
 from workers.generation.config import EngineConfig
 from workers.trainer.config import TrainerConfig
 from workers.types import GREEDY_BELOW
@@ -32,13 +32,8 @@ from workers.weight_sync import Topology, WeightSyncConfig
 
 # the names other modules import from here (the sections are defined in config_sections)
 __all__ = ["Config", "ConfigError", "DispatchSection", "LoggingSection", "ModelSection", "MultiTurnSection",
-           "OWNED_RANGES",
            "OWNED_SECTIONS", "PIPELINE_MODES", "PipelineSection", "PlacementSection", "RankerSection",
            "TEMPERATURES", "TaskSection", "TokenizerSection", "TrainSection", "from_dict", "load_config"]
-
-# the ranges of an owned section whose class declares none itself
-OWNED_RANGES = {"engine": {"seed": SEEDS}}
-
 
 @dataclass(frozen=True)
 class Config:
@@ -124,7 +119,7 @@ def from_dict(d: dict, world_size: int | None = None) -> Config:
         model=build_section(ModelSection, "model", d.get("model")),
         tokenizer=build_section(TokenizerSection, "tokenizer", d.get("tokenizer")),
         task=build_section(TaskSection, "task", d.get("task")),
-        engine=build_section(EngineConfig, "engine", d.get("engine"), OWNED_RANGES["engine"]),
+        engine=build_section(EngineConfig, "engine", d.get("engine")),
         trainer=trainer,
         pipeline=build_section(PipelineSection, "pipeline", d.get("pipeline")),
         dispatch=build_section(DispatchSection, "dispatch", d.get("dispatch")),

@@ -27,8 +27,8 @@ torch.set_num_threads(1)
     (dict(prefix_sharing="false"), "engine.prefix_sharing: must be true or false, got 'false'"),
     (dict(enforce_eager="no"), "engine.enforce_eager"), (dict(enable_chunked_prefill=0), "engine.enable_chunked_prefill"),
     (dict(max_batch_size=True), "engine.max_batch_size"),
-    (dict(seed=1.5), "engine.seed: must be an int in [0, 2**63), got 1.5"), (dict(seed="7"), "engine.seed"),
-    (dict(seed=2 ** 64), "engine.seed"), (dict(seed=-1), "engine.seed"),
+    (dict(seed=1.5), "engine.seed must be an int in [0, 4294967296), got 1.5"), (dict(seed="7"), "engine.seed"),
+    (dict(seed=2 ** 64), "engine.seed"), (dict(seed=-1), "engine.seed"), (dict(seed=2 ** 32), "engine.seed"),
     (dict(cpu_prepack="off"), "engine.cpu_prepack: must be 'auto', true or false, got 'off'"),
     (dict(cpu_prepack=0), "engine.cpu_prepack")])
 def test_config_validation_names_key(kw, key):

@@ -85,6 +85,15 @@ def range_error(key: str, value: Any, rng: Range | None) -> str | None:
     return None
 
 
+def check_ranges(cfg, prefix: str) -> None:
+    """Each field of dataclass instance ``cfg`` inside its declared ``Range`` (``ranged``), for a
+    config built directly (``build_section`` checks the same on the way in from a file)."""
+    for f in dataclasses.fields(cfg):
+        why = range_error(f"{prefix}.{f.name}", getattr(cfg, f.name), f.metadata.get(RANGE))
+        if why:
+            raise ConfigError(why)
+
+
 def check_type(key: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
     X | None, X | Y (the first that takes it), Literal[...] choices); floats must be finite."""

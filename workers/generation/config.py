@@ -1,8 +1,9 @@
 """EngineConfig: the settings of one generation instance, validated once at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from workers.config_schema import RANGE, SEEDS, Range, check_ranges, ranged
 from workers.generation.admission import ADMISSION_POLICIES, valid_name
 from workers.generation.request_check import is_int
 from workers.tasks.plugins import is_plugin
@@ -54,12 +55,12 @@ class EngineConfig:
     """
 
     backend: str = "native"
-    max_batch_size: int = 64
-    block_size: int = 16
-    kv_cache_tokens: int = 65536
-    num_blocks: int = 0
-    max_model_len: int = 0
-    max_prefill_tokens: int = 8192
+    max_batch_size: int = ranged(64, Range(1))
+    block_size: int = ranged(16, Range(1))
+    kv_cache_tokens: int = ranged(65536, Range(0))
+    num_blocks: int = ranged(0, Range(0, note="0: kv_cache_tokens // block_size"))
+    max_model_len: int = ranged(0, Range(0, note="0: the model's max_position_embeddings"))
+    max_prefill_tokens: int = ranged(8192, Range(1))
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     admission: str = "fcfs"
@@ -67,7 +68,7 @@ class EngineConfig:
     prefix_caching: bool = True
     device: str = ""
     dtype: str = ""
-    seed: int = 0
+    seed: int = ranged(0, SEEDS)
     eos_ids: tuple[int, ...] | None = None
     cpu_half_compute: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -94,19 +95,15 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
             bad("kv_cache_dtype", "must be 'auto' with attention_backend 'triton' (its kernel reads "
                                   "caches of the model's dtype)")
-        for key in ("max_batch_size", "block_size", "max_prefill_tokens"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                bad(key, "must be an int >= 1")
-        for key in ("kv_cache_tokens", "num_blocks", "max_model_len"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
-                bad(key, "must be an int >= 0")
+        for f in fields(self):  # every number is an int in its Range
+            if RANGE in f.metadata and not is_int(getattr(self, f.name)):
+                raise ValueError(f"engine.{f.name} must be an int {f.metadata[RANGE]}, got {getattr(self, f.name)!r}")
+        check_ranges(self, "engine")
         for key in ("enable_chunked_prefill", "prefix_sharing", "prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, key), bool):  # "false" is truthy: it would switch it on
                 bad(key, "must be true or false")
         if self.cpu_prepack != "auto" and not isinstance(self.cpu_prepack, bool):
             bad("cpu_prepack", "must be 'auto', true or false")
-        if not is_int(self.seed) or not 0 <= self.seed < 1 << 63:
-            bad("seed", "must be an int in [0, 2**63)")
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
             key = "num_blocks" if self.num_blocks else "kv_cache_tokens"
             bad(key, f"must give at least two blocks of {self.block_size} tokens")
