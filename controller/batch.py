@@ -55,6 +55,31 @@ class IterationResult:
     mode: str = ""
     dispatch: str = ""
 
+    # the trainer's metrics the controller reads (``metrics`` holds them all, logged as train/*;
+    # a key a step did not report reads as none of it)
+    @property
+    def reward_mean(self) -> float:
+        return float(self.metrics.get("reward_mean", 0.0))
+
+    @property
+    def trained(self) -> int:
+        """The samples trained (``num_seqs``): with ``trainer.filter_groups`` fewer than
+        ``num_samples``, which counts every sample received, the dropped groups' too."""
+        return int(self.metrics.get("num_seqs", self.num_samples))
+
+    @property
+    def skipped_samples(self) -> int:
+        return int(self.metrics.get("skipped_samples", 0))
+
+    @property
+    def groups_without_baseline(self) -> int:
+        return int(self.metrics.get("groups_without_baseline", 0))
+
+    @property
+    def step_skipped(self) -> bool:
+        """No update was applied (the version did not advance)."""
+        return bool(self.metrics.get("step_skipped", 0))
+
 
 @dataclass
 class Batch:

@@ -156,13 +156,13 @@ class Metrics:
         for i in [i for i in self._batch_spans if i <= step]:
             del self._batch_spans[i]
         scalars = {f"train/{k}": float(v) for k, v in res.metrics.items()}
-        reward = float(res.metrics.get("reward_mean", 0.0))
+        reward = res.reward_mean
         self.rewards.append(reward)
         # the samples trained (with trainer.filter_groups num_samples counts every one received,
         # the dropped groups too: 288 for 64 trained in the DAPO example)
-        trained = float(res.metrics.get("num_seqs", res.num_samples))
+        trained = float(res.trained)
         self.samples += trained
-        self.skipped += int(res.metrics.get("skipped_samples", 0))
+        self.skipped += res.skipped_samples
         out_tokens = sum(res.gen_lens)  # every output token generated (remax's greedy ones, filtered groups too)
         self.tokens += out_tokens
         self.seconds += res.interval_s
@@ -182,7 +182,7 @@ class Metrics:
             "balance/delta_s": gen_busy - train_busy,
             "staleness/max": float(res.staleness_max),
             # the trainer's version while it trained (a skipped step does not advance it)
-            "staleness/gen_version_lag": float(res.version - (0 if res.metrics.get("step_skipped") else 1)
+            "staleness/gen_version_lag": float(res.version - (0 if res.step_skipped else 1)
                                                - res.gen_version),
             "sgs/redispatched": float(res.redispatched),
             "sgs/instances": float(res.instances),

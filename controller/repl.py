@@ -101,7 +101,7 @@ class Repl:
         res = self.s.program.run(n)
         self._in_run = False
         out = {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,
-               "reward": [round(r.metrics.get("reward_mean", 0.0), 4) for r in res]}
+               "reward": [round(r.reward_mean, 4) for r in res]}
         return {**out, "note": note} if note else out
 
     def _past_schedule(self, n: int) -> str:
@@ -215,7 +215,7 @@ class Repl:
     def status(self) -> dict:
         p = self.s.program
         # this attempt's last iteration, else the checkpoint's (after --resume, before any run)
-        last = p.history[-1].metrics.get("reward_mean") if p.history else \
+        last = p.history[-1].reward_mean if p.history else \
             (self.s.metrics.rewards[-1] if self.s.metrics.rewards else None)
         return {"iteration": p.iteration, "version": p.version, "mode": p.mode.name, "reward": last,
                 "instances": len(self.s.world.sgs.slots), "waiting": self._waiting()}

@@ -254,14 +254,14 @@ class Session:
     def _on_iteration(self, res) -> None:
         spans = self.program.drain_spans()
         derived = self.metrics.log_iteration(res, spans)
-        skipped = int(res.metrics.get("skipped_samples", 0))
-        if skipped and not res.metrics.get("num_samples", 0):
+        skipped = res.skipped_samples
+        if skipped and not res.num_samples:
             raise RunStopped(f"iteration {res.iteration}: all {skipped} samples were skipped, so nothing was "
                              "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
                              "finite number ('the task's score raised ...'), samples refused as bad input, or "
                              "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
-        unbased = int(res.metrics.get("groups_without_baseline", 0))
-        if unbased and not res.metrics.get("num_seqs", 0):
+        unbased = res.groups_without_baseline
+        if unbased and not res.trained:
             raise RunStopped(f"iteration {res.iteration}: nothing was trained, and {unbased} groups got no greedy "
                              "baseline response (remax), so their samples could not train; the trainer ranks' "
                              "warnings say why")
@@ -286,14 +286,14 @@ class Session:
         if self.progress is not None:
             self.progress.update(self.task_id, advance=1,
                                  description=f"RL {c.pipeline.mode} reward (last iteration) "
-                                             f"{res.metrics.get('reward_mean', 0):.3f}")
+                                             f"{res.reward_mean:.3f}")
         if c.logging.progress and (self.progress is None or not self.progress.console.is_terminal):
             # a log file, a pipe or the REPL: rich draws its bar only at the end there
             of = f"/{c.train.iterations}" if res.iteration < c.train.iterations else ""  # a REPL `run` may go on
-            got, trained = int(res.metrics.get('num_samples', 0)), int(res.metrics.get('num_seqs', 0))
+            got, trained = res.num_samples, res.trained
             kept = f" ({trained} trained)" if self.cfg.trainer.filter_groups and trained != got else ""
             print(f"[controller] iteration {res.iteration + 1}{of} ({self.program.mode.name}): "
-                  f"reward {res.metrics.get('reward_mean', 0):.3f}, {got} samples{kept}, "
+                  f"reward {res.reward_mean:.3f}, {got} samples{kept}, "
                   f"{derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
     def _evaluate_and_say(self, step: int, source: str = "periodic") -> None:
