@@ -39,7 +39,7 @@ class _Program:
             raise self.fail_run
         self.iteration += k
         self.version += k
-        return [SimpleNamespace(metrics={"reward_mean": 0.5})] * k
+        return [SimpleNamespace(reward_mean=0.5)] * k  # IterationResult.reward_mean
 
 
 
