@@ -106,8 +106,10 @@ def _dismiss_lost(session, rank: int, why: str) -> None:
 
 def _cause(e: BaseException) -> str:
     """The last line of a raised worker's traceback (``ExcType: message``): its first line names
-    only the call (a refused joiner was told "raised in __init__()" and not why; review, s54)."""
-    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    only the call (a refused joiner was told "raised in __init__()" and not why; review, s54).
+    torch RPC ends a remote error with an ``At:`` block naming its own frame: left out."""
+    text, _, _ = str(e).strip().partition("\n\nAt:\n")
+    lines = [x for x in text.splitlines() if x.strip()]
     return lines[-1].strip()[:300] if len(lines) > 1 else ""
 
 

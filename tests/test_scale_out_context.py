@@ -237,3 +237,38 @@ def test_a_joiner_added_at_version_0_loads_the_weights_it_pulled(tiny_model):  #
     inst.stage_weights(pulled, 0)
     assert inst.hold_weights(0) == 0
     assert all(torch.equal(p, pulled[n]) for n, p in inst.engine.model.named_parameters())
+
+
+def test_a_joiner_without_the_model_folder_says_where_it_looked(tmp_path, monkeypatch):
+    """A joiner started from another folder read a relative model.path from there: a bare
+    FileNotFoundError (review, s56). It names the folder it resolved against now."""
+    from controller.world import model_signature
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"model.path 'runs/m': no config.json at .*runs/m/config.json \(a "
+                                                r"relative model.path is read from this process's working directory"):
+        model_signature("runs/m")
+
+
+def test_a_joiner_is_told_the_error_not_torchs_frame(monkeypatch):
+    """torch RPC's own form of a remote error ends with an "At:" block naming its frame: the
+    joiner was told "(... internal.py(236): _handle_exception)" instead of why (review, s56)."""
+    from controller import joiners
+    from controller.rpc import WorkerFailed
+
+    torch_text = ("FileNotFoundError: On WorkerInfo(id=4, name=worker4):\nFileNotFoundError(2, 'No such file')\n"
+                  "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
+                  "FileNotFoundError: model.path 'runs/m': no config.json at /tmp/runs/m/config.json\n\n\nAt:\n"
+                  "  /venv/torch/distributed/rpc/internal.py(236): _handle_exception\n")
+
+    def add_instance(*a):
+        raise WorkerFailed(4, "generation", "model_signature", torch_text)
+
+    stopped = []
+    monkeypatch.setattr(joiners, "add_instance", add_instance)
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: stopped.append((rank, code, reason)))
+    s = SimpleNamespace(cfg=SimpleNamespace(placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0)),
+                        waiting=[4], joined=[], departed=[], want_add=False, policy=None, world=None,
+                        program=SimpleNamespace(version=0), model_dir="", eos_ids=[0])
+    joiners.admit(s, 1)
+    assert stopped[0][2].endswith("FileNotFoundError: model.path 'runs/m': no config.json at /tmp/runs/m/config.json)")
