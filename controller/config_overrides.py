@@ -78,9 +78,23 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
         except ConfigError:
             continue
         blamed.append(typed[k])
-    if not blamed:  # each alone is not what fails: the error's rule names the one among them it is
-        blamed = [typed[k] for k in overrides if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", error)]
+    if not blamed:  # each alone is not what fails: the error's rule names the one among them it is,
+        # by its key, else by a section above it ("weight_sync: colocated, ...": review, s56)
+        for keys in ([k] for k in overrides), (_sections(k) for k in overrides):
+            blamed = [typed[k] for k, names in zip(overrides, keys) if any(_mentions(error, n) for n in names)]
+            if blamed:
+                break
     return " ".join(blamed)
+
+
+def _mentions(error: str, key: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", error) is not None
+
+
+def _sections(key: str) -> list[str]:
+    """The dotted sections above ``key`` (``a.b.c``: ``a.b``, ``a``)."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
 def _last_setter(key: str, overrides: dict) -> str:

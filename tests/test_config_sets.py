@@ -122,6 +122,10 @@ def test_an_error_of_a_rule_over_several_keys_names_the_set_that_caused_it(tmp_p
     with pytest.raises(ConfigError, match=r"^--set pipeline.mode=async_stream: trainer.max_staleness: 0 is below"):
         _load_with(tmp_path, "train.iterations=3", "pipeline.mode=async_stream", pipeline={"mode": "batch"},
                    trainer={"max_staleness": 0})
+    # two rules broken at once (each --set alone still fails on the other), the error naming the
+    # section of a --set key: it was blamed on the file, which has no weight_sync section (review, s56)
+    with pytest.raises(ConfigError, match=r"^--set weight_sync.bucket_mb=8: weight_sync: colocated"):
+        _load_with(tmp_path, "pipeline.mode=colocated", "placement.trainer=[1]", "weight_sync.bucket_mb=8")
 
 
 def test_main_says_a_bad_set_in_one_line(tmp_path, monkeypatch, capsys):
