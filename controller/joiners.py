@@ -142,13 +142,13 @@ def admit(session, i: int) -> None:
         h = add_instance(session.world, session.cfg, rank, session.model_dir, session.eos_ids,
                          session.program.version)
     except ContextTooSmall as e:  # it would refuse kept prompts: the run goes on without it
-        print(f"[controller] iteration {i}: {e}", file=sys.stderr, flush=True)
+        print(f"[controller] step {i}: {e}", file=sys.stderr, flush=True)
         dismiss_joiner(rank, 2, "not added: its max_model_len is less than this run's prompts need "
                                 "(the controller's log says by how much)")
         session.departed.append(rank)
         return
     except ModelMismatch as e:  # its samples would be another model's: the run goes on without it
-        print(f"[controller] iteration {i}: {e}; not added", file=sys.stderr, flush=True)
+        print(f"[controller] step {i}: {e}; not added", file=sys.stderr, flush=True)
         dismiss_joiner(rank, 2, f"not added: {e}")
         session.departed.append(rank)
         return
@@ -157,12 +157,12 @@ def admit(session, i: int) -> None:
             raise
         first = str(e).splitlines()[0]
         if e.lost:
-            print(f"[controller] iteration {i}: joiner rank {rank} lost before it was added: {first}",
+            print(f"[controller] step {i}: joiner rank {rank} lost before it was added: {first}",
                   file=sys.stderr, flush=True)
             _dismiss_lost(session, rank, first)
             return
         # nothing depended on it yet: the run goes on without it (it used to end the run)
-        print(f"[controller] iteration {i}: joiner rank {rank} not added, it failed while being set up: "
+        print(f"[controller] step {i}: joiner rank {rank} not added, it failed while being set up: "
               f"{str(e)}", file=sys.stderr, flush=True)
         dismiss_joiner(rank, 1, f"not added: it failed while being set up ({first} {_cause(e)})")
         session.departed.append(rank)
@@ -172,5 +172,5 @@ def admit(session, i: int) -> None:
         return
     if session.policy is not None:
         session.policy.added(i)  # the cooldown counts from an add that happened
-    print(f"[controller] iteration {i}: added generation instance rank {rank} "
+    print(f"[controller] step {i}: added generation instance rank {rank} "
           f"(weights v{session.program.version})", file=sys.stderr, flush=True)

@@ -160,7 +160,7 @@ class Program:
             if len(b.rounds) >= most:
                 bound = (f"trainer.max_gen_batches {tr.max_gen_batches}" if tr.max_gen_batches else
                          f"trainer.max_gen_batches 0: no limit but the {SAMPLE_STRIDE} sample ids of an iteration")
-                print(f"[controller] iteration {b.iteration}: {kept} of trainer.train_groups {tr.train_groups} groups "
+                print(f"[controller] step {b.iteration}: {kept} of trainer.train_groups {tr.train_groups} groups "
                       f"passed the filter after {len(b.rounds)} generation batches ({bound}); training on those",
                       file=sys.stderr, flush=True)
                 return

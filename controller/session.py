@@ -292,7 +292,7 @@ class Session:
             of = f"/{c.train.iterations}" if res.iteration < c.train.iterations else ""  # a REPL `run` may go on
             got, trained = res.num_samples, res.trained
             kept = f" ({trained} trained)" if self.cfg.trainer.filter_groups and trained != got else ""
-            print(f"[controller] iteration {res.iteration + 1}{of} ({self.program.mode.name}): "
+            print(f"[controller] iteration {res.iteration + 1}{of} (step {res.iteration}, {self.program.mode.name}): "
                   f"reward {res.reward_mean:.3f}, {got} samples{kept}, "
                   f"{derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
@@ -304,7 +304,7 @@ class Session:
                            if is_headline(k))
         if logged.get("eval/unscored"):
             scores += f"{', ' if scores else ''}{int(logged['eval/unscored'])} samples unscored"
-        when = "before training" if step < 0 else f"after iteration {step}"
+        when = "before training" if step < 0 else f"after iteration {step + 1} (step {step})"
         print(f"[controller] evaluation {when} (weight version {logged.get('weight_version', 0)}, "
               f"{logged['prompts']} prompts): {scores}", file=sys.stderr, flush=True)
 

@@ -141,7 +141,7 @@ class Round:
                                   f"({', '.join(f'rank {r}: {why}' for r, why in self.sgs.removed)})"
                                   f"{f'; ranks {others} hold other weights than v{self.version}' if others else ''}"
                                   f", {len(missing)} requests left")
-        print(f"[sgs] iteration {self.iteration}: re-dispatching {len(missing)} unfinished requests "
+        print(f"[sgs] step {self.iteration}: re-dispatching {len(missing)} unfinished requests "
               f"to {[s.handle.rank for s in slots]}", file=sys.stderr, flush=True)
         self.redispatched += missing
         self.launch([self.requests[i] for i in missing], slots)

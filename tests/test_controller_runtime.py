@@ -152,7 +152,7 @@ def test_resume_writes_into_the_resumed_run_or_forks_into_an_unused_logdir(tmp_p
     assert [r["iteration"] for r in iterations(tmp_path / "c")] == [4]
     assert [r["iteration"] for r in iterations(tmp_path / "a")] == [0, 1, 2, 3]
     # stderr is a pipe here: a plain line per iteration (rich draws its bar only at the end)
-    assert "[controller] iteration 5/5 (async_stream): reward " in p.stderr
+    assert "[controller] iteration 5/5 (step 4, async_stream): reward " in p.stderr
     # each attempt's command line, overrides and resolved config are in its run folder
     import yaml
 

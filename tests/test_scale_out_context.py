@@ -131,9 +131,9 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
     s.metrics = SimpleNamespace(log_scalars=lambda d, i: logged.append((i, d)))
     joiners.admit(s, 1)
     assert stopped == [([3], 2)] and [h.rank for h in sgs.handles] == [1] and s.joined == [3] and s.departed == [3]
-    assert "iteration 1: generation instance rank 3 has max_model_len 240" in capsys.readouterr().err
+    assert "step 1: generation instance rank 3 has max_model_len 240" in capsys.readouterr().err
     joiners.admit(s, 2)
-    assert "iteration 2: joiner rank 6 lost before it was added" in capsys.readouterr().err
+    assert "step 2: joiner rank 6 lost before it was added" in capsys.readouterr().err
     # told to exit too: one alive past a deadline held its engine, unlisted, until the job ended (review, s53)
     assert stopped == [([3], 2), ([6], 1)] and s.departed == [3, 6]
     joiners.admit(s, 3)
@@ -221,7 +221,7 @@ def test_a_joiner_holding_another_model_is_refused_and_a_forced_add_waits_for_no
     joiners.admit(s, 1)  # the policy's add, before the forced one
     assert stopped == [(3, 2, "not added: joiner rank 3's model folder m holds another model than this run's: "
                               "num_hidden_layers 5 (the run's: 4)")] and s.departed == [3]
-    assert "iteration 1: joiner rank 3's model folder m holds another model" in capsys.readouterr().err
+    assert "step 1: joiner rank 3's model folder m holds another model" in capsys.readouterr().err
     joiners.admit(s, 2)  # forced at 2: one came already (refused): not waited for again
 
 

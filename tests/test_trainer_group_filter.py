@@ -251,7 +251,7 @@ def test_a_refill_that_stays_short_trains_what_passed_and_says_so(tmp_path, tiny
         assert row["staleness_max"] <= 1
         if passed < 8:
             short += 1
-            assert (f"[controller] iteration {row['iteration']}: {passed} of trainer.train_groups 8 groups passed "
+            assert (f"[controller] step {row['iteration']}: {passed} of trainer.train_groups 8 groups passed "
                     "the filter after 2 generation batches (trainer.max_gen_batches 2); training on those") in p.stderr
     assert short
 
