@@ -160,6 +160,8 @@ def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypa
         make_task("jsonl", files=str(data), verifier="/no/such/reward.py")
     with pytest.raises(ValueError, match="several files per split: concatenate them"):
         make_task("jsonl", files={"train": [str(data), str(data)]})
+    with pytest.raises(ValueError, match="several files per split: concatenate them; name the splits"):
+        make_task("jsonl", files=[str(data), str(data)])  # verl's data.train_files: [a, b] (review, s56)
     with pytest.raises(ValueError, match=r"YAML reads \{train:a.jsonl\} as a key 'train:a.jsonl' without a value"):
         make_task("jsonl", files={"train:a.jsonl": None, "test:b.jsonl": None})  # --set ...={train:a.jsonl,...}
     t = make_task("jsonl", files=str(data))  # the default answer_key "answer" is not in verl rows
