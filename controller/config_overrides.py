@@ -81,14 +81,17 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
     if not blamed:  # each alone is not what fails: the error's rule names the one among them it is,
         # by its key, else by a section above it ("weight_sync: colocated, ...": review, s56)
         for keys in ([k] for k in overrides), (_sections(k) for k in overrides):
-            blamed = [typed[k] for k, names in zip(overrides, keys) if any(_mentions(error, n) for n in names)]
+            blamed = [typed[k] for k, names in zip(overrides, keys)
+                      if any(_mentions(error, n, whole=n != k) for n in names)]
             if blamed:
                 break
     return " ".join(blamed)
 
 
-def _mentions(error: str, key: str) -> bool:
-    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", error) is not None
+def _mentions(error: str, key: str, whole: bool = False) -> bool:
+    """``error`` names ``key``, or a key under it; ``whole``: ``key`` itself only (a section:
+    ``train`` in "train: ..." but not in "train.iterations ...", a key of the file's)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w{'.' if whole else ''}])", error) is not None
 
 
 def _sections(key: str) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from workers import config_schema
-from workers.config_schema import ConfigError, Range  # noqa: F401  (ConfigError: the run config's error)
+from workers.config_schema import ConfigError  # noqa: F401  (the run config's error)
 from workers.trainer.config_names import VERL_LOSS_AGGS, VERL_POLICY_LOSS_KEYS
 
 # verl's names for what a run config says elsewhere (docs/migrating_from_verl.md has the rest)
@@ -153,12 +153,11 @@ VERL_NESTED = {
 }
 
 
-def build_section(cls, section: str, data: Any, ranges: dict[str, Range] | None = None):
+def build_section(cls, section: str, data: Any):
     """``config_schema.build_section`` with verl's names in the unknown-key hint, and verl's
     nested sections given to a flat key here named with the keys they are."""
     try:
-        return config_schema.build_section(cls, section, data, hint=lambda k, known: key_hint(k, known, section),
-                                           ranges=ranges)
+        return config_schema.build_section(cls, section, data, hint=lambda k, known: key_hint(k, known, section))
     except ConfigError as e:
         nested = [k for k, v in (data or {}).items() if isinstance(v, dict) and k in VERL_NESTED] \
             if isinstance(data, dict) else []

@@ -256,13 +256,13 @@ class Session:
         derived = self.metrics.log_iteration(res, spans)
         skipped = res.skipped_samples
         if skipped and not res.num_samples:
-            raise RunStopped(f"iteration {res.iteration}: all {skipped} samples were skipped, so nothing was "
+            raise RunStopped(f"step {res.iteration}: all {skipped} samples were skipped, so nothing was "
                              "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
                              "finite number ('the task's score raised ...'), samples refused as bad input, or "
                              "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
         unbased = res.groups_without_baseline
         if unbased and not res.trained:
-            raise RunStopped(f"iteration {res.iteration}: nothing was trained, and {unbased} groups got no greedy "
+            raise RunStopped(f"step {res.iteration}: nothing was trained, and {unbased} groups got no greedy "
                              "baseline response (remax), so their samples could not train; the trainer ranks' "
                              "warnings say why")
         c = self.cfg

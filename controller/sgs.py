@@ -137,7 +137,7 @@ class Round:
         slots = self._holders()
         if not slots:
             others = [s.handle.rank for s in self.sgs.slots]
-            raise NoInstancesLeft(f"iteration {self.iteration}: every generation instance is gone "
+            raise NoInstancesLeft(f"step {self.iteration}: every generation instance is gone "
                                   f"({', '.join(f'rank {r}: {why}' for r, why in self.sgs.removed)})"
                                   f"{f'; ranks {others} hold other weights than v{self.version}' if others else ''}"
                                   f", {len(missing)} requests left")
@@ -235,7 +235,7 @@ class SGS:
         """Dispatch ``requests`` over ``slots`` (default: every live instance)."""
         slots = list(self.slots) if slots is None else slots
         if not slots:  # the last one was lost between rounds (during a weight push)
-            raise NoInstancesLeft(f"iteration {iteration}: every generation instance is gone ("
+            raise NoInstancesLeft(f"step {iteration}: every generation instance is gone ("
                                   + ", ".join(f"rank {r}: {why}" for r, why in self.removed) + ")")
         est = dispatch_estimates(requests)
         plan = self.dispatcher.plan(est, [s.profile for s in slots], seed=self.seed + iteration,

@@ -148,7 +148,6 @@ def model_signature(model_dir: str) -> dict:
     and ``rope_type`` one key). Not the context length (checked apart, ``ContextNeed``) nor the
     special token ids (the controller's)."""
     import json
-    import os
     from pathlib import Path
 
     from workers.model_config import ROPE_KEYS, ModelConfig, rope_kind
@@ -156,8 +155,8 @@ def model_signature(model_dir: str) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():  # a joiner's: started from another folder, a relative model.path is another folder
         raise FileNotFoundError(f"model.path {model_dir!r}: no config.json at {path.resolve()} (a relative "
-                                f"model.path is read from this process's working directory, {os.getcwd()}: "
-                                "start it from the job's folder, or give model.path as an absolute path)")
+                                "model.path is read from this process's working directory: start it from the job's "
+                                "folder, or give model.path as an absolute path)")
     c = ModelConfig.from_hf(json.loads(path.read_text(encoding="utf-8")), path)
     kind = rope_kind(c.rope_scaling)
     return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,

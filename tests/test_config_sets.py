@@ -126,6 +126,10 @@ def test_an_error_of_a_rule_over_several_keys_names_the_set_that_caused_it(tmp_p
     # section of a --set key: it was blamed on the file, which has no weight_sync section (review, s56)
     with pytest.raises(ConfigError, match=r"^--set weight_sync.bucket_mb=8: weight_sync: colocated"):
         _load_with(tmp_path, "pipeline.mode=colocated", "placement.trainer=[1]", "weight_sync.bucket_mb=8")
+    # a bad value of the file's beside a valid --set of the same section: the file's (the section
+    # match named the --set: the diff review, s56)
+    with pytest.raises(ConfigError, match=r"c.yaml: train.iterations must be an int >= 1"):
+        _load_with(tmp_path, "train.seed=3", train={"iterations": 0})
 
 
 def test_main_says_a_bad_set_in_one_line(tmp_path, monkeypatch, capsys):

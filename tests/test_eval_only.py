@@ -72,9 +72,9 @@ def test_eval_only_of_a_checkpoint_keeps_the_run_it_resumes(tmp_path, tiny_model
     rows = _rows(logdir / "eval.jsonl")
     assert rows[:-1] == [json.loads(ln) for ln in before["eval.jsonl"].splitlines()]  # the periodic ones are kept
     new = rows[-1]
-    # the checkpoint after 2 iterations: weights of version 2, logged after iteration 1
+    # the checkpoint after 2 iterations: weights of version 2, logged at step 1
     assert (new["iteration"], new["source"], new["weight_version"]) == (1, "eval_only", 2)
-    assert "after iteration 1 (weight version 2, 4 prompts)" in p.stderr
+    assert "after iteration 2 (step 1) (weight version 2, 4 prompts)" in p.stderr
     assert sorted(x.name for x in (logdir / "checkpoints").iterdir()) == ckpts  # none written
     assert (logdir / "checkpoints" / "latest").resolve() == latest  # a plain --resume continues from the last
     assert {f: (logdir / f).read_bytes() for f in timeline} == timeline  # (close() rewrote them with its spans)

@@ -222,7 +222,7 @@ def test_the_last_instance_lost_in_a_weight_push_stops_the_run_with_no_instances
         raise RuntimeError("Connection reset by peer")  # the transport's word: its process is gone
 
     inst.receive_weights = receive_weights
-    with pytest.raises(NoInstancesLeft, match="iteration 1: every generation instance is gone"):
+    with pytest.raises(NoInstancesLeft, match="step 1: every generation instance is gone"):
         p.run(2)
 
 

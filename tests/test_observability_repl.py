@@ -103,8 +103,8 @@ def test_a_dispatcher_a_run_cannot_use_is_refused_and_not_applied():
 
 @pytest.mark.parametrize("failure", [
     WorkerFailed(2, "trainer", "step", "RuntimeError: staleness"),
-    NoInstancesLeft("iteration 1: every generation instance is gone"),  # were answered, and the
-    RunStopped("iteration 1: all 8 samples were skipped"),  # session went on (audit, session 19)
+    NoInstancesLeft("step 1: every generation instance is gone"),  # were answered, and the
+    RunStopped("step 1: all 8 samples were skipped"),  # session went on (audit, session 19)
 ])
 def test_a_failure_during_run_stops_the_session(failure):
     # the iteration it interrupted is registered with the trainers, its samples in flight:

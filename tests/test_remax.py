@@ -221,5 +221,5 @@ def test_an_iteration_with_no_baseline_at_all_stops_the_run():
                                     "skipped_samples": 4.0}, 8, 0, 1.0, 1.0, 2.0, 0, 0.0)
     fake = SimpleNamespace(program=SimpleNamespace(drain_spans=lambda: []),
                            metrics=SimpleNamespace(log_iteration=lambda res, spans: {}))
-    with pytest.raises(RunStopped, match="iteration 3: nothing was trained, and 4 groups got no greedy baseline"):
+    with pytest.raises(RunStopped, match="step 3: nothing was trained, and 4 groups got no greedy baseline"):
         Session._on_iteration(fake, res)

@@ -162,6 +162,8 @@ def test_bad_rewards_and_files_are_refused_at_load(tmp_path, verl_data, monkeypa
         make_task("jsonl", files={"train": [str(data), str(data)]})
     with pytest.raises(ValueError, match="several files per split: concatenate them; name the splits"):
         make_task("jsonl", files=[str(data), str(data)])  # verl's data.train_files: [a, b] (review, s56)
+    with pytest.raises(ValueError, match=r"\(a path, not a list; or name the splits"):
+        make_task("jsonl", files=[str(data)])
     with pytest.raises(ValueError, match=r"YAML reads \{train:a.jsonl\} as a key 'train:a.jsonl' without a value"):
         make_task("jsonl", files={"train:a.jsonl": None, "test:b.jsonl": None})  # --set ...={train:a.jsonl,...}
     t = make_task("jsonl", files=str(data))  # the default answer_key "answer" is not in verl rows
@@ -201,7 +203,7 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
                               task__kwargs={**kwargs, "verifier": f"{broken}:compute_score"},
                               logging__logdir=str(tmp_path / "broken")))
     assert r.returncode != 0
-    assert "[controller] run stopped: iteration 0: all 8 samples were skipped" in r.stderr, r.stderr[-3000:]
+    assert "[controller] run stopped: step 0: all 8 samples were skipped" in r.stderr, r.stderr[-3000:]
     # every rank is alive: the controller's own stop leaves RPC in lock-step, with no RRef-leak/pipe-closed lines
     assert "Leaking RRef" not in r.stderr and "tensorpipe_agent" not in r.stderr, r.stderr[-3000:]
     r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=2, train__eval_every=0,

@@ -196,11 +196,9 @@ def _none_as_empty(cls, name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def build_section(cls, section: str, data: Any, *, hint: Callable[[str, Any], str] = near_miss,
-                  ranges: dict[str, Range] | None = None):
+def build_section(cls, section: str, data: Any, *, hint: Callable[[str, Any], str] = near_miss):
     """Instantiate dataclass ``cls`` from a mapping, naming unknown keys, wrong types and values
-    outside a field's Range as ``section.key``. ``hint``: what an unknown key may have meant;
-    ``ranges``: Ranges for fields of a class that declares none itself."""
+    outside a field's Range as ``section.key``. ``hint``: what an unknown key may have meant."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -213,7 +211,7 @@ def build_section(cls, section: str, data: Any, *, hint: Callable[[str, Any], st
     kwargs = {k: check_type(f"{section}.{k}", _none_as_empty(cls, k, v, hints[k]), hints[k])
               for k, v in data.items()}
     for k, v in kwargs.items():
-        why = range_error(f"{section}.{k}", v, fields[k].metadata.get(RANGE) or (ranges or {}).get(k))
+        why = range_error(f"{section}.{k}", v, fields[k].metadata.get(RANGE))
         if why is not None:
             raise ConfigError(why)
     try:

@@ -72,7 +72,9 @@ def _files_hint(files) -> str:
     if isinstance(files, dict) and any(isinstance(v, (list, tuple)) for v in files.values()):
         return " (several files per split: concatenate them)"
     if isinstance(files, (list, tuple)):  # verl's data.train_files: [a, b] shape
-        return " (several files per split: concatenate them; name the splits, {train: a.jsonl, test: b.jsonl})"
+        if len(files) > 1:
+            return " (several files per split: concatenate them; name the splits, {train: a.jsonl, test: b.jsonl})"
+        return " (a path, not a list; or name the splits, {train: a.jsonl, test: b.jsonl})"
     return ""
 
 
