@@ -163,8 +163,8 @@ def evaluate(program, n: int, step: int | None = None) -> EvalResult:
         scores = [_score(g, j, whys) for g in got]
         if keep:
             shown = program.tok.decode(reqs[j * k].prompt_ids, skip_special_tokens=True)  # (encoded once, above)
-            rows = [{"prompt": j, "task": it.task, "input": shown, "output": texts.get(-1 - (j * k + s), ""),
-                     "gts": it.answer, "score": x if math.isfinite(x) else None} for s, x in enumerate(scores)]
+            rows = [{"prompt": j, "task": it.task, "input": shown, "output": texts.get(sid, ""),
+                     "gts": it.answer, "score": x if math.isfinite(x) else None} for sid, x in zip(ids, scores)]
             # verl's dump: the reward's extra numbers and texts beside the score
             generations += [{**row, **{n: v for n, v in g.info.items() if n not in row}} for g, row in zip(got, rows)]
         scored = [(x, g.info) for x, g in zip(scores, got) if math.isfinite(x)]
