@@ -3,7 +3,10 @@ review, session 56): a lone request that needs every block but one is admitted, 
 prompt served whole from the prefix cache still computes its last token, a preempted sequence
 registers its blocks again, memory pressure keeps a running group's pin, a continuing chunked
 prefill leaves its batch slot to a waiting request, the torch draw at u = 0 never returns a
-token without mass."""
+token without mass, an abort drops a sample an interrupted step finished, a sequence restarted by
+new weights registers no block under its discarded output's hashes."""
+import copy
+import signal
 from types import SimpleNamespace
 
 import torch
@@ -19,6 +22,8 @@ from workers.generation.sequence import Sequence
 from workers.model import CausalLM, init_weights
 from workers.model_config import ModelConfig
 from workers.types import Request, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def _seq(i, tokens, group=-1, max_tokens=4):
@@ -110,3 +115,63 @@ def test_the_torch_draw_at_u_zero_never_returns_a_token_without_mass():
     sampler._uniforms = lambda seqs, greedy, shared: torch.zeros(len(seqs), 1, dtype=torch.float64)
     ids, logprobs = sampler(torch.tensor([[0.0, 1.0, 2.0, 5.0]]), [seq])
     assert ids.tolist() == [3] and logprobs.tolist() == [0.0]
+
+
+def _small(seed):
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    return init_weights(CausalLM(cfg), seed=seed, std=0.2).eval()
+
+
+def _small_engine(model, **kw):
+    return NativeEngine(EngineConfig(block_size=4, num_blocks=100, max_batch_size=8, eos_ids=(),
+                                     attention_backend="torch", **kw), model=model)
+
+
+def test_abort_drops_a_sample_finished_by_an_interrupted_step():
+    """A real SIGINT after the step's bookkeeping (as tests/test_engine_held_interrupt.py): the
+    step that finished sample 0 raised KeyboardInterrupt, so sample 0 waits in the engine; an
+    abort of it then must keep it from coming out."""
+    eng = _small_engine(_small(3))
+    eng.add([Request(i, torch.tensor([1 + i, 2, 3, 4, 5]), 2 + 3 * i, sampling=GREEDY) for i in range(2)])
+    orig, calls = eng._count_tokens, []
+
+    def ctrl_c(*a):
+        calls.append(1)
+        out = orig(*a)
+        if len(calls) == 2:  # the step where sample 0 reaches its max_tokens 2
+            signal.raise_signal(signal.SIGINT)
+        return out
+    eng._count_tokens = ctrl_c
+    out, interrupted = [], False
+    while eng.has_work() and not interrupted:
+        try:
+            out += eng.step()
+        except KeyboardInterrupt:
+            interrupted = True
+    assert interrupted and out == []
+    assert eng.abort([0]) == [0]
+    while eng.has_work():
+        out += eng.step()
+    assert [s.sample_id for s in out] == [1]
+
+
+def test_a_restarted_sequence_registers_no_block_under_its_old_outputs_hash():
+    """Prefix caching across load_weights: sample 0 is restarted from its prompt; a later request
+    whose prompt is that prompt + sample 0's discarded output must not reuse a block that holds
+    K/V of different tokens."""
+    old, new = _small(3), _small(4)
+    prompt = torch.tensor([1, 2, 3, 4])
+    [discarded] = generate_all(_small_engine(copy.deepcopy(old)), [Request(0, prompt, 12, sampling=GREEDY)])
+    eng = _small_engine(copy.deepcopy(old))
+    eng.add([Request(0, prompt, 12, sampling=GREEDY)])
+    for _ in range(8):  # output blocks filled and hashed under the old weights
+        assert eng.step() == []
+    eng.load_weights(new.state_dict(), 1)
+    while eng.has_work():
+        eng.step()
+    probe = Request(1, torch.cat([prompt, discarded.output_ids[:8]]), 4, sampling=GREEDY)
+    [got] = generate_all(eng, [probe])
+    [want] = generate_all(_small_engine(copy.deepcopy(new), prefix_caching=False), [probe])
+    assert got.output_ids.tolist() == want.output_ids.tolist()
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
