@@ -141,14 +141,13 @@ def test_the_session_records_the_need_and_goes_on_without_a_refused_joiner(tiny_
     assert logged == []  # sgs/instances comes with each iteration's row (Metrics.log_iteration)
 
 
-def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run(monkeypatch, capsys):
-    """A joiner alive but raising in its set-up (its engine out of memory) ended a healthy run
-    (exit 1); nothing depended on it yet."""
+def _admit_failing(monkeypatch, error):
+    """``joiners.admit`` of joiner rank 4 whose set-up raises ``error``: (the session, the
+    dismissals told)."""
     from controller import joiners
-    from controller.rpc import WorkerFailed
 
-    def add_instance(world, cfg, rank, model_dir, eos_ids, version):
-        raise WorkerFailed(rank, "generation", "__init__", "RuntimeError: CUDA out of memory")
+    def add_instance(*a):
+        raise error
 
     stopped = []
     monkeypatch.setattr(joiners, "add_instance", add_instance)
@@ -157,6 +156,17 @@ def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run
                         waiting=[4], joined=[], departed=[], want_add=False, policy=None, world=None,
                         program=SimpleNamespace(version=0), model_dir="", eos_ids=[0])
     joiners.admit(s, 1)
+    return s, stopped
+
+
+def test_a_joiner_failing_while_being_set_up_is_dismissed_not_the_end_of_the_run(monkeypatch, capsys):
+    """A joiner alive but raising in its set-up (its engine out of memory) ended a healthy run
+    (exit 1); nothing depended on it yet."""
+    from controller import joiners
+    from controller.rpc import WorkerFailed
+
+    s, stopped = _admit_failing(monkeypatch, WorkerFailed(4, "generation", "__init__",
+                                                          "RuntimeError: CUDA out of memory"))
     assert stopped == [(4, 1, "not added: it failed while being set up (worker rank 4 (generation) raised in "
                               "__init__(): RuntimeError: CUDA out of memory)")] and s.departed == [4]  # why (s54)
     assert "joiner rank 4 not added, it failed while being set up" in capsys.readouterr().err
@@ -253,22 +263,11 @@ def test_a_joiner_without_the_model_folder_says_where_it_looked(tmp_path, monkey
 def test_a_joiner_is_told_the_error_not_torchs_frame(monkeypatch):
     """torch RPC's own form of a remote error ends with an "At:" block naming its frame: the
     joiner was told "(... internal.py(236): _handle_exception)" instead of why (review, s56)."""
-    from controller import joiners
     from controller.rpc import WorkerFailed
 
     torch_text = ("FileNotFoundError: On WorkerInfo(id=4, name=worker4):\nFileNotFoundError(2, 'No such file')\n"
                   "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
                   "FileNotFoundError: model.path 'runs/m': no config.json at /tmp/runs/m/config.json\n\n\nAt:\n"
                   "  /venv/torch/distributed/rpc/internal.py(236): _handle_exception\n")
-
-    def add_instance(*a):
-        raise WorkerFailed(4, "generation", "model_signature", torch_text)
-
-    stopped = []
-    monkeypatch.setattr(joiners, "add_instance", add_instance)
-    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: stopped.append((rank, code, reason)))
-    s = SimpleNamespace(cfg=SimpleNamespace(placement=SimpleNamespace(force_scale_out_at=1, rpc_timeout_s=1.0)),
-                        waiting=[4], joined=[], departed=[], want_add=False, policy=None, world=None,
-                        program=SimpleNamespace(version=0), model_dir="", eos_ids=[0])
-    joiners.admit(s, 1)
+    _, stopped = _admit_failing(monkeypatch, WorkerFailed(4, "generation", "model_signature", torch_text))
     assert stopped[0][2].endswith("FileNotFoundError: model.path 'runs/m': no config.json at /tmp/runs/m/config.json)")
