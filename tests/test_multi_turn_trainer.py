@@ -154,15 +154,23 @@ def test_observation_log_probs_change_nothing(setup, name):
         assert m["rollout_corr/rollout_rs_masked_fraction"] < 1
 
 
-def test_observation_advantages_change_nothing(setup):
-    """An advantage on an observation token passes no gradient (as a rejected token's)."""
+@pytest.mark.parametrize("extra", [{}, dict(rollout_is="token", rollout_is_threshold=1.5,
+                                            rollout_rs="token_k1,seq_mean_k1",
+                                            rollout_rs_threshold="0.5_2.0,0.8_1.25")])
+def test_observation_advantages_change_nothing(setup, extra):
+    """An advantage on an observation token passes no gradient (as a rejected token's); under
+    rollout_rs too, whose rejection mask keeps no observation token (correct_sample spreads it
+    with False there: the mutation review, s56)."""
     model_dir, task, samples, prompts, groups, _ = setup
-    w = TrainerWorker(TrainerConfig(algorithm="grpo", kl_coef=0.1, entropy_coef=0.01), model_dir, task, device="cpu")
+    w = TrainerWorker(TrainerConfig(algorithm="grpo", kl_coef=0.1, entropy_coef=0.01, **extra), model_dir, task,
+                      device="cpu")
     w.begin_iteration(0, prompts, groups)
-    items = prepare_batch(w, multi_turn(samples))
-    for p in items:
+    mt = multi_turn(samples)
+    items = prepare_batch(w, mt)
+    for p, s in zip(items, mt):
+        assert not bool(p.keep[~s.loss_mask].any())
         p.adv = torch.linspace(-1.0, 1.0, p.num_tokens)
-    moved = [dataclasses.replace(p, adv=torch.where(p.keep, p.adv, p.adv + 100.0)) for p in items]
+    moved = [dataclasses.replace(p, adv=torch.where(s.loss_mask, p.adv, p.adv + 100.0)) for p, s in zip(items, mt)]
 
     def loss_and_grad(batch):
         w.actor.zero_grad(set_to_none=True)

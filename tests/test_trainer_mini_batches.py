@@ -178,12 +178,14 @@ def test_the_grad_norms_are_the_mean_over_the_updates(setup, monkeypatch, kw):
 
 
 @pytest.mark.parametrize("kw", [dict(ppo_epochs=2), dict(mini_batches=2, ppo_epochs=2),
-                                dict(algorithm="ppo", ppo_epochs=3)])
+                                dict(algorithm="ppo", ppo_epochs=3),
+                                dict(ppo_epochs=2, loss_agg="seq_mean_token_sum")])
 def test_the_per_token_statistics_are_averaged_over_every_pass(setup, monkeypatch, kw):
     """verl averages actor/ppo_kl, pg_clipfrac, pg_loss, entropy over every mini-batch update of
     every epoch; only the first pass's were logged, so an on-policy run's ppo_kl stayed 0 and its
     ratio 1 with ppo_epochs: 2 (review, s54). Each is now the sum over every pass's micro-batches
-    over their tokens (token_mean)."""
+    over their tokens (token_mean); with seq_mean_token_sum the losses over their sequences, the
+    fractions still over their tokens (fraction_agg vs loss_divisor: the mutation review, s56)."""
     model_dir, task = setup
     seen, real = [], TrainerWorker.accumulate
 
@@ -200,10 +202,13 @@ def test_the_per_token_statistics_are_averaged_over_every_pass(setup, monkeypatc
     w.begin_iteration(0, prompts, groups)
     w.receive(samples)
     m = w.step().metrics
-    tokens = sum(c["num_tokens"] for c in seen)
+    tokens, seqs = sum(c["num_tokens"] for c in seen), sum(c["num_seqs"] for c in seen)
     first = seen[:len(seen) // options.get("ppo_epochs", 1)]
-    for key in ("ppo_kl", "clipfrac", "ratio", "pg_loss", "entropy"):
-        assert m[key] == pytest.approx(sum(c[key] for c in seen) / tokens, rel=1e-9, abs=1e-12), key
+    losses = seqs if options.get("loss_agg") == "seq_mean_token_sum" else tokens
+    assert tokens != seqs
+    for key, divisor in (("ppo_kl", tokens), ("clipfrac", tokens), ("ratio", tokens), ("pg_loss", losses),
+                         ("entropy", losses)):
+        assert m[key] == pytest.approx(sum(c[key] for c in seen) / divisor, rel=1e-9, abs=1e-12), key
     assert abs(m["ppo_kl"]) > 1e-6 and m["ratio"] != pytest.approx(1.0, abs=1e-6)  # the later updates' drift
     if "mini_batches" not in kw:  # the first pass at the sampler's weights (with mini-batches its second
         # share already runs after an update)
