@@ -1,11 +1,17 @@
 """Planner behaviour the rest of the suite let through when changed by one line (mutation
 review, session 56): the trainer never gets fewer GPUs than its states need, the synchronous
-modes try every split and give the trainer every GPU left, colocated pays no weight transfer."""
+modes try every split and give the trainer every GPU left, colocated pays no weight transfer, the
+simulated stream trains the iteration's last partial micro-batch."""
+import pytest
+
 from controller.planner.allocation import StageModel, most_trainer_splits
 from controller.planner.cluster import Cluster, Datacenter
 from controller.planner.hardware import MODELS, gpu, trainer_min_gpus
 from controller.planner.planner import Planner
 from controller.planner.workloads import Trace, sample_workloads
+from controller.planner.profile import TrainProfile
+from controller.planner.simulator import SimConfig, Workload, simulate
+from controller.scheduling import PTLProfile
 
 LENS = [50, 80, 120, 300, 900, 2000, 60, 70, 400, 1500, 30, 250] * 4
 
@@ -43,3 +49,13 @@ def test_colocated_pays_no_weight_transfer():
     fast, slow = _planner(intra=1600.0), _planner(intra=1.0)
     times = [p.recommend(["colocated"])["colocated"].modes["colocated"]["iteration_s"] for p in (fast, slow)]
     assert times[0] == times[1]
+
+def test_stream_trains_the_last_partial_microbatch():
+    """Stream mode: tokens short of a full micro-batch at the iteration's end still train
+    (here all 6 tokens, below microbatch_tokens=100): gen 4 s, then 6 s of tokens + 0.5 s step."""
+    flat = PTLProfile([1], [1.0], kv_tokens=1000)
+    cfg = SimConfig("stream", 1, flat, TrainProfile(s_per_token=1.0, fixed_s=0.5), sync_s=1.0,
+                    microbatch_tokens=100)
+    res = simulate(cfg, [Workload(out_lens=[2, 4], prompt_lens=[0, 0])])
+    assert res.train_end == pytest.approx([10.5])
+    assert sum(s.end - s.start for s in res.spans if s.stage == "train") == pytest.approx(6.5)

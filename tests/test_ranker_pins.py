@@ -1,12 +1,15 @@
 """Ranker behaviour the rest of the suite let through when changed by one line (mutation
 review, session 56): the ensemble blends its LM by weight, a constant LM keeps the estimates
 finite, ``spearman`` is Spearman's rho, the neighbour memory keeps the newest rows,
-leave-one-out never lists a row as its own neighbour, bin calibration keeps the ranker's order."""
+leave-one-out never lists a row as its own neighbour, bin calibration keeps the ranker's order,
+the LM's RankNet term pulls towards the true order, LightGBM's replay keeps the newest rows."""
 import numpy as np
 import pytest
 import torch
 
 import ranker
+from ranker.lgbm import LgbmConfig, LgbmRanker
+from ranker.lm import _ranknet
 from test_ranker_lm import TINY_LM
 from test_ranker_synth import SMALL_LGBM, synth
 
@@ -81,3 +84,20 @@ def test_bin_calibration_keeps_the_rankers_order():
     ref_true = np.where(ref_est < 20, 100.0, 50.0)  # the upper bin's true lengths are shorter
     out = calibrate_by_bins([5.0, 35.0], ref_est, ref_true, bins=2)
     assert out[0] <= out[1]
+
+def test_ranknet_loss_is_lower_for_the_right_order_and_pulls_towards_it():
+    y = torch.tensor([1.0, 2.0, 3.0])
+    good = torch.tensor([0.0, 1.0, 2.0], requires_grad=True)
+    assert _ranknet(good, y) < _ranknet(-good.detach(), y)
+    _ranknet(good, y).backward()
+    # descending the loss raises the longest's score and lowers the shortest's
+    assert good.grad[2] < 0 < good.grad[0]
+
+
+def test_lgbm_update_keeps_the_newest_rows_for_replay():
+    prompts = [f"question {i} " + "word " * (i % 7) for i in range(40)]
+    r = LgbmRanker(LgbmConfig(rounds=5, update_rounds=2, replay=30, min_child_samples=2))
+    r.fit(prompts, [10.0 + i for i in range(40)])
+    r.update([f"new prompt {i}" for i in range(5)], [100.0] * 5)
+    assert len(r.replay_y) == 30
+    assert np.allclose(r.replay_y[-5:], np.log1p(100.0))
