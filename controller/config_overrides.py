@@ -79,12 +79,9 @@ def blame(d: dict, overrides: dict, typed: dict, world_size: int | None, error: 
             continue
         blamed.append(typed[k])
     if not blamed:  # each alone is not what fails: the error's rule names the one among them it is,
-        # by its key, else by a section above it ("weight_sync: colocated, ...": review, s56)
-        for keys in ([k] for k in overrides), (_sections(k) for k in overrides):
-            blamed = [typed[k] for k, names in zip(overrides, keys)
-                      if any(_mentions(error, n, whole=n != k) for n in names)]
-            if blamed:
-                break
+        blamed = [typed[k] for k in overrides if _mentions(error, k)]
+    if not blamed:  # else by a section above it ("weight_sync: colocated, ...": review, s56)
+        blamed = [typed[k] for k in overrides if any(_mentions(error, s, whole=True) for s in _sections(k))]
     return " ".join(blamed)
 
 
