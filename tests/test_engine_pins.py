@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from test_engine import V, check_against_recompute, engine, greedy_requests, prompts
+from test_engine import GREEDY, V, check_against_recompute, engine, greedy_requests, prompts, tiny_model
 from workers.generation.block_manager import NEVER_REGISTER, BlockManager
 from workers.generation.config import EngineConfig
 from workers.generation.engine import NativeEngine, generate_all
@@ -22,8 +22,6 @@ from workers.generation.sequence import Sequence
 from workers.model import CausalLM, init_weights
 from workers.model_config import ModelConfig
 from workers.types import Request, SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def _seq(i, tokens, group=-1, max_tokens=4):
@@ -117,22 +115,11 @@ def test_the_torch_draw_at_u_zero_never_returns_a_token_without_mass():
     assert ids.tolist() == [3] and logprobs.tolist() == [0.0]
 
 
-def _small(seed):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    return init_weights(CausalLM(cfg), seed=seed, std=0.2).eval()
-
-
-def _small_engine(model, **kw):
-    return NativeEngine(EngineConfig(block_size=4, num_blocks=100, max_batch_size=8, eos_ids=(),
-                                     attention_backend="torch", **kw), model=model)
-
-
 def test_abort_drops_a_sample_finished_by_an_interrupted_step():
     """A real SIGINT after the step's bookkeeping (as tests/test_engine_held_interrupt.py): the
     step that finished sample 0 raised KeyboardInterrupt, so sample 0 waits in the engine; an
     abort of it then must keep it from coming out."""
-    eng = _small_engine(_small(3))
+    eng = engine(tiny_model(3))
     eng.add([Request(i, torch.tensor([1 + i, 2, 3, 4, 5]), 2 + 3 * i, sampling=GREEDY) for i in range(2)])
     orig, calls = eng._count_tokens, []
 
@@ -160,10 +147,10 @@ def test_a_restarted_sequence_registers_no_block_under_its_old_outputs_hash():
     """Prefix caching across load_weights: sample 0 is restarted from its prompt; a later request
     whose prompt is that prompt + sample 0's discarded output must not reuse a block that holds
     K/V of different tokens."""
-    old, new = _small(3), _small(4)
+    old, new = tiny_model(3), tiny_model(4)
     prompt = torch.tensor([1, 2, 3, 4])
-    [discarded] = generate_all(_small_engine(copy.deepcopy(old)), [Request(0, prompt, 12, sampling=GREEDY)])
-    eng = _small_engine(copy.deepcopy(old))
+    [discarded] = generate_all(engine(copy.deepcopy(old)), [Request(0, prompt, 12, sampling=GREEDY)])
+    eng = engine(copy.deepcopy(old))
     eng.add([Request(0, prompt, 12, sampling=GREEDY)])
     for _ in range(8):  # output blocks filled and hashed under the old weights
         assert eng.step() == []
@@ -172,6 +159,6 @@ def test_a_restarted_sequence_registers_no_block_under_its_old_outputs_hash():
         eng.step()
     probe = Request(1, torch.cat([prompt, discarded.output_ids[:8]]), 4, sampling=GREEDY)
     [got] = generate_all(eng, [probe])
-    [want] = generate_all(_small_engine(copy.deepcopy(new), prefix_caching=False), [probe])
+    [want] = generate_all(engine(copy.deepcopy(new), prefix_caching=False), [probe])
     assert got.output_ids.tolist() == want.output_ids.tolist()
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
