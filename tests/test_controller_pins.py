@@ -1,29 +1,11 @@
 """Controller behaviour the rest of the suite let through when changed by one line (mutation
-review, session 56): epochs reshuffle, the data digest covers answers, a lost trainer is not
-taken for a lost instance, a folder of torn checkpoints is refused, a split of exactly one batch
-is one iteration an epoch, maj@k needs every sample's pred."""
+review, session 56): a lost trainer is not taken for a lost instance, a folder of torn
+checkpoints is refused, a split of exactly one batch is one iteration an epoch, maj@k needs every
+sample's pred (the epoch shuffle and the digest: tests/test_prompt_stream.py)."""
 import pytest
 
-from controller.data import PromptStream, digest
 from controller.rpc import WorkerFailed
 from controller.sgs import SGS
-from workers.types import TaskPrompt
-
-
-def _items(n, answer="a"):
-    return [TaskPrompt(prompt=f"p{i}", answer=answer, task="t") for i in range(n)]
-
-
-def test_each_epoch_is_shuffled_anew():
-    s = PromptStream(_items(20), seed=0)
-    first, second = s.next(20), s.next(20)
-    assert sorted(t.prompt for t in first) == sorted(t.prompt for t in second)
-    assert [t.prompt for t in first] != [t.prompt for t in second]
-
-
-def test_the_data_digest_covers_the_answers():
-    """A resume over a dataset whose answers were edited is warned about (the digest differs)."""
-    assert digest(_items(5, "a")) != digest(_items(5, "b"))
 
 
 def test_a_lost_trainer_is_raised_not_taken_for_a_lost_instance():

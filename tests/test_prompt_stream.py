@@ -1,10 +1,11 @@
 """The controller's prompt stream (``controller/data.py``): a shuffle per epoch, resumable, and
-no prompt twice in a batch that runs into the next epoch."""
+no prompt twice in a batch that runs into the next epoch, a data digest that covers the
+answers."""
 import json
 
 import pytest
 
-from controller.data import PromptStream
+from controller.data import PromptStream, digest
 from workers.types import TaskPrompt
 
 
@@ -75,3 +76,17 @@ def test_more_prompts_a_batch_than_the_split_holds_still_repeats_them():
     """(Only ``train.iterations`` allows it; ``train.epochs`` refuses such a batch.)"""
     got = [x.prompt for x in PromptStream(_items(3), seed=0).next(7)]
     assert len(got) == 7 and set(got) == {"p0", "p1", "p2"}
+
+
+def test_each_epoch_is_shuffled_anew():
+    """(A shuffle seeded without the epoch passed every test above: mutation review, s56.)"""
+    s = PromptStream(_items(20), seed=0)
+    first, second = s.next(20), s.next(20)
+    assert sorted(t.prompt for t in first) == sorted(t.prompt for t in second)
+    assert [t.prompt for t in first] != [t.prompt for t in second]
+
+
+def test_the_data_digest_covers_the_answers():
+    """A resume over a dataset whose answers were edited is warned about (the digest differs)."""
+    items = _items(5)
+    assert digest(items) != digest([TaskPrompt(t.prompt, t.answer + "0", t.task) for t in items])
