@@ -76,9 +76,10 @@ def check_against_recompute(reqs, samples, model=MODEL):
 PS = prompts([1, 5, 17, 33, 2, 16, 9, 4])
 
 
-def test_greedy_equals_recompute_mixed_lengths():
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # torch: the gather + SDPA path (GPU without triton)
+def test_greedy_equals_recompute_mixed_lengths(backend):
     reqs = greedy_requests(PS, 14)
-    eng = engine(max_batch_size=3)  # requests are admitted as others finish
+    eng = engine(max_batch_size=3, attention_backend=backend)  # requests are admitted as others finish
     out = generate_all(eng, reqs)
     check_against_recompute(reqs, out)
     assert all(s.finish_reason == "length" and len(s.output_ids) == 14 for s in out)
@@ -93,6 +94,18 @@ def test_greedy_equals_recompute_across_preemption():
     assert eng.stats().preemptions > 0
     check_against_recompute(reqs, out)
     assert eng.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_stale_nan_in_free_cache_slots_reaches_no_sequence(backend):
+    """A freed block keeps what its last sequence wrote (a NaN from an overflowed activation
+    too): the slots past each sequence's context are masked and their K/V never read into the
+    output (0 * NaN is NaN), so every sample still equals recomputation."""
+    eng = engine(attention_backend=backend)
+    for kc, vc in zip(eng.runner.cache.k, eng.runner.cache.v):
+        kc.fill_(float("nan")), vc.fill_(float("nan"))
+    reqs = greedy_requests(PS, 6)
+    check_against_recompute(reqs, generate_all(eng, reqs))
 
 
 @pytest.mark.parametrize("kv_tokens", [4096, 80])
