@@ -22,18 +22,23 @@ torch.set_num_threads(1)
     (dict(block_size=0), "engine.block_size"), (dict(admission="sjf"), "engine.admission"),
     (dict(attention_backend="cuda"), "engine.attention_backend"), (dict(dtype="fp8"), "engine.dtype"),
     (dict(kv_cache_tokens=4, block_size=16), "engine.kv_cache_tokens"), (dict(device="tpu"), "engine.device"),
-    (dict(eos_ids=[1]), "engine.eos_ids"), (dict(eos_ids=(True,)), "engine.eos_ids"),
+    (dict(eos_ids=(-1,)), "engine.eos_ids"), (dict(eos_ids=(True,)), "engine.eos_ids[0]: expected int, got bool"),
     # a string is truthy: "false" switched prefix sharing on
-    (dict(prefix_sharing="false"), "engine.prefix_sharing: must be true or false, got 'false'"),
+    (dict(prefix_sharing="false"), "engine.prefix_sharing: expected bool, got str 'false'"),
     (dict(enforce_eager="no"), "engine.enforce_eager"), (dict(enable_chunked_prefill=0), "engine.enable_chunked_prefill"),
     (dict(max_batch_size=True), "engine.max_batch_size"),
-    (dict(seed=1.5), "engine.seed must be an int in [0, 4294967296), got 1.5"), (dict(seed="7"), "engine.seed"),
+    (dict(seed=1.5), "engine.seed: expected int, got float 1.5"), (dict(seed="7"), "engine.seed"),
     (dict(seed=2 ** 64), "engine.seed"), (dict(seed=-1), "engine.seed"), (dict(seed=2 ** 32), "engine.seed"),
     (dict(cpu_prepack="off"), "engine.cpu_prepack: must be 'auto', true or false, got 'off'"),
     (dict(cpu_prepack=0), "engine.cpu_prepack")])
 def test_config_validation_names_key(kw, key):
     with pytest.raises(ValueError, match=re.escape(key)):
         EngineConfig(**kw)
+
+
+def test_a_list_of_eos_ids_is_stored_as_the_file_s_tuple():
+    assert EngineConfig(eos_ids=[2, 5]).eos_ids == (2, 5)  # as build_section reads a YAML list
+    hash(EngineConfig(eos_ids=[2, 5]))  # the frozen config stays hashable
 
 
 def seq(n_tokens: int, sid: int = 0) -> Sequence:

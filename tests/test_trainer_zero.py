@@ -136,7 +136,7 @@ def test_one_rank_has_nothing_to_shard(tmp_path):
 
 
 def test_shard_optimizer_is_a_switch():
-    with pytest.raises(ValueError, match="trainer.shard_optimizer must be true or false, got 'yes'"):
+    with pytest.raises(ValueError, match="trainer.shard_optimizer: expected bool, got str 'yes'"):
         TrainerConfig(shard_optimizer="yes")
 
 

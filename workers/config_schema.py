@@ -94,6 +94,16 @@ def check_ranges(cfg, prefix: str) -> None:
             raise ConfigError(why)
 
 
+def check_fields(cfg, prefix: str) -> None:
+    """Each field of dataclass instance ``cfg`` of its declared type and inside its ``Range``, as
+    ``build_section`` checks a section read from a file: a config built in Python gets the same
+    messages. A value the hint converts (an int for a float, a list for a tuple) is stored so."""
+    hints = typing.get_type_hints(type(cfg))  # resolved (the annotations may be strings)
+    for f in dataclasses.fields(cfg):
+        object.__setattr__(cfg, f.name, check_type(f"{prefix}.{f.name}", getattr(cfg, f.name), hints[f.name]))
+    check_ranges(cfg, prefix)
+
+
 def check_type(key: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against a simple type hint (int, float, bool, str, list, dict, tuple[X, ...],
     X | None, X | Y (the first that takes it), Literal[...] choices); floats must be finite."""

@@ -1,11 +1,10 @@
 """EngineConfig: the settings of one generation instance, validated once at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from workers.config_schema import RANGE, SEEDS, Range, check_ranges, ranged
+from workers.config_schema import SEEDS, Range, check_fields, ranged
 from workers.generation.admission import ADMISSION_POLICIES, valid_name
-from workers.generation.request_check import is_int
 from workers.tasks.plugins import is_plugin
 
 BACKEND_NAMES = ("native", "vllm")
@@ -95,13 +94,7 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
             bad("kv_cache_dtype", "must be 'auto' with attention_backend 'triton' (its kernel reads "
                                   "caches of the model's dtype)")
-        for f in fields(self):  # every number is an int in its Range
-            if RANGE in f.metadata and not is_int(getattr(self, f.name)):
-                raise ValueError(f"engine.{f.name} must be an int {f.metadata[RANGE]}, got {getattr(self, f.name)!r}")
-        check_ranges(self, "engine")
-        for key in ("enable_chunked_prefill", "prefix_sharing", "prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, key), bool):  # "false" is truthy: it would switch it on
-                bad(key, "must be true or false")
+        check_fields(self, "engine")  # "false" for a switch is truthy: it would switch it on
         if self.cpu_prepack != "auto" and not isinstance(self.cpu_prepack, bool):
             bad("cpu_prepack", "must be 'auto', true or false")
         if self.total_blocks < 2:  # one sequence's blocks plus a copy-on-write block of its group
@@ -121,12 +114,8 @@ class EngineConfig:
         if self.backend == "native" and self.backend_options:
             bad("backend_options", "is read by the vllm backend (vLLM's own EngineArgs) and by your own engine; "
                                    "the native engine's settings are engine.* keys (docs/engine.md)")
-        if self.eos_ids is not None:
-            if not isinstance(self.eos_ids, tuple) or not all(
-                    is_int(e) and e >= 0 for e in self.eos_ids):
-                bad("eos_ids", "must be None or a tuple of non-negative ints")
-        if not isinstance(self.backend_options, dict):
-            bad("backend_options", "must be a dict")
+        if self.eos_ids is not None and not all(e >= 0 for e in self.eos_ids):
+            bad("eos_ids", "must be None or a tuple of non-negative ints")
 
     @property
     def total_blocks(self) -> int:

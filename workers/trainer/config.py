@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from workers.config_schema import SEEDS, Range, ranged
+from workers.config_schema import SEEDS, Range, check_fields, ranged
 from workers.tasks.plugins import is_plugin
 from workers.tasks.reward_pool import REWARD_POOLS
-from workers.trainer.config_checks import (check_algorithm, check_field_types, check_algorithm_knobs, check_policy_loss,
+from workers.trainer.config_checks import (check_algorithm, check_algorithm_knobs, check_policy_loss,
                                            check_rollout_correction, first_set, one_of)
 from workers.trainer.config_names import (BAD_SAMPLE_POLICIES, GROUPED, KL_ESTIMATORS, KL_MODES, LOSS_AGGS,
                                           LR_SCHEDULES, NO_CLIP_FLOOR, POLICY_LOSSES, PRECISIONS, SWITCHED_KNOBS,
@@ -216,9 +216,7 @@ class TrainerConfig:
     seed: int = ranged(0, SEEDS)
 
     def __post_init__(self):
-        if isinstance(self.betas, list):  # (a JSON / OmegaConf round trip gives a list)
-            object.__setattr__(self, "betas", tuple(self.betas))
-        check_field_types(self)
+        check_fields(self, "trainer")  # a list for betas (a JSON / OmegaConf round trip) stored as a tuple
         check_algorithm(self)  # its name (or a plugin's, loaded); its knobs after the types, below
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS, VERL_KL_ESTIMATORS)
         one_of("kl_mode", self.kl_mode, KL_MODES)

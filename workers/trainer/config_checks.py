@@ -3,48 +3,14 @@ knobs, a policy loss against its aggregation and knobs, rollout correction again
 Called from ``__post_init__``; each error names the key."""
 from __future__ import annotations
 
-import numbers
-import typing
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from workers.config_schema import RANGE, range_error
-from workers.finite import finite_number
 from workers.trainer.config_names import (ALGORITHMS, BYPASS_LOSS_TYPES, CUSTOM_UNUSED_KNOBS, POLICY_LOSS_KNOBS,
                                           SEQ_MEAN_POLICY_LOSSES, UNUSED_KNOBS, VERL_ALGORITHMS)
 
 if TYPE_CHECKING:
     from workers.trainer.config import TrainerConfig
-
-
-def check_field_types(cfg: "TrainerConfig") -> None:
-    """Each field's value of its declared type, as the run config's sections check them
-    (``build_section``): a switch true or false ("false" or 0 would be read as truthy / falsy), a
-    number finite and not a bool, an integer whole (the Python API took NaN, inf and 1.5: a NaN
-    ``min_lr_ratio`` made every weight NaN, 1.5 warmup steps an lr above the configured one)."""
-    hints = typing.get_type_hints(type(cfg))  # resolved types (the annotations are strings)
-    for f in fields(cfg):
-        value, hint = getattr(cfg, f.name), hints[f.name]
-        nullable = value is None and hint in (typing.Optional[bool], typing.Optional[float], typing.Optional[int])
-        if hint in (bool, typing.Optional[bool]) and not (isinstance(value, bool) or nullable):
-            raise ValueError(f"trainer.{f.name} must be true or false{' (or null)' if hint is not bool else ''}, "
-                             f"got {value!r}")
-        if hint in (float, typing.Optional[float]) and not (_finite(value) or nullable):
-            raise ValueError(f"trainer.{f.name} must be a finite number, got {value!r:.60}")
-        if hint in (int, typing.Optional[int]) and not (
-                (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or nullable):
-            raise ValueError(f"trainer.{f.name} must be an integer, got {value!r:.60}")
-        if hint == tuple[float, float] and not (isinstance(value, tuple) and len(value) == 2
-                                                and all(_finite(v) for v in value)):
-            raise ValueError(f"trainer.{f.name} must be two finite numbers, got {value!r:.60}")
-        problem = range_error(f"trainer.{f.name}", value, f.metadata.get(RANGE))
-        if problem:
-            raise ValueError(problem)
-
-
-def _finite(value) -> bool:
-    """A real number (not a bool, nor a tensor), finite as a float (10**400 is not)."""
-    return isinstance(value, numbers.Real) and finite_number(value) is not None
 
 
 def one_of(name: str, value, allowed, verl_names: dict | None = None) -> None:
