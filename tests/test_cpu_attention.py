@@ -183,3 +183,37 @@ def test_strided_sequence_and_position_indices_are_read_as_their_values():
     q = torch.randn(4, 4, 16, generator=g)
     torch.testing.assert_close(attn(q, kc, vc, tables, seq_of, positions, 0.25),
                                reference(q, kc, vc, tables, seq_of, positions, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dh,dtype", [(64, torch.float32), (16, torch.float32), (64, torch.bfloat16)])
+def test_large_scores_are_softmaxed_stably(dh, dtype):
+    """Scaled q.k scores of ~100-300 (a model's attention-sink logits can be that large): the
+    online softmax subtracts each head's running max, so exp never overflows; a softmax
+    without it saturates (exp clamps at 88) and gives other weights or NaN."""
+    attn = _kernel()
+    g = torch.Generator().manual_seed(5)
+    bs, nb, h, hkv = 4, 24, 4, 2
+    kc = torch.randn(nb, bs, hkv, dh, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, hkv, dh, generator=g).to(dtype)
+    tables = torch.randperm(nb, generator=g)[:20].view(2, 10).int().contiguous()
+    seq_of = torch.tensor([0, 1, 1], dtype=torch.int64)
+    positions = torch.tensor([3, 17, 38], dtype=torch.int64)
+    q = (torch.randn(3, h, dh, generator=g) * 100).to(dtype)
+    got = attn(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    want = reference(q, kc, vc, tables, seq_of, positions, dh ** -0.5)
+    assert float((q[0].float() @ kc[tables[0, 0].long(), :, 0].float().T).abs().max()) * dh ** -0.5 > 100
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_indices_outside_the_cache_are_refused():
+    """A block id past the cache or a position past the block table is an error, not a read
+    of other memory."""
+    attn = _kernel()
+    kc = torch.zeros(5, 4, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="block_tables holds block 5 of 5"):
+        attn(q, kc, kc, torch.tensor([[0, 5]], dtype=torch.int32), one, one, 0.25)
+    with pytest.raises(RuntimeError, match=r"positions\[0\] = 8 is outside its block table"):
+        attn(q, kc, kc, torch.tensor([[0, 1]], dtype=torch.int32), one, torch.tensor([8]), 0.25)

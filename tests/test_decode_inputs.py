@@ -75,3 +75,16 @@ def test_a_shrunk_table_or_an_invalidation_rebuilds():
     seqs[0].block_table[0] = 999
     same(di(seqs, []), fresh(seqs))
     assert di.rebuilds == 3
+
+
+def test_same_count_other_sequences_or_order_rebuilds_the_table():
+    """A batch of as many sequences as the last one, with the same table lengths, but other
+    sequences in its rows (two swapped, one replaced by another): the kept table must not be
+    reused row for row."""
+    rng = random.Random(2)
+    a, b, c = seq(0, 6, rng), seq(1, 7, rng), seq(2, 5, rng)
+    di = DecodeInputs(BS, torch.device("cpu"))
+    same(di([a, b], []), fresh([a, b]))
+    same(di([b, a], []), fresh([b, a]))  # reordered
+    same(di([b, c], []), fresh([b, c]))  # a left, c (2 blocks too) took its row
+    assert di.rebuilds == 3

@@ -50,29 +50,36 @@ def _cpu_ops_or_skip():
     extension_or_skip(cpu_ops, "C++ fused CPU ops")
 
 
-@pytest.mark.parametrize("cpu_ops", [False, True], ids=["torch_ops", "cpu_ops"])
+# cpu_ops_split: the column-split GEMMs (cpu_ops.linear) the forward takes without prepacked
+# weights (engine.cpu_prepack: false, or a CPU without AVX-512): an AVX-512 CPU's default
+# forward takes the panel GEMMs and never calls them
+OPS = pytest.mark.parametrize("cpu_ops, prepack", [(False, None), (True, None), (True, False)],
+                              ids=["torch_ops", "cpu_ops", "cpu_ops_split"])
+
+
+@OPS
 @pytest.mark.parametrize("case", sorted(CASES))
 @torch.no_grad()
-def test_fused_forward_equals_model_forward(case, cpu_ops):
+def test_fused_forward_equals_model_forward(case, cpu_ops, prepack):
     if cpu_ops:
         _cpu_ops_or_skip()
     m = model_for(case)
     ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
-    fwd = FusedForward(m, max_len=64, cpu_ops=cpu_ops)
+    fwd = FusedForward(m, max_len=64, cpu_ops=cpu_ops, prepack=prepack)
     want = m(ids, pos, CausalAttention(cu))
     got = fwd(ids, pos, CausalAttention(cu))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fwd.logits(got), m.logits(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cpu_ops", [False, True], ids=["torch_ops", "cpu_ops"])
+@OPS
 @torch.no_grad()
-def test_fused_forward_bf16_close_to_model(cpu_ops):
+def test_fused_forward_bf16_close_to_model(cpu_ops, prepack):
     if cpu_ops:
         _cpu_ops_or_skip()
     m = model_for("qwen2", torch.bfloat16)
     ids, pos, cu = packed([6, 11], m.config.vocab_size)
-    got = FusedForward(m, max_len=32, cpu_ops=cpu_ops)(ids, pos, CausalAttention(cu))
+    got = FusedForward(m, max_len=32, cpu_ops=cpu_ops, prepack=prepack)(ids, pos, CausalAttention(cu))
     assert got.dtype == torch.bfloat16
     # two bf16 paths summing in other orders: logits up to ~4 here, where bf16's spacing is 1/64
     # (3 of them: 0.05; with RoPE's frequencies kept fp32 in a cast model, one was 0.035 off)
@@ -135,10 +142,13 @@ def test_split_linear_equals_addmm_at_two_threads(add):
 
 
 def test_fused_forward_split_gemms_at_two_threads():
+    """Under inference mode at 2 threads, as the engine runs it, with the model's parameters
+    requiring grad (as a colocated trainer's do): each worker thread takes the caller's mode."""
     _cpu_ops_or_skip()
     m = model_for("qwen2")
+    assert all(p.requires_grad for p in m.parameters())
     ids, pos, cu = packed([5, 1, 17, 9], m.config.vocab_size)
-    fwd = FusedForward(m, max_len=64, cpu_ops=True)
+    fwd = FusedForward(m, max_len=64, cpu_ops=True, prepack=False)  # the split GEMMs on every CPU
     torch.set_num_threads(2)
     try:
         with torch.inference_mode():  # as the engine runs it (the worker threads take the caller's mode)

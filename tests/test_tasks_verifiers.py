@@ -139,6 +139,8 @@ def test_gsm8k_commas_scores_and_options():
     ("\\left( 1, 2 \\right)", "(1,2)"),
     ("3", "3."),
     ("3", "$3$"),
+    ("x+1", "$x+1$"),  # math-mode dollars in the box around a non-number (a number's value matched anyway)
+    ("(B)", "\\text{(B)}"),  # text: its content
     ("\\sqrt{3}", "\\sqrt3"),
     ("\\frac{\\sqrt{3}}{2}", "\\dfrac{\\sqrt{3}}{2}"),
     ("90^\\circ", "90"),
