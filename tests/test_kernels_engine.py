@@ -69,11 +69,12 @@ def test_triton_decode_matches_torch_decode(monkeypatch):
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_graph_decode_buffers_on_cpu(monkeypatch):
+@pytest.fixture
+def replayed_graphs(monkeypatch):
     """The CUDA-graph decode path's buffer handling (padded batch sizes, the scratch block for
     padded rows, static block tables, lazily captured sizes) with the graph itself replaced by
     re-running the captured step: CUDA graphs need a GPU (tests/test_cuda.py replays real ones
-    there). Same tokens and log-probs as the eager engine."""
+    there)."""
     from workers.generation import cuda_graph, model_runner
 
     class EagerReplay(cuda_graph.DecodeGraphs):  # stands in for torch.cuda.CUDAGraph (GPU only)
@@ -88,21 +89,38 @@ def test_graph_decode_buffers_on_cpu(monkeypatch):
 
     monkeypatch.setattr(model_runner, "graphs_supported", lambda device, backend: backend == "triton")
     monkeypatch.setattr(cuda_graph, "DecodeGraphs", EagerReplay)
+
+
+def _graphs_and_eager(work, **cfg) -> NativeEngine:
+    """Generates ``work`` ((prompt, forced tokens) per request) with graphs and eagerly: the
+    same tokens and log-probs; returns the engine that replayed graphs."""
     model = tiny_model()
     g = torch.Generator().manual_seed(3)
     reqs = [Request(sample_id=i, prompt_ids=torch.randint(0, V, (n,), generator=g), max_tokens=m,
-                    min_tokens=m, sampling=SamplingParams(temperature=0.0))
-            for i, (n, m) in enumerate([(1, 9), (7, 3), (40, 12), (21, 6), (5, 10)])]
-    out = {}
+                    min_tokens=m, sampling=SamplingParams(temperature=0.0)) for i, (n, m) in enumerate(work)]
+    out, engines = {}, {}
     for eager in (False, True):
-        cfg = EngineConfig(block_size=16, kv_cache_tokens=2048, max_batch_size=3, device=DEVICE,
-                           dtype="float32", attention_backend="triton", enforce_eager=eager)
-        eng = NativeEngine(cfg, model=model)
+        engines[eager] = eng = NativeEngine(EngineConfig(device=DEVICE, dtype="float32", attention_backend="triton",
+                                                         enforce_eager=eager, **cfg), model=model)
         assert (eng.runner.graphs is None) == eager
         out[eager] = sorted(generate_all(eng, reqs), key=lambda s: s.sample_id)
-        if not eager:
-            assert eng.runner.graphs.captures == 3  # batch sizes 1, 2, 3 seen as others finished
-            assert eng.runner.cache.k[0].shape[0] == eng.bm.num_blocks + 1  # the scratch block
     for a, b in zip(out[False], out[True]):
         assert a.output_ids.tolist() == b.output_ids.tolist(), f"sample {a.sample_id}"
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+    return engines[False]
+
+
+def test_graph_decode_buffers_on_cpu(replayed_graphs):
+    eng = _graphs_and_eager([(1, 9), (7, 3), (40, 12), (21, 6), (5, 10)], block_size=16, kv_cache_tokens=2048,
+                            max_batch_size=3)
+    assert eng.runner.graphs.captures == 3  # batch sizes 1, 2, 3 seen as others finished
+    assert eng.runner.cache.k[0].shape[0] == eng.bm.num_blocks + 1  # the scratch block
+
+
+def test_padded_graph_rows_write_only_the_scratch_block(replayed_graphs):
+    """Decode batches of 3 replay the graph of 4 (max_batch_size 5: graphs of 1, 2, 4, 5): the
+    padded row writes its K/V into the scratch block, not into the slot its last sequence wrote,
+    whose blocks a small cache hands to the running sequences (mutation review, session 57)."""
+    eng = _graphs_and_eager([(5, 20), (6, 20), (7, 20), (16, 2)], block_size=4, kv_cache_tokens=72,
+                            max_batch_size=5, prefix_caching=False)
+    assert 4 in eng.runner.graphs.graphs  # batches of 3 ran padded to 4

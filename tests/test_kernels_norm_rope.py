@@ -42,6 +42,15 @@ def test_rms_norm(rows, dim, dtype):
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
 
 
+def test_a_16bit_row_by_an_fp32_weight_promotes_as_the_reference():
+    """A norm weight kept in fp32 over bf16 rows: fp32 out, as the reference (and torch's
+    promotion) gives, not rounded back to the rows' dtype."""
+    x, w = rand(3, 100, dtype=torch.bfloat16), 1 + 0.1 * rand(100, dtype=torch.float32, seed=2)
+    got, want = rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])  # the bf16 rounding of the normalised row
+
+
 def test_rms_norm_ref_is_the_model_layer():
     layer = RMSNorm(64, 1e-6).to(DEVICE)
     with torch.no_grad():

@@ -5,12 +5,14 @@ The other package is stood in for by a bare module in ``sys.modules``: installin
 Face's ``kernels`` into the test venv is the collision itself (transformers then imports names
 from it, finds this project's package and the HF equivalence tests fail), so the real one
 cannot be used here."""
+import contextlib
 import sys
 import types
 
 import pytest
 import torch
 
+from kernels import _launch
 from workers.generation import kernels_package
 from workers.generation.attention import PagedAttention
 from workers.generation.config import EngineConfig
@@ -110,3 +112,34 @@ def test_interpreting_reads_triton_interpret_as_triton_does(monkeypatch, value, 
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert kernels.interpreting() is on
+
+
+def test_a_launch_runs_on_its_tensors_gpu(monkeypatch):
+    """KernelCall enters the device of its first tensor argument before launching (an RPC
+    thread starts on GPU 0 whatever GPU its engine serves). Fakes, as no GPU is here: a tensor
+    reporting cuda:1, torch.cuda.device recorded instead of entered, a kernel that records
+    the device current at its launch."""
+    class OnGpu1(torch.Tensor):
+        device = property(lambda self: torch.device("cuda", 1))
+
+    current = [torch.device("cuda", 0)]
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], d
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, current[0], kw))
+
+    x = torch.zeros(2).as_subclass(OnGpu1)
+    _launch.KernelCall(Kernel(), (3,), (7, x), dict(N=4), dict(num_warps=2))()
+    assert launched == [((3,), torch.device("cuda", 1), dict(N=4, num_warps=2))]
+    assert current[0] == torch.device("cuda", 0)
