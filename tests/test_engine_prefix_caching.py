@@ -228,7 +228,7 @@ def test_config_key_and_the_vllm_mapping():
     from workers.generation.config import EngineConfig
     from workers.model import ModelConfig
 
-    with pytest.raises(ValueError, match="engine.prefix_caching: must be true or false, got 'false'"):
+    with pytest.raises(ValueError, match="engine.prefix_caching: expected bool, got str 'false'"):
         EngineConfig(prefix_caching="false")
     mc = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)

@@ -197,7 +197,7 @@ BYPASS = dict(rollout_bypass=True)
     (dict(rollout_loss_type="reinforce"), "trainer.rollout_loss_type ('reinforce') is only used with "
                                           "trainer.rollout_bypass: true"),
     (dict(BYPASS, rollout_loss_type="pg"), "trainer.rollout_loss_type: 'pg' is not one of ('ppo_clip', 'reinforce')"),
-    (dict(rollout_bypass="yes"), "trainer.rollout_bypass must be true or false"),
+    (dict(rollout_bypass="yes"), "trainer.rollout_bypass: expected bool, got str 'yes'"),
     (dict(BYPASS, recompute_old_logprobs=True), "trainer.recompute_old_logprobs: true recomputes the old log-probs, "
                                                 "and trainer.rollout_bypass: true takes the sampler's"),
     (dict(BYPASS, tis_cap=2.0), "trainer.tis_cap (2.0) weights by pi_old / pi_sampler with recomputed old log-probs, "

@@ -128,7 +128,7 @@ def test_shuffled_shares_never_split_a_group(n_groups, size, k):
 
 def test_shuffle_is_on_by_default_and_must_be_a_bool():
     assert TrainerConfig().shuffle is True
-    with pytest.raises(ValueError, match="trainer.shuffle must be true or false"):
+    with pytest.raises(ValueError, match="trainer.shuffle: expected bool, got str 'no'"):
         TrainerConfig(shuffle="no")
 
 
