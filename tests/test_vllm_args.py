@@ -1,8 +1,10 @@
 """The EngineConfig/Request -> vLLM mapping (pure; runs without vLLM installed)."""
+import os
+
 import pytest
 import torch
 
-from workers.generation import vllm_args
+from workers.generation import vllm_args, vllm_process
 from workers.generation.config import EngineConfig
 from workers.model import CausalLM, ModelConfig
 from workers.types import Request, SamplingParams
@@ -238,3 +240,55 @@ def test_vllms_multiprocessing_variable_makes_the_backend_set_up_a_child(monkeyp
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     _alone(monkeypatch, ve)
     assert not ve.use_subprocess(EngineConfig(backend="vllm", device="cpu"))
+
+
+def test_every_projection_of_a_fused_module_is_required():
+    """vLLM reloads qkv_proj / gate_up_proj only whole: leaving out any one of q/k/v or gate/up is named."""
+    names = {n for n, _ in CausalLM(MC).named_parameters()}
+    for layer in (0, 1):
+        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        for left_out in ("q_proj", "k_proj", "v_proj"):
+            sent = {n for n in names if n.startswith(attn + ".") and f".{left_out}." not in n}
+            assert {n for ns in vllm_args.incomplete_modules(sent, names).values() for n in ns} == \
+                {n for n in names if n.startswith(f"{attn}.{left_out}.")}
+        for left_out in ("gate_proj", "up_proj"):
+            sent = {n for n in names if n.startswith(mlp + ".") and f".{left_out}." not in n}
+            assert vllm_args.incomplete_modules(sent, names) == {f"{mlp}.gate_up_proj": [f"{mlp}.{left_out}.weight"]}
+
+
+def test_prefix_caching_is_on_when_either_switch_is():
+    """EngineConfig: vLLM has one mechanism for prefix_sharing and prefix_caching and turns it on when either is true."""
+    on = [(s, c) for s in (False, True) for c in (False, True)
+          if vllm_args.engine_args(EngineConfig(backend="vllm", device="cpu", kv_cache_tokens=4096,
+                                                prefix_sharing=s, prefix_caching=c), "/m", MC)["enable_prefix_caching"]]
+    assert on == [(False, True), (True, False), (True, True)]
+
+
+def test_cuda_defaults_to_bfloat16_as_the_native_engine():
+    assert vllm_args.resolve_device_dtype(EngineConfig(backend="vllm", device="cuda")) == ("cuda", "bfloat16")
+    assert vllm_args.resolve_device_dtype(EngineConfig(backend="vllm", device="cpu")) == ("cpu", "float32")
+    assert vllm_args.engine_args(EngineConfig(backend="vllm", device="cuda", kv_cache_tokens=4096),
+                                 "/m", MC)["dtype"] == "bfloat16"
+
+
+def test_sampling_kwargs_send_top_p_and_top_k():
+    def kw(**sp):
+        return vllm_args.sampling_kwargs(Request(0, torch.tensor([1]), 4, sampling=SamplingParams(**sp)), ())
+    assert (kw(temperature=0.7, top_p=0.8, top_k=40)["top_p"], kw(temperature=0.7, top_p=0.8, top_k=40)["top_k"]) == (0.8, 40)
+    assert kw(temperature=0.7, top_k=0)["top_k"] == 0 and kw(temperature=0.7, top_k=-1)["top_k"] == 0
+
+
+def test_the_engine_core_child_gets_the_callers_threads_and_its_gpu(monkeypatch):
+    """child_env: a spawned engine core reads OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES from the
+    environment only; both are set while it starts and restored after. (No GPU here: gpu_index is
+    faked to the cuda:1 a config would name.)"""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(vllm_process, "gpu_index", lambda cfg: 1)
+    with vllm_process.child_env(EngineConfig(backend="vllm", device="cpu"), subprocess=True):
+        assert (os.environ["OMP_NUM_THREADS"], os.environ["CUDA_VISIBLE_DEVICES"]) == ("3", "6")
+    assert (os.environ["OMP_NUM_THREADS"], os.environ["CUDA_VISIBLE_DEVICES"]) == ("1", "4,6")
+    with pytest.raises(ValueError, match="in-process executor computes on cuda:0"):
+        with vllm_process.child_env(EngineConfig(backend="vllm", device="cpu"), subprocess=False):
+            pass
