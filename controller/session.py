@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from controller import checkpoint as ckpt
 from controller.bootstrap import ensure_model
@@ -256,15 +257,15 @@ class Session:
         derived = self.metrics.log_iteration(res, spans)
         skipped = res.skipped_samples
         if skipped and not res.num_samples:
-            raise RunStopped(f"step {res.iteration}: all {skipped} samples were skipped, so nothing was "
-                             "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
-                             "finite number ('the task's score raised ...'), samples refused as bad input, or "
-                             "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
+            self._stop_untrained(res, f"step {res.iteration}: all {skipped} samples were skipped, so nothing was "
+                                      "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
+                                      "finite number ('the task's score raised ...'), samples refused as bad input, or "
+                                      "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
         unbased = res.groups_without_baseline
         if unbased and not res.trained:
-            raise RunStopped(f"step {res.iteration}: nothing was trained, and {unbased} groups got no greedy "
-                             "baseline response (remax), so their samples could not train; the trainer ranks' "
-                             "warnings say why")
+            self._stop_untrained(res, f"step {res.iteration}: nothing was trained, and {unbased} groups got no "
+                                      "greedy baseline response (remax), so their samples could not train; the "
+                                      "trainer ranks' warnings say why")
         c = self.cfg
         if self.policy is not None:
             lens = res.gen_lens  # remax's greedy responses take generation time too
@@ -296,6 +297,17 @@ class Session:
                   f"reward {res.reward_mean:.3f}, {got} samples{kept}, "
                   f"{derived.get('time/interval_s', 0.0):.2f} s", file=sys.stderr, flush=True)
 
+    def _stop_untrained(self, res, why: str) -> NoReturn:
+        """Stop the run at a step that trained nothing (a reward service down, every sample
+        refused), checkpointed to retry that step: the trainers are alive and a step that applies
+        no update leaves their state (weights, optimizer, LR schedule, version) as the step before
+        left it, so the work since the last ``train.ckpt_every`` save is kept (review, s57)."""
+        try:
+            saved = self.save_checkpoint(res.iteration)
+        except RunStopped as e:  # the save failed too (a full disk): both are said
+            raise RunStopped(f"{why}; {e}") from None
+        raise RunStopped(f"{why}; the checkpoint {saved} retries step {res.iteration} once that is fixed")
+
     def _evaluate_and_say(self, step: int, source: str = "periodic") -> None:
         """An evaluation of the weights the engines hold, logged at ``step`` and said on stderr:
         ``train.eval_before_train``'s (step -1) and ``train.eval_only``'s."""
@@ -311,7 +323,7 @@ class Session:
     def save_checkpoint(self, next_iteration: int) -> Path:
         state = ckpt.ControllerState(next_iteration, self.program.version,
                                      self.program.stream_state_at(next_iteration),
-                                     self.program.mode.name, list(self.metrics.rewards), {},
+                                     self.program.mode.name, self.metrics.rewards[:next_iteration], {},
                                      list(self.program.ranker_rows))
 
         root = self.logdir / "checkpoints"

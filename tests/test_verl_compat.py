@@ -206,6 +206,16 @@ def test_verl_recipe_runs_and_a_failing_reward_stops_the_run(tmp_path, tiny_mode
     assert "[controller] run stopped: step 0: all 8 samples were skipped" in r.stderr, r.stderr[-3000:]
     # every rank is alive: the controller's own stop leaves RPC in lock-step, with no RRef-leak/pipe-closed lines
     assert "Leaking RRef" not in r.stderr and "tensorpipe_agent" not in r.stderr, r.stderr[-3000:]
+    # ... and checkpointed to retry the step: with the verifier fixed, --resume trains it (review, s57:
+    # a stopped run kept only its last train.ckpt_every save)
+    saved = tmp_path / "broken" / "checkpoints" / "iter_000000"
+    assert f"the checkpoint {saved} retries step 0 once that is fixed" in r.stderr, r.stderr[-3000:]
+    r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=2, train__eval_every=0,
+                              task__kwargs=kwargs, logging__logdir=str(tmp_path / "broken")),
+                 extra=["--resume", str(tmp_path / "broken")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {saved}: iteration 0" in r.stderr, r.stderr[-3000:]
+    assert [(row["iteration"], row["num_samples"]) for row in iterations(tmp_path / "broken")] == [(0, 8), (1, 8)]
     r = torchrun(write_config(tmp_path, tiny_model, task__name="jsonl", train__iterations=2, train__eval_every=0,
                               task__kwargs={"files": str(data)}, logging__logdir=str(tmp_path / "nofield")))
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
