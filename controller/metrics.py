@@ -63,6 +63,7 @@ class Metrics:
         self.trackers = Fanout(trackers or [])
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = None
+        self._beside = False  # the writer was opened beside the run's steps, replacing none
         self.timeline_every = timeline_every
         earlier = load_spans(self.logdir / SPANS)  # earlier attempts' spans (read for their count)
         # one per start of this folder: config.yaml / config.resume<N>.yaml (run_record, written
@@ -103,6 +104,7 @@ class Metrics:
             again = first_step is not None and drop_rows_from(self.logdir / "iterations.jsonl", first_step)
             again = first_step is not None and drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
+            self._beside = first_step is None
             self._earlier_evals(first_step if again else None)
         return self._writer
 
@@ -145,6 +147,9 @@ class Metrics:
         ``spans``: every span drained since the last call. In the async modes some of them
         belong to the next iteration (G(i+1) runs during step(i)); they are kept for it."""
         step = res.iteration
+        if self._beside:  # opened by an evaluation before this attempt trained (a REPL's): from
+            self._writer.close()  # here it replaces the steps an earlier attempt logged from `step`
+            self._writer = None
         w = self._open(step)
         self._keep(spans)
         self._steps.add(step)
@@ -236,10 +241,10 @@ class Metrics:
         if ev.weight_versions:  # one, unless instances held different weights (async modes)
             v = ev.weight_versions
             row["weight_version"] = v[0] if len(v) == 1 else list(v)
-        # first: a resumed run's first write drops the rows it runs again (a REPL eval's, at the
-        # iteration just trained, drops from the next one, the first a resume would run again;
-        # an eval-only run, which trains nothing, drops none: it may evaluate an older checkpoint)
-        self._open(None if source == "eval_only" else step + 1 if demand else step)
+        # first: a resumed run's first write drops the rows it runs again; an on-demand one (a
+        # REPL's, train.eval_only's) drops none: it may evaluate an older checkpoint and train
+        # nothing (the REPL's first iteration logged then replaces them: log_iteration)
+        self._open(None if demand else step)
         if self.validation_data_dir and ev.generations:  # verl's validation_data_dir: <step>.jsonl
             name = f"{step}.{source}_p{ev.prompts}" if demand else str(step)
             if demand:  # another on-demand eval of this step and count keeps its own file (.2, .3, ...)

@@ -98,6 +98,7 @@ class Repl:
         n = _count("run", k)
         note = self._past_schedule(n)
         self._in_run = True  # from here a failure is the run's, not the command's
+        self.s.continue_lineage()
         res = self.s.program.run(n)
         self._in_run = False
         out = {"ran": len(res), "iteration": self.s.program.iteration, "version": self.s.program.version,

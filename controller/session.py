@@ -121,6 +121,7 @@ class Session:
                                timeline_files=not cfg.train.eval_only)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
+        self._lineage = None  # that checkpoint, to become `latest` when this session first trains
         self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
         state = self._resume() if args.resume else None
         self.program = Program(cfg, self.world, self.tok, self.task, None, self._on_iteration,
@@ -221,10 +222,12 @@ class Session:
                               ) from None
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
-        trains = state.iteration < self.cfg.train.iterations or self.args.repl  # (a console may `run` on)
-        if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only \
-                and trains:  # this folder's lineage continues from here (an evaluation, or nothing to train: none)
-            ckpt.point_latest(found)
+        if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only:
+            # this folder's lineage continues from here once it trains (an evaluation, nothing to
+            # train, or a console that only inspects: none); a console's first `run` points it
+            self._lineage = found
+            if state.iteration < self.cfg.train.iterations and not self.args.repl:
+                self.continue_lineage()
         self._saved = (state.iteration, found)
         if state.mode != self.cfg.pipeline.mode:  # a REPL `mode` before that save; the config rules
             print(f"[controller] the checkpoint was saved in pipeline.mode {state.mode!r}; this run uses its "
@@ -240,6 +243,14 @@ class Session:
                   f"{self.cfg.train.iterations}): nothing to train; raise {key} "
                   f"(--set {key}=N) to continue it", file=sys.stderr, flush=True)
         return state
+
+    def continue_lineage(self) -> None:
+        """The checkpoint resumed from, in this run's own folder, becomes ``latest`` before this
+        session trains (a stop before its next save then resumes this lineage, not abandoned newer
+        checkpoints); a session that never trains (a REPL that only evaluates) leaves it as it was."""
+        if self._lineage is not None:
+            ckpt.point_latest(self._lineage)
+            self._lineage = None
 
     def _drain_last_spans(self) -> None:
         """The workers' spans recorded after the last iteration was logged (the evaluation after

@@ -259,6 +259,27 @@ def test_a_repl_eval_before_a_save_survives_the_resume(tmp_path):
     assert _scalars(tmp_path, "train/reward_mean") == [(i, 0.5) for i in range(5)] + [(5, 0.7)]
 
 
+def test_a_repl_evaluating_an_older_checkpoint_drops_nothing_until_it_trains(tmp_path):
+    """--resume RUN/checkpoints/iter_000003 --repl, `eval`, quit: the run's later rows and
+    TensorBoard steps stay (the eval dropped rows 3-5 and purged them: review, s57); a console
+    that then runs replaces them from its first iteration on, its evaluation kept."""
+    m = Metrics(tmp_path, timeline_every=0)
+    for i in range(6):
+        m.log_iteration(_res(i), _spans(i))
+    m.close()
+    for trains in (False, True):
+        m = Metrics(tmp_path, timeline_every=0)
+        m.log_eval(EvalResult({"eval/mean": 0.25}, 4, 4, 16, 1, 100.0, 1.0), 2, source="repl")
+        if trains:
+            m.log_iteration(_res(3, reward=0.7), _spans(3, 1000.0))
+        m.close()
+        steps = [json.loads(ln)["iteration"] for ln in (tmp_path / "iterations.jsonl").read_text().splitlines()]
+        assert steps == ([0, 1, 2, 3] if trains else [0, 1, 2, 3, 4, 5])
+        assert _scalars(tmp_path, "train/reward_mean") == (
+            [(0, 0.5), (1, 0.5), (2, 0.5), (3, 0.7)] if trains else [(i, 0.5) for i in range(6)])
+        assert _scalars(tmp_path, "eval_repl/p4/mean") == [(2, 0.25)]
+
+
 def test_a_failed_save_keeps_its_span_and_logs_no_timing(tmp_path):
     m = Metrics(tmp_path, timeline_every=0)
     m.log_iteration(_res(0), _spans(0))

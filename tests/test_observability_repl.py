@@ -53,7 +53,7 @@ def _session(spans=()):
     world = SimpleNamespace(sgs=SimpleNamespace(slots=[1], handles=[], removed=[]), trainers=[])
     trainer = SimpleNamespace(total_steps=20, lr_schedule="constant", lr=1e-6, min_lr_ratio=0.0)
     return SimpleNamespace(program=_Program(), metrics=metrics, world=world, cfg=SimpleNamespace(trainer=trainer),
-                           waiting=[])
+                           waiting=[], continue_lineage=lambda: None)
 
 
 def _drive(session, text: str) -> list[dict]:

@@ -251,7 +251,7 @@ def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
             return []
 
     trainer = SimpleNamespace(total_steps=6, lr_schedule="cosine", lr=1e-3, min_lr_ratio=0.0)
-    repl = Repl(SimpleNamespace(program=Program(), cfg=SimpleNamespace(trainer=trainer)))
+    repl = Repl(SimpleNamespace(program=Program(), cfg=SimpleNamespace(trainer=trainer), continue_lineage=lambda: None))
     assert "note" not in repl.run("2")  # iterations 4, 5
     assert repl.run("3")["note"] == ("3 of these iterations go past trainer.total_steps (6, the cosine "
                                      "schedule's length): they train at lr x min_lr_ratio = 0")

@@ -381,5 +381,12 @@ def test_a_config_mismatch_offers_no_previous_checkpoint_and_a_no_op_resume_leav
     assert (root / "latest").read_text().strip() == "iter_000004"
     done = _session(cfg(iterations=2), root / "iter_000002", small, tmp_path / "run")._resume()
     assert done.iteration == 2 and (root / "latest").read_text().strip() == "iter_000004"  # nothing trained
+    console = _session(cfg(iterations=6), root / "iter_000002", small, tmp_path / "run")
+    console.args.repl = True
+    console._resume()  # a console that only inspects (status, eval) leaves the lineage as it was (review, s57)
+    assert (root / "latest").read_text().strip() == "iter_000004"
+    console.continue_lineage()  # its first `run`
+    assert (root / "latest").read_text().strip() == "iter_000002"
+    ckpt.point_latest(root / "iter_000004")
     _session(cfg(iterations=6), root / "iter_000002", small, tmp_path / "run")._resume()
     assert (root / "latest").read_text().strip() == "iter_000002"  # this run continues from there
