@@ -174,7 +174,7 @@ def test_two_ranks_train_the_adapters_as_one_rank(setup):
 def test_lora_config_is_checked():
     with pytest.raises(ValueError, match="trainer.lora_alpha .* is only used with trainer.lora_rank > 0"):
         TrainerConfig(lora_alpha=32)
-    with pytest.raises(ValueError, match="trainer.lora_target_modules: \\['q_proj', 'lm_head'\\]"):
+    with pytest.raises(ValueError, match="trainer.lora_target_modules: \\('q_proj', 'lm_head'\\)"):
         TrainerConfig(lora_rank=8, lora_target_modules=["q_proj", "lm_head"])
     assert TrainerConfig(lora_rank=8, lora_target_modules=("q_proj", "v_proj")).lora_rank == 8
 
