@@ -177,3 +177,52 @@ def test_rope_frequencies_stay_fp32_in_a_bf16_model(tmp_path, tiny_model):  # no
     policy = load_pretrained(tiny_model, "cpu", torch.bfloat16)
     assert policy.model.rotary_emb.inv_freq.dtype == torch.float32
     assert policy.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def _bos_rm_folder(tmp_path, model_dir, chat_template=None):
+    """A Llama reward model whose tokenizer.json adds a BOS to any text (as Llama's does)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    folder, hf = _rm_folder(tmp_path, model_dir, "Llama", chat_template=chat_template)
+    t = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    bos = "<|pad|>"  # (the tiny vocabulary is full: its PAD special token stands for the BOS)
+    bid = t.token_to_id(bos)
+    t.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bid)])])
+    t.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "bos_token": bos}))
+    return folder, hf
+
+
+@pytest.mark.parametrize("template", [None, "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                                            "{% endfor %}{{ eos_token }}"], ids=["plain", "chat"])
+def test_scores_equal_transformers_with_a_bos_adding_tokenizer(tmp_path, tiny_model, template):  # noqa: F811
+    """The ids scored are transformers': tokenizer(text) (one BOS) without a chat template,
+    apply_chat_template(tokenize=True) with one (its own BOS, none added; the text ends in
+    eos = pad_token_id 0, which pooling passes over)."""
+    folder, hf = _bos_rm_folder(tmp_path, tiny_model, template)
+    htok = transformers.AutoTokenizer.from_pretrained(folder)
+    rm = RewardModelVerifier(str(folder))
+    got = rm.batch([p for p, _ in ITEMS], [c for _, c in ITEMS])
+    for (p, c), score in zip(ITEMS, got):
+        if template is None:
+            ids = htok(p.prompt + c)["input_ids"]
+        else:
+            ids = htok.apply_chat_template([{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}],
+                                           tokenize=True, add_generation_prompt=False, return_dict=False)
+        assert ids.count(htok.convert_tokens_to_ids("<|pad|>")) == 1
+        with torch.no_grad():
+            want = float(hf(torch.tensor([ids])).logits[0, 0])
+        assert score == pytest.approx(want, abs=1e-4)
+
+
+def test_a_text_of_exactly_max_length_tokens_is_scored(tmp_path, tiny_model):  # noqa: F811
+    folder, _ = _rm_folder(tmp_path, tiny_model)
+    rm = RewardModelVerifier(str(folder))
+    n = len(rm._tok.encode(rm.text(*ITEMS[1]), add_special_tokens=True))
+    assert isinstance(RewardModelVerifier(str(folder), max_length=n)(*ITEMS[1]), float)
+    with pytest.raises(ValueError, match=f"{n} tokens, over the reward model's max_length {n - 1}"):
+        RewardModelVerifier(str(folder), max_length=n - 1)(*ITEMS[1])

@@ -277,3 +277,37 @@ def test_a_column_named_with_a_dot_is_read(tmp_path):
     p.write_text(json.dumps({"prompt": "What is 2+2?", "reward_model.ground_truth": "4"}) + "\n")
     task = make_task("jsonl", files=str(p), answer_key="reward_model.ground_truth", verifier="gsm8k")
     assert [i.answer for i in task.prompts("train")] == ["4"]
+
+
+ROWS = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?", "answer": "6"}]
+
+
+@pytest.mark.parametrize("sep, tail", [("\n", ""), ("\n", "\n"), ("\r\n", "\r\n"), ("\n", "\n\n")])
+def test_every_jsonl_row_is_read_whatever_the_file_ends_with(tmp_path, sep, tail):
+    """A JSONL file whose last line has no newline (an editor, json.dumps joined by "\\n") keeps its
+    last row; CRLF line ends too."""
+    p = tmp_path / "d.jsonl"
+    p.write_text(sep.join(json.dumps(r) for r in ROWS) + tail, newline="")
+    items = make_task("jsonl", files=str(p)).prompts("train")
+    assert [(i.prompt, i.answer) for i in items] == [(r["prompt"], r["answer"]) for r in ROWS]
+
+
+def test_one_path_serves_both_splits(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    t = make_task("jsonl", files=str(p))
+    assert [i.prompt for i in t.prompts("test")] == [i.prompt for i in t.prompts("train")] == [r["prompt"] for r in ROWS]
+
+
+def test_a_rows_task_field_names_its_group_before_data_source(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt": "1+1?", "answer": "2", "task": "arith", "data_source": "gsm8k"}) + "\n")
+    assert make_task("jsonl", files=str(p)).prompts("train")[0].task == "arith"
+
+
+def test_text_content_parts_are_joined_as_they_are(tmp_path):
+    p = tmp_path / "d.jsonl"
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "1+1?"}]
+    p.write_text(json.dumps({"prompt": [{"role": "user", "content": parts}], "answer": "2"}) + "\n")
+    item = make_task("jsonl", files=str(p)).prompts("train")[0]
+    assert item.prompt == "What is 1+1?" and item.messages[0]["content"] == "What is 1+1?"

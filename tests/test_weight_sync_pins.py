@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from workers.weight_sync import (Topology, WeightSyncReceiver, WeightSyncSender, plan_sync, tensor_spec)
 from workers.weight_sync.checksum import bucket_checksum
+from workers.weight_sync.links import Links
 from workers.weight_sync.localrun import run_local
+from workers.weight_sync.topology import LinkClass
 
 
 def _weights(seed):
@@ -83,3 +85,71 @@ def test_verify_refuses_a_header_of_another_bucket():
     assert rx._verify(headers, sums, 5) == ""
     headers[0, 1], headers[1, 1] = 1, 0   # buckets 0 and 1 landed in each other's place
     assert "does not match" in rx._verify(headers, sums, 5)
+
+
+THREE_DC = {"datacenters": {"a": [0, 1, 2], "b": [3, 4], "c": [5]},
+            "bandwidth_gbps": {"intra_dc": 16, "inter_dc": 8}, "shaped_links": ["intra_dc", "inter_dc"]}
+
+
+def test_shaped_links_are_shared_as_the_wires_are():
+    """One shaper per link into each remote DC (two DCs: two shapers), one for this rank's NIC
+    shared by all its intra-DC children, each at its link class's bytes/s."""
+    topo = Topology.from_config(THREE_DC)
+    links = Links(topo, 0, [1, 2, 3, 4, 5], inline=True)
+    s = links._shaper
+    assert s[1] is s[2]                      # the NIC, shared by both intra-DC children
+    assert s[3] is s[4]                      # one link into DC b, two children behind it
+    assert s[3] is not s[5]                  # DC c's link is another wire
+    assert s[1].rate == topo.bandwidth[LinkClass.INTRA_DC] == 16e9 / 8
+    assert s[3].rate == s[5].rate == topo.bandwidth[LinkClass.INTER_DC] == 8e9 / 8
+    links.close()
+
+
+def test_link_spans_end_when_the_sends_finish(monkeypatch):
+    """busy[link] = [first post, last completion]: the bench's inter_dc_link_s is end - start.
+    dist.isend is faked (a completed send): a real one needs a process group, and the span's
+    bookkeeping is all that is checked here."""
+    import time
+
+    import torch
+
+    from workers.weight_sync.links import Countdown, Outgoing
+
+    class Done:  # a completed send (a fake: no process group here)
+        def wait(self, timeout=None):
+            return True
+
+    import workers.weight_sync.links as links_mod
+    monkeypatch.setattr(links_mod.dist, "isend", lambda *a, **k: Done())
+    links = Links(Topology.from_config(THREE_DC), 0, [3], inline=True)
+    t0 = time.time()
+    done = Countdown(1)
+    links.send(3, Outgoing(0, torch.zeros(4, dtype=torch.int64), torch.zeros(1000, dtype=torch.uint8), 1000, done))
+    links.flush()
+    assert done.wait(5)
+    start, end = links.busy["inter_dc"]
+    assert t0 <= start <= end <= time.time()
+    assert links.wire_bytes["inter_dc"] == 4 * 8 + 1000 and links.tensor_bytes["inter_dc"] == 1000
+    links.close()
+
+
+def test_after_a_failed_send_every_later_bucket_is_marked_done(monkeypatch):
+    """A producer waiting on a bucket's Countdown (the sender's pack buffers) must not wait out
+    timeout_s after a child's send failed. dist.isend is faked to fail: a real failure needs a
+    dead peer."""
+    import torch
+
+    import workers.weight_sync.links as links_mod
+    from workers.weight_sync.links import Countdown, Outgoing
+
+    def fail(*a, **k):
+        raise RuntimeError("connection reset")
+
+    monkeypatch.setattr(links_mod.dist, "isend", fail)
+    links = Links(Topology.from_config(THREE_DC), 0, [1], inline=True)
+    dones = [Countdown(1) for _ in range(3)]
+    for i, done in enumerate(dones):
+        links.send(1, Outgoing(i, torch.zeros(4, dtype=torch.int64), torch.zeros(8, dtype=torch.uint8), 8, done))
+    assert all(d.finished() for d in dones)
+    assert len(links.errors) == 1 and "bucket 0" in links.errors[0]
+    links.close()
