@@ -1,6 +1,7 @@
 """workers/atomic.py: what was saved is the old folder or the new one, never none."""
 import os
 import shutil
+import zlib
 
 import pytest
 
@@ -132,3 +133,17 @@ def test_saved_model_folders_are_readable_as_a_plain_mkdir_makes_them(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o644}
+
+
+def test_a_file_over_one_read_block_has_the_crc_of_all_its_bytes(tmp_path):
+    """file_digest reads 16 MiB blocks: every block must feed the running CRC, or a byte changed
+    anywhere but in the last block of a model.safetensors (every real model's is larger) passes
+    checkpoint.check's CRC comparison."""
+    data = bytearray(b"\x5a" * ((1 << 24) + 4096))
+    f = tmp_path / "big.bin"
+    f.write_bytes(data)
+    before = atomic.file_digest(f, "crc32")
+    assert before == f"{zlib.crc32(data):08x}"
+    data[100] ^= 0xFF  # a flipped byte in the first block
+    f.write_bytes(data)
+    assert atomic.file_digest(f, "crc32") != before

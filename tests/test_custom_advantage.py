@@ -256,3 +256,21 @@ def test_a_non_finite_advantage_where_the_mask_is_0_leaves_the_update_alone(mode
     w.receive(shifted)
     m = w.step().metrics
     assert m["step_skipped"] == 0.0 and m["grad_norm"] > 0
+
+
+def test_the_advantages_of_an_advantages_returns_pair_are_what_trains(model_dir, tmp_path):  # noqa: F811
+    """verl's estimators return (advantages, returns), and for most the two differ (reinforce++'s
+    returns are not whitened, GAE's add the values): the first trains, never the second."""
+    f = tmp_path / "pair_estimators.py"
+    f.write_text(textwrap.dedent('''
+        def alone(token_level_rewards, response_mask, **kwargs):
+            return token_level_rewards.flip(-1).cumsum(-1).flip(-1) * response_mask
+
+        def pair(token_level_rewards, response_mask, **kwargs):
+            adv = alone(token_level_rewards, response_mask)
+            return adv, -3.0 * adv + 1.0
+    '''))
+    _, w_alone = _step(model_dir, f"{f}:alone")
+    _, w_pair = _step(model_dir, f"{f}:pair")
+    for k in w_alone:
+        assert torch.equal(w_alone[k], w_pair[k]), k
