@@ -27,6 +27,7 @@ from workers.trainer.packing import pack, response_logits, token_logprobs
 from workers.trainer.rollout_dump import rollout_row
 from workers.trainer import remax, rollout_bypass, rollout_correction as rc
 from workers.trainer.multi_turn import item_mask, last_sampled, mean_over, sampled_mask, spread
+from workers.types import prompt_text
 
 if TYPE_CHECKING:
     from workers.trainer.worker import TrainerWorker
@@ -172,9 +173,11 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str, dict]:
             and len(w.score_failures) < MAX_FAILURE_KINDS:
         w.score_failures.add(kind)
         more = "; other kinds of failure are not logged" if len(w.score_failures) == MAX_FAILURE_KINDS else ""
+        item = w._prompts.get(s.group_id)  # which prompt: a reward failing on one row is found by it
+        text = prompt_text(item) if item is not None else ""
         logging.getLogger("streamrl.trainer").warning(
-            "sample %d: %s; skipped (samples failing the same way are counted in skipped_samples, not "
-            "logged again%s)", s.sample_id, why, more)
+            "sample %d (prompt %r): %s; skipped (samples failing the same way are counted in skipped_samples, "
+            "not logged again%s)", s.sample_id, text[:80] + ("..." if len(text) > 80 else ""), why, more)
     return score, why, scored.info
 
 
