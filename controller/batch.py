@@ -76,6 +76,13 @@ class IterationResult:
         return int(self.metrics.get("groups_without_baseline", 0))
 
     @property
+    def nothing_trainable(self) -> bool:
+        """The step trained nothing for want of samples: every one skipped (a reward that raised,
+        bad input), or remax groups without their greedy baseline. The run stops there, with a
+        checkpoint that retries the step (``Session._stop_untrained``)."""
+        return bool(self.skipped_samples and not self.num_samples or self.groups_without_baseline and not self.trained)
+
+    @property
     def step_skipped(self) -> bool:
         """No update was applied (the version did not advance)."""
         return bool(self.metrics.get("step_skipped", 0))

@@ -315,8 +315,10 @@ class Metrics:
             with self._spans_lock:
                 held, kept = list(self.spans), self._kept
             spans = held[:max(len(held) - (kept - n), 0)]  # those kept when the write was asked
-            if self.timeline_every and n != self._written:  # 0: no figure (the Chrome trace is still
-                self._figure(spans[-last:], upto - 1)  # written); none new since the last: it stands
+            # 0: no figure (the Chrome trace is still written); none new since the last, or an
+            # attempt that trained nothing (a REPL that only inspected): the run's figure stands
+            if self.timeline_every and n != self._written and self._steps:
+                self._figure(spans[-last:], upto - 1)
             out = write_chrome_trace(load_spans(self.logdir / SPANS) if whole else spans,
                                      self.logdir / "timeline.json")
             self._written = n

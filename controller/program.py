@@ -218,7 +218,8 @@ class Program:
         if self.ranker is not None and b.round is not None:
             res.ranker_quality = ranking_quality(b, lengths)
         every = self.cfg.ranker.update_every
-        if self.ranker is not None and every > 0 and b.round is not None:
+        # (a step that trained nothing is retried from its checkpoint: its lengths come then)
+        if self.ranker is not None and every > 0 and b.round is not None and not res.nothing_trainable:
             self.ranker_rows += update_rows(b, lengths, self.per_prompt)
             if (b.iteration + 1) % every == 0 and self.ranker_rows:
                 texts, lens = zip(*self.ranker_rows)

@@ -266,17 +266,16 @@ class Session:
     def _on_iteration(self, res) -> None:
         spans = self.program.drain_spans()
         derived = self.metrics.log_iteration(res, spans)
-        skipped = res.skipped_samples
-        if skipped and not res.num_samples:
+        if res.nothing_trainable:
+            skipped, unbased = res.skipped_samples, res.groups_without_baseline
             self._stop_untrained(res, f"step {res.iteration}: all {skipped} samples were skipped, so nothing was "
                                       "trained; the trainer ranks' warnings say why: a reward that raised or was not a "
                                       "finite number ('the task's score raised ...'), samples refused as bad input, or "
-                                      "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)")
-        unbased = res.groups_without_baseline
-        if unbased and not res.trained:
-            self._stop_untrained(res, f"step {res.iteration}: nothing was trained, and {unbased} groups got no "
-                                      "greedy baseline response (remax), so their samples could not train; the "
-                                      "trainer ranks' warnings say why")
+                                      "non-finite sampler log-probs (a diverged policy: a lower trainer.lr)"
+                                 if skipped and not res.num_samples else
+                                 f"step {res.iteration}: nothing was trained, and {unbased} groups got no greedy "
+                                 "baseline response (remax), so their samples could not train; the trainer ranks' "
+                                 "warnings say why")
         c = self.cfg
         if self.policy is not None:
             lens = res.gen_lens  # remax's greedy responses take generation time too

@@ -314,3 +314,19 @@ def test_a_long_run_holds_its_latest_spans_and_writes_the_whole_trace_at_the_end
     assert len(m.spans) == 8 and len([e for e in _trace(tmp_path) if e["ph"] == "X"]) <= 8
     m.close()
     assert len([e for e in _trace(tmp_path) if e["ph"] == "X"]) == 20
+
+
+@pytest.mark.parametrize("metrics, num_samples, stops", [
+    ({"skipped_samples": 8}, 0, True),  # every sample skipped (a reward service down)
+    ({"skipped_samples": 3}, 5, False),  # some trained
+    ({"groups_without_baseline": 2, "num_seqs": 0}, 8, True),  # remax: no group had its greedy response
+    ({"groups_without_baseline": 1, "num_seqs": 6}, 8, False),
+    ({"num_seqs": 0}, 8, False),  # filter_groups dropped every group: a step like any other
+])
+def test_a_step_with_nothing_trainable_is_the_one_the_run_stops_and_retries_at(metrics, num_samples, stops):
+    """IterationResult.nothing_trainable: Session stops there with a checkpoint that retries the
+    step, and Program feeds the ranker nothing from it (it comes again: review, s57)."""
+    res = _res(3)
+    res.metrics.update(metrics)
+    res.num_samples = num_samples
+    assert res.nothing_trainable is stops

@@ -145,6 +145,22 @@ def test_timeline_files_are_replaced_atomically(tmp_path, monkeypatch):
     m.close()
 
 
+def test_an_attempt_that_trained_nothing_leaves_the_runs_figure(tmp_path):
+    """A --repl session that only inspected a checkpoint (its resume push, an eval) ends with
+    the whole trace written: the run's Gantt figure stands (it was replaced by one of that
+    attempt's few spans: review, s57); the trace gets them."""
+    m = Metrics(tmp_path, timeline_every=1)
+    m.log_iteration(_res(0), [Span("gen1", "generate", 0.0, 1.0, 0), Span("train2", "train", 1.0, 2.0, 0)])
+    m.close()
+    png = (tmp_path / "timeline.png").read_bytes()
+    m = Metrics(tmp_path, timeline_every=1)
+    m.add_spans([Span("controller", "push", 5.0, 5.5, 1)])
+    m.write_timeline(1, whole=True)
+    m.close()
+    assert (tmp_path / "timeline.png").read_bytes() == png
+    assert "push" in (tmp_path / "timeline.json").read_text()
+
+
 def test_plain_resume_keeps_the_final_gantt(tmp_path):
     # the run's end logs the Gantt figure at its last iteration's step (the runner passes the
     # next iteration, as range's end); a resume from there must not purge it

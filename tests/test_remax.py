@@ -219,7 +219,12 @@ def test_an_iteration_with_no_baseline_at_all_stops_the_run():
 
     res = IterationResult(3, 3, 3, {"num_samples": 8.0, "num_seqs": 0.0, "groups_without_baseline": 4.0,
                                     "skipped_samples": 4.0}, 8, 0, 1.0, 1.0, 2.0, 0, 0.0)
+    saved = []
     fake = SimpleNamespace(program=SimpleNamespace(drain_spans=lambda: []),
-                           metrics=SimpleNamespace(log_iteration=lambda res, spans: {}))
-    with pytest.raises(RunStopped, match="step 3: nothing was trained, and 4 groups got no greedy baseline"):
+                           metrics=SimpleNamespace(log_iteration=lambda res, spans: {}),
+                           save_checkpoint=lambda it: saved.append(it) or f"RUN/checkpoints/iter_{it:06d}")
+    fake._stop_untrained = lambda res, why: Session._stop_untrained(fake, res, why)
+    with pytest.raises(RunStopped, match="step 3: nothing was trained, and 4 groups got no greedy baseline"
+                                         r".*; the checkpoint RUN/checkpoints/iter_000003 retries step 3"):
         Session._on_iteration(fake, res)
+    assert saved == [3]  # the step is retried from there (its trainers' state is the step before's)

@@ -180,7 +180,7 @@ def test_bad_sample_is_skipped_counted_and_the_rest_trained(model_dir, base, rol
     skips = [m for m in msgs if " skips " in m]
     if kind == "verifier_raises":  # logged once per kind of failure, by the scorer, with the cause
         assert skips == []
-        said = f"sample {victim.sample_id} (prompt {prompts[victim.group_id].prompt[:80]!r}"  # which row: review, s57
+        said = f"sample {victim.sample_id} (prompt {prompts[victim.sample_id].prompt[:80]!r}"  # which row: review, s57
         assert any(m.startswith(said) and "): the task's score raised ValueError('verifier crashed on this "
                    "completion'); skipped" in m for m in msgs), msgs
     else:

@@ -93,3 +93,16 @@ def test_the_python_api_checks_types_as_the_run_config_does(kw, said):
     assert str(direct.value) == str(from_file.value)
     TrainerConfig(lr=1, reward_timeout_s=None, weight_decay=0)  # an int where a float is declared; null
     assert TrainerConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)  # a list (JSON, OmegaConf) as AdamW takes it
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_are():
+    """A sweep's np.int64 seed or np.float32 lr (the removed trainer check took numbers.Integral
+    and numbers.Real; the file's check refused them: review, s57); an integral float for an int
+    stays refused."""
+    import numpy as np
+
+    c = TrainerConfig(seed=np.int64(3), total_steps=np.int64(50), lr=np.float32(0.5), kl_coef=np.int64(0))
+    assert (c.seed, c.total_steps, c.lr, c.kl_coef) == (3, 50, 0.5, 0.0)
+    assert [type(v) for v in (c.seed, c.total_steps, c.lr, c.kl_coef)] == [int, int, float, float]
+    with pytest.raises(ValueError, match="trainer.seed: expected int, got float64"):
+        TrainerConfig(seed=np.float64(3.0))

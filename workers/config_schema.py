@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import os
 import types
 import typing
@@ -142,6 +143,10 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
         elif len(value) != len(args):
             raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
         return tuple(check_type(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if base in (int, float) and isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        # a numpy number (a sweep's np.arange, a computed lr) as the Python number it is; not an
+        # integral float for an int (1.0 steps is a mistake a file would not make either)
+        value = int(value) if isinstance(value, numbers.Integral) else float(value) if base is float else value
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)

@@ -173,7 +173,7 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str, dict]:
             and len(w.score_failures) < MAX_FAILURE_KINDS:
         w.score_failures.add(kind)
         more = "; other kinds of failure are not logged" if len(w.score_failures) == MAX_FAILURE_KINDS else ""
-        item = w._prompts.get(s.group_id)  # which prompt: a reward failing on one row is found by it
+        item = w._prompts.get(s.sample_id)  # which prompt: a reward failing on one row is found by it
         text = prompt_text(item) if item is not None else ""
         logging.getLogger("streamrl.trainer").warning(
             "sample %d (prompt %r): %s; skipped (samples failing the same way are counted in skipped_samples, "
