@@ -1,7 +1,16 @@
 """Suite-wide fixtures."""
 import logging
+import signal
 
 import pytest
+
+# A test run started in the background by a non-interactive shell (`bash -c '... &'`, nohup)
+# inherits SIGINT ignored: Python then installs no KeyboardInterrupt handler, and the processes
+# the tests start inherit the ignore. The tests that deliver a Ctrl-C (tests/test_interrupt.py,
+# test_engine_held_interrupt.py) need Python's own handler, which a terminal's run has: six of
+# them failed in a README test command started so (session 57).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +32,6 @@ def _signal_handlers_restored():
     SIGTERM and SIGHUP (``lifecycle.signals_interrupt``: the first signal ignores the others from
     then on). Left in place, a later test's SIGINT (tests/test_engine_held_interrupt.py) went to
     it: SIGTERM was ignored for every test after (session 52). Each test gets them back."""
-    import signal
-
     names = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     saved = [signal.getsignal(s) for s in names]
     yield
