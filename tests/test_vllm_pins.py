@@ -2,7 +2,10 @@
 prefix cache dropped after a weight load (blocks of the old weights served a repeated prompt),
 non-greedy log-probs of the native sampler's policy (top-p dropped passed), CPU seeds 2**32 apart,
 aborts and reloads taking requests out of vLLM itself, a closed in-process engine giving the
-process back, a sample id already in flight refused. Skipped where vLLM is not installed."""
+process back, a sample id already in flight refused. Skipped where vLLM is not installed.
+Run before tests/test_vllm.py (.ci/run's order): its shared engine keeps the process's one
+in-process engine core to the session's end, and these tests read stats() after one step()
+of an in-process core (a spawned one schedules later)."""
 import os
 import subprocess
 import sys
