@@ -8,6 +8,7 @@ declared ranges) into the run's ``Config``; the sections owned by other componen
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -277,6 +278,10 @@ class LoggingSection:
         _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
         _path_key(self, "logging", "rollout_data_dir")
         _path_key(self, "logging", "validation_data_dir")
+        if self.rollout_data_dir and os.path.abspath(self.rollout_data_dir) == os.path.abspath(self.validation_data_dir):
+            raise ConfigError(f"logging.validation_data_dir: the same folder as logging.rollout_data_dir "
+                              f"({self.rollout_data_dir}); both write <iteration>.jsonl there, one replacing the "
+                              "other's: give each a folder of its own")
         if isinstance(self.trackers, str):  # `logger: wandb`, as verl takes it
             object.__setattr__(self, "trackers", (self.trackers,))
         why = trackers.missing(self.trackers)

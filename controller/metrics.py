@@ -23,7 +23,7 @@ from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fraction
                                  merge_intervals, pyplot, write_chrome_trace)
 from controller.trackers import Fanout
 from workers.atomic import atomic_file
-from workers.generation_dump import markdown, write_rows
+from workers.generation_dump import later_rows, markdown, write_rows
 
 # evaluations asked for (not train.eval_every's): their TensorBoard group, per source
 ON_DEMAND = {"repl": "eval_repl", "eval_only": "eval_only"}
@@ -103,6 +103,8 @@ class Metrics:
             # the final Gantt figure logged at step first_step - 1
             again = first_step is not None and drop_rows_from(self.logdir / "iterations.jsonl", first_step)
             again = first_step is not None and drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
+            if first_step is not None and self.validation_data_dir:  # an abandoned lineage's evaluations
+                later_rows(self.validation_data_dir, first_step - 1)
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
             self._beside = first_step is None
             self._earlier_evals(first_step if again else None)

@@ -28,7 +28,7 @@ from controller.process_state import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from controller.trainer_inbox import IterationInbox, sample_tokens
 from workers import heap
-from workers.generation_dump import stale_rows, write_rows
+from workers.generation_dump import later_rows, stale_rows, write_rows
 from workers.trainer.rollout_dump import take_rows
 from workers.trainer.sample_checks import check_new_ids
 from workers.types import Sample, TaskPrompt
@@ -83,6 +83,7 @@ class TrainerRank:
         self.rollout_data_dir = rollout_data_dir  # logging.rollout_data_dir: each step's scored samples there
         if rollout_data_dir:
             self.worker.rollout_rows = []
+        self._dumped = False  # this process's first dump drops an abandoned lineage's later files
         self._iters: dict[int, IterationInbox] = {}
         self._owner: dict[int, int] = {}  # sample_id -> iteration
         self._current: int | None = None  # iteration the worker is in (begin_iteration called)
@@ -247,6 +248,9 @@ class TrainerRank:
                 write_rows(self.rollout_data_dir, name, rows)
                 if k == 0:  # a resumed run on another number of ranks: that run's files of this iteration go
                     stale_rows(self.rollout_data_dir, iteration, ranks)
+                    if not self._dumped:
+                        later_rows(self.rollout_data_dir, iteration)
+                self._dumped = True
             except OSError as e:
                 logging.getLogger("streamrl.trainer").warning(
                     "logging.rollout_data_dir: iteration %d's samples not written (%s); training goes on", iteration, e)

@@ -340,3 +340,12 @@ def test_a_key_in_the_wrong_section_names_its_section(key, said, tmp_path):
     (tmp_path / "c.yaml").write_text(f"{section}:\n  {name}: {value}\n")
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(tmp_path / "c.yaml")
+
+
+def test_one_folder_for_rollouts_and_evaluations_is_refused(tmp_path):
+    """Both write ``<iteration>.jsonl``: an evaluation's generations replaced that iteration's
+    scored samples (also as ``./x`` and ``x``)."""
+    with pytest.raises(ConfigError, match=r"logging\.validation_data_dir: the same folder as logging\.rollout_data_dir"):
+        load_config(_file(tmp_path, logging={"rollout_data_dir": "out/x", "validation_data_dir": "./out/x"}), 3)
+    cfg = load_config(_file(tmp_path, logging={"rollout_data_dir": "out/x", "validation_data_dir": "out/y"}), 3)
+    assert (cfg.logging.rollout_data_dir, cfg.logging.validation_data_dir) == ("out/x", "out/y")

@@ -28,11 +28,18 @@ def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noq
     cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_before_train=True,
                        logging__rollout_data_dir=str(rollouts), logging__validation_data_dir=str(evals),
                        logging__log_val_generations=2)
+    # an abandoned lineage's files (a run that got further, resumed from an older checkpoint, as
+    # its iterations.jsonl rows after it) go at the first write; other files stay
+    for folder, names in ((rollouts, ("5.jsonl", "7.rank1.jsonl", "notes.jsonl", "2.rank0.notes.jsonl")),
+                          (evals, ("4.jsonl", "3.repl_p2.jsonl"))):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text("{}\n")
     p = torchrun(cfg, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     task = make_task("synthetic", **TASK)
     answers = {t.answer for t in task.prompts("train")}
-    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl"]
+    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl", "2.rank0.notes.jsonl", "notes.jsonl"]
     for it in (0, 1):
         rows = _rows(rollouts / f"{it}.jsonl")
         assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {it}  # batch_prompts x group_size
@@ -41,7 +48,7 @@ def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noq
             assert set(r) >= {"input", "output", "gts", "score", "sample_id", "weight_version", "finish_reason"}
             assert r["gts"] in answers and 0.0 <= r["score"] <= 1.0 and r["env_reward"] == 0.0
     # the controller's evaluations: before training (-1) and after iteration 1 (eval_every 2)
-    assert sorted(f.name for f in evals.iterdir()) == ["-1.jsonl", "1.jsonl"]
+    assert sorted(f.name for f in evals.iterdir()) == ["-1.jsonl", "1.jsonl", "3.repl_p2.jsonl"]
     evals_logged = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     test = {t.prompt: t for t in task.prompts("test")}
     for row in evals_logged:

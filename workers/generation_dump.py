@@ -5,6 +5,7 @@ the controller its evaluations' generations (docs/controller.md, "Generations").
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from workers.atomic import atomic_file
@@ -33,6 +34,17 @@ def stale_rows(folder: str | Path, step: int, ranks: int) -> None:
             stale.append(path)
     for path in stale:
         path.unlink(missing_ok=True)
+
+
+def later_rows(folder: str | Path, step: int) -> list[Path]:
+    """The rollout files of iterations after ``step`` (``<n>.jsonl``, ``<n>.rank<k>.jsonl``): at a
+    run's first step they are an abandoned lineage's (a resume from an older checkpoint, as
+    iterations.jsonl's rows after it), deleted; the run writes its own as it gets there."""
+    later = [path for path in Path(folder).glob("*.jsonl")
+             if (m := re.fullmatch(r"(\d+)(\.rank\d+)?\.jsonl", path.name)) and int(m[1]) > step]
+    for path in later:
+        path.unlink(missing_ok=True)
+    return later
 
 
 def markdown(rows: list[dict], n: int) -> str:
