@@ -116,7 +116,7 @@ def _cause(e: BaseException) -> str:
 def admit(session, i: int) -> None:
     """Before iteration ``i``: take the announced processes into ``session.waiting`` and add
     the first of them as a generation instance when the scale-out policy wants one
-    (``session.want_add``) or ``placement.force_scale_out_at`` <= ``i``. A joiner whose context
+    (``session.want_add``), ``placement.force_scale_out_at`` <= ``i``, or no instance is left. A joiner whose context
     is too small for the run's prompts is told to exit; one lost on the way is passed over."""
     placement = session.cfg.placement
     session.waiting = waiting(session.waiting)
@@ -133,7 +133,8 @@ def admit(session, i: int) -> None:
         if not session.waiting:
             print(f"[controller] placement.force_scale_out_at={i}: no process joined within {wait_s:.0f} s; "
                   "going on without it", file=sys.stderr, flush=True)
-    if not (session.waiting and (forced or session.want_add)):
+    # (with no instance left, one waiting is added whatever the policy says: the run needs it)
+    if not (session.waiting and (forced or session.want_add or not session.world.sgs.slots)):
         return
     rank = session.waiting.pop(0)
     session.joined.append(rank)

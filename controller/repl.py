@@ -96,6 +96,11 @@ class Repl:
     # ---- commands ------------------------------------------------------------------------
     def run(self, k: str = "1") -> dict:
         n = _count("run", k)
+        sgs = self.s.world.sgs
+        if not sgs.slots and not self._waiting():  # (it used to fail the run: NoInstancesLeft)
+            return {"error": "run: no generation instance is left (" + ", ".join(
+                f"rank {r}: {why}" for r, why in sgs.removed) + "); start a process with --join (docs/controller.md), "
+                "then run: a joined process is added first"}
         note = self._past_schedule(n)
         self._in_run = True  # from here a failure is the run's, not the command's
         self.s.continue_lineage()

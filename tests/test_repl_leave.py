@@ -251,12 +251,45 @@ def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
             return []
 
     trainer = SimpleNamespace(total_steps=6, lr_schedule="cosine", lr=1e-3, min_lr_ratio=0.0)
-    repl = Repl(SimpleNamespace(program=Program(), cfg=SimpleNamespace(trainer=trainer), continue_lineage=lambda: None))
+    repl = Repl(SimpleNamespace(program=Program(), cfg=SimpleNamespace(trainer=trainer), continue_lineage=lambda: None,
+                                world=_session([]).world, waiting=[]))
     assert "note" not in repl.run("2")  # iterations 4, 5
     assert repl.run("3")["note"] == ("3 of these iterations go past trainer.total_steps (6, the cosine "
                                      "schedule's length): they train at lr x min_lr_ratio = 0")
     trainer.lr_schedule = "constant"
     assert "note" not in repl.run("1")
+
+
+def test_run_with_no_instance_left_is_refused_until_a_joiner_waits(monkeypatch):
+    """Every instance lost (found by `sgs`): `run` failed the whole job (NoInstancesLeft inside
+    the run, fatal there) although nothing had started; a joiner waiting was never added (the
+    scale-out policy adds at its own wish only), so the job could not go on (flows review, s57)."""
+    from controller import joiners
+
+    calls = []
+    monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
+    session = _session(calls, lost={1, 3})
+    ran = []
+    session.program = SimpleNamespace(iteration=0, version=0, run=lambda n: ran.append(n) or [])
+    session.cfg = SimpleNamespace(trainer=SimpleNamespace(total_steps=10, lr_schedule="constant"))
+    session.continue_lineage = lambda: None
+    repl = Repl(session)
+    assert repl.sgs()["instances"] == []  # both found lost, removed
+    out = repl.run("1")
+    assert out["error"].startswith("run: no generation instance is left (rank 1: lost during a REPL command: ")
+    assert "start a process with --join" in out["error"] and ran == [] and not repl._in_run
+    session.waiting = [5]  # a joiner came: the run goes on, admit adds it first
+    assert repl.run("1")["ran"] == 0 and ran == [1]
+
+    def add_instance(world, cfg, rank, model_dir, eos_ids, version):
+        calls.append(("added", rank))
+        return object()
+
+    monkeypatch.setattr(joiners, "add_instance", add_instance)
+    session.cfg.placement = SimpleNamespace(force_scale_out_at=-1, rpc_timeout_s=1.0)
+    session.joined, session.want_add, session.policy, session.model_dir, session.eos_ids = [], False, None, "", [0]
+    joiners.admit(session, 1)  # the policy did not ask for one; none left: added all the same
+    assert calls == [("added", 5)] and session.joined == [5] and session.waiting == []
 
 
 def test_status_after_a_resume_gives_the_checkpoints_last_reward():
