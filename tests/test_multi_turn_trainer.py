@@ -286,3 +286,18 @@ def test_remax_returns_are_verls_on_sampled_tokens(setup):
         assert bool((p.token_rewards[~s.loss_mask] == 0).all()) and bool((p.token_rewards[s.loss_mask] != 0).all())
         verl = (p.token_rewards * m).flip(-1).cumsum(-1).flip(-1) - 0.5 * m  # compute_remax_outcome_advantage
         assert torch.allclose(p.adv[s.loss_mask], verl[s.loss_mask], atol=1e-5)
+
+
+def test_a_micro_batch_mixing_no_tool_call_and_multi_turn_samples_trains_sampled_tokens_only(setup):
+    """In a multi-turn run a trajectory with no tool call has an all-True mask (keep None); packed
+    beside samples with observation tokens, those still leave every loss term (item_mask)."""
+    model_dir, task, single, prompts, groups, tok = setup
+    masks = [torch.ones(12, dtype=torch.bool) if i % 2 == 0 else observation_mask(i, 12) for i in range(len(single))]
+    samples = multi_turn(single, masks=masks)
+    cfg = TrainerConfig(grad_clip=0.0, algorithm="grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01,
+                        loss_agg="token_mean", max_tokens_per_microbatch=10**6)
+    want = masked_reference(model_dir, task, tok, samples, prompts, cfg)
+    got, res = worker_grads(model_dir, task, samples, prompts, groups, cfg)
+    scale = max(v.abs().max().item() for v in want.values())
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5 * scale
+    assert res.metrics["num_tokens"] == sum(int(m.sum()) for m in masks)

@@ -134,3 +134,15 @@ def test_a_folded_rmsnorm_equals_normalising_the_input_first(m, k, n):
 def test_a_norm_weight_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match=r"a norm weight of shape \(15,\) cannot fold into a weight \[40, 16\]"):
         panel_gemm.pack(torch.randn(40, 16), norm=(torch.ones(15), 1e-6))
+
+
+def test_a_folded_rmsnorm_with_eps_0():
+    from workers.generation import panel_gemm
+
+    if not panel_gemm.available(torch.float32):
+        pytest.skip("panel GEMMs need an AVX-512 CPU and a C++ compiler")
+    g = torch.Generator().manual_seed(3)
+    x, w, nw = torch.randn(7, 16, generator=g) * 3 + 0.5, torch.randn(40, 16, generator=g), torch.randn(16, generator=g)
+    h = torch.nn.functional.rms_norm(x, (16,), nw, 0.0)
+    got = panel_gemm.linear(x, panel_gemm.pack(w, norm=(nw, 0.0)), None)
+    torch.testing.assert_close(got, (h.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)

@@ -215,3 +215,14 @@ def test_profile_counts_kv_in_the_engines_own_blocks():
     eng.cfg = replace(eng.cfg, block_size=8)  # what a config asked; the engine's blocks are 16
     prof = profile_engine(eng, batch_sizes=(1, 16), prompt_len=8, decode_steps=4, warmup_steps=2, clock=eng.clock)
     assert prof.kv_tokens == 512 and prof.block_size == 16
+
+
+def test_ptl_profile_step_time_and_extrapolation():
+    p = PTLProfile([1, 8, 16], [1.0, 2.0, 1.9], kv_tokens=10**6)
+    assert p.ptl(64) == pytest.approx(1.9)  # a falling last segment extends flat, never towards 0
+    q = PTLProfile([1, 4], [1.0, 2.0], kv_tokens=10**6, kv_s_per_token=0.01, ref_context=100.0)
+    assert q.step_time(4, 400) == pytest.approx(2.0)  # measured at ref_context tokens a sequence
+    assert q.step_time(4, 500) == pytest.approx(3.0)
+    assert q.step_time(4, 0) == pytest.approx(1.0)  # fewer cached tokens: at most half the step
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        PTLProfile([1], [1.0], kv_tokens=10, kv_s_per_token=-1e-3)

@@ -157,3 +157,15 @@ def test_a_ranker_may_give_a_tensor_and_take_any_iterable():
     r = ranker.build(f"{__name__}:TorchOut").fit(PROMPTS, LENGTHS)
     assert r.predict(iter(PROMPTS[:3])) == pytest.approx(ranker.build(f"{__name__}:Mine").fit(PROMPTS, LENGTHS)
                                                          .predict(PROMPTS[:3]))
+
+
+class NanLog(Mine):
+    def predict_log(self, prompts):
+        out = super().predict_log(prompts)
+        out[0] = np.nan
+        return out
+
+
+def test_a_ranker_whose_estimates_are_not_finite_is_refused():
+    with pytest.raises(ValueError, match="predict_log gave values that are not finite for 3 prompts"):
+        NanLog().fit(PROMPTS, LENGTHS).predict(PROMPTS[:3])

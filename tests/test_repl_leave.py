@@ -387,3 +387,12 @@ def test_a_withdrawn_joiner_is_no_spare_instance(monkeypatch):
     joiners.register_joiner(12, "generation")
     assert joiners.waiting([]) == [12]
 
+
+def test_status_gives_the_last_iterations_reward():
+    from controller.repl import Repl
+
+    history = [SimpleNamespace(reward_mean=0.1), SimpleNamespace(reward_mean=0.7)]
+    program = SimpleNamespace(iteration=2, version=2, mode=SimpleNamespace(name="stream"), history=history)
+    session = SimpleNamespace(program=program, metrics=SimpleNamespace(rewards=[0.1, 0.7]), waiting=[],
+                              world=SimpleNamespace(sgs=SimpleNamespace(slots=[1])))
+    assert Repl(session).status()["reward"] == 0.7

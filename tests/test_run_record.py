@@ -95,3 +95,16 @@ def test_a_users_file_named_like_the_record_is_never_overwritten(tmp_path):
     run.mkdir()
     first = save_run_config(run, cfg, args)
     assert save_run_config(run, cfg, args, name="config.yaml") == first  # its own record: written again
+
+
+def test_each_resume_gets_a_record_of_its_own_with_its_overrides(tmp_path):
+    from controller.config import load_config
+    from controller.run_record import save_run_config
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml")
+    args = [types.SimpleNamespace(resume=r, config="c.yaml", set=[f"train.seed={i}"])
+            for i, r in enumerate(("", str(tmp_path), str(tmp_path)))]
+    names = [save_run_config(tmp_path, cfg, a).name for a in args]
+    assert names == ["config.yaml", "config.resume1.yaml", "config.resume2.yaml"]
+    recs = [yaml.safe_load((tmp_path / n).read_text()) for n in names]
+    assert [r["overrides"] for r in recs] == [["train.seed=0"], ["train.seed=1"], ["train.seed=2"]]

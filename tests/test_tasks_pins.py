@@ -3,10 +3,15 @@
 flexible match skips a final period, zero tolerance accepts the exact value, math answers in
 dollars or \\text, an infinite score is none, a batch score of the wrong length. ``_Task`` is a
 user's task (the Task Protocol) returning the scores under test."""
+import json
 import math
 
+import pytest
+
 from workers.tasks.answers import answer_span, value
+from workers.tasks.envs.calculator import calculator_env
 from workers.tasks.latex import equivalent
+from workers.tasks.registry import make_task
 from workers.tasks.scoring import safe_score, safe_score_batch
 from workers.tasks.verifiers import make_verifier
 from workers.types import TaskPrompt
@@ -64,3 +69,60 @@ def test_an_infinite_score_is_no_score():
 def test_a_batch_of_the_wrong_length_costs_every_sample():
     out = safe_score_batch(_Task(batch=[1.0, 0.0, 1.0]), [item("1")] * 2, ["a", "b"])
     assert len(out) == 2 and all(math.isnan(s) and "one score per sample" in why for s, why, _ in out)
+
+
+# ---- the tasks' own verifiers and environments (mutation review, s58) ----
+def test_the_calculator_answers_the_last_of_several_tool_calls():
+    def call(e):
+        return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": e}}) + "</tool_call>"
+
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": call("1+1")},
+            {"role": "tool", "content": "2"}, {"role": "assistant", "content": call("2*3")}]
+    assert calculator_env(None, msgs) == "6"
+    done = msgs + [{"role": "tool", "content": "6"}, {"role": "assistant", "content": "answer=6"}]
+    assert calculator_env(None, done) is None
+
+
+def test_reasoning_gym_test_split_is_not_the_train_split():
+    t = make_task("reasoning_gym", dataset="basic_arithmetic", size=20, seed=1)
+    train = {i.prompt for i in t.prompts("train")}
+    test = [i.prompt for i in t.prompts("test")]
+    assert [i.prompt for i in t.prompts("eval")] == test
+    assert sum(p not in train for p in test) >= 15
+
+
+def test_reasoning_gym_without_the_answer_hint():
+    from workers.tasks.reasoning_gym_task import ANSWER_HINT
+
+    t = make_task("reasoning_gym", dataset="basic_arithmetic", size=3, seed=1, answer_hint=False)
+    assert not any(i.prompt.endswith(ANSWER_HINT) for i in t.prompts("train"))
+    assert all(demo == item.answer for item, demo in t.demonstrations("train"))
+
+
+def test_synthetic_verifiers_check_each_step_and_count_the_trace():
+    c = make_task("synthetic", kind="countdown")
+    item = TaskPrompt("count 23 by 3", "", "synthetic/countdown")  # 23 20 17 14 11 8 5 2: 8 numbers
+    assert c.score(item, "23 20 17 14 11 8 5 2; answer=8") == 1.0
+    assert c.score(item, "23 20; answer=2") == pytest.approx(0.5 * 2 / 8)  # the count is the trace's
+    assert c.score(item, "23 20 17 14 11 8 5 2 -1 -4; answer=8") == pytest.approx(0.5 * 8 / 10 + 0.5)
+    r = make_task("synthetic")
+    item = TaskPrompt("sum 3 5 2 8", "", "synthetic/running_sum")
+    assert r.score(item, "3+5=8; 1+7=10; 10+8=18; answer=18") == pytest.approx(0.5 * 2 / 3 + 0.5)
+
+
+def test_a_noisy_running_sum_demonstration_answers_its_last_shown_step():
+    for item, text in make_task("synthetic", num_train=60, demo_noise=1.0).demonstrations("train"):
+        steps = text.split("; ")[:-1]
+        want = int(steps[-1].split("=")[-1]) if steps else item.meta["terms"][0]
+        assert text.endswith(f"answer={want}"), text
+
+
+def test_a_verl_scorer_gets_the_rows_data_source_when_the_row_also_names_a_task(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": "1", "task": "group_a", "data_source": "openai/gsm8k"}) + "\n")
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return float(data_source == 'openai/gsm8k')\n")
+    t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score")
+    item = t.prompts("train")[0]
+    assert item.task == "group_a" and t.score(item, "x") == 1.0

@@ -2,11 +2,15 @@
 review, session 56): k3's log-ratio clamp keeps the gradient finite far from the reference, the
 group filter's refill count leaves failed rewards out, gpg's alpha with one nonzero reward."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from test_advantages_opo_passk import verl_gpg
+from test_trainer_stats import build, model_dir, train  # noqa: F401
 from workers.tasks.reward_pool import Scored
+from workers.trainer import TrainerConfig
 from workers.trainer.advantages import gpg_alpha
 from workers.trainer.group_filter import count_passing
 from workers.trainer.kl import KL_ESTIMATORS
@@ -47,3 +51,30 @@ def test_the_refill_count_leaves_failed_rewards_out():
 @pytest.mark.parametrize("b, m, alpha", [(8.0, 1.0, 8.0), (8.0, 0.0, 8.0), (8.0, 5.0, 1.6), (8.0, 8.0, 1.0)])
 def test_gpg_alpha_is_the_batch_over_its_nonzero_rewards(b, m, alpha):
     assert gpg_alpha(torch.tensor([b, m])) == pytest.approx(alpha)
+
+
+def test_gpg_scales_every_sample_and_counts_negative_rewards(model_dir):  # noqa: F811
+    groups = [[(1.0, 3), (-1.0, 5), (1.0, 2), (0.5, 4)], [(-0.5, 2), (0.7, 6)], [(0.0, 2), (0.0, 3)]]
+    samples, prompts, sizes = build(model_dir, groups)
+    expect = verl_gpg([[r for r, _ in g] for g in groups])  # alpha = 10 / 6 (verl: count_nonzero)
+    lens = [n for g in groups for _, n in g]
+    m = train(model_dir, TrainerConfig(algorithm="gpg", lr=1e-3), samples, prompts, sizes, one_by_one=True)
+    assert m["advantage_max"] == pytest.approx(max(expect), abs=1e-5)
+    assert m["advantage_min"] == pytest.approx(min(expect), abs=1e-5)
+    assert m["advantage_mean"] == pytest.approx(sum(a * n for a, n in zip(expect, lens)) / sum(lens), abs=1e-5)
+
+
+def test_whitening_leaves_a_non_finite_advantage_out_of_the_statistics():
+    from tests.test_review_s44 import _prepared
+    from workers.trainer.advantages import whiten
+    from workers.trainer.buffer import SampleBuffer
+    from workers.trainer.step_passes import whiten_pass
+
+    g = torch.Generator().manual_seed(0)
+    advs = [torch.randn(n, generator=g) for n in (5, 3, 4)]
+    buffer = SampleBuffer()
+    buffer.push_ready([_prepared(i, a.clone(), None) for i, a in enumerate(advs + [torch.full((6,), float("nan"))])])
+    w = SimpleNamespace(_trained_any=False, buffer=buffer, world_size=1, group=None, device=torch.device("cpu"))
+    whiten_pass(w)
+    for p, want in zip(list(buffer.ready)[:3], whiten(advs)):
+        assert torch.allclose(p.adv, want, atol=1e-6)
