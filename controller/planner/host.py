@@ -242,7 +242,7 @@ def measure_weight_sync(named: dict[str, torch.Tensor], bucket_bytes: int = 1 <<
     """Between two local processes: seconds for the weight-sync executor to move ``named``
     over gloo (plan_sync + WeightSyncSender/Receiver, the runtime's tree path; the fastest
     of ``repeats`` after one warm-up), and the median round trip of an empty RPC over the
-    runtime's RPC options. Returns {"sync_s", "rpc_rtt_s"}."""
+    runtime's RPC options. Returns {"sync_s", "rpc_rtt_s", "sync_runs_s"} (each timed sync)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -257,7 +257,8 @@ def measure_weight_sync(named: dict[str, torch.Tensor], bucket_bytes: int = 1 <<
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    return {"sync_s": float(min(times)), "rpc_rtt_s": float(sorted(rtt)[len(rtt) // 2])}
+    return {"sync_s": float(min(times)), "rpc_rtt_s": float(sorted(rtt)[len(rtt) // 2]),
+            "sync_runs_s": [float(t) for t in times]}
 
 
 # ---- the runtime's generate path vs the bare engine loop ----------------------------------
