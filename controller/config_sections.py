@@ -278,7 +278,8 @@ class LoggingSection:
         _path_key(self, "logging", "logdir", "the run's folder (logs, checkpoints), e.g. runs/NAME")
         _path_key(self, "logging", "rollout_data_dir")
         _path_key(self, "logging", "validation_data_dir")
-        if self.rollout_data_dir and os.path.abspath(self.rollout_data_dir) == os.path.abspath(self.validation_data_dir):
+        if self.rollout_data_dir and self.validation_data_dir and \
+                os.path.realpath(self.rollout_data_dir) == os.path.realpath(self.validation_data_dir):
             raise ConfigError(f"logging.validation_data_dir: the same folder as logging.rollout_data_dir "
                               f"({self.rollout_data_dir}); both write <iteration>.jsonl there, one replacing the "
                               "other's: give each a folder of its own")

@@ -42,14 +42,14 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def drop_rows_from(path: Path, first: int) -> bool:
+def drop_rows_from(path: Path, first: int) -> list[dict]:
     """Keep the rows of iterations before ``first`` (a resumed run writes the rest again), and
     train.eval_only's (no run writes them again), and drop a torn last line; replaced atomically,
-    untouched when nothing changes. True when other rows of ``first`` or later were there."""
+    untouched when nothing changes. -> the other rows of ``first`` or later, dropped."""
     if not path.exists():
-        return False
+        return []
     text = path.read_text()
-    kept, again = [], False
+    kept, again = [], []
     for line in text.splitlines(keepends=True):
         try:
             if not line.endswith("\n"):
@@ -58,7 +58,7 @@ def drop_rows_from(path: Path, first: int) -> bool:
             if row["iteration"] < first or row.get("source") == "eval_only":
                 kept.append(line)
             else:
-                again = True
+                again.append(row)
         except (ValueError, KeyError, TypeError):
             pass
     if "".join(kept) != text:

@@ -23,7 +23,7 @@ from controller.timeline import (BATCH_STAGES, CONTROLLER, Span, bubble_fraction
                                  merge_intervals, pyplot, write_chrome_trace)
 from controller.trackers import Fanout
 from workers.atomic import atomic_file
-from workers.generation_dump import later_rows, markdown, write_rows
+from workers.generation_dump import markdown, write_rows
 
 # evaluations asked for (not train.eval_every's): their TensorBoard group, per source
 ON_DEMAND = {"repl": "eval_repl", "eval_only": "eval_only"}
@@ -101,10 +101,14 @@ class Metrics:
             # steps logged again (a restart from an older checkpoint than the last row) are
             # purged; a plain resume (rows end just before first_step) purges nothing, not even
             # the final Gantt figure logged at step first_step - 1
-            again = first_step is not None and drop_rows_from(self.logdir / "iterations.jsonl", first_step)
-            again = first_step is not None and drop_rows_from(self.logdir / "eval.jsonl", first_step) or again
-            if first_step is not None and self.validation_data_dir:  # an abandoned lineage's evaluations
-                later_rows(self.validation_data_dir, first_step - 1)
+            again, dropped = False, []
+            if first_step is not None:
+                again = bool(drop_rows_from(self.logdir / "iterations.jsonl", first_step))
+                dropped = drop_rows_from(self.logdir / "eval.jsonl", first_step)
+            for row in dropped:  # their generations (logging.validation_data_dir) go with them
+                if isinstance(row.get("generations"), str):
+                    Path(row["generations"]).unlink(missing_ok=True)
+            again = again or bool(dropped)
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
             self._beside = first_step is None
             self._earlier_evals(first_step if again else None)

@@ -97,10 +97,16 @@ class Repl:
     def run(self, k: str = "1") -> dict:
         n = _count("run", k)
         sgs = self.s.world.sgs
-        if not sgs.slots and not self._waiting():  # (it used to fail the run: NoInstancesLeft)
-            return {"error": "run: no generation instance is left (" + ", ".join(
-                f"rank {r}: {why}" for r, why in sgs.removed) + "); start a process with --join (docs/controller.md), "
-                "then run: a joined process is added first"}
+        if not sgs.slots:  # every instance lost (it used to fail the job: NoInstancesLeft in the run)
+            from controller.joiners import admit
+
+            waited = bool(self._waiting())
+            admit(self.s, self.s.program.iteration)  # one waiting is added now (none left: whatever the policy)
+            if not sgs.slots:
+                return {"error": "run: no generation instance is left (" + ", ".join(
+                    f"rank {r}: {why}" for r, why in sgs.removed) + "); " + (
+                    "the process waiting was not added (the controller's log says why); " if waited else "")
+                    + "start a process with --join (docs/controller.md), then run again"}
         note = self._past_schedule(n)
         self._in_run = True  # from here a failure is the run's, not the command's
         self.s.continue_lineage()

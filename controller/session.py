@@ -121,7 +121,7 @@ class Session:
                                timeline_files=not cfg.train.eval_only)
         self.policy = self._scale_policy()
         self.resumed_from = None  # the checkpoint folder resumed from
-        self._lineage = None  # that checkpoint, to become `latest` when this session first trains
+        self._lineage = None  # (that checkpoint, its iteration): `latest` when this session first trains
         self._saved: tuple | None = None  # (iteration, folder) of this run folder's newest checkpoint
         state = self._resume() if args.resume else None
         self.program = Program(cfg, self.world, self.tok, self.task, None, self._on_iteration,
@@ -225,7 +225,7 @@ class Session:
         if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only:
             # this folder's lineage continues from here once it trains (an evaluation, nothing to
             # train, or a console that only inspects: none); a console's first `run` points it
-            self._lineage = found
+            self._lineage = (found, state.iteration)
             if state.iteration < self.cfg.train.iterations and not self.args.repl:
                 self.continue_lineage()
         self._saved = (state.iteration, found)
@@ -249,7 +249,10 @@ class Session:
         session trains (a stop before its next save then resumes this lineage, not abandoned newer
         checkpoints); a session that never trains (a REPL that only evaluates) leaves it as it was."""
         if self._lineage is not None:
-            ckpt.point_latest(self._lineage)
+            found, iteration = self._lineage
+            ckpt.point_latest(found)
+            # the abandoned iterations' rollout files go, as their rows leave iterations.jsonl
+            wait_all([t.call("drop_rollouts_from", iteration) for t in self.world.trainers])
             self._lineage = None
 
     def _drain_last_spans(self) -> None:

@@ -83,7 +83,6 @@ class TrainerRank:
         self.rollout_data_dir = rollout_data_dir  # logging.rollout_data_dir: each step's scored samples there
         if rollout_data_dir:
             self.worker.rollout_rows = []
-        self._dumped = False  # this process's first dump drops an abandoned lineage's later files
         self._iters: dict[int, IterationInbox] = {}
         self._owner: dict[int, int] = {}  # sample_id -> iteration
         self._current: int | None = None  # iteration the worker is in (begin_iteration called)
@@ -248,9 +247,6 @@ class TrainerRank:
                 write_rows(self.rollout_data_dir, name, rows)
                 if k == 0:  # a resumed run on another number of ranks: that run's files of this iteration go
                     stale_rows(self.rollout_data_dir, iteration, ranks)
-                    if not self._dumped:
-                        later_rows(self.rollout_data_dir, iteration)
-                self._dumped = True
             except OSError as e:
                 logging.getLogger("streamrl.trainer").warning(
                     "logging.rollout_data_dir: iteration %d's samples not written (%s); training goes on", iteration, e)
@@ -370,6 +366,13 @@ class TrainerRank:
     def load_checkpoint(self, folder: str) -> int:
         self.worker.load_checkpoint(folder)
         return self.worker.version
+
+    def drop_rollouts_from(self, iteration: int) -> int:
+        """The rollout files of ``iteration`` and later in this rank's logging.rollout_data_dir:
+        the controller's call when its run folder's lineage goes on from an older checkpoint
+        (``Session.continue_lineage``; those iterations' rows leave iterations.jsonl then) ->
+        how many were deleted."""
+        return len(later_rows(self.rollout_data_dir, iteration - 1)) if self.rollout_data_dir else 0
 
     def version(self) -> int:
         return self.worker.version

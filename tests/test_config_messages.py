@@ -349,3 +349,9 @@ def test_one_folder_for_rollouts_and_evaluations_is_refused(tmp_path):
         load_config(_file(tmp_path, logging={"rollout_data_dir": "out/x", "validation_data_dir": "./out/x"}), 3)
     cfg = load_config(_file(tmp_path, logging={"rollout_data_dir": "out/x", "validation_data_dir": "out/y"}), 3)
     assert (cfg.logging.rollout_data_dir, cfg.logging.validation_data_dir) == ("out/x", "out/y")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ConfigError, match=r"logging\.validation_data_dir: the same folder"):
+        load_config(_file(tmp_path, logging={"rollout_data_dir": str(tmp_path / "real"),
+                                             "validation_data_dir": str(tmp_path / "link")}), 3)
+    assert load_config(_file(tmp_path, logging={"rollout_data_dir": "."}), 3).logging.rollout_data_dir == "."

@@ -28,10 +28,9 @@ def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noq
     cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_before_train=True,
                        logging__rollout_data_dir=str(rollouts), logging__validation_data_dir=str(evals),
                        logging__log_val_generations=2)
-    # an abandoned lineage's files (a run that got further, resumed from an older checkpoint, as
-    # its iterations.jsonl rows after it) go at the first write; other files stay
-    for folder, names in ((rollouts, ("5.jsonl", "7.rank1.jsonl", "notes.jsonl", "2.rank0.notes.jsonl")),
-                          (evals, ("4.jsonl", "3.repl_p2.jsonl"))):
+    # another run's files in the same folders (a relative path is the launch folder's): a fresh
+    # run deletes none of them (it replaces the names it writes, as verl's)
+    for folder, names in ((rollouts, ("5.jsonl", "7.rank1.jsonl", "notes.jsonl")), (evals, ("4.jsonl",))):
         folder.mkdir()
         for name in names:
             (folder / name).write_text("{}\n")
@@ -39,7 +38,7 @@ def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noq
     assert p.returncode == 0, p.stderr[-3000:]
     task = make_task("synthetic", **TASK)
     answers = {t.answer for t in task.prompts("train")}
-    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl", "2.rank0.notes.jsonl", "notes.jsonl"]
+    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl", "5.jsonl", "7.rank1.jsonl", "notes.jsonl"]
     for it in (0, 1):
         rows = _rows(rollouts / f"{it}.jsonl")
         assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {it}  # batch_prompts x group_size
@@ -48,7 +47,7 @@ def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noq
             assert set(r) >= {"input", "output", "gts", "score", "sample_id", "weight_version", "finish_reason"}
             assert r["gts"] in answers and 0.0 <= r["score"] <= 1.0 and r["env_reward"] == 0.0
     # the controller's evaluations: before training (-1) and after iteration 1 (eval_every 2)
-    assert sorted(f.name for f in evals.iterdir()) == ["-1.jsonl", "1.jsonl", "3.repl_p2.jsonl"]
+    assert sorted(f.name for f in evals.iterdir()) == ["-1.jsonl", "1.jsonl", "4.jsonl"]
     evals_logged = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     test = {t.prompt: t for t in task.prompts("test")}
     for row in evals_logged:
@@ -62,6 +61,31 @@ def test_a_run_writes_its_rollouts_and_evaluations(tmp_path, tiny_model):  # noq
     ea = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0})
     ea.Reload()
     assert "eval/generations/text_summary" in ea.Tags()["tensors"]  # (TensorBoard's name for add_text)
+
+
+def test_a_resume_from_an_older_checkpoint_drops_the_abandoned_iterations_files(tmp_path, tiny_model):  # noqa: F811
+    """A run folder resumed from an older checkpoint of its own drops the later iterations' rows
+    from iterations.jsonl and eval.jsonl; their rollout files and the generations those eval rows
+    named stayed beside the new lineage's (flows review, s57). Other files stay."""
+    rollouts, evals = tmp_path / "rollouts", tmp_path / "evals"
+    logs = dict(logging__rollout_data_dir=str(rollouts), logging__validation_data_dir=str(evals))
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=3, train__ckpt_every=1, train__eval_every=1,
+                              **logs), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl", "2.jsonl"]
+    assert sorted(f.name for f in evals.iterdir()) == ["0.jsonl", "1.jsonl", "2.jsonl"]
+    (rollouts / "notes.jsonl").write_text("{}\n")
+    first = {f.name: f.read_text() for f in rollouts.iterdir()}
+    p = torchrun(write_config(tmp_path, tiny_model, train__iterations=2, train__ckpt_every=1, train__eval_every=1,
+                              **logs), extra=["--resume", str(tmp_path / "run" / "checkpoints" / "iter_000001")],
+                 timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(f.name for f in rollouts.iterdir()) == ["0.jsonl", "1.jsonl", "notes.jsonl"]
+    assert (rollouts / "0.jsonl").read_text() == first["0.jsonl"] and (rollouts / "notes.jsonl").exists()
+    assert {r["step"] for r in _rows(rollouts / "1.jsonl")} == {1}  # written again by the resumed run
+    assert sorted(f.name for f in evals.iterdir()) == ["0.jsonl", "1.jsonl"]
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1] and all(Path(r["generations"]).exists() for r in rows)
 
 
 def test_log_eval_writes_a_repl_evals_generations_apart_and_markdown_keeps_the_text(tmp_path):

@@ -260,36 +260,48 @@ def test_run_says_when_it_goes_past_a_decaying_lr_schedule():
     assert "note" not in repl.run("1")
 
 
-def test_run_with_no_instance_left_is_refused_until_a_joiner_waits(monkeypatch):
+def test_run_with_no_instance_left_is_refused_until_a_joiner_is_added(monkeypatch):
     """Every instance lost (found by `sgs`): `run` failed the whole job (NoInstancesLeft inside
     the run, fatal there) although nothing had started; a joiner waiting was never added (the
-    scale-out policy adds at its own wish only), so the job could not go on (flows review, s57)."""
+    scale-out policy adds at its own wish only), and one refused left the job failing as before
+    (flows review, s57; diff review, s58)."""
     from controller import joiners
+    from controller.prompt_check import ContextTooSmall
 
     calls = []
     monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))
     session = _session(calls, lost={1, 3})
     ran = []
     session.program = SimpleNamespace(iteration=0, version=0, run=lambda n: ran.append(n) or [])
-    session.cfg = SimpleNamespace(trainer=SimpleNamespace(total_steps=10, lr_schedule="constant"))
-    session.continue_lineage = lambda: None
+    session.cfg = SimpleNamespace(trainer=SimpleNamespace(total_steps=10, lr_schedule="constant"),
+                                  placement=SimpleNamespace(force_scale_out_at=-1, rpc_timeout_s=1.0))
+    session.continue_lineage = lambda: calls.append("lineage")
+    session.want_add, session.policy, session.model_dir, session.eos_ids = False, None, "", [0]
     repl = Repl(session)
     assert repl.sgs()["instances"] == []  # both found lost, removed
     out = repl.run("1")
     assert out["error"].startswith("run: no generation instance is left (rank 1: lost during a REPL command: ")
-    assert "start a process with --join" in out["error"] and ran == [] and not repl._in_run
-    session.waiting = [5]  # a joiner came: the run goes on, admit adds it first
-    assert repl.run("1")["ran"] == 0 and ran == [1]
+    assert "start a process with --join" in out["error"] and "waiting" not in out["error"]
+    assert ran == [] and not repl._in_run and "lineage" not in calls
+
+    def refused(world, cfg, rank, model_dir, eos_ids, version):
+        raise ContextTooSmall(f"joiner rank {rank}: max_model_len 64, the run's prompts need 96")
+
+    monkeypatch.setattr(joiners, "add_instance", refused)
+    session.waiting = [4]  # a joiner too small for the run's prompts: refused, and the run not started
+    out = repl.run("1")
+    assert "the process waiting was not added (the controller's log says why)" in out["error"]
+    assert ran == [] and not repl._in_run and ("exit", 4, 2) in calls and "lineage" not in calls
 
     def add_instance(world, cfg, rank, model_dir, eos_ids, version):
-        calls.append(("added", rank))
-        return object()
+        h = WorkerHandle(rank, "generation", LocalRRef(FakeInstance(calls, rank)))
+        world.sgs.add(h)
+        return h
 
     monkeypatch.setattr(joiners, "add_instance", add_instance)
-    session.cfg.placement = SimpleNamespace(force_scale_out_at=-1, rpc_timeout_s=1.0)
-    session.joined, session.want_add, session.policy, session.model_dir, session.eos_ids = [], False, None, "", [0]
-    joiners.admit(session, 1)  # the policy did not ask for one; none left: added all the same
-    assert calls == [("added", 5)] and session.joined == [5] and session.waiting == []
+    session.waiting = [5]  # the policy did not ask for one; none left: added all the same, then the run goes
+    assert repl.run("1")["ran"] == 0 and ran == [1] and session.joined == [3, 4, 5] and session.waiting == []
+    assert [h.rank for h in session.world.sgs.handles] == [5] and "lineage" in calls
 
 
 def test_status_after_a_resume_gives_the_checkpoints_last_reward():

@@ -337,8 +337,15 @@ def _session(cfg, resume, model_dir, logdir):
     from runtime_helpers import LocalRRef
 
     class Trainer:
+        def __init__(self):
+            self.dropped = []
+
         def load_checkpoint(self, folder):
             return 7
+
+        def drop_rollouts_from(self, iteration):  # the lineage goes on from `iteration`
+            self.dropped.append(iteration)
+            return 0
 
     s = Session.__new__(Session)
     s.cfg, s.model_dir, s.logdir = cfg, model_dir, logdir
@@ -385,8 +392,9 @@ def test_a_config_mismatch_offers_no_previous_checkpoint_and_a_no_op_resume_leav
     console.args.repl = True
     console._resume()  # a console that only inspects (status, eval) leaves the lineage as it was (review, s57)
     assert (root / "latest").read_text().strip() == "iter_000004"
-    console.continue_lineage()  # its first `run`
+    console.continue_lineage()  # its first `run`: the trainers drop the rollout files from iteration 2 on
     assert (root / "latest").read_text().strip() == "iter_000002"
+    assert console.world.trainers[0].rref.obj.dropped == [2]
     ckpt.point_latest(root / "iter_000004")
     _session(cfg(iterations=6), root / "iter_000002", small, tmp_path / "run")._resume()
     assert (root / "latest").read_text().strip() == "iter_000002"  # this run continues from there

@@ -37,9 +37,9 @@ def stale_rows(folder: str | Path, step: int, ranks: int) -> None:
 
 
 def later_rows(folder: str | Path, step: int) -> list[Path]:
-    """The rollout files of iterations after ``step`` (``<n>.jsonl``, ``<n>.rank<k>.jsonl``): at a
-    run's first step they are an abandoned lineage's (a resume from an older checkpoint, as
-    iterations.jsonl's rows after it), deleted; the run writes its own as it gets there."""
+    """Delete the rollout files of iterations after ``step`` (``<n>.jsonl``, ``<n>.rank<k>.jsonl``;
+    other names stay) -> the paths deleted: those of a lineage abandoned by resuming a run folder
+    from an older checkpoint (``TrainerRank.drop_rollouts_from``)."""
     later = [path for path in Path(folder).glob("*.jsonl")
              if (m := re.fullmatch(r"(\d+)(\.rank\d+)?\.jsonl", path.name)) and int(m[1]) > step]
     for path in later:
