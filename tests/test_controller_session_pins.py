@@ -2,10 +2,9 @@
 session 58): a resumed run trains only the iterations left, a run ending past its last ckpt_every
 save writes its own final checkpoint, a trainer lost during a save is the lost worker, a joiner
 added at version 0 holds the weights it pulled, a custom dispatcher's broken plans are refused, a
-checkpoint keeps the rewards before it, a dispatch profile keeps the engine's batch cap."""
+checkpoint keeps the rewards before it."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -77,19 +76,6 @@ def test_a_plan_that_doubles_a_request_or_cannot_run_is_refused(per, caps, said)
 
     with pytest.raises(ValueError, match=said):
         checked_plan(DispatchPlan(per, caps, "mine"), 2, 2, "mine")
-
-
-def test_a_dispatch_profile_with_a_larger_batch_cap_keeps_the_engines(tmp_path):
-    from controller.config import from_dict
-    from controller.world import _profile
-
-    prof = tmp_path / "profile.json"
-    prof.write_text(json.dumps({"batch_sizes": [1, 64], "ptl_s": [0.001, 0.002], "kv_tokens": 2048,
-                                "block_size": 16, "max_batch_size": 64}))
-    cfg = from_dict({"engine": {"max_batch_size": 4, "kv_cache_tokens": 4096, "device": "cpu"},
-                     "dispatch": {"profile": str(prof)}, "placement": {"generation": [1], "trainer": [2]}},
-                    world_size=3)
-    assert _profile(cfg).max_batch_size == 4
 
 
 def test_a_joiner_added_at_version_0_holds_the_weights_it_pulled(tiny_model, monkeypatch):  # noqa: F811

@@ -1,6 +1,7 @@
 """The batch caps the SGS plans and the instances run with (review, session 51): a one-sequence
 engine's default profile, a round's cap kept to its round, and dispatch planned on estimates a
 request can reach."""
+import pytest
 import torch
 
 from controller.config import from_dict
@@ -89,13 +90,15 @@ def test_dispatch_plans_on_estimates_within_max_tokens():
     assert dispatch_estimates(forced) == [8.0, 8.0, 12.0]  # min_tokens: no output is shorter
 
 
-def test_a_dispatch_profile_keeps_the_engines_batch_cap(tmp_path):
-    """A saved profile's max_batch_size (0: only memory) replaced engine.max_batch_size in the plans."""
+@pytest.mark.parametrize("saved_cap", [0, 64])
+def test_a_dispatch_profile_keeps_the_engines_batch_cap(tmp_path, saved_cap):
+    """A saved profile's max_batch_size (0: only memory; 64: a larger engine's, mutation review
+    s58) replaced engine.max_batch_size in the plans."""
     import json
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({"batch_sizes": [1, 64], "ptl_s": [0.001, 0.002], "kv_tokens": 2048,
-                                "block_size": 16, "max_batch_size": 0}))
+                                "block_size": 16, "max_batch_size": saved_cap}))
     cfg = from_dict({"engine": {"max_batch_size": 4, "kv_cache_tokens": 4096, "device": "cpu"},
                      "dispatch": {"profile": str(prof)}, "placement": {"generation": [1], "trainer": [2]}},
                     world_size=3)
