@@ -389,3 +389,16 @@ def test_a_plugin_that_exits_at_import_is_an_error_naming_it(tmp_path):
             make_task("jsonl", files=str(data), verifier="exits_mod:compute_score")
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_a_plugin_file_that_failed_to_load_loads_once_fixed(tmp_path):
+    """A file whose code raised stayed in sys.modules half run: the same process (a notebook, a
+    test session) loading it again once fixed got the broken module (mutation review, s58)."""
+    from workers.tasks.plugins import load_plugin
+
+    f = tmp_path / "reward.py"
+    f.write_text("raise RuntimeError('not yet')\ndef score(text):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"task\.name: loading .*reward\.py for .* failed \(RuntimeError: not yet\)"):
+        load_plugin(f"{f}:score", "task.name")
+    f.write_text("def score(text):\n    return 1.0\n")
+    assert load_plugin(f"{f}:score", "task.name")("x") == 1.0
