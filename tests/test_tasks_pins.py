@@ -126,3 +126,22 @@ def test_a_verl_scorer_gets_the_rows_data_source_when_the_row_also_names_a_task(
     t = make_task("jsonl", files=str(data), verifier=f"{f}:compute_score")
     item = t.prompts("train")[0]
     assert item.task == "group_a" and t.score(item, "x") == 1.0
+
+
+def test_a_calculator_expression_past_its_length_limit_is_refused():
+    """(Without the limit a policy's 10^5-character expression was parsed whole, each turn.)"""
+    from workers.tasks.envs.calculator import MAX_LENGTH, evaluate
+
+    assert evaluate("+".join(["1"] * 500)) == 500  # 999 characters
+    with pytest.raises(ValueError, match=f"expression longer than {MAX_LENGTH} characters"):
+        evaluate("+".join(["1"] * 501))
+
+
+def test_a_tool_schema_that_is_not_json_data_is_refused():
+    """A chat template renders the tools with tojson: a set in a schema failed there, per prompt."""
+    from workers.tasks.envs.tools import check_tools
+
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"enum": {1, 2}}}}
+    with pytest.raises(ValueError, match=r"multi_turn\.tools: entry 0 \('f'\) is not JSON data"):
+        check_tools([tool], "multi_turn.tools")
+

@@ -356,7 +356,7 @@ def no_completion(data_sources, ground_truths):
     return [0.0] * len(ground_truths)
 
 def wrong_length(solution_strs):
-    return [1.0]
+    return [1.0] * (len(solution_strs) + 1)
 
 def takes_kwargs(solution_strs, **kwargs):  # verl passes all four names
     return [float(d == "src" and e is not None) for d, e in zip(kwargs["data_sources"], kwargs["extra_infos"])]
@@ -393,6 +393,8 @@ def test_verls_batch_compute_score_scores_many_samples_in_one_call(tmp_path):
     bad = make_task("jsonl", files=str(data), verifier=f"{f}:wrong_length")
     assert [w for _, w, _ in safe_score_batch(bad, qs[:2], ["0", "1"])] == \
         ["the task's score_batch did not return one score per sample"] * 2
+    with pytest.raises(ValueError, match="the batch reward returned 2 scores for 1 sample"):
+        bad.score(qs[0], "0")  # one sample scored alone: a batch of one (mutation review, s58)
     for fn in ("takes_kwargs", "masks"):
         t = make_task("jsonl", files=str(data), verifier=f"{f}:{fn}")
         assert [s[:2] for s in safe_score_batch(t, qs[:2], ["0", "1"])] == [(1.0, ""), (1.0, "")]
