@@ -98,9 +98,8 @@ def test_a_users_file_named_like_the_record_is_never_overwritten(tmp_path):
 
 
 def test_each_resume_gets_a_record_of_its_own_with_its_overrides(tmp_path):
-    from controller.config import load_config
-    from controller.run_record import save_run_config
-
+    """(A second --resume overwrote config.resume1.yaml, which numbers the attempts; the --set
+    overrides were not recorded: mutation review, s58.)"""
     cfg = load_config(ROOT / "configs" / "quickstart.yaml")
     args = [types.SimpleNamespace(resume=r, config="c.yaml", set=[f"train.seed={i}"])
             for i, r in enumerate(("", str(tmp_path), str(tmp_path)))]
