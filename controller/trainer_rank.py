@@ -371,8 +371,14 @@ class TrainerRank:
         """The rollout files of ``iteration`` and later in this rank's logging.rollout_data_dir:
         the controller's call when its run folder's lineage goes on from an older checkpoint
         (``Session.continue_lineage``; those iterations' rows leave iterations.jsonl then) ->
-        how many were deleted."""
-        return len(later_rows(self.rollout_data_dir, iteration - 1)) if self.rollout_data_dir else 0
+        how many were deleted. A failure is said, not raised (as a failed dump: the run goes on)."""
+        try:
+            return len(later_rows(self.rollout_data_dir, iteration - 1)) if self.rollout_data_dir else 0
+        except OSError as e:
+            logging.getLogger("streamrl.trainer").warning(
+                "logging.rollout_data_dir: the files of iterations from %d on (a lineage this resume abandons) "
+                "were not deleted (%s)", iteration, e)
+            return 0
 
     def version(self) -> int:
         return self.worker.version

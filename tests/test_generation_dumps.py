@@ -147,3 +147,23 @@ def test_a_resume_on_other_ranks_replaces_the_iterations_files(tmp_path):
     stale_rows(tmp_path, 3, 1)  # one rank writes 3.jsonl
     assert sorted(p.name for p in tmp_path.iterdir()) == ["13.rank1.jsonl", "3.rank1.notes.jsonl", "4.rank1.jsonl"]
 
+
+
+def test_dropping_an_abandoned_lineages_rollouts_that_fails_is_said_not_raised(tmp_path, caplog, monkeypatch):
+    """The deletion fails the resume no more than a failed dump fails a step. The failure is a
+    fake (later_rows raising): the suite runs as root, whom no folder refuses."""
+    import controller.trainer_rank as trainer_rank
+
+    rank = trainer_rank.TrainerRank.__new__(trainer_rank.TrainerRank)  # the call touches its folder only
+    (tmp_path / "r").mkdir()
+    for name in ("1.jsonl", "2.jsonl", "3.rank1.jsonl", "x.jsonl"):
+        (tmp_path / "r" / name).write_text("{}\n")
+    rank.rollout_data_dir = str(tmp_path / "r")
+    assert rank.drop_rollouts_from(2) == 2
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["1.jsonl", "x.jsonl"]
+
+    def refused(folder, step):
+        raise PermissionError(13, "Permission denied", folder)
+
+    monkeypatch.setattr(trainer_rank, "later_rows", refused)
+    assert rank.drop_rollouts_from(1) == 0 and "were not deleted ([Errno 13] Permission denied" in caplog.text
