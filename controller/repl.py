@@ -97,6 +97,7 @@ class Repl:
     def run(self, k: str = "1") -> dict:
         n = _count("run", k)
         sgs = self.s.world.sgs
+        self._live_stats()  # an instance found lost leaves the SGS now, not in the run's round
         if not sgs.slots:  # every instance lost (it used to fail the job: NoInstancesLeft in the run)
             from controller.joiners import admit
 

@@ -278,8 +278,7 @@ def test_run_with_no_instance_left_is_refused_until_a_joiner_is_added(monkeypatc
     session.continue_lineage = lambda: calls.append("lineage")
     session.want_add, session.policy, session.model_dir, session.eos_ids = False, None, "", [0]
     repl = Repl(session)
-    assert repl.sgs()["instances"] == []  # both found lost, removed
-    out = repl.run("1")
+    out = repl.run("1")  # both found lost by run's own probe (no `sgs` typed first), removed
     assert out["error"].startswith("run: no generation instance is left (rank 1: lost during a REPL command: ")
     assert "start a process with --join" in out["error"] and "waiting" not in out["error"]
     assert ran == [] and not repl._in_run and "lineage" not in calls
