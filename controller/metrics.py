@@ -101,14 +101,14 @@ class Metrics:
             # steps logged again (a restart from an older checkpoint than the last row) are
             # purged; a plain resume (rows end just before first_step) purges nothing, not even
             # the final Gantt figure logged at step first_step - 1
-            again, dropped = False, []
+            iters = evals = []  # the rows dropped
             if first_step is not None:
-                again = bool(drop_rows_from(self.logdir / "iterations.jsonl", first_step))
-                dropped = drop_rows_from(self.logdir / "eval.jsonl", first_step)
-            for row in dropped:  # their generations (logging.validation_data_dir) go with them
+                iters = drop_rows_from(self.logdir / "iterations.jsonl", first_step)
+                evals = drop_rows_from(self.logdir / "eval.jsonl", first_step)
+            for row in evals:  # their generations (logging.validation_data_dir) go with them
                 if isinstance(row.get("generations"), str):
                     Path(row["generations"]).unlink(missing_ok=True)
-            again = again or bool(dropped)
+            again = bool(iters or evals)
             self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
             self._beside = first_step is None
             self._earlier_evals(first_step if again else None)

@@ -28,7 +28,7 @@ from controller.process_state import COLLECTIVE_TIMEOUT_S, LOCAL, subgroup
 from controller.timeline import SpanRecorder
 from controller.trainer_inbox import IterationInbox, sample_tokens
 from workers import heap
-from workers.generation_dump import later_rows, stale_rows, write_rows
+from workers.generation_dump import rows_from, stale_rows, write_rows
 from workers.trainer.rollout_dump import take_rows
 from workers.trainer.sample_checks import check_new_ids
 from workers.types import Sample, TaskPrompt
@@ -373,7 +373,7 @@ class TrainerRank:
         (``Session.continue_lineage``; those iterations' rows leave iterations.jsonl then) ->
         how many were deleted. A failure is said, not raised (as a failed dump: the run goes on)."""
         try:
-            return len(later_rows(self.rollout_data_dir, iteration - 1)) if self.rollout_data_dir else 0
+            return len(rows_from(self.rollout_data_dir, iteration)) if self.rollout_data_dir else 0
         except OSError as e:
             logging.getLogger("streamrl.trainer").warning(
                 "logging.rollout_data_dir: the files of iterations from %d on (a lineage this resume abandons) "

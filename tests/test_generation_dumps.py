@@ -151,7 +151,7 @@ def test_a_resume_on_other_ranks_replaces_the_iterations_files(tmp_path):
 
 def test_dropping_an_abandoned_lineages_rollouts_that_fails_is_said_not_raised(tmp_path, caplog, monkeypatch):
     """The deletion fails the resume no more than a failed dump fails a step. The failure is a
-    fake (later_rows raising): the suite runs as root, whom no folder refuses."""
+    fake (rows_from raising): the suite runs as root, whom no folder refuses."""
     import controller.trainer_rank as trainer_rank
 
     rank = trainer_rank.TrainerRank.__new__(trainer_rank.TrainerRank)  # the call touches its folder only
@@ -165,5 +165,5 @@ def test_dropping_an_abandoned_lineages_rollouts_that_fails_is_said_not_raised(t
     def refused(folder, step):
         raise PermissionError(13, "Permission denied", folder)
 
-    monkeypatch.setattr(trainer_rank, "later_rows", refused)
+    monkeypatch.setattr(trainer_rank, "rows_from", refused)
     assert rank.drop_rollouts_from(1) == 0 and "were not deleted ([Errno 13] Permission denied" in caplog.text

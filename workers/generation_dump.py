@@ -10,6 +10,8 @@ from pathlib import Path
 
 from workers.atomic import atomic_file
 
+ROLLOUT_NAME = re.compile(r"(\d+)(?:\.rank(\d+))?\.jsonl")  # <iteration>.jsonl, <iteration>.rank<k>.jsonl
+
 
 def write_rows(folder: str | Path, name: str, rows: list[dict]) -> Path:
     """``rows`` as ``<folder>/<name>.jsonl``, one JSON object a line (UTF-8, as written), written
@@ -29,19 +31,19 @@ def stale_rows(folder: str | Path, step: int, ranks: int) -> None:
     folder = Path(folder)
     stale = [folder / f"{step}.jsonl"] if ranks > 1 else []
     for path in folder.glob(f"{step}.rank*.jsonl"):
-        k = path.name[len(f"{step}.rank"):-len(".jsonl")]
-        if k.isdigit() and (ranks == 1 or int(k) >= ranks):
+        m = ROLLOUT_NAME.fullmatch(path.name)
+        if m and m[2] is not None and (ranks == 1 or int(m[2]) >= ranks):
             stale.append(path)
     for path in stale:
         path.unlink(missing_ok=True)
 
 
-def later_rows(folder: str | Path, step: int) -> list[Path]:
-    """Delete the rollout files of iterations after ``step`` (``<n>.jsonl``, ``<n>.rank<k>.jsonl``;
-    other names stay) -> the paths deleted: those of a lineage abandoned by resuming a run folder
-    from an older checkpoint (``TrainerRank.drop_rollouts_from``)."""
+def rows_from(folder: str | Path, first: int) -> list[Path]:
+    """Delete the rollout files of iteration ``first`` and later (``<n>.jsonl``,
+    ``<n>.rank<k>.jsonl``; other names stay) -> the paths deleted: those of a lineage abandoned by
+    resuming a run folder from an older checkpoint (``TrainerRank.drop_rollouts_from``)."""
     later = [path for path in Path(folder).glob("*.jsonl")
-             if (m := re.fullmatch(r"(\d+)(\.rank\d+)?\.jsonl", path.name)) and int(m[1]) > step]
+             if (m := ROLLOUT_NAME.fullmatch(path.name)) and int(m[1]) >= first]
     for path in later:
         path.unlink(missing_ok=True)
     return later
