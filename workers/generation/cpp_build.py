@@ -11,7 +11,9 @@ a tag of this CPU's instruction-set flags (``isa_tag``) and a digest of the sour
 each kind of CPU and each version of the code gets, and keeps, its own build (two checkouts run
 at once never load each other's).
 
-``VEXP`` is C++ the extensions share (prepended to their sources): one ``exp``."""
+The C++ sources are in ``csrc/`` (``csrc`` reads them): ``vexp.h``, prepended to each
+extension's source, is the one ``exp`` they share (plain C++ the compiler vectorises under
+``-O3 -march=native``, where ``std::exp`` is a libm call per element)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +22,8 @@ import hashlib
 import platform
 from functools import cache
 from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -91,33 +95,7 @@ def bindings(functions: tuple[str, ...]) -> str:
     return f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
 
 
-# exp(x) for the extensions' C++ (prepended to their sources): plain C++ that the compiler
-# vectorises under -O3 -march=native, where std::exp is a libm call per element.
-VEXP = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-
-// exp(x) in plain C++ that the compiler vectorises (Cephes expf: 2^n times a degree-6
-// polynomial of the remainder; relative error ~2e-7); 0 below -87 (a masked logit gets no
-// mass; no denormals), x clamped to 88 above. std::exp is a libm call per element: the
-// SwiGLU of Qwen2.5-0.5B's 16-row decode step took 3.9 ms a step with it.
-static inline float vexp(float x_in) {
-  const float x = std::min(std::max(x_in, -87.f), 88.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x_in < -87.f ? 0.f : y * scale;
-}
-"""
+def csrc(*names: str) -> str:
+    """The C++ source made of the files ``names`` of ``csrc/``, in that order (each after a
+    newline)."""
+    return "".join("\n" + (CSRC / name).read_text() for name in names)
