@@ -10,7 +10,7 @@ import sys
 import torch.distributed.rpc as rpc
 
 from controller import keepalive
-from controller.prompt_check import ContextTooSmall
+from controller.prompt_fit import ContextTooSmall
 from controller.process_state import LOCAL, request_exit
 from controller.rpc import WorkerFailed, worker_name
 from controller.world import ModelMismatch, add_instance

@@ -24,7 +24,7 @@ import torch
 from controller.data import PromptStream
 from controller.outbox import balance, owner
 from controller.modes import PipelineMode, get_mode
-from controller.prompt_check import fit_prompt_ids
+from controller.prompt_fit import fit_prompt_ids
 from controller.ranker_feedback import ranking_quality, update_rows
 from controller.batch import Batch, IterationResult, Push, engine_stats
 from controller.config_checks import requests_per_prompt

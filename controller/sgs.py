@@ -9,7 +9,7 @@ a trainer are dispatched again to the others; the trainer drops duplicates by sa
 every request of the iteration is trained exactly once.
 
 Every live instance fits every kept prompt: the starting ones by the start check
-(controller/prompt_check.py), a joiner by ``SGS.need`` (refused at ``add`` with less context).
+(controller/prompt_fit.py), a joiner by ``SGS.need`` (refused at ``add`` with less context).
 So any instance can take any request, and re-dispatch after a loss or a scale-in never meets
 one that cannot serve it.
 """
@@ -22,7 +22,7 @@ from typing import Callable
 
 from controller.config import PipelineSection
 from controller.instance import GenerateReport
-from controller.prompt_check import ContextTooSmall
+from controller.prompt_fit import ContextTooSmall
 from controller.rpc import Call, Cancelled, Completions, WorkerFailed, WorkerHandle
 from workers.types import Request
 
@@ -189,7 +189,7 @@ class SGS:
         self.removed: list[tuple[int, str]] = []
         self.lost: list[int] = []  # of those, the ranks found lost (remove_lost), not asked to leave
         self.stream_window_s = PipelineSection.stream_window_s  # instances' Outbox window (Program sets the run's)
-        self.need = None  # controller.prompt_check.ContextNeed, set by the start check
+        self.need = None  # controller.prompt_fit.ContextNeed, set by the start check
         self._lock = threading.Lock()
 
     @property

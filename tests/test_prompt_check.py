@@ -5,7 +5,8 @@ import json
 import pytest
 
 from controller.config import ConfigError, load_config
-from controller.prompt_check import ContextNeed, ContextTooSmall, FittingTask, PromptTooLong, fitting_prompts
+from controller.prompt_check import FittingTask
+from controller.prompt_fit import ContextNeed, ContextTooSmall, PromptTooLong, fitting_prompts
 from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from workers.types import TaskPrompt
 

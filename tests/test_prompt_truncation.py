@@ -9,8 +9,8 @@ import pytest
 
 from controller.config import ConfigError, TrainSection, from_dict
 from controller.program import Program
-from controller.prompt_check import (TRUNCATIONS, ContextNeed, PromptTooLong, check_task, fit_prompt_ids,
-                                     fitting_prompts)
+from controller.prompt_check import check_task
+from controller.prompt_fit import TRUNCATIONS, ContextNeed, PromptTooLong, fit_prompt_ids, fitting_prompts
 from runtime_helpers import TASK, iterations, tiny_model, torchrun, write_config  # noqa: F401
 from workers.types import TaskPrompt
 

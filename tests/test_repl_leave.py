@@ -266,7 +266,7 @@ def test_run_with_no_instance_left_is_refused_until_a_joiner_is_added(monkeypatc
     scale-out policy adds at its own wish only), and one refused left the job failing as before
     (flows review, s57; diff review, s58)."""
     from controller import joiners
-    from controller.prompt_check import ContextTooSmall
+    from controller.prompt_fit import ContextTooSmall
 
     calls = []
     monkeypatch.setattr(joiners, "dismiss_joiner", lambda rank, code, reason: calls.append(("exit", rank, code)))

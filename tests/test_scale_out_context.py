@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from controller.config import TrainSection
-from controller.prompt_check import ContextNeed, ContextTooSmall, fitting_prompts
+from controller.prompt_fit import ContextNeed, ContextTooSmall, fitting_prompts
 from controller.rpc import WorkerFailed, WorkerHandle
 from controller.scheduling import make_dispatcher
 from controller.sgs import SGS

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from controller.prompt_check import fitting_prompts
+from controller.prompt_fit import fitting_prompts
 from workers.model import stop_ids
 from workers.tokenizer import Tokenizer, train_bpe
 from workers.types import TaskPrompt
