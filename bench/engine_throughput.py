@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import generate_all  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
 from workers.generation.model_runner import tune_cpu_malloc  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import generate_all  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
 from workers.generation.multi_turn import MultiTurnEngine  # noqa: E402
 from workers.tokenizer import train_bpe  # noqa: E402

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import generate_all  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 from argcheck import positive_int  # noqa: E402  (bench/ is the script's folder)

@@ -44,7 +44,8 @@ from controller.planner.engine_sim import simulate_plan  # noqa: E402
 from controller.planner.profile import profile_engine  # noqa: E402
 from controller.scheduling import BinnedPosterior, calibrate_by_bins, calibrate_by_rank, make_dispatcher  # noqa: E402
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
+from workers.generation.engine import NativeEngine  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 from jsonline import json_line  # noqa: E402  (bench/ is the script's folder)

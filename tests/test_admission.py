@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from test_engine import GREEDY, engine
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.types import Request
 
 torch.set_num_threads(1)

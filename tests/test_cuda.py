@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
+from workers.generation.engine import NativeEngine  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
 from workers.model import CausalLM, save_pretrained  # noqa: E402
 from test_engine import greedy_requests, prompts, recompute_greedy, tiny_model  # noqa: E402

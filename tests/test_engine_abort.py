@@ -13,7 +13,8 @@ from controller.scheduling import make_dispatcher
 from controller.sgs import SGS
 from runtime_helpers import LocalRRef, SinkTrainer, tiny_model  # noqa: F401  (tiny_model: session-wide model folder)
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.generation.sequence import Status
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.types import Request, SamplingParams

@@ -9,7 +9,8 @@ import torch
 from test_engine import GREEDY, MODEL, V, engine, prompts, recompute_greedy
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.generation.token_rate import TokenRate
 from workers.generation.factory import make_engine
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained

@@ -6,7 +6,7 @@ import pytest
 from test_engine import (_cpu_kernel_or_skip, check_against_recompute, engine, greedy_requests,
                          prompts)
 
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 
 LONG = prompts([41, 3, 26, 57, 9, 18], seed=5)
 

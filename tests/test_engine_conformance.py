@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.generation.factory import BACKENDS, make_engine
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained
 from workers.types import Engine, EngineStats, Request, SamplingParams

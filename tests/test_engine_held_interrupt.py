@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.generation.token_rate import TokenRate
 from workers.generation.held_interrupt import HeldInterrupt
 from workers.model import CausalLM, ModelConfig, init_weights

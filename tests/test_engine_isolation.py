@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.types import Request, SamplingParams
 

@@ -8,7 +8,8 @@ from ext_helpers import extension_or_skip
 from test_engine import PS, engine, greedy_requests, tiny_model
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_engine import MODEL, PS, check_against_recompute, engine, greedy_requests, tiny_model
 
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.types import Request, SamplingParams
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import torch
 from test_engine import check_against_recompute, engine, greedy_requests, groups_and_solos, prompts
 from test_engine import _cpu_kernel_or_skip as cpu_kernel_or_skip
 
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.types import Request, SamplingParams
 
 PS = prompts([3, 9, 21, 5, 14, 2, 30, 7, 11, 4, 17, 6], seed=5)

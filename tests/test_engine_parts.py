@@ -7,7 +7,8 @@ import torch
 
 from workers.generation.block_manager import BlockManager
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.generation.factory import make_engine
 from workers.generation.sampler import Sampler
 from workers.generation.sequence import Sequence

@@ -14,7 +14,8 @@ import torch
 from test_engine import GREEDY, V, check_against_recompute, engine, greedy_requests, prompts, tiny_model
 from workers.generation.block_manager import NEVER_REGISTER, BlockManager
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.sampler import Sampler
 from workers.generation.scheduler import Scheduler

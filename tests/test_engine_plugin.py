@@ -9,7 +9,7 @@ import torch
 
 from runtime_helpers import iterations, tiny_model, torchrun, write_config  # noqa: F401
 from workers.generation.config import EngineConfig
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.generation.factory import check_backend, make_engine
 from workers.model import save_pretrained
 from workers.types import Request, SamplingParams

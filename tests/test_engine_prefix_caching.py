@@ -14,7 +14,7 @@ from test_engine_step_failure import MODEL as FAIL_MODEL
 from test_engine_step_failure import failing
 
 from workers.generation.block_manager import BlockManager, block_hashes
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.generation.sequence import Sequence
 from workers.types import Request, SamplingParams
 

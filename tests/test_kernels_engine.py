@@ -15,7 +15,8 @@ pytest.importorskip("triton", reason="triton not installed (pip install streamrl
 import kernels  # noqa: E402
 import kernels.paged_decode  # noqa: E402
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
+from workers.generation.engine import NativeEngine  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from workers.types import Request, SamplingParams  # noqa: E402
 

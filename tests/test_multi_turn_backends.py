@@ -9,7 +9,7 @@ import torch
 
 from controller.config_sections import MultiTurnSection
 from workers.generation.config import EngineConfig
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.generation.factory import make_engine
 from workers.generation.multi_turn import MultiTurnEngine
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.generation.multi_turn import MultiTurnEngine
 from workers.generation.observations import cut_observation, observation_ids
 from workers.model import CausalLM, ModelConfig, init_weights

@@ -9,7 +9,8 @@ import torch
 from ext_helpers import extension_or_skip
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import NativeEngine, generate_all
+from workers.generation.engine import NativeEngine
+from workers.generation.generate_all import generate_all
 from workers.model import CausalLM, ModelConfig, init_weights
 from workers.types import Request, SamplingParams
 

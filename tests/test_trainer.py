@@ -153,7 +153,7 @@ def test_streams_from_native_engine_and_loads_weights_back(model_dir, task):
     trainer's (ratio 1 on the first step); the new weights load into the engine by name."""
     from workers.generation import factory
     from workers.generation.config import EngineConfig
-    from workers.generation.engine import generate_all
+    from workers.generation.generate_all import generate_all
     from workers.types import Request, SamplingParams
 
     w = TrainerWorker(TrainerConfig(algorithm="grpo", lr=1e-2, max_tokens_per_microbatch=64), model_dir, task,

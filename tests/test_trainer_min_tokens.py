@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from workers.generation.config import EngineConfig
-from workers.generation.engine import generate_all
+from workers.generation.generate_all import generate_all
 from workers.generation.factory import make_engine
 from tests.trainer_helpers import synthetic_task, tiny_model_dir
 from workers.trainer import TrainerConfig, TrainerWorker

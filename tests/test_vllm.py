@@ -13,7 +13,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed ("
                                           "bash scripts/install_vllm.sh): vLLM tests skipped")
 
 from workers.generation.config import EngineConfig  # noqa: E402
-from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
+from workers.generation.engine import NativeEngine  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
 from workers.generation.sequence import error_sample  # noqa: E402
 from workers.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/install_vllm.sh): vLLM tests skipped")
 
 from test_vllm import _cfg, _model  # noqa: E402
-from workers.generation.engine import NativeEngine, generate_all  # noqa: E402
+from workers.generation.engine import NativeEngine  # noqa: E402
+from workers.generation.generate_all import generate_all  # noqa: E402
 from workers.generation.factory import make_engine  # noqa: E402
 from workers.generation.sampler import Sampler  # noqa: E402
 from workers.model import save_pretrained  # noqa: E402

@@ -1,4 +1,4 @@
-"""NativeEngine: the project's own generation engine (Engine Protocol), and ``generate_all``.
+"""NativeEngine: the project's own generation engine (Engine Protocol).
 
 Continuous batching over a paged KV cache (``Scheduler``, ``BlockManager``), prefix sharing
 for GRPO groups (``PrefixCache``), automatic prefix caching of full blocks by hash
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from typing import Callable, Iterable, Mapping, Sequence as Seq
+from typing import Iterable, Mapping, Sequence as Seq
 
 import torch
 
@@ -27,7 +27,7 @@ from workers.generation.scheduler import Scheduler
 from workers.generation.token_rate import TokenRate
 from workers.generation.sequence import Sequence, Status, error_sample
 from workers.model import CausalLM, default_dtype, load_pretrained, on_device, resolve_device
-from workers.types import Engine, EngineStats, Request, Sample
+from workers.types import EngineStats, Request, Sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -355,53 +355,3 @@ class NativeEngine:
                            weight_version=self.weight_version,
                            preemptions=self.scheduler.preemptions, kv_blocks_peak=self.bm.peak,
                            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens)
-
-
-def generate_all(engine: Engine, requests: Seq[Request],
-                 on_sample: Callable[[Sample], None] | None = None) -> list[Sample]:
-    """Add ``requests``, step until the engine is idle; ``on_sample`` is called with each
-    sample as it finishes (refusals first). Returns the samples in the order of ``requests``
-    (samples of requests added earlier by someone else are passed to ``on_sample`` and
-    returned after them). Requests that repeat a sample id are added in a later ``add`` than
-    the first, so each refusal is its own request's (a refused duplicate came out before the
-    sample of the request it repeated; review, s54)."""
-    requests = list(requests)
-    keyed: list[tuple[int, Sample]] = []
-    served: dict = {}  # sample id -> the index of the request the engine took
-    last = len(requests)
-
-    def emit(samples: list[Sample], key) -> None:
-        for s in samples:
-            keyed.append((key(s), s))
-            if on_sample is not None:
-                on_sample(s)
-
-    for chunk in _unique_id_chunks(requests):
-        at = {_id_key(r.sample_id): i for i, r in chunk}
-        refused = engine.add([r for _, r in chunk])
-        emit(refused, lambda s: at.get(_id_key(s.sample_id), last))
-        no = {s.sample_id for s in refused if hashable(s.sample_id)}
-        for i, r in chunk:
-            if hashable(r.sample_id) and r.sample_id not in no:
-                served.setdefault(r.sample_id, i)
-    while engine.has_work():
-        emit(engine.step(), lambda s: served.get(s.sample_id, last) if hashable(s.sample_id) else last)
-    return [s for _, s in sorted(keyed, key=lambda x: x[0])]
-
-
-def _id_key(sample_id):
-    """A sample id as a dict key (an unhashable one, which ``add`` refuses, by its object)."""
-    return sample_id if hashable(sample_id) else ("unhashable", id(sample_id))
-
-
-def _unique_id_chunks(requests: list[Request]) -> list[list[tuple[int, Request]]]:
-    """``requests`` (with their indices) cut where a sample id repeats one of its chunk's."""
-    chunks, ids = [[]], set()
-    for i, r in enumerate(requests):
-        key = _id_key(r.sample_id)
-        if key in ids:
-            chunks.append([])
-            ids = set()
-        ids.add(key)
-        chunks[-1].append((i, r))
-    return [c for c in chunks if c] or [[]]
