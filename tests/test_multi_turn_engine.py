@@ -347,7 +347,7 @@ def test_a_class_environment_is_built_once_and_its_instance_called(tmp_path):
 
 
 def test_each_turn_draws_with_its_own_seed():
-    from workers.generation.multi_turn import turn_sampling
+    from workers.generation.trajectory import turn_sampling
 
     s = SamplingParams(temperature=1.0, seed=5)
     seeds = [turn_sampling(s, k).seed for k in (1, 2, 3)]

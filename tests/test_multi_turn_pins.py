@@ -20,7 +20,7 @@ def test_a_seeded_continuation_draws_the_next_turns_seed_not_the_first_turns():
     (turn_sampling), so turn 2 does not replay turn 1's random draws. The inner engine's add is
     only wrapped to record what it is given."""
     from test_multi_turn_engine import HALF, OBS, PROMPT
-    from workers.generation.multi_turn import turn_sampling
+    from workers.generation.trajectory import turn_sampling
     from workers.types import Request, SamplingParams
 
     eng = wrap(HALF, Script(OBS, None))
