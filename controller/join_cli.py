@@ -13,6 +13,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from controller import dead_members
 from controller.attempt import ATTEMPT_KEY, store_key
 from controller.keepalive import Watchdog
 from controller.processes import close_roles, pick_device, rpc_options, serve
@@ -56,7 +57,7 @@ def _within(timeout_s: float, fn, *args):
     return out["value"]
 
 
-def _interrupted(rank: int, signame: str) -> None:
+def _interrupted(rank: int, signame: str, timeout_s: float) -> None:
     """A joiner stopped on its own: one line, not a traceback. Still waiting to be added, it
     tells the controller, which stops listing it; an added instance ends its round (its
     unfinished requests go to the others) and is found gone at the next call. Both leave the
@@ -78,6 +79,10 @@ def _interrupted(rank: int, signame: str) -> None:
             LOCAL.roles["generation"].stop()
         except Exception:  # noqa: BLE001 - leaving anyway: the controller finds it lost
             pass
+        # the round's report must reach the controller first: torch's graceful leave waits for
+        # this process's own calls only, not for its replies (with engine steps of 0.1 s or more
+        # it left mid-round: its report lost, the instance "lost", every request generated again)
+        served(timeout_s)
     # the job goes on: out of its RPC group, or every later joiner's start would call this one
     # (an added one stayed a dead member, and no process could join after it; review, s54)
     leave_group(LEAVE_GROUP_S)
@@ -107,12 +112,24 @@ def join_main(args) -> int:
         return 1
     static = int(store.get(store_key("static_world", attempt)).decode())
     job_timeout_s = float(store.get(store_key("rpc_timeout_s", attempt)).decode())  # the controller's silence bound
+    refused = dead_members.refusal(store, attempt, args.join)
+    if refused:
+        print(refused, file=sys.stderr, flush=True)
+        return 1
     rank = static + int(store.add(store_key("joined", attempt), 1)) - 1
     rpc_addr = store.get(store_key("rpc_store", attempt)).decode()
     LOCAL.rank = rank
     LOCAL.device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))
-    rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
-                 rpc_backend_options=rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
+    try:
+        rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
+                     rpc_backend_options=rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
+    except Exception as e:  # noqa: BLE001 - a member died since the check above, the store went away, ...
+        _release_join_token(rpc_addr, worker_name(rank), args.rpc_timeout)
+        print(f"[join] rank {rank} could not join the job's RPC group at --join {args.join}: "
+              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr, flush=True)
+        from controller.lifecycle import leave_now
+
+        leave_now(1)
     from controller.joiners import register_joiner
 
     try:  # from here a stop (Ctrl-C, SIGTERM) withdraws it, even mid-registration
@@ -121,7 +138,7 @@ def join_main(args) -> int:
               "(REPL: sgs)", file=sys.stderr, flush=True)
         return _serve(args, host, port, store, attempt, rank, job_timeout_s)
     except KeyboardInterrupt as e:  # Ctrl-C on its own terminal, SIGTERM, SIGHUP
-        _interrupted(rank, str(e) or "SIGINT")
+        _interrupted(rank, str(e) or "SIGINT", job_timeout_s)
 
 
 def _serve(args, host: str, port: str, store, attempt: str, rank: int, job_timeout_s: float) -> int:
@@ -178,3 +195,35 @@ def leave_group(timeout_s: float) -> bool:
     t.start()
     t.join(timeout_s)
     return done == [True]
+
+
+def served(timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Wait (at most ``timeout_s``) until this process serves no call: each reply sent. False
+    when one still runs then."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        agent = rpc.api._get_current_rpc_agent()  # (torch keeps it private; its metrics are public)
+        while int(agent.get_metrics().get("agent.server_active_calls", "0")) > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+    except RuntimeError:  # no RPC agent: nothing is served
+        pass
+    return True
+
+
+def _release_join_token(rpc_addr: str, name: str, timeout_s: float) -> None:
+    """A failed ``init_rpc`` of a dynamic group leaves its join token taken (torch's
+    ``_group_membership_management`` releases it only when the join succeeds): every later join
+    and graceful leave of the job would wait on it. Released here if this process holds it."""
+    import datetime
+
+    host, port = rpc_addr.rsplit(":", 1)
+    try:  # init_rpc's first store is "rpc_prefix_0"; the token's key and value as torch names them
+        store = dist.PrefixStore("rpc_prefix_0", dist.TCPStore(host, int(port), is_master=False,
+                                                               timeout=datetime.timedelta(seconds=timeout_s)))
+        token = f"Token_for_{name}_join"
+        if store.compare_set("RpcGroupManagementToken", token, "").decode() == "":
+            store.set(token, "Done")  # those waiting for it go on
+    except Exception:  # noqa: BLE001 - best effort: the job may be gone
+        pass

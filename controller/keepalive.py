@@ -94,7 +94,11 @@ class Keepalive:
         self._thread.join(timeout=2 * self.every_s)
 
     def _run(self) -> None:
+        from controller import dead_members
+
         while not self._stop.is_set():
+            for r, why in lost_ranks().items():  # (here, not in the ping's callback: it may wait on the store)
+                dead_members.note(r, why)
             for r in watched():
                 try:
                     fut = rpc.rpc_async(worker_name(r), ping, timeout=max(self.every_s, 1.0))

@@ -107,7 +107,7 @@ class Repl:
                 return {"error": "run: no generation instance is left (" + ", ".join(
                     f"rank {r}: {why}" for r, why in sgs.removed) + "); " + (
                     "the process waiting was not added (the controller's log says why); " if waited else "")
-                    + "start a process with --join (docs/controller.md), then run again"}
+                    + _how_to_add()}
         note = self._past_schedule(n)
         self._in_run = True  # from here a failure is the run's, not the command's
         self.s.continue_lineage()
@@ -258,3 +258,14 @@ def _count(command: str, text: str) -> int:
     if n < 1:
         raise ValueError(f"{command}: expected a count >= 1, got {text!r}")
     return n
+
+
+def _how_to_add() -> str:
+    """How to give a job with no generation instance left another one."""
+    from controller import dead_members
+
+    dead = dead_members.known()
+    if dead:  # a --join would be refused (it hung on the dead member)
+        return (f"no process can join any more (rank(s) {sorted(dead)} died without leaving the RPC group): "
+                "quit and restart the job from its checkpoint (--resume)")
+    return "start a process with --join (docs/controller.md), then run again"

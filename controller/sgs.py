@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from controller import dead_members
 from controller.config import PipelineSection
 from controller.instance import GenerateReport
 from controller.prompt_fit import ContextTooSmall
@@ -119,9 +120,12 @@ class Round:
                     self._redispatch(ids)
                     continue
                 self.reports.append(rep)
-                if rep.unfinished:  # the instance left (scale-in): hand its rest to the others
+                if rep.stopped:  # the instance left (scale-in): hand its rest to the others
+                    # (all its requests may be done: it still leaves; it stayed, and the next
+                    # round's call met its closed process as a lost instance)
                     self.sgs.remove(slot.handle.rank, reason="stopped")
-                    self._redispatch(rep.unfinished)
+                    if rep.unfinished:
+                        self._redispatch(rep.unfinished)
         except Cancelled:
             pass  # abandoned
         except BaseException as e:  # noqa: BLE001 - raised by wait(), on the controller's thread
@@ -227,8 +231,10 @@ class SGS:
         transport's reason; any other failure is raised: it stops the run."""
         if not (err.lost and err.role == "generation"):
             raise err
-        self.remove(err.rank, reason=f"{f'lost during {during}: ' if during else ''}{str(err).splitlines()[0]}")
+        why = str(err).splitlines()[0]
+        self.remove(err.rank, reason=f"{f'lost during {during}: ' if during else ''}{why}")
         self.lost.append(err.rank)
+        dead_members.note(err.rank, why)  # a joiner killed stays in the RPC group: later joins are refused
 
     def launch(self, iteration: int, requests: list[Request], version: int,
                slots: list[InstanceSlot] | None = None) -> list[tuple[InstanceSlot, Call, list[int]]]:
