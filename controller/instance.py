@@ -204,6 +204,12 @@ class GenerationInstance:
         self._stop.set()
         return True
 
+    def resume(self) -> bool:
+        """Scale out again after ``stop`` (the REPL's ``rejoin`` of a torchrun rank): the next
+        ``generate`` runs its requests."""
+        self._stop.clear()
+        return True
+
     # ---- data ----------------------------------------------------------------------------
     def generate(self, iteration: int, requests: list[Request], weight_version: int,
                  batch_cap: int = 0, window_s: float | None = None) -> GenerateReport:

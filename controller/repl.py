@@ -17,6 +17,8 @@ Commands (one per line)::
                        joined with --join closes its engine and exits (code 0), a torchrun
                        rank stays idle until the job ends; a joined process still waiting to
                        be added is dismissed; a lost instance is removed
+    rejoin RANK        scale out again: a torchrun rank that left takes prompts again (it
+                       pulls the current weights first)
     status             iteration, weight version, mode, last reward, instances, waiting joiners
     help | quit
 
@@ -54,8 +56,9 @@ class Repl:
         self.commands = {
             "run": self.run, "sgs": self.sgs, "trainer": self.trainer, "timeline": self.timeline,
             "mode": self.mode, "dispatch": self.dispatch, "eval": self.eval, "save": self.save,
-            "status": self.status, "help": self.help, "leave": self.leave,
+            "status": self.status, "help": self.help, "leave": self.leave, "rejoin": self.rejoin,
         }
+        self._parked: dict = {}  # torchrun rank that left -> (its handle, its SGS profile): rejoin takes it back
 
     def loop(self, stdin, stdout) -> None:
         self.stdout = stdout
@@ -209,12 +212,14 @@ class Repl:
         except WorkerFailed as e:  # lost between the two calls
             sgs.remove_lost(e, "leave")
             return {"left": handle.rank, "lost": True, "instances": [h.rank for h in sgs.handles]}
+        profile = next(s.profile for s in sgs.slots if s.handle.rank == handle.rank)
         sgs.remove(handle.rank, reason="left (REPL)")
         out = {"left": handle.rank, "instances": [h.rank for h in sgs.handles]}
         if handle.rank in self.s.static_ranks:
             # a torchrun rank does not exit early: the static ranks' process group cannot drop
             # a member, and the run's exit barriers wait for every one of them
-            out["process"] = "stays (a torchrun rank): idle, holding its engine, until the job ends"
+            self._parked[handle.rank] = (handle, profile)
+            out["process"] = "stays (a torchrun rank): idle, holding its engine, until the job ends or rejoin"
             return out
         try:  # its engine (and vLLM's engine process) goes now, then the process itself
             handle.call("close").wait()
@@ -224,6 +229,26 @@ class Repl:
         self.s.departed.append(handle.rank)
         out["process"] = "exits (joined with --join): instance closed, exit code 0"
         return out
+
+    def rejoin(self, rank: str) -> dict:
+        if not rank.isdigit():
+            return {"error": f"rejoin: expected the rank of a torchrun generation rank that left (see sgs), got {rank!r}"}
+        parked = self._parked.pop(int(rank), None)
+        if parked is None:
+            return {"error": f"rejoin: rank {rank} is no torchrun rank that left with `leave` (a joined process "
+                             "that left has exited: start a new --join process)"}
+        handle, profile = parked
+        version = self.s.program.version
+        try:  # as a joiner is added: the current weights first, then it takes prompts
+            handle.call("resume").wait()
+            wait_all(self.s.world.push_weights(version, only=[handle]))
+            handle.call("hold_weights", version).wait()
+        except WorkerFailed as e:
+            if not (e.lost and e.role == "generation"):
+                raise
+            return {"error": f"rejoin: rank {rank} was lost: {str(e).splitlines()[0]}"}
+        self.s.world.sgs.add(handle, profile)
+        return {"rejoined": handle.rank, "version": version, "instances": [h.rank for h in self.s.world.sgs.handles]}
 
     def status(self) -> dict:
         p = self.s.program

@@ -102,3 +102,65 @@ def test_served_waits_for_the_calls_in_progress(monkeypatch):
     stuck = type("A", (), {"get_metrics": lambda self: {"agent.server_active_calls": "1"}})()
     monkeypatch.setattr(rpc.api, "_get_current_rpc_agent", lambda: stuck)
     assert join_cli.served(0.05, poll_s=0.01) is False
+
+
+def test_rejoin_takes_a_torchrun_rank_that_left_back_with_the_current_weights(monkeypatch):
+    # `leave` of a torchrun rank left it idle for good: nothing could bring it back, and its
+    # instance kept its stop flag (every later generate returned its requests unfinished)
+    from types import SimpleNamespace
+
+    from controller.repl import Repl
+    from test_repl_leave import FakeInstance
+
+    class Instance(FakeInstance):
+        def resume(self):
+            self.calls.append(("resume", self.rank))
+            return True
+
+        def hold_weights(self, version):
+            self.calls.append(("hold", self.rank, version))
+            return version
+
+    calls = []
+    sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
+    for r in (1, 3):  # torchrun generation ranks (2: the trainer)
+        sgs.add(WorkerHandle(r, "generation", LocalRRef(Instance(calls, r))), profile=f"profile{r}")
+
+    def push_weights(version, only=None):
+        calls.append(("push", [h.rank for h in only], version))
+        return []
+
+    session = SimpleNamespace(world=SimpleNamespace(sgs=sgs, push_weights=push_weights), static_ranks={1, 2, 3},
+                              joined=[], departed=[], waiting=[], program=SimpleNamespace(version=5))
+    repl = Repl(session)
+    assert repl.rejoin("1")["error"].startswith("rejoin: rank 1 is no torchrun rank that left with `leave`")
+    assert repl.leave("1")["process"].startswith("stays (a torchrun rank)")
+    calls.clear()
+    out = repl.rejoin("1")
+    assert out == {"rejoined": 1, "version": 5, "instances": [3, 1]}
+    assert calls == [("resume", 1), ("push", [1], 5), ("hold", 1, 5)]
+    assert [(s.handle.rank, s.profile) for s in sgs.slots] == [(3, "profile3"), (1, "profile1")]
+    assert "error" in repl.rejoin("1") and "error" in repl.rejoin("x")  # taken back once
+
+
+@pytest.mark.slow  # ~40 s on 2 cores (a 4-rank job): the CI's slow tier runs it
+def test_a_torchrun_rank_rejoined_generates_with_the_current_weights(tmp_path, tiny_model):  # noqa: F811
+    import json
+
+    from runtime_helpers import iterations, torchrun, write_config
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=8, train__eval_every=0, pipeline__mode="stream",
+                       placement__generation=[1, 2], placement__trainer=[3])
+    p = torchrun(cfg, nproc=4, extra=["--repl"], timeout=300,
+                 stdin="run 1\nleave 1\nrun 2\nrejoin 1\nrun 1\nsgs\nquit\n")
+    assert p.returncode == 0, p.stderr[-4000:]
+    a = [json.loads(ln[4:]) for ln in p.stdout.splitlines() if ln.startswith(">>> ")]
+    _ready, _run1, leave, run2, rejoin, run1, sgs = a
+    assert leave["left"] == 1 and run2["ran"] == 2
+    assert rejoin == {"rejoined": 1, "version": 3, "instances": [2, 1]}, rejoin
+    assert run1["ran"] == 1 and sorted(i["rank"] for i in sgs["instances"]) == [1, 2]
+    rows = iterations(tmp_path / "run")
+    assert [r["num_samples"] for r in rows] == [8] * 4
+    assert rows[1]["per_instance"] == {"2": 8} and rows[3]["per_instance"] == {"1": 4, "2": 4}
+    # stream mode trains on-policy only: rank 1's samples of the last step had the current weights
+    assert all(r["staleness/max"] == 0 for r in rows), [r.get("staleness/max") for r in rows]
