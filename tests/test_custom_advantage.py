@@ -274,3 +274,13 @@ def test_the_advantages_of_an_advantages_returns_pair_are_what_trains(model_dir,
     _, w_pair = _step(model_dir, f"{f}:pair")
     for k in w_alone:
         assert torch.equal(w_alone[k], w_pair[k]), k
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_the_estimators_config_says_when_the_kl_is_in_the_reward(model_dir, plugin):  # noqa: F811
+    """kl_mode reward: verl's algorithm.use_kl_in_reward is True, and an estimator may branch on it."""
+    fn = load_plugin(f"{plugin}:compute_grpo_outcome_advantage", "test")
+    _step(model_dir, f"{plugin}:compute_grpo_outcome_advantage", kl_coef=0.1, kl_mode="reward")
+    assert fn.__globals__["CALLS"][-1]["config"].use_kl_in_reward is True
+    _step(model_dir, f"{plugin}:compute_grpo_outcome_advantage", kl_coef=0.1, kl_mode="loss")
+    assert fn.__globals__["CALLS"][-1]["config"].use_kl_in_reward is False

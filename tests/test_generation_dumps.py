@@ -15,6 +15,10 @@ from controller.evaluation import EvalResult
 from controller.metrics import Metrics
 from workers.generation_dump import markdown, write_rows
 from workers.tasks import make_task
+from types import SimpleNamespace
+import torch
+from workers.trainer.rollout_dump import rollout_row
+from workers.types import Sample, TaskPrompt
 
 
 def _rows(path):
@@ -167,3 +171,15 @@ def test_dropping_an_abandoned_lineages_rollouts_that_fails_is_said_not_raised(t
 
     monkeypatch.setattr(trainer_rank, "rows_from", refused)
     assert rank.drop_rollouts_from(1) == 0 and "were not deleted ([Errno 13] Permission denied" in caplog.text
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_a_rollout_row_keeps_the_version_that_generated_the_sample():
+    """The dump's weight_version is the sample's (the weights that sampled it), not the trainer's
+    newer one (async / off-policy lag). The worker stand-in holds only what rollout_row reads
+    (_prompts, _version): a real TrainerWorker a version ahead needs a step of training first."""
+    s = Sample(sample_id=7, prompt_ids=torch.tensor([1, 2]), output_ids=torch.tensor([3]),
+               logprobs=torch.tensor([-0.5]), weight_version=2, finish_reason="stop", group_id=1)
+    w = SimpleNamespace(_prompts={7: TaskPrompt(prompt="q", answer="a", task="t")}, _version=3, version=3)
+    row = rollout_row(w, s, 1.0)
+    assert (row["weight_version"], row["gts"], row["score"], row["group_id"]) == (2, "a", 1.0, 1)

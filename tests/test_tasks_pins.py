@@ -15,6 +15,7 @@ from workers.tasks.registry import make_task
 from workers.tasks.scoring import safe_score, safe_score_batch
 from workers.tasks.verifiers import make_verifier
 from workers.types import TaskPrompt
+from workers.tasks.rows import WHERE, row_item
 
 
 def item(answer):
@@ -145,3 +146,17 @@ def test_a_tool_schema_that_is_not_json_data_is_refused():
     with pytest.raises(ValueError, match=r"multi_turn\.tools: entry 0 \('f'\) is not JSON data"):
         check_tools([tool], "multi_turn.tools")
 
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_a_rows_prompt_and_answer_fields_stay_out_of_meta():
+    """meta holds the row's OTHER fields: the reference answer must not ride along in it."""
+    p = row_item({"prompt": "2 + 2 =", "answer": "4", "level": 3}, "d.jsonl:7", "prompt", "answer", "jsonl")
+    assert (p.prompt, p.answer) == ("2 + 2 =", "4")
+    assert p.meta == {"level": 3, WHERE: "d.jsonl:7"}
+
+
+def test_a_boolean_task_field_names_no_eval_group():
+    """A dataset's `task: true` flag is not a group name: the group falls to data_source, then the default."""
+    row = {"prompt": "q", "answer": "1", "task": True}
+    assert row_item(row, "d.jsonl:1", "prompt", "answer", "jsonl").task == "jsonl"
+    assert row_item({**row, "data_source": "gsm8k"}, "d.jsonl:1", "prompt", "answer", "jsonl").task == "gsm8k"

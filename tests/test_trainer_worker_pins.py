@@ -58,3 +58,50 @@ def test_a_resume_gives_the_cuda_generators_their_saved_state(model_dir, task, t
     w.save_checkpoint(str(tmp_path / "ck"))
     w.load_checkpoint(str(tmp_path / "ck"))
     assert len(got) == 1 and torch.equal(got[0][0], saved[0])
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_begin_iteration_refuses_gradients_trained_but_not_stepped(model_dir, task):  # noqa: F811
+    """Every sample trained during receive (a 1-token micro-batch budget): nothing is pending, but
+    the gradients are; a begin_iteration before step() would sum them into the next iteration."""
+    s0, p0, g0 = make_samples(model_dir, task, groups=2, n=2, seed=1)
+    w = TrainerWorker(TrainerConfig(lr=1e-2, max_tokens_per_microbatch=1), model_dir, task, device="cpu")
+    w.begin_iteration(0, p0, g0)
+    w.receive(s0)
+    assert w._trained_any and w.buffer.pending == 0
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        w.begin_iteration(1, p0, g0)
+
+
+def test_the_critic_steps_at_critic_lr_not_the_actors_lr(model_dir, task):  # noqa: F811
+    """trainer.critic_lr is the critic's parameter group's rate (the warm-up test sets both to 1e-2)."""
+    samples, prompts, groups = make_samples(model_dir, task, groups=2, n=2, seed=1)
+    w = TrainerWorker(TrainerConfig(algorithm="ppo", lr=1e-2, critic_lr=1e-4), model_dir, task, device="cpu")
+    assert w.scheduler.base_lrs == [1e-2, 1e-4]
+    w.begin_iteration(0, prompts, groups)
+    w.receive(samples)
+    assert w.step().metrics["lr"] == pytest.approx(1e-2)
+    assert w.optimizer.param_groups[1]["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(mini_batches=2), dict(ppo_epochs=2)])
+def test_loading_a_checkpoint_mid_iteration_drops_the_kept_micro_batches(model_dir, task, tmp_path, kw):  # noqa: F811
+    """mini_batches > 1 / ppo_epochs > 1 keep the iteration's micro-batches for step(): a load
+    mid-iteration must drop them, or the next step trains the abandoned samples again."""
+    cfg = TrainerConfig(lr=1e-2, max_tokens_per_microbatch=40, **kw)
+    s0, p0, g0 = make_samples(model_dir, task, groups=2, n=2, seed=1)
+    ck = str(tmp_path / "ck")
+    a = TrainerWorker(cfg, model_dir, task, device="cpu")
+    a.save_checkpoint(ck)
+    a.begin_iteration(0, p0, g0)
+    a.receive(s0[:3])
+    assert a.trained_batches
+    a.load_checkpoint(ck)
+    b = TrainerWorker(cfg, model_dir, task, device="cpu")
+    b.load_checkpoint(ck)
+    for w in (a, b):
+        w.begin_iteration(0, p0, g0)
+        w.receive(s0)
+        w.step()
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -2,13 +2,16 @@
 (mutation review, session 56): buckets of two versions refused, two staging buffers keep the
 staged version, a tensor of another dtype than the plan's refused, the checksum covers a bucket's
 tail bytes, a header of another bucket refused. Real senders and receivers over gloo."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import workers.weight_sync.links as links_mod
 from workers.weight_sync import (Topology, WeightSyncReceiver, WeightSyncSender, plan_sync, tensor_spec)
 from workers.weight_sync.checksum import bucket_checksum
-from workers.weight_sync.links import Links
+from workers.weight_sync.links import Countdown, Links, Outgoing
 from workers.weight_sync.localrun import run_local
 from workers.weight_sync.topology import LinkClass
 
@@ -153,3 +156,41 @@ def test_after_a_failed_send_every_later_bucket_is_marked_done(monkeypatch):
     assert all(d.finished() for d in dones)
     assert len(links.errors) == 1 and "bucket 0" in links.errors[0]
     links.close()
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_a_links_span_starts_at_its_first_send_not_its_last(monkeypatch):
+    """busy[link][0] is the FIRST post (the bench's inter_dc_link_s = end - start): a later
+    bucket must not move it. dist.isend is faked (a completed send): a real one needs a process
+    group, and only the span's bookkeeping is checked."""
+    class Done:
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(links_mod.dist, "isend", lambda *a, **k: Done())
+    links = Links(Topology.from_config(THREE_DC), 0, [3], inline=True)
+    dones = [Countdown(1), Countdown(1)]
+    t0 = time.time()
+    links.send(3, Outgoing(0, torch.zeros(4, dtype=torch.int64), torch.zeros(100, dtype=torch.uint8), 100, dones[0]))
+    time.sleep(0.2)
+    t1 = time.time()
+    links.send(3, Outgoing(1, torch.zeros(4, dtype=torch.int64), torch.zeros(100, dtype=torch.uint8), 100, dones[1]))
+    links.flush()
+    assert all(d.wait(5) for d in dones)
+    start, end = links.busy["inter_dc"]
+    assert t0 <= start < t1 <= end <= time.time()
+    links.close()
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def _rank_one_fails(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def test_run_local_raises_naming_the_rank_that_failed():
+    """A rank that raised must fail the caller: its traceback is never handed back as a result
+    (every multi-rank test would then pass whatever the rank did)."""
+    with pytest.raises(RuntimeError, match=r"(?s)run_local: rank 1 failed:.*boom on rank 1"):
+        run_local(2, _rank_one_fails)
