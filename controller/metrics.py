@@ -109,7 +109,9 @@ class Metrics:
                 if isinstance(row.get("generations"), str):
                     Path(row["generations"]).unlink(missing_ok=True)
             again = bool(iters or evals)
-            self._writer = SummaryWriter(str(self.logdir / "tb"), purge_step=first_step if again else None)
+            self._writer = SummaryWriter(str(self.logdir / "tb"))
+            if again:
+                _purge_from(self._writer, first_step)
             self._beside = first_step is None
             self._earlier_evals(first_step if again else None)
         return self._writer
@@ -376,3 +378,17 @@ def _eval_tags(source: str, prompts: int) -> tuple[str, str]:
     prompt count; ``eval_only/...``)."""
     demand = ON_DEMAND.get(source)
     return (f"{demand}/p{prompts}/", f"time/{demand}_p{prompts}_s") if demand else ("eval/", "time/eval_s")
+
+
+def _purge_from(writer: SummaryWriter, step: int) -> None:
+    """Have TensorBoard drop the run's points at ``step`` and later (an abandoned lineage's):
+    two ``SessionLog.START`` events at ``step``. Readers purge on a START (what
+    ``SummaryWriter(purge_step=...)`` writes, once), but the TensorBoard server's reader takes a
+    run folder's first START as its session's start and purges nothing on it: a run's first
+    resume from an older checkpoint left both lineages' points in the UI (flows review, s59).
+    The second START purges there; a reader that purges on every one purges twice, the same."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    for _ in range(2):
+        writer.file_writer.add_event(Event(step=step, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))

@@ -35,7 +35,18 @@ def _events(logdir):
 
 
 def _scalars(logdir, tag):
-    return [(e.step, round(e.value, 6)) for e in _events(logdir).Scalars(tag)]
+    """The points of ``tag`` as the TensorBoard UI shows them (the server's reader, which takes a
+    run folder's first SessionLog.START as its session's start, purging nothing on it: a resume's
+    purge was shown by the older reader only; flows review, s59), the same as the older reader's."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    ui = EventAccumulator(str(logdir / "tb"), size_guidance={"tensors": 0})
+    ui.Reload()
+    shown = [(e.step, round(float(make_ndarray(e.tensor_proto)), 6)) for e in ui.Tensors(tag)] \
+        if tag in ui.Tags()["tensors"] else []
+    assert shown == [(e.step, round(e.value, 6)) for e in _events(logdir).Scalars(tag)]
+    return shown
 
 
 def _trace(logdir):
