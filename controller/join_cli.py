@@ -83,6 +83,7 @@ def _interrupted(rank: int, signame: str, timeout_s: float) -> None:
         # this process's own calls only, not for its replies (with engine steps of 0.1 s or more
         # it left mid-round: its report lost, the instance "lost", every request generated again)
         served(timeout_s)
+        close_roles()  # its engine (and vLLM's engine process) goes now
     # the job goes on: out of its RPC group, or every later joiner's start would call this one
     # (an added one stayed a dead member, and no process could join after it; review, s54)
     leave_group(LEAVE_GROUP_S)
@@ -186,6 +187,7 @@ def leave_group(timeout_s: float) -> bool:
 
     def run():
         try:
+            _release_rrefs(timeout_s)
             rpc.shutdown(graceful=True, timeout=timeout_s)
             done.append(True)
         except Exception as e:  # noqa: BLE001 - a member gone meanwhile: the local exit
@@ -227,3 +229,15 @@ def _release_join_token(rpc_addr: str, name: str, timeout_s: float) -> None:
             store.set(token, "Done")  # those waiting for it go on
     except Exception:  # noqa: BLE001 - best effort: the job may be gone
         pass
+
+
+def _release_rrefs(timeout_s: float) -> None:
+    """Drop this process's roles and delete its user RRefs (the trainers' handles the instance
+    was given), waiting until their owners confirmed: without it the graceful leave printed
+    torch's "Detected RRef Leaks during shutdown" block (the joiner's exit is one line)."""
+    import datetime
+    import gc
+
+    LOCAL.roles.clear()
+    gc.collect()  # role objects / RRefs that only cycles still hold
+    rpc.api._delete_all_user_and_unforked_owner_rrefs(datetime.timedelta(seconds=timeout_s))
