@@ -340,7 +340,12 @@ def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None
     model = model.to_empty(device=device)
     state = {k: v for k, v in load_state(folder).items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise ValueError(f"{folder}: config.json ties the embeddings (tie_word_embeddings true) but the weights "
+                             "hold an lm_head.weight other than model.embed_tokens.weight; transformers loads such "
+                             "a folder untied (its lm_head), this one would use the embeddings: set "
+                             "tie_word_embeddings to false in config.json if the lm_head is meant")
     model.load_state_dict(state, strict=False)  # (check_weights said what is missing or unexpected)
     del state
     if cfg.tie_word_embeddings:
