@@ -2,7 +2,7 @@
 review, session 59): the SFT warm start's demonstrations, loss targets and LR schedule; a Qwen2
 window just short of the context; a missing num_key_value_heads; a checkpoint of an untied model
 into a tied model.path; special_tokens_map.json's additional special tokens; and a tied config
-whose file holds another lm_head (transformers loads it untied: refused here)."""
+whose file holds another lm_head (transformers loads it untied: refused here); the SFT gradient clip."""
 import dataclasses
 import json
 
@@ -139,3 +139,19 @@ def test_a_tied_config_whose_file_holds_another_lm_head_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"ties the embeddings \(tie_word_embeddings true\) but the weights hold an "
                                          r"lm_head.weight other than model.embed_tokens.weight"):
         load_pretrained(tmp_path, "cpu", dtype=torch.float32)
+
+
+def test_the_sft_gradients_are_clipped_to_grad_clip(tmp_path):
+    """grad_clip bounds the update: at 1e-12 the clipped gradient is far below AdamW's eps, so a
+    step barely moves the weights (without the clip, Adam's first step moves each by ~lr)."""
+    torch.set_num_threads(1)
+    task = make_task("synthetic", max_terms=3, num_train=2, num_test=1)
+    folder, _ = build_model_dir(tmp_path / "m", task, tiny_config(), seed=0)
+    tok = Tokenizer.load(folder, chat_template=False)
+    moved = {}
+    for clip in (1e-12, 1e9):
+        model = load_pretrained(folder, "cpu", dtype=torch.float32)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        sft_warmstart(model, tok, task, steps=1, batch_size=1, lr=1e-2, warmup=1, grad_clip=clip)
+        moved[clip] = max((v - before[k]).abs().max().item() for k, v in model.state_dict().items())
+    assert moved[1e-12] < 1e-5 < 1e-3 < moved[1e9]
