@@ -155,3 +155,24 @@ def test_the_sft_gradients_are_clipped_to_grad_clip(tmp_path):
         sft_warmstart(model, tok, task, steps=1, batch_size=1, lr=1e-2, warmup=1, grad_clip=clip)
         moved[clip] = max((v - before[k]).abs().max().item() for k, v in model.state_dict().items())
     assert moved[1e-12] < 1e-5 < 1e-3 < moved[1e9]
+
+
+def test_the_bootstrap_seeds_its_weights_learns_system_turns_and_evaluates_without_sft(tmp_path):
+    """model.init: the seed sets the weights (one seed ignored: every run the same start); the BPE
+    learns the system turns' text (what the policy sees); eval_items evaluates also with no SFT."""
+    from types import SimpleNamespace
+
+    from workers.types import TaskPrompt
+
+    torch.set_num_threads(1)
+    task = make_task("synthetic", max_terms=3, num_train=8, num_test=4)
+    a, again, b = (load_state(build_model_dir(tmp_path / name, task, tiny_config(), seed=s)[0])
+                   for name, s in (("a", 0), ("again", 0), ("b", 1)))
+    assert all(torch.equal(a[k], again[k]) for k in a) and not all(torch.equal(a[k], b[k]) for k in a)
+    _, result = build_model_dir(tmp_path / "e", task, tiny_config(), eval_items=4)
+    assert result.losses == [] and result.eval_reward is not None
+    system = "Zyxwvut answers tersely."
+    chat = SimpleNamespace(prompts=lambda split: [TaskPrompt(prompt=f"{i} + 1 =", answer=str(i + 1), task="t", messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": f"{i} + 1 ="}]) for i in range(50)])
+    tok = build_tokenizer(chat, 300)
+    assert len(tok.encode(system)) <= 4, tok.encode(system)  # learned: its words merged, not bytes
