@@ -257,7 +257,8 @@ def _check_registries(cfg: Config) -> None:
         raise ConfigError(f"dispatch.name: {cfg.dispatch.name}: {e}") from None
     if cfg.dispatch.profile:
         if not Path(cfg.dispatch.profile).is_file():
-            raise ConfigError(f"dispatch.profile: {cfg.dispatch.profile} does not exist (a saved PTLProfile JSON, "
+            what = "is a folder" if Path(cfg.dispatch.profile).is_dir() else "does not exist"
+            raise ConfigError(f"dispatch.profile: {cfg.dispatch.profile} {what} (a saved PTLProfile JSON file, "
                               "docs/scheduling.md; empty or null: a flat default profile)")
         try:
             PTLProfile.load(cfg.dispatch.profile)

@@ -207,6 +207,10 @@ class Session:
             state = ckpt.load_state(c)
             check(c / "trainer", self.model_dir, t.algorithm, t.use_critic, t.lora_rank, t.lora_alpha,
                   target_names(t.lora_target_modules))
+            if self.cfg.ranker.kind != "none" and (c / "ranker" / "meta.json").exists():  # updated online
+                import ranker  # damaged, it failed the run after the trainers loaded, blaming a ranker --set
+
+                ranker.load(c / "ranker")
             return state
 
         try:  # a damaged file or another model / algorithm: one line, before the trainers load it

@@ -203,7 +203,16 @@ def _profile(cfg):
     from controller.scheduling import PTLProfile
 
     e = cfg.engine
-    if cfg.dispatch.profile:  # its measured times; the batch cap the engine holds to (engine.max_batch_size)
+    kv_tokens = e.total_blocks * e.block_size
+    if cfg.dispatch.profile:  # its measured times; the batch cap and the KV the engine holds to
         prof = PTLProfile.load(cfg.dispatch.profile)
-        return dataclasses.replace(prof, max_batch_size=min(prof.max_batch_size or e.max_batch_size, e.max_batch_size))
-    return default_profile(e.max_batch_size, e.total_blocks * e.block_size, e.block_size)
+        if (prof.kv_tokens, prof.block_size) != (kv_tokens, e.block_size):
+            # the dispatchers' batch caps come from the KV: a profile measured on a smaller
+            # engine capped a 64-sequence engine at 5 (flows review, s59)
+            print(f"[sgs] dispatch.profile {cfg.dispatch.profile}: measured on an engine with {prof.kv_tokens} KV "
+                  f"tokens in blocks of {prof.block_size}; this run's hold {kv_tokens} in blocks of {e.block_size} "
+                  "(engine.kv_cache_tokens, engine.block_size): its step times are used with this run's KV",
+                  file=sys.stderr, flush=True)
+        return dataclasses.replace(prof, max_batch_size=min(prof.max_batch_size or e.max_batch_size, e.max_batch_size),
+                                   kv_tokens=kv_tokens, block_size=e.block_size)
+    return default_profile(e.max_batch_size, kv_tokens, e.block_size)

@@ -67,3 +67,27 @@ def test_an_admission_key_is_any_finite_real_number(out, said):
     with pytest.raises(ValueError, match=rf"engine.admission 'mine' {said}, not a finite number"):
         key(req)
     assert _Lenient(key)(req) == float("inf")  # admitted last, not an error out of the engine
+
+
+@pytest.mark.parametrize("admission, long_first", [("lpt", False), ("fcfs", True)])
+def test_a_groups_samples_keep_their_slots_while_its_prompt_is_computed(admission, long_first):
+    # prefix sharing admits a group's first sample, its siblings at the next step (they read the
+    # prompt it computes): the short requests behind them took their slots, and LPT admitted the
+    # long group's other samples only once those finished (flows review, s59)
+    groups = [(5, 5), (5, 5), (5, 5), (40, 40)]  # (est_len, forced length): the long group arrives last
+    reqs, sid = [], 0
+    for g, (est, n) in enumerate(groups[::-1] if long_first else groups):
+        for _ in range(4):
+            reqs.append(Request(sid, torch.tensor([5 + g, 6, 7, 8]), n, n, float(est), group_id=g, sampling=GREEDY))
+            sid += 1
+    eng = engine(max_batch_size=4, admission=admission)
+    eng.add(reqs)
+    admitted, step = {}, 0
+    while eng.has_work():
+        eng.step()
+        step += 1
+        for s in eng.scheduler.running:
+            admitted.setdefault(s.request.sample_id, step)
+    long_ids = [r.sample_id for r in reqs if r.est_len == 40]
+    assert max(admitted[i] for i in long_ids) == 2  # the long group's samples, all in the first two steps
+    assert min(v for k, v in admitted.items() if k not in long_ids) > 40  # every short one after them

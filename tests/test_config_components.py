@@ -15,6 +15,8 @@ def test_dispatch_profile_is_read_at_load(tmp_path):
     with pytest.raises(ConfigError, match=r"^--set dispatch.profile=\S+nope.json: dispatch.profile: \S+nope.json "
                                           r"does not exist"):
         _load_with(tmp_path, f"dispatch.profile={tmp_path / 'nope.json'}")
+    with pytest.raises(ConfigError, match=r"dispatch.profile: \S+ is a folder \(a saved PTLProfile JSON file"):
+        _load_with(tmp_path, f"dispatch.profile={tmp_path}")  # it said "does not exist"
     bad = tmp_path / "bad.json"
     bad.write_text('{"ptl_s": [0.01]}')
     with pytest.raises(ConfigError, match=r"dispatch.profile: \S+bad.json: PTLProfile is missing \['batch_sizes', "

@@ -10,6 +10,7 @@ import pytest
 from controller.config import ConfigError, RankerSection
 from controller.ranker_setup import run_ranker, saved_ranker
 from ranker.store import FORMAT, FORMAT_VERSION
+from runtime_helpers import tiny_model  # noqa: F401  (a fixture: the session-wide model folder)
 
 
 def _check(path, kind="lgbm"):
@@ -125,3 +126,27 @@ def test_too_few_bootstrap_prompts_for_the_kind_is_a_config_error(tmp_path):
                                           r"length\) pairs to fit \(12 prompts given"):
         run_ranker(cfg, None, None, lambda ps: asked.extend(ps) or [1.0] * len(ps), [f"p{i}" for i in range(12)])
     assert asked == []
+
+
+@pytest.mark.slow  # ~60 s on 2 cores (a job, then its refused resume): the CI's slow tier runs it
+def test_a_damaged_ranker_in_the_checkpoint_is_refused_before_the_trainers_load_it(tmp_path, tiny_model):  # noqa: F811
+    """A checkpoint's online-updated ranker (ranker.update_every) damaged: the resume failed after
+    the trainers had loaded the checkpoint, blamed the last ranker --set, and did not offer the
+    previous checkpoint as it does for any other damaged file (flows review, s59)."""
+    from runtime_helpers import torchrun, write_config  # noqa: F811
+
+    cfg = write_config(tmp_path, tiny_model, train__iterations=2, train__eval_every=0, train__ckpt_every=1,
+                       ranker__kind="lgbm", ranker__path=str(tmp_path / "ranker"), ranker__update_every=1,
+                       ranker__bootstrap_prompts=24)
+    p = torchrun(cfg, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ckpts = tmp_path / "run" / "checkpoints"
+    with open(ckpts / "iter_000002" / "ranker" / "lgbm.txt", "a") as f:
+        f.write("x")
+    again = torchrun(cfg, extra=["--resume", str(tmp_path / "run"), "--set", "train.iterations=3",
+                                 "--set", "ranker.update_every=2"], timeout=300)
+    assert again.returncode != 0
+    said = [ln for ln in again.stderr.splitlines() if ln.startswith("config error:")]
+    assert len(said) == 1 and said[0].startswith(f"config error: --resume {tmp_path / 'run'}: "), said
+    assert "lgbm.txt" in said[0] and said[0].endswith(
+        f"; the previous checkpoint, {ckpts / 'iter_000001'}, is complete: --resume {ckpts / 'iter_000001'}"), said

@@ -104,3 +104,21 @@ def test_a_dispatch_profile_keeps_the_engines_batch_cap(tmp_path, saved_cap):
                     world_size=3)
     p = _profile(cfg)
     assert p.max_batch_size == 4 and p.batch_sizes == [1, 64]
+
+
+def test_a_dispatch_profile_of_another_engine_gets_this_runs_kv(tmp_path, capsys):
+    """A profile measured on an engine with 256 KV tokens capped this run's 16,384-token,
+    64-sequence engine at 5 sequences (skew_paper, skew's no-preemption cap), silently (flows
+    review, s59): its step times stay, the KV is the run's engine's, and that is said."""
+    from controller.scheduling import PTLProfile
+
+    prof = tmp_path / "small.json"
+    PTLProfile([1, 8], [0.001, 0.004], 256, block_size=16, kv_s_per_token=1e-6, ref_context=64).save(prof)
+    cfg = from_dict({"engine": {"max_batch_size": 64, "kv_cache_tokens": 16384, "block_size": 16, "device": "cpu"},
+                     "dispatch": {"profile": str(prof)}, "placement": {"generation": [1], "trainer": [2]}},
+                    world_size=3)
+    p = _profile(cfg)
+    assert (p.kv_tokens, p.block_size, p.max_batch_size) == (cfg.engine.total_blocks * 16, 16, 64)
+    assert (p.batch_sizes, p.ptl_s, p.kv_s_per_token, p.ref_context) == ([1, 8], [0.001, 0.004], 1e-6, 64)
+    assert (f"[sgs] dispatch.profile {prof}: measured on an engine with 256 KV tokens in blocks of 16; this run's "
+            f"hold {p.kv_tokens} in blocks of 16") in capsys.readouterr().err

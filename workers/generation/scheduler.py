@@ -167,13 +167,18 @@ class Scheduler:
             ends.append(seq.num_cached + n)
             budget -= n
         continuing = len(admitted)
+        deferred = 0  # skipped until their group's prompt is computed: their slots are kept for them
         i = 0
-        while (i < len(self.waiting) and len(self.running) + len(admitted) - continuing < self.max_batch_size
+        while (i < len(self.waiting) and len(self.running) + len(admitted) - continuing + deferred < self.max_batch_size
                and (budget > 0 or not self.chunked_prefill)):
             seq = self.waiting[i]
             g = self.prefix.lookup(seq) if self.prefix is not None and seq.group_id >= 0 else None
             if g is not None and not g.ready:
-                i += 1  # its group's prompt is being computed in this very step: next step
+                # its group's prompt is being computed in this very step: it is admitted at the next,
+                # in the slot it holds in the admission order (requests behind it took the slots of
+                # a long group's samples: LPT admitted short requests first; flows review, s59)
+                i += 1
+                deferred += 1
                 continue
             hit = 0
             if g is not None:
