@@ -121,13 +121,10 @@ def join_main(args) -> int:
     rpc_addr = store.get(store_key("rpc_store", attempt)).decode()
     LOCAL.rank = rank
     LOCAL.device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
-        rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
-                     rpc_backend_options=rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
-    except Exception as e:  # noqa: BLE001 - a member died since the check above, the store went away, ...
+    failed = _join_group(args, store, attempt, rank, rpc_addr)
+    if failed:
         _release_join_token(rpc_addr, worker_name(rank), args.rpc_timeout)
-        print(f"[join] rank {rank} could not join the job's RPC group at --join {args.join}: "
-              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr, flush=True)
+        print(failed, file=sys.stderr, flush=True)
         from controller.lifecycle import leave_now
 
         leave_now(1)
@@ -140,6 +137,34 @@ def join_main(args) -> int:
         return _serve(args, host, port, store, attempt, rank, job_timeout_s)
     except KeyboardInterrupt as e:  # Ctrl-C on its own terminal, SIGTERM, SIGHUP
         _interrupted(rank, str(e) or "SIGINT", job_timeout_s)
+
+
+def _join_group(args, store, attempt: str, rank: int, rpc_addr: str, poll_s: float = 1.0) -> str | None:
+    """Join the job's RPC group; None, or why it failed (one line). A member that died just
+    before (noted by the controller within its keepalive period) makes torch's join hang for the
+    whole ``--rpc-timeout`` holding the group's join token: the join runs on a thread of its own
+    while this one watches the store, and such a death ends it at once with the refusal."""
+    out: dict = {}
+
+    def join():
+        try:
+            rpc.init_rpc(worker_name(rank), rank=rank, world_size=None,
+                         rpc_backend_options=rpc_options(args.rpc_timeout, f"tcp://{rpc_addr}"))
+        except Exception as e:  # noqa: BLE001 - said in one line by the caller
+            out["error"] = e
+
+    thread = threading.Thread(target=join, name="join-rpc", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        refused = thread.is_alive() and dead_members.refusal(store, attempt, args.join)
+        if refused:
+            return refused
+    e = out.get("error")
+    if e is None:
+        return None
+    return (f"[join] rank {rank} could not join the job's RPC group at --join {args.join}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 def _serve(args, host: str, port: str, store, attempt: str, rank: int, job_timeout_s: float) -> int:

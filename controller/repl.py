@@ -247,7 +247,9 @@ class Repl:
             if not (e.lost and e.role == "generation"):
                 raise
             return {"error": f"rejoin: rank {rank} was lost: {str(e).splitlines()[0]}"}
-        self.s.world.sgs.add(handle, profile)
+        sgs = self.s.world.sgs
+        sgs.add(handle, profile)
+        sgs.removed = [(r, why) for r, why in sgs.removed if r != handle.rank]  # `sgs` lists it live, not gone
         return {"rejoined": handle.rank, "version": version, "instances": [h.rank for h in self.s.world.sgs.handles]}
 
     def status(self) -> dict:

@@ -140,6 +140,7 @@ def test_rejoin_takes_a_torchrun_rank_that_left_back_with_the_current_weights(mo
     assert out == {"rejoined": 1, "version": 5, "instances": [3, 1]}
     assert calls == [("resume", 1), ("push", [1], 5), ("hold", 1, 5)]
     assert [(s.handle.rank, s.profile) for s in sgs.slots] == [(3, "profile3"), (1, "profile1")]
+    assert sgs.removed == []  # `sgs` listed it live and, once per leave, gone (review, s59)
     assert "error" in repl.rejoin("1") and "error" in repl.rejoin("x")  # taken back once
 
 
