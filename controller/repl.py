@@ -232,7 +232,7 @@ class Repl:
 
     def rejoin(self, rank: str) -> dict:
         if not rank.isdigit():
-            return {"error": f"rejoin: expected the rank of a torchrun generation rank that left (see sgs), got {rank!r}"}
+            return {"error": f"rejoin: expected the rank of a torchrun generation rank that left (sgs), got {rank!r}"}
         parked = self._parked.pop(int(rank), None)
         if parked is None:
             return {"error": f"rejoin: rank {rank} is no torchrun rank that left with `leave` (a joined process "
