@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from workers.generation import cpp_build
+import fcntl
 
 
 def _cpuinfo(tmp_path, name, flags):
@@ -166,3 +167,33 @@ def test_a_build_left_locked_by_a_killed_builder_does_not_hang_the_next(monkeypa
     monkeypatch.setattr(cpp_build, "isa_tag", lambda: "x")
     monkeypatch.setattr(cpp_build.hashlib, "sha1", lambda b: type("H", (), {"hexdigest": lambda self: "x" * 40})())
     assert cpp_build.build.__wrapped__("stale_ext", "src", ("f",), "test") == "module"
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_a_build_waits_while_another_builder_holds_the_extension(monkeypatch, tmp_path):
+    """The flock serialises the builders of one extension: while another holds it, build() neither
+    removes torch's lock (a live builder's) nor builds; it does both once that one is done.
+    load_inline is faked (compiling is not what is checked) and the other builder is a second
+    open file description of the flock file in this process, which flock(2) treats as another
+    holder."""
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_build, "isa_tag", lambda: "x")
+    monkeypatch.setattr(cpp_build.hashlib, "sha1", lambda b: type("H", (), {"hexdigest": lambda self: "x" * 40})())
+    name = "held_ext_x_" + "x" * 8
+    build_dir = Path(ext._get_build_directory(name, False))
+    (build_dir / "lock").write_text("")  # the live builder's torch lock
+    built = threading.Event()
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", lambda **kw: built.set() or "module")
+    out = []
+    with open(build_dir.parent / f"{name}.flock", "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        t = threading.Thread(target=lambda: out.append(cpp_build.build.__wrapped__("held_ext", "src", ("f",), "t")),
+                             daemon=True)
+        t.start()
+        assert not built.wait(0.5)
+        assert (build_dir / "lock").exists()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    t.join(10)
+    assert out == ["module"] and not (build_dir / "lock").exists()

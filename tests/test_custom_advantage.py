@@ -15,7 +15,7 @@ from tests.runtime_helpers import iterations, tiny_model, torchrun, write_config
 from tests.test_trainer_stats import KnownRewardTask, build, model_dir  # noqa: F401
 from workers.tasks.plugins import load_plugin
 from workers.trainer import TrainerConfig, TrainerWorker
-from workers.trainer.custom_advantage import AlgoConfig
+from workers.trainer.custom_advantage import AlgoConfig, canonical, identity
 
 torch.set_num_threads(1)
 
@@ -284,3 +284,37 @@ def test_the_estimators_config_says_when_the_kl_is_in_the_reward(model_dir, plug
     assert fn.__globals__["CALLS"][-1]["config"].use_kl_in_reward is True
     _step(model_dir, f"{plugin}:compute_grpo_outcome_advantage", kl_coef=0.1, kl_mode="loss")
     assert fn.__globals__["CALLS"][-1]["config"].use_kl_in_reward is False
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def test_an_estimator_needing_an_argument_verl_does_not_pass_is_refused_at_load(tmp_path):
+    """verl passes exactly token_level_rewards, response_mask, config, index: an estimator with one
+    more required parameter fails at its first call, so it is refused when the config loads
+    (TrainerConfig), not after the iteration's generation, at step()."""
+    f = tmp_path / "est.py"
+    f.write_text(textwrap.dedent('''
+        def needs_eps(token_level_rewards, response_mask, config, index, epsilon):
+            return token_level_rewards
+
+        def defaulted_eps(token_level_rewards, response_mask, config, index, epsilon=1e-6):
+            return token_level_rewards
+    '''))
+    with pytest.raises(ValueError, match=r"trainer.algorithm: .*needs_eps.* must take verl's estimator keywords"):
+        TrainerConfig(algorithm=f"{f}:needs_eps")
+    TrainerConfig(algorithm=f"{f}:defaulted_eps")  # a defaulted extra is fine (verl's own grpo has one)
+
+
+def test_a_module_estimator_is_recorded_as_its_module_not_a_path(tmp_path, monkeypatch):
+    """canonical / identity: only a file plugin's path is resolved (and digested); a module plugin
+    ``pkg.mod:fn`` is recorded as written, so a checkpoint resumes from any working folder."""
+    pkg = tmp_path / "estpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("def fn(token_level_rewards, response_mask, config, index):\n"
+                                "    return token_level_rewards\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert TrainerConfig(algorithm="estpkg.mod:fn").trains_at_step
+    assert canonical("estpkg.mod:fn") == "estpkg.mod:fn"
+    assert identity("estpkg.mod:fn") == ("estpkg.mod:fn", None)
+    assert canonical("grpo") == "grpo"

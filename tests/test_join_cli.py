@@ -10,6 +10,8 @@ import torch.distributed as dist
 from controller import join_cli, processes
 from controller.attempt import ATTEMPT_KEY, store_key
 from controller import main as entry
+from controller.process_state import LOCAL
+from controller.rpc import worker_name
 
 
 @pytest.mark.parametrize("addr", ["localhost", "localhost:abc", ":29500", "localhost:0", "localhost:70000"])
@@ -95,3 +97,97 @@ def test_serving_ends_with_the_controllers_code(monkeypatch):
     monkeypatch.setattr(processes.LOCAL, "exit_code", 2)
     assert processes.serve(lambda: pytest.fail("not asked: the controller said exit")) == 2
 
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+def _job_store(attempt="a1", static=3):
+    """A real TCPStore holding what an elastic job's controller publishes for joiners."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    for key, value in ((store_key("static_world", attempt), str(static)), (store_key("elastic", attempt), "1"),
+                       (store_key("rpc_timeout_s", attempt), "5"),
+                       (store_key("rpc_store", attempt), f"127.0.0.1:{store.port}"), (ATTEMPT_KEY, attempt)):
+        store.set(key, value)
+    return store
+
+
+def test_a_joiner_after_a_dead_member_is_refused_before_it_takes_a_rank(capsys):
+    """controller/dead_members.py's point: a member died in the group, so a --join says so in one
+    line and exits 1, taking no rank (it would hang in init_rpc holding the join token)."""
+    store = _job_store()
+    store.set(store_key("dead_member", "a1"), "4: EOF")
+    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", "5"])
+    assert join_cli.join_main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"[join] the job at 127.0.0.1:{store.port} takes no more joiners: rank 4") and "(EOF)" in err
+    assert store.add(store_key("joined", "a1"), 0) == 0  # no rank taken
+
+
+def test_a_failed_join_releases_the_group_token_it_holds_and_only_its_own():
+    """torch's _group_membership_management keeps RpcGroupManagementToken when init_rpc fails;
+    every later join / graceful leave waits on Token_for_<name>_join being set. Real store."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    rpc_store = dist.PrefixStore("rpc_prefix_0", master)  # init_rpc's first store
+    rpc_store.set("RpcGroupManagementToken", "Token_for_w5_join")
+    join_cli._release_join_token(f"127.0.0.1:{master.port}", "w5", 5)
+    assert rpc_store.get("RpcGroupManagementToken") == b""
+    assert rpc_store.get("Token_for_w5_join") == b"Done"  # the waiters go on
+    rpc_store.set("RpcGroupManagementToken", "Token_for_w6_join")  # another process's join in progress
+    join_cli._release_join_token(f"127.0.0.1:{master.port}", "w7", 5)
+    assert rpc_store.get("RpcGroupManagementToken") == b"Token_for_w6_join"
+    assert not rpc_store.check(["Token_for_w6_join"]) and not rpc_store.check(["Token_for_w7_join"])
+
+
+def test_the_first_joiner_takes_the_rank_after_the_static_ones_and_a_failed_join_frees_the_token(monkeypatch):
+    """join_main numbers joiners after torchrun's ranks (static_world 3: the first is rank 3), and
+    when init_rpc fails it releases the group token it took. Fakes: init_rpc (a real failure needs a
+    dynamic RPC group with a dead member) and leave_now (it os._exit()s the test process)."""
+    store = _job_store(static=3)
+    rpc_store = dist.PrefixStore("rpc_prefix_0", store)
+    seen = {}
+
+    def failing_init_rpc(name, rank, **kw):
+        seen.update(name=name, rank=rank)
+        rpc_store.set("RpcGroupManagementToken", f"Token_for_{name}_join")  # as torch's join takes it
+        raise RuntimeError("a member is gone")
+
+    class Left(Exception):
+        pass
+
+    def leave_now(code):
+        raise Left(code)
+
+    monkeypatch.setattr(join_cli.rpc, "init_rpc", failing_init_rpc)
+    monkeypatch.setattr("controller.lifecycle.leave_now", leave_now)
+    monkeypatch.setattr(LOCAL, "rank", LOCAL.rank)
+    monkeypatch.setattr(LOCAL, "device", getattr(LOCAL, "device", None))
+    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", "5"])
+    with pytest.raises(Left):
+        join_cli.join_main(args)
+    assert seen == {"name": worker_name(3), "rank": 3}
+    assert rpc_store.get("RpcGroupManagementToken") == b""
+    assert rpc_store.get(f"Token_for_{worker_name(3)}_join") == b"Done"
+
+
+def test_a_registered_joiner_sees_its_job_restarted(monkeypatch):
+    """_serve's check: the store answers with another attempt id after a restart --resume, and the
+    joiner leaves instead of serving a job that no longer counts it. Fake: processes.serve (the
+    serving loop), replaced by one that calls the check and stops."""
+    store = _job_store(attempt="a1")
+    said = []
+
+    class Stop(Exception):
+        pass
+
+    def serve(gone, **kw):
+        said.append(gone())
+        store.set(ATTEMPT_KEY, "b2-restarted")
+        said.append(gone())
+        raise Stop
+
+    monkeypatch.setattr(join_cli, "serve", serve)
+    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", "5"])
+    with pytest.raises(Stop):
+        join_cli._serve(args, "127.0.0.1", str(store.port), store, "a1", 3, 5.0)
+    assert said[0] is None
+    assert said[1].startswith("the job restarted (attempt b2-resta; this process joined attempt a1)")

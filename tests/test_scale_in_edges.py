@@ -4,6 +4,7 @@ one line (``controller.dead_members``); a joiner stopped on its terminal waits f
 serves (``join_cli.served``). The real-process cases (a job, joiners SIGKILLed and SIGTERMed
 mid-round) are in tests/test_joiner_deaths.py."""
 import datetime
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from controller import dead_members, join_cli
 from controller.attempt import store_key
-from controller.rpc import WorkerHandle
+from controller.rpc import WorkerFailed, WorkerHandle
 from controller.scheduling import make_dispatcher
 from controller.sgs import SGS
 from runtime_helpers import LocalRRef, SinkTrainer, free_port, tiny_model  # noqa: F401  (tiny_model: fixture)
@@ -165,3 +166,40 @@ def test_a_torchrun_rank_rejoined_generates_with_the_current_weights(tmp_path, t
     assert rows[1]["per_instance"] == {"2": 8} and rows[3]["per_instance"] == {"1": 4, "2": 4}
     # stream mode trains on-policy only: rank 1's samples of the last step had the current weights
     assert all(r["staleness/max"] == 0 for r in rows), [r.get("staleness/max") for r in rows]
+
+
+# ---- mutation review, session 59 ------------------------------------------------------------
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("failure, lost", [(RuntimeError("EPIPE: the peer closed the connection"), True),
+                                           (ValueError("a bug in resume"), False)])
+def test_rejoin_says_a_lost_rank_is_lost_and_raises_any_other_failure(failure, lost):
+    """controller/repl.py rejoin: a rank lost meanwhile is one REPL error line; an error the
+    instance raised (a bug, not a gone process) is the run's failure and propagates, never
+    reported as "lost". Fakes as tests/test_scale_in_edges.py's rejoin test (FakeInstance /
+    LocalRRef: a rank that left needs a torchrun job)."""
+    from controller.repl import Repl
+    from test_repl_leave import FakeInstance
+
+    class Instance(FakeInstance):
+        def resume(self):
+            if self.rank == 1:
+                raise failure
+            return True
+
+    calls = []
+    sgs = SGS(make_dispatcher("round_robin"), lambda it: set())
+    for r in (1, 3):
+        sgs.add(WorkerHandle(r, "generation", LocalRRef(Instance(calls, r))), profile=f"profile{r}")
+    session = SimpleNamespace(world=SimpleNamespace(sgs=sgs, push_weights=lambda version, only=None: []),
+                              static_ranks={1, 2, 3}, joined=[], departed=[], waiting=[],
+                              program=SimpleNamespace(version=5))
+    repl = Repl(session)
+    assert repl.leave("1")["process"].startswith("stays (a torchrun rank)")
+    if lost:
+        assert repl.rejoin("1")["error"].startswith("rejoin: rank 1 was lost: worker rank 1 (generation) was lost")
+    else:
+        with pytest.raises(WorkerFailed, match=r"worker rank 1 \(generation\) raised in resume\(\)"):
+            repl.rejoin("1")
+    assert [h.rank for h in sgs.handles] == [3]
