@@ -343,9 +343,8 @@ def load_pretrained(folder: str | os.PathLike, device: torch.device | str | None
         head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
         if head is not None and embed is not None and not torch.equal(head, embed):
             raise ValueError(f"{folder}: config.json ties the embeddings (tie_word_embeddings true) but the weights "
-                             "hold an lm_head.weight other than model.embed_tokens.weight; transformers loads such "
-                             "a folder untied (its lm_head), this one would use the embeddings: set "
-                             "tie_word_embeddings to false in config.json if the lm_head is meant")
+                             "hold an lm_head.weight other than model.embed_tokens.weight (transformers loads it "
+                             "untied): set tie_word_embeddings to false in config.json if that lm_head is meant")
     model.load_state_dict(state, strict=False)  # (check_weights said what is missing or unexpected)
     del state
     if cfg.tie_word_embeddings:
