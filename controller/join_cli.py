@@ -212,7 +212,6 @@ def leave_group(timeout_s: float) -> bool:
 
     def run():
         try:
-            _release_rrefs(timeout_s)
             rpc.shutdown(graceful=True, timeout=timeout_s)
             done.append(True)
         except Exception as e:  # noqa: BLE001 - a member gone meanwhile: the local exit
@@ -253,19 +252,4 @@ def _release_join_token(rpc_addr: str, name: str, timeout_s: float) -> None:
         if store.compare_set("RpcGroupManagementToken", token, "").decode() == "":
             store.set(token, "Done")  # those waiting for it go on
     except Exception:  # noqa: BLE001 - best effort: the job may be gone
-        pass
-
-
-def _release_rrefs(timeout_s: float) -> None:
-    """Drop this process's roles and delete its user RRefs (the trainers' handles the instance
-    was given), waiting until their owners confirmed: without it the graceful leave printed
-    torch's "Detected RRef Leaks during shutdown" block (the joiner's exit is one line)."""
-    import datetime
-    import gc
-
-    LOCAL.roles.clear()
-    gc.collect()  # role objects / RRefs that only cycles still hold
-    try:  # best effort: an owner gone must not turn the graceful leave into the local exit
-        rpc.api._delete_all_user_and_unforked_owner_rrefs(datetime.timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - torch prints the leak lines then, as before
         pass

@@ -80,7 +80,6 @@ def test_a_joiner_sigtermed_mid_round_reports_its_round_before_it_leaves(tmp_pat
         joiner_err = joiner.communicate(timeout=120)[1]
         out, err = _last_commands(main, "status\nquit\n")
     assert joiner.returncode == 130 and "rank 3 stopped by SIGTERM: it leaves the job" in joiner_err, joiner_err[-3000:]
-    assert "RRef Leaks" not in joiner_err and "Leaking RRef" not in joiner_err, joiner_err[-3000:]  # one line
     assert main.returncode == 0, err[-4000:]
     assert "[sgs] instance rank 3 removed: stopped" in err, err[-4000:]
     assert "rank 3 removed: worker rank 3 (generation) was lost" not in err and "died without leaving" not in err

@@ -161,7 +161,7 @@ def test_a_joined_process_exits_after_leave_and_the_run_goes_on(tmp_path, tiny_m
         # stayed a member: the next joiner's start called it, met a closed port, and hung)
         again = _registered(main.join(), 4)
         out, err = _last_commands(main, "run 1\nstatus\nsgs\nquit\n")
-        assert again.wait(timeout=120) == 0
+        assert again.wait(timeout=120) == 0, again.stderr.read()[-3000:]
     assert joiner.returncode == 0 and "RRef Leaks" not in joiner_err, joiner_err[-3000:]  # its exit is one line
     said = [ln for ln in joiner_err.splitlines() if ln.startswith("[join] rank 3 exits")]
     assert said == ["[join] rank 3 exits (code 0): left the job (REPL leave): instance closed, nothing more to "
@@ -231,7 +231,7 @@ def test_an_added_joiner_stopped_on_its_terminal_leaves_the_group_and_another_ca
         main.stdin.flush()
         again = _registered(main.join(), 4)
         out, err = _last_commands(main, "run 1\nstatus\nquit\n")
-        assert again.wait(timeout=120) == 0
+        assert again.wait(timeout=120) == 0, (again.stderr.read()[-2000:], err[-5000:])
     assert joiner.returncode == 130 and "rank 3 stopped by SIGINT: it leaves the job" in joiner_err, joiner_err[-3000:]
     assert main.returncode == 0, err[-4000:]
     run1, run1b, status = [json.loads(ln[4:]) for ln in out.splitlines() if ln.startswith(">>> ")][-3:]
