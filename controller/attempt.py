@@ -39,7 +39,7 @@ class AttemptError(RuntimeError):
     """The ranks did not agree on an attempt id within the timeout."""
 
 
-def _peek(store, key: str) -> str | None:
+def peek(store, key: str) -> str | None:
     """The key's value, or None when it is not set (no blocking get)."""
     if not store.check([key]):
         return None
@@ -53,7 +53,7 @@ def agree_on_attempt(store, rank: int, world: int, timeout_s: float, poll_s: flo
         nonce = uuid.uuid4().hex
         store.set(f"streamrl/hello/{rank}", nonce)
         while True:
-            ack = _peek(store, f"streamrl/ack/{rank}")
+            ack = peek(store, f"streamrl/ack/{rank}")
             if ack is not None and ack.startswith(nonce + ":"):
                 attempt = ack[len(nonce) + 1:]
                 store.set(f"streamrl/ready/{rank}", attempt)
@@ -67,10 +67,10 @@ def agree_on_attempt(store, rank: int, world: int, timeout_s: float, poll_s: flo
     acked: dict[int, str] = {}  # the hello each pending rank was last answered for
     while pending:
         for r in sorted(pending):
-            if _peek(store, f"streamrl/ready/{r}") == attempt:
+            if peek(store, f"streamrl/ready/{r}") == attempt:
                 pending.discard(r)
                 continue
-            hello = _peek(store, f"streamrl/hello/{r}")
+            hello = peek(store, f"streamrl/hello/{r}")
             if hello is not None and acked.get(r) != hello:  # a new hello (a stale one is answered too: harmless)
                 store.set(f"streamrl/ack/{r}", f"{hello}:{attempt}")
                 acked[r] = hello

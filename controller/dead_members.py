@@ -17,7 +17,7 @@ import threading
 
 import torch.distributed.rpc as rpc
 
-from controller.attempt import current_attempt, store_key, torchrun_store
+from controller.attempt import current_attempt, peek, store_key, torchrun_store
 from controller.rpc import worker_name
 
 _DEAD: dict[int, str] = {}  # rank -> why it was found gone (on the controller)
@@ -60,10 +60,10 @@ def known() -> dict[int, str]:
 
 def refusal(store, attempt: str, address: str) -> str | None:
     """On a joiner, before it joins the RPC group: why it must not (a member died there), or None."""
-    key = store_key("dead_member", attempt)
-    if not store.check([key]):
+    said = peek(store, store_key("dead_member", attempt))
+    if said is None:
         return None
-    rank, _, why = store.get(key).decode().partition(": ")
+    rank, _, why = said.partition(": ")
     return (f"[join] the job at {address} takes no more joiners: rank {rank}, a process that joined it, died "
             f"without leaving its RPC group ({why}), and torch's RPC cannot drop a dead member: joining would "
             "hang on it. The job goes on with the instances it has; to add generation processes, restart it "
