@@ -35,6 +35,7 @@ from controller.trackers import Fanout, make_trackers
 from controller.preflight import (check_model_folder, check_writable, lock_run_folder, refuse_fresh_start_over_a_run,
                                   refuse_previous_run, resumed_logdir)
 from controller.ranker_setup import run_ranker, saved_ranker
+from controller.resume_check import checked_resume
 from controller.world import build_world, check_engine
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
@@ -192,38 +193,10 @@ class Session:
         return ScaleOutPolicy(self.world.sgs.slots[0].profile, d.name, dict(d.options))
 
     def _resume(self):
-        found = ckpt.find(self.args.resume, say_newer=True)
-        if found is None:  # the first start of a torchrun --max-restarts job has none yet
-            where = "does not exist" if not Path(self.args.resume).exists() else "holds no checkpoint"
-            print(f"[controller] --resume {self.args.resume}: the path {where} yet; starting fresh",
-                  file=sys.stderr, flush=True)
+        got = checked_resume(self.args.resume, self.cfg, self.model_dir)
+        if got is None:
             return None
-        from workers.trainer.checkpoint import check
-        from workers.trainer.lora import target_names
-
-        t = self.cfg.trainer
-
-        def checked(c: Path):
-            state = ckpt.load_state(c)
-            check(c / "trainer", self.model_dir, t.algorithm, t.use_critic, t.lora_rank, t.lora_alpha,
-                  target_names(t.lora_target_modules))
-            if self.cfg.ranker.kind != "none" and (c / "ranker" / "meta.json").exists():  # updated online
-                import ranker  # damaged, it failed the run after the trainers loaded, blaming a ranker --set
-
-                ranker.load(c / "ranker")
-            return state
-
-        try:  # a damaged file or another model / algorithm: one line, before the trainers load it
-            state = checked(found)
-        except (OSError, ValueError) as e:
-            older = ckpt.previous(found)
-            try:  # offered only when it would resume: a config the run's checkpoints all refuse is not damage
-                ok = older is not None and checked(older) is not None
-            except (OSError, ValueError):
-                ok = False
-            raise ConfigError(f"--resume {self.args.resume}: {e}"
-                              + (f"; the previous checkpoint, {older}, is complete: --resume {older}" if ok else "")
-                              ) from None
+        found, state = got
         versions = wait_all([t.call("load_checkpoint", str(found / "trainer")) for t in self.world.trainers])
         self.resumed_from = found
         if found.parent.resolve() == (self.logdir / "checkpoints").resolve() and not self.cfg.train.eval_only:
