@@ -91,19 +91,3 @@ def test_a_groups_samples_keep_their_slots_while_its_prompt_is_computed(admissio
     long_ids = [r.sample_id for r in reqs if r.est_len == 40]
     assert max(admitted[i] for i in long_ids) == 2  # the long group's samples, all in the first two steps
     assert min(v for k, v in admitted.items() if k not in long_ids) > 40  # every short one after them
-
-
-def test_lpt_counts_an_estimate_past_max_tokens_as_max_tokens():
-    # the controller's dispatch clamps an estimate to [min_tokens, max_tokens]; LPT ordered by the
-    # raw estimate, so a 500-token guess for a 60-token cap went before a 400-token one (s60)
-    specs = [(500.0, 60), (400.0, 200), (150.0, 200), (1e9, 30)]  # (est_len, max_tokens = forced length)
-    reqs = [Request(i, torch.tensor([5 + i, 6, 7]), n, n, est, sampling=GREEDY) for i, (est, n) in enumerate(specs)]
-    eng = engine(max_batch_size=1, admission="lpt")
-    eng.add(reqs)
-    order = []
-    while eng.has_work():
-        for s in eng.scheduler.running:
-            if s.request.sample_id not in order:
-                order.append(s.request.sample_id)
-        eng.step()
-    assert order == [1, 2, 0, 3]

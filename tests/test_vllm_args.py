@@ -121,13 +121,8 @@ def test_priority_is_lpt_and_sampling_kwargs():
     assert {vllm_args.priority(r, "fcfs") for r in reqs} == {0}
     # an estimate past the int range is clamped before rounding (round(1e303 * 1e6) raised
     # OverflowError inside step(), losing the step's finished samples)
-    huge = [Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=10 ** 308, est_len=e) for e in (1e303, 1e308)]
+    huge = [Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=4, est_len=e) for e in (1e303, 1e308)]
     assert [vllm_args.priority(r, "lpt") for r in huge] == [-2 ** 62, -2 ** 62]
-    # an estimate past the request's max_tokens counts as max_tokens (as the native engine's lpt
-    # and the controller's dispatch): a 500-token guess for a 100-token cap is not the longest
-    capped = [Request(sample_id=i, prompt_ids=torch.tensor([1]), max_tokens=m, est_len=e)
-              for i, (e, m) in enumerate([(500.0, 100), (400.0, 1000), (150.0, 1000)])]
-    assert [vllm_args.priority(r, "lpt") for r in capped] == [-100 * 10 ** 6, -400 * 10 ** 6, -150 * 10 ** 6]
     r = Request(sample_id=0, prompt_ids=torch.tensor([1]), max_tokens=6, min_tokens=6,
                 sampling=SamplingParams(temperature=0.5, top_k=0, top_p=0.9, seed=4))
     kw = vllm_args.sampling_kwargs(r, (7, 9))

@@ -3,9 +3,8 @@ request, the smallest admitted first, ties in arrival order (a preempted sequenc
 back first, whatever its key).
 
 * ``fcfs``: every key 0, so arrival order;
-* ``lpt``: ``-min(est_len, max_tokens)``, the longest estimated output first (the paper's LPT,
-  with the ranker's estimates; an estimate past the request's ``max_tokens`` counts as
-  ``max_tokens``, as the controller's dispatch counts it: no sample outruns its cap);
+* ``lpt``: ``-est_len``, the longest estimated output first (the paper's LPT, with the
+  ranker's estimates);
 * your own, ``module:fn`` or ``file.py:fn`` (as ``task.name``): ``fn(request: Request) ->
   number``, e.g. the shortest prompt first, ``lambda r: r.prompt_ids.numel()``. Loaded and tried
   on a probe request when the config loads (each error one ``config error`` naming the key);
@@ -30,14 +29,9 @@ log = logging.getLogger("streamrl.engine")
 
 AdmissionKey = Callable[[Request], float]
 
-def lpt_length(r: Request) -> float:
-    """The output length LPT orders by: the estimate, at most the request's ``max_tokens``."""
-    return min(float(r.est_len), float(r.max_tokens))
-
-
 _BUILTIN: dict[str, AdmissionKey] = {
     "fcfs": lambda r: 0.0,
-    "lpt": lambda r: -lpt_length(r),
+    "lpt": lambda r: -float(r.est_len),
 }
 ADMISSION_POLICIES = tuple(_BUILTIN)
 

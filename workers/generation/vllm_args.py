@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from workers.generation.admission import lpt_length
 from workers.generation.config import EngineConfig, context_too_long
 from workers.generation.sampler import cpu_seed
 from workers.model import ModelConfig, resolve_device
@@ -149,7 +148,7 @@ def priority(req: Request, admission: str) -> int:
     """vLLM priority (smaller first): LPT admits the longest estimate first; FCFS uses 0."""
     if admission != "lpt":
         return 0
-    p = -lpt_length(req) * _PRIORITY_SCALE  # clamped before rounding: round(1e303 * 1e6) is inf
+    p = -float(req.est_len) * _PRIORITY_SCALE  # clamped before rounding: round(1e303 * 1e6) is inf
     return round(max(-_PRIORITY_LIMIT, min(_PRIORITY_LIMIT, p)))
 
 
