@@ -25,8 +25,9 @@ def balance(requests: list[Request], num_trainers: int, iteration: int, loads: l
     """``pipeline.balance_batch`` (verl's ``trainer.balance_batch``): set each request's
     ``trainer_rank`` so the ranks get about the same number of tokens to train, not the same
     number of groups. A group's tokens are its samples' prompt tokens plus their expected
-    output (the ranker's estimate where a ranker runs, within ``[min_tokens, max_tokens]``;
-    without one, ``max_tokens``). Longest group first to the rank with the fewest tokens so far
+    output (the ranker's estimate where a ranker runs, as the program bounds it:
+    ``length_estimates.within_run_bounds``; without one, ``train.max_tokens``; never a request's
+    forced length under ``train.length_trace``). Longest group first to the rank with the fewest tokens so far
     (LPT); ties go as ``route`` rotates them, so no rank takes the odd group every step.
     ``loads``: each rank's tokens placed so far in the iteration (a refill's batch goes on from
     them, not from zero: each refill put its longest groups on the same ranks), updated. verl
@@ -34,7 +35,7 @@ def balance(requests: list[Request], num_trainers: int, iteration: int, loads: l
     finishes, so the rank is chosen at dispatch, by the estimate."""
     tokens: dict[int, float] = {}
     for r in requests:
-        out = min(max(r.min_tokens, 1, r.est_len), r.max_tokens)  # a NaN estimate: min_tokens
+        out = max(1.0, float(r.est_len))  # a NaN estimate: 1
         tokens[r.group_id] = tokens.get(r.group_id, 0.0) + len(r.prompt_ids) + out
     loads = [0.0] * num_trainers if loads is None else loads
     heap = [(loads[t], (t - iteration) % num_trainers, t) for t in range(num_trainers)]

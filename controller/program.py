@@ -21,6 +21,7 @@ from collections import deque
 
 import torch
 
+from controller.length_estimates import within_run_bounds
 from controller.data import PromptStream
 from controller.outbox import balance, owner
 from controller.modes import PipelineMode, get_mode
@@ -84,7 +85,8 @@ class Program:
         ids follow from it)."""
         t = self.cfg.train
         texts = [prompt_text(it) for it in items]
-        est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
+        est = (within_run_bounds(self.ranker.predict(texts), t.min_tokens, t.max_tokens) if self.ranker is not None
+               else [float(t.max_tokens)] * len(items))
         reqs, per = [], self.per_prompt
         multi_turn = self.cfg.multi_turn.on  # the environment is handed the item (single-turn: not sent)
         for j, item in enumerate(items, start=first):

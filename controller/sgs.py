@@ -171,13 +171,14 @@ class Round:
 
 
 def dispatch_estimates(requests: list[Request]) -> list[float]:
-    """The lengths the dispatcher plans with: the requests' ``est_len`` (within ``[min_tokens,
-    max_tokens]``, as ``outbox.balance`` takes them), or, for a batch that
-    carries no estimate (every ``est_len`` 0, the Request default), their ``max_tokens``. An
-    estimate of 0 among others is the shortest, not a missing one (a ranker predicts >= 0)."""
-    if any(r.est_len > 0 for r in requests):  # within what a request can generate (a ranker loaded
-        # from ranker.path predicts its trace's scale: estimates past max_tokens cut the batch caps)
-        return [float(min(max(r.est_len, r.min_tokens), r.max_tokens)) for r in requests]
+    """The lengths the dispatcher plans with: the requests' ``est_len`` (the program puts a
+    ranker's estimates within the run's bounds: ``length_estimates.within_run_bounds``; not
+    within a request's own ``min_tokens`` / ``max_tokens``, which under ``train.length_trace``
+    are its true length), or, for a batch that carries no estimate (every ``est_len`` 0, the
+    Request default), their ``max_tokens``. An estimate of 0 among others is the shortest, not a
+    missing one (a ranker predicts >= 0)."""
+    if any(r.est_len > 0 for r in requests):
+        return [float(r.est_len) for r in requests]
     return [float(r.max_tokens) for r in requests]
 
 

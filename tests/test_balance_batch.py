@@ -21,7 +21,7 @@ def _group(gid: int, prompt_len: int, n: int, est: float, max_tokens: int = 100,
 def _loads(requests, n, rank_of):
     loads = [0.0] * n
     for r in requests:
-        loads[rank_of(r)] += len(r.prompt_ids) + min(max(r.min_tokens, 1, r.est_len), r.max_tokens)
+        loads[rank_of(r)] += len(r.prompt_ids) + max(1.0, r.est_len)
     return loads
 
 
@@ -40,17 +40,18 @@ def test_long_groups_spread_and_each_group_stays_on_one_rank():
     assert max(by_index) == 280.0 + 3 * 28.0
 
 
-def test_the_estimate_counts_within_min_and_max_tokens_and_nan_counts_min_tokens():
-    # forced lengths (benchmarks: min == max) count as they are; an estimate past max_tokens counts
-    # max_tokens; a NaN estimate counts min_tokens (1 at least)
-    reqs = (_group(0, 1, 1, est=500.0, max_tokens=50) + _group(1, 1, 1, est=math.nan, min_tokens=30)
-            + _group(2, 1, 1, est=0.0, max_tokens=20, min_tokens=20) + _group(3, 1, 1, est=5.0))
+def test_the_estimate_counts_as_given_not_within_the_requests_forced_length_and_nan_counts_1():
+    # the program bounds a ranker's estimates by the run's caps (within_run_bounds); a request's
+    # own min/max_tokens are its forced, true length under train.length_trace, and balancing by
+    # them placed groups by the lengths they would get (review, s60); a NaN or 0 estimate counts 1
+    reqs = (_group(0, 1, 1, est=60.0, max_tokens=20, min_tokens=20) + _group(1, 1, 1, est=math.nan, min_tokens=30)
+            + _group(2, 1, 1, est=25.0, max_tokens=50, min_tokens=50) + _group(3, 1, 1, est=0.0))
     balance(reqs, 2, 0)
-    # 51 and 31 apart, 21 beside 31, then 6 beside 51
-    assert reqs[0].trainer_rank != reqs[1].trainer_rank
-    assert reqs[2].trainer_rank == reqs[1].trainer_rank and reqs[3].trainer_rank == reqs[0].trainer_rank
+    # 61 alone, then 26, 2 and 2 beside each other
+    assert len({reqs[1].trainer_rank, reqs[2].trainer_rank, reqs[3].trainer_rank}) == 1
+    assert reqs[0].trainer_rank != reqs[2].trainer_rank
     loads = _loads(reqs, 2, lambda r: owner(r, 2))
-    assert (loads[reqs[0].trainer_rank], loads[reqs[1].trainer_rank]) == (57.0, 52.0)
+    assert (loads[reqs[0].trainer_rank], loads[reqs[2].trainer_rank]) == (61.0, 30.0)
 
 
 def test_ties_rotate_with_the_iteration():

@@ -332,7 +332,7 @@ def test_add_takes_a_list_of_requests():
 def test_lpt_admission_order():
     est = [3.0, 50.0, 10.0, 7.0, 50.0]
     reqs = [Request(sample_id=i, prompt_ids=PS[i], max_tokens=64, est_len=e, sampling=GREEDY)
-            for i, e in enumerate(est)]  # estimates within max_tokens (past it they count as max_tokens)
+            for i, e in enumerate(est)]
     for policy, want in (("lpt", [1, 4, 2, 3, 0]), ("fcfs", [0, 1, 2, 3, 4])):
         order = []
         generate_all(engine(max_batch_size=1, admission=policy), reqs, on_sample=lambda s: order.append(s.sample_id))

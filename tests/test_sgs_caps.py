@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from controller.config import from_dict
+from controller.length_estimates import within_run_bounds
 from controller.scheduling import make_dispatcher
 from controller.sgs import SGS, InstanceSlot, default_profile, dispatch_estimates
 from controller.world import _profile
@@ -67,10 +68,12 @@ def test_a_rounds_batch_cap_ends_with_the_round(tiny_model, monkeypatch):  # noq
     assert max(running) == 6
 
 
-def test_dispatch_plans_on_estimates_within_max_tokens():
+def test_dispatch_plans_on_estimates_within_the_runs_bounds_never_a_requests_forced_length():
     """A ranker loaded from ranker.path predicts its trace's scale (docs/ranker.md: its order is
     what counts): estimates of 300-1540 tokens for 16-token requests made skew_paper cap the
-    instances at 2 and 4 sequences where their KV holds every request at once."""
+    instances at 2 and 4 sequences where their KV holds every request at once. The program bounds
+    them by train.max_tokens; a request's own bounds are not used: under train.length_trace they
+    are its true length, and skew planned as the oracle (review, s60)."""
     asked = {}
 
     class Handle:
@@ -82,12 +85,15 @@ def test_dispatch_plans_on_estimates_within_max_tokens():
 
     sgs = SGS(make_dispatcher("skew_paper"), received=lambda it: set())
     sgs.slots = [InstanceSlot(Handle(r), default_profile(64, 4096, 16)) for r in (1, 2)]
-    reqs = [Request(i, torch.arange(8), 16, 0, float(300 + 40 * i)) for i in range(32)]
+    est = within_run_bounds([300 + 40 * i for i in range(32)], 0, 16)
+    reqs = [Request(i, torch.arange(8), 16, 0, e) for i, e in enumerate(est)]
     assert dispatch_estimates(reqs) == [16.0] * 32
     sgs.launch(0, reqs, 0)
     assert sorted(asked) == [1, 2] and all(cap >= n for n, cap in asked.values()), asked
-    forced = [Request(i, torch.arange(8), 16, 8, e) for i, e in enumerate([0.0, 3.0, 12.0])]
-    assert dispatch_estimates(forced) == [8.0, 8.0, 12.0]  # min_tokens: no output is shorter
+    assert within_run_bounds([0.0, 3.0, 12.0, 500.0], 8, 16) == [8.0, 8.0, 12.0, 16.0]  # no output is shorter
+    assert within_run_bounds([0.0, 0.5], 0, 16) == [1.0, 1.0]  # every estimate > 0: never "no estimate"
+    forced = [Request(i, torch.arange(8), n, n, e) for i, (n, e) in enumerate([(40, 5.0), (3, 30.0), (12, 12.0)])]
+    assert dispatch_estimates(forced) == [5.0, 30.0, 12.0]
 
 
 @pytest.mark.parametrize("saved_cap", [0, 64])
