@@ -111,6 +111,16 @@ def test_a_configured_context_the_cache_cannot_hold_is_refused():
 
 
 
+def test_a_configured_context_past_the_models_is_refused():
+    # MODEL's max_position_embeddings is 256: 1000 was cut to 256 silently (vLLM refuses to start;
+    # engine review, s60); the model's own context and a shorter one are taken
+    with pytest.raises(ValueError, match=r"^engine.max_model_len: 1000 is past the model's context "
+                                         r"\(max_position_embeddings 256 in its config.json\); set it to at most 256"):
+        engine(max_model_len=1000)
+    assert engine(max_model_len=256).max_model_len == 256 and engine().max_model_len == 256
+    assert engine(max_model_len=100).max_model_len == 100
+
+
 def test_a_cache_that_holds_no_output_token_is_refused():
     """One-token blocks, two of them: every prompt was refused ("max_model_len 1") at run time."""
     with pytest.raises(ValueError, match=r"engine.num_blocks: must hold a sequence of 2 tokens .* 2 blocks of 1 "

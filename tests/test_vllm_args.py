@@ -75,6 +75,10 @@ def test_max_model_len_capped_so_one_sequence_fits_the_cache():
                                          r"128 vLLM blocks of 32 tokens hold at most 4064 tokens"):
         vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=4070,
                                              device="cpu"), big)
+    # past the model's context (512): refused as the native engine does (vLLM refuses it at start)
+    with pytest.raises(ValueError, match=r"engine.max_model_len: 1000 is past the model's context \(max_position_"
+                                         r"embeddings 512"):
+        vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=1000, device="cpu"), MC)
 
 
 def test_a_context_vllms_blocks_cannot_hold_is_said_at_config_load(monkeypatch):

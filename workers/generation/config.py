@@ -134,3 +134,15 @@ def context_too_long(max_model_len: int, blocks: int, block_size: int, kv_len: i
     return (f"engine.max_model_len: {max_model_len} tokens do not fit the KV cache, whose {blocks} "
             f"{kind + ' ' if kind else ''}blocks of {block_size} tokens hold at most {kv_len} tokens of one sequence "
             f"(all blocks but one); raise engine.kv_cache_tokens (or num_blocks) or lower max_model_len")
+
+
+def engine_context(cfg: EngineConfig, model_positions: int, kv_len: int) -> int:
+    """An engine's ``max_model_len``: the configured one (or the model's
+    ``max_position_embeddings``), within what the cache holds. One set past the model's context
+    is refused (ValueError naming ``engine.max_model_len``), as vLLM refuses it at start; it was
+    cut to the model's silently (engine review, s60)."""
+    if cfg.max_model_len > model_positions:
+        raise ValueError(f"engine.max_model_len: {cfg.max_model_len} is past the model's context "
+                         f"(max_position_embeddings {model_positions} in its config.json); set it to at most "
+                         f"{model_positions}, or leave it unset (0) for the model's")
+    return min(cfg.max_model_len or model_positions, model_positions, kv_len)

@@ -17,7 +17,7 @@ import torch
 from workers.generation import kernels_package
 from workers.generation.admission import admission_key
 from workers.generation.block_manager import NEVER_REGISTER, BlockManager
-from workers.generation.config import EngineConfig
+from workers.generation.config import EngineConfig, engine_context
 from workers.generation.held_interrupt import HeldInterrupt
 from workers.generation.model_runner import ModelRunner
 from workers.generation.prefix_cache import PrefixCache
@@ -76,8 +76,7 @@ class NativeEngine:
         check_eos_ids(self.eos_ids, self.vocab_size)
         self.bm = BlockManager(cfg.total_blocks, cfg.block_size, cfg.prefix_caching)
         # a lone sequence must always fit (EngineConfig refuses a max_model_len that does not)
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings, cfg.kv_len)
+        self.max_model_len = engine_context(cfg, mc.max_position_embeddings, cfg.kv_len)
         self.prefix = PrefixCache(self.bm) if cfg.prefix_sharing else None
         self.attention_backend = resolve_attention_backend(cfg, next(self.model.parameters()).device)
         # the "cpu" kernel takes any mix of tokens: admissions and chunks ride on decode steps

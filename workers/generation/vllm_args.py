@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from workers.generation.config import EngineConfig, context_too_long
+from workers.generation.config import EngineConfig, context_too_long, engine_context
 from workers.generation.sampler import cpu_seed
 from workers.model import ModelConfig, resolve_device
 from workers.types import GREEDY_BELOW, Request
@@ -54,7 +54,7 @@ def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
         raise ValueError(problem)
     block = vllm_block_size(cfg, resolve_device_dtype(cfg)[0])
     kv_len = max((_num_blocks(cfg, block) - 1) * block, block)
-    return min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, kv_len)
+    return engine_context(cfg, mc.max_position_embeddings, kv_len)
 
 
 def _num_blocks(cfg: EngineConfig, block: int) -> int:
