@@ -25,6 +25,10 @@ def test_a_valid_request_passes():
     (dict(prompt_ids=[1, 2]), "prompt_ids must be a 1-D integer tensor, got list"),
     (dict(prompt_ids=torch.tensor([1, 2], device="meta")), "prompt_ids is on the meta device"),
     (dict(sample_id=[1]), "sample_id must be an int, got list [1]"),
+    # a str, float or bool id was served (True and 1 one key) though the message said int (s60)
+    (dict(sample_id="a"), "sample_id must be an int, got str 'a'"),
+    (dict(sample_id=2.5), "sample_id must be an int, got float 2.5"),
+    (dict(sample_id=True), "sample_id must be an int, got bool True"),
     (dict(group_id=None), "group_id must be an int >= 0 (-1: no group), got None"),
     (dict(group_id="g"), "group_id must be an int >= 0 (-1: no group), got 'g'"),
     (dict(group_id=-5), "group_id must be an int >= 0 (-1: no group), got -5"),  # was taken as ungrouped

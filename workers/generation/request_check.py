@@ -23,8 +23,10 @@ def hashable(x) -> bool:
 
 
 def sample_id_problem(sid) -> str | None:
-    """Why ``sid`` cannot name a request (an engine keys its requests by it), or None."""
-    return None if hashable(sid) else f"sample_id must be an int, got {type(sid).__name__} {sid!r}"
+    """Why ``sid`` cannot name a request (an engine keys its requests by it), or None: an int,
+    not a bool (``True`` and ``1`` are one key; a str, float or bool id was served until
+    session 60 although the message said int)."""
+    return None if is_int(sid) else f"sample_id must be an int, got {type(sid).__name__} {sid!r}"
 
 
 def refusal(req: Request, vocab_size: int, max_len: int, live: Container[int]) -> str | None:
