@@ -322,7 +322,7 @@ def test_a_task_score_follows_the_verifier_rule_for_what_it_returns():
     assert safe_score(Task({"score": 0.5, "acc": True, "pred": "2", "raw": [1]}), p, "2") == \
         (0.5, "", {"score": 0.5, "acc": 1.0, "pred": "2"})
     score, why, _ = safe_score(Task("1.0"), p, "2")  # a string was read as a number, silently
-    assert why == "the task's score raised ValueError(\"the reward returned str '1.0', not a number\")", why
+    assert why == "the task's score: the reward returned str '1.0', not a number", why
     assert safe_score(Task(True), p, "2") == (1.0, "", {})
     # verl's default_compute_score takes res[0] of what is neither a dict nor a number:
     # prime_math's (is_correct, format_correct, extracted) was refused as a tuple

@@ -241,7 +241,6 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str,
     key = WATCH.enter(what)
     try:
         out = resolve(task.score(prompt, completion))
-        score = as_score(out)
     except KeyboardInterrupt:  # Ctrl-C stops the run, not a sample
         raise
     except BaseException as e:  # noqa: BLE001 - a user's verifier: anything (sys.exit, asyncio's
@@ -250,14 +249,27 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str,
         return float("nan"), f"the task's score raised {e!r}", {}
     finally:
         WATCH.leave(key)
+    try:  # what it returned, checked: its own reason (not "raised ValueError": the failure summaries
+        # group raised ones by type, and None, a str and a dict without 'score' were one line; s60)
+        score = as_score(out)
+    except ValueError as e:  # as_score's own word
+        return float("nan"), f"the task's score: {e}", {}
+    except Exception as e:  # noqa: BLE001 - float() of the user's value (an array of 2: TypeError)
+        return float("nan"), f"the task's score raised {e!r}", {}
     return _finite(score, out)
+
+
+_FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def _finite(score: float, out) -> tuple[float, str, dict]:
     """``(score, "", reward_info(out))``, or ``(nan, why, {})`` for an inf or NaN score (it would
-    poison the advantages)."""
-    if math.isfinite(score):
+    poison the advantages), or one past float32's range: the trainer's rewards are fp32, where
+    it is inf (1e39 made a group's advantages NaN and cost every sample of its micro-batches; s60)."""
+    if math.isfinite(score) and abs(score) <= _FP32_MAX:
         return score, "", reward_info(out)
+    if math.isfinite(score):
+        return math.nan, f"the task's score {score:g} is past float32's range (the trainer's rewards are fp32)", {}
     return math.nan, f"the task's score is {score}", {}
 
 
