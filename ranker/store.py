@@ -194,9 +194,9 @@ def _foreign_entries(folder: Path, keep: set[str]) -> list[str]:
     return sorted(out)
 
 
-# files whose parser takes the whole process down on damage (LightGBM's model text): one present
-# in the folder is checked against the list even where the list leaves it out
-_CHECK_FIRST = ("lgbm.txt",)
+# files whose parser takes the whole process down on damage (LightGBM's model texts: the model,
+# and the base an online update boosts from): one present in the folder must be on the list
+_CHECK_FIRST = ("lgbm.txt", "lgbm_base.txt")
 
 
 def _verify(folder: Path, files) -> None:

@@ -46,3 +46,12 @@ def test_a_score_past_float32s_range_is_left_out_like_inf():
     assert safe_score(Returns(3.0e38), P, "2")[:2] == (3.0e38, "")
     assert safe_score(Returns({"score": -3.0e38}), P, "2")[:2] == (-3.0e38, "")
     assert safe_score(Returns(math.inf), P, "2")[1] == "the task's score is inf"
+
+
+def test_the_value_a_reward_returned_is_not_a_kind_of_its_own():
+    # 40 different strings were 40 kinds: MAX_FAILURE_KINDS (32) used up, and later kinds (a real
+    # exception) never said (diff review, s60); an apostrophe in a word is no quote
+    kinds = {failure_kind(safe_score(Returns(f"x{c}"), P, "2")[1]) for c in "abcdefghij"}
+    assert kinds == {"the task's score: the reward returned str _, not a number"}
+    assert failure_kind(safe_score(Returns({"acc": 1.0}), P, "2")[1]) == \
+        failure_kind(safe_score(Returns({"pred": "7"}), P, "2")[1])

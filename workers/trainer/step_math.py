@@ -183,13 +183,17 @@ def _score(w: "TrainerWorker", s: "Sample", pending) -> tuple[float, str, dict]:
 
 MAX_FAILURE_KINDS = 32  # kinds of reward failure said in a run (each once)
 
+# what varies per sample in a reason: numbers, and quoted values (a reward returning the text
+# 'n/a' for one sample and 'x' for another is one kind; an apostrophe in a word is no quote)
+_VARYING = re.compile(r"\d+(?:\.\d+)?|(?<!\w)'[^']*'|(?<!\w)\"[^\"]*\"")
+
 
 def failure_kind(why: str) -> str:
     """What a reward failure is, without what varies per sample: the exception's type when it
     raised (a ``ValueError("cannot parse '3x'")`` and one for ``'7y'`` are one kind, said once),
-    else the reason with its numbers blanked."""
+    else the reason with its numbers and quoted values blanked."""
     raised = re.match(r".*? raised [\w.]+", why)
-    return raised.group(0) if raised else re.sub(r"\d+(?:\.\d+)?", "_", why)[:200]
+    return raised.group(0) if raised else _VARYING.sub("_", why)[:200]
 
 
 # trainer.algorithm -> (the group's rewards [G], their response lengths [G], config) -> advantages [G]
