@@ -37,6 +37,7 @@ from controller.preflight import (check_model_folder, check_writable, lock_run_f
 from controller.ranker_setup import run_ranker, saved_ranker
 from controller.resume_check import checked_resume
 from controller.world import build_world, check_engine
+from workers.generation.config import engine_context
 from workers.model import stop_ids
 from workers.model_config import ModelConfig
 from workers.types import Ranker, prompt_text
@@ -111,7 +112,12 @@ class Session:
             self.eos_ids = stop_ids(self.model_dir, self.tok.eos_id)
         except ValueError as e:  # a config.json / generation_config.json that is no JSON object, a bad id
             raise ConfigError(f"model.path: {e}") from None
-        self.vocab_size = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text())).vocab_size
+        mc = ModelConfig.from_hf(json.loads((Path(self.model_dir) / "config.json").read_text()))
+        self.vocab_size = mc.vocab_size
+        try:  # a max_model_len past the model's context: one config line, not each engine's traceback
+            engine_context(cfg.engine, mc.max_position_embeddings, cfg.engine.kv_len)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.world = build_world(cfg, self.model_dir, self.eos_ids, self.static_ranks, dispatcher, self.tok)
         self.task = self._fitting_task(self.task)
         cfg = self.cfg  # train.epochs: with the iterations derived from the kept prompts

@@ -74,3 +74,13 @@ def test_eval_only_with_the_console_is_refused_naming_both(tmp_path, tiny_model)
     # first one go, -15, which on a loaded machine may be all but one)
     assert p.stderr.count("exitcode  : 2 ") >= 1 and "controller error" not in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_context_past_the_models_is_one_line(tmp_path, tiny_model):  # noqa: F811
+    # the tiny model's 4,096 positions; the cache holds 16,368 tokens of one sequence: each engine
+    # refused it in its constructor, 214 lines of nested tracebacks, exit 1 (diff review, s60)
+    p = torchrun(write_config(tmp_path, tiny_model, engine__max_model_len=5000, engine__kv_cache_tokens=16384,
+                              logging__logdir=str(tmp_path / "d")), timeout=120)
+    assert _one_config_error(p) == ("config error: engine.max_model_len: 5000 is past the model's context "
+                                    "(max_position_embeddings 4096 in its config.json); set it to at most 4096, "
+                                    "or leave it unset (0) for the model's")
