@@ -7,6 +7,7 @@ skewness-aware dispatcher can plan against (controller/scheduling.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,14 +28,16 @@ def _finite(where: str, **values: Sequence[float]) -> dict[str, np.ndarray]:
     return out
 
 
-def within_run_bounds(est: Sequence[float], min_tokens: int, max_tokens: int) -> list[float]:
-    """A ranker's estimates as the run plans with them (dispatch, ``pipeline.balance_batch``, the
-    engines' ``admission: lpt``): within the run's own bounds ``[max(1, train.min_tokens),
-    train.max_tokens]`` (a ranker loaded from ``ranker.path`` predicts its trace's scale). Never
-    a request's own bounds: under ``train.length_trace`` both are the sample's forced, true
-    length, and a clamp to them planned on the truth (skew dispatched as the oracle; review, s60)."""
+def within_run_bounds(est: Sequence[float], min_tokens: int, max_tokens: float) -> list[float]:
+    """A ranker's estimates as the run plans their lengths (dispatch, ``pipeline.balance_batch``):
+    within the run's own bounds ``[max(1, train.min_tokens), train.max_tokens]`` (a ranker
+    loaded from ``ranker.path`` may predict another scale); NaN as the floor. Never a request's
+    own bounds: under ``train.length_trace`` both are the sample's forced, true length, and a
+    clamp to them planned on the truth (skew dispatched as the oracle; review, s60). The requests
+    keep the ranker's own estimates (``est_len``): the engines' ``admission: lpt`` orders by them,
+    ties at a bound would lose their order, and ``ranker/*`` judge the ranker."""
     lo, hi = float(max(1, min_tokens)), float(max_tokens)
-    return [min(max(float(e), lo), hi) for e in est]
+    return [lo if math.isnan(e) else min(max(float(e), lo), hi) for e in est]
 
 
 def calibrate_by_rank(est_lens: Sequence[float], reference: Sequence[float]) -> list[float]:

@@ -4,11 +4,13 @@ sends the group's samples there) and ``Outbox`` (the samples in time-windowed ch
 per trainer per window)."""
 from __future__ import annotations
 
+import math
 import heapq
 import queue
 import threading
 import time
 
+from controller.length_estimates import within_run_bounds
 from workers.types import Request, Sample, id_parts
 
 
@@ -21,13 +23,14 @@ def route(group_id: int, num_trainers: int) -> int:
     return (index + iteration) % num_trainers
 
 
-def balance(requests: list[Request], num_trainers: int, iteration: int, loads: list[float] | None = None) -> None:
+def balance(requests: list[Request], num_trainers: int, iteration: int, loads: list[float] | None = None,
+            bounds: tuple[int, float] = (0, math.inf)) -> None:
     """``pipeline.balance_batch`` (verl's ``trainer.balance_batch``): set each request's
     ``trainer_rank`` so the ranks get about the same number of tokens to train, not the same
     number of groups. A group's tokens are its samples' prompt tokens plus their expected
-    output (the ranker's estimate where a ranker runs, as the program bounds it:
-    ``length_estimates.within_run_bounds``; without one, ``train.max_tokens``; never a request's
-    forced length under ``train.length_trace``). Longest group first to the rank with the fewest tokens so far
+    output (the ranker's estimate where a ranker runs, within ``bounds``, the run's
+    ``(train.min_tokens, train.max_tokens)``: ``length_estimates.within_run_bounds``; without
+    one, ``train.max_tokens``; never a request's forced length under ``train.length_trace``). Longest group first to the rank with the fewest tokens so far
     (LPT); ties go as ``route`` rotates them, so no rank takes the odd group every step.
     ``loads``: each rank's tokens placed so far in the iteration (a refill's batch goes on from
     them, not from zero: each refill put its longest groups on the same ranks), updated. verl
@@ -35,7 +38,7 @@ def balance(requests: list[Request], num_trainers: int, iteration: int, loads: l
     finishes, so the rank is chosen at dispatch, by the estimate."""
     tokens: dict[int, float] = {}
     for r in requests:
-        out = max(1.0, float(r.est_len))  # a NaN estimate: 1
+        out = within_run_bounds([r.est_len], *bounds)[0]  # a NaN estimate: the floor
         tokens[r.group_id] = tokens.get(r.group_id, 0.0) + len(r.prompt_ids) + out
     loads = [0.0] * num_trainers if loads is None else loads
     heap = [(loads[t], (t - iteration) % num_trainers, t) for t in range(num_trainers)]

@@ -21,7 +21,6 @@ from collections import deque
 
 import torch
 
-from controller.length_estimates import within_run_bounds
 from controller.data import PromptStream
 from controller.outbox import balance, owner
 from controller.modes import PipelineMode, get_mode
@@ -52,6 +51,7 @@ class Program:
         self.mode: PipelineMode = get_mode(cfg.pipeline.mode)
         self.minibatch = cfg.pipeline.minibatch_size
         world.sgs.stream_window_s = cfg.pipeline.stream_window_s
+        world.sgs.est_bounds = (cfg.train.min_tokens, cfg.train.max_tokens)  # the lengths dispatch plans with
         self.stream = PromptStream(list(task.prompts("train")), cfg.train.seed, stream_state)
         self.iteration = start_iteration
         self.version = version  # weights the instances hold
@@ -85,8 +85,7 @@ class Program:
         ids follow from it)."""
         t = self.cfg.train
         texts = [prompt_text(it) for it in items]
-        est = (within_run_bounds(self.ranker.predict(texts), t.min_tokens, t.max_tokens) if self.ranker is not None
-               else [float(t.max_tokens)] * len(items))
+        est = self.ranker.predict(texts) if self.ranker is not None else [float(t.max_tokens)] * len(items)
         reqs, per = [], self.per_prompt
         multi_turn = self.cfg.multi_turn.on  # the environment is handed the item (single-turn: not sent)
         for j, item in enumerate(items, start=first):
@@ -101,7 +100,7 @@ class Program:
                                     task=item if multi_turn else None))
         if self.cfg.pipeline.balance_batch:  # refills go on from the loads placed in the iteration
             loads = self._rank_tokens.setdefault(iteration, [0.0] * len(self.world.trainers))
-            balance(reqs, len(self.world.trainers), iteration, loads)
+            balance(reqs, len(self.world.trainers), iteration, loads, bounds=(t.min_tokens, t.max_tokens))
             for old in [i for i in self._rank_tokens if i < iteration - 1]:
                 del self._rank_tokens[old]
         return reqs

