@@ -117,6 +117,8 @@ def test_a_configured_context_past_the_models_is_refused():
     with pytest.raises(ValueError, match=r"^engine.max_model_len: 1000 is past the model's context "
                                          r"\(max_position_embeddings 256 in its config.json\); set it to at most 256"):
         engine(max_model_len=1000)
+    with pytest.raises(ValueError, match=r"^engine.max_model_len: 257 is past the model's context"):
+        engine(max_model_len=257)  # one past (mutation review, s60)
     assert engine(max_model_len=256).max_model_len == 256 and engine().max_model_len == 256
     assert engine(max_model_len=100).max_model_len == 100
 

@@ -191,3 +191,45 @@ def test_a_registered_joiner_sees_its_job_restarted(monkeypatch):
         join_cli._serve(args, "127.0.0.1", str(store.port), store, "a1", 3, 5.0)
     assert said[0] is None
     assert said[1].startswith("the job restarted (attempt b2-resta; this process joined attempt a1)")
+
+
+def test_a_member_dying_while_a_join_hangs_ends_the_join_with_the_refusal(monkeypatch, capsys):
+    """The death is noted while init_rpc hangs (torch's join calling the dead member holds the
+    group token for the whole --rpc-timeout): the joiner leaves with the refusal while the join
+    still hangs, and frees the token (mutation review, s60: nothing caught the watch skipped).
+    Fakes: init_rpc (a real hang needs a dynamic RPC group with a dead member) and leave_now (it
+    os._exit()s the test process)."""
+    import threading
+
+    store = _job_store(static=3)
+    rpc_store = dist.PrefixStore("rpc_prefix_0", store)
+    released, hung_up = threading.Event(), threading.Event()
+
+    def hanging_init_rpc(name, rank, **kw):
+        rpc_store.set("RpcGroupManagementToken", f"Token_for_{name}_join")
+        store.set(store_key("dead_member", "a1"), "4: EOF")  # the controller notes the death meanwhile
+        try:
+            if not released.wait(60):
+                raise RuntimeError("hung for the whole rpc timeout")
+        finally:
+            hung_up.set()
+
+    class Left(Exception):
+        pass
+
+    def leave_now(code):
+        raise Left(code)
+
+    monkeypatch.setattr(join_cli.rpc, "init_rpc", hanging_init_rpc)
+    monkeypatch.setattr("controller.lifecycle.leave_now", leave_now)
+    monkeypatch.setattr(LOCAL, "rank", LOCAL.rank)
+    monkeypatch.setattr(LOCAL, "device", getattr(LOCAL, "device", None))
+    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", "120"])
+    try:
+        with pytest.raises(Left):
+            join_cli.join_main(args)
+        assert not hung_up.is_set()  # it left while the join still hung, not at its end
+    finally:
+        released.set()
+    assert "takes no more joiners: rank 4" in capsys.readouterr().err
+    assert rpc_store.get("RpcGroupManagementToken") == b""

@@ -1,7 +1,9 @@
 """Multi-turn engine behaviour the rest of the suite let through when changed by one line
 (mutation review, session 56): a turn ending on EOS exactly at the budget is a stop, a seeded
 continuation draws the next turn's seed, the engine's context ends a trajectory cleanly."""
-from test_multi_turn_engine import Script, first_stop, req, run, wrap
+from test_multi_turn_engine import GREEDY, PROMPT, Script, first_stop, req, run, wrap
+from workers.generation.generate_all import generate_all
+from workers.types import Request
 
 
 def test_a_turn_ending_on_eos_exactly_at_the_budget_is_stop_and_calls_no_environment():
@@ -50,3 +52,18 @@ def test_the_engines_context_ends_a_trajectory_cleanly():
     [s] = run(MultiTurnEngine(inner, TOK, env, "script"), [req(max_tokens=40)])
     assert s.finish_reason == "stop" and s.output_ids.tolist() == turn1
     assert env.calls == []
+
+
+def test_the_multi_turn_engine_refuses_a_bad_sample_id_and_aborting_it_changes_nothing():
+    """MultiTurnEngine keys its trajectories by sample id: a list id was a TypeError for the whole
+    batch, a bool/str id was served (real MultiTurnEngine over the native engine)."""
+    eng = wrap((0,), Script(None))
+    reqs = [Request(0, PROMPT, 2, sampling=GREEDY, group_id=-1), Request([1], PROMPT, 2, group_id=-1),
+            Request(True, PROMPT, 2, sampling=GREEDY, group_id=-1), Request("a", PROMPT, 2, group_id=-1)]
+    assert eng.abort([[1], 0]) == []
+    out = {repr(s.sample_id): s for s in generate_all(eng, reqs)}
+    assert out["[1]"].finish_reason == "error" and "sample_id must be an int, got list [1]" in out["[1]"].error
+    assert out["True"].finish_reason == "error" and "got bool True" in out["True"].error
+    assert out["'a'"].finish_reason == "error" and "got str 'a'" in out["'a'"].error
+    assert out["0"].finish_reason != "error"
+    eng.close()

@@ -11,6 +11,7 @@ from controller.config import ConfigError, RankerSection
 from controller.ranker_setup import run_ranker, saved_ranker
 from ranker.store import FORMAT, FORMAT_VERSION
 from runtime_helpers import tiny_model  # noqa: F401  (a fixture: the session-wide model folder)
+from test_resume import models  # noqa: F401  (a fixture: small model folders and a task)
 
 
 def _check(path, kind="lgbm"):
@@ -150,3 +151,31 @@ def test_a_damaged_ranker_in_the_checkpoint_is_refused_before_the_trainers_load_
     assert len(said) == 1 and said[0].startswith(f"config error: --resume {tmp_path / 'run'}: "), said
     assert "lgbm.txt" in said[0] and said[0].endswith(
         f"; the previous checkpoint, {ckpts / 'iter_000001'}, is complete: --resume {ckpts / 'iter_000001'}"), said
+
+
+def test_a_damaged_ranker_in_the_checkpoint_is_refused_offering_the_previous_one_fast(models, tmp_path):  # noqa: F811
+    """Fast twin of the slow-tier job test: the checkpoint's online-updated ranker does not load,
+    so the resume is one --resume error offering the previous checkpoint (real checkpoints;
+    mutation review, s60: only the slow tier caught the check skipped)."""
+    from controller import checkpoint as ckpt
+    from controller.config import from_dict
+    from controller.resume_check import checked_resume
+    from workers.trainer import TrainerConfig, TrainerWorker
+
+    small, _, task = models
+    root = tmp_path / "run" / "checkpoints"
+    w = TrainerWorker(TrainerConfig(algorithm="grpo"), small, task, device="cpu")
+    for it in (1, 2):
+        ckpt.save(root, ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "batch", [0.0] * it, {}),
+                  lambda folder: w.save_checkpoint(folder))
+    (root / "iter_000002" / "ranker").mkdir()
+    (root / "iter_000002" / "ranker" / "meta.json").write_text("{")  # damaged
+    base = from_dict({"placement": {"generation": [1], "trainer": [2]}, "model": {"path": small},
+                      "logging": {"logdir": str(tmp_path / "run")}})
+    cfg = SimpleNamespace(trainer=base.trainer, ranker=SimpleNamespace(kind="lgbm"))
+    with pytest.raises(ConfigError, match=r"ranker/meta.json: not valid JSON.*; the previous checkpoint, "
+                                          r".*iter_000001, is complete"):
+        checked_resume(str(root), cfg, small)
+    found, _ = checked_resume(str(root), SimpleNamespace(trainer=base.trainer, ranker=SimpleNamespace(kind="none")),
+                              small)
+    assert found.name == "iter_000002"  # a run without a ranker does not read it

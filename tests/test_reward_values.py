@@ -4,7 +4,7 @@ apart, and a score past float32's range is left out like an inf (flows review, s
 import math
 
 from workers.types import TaskPrompt
-from workers.tasks.scoring import safe_score
+from workers.tasks.scoring import safe_score, safe_score_batch
 from workers.trainer.step_math import failure_kind
 
 P = TaskPrompt(prompt="1+1", answer="2", task="add")
@@ -55,3 +55,26 @@ def test_the_value_a_reward_returned_is_not_a_kind_of_its_own():
     assert kinds == {"the task's score: the reward returned str _, not a number"}
     assert failure_kind(safe_score(Returns({"acc": 1.0}), P, "2")[1]) == \
         failure_kind(safe_score(Returns({"pred": "7"}), P, "2")[1])
+
+
+class BatchScored:
+    """A task scored many samples per call (a reward model, a judge: verl's batch manager)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def score(self, prompt, completion):
+        raise AssertionError("scored per batch")
+
+    def score_batch(self, prompts, completions):
+        return self.out
+
+
+def test_score_batch_leaves_out_a_score_past_float32s_range_or_not_finite():
+    # the same rule per sample of a score_batch call (a reward model, a judge; mutation review, s60)
+    got = safe_score_batch(BatchScored([1.0, 1e39, {"score": -1e39}, math.inf, math.nan]), [P] * 5, ["2"] * 5)
+    assert got[0] == (1.0, "", {})
+    assert [math.isnan(s) for s, _, _ in got] == [False, True, True, True, True]
+    assert got[1][1] == "the task's score 1e+39 is past float32's range (the trainer's rewards are fp32)"
+    assert got[2][1:] == ("the task's score -1e+39 is past float32's range (the trainer's rewards are fp32)", {})
+    assert got[3][1] == "the task's score is inf"

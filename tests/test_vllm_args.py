@@ -79,6 +79,10 @@ def test_max_model_len_capped_so_one_sequence_fits_the_cache():
     with pytest.raises(ValueError, match=r"engine.max_model_len: 1000 is past the model's context \(max_position_"
                                          r"embeddings 512"):
         vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=1000, device="cpu"), MC)
+    with pytest.raises(ValueError, match=r"engine.max_model_len: 513 is past the model's context"):
+        vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=513, device="cpu"), MC)
+    assert vllm_args.max_model_len(EngineConfig(backend="vllm", kv_cache_tokens=4096, max_model_len=512,
+                                                device="cpu"), MC) == 512
 
 
 def test_a_context_vllms_blocks_cannot_hold_is_said_at_config_load(monkeypatch):
