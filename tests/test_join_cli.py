@@ -138,6 +138,24 @@ def test_a_failed_join_releases_the_group_token_it_holds_and_only_its_own():
     assert not rpc_store.check(["Token_for_w6_join"]) and not rpc_store.check(["Token_for_w7_join"])
 
 
+class _Left(Exception):
+    pass
+
+
+def _join_left(monkeypatch, store, init_rpc, rpc_timeout: float) -> None:
+    """``join_main`` against ``store``'s job with ``init_rpc`` faked; it must end by leaving
+    (``leave_now`` raises ``_Left`` here: it os._exit()s the process)."""
+    def leave_now(code):
+        raise _Left(code)
+
+    monkeypatch.setattr(join_cli.rpc, "init_rpc", init_rpc)
+    monkeypatch.setattr("controller.lifecycle.leave_now", leave_now)
+    monkeypatch.setattr(LOCAL, "rank", LOCAL.rank)
+    monkeypatch.setattr(LOCAL, "device", getattr(LOCAL, "device", None))
+    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", str(rpc_timeout)])
+    with pytest.raises(_Left):
+        join_cli.join_main(args)
+
 def test_the_first_joiner_takes_the_rank_after_the_static_ones_and_a_failed_join_frees_the_token(monkeypatch):
     """join_main numbers joiners after torchrun's ranks (static_world 3: the first is rank 3), and
     when init_rpc fails it releases the group token it took. Fakes: init_rpc (a real failure needs a
@@ -151,19 +169,7 @@ def test_the_first_joiner_takes_the_rank_after_the_static_ones_and_a_failed_join
         rpc_store.set("RpcGroupManagementToken", f"Token_for_{name}_join")  # as torch's join takes it
         raise RuntimeError("a member is gone")
 
-    class Left(Exception):
-        pass
-
-    def leave_now(code):
-        raise Left(code)
-
-    monkeypatch.setattr(join_cli.rpc, "init_rpc", failing_init_rpc)
-    monkeypatch.setattr("controller.lifecycle.leave_now", leave_now)
-    monkeypatch.setattr(LOCAL, "rank", LOCAL.rank)
-    monkeypatch.setattr(LOCAL, "device", getattr(LOCAL, "device", None))
-    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", "5"])
-    with pytest.raises(Left):
-        join_cli.join_main(args)
+    _join_left(monkeypatch, store, failing_init_rpc, rpc_timeout=5)
     assert seen == {"name": worker_name(3), "rank": 3}
     assert rpc_store.get("RpcGroupManagementToken") == b""
     assert rpc_store.get(f"Token_for_{worker_name(3)}_join") == b"Done"
@@ -214,20 +220,8 @@ def test_a_member_dying_while_a_join_hangs_ends_the_join_with_the_refusal(monkey
         finally:
             hung_up.set()
 
-    class Left(Exception):
-        pass
-
-    def leave_now(code):
-        raise Left(code)
-
-    monkeypatch.setattr(join_cli.rpc, "init_rpc", hanging_init_rpc)
-    monkeypatch.setattr("controller.lifecycle.leave_now", leave_now)
-    monkeypatch.setattr(LOCAL, "rank", LOCAL.rank)
-    monkeypatch.setattr(LOCAL, "device", getattr(LOCAL, "device", None))
-    args = entry.parse_args(["--join", f"127.0.0.1:{store.port}", "--rpc-timeout", "120"])
     try:
-        with pytest.raises(Left):
-            join_cli.join_main(args)
+        _join_left(monkeypatch, store, hanging_init_rpc, rpc_timeout=120)
         assert not hung_up.is_set()  # it left while the join still hung, not at its end
     finally:
         released.set()

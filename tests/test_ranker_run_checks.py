@@ -157,17 +157,13 @@ def test_a_damaged_ranker_in_the_checkpoint_is_refused_offering_the_previous_one
     """Fast twin of the slow-tier job test: the checkpoint's online-updated ranker does not load,
     so the resume is one --resume error offering the previous checkpoint (real checkpoints;
     mutation review, s60: only the slow tier caught the check skipped)."""
-    from controller import checkpoint as ckpt
     from controller.config import from_dict
     from controller.resume_check import checked_resume
-    from workers.trainer import TrainerConfig, TrainerWorker
+    from test_resume import saved_checkpoints
 
     small, _, task = models
     root = tmp_path / "run" / "checkpoints"
-    w = TrainerWorker(TrainerConfig(algorithm="grpo"), small, task, device="cpu")
-    for it in (1, 2):
-        ckpt.save(root, ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "batch", [0.0] * it, {}),
-                  lambda folder: w.save_checkpoint(folder))
+    saved_checkpoints(root, small, task, (1, 2))
     (root / "iter_000002" / "ranker").mkdir()
     (root / "iter_000002" / "ranker" / "meta.json").write_text("{")  # damaged
     base = from_dict({"placement": {"generation": [1], "trainer": [2]}, "model": {"path": small},

@@ -354,6 +354,13 @@ def _session(cfg, resume, model_dir, logdir):
     return s
 
 
+def saved_checkpoints(root, model_dir, task, iterations) -> None:
+    """Real checkpoints of a grpo trainer under ``root``, one per iteration in ``iterations``."""
+    w = TrainerWorker(TrainerConfig(algorithm="grpo"), model_dir, task, device="cpu")
+    for it in iterations:
+        ckpt.save(root, ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "batch", [0.0] * it, {}),
+                  lambda folder: w.save_checkpoint(folder))
+
 def test_a_config_mismatch_offers_no_previous_checkpoint_and_a_no_op_resume_leaves_latest(models, tmp_path):
     """(1) Another trainer.algorithm was refused with "the previous checkpoint ... is complete:
     --resume it", which every checkpoint of the run refuses the same way; a damaged one still
@@ -364,10 +371,7 @@ def test_a_config_mismatch_offers_no_previous_checkpoint_and_a_no_op_resume_leav
 
     small, _, task = models
     root = tmp_path / "run" / "checkpoints"
-    w = TrainerWorker(TrainerConfig(algorithm="grpo"), small, task, device="cpu")
-    for it in (2, 4):
-        ckpt.save(root, ckpt.ControllerState(it, it, {"seed": 0, "epoch": 0, "pos": it}, "batch", [0.0] * it, {}),
-                  lambda folder: w.save_checkpoint(folder))
+    saved_checkpoints(root, small, task, (2, 4))
     base = {"placement": {"generation": [1], "trainer": [2]}, "model": {"path": small},
             "logging": {"logdir": str(tmp_path / "run")}}
 
