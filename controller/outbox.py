@@ -4,8 +4,8 @@ sends the group's samples there) and ``Outbox`` (the samples in time-windowed ch
 per trainer per window)."""
 from __future__ import annotations
 
-import math
 import heapq
+import math
 import queue
 import threading
 import time
@@ -30,8 +30,9 @@ def balance(requests: list[Request], num_trainers: int, iteration: int, loads: l
     number of groups. A group's tokens are its samples' prompt tokens plus their expected
     output (the ranker's estimate where a ranker runs, within ``bounds``, the run's
     ``(train.min_tokens, train.max_tokens)``: ``length_estimates.within_run_bounds``; without
-    one, ``train.max_tokens``; never a request's forced length under ``train.length_trace``). Longest group first to the rank with the fewest tokens so far
-    (LPT); ties go as ``route`` rotates them, so no rank takes the odd group every step.
+    one, ``train.max_tokens``; never a request's forced length under ``train.length_trace``).
+    Longest group first to the rank with the fewest tokens so far (LPT); ties go as ``route``
+    rotates them, so no rank takes the odd group every step.
     ``loads``: each rank's tokens placed so far in the iteration (a refill's batch goes on from
     them, not from zero: each refill put its longest groups on the same ranks), updated. verl
     balances after generation, by the lengths it got; here a group streams to its rank as it
