@@ -148,6 +148,12 @@ def test_a_file_list_naming_a_file_outside_the_folder_is_refused(saved, tmp_path
     _edit_meta(d, lambda m: m["files"].update({"../outside.txt": file_digest(outside, "sha256")}))
     with pytest.raises(ValueError, match="bad file name"):
         ranker.load(d)
+    # an absolute path too: it was checksummed outside the folder (mutation review, s60: only
+    # ".." was tested)
+    _edit_meta(d, lambda m: (m["files"].pop("../outside.txt"),
+                             m["files"].update({str(outside): file_digest(outside, "sha256")})))
+    with pytest.raises(ValueError, match=rf"bad file name '{outside}' in 'files'"):
+        ranker.load(d)
 
 
 def test_another_format_version_is_refused(saved, tmp_path):
