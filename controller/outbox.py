@@ -38,8 +38,8 @@ def balance(requests: list[Request], num_trainers: int, iteration: int, loads: l
     balances after generation, by the lengths it got; here a group streams to its rank as it
     finishes, so the rank is chosen at dispatch, by the estimate."""
     tokens: dict[int, float] = {}
-    for r in requests:
-        out = within_run_bounds([r.est_len], *bounds)[0]  # a NaN estimate: the floor
+    outs = within_run_bounds([r.est_len for r in requests], *bounds)  # a NaN estimate: the floor
+    for r, out in zip(requests, outs):
         tokens[r.group_id] = tokens.get(r.group_id, 0.0) + len(r.prompt_ids) + out
     loads = [0.0] * num_trainers if loads is None else loads
     heap = [(loads[t], (t - iteration) % num_trainers, t) for t in range(num_trainers)]

@@ -259,18 +259,18 @@ def safe_score(task: Task, prompt: TaskPrompt, completion: str,
     return _finite(score, out)
 
 
-_FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+_FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max (this module does not import torch)
 
 
 def _finite(score: float, out) -> tuple[float, str, dict]:
     """``(score, "", reward_info(out))``, or ``(nan, why, {})`` for an inf or NaN score (it would
     poison the advantages), or one past float32's range: the trainer's rewards are fp32, where
     it is inf (1e39 made a group's advantages NaN and cost every sample of its micro-batches; s60)."""
-    if math.isfinite(score) and abs(score) <= _FP32_MAX:
-        return score, "", reward_info(out)
-    if math.isfinite(score):
+    if not math.isfinite(score):
+        return math.nan, f"the task's score is {score}", {}
+    if abs(score) > _FP32_MAX:
         return math.nan, f"the task's score {score:g} is past float32's range (the trainer's rewards are fp32)", {}
-    return math.nan, f"the task's score is {score}", {}
+    return score, "", reward_info(out)
 
 
 def score_batch_of(task: Task):
