@@ -9,7 +9,7 @@ from controller.config import DispatchSection, MultiTurnSection
 from controller.outbox import balance
 from controller.program import Program
 from controller.scheduling import make_dispatcher
-from controller.sgs import SGS, InstanceSlot, default_profile
+from controller.sgs import SGS, InstanceSlot, default_profile, dispatch_estimates
 from workers.types import Request, TaskPrompt
 
 
@@ -63,3 +63,24 @@ def test_balance_batch_places_groups_by_estimates_within_the_runs_bounds():
     balance(reqs, 2, 0, bounds=(4, 256))
     ranks = [r.trainer_rank for r in reqs[::2]]
     assert ranks.count(ranks[0]) == 2, ranks
+
+
+def test_requests_carry_the_rankers_estimates_within_the_runs_bounds_not_the_forced_lengths():
+    """Under train.length_trace a request's min_tokens == max_tokens == its true length; the
+    dispatch clamped the ranker's estimates into them, so skew planned on the truth (the ranker
+    bypassed, review s60). The requests carry the ranker's estimates; dispatch bounds them by the
+    run's (train.min_tokens, train.max_tokens), which Program gives the SGS."""
+    prog = Program.__new__(Program)
+    prog.cfg = SimpleNamespace(train=SimpleNamespace(group_size=2, max_tokens=256, min_tokens=4, temperature=1.0,
+                                                     seed=0, top_k=0, top_p=1.0, overlong_prompts="error",
+                                                     max_prompt_tokens=0),
+                               multi_turn=MultiTurnSection(), pipeline=SimpleNamespace(balance_batch=False))
+    prog.tok = SimpleNamespace(encode_prompt=lambda prompt, messages=None: [1, 2, 3])
+    prog.per_prompt = 2
+    prog.ranker = SimpleNamespace(predict=lambda texts: [900.0, 30.0, 1.0])  # a ranker at its trace's scale
+    lens = {"p1": 40, "p2": 100, "p3": 7}
+    prog.length_of = lambda item: lens[item.prompt]
+    reqs = prog._requests(0, [TaskPrompt(p, "1", "t") for p in lens], 0)
+    assert [(r.max_tokens, r.min_tokens) for r in reqs[::2]] == [(40, 40), (100, 100), (7, 7)]  # forced
+    assert [r.est_len for r in reqs] == [900.0, 900.0, 30.0, 30.0, 1.0, 1.0]  # the ranker's own (lpt, ranker/*)
+    assert dispatch_estimates(reqs, (4, 256)) == [256.0, 256.0, 30.0, 30.0, 4.0, 4.0]  # not 40, 100, 7

@@ -1,7 +1,8 @@
 """What `ranker train` / `eval` / `ceiling` report (mutation review, session 57): train fits on
 --train only and eval's baselines score the --data rows; the baselines rank as they should; the
 noise ceiling's decomposition, oracle and matched q; the bootstrap's seeded draw; recall's tie
-rule; a saved folder's file list stays inside it and its format_version is checked."""
+rule; a saved folder's file list stays inside it and lists the LightGBM model files, and its
+format_version is checked."""
 import json
 import shutil
 
@@ -162,3 +163,23 @@ def test_another_format_version_is_refused(saved, tmp_path):
     _edit_meta(d, lambda m: m.update(format_version=999))
     with pytest.raises(ValueError, match="format_version 999"):
         ranker.load(d)
+
+
+@pytest.mark.parametrize("name, files", [("lgbm.txt", {}), ("lgbm.txt", "without"), ("lgbm_base.txt", "without")])
+def test_a_file_list_that_leaves_out_a_lightgbm_model_is_refused_before_it_is_parsed(saved, tmp_path, name, files):
+    """meta.json's 'files' (hand-edited, half copied) that does not list lgbm.txt skipped its
+    checksum, and a truncated lgbm.txt then took the whole process down in LightGBM (SIGSEGV;
+    ranker review, s60); lgbm_base.txt likewise at the first online update (diff review, s60).
+    Loaded in a child process: the old behaviour would kill pytest."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "m"
+    shutil.copytree(saved, d)
+    (d / name).write_bytes((d / name).read_bytes()[:len((d / name).read_bytes()) // 2])
+    _edit_meta(d, lambda m: m.update(files={} if files == {} else {k: v for k, v in m["files"].items() if k != name}))
+    res = subprocess.run([sys.executable, "-c", f"import ranker; ranker.load({str(d)!r})"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, (res.returncode, res.stderr[-500:])
+    assert f"ValueError: {d}/meta.json: 'files' does not list {name}, so it cannot be checked" in res.stderr
+    # (lgbm_base.txt: the base an online update boosts from, parsed at the first update: SIGABRT)
